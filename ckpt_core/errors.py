@@ -1,0 +1,83 @@
+"""The one exception hierarchy of ckpt-engine.
+
+Every error that bad input, a peer, a file or the configuration can cause is a
+subclass of :class:`CkptError`. Third-party errors are translated at one seam
+with ``raise ... from``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CkptError",
+    "ConfigError",
+    "CheckpointFormatError",
+    "CheckpointNotFoundError",
+    "TransportError",
+    "UpdateTimeoutError",
+    "ProtocolError",
+    "RemoteWorkerError",
+    "ClosedError",
+]
+
+
+class CkptError(Exception):
+    """Base of every error raised by ckpt-engine."""
+
+
+class ConfigError(CkptError, ValueError):
+    """Invalid argument, setting or environment variable, or API misuse."""
+
+
+class CheckpointFormatError(CkptError, ValueError):
+    """A checkpoint file or tensor set is malformed (corrupt header, bad offsets, wrong sizes)."""
+
+    def __init__(self, message: str, *, path: str | None = None, tensor: str | None = None):
+        where = []
+        if path:
+            where.append(f"file {path!r}")
+        if tensor:
+            where.append(f"tensor {tensor!r}")
+        super().__init__(f"{message} ({', '.join(where)})" if where else message)
+        self.path = path
+        self.tensor = tensor
+
+
+class CheckpointNotFoundError(CkptError, KeyError):
+    """An operation named a checkpoint that is not registered."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; we want the plain message
+        return str(self.args[0]) if self.args else ""
+
+
+class TransportError(CkptError, RuntimeError):
+    """Moving bytes failed: a collective, an IPC buffer, a socket, a peer went away."""
+
+
+class UpdateTimeoutError(TransportError, TimeoutError):
+    """A wait ran past its deadline. The message names what was awaited."""
+
+
+class ProtocolError(CkptError, ValueError):
+    """A message on the PS <-> worker wire is malformed, foreign or out of order."""
+
+
+class RemoteWorkerError(CkptError, RuntimeError):
+    """An engine worker (or a PS rank) failed; carries the rank and the remote traceback text."""
+
+    def __init__(self, message: str, *, rank: int | None = None, device_key: str | None = None,
+                 remote_traceback: str | None = None):
+        head = message
+        if rank is not None:
+            head = f"[rank {rank}] {head}"
+        if device_key:
+            head = f"{head} (device {device_key})"
+        if remote_traceback:
+            head = f"{head}\n--- remote traceback ---\n{remote_traceback.rstrip()}"
+        super().__init__(head)
+        self.rank = rank
+        self.device_key = device_key
+        self.remote_traceback = remote_traceback
+
+
+class ClosedError(CkptError, RuntimeError):
+    """An object was used after close()."""
