@@ -1,0 +1,34 @@
+"""ckpt-engine's transfer core: parameter-server ranks that stream checkpoints into inference engines.
+
+Public API (names kept from MoonshotAI's checkpoint-engine)::
+
+    from ckpt_core import ParameterServer, update_weights_from_ipc, request_inference_to_update
+"""
+
+from ._checkpoint import split_checkpoint_files
+from ._ps import ParameterServer
+from ._requests import request_inference_to_update
+from ._worker import update_weights_from_ipc
+from .devices import local_device_key
+from .errors import (CheckpointFormatError, CheckpointNotFoundError, CkptError, ClosedError, ConfigError,
+                     ProtocolError, RemoteWorkerError, TransportError, UpdateTimeoutError)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ParameterServer",
+    "update_weights_from_ipc",
+    "request_inference_to_update",
+    "split_checkpoint_files",
+    "local_device_key",
+    "CkptError",
+    "ConfigError",
+    "CheckpointFormatError",
+    "CheckpointNotFoundError",
+    "TransportError",
+    "UpdateTimeoutError",
+    "ProtocolError",
+    "RemoteWorkerError",
+    "ClosedError",
+    "__version__",
+]

@@ -1,0 +1,103 @@
+"""The broadcast pipeline: host-to-device copy ∥ broadcast ∥ engine reload, over a ring of slots.
+
+Per bucket ``i`` (slot ``i % num_slots`` of the IPC buffer):
+  1. wait until the worker finished with the bucket that last used the slot;
+  2. the owner rank copies the bucket's runs from host memory into the slot
+     (on a copy stream, so it overlaps the broadcasts in flight);
+  3. the slot is broadcast from the owner into every rank's slot;
+  4. one bucket later, once the broadcast is done, the worker is told to load it.
+Buckets are interleaved across owners, so every rank's host link is busy.
+A worker failure does not stop the collectives (all ranks must issue the same
+sequence); the failing rank stops talking to its worker and reports at the end.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from ._collectives import Collectives
+from ._link import PsLink
+from ._planner import Plan
+from .devices import DeviceBackend, IpcBuffer
+
+
+@dataclass
+class PipelineStats:
+    seconds: float = 0.0
+    buckets: int = 0
+    h2d_bytes: int = 0
+    bytes: int = 0
+
+
+class BroadcastPipeline:
+    """Runs one plan through one rank's IPC buffer. One instance per update."""
+
+    def __init__(self, *, plan: Plan, rank: int, index: int, backend: DeviceBackend, ipc: IpcBuffer,
+                 slot_bytes: int, num_slots: int, host: dict[int, torch.Tensor], coll: Collectives,
+                 link: PsLink, copy_stream, log):
+        self.plan, self.rank, self.index, self.backend = plan, rank, index, backend
+        self.ipc, self.slot_bytes, self.num_slots = ipc, slot_bytes, num_slots
+        self.host, self.coll, self.link, self.copy_stream, self.log = host, coll, link, copy_stream, log
+        self.async_ops = backend.collective_backend != "gloo"
+        self.pending: deque = deque()          # (index, slot, event): broadcast issued, worker not told
+        self.in_slot: dict[int, int] = {}      # slot -> bucket index the worker may still read
+
+    def run(self) -> PipelineStats:
+        stats = PipelineStats()
+        t0 = time.perf_counter()
+        for i, bucket in enumerate(self.plan.buckets):
+            slot = i % self.num_slots
+            self._free_slot(slot)
+            dst = self.ipc.tensor[slot * self.slot_bytes: slot * self.slot_bytes + bucket.nbytes]
+            if bucket.owner == self.rank:
+                stats.h2d_bytes += self._stage(bucket, dst)
+            work = self.coll.broadcast(dst, bucket.owner, async_op=self.async_ops)
+            if work is not None:
+                work.wait()   # on a device kind this only orders the current stream after the collective
+            event = self.backend.new_event()
+            event.record()
+            self.pending.append((i, slot, event))
+            self.in_slot[slot] = i
+            if len(self.pending) > 1:
+                self._notify(*self.pending.popleft())
+            self.log.debug("bucket %d/%d: %d bytes from rank %d", i + 1, len(self.plan.buckets),
+                           bucket.nbytes, bucket.owner)
+        while self.pending:
+            self._notify(*self.pending.popleft())
+        for slot in list(self.in_slot):
+            self._free_slot(slot)
+        self.backend.synchronize(self.index)
+        stats.seconds = time.perf_counter() - t0
+        stats.buckets = len(self.plan.buckets)
+        stats.bytes = self.plan.total_bytes
+        return stats
+
+    def _stage(self, bucket, dst: torch.Tensor) -> int:
+        """Owner: copy the bucket's host runs into its slot on the copy stream."""
+        n = 0
+        with self.backend.stream_context(self.copy_stream):
+            for run in bucket.runs():
+                src = self.host[run.base][run.base_offset: run.base_offset + run.nbytes]
+                dst[run.offset: run.offset + run.nbytes].copy_(src, non_blocking=True)
+                n += run.nbytes
+            copied = self.backend.new_event()
+            copied.record()
+        copied.wait()   # the stream that issues the broadcast waits for the copy, the host does not
+        return n
+
+    def _notify(self, index: int, slot: int, event) -> None:
+        event.synchronize()
+        self.link.send_bucket(index, slot)
+
+    def _free_slot(self, slot: int) -> None:
+        """Block until the worker is done with whatever bucket last used ``slot``."""
+        if slot not in self.in_slot:
+            return
+        index = self.in_slot.pop(slot)
+        while self.pending and self.pending[0][0] <= index:
+            self._notify(*self.pending.popleft())
+        self.link.wait_done(index)

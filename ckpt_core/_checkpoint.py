@@ -1,0 +1,200 @@
+"""Checkpoint sources: safetensors files, in-memory named tensors, /dev/shm files in place.
+
+``build_checkpoint`` validates everything first (all headers, names, dtypes),
+then lays the copied content out in one host region and fills it; a failure
+before the fill leaves nothing allocated, and a failure during it frees what
+was taken. Source files are never modified or deleted unless asked.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from ._host import (HostRegion, SharedPool, map_file_region, new_region, parallel_copy, parallel_read,
+                    pin_region)
+from ._planner import TensorMeta, align_up
+from ._safetensors import DTYPE_CODES, SafetensorsHeader, read_header
+from .devices import DeviceBackend
+from .errors import CheckpointFormatError, ConfigError
+
+SHM_PREFIX = "/dev/shm/"
+
+
+@dataclass
+class RegisteredCheckpoint:
+    name: str
+    metas: list[TensorMeta]
+    regions: dict[int, HostRegion]
+    pool: SharedPool | None = None
+    nbytes: int = field(default=0)
+
+    def host_tensor(self, meta: TensorMeta) -> torch.Tensor:
+        """A typed view of one tensor's host bytes (for checks and the P2P path)."""
+        raw = self.regions[meta.base].tensor[meta.base_offset: meta.base_offset + meta.nbytes]
+        return raw.view(_torch_dtype(meta.dtype)).view(meta.shape)
+
+    def release(self) -> None:
+        for rid, region in self.regions.items():
+            if self.pool is not None and self.pool.region is region:
+                continue  # the pool keeps its memory for the next checkpoint
+            region.release()
+        if self.pool is not None:
+            self.pool.give_back(self.name)
+        self.regions = {}
+
+
+def _torch_dtype(code: str) -> torch.dtype:
+    from ._safetensors import DTYPES
+    return DTYPES[code]
+
+
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _check_named(named: dict) -> list[tuple[str, torch.Tensor]]:
+    if not isinstance(named, dict):
+        raise ConfigError(f"named_tensors must be a dict of name -> tensor, got {type(named).__name__}")
+    out = []
+    for name, t in named.items():
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"tensor names must be non-empty strings, got {name!r}")
+        if not isinstance(t, torch.Tensor):
+            raise ConfigError(f"named_tensors[{name!r}] is a {type(t).__name__}, not a torch.Tensor")
+        if t.dtype not in DTYPE_CODES:
+            raise ConfigError(f"named_tensors[{name!r}] has dtype {t.dtype}, which has no safetensors code")
+        out.append((name, t))
+    return out
+
+
+def _in_place(path: str, inplace: bool) -> bool:
+    return inplace and os.path.realpath(path).startswith(SHM_PREFIX)
+
+
+def build_checkpoint(name: str, backend: DeviceBackend, ids: itertools.count, *, files=None,
+                     named_tensors=None, pool: SharedPool | None = None, inplace: bool = True,
+                     unlink_inplace_files: bool = False) -> RegisteredCheckpoint:
+    files = [os.fspath(p) for p in (files or [])]
+    named = _check_named(named_tensors or {})
+    headers = [read_header(p) for p in files]          # validates every file before any allocation
+    _check_unique(headers, named)
+    copied = [h for h in headers if not _in_place(h.path, inplace)]
+    placed = [h for h in headers if _in_place(h.path, inplace)]
+
+    layout, total = _layout(copied, named)
+    regions: dict[int, HostRegion] = {}
+    metas: list[TensorMeta] = []
+    try:
+        if total:
+            rid = next(ids)
+            region = pool.acquire(name, total, rid) if pool is not None else new_region(backend, rid, total)
+            regions[rid] = region
+            _fill(region, copied, named, layout)
+            if pool is None:
+                pin_region(backend, region)
+            metas += _metas_copied(rid, copied, named, layout)
+        for h in placed:
+            rid = next(ids)
+            regions[rid] = map_file_region(backend, rid, h.path, unlink=unlink_inplace_files)
+            metas += [_meta(e.name, e.dtype, e.shape, rid, e.start) for e in h.tensors]
+    except BaseException:
+        RegisteredCheckpoint(name, [], regions, pool).release()
+        raise
+    return RegisteredCheckpoint(name, metas, regions, pool if total and pool is not None else None,
+                                nbytes=sum(m.nbytes for m in metas))
+
+
+def _check_unique(headers: list[SafetensorsHeader], named) -> None:
+    where: dict[str, str] = {}
+    for h in headers:
+        for e in h.tensors:
+            if e.name in where:
+                raise CheckpointFormatError(f"tensor appears in both {where[e.name]} and {h.path}", tensor=e.name)
+            where[e.name] = h.path
+    for n, _ in named:
+        if n in where:
+            raise CheckpointFormatError(f"named tensor also appears in file {where[n]}", tensor=n)
+        where[n] = "named_tensors"
+
+
+def _layout(copied: list[SafetensorsHeader], named) -> tuple[list[int], int]:
+    """Start offset in the region of each file's data area, then of each named tensor."""
+    offsets, pos = [], 0
+    for h in copied:
+        offsets.append(pos)
+        pos = align_up(pos + h.file_size - h.data_offset)
+    for _, t in named:
+        offsets.append(pos)
+        pos = align_up(pos + t.numel() * t.element_size())
+    return offsets, pos
+
+
+def _fill(region: HostRegion, copied, named, layout) -> None:
+    buf = region.tensor
+    reads = [(h.path, h.data_offset, buf[off: off + h.file_size - h.data_offset])
+             for h, off in zip(copied, layout) if h.file_size > h.data_offset]
+    parallel_read(reads)
+    pairs = []
+    for (_, t), off in zip(named, layout[len(copied):]):
+        src = _flat_bytes(t)
+        if src.device.type != "cpu":
+            src = src.cpu()
+        pairs.append((buf[off: off + src.numel()], src))
+    parallel_copy(pairs)
+
+
+def _meta(name, dtype: torch.dtype, shape, rid: int, offset: int) -> TensorMeta:
+    shape = tuple(int(d) for d in shape)
+    n = 1
+    for d in shape:
+        n *= d
+    return TensorMeta(name, DTYPE_CODES[dtype], shape, n * dtype.itemsize, dtype.itemsize, rid, offset)
+
+
+def _metas_copied(rid: int, copied, named, layout) -> list[TensorMeta]:
+    out = []
+    for h, off in zip(copied, layout):
+        out += [_meta(e.name, e.dtype, e.shape, rid, off + e.start - h.data_offset) for e in h.tensors]
+    for (n, t), off in zip(named, layout[len(copied):]):
+        out.append(_meta(n, t.dtype, t.shape, rid, off))
+    return out
+
+
+def split_checkpoint_files(path: str, rank: int, world_size: int) -> list[str]:
+    """The safetensors files of a Hugging Face checkpoint directory that ``rank`` should register.
+
+    Uses ``model.safetensors.index.json`` when present (every file it names must
+    exist), else every ``*.safetensors`` in the directory. Files are spread so that
+    ranks get similar byte counts; every rank computes the same split.
+    """
+    if not os.path.isdir(path):
+        raise ConfigError(f"checkpoint directory {path!r} does not exist")
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointFormatError(f"invalid index: {exc}", path=index) from exc
+        missing = [n for n in names if not os.path.exists(os.path.join(path, n))]
+        if missing:
+            raise CheckpointFormatError(f"index names missing files {missing}", path=index)
+    else:
+        names = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+    if not names:
+        raise CheckpointFormatError("no .safetensors files", path=path)
+    files = [os.path.join(path, n) for n in names]
+    loads = [0] * world_size
+    mine = []
+    for f in sorted(files, key=lambda p: (-os.path.getsize(p), p)):   # largest first, least-loaded rank
+        r = min(range(world_size), key=lambda i: (loads[i], i))
+        loads[r] += os.path.getsize(f)
+        if r == rank:
+            mine.append(f)
+    return sorted(mine)

@@ -1,0 +1,104 @@
+"""Process-group lifecycle and the few collectives the PS needs.
+
+The groups are created once per ParameterServer and reused by every update
+(creating NCCL communicators per update is most of the reference's fixed
+cost). Control traffic (metas, status) goes over a gloo group as raw bytes;
+data goes over the device kind's backend.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ._settings import Settings
+from .errors import ConfigError, TransportError, UpdateTimeoutError
+
+
+class Collectives:
+    """Owns (or borrows) the process groups; ``close()`` is idempotent."""
+
+    def __init__(self, settings: Settings, data_backend: str, *, auto_pg: bool):
+        self.rank, self.world_size = settings.rank, settings.world_size
+        self.timeout = timedelta(seconds=settings.collective_timeout_s)
+        self._owns_default = False
+        self.store = None
+        if dist.is_initialized():
+            if dist.get_world_size() != self.world_size or dist.get_rank() != self.rank:
+                raise ConfigError(f"the existing process group is rank {dist.get_rank()}/{dist.get_world_size()}, "
+                                  f"but the ParameterServer was given rank {self.rank}/{self.world_size}")
+        elif auto_pg:
+            self._init_default(settings, data_backend)
+        else:
+            raise ConfigError("no torch.distributed process group exists and auto_pg=False: "
+                              "call torch.distributed.init_process_group first or pass auto_pg=True")
+        self.store = self.store or dist.distributed_c10d._get_default_store()
+        default_backend = dist.get_backend()
+        self.data_group = None  # the default group
+        if default_backend == "gloo":
+            self.ctrl_group = None
+        else:
+            self.ctrl_group = dist.new_group(backend="gloo", timeout=self.timeout)
+        if data_backend != default_backend:
+            self.data_group = dist.new_group(backend=data_backend, timeout=self.timeout)
+        self._closed = False
+
+    def _init_default(self, s: Settings, backend: str) -> None:
+        try:
+            self.store = dist.TCPStore(s.master_addr, s.master_port, s.world_size, is_master=s.rank == 0,
+                                       timeout=self.timeout, wait_for_workers=False)
+        except (RuntimeError, OSError) as exc:
+            raise TransportError(f"rank {s.rank}: cannot reach the rendezvous store at "
+                                 f"{s.master_addr}:{s.master_port}: {exc}") from exc
+        dist.init_process_group(backend, store=self.store, rank=s.rank, world_size=s.world_size,
+                                timeout=self.timeout)
+        self._owns_default = True
+
+    # -- control plane -------------------------------------------------------
+    def all_gather_bytes(self, data: bytes) -> list[bytes]:
+        """Every rank's ``data``, in rank order, over the gloo control group."""
+        n = torch.tensor([len(data)], dtype=torch.int64)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        self._call(dist.all_gather, sizes, n, group=self.ctrl_group)
+        longest = max(int(t.item()) for t in sizes)
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        if data:
+            mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        outs = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
+        self._call(dist.all_gather, outs, mine, group=self.ctrl_group)
+        return [bytes(o[: int(s.item())].numpy()) for o, s in zip(outs, sizes)]
+
+    def all_gather_json(self, obj) -> list:
+        return [json.loads(b) for b in self.all_gather_bytes(json.dumps(obj).encode())]
+
+    def barrier(self) -> None:
+        self._call(dist.barrier, group=self.ctrl_group)
+
+    # -- data plane ----------------------------------------------------------
+    def broadcast(self, tensor: torch.Tensor, src: int, *, async_op: bool):
+        try:
+            return dist.broadcast(tensor, src=src, group=self.data_group, async_op=async_op)
+        except Exception as exc:  # collective libraries raise RuntimeError/DistBackendError
+            raise TransportError(f"rank {self.rank}: broadcast of {tensor.numel()} bytes from rank {src} "
+                                 f"failed: {exc}") from exc
+
+    def _call(self, fn, *args, **kwargs):
+        if self._closed:
+            raise TransportError("the process groups of this ParameterServer are closed")
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:
+            text = str(exc)
+            kind = UpdateTimeoutError if "imeout" in text or "imed out" in text else TransportError
+            raise kind(f"rank {self.rank}: {fn.__name__} on the control group failed "
+                       f"(a peer rank died or is stuck?): {text}") from exc
+
+    def close(self) -> None:
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        if self._owns_default and dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,152 @@
+"""Host memory that holds registered checkpoints: owned buffers, the shared pool, in-place maps.
+
+Every region has one owner and an idempotent ``release()`` that unpins and
+frees it. A checkpoint's copied content (file data areas and named tensors)
+lives in one region, laid out in registration order with aligned starts, so
+a bucket's host-to-device copy is a few large copies.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ._planner import align_up
+from .devices import DeviceBackend, HostPin
+from .errors import ConfigError
+
+COPY_CHUNK = 256 << 20
+COPY_THREADS = max(1, min(8, (os.cpu_count() or 2)))
+
+
+@dataclass
+class HostRegion:
+    id: int
+    tensor: torch.Tensor                       # flat uint8
+    pin: HostPin = field(default_factory=HostPin)
+    closer: Callable[[], None] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.tensor is None else self.tensor.numel()
+
+    def release(self) -> None:
+        self.pin.release()
+        self.tensor = None  # type: ignore[assignment]
+        fn, self.closer = self.closer, None
+        if fn is not None:
+            fn()
+
+
+def parallel_copy(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy ``src -> dst`` pairs of flat uint8 tensors, large ones split across threads."""
+    jobs = []
+    for dst, src in pairs:
+        n = dst.numel()
+        for a in range(0, n, COPY_CHUNK):
+            jobs.append((dst[a: a + COPY_CHUNK], src[a: a + COPY_CHUNK]))
+    if len(jobs) <= 1 or COPY_THREADS == 1:
+        for d, s in jobs:
+            d.copy_(s)
+        return
+    with ThreadPoolExecutor(COPY_THREADS) as ex:
+        list(ex.map(lambda js: js[0].copy_(js[1]), jobs))
+
+
+def parallel_read(reads: list[tuple[str, int, torch.Tensor]]) -> None:
+    """Fill flat uint8 tensors from ``(path, file_offset, dst)``; short reads are errors."""
+    jobs = []
+    for path, off, dst in reads:
+        for a in range(0, dst.numel(), COPY_CHUNK):
+            jobs.append((path, off + a, dst[a: a + COPY_CHUNK]))
+
+    def one(job) -> None:
+        path, off, dst = job
+        view = memoryview(dst.numpy()).cast("B")
+        with open(path, "rb", buffering=0) as f:
+            got = 0
+            while got < len(view):
+                n = os.preadv(f.fileno(), [view[got:]], off + got)
+                if n <= 0:
+                    raise OSError(f"{path}: file ended at byte {off + got} while reading a registered checkpoint")
+                got += n
+
+    if len(jobs) <= 1:
+        for j in jobs:
+            one(j)
+        return
+    with ThreadPoolExecutor(COPY_THREADS) as ex:
+        list(ex.map(one, jobs))
+
+
+def new_region(backend: DeviceBackend, rid: int, nbytes: int) -> HostRegion:
+    tensor = backend.empty_host(nbytes)
+    return HostRegion(rid, tensor)
+
+
+def pin_region(backend: DeviceBackend, region: HostRegion) -> None:
+    if backend.pins_host_memory and region.nbytes:
+        region.pin = backend.pin(region.tensor)
+
+
+def map_file_region(backend: DeviceBackend, rid: int, path: str, *, unlink: bool) -> HostRegion:
+    """Map a whole file (a /dev/shm checkpoint) in place and pin it; nothing is copied."""
+    with open(path, "r+b") as f:
+        size = os.fstat(f.fileno()).st_size
+        mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_WRITE) if size else None
+    tensor = torch.frombuffer(mm, dtype=torch.uint8) if mm is not None else torch.empty(0, dtype=torch.uint8)
+    region = HostRegion(rid, tensor)
+
+    def close() -> None:
+        try:
+            if mm is not None:
+                mm.close()
+        except BufferError:
+            pass  # a caller still holds a view; the map goes when it does
+
+    region.closer = close
+    pin_region(backend, region)
+    if unlink:
+        os.unlink(path)  # asked for by the caller: frees the memory when we release the map
+    return region
+
+
+class SharedPool:
+    """One pinned host region reused by successive checkpoints of the same (or smaller) size.
+
+    RL loops register a new checkpoint every step; re-using the pinned pool
+    skips the slow allocation and pinning. One checkpoint holds it at a time.
+    """
+
+    def __init__(self, backend: DeviceBackend):
+        self.backend = backend
+        self.region: HostRegion | None = None
+        self.holder: str | None = None
+
+    def acquire(self, name: str, nbytes: int, rid: int) -> HostRegion:
+        if self.holder is not None:
+            raise ConfigError(f"the shared memory pool is held by checkpoint {self.holder!r}; "
+                              f"unregister it before registering {name!r} into the pool")
+        if self.region is None or self.region.nbytes < nbytes:
+            if self.region is not None:
+                self.region.release()
+            self.region = new_region(self.backend, rid, align_up(nbytes, 1 << 20))
+            self.region.tensor.fill_(0)  # fault the pages in once, before pinning
+            pin_region(self.backend, self.region)
+        self.region.id = rid
+        self.holder = name
+        return self.region
+
+    def give_back(self, name: str) -> None:
+        if self.holder == name:
+            self.holder = None
+
+    def close(self) -> None:
+        if self.region is not None:
+            self.region.release()
+        self.region, self.holder = None, None

@@ -1,0 +1,110 @@
+"""The parameter-server end of one update's ZeroMQ PAIR socket to its engine worker."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import zmq
+
+from . import _protocol as proto
+from .errors import ProtocolError
+
+POLL_SLICE_MS = 50
+
+
+@dataclass
+class Failure:
+    """What went wrong on one rank; exchanged between ranks as JSON."""
+    rank: int
+    device_key: str
+    message: str
+    traceback: str = ""
+    timeout: bool = False
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+
+class PsLink:
+    """Sends the plan and bucket notices, reads the worker's answers; every wait has a deadline.
+
+    The first problem (worker error, silence past the deadline, bad frame) is
+    kept in ``failure`` and the link goes quiet: later sends and waits are
+    no-ops, so the caller can finish the collectives and report once.
+    """
+
+    def __init__(self, ctx: zmq.Context, handle: str, update_id: str, *, rank: int, device_key: str,
+                 deadline: float, should_stop: Callable[[], str | None]):
+        self.update_id, self.rank, self.device_key = update_id, rank, device_key
+        self.deadline, self.should_stop = deadline, should_stop
+        self.failure = None
+        self.sock = ctx.socket(zmq.PAIR)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(handle)
+        self._done_upto = -1
+
+    # -- sending ---------------------------------------------------------------
+    def _send(self, kind: str, **fields) -> None:
+        if self.failure is None:
+            self.sock.send(proto.encode(kind, self.update_id, **fields))
+
+    def send_hello(self, fields: dict) -> None:
+        self._send("hello", **fields)
+
+    def send_bucket(self, index: int, slot: int) -> None:
+        self._send("bucket", index=index, slot=slot)
+
+    def send_end(self, keep_buffer: bool) -> None:
+        self._send("end", keep_buffer=keep_buffer)
+
+    def send_abort(self, reason: str) -> None:
+        try:  # best effort: the worker may be gone; never block
+            self.sock.send(proto.encode("abort", self.update_id, reason=reason[:4000]), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
+    # -- receiving -------------------------------------------------------------
+    def _recv(self, expect: tuple[str, ...], what: str) -> dict | None:
+        while True:
+            stop = self.should_stop()
+            if stop:
+                self._fail(f"stopped while waiting for {what}: {stop}")
+                return None
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                self._fail(f"engine worker did not answer ({what}) within the update timeout", timeout=True)
+                return None
+            if self.sock.poll(min(POLL_SLICE_MS, max(1, int(left * 1000)))):
+                try:
+                    msg = proto.decode(self.sock.recv(), expect=expect + ("error",), update=self.update_id)
+                except ProtocolError as exc:
+                    self._fail(f"bad message from the engine worker: {exc}")
+                    return None
+                if msg["kind"] == "error":
+                    self._fail(f"engine worker failed (bucket {msg.get('index')})", tb=str(msg.get("traceback", "")))
+                    return None
+                return msg
+
+    def wait_ready(self) -> bool:
+        if self.failure is None:
+            self._recv(("ready",), "the worker to connect and map the buffer (did req_func start it?)")
+        return self.failure is None
+
+    def wait_done(self, index: int) -> None:
+        while self.failure is None and self._done_upto < index:
+            msg = self._recv(("done",), f"bucket {index} to be loaded")
+            if msg is not None:
+                self._done_upto = int(msg.get("index", -1))
+
+    def wait_finished(self) -> None:
+        if self.failure is None:
+            self._recv(("finished",), "the post-update hook")
+
+    def _fail(self, message: str, *, tb: str = "", timeout: bool = False) -> None:
+        if self.failure is None:
+            self.failure = Failure(self.rank, self.device_key, message, tb, timeout)
+
+    def close(self) -> None:
+        self.sock.close(linger=0)

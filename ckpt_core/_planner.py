@@ -1,0 +1,149 @@
+"""Pure planning: how the tensors of every rank are packed into buckets.
+
+Plain data in, plain data out; no torch, no I/O. All ranks run the same
+function on the same gathered metas and so agree on the plan without talking.
+
+A bucket belongs to one owner rank, whose host memory holds its bytes. Inside
+a bucket each tensor gets an offset. Where consecutive tensors sit next to each
+other in one host buffer, they keep their relative position, so the owner's
+host-to-device copy of a bucket is a handful of large copies ("runs") rather
+than one per tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .errors import ConfigError
+
+ALIGN = 256          # offset alignment of a tensor placed on its own in a bucket
+MAX_GAP = 4096       # largest hole between neighbours that we copy rather than close
+
+
+def align_up(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """One tensor as a rank describes it: ``base``/``base_offset`` locate its bytes in that rank's host memory."""
+    name: str
+    dtype: str           # safetensors dtype code, e.g. "BF16"
+    shape: tuple[int, ...]
+    nbytes: int
+    itemsize: int
+    base: int            # id of the host buffer on the owner rank
+    base_offset: int     # byte offset in that buffer
+
+
+@dataclass(frozen=True)
+class Placement:
+    meta: TensorMeta
+    offset: int          # byte offset inside the bucket
+
+
+@dataclass(frozen=True)
+class CopyRun:
+    """One contiguous host -> bucket copy on the owner rank."""
+    base: int
+    base_offset: int
+    offset: int
+    nbytes: int
+
+
+@dataclass
+class Bucket:
+    owner: int
+    placements: list[Placement] = field(default_factory=list)
+    nbytes: int = 0
+
+    def runs(self) -> list[CopyRun]:
+        """Merge placements whose host and bucket positions advance together."""
+        out: list[CopyRun] = []
+        for p in self.placements:
+            m = p.meta
+            if out:
+                last = out[-1]
+                if (last.base == m.base and m.base_offset - last.base_offset == p.offset - last.offset
+                        and m.base_offset >= last.base_offset + last.nbytes):
+                    out[-1] = CopyRun(last.base, last.base_offset, last.offset,
+                                      m.base_offset + m.nbytes - last.base_offset)
+                    continue
+            out.append(CopyRun(m.base, m.base_offset, p.offset, m.nbytes))
+        return out
+
+
+@dataclass(frozen=True)
+class Plan:
+    bucket_bytes: int
+    buckets: tuple[Bucket, ...]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(p.meta.nbytes for b in self.buckets for p in b.placements)
+
+    @property
+    def largest_bucket(self) -> int:
+        return max((b.nbytes for b in self.buckets), default=0)
+
+
+def _pack_owner(owner: int, metas: list[TensorMeta], bucket_bytes: int) -> list[Bucket]:
+    buckets: list[Bucket] = []
+    cur = Bucket(owner)
+    prev: Placement | None = None
+    for m in sorted(metas, key=lambda t: (t.base, t.base_offset)):
+        if m.nbytes > bucket_bytes:
+            raise ConfigError(
+                f"tensor {m.name!r} ({m.nbytes} bytes, rank {owner}) does not fit a bucket of "
+                f"{bucket_bytes} bytes; raise PS_MAX_BUCKET_SIZE_GB / PS_MEM_FRACTION or free device memory")
+        offset = align_up(cur.nbytes)
+        if prev is not None and prev.meta.base == m.base:
+            gap = m.base_offset - (prev.meta.base_offset + prev.meta.nbytes)
+            keep = prev.offset + prev.meta.nbytes + gap
+            if 0 <= gap <= MAX_GAP and keep % max(m.itemsize, 1) == 0:
+                offset = keep
+        if cur.placements and offset + m.nbytes > bucket_bytes:
+            buckets.append(cur)
+            cur, offset = Bucket(owner), 0
+        placement = Placement(m, offset)
+        cur.placements.append(placement)
+        cur.nbytes = max(cur.nbytes, offset + m.nbytes)
+        prev = placement
+    if cur.placements:
+        buckets.append(cur)
+    return buckets
+
+
+def interleave(per_owner: list[list[Bucket]]) -> list[Bucket]:
+    """Round-robin over owners so that all ranks copy host-to-device at the same time."""
+    out: list[Bucket] = []
+    depth = max((len(b) for b in per_owner), default=0)
+    for i in range(depth):
+        out.extend(b[i] for b in per_owner if i < len(b))
+    return out
+
+
+def plan_buckets(metas_per_rank: list[list[TensorMeta]], bucket_bytes: int) -> Plan:
+    """Pack every rank's tensors into buckets of at most ``bucket_bytes``."""
+    if bucket_bytes <= 0:
+        raise ConfigError(f"bucket size must be positive, got {bucket_bytes}")
+    seen: dict[str, int] = {}
+    for rank, metas in enumerate(metas_per_rank):
+        for m in metas:
+            if m.name in seen:
+                raise ConfigError(f"tensor {m.name!r} is registered on rank {seen[m.name]} and on rank {rank}")
+            seen[m.name] = rank
+    per_owner = [_pack_owner(r, metas, bucket_bytes) for r, metas in enumerate(metas_per_rank)]
+    return Plan(bucket_bytes, tuple(interleave(per_owner)))
+
+
+def choose_bucket_bytes(free_bytes: int, *, mem_fraction: float, num_slots: int, max_bucket_bytes: int,
+                        largest_owner_total: int) -> int:
+    """Bucket size one rank can afford: its share of free memory, capped, no bigger than needed.
+
+    Callers take the minimum over ranks; ``plan_buckets`` then reports any tensor
+    that does not fit, naming it and the sizes.
+    """
+    budget = int(free_bytes * mem_fraction) // max(num_slots, 1)
+    size = min(budget, max_bucket_bytes, align_up(max(largest_owner_total, 1)))
+    return max(size // ALIGN * ALIGN, ALIGN)

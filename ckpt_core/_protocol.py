@@ -1,0 +1,143 @@
+"""The PS <-> engine-worker wire protocol (ours). JSON frames; nothing is unpickled.
+
+Transport: one ZeroMQ PAIR socket per PS rank and update. The PS rank binds
+``ipc://@ckpt-<update id>-<rank>`` (abstract Unix socket); the colocated engine
+worker connects after ``req_func`` told it the handle. Every frame is a UTF-8
+JSON object ``{"v": 1, "kind": <kind>, "update": <update id>, ...}``.
+
+Exchange, in order::
+
+    PS -> worker  hello   {device_kind, buffer: <backend descriptor>, slot_bytes, num_slots,
+                           buckets: [[[name, dtype, shape, offset], ...], ...]}
+    worker -> PS  ready                       (buffer mapped, whole plan validated)
+    PS -> worker  bucket  {index, slot}       one per bucket, up to num_slots in flight
+    worker -> PS  done    {index}             after run() returned and the device is idle
+    PS -> worker  end     {keep_buffer}       all ranks succeeded: worker runs post_hook
+    worker -> PS  finished                    the worker's update_weights_from_ipc returns
+
+On error: the worker answers any message with ``error {index, traceback}`` and
+then waits for ``abort``; the PS sends ``abort {reason}`` to every worker when
+any rank failed (after the ranks agreed on it), and the worker raises. A frame
+that does not decode, has another version, kind or update id, or describes
+tensors outside the buffer, is a :class:`ProtocolError`: nothing is executed.
+Every wait on either side has a deadline and ends in ``UpdateTimeoutError``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from ._safetensors import DTYPES
+from .errors import ProtocolError
+
+VERSION = 1
+MAX_FRAME_BYTES = 256 << 20
+PS_KINDS = ("hello", "bucket", "end", "abort")
+WORKER_KINDS = ("ready", "done", "finished", "error")
+
+
+def encode(kind: str, update: str, **fields: Any) -> bytes:
+    return json.dumps({"v": VERSION, "kind": kind, "update": update, **fields},
+                      separators=(",", ":")).encode()
+
+
+def decode(frame: bytes, *, expect: tuple[str, ...], update: str | None = None) -> dict[str, Any]:
+    """Decode and check the envelope of one frame; ``update=None`` accepts any update id."""
+    if len(frame) > MAX_FRAME_BYTES:
+        raise ProtocolError(f"frame of {len(frame)} bytes exceeds the limit of {MAX_FRAME_BYTES}")
+    try:
+        msg = json.loads(frame.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ProtocolError(f"frame is not UTF-8 JSON ({exc.__class__.__name__}); first bytes {frame[:32]!r}") from exc
+    if not isinstance(msg, dict):
+        raise ProtocolError(f"frame is a JSON {type(msg).__name__}, expected an object")
+    if msg.get("v") != VERSION:
+        raise ProtocolError(f"protocol version {msg.get('v')!r} is not supported (expected {VERSION})")
+    kind = msg.get("kind")
+    if kind not in expect:
+        raise ProtocolError(f"unexpected message kind {kind!r}; expected one of {list(expect)}")
+    if update is not None and msg.get("update") != update:
+        raise ProtocolError(f"message belongs to update {msg.get('update')!r}, not {update!r}")
+    return msg
+
+
+def _int(msg: dict, key: str, lo: int = 0, hi: int | None = None) -> int:
+    value = msg.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < lo or (hi is not None and value > hi):
+        raise ProtocolError(f"field {key!r} = {value!r} must be an integer in [{lo}, {hi if hi is not None else 'inf'}]")
+    return value
+
+
+@dataclass(frozen=True)
+class WireTensor:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Hello:
+    update: str
+    device_kind: str
+    buffer: dict[str, Any]
+    slot_bytes: int
+    num_slots: int
+    buckets: tuple[tuple[WireTensor, ...], ...]
+
+
+def hello_fields(device_kind: str, buffer: dict, slot_bytes: int, num_slots: int,
+                 buckets: list[list[tuple[str, str, tuple[int, ...], int]]]) -> dict[str, Any]:
+    return {"device_kind": device_kind, "buffer": buffer, "slot_bytes": slot_bytes,
+            "num_slots": num_slots, "buckets": [[[n, d, list(s), o] for n, d, s, o in b] for b in buckets]}
+
+
+def _tensor(entry: Any, slot_bytes: int) -> WireTensor:
+    if not (isinstance(entry, list) and len(entry) == 4):
+        raise ProtocolError(f"tensor entry {entry!r:.80} is not [name, dtype, shape, offset]")
+    name, dtype, shape, offset = entry
+    if not isinstance(name, str) or not name:
+        raise ProtocolError(f"tensor name {name!r:.80} is not a non-empty string")
+    if dtype not in DTYPES:
+        raise ProtocolError(f"tensor {name!r} has unknown dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise ProtocolError(f"tensor {name!r} has an invalid shape {shape!r:.80}")
+    itemsize = DTYPES[dtype].itemsize
+    nbytes = math.prod(shape) * itemsize
+    if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0 or offset + nbytes > slot_bytes:
+        raise ProtocolError(f"tensor {name!r} ({nbytes} bytes at offset {offset!r}) lies outside a slot of {slot_bytes} bytes")
+    if offset % itemsize:
+        raise ProtocolError(f"tensor {name!r} offset {offset} is not aligned to its item size {itemsize}")
+    return WireTensor(name, dtype, tuple(shape), offset, nbytes)
+
+
+def parse_hello(msg: dict[str, Any]) -> Hello:
+    """Validate the whole plan up front, so a bad message is refused before any byte is read."""
+    kind = msg.get("device_kind")
+    buffer = msg.get("buffer")
+    if not isinstance(kind, str) or not isinstance(buffer, dict):
+        raise ProtocolError("hello lacks device_kind or buffer")
+    num_slots = _int(msg, "num_slots", 1, 1024)
+    slot_bytes = _int(msg, "slot_bytes", 1)
+    nbytes = buffer.get("nbytes")
+    if not isinstance(nbytes, int) or nbytes < slot_bytes * num_slots:
+        raise ProtocolError(f"buffer of {nbytes!r} bytes cannot hold {num_slots} slots of {slot_bytes} bytes")
+    raw = msg.get("buckets")
+    if not isinstance(raw, list):
+        raise ProtocolError("hello.buckets is not a list")
+    buckets = []
+    for b in raw:
+        if not isinstance(b, list):
+            raise ProtocolError("a bucket is not a list of tensors")
+        buckets.append(tuple(_tensor(e, slot_bytes) for e in b))
+    return Hello(str(msg["update"]), kind, buffer, slot_bytes, num_slots, tuple(buckets))
+
+
+def parse_bucket(msg: dict[str, Any], hello: Hello) -> tuple[int, int]:
+    index = _int(msg, "index", 0, len(hello.buckets) - 1)
+    slot = _int(msg, "slot", 0, hello.num_slots - 1)
+    return index, slot

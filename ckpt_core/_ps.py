@@ -1,0 +1,345 @@
+"""The ParameterServer facade: register checkpoints, gather metas, update engines."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import secrets
+import threading
+import time
+import traceback
+from datetime import timedelta
+from typing import Callable
+
+import zmq
+
+from ._broadcast import BroadcastPipeline
+from ._checkpoint import RegisteredCheckpoint, build_checkpoint
+from ._collectives import Collectives
+from ._host import SharedPool
+from ._link import Failure, PsLink
+from ._log import rank_logger
+from ._planner import ALIGN, Plan, TensorMeta, choose_bucket_bytes, plan_buckets
+from ._protocol import hello_fields
+from ._settings import load_settings
+from .devices import IpcBuffer, default_kind, get_backend
+from .errors import (CheckpointFormatError, CheckpointNotFoundError, ClosedError, ConfigError,
+                     RemoteWorkerError, UpdateTimeoutError)
+
+ReqFunc = Callable[[list[tuple[str, str]]], object]
+GiB = float(1 << 30)
+
+
+def _seconds(timeout) -> float:
+    value = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    if value <= 0:
+        raise ConfigError(f"timeout must be positive, got {timeout!r}")
+    return value
+
+
+class ParameterServer:
+    """One parameter-server rank, beside one engine worker (one device).
+
+    Example (run under ``torchrun --nproc-per-node N``)::
+
+        ps = ParameterServer()                      # RANK/WORLD_SIZE/MASTER_* from the environment
+        ps.register_checkpoint("step-7", files=my_share_of_files)
+        ps.gather_metas("step-7")
+        ps.update("step-7", lambda handles: request_inference_to_update(url, dict(handles)))
+    """
+
+    def __init__(self, rank: int | None = None, world_size: int | None = None, *, device: str | None = None,
+                 auto_pg: bool = True, mem_fraction: float | None = None, master_addr: str | None = None,
+                 master_port: int | None = None, max_bucket_gb: float | None = None,
+                 keep_device_buffers: bool = False):
+        self.settings = load_settings(rank=rank, world_size=world_size, master_addr=master_addr,
+                                      master_port=master_port, mem_fraction=mem_fraction, max_bucket_gb=max_bucket_gb)
+        self.rank, self.world_size = self.settings.rank, self.settings.world_size
+        self.backend = get_backend(device or default_kind())
+        if not self.backend.is_available():
+            raise ConfigError(f"device kind {self.backend.kind!r} is not available on this machine")
+        self.device_index = self.settings.local_rank
+        self.backend.set_device(self.device_index)
+        self.device_uuid = self.backend.device_key(self.device_index)
+        self.keep_device_buffers = keep_device_buffers
+        self._log = rank_logger(f"ps rank {self.rank}/{self.world_size} {self.backend.kind}:{self.device_index}")
+        self._coll = Collectives(self.settings, self.backend.collective_backend, auto_pg=auto_pg)
+        peers = self._coll.all_gather_json({"key": self.device_uuid, "token": secrets.token_hex(6)})
+        self._run_id = peers[0]["token"]
+        self._device_keys = [p["key"] for p in peers]
+        if len(set(self._device_keys)) != self.world_size:
+            raise ConfigError(f"two ranks share a device key: {self._device_keys}; set LOCAL_RANK per rank")
+        self._checkpoints: dict[str, RegisteredCheckpoint] = {}
+        self._metas: dict[str, list[list[TensorMeta]]] = {}
+        self._plans: dict[tuple, Plan] = {}
+        self._ids = itertools.count()
+        self._pool: SharedPool | None = None
+        self._ipc: IpcBuffer | None = None
+        self._copy_stream = self.backend.new_stream(self.device_index)
+        self._zmq = zmq.Context()
+        self._update_lock = threading.Lock()
+        self._updates = 0
+        self._closed = False
+        self.last_update: dict | None = None
+        self._log.info("ready: device key %s, %s collectives", self.device_uuid, self.backend.collective_backend)
+
+    # -- lifecycle -------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("this ParameterServer is closed")
+
+    def close(self) -> None:
+        """Free host memory, device buffers, sockets and the process groups it created. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for ckpt in self._checkpoints.values():
+            ckpt.release()
+        self._checkpoints.clear()
+        if self._pool is not None:
+            self._pool.close()
+        self._release_ipc()
+        self._zmq.term()
+        self._coll.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- checkpoints -----------------------------------------------------------
+    def register_checkpoint(self, name: str, *, files=None, named_tensors=None, use_shared_memory_pool: bool = False,
+                            use_inplace_pin_memory: bool = True, unlink_inplace_files: bool = False) -> None:
+        """Load this rank's share of checkpoint ``name`` into host memory (local; no collective).
+
+        ``files``: safetensors paths (validated before anything is read); files under
+        /dev/shm are mapped and pinned in place when ``use_inplace_pin_memory`` (and
+        deleted only if ``unlink_inplace_files``). ``named_tensors``: name -> tensor,
+        copied. ``use_shared_memory_pool``: copy into one reusable pinned pool (RL loops).
+        """
+        self._check_open()
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"checkpoint name must be a non-empty string, got {name!r}")
+        if name in self._checkpoints:
+            raise ConfigError(f"checkpoint {name!r} is already registered on rank {self.rank}; unregister it first")
+        pool = None
+        if use_shared_memory_pool:
+            self._pool = self._pool or SharedPool(self.backend)
+            pool = self._pool
+        t0 = time.perf_counter()
+        ckpt = build_checkpoint(name, self.backend, self._ids, files=files, named_tensors=named_tensors, pool=pool,
+                                inplace=use_inplace_pin_memory, unlink_inplace_files=unlink_inplace_files)
+        self._checkpoints[name] = ckpt
+        dt = time.perf_counter() - t0
+        self._log.info("registered %r: %d tensors, %.3f GiB in %.3f s (%.2f GB/s)", name, len(ckpt.metas),
+                       ckpt.nbytes / GiB, dt, ckpt.nbytes / max(dt, 1e-9) / 1e9)
+
+    def unregister_checkpoint(self, name: str, *, force: bool = False) -> None:
+        """Free checkpoint ``name``. With ``force``, also free the shared pool's memory if it held it."""
+        self._check_open()
+        if name not in self._checkpoints:
+            raise CheckpointNotFoundError(f"checkpoint {name!r} is not registered on rank {self.rank}")
+        if self._update_lock.locked():
+            raise ConfigError(f"cannot unregister {name!r} while an update is running")
+        ckpt = self._checkpoints.pop(name)
+        ckpt.release()
+        self._metas.pop(name, None)
+        self._plans = {k: v for k, v in self._plans.items() if k[0] != name}
+        if force and ckpt.pool is not None and self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
+    def checkpoints(self) -> list[str]:
+        return sorted(self._checkpoints)
+
+    # -- metas -----------------------------------------------------------------
+    def gather_metas(self, name: str) -> None:
+        """Collective: every rank learns every rank's tensors of ``name``. All ranks must call it."""
+        self._check_open()
+        t0 = time.perf_counter()
+        ckpt = self._checkpoints.get(name)
+        mine = None if ckpt is None else [[m.name, m.dtype, list(m.shape), m.nbytes, m.itemsize, m.base,
+                                          m.base_offset] for m in ckpt.metas]
+        gathered = self._coll.all_gather_json(mine)
+        missing = [r for r, g in enumerate(gathered) if g is None]
+        if missing:
+            raise CheckpointNotFoundError(f"checkpoint {name!r} is not registered on rank(s) {missing}")
+        metas = [[TensorMeta(n, d, tuple(s), nb, it, b, o) for n, d, s, nb, it, b, o in g] for g in gathered]
+        owner: dict[str, int] = {}
+        for r, ms in enumerate(metas):
+            for m in ms:
+                if m.name in owner:
+                    raise CheckpointFormatError(f"tensor is registered on rank {owner[m.name]} and rank {r}", tensor=m.name)
+                owner[m.name] = r
+        self._metas[name] = metas
+        self._log.info("gathered metas of %r: %d tensors on %d ranks in %.3f s", name, len(owner),
+                       self.world_size, time.perf_counter() - t0)
+
+    def get_metas(self) -> dict[str, list[list[dict]]]:
+        """Plain-data copy of every gathered checkpoint's metas (JSON-serialisable)."""
+        return {name: [[m.__dict__ | {"shape": list(m.shape)} for m in ms] for ms in metas]
+                for name, metas in self._metas.items()}
+
+    def load_metas(self, metas: dict[str, list[list[dict]]]) -> None:
+        """Install metas saved with ``get_metas`` (e.g. on ranks that hold no data)."""
+        try:
+            for name, per_rank in metas.items():
+                self._metas[name] = [[TensorMeta(**(m | {"shape": tuple(m["shape"])})) for m in ms] for ms in per_rank]
+        except (TypeError, AttributeError, KeyError) as exc:
+            raise ConfigError(f"metas are not in the format get_metas() returns: {exc}") from exc
+        for name, per_rank in self._metas.items():
+            if len(per_rank) != self.world_size:
+                raise ConfigError(f"metas of {name!r} describe {len(per_rank)} ranks, this world has {self.world_size}")
+
+    # -- update ----------------------------------------------------------------
+    def update(self, name: str, req_func: ReqFunc, *, ranks: list[int] | None = None,
+               timeout: float | timedelta = timedelta(minutes=10)) -> dict:
+        """Collective: push checkpoint ``name`` into every rank's engine worker.
+
+        ``req_func(handles)`` runs in a thread on rank 0 with ``handles`` =
+        ``[(device_uuid, zmq_handle)]`` of all ranks; it must make the engine
+        workers call ``update_weights_from_ipc``. Raises ``RemoteWorkerError``
+        (naming the rank and carrying the traceback) if any engine worker or
+        ``req_func`` failed, ``UpdateTimeoutError`` if a worker stayed silent.
+        Returns timings (also kept in ``last_update``).
+        """
+        self._check_open()
+        if ranks:
+            raise ConfigError("P2P updates (ranks=[...]) are not supported by this build; pass ranks=None "
+                              "to broadcast to all ranks")
+        deadline = time.monotonic() + _seconds(timeout)
+        if name not in self._metas:
+            raise ConfigError(f"call gather_metas({name!r}) on every rank before update({name!r})")
+        if name not in self._checkpoints:
+            raise CheckpointNotFoundError(f"checkpoint {name!r} is not registered on rank {self.rank}")
+        if not self._update_lock.acquire(blocking=False):
+            raise ConfigError("another update is already running on this ParameterServer")
+        try:
+            return self._update(name, req_func, deadline)
+        finally:
+            self._update_lock.release()
+
+    def _agree_plan(self, name: str) -> tuple[Plan, int]:
+        metas = self._metas[name]
+        fp = hashlib.sha1(json.dumps([[m.name, m.nbytes, m.base, m.base_offset] for ms in metas for m in ms]).encode())
+        free = self.backend.mem_get_info(self.device_index)[0] + (self._ipc.nbytes if self._ipc else 0)
+        largest_total = max((sum(m.nbytes + ALIGN for m in ms) for ms in metas), default=1)
+        size = choose_bucket_bytes(free, mem_fraction=self.settings.mem_fraction, num_slots=self.settings.num_slots,
+                                   max_bucket_bytes=self.settings.max_bucket_bytes, largest_owner_total=largest_total)
+        views = self._coll.all_gather_json({"fp": fp.hexdigest(), "bucket": size})
+        if len({v["fp"] for v in views}) != 1:
+            raise ConfigError(f"ranks disagree on the metas of {name!r}: call gather_metas on every rank again")
+        size = min(v["bucket"] for v in views)
+        key = (name, size, fp.hexdigest())
+        if key not in self._plans:
+            self._plans[key] = plan_buckets(metas, size)
+        plan = self._plans[key]
+        return plan, min(self.settings.num_slots, max(len(plan.buckets), 1))
+
+    def _ensure_ipc(self, nbytes: int) -> IpcBuffer:
+        if self._ipc is not None and self._ipc.nbytes >= nbytes:
+            return self._ipc
+        self._release_ipc()
+        self._ipc = self.backend.alloc_ipc(nbytes, self.device_index, f"{self._run_id}-{self.rank}-{self._updates}")
+        return self._ipc
+
+    def _release_ipc(self) -> None:
+        if self._ipc is not None:
+            self._ipc.close()
+            self._ipc = None
+            self.backend.empty_cache()
+
+    def _update(self, name: str, req_func: ReqFunc, deadline: float) -> dict:
+        t0 = time.perf_counter()
+        plan, slots = self._agree_plan(name)
+        slot_bytes = max(plan.largest_bucket, ALIGN)
+        slot_bytes = (slot_bytes + ALIGN - 1) // ALIGN * ALIGN
+        ipc = self._ensure_ipc(slot_bytes * slots)
+        update_id = f"{self._run_id}-{self._updates}"
+        self._updates += 1
+        handles = [(k, f"ipc://@ckpt-{update_id}-{r}") for r, k in enumerate(self._device_keys)]
+        abort_key = f"ckpt/{update_id}/abort"
+        req = _ReqThread(req_func, handles) if self.rank == 0 else None
+
+        def should_stop() -> str | None:
+            if req is not None and req.error is not None:
+                self._coll.store.set(abort_key, "req_func failed")
+                return f"req_func raised: {req.error.splitlines()[-1] if req.error else ''}"
+            if self._coll.store.check([abort_key]):
+                return "rank 0 aborted the update (req_func failed)"
+            return None
+
+        link = PsLink(self._zmq, handles[self.rank][1], update_id, rank=self.rank, device_key=self.device_uuid,
+                      deadline=deadline, should_stop=should_stop)
+        times = {"plan": time.perf_counter() - t0}
+        try:
+            if req is not None:
+                req.start()
+            buckets = [[(p.meta.name, p.meta.dtype, p.meta.shape, p.offset) for p in b.placements] for b in plan.buckets]
+            link.send_hello(hello_fields(self.backend.kind, ipc.descriptor, slot_bytes, slots, buckets))
+            link.wait_ready()
+            self._agree(link, req, deadline, phase="handshake", final=False)
+            times["handshake"] = time.perf_counter() - t0 - times["plan"]
+            host = {rid: region.tensor for rid, region in self._checkpoints[name].regions.items()}
+            stats = BroadcastPipeline(plan=plan, rank=self.rank, index=self.device_index, backend=self.backend,
+                                      ipc=ipc, slot_bytes=slot_bytes, num_slots=slots, host=host, coll=self._coll,
+                                      link=link, copy_stream=self._copy_stream, log=self._log).run()
+            times["pipeline"] = stats.seconds
+            self._agree(link, req, deadline, phase="transfer", final=False)
+            link.send_end(self.keep_device_buffers)
+            link.wait_finished()
+            self._agree(link, req, deadline, phase="post-hook", final=True)
+        finally:
+            link.close()
+            if req is not None:
+                req.join(max(0.0, deadline - time.monotonic()))
+            if not self.keep_device_buffers:
+                self._release_ipc()
+        times["total"] = time.perf_counter() - t0
+        result = {"name": name, "bytes": plan.total_bytes, "buckets": len(plan.buckets), "bucket_bytes": plan.bucket_bytes,
+                  "h2d_bytes": stats.h2d_bytes, "seconds": times, "gbps": plan.total_bytes / times["total"] / 1e9}
+        self.last_update = result
+        self._log.info("updated %r: %.3f GiB in %d buckets, %.3f s (%.1f GB/s); pipeline %.3f s", name,
+                       plan.total_bytes / GiB, len(plan.buckets), times["total"], result["gbps"], stats.seconds)
+        return result
+
+    def _agree(self, link: PsLink, req: "_ReqThread | None", deadline: float, *, phase: str, final: bool) -> None:
+        """All ranks exchange their status; if any failed, every rank aborts its worker and raises."""
+        failure = None
+        if req is not None and req.error is not None:
+            failure = Failure(self.rank, self.device_uuid, "req_func raised", req.error)
+        failure = failure or link.failure
+        if failure is None and final and req is not None:
+            req.join(max(0.0, deadline - time.monotonic()))
+            if req.is_alive():
+                failure = Failure(self.rank, self.device_uuid, "req_func did not return within the update timeout",
+                                  timeout=True)
+        statuses = self._coll.all_gather_json(failure.to_json() if failure else None)
+        failed = [Failure(**s) for s in statuses if s is not None]
+        if not failed:
+            return
+        reason = "; ".join(f"rank {f.rank}: {f.message}" for f in failed)
+        link.send_abort(reason)
+        first = failed[0]
+        self._log.error("update failed during %s: %s", phase, reason)
+        if all(f.timeout for f in failed):
+            raise UpdateTimeoutError(f"[rank {first.rank}] {first.message} (device {first.device_key}); "
+                                     f"failed during {phase}: {reason}")
+        raise RemoteWorkerError(f"update failed during {phase}: {reason}", rank=first.rank,
+                                device_key=first.device_key, remote_traceback=first.traceback or None)
+
+
+class _ReqThread(threading.Thread):
+    """Runs req_func and keeps its traceback text; daemon so a stuck engine never blocks exit."""
+
+    def __init__(self, fn: ReqFunc, handles):
+        super().__init__(name="ckpt-req-func", daemon=True)
+        self.fn, self.handles, self.error = fn, handles, None
+
+    def run(self) -> None:
+        try:
+            self.fn(list(self.handles))
+        except BaseException:
+            self.error = traceback.format_exc()

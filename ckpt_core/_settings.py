@@ -1,0 +1,90 @@
+"""Every environment variable ckpt-engine reads, in one place.
+
+Explicit arguments always win; these are the fallbacks. ``rank=0`` passed by a
+caller means 0 (we test ``is None``, never truthiness).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from .errors import ConfigError
+
+__all__ = ["Settings", "ENV_VARS", "load_settings"]
+
+# name -> (type, default, meaning); the README's table is generated from the same facts.
+ENV_VARS: dict[str, tuple[str, str, str]] = {
+    "RANK": ("int", "0", "this parameter-server rank"),
+    "WORLD_SIZE": ("int", "1", "number of parameter-server ranks"),
+    "LOCAL_RANK": ("int", "RANK", "device index of this rank on its host (also its engine worker's)"),
+    "MASTER_ADDR": ("str", "127.0.0.1", "address of rank 0's rendezvous store"),
+    "MASTER_PORT": ("int", "29500", "port of rank 0's rendezvous store"),
+    "PS_MAX_BUCKET_SIZE_GB": ("float", "8", "upper bound of one bucket (one slot of the IPC buffer), GiB"),
+    "PS_MEM_FRACTION": ("float", "0.9", "fraction of free device memory the IPC buffer may take"),
+    "PS_NUM_SLOTS": ("int", "3", "buckets in flight (slots of the IPC buffer ring)"),
+    "PS_COLLECTIVE_TIMEOUT_S": ("float", "600", "timeout of every collective and store wait, seconds"),
+    "PS_P2P_STORE_RDMA_DEVICES": ("str", "", "comma-separated RDMA NICs for the P2P store"),
+    "NCCL_IB_HCA": ("str", "", "read as a fallback for PS_P2P_STORE_RDMA_DEVICES"),
+}
+
+
+def _get(name: str, conv, default):
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return conv(raw)
+    except ValueError as exc:
+        raise ConfigError(f"environment variable {name}={raw!r} is not a valid {conv.__name__}") from exc
+
+
+@dataclass(frozen=True)
+class Settings:
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    max_bucket_bytes: int
+    mem_fraction: float
+    num_slots: int
+    collective_timeout_s: float
+    rdma_devices: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ConfigError(f"world_size must be >= 1, got {self.world_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise ConfigError(f"rank must be in [0, {self.world_size}), got {self.rank}")
+        if self.local_rank < 0:
+            raise ConfigError(f"local rank must be >= 0, got {self.local_rank}")
+        if not 0 < self.mem_fraction <= 1:
+            raise ConfigError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")
+        if self.max_bucket_bytes < 1024:
+            raise ConfigError(f"the bucket size bound must be >= 1 KiB, got {self.max_bucket_bytes} bytes")
+        if self.num_slots < 1:
+            raise ConfigError(f"PS_NUM_SLOTS must be >= 1, got {self.num_slots}")
+        if not 1 <= self.master_port <= 65535:
+            raise ConfigError(f"master_port must be in 1..65535, got {self.master_port}")
+
+
+def load_settings(*, rank=None, world_size=None, master_addr=None, master_port=None,
+                  mem_fraction=None, max_bucket_gb=None) -> Settings:
+    """Merge explicit arguments over the environment and validate the result."""
+    rank = _get("RANK", int, 0) if rank is None else int(rank)
+    world_size = _get("WORLD_SIZE", int, 1) if world_size is None else int(world_size)
+    bucket_gb = _get("PS_MAX_BUCKET_SIZE_GB", float, 8.0) if max_bucket_gb is None else float(max_bucket_gb)
+    rdma = _get("PS_P2P_STORE_RDMA_DEVICES", str, "") or _get("NCCL_IB_HCA", str, "")
+    return Settings(
+        rank=rank,
+        world_size=world_size,
+        local_rank=_get("LOCAL_RANK", int, rank),
+        master_addr=master_addr if master_addr is not None else _get("MASTER_ADDR", str, "127.0.0.1"),
+        master_port=int(master_port) if master_port is not None else _get("MASTER_PORT", int, 29500),
+        max_bucket_bytes=int(bucket_gb * (1 << 30)),
+        mem_fraction=float(mem_fraction) if mem_fraction is not None else _get("PS_MEM_FRACTION", float, 0.9),
+        num_slots=_get("PS_NUM_SLOTS", int, 3),
+        collective_timeout_s=_get("PS_COLLECTIVE_TIMEOUT_S", float, 600.0),
+        rdma_devices=tuple(d for d in rdma.split(",") if d),
+    )

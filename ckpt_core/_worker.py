@@ -1,0 +1,181 @@
+"""The engine-side receive loop, engine-agnostic.
+
+An engine adapter calls :func:`update_weights_from_ipc` inside each of its
+workers with a ``run`` callable that loads a list of ``(name, tensor)`` into
+the model, and an optional ``post_hook`` run once after the last bucket.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+from typing import Any, Callable, Iterable
+
+import torch
+import zmq
+
+from . import _protocol as proto
+from ._log import rank_logger
+from ._safetensors import DTYPES
+from .devices import get_backend
+from .errors import CkptError, ProtocolError, RemoteWorkerError, UpdateTimeoutError
+
+__all__ = ["update_weights_from_ipc"]
+
+DEFAULT_TIMEOUT_S = 600.0
+RunFn = Callable[[list[tuple[str, torch.Tensor]]], Any]
+
+# Buffers stay mapped between updates when the PS keeps its buffer (cheap next update).
+_mapped: dict[str, tuple[torch.Tensor, Any]] = {}
+_mapped_lock = threading.Lock()
+
+
+def _buffer_key(desc: dict) -> str:
+    return desc.get("path") or f"{desc.get('handle')}:{desc.get('storage_offset')}"
+
+
+def _map(kind: str, desc: dict, device_id: int) -> tuple[str, torch.Tensor]:
+    key = f"{kind}:{device_id}:{_buffer_key(desc)}"
+    with _mapped_lock:
+        if key not in _mapped:
+            _mapped[key] = get_backend(kind).open_ipc(desc, device_id)
+        return key, _mapped[key][0]
+
+
+def _unmap(key: str | None) -> None:
+    if key is None:
+        return
+    with _mapped_lock:
+        entry = _mapped.pop(key, None)
+    if entry is not None and entry[1] is not None:
+        entry[1].close()
+
+
+class _Link:
+    """The worker's end of the PAIR socket; every receive has a deadline."""
+
+    def __init__(self, sock: zmq.Socket, deadline: float):
+        self.sock, self.deadline, self.update = sock, deadline, None
+
+    def recv(self, expect: tuple[str, ...]) -> dict:
+        left = self.deadline - time.monotonic()
+        if left <= 0 or not self.sock.poll(int(left * 1000)):
+            raise UpdateTimeoutError(f"no message from the parameter server within the update timeout "
+                                     f"(waiting for {'/'.join(expect)})")
+        return proto.decode(self.sock.recv(), expect=expect, update=self.update)
+
+    def send(self, kind: str, **fields) -> None:
+        self.sock.send(proto.encode(kind, self.update or "", **fields))
+
+
+def _views(buf: torch.Tensor, base: int, tensors: Iterable[proto.WireTensor]) -> list[tuple[str, torch.Tensor]]:
+    out = []
+    for t in tensors:
+        raw = buf[base + t.offset: base + t.offset + t.nbytes]
+        out.append((t.name, raw.view(DTYPES[t.dtype]).view(t.shape)))
+    return out
+
+
+def update_weights_from_ipc(zmq_ctx: zmq.Context, zmq_handle: str, device_id: int, *, run: RunFn,
+                            post_hook: Callable[[], Any] | None = None,
+                            timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    """Receive one update from the colocated parameter-server rank.
+
+    Connects to ``zmq_handle``, maps the PS rank's IPC buffer on device
+    ``device_id`` and calls ``run(weights)`` once per bucket, where ``weights`` is a
+    list of ``(name, tensor)`` viewing the shared buffer (valid only during the
+    call: copy what you keep). ``post_hook()`` runs once after every bucket of
+    every rank arrived. Raises :class:`RemoteWorkerError` when the PS aborts the
+    update, ``UpdateTimeoutError`` when it goes silent, and re-raises the first
+    exception of ``run`` or ``post_hook``.
+
+    Example (inside an engine worker)::
+
+        update_weights_from_ipc(zmq.Context.instance(), handles[my_key], device_index,
+                                run=model.load_weights, post_hook=lambda: torch.cuda.synchronize())
+    """
+    log = rank_logger(f"worker dev {device_id}")
+    sock = zmq_ctx.socket(zmq.PAIR)
+    sock.setsockopt(zmq.LINGER, 0)
+    link = _Link(sock, time.monotonic() + timeout)
+    key = None
+    keep = False
+    try:
+        sock.connect(zmq_handle)
+        hello, key, buf, backend = _handshake(link, device_id)
+        t0 = time.perf_counter()
+        failure = _receive_buckets(link, hello, buf, backend, device_id, run)
+        if failure is not None:
+            raise failure
+        msg = link.recv(("end", "abort"))
+        if msg["kind"] == "abort":
+            raise RemoteWorkerError(f"update aborted by the parameter server: {msg.get('reason', '')}")
+        keep = bool(msg.get("keep_buffer"))
+        if post_hook is not None:
+            try:
+                post_hook()
+            except Exception as exc:
+                link.send("error", index=-1, traceback=traceback.format_exc())
+                raise exc
+        backend.synchronize(device_id)
+        link.send("finished")
+        log.info("update %s: %d buckets received in %.3f s", hello.update, len(hello.buckets),
+                 time.perf_counter() - t0)
+    finally:
+        sock.close(linger=0)
+        if not keep:
+            _unmap(key)
+
+
+def _handshake(link: _Link, device_id: int):
+    try:
+        raw = link.recv(("hello",))
+        hello = proto.parse_hello(raw)
+    except ProtocolError as exc:
+        # A frame we cannot trust: answer and leave without touching anything.
+        link.send("error", index=-1, traceback=f"ProtocolError: {exc}")
+        raise
+    link.update = hello.update
+    try:
+        backend = get_backend(hello.device_kind)
+        backend.set_device(device_id)
+        key, buf = _map(hello.device_kind, hello.buffer, device_id)
+    except Exception:
+        link.send("error", index=-1, traceback=traceback.format_exc())
+        raise
+    link.send("ready")
+    return hello, key, buf, backend
+
+
+def _receive_buckets(link: _Link, hello: proto.Hello, buf, backend, device_id: int, run: RunFn):
+    """Run every bucket; on the first failure answer ``error`` and wait for the PS's abort.
+
+    Returns the exception to raise (None on success, leaving ``end`` to be read).
+    """
+    for expected in range(len(hello.buckets)):
+        msg = link.recv(("bucket", "abort"))
+        if msg["kind"] == "abort":
+            return RemoteWorkerError(f"update aborted by the parameter server: {msg.get('reason', '')}")
+        try:
+            index, slot = proto.parse_bucket(msg, hello)
+            if index != expected:
+                raise ProtocolError(f"bucket {index} arrived where bucket {expected} was due")
+            run(_views(buf, slot * hello.slot_bytes, hello.buckets[index]))
+            backend.synchronize(device_id)
+        except Exception as exc:  # the engine's loader failed, or the frame was bad
+            link.send("error", index=expected, traceback=traceback.format_exc())
+            return _drain_until_abort(link, exc)
+        link.send("done", index=index)
+    return None
+
+
+def _drain_until_abort(link: _Link, first: Exception) -> Exception:
+    """After a failure, skip the buckets still in flight until the PS says abort."""
+    while True:
+        try:
+            msg = link.recv(("bucket", "abort", "end"))
+        except (UpdateTimeoutError, ProtocolError):
+            return first
+        if msg["kind"] != "bucket":
+            return first

