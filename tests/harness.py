@@ -59,6 +59,7 @@ def worker_main(kind: str, index: int, conn, behavior: dict) -> None:
             conn.send(("ok", None))
             continue
         handles = cmd[1]
+        behavior = dict(behavior, **(cmd[2] if len(cmd) > 2 and cmd[2] else {}))
         buckets = [0]
         staged: dict[str, str] = {}
 
@@ -112,10 +113,10 @@ class EngineFront:
             except OSError:
                 return
             with c:
-                handles = c.recv()
+                handles, behaviors = c.recv()
                 with self._lock:
-                    for wc in self.conns:
-                        wc.send(("update", handles))
+                    for i, wc in enumerate(self.conns):
+                        wc.send(("update", handles, (behaviors or {}).get(i)))
                     results = [wc.recv() for wc in self.conns]
                 c.send(results)
 
@@ -145,11 +146,14 @@ class EngineFront:
         self.listener.close()
 
 
-def make_req_func(address):
-    """The req_func rank 0 passes to update(): like an HTTP call to /collective_rpc."""
+def make_req_func(address, behaviors: dict | None = None):
+    """The req_func rank 0 passes to update(): like an HTTP call to /collective_rpc.
+
+    ``behaviors`` maps a worker index to fault injections for this update only.
+    """
     def req_func(handles):
         with Client(address, authkey=AUTH) as c:
-            c.send(dict(handles))
+            c.send((dict(handles), behaviors))
             results = c.recv()
         errors = [r[1] for r in results if r[0] != "ok"]
         if errors:
@@ -178,8 +182,8 @@ def ps_main(rank: int, world: int, port: int, kind: str, script: list, out) -> N
                     ps.gather_metas(arg)
                     results.append(("ok", None))
                 elif step == "update":
-                    name, address, timeout = arg
-                    req = make_req_func(address) if rank == 0 else (lambda h: None)
+                    name, address, timeout, *rest = arg
+                    req = make_req_func(address, rest[0] if rest else None) if rank == 0 else (lambda h: None)
                     results.append(("ok", ps.update(name, req, timeout=timeout)))
                 elif step == "unregister":
                     ps.unregister_checkpoint(arg)
