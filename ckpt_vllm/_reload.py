@@ -1,0 +1,223 @@
+"""Load buckets of checkpoint-format tensors into a live vLLM model through layerwise reload.
+
+Why not ``model.load_weights`` then ``process_weights_after_loading``: after the first load vLLM
+has already processed the weights (repacked on CPU, the original parameters left with shape
+[0]; quantized to FP8 on GPU), so a second plain load fails half-way or double-processes.
+vLLM's layerwise reload (``vllm.model_executor.model_loader.reload``) puts every layer back in
+checkpoint format on the meta device, buffers the weights each layer receives, and processes a
+layer and copies it into the live (kernel) tensors as soon as the layer is complete.
+
+What this module adds, because the update arrives in buckets and may be wrong:
+
+- Bucket tensors are views of a shared buffer that the next bucket overwrites. A layer whose
+  tensors straddle two buckets keeps views from the first one in its buffer; those are cloned
+  after each bucket (:meth:`ReloadSession.load`), and only those.
+- vLLM accepts an incomplete checkpoint silently (a layer that never completes keeps its old
+  weights or is processed with garbage for the missing part). :meth:`ReloadSession.check_complete`
+  names what is missing before anything is finalized.
+- A failed update must leave a serving model: :meth:`ReloadSession.abort` puts every layer that
+  was not processed yet back on its live tensors (old weights), so the engine keeps answering.
+
+Pinned to the reload internals of vLLM 0.32 (``LAYERWISE_INFO`` and ``LayerReloadingInfo``);
+imports vLLM lazily so that ``ckpt_vllm`` imports without vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import nullcontext
+from typing import Iterable, Iterator
+
+import torch
+
+from ckpt_core.errors import CheckpointFormatError, ConfigError
+
+__all__ = ["ReloadSession"]
+
+log = logging.getLogger("ckpt_vllm")
+_QKV_SHARDS = ("q", "k", "v")
+
+
+def _mtp_check_disabled():
+    """vLLM checks an MTP model's weights arrive in one ``load_weights`` call; ours come in buckets."""
+    try:
+        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+    except ImportError:
+        return nullcontext()
+    return disable_mtp_completeness_check()
+
+
+class ReloadSession:
+    """One weight update of one vLLM model (the target, or an MTP drafter).
+
+    ``begin()`` once, ``load(bucket)`` per bucket, ``check_complete()`` and ``finish()`` after
+    the last one; ``abort()`` on any failure (idempotent; after ``finish`` it does nothing).
+    """
+
+    def __init__(self, model: torch.nn.Module, model_config, *, label: str = "model"):
+        self.model, self.model_config, self.label = model, model_config, label
+        self.active = False
+        self.tensors = 0
+        self.bytes = 0
+        self.seconds = {"begin": 0.0, "load": 0.0, "finish": 0.0}
+
+    def begin(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        if self.active:
+            raise ConfigError(f"a weight update of the {self.label} is already in progress")
+        t0 = time.perf_counter()
+        initialize_layerwise_reload(self.model)
+        self.active = True
+        self.seconds["begin"] += time.perf_counter() - t0
+
+    def load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """Feed one bucket to the model's own ``load_weights``; a rejected tensor is named."""
+        if not self.active:
+            raise ConfigError(f"load() outside a weight update of the {self.label}: call begin() first")
+        t0 = time.perf_counter()
+        current: list[tuple[str, torch.Tensor] | None] = [None]
+
+        def tracked() -> Iterator[tuple[str, torch.Tensor]]:
+            # vLLM loaders consume the iterator one tensor at a time, and with layerwise reload
+            # every tensor is checked (a dry run on the meta layer) when it is consumed, so the
+            # tensor being consumed when an error comes is the one that caused it.
+            for item in weights:
+                current[0] = item
+                yield item
+            current[0] = None
+
+        try:
+            with _mtp_check_disabled():
+                self.model.load_weights(tracked())
+        except Exception as exc:
+            if current[0] is None:
+                raise CheckpointFormatError(f"vLLM could not load a bucket into the {self.label}: "
+                                            f"{type(exc).__name__}: {exc}") from exc
+            name, tensor = current[0]
+            raise CheckpointFormatError(
+                f"vLLM rejected the tensor for the {self.label} (shape {list(tensor.shape)}, "
+                f"{str(tensor.dtype).removeprefix('torch.')}): {type(exc).__name__}: {exc}",
+                tensor=name) from exc
+        self._detach_pending({t.untyped_storage().data_ptr() for _, t in weights})
+        self.tensors += len(weights)
+        self.bytes += sum(t.numel() * t.element_size() for _, t in weights)
+        self.seconds["load"] += time.perf_counter() - t0
+
+    def _pending(self) -> Iterable[tuple[str, torch.nn.Module, object]]:
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+        for qname, layer in self.model.named_modules():
+            info = LAYERWISE_INFO.get(layer)
+            if info is not None and info.can_load():
+                yield qname, layer, info
+
+    def _detach_pending(self, bucket_storages: set[int]) -> None:
+        """Clone the buffered views of layers still waiting for tensors of a later bucket."""
+        for _, _, info in self._pending():
+            for _, args in info.loaded_weights:
+                for key, value in args.arguments.items():
+                    if (isinstance(value, torch.Tensor) and not value.is_meta
+                            and value.untyped_storage().data_ptr() in bucket_storages):
+                        args.arguments[key] = value.clone()
+
+    def check_complete(self) -> None:
+        """Raise CheckpointFormatError naming what never arrived; nothing is finalized before."""
+        from vllm.model_executor.layers.attention import is_deferred_attention_layer
+
+        pending = list(self._pending())
+        pending_ids = {id(layer) for _, layer, _ in pending}
+        # Tied weights (lm_head = embed_tokens) are complete when the layer that loaded them is.
+        done_param_ids = {id(p) for m in self.model.modules() if id(m) not in pending_ids
+                          for p in m.parameters(recurse=False)}
+        missing: list[str] = []
+        for qname, layer, info in pending:
+            params = info.restore_metadata[0]
+            if not params or is_deferred_attention_layer(layer) or not info.load_numel_total:
+                continue  # buffers only (rotary caches) or attention scales: nothing required
+            kernel = info.kernel_tensors[0] if info.kernel_tensors else {}
+            if kernel and all(id(p) in done_param_ids for p in kernel.values()):
+                continue
+            missing += _missing_in_layer(self.model, qname, layer, info)
+        if missing:
+            raise CheckpointFormatError(
+                f"the update of the {self.label} is incomplete: nothing arrived for "
+                f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''} "
+                f"({len(missing)} missing); no layer was left half-loaded", tensor=missing[0])
+
+    def finish(self) -> None:
+        """Process the layers vLLM defers to the end (attention) and leave reload mode."""
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        if not self.active:
+            return
+        t0 = time.perf_counter()
+        finalize_layerwise_reload(self.model, self.model_config)
+        self.active = False
+        self.seconds["finish"] += time.perf_counter() - t0
+
+    def abort(self) -> None:
+        """Give every unprocessed layer its live tensors back (the old weights). Idempotent."""
+        if not self.active:
+            return
+        self.active = False
+        restored = 0
+        for _, layer, info in list(self._pending()):
+            if info.kernel_tensors is not None:
+                _place_kernel_tensors(layer, info)
+                restored += 1
+            info.reset()
+        if hasattr(self.model, "_original_do_torchao_reload"):
+            self.model._do_torchao_reload = self.model._original_do_torchao_reload
+        log.warning("weight update of the %s aborted: %d layers kept their previous weights, "
+                    "layers already processed hold the new ones", self.label, restored)
+
+
+def _place_kernel_tensors(layer: torch.nn.Module, info) -> None:
+    """Re-register the live tensors captured by ``initialize_layerwise_reload``."""
+    for name in list(layer._parameters) + list(layer._buffers):
+        delattr(layer, name)
+    params, buffers = info.kernel_tensors
+    non_persistent = getattr(info, "kernel_non_persistent_buffers", set())
+    for name, param in params.items():
+        layer.register_parameter(name, param)
+    for name, buf in buffers.items():
+        layer.register_buffer(name, buf, persistent=name not in non_persistent)
+
+
+def _missing_in_layer(model: torch.nn.Module, qname: str, layer: torch.nn.Module, info) -> list[str]:
+    """Names of what a pending layer lacks; checkpoint names where vLLM's mapping tells them."""
+    received: dict[str, set] = {}
+    for pname, args in info.loaded_weights:
+        sid = args.arguments.get("loaded_shard_id")
+        received.setdefault(pname, set()).add(tuple(sid) if isinstance(sid, list) else sid)
+    missing = []
+    for pname in info.restore_metadata[0]:
+        shards = received.get(pname)
+        if not shards:
+            missing.append(_checkpoint_names(model, qname, pname, None))
+            continue
+        n_parts = len(getattr(layer, "output_sizes", ()) or ())
+        if None in shards or n_parts <= 1:
+            continue
+        got: set = set()
+        for s in shards:  # "q"/"k"/"v", an int, or a tuple of ints (several parts at once)
+            got.update(s if isinstance(s, (tuple, list)) else [_QKV_SHARDS.index(s) if s in _QKV_SHARDS else s])
+        missing += [_checkpoint_names(model, qname, pname, i) for i in range(n_parts) if i not in got]
+    if not missing and any(hasattr(p, "weight_loader_numel") for p in layer.parameters(recurse=False)):
+        # Fused MoE: padding is excluded from the count, so any shortfall is a missing expert.
+        if info.load_numel < info.load_numel_total:
+            missing.append(f"{qname} ({info.load_numel} of {info.load_numel_total} elements)")
+    return missing
+
+
+def _checkpoint_names(model: torch.nn.Module, qname: str, pname: str, part: int | None) -> str:
+    """``model.layers.0.self_attn.qkv_proj`` + part 1 -> ``model.layers.0.self_attn.k_proj.weight``."""
+    prefix, _, leaf = qname.rpartition(".")
+    packed = getattr(model, "packed_modules_mapping", {}) or {}
+    if part is not None and leaf in packed and part < len(packed[leaf]):
+        leaf = packed[leaf][part]
+    elif part is not None:
+        leaf = f"{leaf}[part {part}]"
+    return ".".join(x for x in (prefix, leaf, pname) if x)

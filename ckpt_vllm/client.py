@@ -1,0 +1,213 @@
+"""Requester: drive a vLLM server's side of an update over HTTP (TCP or a Unix socket).
+
+Two paths, same result:
+
+- ``extension`` (any vLLM with ``--worker-extension-cls ckpt_vllm.VllmColocateWorkerExtension``):
+  one ``POST /collective_rpc`` calling ``update_weights_from_ipc`` on every worker.
+- ``backend`` (vLLM with the weight-transfer API and ``--weight-transfer-config
+  '{"backend": "ckpt"}'``): ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``.
+
+Both then reset the prefix cache, whose KV blocks were computed with the old weights. Both need
+``VLLM_SERVER_DEV_MODE=1`` on the server. Errors are ckpt_core's: ``UpdateTimeoutError``,
+``TransportError`` (cannot connect), ``RemoteWorkerError`` (the server answered an error, its
+text attached), ``ConfigError`` (a route is missing: dev mode off, or no weight-transfer API).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import httpx
+
+from ckpt_core.errors import ClosedError, ConfigError, RemoteWorkerError, TransportError, UpdateTimeoutError
+
+__all__ = ["VllmClient", "UpdateReport", "PATHS"]
+
+PATHS = ("extension", "backend")
+PAUSE_MODES = ("abort", "wait", "keep")
+
+
+@dataclass
+class UpdateReport:
+    """What one update cost on the engine side. ``seconds``: per phase, as the requester saw it;
+    ``workers``: what each worker reported (extension path only)."""
+
+    path: str
+    seconds: dict[str, float] = field(default_factory=dict)
+    workers: list[dict] = field(default_factory=list)
+
+
+class VllmClient:
+    """HTTP client of one vLLM server. Thread-safe; ``close()`` is idempotent.
+
+    Example::
+
+        with VllmClient("http://127.0.0.1:8000") as client:
+            client.wait_ready(timeout=300)
+            ps.update("step-7", client.req_func(path="extension", pause="wait"))
+            print(client.last_report)
+    """
+
+    def __init__(self, endpoint: str = "http://127.0.0.1:8000", *, uds: str | None = None,
+                 timeout: float = 600.0, connect_timeout: float = 10.0):
+        if timeout <= 0 or connect_timeout <= 0:
+            raise ConfigError(f"timeouts must be positive, got timeout={timeout}, connect_timeout={connect_timeout}")
+        self.endpoint = endpoint.rstrip("/") if endpoint else "http://localhost"
+        self.uds, self.timeout = uds, float(timeout)
+        transport = httpx.HTTPTransport(uds=uds) if uds else None
+        self._http = httpx.Client(base_url=self.endpoint, transport=transport,
+                                  timeout=httpx.Timeout(self.timeout, connect=connect_timeout))
+        self._closed = False
+        self._lock = threading.Lock()
+        self.last_report: UpdateReport | None = None
+
+    @property
+    def where(self) -> str:
+        return f"{self.endpoint} (unix socket {self.uds})" if self.uds else self.endpoint
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._http.close()
+
+    def __enter__(self) -> "VllmClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- plumbing ----------------------------------------------------------------
+    def _request(self, method: str, path: str, *, timeout: float | None = None, **kw) -> httpx.Response:
+        if self._closed:
+            raise ClosedError(f"this VllmClient of {self.where} is closed")
+        wait = self.timeout if timeout is None else timeout
+        try:
+            resp = self._http.request(method, path, timeout=httpx.Timeout(wait, connect=min(wait, 10.0)), **kw)
+        except httpx.TimeoutException as exc:
+            raise UpdateTimeoutError(f"{method} {path} on {self.where}: no answer within {wait:.0f} s") from exc
+        except httpx.HTTPError as exc:
+            raise TransportError(f"{method} {path} on {self.where}: {type(exc).__name__}: {exc}") from exc
+        if resp.status_code == 404:
+            raise ConfigError(f"{path} is not served by {self.where} (HTTP 404): start vLLM with "
+                              f"VLLM_SERVER_DEV_MODE=1{'' if path == '/collective_rpc' else ' and a weight-transfer config'}")
+        if resp.status_code // 100 != 2:
+            raise RemoteWorkerError(f"{method} {path} on {self.where} answered HTTP {resp.status_code}: "
+                                    f"{_error_text(resp)}", remote_traceback=resp.text[-20000:])
+        return resp
+
+    def _post(self, path: str, body: dict | None = None, *, timeout: float | None = None, **kw) -> Any:
+        resp = self._request("POST", path, json=body, timeout=timeout, **kw)
+        return resp.json() if resp.content else None
+
+    # -- readiness -----------------------------------------------------------------
+    def healthy(self, timeout: float = 5.0) -> bool:
+        try:
+            return self._request("GET", "/health", timeout=timeout).status_code == 200
+        except (TransportError, RemoteWorkerError, ConfigError):
+            return False
+
+    def wait_ready(self, timeout: float = 300.0, interval: float = 0.5,
+                   alive: Callable[[], bool] | None = None) -> float:
+        """Poll ``/health`` until the server answers 200; returns the seconds waited.
+
+        ``alive()`` (e.g. "the server process has not exited") stops the wait early.
+        """
+        t0 = time.monotonic()
+        last = "no answer yet"
+        while True:
+            try:
+                if self._request("GET", "/health", timeout=min(5.0, timeout)).status_code == 200:
+                    return time.monotonic() - t0
+            except (TransportError, RemoteWorkerError, UpdateTimeoutError, ConfigError) as exc:
+                last = str(exc)
+            if alive is not None and not alive():
+                raise TransportError(f"{self.where} went away while waiting for it to be ready ({last})")
+            if time.monotonic() - t0 > timeout:
+                raise UpdateTimeoutError(f"{self.where} was not ready within {timeout:.0f} s (last: {last})")
+            time.sleep(interval)
+
+    # -- calls -------------------------------------------------------------------
+    def collective_rpc(self, method: str, args: list | tuple = (), kwargs: dict | None = None,
+                       timeout: float | None = None) -> list:
+        """Call ``method`` on every worker; returns one result per worker."""
+        wait = self.timeout if timeout is None else float(timeout)
+        body = {"method": method, "args": list(args), "kwargs": kwargs or {}, "timeout": wait}
+        reply = self._post("/collective_rpc", body, timeout=wait + 30.0)  # the server times out first
+        return (reply or {}).get("results", [])
+
+    def reset_prefix_cache(self) -> bool:
+        reply = self._post("/reset_prefix_cache")
+        return bool((reply or {}).get("success", True))
+
+    def pause(self, mode: str = "wait") -> None:
+        if mode not in PAUSE_MODES:
+            raise ConfigError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        self._post("/pause", params={"mode": mode})
+
+    def resume(self) -> None:
+        self._post("/resume")
+
+    # -- updates -------------------------------------------------------------------
+    def update(self, handles, *, path: str = "extension", timeout: float | None = None,
+               pause: str | None = None, init_info: dict | None = None) -> UpdateReport:
+        """Make the server pull one update; ``handles``: ``[(device_key, zmq_handle)]`` or a dict.
+
+        ``pause``: pause generation around the update ("wait" lets running requests finish,
+        "abort" drops them, "keep" freezes them); None leaves traffic running (requests then
+        see the new weights from the next engine step on).
+        """
+        if path not in PATHS:
+            raise ConfigError(f"path must be one of {PATHS}, got {path!r}")
+        handles = dict(handles)
+        wait = self.timeout if timeout is None else float(timeout)
+        report = UpdateReport(path=path)
+        t0 = time.perf_counter()
+
+        def phase(name: str, fn, *a, **kw):
+            t = time.perf_counter()
+            out = fn(*a, **kw)
+            report.seconds[name] = time.perf_counter() - t
+            return out
+
+        if pause is not None:
+            phase("pause", self.pause, pause)
+        try:
+            if path == "extension":
+                report.workers = phase("update", self.collective_rpc, "update_weights_from_ipc", [handles],
+                                       {"timeout": wait}, timeout=wait)
+            else:
+                if init_info is not None:
+                    phase("init", self._post, "/init_weight_transfer_engine", {"init_info": init_info})
+                phase("start", self._post, "/start_weight_update")
+                phase("update", self._post, "/update_weights",
+                      {"update_info": {"zmq_handles": handles, "timeout_s": wait}}, timeout=wait + 30.0)
+                phase("finish", self._post, "/finish_weight_update")
+            phase("reset_prefix_cache", self.reset_prefix_cache)
+        finally:
+            if pause is not None:
+                phase("resume", self.resume)
+        report.seconds["total"] = time.perf_counter() - t0
+        with self._lock:
+            self.last_report = report
+        return report
+
+    def req_func(self, **update_kwargs) -> Callable[[list[tuple[str, str]]], UpdateReport]:
+        """The ``req_func`` for ``ParameterServer.update``; keyword arguments go to :meth:`update`."""
+        return lambda handles: self.update(handles, **update_kwargs)
+
+
+def _error_text(resp: httpx.Response) -> str:
+    """vLLM answers errors as {"error": {"message": ...}} or FastAPI's {"detail": ...}."""
+    try:
+        body = resp.json()
+    except ValueError:
+        return resp.text[:2000]
+    if isinstance(body, dict):
+        err = body.get("error", body.get("detail", body))
+        if isinstance(err, dict):
+            err = err.get("message", err)
+        return str(err)[:4000]
+    return str(body)[:2000]

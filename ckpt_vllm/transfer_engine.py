@@ -1,0 +1,133 @@
+"""The ``ckpt`` weight-transfer backend for vLLM's native RL weight-update API.
+
+With ``--weight-transfer-config '{"backend": "ckpt"}'`` (registered by :mod:`ckpt_vllm.plugin`),
+vLLM's own routes drive an update from our parameter server:
+
+    POST /init_weight_transfer_engine  {"init_info": {"timeout_s": 600}}     (optional)
+    POST /start_weight_update                                  layerwise reload begins
+    POST /update_weights  {"update_info": {"zmq_handles": {device_key: handle}}}
+                                                              blocks until the PS update is in
+    POST /finish_weight_update                                 deferred layers processed
+
+``update_info`` may add ``timeout_s`` and ``check_complete`` (default true: the update carries
+the whole checkpoint, so a missing tensor fails it before the PS returns; pass false to spread
+one checkpoint over several PS updates, and the check runs at ``/finish_weight_update``).
+This module imports vLLM; vLLM imports it lazily when the backend is selected.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
+                                                   WeightTransferUpdateInfo)
+
+from ckpt_core.errors import ConfigError
+
+from . import worker as _w
+from ._reload import ReloadSession
+
+__all__ = ["CkptInitInfo", "CkptUpdateInfo", "CkptWeightTransferEngine"]
+
+
+@dataclass
+class CkptInitInfo(WeightTransferInitInfo):
+    timeout_s: float = _w.DEFAULT_TIMEOUT_S
+
+
+@dataclass
+class CkptUpdateInfo(WeightTransferUpdateInfo):
+    zmq_handles: dict[str, str] = field(default_factory=dict)
+    timeout_s: float | None = None
+    check_complete: bool = True
+
+    def __post_init__(self):
+        if not self.zmq_handles or not all(isinstance(k, str) and isinstance(v, str)
+                                           for k, v in self.zmq_handles.items()):
+            raise ValueError("update_info.zmq_handles must map device keys to ZeroMQ handles (strings)")
+
+
+class CkptWeightTransferEngine(WeightTransferEngine[CkptInitInfo, CkptUpdateInfo]):
+    """Receives weights from a colocated ckpt-engine parameter server (shared memory / device IPC)."""
+
+    init_info_cls = CkptInitInfo
+    update_info_cls = CkptUpdateInfo
+    supports_draft_weight_update = True
+
+    def __init__(self, config, vllm_config, device, model) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self._timeout = _w.DEFAULT_TIMEOUT_S
+        self._sessions: list[ReloadSession] | None = None
+        self._checked = False
+        self._zmq_ctx = None
+
+    def init_transfer_engine(self, init_info: CkptInitInfo) -> None:
+        if init_info.timeout_s <= 0:
+            raise ValueError(f"init_info.timeout_s must be positive, got {init_info.timeout_s}")
+        self._timeout = float(init_info.timeout_s)
+
+    def start_weight_update(self) -> None:
+        # The worker retargets self.model/self.model_config at the drafter for a draft session.
+        session = ReloadSession(self.model, self.model_config,
+                                label="model" if self.model is self._default_model else "draft model")
+        session.begin()
+        self._sessions, self._checked = [session], False
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # The base class ends with torch.accelerator.synchronize(), which raises on CPU;
+        # the core's receive loop already synchronizes the device after every bucket.
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update_info: CkptUpdateInfo) -> None:
+        if self._sessions is None:
+            raise ConfigError("update_weights called outside a weight update: call start_weight_update first")
+        kind, index = self._device()
+        handle = _w.own_handle(update_info.zmq_handles, kind, index)
+        timeout = float(update_info.timeout_s or self._timeout)
+        try:
+            _w.receive_into(self._sessions, self._context(), handle, kind, index, timeout=timeout,
+                            check_complete=update_info.check_complete, finalize=False)
+        except BaseException:
+            self._sessions = None  # receive_into aborted them: the old weights serve on
+            raise
+        self._checked = update_info.check_complete
+
+    def finish_weight_update(self) -> None:
+        sessions, self._sessions = self._sessions, None
+        if sessions is None:
+            return
+        try:
+            if not self._checked:
+                for s in sessions:
+                    s.check_complete()
+            for s in sessions:
+                s.finish()
+        except BaseException:
+            for s in sessions:
+                s.abort()
+            raise
+
+    def shutdown(self) -> None:
+        if self._sessions is not None:
+            for s in self._sessions:
+                s.abort()
+            self._sessions = None
+        ctx, self._zmq_ctx = self._zmq_ctx, None
+        if ctx is not None:
+            ctx.term()
+
+    def _device(self) -> tuple[str, int]:
+        """The same (kind, index) the worker extension uses; the engine sees no worker object."""
+        if self.device.type == "cpu" or self.device.index is None:
+            from vllm.distributed.parallel_state import get_world_group
+
+            return self.device.type, int(get_world_group().local_rank)
+        return self.device.type, int(self.device.index)
+
+    def _context(self):
+        import zmq
+
+        if self._zmq_ctx is None:
+            self._zmq_ctx = zmq.Context()
+        return self._zmq_ctx

@@ -1,0 +1,155 @@
+"""The vLLM worker extension: pull one update from the colocated parameter-server rank.
+
+Start vLLM with ``--worker-extension-cls ckpt_vllm.VllmColocateWorkerExtension`` (and
+``VLLM_SERVER_DEV_MODE=1`` for ``/collective_rpc``); the requester then calls
+``update_weights_from_ipc`` on every worker through ``/collective_rpc``. vLLM mixes this class
+into its worker and refuses to start if any attribute name collides with the worker's own, so
+every helper here is prefixed ``_ckpt_``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from ckpt_core import update_weights_from_ipc as _core_update_weights_from_ipc
+from ckpt_core.devices import local_device_key
+from ckpt_core.errors import ConfigError
+
+from ._reload import ReloadSession
+
+__all__ = ["VllmColocateWorkerExtension", "worker_device", "drafter_target", "receive_into"]
+
+log = logging.getLogger("ckpt_vllm")
+DEFAULT_TIMEOUT_S = 600.0
+
+
+def worker_device(worker: Any) -> tuple[str, int]:
+    """(device kind, index) of a vLLM worker, as ckpt_core keys devices.
+
+    On CPU the index is the worker's local rank (vLLM's device is plain ``cpu``); on an
+    accelerator it is the worker's own device index.
+    """
+    device = worker.device
+    if device.type == "cpu" or device.index is None:
+        return device.type, int(worker.local_rank)
+    return device.type, int(device.index)
+
+
+def drafter_target(worker: Any):
+    """(draft model, its model config) when the drafter shares the target's checkpoint (MTP), else None.
+
+    A drafter with a checkpoint of its own (EAGLE, a separate draft model) must not receive the
+    target's tensors; it is left alone.
+    """
+    runner = worker.model_runner
+    get_draft = getattr(runner, "get_draft_model", None)
+    draft = get_draft() if callable(get_draft) else getattr(getattr(runner, "drafter", None), "model", None)
+    spec = getattr(worker, "speculative_config", None) or getattr(worker.vllm_config, "speculative_config", None)
+    if draft is None or spec is None or getattr(spec, "draft_model_config", None) is None:
+        return None
+    shares_checkpoint = getattr(spec, "method", None) == "mtp" or (
+        spec.draft_model_config.model == worker.model_config.model)
+    return (draft, spec.draft_model_config) if shares_checkpoint else None
+
+
+def receive_into(sessions: list[ReloadSession], zmq_ctx, zmq_handle: str, kind: str, index: int, *,
+                 timeout: float, check_complete: bool = True, finalize: bool = True) -> dict:
+    """Run one PS update into begun reload ``sessions`` (the model, and the MTP drafter if any).
+
+    The completeness check and (with ``finalize``) vLLM's deferred processing run in the core's
+    post hook, so the PS learns of a failure before its ``update`` returns. On any failure every
+    session is aborted (unprocessed layers keep their old weights) and the error is raised.
+    """
+    t0 = time.perf_counter()
+
+    def run(weights):
+        for s in sessions:
+            s.load(weights)
+
+    def post_hook():
+        if check_complete:
+            for s in sessions:
+                s.check_complete()
+        if finalize:
+            for s in sessions:
+                s.finish()
+
+    try:
+        _core_update_weights_from_ipc(zmq_ctx, zmq_handle, index, run=run, post_hook=post_hook, timeout=timeout)
+    except BaseException:
+        for s in sessions:
+            s.abort()
+        raise
+    main = sessions[0]
+    return {"device_key": local_device_key(kind, index), "tensors": main.tensors, "bytes": main.bytes,
+            "drafter": len(sessions) > 1, "seconds": {**main.seconds, "total": time.perf_counter() - t0}}
+
+
+def new_sessions(worker: Any) -> list[ReloadSession]:
+    sessions = [ReloadSession(worker.model_runner.model, worker.model_config, label="model")]
+    draft = drafter_target(worker)
+    if draft is not None:
+        sessions.append(ReloadSession(draft[0], draft[1], label="MTP drafter"))
+    return sessions
+
+
+def reset_derived_caches(worker: Any) -> None:
+    """Drop worker-side state computed from the old weights (vLLM's own reload does the same)."""
+    for name in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
+        fn = getattr(worker.model_runner, name, None)
+        if callable(fn):
+            fn()
+
+
+def own_handle(zmq_handles: dict[str, str], kind: str, index: int) -> str:
+    key = local_device_key(kind, index)
+    if not isinstance(zmq_handles, dict) or key not in zmq_handles:
+        known = sorted(zmq_handles) if isinstance(zmq_handles, dict) else type(zmq_handles).__name__
+        raise ConfigError(f"no ZeroMQ handle for this worker's device {key} ({kind}:{index}); "
+                          f"the parameter server sent handles for {known}")
+    return zmq_handles[key]
+
+
+class VllmColocateWorkerExtension:
+    """Mixed into vLLM's worker by ``--worker-extension-cls ckpt_vllm.VllmColocateWorkerExtension``.
+
+    Example (what :class:`ckpt_vllm.VllmClient` sends)::
+
+        POST /collective_rpc {"method": "update_weights_from_ipc",
+                              "args": [{"CPU-<machine>-0": "ipc://@ckpt-..."}]}
+    """
+
+    def update_weights_from_ipc(self, zmq_handles: dict[str, str], timeout: float | None = None) -> dict:
+        """Receive one update from the PS rank colocated with this worker; returns its timings.
+
+        ``zmq_handles`` maps device keys to handles (the PS's ``req_func`` argument as a dict);
+        this worker picks its own. Raises (and keeps serving the previous weights for every
+        layer not yet processed) when a tensor is missing, has the wrong shape, or the PS aborts.
+        """
+        kind, index = worker_device(self)
+        handle = own_handle(zmq_handles, kind, index)
+        sessions = new_sessions(self)
+        for s in sessions:
+            s.begin()
+        result = receive_into(sessions, self._ckpt_zmq_context(), handle, kind, index,
+                              timeout=float(timeout or DEFAULT_TIMEOUT_S))
+        reset_derived_caches(self)
+        log.info("ckpt update on %s: %d tensors, %.1f MB in %.3f s", result["device_key"], result["tensors"],
+                 result["bytes"] / 1e6, result["seconds"]["total"])
+        return result
+
+    def _ckpt_zmq_context(self):
+        import zmq
+
+        ctx = getattr(self, "_ckpt_zmq_ctx", None)
+        if ctx is None:
+            ctx = self._ckpt_zmq_ctx = zmq.Context()
+        return ctx
+
+    def destroy_worker_extension(self) -> None:  # called by vLLM >= 0.33 on shutdown
+        ctx = getattr(self, "_ckpt_zmq_ctx", None)
+        if ctx is not None:
+            self._ckpt_zmq_ctx = None
+            ctx.term()

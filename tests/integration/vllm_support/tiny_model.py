@@ -1,0 +1,151 @@
+"""Build a tiny Qwen2 model locally and compute Hugging Face greedy references.
+
+Runs as a script under the vLLM venv's python (transformers and tokenizers live there), so the
+project venv needs neither. No hub access: the tokenizer is trained here with `tokenizers`.
+
+    python tiny_model.py build --out DIR [--seed N]          config, tokenizer, random weights
+    python tiny_model.py weights --model DIR --out FILE --seed N   fresh random weights only
+    python tiny_model.py reference --model DIR [--weights FILE] --prompts JSON --max-tokens N
+
+`reference` prints one JSON line: a list with the greedy continuation (token ids) of each prompt
+(a list of token ids), computed by argmax over the full-sequence logits with no EOS stop, the
+same thing a vLLM request with temperature 0 and ignore_eos returns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+# Small, but within what vLLM-CPU attention supports: head_dim must be 32/64/80/96/112/128...
+CONFIG = dict(
+    vocab_size=384,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=2,  # head_dim 64
+    num_key_value_heads=1,
+    max_position_embeddings=512,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    torch_dtype="float32",
+)
+_CORPUS_WORDS = (
+    "the quick brown fox jumps over a lazy dog while parameter servers push new weights into "
+    "running inference engines many times a day without restarting them and every worker "
+    "copies each bucket into its own parameters before acknowledging the update"
+).split()
+
+
+def _train_tokenizer(out: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=CONFIG["vocab_size"], special_tokens=["<unk>", "<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    lines = [" ".join(_CORPUS_WORDS[i:] + _CORPUS_WORDS[:i]) for i in range(len(_CORPUS_WORDS))]
+    tok.train_from_iterator(lines, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>",
+                                   eos_token="<|endoftext|>", bos_token="<|endoftext|>",
+                                   pad_token="<|endoftext|>")
+    fast.save_pretrained(out)
+
+
+def _random_model(model_dir: Path, seed: int):
+    """A Qwen2 model with fresh random weights. The std is large enough that greedy argmax has
+    clear winners: with the usual 0.02 init, logits nearly tie and float noise could flip them."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    gen = torch.Generator().manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * (1.0 / p.shape[-1] ** 0.5))
+    return model.eval()
+
+
+def build(out: Path, seed: int) -> None:
+    from transformers import Qwen2Config
+
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = Qwen2Config(**CONFIG, bos_token_id=1, eos_token_id=1)
+    cfg.save_pretrained(out)
+    _train_tokenizer(out)
+    _random_model(out, seed).save_pretrained(out, safe_serialization=True)
+
+
+def weights(model_dir: Path, out: Path, seed: int) -> None:
+    from safetensors.torch import save_file
+
+    model = _random_model(model_dir, seed)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out))
+
+
+def reference(model_dir: Path, weights_file: Path | None, prompts: list[list[int]],
+              max_tokens: int) -> list[list[int]]:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if weights_file is None:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    else:
+        from safetensors.torch import load_file
+
+        config = AutoConfig.from_pretrained(model_dir)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        missing, unexpected = model.load_state_dict(load_file(str(weights_file)), strict=False)
+        if missing or unexpected:
+            raise SystemExit(f"weights do not fit the model: missing={missing} "
+                             f"unexpected={unexpected}")
+    model.eval()
+    outs = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            for _ in range(max_tokens):
+                nxt = model(ids).logits[0, -1].argmax()
+                ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
+            outs.append(ids[0, len(prompt):].tolist())
+    return outs
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build")
+    b.add_argument("--out", type=Path, required=True)
+    b.add_argument("--seed", type=int, default=0)
+    w = sub.add_parser("weights")
+    w.add_argument("--model", type=Path, required=True)
+    w.add_argument("--out", type=Path, required=True)
+    w.add_argument("--seed", type=int, required=True)
+    r = sub.add_parser("reference")
+    r.add_argument("--model", type=Path, required=True)
+    r.add_argument("--weights", type=Path)
+    r.add_argument("--prompts", required=True, help="JSON list of token-id lists")
+    r.add_argument("--max-tokens", type=int, default=16)
+    args = ap.parse_args(argv)
+    if args.cmd == "build":
+        build(args.out, args.seed)
+    elif args.cmd == "weights":
+        weights(args.model, args.out, args.seed)
+    else:
+        json.dump(reference(args.model, args.weights, json.loads(args.prompts),
+                            args.max_tokens), sys.stdout)
+        sys.stdout.write("\n")
+
+
+if __name__ == "__main__":
+    main()
