@@ -47,8 +47,24 @@ class PsLink:
 
     # -- sending ---------------------------------------------------------------
     def _send(self, kind: str, **fields) -> None:
-        if self.failure is None:
-            self.sock.send(proto.encode(kind, self.update_id, **fields))
+        # A bound PAIR socket blocks on send until its peer connects: wait for
+        # writability in slices, so a worker that never connects is a timeout.
+        while self.failure is None:
+            if self._wait(zmq.POLLOUT, f"engine worker {self.device_key} to connect (did req_func reach the engine?)"):
+                self.sock.send(proto.encode(kind, self.update_id, **fields), zmq.NOBLOCK)
+                return
+
+    def _wait(self, event: int, what: str) -> bool:
+        """One poll slice for ``event``; records a failure on stop or deadline."""
+        stop = self.should_stop()
+        if stop:
+            self._fail(f"stopped while waiting for {what}: {stop}")
+            return False
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            self._fail(f"timed out waiting for {what}", timeout=True)
+            return False
+        return bool(self.sock.poll(min(POLL_SLICE_MS, max(1, int(left * 1000))), event))
 
     def send_hello(self, fields: dict) -> None:
         self._send("hello", **fields)
@@ -67,25 +83,19 @@ class PsLink:
 
     # -- receiving -------------------------------------------------------------
     def _recv(self, expect: tuple[str, ...], what: str) -> dict | None:
-        while True:
-            stop = self.should_stop()
-            if stop:
-                self._fail(f"stopped while waiting for {what}: {stop}")
+        while self.failure is None:
+            if not self._wait(zmq.POLLIN, what):
+                continue
+            try:
+                msg = proto.decode(self.sock.recv(), expect=expect + ("error",), update=self.update_id)
+            except ProtocolError as exc:
+                self._fail(f"bad message from the engine worker: {exc}")
                 return None
-            left = self.deadline - time.monotonic()
-            if left <= 0:
-                self._fail(f"engine worker did not answer ({what}) within the update timeout", timeout=True)
+            if msg["kind"] == "error":
+                self._fail(f"engine worker failed (bucket {msg.get('index')})", tb=str(msg.get("traceback", "")))
                 return None
-            if self.sock.poll(min(POLL_SLICE_MS, max(1, int(left * 1000)))):
-                try:
-                    msg = proto.decode(self.sock.recv(), expect=expect + ("error",), update=self.update_id)
-                except ProtocolError as exc:
-                    self._fail(f"bad message from the engine worker: {exc}")
-                    return None
-                if msg["kind"] == "error":
-                    self._fail(f"engine worker failed (bucket {msg.get('index')})", tb=str(msg.get("traceback", "")))
-                    return None
-                return msg
+            return msg
+        return None
 
     def wait_ready(self) -> bool:
         if self.failure is None:

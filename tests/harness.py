@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import multiprocessing as mp
 import os
+import signal
 import socket
 import threading
 import time
@@ -46,11 +47,15 @@ def worker_main(kind: str, index: int, conn, behavior: dict) -> None:
     key = local_device_key(kind, index)
     loaded: dict[str, str] = {}
     updates = 0
+    runs = [0]   # run() calls over the worker's life: a rejected frame must leave it unchanged
     while True:
         cmd = conn.recv()
         if cmd[0] == "stop":
             conn.send(("ok", None))
             return
+        if cmd[0] == "stats":
+            conn.send(("ok", {"runs": runs[0], "updates": updates, "pid": os.getpid()}))
+            continue
         if cmd[0] == "digests":
             conn.send(("ok", dict(loaded)))
             continue
@@ -59,28 +64,31 @@ def worker_main(kind: str, index: int, conn, behavior: dict) -> None:
             conn.send(("ok", None))
             continue
         handles = cmd[1]
-        behavior = dict(behavior, **(cmd[2] if len(cmd) > 2 and cmd[2] else {}))
+        this = dict(behavior, **(cmd[2] if len(cmd) > 2 and cmd[2] else {}))  # for this update only
         buckets = [0]
         staged: dict[str, str] = {}
 
         def run(weights):
             b = buckets[0]
             buckets[0] += 1
-            fail = behavior.get("fail_bucket")
-            if fail is not None and (fail == b or (fail == -1 and b == behavior.get("n_buckets", -2) - 1)):
+            runs[0] += 1
+            if this.get("mark_dir"):   # lets a test act while the worker is inside bucket b
+                open(os.path.join(this["mark_dir"], f"w{index}-b{b}"), "w").close()
+            fail = this.get("fail_bucket")
+            if fail is not None and (fail == b or (fail == -1 and b == this.get("n_buckets", -2) - 1)):
                 raise RuntimeError(f"injected engine failure at bucket {b}")
-            if behavior.get("sleep_s"):
-                time.sleep(behavior["sleep_s"])
+            if this.get("sleep_s"):
+                time.sleep(this["sleep_s"])
             for name, t in weights:
                 staged[name] = digest(t)
 
         try:
-            if behavior.get("never_connect"):
-                time.sleep(behavior.get("never_connect"))
+            if this.get("never_connect"):
+                time.sleep(this.get("never_connect"))
                 conn.send(("error", "worker did not connect (injected)"))
                 continue
             update_weights_from_ipc(ctx, handles[key], index, run=run,
-                                    post_hook=lambda: loaded.update(staged), timeout=behavior.get("timeout", 60))
+                                    post_hook=lambda: loaded.update(staged), timeout=this.get("timeout", 60))
             updates += 1
             conn.send(("ok", {"buckets": buckets[0]}))
         except Exception:
@@ -94,12 +102,11 @@ class EngineFront:
     def __init__(self, kind: str, world: int, behavior: dict | None = None, devices: list[int] | None = None):
         self.listener = Listener(("127.0.0.1", 0), authkey=AUTH)
         self.address = self.listener.address
+        self.kind, self.behavior = kind, dict(behavior or {})
+        self.devices = devices or list(range(world))
         self.conns, self.procs = [], []
         for r in range(world):
-            parent, child = CTX.Pipe()
-            p = CTX.Process(target=worker_main, args=(kind, (devices or list(range(world)))[r], child,
-                                                     dict(behavior or {})), daemon=True)
-            p.start()
+            parent, p = self._spawn(r)
             self.conns.append(parent)
             self.procs.append(p)
         self._lock = threading.Lock()
@@ -112,13 +119,58 @@ class EngineFront:
                 c = self.listener.accept()
             except OSError:
                 return
-            with c:
-                handles, behaviors = c.recv()
-                with self._lock:
-                    for i, wc in enumerate(self.conns):
-                        wc.send(("update", handles, (behaviors or {}).get(i)))
-                    results = [wc.recv() for wc in self.conns]
-                c.send(results)
+            try:
+                with c:
+                    handles, behaviors = c.recv()
+                    with self._lock:
+                        results = self._fan_out(handles, behaviors or {})
+                    c.send(results)
+            except (EOFError, OSError):
+                continue   # the caller (a PS rank) went away: keep serving the next one
+
+    def _spawn(self, i: int):
+        parent, child = CTX.Pipe()
+        p = CTX.Process(target=worker_main, args=(self.kind, self.devices[i], child, dict(self.behavior)),
+                        daemon=True)
+        p.start()
+        child.close()   # so that recv() on parent sees EOF when the worker dies
+        return parent, p
+
+    def _fan_out(self, handles, behaviors: dict) -> list:
+        """Send one update to every worker; a dead worker answers with an error, never a hang."""
+        sent = []
+        for i, wc in enumerate(self.conns):
+            try:
+                wc.send(("update", handles, behaviors.get(i)))
+                sent.append(True)
+            except (OSError, EOFError):
+                sent.append(False)
+        results = []
+        for i, wc in enumerate(self.conns):
+            try:
+                if not sent[i]:
+                    raise EOFError
+                results.append(wc.recv())
+            except (OSError, EOFError):
+                results.append(("error", f"engine worker {i} (pid {self.procs[i].pid}) died"))
+        return results
+
+    def kill(self, i: int) -> None:
+        """SIGKILL engine worker ``i`` (no cleanup runs in it)."""
+        os.kill(self.procs[i].pid, signal.SIGKILL)
+        self.procs[i].join(10)
+
+    def restart(self, i: int) -> None:
+        """Replace worker ``i`` by a fresh process (after a kill); waits for any update in flight."""
+        with self._lock:
+            if self.procs[i].is_alive():
+                self.procs[i].kill()
+                self.procs[i].join(10)
+            self.conns[i].close()
+            self.conns[i], self.procs[i] = self._spawn(i)
+
+    def stats(self, i: int) -> dict:
+        return self.call(i, "stats")[1]
 
     def call(self, i: int, *cmd, timeout: float = 60):
         with self._lock:
@@ -173,6 +225,7 @@ def ps_main(rank: int, world: int, port: int, kind: str, script: list, out) -> N
         for step, arg in script:
             try:
                 if step == "init":
+                    results.append(("ok", None))
                     continue
                 if step == "register":
                     name, kwargs = arg
@@ -233,3 +286,200 @@ def run_ps_world(kind: str, world: int, script: list, *, timeout: float = 120) -
             if p.is_alive():
                 p.kill()
     return out
+
+
+# ---------------------------------------------------------------- PS side, driven step by step
+@dataclass
+class Outcome:
+    """What one PS rank answered to one command."""
+    ok: bool
+    value: object = None
+    error: str | None = None      # exception class name
+    message: str = ""
+    seconds: float = 0.0          # how long the call ran inside the PS process
+
+    def __repr__(self) -> str:
+        what = repr(self.value)[:200] if self.ok else f"{self.error}: {self.message[:2000]}"
+        return f"Outcome({'ok' if self.ok else 'error'}, {what}, {self.seconds:.2f}s)"
+
+
+def _rss_bytes(pid: int | str = "self") -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _ps_command(ps, rank: int, cmd: str, arg):
+    """One command of the interactive PS; returns a picklable value or raises."""
+    if cmd == "register":
+        name, kwargs = arg
+        return ps.register_checkpoint(name, **kwargs)
+    if cmd == "gather":
+        return ps.gather_metas(arg)
+    if cmd == "update":
+        name, address, timeout, behaviors = arg
+        req = make_req_func(address, behaviors) if rank == 0 and address is not None else (lambda h: None)
+        return ps.update(name, req, timeout=timeout)
+    if cmd == "updates":          # many back-to-back updates, one command (the soak test)
+        names, address, timeout = arg
+        return [ps.update(n, make_req_func(address) if rank == 0 else (lambda h: None), timeout=timeout)["seconds"]["total"]
+                for n in names]
+    if cmd == "two_updates_at_once":
+        name, address, timeout = arg
+        return _two_updates_at_once(ps, rank, name, address, timeout)
+    if cmd == "unregister":
+        name, kwargs = arg
+        return ps.unregister_checkpoint(name, **kwargs)
+    if cmd == "checkpoints":
+        return ps.checkpoints()
+    if cmd == "close":
+        return ps.close()
+    if cmd == "rss":
+        return _rss_bytes()
+    if cmd == "sleep":
+        return time.sleep(arg)
+    raise ValueError(f"unknown harness command {cmd!r}")
+
+
+def _two_updates_at_once(ps, rank, name, address, timeout):
+    """Start an update in a thread, call update again while it runs; report both outcomes."""
+    started = threading.Event()
+    first: dict = {}
+
+    def req(handles):
+        started.set()
+        if address is not None:
+            make_req_func(address)(handles)
+
+    def one():
+        try:
+            first["ok"] = ps.update(name, req if rank == 0 else (lambda h: started.set()), timeout=timeout)
+        except Exception as exc:
+            first["error"] = f"{type(exc).__name__}: {exc}"
+
+    t = threading.Thread(target=one)
+    t.start()
+    if not started.wait(timeout):
+        raise TimeoutError("the first update never reached req_func")
+    try:
+        ps.update(name, lambda h: None, timeout=timeout)
+        second = "no error"
+    except Exception as exc:
+        second = type(exc).__name__ + ": " + str(exc)
+    t.join(timeout + 5)
+    return {"second": second, "first": "ok" if "ok" in first else first.get("error", "still running")}
+
+
+def ps_server_main(rank: int, world: int, port: int, kind: str, init: dict, env: dict, conn) -> None:
+    """A PS rank that executes commands from the test process, answering each with an Outcome."""
+    os.environ.update(env)
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    from ckpt_core import ParameterServer
+    try:
+        ps = ParameterServer(rank, world, device=kind, master_addr="127.0.0.1", master_port=port, **init)
+    except Exception as exc:
+        conn.send(Outcome(False, None, type(exc).__name__, traceback.format_exc()))
+        return
+    conn.send(Outcome(True, {"pid": os.getpid(), "device_uuid": ps.device_uuid}))
+    while True:
+        try:
+            cmd, arg = conn.recv()
+        except EOFError:
+            return
+        if cmd == "exit":
+            ps.close()
+            conn.send(Outcome(True))
+            return
+        t0 = time.monotonic()
+        try:
+            value = _ps_command(ps, rank, cmd, arg)
+            conn.send(Outcome(True, value, seconds=time.monotonic() - t0))
+        except Exception as exc:
+            conn.send(Outcome(False, None, type(exc).__name__, str(exc), time.monotonic() - t0))
+
+
+class PsWorld:
+    """W parameter-server processes that run commands on demand, so a test can act between steps
+    (kill a process, restart a worker, check digests) and time every error.
+
+    ``env`` is set in the PS processes before the ParameterServer is built (e.g. a small
+    PS_COLLECTIVE_TIMEOUT_S); ``init`` goes to its constructor.
+    """
+
+    def __init__(self, kind: str, size: int, *, init: dict | None = None, env: dict | None = None,
+                 start_timeout: float = 120):
+        self.kind, self.size = kind, size
+        port = free_port()
+        self.conns, self.procs = [], []
+        for r in range(size):
+            parent, child = CTX.Pipe()
+            p = CTX.Process(target=ps_server_main, args=(r, size, port, kind, dict(init or {}), dict(env or {}), child),
+                            daemon=True)
+            p.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(p)
+        hello = self._collect(range(size), start_timeout)
+        bad = {r: o for r, o in hello.items() if not o.ok}
+        if bad:
+            self.kill_all()
+            raise RuntimeError(f"PS ranks failed to start: {bad}")
+        self.pids = [hello[r].value["pid"] for r in range(size)]
+        self.device_uuids = [hello[r].value["device_uuid"] for r in range(size)]
+
+    def send(self, cmd: str, arg=None, *, ranks=None, per_rank: dict | None = None) -> list[int]:
+        ranks = list(range(self.size)) if ranks is None else list(ranks)
+        for r in ranks:
+            self.conns[r].send((cmd, per_rank[r] if per_rank is not None else arg))
+        return ranks
+
+    def _collect(self, ranks, timeout: float) -> dict[int, Outcome]:
+        out, deadline = {}, time.monotonic() + timeout
+        for r in ranks:
+            left = deadline - time.monotonic()
+            try:
+                if not self.conns[r].poll(max(0.0, left)):
+                    out[r] = Outcome(False, None, "HarnessTimeout", f"PS rank {r} did not answer within {timeout} s")
+                    continue
+                out[r] = self.conns[r].recv()
+            except (EOFError, OSError):
+                out[r] = Outcome(False, None, "ProcessDied", f"PS rank {r} (pid {self.procs[r].pid}) died")
+        return out
+
+    def collect(self, ranks=None, timeout: float = 60) -> dict[int, Outcome]:
+        return self._collect(range(self.size) if ranks is None else ranks, timeout)
+
+    def all(self, cmd: str, arg=None, *, ranks=None, per_rank: dict | None = None, timeout: float = 60) -> dict[int, Outcome]:
+        """Run one command on the given ranks (all by default) and wait for their answers."""
+        return self.collect(self.send(cmd, arg, ranks=ranks, per_rank=per_rank), timeout)
+
+    def update(self, name: str, front: "EngineFront | None", timeout: float = 30, behaviors: dict | None = None,
+               *, wait: float | None = None) -> dict[int, Outcome]:
+        arg = (name, front.address if front is not None else None, timeout, behaviors)
+        return self.all("update", arg, timeout=wait if wait is not None else timeout + 60)
+
+    def kill(self, rank: int) -> None:
+        os.kill(self.procs[rank].pid, signal.SIGKILL)
+        self.procs[rank].join(10)
+
+    def kill_all(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+
+    def close(self) -> None:
+        alive = [r for r, p in enumerate(self.procs) if p.is_alive()]
+        try:
+            self.collect(self.send("exit", ranks=alive), timeout=15)
+        except (OSError, EOFError):
+            pass
+        self.kill_all()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

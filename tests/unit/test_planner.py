@@ -1,0 +1,102 @@
+"""The pure planner: bucket packing, contiguity of copy runs, interleaving, sizing."""
+
+import pytest
+
+from ckpt_core._planner import (ALIGN, TensorMeta, choose_bucket_bytes, interleave, plan_buckets)
+from ckpt_core.errors import ConfigError
+
+
+def meta(name, nbytes, *, base=0, offset=0, itemsize=2):
+    return TensorMeta(name, "BF16", (nbytes // itemsize,), nbytes, itemsize, base, offset)
+
+
+def packed(sizes, base=0, align=ALIGN, prefix="t"):
+    out, pos = [], 0
+    for i, n in enumerate(sizes):
+        out.append(meta(f"{prefix}{i}", n, base=base, offset=pos))
+        pos = (pos + n + align - 1) // align * align
+    return out
+
+
+def test_every_tensor_is_placed_once_and_inside_its_bucket():
+    metas = [packed([1000, 3000, 500, 7000, 10], prefix="a"), packed([4096] * 5, prefix="b")]
+    plan = plan_buckets(metas, 8192)
+    names = [p.meta.name for b in plan.buckets for p in b.placements]
+    assert sorted(names) == sorted(m.name for ms in metas for m in ms)
+    for b in plan.buckets:
+        assert b.nbytes <= 8192
+        for p in b.placements:
+            assert p.offset % p.meta.itemsize == 0
+            assert p.offset + p.meta.nbytes <= b.nbytes
+        spans = sorted((p.offset, p.offset + p.meta.nbytes) for p in b.placements)
+        assert all(a[1] <= c[0] for a, c in zip(spans, spans[1:])), "placements overlap"
+
+
+def test_tensors_laid_out_contiguously_in_host_memory_copy_as_one_run():
+    plan = plan_buckets([packed([256, 512, 1024, 256])], 1 << 20)
+    (bucket,) = plan.buckets
+    runs = bucket.runs()
+    assert len(runs) == 1
+    assert runs[0].nbytes == bucket.nbytes
+
+
+def test_tensors_from_different_host_buffers_get_separate_runs():
+    metas = [[meta("x", 512, base=0), meta("y", 512, base=1), meta("z", 512, base=1, offset=512)]]
+    (bucket,) = plan_buckets(metas, 1 << 20).buckets
+    assert [(r.base, r.nbytes) for r in bucket.runs()] == [(0, 512), (1, 1024)]
+
+
+def test_a_misaligned_neighbour_is_realigned_instead_of_kept_in_place():
+    metas = [[meta("a", 3, base=0, offset=0, itemsize=1), meta("b", 4, base=0, offset=3, itemsize=4)]]
+    (bucket,) = plan_buckets(metas, 4096).buckets
+    offsets = {p.meta.name: p.offset for p in bucket.placements}
+    assert offsets["b"] % 4 == 0 and offsets["b"] >= 3
+
+
+def test_buckets_alternate_between_owners_so_all_ranks_copy_at_once():
+    metas = [packed([4096] * 4, prefix="r0_"), packed([4096] * 4, prefix="r1_"), []]
+    plan = plan_buckets(metas, 4096)
+    assert [b.owner for b in plan.buckets] == [0, 1, 0, 1, 0, 1, 0, 1]
+
+
+def test_interleave_continues_with_the_ranks_that_have_more():
+    assert interleave([["a0", "a1", "a2"], ["b0"], []]) == ["a0", "b0", "a1", "a2"]
+
+
+def test_a_rank_owning_nothing_gets_no_bucket():
+    plan = plan_buckets([[], packed([100, 200])], 4096)
+    assert {b.owner for b in plan.buckets} == {1}
+
+
+def test_a_tensor_larger_than_a_bucket_is_an_error_naming_it_and_the_sizes():
+    with pytest.raises(ConfigError, match=r"'big' \(10000 bytes, rank 1\) does not fit a bucket of 4096 bytes"):
+        plan_buckets([packed([10]), [meta("big", 10000)]], 4096)
+
+
+def test_the_same_name_on_two_ranks_is_rejected():
+    with pytest.raises(ConfigError, match="'w' is registered on rank 0 and on rank 1"):
+        plan_buckets([[meta("w", 8)], [meta("w", 8)]], 4096)
+
+
+def test_zero_byte_tensors_are_placed():
+    plan = plan_buckets([[meta("empty", 0), meta("x", 8, offset=256)]], 4096)
+    assert sum(len(b.placements) for b in plan.buckets) == 2
+
+
+@pytest.mark.parametrize("free,fraction,slots,cap,total,expected", [
+    (30 << 30, 0.9, 3, 8 << 30, 100 << 30, 8 << 30),          # capped by PS_MAX_BUCKET_SIZE_GB
+    (3 << 30, 0.9, 3, 8 << 30, 100 << 30, (int((3 << 30) * 0.9) // 3) // ALIGN * ALIGN),  # memory-bound
+    (30 << 30, 0.9, 3, 8 << 30, 64 << 20, 64 << 20),          # no bigger than the largest share
+    (0, 0.9, 3, 8 << 30, 64 << 20, ALIGN),                     # never zero
+])
+def test_bucket_size_is_the_smallest_of_memory_share_cap_and_need(free, fraction, slots, cap, total, expected):
+    got = choose_bucket_bytes(free, mem_fraction=fraction, num_slots=slots, max_bucket_bytes=cap,
+                              largest_owner_total=total)
+    assert got == expected and got % ALIGN == 0
+
+
+def test_plan_is_deterministic_for_every_rank():
+    metas = [packed([300, 5000, 70, 2048], prefix="a"), packed([999, 1], prefix="b")]
+    a, b = plan_buckets(metas, 6000), plan_buckets(metas, 6000)
+    assert [[(p.meta.name, p.offset) for p in x.placements] for x in a.buckets] == \
+           [[(p.meta.name, p.offset) for p in x.placements] for x in b.buckets]
