@@ -1,0 +1,66 @@
+"""The end-to-end cases again, on CUDA: NCCL broadcast, pinned host memory, CUDA IPC buffers."""
+
+import pytest
+import torch
+
+import e2e_cases as cases
+
+pytestmark = pytest.mark.gpu
+
+
+def need(n: int) -> None:
+    if torch.cuda.device_count() < n:
+        pytest.skip(f"needs {n} GPUs, this machine has {torch.cuda.device_count()}")
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_files_named_tensors_and_shm_arrive_bit_exact_on_cuda(world, tmp_path):
+    need(world)
+    cases.case_mixed_sources_uneven_shares("cuda", world, tmp_path, updates=3)
+
+
+def test_two_checkpoints_and_the_pinned_shared_pool_on_cuda():
+    need(2)
+    cases.case_two_checkpoints_and_shared_pool("cuda", 2)
+
+
+@pytest.mark.parametrize("fail_rank", [0, 1])
+def test_an_engine_error_on_the_last_bucket_fails_every_cuda_rank_and_a_retry_succeeds(fail_rank):
+    need(2)
+    cases.case_engine_fails_then_retry("cuda", 2, fail_rank)
+
+
+def test_an_engine_that_never_connects_times_out_on_cuda():
+    need(2)
+    cases.case_engine_never_connects("cuda", 2, timeout_s=5.0)
+
+
+def test_the_ipc_buffer_maps_on_the_workers_own_device_and_is_freed():
+    """The CUDA backend's descriptor round-trips through JSON and lands on the device index given."""
+    from multiprocessing import get_context
+    from ckpt_core.devices import get_backend
+    import json
+
+    need(1)
+    b = get_backend("cuda")
+    buf = b.alloc_ipc(1 << 20, 0, "t")
+    buf.tensor.copy_(torch.randint(0, 255, (1 << 20,), dtype=torch.uint8, device="cuda:0"))
+    want = buf.tensor.sum().item()
+    ctx = get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_open_and_sum, args=(json.dumps(buf.descriptor), q))
+    p.start()
+    got = q.get(timeout=60)
+    p.join(30)
+    assert got == (want, "cuda:0")
+    free_before = torch.cuda.mem_get_info(0)[0]
+    buf.close()
+    b.empty_cache()
+    assert torch.cuda.mem_get_info(0)[0] >= free_before
+
+
+def _open_and_sum(desc, q):
+    import json
+    from ckpt_core.devices import get_backend
+    t, _ = get_backend("cuda").open_ipc(json.loads(desc), 0)
+    q.put((t.sum().item(), str(t.device)))
