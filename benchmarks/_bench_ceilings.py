@@ -1,0 +1,102 @@
+"""The machine's ceilings, measured in the same run as the updates.
+
+* H2D: every rank copies ``h2d_bytes`` from a pinned host buffer into its device at
+  the same time (barrier first), timed with device events; best of ``repeats``.
+* Broadcast: ``bcast_bytes`` on the data process group from each source rank in
+  turn; the slowest source's best time gives the rate (bytes a receiver gets per second).
+On ``cpu`` the "H2D" is a host memcpy and the broadcast goes over gloo: numbers that
+only make the floor defined, not a statement about hardware.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def _timer(kind: str):
+    if kind == "cuda":
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+        def begin():
+            start.record()
+
+        def end() -> float:
+            stop.record()
+            stop.synchronize()
+            return start.elapsed_time(stop) / 1e3
+        return begin, end
+    box = [0.0]
+
+    def begin_cpu():
+        box[0] = time.perf_counter()
+
+    def end_cpu() -> float:
+        return time.perf_counter() - box[0]
+    return begin_cpu, end_cpu
+
+
+def _sync(kind: str) -> None:
+    if kind == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure_h2d(kind: str, device: torch.device, nbytes: int, ctrl, repeats: int = 3) -> float:
+    """GB/s of this rank's pinned host -> device copy while every rank copies."""
+    host = torch.empty(nbytes, dtype=torch.uint8)
+    host.fill_(7)
+    pin = None
+    if kind == "cuda":
+        from ckpt_core.devices import get_backend
+        pin = get_backend("cuda").pin(host)   # cudaHostRegister: far faster than pin_memory=True
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    begin, end = _timer(kind)
+    best = float("inf")
+    try:
+        for i in range(repeats + 1):     # the first pass warms up
+            dist.barrier(group=ctrl)
+            _sync(kind)
+            begin()
+            dst.copy_(host, non_blocking=True)
+            dt = end()
+            if i:
+                best = min(best, dt)
+    finally:
+        del dst
+        if pin is not None:
+            pin.release()
+    return nbytes / best / 1e9
+
+
+def measure_broadcast(kind: str, device: torch.device, nbytes: int, ctrl, repeats: int = 3) -> float | None:
+    """GB/s one receiver gets from a device broadcast (None on a single rank)."""
+    world = dist.get_world_size()
+    if world == 1:
+        return None
+    buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dist.broadcast(buf, 0)          # warm-up: communicator creation
+    _sync(kind)
+    worst = 0.0
+    for src in range(world):
+        best = float("inf")
+        for _ in range(repeats):
+            dist.barrier(group=ctrl)
+            _sync(kind)
+            t0 = time.perf_counter()
+            dist.broadcast(buf, src)
+            _sync(kind)
+            best = min(best, time.perf_counter() - t0)
+        worst = max(worst, best)
+    del buf
+    return nbytes / worst / 1e9
+
+
+def measure(kind: str, device: torch.device, ctrl, *, h2d_bytes: int, bcast_bytes: int) -> dict:
+    """This rank's ceilings; call on every rank at the same time."""
+    h2d = measure_h2d(kind, device, h2d_bytes, ctrl)
+    bcast = measure_broadcast(kind, device, bcast_bytes, ctrl)
+    if kind == "cuda":
+        torch.cuda.empty_cache()
+    return {"h2d_gbps": h2d, "broadcast_gbps": bcast, "h2d_bytes": h2d_bytes, "broadcast_bytes": bcast_bytes}

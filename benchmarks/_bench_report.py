@@ -1,0 +1,87 @@
+"""The physical floor of an update, and the printed tables of the benchmark."""
+
+from __future__ import annotations
+
+import statistics
+
+GiB = float(1 << 30)
+
+
+def floor_seconds(share_bytes: list[int], h2d_gbps: list[float], bcast_gbps: float | None) -> dict:
+    """Lower bound of one update: every rank must copy its own share host -> device and
+    receive everyone else's over the device interconnect; the two links work in parallel,
+    so a rank needs the longer of the two, and the update the slowest rank."""
+    total = sum(share_bytes)
+    per_rank = []
+    for own, h2d in zip(share_bytes, h2d_gbps):
+        h2d_s = own / (h2d * 1e9)
+        recv = total - own
+        bcast_s = recv / (bcast_gbps * 1e9) if recv and bcast_gbps else 0.0
+        per_rank.append({"own_bytes": own, "received_bytes": recv, "h2d_s": h2d_s, "broadcast_s": bcast_s,
+                         "floor_s": max(h2d_s, bcast_s)})
+    return {"seconds": max(r["floor_s"] for r in per_rank), "per_rank": per_rank}
+
+
+def summarize_updates(updates: list[dict]) -> dict:
+    """``updates``: per timed update, the max over ranks of the wall time and more."""
+    times = [u["seconds"] for u in updates]
+    best = min(range(len(times)), key=times.__getitem__)
+    return {"best_s": times[best], "median_s": statistics.median(times), "all_s": times, "best_index": best}
+
+
+def _fmt_s(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def _breakdown(seconds: dict) -> str:
+    keys = [k for k in ("plan", "handshake", "pipeline") if k in seconds]
+    parts = [f"{k[:5]} {seconds[k]:.3f}" for k in keys]
+    rest = seconds.get("total", 0.0) - sum(seconds[k] for k in keys)
+    return " / ".join(parts + [f"end {rest:.3f}"])
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    line = lambda cells: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def format_report(result: dict) -> str:
+    meta, ceil = result["meta"], result["ceilings"]
+    bc = ceil["broadcast_gbps"]
+    lines = [
+        f"ckpt-engine update benchmark: {meta['world_size']} rank(s), {meta['device']} "
+        f"({meta.get('device_name', '')}), torch {meta['torch']}, scale {meta['scale']}, repeats {meta['repeats']}"
+        + (f", free device memory limited to {meta['free_mem_gib']} GiB" if meta.get("free_mem_gib") is not None else ""),
+        "ceilings: H2D GB/s per rank (all copying) " + ", ".join(f"{x:.1f}" for x in ceil["h2d_gbps"])
+        + f"; broadcast GB/s {'-' if bc is None else f'{bc:.1f}'}",
+        "",
+    ]
+    rows = []
+    for c in result["cases"]:
+        u, b = c["update"], c["update_breakdown"]
+        rows.append([
+            c["case"], f"{c['bytes'] / GiB:.3f}", str(c["tensors"]), _fmt_s(c["register_s"]), _fmt_s(c["gather_metas_s"]),
+            f"{u['best_s']:.3f}/{u['median_s']:.3f}", f"{c['bytes'] / u['best_s'] / 1e9:.1f}",
+            f"{c['floor']['seconds']:.3f}", f"{u['best_s'] / c['floor']['seconds']:.2f}" if c["floor"]["seconds"] else "-",
+            f"{c['peak_extra_device_bytes'] / (1 << 20):.0f}", f"{c['buckets']}x{c['bucket_bytes'] / (1 << 20):.0f}M",
+            _breakdown(b)])
+    lines.append(_table(["case", "GiB", "tensors", "register s", "gather s", "update best/med s", "GB/s",
+                         "floor s", "x floor", "peak MiB", "buckets", "rank-0 breakdown s (plan/handshake/pipeline/end)"],
+                        rows))
+    lines += ["", "registration (max over ranks; GB/s of the rank's own share):"]
+    rows = []
+    for c in result["cases"]:
+        own = max(c["share_bytes"])
+        pool, shm = c.get("pool") or {}, c.get("shm") or {}
+        rate = lambda s: "-" if not s else f"{own / s / 1e9:.1f}"
+        rows.append([
+            c["case"], f"{own / GiB:.3f}", _fmt_s(c["register_s"]), rate(c["register_s"]),
+            _fmt_s(pool.get("first_s")), _fmt_s(pool.get("reregister_s")), rate(pool.get("reregister_s")),
+            _fmt_s(pool.get("update_s")), _fmt_s(shm.get("register_s")), rate(shm.get("register_s")),
+            _fmt_s(shm.get("update_s")), shm.get("skipped", "")])
+    lines.append(_table(["case", "share GiB", "named s", "GB/s", "pool 1st s", "pool re-reg s", "GB/s",
+                         "pool upd s", "shm in-place s", "GB/s", "shm upd s", "note"], rows))
+    lines.append("")
+    lines.append("every update was verified bit-exact: engine-side checksums of all parameters == source checksums")
+    return "\n".join(lines)

@@ -1,0 +1,218 @@
+"""The simulated engine worker of the update benchmark, and the "engine front" rank 0 drives.
+
+One worker process per PS rank, on the same device. It preallocates one
+parameter per checkpoint tensor and, when told to update, calls
+``ckpt_core.update_weights_from_ipc`` with a ``run`` that copies every received
+tensor into its parameter (what an engine's ``load_weights`` does). It answers
+two peers: its own PS rank over a Pipe (allocate, zero, checksum, free, stop)
+and rank 0's ``req_func`` over a ``multiprocessing`` connection (update), whose
+address every rank publishes with ``all_gather_object``.
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing as mp
+import os
+import threading
+import time
+import traceback
+from multiprocessing.connection import Client, Listener, wait
+
+AUTH = b"ckpt-bench"
+CTX = mp.get_context("spawn")
+
+
+# ---------------------------------------------------------------------------------------- worker process
+class _Engine:
+    def __init__(self, kind: str, index: int):
+        import torch
+        import zmq
+
+        from ckpt_core import local_device_key
+        self.torch, self.kind, self.index = torch, kind, index
+        if kind == "cuda":
+            torch.cuda.set_device(index)
+        self.device = torch.device(kind, index) if kind != "cpu" else torch.device("cpu")
+        self.key = local_device_key(kind, index)
+        self.zmq_ctx = zmq.Context()
+        self.params: dict = {}
+
+    def sync(self) -> None:
+        if self.kind == "cuda":
+            self.torch.cuda.synchronize(self.index)
+
+    def alloc(self, specs) -> int:
+        self.free()
+        self.params = {n: self.torch.empty(shape, dtype=dtype, device=self.device) for n, shape, dtype in specs}
+        self.sync()
+        return sum(p.numel() * p.element_size() for p in self.params.values())
+
+    def zero(self) -> None:
+        for p in self.params.values():
+            p.zero_()
+        self.sync()
+
+    def checksum(self) -> dict:
+        from _bench_cases import checksums
+        return checksums(self.params)
+
+    def free(self) -> None:
+        from _bench_cases import free_weight_cache
+        self.params = {}
+        free_weight_cache()
+        gc.collect()
+        if self.kind == "cuda":
+            self.torch.cuda.empty_cache()
+
+    def update(self, handles: dict) -> dict:
+        from ckpt_core import update_weights_from_ipc
+        seen: set[str] = set()
+        buckets = [0]
+
+        def run(weights) -> None:
+            buckets[0] += 1
+            for name, t in weights:
+                p = self.params.get(name)
+                if p is None:
+                    raise KeyError(f"received tensor {name!r} that the engine does not have")
+                if name in seen:
+                    raise ValueError(f"received tensor {name!r} twice in one update")
+                if p.shape != t.shape or p.dtype != t.dtype:
+                    raise ValueError(f"{name}: received {t.dtype}{tuple(t.shape)}, parameter is {p.dtype}{tuple(p.shape)}")
+                p.copy_(t)
+                seen.add(name)
+
+        def post_hook() -> None:
+            if len(seen) != len(self.params):
+                missing = sorted(set(self.params) - seen)
+                raise ValueError(f"{len(missing)} parameters were not updated, e.g. {missing[:3]}")
+            self.sync()
+
+        t0 = time.perf_counter()
+        update_weights_from_ipc(self.zmq_ctx, handles[self.key], self.index, run=run, post_hook=post_hook)
+        return {"seconds": time.perf_counter() - t0, "buckets": buckets[0], "tensors": len(seen)}
+
+    def handle(self, cmd: tuple):
+        op = cmd[0]
+        if op == "alloc":
+            return self.alloc(cmd[1])
+        if op == "zero":
+            return self.zero()
+        if op == "checksum":
+            return self.checksum()
+        if op == "free":
+            return self.free()
+        if op == "update":
+            return self.update(cmd[1])
+        raise ValueError(f"unknown command {op!r}")
+
+
+def worker_main(kind: str, index: int, conn, parent_pid: int) -> None:
+    listener = Listener(("127.0.0.1", 0), authkey=AUTH)
+    fronts: list = []
+    threading.Thread(target=lambda: fronts.append(listener.accept()), daemon=True).start()
+    try:
+        engine = _Engine(kind, index)
+    except Exception:
+        conn.send(("error", traceback.format_exc()))
+        return
+    conn.send(("ok", listener.address))
+    while True:
+        ready = wait([conn] + fronts, timeout=1.0)
+        if os.getppid() != parent_pid:
+            return  # our PS rank died: do not linger on the device
+        for c in ready:
+            try:
+                cmd = c.recv()
+            except (EOFError, OSError):
+                if c is conn:
+                    return
+                fronts.remove(c)
+                continue
+            if cmd[0] == "stop":
+                c.send(("ok", None))
+                return
+            if cmd[0] == "connected":
+                c.send(("ok", bool(fronts)))
+                continue
+            try:
+                c.send(("ok", engine.handle(cmd)))
+            except Exception:
+                c.send(("error", traceback.format_exc()))
+
+
+# ---------------------------------------------------------------------------------------- PS-side handles
+class EngineWorker:
+    """The PS rank's handle on its colocated worker process."""
+
+    def __init__(self, kind: str, index: int, timeout: float = 600.0):
+        self.index, self.timeout = index, timeout
+        self.conn, child = CTX.Pipe()
+        self.proc = CTX.Process(target=worker_main, args=(kind, index, child, os.getpid()), daemon=True,
+                                name=f"bench-engine-{index}")
+        self.proc.start()
+        child.close()
+        self._address = None
+
+    @property
+    def address(self):
+        """The worker's listening address; waits for the process to start (it imports torch)."""
+        if self._address is None:
+            self._address = self._answer("start")
+        return self._address
+
+    def _answer(self, what: str):
+        if not self.conn.poll(self.timeout):
+            raise TimeoutError(f"engine worker {self.index} did not answer {what!r} within {self.timeout} s")
+        status, payload = self.conn.recv()
+        if status != "ok":
+            raise RuntimeError(f"engine worker {self.index} failed on {what!r}:\n{payload}")
+        return payload
+
+    def call(self, *cmd):
+        self.conn.send(cmd)
+        return self._answer(cmd[0])
+
+    def wait_connected(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.call("connected"):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank 0 did not connect to engine worker {self.index}")
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        try:
+            if self.proc.is_alive():
+                self.call("stop")
+        except Exception:
+            pass
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+class EngineFront:
+    """Rank 0's stand-in for an engine's update API: fans the handles out to every worker."""
+
+    def __init__(self, addresses: list, timeout: float = 600.0):
+        self.timeout = timeout
+        self.conns = [Client(tuple(a) if isinstance(a, list) else a, authkey=AUTH) for a in addresses]
+        self.last: list = []
+
+    def req_func(self, handles) -> None:
+        for c in self.conns:
+            c.send(("update", dict(handles)))
+        results = []
+        for i, c in enumerate(self.conns):
+            if not c.poll(self.timeout):
+                raise TimeoutError(f"engine worker of rank {i} did not finish the update within {self.timeout} s")
+            results.append(c.recv())
+        errors = [f"worker of rank {i}:\n{r[1]}" for i, r in enumerate(results) if r[0] != "ok"]
+        if errors:
+            raise RuntimeError("engine worker failed: " + "\n".join(errors))
+        self.last = [r[1] for r in results]
+
+    def close(self) -> None:
+        for c in self.conns:
+            c.close()

@@ -1,0 +1,312 @@
+"""GPU benchmark of ckpt-engine's weight update: register, gather_metas, update into simulated engines.
+
+Run one rank per device (the project root needs no install; it is put on sys.path)::
+
+    torchrun --nproc-per-node 2 benchmarks/update_bench.py --out results.json
+    torchrun --nproc-per-node 2 benchmarks/update_bench.py --cases dense16 --free-mem-gib 2
+    python -m torch.distributed.run --nproc-per-node 2 benchmarks/update_bench.py --device cpu --scale 0.01
+
+Each rank measures the machine's ceilings (pinned H2D with every rank copying, device
+broadcast), starts one simulated engine worker on its device, and for each case builds
+a checkpoint of fresh random data split across ranks, registers it, gathers metas, runs
+a warm-up update and ``--repeats`` timed ones (every one verified bit-exact by checksums
+the engine worker reports), re-registers it into the shared pool and registers it from
+/dev/shm safetensors in place. Rank 0 prints the tables and writes ``--out`` (JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import secrets
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+for _p in (ROOT, HERE):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from _bench_cases import CASES, GiB, build_case, free_weight_cache, materialize, split  # noqa: E402
+from _bench_ceilings import measure  # noqa: E402
+from _bench_report import floor_seconds, format_report, summarize_updates  # noqa: E402
+from _bench_worker import EngineFront, EngineWorker  # noqa: E402
+
+SHM = "/dev/shm"
+T0 = time.perf_counter()
+T0 = time.perf_counter()
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cases", default="dense16,dense40,moe8,tiny", help=f"comma-separated, of {', '.join(CASES)}")
+    p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda if available")
+    p.add_argument("--scale", type=float, default=1.0, help="multiplies every case's size (tensor count stays)")
+    p.add_argument("--repeats", type=int, default=3, help="timed updates per case after one warm-up")
+    p.add_argument("--out", default=None, help="JSON results file (written by rank 0)")
+    p.add_argument("--free-mem-gib", type=float, default=None,
+                   help="before the updates, fill device memory so only this many GiB stay free (cuda only)")
+    p.add_argument("--h2d-mib", type=int, default=None, help="H2D ceiling copy size (default 4096 cuda, 64 cpu)")
+    p.add_argument("--bcast-mib", type=int, default=None, help="broadcast ceiling size (default 1024 cuda, 64 cpu)")
+    p.add_argument("--keep-device-buffers", action="store_true", help="ParameterServer(keep_device_buffers=True)")
+    p.add_argument("--skip-pool", action="store_true", help="skip the shared-pool re-registration")
+    p.add_argument("--skip-shm", action="store_true", help="skip the /dev/shm in-place registration")
+    p.add_argument("--log-level", default="WARNING", help="level of ckpt_core's logs (INFO: one line per phase)")
+    args = p.parse_args(argv)
+    args.cases = [c for c in args.cases.split(",") if c]
+    for c in args.cases:
+        if c not in CASES:
+            p.error(f"unknown case {c!r}; known: {', '.join(CASES)}")
+    if args.repeats < 1 or args.scale <= 0:
+        p.error("--repeats must be >= 1 and --scale > 0")
+    return args
+
+
+class Bench:
+    """One rank's benchmark: process groups, its engine worker, its ParameterServer."""
+
+    def __init__(self, args: argparse.Namespace):
+        from ckpt_core import ParameterServer
+        self.args = args
+        self.kind = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.rank, self.world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        self.local = int(os.environ.get("LOCAL_RANK", self.rank))
+        if self.kind == "cuda":
+            torch.cuda.set_device(self.local)
+            self.device = torch.device("cuda", self.local)
+        else:
+            self.device = torch.device("cpu")
+        self.worker = EngineWorker(self.kind, self.local)   # starts now; its address is awaited below
+        dist.init_process_group("nccl" if self.kind == "cuda" else "gloo")
+        self.ctrl = dist.new_group(backend="gloo") if self.kind == "cuda" else None
+        h2d = (args.h2d_mib or (4096 if self.kind == "cuda" else 64)) << 20
+        bcast = (args.bcast_mib or (1024 if self.kind == "cuda" else 64)) << 20
+        if self.kind == "cuda":
+            _ = self.worker.address   # its CUDA context exists before we time the device
+        mine = measure(self.kind, self.device, self.ctrl, h2d_bytes=h2d, bcast_bytes=bcast)
+        views = self.gather(mine)
+        self.ceilings = {"h2d_gbps": [v["h2d_gbps"] for v in views], "broadcast_gbps": views[0]["broadcast_gbps"],
+                         "h2d_bytes": h2d, "broadcast_bytes": bcast}
+        addresses = self.gather(self.worker.address)
+        self.front = EngineFront(addresses) if self.rank == 0 else None
+        self.barrier()
+        self.worker.wait_connected()
+        # The benchmark owns the default group; the ParameterServer borrows it (as under an RL trainer).
+        self.ps = ParameterServer(device=self.kind, keep_device_buffers=args.keep_device_buffers)
+        self.sums: dict = {}
+        self.say(f"ceilings: H2D {self.ceilings['h2d_gbps']} GB/s, broadcast {self.ceilings['broadcast_gbps']} GB/s")
+
+    # -- helpers ---------------------------------------------------------------
+    def say(self, msg: str) -> None:
+        if self.rank == 0:
+            print(f"[bench {time.perf_counter() - T0:6.1f}s] {msg}", flush=True)
+
+    def gather(self, obj) -> list:
+        out = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.ctrl)
+        return out
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.ctrl)
+
+    def timed(self, fn) -> dict:
+        """Barrier, run ``fn`` on every rank, return the slowest rank's seconds and everyone's."""
+        self.barrier()
+        t0 = time.perf_counter()
+        fn()
+        per_rank = self.gather(time.perf_counter() - t0)
+        return {"s": max(per_rank), "per_rank": per_rank}
+
+    def req_func(self, handles) -> None:
+        if self.front is not None:
+            self.front.req_func(handles)
+
+    def _mem_mark(self) -> int:
+        if self.kind != "cuda":
+            return 0
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+
+    def _mem_peak(self, base: int) -> int:
+        return torch.cuda.max_memory_allocated() - base if self.kind == "cuda" else 0
+
+    def _squeeze_device(self):
+        """Allocate device memory so only --free-mem-gib stays free; returns the filler (or None)."""
+        x = self.args.free_mem_gib
+        if x is None or self.kind != "cuda":
+            return None
+        torch.cuda.empty_cache()
+        free = torch.cuda.mem_get_info(self.local)[0]
+        n = free - int(x * GiB)
+        return torch.empty(n, dtype=torch.uint8, device=self.device) if n > 0 else None
+
+    # -- one update, verified ----------------------------------------------------
+    def update_once(self, name: str) -> dict:
+        self.worker.call("zero")   # so that a missed tensor cannot pass for a received one
+        self.barrier()
+        base = self._mem_mark()
+        t0 = time.perf_counter()
+        info = self.ps.update(name, self.req_func)
+        seconds = time.perf_counter() - t0
+        peak = self._mem_peak(base)
+        got = self.worker.call("checksum")
+        bad = [n for n, s in self.sums.items() if tuple(got.get(n, ())) != tuple(s)]
+        bad += sorted(set(got) - set(self.sums))
+        engine = self.front.last if self.front is not None else None
+        views = self.gather({"seconds": seconds, "peak": peak, "bad": bad[:5], "nbad": len(bad), "ps": info})
+        failed = [(r, v) for r, v in enumerate(views) if v["nbad"]]
+        if failed:
+            detail = "; ".join(f"rank {r}'s engine: {v['nbad']} tensors differ, e.g. {v['bad']}" for r, v in failed)
+            self.say("!" * 30 + f" CHECKSUM MISMATCH after updating {name!r}: {detail}")
+            raise RuntimeError(f"update of {name!r} is not bit-exact: {detail}")
+        return {"seconds": max(v["seconds"] for v in views), "per_rank_s": [v["seconds"] for v in views],
+                "peak_extra_device_bytes": [v["peak"] for v in views], "ps": [v["ps"] for v in views],
+                "engine": engine}
+
+    # -- a case ----------------------------------------------------------------------
+    def run_case(self, case: str) -> dict:
+        specs = build_case(case, self.args.scale)
+        shares = split(specs, self.world)
+        share_bytes = [sum(s.nbytes for s in sh) for sh in shares]
+        total = sum(share_bytes)
+        self.say(f"{case}: {len(specs)} tensors, {total / GiB:.3f} GiB; generating data")
+        t0 = time.perf_counter()
+        share = materialize(shares[self.rank], self.device, seed=secrets.randbits(62))
+        self.sums = {k: v for part in self.gather(share.sums) for k, v in part.items()}
+        self.worker.call("alloc", [(s.name, s.shape, s.dtype) for s in specs])
+        if self.kind == "cuda":
+            free_weight_cache()
+            torch.cuda.empty_cache()
+        gen_s = time.perf_counter() - t0
+        reg = self.timed(lambda: self.ps.register_checkpoint(case, named_tensors=share.named))
+        gat = self.timed(lambda: self.ps.gather_metas(case))
+        self.say(f"{case}: registered in {reg['s']:.3f} s, metas gathered in {gat['s']:.3f} s; updating")
+        filler = self._squeeze_device()
+        try:
+            updates = [self.update_once(case) for _ in range(1 + self.args.repeats)]
+        finally:
+            del filler
+            if self.kind == "cuda":
+                torch.cuda.empty_cache()
+        self.ps.unregister_checkpoint(case)
+        timed = updates[1:]
+        summary = summarize_updates(timed)
+        best = timed[summary["best_index"]]
+        record = {
+            "case": case, "bytes": total, "tensors": len(specs), "share_bytes": share_bytes, "generate_s": gen_s,
+            "register_s": reg["s"], "register_per_rank_s": reg["per_rank"], "gather_metas_s": gat["s"],
+            "gather_metas_per_rank_s": gat["per_rank"], "warmup_update_s": updates[0]["seconds"],
+            "update": summary, "update_breakdown": best["ps"][0]["seconds"],
+            "buckets": best["ps"][0]["buckets"], "bucket_bytes": best["ps"][0]["bucket_bytes"],
+            "peak_extra_device_bytes": max(max(u["peak_extra_device_bytes"]) for u in updates),
+            "peak_extra_device_bytes_per_rank": [max(u["peak_extra_device_bytes"][r] for u in updates)
+                                                 for r in range(self.world)],
+            "floor": floor_seconds(share_bytes, self.ceilings["h2d_gbps"], self.ceilings["broadcast_gbps"]),
+            "updates": updates,
+        }
+        self.say(f"{case}: update best {summary['best_s']:.3f} s, median {summary['median_s']:.3f} s "
+                 f"({total / summary['best_s'] / 1e9:.1f} GB/s), floor {record['floor']['seconds']:.3f} s")
+        record["pool"] = None if self.args.skip_pool else self.pool_section(case, share)
+        record["shm"] = None if self.args.skip_shm else self.shm_section(case, share, total)
+        self.worker.call("free")
+        del share
+        gc.collect()
+        if self.kind == "cuda":
+            torch.cuda.empty_cache()
+        self.barrier()
+        return record
+
+    def pool_section(self, case: str, share) -> dict:
+        """RL steady state: the pool is allocated and pinned once, then re-filled by the next step."""
+        first_name, next_name = f"{case}-pool-a", f"{case}-pool-b"
+        first = self.timed(lambda: self.ps.register_checkpoint(first_name, named_tensors=share.named,
+                                                               use_shared_memory_pool=True))
+        self.ps.unregister_checkpoint(first_name)
+        again = self.timed(lambda: self.ps.register_checkpoint(next_name, named_tensors=share.named,
+                                                               use_shared_memory_pool=True))
+        self.ps.gather_metas(next_name)
+        upd = self.update_once(next_name)
+        self.ps.unregister_checkpoint(next_name, force=True)
+        self.say(f"{case}: pool first {first['s']:.3f} s, re-register {again['s']:.3f} s, update {upd['seconds']:.3f} s")
+        return {"first_s": first["s"], "reregister_s": again["s"], "reregister_per_rank_s": again["per_rank"],
+                "update_s": upd["seconds"]}
+
+    def shm_section(self, case: str, share, total: int) -> dict:
+        """Register this rank's share from a /dev/shm safetensors file in place (mapped and pinned, not copied)."""
+        from ckpt_core._safetensors import write_file
+        st = os.statvfs(SHM) if os.path.isdir(SHM) else None
+        room = st.f_bavail * st.f_frsize if st else 0
+        fits = self.gather(room >= total * 1.05 + (64 << 20))   # every local rank writes its share at once
+        if not all(fits):
+            self.say(f"{case}: /dev/shm has too little room ({room / GiB:.1f} GiB) for {total / GiB:.1f} GiB: skipped")
+            return {"skipped": f"/dev/shm too small ({room / GiB:.1f} GiB free)"}
+        name = f"{case}-shm"
+        path = os.path.join(SHM, f"ckptbench-{os.getpid()}-{case}-r{self.rank}.safetensors")
+        try:
+            write = self.timed(lambda: write_file(path, share.named))
+            reg = self.timed(lambda: self.ps.register_checkpoint(name, files=[path]))
+            self.ps.gather_metas(name)
+            upd = self.update_once(name)
+            self.ps.unregister_checkpoint(name)
+        finally:
+            if os.path.exists(path):
+                os.remove(path)
+        self.say(f"{case}: /dev/shm write {write['s']:.3f} s, in-place register {reg['s']:.3f} s, "
+                 f"update {upd['seconds']:.3f} s")
+        return {"write_s": write["s"], "register_s": reg["s"], "register_per_rank_s": reg["per_rank"],
+                "update_s": upd["seconds"]}
+
+    # -- run -------------------------------------------------------------------------
+    def meta(self) -> dict:
+        m = {"world_size": self.world, "device": self.kind, "torch": torch.__version__, "python": sys.version.split()[0],
+             "scale": self.args.scale, "repeats": self.args.repeats, "free_mem_gib": self.args.free_mem_gib,
+             "keep_device_buffers": self.args.keep_device_buffers, "cases": self.args.cases,
+             "env": {k: os.environ[k] for k in sorted(os.environ) if k.startswith(("PS_", "NCCL_"))}}
+        if self.kind == "cuda":
+            m["device_name"] = torch.cuda.get_device_name(self.local)
+            m["device_memory_bytes"] = torch.cuda.get_device_properties(self.local).total_memory
+            m["cuda"] = torch.version.cuda
+            m["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        return m
+
+    def run(self) -> dict:
+        cases = [self.run_case(c) for c in self.args.cases]
+        return {"meta": self.meta(), "ceilings": self.ceilings, "cases": cases}
+
+    def close(self) -> None:
+        self.ps.close()
+        if self.front is not None:
+            self.front.close()
+        self.worker.close()
+        dist.destroy_process_group()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    import logging
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    bench = Bench(args)
+    try:
+        result = bench.run()
+        if bench.rank == 0:
+            print("\n" + format_report(result), flush=True)
+            if args.out:
+                os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+                with open(args.out, "w") as f:
+                    json.dump(result, f, indent=1, default=str)
+                print(f"[bench] results written to {args.out}", flush=True)
+    finally:
+        bench.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
