@@ -176,8 +176,9 @@ class ReloadSession:
 
 def _place_kernel_tensors(layer: torch.nn.Module, info) -> None:
     """Re-register the live tensors captured by ``initialize_layerwise_reload``."""
-    for name in list(layer._parameters) + list(layer._buffers):
-        delattr(layer, name)
+    for name, tensor in list(layer._parameters.items()) + list(layer._buffers.items()):
+        if tensor is not None:  # a `bias` registered as None stays as it is
+            delattr(layer, name)
     params, buffers = info.kernel_tensors
     non_persistent = getattr(info, "kernel_non_persistent_buffers", set())
     for name, param in params.items():

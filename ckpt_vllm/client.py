@@ -104,10 +104,15 @@ class VllmClient:
 
     # -- readiness -----------------------------------------------------------------
     def healthy(self, timeout: float = 5.0) -> bool:
-        try:
-            return self._request("GET", "/health", timeout=timeout).status_code == 200
-        except (TransportError, RemoteWorkerError, ConfigError):
-            return False
+        # Twice: after a 500 the server may close the pooled keep-alive connection under us.
+        for _ in range(2):
+            try:
+                return self._request("GET", "/health", timeout=timeout).status_code == 200
+            except TransportError:
+                continue
+            except (RemoteWorkerError, ConfigError, UpdateTimeoutError):
+                return False
+        return False
 
     def wait_ready(self, timeout: float = 300.0, interval: float = 0.5,
                    alive: Callable[[], bool] | None = None) -> float:

@@ -3,13 +3,14 @@
 Runs as a script under the vLLM venv's python (transformers and tokenizers live there), so the
 project venv needs neither. No hub access: the tokenizer is trained here with `tokenizers`.
 
-    python tiny_model.py build --out DIR [--seed N]          config, tokenizer, random weights
-    python tiny_model.py weights --model DIR --out FILE --seed N   fresh random weights only
-    python tiny_model.py reference --model DIR [--weights FILE] --prompts JSON --max-tokens N
+    python tiny_model.py build --out DIR [--seed N] [--variants K]
+        config, tokenizer, and K sets of random weights DIR/weights-{i}.safetensors (seed N+i);
+        DIR/model.safetensors holds set 0
+    python tiny_model.py reference --model DIR [--weights FILE ...] --prompts JSON --max-tokens N
 
-`reference` prints one JSON line: a list with the greedy continuation (token ids) of each prompt
-(a list of token ids), computed by argmax over the full-sequence logits with no EOS stop, the
-same thing a vLLM request with temperature 0 and ignore_eos returns.
+`reference` prints one JSON line: {weights file: [greedy continuation (token ids) of each
+prompt]}, computed by argmax over the full-sequence logits with no EOS stop, the same thing a
+vLLM request with temperature 0 and ignore_eos returns. Without --weights: DIR's own weights.
 """
 
 from __future__ import annotations
@@ -76,25 +77,24 @@ def _random_model(model_dir: Path, seed: int):
     return model.eval()
 
 
-def build(out: Path, seed: int) -> None:
+def build(out: Path, seed: int, variants: int = 1) -> None:
+    from safetensors.torch import save_file
     from transformers import Qwen2Config
 
     out.mkdir(parents=True, exist_ok=True)
     cfg = Qwen2Config(**CONFIG, bos_token_id=1, eos_token_id=1)
     cfg.save_pretrained(out)
     _train_tokenizer(out)
-    _random_model(out, seed).save_pretrained(out, safe_serialization=True)
-
-
-def weights(model_dir: Path, out: Path, seed: int) -> None:
-    from safetensors.torch import save_file
-
-    model = _random_model(model_dir, seed)
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out))
+    for i in range(max(variants, 1)):
+        state = {k: v.contiguous() for k, v in _random_model(out, seed + i).state_dict().items()}
+        save_file(state, str(out / f"weights-{i}.safetensors"))
+        if i == 0:
+            save_file(state, str(out / "model.safetensors"))
 
 
 def reference(model_dir: Path, weights_file: Path | None, prompts: list[list[int]],
               max_tokens: int) -> list[list[int]]:
+    """Greedy continuations of ``prompts`` by transformers' Qwen2 with ``weights_file`` loaded."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -127,24 +127,20 @@ def main(argv: list[str] | None = None) -> None:
     b = sub.add_parser("build")
     b.add_argument("--out", type=Path, required=True)
     b.add_argument("--seed", type=int, default=0)
-    w = sub.add_parser("weights")
-    w.add_argument("--model", type=Path, required=True)
-    w.add_argument("--out", type=Path, required=True)
-    w.add_argument("--seed", type=int, required=True)
+    b.add_argument("--variants", type=int, default=1)
     r = sub.add_parser("reference")
     r.add_argument("--model", type=Path, required=True)
-    r.add_argument("--weights", type=Path)
+    r.add_argument("--weights", type=Path, nargs="*", default=[])
     r.add_argument("--prompts", required=True, help="JSON list of token-id lists")
     r.add_argument("--max-tokens", type=int, default=16)
     args = ap.parse_args(argv)
     if args.cmd == "build":
-        build(args.out, args.seed)
-    elif args.cmd == "weights":
-        weights(args.model, args.out, args.seed)
+        build(args.out, args.seed, args.variants)
     else:
-        json.dump(reference(args.model, args.weights, json.loads(args.prompts),
-                            args.max_tokens), sys.stdout)
-        sys.stdout.write("\n")
+        prompts = json.loads(args.prompts)
+        out = {str(w) if w else "": reference(args.model, w, prompts, args.max_tokens)
+               for w in (args.weights or [None])}
+        sys.stdout.write(json.dumps(out) + "\n")
 
 
 if __name__ == "__main__":

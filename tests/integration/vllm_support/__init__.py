@@ -1,0 +1,1 @@
+"""Helpers of the real-vLLM integration tests: tiny model builder, HF reference, server fixture."""

@@ -1,0 +1,125 @@
+"""Pytest fixtures and helpers of the real-vLLM tests (imported by tests/integration/test_vllm_*.py).
+
+Everything vLLM or transformers runs under ``CKPT_VLLM_PYTHON`` (the vLLM venv, made by
+scripts/vllm_env.sh) in subprocesses; the tests themselves and the parameter server run in the
+project venv. Without ``CKPT_VLLM_PYTHON`` every test here is skipped, with that reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from ckpt_core import ParameterServer
+
+from .server import VllmServer, free_port
+
+HERE = Path(__file__).resolve().parent
+TINY_MODEL = HERE / "tiny_model.py"
+MAX_TOKENS = 12
+
+
+def prompts_for(seed: int) -> list[list[int]]:
+    """Token-id prompts; the long one fills whole KV blocks so a stale prefix cache would show."""
+    rng = random.Random(seed)
+    return [[rng.randrange(2, 380) for _ in range(n)] for n in (5, 17, 200)]
+
+
+@dataclass
+class TinyModel:
+    """A locally built tiny Qwen2: its directory, two weight sets, the HF references of both."""
+
+    dir: Path
+    seed: int
+    weights: list[Path]
+    prompts: list[list[int]]
+    python: str
+    _refs: dict[str, list[list[int]]] = field(default_factory=dict)
+
+    def reference(self, weights: Path) -> list[list[int]]:
+        """Hugging Face transformers' greedy completions of ``prompts`` with ``weights`` (cached)."""
+        key = str(weights)
+        if key not in self._refs:
+            self._refs.update(hf_reference(self.python, self.dir, [weights], self.prompts))
+        return self._refs[key]
+
+    def references(self, *weights: Path) -> None:
+        """Compute several references in one subprocess (transformers' import dominates)."""
+        todo = [w for w in weights if str(w) not in self._refs]
+        if todo:
+            self._refs.update(hf_reference(self.python, self.dir, todo, self.prompts))
+
+
+def run_vllm_python(python: str, *args: str, timeout: float = 300) -> str:
+    proc = subprocess.run([python, str(TINY_MODEL), *args], capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"tiny_model.py {args[0]} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return proc.stdout
+
+
+def hf_reference(python: str, model_dir: Path, weights: list[Path], prompts) -> dict[str, list[list[int]]]:
+    out = run_vllm_python(python, "reference", "--model", str(model_dir), "--weights", *map(str, weights),
+                          "--prompts", json.dumps(prompts), "--max-tokens", str(MAX_TOKENS))
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> str:
+    python = os.environ.get("CKPT_VLLM_PYTHON")
+    if not python:
+        pytest.skip("real vLLM tests need CKPT_VLLM_PYTHON (the python of the venv made by "
+                    "scripts/vllm_env.sh; scripts/test.sh sets it)")
+    if not Path(python).exists():
+        pytest.fail(f"CKPT_VLLM_PYTHON={python} does not exist: run scripts/vllm_env.sh")
+    return python
+
+
+@pytest.fixture(scope="session")
+def tiny_model(vllm_python, tmp_path_factory) -> TinyModel:
+    # Fresh random weights every session (printed, to reproduce a failure with CKPT_TEST_SEED).
+    seed = int(os.environ.get("CKPT_TEST_SEED") or random.randrange(1, 2**31 - 4))
+    print(f"tiny model seed: {seed} (set CKPT_TEST_SEED={seed} to reproduce)")
+    out = tmp_path_factory.mktemp("tiny-qwen2")
+    run_vllm_python(vllm_python, "build", "--out", str(out), "--seed", str(seed), "--variants", "2")
+    model = TinyModel(dir=out, seed=seed, weights=[out / "weights-0.safetensors", out / "weights-1.safetensors"],
+                      prompts=prompts_for(seed), python=vllm_python)
+    model.references(*model.weights)
+    assert model.reference(model.weights[0]) != model.reference(model.weights[1]), \
+        "the two random weight sets give the same greedy output; the switch test would prove nothing"
+    return model
+
+
+def start_server(python: str, model: TinyModel, log_dir: Path, **kwargs) -> VllmServer:
+    server = VllmServer(python, model.dir, log_dir / "vllm-server.log", **kwargs).start()
+    print(f"vLLM server up in {server.start_seconds:.1f} s, log {server.log_path}")
+    return server
+
+
+def push(server: VllmServer, files: list[Path], *, path: str, name: str = "ckpt",
+         max_bucket_gb: float | None = None, timeout: float = 120) -> dict:
+    """One PS rank (world of 1, on CPU) pushes ``files`` into ``server``; returns the PS's result."""
+    with ParameterServer(rank=0, world_size=1, device="cpu", master_addr="127.0.0.1",
+                         master_port=free_port(), max_bucket_gb=max_bucket_gb) as ps:
+        ps.register_checkpoint(name, files=[str(f) for f in files])
+        ps.gather_metas(name)
+        return ps.update(name, server.client.req_func(path=path, timeout=timeout), timeout=timeout)
+
+
+def broken_copy(src: Path, dst: Path, *, drop: str | None = None, reshape: str | None = None) -> Path:
+    """``src`` without tensor ``drop``, or with tensor ``reshape`` transposed / cut (same dtype)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(src))
+    if drop:
+        del tensors[drop]
+    if reshape:
+        t = tensors[reshape]
+        tensors[reshape] = (t.t() if t.shape[0] != t.shape[1] else t[:, : t.shape[1] // 2]).contiguous()
+    save_file(tensors, str(dst))
+    return dst
