@@ -483,3 +483,14 @@ class PsWorld:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def open_ipc_and_sum(kind: str, desc_json: str, index: int, q) -> None:
+    """Child process: map an exported IPC buffer and report (byte sum, device) or the traceback."""
+    import json
+    try:
+        from ckpt_core.devices import get_backend
+        t, _ = get_backend(kind).open_ipc(json.loads(desc_json), index)
+        q.put((int(t.sum().item()), str(t.device)))
+    except Exception:
+        q.put(("error", traceback.format_exc()))

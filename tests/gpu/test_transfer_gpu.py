@@ -38,6 +38,7 @@ def test_an_engine_that_never_connects_times_out_on_cuda():
 def test_the_ipc_buffer_maps_on_the_workers_own_device_and_is_freed():
     """The CUDA backend's descriptor round-trips through JSON and lands on the device index given."""
     from multiprocessing import get_context
+    from harness import open_ipc_and_sum
     from ckpt_core.devices import get_backend
     import json
 
@@ -48,7 +49,7 @@ def test_the_ipc_buffer_maps_on_the_workers_own_device_and_is_freed():
     want = buf.tensor.sum().item()
     ctx = get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=_open_and_sum, args=(json.dumps(buf.descriptor), q))
+    p = ctx.Process(target=open_ipc_and_sum, args=("cuda", json.dumps(buf.descriptor), 0, q))
     p.start()
     got = q.get(timeout=60)
     p.join(30)
@@ -57,10 +58,3 @@ def test_the_ipc_buffer_maps_on_the_workers_own_device_and_is_freed():
     buf.close()
     b.empty_cache()
     assert torch.cuda.mem_get_info(0)[0] >= free_before
-
-
-def _open_and_sum(desc, q):
-    import json
-    from ckpt_core.devices import get_backend
-    t, _ = get_backend("cuda").open_ipc(json.loads(desc), 0)
-    q.put((t.sum().item(), str(t.device)))
