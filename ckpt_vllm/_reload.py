@@ -122,15 +122,15 @@ class ReloadSession:
                             and value.untyped_storage().data_ptr() in bucket_storages):
                         args.arguments[key] = value.clone()
 
-    def check_complete(self) -> None:
-        """Raise CheckpointFormatError naming what never arrived; nothing is finalized before."""
+    def _classify(self) -> tuple[list[torch.nn.Module], list[str]]:
+        """(tied layers waiting only for weights another layer loaded, names of missing tensors)."""
         from vllm.model_executor.layers.attention import is_deferred_attention_layer
 
         pending = list(self._pending())
         pending_ids = {id(layer) for _, layer, _ in pending}
-        # Tied weights (lm_head = embed_tokens) are complete when the layer that loaded them is.
         done_param_ids = {id(p) for m in self.model.modules() if id(m) not in pending_ids
                           for p in m.parameters(recurse=False)}
+        tied: list[torch.nn.Module] = []
         missing: list[str] = []
         for qname, layer, info in pending:
             params = info.restore_metadata[0]
@@ -138,8 +138,14 @@ class ReloadSession:
                 continue  # buffers only (rotary caches) or attention scales: nothing required
             kernel = info.kernel_tensors[0] if info.kernel_tensors else {}
             if kernel and all(id(p) in done_param_ids for p in kernel.values()):
+                tied.append(layer)  # lm_head tied to embed_tokens: its weight arrived there
                 continue
             missing += _missing_in_layer(self.model, qname, layer, info)
+        return tied, missing
+
+    def check_complete(self) -> None:
+        """Raise CheckpointFormatError naming what never arrived; nothing is finalized before."""
+        _, missing = self._classify()
         if missing:
             raise CheckpointFormatError(
                 f"the update of the {self.label} is incomplete: nothing arrived for "
@@ -153,8 +159,11 @@ class ReloadSession:
         if not self.active:
             return
         t0 = time.perf_counter()
+        tied, _ = self._classify()
         finalize_layerwise_reload(self.model, self.model_config)
         self.active = False
+        for layer in tied:
+            _reprocess_tied(layer)
         self.seconds["finish"] += time.perf_counter() - t0
 
     def abort(self) -> None:
@@ -172,6 +181,23 @@ class ReloadSession:
             self.model._do_torchao_reload = self.model._original_do_torchao_reload
         log.warning("weight update of the %s aborted: %d layers kept their previous weights, "
                     "layers already processed hold the new ones", self.label, restored)
+
+
+def _reprocess_tied(layer: torch.nn.Module) -> None:
+    """Redo a tied layer's post-load processing from the weight it shares (now the new one).
+
+    vLLM 0.32's reload never processes a layer that receives no tensor, so a tied lm_head kept
+    the CPU-packed copy of the old embedding: output differed from Hugging Face's until this.
+    Only unquantized methods are redone (idempotent: they re-pack from the live weight).
+    """
+    method = getattr(layer, "quant_method", None)
+    if method is None or not hasattr(method, "process_weights_after_loading"):
+        return
+    if type(method).__name__.startswith("Unquantized"):
+        method.process_weights_after_loading(layer)
+    else:
+        log.warning("%s shares its weights with another layer and uses %s: its processed copy was "
+                    "not refreshed by this update", type(layer).__name__, type(method).__name__)
 
 
 def _place_kernel_tensors(layer: torch.nn.Module, info) -> None:

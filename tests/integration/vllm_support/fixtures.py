@@ -80,19 +80,31 @@ def vllm_python() -> str:
     return python
 
 
-@pytest.fixture(scope="session")
-def tiny_model(vllm_python, tmp_path_factory) -> TinyModel:
+def build_tiny_model(python: str, out: Path, *, tie: bool = False) -> TinyModel:
     # Fresh random weights every session (printed, to reproduce a failure with CKPT_TEST_SEED).
     seed = int(os.environ.get("CKPT_TEST_SEED") or random.randrange(1, 2**31 - 4))
-    print(f"tiny model seed: {seed} (set CKPT_TEST_SEED={seed} to reproduce)")
-    out = tmp_path_factory.mktemp("tiny-qwen2")
-    run_vllm_python(vllm_python, "build", "--out", str(out), "--seed", str(seed), "--variants", "2")
+    print(f"tiny model ({'tied' if tie else 'untied'} embeddings) seed: {seed} "
+          f"(set CKPT_TEST_SEED={seed} to reproduce)")
+    run_vllm_python(python, "build", "--out", str(out), "--seed", str(seed), "--variants", "2",
+                    *(["--tie"] if tie else []))
     model = TinyModel(dir=out, seed=seed, weights=[out / "weights-0.safetensors", out / "weights-1.safetensors"],
-                      prompts=prompts_for(seed), python=vllm_python)
+                      prompts=prompts_for(seed), python=python)
     model.references(*model.weights)
     assert model.reference(model.weights[0]) != model.reference(model.weights[1]), \
         "the two random weight sets give the same greedy output; the switch test would prove nothing"
     return model
+
+
+@pytest.fixture(scope="session")
+def tiny_model(vllm_python, tmp_path_factory) -> TinyModel:
+    """Untied Qwen2 (lm_head has its own weight)."""
+    return build_tiny_model(vllm_python, tmp_path_factory.mktemp("tiny-qwen2"))
+
+
+@pytest.fixture(scope="session")
+def tiny_tied_model(vllm_python, tmp_path_factory) -> TinyModel:
+    """Qwen2 with lm_head tied to embed_tokens (the checkpoint has no lm_head.weight)."""
+    return build_tiny_model(vllm_python, tmp_path_factory.mktemp("tiny-qwen2-tied"), tie=True)
 
 
 def start_server(python: str, model: TinyModel, log_dir: Path, **kwargs) -> VllmServer:

@@ -3,9 +3,9 @@
 Runs as a script under the vLLM venv's python (transformers and tokenizers live there), so the
 project venv needs neither. No hub access: the tokenizer is trained here with `tokenizers`.
 
-    python tiny_model.py build --out DIR [--seed N] [--variants K]
+    python tiny_model.py build --out DIR [--seed N] [--variants K] [--tie]
         config, tokenizer, and K sets of random weights DIR/weights-{i}.safetensors (seed N+i);
-        DIR/model.safetensors holds set 0
+        DIR/model.safetensors holds set 0; --tie: lm_head shares embed_tokens' weight
     python tiny_model.py reference --model DIR [--weights FILE ...] --prompts JSON --max-tokens N
 
 `reference` prints one JSON line: {weights file: [greedy continuation (token ids) of each
@@ -77,16 +77,17 @@ def _random_model(model_dir: Path, seed: int):
     return model.eval()
 
 
-def build(out: Path, seed: int, variants: int = 1) -> None:
+def build(out: Path, seed: int, variants: int = 1, tie: bool = False) -> None:
     from safetensors.torch import save_file
     from transformers import Qwen2Config
 
     out.mkdir(parents=True, exist_ok=True)
-    cfg = Qwen2Config(**CONFIG, bos_token_id=1, eos_token_id=1)
+    cfg = Qwen2Config(**{**CONFIG, "tie_word_embeddings": tie}, bos_token_id=1, eos_token_id=1)
     cfg.save_pretrained(out)
     _train_tokenizer(out)
     for i in range(max(variants, 1)):
-        state = {k: v.contiguous() for k, v in _random_model(out, seed + i).state_dict().items()}
+        state = {k: v.contiguous() for k, v in _random_model(out, seed + i).state_dict().items()
+                 if not (tie and k == "lm_head.weight")}  # tied checkpoints carry the embedding only
         save_file(state, str(out / f"weights-{i}.safetensors"))
         if i == 0:
             save_file(state, str(out / "model.safetensors"))
@@ -106,6 +107,9 @@ def reference(model_dir: Path, weights_file: Path | None, prompts: list[list[int
         config = AutoConfig.from_pretrained(model_dir)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         missing, unexpected = model.load_state_dict(load_file(str(weights_file)), strict=False)
+        if config.tie_word_embeddings:  # lm_head is embed_tokens' own parameter: loaded with it
+            assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+            missing = [m for m in missing if m != "lm_head.weight"]
         if missing or unexpected:
             raise SystemExit(f"weights do not fit the model: missing={missing} "
                              f"unexpected={unexpected}")
@@ -128,6 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("--out", type=Path, required=True)
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--variants", type=int, default=1)
+    b.add_argument("--tie", action="store_true")
     r = sub.add_parser("reference")
     r.add_argument("--model", type=Path, required=True)
     r.add_argument("--weights", type=Path, nargs="*", default=[])
@@ -135,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--max-tokens", type=int, default=16)
     args = ap.parse_args(argv)
     if args.cmd == "build":
-        build(args.out, args.seed, args.variants)
+        build(args.out, args.seed, args.variants, args.tie)
     else:
         prompts = json.loads(args.prompts)
         out = {str(w) if w else "": reference(args.model, w, prompts, args.max_tokens)
