@@ -29,6 +29,58 @@ def summarize_updates(updates: list[dict]) -> dict:
     return {"best_s": times[best], "median_s": statistics.median(times), "all_s": times, "best_index": best}
 
 
+# Targets of issue 5 on a 2-GPU host (2 ranks), and the one-GPU one: (label, world, case, metric, op, bound).
+TARGETS = [
+    ("update, dense 16 GiB", 2, "dense16", "update_s", "<=", 0.25),
+    ("update, dense 40 GiB", 2, "dense40", "update_s", "<=", 0.50),
+    ("update, MoE 8 GiB / ~5k tensors", 2, "moe8", "update_s", "<=", 0.20),
+    ("fixed cost: update of 64 MiB", 2, "tiny", "update_s", "<=", 0.05),
+    ("register 16 GiB of named tensors", 2, "dense16", "register_s", "<=", 2.5),
+    ("re-register into the shared pool, 16 GiB", 2, "dense16", "pool_s", "<=", 1.5),
+    ("register /dev/shm safetensors in place, GB/s", 2, "dense16", "shm_gbps", ">=", 15.0),
+    ("gather_metas (every case)", 2, None, "gather_s", "<=", 0.1),
+    ("one GPU: update dense 16 GiB, GB/s", 1, "dense16", "update_gbps", ">=", 45.0),
+]
+
+
+def _metric(c: dict, metric: str) -> float | None:
+    own = max(c["share_bytes"])
+    pool, shm = c.get("pool") or {}, c.get("shm") or {}
+    if metric == "update_s":
+        return c["update"]["best_s"]
+    if metric == "update_gbps":
+        return c["bytes"] / c["update"]["best_s"] / 1e9
+    if metric == "register_s":
+        return c["register_s"]
+    if metric == "gather_s":
+        return c["gather_metas_s"]
+    if metric == "pool_s":
+        return pool.get("reregister_s")
+    if metric == "shm_gbps":
+        return own / shm["register_s"] / 1e9 if shm.get("register_s") else None
+    raise KeyError(metric)
+
+
+def check_targets(result: dict) -> list[dict]:
+    """Issue 5's targets that this run can speak to (full size, on a device, matching rank count)."""
+    meta = result["meta"]
+    if meta["device"] == "cpu" or meta["scale"] != 1.0 or meta.get("free_mem_gib") is not None:
+        return []
+    by_case = {c["case"]: c for c in result["cases"]}
+    out = []
+    for label, world, case, metric, op, bound in TARGETS:
+        if world != meta["world_size"]:
+            continue
+        cases = [by_case[case]] if case in by_case else ([] if case else list(by_case.values()))
+        values = [v for v in (_metric(c, metric) for c in cases) if v is not None]
+        if not values:
+            continue
+        value = max(values) if op == "<=" else min(values)
+        met = value <= bound if op == "<=" else value >= bound
+        out.append({"target": label, "bound": f"{op} {bound}", "measured": value, "met": met})
+    return out
+
+
 def _fmt_s(x: float | None) -> str:
     return "-" if x is None else f"{x:.3f}"
 
@@ -82,6 +134,12 @@ def format_report(result: dict) -> str:
             _fmt_s(shm.get("update_s")), shm.get("skipped", "")])
     lines.append(_table(["case", "share GiB", "named s", "GB/s", "pool 1st s", "pool re-reg s", "GB/s",
                          "pool upd s", "shm in-place s", "GB/s", "shm upd s", "note"], rows))
+    targets = result.get("targets") or []
+    if targets:
+        lines += ["", "targets (issue 5):"]
+        lines.append(_table(["target", "bound", "measured", "met"],
+                            [[t["target"], t["bound"], f"{t['measured']:.3f}", "yes" if t["met"] else "NO"]
+                             for t in targets]))
     lines.append("")
     lines.append("every update was verified bit-exact: engine-side checksums of all parameters == source checksums")
     return "\n".join(lines)

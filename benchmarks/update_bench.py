@@ -35,7 +35,7 @@ import torch.distributed as dist  # noqa: E402
 
 from _bench_cases import CASES, GiB, build_case, free_weight_cache, materialize, split  # noqa: E402
 from _bench_ceilings import measure  # noqa: E402
-from _bench_report import floor_seconds, format_report, summarize_updates  # noqa: E402
+from _bench_report import check_targets, floor_seconds, format_report, summarize_updates  # noqa: E402
 from _bench_worker import EngineFront, EngineWorker  # noqa: E402
 
 SHM = "/dev/shm"
@@ -141,7 +141,7 @@ class Bench:
         """Allocate device memory so only --free-mem-gib stays free; returns the filler (or None)."""
         x = self.args.free_mem_gib
         if x is None or self.kind != "cuda":
-            return None
+            return None   # on cpu the option is dropped in main()
         torch.cuda.empty_cache()
         free = torch.cuda.mem_get_info(self.local)[0]
         n = free - int(x * GiB)
@@ -278,7 +278,9 @@ class Bench:
 
     def run(self) -> dict:
         cases = [self.run_case(c) for c in self.args.cases]
-        return {"meta": self.meta(), "ceilings": self.ceilings, "cases": cases}
+        result = {"meta": self.meta(), "ceilings": self.ceilings, "cases": cases}
+        result["targets"] = check_targets(result)
+        return result
 
     def close(self) -> None:
         self.ps.close()
@@ -290,6 +292,9 @@ class Bench:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.free_mem_gib is not None and (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) != "cuda":
+        print("[bench] --free-mem-gib applies to cuda only; ignored", flush=True)
+        args.free_mem_gib = None
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     import logging
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
