@@ -55,7 +55,7 @@ while [[ $# -gt 0 ]]; do
     --python) need_arg "$@"; PY="$2"; shift 2 ;;
     --step-timeout) need_arg "$@"; STEP_TIMEOUT="$2"; shift 2 ;;
     --) shift; BENCH_EXTRA=("$@"); break ;;
-    -h|--help) sed -n '2,25p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "${BASH_SOURCE[0]}"; exit 0 ;;
     *) die "unknown argument $1 (see --help)" ;;
   esac
 done
