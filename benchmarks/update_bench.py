@@ -273,7 +273,7 @@ class Bench:
             m["device_name"] = torch.cuda.get_device_name(self.local)
             m["device_memory_bytes"] = torch.cuda.get_device_properties(self.local).total_memory
             m["cuda"] = torch.version.cuda
-            m["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+            m["nccl"] = str(torch.cuda.nccl.version())
         return m
 
     def run(self) -> dict:
