@@ -50,7 +50,7 @@ def _train_tokenizer(out: Path) -> None:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=CONFIG["vocab_size"], special_tokens=["<unk>", "<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     lines = [" ".join(_CORPUS_WORDS[i:] + _CORPUS_WORDS[:i]) for i in range(len(_CORPUS_WORDS))]
     tok.train_from_iterator(lines, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>",
