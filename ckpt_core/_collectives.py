@@ -9,6 +9,7 @@ data goes over the device kind's backend.
 from __future__ import annotations
 
 import json
+import os
 from datetime import timedelta
 
 import torch
@@ -48,7 +49,10 @@ class Collectives:
 
     def _init_default(self, s: Settings, backend: str) -> None:
         try:
-            self.store = dist.TCPStore(s.master_addr, s.master_port, s.world_size, is_master=s.rank == 0,
+            # Under torchrun the elastic agent already serves the store on MASTER_PORT.
+            agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+            self.store = dist.TCPStore(s.master_addr, s.master_port, s.world_size,
+                                       is_master=s.rank == 0 and not agent_store,
                                        timeout=self.timeout, wait_for_workers=False)
         except (RuntimeError, OSError) as exc:
             raise TransportError(f"rank {s.rank}: cannot reach the rendezvous store at "

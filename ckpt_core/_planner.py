@@ -137,13 +137,26 @@ def plan_buckets(metas_per_rank: list[list[TensorMeta]], bucket_bytes: int) -> P
     return Plan(bucket_bytes, tuple(interleave(per_owner)))
 
 
-def choose_bucket_bytes(free_bytes: int, *, mem_fraction: float, num_slots: int, max_bucket_bytes: int,
-                        largest_owner_total: int) -> int:
-    """Bucket size one rank can afford: its share of free memory, capped, no bigger than needed.
+TARGET_BUCKETS_PER_OWNER = 8   # enough buckets per rank for H2D, broadcast and reload to overlap
+MIN_BUCKET = 64 << 20          # below this, per-bucket overheads start to show
 
-    Callers take the minimum over ranks; ``plan_buckets`` then reports any tensor
-    that does not fit, naming it and the sizes.
+
+def choose_layout(free_bytes: int, *, mem_fraction: float, max_slots: int, max_bucket_bytes: int,
+                  largest_tensor: int, largest_owner_total: int) -> tuple[int, int]:
+    """(bucket bytes, slots) one rank can afford for its IPC buffer of ``slots x bucket``.
+
+    Aims at ~8 buckets per owner (so the stages overlap) but no smaller than
+    64 MiB or the largest tensor, capped by ``max_bucket_bytes``. When memory is
+    short it first gives up slots (pipelining), then shrinks the bucket; callers
+    take the minimum of both over ranks, and ``plan_buckets`` names any tensor
+    that still does not fit.
     """
-    budget = int(free_bytes * mem_fraction) // max(num_slots, 1)
-    size = min(budget, max_bucket_bytes, align_up(max(largest_owner_total, 1)))
-    return max(size // ALIGN * ALIGN, ALIGN)
+    budget = int(max(free_bytes, 0) * mem_fraction)
+    per_owner = -(-max(largest_owner_total, 1) // TARGET_BUCKETS_PER_OWNER)
+    want = max(per_owner, MIN_BUCKET, largest_tensor)
+    want = align_up(min(want, max_bucket_bytes, align_up(max(largest_owner_total, 1))))
+    for slots in range(max(max_slots, 1), 0, -1):
+        size = min(want, budget // slots) // ALIGN * ALIGN
+        if size >= max(largest_tensor, 1):
+            return size, slots
+    return max(budget // ALIGN * ALIGN, ALIGN), 1

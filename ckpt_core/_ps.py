@@ -20,7 +20,7 @@ from ._collectives import Collectives
 from ._host import SharedPool
 from ._link import Failure, PsLink
 from ._log import rank_logger
-from ._planner import ALIGN, Plan, TensorMeta, choose_bucket_bytes, plan_buckets
+from ._planner import ALIGN, Plan, TensorMeta, align_up, choose_layout, plan_buckets
 from ._protocol import hello_fields
 from ._settings import load_settings
 from .devices import IpcBuffer, default_kind, get_backend
@@ -222,21 +222,24 @@ class ParameterServer:
             self._update_lock.release()
 
     def _agree_plan(self, name: str) -> tuple[Plan, int]:
+        """All ranks agree on (bucket size, slots) from their free memory, then plan (cached)."""
         metas = self._metas[name]
         fp = hashlib.sha1(json.dumps([[m.name, m.nbytes, m.base, m.base_offset] for ms in metas for m in ms]).encode())
         free = self.backend.mem_get_info(self.device_index)[0] + (self._ipc.nbytes if self._ipc else 0)
-        largest_total = max((sum(m.nbytes + ALIGN for m in ms) for ms in metas), default=1)
-        size = choose_bucket_bytes(free, mem_fraction=self.settings.mem_fraction, num_slots=self.settings.num_slots,
-                                   max_bucket_bytes=self.settings.max_bucket_bytes, largest_owner_total=largest_total)
-        views = self._coll.all_gather_json({"fp": fp.hexdigest(), "bucket": size})
+        size, slots = choose_layout(
+            free, mem_fraction=self.settings.mem_fraction, max_slots=self.settings.num_slots,
+            max_bucket_bytes=self.settings.max_bucket_bytes,
+            largest_tensor=max((m.nbytes for ms in metas for m in ms), default=0),
+            largest_owner_total=max((sum(align_up(m.nbytes) for m in ms) for ms in metas), default=1))
+        views = self._coll.all_gather_json({"fp": fp.hexdigest(), "bucket": size, "slots": slots})
         if len({v["fp"] for v in views}) != 1:
             raise ConfigError(f"ranks disagree on the metas of {name!r}: call gather_metas on every rank again")
-        size = min(v["bucket"] for v in views)
+        size, slots = min(v["bucket"] for v in views), min(v["slots"] for v in views)
         key = (name, size, fp.hexdigest())
         if key not in self._plans:
             self._plans[key] = plan_buckets(metas, size)
         plan = self._plans[key]
-        return plan, min(self.settings.num_slots, max(len(plan.buckets), 1))
+        return plan, max(1, min(slots, len(plan.buckets)))
 
     def _ensure_ipc(self, nbytes: int) -> IpcBuffer:
         if self._ipc is not None and self._ipc.nbytes >= nbytes:

@@ -12,7 +12,7 @@
 # --cases LIST       benchmark cases, e.g. dense16,dense40,moe8,tiny (default: the benchmark's)
 # --repeats N        timed updates per case (default: the benchmark's)
 # --lowmem GIB       also run dense16 with only GIB of device memory left free (bench-lowmem.json);
-#                    below ~3.5 GiB it fails today: the planner does not split a 1 GiB tensor
+#                    (the PS then uses fewer, smaller slots; tensors larger than what is free fail)
 # --single           also run dense16 on one GPU (bench-1gpu.json)
 # --skip-tests / --skip-bench
 # --python PY        interpreter (default python3)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from ckpt_core._planner import (ALIGN, TensorMeta, choose_bucket_bytes, interleave, plan_buckets)
+from ckpt_core._planner import ALIGN, TensorMeta, align_up, choose_layout, interleave, plan_buckets
 from ckpt_core.errors import ConfigError
 
 
@@ -83,16 +83,43 @@ def test_zero_byte_tensors_are_placed():
     assert sum(len(b.placements) for b in plan.buckets) == 2
 
 
-@pytest.mark.parametrize("free,fraction,slots,cap,total,expected", [
-    (30 << 30, 0.9, 3, 8 << 30, 100 << 30, 8 << 30),          # capped by PS_MAX_BUCKET_SIZE_GB
-    (3 << 30, 0.9, 3, 8 << 30, 100 << 30, (int((3 << 30) * 0.9) // 3) // ALIGN * ALIGN),  # memory-bound
-    (30 << 30, 0.9, 3, 8 << 30, 64 << 20, 64 << 20),          # no bigger than the largest share
-    (0, 0.9, 3, 8 << 30, 64 << 20, ALIGN),                     # never zero
-])
-def test_bucket_size_is_the_smallest_of_memory_share_cap_and_need(free, fraction, slots, cap, total, expected):
-    got = choose_bucket_bytes(free, mem_fraction=fraction, num_slots=slots, max_bucket_bytes=cap,
-                              largest_owner_total=total)
-    assert got == expected and got % ALIGN == 0
+GiB, MiB = 1 << 30, 1 << 20
+
+
+def layout(free, total, largest, *, cap=8 * GiB, slots=3, fraction=0.9):
+    return choose_layout(free, mem_fraction=fraction, max_slots=slots, max_bucket_bytes=cap,
+                         largest_tensor=largest, largest_owner_total=total)
+
+
+def test_plenty_of_memory_gives_about_eight_buckets_per_rank_and_all_slots():
+    size, slots = layout(100 * GiB, 8 * GiB, 1 * GiB + 4096)
+    assert (size, slots) == (align_up(1 * GiB + 4096), 3)
+
+
+def test_the_bucket_never_exceeds_the_configured_cap():
+    assert layout(500 * GiB, 400 * GiB, 1 * MiB, cap=2 * GiB) == (2 * GiB, 3)
+
+
+def test_a_small_checkpoint_uses_one_bucket_no_bigger_than_it():
+    size, _ = layout(100 * GiB, 10 * MiB, 1 * MiB)
+    assert size == align_up(10 * MiB)
+
+
+def test_scarce_memory_gives_up_slots_before_refusing_a_large_tensor():
+    size, slots = layout(2 * GiB, 8 * GiB, int(1.015 * GiB))
+    assert slots == 1 and size >= int(1.015 * GiB) and size <= int(2 * GiB * 0.9)
+
+
+def test_two_slots_when_two_fit():
+    size, slots = layout(4 * GiB, 12 * GiB, 3 * GiB // 2)
+    assert slots == 2 and size == 3 * GiB // 2
+
+
+def test_when_nothing_fits_the_planner_names_the_tensor():
+    size, slots = layout(1 * GiB, 8 * GiB, 2 * GiB)
+    assert slots == 1
+    with pytest.raises(ConfigError, match="'huge'"):
+        plan_buckets([[meta("huge", 2 * GiB)]], size)
 
 
 def test_plan_is_deterministic_for_every_rank():
