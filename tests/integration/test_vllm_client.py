@@ -1,0 +1,145 @@
+"""The requester against a small scripted HTTP server (no vLLM needed): routes, errors, timeouts, UDS."""
+
+import http.server
+import json
+import socketserver
+import threading
+import time
+
+import pytest
+
+from ckpt_core.errors import ClosedError, ConfigError, RemoteWorkerError, TransportError, UpdateTimeoutError
+from ckpt_vllm import VllmClient
+from vllm_support.server import free_port
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    routes: dict = {}  # (method, path) -> (status, body or callable, delay)
+    calls: list = []
+
+    def _serve(self, method):
+        path = self.path.split("?")[0]
+        length = int(self.headers.get("Content-Length") or 0)
+        body = json.loads(self.rfile.read(length)) if length else None
+        self.calls.append((method, self.path, body))
+        status, reply, delay = self.routes.get((method, path), (404, {"detail": "Not Found"}, 0))
+        time.sleep(delay)
+        data = json.dumps(reply(body) if callable(reply) else reply).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        self._serve("GET")
+
+    def do_POST(self):
+        self._serve("POST")
+
+    def log_message(self, *args):
+        pass
+
+
+class _UnixServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+
+    def get_request(self):
+        sock, _ = super().get_request()
+        return sock, ("uds", 0)  # BaseHTTPRequestHandler wants a (host, port) address
+
+
+OK_ROUTES = {
+    ("GET", "/health"): (200, {}, 0),
+    ("POST", "/collective_rpc"): (200, lambda b: {"results": [{"device_key": "K", "seen": b}]}, 0),
+    ("POST", "/reset_prefix_cache"): (200, {"success": True}, 0),
+    ("POST", "/start_weight_update"): (200, {"message": "ok"}, 0),
+    ("POST", "/update_weights"): (200, {"message": "ok"}, 0),
+    ("POST", "/finish_weight_update"): (200, {"message": "ok"}, 0),
+    ("POST", "/pause"): (200, {"status": "paused"}, 0),
+    ("POST", "/resume"): (200, {"status": "resumed"}, 0),
+}
+
+
+@pytest.fixture
+def fake(request, tmp_path):
+    _Handler.routes, _Handler.calls = dict(OK_ROUTES), []
+    if getattr(request, "param", "tcp") == "uds":
+        sock = str(tmp_path / "s.sock")
+        srv, client = _UnixServer(sock, _Handler), VllmClient(uds=sock, timeout=5)
+    else:
+        port = free_port()
+        srv = http.server.ThreadingHTTPServer(("127.0.0.1", port), _Handler)
+        client = VllmClient(f"http://127.0.0.1:{port}", timeout=5)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        yield client
+    finally:
+        client.close()
+        srv.shutdown()
+        srv.server_close()
+
+
+@pytest.mark.parametrize("fake", ["tcp", "uds"], indirect=True)
+def test_the_extension_path_calls_collective_rpc_then_resets_the_prefix_cache(fake):
+    report = fake.update([("K", "ipc://@h")], path="extension", timeout=7)
+    assert [c[1] for c in _Handler.calls] == ["/collective_rpc", "/reset_prefix_cache"]
+    body = _Handler.calls[0][2]
+    assert body == {"method": "update_weights_from_ipc", "args": [{"K": "ipc://@h"}], "kwargs": {"timeout": 7.0},
+                    "timeout": 7.0}
+    assert report.workers[0]["device_key"] == "K"
+    assert set(report.seconds) == {"update", "reset_prefix_cache", "total"} and fake.last_report is report
+
+
+def test_the_backend_path_uses_the_native_routes_in_order_inside_a_pause(fake):
+    fake.update({"K": "ipc://@h"}, path="backend", pause="wait")
+    assert [c[1] for c in _Handler.calls] == ["/pause?mode=wait", "/start_weight_update", "/update_weights",
+                                              "/finish_weight_update", "/reset_prefix_cache", "/resume"]
+    assert _Handler.calls[2][2]["update_info"]["zmq_handles"] == {"K": "ipc://@h"}
+
+
+def test_a_worker_failure_becomes_a_remote_worker_error_with_the_server_text_and_still_resumes(fake):
+    _Handler.routes[("POST", "/collective_rpc")] = (500, {"error": {"message": "tensor 'x' missing"}}, 0)
+    with pytest.raises(RemoteWorkerError, match="HTTP 500: tensor 'x' missing"):
+        fake.update({"K": "h"}, pause="abort")
+    assert _Handler.calls[-1][1] == "/resume"
+
+
+def test_a_missing_route_says_dev_mode_is_needed(fake):
+    del _Handler.routes[("POST", "/collective_rpc")]
+    with pytest.raises(ConfigError, match="VLLM_SERVER_DEV_MODE=1"):
+        fake.collective_rpc("anything")
+
+
+def test_a_silent_server_times_out_naming_the_call(fake):
+    _Handler.routes[("POST", "/update_weights")] = (200, {}, 2.0)
+    with pytest.raises(UpdateTimeoutError, match="/update_weights"):
+        fake._post("/update_weights", {}, timeout=0.5)
+
+
+def test_nothing_listening_is_a_transport_error_and_wait_ready_gives_up_in_time():
+    with VllmClient(f"http://127.0.0.1:{free_port()}", connect_timeout=1) as client:
+        assert not client.healthy()
+        with pytest.raises(TransportError):
+            client.collective_rpc("x", timeout=1)
+        t0 = time.monotonic()
+        with pytest.raises(UpdateTimeoutError, match="not ready within 1 s"):
+            client.wait_ready(timeout=1, interval=0.1)
+        assert time.monotonic() - t0 < 5
+        with pytest.raises(TransportError, match="went away"):
+            client.wait_ready(timeout=30, interval=0.1, alive=lambda: False)
+
+
+def test_wait_ready_returns_once_health_answers(fake):
+    assert fake.wait_ready(timeout=5) < 5
+
+
+def test_bad_arguments_and_use_after_close_raise_clear_errors(fake):
+    with pytest.raises(ConfigError, match="path must be one of"):
+        fake.update({}, path="p2p")
+    with pytest.raises(ConfigError, match="pause mode"):
+        fake.pause("later")
+    fake.close()
+    fake.close()
+    with pytest.raises(ClosedError):
+        fake.collective_rpc("x")
