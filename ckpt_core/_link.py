@@ -12,6 +12,48 @@ from . import _protocol as proto
 from .errors import ProtocolError
 
 POLL_SLICE_MS = 50
+# Close with a short linger so that a last frame (abort, finished, error) still reaches
+# the peer; with linger 0 ZeroMQ may drop it, and the peer then waits for its deadline.
+CLOSE_LINGER_MS = 1000
+_PEER_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+
+
+class PeerWatch:
+    """Follows whether the peer of a PAIR socket is still there, through a ZeroMQ monitor.
+
+    A PAIR socket by itself never says that its peer went away: a killed engine
+    worker or parameter server would look like a silent one until the deadline.
+    ``lost`` becomes true once a peer had connected and no connection is left.
+    """
+
+    def __init__(self, sock: zmq.Socket):
+        self.sock = sock
+        self.mon = sock.get_monitor_socket(_PEER_EVENTS)   # before bind/connect: miss no event
+        self.peers = 0
+        self.seen = False
+
+    @property
+    def lost(self) -> bool:
+        self.drain()
+        return self.seen and self.peers <= 0
+
+    def drain(self) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+        while self.mon is not None and self.mon.poll(0):
+            event = recv_monitor_message(self.mon, zmq.NOBLOCK)["event"]
+            if event in (zmq.EVENT_ACCEPTED, zmq.EVENT_CONNECTED):
+                self.peers, self.seen = self.peers + 1, True
+            elif event == zmq.EVENT_DISCONNECTED:
+                self.peers -= 1
+
+    def close(self) -> None:
+        mon, self.mon = self.mon, None
+        if mon is not None:
+            try:
+                self.sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            mon.close(linger=0)
 
 
 @dataclass
@@ -42,6 +84,8 @@ class PsLink:
         self.failure = None
         self.sock = ctx.socket(zmq.PAIR)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, proto.MAX_FRAME_BYTES)
+        self.watch = PeerWatch(self.sock)
         self.sock.bind(handle)
         self._done_upto = -1
 
@@ -49,16 +93,32 @@ class PsLink:
     def _send(self, kind: str, **fields) -> None:
         # A bound PAIR socket blocks on send until its peer connects: wait for
         # writability in slices, so a worker that never connects is a timeout.
+        if kind == "hello":
+            what = f"engine worker {self.device_key} to connect (did req_func reach the engine?)"
+        else:
+            what = f"engine worker {self.device_key} to take the {kind} message"
         while self.failure is None:
-            if self._wait(zmq.POLLOUT, f"engine worker {self.device_key} to connect (did req_func reach the engine?)"):
+            if self._wait(zmq.POLLOUT, what):
                 self.sock.send(proto.encode(kind, self.update_id, **fields), zmq.NOBLOCK)
                 return
 
     def _wait(self, event: int, what: str) -> bool:
-        """One poll slice for ``event``; records a failure on stop or deadline."""
+        """One poll slice for ``event``; records a failure on stop, a lost peer or the deadline.
+
+        What is already there is taken even past the deadline: a rank that was held
+        up by a slow peer must not blame its own worker, whose answer is waiting.
+        """
         stop = self.should_stop()
         if stop:
             self._fail(f"stopped while waiting for {what}: {stop}")
+            return False
+        if self.sock.poll(0, event):
+            return True
+        if self.watch.lost:
+            if self.sock.poll(0, event):   # a last frame may have come in just before the disconnect
+                return True
+            self._fail(f"engine worker {self.device_key} disconnected (did its process die?) "
+                       f"while the PS was waiting for {what}")
             return False
         left = self.deadline - time.monotonic()
         if left <= 0:
@@ -117,4 +177,5 @@ class PsLink:
             self.failure = Failure(self.rank, self.device_key, message, tb, timeout)
 
     def close(self) -> None:
-        self.sock.close(linger=0)
+        self.watch.close()
+        self.sock.close(linger=CLOSE_LINGER_MS)
