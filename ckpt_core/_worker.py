@@ -16,10 +16,11 @@ import torch
 import zmq
 
 from . import _protocol as proto
+from ._link import CLOSE_LINGER_MS, PeerWatch
 from ._log import rank_logger
 from ._safetensors import DTYPES
 from .devices import get_backend
-from .errors import CkptError, ProtocolError, RemoteWorkerError, UpdateTimeoutError
+from .errors import CkptError, ProtocolError, RemoteWorkerError, TransportError, UpdateTimeoutError
 
 __all__ = ["update_weights_from_ipc"]
 
@@ -53,20 +54,51 @@ def _unmap(key: str | None) -> None:
 
 
 class _Link:
-    """The worker's end of the PAIR socket; every receive has a deadline."""
+    """The worker's end of the PAIR socket; every receive has a deadline, and a PS that
+    went away (process killed, update given up) is an error at once, not a long silence."""
 
     def __init__(self, sock: zmq.Socket, deadline: float):
         self.sock, self.deadline, self.update = sock, deadline, None
+        self.watch = PeerWatch(sock)
+        self.poller = zmq.Poller()
+        self.poller.register(sock, zmq.POLLIN)
+        self.poller.register(self.watch.mon, zmq.POLLIN)
+        self.reported = False   # an error frame went to the PS already
 
     def recv(self, expect: tuple[str, ...]) -> dict:
-        left = self.deadline - time.monotonic()
-        if left <= 0 or not self.sock.poll(int(left * 1000)):
-            raise UpdateTimeoutError(f"no message from the parameter server within the update timeout "
-                                     f"(waiting for {'/'.join(expect)})")
-        return proto.decode(self.sock.recv(), expect=expect, update=self.update)
+        waiting = f"waiting for {'/'.join(expect)}"
+        while True:
+            if self.sock.poll(0):
+                msg = proto.decode(self.sock.recv(), expect=expect, update=self.update)
+                if msg["kind"] == "bucket" and self.watch.lost:
+                    return self._last_word(expect, waiting)   # the PS is gone: its notices are void
+                return msg
+            if self.watch.lost:
+                raise TransportError(f"the parameter server closed the connection ({waiting}): "
+                                     "its process died or it gave the update up")
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise UpdateTimeoutError(f"no message from the parameter server within the update timeout "
+                                         f"({waiting})")
+            self.poller.poll(max(1, int(left * 1000)))
+
+    def _last_word(self, expect: tuple[str, ...], waiting: str) -> dict:
+        """The PS left with bucket notices still queued: find its abort behind them, or report the loss."""
+        while self.sock.poll(0):
+            msg = proto.decode(self.sock.recv(), expect=expect, update=self.update)
+            if msg["kind"] == "abort":
+                return msg
+        raise TransportError(f"the parameter server closed the connection ({waiting}); the bucket "
+                             "notices it left behind belong to a dead update and were not loaded")
 
     def send(self, kind: str, **fields) -> None:
+        if kind == "error":
+            self.reported = True
         self.sock.send(proto.encode(kind, self.update or "", **fields))
+
+    def close(self) -> None:
+        self.watch.close()
+        self.sock.close(linger=CLOSE_LINGER_MS)
 
 
 def _views(buf: torch.Tensor, base: int, tensors: Iterable[proto.WireTensor]) -> list[tuple[str, torch.Tensor]]:
@@ -98,6 +130,8 @@ def update_weights_from_ipc(zmq_ctx: zmq.Context, zmq_handle: str, device_id: in
     log = rank_logger(f"worker dev {device_id}")
     sock = zmq_ctx.socket(zmq.PAIR)
     sock.setsockopt(zmq.LINGER, 0)
+    # A frame above the limit drops the connection instead of being buffered in full.
+    sock.setsockopt(zmq.MAXMSGSIZE, proto.MAX_FRAME_BYTES)
     link = _Link(sock, time.monotonic() + timeout)
     key = None
     keep = False
@@ -122,8 +156,17 @@ def update_weights_from_ipc(zmq_ctx: zmq.Context, zmq_handle: str, device_id: in
         link.send("finished")
         log.info("update %s: %d buckets received in %.3f s", hello.update, len(hello.buckets),
                  time.perf_counter() - t0)
+    except CkptError as exc:
+        # Our own wait failed (bad frame, timeout, lost PS): tell the PS why, so that
+        # it reports this worker's reason at once instead of waiting for its deadline.
+        if not link.reported and not isinstance(exc, RemoteWorkerError):   # an abort: the PS knows
+            try:
+                link.send("error", index=-1, traceback=f"{type(exc).__name__}: {exc}")
+            except zmq.ZMQError:
+                pass
+        raise
     finally:
-        sock.close(linger=0)
+        link.close()
         if not keep:
             _unmap(key)
 
@@ -175,7 +218,7 @@ def _drain_until_abort(link: _Link, first: Exception) -> Exception:
     while True:
         try:
             msg = link.recv(("bucket", "abort", "end"))
-        except (UpdateTimeoutError, ProtocolError):
+        except CkptError:   # timeout, bad frame, PS gone: the first failure is the one to report
             return first
         if msg["kind"] != "bucket":
             return first
