@@ -19,6 +19,41 @@ from ._settings import Settings
 from .errors import ConfigError, TransportError, UpdateTimeoutError
 
 
+class _Store:
+    """The rendezvous store behind one seam: its failures (rank 0, which serves it, died or
+    hung) become a :class:`TransportError` naming the operation, not a raw DistNetworkError."""
+
+    def __init__(self, raw, rank: int):
+        self.raw, self.rank = raw, rank
+
+    def set(self, key: str, value) -> None:
+        self._call("set", key, value)
+
+    def get(self, key: str) -> bytes:
+        return self._call("get", key)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._call("check", keys)
+
+    def add(self, key: str, amount: int) -> int:
+        return self._call("add", key, amount)
+
+    def wait(self, keys: list[str], *timeout) -> None:
+        self._call("wait", keys, *timeout)
+
+    def delete_key(self, key: str) -> bool:
+        return self._call("delete_key", key)
+
+    def _call(self, op: str, *args):
+        try:
+            return getattr(self.raw, op)(*args)
+        except (RuntimeError, OSError) as exc:   # DistNetworkError / DistStoreError are RuntimeErrors
+            text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            kind = UpdateTimeoutError if "imeout" in text or "imed out" in text else TransportError
+            raise kind(f"rank {self.rank}: store.{op}({args[0]!r}) failed; rank 0 serves the store: "
+                       f"did it die? ({text})") from exc
+
+
 class Collectives:
     """Owns (or borrows) the process groups; ``close()`` is idempotent."""
 
@@ -36,7 +71,7 @@ class Collectives:
         else:
             raise ConfigError("no torch.distributed process group exists and auto_pg=False: "
                               "call torch.distributed.init_process_group first or pass auto_pg=True")
-        self.store = self.store or dist.distributed_c10d._get_default_store()
+        self.store = _Store(self.store or dist.distributed_c10d._get_default_store(), self.rank)
         default_backend = dist.get_backend()
         self.data_group = None  # the default group
         if default_backend == "gloo":
