@@ -10,8 +10,9 @@ vLLM's own routes drive an update from our parameter server:
     POST /finish_weight_update                                 deferred layers processed
 
 ``update_info`` may add ``timeout_s`` and ``check_complete`` (default true: the update carries
-the whole checkpoint, so a missing tensor fails it before the PS returns; pass false to spread
-one checkpoint over several PS updates, and the check runs at ``/finish_weight_update``).
+the whole checkpoint, so it is checked and finalized before the PS's update returns, and
+``/finish_weight_update`` has nothing left to do; pass false to spread one checkpoint over
+several PS updates: the check and vLLM's deferred processing then run at ``/finish_weight_update``).
 This module imports vLLM; vLLM imports it lazily when the backend is selected.
 """
 
@@ -85,13 +86,18 @@ class CkptWeightTransferEngine(WeightTransferEngine[CkptInitInfo, CkptUpdateInfo
         kind, index = self._device()
         handle = _w.own_handle(update_info.zmq_handles, kind, index)
         timeout = float(update_info.timeout_s or self._timeout)
+        # A complete update is also finalized in the core's post hook, so that a failure there
+        # reaches the PS before its update() returns; /finish_weight_update then has nothing left.
+        complete = update_info.check_complete
         try:
             _w.receive_into(self._sessions, self._context(), handle, kind, index, timeout=timeout,
-                            check_complete=update_info.check_complete, finalize=False)
+                            check_complete=complete, finalize=complete)
         except BaseException:
             self._sessions = None  # receive_into aborted them: the old weights serve on
             raise
-        self._checked = update_info.check_complete
+        if complete:
+            self._sessions = None
+        self._checked = complete
 
     def finish_weight_update(self) -> None:
         sessions, self._sessions = self._sessions, None
