@@ -152,7 +152,10 @@ class PsLink:
                 self._fail(f"bad message from the engine worker: {exc}")
                 return None
             if msg["kind"] == "error":
-                self._fail(f"engine worker failed (bucket {msg.get('index')})", tb=str(msg.get("traceback", "")))
+                index = msg.get("index")
+                where = (f"bucket {index}" if isinstance(index, int) and index >= 0
+                         else "outside the buckets: handshake or post-hook")
+                self._fail(f"engine worker failed ({where})", tb=str(msg.get("traceback", "")))
                 return None
             return msg
         return None
