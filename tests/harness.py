@@ -54,7 +54,9 @@ def worker_main(kind: str, index: int, conn, behavior: dict) -> None:
             conn.send(("ok", None))
             return
         if cmd[0] == "stats":
-            conn.send(("ok", {"runs": runs[0], "updates": updates, "pid": os.getpid()}))
+            from ckpt_core import _worker
+            conn.send(("ok", {"runs": runs[0], "updates": updates, "pid": os.getpid(),
+                              "mapped": sorted(_worker._mapped)}))
             continue
         if cmd[0] == "digests":
             conn.send(("ok", dict(loaded)))
@@ -87,8 +89,13 @@ def worker_main(kind: str, index: int, conn, behavior: dict) -> None:
                 time.sleep(this.get("never_connect"))
                 conn.send(("error", "worker did not connect (injected)"))
                 continue
-            update_weights_from_ipc(ctx, handles[key], index, run=run,
-                                    post_hook=lambda: loaded.update(staged), timeout=this.get("timeout", 60))
+            def post_hook():
+                if this.get("fail_post_hook"):
+                    raise RuntimeError("injected post-hook failure")
+                loaded.update(staged)
+
+            update_weights_from_ipc(ctx, handles[key], index, run=run, post_hook=post_hook,
+                                    timeout=this.get("timeout", 60))
             updates += 1
             conn.send(("ok", {"buckets": buckets[0]}))
         except Exception:
@@ -338,6 +345,8 @@ def _ps_command(ps, rank: int, cmd: str, arg):
         return ps.close()
     if cmd == "rss":
         return _rss_bytes()
+    if cmd == "ipc_buffer":       # the IPC buffer this rank holds between updates (None: released)
+        return None if ps._ipc is None else dict(ps._ipc.descriptor)
     if cmd == "sleep":
         return time.sleep(arg)
     raise ValueError(f"unknown harness command {cmd!r}")
@@ -494,3 +503,55 @@ def open_ipc_and_sum(kind: str, desc_json: str, index: int, q) -> None:
         q.put((int(t.sum().item()), str(t.device)))
     except Exception:
         q.put(("error", traceback.format_exc()))
+
+
+# ---------------------------------------------------------------- helpers of the fault-injection suite
+FAULT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
+
+
+def fresh_tensors(names_shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], gen: torch.Generator) -> dict:
+    """Random data (never zeros: a transfer that moves nothing must not pass) for fixed names."""
+    out = {}
+    for name, (shape, dtype) in names_shapes.items():
+        x = torch.randn(shape, generator=gen) * 3
+        x[x == 0] = 1.0
+        out[name] = x.to(dtype)
+    return out
+
+
+class FreshCheckpoints:
+    """Registers checkpoints of one fixed layout (like a model's, same names every time)
+    with fresh random data in a :class:`PsWorld`, and knows the digests each must leave."""
+
+    def __init__(self, world: "PsWorld", *, seed: int, per_rank: int = 6, numel: int = 4096):
+        self.world, self.gen, self.count = world, torch.Generator().manual_seed(seed), 0
+        self.layout = {r: {f"layer{r}.{i}.w": ((numel,) if i % 3 else (numel // 64, 64), FAULT_DTYPES[i % 4])
+                           for i in range(per_rank)} for r in range(world.size)}
+
+    def new(self, prefix: str = "ckpt", **register_kwargs) -> tuple[str, dict[str, str]]:
+        """Register, gather; return (checkpoint name, {tensor: digest})."""
+        self.count += 1
+        name = f"{prefix}-{self.count}"
+        data = {r: fresh_tensors(self.layout[r], self.gen) for r in range(self.world.size)}
+        got = self.world.all("register", per_rank={r: (name, {"named_tensors": data[r], **register_kwargs})
+                                                   for r in range(self.world.size)})
+        assert all(o.ok for o in got.values()), got
+        got = self.world.all("gather", name)
+        assert all(o.ok for o in got.values()), got
+        return name, {n: digest(t) for d in data.values() for n, t in d.items()}
+
+    def drop(self, name: str) -> None:
+        got = self.world.all("unregister", (name, {}))
+        assert all(o.ok for o in got.values()), got
+
+
+def report_case(case: str, outcome: str, seconds: float | None) -> None:
+    """One row of the fault table: printed (pytest -s shows it) and appended to
+    $CKPT_FAULT_TABLE when set, so the figures can be collected for the issue note."""
+    sec = "-" if seconds is None else f"{seconds:.2f}"
+    line = f"FAULT | {case} | {outcome} | {sec}"
+    print(line, flush=True)
+    path = os.environ.get("CKPT_FAULT_TABLE")
+    if path:
+        with open(path, "a") as f:
+            f.write(line + "\n")
