@@ -141,15 +141,11 @@ class VllmColocateWorkerExtension:
         return result
 
     def _ckpt_zmq_context(self):
+        # One context per worker process, for its lifetime. No destroy hook on purpose: a hook
+        # name that a future vLLM worker also defines would stop vLLM from starting.
         import zmq
 
         ctx = getattr(self, "_ckpt_zmq_ctx", None)
         if ctx is None:
             ctx = self._ckpt_zmq_ctx = zmq.Context()
         return ctx
-
-    def destroy_worker_extension(self) -> None:  # called by vLLM >= 0.33 on shutdown
-        ctx = getattr(self, "_ckpt_zmq_ctx", None)
-        if ctx is not None:
-            self._ckpt_zmq_ctx = None
-            ctx.term()
