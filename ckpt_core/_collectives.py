@@ -121,8 +121,14 @@ class Collectives:
         try:
             return dist.broadcast(tensor, src=src, group=self.data_group, async_op=async_op)
         except Exception as exc:  # collective libraries raise RuntimeError/DistBackendError
+            text = str(exc)
+            if "imed out" in text or "imeout" in text:
+                raise UpdateTimeoutError(
+                    f"rank {self.rank}: broadcast of {tensor.numel()} bytes from rank {src} timed out after "
+                    f"{self.timeout.total_seconds():g} s (PS_COLLECTIVE_TIMEOUT_S): a peer rank died or is "
+                    f"stuck: {text}") from exc
             raise TransportError(f"rank {self.rank}: broadcast of {tensor.numel()} bytes from rank {src} "
-                                 f"failed: {exc}") from exc
+                                 f"failed (a peer rank died?): {text}") from exc
 
     def _call(self, fn, *args, **kwargs):
         if self._closed:
