@@ -13,6 +13,7 @@ than one per tensor.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from .errors import ConfigError
 
@@ -24,9 +25,11 @@ def align_up(n: int, a: int = ALIGN) -> int:
     return (n + a - 1) // a * a
 
 
-@dataclass(frozen=True)
-class TensorMeta:
-    """One tensor as a rank describes it: ``base``/``base_offset`` locate its bytes in that rank's host memory."""
+class TensorMeta(NamedTuple):
+    """One tensor as a rank describes it: ``base``/``base_offset`` locate its bytes in that rank's host memory.
+
+    A NamedTuple, not a dataclass: gather_metas builds thousands of them per call.
+    """
     name: str
     dtype: str           # safetensors dtype code, e.g. "BF16"
     shape: tuple[int, ...]
@@ -139,21 +142,22 @@ def plan_buckets(metas_per_rank: list[list[TensorMeta]], bucket_bytes: int) -> P
 
 TARGET_BUCKETS_PER_OWNER = 8   # enough buckets per rank for H2D, broadcast and reload to overlap
 MIN_BUCKET = 64 << 20          # below this, per-bucket overheads start to show
+MAX_AUTO_BUCKET = 1 << 30      # larger buckets only lengthen the pipeline's fill and drain
 
 
 def choose_layout(free_bytes: int, *, mem_fraction: float, max_slots: int, max_bucket_bytes: int,
                   largest_tensor: int, largest_owner_total: int) -> tuple[int, int]:
     """(bucket bytes, slots) one rank can afford for its IPC buffer of ``slots x bucket``.
 
-    Aims at ~8 buckets per owner (so the stages overlap) but no smaller than
-    64 MiB or the largest tensor, capped by ``max_bucket_bytes``. When memory is
+    Aims at ~8 buckets per owner (so the stages overlap), at most 1 GiB, but no
+    smaller than 64 MiB or the largest tensor, capped by ``max_bucket_bytes``. When memory is
     short it first gives up slots (pipelining), then shrinks the bucket; callers
     take the minimum of both over ranks, and ``plan_buckets`` names any tensor
     that still does not fit.
     """
     budget = int(max(free_bytes, 0) * mem_fraction)
     per_owner = -(-max(largest_owner_total, 1) // TARGET_BUCKETS_PER_OWNER)
-    want = max(per_owner, MIN_BUCKET, largest_tensor)
+    want = max(min(per_owner, MAX_AUTO_BUCKET), MIN_BUCKET, largest_tensor)
     want = align_up(min(want, max_bucket_bytes, align_up(max(largest_owner_total, 1))))
     for slots in range(max(max_slots, 1), 0, -1):
         size = min(want, budget // slots) // ALIGN * ALIGN

@@ -166,7 +166,9 @@ class ParameterServer:
         missing = [r for r, g in enumerate(gathered) if g is None]
         if missing:
             raise CheckpointNotFoundError(f"checkpoint {name!r} is not registered on rank(s) {missing}")
-        metas = [[TensorMeta(n, d, tuple(s), nb, it, b, o) for n, d, s, nb, it, b, o in g] for g in gathered]
+        metas = [list(ckpt.metas) if r == self.rank else
+                 [TensorMeta(n, d, tuple(s), nb, it, b, o) for n, d, s, nb, it, b, o in g]
+                 for r, g in enumerate(gathered)]
         owner: dict[str, int] = {}
         for r, ms in enumerate(metas):
             for m in ms:
@@ -179,7 +181,7 @@ class ParameterServer:
 
     def get_metas(self) -> dict[str, list[list[dict]]]:
         """Plain-data copy of every gathered checkpoint's metas (JSON-serialisable)."""
-        return {name: [[m.__dict__ | {"shape": list(m.shape)} for m in ms] for ms in metas]
+        return {name: [[m._asdict() | {"shape": list(m.shape)} for m in ms] for ms in metas]
                 for name, metas in self._metas.items()}
 
     def load_metas(self, metas: dict[str, list[list[dict]]]) -> None:

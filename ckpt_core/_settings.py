@@ -22,7 +22,7 @@ ENV_VARS: dict[str, tuple[str, str, str]] = {
     "MASTER_PORT": ("int", "29500", "port of rank 0's rendezvous store"),
     "PS_MAX_BUCKET_SIZE_GB": ("float", "8", "upper bound of one bucket (one slot of the IPC buffer), GiB"),
     "PS_MEM_FRACTION": ("float", "0.9", "fraction of free device memory the IPC buffer may take"),
-    "PS_NUM_SLOTS": ("int", "3", "buckets in flight (slots of the IPC buffer ring)"),
+    "PS_NUM_SLOTS": ("int", "4", "buckets in flight (slots of the IPC buffer ring)"),
     "PS_COLLECTIVE_TIMEOUT_S": ("float", "600", "timeout of every collective and store wait, seconds"),
     "PS_P2P_STORE_RDMA_DEVICES": ("str", "", "comma-separated RDMA NICs for the P2P store"),
     "NCCL_IB_HCA": ("str", "", "read as a fallback for PS_P2P_STORE_RDMA_DEVICES"),
@@ -84,7 +84,7 @@ def load_settings(*, rank=None, world_size=None, master_addr=None, master_port=N
         master_port=int(master_port) if master_port is not None else _get("MASTER_PORT", int, 29500),
         max_bucket_bytes=int(bucket_gb * (1 << 30)),
         mem_fraction=float(mem_fraction) if mem_fraction is not None else _get("PS_MEM_FRACTION", float, 0.9),
-        num_slots=_get("PS_NUM_SLOTS", int, 3),
+        num_slots=_get("PS_NUM_SLOTS", int, 4),
         collective_timeout_s=_get("PS_COLLECTIVE_TIMEOUT_S", float, 600.0),
         rdma_devices=tuple(d for d in rdma.split(",") if d),
     )

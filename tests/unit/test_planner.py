@@ -92,12 +92,17 @@ def layout(free, total, largest, *, cap=8 * GiB, slots=3, fraction=0.9):
 
 
 def test_plenty_of_memory_gives_about_eight_buckets_per_rank_and_all_slots():
-    size, slots = layout(100 * GiB, 8 * GiB, 1 * GiB + 4096)
-    assert (size, slots) == (align_up(1 * GiB + 4096), 3)
+    size, slots = layout(100 * GiB, 4 * GiB, 1 * MiB)
+    assert (size, slots) == (512 * MiB, 3)
+
+
+def test_auto_buckets_stop_at_one_gib_unless_a_tensor_needs_more():
+    assert layout(200 * GiB, 40 * GiB, 1 * MiB)[0] == 1 * GiB
+    assert layout(200 * GiB, 40 * GiB, 1 * GiB + 4096)[0] == align_up(1 * GiB + 4096)
 
 
 def test_the_bucket_never_exceeds_the_configured_cap():
-    assert layout(500 * GiB, 400 * GiB, 1 * MiB, cap=2 * GiB) == (2 * GiB, 3)
+    assert layout(500 * GiB, 400 * GiB, 1 * MiB, cap=512 * MiB) == (512 * MiB, 3)
 
 
 def test_a_small_checkpoint_uses_one_bucket_no_bigger_than_it():
