@@ -1,0 +1,81 @@
+"""Probe: how fast can a /dev/shm checkpoint file be mapped and pinned in place?
+
+Times the ways to pin a file-backed mapping with cudaHostRegister (whole, pre-populated,
+split across threads), so the in-place registration path can use the fastest.
+    python3 benchmarks/pin_probe.py [--gib 4] [--out probe.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+
+def register(cudart, ptr: int, size: int, threads: int) -> list:
+    if threads <= 1:
+        assert int(cudart.cudaHostRegister(ptr, size, 0)) == 0
+        return [(ptr, size)]
+    step = (size // threads + 4095) // 4096 * 4096
+    parts = [(ptr + a, min(step, size - a)) for a in range(0, size, step)]
+    with ThreadPoolExecutor(threads) as ex:
+        errs = list(ex.map(lambda p: int(cudart.cudaHostRegister(p[0], p[1], 0)), parts))
+    assert not any(errs), errs
+    return parts
+
+
+def one(path: str, size: int, *, populate: bool, threads: int) -> dict:
+    cudart = torch.cuda.cudart()
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_RDWR)
+    flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
+    mm = mmap.mmap(fd, size, flags=flags)
+    os.close(fd)
+    t_map = time.perf_counter() - t0
+    buf = torch.frombuffer(mm, dtype=torch.uint8)
+    parts = register(cudart, buf.data_ptr(), size, threads)
+    t_total = time.perf_counter() - t0
+    dev = torch.empty(size, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    t1 = time.perf_counter()
+    dev.copy_(buf, non_blocking=True)
+    torch.cuda.synchronize()
+    h2d = size / (time.perf_counter() - t1) / 1e9
+    for p, _ in parts:
+        cudart.cudaHostUnregister(p)
+    del buf, dev
+    mm.close()
+    return {"populate": populate, "threads": threads, "map_s": t_map, "total_s": t_total,
+            "gbps": size / t_total / 1e9, "h2d_gbps_after": h2d}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gib", type=float, default=4.0)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    size = int(args.gib * (1 << 30))
+    path = f"/dev/shm/ckpt-pin-probe-{os.getpid()}"
+    with open(path, "wb") as f:
+        chunk = os.urandom(64 << 20)
+        for a in range(0, size, len(chunk)):
+            f.write(chunk[: min(len(chunk), size - a)])
+    try:
+        rows = [one(path, size, populate=p, threads=t) for p in (False, True) for t in (1, 4, 8, 16)]
+    finally:
+        os.unlink(path)
+    for r in rows:
+        print(f"populate={r['populate']!s:5} threads={r['threads']:2}  map {r['map_s']:.3f} s  "
+              f"map+pin {r['total_s']:.3f} s = {r['gbps']:.1f} GB/s  (H2D after: {r['h2d_gbps_after']:.1f} GB/s)")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"gib": args.gib, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
