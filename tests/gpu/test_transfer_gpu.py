@@ -35,26 +35,18 @@ def test_an_engine_that_never_connects_times_out_on_cuda():
     cases.case_engine_never_connects("cuda", 2, timeout_s=5.0)
 
 
-def test_the_ipc_buffer_maps_on_the_workers_own_device_and_is_freed():
-    """The CUDA backend's descriptor round-trips through JSON and lands on the device index given."""
-    from multiprocessing import get_context
-    from harness import open_ipc_and_sum
-    from ckpt_core.devices import get_backend
+def test_the_ipc_descriptor_is_plain_json_and_the_buffer_is_freed_on_close():
+    """No pickle: the CUDA IPC descriptor survives a JSON round trip; close() returns the memory."""
     import json
+    from ckpt_core.devices import get_backend
 
     need(1)
     b = get_backend("cuda")
-    buf = b.alloc_ipc(1 << 20, 0, "t")
-    buf.tensor.copy_(torch.randint(0, 255, (1 << 20,), dtype=torch.uint8, device="cuda:0"))
-    want = buf.tensor.sum().item()
-    ctx = get_context("spawn")
-    q = ctx.Queue()
-    p = ctx.Process(target=open_ipc_and_sum, args=("cuda", json.dumps(buf.descriptor), 0, q))
-    p.start()
-    got = q.get(timeout=60)
-    p.join(30)
-    assert got == (want, "cuda:0")
-    free_before = torch.cuda.mem_get_info(0)[0]
+    free0 = torch.cuda.mem_get_info(0)[0]
+    buf = b.alloc_ipc(256 << 20, 0, "t")
+    desc = json.loads(json.dumps(buf.descriptor))
+    assert desc == buf.descriptor and desc["kind"] == "cuda" and desc["nbytes"] == 256 << 20
+    assert torch.cuda.mem_get_info(0)[0] <= free0 - (256 << 20)
     buf.close()
     b.empty_cache()
-    assert torch.cuda.mem_get_info(0)[0] >= free_before
+    assert torch.cuda.mem_get_info(0)[0] >= free0 - (8 << 20)
