@@ -334,8 +334,8 @@ def _ps_command(ps, rank: int, cmd: str, arg):
         return [ps.update(n, make_req_func(address) if rank == 0 else (lambda h: None), timeout=timeout)["seconds"]["total"]
                 for n in names]
     if cmd == "two_updates_at_once":
-        name, address, timeout = arg
-        return _two_updates_at_once(ps, rank, name, address, timeout)
+        name, address, timeout, behaviors = arg
+        return _two_updates_at_once(ps, rank, name, address, timeout, behaviors)
     if cmd == "unregister":
         name, kwargs = arg
         return ps.unregister_checkpoint(name, **kwargs)
@@ -352,26 +352,24 @@ def _ps_command(ps, rank: int, cmd: str, arg):
     raise ValueError(f"unknown harness command {cmd!r}")
 
 
-def _two_updates_at_once(ps, rank, name, address, timeout):
+def _two_updates_at_once(ps, rank, name, address, timeout, behaviors=None):
     """Start an update in a thread, call update again while it runs; report both outcomes."""
-    started = threading.Event()
     first: dict = {}
-
-    def req(handles):
-        started.set()
-        if address is not None:
-            make_req_func(address)(handles)
 
     def one():
         try:
-            first["ok"] = ps.update(name, req if rank == 0 else (lambda h: started.set()), timeout=timeout)
+            req = make_req_func(address, behaviors) if rank == 0 else (lambda h: None)
+            first["ok"] = ps.update(name, req, timeout=timeout)
         except Exception as exc:
             first["error"] = f"{type(exc).__name__}: {exc}"
 
     t = threading.Thread(target=one)
     t.start()
-    if not started.wait(timeout):
-        raise TimeoutError("the first update never reached req_func")
+    deadline = time.monotonic() + timeout
+    while not ps._update_lock.locked() and t.is_alive():   # the first update is under way
+        if time.monotonic() > deadline:
+            raise TimeoutError("the first update never started")
+        time.sleep(0.001)
     try:
         ps.update(name, lambda h: None, timeout=timeout)
         second = "no error"
