@@ -5,7 +5,7 @@ Per bucket ``i`` (slot ``i % num_slots`` of the IPC buffer):
   2. the owner rank copies the bucket's runs from host memory into the slot
      (on a copy stream, so it overlaps the broadcasts in flight);
   3. the slot is broadcast from the owner into every rank's slot;
-  4. one bucket later, once the broadcast is done, the worker is told to load it.
+  4. once the broadcast is done (checked without blocking), the worker is told to load it.
 Buckets are interleaved across owners, so every rank's host link is busy.
 A worker failure does not stop the collectives (all ranks must issue the same
 sequence); the failing rank stops talking to its worker and reports at the end.
@@ -62,8 +62,7 @@ class BroadcastPipeline:
             event.record()
             self.pending.append((i, slot, event))
             self.in_slot[slot] = i
-            if len(self.pending) > 1:
-                self._notify(*self.pending.popleft())
+            self._notify_finished()
             self.log.debug("bucket %d/%d: %d bytes from rank %d", i + 1, len(self.plan.buckets),
                            bucket.nbytes, bucket.owner)
         while self.pending:
@@ -88,6 +87,15 @@ class BroadcastPipeline:
             copied.record()
         copied.wait()   # the stream that issues the broadcast waits for the copy, the host does not
         return n
+
+    def _notify_finished(self) -> None:
+        """Hand the worker every bucket whose broadcast is complete, without blocking the host.
+
+        The host must stay free to queue the next host-to-device copies: blocking on
+        the newest broadcast here would leave the copy stream idle between buckets.
+        """
+        while self.pending and self.pending[0][2].query():
+            self._notify(*self.pending.popleft())
 
     def _notify(self, index: int, slot: int, event) -> None:
         event.synchronize()

@@ -268,10 +268,16 @@ class ParameterServer:
         abort_key = f"ckpt/{update_id}/abort"
         req = _ReqThread(req_func, handles) if self.rank == 0 else None
 
+        last_check = [0.0]
+
         def should_stop() -> str | None:
             if req is not None and req.error is not None:
                 self._coll.store.set(abort_key, "req_func failed")
                 return f"req_func raised: {req.error.splitlines()[-1] if req.error else ''}"
+            now = time.monotonic()
+            if now - last_check[0] < 0.02:   # a store round trip per poll would tax every bucket
+                return None
+            last_check[0] = now
             if self._coll.store.check([abort_key]):
                 return "rank 0 aborted the update (req_func failed)"
             return None
@@ -321,6 +327,8 @@ class ParameterServer:
             if req.is_alive():
                 failure = Failure(self.rank, self.device_uuid, "req_func did not return within the update timeout",
                                   timeout=True)
+            elif req.error is not None:   # req_func may fail after the workers finished (e.g. a resume call)
+                failure = Failure(self.rank, self.device_uuid, "req_func raised", req.error)
         statuses = self._coll.all_gather_json(failure.to_json() if failure else None)
         failed = [Failure(**s) for s in statuses if s is not None]
         if not failed:

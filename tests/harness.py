@@ -217,6 +217,8 @@ def make_req_func(address, behaviors: dict | None = None):
         errors = [r[1] for r in results if r[0] != "ok"]
         if errors:
             raise RuntimeError("engine reported: " + errors[0])
+        if (behaviors or {}).get("req_fail_after"):
+            raise RuntimeError("injected: req_func failed after the engine finished")
     return req_func
 
 

@@ -48,3 +48,20 @@ def test_hf_directory_is_split_across_ranks_exactly_once(tmp_path):
     flat = sorted(os.path.basename(p) for s in shares for p in s)
     assert flat == sorted(names)
     assert all(shares), "both ranks get files"
+
+
+def test_a_req_func_failing_after_the_workers_finished_still_fails_the_update():
+    from harness import EngineFront, run_ps_world
+    import torch
+    front = EngineFront("cpu", 2)
+    try:
+        spec = {r: {"named_tensors": cases.tensors(f"q{r}", 3, torch.Generator().manual_seed(r))} for r in range(2)}
+        res = run_ps_world("cpu", 2, [("init", {}), ("register", ("c", spec)), ("gather", "c"),
+                                      ("update", ("c", front.address, 30, {"req_fail_after": True})),
+                                      ("update", ("c", front.address, 30))])
+        for r in range(2):
+            assert res[r][3][:2] == ("error", "RemoteWorkerError"), res[r][3]
+            assert "req_func failed after the engine finished" in res[r][3][2]
+            assert res[r][4][0] == "ok"
+    finally:
+        front.close()
