@@ -149,18 +149,20 @@ def choose_layout(free_bytes: int, *, mem_fraction: float, max_slots: int, max_b
                   largest_tensor: int, largest_owner_total: int) -> tuple[int, int]:
     """(bucket bytes, slots) one rank can afford for its IPC buffer of ``slots x bucket``.
 
-    Aims at ~8 buckets per owner (so the stages overlap), at most 1 GiB, but no
-    smaller than 64 MiB or the largest tensor, capped by ``max_bucket_bytes``. When memory is
+    Aims at ~8 buckets per owner (so the stages overlap), at most 1 GiB and at
+    most ``max_bucket_bytes``, but no smaller than 64 MiB or the largest tensor
+    (a cap below the largest tensor is raised to it rather than failing). When memory is
     short it first gives up slots (pipelining), then shrinks the bucket; callers
     take the minimum of both over ranks, and ``plan_buckets`` names any tensor
     that still does not fit.
     """
     budget = int(max(free_bytes, 0) * mem_fraction)
     per_owner = -(-max(largest_owner_total, 1) // TARGET_BUCKETS_PER_OWNER)
-    want = max(min(per_owner, MAX_AUTO_BUCKET), MIN_BUCKET, largest_tensor)
-    want = align_up(min(want, max_bucket_bytes, align_up(max(largest_owner_total, 1))))
+    want = min(max(min(per_owner, MAX_AUTO_BUCKET), MIN_BUCKET), max_bucket_bytes,
+               align_up(max(largest_owner_total, 1)))
+    want = align_up(max(want, largest_tensor))   # the cap yields to a tensor that needs more
     for slots in range(max(max_slots, 1), 0, -1):
         size = min(want, budget // slots) // ALIGN * ALIGN
         if size >= max(largest_tensor, 1):
             return size, slots
-    return max(budget // ALIGN * ALIGN, ALIGN), 1
+    return max(min(want, budget) // ALIGN * ALIGN, ALIGN), 1

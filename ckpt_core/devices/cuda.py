@@ -102,4 +102,6 @@ class CudaBackend(DeviceBackend):
         return torch.cuda.Event()
 
     def empty_cache(self) -> None:
+        # Memory exported through IPC is held until its consumers let go; collect first.
+        torch.cuda.ipc_collect()
         torch.cuda.empty_cache()

@@ -132,3 +132,13 @@ def test_plan_is_deterministic_for_every_rank():
     a, b = plan_buckets(metas, 6000), plan_buckets(metas, 6000)
     assert [[(p.meta.name, p.offset) for p in x.placements] for x in a.buckets] == \
            [[(p.meta.name, p.offset) for p in x.placements] for x in b.buckets]
+
+
+def test_a_cap_below_the_largest_tensor_is_raised_to_it_and_never_to_the_whole_budget():
+    size, slots = layout(140 * GiB, 20 * GiB, int(1.015 * GiB), cap=GiB // 2, slots=8)
+    assert size == align_up(int(1.015 * GiB)) and slots == 8
+
+
+def test_the_fallback_with_one_slot_never_exceeds_what_the_plan_needs():
+    size, slots = layout(1 * GiB, 8 * GiB, 2 * GiB)
+    assert slots == 1 and size <= int(0.9 * GiB)
