@@ -38,10 +38,11 @@ class BroadcastPipeline:
 
     def __init__(self, *, plan: Plan, rank: int, index: int, backend: DeviceBackend, ipc: IpcBuffer,
                  slot_bytes: int, num_slots: int, host: dict[int, torch.Tensor], coll: Collectives,
-                 link: PsLink, copy_stream, log):
+                 link: PsLink, copy_stream, log, on_failure=None):
         self.plan, self.rank, self.index, self.backend = plan, rank, index, backend
         self.ipc, self.slot_bytes, self.num_slots = ipc, slot_bytes, num_slots
         self.host, self.coll, self.link, self.copy_stream, self.log = host, coll, link, copy_stream, log
+        self.on_failure = on_failure           # told once, as soon as this rank's worker fails
         self.async_ops = backend.collective_backend != "gloo"
         self.pending: deque = deque()          # (index, slot, event): broadcast issued, worker not told
         self.in_slot: dict[int, int] = {}      # slot -> bucket index the worker may still read
@@ -100,6 +101,7 @@ class BroadcastPipeline:
     def _notify(self, index: int, slot: int, event) -> None:
         event.synchronize()
         self.link.send_bucket(index, slot)
+        self._report()
 
     def _free_slot(self, slot: int) -> None:
         """Block until the worker is done with whatever bucket last used ``slot``."""
@@ -109,3 +111,9 @@ class BroadcastPipeline:
         while self.pending and self.pending[0][0] <= index:
             self._notify(*self.pending.popleft())
         self.link.wait_done(index)
+        self._report()
+
+    def _report(self) -> None:
+        if self.link.failure is not None and self.on_failure is not None:
+            fn, self.on_failure = self.on_failure, None
+            fn(self.link.failure)

@@ -272,15 +272,22 @@ class ParameterServer:
 
         def should_stop() -> str | None:
             if req is not None and req.error is not None:
-                self._coll.store.set(abort_key, "req_func failed")
+                self._coll.store.set(abort_key, "rank 0: req_func raised")
                 return f"req_func raised: {req.error.splitlines()[-1] if req.error else ''}"
             now = time.monotonic()
             if now - last_check[0] < 0.02:   # a store round trip per poll would tax every bucket
                 return None
             last_check[0] = now
             if self._coll.store.check([abort_key]):
-                return "rank 0 aborted the update (req_func failed)"
+                return f"another rank failed first ({self._coll.store.get(abort_key).decode(errors='replace')})"
             return None
+
+        def publish(failure: Failure) -> None:
+            """Tell the other ranks at once, so they stop waiting for their own workers."""
+            try:
+                self._coll.store.set(abort_key, f"rank {self.rank}: {failure.message}"[:500])
+            except Exception as exc:  # the store going away is reported by the next collective
+                self._log.warning("could not publish the failure to the other ranks: %s", exc)
 
         link = PsLink(self._zmq, handles[self.rank][1], update_id, rank=self.rank, device_key=self.device_uuid,
                       deadline=deadline, should_stop=should_stop)
@@ -290,13 +297,15 @@ class ParameterServer:
                 req.start()
             buckets = [[(p.meta.name, p.meta.dtype, p.meta.shape, p.offset) for p in b.placements] for b in plan.buckets]
             link.send_hello(hello_fields(self.backend.kind, ipc.descriptor, slot_bytes, slots, buckets))
-            link.wait_ready()
+            if not link.wait_ready():
+                publish(link.failure)
             self._agree(link, req, deadline, phase="handshake", final=False)
             times["handshake"] = time.perf_counter() - t0 - times["plan"]
             host = {rid: region.tensor for rid, region in self._checkpoints[name].regions.items()}
             stats = BroadcastPipeline(plan=plan, rank=self.rank, index=self.device_index, backend=self.backend,
                                       ipc=ipc, slot_bytes=slot_bytes, num_slots=slots, host=host, coll=self._coll,
-                                      link=link, copy_stream=self._copy_stream, log=self._log).run()
+                                      link=link, copy_stream=self._copy_stream, log=self._log,
+                                      on_failure=publish).run()
             times["pipeline"] = stats.seconds
             self._agree(link, req, deadline, phase="transfer", final=False)
             link.send_end(self.keep_device_buffers)
@@ -333,15 +342,22 @@ class ParameterServer:
         failed = [Failure(**s) for s in statuses if s is not None]
         if not failed:
             return
-        reason = "; ".join(f"rank {f.rank}: {f.message}" for f in failed)
+        # An engine worker's own failure is the cause; ranks that stopped because of it,
+        # and req_func failing because the engine reported it, are echoes.
+        causes = [f for f in failed if not _is_echo(f)] or failed
+        reason = "; ".join(f"rank {f.rank}: {f.message}" for f in causes)
         link.send_abort(reason)
-        first = failed[0]
+        first = causes[0]
         self._log.error("update failed during %s: %s", phase, reason)
-        if all(f.timeout for f in failed):
+        if first.timeout:
             raise UpdateTimeoutError(f"[rank {first.rank}] {first.message} (device {first.device_key}); "
                                      f"failed during {phase}: {reason}")
         raise RemoteWorkerError(f"update failed during {phase}: {reason}", rank=first.rank,
                                 device_key=first.device_key, remote_traceback=first.traceback or None)
+
+
+def _is_echo(f: Failure) -> bool:
+    return f.message.startswith("stopped while") or f.message.startswith("req_func raised")
 
 
 class _ReqThread(threading.Thread):
