@@ -50,18 +50,35 @@ def decode(frame: bytes, *, expect: tuple[str, ...], update: str | None = None) 
         raise ProtocolError(f"frame of {len(frame)} bytes exceeds the limit of {MAX_FRAME_BYTES}")
     try:
         msg = json.loads(frame.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    # RecursionError: a hostile frame of deeply nested brackets exhausts the parser's stack
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise ProtocolError(f"frame is not UTF-8 JSON ({exc.__class__.__name__}); first bytes {frame[:32]!r}") from exc
     if not isinstance(msg, dict):
         raise ProtocolError(f"frame is a JSON {type(msg).__name__}, expected an object")
-    if msg.get("v") != VERSION:
-        raise ProtocolError(f"protocol version {msg.get('v')!r} is not supported (expected {VERSION})")
+    version = msg.get("v")
+    if type(version) is not int or version != VERSION:   # JSON true and 1.0 compare equal to 1
+        raise ProtocolError(f"protocol version {version!r:.40} is not supported (expected {VERSION})")
     kind = msg.get("kind")
-    if kind not in expect:
-        raise ProtocolError(f"unexpected message kind {kind!r}; expected one of {list(expect)}")
-    if update is not None and msg.get("update") != update:
-        raise ProtocolError(f"message belongs to update {msg.get('update')!r}, not {update!r}")
+    if not isinstance(kind, str) or kind not in expect:
+        raise ProtocolError(f"unexpected message kind {kind!r:.40}; expected one of {list(expect)}")
+    if not isinstance(msg.get("update"), str):
+        raise ProtocolError(f"message has no update id (got {msg.get('update')!r:.40})")
+    if update is not None and msg["update"] != update:
+        raise ProtocolError(f"message belongs to update {msg['update']!r:.80}, not {update!r}")
     return msg
+
+
+def update_id_of(frame: bytes) -> str | None:
+    """Best effort: the update id of a frame that failed validation, so that the error
+    answer reaches a PS of another version as its own update's error, not as noise."""
+    if len(frame) > MAX_FRAME_BYTES:
+        return None
+    try:
+        msg = json.loads(frame.decode("utf-8"))
+    except (ValueError, RecursionError):   # UnicodeDecodeError, JSONDecodeError are ValueErrors
+        return None
+    uid = msg.get("update") if isinstance(msg, dict) else None
+    return uid if isinstance(uid, str) else None
 
 
 def _int(msg: dict, key: str, lo: int = 0, hi: int | None = None) -> int:
@@ -117,6 +134,9 @@ def _tensor(entry: Any, slot_bytes: int) -> WireTensor:
 
 def parse_hello(msg: dict[str, Any]) -> Hello:
     """Validate the whole plan up front, so a bad message is refused before any byte is read."""
+    update = msg.get("update")
+    if not isinstance(update, str) or not update:
+        raise ProtocolError(f"hello has no update id (got {update!r:.40})")
     kind = msg.get("device_kind")
     buffer = msg.get("buffer")
     if not isinstance(kind, str) or not isinstance(buffer, dict):
@@ -124,7 +144,7 @@ def parse_hello(msg: dict[str, Any]) -> Hello:
     num_slots = _int(msg, "num_slots", 1, 1024)
     slot_bytes = _int(msg, "slot_bytes", 1)
     nbytes = buffer.get("nbytes")
-    if not isinstance(nbytes, int) or nbytes < slot_bytes * num_slots:
+    if type(nbytes) is not int or nbytes < slot_bytes * num_slots:
         raise ProtocolError(f"buffer of {nbytes!r} bytes cannot hold {num_slots} slots of {slot_bytes} bytes")
     raw = msg.get("buckets")
     if not isinstance(raw, list):
@@ -134,7 +154,7 @@ def parse_hello(msg: dict[str, Any]) -> Hello:
         if not isinstance(b, list):
             raise ProtocolError("a bucket is not a list of tensors")
         buckets.append(tuple(_tensor(e, slot_bytes) for e in b))
-    return Hello(str(msg["update"]), kind, buffer, slot_bytes, num_slots, tuple(buckets))
+    return Hello(update, kind, buffer, slot_bytes, num_slots, tuple(buckets))
 
 
 def parse_bucket(msg: dict[str, Any], hello: Hello) -> tuple[int, int]:
