@@ -26,16 +26,20 @@ class PeerWatch:
     ``lost`` becomes true once a peer had connected and no connection is left.
     """
 
-    def __init__(self, sock: zmq.Socket):
+    def __init__(self, sock: zmq.Socket, *, sticky: bool = False):
         self.sock = sock
         self.mon = sock.get_monitor_socket(_PEER_EVENTS)   # before bind/connect: miss no event
         self.peers = 0
         self.seen = False
+        # sticky: any disconnect is final. The connecting side uses it: ZeroMQ would reconnect
+        # (e.g. after dropping a frame over MAXMSGSIZE), but within one update the PS never
+        # legitimately drops the connection, so a reconnect cannot make the update whole.
+        self.sticky, self.dropped = sticky, False
 
     @property
     def lost(self) -> bool:
         self.drain()
-        return self.seen and self.peers <= 0
+        return self.seen and (self.peers <= 0 or (self.sticky and self.dropped))
 
     def drain(self) -> None:
         from zmq.utils.monitor import recv_monitor_message
@@ -44,7 +48,7 @@ class PeerWatch:
             if event in (zmq.EVENT_ACCEPTED, zmq.EVENT_CONNECTED):
                 self.peers, self.seen = self.peers + 1, True
             elif event == zmq.EVENT_DISCONNECTED:
-                self.peers -= 1
+                self.peers, self.dropped = self.peers - 1, True
 
     def close(self) -> None:
         mon, self.mon = self.mon, None

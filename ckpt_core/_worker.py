@@ -25,6 +25,7 @@ from .errors import CkptError, ProtocolError, RemoteWorkerError, TransportError,
 __all__ = ["update_weights_from_ipc"]
 
 DEFAULT_TIMEOUT_S = 600.0
+SEND_WAIT_S = 5.0   # longest a send waits for the connection (it is normally writable at once)
 RunFn = Callable[[list[tuple[str, torch.Tensor]]], Any]
 
 # Buffers stay mapped between updates when the PS keeps its buffer (cheap next update).
@@ -59,17 +60,19 @@ class _Link:
 
     def __init__(self, sock: zmq.Socket, deadline: float):
         self.sock, self.deadline, self.update = sock, deadline, None
-        self.watch = PeerWatch(sock)
+        self.watch = PeerWatch(sock, sticky=True)
         self.poller = zmq.Poller()
         self.poller.register(sock, zmq.POLLIN)
         self.poller.register(self.watch.mon, zmq.POLLIN)
         self.reported = False   # an error frame went to the PS already
+        self.last_frame = b""
 
     def recv(self, expect: tuple[str, ...]) -> dict:
         waiting = f"waiting for {'/'.join(expect)}"
         while True:
             if self.sock.poll(0):
-                msg = proto.decode(self.sock.recv(), expect=expect, update=self.update)
+                self.last_frame = self.sock.recv()
+                msg = proto.decode(self.last_frame, expect=expect, update=self.update)
                 if msg["kind"] == "bucket" and self.watch.lost:
                     return self._last_word(expect, waiting)   # the PS is gone: its notices are void
                 return msg
@@ -92,9 +95,20 @@ class _Link:
                              "notices it left behind belong to a dead update and were not loaded")
 
     def send(self, kind: str, **fields) -> None:
+        """Never blocks past the deadline: a PAIR socket whose peer is gone blocks on send."""
         if kind == "error":
             self.reported = True
-        self.sock.send(proto.encode(kind, self.update or "", **fields))
+        wait = 0.0 if self.watch.lost else min(max(0.0, self.deadline - time.monotonic()), SEND_WAIT_S)
+        if not self.sock.poll(int(wait * 1000), zmq.POLLOUT):
+            raise TransportError(f"cannot send {kind!r} to the parameter server: the connection is gone")
+        self.sock.send(proto.encode(kind, self.update or "", **fields), zmq.NOBLOCK)
+
+    def report(self, index: int, text: str) -> None:
+        """Best effort: tell the PS why this worker fails; the failure itself is raised by the caller."""
+        try:
+            self.send("error", index=index, traceback=text)
+        except (TransportError, zmq.ZMQError):
+            pass
 
     def close(self) -> None:
         self.watch.close()
@@ -150,7 +164,7 @@ def update_weights_from_ipc(zmq_ctx: zmq.Context, zmq_handle: str, device_id: in
             try:
                 post_hook()
             except Exception as exc:
-                link.send("error", index=-1, traceback=traceback.format_exc())
+                link.report(-1, traceback.format_exc())
                 raise exc
         backend.synchronize(device_id)
         link.send("finished")
@@ -160,10 +174,7 @@ def update_weights_from_ipc(zmq_ctx: zmq.Context, zmq_handle: str, device_id: in
         # Our own wait failed (bad frame, timeout, lost PS): tell the PS why, so that
         # it reports this worker's reason at once instead of waiting for its deadline.
         if not link.reported and not isinstance(exc, RemoteWorkerError):   # an abort: the PS knows
-            try:
-                link.send("error", index=-1, traceback=f"{type(exc).__name__}: {exc}")
-            except zmq.ZMQError:
-                pass
+            link.report(-1, f"{type(exc).__name__}: {exc}")
         raise
     finally:
         link.close()
@@ -176,8 +187,10 @@ def _handshake(link: _Link, device_id: int):
         raw = link.recv(("hello",))
         hello = proto.parse_hello(raw)
     except ProtocolError as exc:
-        # A frame we cannot trust: answer and leave without touching anything.
-        link.send("error", index=-1, traceback=f"ProtocolError: {exc}")
+        # A frame we cannot trust: answer (under its update id if it has one, so that a PS of
+        # another protocol version sees why) and leave without touching anything.
+        link.update = proto.update_id_of(link.last_frame)
+        link.report(-1, f"ProtocolError: {exc}")
         raise
     link.update = hello.update
     try:
@@ -185,7 +198,7 @@ def _handshake(link: _Link, device_id: int):
         backend.set_device(device_id)
         key, buf = _map(hello.device_kind, hello.buffer, device_id)
     except Exception:
-        link.send("error", index=-1, traceback=traceback.format_exc())
+        link.report(-1, traceback.format_exc())
         raise
     link.send("ready")
     return hello, key, buf, backend
@@ -207,7 +220,7 @@ def _receive_buckets(link: _Link, hello: proto.Hello, buf, backend, device_id: i
             run(_views(buf, slot * hello.slot_bytes, hello.buckets[index]))
             backend.synchronize(device_id)
         except Exception as exc:  # the engine's loader failed, or the frame was bad
-            link.send("error", index=expected, traceback=traceback.format_exc())
+            link.report(expected, traceback.format_exc())
             return _drain_until_abort(link, exc)
         link.send("done", index=index)
     return None
