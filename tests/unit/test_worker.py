@@ -1,0 +1,341 @@
+"""The engine-side receive loop against a hand-driven fake parameter server (in process).
+
+The fake binds the PAIR socket and a real /dev/shm buffer and sends exactly the frames a
+test wants; the worker runs in a thread. Malformed or foreign frames must be refused with a
+ProtocolError, answered with an error frame, and never reach ``run``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import threading
+import time
+import uuid
+
+import pytest
+import torch
+import zmq
+
+from ckpt_core import _protocol as proto
+from ckpt_core import _worker
+from ckpt_core import update_weights_from_ipc
+from ckpt_core.devices.cpu import CpuBackend
+from ckpt_core.errors import ProtocolError, RemoteWorkerError, TransportError, UpdateTimeoutError
+
+SLOT = 4096
+UPDATE = "fake-update"
+
+
+class FakePs:
+    """Binds the handle and owns a 2-slot /dev/shm buffer, like one PS rank would."""
+
+    def __init__(self):
+        self.ctx = zmq.Context()
+        self.handle = f"ipc://@ckpt-test-{uuid.uuid4().hex}"
+        self.sock = self.ctx.socket(zmq.PAIR)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(self.handle)
+        self.ipc = CpuBackend().alloc_ipc(2 * SLOT, 0, f"test-{uuid.uuid4().hex[:12]}")
+        gen = torch.Generator().manual_seed(3)
+        self.tensors = {"w.a": torch.randn(8, 16, generator=gen).to(torch.bfloat16),
+                        "w.b": torch.randn(100, generator=gen),
+                        "w.c": (torch.randn(33, generator=gen) * 3).to(torch.float8_e4m3fn)}
+        self.plan = [[("w.a", "BF16", (8, 16), 0), ("w.b", "F32", (100,), 256)], [("w.c", "F8_E4M3", (33,), 0)]]
+        for slot, bucket in enumerate(self.plan):
+            for name, _, _, off in bucket:
+                raw = self.tensors[name].reshape(-1).view(torch.uint8)
+                self.ipc.tensor[slot * SLOT + off: slot * SLOT + off + raw.numel()] = raw
+
+    def hello(self, **over) -> dict:
+        fields = proto.hello_fields("cpu", self.ipc.descriptor, SLOT, 2, self.plan)
+        fields.update(over)
+        return fields
+
+    def send(self, kind: str, update: str = UPDATE, **fields) -> None:
+        self.send_raw(proto.encode(kind, update, **fields))
+
+    def send_raw(self, data: bytes, wait: float = 5.0) -> bool:
+        """A bound PAIR blocks on send while no worker is connected: wait a while, then give up."""
+        if not self.sock.poll(int(wait * 1000), zmq.POLLOUT):
+            return False
+        self.sock.send(data, zmq.NOBLOCK)
+        return True
+
+    def recv(self, timeout: float = 5.0) -> dict:
+        assert self.sock.poll(int(timeout * 1000)), "the worker did not answer"
+        return proto.decode(self.sock.recv(), expect=proto.WORKER_KINDS)
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self.ctx.term()
+        self.ipc.close()
+
+
+class Worker:
+    """update_weights_from_ipc in a thread; records run() calls and the outcome."""
+
+    def __init__(self, handle: str, *, timeout: float = 10.0, run=None, post_hook=None):
+        self.calls: list[dict[str, torch.Tensor]] = []
+        self.error: BaseException | None = None
+        self.hooked = 0
+        self._run, self._post = run, post_hook
+
+        def run_fn(weights):
+            self.calls.append({n: t.clone() for n, t in weights})
+            if self._run:
+                self._run(len(self.calls) - 1)
+
+        def post():
+            self.hooked += 1
+            if self._post:
+                self._post()
+
+        def main():
+            try:
+                update_weights_from_ipc(zmq.Context.instance(), handle, 0, run=run_fn, post_hook=post, timeout=timeout)
+            except BaseException as exc:
+                self.error = exc
+
+        self.thread = threading.Thread(target=main, daemon=True)
+        self.t0 = time.monotonic()
+        self.thread.start()
+
+    def join(self, timeout: float = 10.0) -> float:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "the worker is still in its loop"
+        return time.monotonic() - self.t0
+
+
+@pytest.fixture
+def ps():
+    p = FakePs()
+    yield p
+    p.close()
+    assert not [k for k in _worker._mapped if "test-" in k], "the worker kept a buffer mapped"
+
+
+def handshake(ps: FakePs) -> Worker:
+    w = Worker(ps.handle)
+    ps.send("hello", **ps.hello())
+    assert ps.recv()["kind"] == "ready"
+    return w
+
+
+# ------------------------------------------------------------------ the genuine exchange
+def test_a_genuine_update_loads_every_tensor_bit_exact_and_runs_the_post_hook_once(ps):
+    w = handshake(ps)
+    for i in range(2):
+        ps.send("bucket", index=i, slot=i)
+        assert ps.recv() == {"v": 1, "kind": "done", "update": UPDATE, "index": i}
+    ps.send("end", keep_buffer=False)
+    assert ps.recv()["kind"] == "finished"
+    w.join()
+    assert w.error is None and w.hooked == 1
+    got = {n: t for call in w.calls for n, t in call.items()}
+    assert set(got) == set(ps.tensors)
+    for n, t in ps.tensors.items():
+        assert got[n].dtype == t.dtype and torch.equal(got[n].view(torch.uint8), t.view(torch.uint8)), n
+
+
+def test_a_kept_buffer_stays_mapped_for_the_next_update_until_released(ps):
+    w = handshake(ps)
+    for i in range(2):
+        ps.send("bucket", index=i, slot=i)
+        ps.recv()
+    ps.send("end", keep_buffer=True)
+    assert ps.recv()["kind"] == "finished"
+    w.join()
+    keys = [k for k in _worker._mapped if ps.ipc.descriptor["path"] in k]
+    assert len(keys) == 1
+    _worker._unmap(keys[0])
+
+
+# ------------------------------------------------------------------ foreign or malformed first frames
+class _Boom:
+    """Unpickling this would create a file: proof that nothing was unpickled."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _first_frames(ps: FakePs, marker: str) -> dict[str, bytes]:
+    good = ps.hello()
+    enc = lambda **kw: json.dumps(kw).encode()  # noqa: E731
+    return {
+        "garbage bytes": os.urandom(64) + b"\xff",
+        "a pickle payload": pickle.dumps(_Boom(marker)),
+        "a JSON list": b"[1, 2, 3]",
+        "deeply nested JSON": b"[" * 50000 + b"]" * 50000,
+        "another protocol version": enc(v=2, kind="hello", update=UPDATE, **good),
+        "a bucket before the hello": proto.encode("bucket", UPDATE, index=0, slot=0),
+        "a worker's own kind": proto.encode("ready", UPDATE),
+        "no update id": enc(v=1, kind="hello", **good),
+        "tensors outside the buffer": proto.encode("hello", UPDATE, **ps.hello(
+            buckets=[[["w.a", "BF16", [8, 16], SLOT - 64]]])),
+        "a buffer smaller than its slots": proto.encode("hello", UPDATE, **ps.hello(
+            buffer=dict(ps.ipc.descriptor, nbytes=SLOT))),
+        "an unknown dtype": proto.encode("hello", UPDATE, **ps.hello(buckets=[[["w.a", "I4", [8], 0]]])),
+    }
+
+
+@pytest.mark.parametrize("case", ["garbage bytes", "a pickle payload", "a JSON list", "deeply nested JSON",
+                                  "another protocol version", "a bucket before the hello", "a worker's own kind",
+                                  "no update id", "tensors outside the buffer", "a buffer smaller than its slots",
+                                  "an unknown dtype"])
+def test_a_malformed_first_frame_is_refused_answered_and_nothing_runs(ps, tmp_path, case):
+    marker = str(tmp_path / "unpickled")
+    w = Worker(ps.handle)
+    ps.send_raw(_first_frames(ps, marker)[case])
+    answer = ps.recv()
+    dt = w.join()
+    assert isinstance(w.error, ProtocolError), repr(w.error)
+    assert answer["kind"] == "error" and "ProtocolError" in answer["traceback"], answer
+    assert w.calls == [] and w.hooked == 0
+    assert not os.path.exists(marker), "a pickle was loaded"
+    assert dt < 5
+
+
+def test_the_refusal_of_another_versions_hello_is_addressed_to_its_update(ps):
+    w = Worker(ps.handle)
+    ps.send_raw(json.dumps({"v": 2, "kind": "hello", "update": "u-v2", **ps.hello()}).encode())
+    answer = ps.recv()
+    w.join()
+    assert answer["update"] == "u-v2" and "version 2" in answer["traceback"], answer
+
+
+def test_a_buffer_outside_the_shared_memory_folder_is_refused(ps):
+    w = Worker(ps.handle)
+    ps.send("hello", **ps.hello(buffer={"kind": "cpu", "path": "/etc/passwd", "nbytes": 2 * SLOT}))
+    answer = ps.recv()
+    w.join()
+    assert isinstance(w.error, TransportError) and "refusing to map" in str(w.error)
+    assert answer["kind"] == "error" and "refusing to map" in answer["traceback"]
+    assert w.calls == []
+
+
+# ------------------------------------------------------------------ bad frames after the handshake
+@pytest.mark.parametrize("case", ["another update's bucket", "bucket index out of range", "bucket out of order",
+                                  "slot out of range", "a second hello", "garbage"])
+def test_a_bad_frame_after_the_handshake_is_refused_and_nothing_runs(ps, case):
+    w = handshake(ps)
+    frames = {
+        "another update's bucket": proto.encode("bucket", "someone-else", index=0, slot=0),
+        "bucket index out of range": proto.encode("bucket", UPDATE, index=2, slot=0),
+        "bucket out of order": proto.encode("bucket", UPDATE, index=1, slot=1),
+        "slot out of range": proto.encode("bucket", UPDATE, index=0, slot=2),
+        "a second hello": proto.encode("hello", UPDATE, **ps.hello()),
+        "garbage": b"\x00\x01\x02",
+    }
+    ps.send_raw(frames[case])
+    answer = ps.recv()
+    assert answer["kind"] == "error" and "ProtocolError" in answer["traceback"], answer
+    ps.send_raw(proto.encode("abort", UPDATE, reason="the PS gives up"), wait=0.5)   # as a genuine PS would
+    w.join()
+    assert isinstance(w.error, ProtocolError), repr(w.error)
+    assert w.calls == [] and w.hooked == 0
+
+
+def test_a_frame_over_the_size_limit_is_dropped_by_zeromq_and_the_worker_leaves(ps, monkeypatch):
+    monkeypatch.setattr(proto, "MAX_FRAME_BYTES", 1024)
+    w = Worker(ps.handle, timeout=30)
+    ps.send_raw(b"{" + b" " * 4096 + b"}")
+    dt = w.join()
+    assert isinstance(w.error, TransportError) and dt < 5, (repr(w.error), dt)
+    assert w.calls == []
+
+
+# ------------------------------------------------------------------ a PS that fails, leaves or goes silent
+def test_an_abort_after_a_bucket_is_a_remote_worker_error_with_the_reason(ps):
+    w = handshake(ps)
+    ps.send("bucket", index=0, slot=0)
+    assert ps.recv()["kind"] == "done"
+    ps.send("abort", reason="rank 1: engine worker failed (bucket 1)")
+    w.join()
+    assert isinstance(w.error, RemoteWorkerError) and "rank 1: engine worker failed" in str(w.error)
+    assert len(w.calls) == 1 and w.hooked == 0
+
+
+@pytest.mark.parametrize("bucket", [0, 1])
+def test_run_raising_is_answered_with_its_traceback_and_reraised_after_the_abort(ps, bucket):
+    def run(i):
+        if i == bucket:
+            raise ValueError(f"engine cannot load bucket {i}")
+    w = Worker(ps.handle, run=run)
+    ps.send("hello", **ps.hello())
+    assert ps.recv()["kind"] == "ready"
+    for i in range(bucket + 1):
+        ps.send("bucket", index=i, slot=i)
+    answers = [ps.recv() for _ in range(bucket + 1)]
+    assert answers[-1]["kind"] == "error" and answers[-1]["index"] == bucket
+    assert f"ValueError: engine cannot load bucket {bucket}" in answers[-1]["traceback"]
+    ps.send("abort", reason="rank 0: engine worker failed")
+    w.join()
+    assert isinstance(w.error, ValueError) and w.hooked == 0
+
+
+def test_a_post_hook_raising_is_answered_and_reraised(ps):
+    def post():
+        raise RuntimeError("hook failed")
+    w = Worker(ps.handle, post_hook=post)
+    ps.send("hello", **ps.hello())
+    ps.recv()
+    for i in range(2):
+        ps.send("bucket", index=i, slot=i)
+        ps.recv()
+    ps.send("end", keep_buffer=False)
+    answer = ps.recv()
+    w.join()
+    assert answer["kind"] == "error" and answer["index"] == -1 and "hook failed" in answer["traceback"]
+    assert isinstance(w.error, RuntimeError)
+
+
+def test_a_ps_that_goes_away_mid_update_is_a_transport_error_at_once(ps):
+    w = Worker(ps.handle, timeout=30)
+    ps.send("hello", **ps.hello())
+    assert ps.recv()["kind"] == "ready"
+    ps.sock.close(linger=0)                      # its process died
+    dt = w.join()
+    assert isinstance(w.error, TransportError) and "closed the connection" in str(w.error), repr(w.error)
+    assert dt < 5, f"noticed after {dt:.1f} s; the timeout was 30 s"
+    ps.sock = ps.ctx.socket(zmq.PAIR)            # for the fixture's close
+
+
+def test_bucket_notices_left_by_a_dead_ps_are_not_loaded(ps):
+    entered = threading.Event()
+
+    def run(i):
+        entered.set()
+        time.sleep(0.3)                          # the PS dies while bucket 0 loads
+    w = Worker(ps.handle, timeout=30, run=run)
+    ps.send("hello", **ps.hello())
+    ps.recv()
+    ps.send("bucket", index=0, slot=0)
+    assert entered.wait(5)
+    ps.send("bucket", index=1, slot=1)
+    ps.sock.close(linger=0)
+    w.join()
+    assert isinstance(w.error, TransportError), repr(w.error)
+    assert len(w.calls) == 1, "the dead update's second bucket was loaded"
+    ps.sock = ps.ctx.socket(zmq.PAIR)
+
+
+@pytest.mark.parametrize("bound", [True, False])
+def test_a_silent_or_absent_ps_is_a_timeout_naming_what_was_awaited(bound):
+    if bound:
+        ps = FakePs()
+        handle = ps.handle
+    else:
+        ps, handle = None, f"ipc://@ckpt-test-nobody-{uuid.uuid4().hex}"
+    try:
+        w = Worker(handle, timeout=0.5)
+        dt = w.join()
+        assert isinstance(w.error, UpdateTimeoutError) and "waiting for hello" in str(w.error), repr(w.error)
+        assert 0.4 < dt < 3
+    finally:
+        if ps is not None:
+            ps.close()
