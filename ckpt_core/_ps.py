@@ -28,6 +28,7 @@ from .errors import (CheckpointFormatError, CheckpointNotFoundError, ClosedError
                      RemoteWorkerError, UpdateTimeoutError)
 
 ReqFunc = Callable[[list[tuple[str, str]]], object]
+REQ_GRACE_S = 2.0   # how long a failed update still waits for req_func to return
 GiB = float(1 << 30)
 
 
@@ -212,10 +213,10 @@ class ParameterServer:
             raise ConfigError("P2P updates (ranks=[...]) are not supported by this build; pass ranks=None "
                               "to broadcast to all ranks")
         deadline = time.monotonic() + _seconds(timeout)
-        if name not in self._metas:
-            raise ConfigError(f"call gather_metas({name!r}) on every rank before update({name!r})")
         if name not in self._checkpoints:
             raise CheckpointNotFoundError(f"checkpoint {name!r} is not registered on rank {self.rank}")
+        if name not in self._metas:
+            raise ConfigError(f"call gather_metas({name!r}) on every rank before update({name!r})")
         if not self._update_lock.acquire(blocking=False):
             raise ConfigError("another update is already running on this ParameterServer")
         try:
@@ -292,6 +293,7 @@ class ParameterServer:
         link = PsLink(self._zmq, handles[self.rank][1], update_id, rank=self.rank, device_key=self.device_uuid,
                       deadline=deadline, should_stop=should_stop)
         times = {"plan": time.perf_counter() - t0}
+        ok = False
         try:
             if req is not None:
                 req.start()
@@ -311,10 +313,13 @@ class ParameterServer:
             link.send_end(self.keep_device_buffers)
             link.wait_finished()
             self._agree(link, req, deadline, phase="post-hook", final=True)
+            ok = True
         finally:
             link.close()
             if req is not None:
-                req.join(max(0.0, deadline - time.monotonic()))
+                # On failure the error matters more than req_func's return: wait briefly only.
+                left = max(0.0, deadline - time.monotonic())
+                req.join(left if ok else min(left, REQ_GRACE_S))
             if not self.keep_device_buffers:
                 self._release_ipc()
         times["total"] = time.perf_counter() - t0

@@ -50,8 +50,6 @@ def test_update_before_gather_metas_is_a_config_error_on_every_rank(world):
     assert_world_still_delivers(ps, front, ckpts)
 
 
-@pytest.mark.xfail(strict=True, reason="_ps.py update() checks for gathered metas before registration, so an "
-                                       "unknown name reads 'call gather_metas first' (ConfigError); patch in report")
 def test_update_of_an_unknown_checkpoint_is_checkpoint_not_found_on_every_rank(world):
     ps, front, ckpts = world
     got = ps.update("no-such-ckpt", front, 10)

@@ -74,8 +74,6 @@ def test_a_ps_rank_killed_mid_update_fails_the_survivor_in_time_with_a_typed_err
     assert_engines_left_and_a_new_world_delivers(front, seed=80 + victim)
 
 
-@pytest.mark.xfail(strict=True, reason="_ps.py: after a failed collective, update() joins req_func for the rest "
-                                       "of the update timeout; patch in the issue-4 report (REQ_GRACE_S)")
 def test_a_frozen_ps_rank_fails_the_survivor_within_the_collective_timeout(front, tmp_path):
     with PsWorld("cpu", 2, init=INIT, env=ENV) as ps:
         name, _ = FreshCheckpoints(ps, seed=90).new("frozen")
