@@ -253,6 +253,10 @@ def ps_main(rank: int, world: int, port: int, kind: str, script: list, out) -> N
                 elif step == "sleep":
                     time.sleep(arg)
                     results.append(("ok", None))
+                elif step == "mem":   # device and host footprint of this PS rank, now
+                    free = torch.cuda.mem_get_info(ps.device_index)[0] if kind == "cuda" else 0
+                    alloc = torch.cuda.memory_allocated(ps.device_index) if kind == "cuda" else 0
+                    results.append(("ok", {"device_free": free, "allocated": alloc, "rss": _rss_bytes()}))
             except Exception as exc:
                 results.append(("error", type(exc).__name__, str(exc)))
         ps.close()
@@ -320,6 +324,23 @@ def _rss_bytes(pid: int | str = "self") -> int:
     return 0
 
 
+def process_footprint(pid: int) -> dict[str, int]:
+    """Resident memory, open descriptors and threads of a process (Linux /proc)."""
+    threads = 0
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("Threads:"):
+                threads = int(line.split()[1])
+    return {"rss": _rss_bytes(pid), "fds": len(os.listdir(f"/proc/{pid}/fd")), "threads": threads}
+
+
+def shm_footprint() -> dict[str, int]:
+    """/dev/shm bytes in use and the number of ckpt-engine IPC buffers in it."""
+    st = os.statvfs("/dev/shm")
+    buffers = [n for n in os.listdir("/dev/shm") if n.startswith("ckpt-") and os.path.isfile(f"/dev/shm/{n}")]
+    return {"used": (st.f_blocks - st.f_bfree) * st.f_frsize, "ipc_buffers": len(buffers)}
+
+
 def _ps_command(ps, rank: int, cmd: str, arg):
     """One command of the interactive PS; returns a picklable value or raises."""
     if cmd == "register":
@@ -332,9 +353,16 @@ def _ps_command(ps, rank: int, cmd: str, arg):
         req = make_req_func(address, behaviors) if rank == 0 and address is not None else (lambda h: None)
         return ps.update(name, req, timeout=timeout)
     if cmd == "updates":          # many back-to-back updates, one command (the soak test)
-        names, address, timeout = arg
-        return [ps.update(n, make_req_func(address) if rank == 0 else (lambda h: None), timeout=timeout)["seconds"]["total"]
-                for n in names]
+        names, address, timeout, *rest = arg
+        faults = rest[0] if rest else {}          # update number -> per-worker fault injections
+        out = []
+        for k, n in enumerate(names):
+            req = make_req_func(address, faults.get(k)) if rank == 0 else (lambda h: None)
+            try:
+                out.append(("ok", ps.update(n, req, timeout=timeout)["seconds"]["total"]))
+            except Exception as exc:
+                out.append((type(exc).__name__, str(exc)[:200]))
+        return out
     if cmd == "two_updates_at_once":
         name, address, timeout, behaviors = arg
         return _two_updates_at_once(ps, rank, name, address, timeout, behaviors)
@@ -347,6 +375,8 @@ def _ps_command(ps, rank: int, cmd: str, arg):
         return ps.close()
     if cmd == "rss":
         return _rss_bytes()
+    if cmd == "ipc_prefix":       # /dev/shm name prefix of this world's IPC buffers (cpu kind)
+        return f"ckpt-{ps._run_id}-"
     if cmd == "ipc_buffer":       # the IPC buffer this rank holds between updates (None: released)
         return None if ps._ipc is None else dict(ps._ipc.descriptor)
     if cmd == "sleep":

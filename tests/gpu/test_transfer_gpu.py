@@ -50,3 +50,35 @@ def test_the_ipc_descriptor_is_plain_json_and_the_buffer_is_freed_on_close():
     buf.close()
     b.empty_cache()
     assert torch.cuda.mem_get_info(0)[0] >= free0 - (8 << 20)
+
+
+def test_device_and_host_memory_stay_flat_over_many_updates_and_failures():
+    """60 updates with a failing one in the middle: free device memory and PS RSS end where they began."""
+    need(2)
+    from harness import EngineFront, run_ps_world
+    gen = torch.Generator().manual_seed(21)
+    front = EngineFront("cuda", 2)
+    try:
+        spec = {r: {"named_tensors": cases.tensors(f"m{r}", 8, gen, min_elems=1 << 16, max_elems=1 << 20)}
+                for r in range(2)}
+        upd = ("update", ("c", front.address, 60))
+        bad = ("update", ("c", front.address, 60, {1: {"fail_bucket": 0}}))
+        script = [("init", {}), ("register", ("c", spec)), ("gather", "c"), upd, ("mem", None)]
+        script += [upd] * 30 + [bad] + [upd] * 29 + [("mem", None)]
+        res = run_ps_world("cuda", 2, script, timeout=400)
+        for r in range(2):
+            steps = res[r]
+            assert steps[-1][0] == "ok" and steps[4][0] == "ok", steps[-3:]
+            errors = [s for s in steps if s[0] != "ok"]
+            assert len(errors) == 1 and errors[0][1] == "RemoteWorkerError", errors
+            before, after = steps[4][1], steps[-1][1]
+            print(f"rank {r}: device free {before['device_free'] / 2**20:.0f} -> {after['device_free'] / 2**20:.0f} MiB, "
+                  f"PS allocated {before['allocated'] / 2**20:.1f} -> {after['allocated'] / 2**20:.1f} MiB, "
+                  f"PS RSS {before['rss'] / 2**20:.0f} -> {after['rss'] / 2**20:.0f} MiB")
+            assert after["allocated"] <= before["allocated"] + (1 << 20)
+            assert after["device_free"] >= before["device_free"] - (64 << 20)
+            assert after["rss"] <= before["rss"] + (200 << 20)
+        want = cases.want_digests(*(v["named_tensors"] for v in spec.values()))
+        assert all(front.digests(i) == want for i in range(2))
+    finally:
+        front.close()
