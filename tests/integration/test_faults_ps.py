@@ -40,6 +40,18 @@ def start_slow_update(ps: PsWorld, front: EngineFront, name: str, marks, *, time
         time.sleep(0.01)
 
 
+def ipc_prefix(ps: PsWorld) -> str:
+    return ps.all("ipc_prefix", ranks=[0])[0].value
+
+
+def assert_only_the_dead_ranks_buffer_is_left(prefix: str, dead: int) -> None:
+    """The survivor released its IPC buffer; a SIGKILLed rank cannot unlink its own: remove it here."""
+    left = sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefix))
+    for n in left:
+        os.unlink(f"/dev/shm/{n}")
+    assert all(n.startswith(f"{prefix}{dead}-") for n in left), f"a surviving rank leaked its IPC buffer: {left}"
+
+
 def assert_engines_left_and_a_new_world_delivers(front: EngineFront, seed: int) -> None:
     t0 = time.monotonic()
     for i in range(2):
@@ -59,6 +71,7 @@ def test_a_ps_rank_killed_mid_update_fails_the_survivor_in_time_with_a_typed_err
     survivor = 1 - victim
     with PsWorld("cpu", 2, init=INIT, env=ENV) as ps:
         name, _ = FreshCheckpoints(ps, seed=70 + victim).new("doomed")
+        prefix = ipc_prefix(ps)
         start_slow_update(ps, front, name, tmp_path, timeout=30)
         ps.kill(victim)
         t_kill = time.monotonic()
@@ -71,12 +84,14 @@ def test_a_ps_rank_killed_mid_update_fails_the_survivor_in_time_with_a_typed_err
                     f"{got.message.splitlines()[0][:90]}", dt)
         # the survivor's ParameterServer still closes cleanly
         assert ps.all("close", ranks=[survivor])[survivor].ok
+    assert_only_the_dead_ranks_buffer_is_left(prefix, victim)
     assert_engines_left_and_a_new_world_delivers(front, seed=80 + victim)
 
 
 def test_a_frozen_ps_rank_fails_the_survivor_within_the_collective_timeout(front, tmp_path):
     with PsWorld("cpu", 2, init=INIT, env=ENV) as ps:
         name, _ = FreshCheckpoints(ps, seed=90).new("frozen")
+        prefix = ipc_prefix(ps)
         start_slow_update(ps, front, name, tmp_path, timeout=15)
         os.kill(ps.pids[1], signal.SIGSTOP)          # alive but silent: only a timeout can tell
         t_stop = time.monotonic()
@@ -89,4 +104,5 @@ def test_a_frozen_ps_rank_fails_the_survivor_within_the_collective_timeout(front
         assert "PS_COLLECTIVE_TIMEOUT_S" in got.message or "control group" in got.message, got
         report_case("PS rank 1 frozen (SIGSTOP) mid-update", f"{got.error} on rank 0", dt)
         assert dt < COLLECTIVE_TIMEOUT_S + 4, f"survivor took {dt:.1f} s (collective timeout {COLLECTIVE_TIMEOUT_S} s)"
+    assert_only_the_dead_ranks_buffer_is_left(prefix, 1)
     assert_engines_left_and_a_new_world_delivers(front, seed=91)
