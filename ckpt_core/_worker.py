@@ -41,8 +41,21 @@ def _map(kind: str, desc: dict, device_id: int) -> tuple[str, torch.Tensor]:
     key = f"{kind}:{device_id}:{_buffer_key(desc)}"
     with _mapped_lock:
         if key not in _mapped:
+            # One PS rank serves a device, with one buffer: a new buffer replaces any kept one
+            # (its PS restarted or died), which would otherwise stay mapped, holding its memory.
+            device = f"{kind}:{device_id}:"
+            stale = [k for k in _mapped if k.startswith(device)]
             _mapped[key] = get_backend(kind).open_ipc(desc, device_id)
+        else:
+            stale = []
+        for k in stale:
+            _close_mapping(_mapped.pop(k))
         return key, _mapped[key][0]
+
+
+def _close_mapping(entry: tuple[torch.Tensor, Any]) -> None:
+    if entry[1] is not None:
+        entry[1].close()
 
 
 def _unmap(key: str | None) -> None:
@@ -50,8 +63,8 @@ def _unmap(key: str | None) -> None:
         return
     with _mapped_lock:
         entry = _mapped.pop(key, None)
-    if entry is not None and entry[1] is not None:
-        entry[1].close()
+    if entry is not None:
+        _close_mapping(entry)
 
 
 class _Link:
