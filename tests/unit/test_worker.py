@@ -152,6 +152,30 @@ def test_a_kept_buffer_stays_mapped_for_the_next_update_until_released(ps):
     _worker._unmap(keys[0])
 
 
+def _kept_update(ps: FakePs) -> None:
+    w = handshake(ps)
+    for i in range(2):
+        ps.send("bucket", index=i, slot=i)
+        ps.recv()
+    ps.send("end", keep_buffer=True)
+    assert ps.recv()["kind"] == "finished"
+    w.join()
+    assert w.error is None
+
+
+def test_a_new_buffer_for_the_device_replaces_a_kept_one_of_a_ps_that_went_away():
+    first, second = FakePs(), FakePs()          # e.g. a PS that died holding its buffer, then its successor
+    try:
+        _kept_update(first)
+        _kept_update(second)
+        held = [k for k in _worker._mapped if "test-" in k]
+        assert held == [k for k in held if second.ipc.descriptor["path"] in k] and len(held) == 1, held
+        _worker._unmap(held[0])
+    finally:
+        first.close()
+        second.close()
+
+
 # ------------------------------------------------------------------ foreign or malformed first frames
 class _Boom:
     """Unpickling this would create a file: proof that nothing was unpickled."""
