@@ -293,13 +293,14 @@ class ParameterServer:
         link = PsLink(self._zmq, handles[self.rank][1], update_id, rank=self.rank, device_key=self.device_uuid,
                       deadline=deadline, should_stop=should_stop)
         times = {"plan": time.perf_counter() - t0}
-        ok = False
+        ok = mapped = False
         try:
             if req is not None:
                 req.start()
             buckets = [[(p.meta.name, p.meta.dtype, p.meta.shape, p.offset) for p in b.placements] for b in plan.buckets]
             link.send_hello(hello_fields(self.backend.kind, ipc.descriptor, slot_bytes, slots, buckets))
-            if not link.wait_ready():
+            mapped = link.wait_ready()
+            if not mapped:
                 publish(link.failure)
             self._agree(link, req, deadline, phase="handshake", final=False)
             times["handshake"] = time.perf_counter() - t0 - times["plan"]
@@ -320,7 +321,9 @@ class ParameterServer:
                 # On failure the error matters more than req_func's return: wait briefly only.
                 left = max(0.0, deadline - time.monotonic())
                 req.join(left if ok else min(left, REQ_GRACE_S))
-            if not self.keep_device_buffers:
+            # A buffer no worker mapped stays exported (torch frees an IPC export only once a
+            # consumer has let go of it): keep it for the next update instead of leaking it.
+            if not self.keep_device_buffers and mapped:
                 self._release_ipc()
         times["total"] = time.perf_counter() - t0
         result = {"name": name, "bytes": plan.total_bytes, "buckets": len(plan.buckets), "bucket_bytes": plan.bucket_bytes,

@@ -7,6 +7,7 @@ the model, and an optional ``post_hook`` run once after the last bucket.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 import traceback
@@ -191,8 +192,22 @@ def update_weights_from_ipc(zmq_ctx: zmq.Context, zmq_handle: str, device_id: in
         raise
     finally:
         link.close()
+        buf = None   # noqa: F841  (drop our view before unmapping)
+        pending = sys.exc_info()[1]
+        if pending is not None:
+            # The traceback's frames hold views of the shared buffer (and the engine's
+            # `weights` list); while they live, the exporting PS cannot free its buffer.
+            _clear_frames(pending)
         if not keep:
             _unmap(key)
+
+
+def _clear_frames(exc: BaseException) -> None:
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__
 
 
 def _handshake(link: _Link, device_id: int):
