@@ -47,6 +47,34 @@ class _Mapping:
                 pass
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _sweep_orphans() -> None:
+    """Unlink our IPC buffers whose owning process is gone (same user only)."""
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return
+    for n in names:
+        head, sep, pid = n.rpartition("-p")
+        if not (n.startswith("ckpt-") and sep and pid.isdigit()) or _pid_alive(int(pid)):
+            continue
+        path = os.path.join(SHM_DIR, n)
+        try:
+            if os.stat(path).st_uid == os.getuid():
+                os.unlink(path)
+        except OSError:
+            pass
+
+
 class CpuBackend(DeviceBackend):
     kind = "cpu"
     collective_backend = "gloo"
@@ -68,7 +96,10 @@ class CpuBackend(DeviceBackend):
         return f"CPU-{_machine_id()}-{int(index)}"
 
     def alloc_ipc(self, nbytes: int, index: int, name: str) -> IpcBuffer:
-        path = os.path.join(SHM_DIR, f"ckpt-{name}")
+        _sweep_orphans()
+        # The owner's pid is part of the name, so the next PS on the host can reclaim the
+        # buffer of one that was SIGKILLed (nothing else ever would: /dev/shm outlives it).
+        path = os.path.join(SHM_DIR, f"ckpt-{name}-p{os.getpid()}")
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         except OSError as exc:

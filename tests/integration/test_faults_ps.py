@@ -142,9 +142,6 @@ def test_engines_drop_the_kept_buffer_of_a_dead_ps_when_the_next_one_maps_its_ow
                 os.unlink(f"/dev/shm/{n}")
 
 
-@pytest.mark.xfail(strict=True, reason="devices/cpu.py: a SIGKILLed PS's /dev/shm buffer is never reclaimed (it "
-                                       "holds host memory until reboot); patch (orphan sweep in alloc_ipc) in the "
-                                       "issue-4 report")
 def test_the_shm_buffer_of_a_killed_ps_is_reclaimed_by_the_next_ps_on_the_host(front):
     prefix = _kill_a_world_that_keeps_its_buffers(front, seed=97)
     try:
