@@ -179,6 +179,11 @@ class PsLink:
         if self.failure is None:
             self._recv(("finished",), "the post-update hook")
 
+    def fail(self, message: str) -> None:
+        """Record a failure of this rank that is not its worker's (e.g. its source file changed),
+        so that it travels through the same status exchange and the link goes quiet."""
+        self._fail(message)
+
     def _fail(self, message: str, *, tb: str = "", timeout: bool = False) -> None:
         if self.failure is None:
             self.failure = Failure(self.rank, self.device_key, message, tb, timeout)
