@@ -38,6 +38,14 @@ class RegisteredCheckpoint:
         raw = self.regions[meta.base].tensor[meta.base_offset: meta.base_offset + meta.nbytes]
         return raw.view(_torch_dtype(meta.dtype)).view(meta.shape)
 
+    def source_problem(self) -> str | None:
+        """The first in-place file that changed under its map since registration, if any."""
+        for region in self.regions.values():
+            problem = region.source_check() if region.source_check is not None else None
+            if problem:
+                return problem
+        return None
+
     def release(self) -> None:
         for rid, region in self.regions.items():
             if self.pool is not None and self.pool.region is region:

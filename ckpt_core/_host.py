@@ -30,6 +30,7 @@ class HostRegion:
     tensor: torch.Tensor                       # flat uint8
     pin: HostPin = field(default_factory=HostPin)
     closer: Callable[[], None] | None = None
+    source_check: Callable[[], str | None] | None = None   # in-place regions: has the file shrunk?
 
     @property
     def nbytes(self) -> int:
@@ -102,10 +103,18 @@ def map_file_region(backend: DeviceBackend, rid: int, path: str, *, unlink: bool
         # (5.3 -> 9.9 GB/s for a 4 GiB /dev/shm file, benchmarks/pin_probe.py).
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
         mm = mmap.mmap(f.fileno(), size, flags=flags) if size else None
+        fd = os.dup(f.fileno())   # to see the file shrink even after it was unlinked
     tensor = torch.frombuffer(mm, dtype=torch.uint8) if mm is not None else torch.empty(0, dtype=torch.uint8)
     region = HostRegion(rid, tensor)
 
+    def source_check() -> str | None:
+        # Touching a page past the end of a shrunk file is SIGBUS: the PS would die mid-update.
+        now = os.fstat(fd).st_size
+        return None if now >= size else (f"in-place file {path!r} shrank from {size} to {now} bytes since it "
+                                         "was registered; register it again")
+
     def close() -> None:
+        os.close(fd)
         try:
             if mm is not None:
                 mm.close()
@@ -113,6 +122,7 @@ def map_file_region(backend: DeviceBackend, rid: int, path: str, *, unlink: bool
             pass  # a caller still holds a view; the map goes when it does
 
     region.closer = close
+    region.source_check = source_check
     pin_region(backend, region)
     if unlink:
         os.unlink(path)  # asked for by the caller: frees the memory when we release the map

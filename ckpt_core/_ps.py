@@ -300,7 +300,10 @@ class ParameterServer:
             buckets = [[(p.meta.name, p.meta.dtype, p.meta.shape, p.offset) for p in b.placements] for b in plan.buckets]
             link.send_hello(hello_fields(self.backend.kind, ipc.descriptor, slot_bytes, slots, buckets))
             mapped = link.wait_ready()
-            if not mapped:
+            problem = self._checkpoints[name].source_problem()
+            if problem:
+                link.fail(problem)
+            if not mapped or problem:
                 publish(link.failure)
             self._agree(link, req, deadline, phase="handshake", final=False)
             times["handshake"] = time.perf_counter() - t0 - times["plan"]

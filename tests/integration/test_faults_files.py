@@ -207,10 +207,6 @@ def test_a_missing_file_is_a_typed_error_naming_it(world, tmp_path):
     assert got.error in ("FileNotFoundError", "CheckpointFormatError", "ConfigError"), got
 
 
-@pytest.mark.xfail(strict=True, reason="_host.py/_ps.py: an in-place /dev/shm file truncated after registration "
-                                       "kills its PS rank with SIGBUS during update (the map outlives the file's "
-                                       "pages); patch in the issue-4 report: in-place regions keep an fd and are "
-                                       "size-checked before staging, reported through PsLink.fail + publish")
 def test_an_in_place_file_truncated_after_registration_fails_the_update_without_killing_the_ps(tmp_path):
     front = EngineFront("cpu", 2)
     shm = f"/dev/shm/ckpt-test-trunc-{uuid.uuid4().hex[:8]}"
