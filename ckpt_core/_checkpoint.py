@@ -88,6 +88,9 @@ def build_checkpoint(name: str, backend: DeviceBackend, ids: itertools.count, *,
                      named_tensors=None, pool: SharedPool | None = None, inplace: bool = True,
                      unlink_inplace_files: bool = False) -> RegisteredCheckpoint:
     files = [os.fspath(p) for p in (files or [])]
+    missing = [p for p in files if not os.path.isfile(p)]
+    if missing:
+        raise ConfigError(f"checkpoint file(s) do not exist or are not regular files: {missing}")
     named = _check_named(named_tensors or {})
     headers = [read_header(p) for p in files]          # validates every file before any allocation
     _check_unique(headers, named)

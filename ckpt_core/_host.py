@@ -18,7 +18,7 @@ import torch
 
 from ._planner import align_up
 from .devices import DeviceBackend, HostPin
-from .errors import ConfigError
+from .errors import CheckpointFormatError, ConfigError
 
 COPY_CHUNK = 256 << 20
 COPY_THREADS = max(1, min(8, (os.cpu_count() or 2)))
@@ -77,12 +77,15 @@ def parallel_read(reads: list[tuple[str, int, torch.Tensor]]) -> None:
                     raise OSError(f"{path}: file ended at byte {off + got} while reading a registered checkpoint")
                 got += n
 
-    if len(jobs) <= 1:
-        for j in jobs:
-            one(j)
-        return
-    with ThreadPoolExecutor(COPY_THREADS) as ex:
-        list(ex.map(one, jobs))
+    try:
+        if len(jobs) <= 1:
+            for j in jobs:
+                one(j)
+            return
+        with ThreadPoolExecutor(COPY_THREADS) as ex:
+            list(ex.map(one, jobs))
+    except OSError as exc:   # the file changed or vanished between validation and the copy
+        raise CheckpointFormatError(f"reading the checkpoint failed: {exc}") from exc
 
 
 def new_region(backend: DeviceBackend, rid: int, nbytes: int) -> HostRegion:

@@ -57,15 +57,27 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _pid_namespace() -> int:
+    """Inode of our pid namespace: a pid means something only inside its namespace."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
 def _sweep_orphans() -> None:
-    """Unlink our IPC buffers whose owning process is gone (same user only)."""
+    """Unlink our IPC buffers whose owning process is gone (same user, same pid namespace only)."""
     try:
         names = os.listdir(SHM_DIR)
     except OSError:
         return
+    ns = str(_pid_namespace())
     for n in names:
-        head, sep, pid = n.rpartition("-p")
-        if not (n.startswith("ckpt-") and sep and pid.isdigit()) or _pid_alive(int(pid)):
+        _, sep, owner = n.rpartition("-p")
+        pid, sep2, owner_ns = owner.partition("n")
+        if not (n.startswith("ckpt-") and sep and sep2 and pid.isdigit() and owner_ns == ns):
+            continue
+        if _pid_alive(int(pid)):
             continue
         path = os.path.join(SHM_DIR, n)
         try:
@@ -99,7 +111,7 @@ class CpuBackend(DeviceBackend):
         _sweep_orphans()
         # The owner's pid is part of the name, so the next PS on the host can reclaim the
         # buffer of one that was SIGKILLed (nothing else ever would: /dev/shm outlives it).
-        path = os.path.join(SHM_DIR, f"ckpt-{name}-p{os.getpid()}")
+        path = os.path.join(SHM_DIR, f"ckpt-{name}-p{os.getpid()}n{_pid_namespace()}")
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         except OSError as exc:
