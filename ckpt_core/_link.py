@@ -94,7 +94,7 @@ class PsLink:
         self._done_upto = -1
 
     # -- sending ---------------------------------------------------------------
-    def _send(self, kind: str, **fields) -> None:
+    def _send(self, kind: str, frame: bytes | None = None, **fields) -> None:
         # A bound PAIR socket blocks on send until its peer connects: wait for
         # writability in slices, so a worker that never connects is a timeout.
         if kind == "hello":
@@ -103,7 +103,8 @@ class PsLink:
             what = f"engine worker {self.device_key} to take the {kind} message"
         while self.failure is None:
             if self._wait(zmq.POLLOUT, what):
-                self.sock.send(proto.encode(kind, self.update_id, **fields), zmq.NOBLOCK)
+                self.sock.send(frame if frame is not None else proto.encode(kind, self.update_id, **fields),
+                               zmq.NOBLOCK)
                 return
 
     def _wait(self, event: int, what: str) -> bool:
@@ -130,8 +131,9 @@ class PsLink:
             return False
         return bool(self.sock.poll(min(POLL_SLICE_MS, max(1, int(left * 1000))), event))
 
-    def send_hello(self, fields: dict) -> None:
-        self._send("hello", **fields)
+    def send_hello(self, fields: dict | None = None, *, frame: bytes | None = None) -> None:
+        """Send the hello, from fields or as a frame already encoded (``proto.encode_hello``)."""
+        self._send("hello", frame, **(fields or {}))
 
     def send_bucket(self, index: int, slot: int) -> None:
         self._send("bucket", index=index, slot=slot)

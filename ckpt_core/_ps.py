@@ -21,7 +21,7 @@ from ._host import SharedPool
 from ._link import Failure, PsLink
 from ._log import rank_logger
 from ._planner import ALIGN, Plan, TensorMeta, align_up, choose_layout, plan_buckets
-from ._protocol import hello_fields
+from ._protocol import encode_hello, plan_fragment
 from ._settings import load_settings
 from .devices import IpcBuffer, default_kind, get_backend
 from .errors import (CheckpointFormatError, CheckpointNotFoundError, ClosedError, ConfigError,
@@ -73,7 +73,8 @@ class ParameterServer:
             raise ConfigError(f"two ranks share a device key: {self._device_keys}; set LOCAL_RANK per rank")
         self._checkpoints: dict[str, RegisteredCheckpoint] = {}
         self._metas: dict[str, list[list[TensorMeta]]] = {}
-        self._plans: dict[tuple, Plan] = {}
+        self._plans: dict[tuple, tuple[Plan, tuple[str, str]]] = {}   # plan and its wire form
+        self._plan_wire: tuple[str, str] = ("[]", "")
         self._ids = itertools.count()
         self._pool: SharedPool | None = None
         self._ipc: IpcBuffer | None = None
@@ -240,8 +241,10 @@ class ParameterServer:
         size, slots = min(v["bucket"] for v in views), min(v["slots"] for v in views)
         key = (name, size, fp.hexdigest())
         if key not in self._plans:
-            self._plans[key] = plan_buckets(metas, size)
-        plan = self._plans[key]
+            plan = plan_buckets(metas, size)
+            wire = [[(p.meta.name, p.meta.dtype, p.meta.shape, p.offset) for p in b.placements] for b in plan.buckets]
+            self._plans[key] = (plan, plan_fragment(wire))
+        plan, self._plan_wire = self._plans[key]
         return plan, max(1, min(slots, len(plan.buckets)))
 
     def _ensure_ipc(self, nbytes: int) -> IpcBuffer:
@@ -297,8 +300,10 @@ class ParameterServer:
         try:
             if req is not None:
                 req.start()
-            buckets = [[(p.meta.name, p.meta.dtype, p.meta.shape, p.offset) for p in b.placements] for b in plan.buckets]
-            link.send_hello(hello_fields(self.backend.kind, ipc.descriptor, slot_bytes, slots, buckets))
+            plan_json, plan_digest = self._plan_wire
+            link.send_hello(frame=encode_hello(update_id, device_kind=self.backend.kind, buffer=ipc.descriptor,
+                                               slot_bytes=slot_bytes, num_slots=slots, plan_json=plan_json,
+                                               plan_digest=plan_digest))
             mapped = link.wait_ready()
             problem = self._checkpoints[name].source_problem()
             if problem:
