@@ -75,6 +75,7 @@ class ParameterServer:
         self._metas: dict[str, list[list[TensorMeta]]] = {}
         self._plans: dict[tuple, tuple[Plan, tuple[str, str]]] = {}   # plan and its wire form
         self._plan_wire: tuple[str, str] = ("[]", "")
+        self._fps: dict[str, tuple[list, str]] = {}
         self._ids = itertools.count()
         self._pool: SharedPool | None = None
         self._ipc: IpcBuffer | None = None
@@ -225,21 +226,31 @@ class ParameterServer:
         finally:
             self._update_lock.release()
 
+    def _fingerprint(self, name: str) -> str:
+        """Digest of the gathered metas (cached: they only change through gather/load_metas)."""
+        metas = self._metas[name]
+        cached = self._fps.get(name)
+        if cached is None or cached[0] is not metas:
+            text = json.dumps([[m.name, m.nbytes, m.base, m.base_offset] for ms in metas for m in ms])
+            cached = (metas, hashlib.sha1(text.encode()).hexdigest())
+            self._fps[name] = cached
+        return cached[1]
+
     def _agree_plan(self, name: str) -> tuple[Plan, int]:
         """All ranks agree on (bucket size, slots) from their free memory, then plan (cached)."""
         metas = self._metas[name]
-        fp = hashlib.sha1(json.dumps([[m.name, m.nbytes, m.base, m.base_offset] for ms in metas for m in ms]).encode())
+        fp = self._fingerprint(name)
         free = self.backend.mem_get_info(self.device_index)[0] + (self._ipc.nbytes if self._ipc else 0)
         size, slots = choose_layout(
             free, mem_fraction=self.settings.mem_fraction, max_slots=self.settings.num_slots,
             max_bucket_bytes=self.settings.max_bucket_bytes,
             largest_tensor=max((m.nbytes for ms in metas for m in ms), default=0),
             largest_owner_total=max((sum(align_up(m.nbytes) for m in ms) for ms in metas), default=1))
-        views = self._coll.all_gather_json({"fp": fp.hexdigest(), "bucket": size, "slots": slots})
+        views = self._coll.all_gather_json({"fp": fp, "bucket": size, "slots": slots})
         if len({v["fp"] for v in views}) != 1:
             raise ConfigError(f"ranks disagree on the metas of {name!r}: call gather_metas on every rank again")
         size, slots = min(v["bucket"] for v in views), min(v["slots"] for v in views)
-        key = (name, size, fp.hexdigest())
+        key = (name, size, fp)
         if key not in self._plans:
             plan = plan_buckets(metas, size)
             wire = [[(p.meta.name, p.meta.dtype, p.meta.shape, p.offset) for p in b.placements] for b in plan.buckets]
