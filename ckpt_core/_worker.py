@@ -139,14 +139,19 @@ def _views(buf: torch.Tensor, base: int, tensors: Iterable[proto.WireTensor]) ->
 
 def update_weights_from_ipc(zmq_ctx: zmq.Context, zmq_handle: str, device_id: int, *, run: RunFn,
                             post_hook: Callable[[], Any] | None = None,
-                            timeout: float = DEFAULT_TIMEOUT_S) -> None:
+                            timeout: float = DEFAULT_TIMEOUT_S,
+                            on_plan: Callable[[list[tuple[str, torch.dtype, tuple[int, ...]]]], Any] | None = None,
+                            ) -> None:
     """Receive one update from the colocated parameter-server rank.
 
     Connects to ``zmq_handle``, maps the PS rank's IPC buffer on device
     ``device_id`` and calls ``run(weights)`` once per bucket, where ``weights`` is a
     list of ``(name, tensor)`` viewing the shared buffer (valid only during the
     call: copy what you keep). ``post_hook()`` runs once after every bucket of
-    every rank arrived. Raises :class:`RemoteWorkerError` when the PS aborts the
+    every rank arrived. ``on_plan(tensors)``, if given, sees every ``(name, dtype,
+    shape)`` of the update before any bucket is loaded; if it raises (a missing or
+    misshapen tensor, say), the update fails on every rank and nothing is loaded.
+    Raises :class:`RemoteWorkerError` when the PS aborts the
     update, ``UpdateTimeoutError`` when it goes silent, and re-raises the first
     exception of ``run`` or ``post_hook``.
 
@@ -165,7 +170,7 @@ def update_weights_from_ipc(zmq_ctx: zmq.Context, zmq_handle: str, device_id: in
     keep = False
     try:
         sock.connect(zmq_handle)
-        hello, key, buf, backend = _handshake(link, device_id)
+        hello, key, buf, backend = _handshake(link, device_id, on_plan)
         t0 = time.perf_counter()
         failure = _receive_buckets(link, hello, buf, backend, device_id, run)
         if failure is not None:
@@ -210,7 +215,7 @@ def _clear_frames(exc: BaseException) -> None:
         exc = exc.__cause__ or exc.__context__
 
 
-def _handshake(link: _Link, device_id: int):
+def _handshake(link: _Link, device_id: int, on_plan=None):
     try:
         raw = link.recv(("hello",))
         hello = proto.parse_hello(raw)
@@ -222,6 +227,8 @@ def _handshake(link: _Link, device_id: int):
         raise
     link.update = hello.update
     try:
+        if on_plan is not None:   # the engine may refuse the checkpoint before any weight is touched
+            on_plan([(t.name, DTYPES[t.dtype], t.shape) for b in hello.buckets for t in b])
         backend = get_backend(hello.device_kind)
         backend.set_device(device_id)
         key, buf = _map(hello.device_kind, hello.buffer, device_id)

@@ -94,8 +94,13 @@ def worker_main(kind: str, index: int, conn, behavior: dict) -> None:
                     raise RuntimeError("injected post-hook failure")
                 loaded.update(staged)
 
+            def on_plan(tensors):
+                missing = set(this.get("require", ())) - {n for n, _, _ in tensors}
+                if missing:
+                    raise KeyError(f"checkpoint lacks {sorted(missing)}")
+
             update_weights_from_ipc(ctx, handles[key], index, run=run, post_hook=post_hook,
-                                    timeout=this.get("timeout", 60))
+                                    timeout=this.get("timeout", 60), on_plan=on_plan)
             updates += 1
             conn.send(("ok", {"buckets": buckets[0]}))
         except Exception:

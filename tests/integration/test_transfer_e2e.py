@@ -65,3 +65,21 @@ def test_a_req_func_failing_after_the_workers_finished_still_fails_the_update():
             assert res[r][4][0] == "ok"
     finally:
         front.close()
+
+
+def test_an_engine_refusing_the_plan_fails_the_update_before_any_weight_is_loaded():
+    """on_plan sees the whole update first: a missing tensor stops it with nothing loaded anywhere."""
+    from harness import EngineFront, run_ps_world
+    import torch
+    front = EngineFront("cpu", 2)
+    try:
+        spec = {r: {"named_tensors": cases.tensors(f"p{r}", 3, torch.Generator().manual_seed(40 + r))} for r in range(2)}
+        strict = {1: {"require": ["lm_head.weight"]}}
+        res = run_ps_world("cpu", 2, [("init", {}), ("register", ("c", spec)), ("gather", "c"),
+                                      ("update", ("c", front.address, 30, strict))])
+        for r in range(2):
+            assert res[r][3][:2] == ("error", "RemoteWorkerError"), res[r][3]
+            assert "during handshake" in res[r][3][2] and "lm_head.weight" in res[r][3][2]
+        assert front.digests(0) == {} and front.digests(1) == {}, "nothing may be loaded"
+    finally:
+        front.close()
