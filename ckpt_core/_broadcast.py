@@ -19,10 +19,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ._collectives import Collectives
+from ._collectives import Collectives, groups_broken
 from ._link import PsLink
 from ._planner import Plan
 from .devices import DeviceBackend, IpcBuffer
+from .errors import UpdateTimeoutError
+
+AWAIT_SLICE_S = 0.0002   # polling step while the host must wait for the device
 
 
 @dataclass
@@ -38,11 +41,14 @@ class BroadcastPipeline:
 
     def __init__(self, *, plan: Plan, rank: int, index: int, backend: DeviceBackend, ipc: IpcBuffer,
                  slot_bytes: int, num_slots: int, host: dict[int, torch.Tensor], coll: Collectives,
-                 link: PsLink, copy_stream, log, on_failure=None):
+                 link: PsLink, copy_stream, log, on_failure=None, deadline: float | None = None):
         self.plan, self.rank, self.index, self.backend = plan, rank, index, backend
         self.ipc, self.slot_bytes, self.num_slots = ipc, slot_bytes, num_slots
         self.host, self.coll, self.link, self.copy_stream, self.log = host, coll, link, copy_stream, log
         self.on_failure = on_failure           # told once, as soon as this rank's worker fails
+        # Only the deadline ends a wait on the device: a peer's *worker* failing does not stop
+        # the collectives (every rank still issues them), so it is no reason to stop waiting.
+        self.deadline = deadline if deadline is not None else float("inf")
         self.async_ops = backend.collective_backend != "gloo"
         self.pending: deque = deque()          # (index, slot, event): broadcast issued, worker not told
         self.in_slot: dict[int, int] = {}      # slot -> bucket index the worker may still read
@@ -89,6 +95,20 @@ class BroadcastPipeline:
         copied.wait()   # the stream that issues the broadcast waits for the copy, the host does not
         return n
 
+    def _await(self, event, what: str) -> None:
+        """Wait for device work with the update's deadline, never blindly.
+
+        A collective whose peer rank died never completes; ``event.synchronize()``
+        would then hold this rank until the collective library's watchdog tears the
+        process down. Polling lets the rank fail with a typed error instead.
+        """
+        while not event.query():
+            if time.monotonic() > self.deadline:
+                raise groups_broken(UpdateTimeoutError(
+                    f"rank {self.rank}: {what} did not complete within the update timeout; "
+                    "a peer parameter-server rank died or stalls"))
+            time.sleep(AWAIT_SLICE_S)
+
     def _notify_finished(self) -> None:
         """Hand the worker every bucket whose broadcast is complete, without blocking the host.
 
@@ -99,7 +119,7 @@ class BroadcastPipeline:
             self._notify(*self.pending.popleft())
 
     def _notify(self, index: int, slot: int, event) -> None:
-        event.synchronize()
+        self._await(event, f"the broadcast of bucket {index}")
         self.link.send_bucket(index, slot)
         self._report()
 

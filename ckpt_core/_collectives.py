@@ -50,8 +50,14 @@ class _Store:
         except (RuntimeError, OSError) as exc:   # DistNetworkError / DistStoreError are RuntimeErrors
             text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             kind = UpdateTimeoutError if "imeout" in text or "imed out" in text else TransportError
-            raise kind(f"rank {self.rank}: store.{op}({args[0]!r}) failed; rank 0 serves the store: "
-                       f"did it die? ({text})") from exc
+            raise groups_broken(kind(f"rank {self.rank}: store.{op}({args[0]!r}) failed; rank 0 serves the "
+                                     f"store: did it die? ({text})")) from exc
+
+
+def groups_broken(exc: Exception) -> Exception:
+    """Mark an error after which the process groups cannot be used again."""
+    exc.groups_broken = True
+    return exc
 
 
 class Collectives:
@@ -123,12 +129,12 @@ class Collectives:
         except Exception as exc:  # collective libraries raise RuntimeError/DistBackendError
             text = str(exc)
             if "imed out" in text or "imeout" in text:
-                raise UpdateTimeoutError(
+                raise groups_broken(UpdateTimeoutError(
                     f"rank {self.rank}: broadcast of {tensor.numel()} bytes from rank {src} timed out after "
                     f"{self.timeout.total_seconds():g} s (PS_COLLECTIVE_TIMEOUT_S): a peer rank died or is "
-                    f"stuck: {text}") from exc
-            raise TransportError(f"rank {self.rank}: broadcast of {tensor.numel()} bytes from rank {src} "
-                                 f"failed (a peer rank died?): {text}") from exc
+                    f"stuck: {text}")) from exc
+            raise groups_broken(TransportError(f"rank {self.rank}: broadcast of {tensor.numel()} bytes from "
+                                               f"rank {src} failed (a peer rank died?): {text}")) from exc
 
     def _call(self, fn, *args, **kwargs):
         if self._closed:
@@ -138,8 +144,25 @@ class Collectives:
         except Exception as exc:
             text = str(exc)
             kind = UpdateTimeoutError if "imeout" in text or "imed out" in text else TransportError
-            raise kind(f"rank {self.rank}: {fn.__name__} on the control group failed "
-                       f"(a peer rank died or is stuck?): {text}") from exc
+            raise groups_broken(kind(f"rank {self.rank}: {fn.__name__} on the control group failed "
+                                     f"(a peer rank died or is stuck?): {text}")) from exc
+
+    def abort(self) -> None:
+        """Give up on groups that a failed or stuck collective left behind; idempotent.
+
+        Aborting (rather than destroying) does not wait for the collectives in flight,
+        which may never finish when a peer died.
+        """
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        if not (self._owns_default and dist.is_initialized()):
+            return
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        try:
+            abort() if abort is not None else dist.destroy_process_group()
+        except Exception:  # already torn down by the backend's own error handling
+            pass
 
     def close(self) -> None:
         if getattr(self, "_closed", True):

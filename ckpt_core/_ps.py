@@ -6,6 +6,7 @@ import hashlib
 import itertools
 import json
 import secrets
+import sys
 import threading
 import time
 import traceback
@@ -25,7 +26,7 @@ from ._protocol import encode_hello, plan_fragment
 from ._settings import load_settings
 from .devices import IpcBuffer, default_kind, get_backend
 from .errors import (CheckpointFormatError, CheckpointNotFoundError, ClosedError, ConfigError,
-                     RemoteWorkerError, UpdateTimeoutError)
+                     RemoteWorkerError, TransportError, UpdateTimeoutError)
 
 ReqFunc = Callable[[list[tuple[str, str]]], object]
 REQ_GRACE_S = 2.0   # how long a failed update still waits for req_func to return
@@ -84,6 +85,7 @@ class ParameterServer:
         self._update_lock = threading.Lock()
         self._updates = 0
         self._closed = False
+        self._broken: str | None = None
         self.last_update: dict | None = None
         self._log.info("ready: device key %s, %s collectives", self.device_uuid, self.backend.collective_backend)
 
@@ -91,6 +93,9 @@ class ParameterServer:
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError("this ParameterServer is closed")
+        if self._broken:
+            raise TransportError(f"this ParameterServer's process groups broke in an earlier update "
+                                 f"({self._broken}); close it and create a new one")
 
     def close(self) -> None:
         """Free host memory, device buffers, sockets and the process groups it created. Idempotent."""
@@ -223,6 +228,13 @@ class ParameterServer:
             raise ConfigError("another update is already running on this ParameterServer")
         try:
             return self._update(name, req_func, deadline)
+        except TransportError as exc:
+            if getattr(exc, "groups_broken", False):
+                # A collective failed or never finished: the process groups cannot be trusted
+                # again, and a device buffer may still be the target of a stuck collective.
+                self._broken = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+                self._coll.abort()
+            raise
         finally:
             self._update_lock.release()
 
@@ -293,8 +305,11 @@ class ParameterServer:
             if now - last_check[0] < 0.02:   # a store round trip per poll would tax every bucket
                 return None
             last_check[0] = now
-            if self._coll.store.check([abort_key]):
-                return f"another rank failed first ({self._coll.store.get(abort_key).decode(errors='replace')})"
+            try:
+                if self._coll.store.check([abort_key]):
+                    return f"another rank failed first ({self._coll.store.get(abort_key).decode(errors='replace')})"
+            except Exception as exc:  # the store lives in rank 0's process
+                return f"the rendezvous store is unreachable (did rank 0 die?): {exc}"
             return None
 
         def publish(failure: Failure) -> None:
@@ -327,7 +342,7 @@ class ParameterServer:
             stats = BroadcastPipeline(plan=plan, rank=self.rank, index=self.device_index, backend=self.backend,
                                       ipc=ipc, slot_bytes=slot_bytes, num_slots=slots, host=host, coll=self._coll,
                                       link=link, copy_stream=self._copy_stream, log=self._log,
-                                      on_failure=publish).run()
+                                      on_failure=publish, deadline=deadline).run()
             times["pipeline"] = stats.seconds
             self._agree(link, req, deadline, phase="transfer", final=False)
             link.send_end(self.keep_device_buffers)
@@ -342,7 +357,10 @@ class ParameterServer:
                 req.join(left if ok else min(left, REQ_GRACE_S))
             # A buffer no worker mapped stays exported (torch frees an IPC export only once a
             # consumer has let go of it): keep it for the next update instead of leaking it.
-            if not self.keep_device_buffers and mapped:
+            # After a broken collective it may still be the target of a stuck broadcast: it is
+            # freed by close(), once the process groups are aborted.
+            broken = getattr(sys.exc_info()[1], "groups_broken", False)
+            if not self.keep_device_buffers and mapped and not broken:
                 self._release_ipc()
         times["total"] = time.perf_counter() - t0
         result = {"name": name, "bytes": plan.total_bytes, "buckets": len(plan.buckets), "bucket_bytes": plan.bucket_bytes,

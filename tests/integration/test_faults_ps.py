@@ -82,6 +82,9 @@ def test_a_ps_rank_killed_mid_update_fails_the_survivor_in_time_with_a_typed_err
         assert dt < COLLECTIVE_TIMEOUT_S + 3, f"survivor took {dt:.1f} s (collective timeout {COLLECTIVE_TIMEOUT_S} s)"
         report_case(f"PS rank {victim} SIGKILLed mid-update", f"{got.error} on rank {survivor}: "
                     f"{got.message.splitlines()[0][:90]}", dt)
+        # its process groups are gone: a further update says so at once instead of hanging
+        again = ps.all("update", (name, None, 10, None), ranks=[survivor], timeout=30)[survivor]
+        assert not again.ok and again.error == "TransportError" and "broke in an earlier update" in again.message, again
         # the survivor's ParameterServer still closes cleanly
         assert ps.all("close", ranks=[survivor])[survivor].ok
     assert_only_the_dead_ranks_buffer_is_left(prefix, victim)
