@@ -9,7 +9,6 @@ import secrets
 import sys
 import threading
 import time
-import traceback
 from datetime import timedelta
 from typing import Callable
 
@@ -24,6 +23,7 @@ from ._log import rank_logger
 from ._planner import ALIGN, Plan, TensorMeta, align_up, choose_layout, plan_buckets
 from ._protocol import encode_hello, plan_fragment
 from ._settings import load_settings
+from ._signals import ReqThread, StopSignal, is_echo
 from .devices import IpcBuffer, default_kind, get_backend
 from .errors import (CheckpointFormatError, CheckpointNotFoundError, ClosedError, ConfigError,
                      RemoteWorkerError, TransportError, UpdateTimeoutError)
@@ -293,31 +293,10 @@ class ParameterServer:
         self._updates += 1
         handles = [(k, f"ipc://@ckpt-{update_id}-{r}") for r, k in enumerate(self._device_keys)]
         abort_key = f"ckpt/{update_id}/abort"
-        req = _ReqThread(req_func, handles) if self.rank == 0 else None
+        req = ReqThread(req_func, handles) if self.rank == 0 else None
 
-        last_check = [0.0]
-
-        def should_stop() -> str | None:
-            if req is not None and req.error is not None:
-                self._coll.store.set(abort_key, "rank 0: req_func raised")
-                return f"req_func raised: {req.error.splitlines()[-1] if req.error else ''}"
-            now = time.monotonic()
-            if now - last_check[0] < 0.02:   # a store round trip per poll would tax every bucket
-                return None
-            last_check[0] = now
-            try:
-                if self._coll.store.check([abort_key]):
-                    return f"another rank failed first ({self._coll.store.get(abort_key).decode(errors='replace')})"
-            except Exception as exc:  # the store lives in rank 0's process
-                return f"the rendezvous store is unreachable (did rank 0 die?): {exc}"
-            return None
-
-        def publish(failure: Failure) -> None:
-            """Tell the other ranks at once, so they stop waiting for their own workers."""
-            try:
-                self._coll.store.set(abort_key, f"rank {self.rank}: {failure.message}"[:500])
-            except Exception as exc:  # the store going away is reported by the next collective
-                self._log.warning("could not publish the failure to the other ranks: %s", exc)
+        signal = StopSignal(self._coll.store, abort_key, self.rank, req, self._log)
+        should_stop, publish = signal.should_stop, signal.publish
 
         link = PsLink(self._zmq, handles[self.rank][1], update_id, rank=self.rank, device_key=self.device_uuid,
                       deadline=deadline, should_stop=should_stop)
@@ -370,7 +349,7 @@ class ParameterServer:
                        plan.total_bytes / GiB, len(plan.buckets), times["total"], result["gbps"], stats.seconds)
         return result
 
-    def _agree(self, link: PsLink, req: "_ReqThread | None", deadline: float, *, phase: str, final: bool) -> None:
+    def _agree(self, link: PsLink, req: "ReqThread | None", deadline: float, *, phase: str, final: bool) -> None:
         """All ranks exchange their status; if any failed, every rank aborts its worker and raises."""
         failure = None
         if req is not None and req.error is not None:
@@ -389,7 +368,7 @@ class ParameterServer:
             return
         # An engine worker's own failure is the cause; ranks that stopped because of it,
         # and req_func failing because the engine reported it, are echoes.
-        causes = [f for f in failed if not _is_echo(f)] or failed
+        causes = [f for f in failed if not is_echo(f)] or failed
         reason = "; ".join(f"rank {f.rank}: {f.message}" for f in causes)
         link.send_abort(reason)
         first = causes[0]
@@ -399,21 +378,3 @@ class ParameterServer:
                                      f"failed during {phase}: {reason}")
         raise RemoteWorkerError(f"update failed during {phase}: {reason}", rank=first.rank,
                                 device_key=first.device_key, remote_traceback=first.traceback or None)
-
-
-def _is_echo(f: Failure) -> bool:
-    return f.message.startswith("stopped while") or f.message.startswith("req_func raised")
-
-
-class _ReqThread(threading.Thread):
-    """Runs req_func and keeps its traceback text; daemon so a stuck engine never blocks exit."""
-
-    def __init__(self, fn: ReqFunc, handles):
-        super().__init__(name="ckpt-req-func", daemon=True)
-        self.fn, self.handles, self.error = fn, handles, None
-
-    def run(self) -> None:
-        try:
-            self.fn(list(self.handles))
-        except BaseException:
-            self.error = traceback.format_exc()

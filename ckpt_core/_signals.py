@@ -1,0 +1,68 @@
+"""How the ranks of one update learn, without a collective, that they should stop waiting.
+
+``req_func`` runs in a thread on rank 0; a rank whose worker failed publishes
+that in the rendezvous store. Every rank's waits poll ``StopSignal.should_stop``
+so that nobody waits for its own worker until the deadline once the update is
+lost anyway. The final verdict is still the ranks' status exchange (``_agree``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+from typing import Callable
+
+from ._link import Failure
+
+STORE_CHECK_INTERVAL_S = 0.02   # a store round trip per poll would tax every bucket
+
+
+def is_echo(f: Failure) -> bool:
+    """A failure caused by another rank's failure (the cause is reported instead)."""
+    return f.message.startswith("stopped while") or f.message.startswith("req_func raised")
+
+
+class ReqThread(threading.Thread):
+    """Runs req_func and keeps its traceback text; daemon so a stuck engine never blocks exit."""
+
+    def __init__(self, fn: Callable, handles):
+        super().__init__(name="ckpt-req-func", daemon=True)
+        self.fn, self.handles, self.error = fn, handles, None
+
+    def run(self) -> None:
+        try:
+            self.fn(list(self.handles))
+        except BaseException:
+            self.error = traceback.format_exc()
+
+
+class StopSignal:
+    """The update's abort flag in the rendezvous store (one key per update)."""
+
+    def __init__(self, store, key: str, rank: int, req: ReqThread | None, log):
+        self.store, self.key, self.rank, self.req, self.log = store, key, rank, req, log
+        self._last_check = 0.0
+
+    def should_stop(self) -> str | None:
+        """Why this rank should stop waiting for its worker, or None."""
+        if self.req is not None and self.req.error is not None:
+            self.store.set(self.key, "rank 0: req_func raised")
+            return f"req_func raised: {self.req.error.splitlines()[-1] if self.req.error else ''}"
+        now = time.monotonic()
+        if now - self._last_check < STORE_CHECK_INTERVAL_S:
+            return None
+        self._last_check = now
+        try:
+            if self.store.check([self.key]):
+                return f"another rank failed first ({self.store.get(self.key).decode(errors='replace')})"
+        except Exception as exc:  # the store lives in rank 0's process
+            return f"the rendezvous store is unreachable (did rank 0 die?): {exc}"
+        return None
+
+    def publish(self, failure: Failure) -> None:
+        """Tell the other ranks at once, so they stop waiting for their own workers."""
+        try:
+            self.store.set(self.key, f"rank {self.rank}: {failure.message}"[:500])
+        except Exception as exc:  # the store going away is reported by the next collective
+            self.log.warning("could not publish the failure to the other ranks: %s", exc)
