@@ -86,7 +86,7 @@ class BroadcastPipeline:
         """Owner: copy the bucket's host runs into its slot on the copy stream."""
         n = 0
         with self.backend.stream_context(self.copy_stream):
-            for run in bucket.runs():
+            for run in bucket.copy_runs:
                 src = self.host[run.base][run.base_offset: run.base_offset + run.nbytes]
                 dst[run.offset: run.offset + run.nbytes].copy_(src, non_blocking=True)
                 n += run.nbytes

@@ -44,19 +44,21 @@ class HostRegion:
             fn()
 
 
-def parallel_copy(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Copy ``src -> dst`` pairs of flat uint8 tensors, large ones split across threads."""
-    jobs = []
-    for dst, src in pairs:
-        n = dst.numel()
-        for a in range(0, n, COPY_CHUNK):
-            jobs.append((dst[a: a + COPY_CHUNK], src[a: a + COPY_CHUNK]))
+def _run_jobs(jobs: list, fn) -> None:
+    """Run ``fn`` on every job, across threads when there is more than one (torch and I/O drop the GIL)."""
     if len(jobs) <= 1 or COPY_THREADS == 1:
-        for d, s in jobs:
-            d.copy_(s)
+        for job in jobs:
+            fn(job)
         return
     with ThreadPoolExecutor(COPY_THREADS) as ex:
-        list(ex.map(lambda js: js[0].copy_(js[1]), jobs))
+        list(ex.map(fn, jobs))
+
+
+def parallel_copy(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy ``src -> dst`` pairs of flat uint8 tensors, large ones split across threads."""
+    jobs = [(dst[a: a + COPY_CHUNK], src[a: a + COPY_CHUNK])
+            for dst, src in pairs for a in range(0, dst.numel(), COPY_CHUNK)]
+    _run_jobs(jobs, lambda job: job[0].copy_(job[1]))
 
 
 def parallel_read(reads: list[tuple[str, int, torch.Tensor]]) -> None:
@@ -78,12 +80,7 @@ def parallel_read(reads: list[tuple[str, int, torch.Tensor]]) -> None:
                 got += n
 
     try:
-        if len(jobs) <= 1:
-            for j in jobs:
-                one(j)
-            return
-        with ThreadPoolExecutor(COPY_THREADS) as ex:
-            list(ex.map(one, jobs))
+        _run_jobs(jobs, one)
     except OSError as exc:   # the file changed or vanished between validation and the copy
         raise CheckpointFormatError(f"reading the checkpoint failed: {exc}") from exc
 

@@ -13,6 +13,7 @@ than one per tensor.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import NamedTuple
 
 from .errors import ConfigError
@@ -59,6 +60,11 @@ class Bucket:
     owner: int
     placements: list[Placement] = field(default_factory=list)
     nbytes: int = 0
+
+    @cached_property
+    def copy_runs(self) -> tuple[CopyRun, ...]:
+        """``runs()``, computed once: plans are cached and staged on every update."""
+        return tuple(self.runs())
 
     def runs(self) -> list[CopyRun]:
         """Merge placements whose host and bucket positions advance together."""

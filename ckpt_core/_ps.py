@@ -75,7 +75,6 @@ class ParameterServer:
         self._checkpoints: dict[str, RegisteredCheckpoint] = {}
         self._metas: dict[str, list[list[TensorMeta]]] = {}
         self._plans: dict[tuple, tuple[Plan, tuple[str, str]]] = {}   # plan and its wire form
-        self._plan_wire: tuple[str, str] = ("[]", "")
         self._fps: dict[str, tuple[list, str]] = {}
         self._ids = itertools.count()
         self._pool: SharedPool | None = None
@@ -154,6 +153,7 @@ class ParameterServer:
         ckpt = self._checkpoints.pop(name)
         ckpt.release()
         self._metas.pop(name, None)
+        self._fps.pop(name, None)
         self._plans = {k: v for k, v in self._plans.items() if k[0] != name}
         if force and ckpt.pool is not None and self._pool is not None:
             self._pool.close()
@@ -248,8 +248,11 @@ class ParameterServer:
             self._fps[name] = cached
         return cached[1]
 
-    def _agree_plan(self, name: str) -> tuple[Plan, int]:
-        """All ranks agree on (bucket size, slots) from their free memory, then plan (cached)."""
+    def _agree_plan(self, name: str) -> tuple[Plan, int, tuple[str, str]]:
+        """All ranks agree on (bucket size, slots) from their free memory, then plan (cached).
+
+        Returns the plan, the slots to use and the plan's wire form (JSON, digest).
+        """
         metas = self._metas[name]
         fp = self._fingerprint(name)
         free = self.backend.mem_get_info(self.device_index)[0] + (self._ipc.nbytes if self._ipc else 0)
@@ -267,8 +270,8 @@ class ParameterServer:
             plan = plan_buckets(metas, size)
             wire = [[(p.meta.name, p.meta.dtype, p.meta.shape, p.offset) for p in b.placements] for b in plan.buckets]
             self._plans[key] = (plan, plan_fragment(wire))
-        plan, self._plan_wire = self._plans[key]
-        return plan, max(1, min(slots, len(plan.buckets)))
+        plan, wire = self._plans[key]
+        return plan, max(1, min(slots, len(plan.buckets))), wire
 
     def _ensure_ipc(self, nbytes: int) -> IpcBuffer:
         if self._ipc is not None and self._ipc.nbytes >= nbytes:
@@ -285,9 +288,8 @@ class ParameterServer:
 
     def _update(self, name: str, req_func: ReqFunc, deadline: float) -> dict:
         t0 = time.perf_counter()
-        plan, slots = self._agree_plan(name)
-        slot_bytes = max(plan.largest_bucket, ALIGN)
-        slot_bytes = (slot_bytes + ALIGN - 1) // ALIGN * ALIGN
+        plan, slots, (plan_json, plan_digest) = self._agree_plan(name)
+        slot_bytes = align_up(max(plan.largest_bucket, ALIGN))
         ipc = self._ensure_ipc(slot_bytes * slots)
         update_id = f"{self._run_id}-{self._updates}"
         self._updates += 1
@@ -305,7 +307,6 @@ class ParameterServer:
         try:
             if req is not None:
                 req.start()
-            plan_json, plan_digest = self._plan_wire
             link.send_hello(frame=encode_hello(update_id, device_kind=self.backend.kind, buffer=ipc.descriptor,
                                                slot_bytes=slot_bytes, num_slots=slots, plan_json=plan_json,
                                                plan_digest=plan_digest))
@@ -342,6 +343,10 @@ class ParameterServer:
             if not self.keep_device_buffers and mapped and not broken:
                 self._release_ipc()
         times["total"] = time.perf_counter() - t0
+        return self._report(name, plan, stats, times)
+
+    def _report(self, name: str, plan: Plan, stats, times: dict) -> dict:
+        """The update's figures: logged once, kept in ``last_update``, returned."""
         result = {"name": name, "bytes": plan.total_bytes, "buckets": len(plan.buckets), "bucket_bytes": plan.bucket_bytes,
                   "h2d_bytes": stats.h2d_bytes, "seconds": times, "gbps": plan.total_bytes / times["total"] / 1e9}
         self.last_update = result

@@ -99,7 +99,11 @@ class DeviceBackend(ABC):
         return HostPin()
 
     def empty_host(self, nbytes: int) -> torch.Tensor:
-        """A host uint8 buffer suited for fast copies to the device (pinned where that matters)."""
+        """A pageable host uint8 buffer; callers fill it, then ``pin()`` it in place.
+
+        Pageable allocation + cudaHostRegister is ~10x faster than allocating pinned
+        memory (pin_memory=True) on the GPU hosts we measured.
+        """
         return torch.empty(nbytes, dtype=torch.uint8)
 
     @abstractmethod
