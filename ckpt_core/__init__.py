@@ -10,8 +10,8 @@ from ._ps import ParameterServer
 from ._requests import request_inference_to_update
 from ._worker import update_weights_from_ipc
 from .devices import local_device_key
-from .errors import (CheckpointFormatError, CheckpointNotFoundError, CkptError, ClosedError, ConfigError,
-                     ProtocolError, RemoteWorkerError, TransportError, UpdateTimeoutError)
+from . import errors
+from .errors import *  # noqa: F401,F403  (the whole hierarchy is public; its names live in errors.__all__)
 
 __version__ = "0.1.0"
 
@@ -21,14 +21,6 @@ __all__ = [
     "request_inference_to_update",
     "split_checkpoint_files",
     "local_device_key",
-    "CkptError",
-    "ConfigError",
-    "CheckpointFormatError",
-    "CheckpointNotFoundError",
-    "TransportError",
-    "UpdateTimeoutError",
-    "ProtocolError",
-    "RemoteWorkerError",
-    "ClosedError",
+    *errors.__all__,
     "__version__",
 ]

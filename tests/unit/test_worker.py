@@ -140,13 +140,7 @@ def test_a_genuine_update_loads_every_tensor_bit_exact_and_runs_the_post_hook_on
 
 
 def test_a_kept_buffer_stays_mapped_for_the_next_update_until_released(ps):
-    w = handshake(ps)
-    for i in range(2):
-        ps.send("bucket", index=i, slot=i)
-        ps.recv()
-    ps.send("end", keep_buffer=True)
-    assert ps.recv()["kind"] == "finished"
-    w.join()
+    _kept_update(ps)
     keys = [k for k in _worker._mapped if ps.ipc.descriptor["path"] in k]
     assert len(keys) == 1
     _worker._unmap(keys[0])
