@@ -84,9 +84,11 @@ def _in_place(path: str, inplace: bool) -> bool:
     return inplace and os.path.realpath(path).startswith(SHM_PREFIX)
 
 
-def build_checkpoint(name: str, backend: DeviceBackend, ids: itertools.count, *, files=None,
+def build_checkpoint(name: str, backend: DeviceBackend, *, files=None,
                      named_tensors=None, pool: SharedPool | None = None, inplace: bool = True,
                      unlink_inplace_files: bool = False) -> RegisteredCheckpoint:
+    """Validate, then load or map this rank's share. Region ids are local to the checkpoint, so two
+    checkpoints of the same layout (successive RL steps) have identical metas and share one plan."""
     files = [os.fspath(p) for p in (files or [])]
     missing = [p for p in files if not os.path.isfile(p)]
     if missing:
@@ -98,6 +100,7 @@ def build_checkpoint(name: str, backend: DeviceBackend, ids: itertools.count, *,
     placed = [h for h in headers if _in_place(h.path, inplace)]
 
     layout, total = _layout(copied, named)
+    ids = itertools.count()
     regions: dict[int, HostRegion] = {}
     metas: list[TensorMeta] = []
     try:

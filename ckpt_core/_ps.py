@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import secrets
 import sys
@@ -17,6 +16,7 @@ import zmq
 from ._broadcast import BroadcastPipeline
 from ._checkpoint import RegisteredCheckpoint, build_checkpoint
 from ._collectives import Collectives
+from ._gc import gc_paused
 from ._host import SharedPool
 from ._link import Failure, PsLink
 from ._log import rank_logger
@@ -29,6 +29,7 @@ from .errors import (CheckpointFormatError, CheckpointNotFoundError, ClosedError
                      RemoteWorkerError, TransportError, UpdateTimeoutError)
 
 ReqFunc = Callable[[list[tuple[str, str]]], object]
+PLAN_CACHE = 4      # plans kept (per bucket size and metas digest)
 REQ_GRACE_S = 2.0   # how long a failed update still waits for req_func to return
 GiB = float(1 << 30)
 
@@ -74,9 +75,9 @@ class ParameterServer:
             raise ConfigError(f"two ranks share a device key: {self._device_keys}; set LOCAL_RANK per rank")
         self._checkpoints: dict[str, RegisteredCheckpoint] = {}
         self._metas: dict[str, list[list[TensorMeta]]] = {}
-        self._plans: dict[tuple, tuple[Plan, tuple[str, str]]] = {}   # plan and its wire form
+        # (bucket size, metas digest) -> plan and its wire form; shared by checkpoints of one layout
+        self._plans: dict[tuple, tuple[Plan, tuple[str, str]]] = {}
         self._fps: dict[str, tuple[list, str]] = {}
-        self._ids = itertools.count()
         self._pool: SharedPool | None = None
         self._ipc: IpcBuffer | None = None
         self._copy_stream = self.backend.new_stream(self.device_index)
@@ -136,8 +137,10 @@ class ParameterServer:
             self._pool = self._pool or SharedPool(self.backend)
             pool = self._pool
         t0 = time.perf_counter()
-        ckpt = build_checkpoint(name, self.backend, self._ids, files=files, named_tensors=named_tensors, pool=pool,
-                                inplace=use_inplace_pin_memory, unlink_inplace_files=unlink_inplace_files)
+        with gc_paused():
+            ckpt = build_checkpoint(name, self.backend, files=files, named_tensors=named_tensors,
+                                    pool=pool, inplace=use_inplace_pin_memory,
+                                    unlink_inplace_files=unlink_inplace_files)
         self._checkpoints[name] = ckpt
         dt = time.perf_counter() - t0
         self._log.info("registered %r: %d tensors, %.3f GiB in %.3f s (%.2f GB/s)", name, len(ckpt.metas),
@@ -154,7 +157,6 @@ class ParameterServer:
         ckpt.release()
         self._metas.pop(name, None)
         self._fps.pop(name, None)
-        self._plans = {k: v for k, v in self._plans.items() if k[0] != name}
         if force and ckpt.pool is not None and self._pool is not None:
             self._pool.close()
             self._pool = None
@@ -166,6 +168,10 @@ class ParameterServer:
     def gather_metas(self, name: str) -> None:
         """Collective: every rank learns every rank's tensors of ``name``. All ranks must call it."""
         self._check_open()
+        with gc_paused():
+            self._gather_metas(name)
+
+    def _gather_metas(self, name: str) -> None:
         t0 = time.perf_counter()
         ckpt = self._checkpoints.get(name)
         mine = None if ckpt is None else [[m.name, m.dtype, list(m.shape), m.nbytes, m.itemsize, m.base,
@@ -227,7 +233,8 @@ class ParameterServer:
         if not self._update_lock.acquire(blocking=False):
             raise ConfigError("another update is already running on this ParameterServer")
         try:
-            return self._update(name, req_func, deadline)
+            with gc_paused():
+                return self._update(name, req_func, deadline)
         except TransportError as exc:
             if getattr(exc, "groups_broken", False):
                 # A collective failed or never finished: the process groups cannot be trusted
@@ -243,7 +250,7 @@ class ParameterServer:
         metas = self._metas[name]
         cached = self._fps.get(name)
         if cached is None or cached[0] is not metas:
-            text = json.dumps([[m.name, m.nbytes, m.base, m.base_offset] for ms in metas for m in ms])
+            text = json.dumps([[list(m) for m in ms] for ms in metas])
             cached = (metas, hashlib.sha1(text.encode()).hexdigest())
             self._fps[name] = cached
         return cached[1]
@@ -265,12 +272,16 @@ class ParameterServer:
         if len({v["fp"] for v in views}) != 1:
             raise ConfigError(f"ranks disagree on the metas of {name!r}: call gather_metas on every rank again")
         size, slots = min(v["bucket"] for v in views), min(v["slots"] for v in views)
-        key = (name, size, fp)
+        key = (size, fp)
         if key not in self._plans:
             plan = plan_buckets(metas, size)
-            wire = [[(p.meta.name, p.meta.dtype, p.meta.shape, p.offset) for p in b.placements] for b in plan.buckets]
-            self._plans[key] = (plan, plan_fragment(wire))
-        plan, wire = self._plans[key]
+            wire = plan_fragment([[(p.meta.name, p.meta.dtype, p.meta.shape, p.offset) for p in b.placements]
+                                  for b in plan.buckets])
+            while len(self._plans) >= PLAN_CACHE:
+                self._plans.pop(next(iter(self._plans)))
+        else:
+            plan, wire = self._plans.pop(key)
+        self._plans[key] = (plan, wire)     # most recently used last
         return plan, max(1, min(slots, len(plan.buckets))), wire
 
     def _ensure_ipc(self, nbytes: int) -> IpcBuffer:

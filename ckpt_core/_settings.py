@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from .errors import ConfigError
 
-__all__ = ["Settings", "ENV_VARS", "load_settings"]
+__all__ = ["Settings", "ENV_VARS", "load_settings", "gc_pause_enabled"]
 
 # name -> (type, default, meaning); the README's table is generated from the same facts.
 ENV_VARS: dict[str, tuple[str, str, str]] = {
@@ -24,6 +24,8 @@ ENV_VARS: dict[str, tuple[str, str, str]] = {
     "PS_MEM_FRACTION": ("float", "0.9", "fraction of free device memory the IPC buffer may take"),
     "PS_NUM_SLOTS": ("int", "4", "buckets in flight (slots of the IPC buffer ring)"),
     "PS_COLLECTIVE_TIMEOUT_S": ("float", "600", "timeout of every collective and store wait, seconds"),
+    "PS_PAUSE_GC": ("bool", "1", "pause Python's cyclic GC during register/gather/update and while an engine "
+                    "worker receives (0: leave it running)"),
     "PS_P2P_STORE_RDMA_DEVICES": ("str", "", "comma-separated RDMA NICs for the P2P store"),
     "NCCL_IB_HCA": ("str", "", "read as a fallback for PS_P2P_STORE_RDMA_DEVICES"),
 }
@@ -88,3 +90,13 @@ def load_settings(*, rank=None, world_size=None, master_addr=None, master_port=N
         collective_timeout_s=_get("PS_COLLECTIVE_TIMEOUT_S", float, 600.0),
         rdma_devices=tuple(d for d in rdma.split(",") if d),
     )
+
+
+def gc_pause_enabled() -> bool:
+    """PS_PAUSE_GC, read at each use (engine workers read it in the engine's process)."""
+    raw = os.environ.get("PS_PAUSE_GC", "1").strip().lower()
+    if raw in ("1", "true", "yes", "on", ""):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"environment variable PS_PAUSE_GC={raw!r} is not a valid bool (0 or 1)")

@@ -18,6 +18,7 @@ import zmq
 
 from . import _protocol as proto
 from ._link import CLOSE_LINGER_MS, PeerWatch
+from ._gc import gc_paused
 from ._log import rank_logger
 from ._safetensors import DTYPES
 from .devices import get_backend
@@ -160,6 +161,12 @@ def update_weights_from_ipc(zmq_ctx: zmq.Context, zmq_handle: str, device_id: in
         update_weights_from_ipc(zmq.Context.instance(), handles[my_key], device_index,
                                 run=model.load_weights, post_hook=lambda: torch.cuda.synchronize())
     """
+    with gc_paused():
+        _receive_update(zmq_ctx, zmq_handle, device_id, run, post_hook, timeout, on_plan)
+
+
+def _receive_update(zmq_ctx: zmq.Context, zmq_handle: str, device_id: int, run: RunFn, post_hook, timeout: float,
+                    on_plan) -> None:
     log = rank_logger(f"worker dev {device_id}")
     sock = zmq_ctx.socket(zmq.PAIR)
     sock.setsockopt(zmq.LINGER, 0)

@@ -52,12 +52,12 @@ def assert_only_the_dead_ranks_buffer_is_left(prefix: str, dead: int) -> None:
     assert all(n.startswith(f"{prefix}{dead}-") for n in left), f"a surviving rank leaked its IPC buffer: {left}"
 
 
-def assert_engines_left_and_a_new_world_delivers(front: EngineFront, seed: int) -> None:
+def assert_engines_left_and_a_new_world_delivers(front: EngineFront, seed: int, kind: str = "cpu") -> None:
     t0 = time.monotonic()
     for i in range(2):
         assert front.stats(i)["mapped"] == [], f"engine worker {i} still maps the dead world's buffer"
     assert time.monotonic() - t0 < 10, "the engine workers stayed in the dead update"
-    with PsWorld("cpu", 2, init=INIT) as ps:
+    with PsWorld(kind, 2, init=INIT) as ps:
         ckpts = FreshCheckpoints(ps, seed=seed)
         name, want = ckpts.new("after")
         got = ps.update(name, front, 30)
@@ -68,11 +68,19 @@ def assert_engines_left_and_a_new_world_delivers(front: EngineFront, seed: int) 
 
 @pytest.mark.parametrize("victim", [1, 0], ids=["rank1", "rank0-store-host"])
 def test_a_ps_rank_killed_mid_update_fails_the_survivor_in_time_with_a_typed_error(front, victim, tmp_path):
+    prefix = kill_a_ps_rank_mid_update("cpu", front, victim, tmp_path)
+    assert_only_the_dead_ranks_buffer_is_left(prefix, victim)
+    assert_engines_left_and_a_new_world_delivers(front, seed=80 + victim)
+
+
+def kill_a_ps_rank_mid_update(kind: str, front: EngineFront, victim: int, marks) -> str:
+    """SIGKILL PS rank ``victim`` while both engines are mid-pipeline; check the survivor's error and
+    time; returns the world's IPC buffer prefix."""
     survivor = 1 - victim
-    with PsWorld("cpu", 2, init=INIT, env=ENV) as ps:
+    with PsWorld(kind, 2, init=INIT, env=ENV) as ps:
         name, _ = FreshCheckpoints(ps, seed=70 + victim).new("doomed")
         prefix = ipc_prefix(ps)
-        start_slow_update(ps, front, name, tmp_path, timeout=30)
+        start_slow_update(ps, front, name, marks, timeout=30)
         ps.kill(victim)
         t_kill = time.monotonic()
         got = ps.collect(ranks=[survivor], timeout=60)[survivor]
@@ -80,23 +88,29 @@ def test_a_ps_rank_killed_mid_update_fails_the_survivor_in_time_with_a_typed_err
         assert not got.ok and got.error in ("TransportError", "UpdateTimeoutError"), got
         assert f"rank {survivor}" in got.message and "die" in got.message, got
         assert dt < COLLECTIVE_TIMEOUT_S + 3, f"survivor took {dt:.1f} s (collective timeout {COLLECTIVE_TIMEOUT_S} s)"
-        report_case(f"PS rank {victim} SIGKILLed mid-update", f"{got.error} on rank {survivor}: "
+        report_case(f"PS rank {victim} SIGKILLed mid-update ({kind})", f"{got.error} on rank {survivor}: "
                     f"{got.message.splitlines()[0][:90]}", dt)
         # its process groups are gone: a further update says so at once instead of hanging
         again = ps.all("update", (name, None, 10, None), ranks=[survivor], timeout=30)[survivor]
         assert not again.ok and again.error == "TransportError" and "broke in an earlier update" in again.message, again
         # the survivor's ParameterServer still closes cleanly
         assert ps.all("close", ranks=[survivor])[survivor].ok
-    assert_only_the_dead_ranks_buffer_is_left(prefix, victim)
-    assert_engines_left_and_a_new_world_delivers(front, seed=80 + victim)
+    return prefix
 
 
 def test_a_frozen_ps_rank_fails_the_survivor_within_the_collective_timeout(front, tmp_path):
-    with PsWorld("cpu", 2, init=INIT, env=ENV) as ps:
+    prefix = freeze_a_ps_rank_mid_update("cpu", front, tmp_path)
+    assert_only_the_dead_ranks_buffer_is_left(prefix, 1)
+    assert_engines_left_and_a_new_world_delivers(front, seed=91)
+
+
+def freeze_a_ps_rank_mid_update(kind: str, front: EngineFront, marks) -> str:
+    """SIGSTOP PS rank 1 mid-pipeline (alive but silent: only a timeout can tell), then kill it."""
+    with PsWorld(kind, 2, init=INIT, env=ENV) as ps:
         name, _ = FreshCheckpoints(ps, seed=90).new("frozen")
         prefix = ipc_prefix(ps)
-        start_slow_update(ps, front, name, tmp_path, timeout=15)
-        os.kill(ps.pids[1], signal.SIGSTOP)          # alive but silent: only a timeout can tell
+        start_slow_update(ps, front, name, marks, timeout=15)
+        os.kill(ps.pids[1], signal.SIGSTOP)
         t_stop = time.monotonic()
         try:
             got = ps.collect(ranks=[0], timeout=60)[0]
@@ -105,10 +119,9 @@ def test_a_frozen_ps_rank_fails_the_survivor_within_the_collective_timeout(front
             ps.kill(1)
         assert not got.ok and got.error == "UpdateTimeoutError", got
         assert "PS_COLLECTIVE_TIMEOUT_S" in got.message or "control group" in got.message, got
-        report_case("PS rank 1 frozen (SIGSTOP) mid-update", f"{got.error} on rank 0", dt)
+        report_case(f"PS rank 1 frozen (SIGSTOP) mid-update ({kind})", f"{got.error} on rank 0", dt)
         assert dt < COLLECTIVE_TIMEOUT_S + 4, f"survivor took {dt:.1f} s (collective timeout {COLLECTIVE_TIMEOUT_S} s)"
-    assert_only_the_dead_ranks_buffer_is_left(prefix, 1)
-    assert_engines_left_and_a_new_world_delivers(front, seed=91)
+    return prefix
 
 
 def _kill_a_world_that_keeps_its_buffers(front: EngineFront, seed: int) -> str:

@@ -142,3 +142,22 @@ def test_a_cap_below_the_largest_tensor_is_raised_to_it_and_never_to_the_whole_b
 def test_the_fallback_with_one_slot_never_exceeds_what_the_plan_needs():
     size, slots = layout(1 * GiB, 8 * GiB, 2 * GiB)
     assert slots == 1 and size <= int(0.9 * GiB)
+
+
+def test_two_registrations_of_one_layout_have_identical_metas_so_they_share_a_plan():
+    """RL steady state: step N+1 has step N's names and shapes; its metas (region ids included)
+    must be equal, so that the PS reuses the plan and the worker its validated copy."""
+    import torch
+    from ckpt_core._checkpoint import build_checkpoint
+    from ckpt_core.devices import get_backend
+
+    backend = get_backend("cpu")
+    named = {f"layer.{i}.w": torch.full((64, 3 + i), float(i)) for i in range(5)}
+    a = build_checkpoint("step-1", backend, named_tensors=named)
+    b = build_checkpoint("step-2", backend, named_tensors={k: v + 1 for k, v in named.items()})
+    try:
+        assert a.metas == b.metas
+        assert plan_buckets([a.metas], 1 << 12).buckets == plan_buckets([b.metas], 1 << 12).buckets
+    finally:
+        a.release()
+        b.release()
