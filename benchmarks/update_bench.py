@@ -186,8 +186,10 @@ class Bench:
             torch.cuda.empty_cache()
         gen_s = time.perf_counter() - t0
         reg = self.timed(lambda: self.ps.register_checkpoint(case, named_tensors=share.named))
+        reg_phases = self.ps.last_register["seconds"]
         gat = self.timed(lambda: self.ps.gather_metas(case))
-        self.say(f"{case}: registered in {reg['s']:.3f} s, metas gathered in {gat['s']:.3f} s; updating")
+        self.say(f"{case}: registered in {reg['s']:.3f} s ({phases(reg_phases)}), metas gathered in "
+                 f"{gat['s']:.3f} s; updating")
         filler = self._squeeze_device()
         try:
             updates = [self.update_once(case) for _ in range(1 + self.args.repeats)]
@@ -201,7 +203,8 @@ class Bench:
         best = timed[summary["best_index"]]
         record = {
             "case": case, "bytes": total, "tensors": len(specs), "share_bytes": share_bytes, "generate_s": gen_s,
-            "register_s": reg["s"], "register_per_rank_s": reg["per_rank"], "gather_metas_s": gat["s"],
+            "register_s": reg["s"], "register_per_rank_s": reg["per_rank"], "register_phases_rank0": reg_phases,
+            "gather_metas_s": gat["s"],
             "gather_metas_per_rank_s": gat["per_rank"], "warmup_update_s": updates[0]["seconds"],
             "update": summary, "update_breakdown": best["ps"][0]["seconds"],
             "buckets": best["ps"][0]["buckets"], "bucket_bytes": best["ps"][0]["bucket_bytes"],
@@ -231,12 +234,14 @@ class Bench:
         self.ps.unregister_checkpoint(first_name)
         again = self.timed(lambda: self.ps.register_checkpoint(next_name, named_tensors=share.named,
                                                                use_shared_memory_pool=True))
+        again["phases"] = self.ps.last_register["seconds"]
         self.ps.gather_metas(next_name)
         upd = self.first_and_best(next_name)
         self.ps.unregister_checkpoint(next_name, force=True)
-        self.say(f"{case}: pool first {first['s']:.3f} s, re-register {again['s']:.3f} s, update first "
+        self.say(f"{case}: pool first {first['s']:.3f} s, re-register {again['s']:.3f} s ({phases(again['phases'])}), update first "
                  f"{upd['first_update_s']:.3f} s, best {upd['update_s']:.3f} s")
-        return {"first_s": first["s"], "reregister_s": again["s"], "reregister_per_rank_s": again["per_rank"], **upd}
+        return {"first_s": first["s"], "reregister_s": again["s"], "reregister_per_rank_s": again["per_rank"],
+                "reregister_phases_rank0": again["phases"], **upd}
 
     def first_and_best(self, name: str) -> dict:
         """The first update of a newly registered checkpoint (plans it), then the best of the repeats."""
@@ -259,15 +264,17 @@ class Bench:
         try:
             write = self.timed(lambda: write_file(path, share.named))
             reg = self.timed(lambda: self.ps.register_checkpoint(name, files=[path]))
+            reg["phases"] = self.ps.last_register["seconds"]
             self.ps.gather_metas(name)
             upd = self.first_and_best(name)
             self.ps.unregister_checkpoint(name)
         finally:
             if os.path.exists(path):
                 os.remove(path)
-        self.say(f"{case}: /dev/shm write {write['s']:.3f} s, in-place register {reg['s']:.3f} s, "
+        self.say(f"{case}: /dev/shm write {write['s']:.3f} s, in-place register {reg['s']:.3f} s ({phases(reg['phases'])}), "
                  f"update first {upd['first_update_s']:.3f} s, best {upd['update_s']:.3f} s")
-        return {"write_s": write["s"], "register_s": reg["s"], "register_per_rank_s": reg["per_rank"], **upd}
+        return {"write_s": write["s"], "register_s": reg["s"], "register_per_rank_s": reg["per_rank"],
+                "register_phases_rank0": reg["phases"], **upd}
 
     # -- run -------------------------------------------------------------------------
     def meta(self) -> dict:
@@ -294,6 +301,11 @@ class Bench:
             self.front.close()
         self.worker.close()
         dist.destroy_process_group()
+
+
+def phases(seconds: dict) -> str:
+    """Rank 0's registration phases, e.g. 'allocate 0.1 / fill 0.5 / pin 0.4'."""
+    return " / ".join(f"{k} {v:.3f}" for k, v in seconds.items() if k != "total" and v >= 0.0005)
 
 
 def main(argv=None) -> int:

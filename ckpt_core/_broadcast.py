@@ -49,6 +49,9 @@ class BroadcastPipeline:
         # Only the deadline ends a wait on the device: a peer's *worker* failing does not stop
         # the collectives (every rank still issues them), so it is no reason to stop waiting.
         self.deadline = deadline if deadline is not None else float("inf")
+        # A broadcast gets as long as any collective: PS_COLLECTIVE_TIMEOUT_S from when it was issued
+        # (a dead peer never lets it finish, and the collective library's watchdog only logs that).
+        self.collective_s = coll.timeout.total_seconds()
         self.async_ops = backend.collective_backend != "gloo"
         self.pending: deque = deque()          # (index, slot, event): broadcast issued, worker not told
         self.in_slot: dict[int, int] = {}      # slot -> bucket index the worker may still read
@@ -67,7 +70,7 @@ class BroadcastPipeline:
                 work.wait()   # on a device kind this only orders the current stream after the collective
             event = self.backend.new_event()
             event.record()
-            self.pending.append((i, slot, event))
+            self.pending.append((i, slot, event, time.monotonic()))
             self.in_slot[slot] = i
             self._notify_finished()
             self.log.debug("bucket %d/%d: %d bytes from rank %d", i + 1, len(self.plan.buckets),
@@ -95,17 +98,21 @@ class BroadcastPipeline:
         copied.wait()   # the stream that issues the broadcast waits for the copy, the host does not
         return n
 
-    def _await(self, event, what: str) -> None:
-        """Wait for device work with the update's deadline, never blindly.
+    def _await(self, event, what: str, issued: float) -> None:
+        """Wait for a broadcast with the update's deadline and the collective timeout, never blindly.
 
         A collective whose peer rank died never completes; ``event.synchronize()``
-        would then hold this rank until the collective library's watchdog tears the
-        process down. Polling lets the rank fail with a typed error instead.
+        would then hold this rank forever (or until the collective library's watchdog
+        tears the process down). Polling lets the rank fail with a typed error instead.
         """
+        limit = min(self.deadline, issued + self.collective_s)
         while not event.query():
-            if time.monotonic() > self.deadline:
+            now = time.monotonic()
+            if now > limit:
+                why = (f"within PS_COLLECTIVE_TIMEOUT_S={self.collective_s:g} s" if limit < self.deadline
+                       else "within the update timeout")
                 raise groups_broken(UpdateTimeoutError(
-                    f"rank {self.rank}: {what} did not complete within the update timeout; "
+                    f"rank {self.rank}: {what} did not complete {why} (waited {now - issued:.1f} s); "
                     "a peer parameter-server rank died or stalls"))
             time.sleep(AWAIT_SLICE_S)
 
@@ -118,8 +125,9 @@ class BroadcastPipeline:
         while self.pending and self.pending[0][2].query():
             self._notify(*self.pending.popleft())
 
-    def _notify(self, index: int, slot: int, event) -> None:
-        self._await(event, f"the broadcast of bucket {index}")
+    def _notify(self, index: int, slot: int, event, issued: float) -> None:
+        owner = self.plan.buckets[index].owner
+        self._await(event, f"the broadcast of bucket {index} from rank {owner}", issued)
         self.link.send_bucket(index, slot)
         self._report()
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +33,7 @@ class RegisteredCheckpoint:
     regions: dict[int, HostRegion]
     pool: SharedPool | None = None
     nbytes: int = field(default=0)
+    seconds: dict[str, float] = field(default_factory=dict)   # registration phases, for logs and benchmarks
 
     def host_tensor(self, meta: TensorMeta) -> torch.Tensor:
         """A typed view of one tensor's host bytes (for checks and the P2P path)."""
@@ -93,6 +95,7 @@ def build_checkpoint(name: str, backend: DeviceBackend, *, files=None,
     missing = [p for p in files if not os.path.isfile(p)]
     if missing:
         raise ConfigError(f"checkpoint file(s) do not exist or are not regular files: {missing}")
+    clock = _Phases()
     named = _check_named(named_tensors or {})
     headers = [read_header(p) for p in files]          # validates every file before any allocation
     _check_unique(headers, named)
@@ -100,6 +103,7 @@ def build_checkpoint(name: str, backend: DeviceBackend, *, files=None,
     placed = [h for h in headers if _in_place(h.path, inplace)]
 
     layout, total = _layout(copied, named)
+    clock.lap("validate")
     ids = itertools.count()
     regions: dict[int, HostRegion] = {}
     metas: list[TensorMeta] = []
@@ -108,19 +112,33 @@ def build_checkpoint(name: str, backend: DeviceBackend, *, files=None,
             rid = next(ids)
             region = pool.acquire(name, total, rid) if pool is not None else new_region(backend, rid, total)
             regions[rid] = region
+            clock.lap("allocate")
             _fill(region, copied, named, layout)
+            clock.lap("fill")
             if pool is None:
                 pin_region(backend, region)
+                clock.lap("pin")
             metas += _metas_copied(rid, copied, named, layout)
         for h in placed:
             rid = next(ids)
-            regions[rid] = map_file_region(backend, rid, h.path, unlink=unlink_inplace_files)
+            regions[rid] = map_file_region(backend, rid, h.path, unlink=unlink_inplace_files, lap=clock.lap)
             metas += [_meta(e.name, e.dtype, e.shape, rid, e.start) for e in h.tensors]
     except BaseException:
         RegisteredCheckpoint(name, [], regions, pool).release()
         raise
     return RegisteredCheckpoint(name, metas, regions, pool if total and pool is not None else None,
-                                nbytes=sum(m.nbytes for m in metas))
+                                nbytes=sum(m.nbytes for m in metas), seconds=clock.seconds)
+
+
+class _Phases:
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self._t = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self._t
+        self._t = now
 
 
 def _check_unique(headers: list[SafetensorsHeader], named) -> None:

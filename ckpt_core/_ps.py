@@ -87,6 +87,7 @@ class ParameterServer:
         self._closed = False
         self._broken: str | None = None
         self.last_update: dict | None = None
+        self.last_register: dict | None = None   # the latest registration's phases (seconds)
         self._log.info("ready: device key %s, %s collectives", self.device_uuid, self.backend.collective_backend)
 
     # -- lifecycle -------------------------------------------------------------
@@ -143,8 +144,10 @@ class ParameterServer:
                                     unlink_inplace_files=unlink_inplace_files)
         self._checkpoints[name] = ckpt
         dt = time.perf_counter() - t0
-        self._log.info("registered %r: %d tensors, %.3f GiB in %.3f s (%.2f GB/s)", name, len(ckpt.metas),
-                       ckpt.nbytes / GiB, dt, ckpt.nbytes / max(dt, 1e-9) / 1e9)
+        self.last_register = {"name": name, "bytes": ckpt.nbytes, "seconds": dict(ckpt.seconds, total=dt)}
+        self._log.info("registered %r: %d tensors, %.3f GiB in %.3f s (%.2f GB/s; %s)", name, len(ckpt.metas),
+                       ckpt.nbytes / GiB, dt, ckpt.nbytes / max(dt, 1e-9) / 1e9,
+                       ", ".join(f"{k} {v:.3f} s" for k, v in ckpt.seconds.items() if v >= 0.0005))
 
     def unregister_checkpoint(self, name: str, *, force: bool = False) -> None:
         """Free checkpoint ``name``. With ``force``, also free the shared pool's memory if it held it."""
