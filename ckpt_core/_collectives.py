@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from datetime import timedelta
 
 import torch
@@ -54,6 +55,19 @@ class _Store:
                                      f"store: did it die? ({text})")) from exc
 
 
+# How the NCCL process groups we create react to a collective that times out (a peer rank died):
+# abort the communicators but keep the process (the default tears the whole process down, and
+# with it a trainer that hosts the PS), and skip the debug dump that holds the abort for ~60 s.
+# Values the user set win.
+NCCL_ERROR_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
+ABORT_WAIT_S = 10.0    # how long abort() waits for the collective library before giving up on it
+
+
+def nccl_error_defaults() -> None:
+    for key, value in NCCL_ERROR_ENV.items():
+        os.environ.setdefault(key, value)
+
+
 def groups_broken(exc: Exception) -> Exception:
     """Mark an error after which the process groups cannot be used again."""
     exc.groups_broken = True
@@ -65,6 +79,8 @@ class Collectives:
 
     def __init__(self, settings: Settings, data_backend: str, *, auto_pg: bool):
         self.rank, self.world_size = settings.rank, settings.world_size
+        if data_backend == "nccl":
+            nccl_error_defaults()
         self.timeout = timedelta(seconds=settings.collective_timeout_s)
         self._owns_default = False
         self.store = None
@@ -87,6 +103,7 @@ class Collectives:
         if data_backend != default_backend:
             self.data_group = dist.new_group(backend=data_backend, timeout=self.timeout)
         self._closed = False
+        self.abort_finished: bool | None = None   # set by abort()
 
     def _init_default(self, s: Settings, backend: str) -> None:
         try:
@@ -159,10 +176,19 @@ class Collectives:
         if not (self._owns_default and dist.is_initialized()):
             return
         abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-        try:
-            abort() if abort is not None else dist.destroy_process_group()
-        except Exception:  # already torn down by the backend's own error handling
-            pass
+
+        def run() -> None:
+            try:
+                abort() if abort is not None else dist.destroy_process_group()
+            except Exception:  # already torn down by the backend's own error handling
+                pass
+
+        # The collective library may itself block on the stuck collective; the caller's
+        # typed error must not wait for it longer than ABORT_WAIT_S.
+        t = threading.Thread(target=run, name="ckpt-abort-groups", daemon=True)
+        t.start()
+        t.join(ABORT_WAIT_S)
+        self.abort_finished = not t.is_alive()
 
     def close(self) -> None:
         if getattr(self, "_closed", True):

@@ -15,7 +15,7 @@ import zmq
 
 from ._broadcast import BroadcastPipeline
 from ._checkpoint import RegisteredCheckpoint, build_checkpoint
-from ._collectives import Collectives
+from ._collectives import ABORT_WAIT_S, Collectives
 from ._gc import gc_paused
 from ._host import SharedPool
 from ._link import Failure, PsLink
@@ -244,6 +244,10 @@ class ParameterServer:
                 # again, and a device buffer may still be the target of a stuck collective.
                 self._broken = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
                 self._coll.abort()
+                if self._coll.abort_finished is False:
+                    self._log.warning("aborting the process groups did not finish within %.0f s; this rank "
+                                      "cannot update again: close() it and start a new ParameterServer",
+                                      ABORT_WAIT_S)
             raise
         finally:
             self._update_lock.release()
