@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._host import (HostRegion, SharedPool, map_file_region, new_region, parallel_copy, parallel_read,
-                    pin_region)
+from ._host import HostRegion, SharedPool, copy_jobs, fill_and_pin, map_file_region, new_region, read_jobs
 from ._planner import TensorMeta, align_up
 from ._safetensors import DTYPE_CODES, SafetensorsHeader, read_header
 from .devices import DeviceBackend
@@ -113,11 +112,9 @@ def build_checkpoint(name: str, backend: DeviceBackend, *, files=None,
             region = pool.acquire(name, total, rid) if pool is not None else new_region(backend, rid, total)
             regions[rid] = region
             clock.lap("allocate")
-            _fill(region, copied, named, layout)
-            clock.lap("fill")
-            if pool is None:
-                pin_region(backend, region)
-                clock.lap("pin")
+            # a fresh region is pinned piece by piece while it is filled; the pool is pinned already
+            fill_and_pin(backend, region, _fill_jobs(region, copied, named, layout), pin=pool is None)
+            clock.lap("fill and pin" if pool is None else "fill")
             metas += _metas_copied(rid, copied, named, layout)
         for h in placed:
             rid = next(ids)
@@ -166,18 +163,17 @@ def _layout(copied: list[SafetensorsHeader], named) -> tuple[list[int], int]:
     return offsets, pos
 
 
-def _fill(region: HostRegion, copied, named, layout) -> None:
+def _fill_jobs(region: HostRegion, copied, named, layout) -> list:
     buf = region.tensor
     reads = [(h.path, h.data_offset, buf[off: off + h.file_size - h.data_offset])
              for h, off in zip(copied, layout) if h.file_size > h.data_offset]
-    parallel_read(reads)
     pairs = []
     for (_, t), off in zip(named, layout[len(copied):]):
         src = _flat_bytes(t)
         if src.device.type != "cpu":
             src = src.cpu()
         pairs.append((buf[off: off + src.numel()], src))
-    parallel_copy(pairs)
+    return read_jobs(region, reads) + copy_jobs(region, pairs)
 
 
 def _meta(name, dtype: torch.dtype, shape, rid: int, offset: int) -> TensorMeta:

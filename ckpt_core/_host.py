@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from ._planner import align_up
+from ._planner import PIN_CHUNK, align_up
 from .devices import DeviceBackend, HostPin
 from .errors import CheckpointFormatError, ConfigError
 
@@ -56,23 +56,37 @@ def _run_jobs(jobs: list, fn) -> None:
         list(ex.map(fn, jobs))
 
 
-def parallel_copy(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Copy ``src -> dst`` pairs of flat uint8 tensors, large ones split across threads."""
-    jobs = [(dst[a: a + COPY_CHUNK], src[a: a + COPY_CHUNK])
-            for dst, src in pairs for a in range(0, dst.numel(), COPY_CHUNK)]
-    _run_jobs(jobs, lambda job: job[0].copy_(job[1]))
+# -- work on a region: (start, end, fn) jobs, run across threads while finished chunks are pinned --
+Job = tuple[int, int, Callable[[], None]]
 
 
-def parallel_read(reads: list[tuple[str, int, torch.Tensor]]) -> None:
-    """Fill flat uint8 tensors from ``(path, file_offset, dst)``; short reads are errors."""
+def copy_jobs(region: HostRegion, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[Job]:
+    """Copy ``src -> dst`` pairs (``dst`` views of the region), split into COPY_CHUNK pieces."""
+    base = region.tensor.data_ptr()
+    jobs = []
+    for dst, src in pairs:
+        for a in range(0, dst.numel(), COPY_CHUNK):
+            d, s = dst[a: a + COPY_CHUNK], src[a: a + COPY_CHUNK]
+            start = d.data_ptr() - base
+            jobs.append((start, start + d.numel(), lambda d=d, s=s: d.copy_(s)))
+    return jobs
+
+
+def read_jobs(region: HostRegion, reads: list[tuple[str, int, torch.Tensor]]) -> list[Job]:
+    """Fill views of the region from ``(path, file_offset, dst)``; short reads are errors."""
+    base = region.tensor.data_ptr()
     jobs = []
     for path, off, dst in reads:
         for a in range(0, dst.numel(), COPY_CHUNK):
-            jobs.append((path, off + a, dst[a: a + COPY_CHUNK]))
+            d = dst[a: a + COPY_CHUNK]
+            start = d.data_ptr() - base
+            jobs.append((start, start + d.numel(), lambda p=path, o=off + a, d=d: _read_into(p, o, d)))
+    return jobs
 
-    def one(job) -> None:
-        path, off, dst = job
-        view = memoryview(dst.numpy()).cast("B")
+
+def _read_into(path: str, off: int, dst: torch.Tensor) -> None:
+    view = memoryview(dst.numpy()).cast("B")
+    try:
         with open(path, "rb", buffering=0) as f:
             got = 0
             while got < len(view):
@@ -80,45 +94,67 @@ def parallel_read(reads: list[tuple[str, int, torch.Tensor]]) -> None:
                 if n <= 0:
                     raise OSError(f"{path}: file ended at byte {off + got} while reading a registered checkpoint")
                 got += n
-
-    try:
-        _run_jobs(jobs, one)
     except OSError as exc:   # the file changed or vanished between validation and the copy
         raise CheckpointFormatError(f"reading the checkpoint failed: {exc}") from exc
 
 
 MADV_POPULATE_WRITE = 23     # Linux >= 5.14
-POPULATE_CHUNK = 64 << 20
 _libc = None
 
 
-def populate(ptr: int, size: int) -> bool:
-    """Build the page tables of a fresh shared mapping from several threads at once.
+def populate_jobs(region: HostRegion) -> list[Job]:
+    """Build the page tables of a fresh mapping (file or anonymous) ahead of pinning, in pieces.
 
-    Pinning (cudaHostRegister) a mapping whose page tables exist runs ~2x faster,
-    and faulting pages in scales with threads where MAP_POPULATE is one thread
-    (benchmarks/pin_probe.py). Returns False where the kernel lacks
-    MADV_POPULATE_WRITE; the pages are then faulted in by whoever touches them first.
+    Pinning (cudaHostRegister) runs ~2x faster over pages that are already mapped
+    (benchmarks/pin_probe.py), and the pieces run in parallel with the pinning of
+    earlier ones. Where the kernel lacks MADV_POPULATE_WRITE the pages are faulted
+    in by the pinning itself.
     """
     global _libc
     if _libc is None:
         _libc = ctypes.CDLL(None, use_errno=True)
         _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    start = ptr - ptr % mmap.PAGESIZE
-    end = ptr + size
-    step = max(POPULATE_CHUNK, align_up(-(-(end - start) // COPY_THREADS), 2 << 20))
-    chunks = [(a, min(step, end - a)) for a in range(start, end, step)]
-    failed: list[int] = []
+    ptr, size = region.tensor.data_ptr(), region.nbytes
+    if size == 0 or ptr % mmap.PAGESIZE:
+        return []
 
-    def one(chunk) -> None:
-        if _libc.madvise(chunk[0], chunk[1], MADV_POPULATE_WRITE) != 0:
-            failed.append(ctypes.get_errno())
+    def one(a: int, n: int) -> None:
+        if _libc.madvise(ptr + a, n, MADV_POPULATE_WRITE) != 0:
+            err = ctypes.get_errno()
+            if err not in (errno.EINVAL, errno.ENOSYS):   # EFAULT/ENOMEM: file shorter than its map, no memory
+                raise CheckpointFormatError(f"cannot fault in {n} bytes of host memory: {os.strerror(err)}")
 
-    _run_jobs(chunks, one)
-    if failed and any(e not in (errno.EINVAL, errno.ENOSYS) for e in failed):
-        # EFAULT/ENOMEM/EHWPOISON: the file is shorter than its mapping or memory ran out.
-        raise CheckpointFormatError(f"cannot fault in a mapped checkpoint file: {os.strerror(failed[0])}")
-    return not failed
+    step = COPY_CHUNK
+    return [(a, min(a + step, size), lambda a=a: one(a, min(step, size - a))) for a in range(0, size, step)]
+
+
+def fill_and_pin(backend: DeviceBackend, region: HostRegion, jobs: list[Job], *, pin: bool = True) -> None:
+    """Run ``jobs`` across threads; meanwhile pin each PIN_CHUNK of the region as soon as every job
+    writing into it has finished, so pinning overlaps the copies instead of following them.
+    On failure nothing stays pinned by this call and the first error is raised."""
+    pin = pin and backend.pins_host_memory and region.nbytes > 0
+    if not pin:
+        _run_jobs(jobs, lambda job: job[2]())
+        return
+    jobs = sorted(jobs, key=lambda j: j[0])
+    pins: list[HostPin] = []
+    with ThreadPoolExecutor(COPY_THREADS) as ex:
+        futures = [(job[0], ex.submit(job[2])) for job in jobs]
+        try:
+            k = 0
+            for start in range(0, region.nbytes, PIN_CHUNK):
+                end = min(start + PIN_CHUNK, region.nbytes)
+                while k < len(futures) and futures[k][0] < end:
+                    futures[k][1].result()
+                    k += 1
+                pins.append(backend.pin(region.tensor[start:end]))
+        except BaseException:
+            for _, f in futures:
+                f.cancel()
+            for p in pins:
+                p.release()
+            raise
+    region.pin = HostPin(lambda: [p.release() for p in pins])
 
 
 def new_region(backend: DeviceBackend, rid: int, nbytes: int) -> HostRegion:
@@ -126,15 +162,9 @@ def new_region(backend: DeviceBackend, rid: int, nbytes: int) -> HostRegion:
     return HostRegion(rid, tensor)
 
 
-def pin_region(backend: DeviceBackend, region: HostRegion) -> None:
-    if backend.pins_host_memory and region.nbytes:
-        region.pin = backend.pin(region.tensor)
-
-
 def map_file_region(backend: DeviceBackend, rid: int, path: str, *, unlink: bool,
                     lap: Callable[[str], None] = lambda phase: None) -> HostRegion:
-    """Map a whole file (a /dev/shm checkpoint) in place and pin it; nothing is copied.
-    ``lap(phase)`` is called as each phase ends (populate, pin)."""
+    """Map a whole file (a /dev/shm checkpoint) in place and pin it; nothing is copied."""
     with open(path, "r+b") as f:
         size = os.fstat(f.fileno()).st_size
         mm = mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED) if size else None
@@ -159,11 +189,8 @@ def map_file_region(backend: DeviceBackend, rid: int, path: str, *, unlink: bool
     region.closer = close
     region.source_check = source_check
     try:
-        if size:
-            populate(tensor.data_ptr(), size)
-        lap("populate in place")
-        pin_region(backend, region)
-        lap("pin in place")
+        fill_and_pin(backend, region, populate_jobs(region))
+        lap("populate and pin in place")
     except BaseException:
         region.release()
         raise
@@ -192,8 +219,12 @@ class SharedPool:
             if self.region is not None:
                 self.region.release()
             self.region = new_region(self.backend, rid, align_up(nbytes, 1 << 20))
-            self.region.tensor.fill_(0)  # fault the pages in once, before pinning
-            pin_region(self.backend, self.region)
+            try:
+                fill_and_pin(self.backend, self.region, populate_jobs(self.region))
+            except BaseException:
+                self.region.release()
+                self.region = None
+                raise
         self.region.id = rid
         self.holder = name
         return self.region

@@ -19,6 +19,7 @@ from typing import NamedTuple
 from .errors import ConfigError
 
 ALIGN = 256          # offset alignment of a tensor placed on its own in a bucket
+PIN_CHUNK = 512 << 20   # host regions are pinned in pieces of this size, at offsets that are multiples of it
 MAX_GAP = 4096       # largest hole between neighbours that we copy rather than close
 
 
@@ -55,6 +56,18 @@ class CopyRun:
     nbytes: int
 
 
+def split_at_pin_chunks(run: CopyRun) -> list[CopyRun]:
+    """Host regions are pinned in PIN_CHUNK pieces and one device copy may not span two pinned
+    ranges (CUDA then refuses it or falls back to a pageable copy): cut the run at the boundaries."""
+    out = []
+    a, end = run.base_offset, run.base_offset + run.nbytes
+    while a < end:
+        b = min(end, (a // PIN_CHUNK + 1) * PIN_CHUNK)
+        out.append(CopyRun(run.base, a, run.offset + (a - run.base_offset), b - a))
+        a = b
+    return out or [run]
+
+
 @dataclass
 class Bucket:
     owner: int
@@ -63,8 +76,9 @@ class Bucket:
 
     @cached_property
     def copy_runs(self) -> tuple[CopyRun, ...]:
-        """``runs()``, computed once: plans are cached and staged on every update."""
-        return tuple(self.runs())
+        """``runs()`` cut at PIN_CHUNK boundaries of their host region, computed once (plans are
+        cached and staged on every update)."""
+        return tuple(r for run in self.runs() for r in split_at_pin_chunks(run))
 
     def runs(self) -> list[CopyRun]:
         """Merge placements whose host and bucket positions advance together."""

@@ -161,3 +161,17 @@ def test_two_registrations_of_one_layout_have_identical_metas_so_they_share_a_pl
     finally:
         a.release()
         b.release()
+
+
+def test_copy_runs_never_span_two_pinned_pieces_of_a_host_region():
+    from ckpt_core._planner import PIN_CHUNK, CopyRun, split_at_pin_chunks
+    run = CopyRun(base=0, base_offset=PIN_CHUNK - 100, offset=4096, nbytes=2 * PIN_CHUNK + 300)
+    parts = split_at_pin_chunks(run)
+    assert [p.nbytes for p in parts] == [100, PIN_CHUNK, PIN_CHUNK, 200]
+    assert all(p.base_offset // PIN_CHUNK == (p.base_offset + p.nbytes - 1) // PIN_CHUNK for p in parts)
+    assert [p.offset - run.offset for p in parts] == [p.base_offset - run.base_offset for p in parts]
+    assert split_at_pin_chunks(CopyRun(1, 0, 0, 10)) == [CopyRun(1, 0, 0, 10)]
+    big = TensorMeta("t", "BF16", (3 * PIN_CHUNK // 2,), 3 * PIN_CHUNK, 2, 0, 64)
+    plan = plan_buckets([[big]], 4 * PIN_CHUNK)
+    runs = plan.buckets[0].copy_runs
+    assert sum(r.nbytes for r in runs) == 3 * PIN_CHUNK and len(runs) == 4

@@ -1,0 +1,93 @@
+"""Host regions are filled by several threads and pinned piece by piece as the pieces are complete."""
+
+import threading
+
+import pytest
+import torch
+
+from ckpt_core import _host
+from ckpt_core._host import HostRegion, copy_jobs, fill_and_pin, populate_jobs
+from ckpt_core._planner import PIN_CHUNK
+from ckpt_core.devices import HostPin, get_backend
+
+
+class RecordingBackend:
+    """Stands in for the cuda kind's pin(): records what is pinned, and when."""
+    pins_host_memory = True
+
+    def __init__(self, fail_at: int | None = None):
+        self.pinned: list[tuple[int, int]] = []
+        self.released: list[tuple[int, int]] = []
+        self.fail_at = fail_at
+        self.lock = threading.Lock()
+
+    def pin(self, t: torch.Tensor) -> HostPin:
+        rng = (t.data_ptr(), t.numel())
+        if self.fail_at is not None and len(self.pinned) == self.fail_at:
+            raise RuntimeError("cudaHostRegister failed")
+        with self.lock:
+            self.pinned.append(rng)
+        return HostPin(lambda: self.released.append(rng))
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    monkeypatch.setattr(_host, "PIN_CHUNK", 1 << 20)
+    monkeypatch.setattr(_host, "COPY_CHUNK", 1 << 18)
+    return 1 << 20
+
+
+def test_every_piece_is_pinned_once_after_its_copies_finished(small_chunks):
+    backend = RecordingBackend()
+    region = HostRegion(0, get_backend("cpu").empty_host(5 * small_chunks + 4096))
+    src = torch.randint(0, 255, (region.nbytes,), dtype=torch.uint8)
+    done: list[int] = []
+    jobs = [(a, b, (lambda fn=fn, b=b: (fn(), done.append(b)))) for a, b, fn in copy_jobs(region, [(region.tensor, src)])]
+    real_pin = backend.pin
+
+    def pin(t):
+        end = t.data_ptr() - region.tensor.data_ptr() + t.numel()
+        assert all(b in done for _, b, _ in jobs if b <= end), "pinned before its copies finished"
+        return real_pin(t)
+
+    backend.pin = pin
+    fill_and_pin(backend, region, jobs)
+    assert torch.equal(region.tensor, src)
+    base = region.tensor.data_ptr()
+    assert [(p - base, n) for p, n in backend.pinned] == [(a, min(small_chunks, region.nbytes - a))
+                                                         for a in range(0, region.nbytes, small_chunks)]
+    region.release()
+    assert sorted(backend.released) == sorted(backend.pinned)
+
+
+def test_a_failing_pin_unpins_what_was_pinned_and_raises(small_chunks):
+    backend = RecordingBackend(fail_at=2)
+    region = HostRegion(0, get_backend("cpu").empty_host(4 * small_chunks))
+    with pytest.raises(RuntimeError, match="cudaHostRegister"):
+        fill_and_pin(backend, region, populate_jobs(region))
+    assert len(backend.pinned) == 2 and sorted(backend.released) == sorted(backend.pinned)
+
+
+def test_a_failing_copy_is_raised_and_nothing_stays_pinned(small_chunks):
+    backend = RecordingBackend()
+    region = HostRegion(0, get_backend("cpu").empty_host(3 * small_chunks))
+
+    def boom():
+        raise OSError("disk gone")
+
+    jobs = populate_jobs(region)
+    jobs[len(jobs) // 2] = (jobs[len(jobs) // 2][0], jobs[len(jobs) // 2][1], boom)
+    with pytest.raises(OSError, match="disk gone"):
+        fill_and_pin(backend, region, jobs)
+    assert sorted(backend.released) == sorted(backend.pinned)
+
+
+def test_populate_covers_the_whole_region_and_leaves_its_bytes_alone():
+    region = HostRegion(0, get_backend("cpu").empty_host(3 * (1 << 20) + 123))
+    region.tensor.fill_(7)
+    jobs = populate_jobs(region)
+    assert jobs[0][0] == 0 and jobs[-1][1] == region.nbytes
+    assert all(a[1] == b[0] for a, b in zip(jobs, jobs[1:]))
+    for _, _, fn in jobs:
+        fn()
+    assert int(region.tensor.min()) == 7 == int(region.tensor.max())
