@@ -60,7 +60,7 @@ class _Store:
 # with it a trainer that hosts the PS), and skip the debug dump that holds the abort for ~60 s.
 # Values the user set win.
 NCCL_ERROR_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
-ABORT_WAIT_S = 10.0    # how long abort() waits for the collective library before giving up on it
+ABORT_WAIT_S = 1.0     # how long abort() waits for the collective library; it carries on in the background
 
 
 def nccl_error_defaults() -> None:

@@ -42,15 +42,17 @@ class CudaBackend(DeviceBackend):
         return f"GPU-{torch.cuda.get_device_properties(index).uuid}"
 
     def pin(self, tensor: torch.Tensor) -> HostPin:
-        if tensor.is_pinned() or tensor.numel() == 0:
+        # is_pinned() answers for the tensor's whole storage (its first byte), not for this
+        # view: a later piece of a region whose first piece is pinned would be skipped.
+        if tensor.numel() == 0 or (tensor.storage_offset() == 0 and tensor.is_pinned()):
             return HostPin()
         if not tensor.is_contiguous():
             raise TransportError("only contiguous host tensors can be pinned in place")
         cudart = torch.cuda.cudart()
         ptr, size = tensor.data_ptr(), tensor.numel() * tensor.element_size()
-        err = cudart.cudaHostRegister(ptr, size, 0)
-        if int(err) != 0:
-            raise TransportError(f"cudaHostRegister of {size} bytes failed with CUDA error {int(err)}")
+        err = int(cudart.cudaHostRegister(ptr, size, 0))
+        if err != 0:
+            raise TransportError(f"cudaHostRegister of {size} bytes failed with CUDA error {err}")
 
         def release() -> None:
             cudart.cudaHostUnregister(ptr)
