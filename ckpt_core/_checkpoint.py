@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._host import HostRegion, SharedPool, copy_jobs, fill_and_pin, map_file_region, new_region, read_jobs
+from ._host import (HostRegion, SharedPool, copy_jobs, fill_and_pin, map_file_region, new_region, populate_jobs,
+                    read_jobs)
 from ._planner import TensorMeta, align_up
 from ._safetensors import DTYPE_CODES, SafetensorsHeader, read_header
 from .devices import DeviceBackend
@@ -112,9 +113,14 @@ def build_checkpoint(name: str, backend: DeviceBackend, *, files=None,
             region = pool.acquire(name, total, rid) if pool is not None else new_region(backend, rid, total)
             regions[rid] = region
             clock.lap("allocate")
-            # a fresh region is pinned piece by piece while it is filled; the pool is pinned already
-            fill_and_pin(backend, region, _fill_jobs(region, copied, named, layout), pin=pool is None)
-            clock.lap("fill and pin" if pool is None else "fill")
+            if pool is None and backend.pins_host_memory:
+                # Fault the fresh pages in and pin them piece by piece, overlapped; then copy into
+                # pinned memory. (Pinning while copying into fresh pages was 2x slower on 2xH200:
+                # dense16 5.3 s against 2.0 s + 0.35 s.) The pool is pinned already.
+                fill_and_pin(backend, region, populate_jobs(region))
+                clock.lap("populate and pin")
+            fill_and_pin(backend, region, _fill_jobs(region, copied, named, layout), pin=False)
+            clock.lap("fill")
             metas += _metas_copied(rid, copied, named, layout)
         for h in placed:
             rid = next(ids)

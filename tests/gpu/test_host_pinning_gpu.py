@@ -14,8 +14,10 @@ pytestmark = pytest.mark.gpu
 
 
 class _Attrs(ctypes.Structure):
+    # cudaPointerAttributes; newer CUDA versions append reserved fields: leave room for them
     _fields_ = [("type", ctypes.c_int), ("device", ctypes.c_int),
-                ("devicePointer", ctypes.c_void_p), ("hostPointer", ctypes.c_void_p)]
+                ("devicePointer", ctypes.c_void_p), ("hostPointer", ctypes.c_void_p),
+                ("reserved", ctypes.c_char * 512)]
 
 
 def _cudart():
