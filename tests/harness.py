@@ -40,42 +40,56 @@ def digest(t: torch.Tensor) -> str:
 # ---------------------------------------------------------------- engine worker side
 def worker_main(kind: str, index: int, conn, behavior: dict) -> None:
     """One engine worker: waits for handles, receives updates, keeps digests of what it loaded."""
-    import zmq
-    from ckpt_core import local_device_key, update_weights_from_ipc
-
-    ctx = zmq.Context()
-    key = local_device_key(kind, index)
-    loaded: dict[str, str] = {}
-    updates = 0
-    runs = [0]   # run() calls over the worker's life: a rejected frame must leave it unchanged
+    engine = SimEngine(kind, index, behavior)
     while True:
         cmd = conn.recv()
         if cmd[0] == "stop":
             conn.send(("ok", None))
             return
+        try:
+            conn.send(("ok", engine.command(cmd)))
+        except Exception:
+            conn.send(("error", traceback.format_exc()))
+
+
+class SimEngine:
+    """The engine side of the tests: records a digest per tensor it loaded; behaviours inject faults."""
+
+    def __init__(self, kind: str, index: int, behavior: dict):
+        import zmq
+        from ckpt_core import local_device_key
+        self.ctx, self.index, self.behavior = zmq.Context(), index, behavior
+        self.key = local_device_key(kind, index)
+        self.loaded: dict[str, str] = {}
+        self.updates = 0
+        self.runs = 0   # run() calls over the worker's life: a rejected frame must leave it unchanged
+
+    def command(self, cmd):
         if cmd[0] == "stats":
             from ckpt_core import _worker
-            conn.send(("ok", {"runs": runs[0], "updates": updates, "pid": os.getpid(),
-                              "mapped": sorted(_worker._mapped)}))
-            continue
+            return {"runs": self.runs, "updates": self.updates, "pid": os.getpid(), "mapped": sorted(_worker._mapped)}
         if cmd[0] == "digests":
-            conn.send(("ok", dict(loaded)))
-            continue
+            return dict(self.loaded)
         if cmd[0] == "behavior":
-            behavior = cmd[1]
-            conn.send(("ok", None))
-            continue
-        handles = cmd[1]
-        this = dict(behavior, **(cmd[2] if len(cmd) > 2 and cmd[2] else {}))  # for this update only
+            self.behavior = cmd[1]
+            return None
+        this = dict(self.behavior, **(cmd[2] if len(cmd) > 2 and cmd[2] else {}))  # for this update only
+        return self.update(cmd[1], this)
+
+    def update(self, handles, this: dict) -> dict:
+        from ckpt_core import update_weights_from_ipc
+        if this.get("never_connect"):
+            time.sleep(this.get("never_connect"))
+            raise RuntimeError("worker did not connect (injected)")
         buckets = [0]
         staged: dict[str, str] = {}
 
         def run(weights):
             b = buckets[0]
             buckets[0] += 1
-            runs[0] += 1
+            self.runs += 1
             if this.get("mark_dir"):   # lets a test act while the worker is inside bucket b
-                open(os.path.join(this["mark_dir"], f"w{index}-b{b}"), "w").close()
+                open(os.path.join(this["mark_dir"], f"w{self.index}-b{b}"), "w").close()
             fail = this.get("fail_bucket")
             if fail is not None and (fail == b or (fail == -1 and b == this.get("n_buckets", -2) - 1)):
                 raise RuntimeError(f"injected engine failure at bucket {b}")
@@ -84,27 +98,20 @@ def worker_main(kind: str, index: int, conn, behavior: dict) -> None:
             for name, t in weights:
                 staged[name] = digest(t)
 
-        try:
-            if this.get("never_connect"):
-                time.sleep(this.get("never_connect"))
-                conn.send(("error", "worker did not connect (injected)"))
-                continue
-            def post_hook():
-                if this.get("fail_post_hook"):
-                    raise RuntimeError("injected post-hook failure")
-                loaded.update(staged)
+        def post_hook():
+            if this.get("fail_post_hook"):
+                raise RuntimeError("injected post-hook failure")
+            self.loaded.update(staged)
 
-            def on_plan(tensors):
-                missing = set(this.get("require", ())) - {n for n, _, _ in tensors}
-                if missing:
-                    raise KeyError(f"checkpoint lacks {sorted(missing)}")
+        def on_plan(tensors):
+            missing = set(this.get("require", ())) - {n for n, _, _ in tensors}
+            if missing:
+                raise KeyError(f"checkpoint lacks {sorted(missing)}")
 
-            update_weights_from_ipc(ctx, handles[key], index, run=run, post_hook=post_hook,
-                                    timeout=this.get("timeout", 60), on_plan=on_plan)
-            updates += 1
-            conn.send(("ok", {"buckets": buckets[0]}))
-        except Exception:
-            conn.send(("error", traceback.format_exc()))
+        update_weights_from_ipc(self.ctx, handles[self.key], self.index, run=run, post_hook=post_hook,
+                                timeout=this.get("timeout", 60), on_plan=on_plan)
+        self.updates += 1
+        return {"buckets": buckets[0]}
 
 
 # ---------------------------------------------------------------- engine front (the "server")
