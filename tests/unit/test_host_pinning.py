@@ -91,3 +91,26 @@ def test_populate_covers_the_whole_region_and_leaves_its_bytes_alone():
     for _, _, fn in jobs:
         fn()
     assert int(region.tensor.min()) == 7 == int(region.tensor.max())
+
+
+def test_populating_a_map_of_a_file_that_shrank_is_a_format_error_not_sigbus(tmp_path):
+    """A /dev/shm file cut short after it was mapped: touching the lost pages would kill the PS
+    with SIGBUS; populating them is refused (EFAULT) and reported as a CheckpointFormatError."""
+    import mmap
+    import os
+    from ckpt_core.errors import CheckpointFormatError
+
+    path = "/dev/shm/ckpt-test-shrunk-%d" % os.getpid()
+    with open(path, "wb") as f:
+        f.truncate(4 << 20)
+    try:
+        with open(path, "r+b") as f:
+            mm = mmap.mmap(f.fileno(), 4 << 20, flags=mmap.MAP_SHARED)
+        os.truncate(path, 4096)
+        region = HostRegion(0, torch.frombuffer(mm, dtype=torch.uint8))
+        with pytest.raises(CheckpointFormatError, match="cannot fault in"):
+            for _, _, fn in populate_jobs(region):
+                fn()
+        del region
+    finally:
+        os.unlink(path)
