@@ -53,7 +53,7 @@ class BroadcastPipeline:
         # (a dead peer never lets it finish, and the collective library's watchdog only logs that).
         self.collective_s = coll.timeout.total_seconds()
         self.async_ops = backend.collective_backend != "gloo"
-        self.pending: deque = deque()          # (index, slot, event): broadcast issued, worker not told
+        self.pending: deque = deque()          # (index, slot, event, issued at): broadcast issued, worker not told
         self.in_slot: dict[int, int] = {}      # slot -> bucket index the worker may still read
 
     def run(self) -> PipelineStats:

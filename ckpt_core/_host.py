@@ -46,42 +46,38 @@ class HostRegion:
             fn()
 
 
-def _run_jobs(jobs: list, fn) -> None:
-    """Run ``fn`` on every job, across threads when there is more than one (torch and I/O drop the GIL)."""
+# -- work on a region: (start, end, fn) jobs, run across threads (torch copies, I/O and madvise drop the GIL)
+Job = tuple[int, int, Callable[[], None]]
+
+
+def run_jobs(jobs: list[Job]) -> None:
+    """Run every job's ``fn``, across threads when there is more than one."""
     if len(jobs) <= 1 or COPY_THREADS == 1:
         for job in jobs:
-            fn(job)
+            job[2]()
         return
     with ThreadPoolExecutor(COPY_THREADS) as ex:
-        list(ex.map(fn, jobs))
+        list(ex.map(lambda job: job[2](), jobs))
 
 
-# -- work on a region: (start, end, fn) jobs, run across threads while finished chunks are pinned --
-Job = tuple[int, int, Callable[[], None]]
+def _pieces(region: HostRegion, dst: torch.Tensor):
+    """``(offset in dst, piece, start in the region)`` for each COPY_CHUNK piece of a view of the region."""
+    base = region.tensor.data_ptr()
+    for a in range(0, dst.numel(), COPY_CHUNK):
+        piece = dst[a: a + COPY_CHUNK]
+        yield a, piece, piece.data_ptr() - base
 
 
 def copy_jobs(region: HostRegion, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[Job]:
     """Copy ``src -> dst`` pairs (``dst`` views of the region), split into COPY_CHUNK pieces."""
-    base = region.tensor.data_ptr()
-    jobs = []
-    for dst, src in pairs:
-        for a in range(0, dst.numel(), COPY_CHUNK):
-            d, s = dst[a: a + COPY_CHUNK], src[a: a + COPY_CHUNK]
-            start = d.data_ptr() - base
-            jobs.append((start, start + d.numel(), lambda d=d, s=s: d.copy_(s)))
-    return jobs
+    return [(start, start + d.numel(), lambda d=d, s=src[a: a + COPY_CHUNK]: d.copy_(s))
+            for dst, src in pairs for a, d, start in _pieces(region, dst)]
 
 
 def read_jobs(region: HostRegion, reads: list[tuple[str, int, torch.Tensor]]) -> list[Job]:
     """Fill views of the region from ``(path, file_offset, dst)``; short reads are errors."""
-    base = region.tensor.data_ptr()
-    jobs = []
-    for path, off, dst in reads:
-        for a in range(0, dst.numel(), COPY_CHUNK):
-            d = dst[a: a + COPY_CHUNK]
-            start = d.data_ptr() - base
-            jobs.append((start, start + d.numel(), lambda p=path, o=off + a, d=d: _read_into(p, o, d)))
-    return jobs
+    return [(start, start + d.numel(), lambda p=path, o=off + a, d=d: _read_into(p, o, d))
+            for path, off, dst in reads for a, d, start in _pieces(region, dst)]
 
 
 def _read_into(path: str, off: int, dst: torch.Tensor) -> None:
@@ -128,13 +124,12 @@ def populate_jobs(region: HostRegion) -> list[Job]:
     return [(a, min(a + step, size), lambda a=a: one(a, min(step, size - a))) for a in range(0, size, step)]
 
 
-def fill_and_pin(backend: DeviceBackend, region: HostRegion, jobs: list[Job], *, pin: bool = True) -> None:
-    """Run ``jobs`` across threads; meanwhile pin each PIN_CHUNK of the region as soon as every job
-    writing into it has finished, so pinning overlaps the copies instead of following them.
-    On failure nothing stays pinned by this call and the first error is raised."""
-    pin = pin and backend.pins_host_memory and region.nbytes > 0
-    if not pin:
-        _run_jobs(jobs, lambda job: job[2]())
+def fill_and_pin(backend: DeviceBackend, region: HostRegion, jobs: list[Job]) -> None:
+    """Run ``jobs`` (faulting in or filling the region) across threads; meanwhile pin each PIN_CHUNK
+    of the region as soon as every job touching it has finished, so pinning overlaps the jobs instead
+    of following them. On failure nothing stays pinned by this call and the first error is raised."""
+    if not (backend.pins_host_memory and region.nbytes > 0):
+        run_jobs(jobs)
         return
     jobs = sorted(jobs, key=lambda j: j[0])
     pins: list[HostPin] = []
