@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 import secrets
 import sys
 import threading
@@ -20,8 +18,9 @@ from ._gc import gc_paused
 from ._host import SharedPool
 from ._link import Failure, PsLink
 from ._log import rank_logger
-from ._planner import ALIGN, Plan, TensorMeta, align_up, choose_layout, plan_buckets
-from ._protocol import encode_hello, plan_fragment
+from ._planner import ALIGN, Plan, TensorMeta, align_up, choose_layout
+from ._plans import PlanCache
+from ._protocol import encode_hello
 from ._settings import load_settings
 from ._signals import ReqThread, StopSignal, is_echo
 from .devices import IpcBuffer, default_kind, get_backend
@@ -29,7 +28,6 @@ from .errors import (CheckpointFormatError, CheckpointNotFoundError, ClosedError
                      RemoteWorkerError, TransportError, UpdateTimeoutError)
 
 ReqFunc = Callable[[list[tuple[str, str]]], object]
-PLAN_CACHE = 4      # plans kept (per bucket size and metas digest)
 REQ_GRACE_S = 2.0   # how long a failed update still waits for req_func to return
 GiB = float(1 << 30)
 
@@ -75,9 +73,7 @@ class ParameterServer:
             raise ConfigError(f"two ranks share a device key: {self._device_keys}; set LOCAL_RANK per rank")
         self._checkpoints: dict[str, RegisteredCheckpoint] = {}
         self._metas: dict[str, list[list[TensorMeta]]] = {}
-        # (bucket size, metas digest) -> plan and its wire form; shared by checkpoints of one layout
-        self._plans: dict[tuple, tuple[Plan, tuple[str, str]]] = {}
-        self._fps: dict[str, tuple[list, str]] = {}
+        self._plans = PlanCache()   # shared by checkpoints of one layout
         self._pool: SharedPool | None = None
         self._ipc: IpcBuffer | None = None
         self._copy_stream = self.backend.new_stream(self.device_index)
@@ -159,7 +155,7 @@ class ParameterServer:
         ckpt = self._checkpoints.pop(name)
         ckpt.release()
         self._metas.pop(name, None)
-        self._fps.pop(name, None)
+        self._plans.forget(name)
         if force and ckpt.pool is not None and self._pool is not None:
             self._pool.close()
             self._pool = None
@@ -252,23 +248,13 @@ class ParameterServer:
         finally:
             self._update_lock.release()
 
-    def _fingerprint(self, name: str) -> str:
-        """Digest of the gathered metas (cached: they only change through gather/load_metas)."""
-        metas = self._metas[name]
-        cached = self._fps.get(name)
-        if cached is None or cached[0] is not metas:
-            text = json.dumps([[list(m) for m in ms] for ms in metas])
-            cached = (metas, hashlib.sha1(text.encode()).hexdigest())
-            self._fps[name] = cached
-        return cached[1]
-
     def _agree_plan(self, name: str) -> tuple[Plan, int, tuple[str, str]]:
         """All ranks agree on (bucket size, slots) from their free memory, then plan (cached).
 
         Returns the plan, the slots to use and the plan's wire form (JSON, digest).
         """
         metas = self._metas[name]
-        fp = self._fingerprint(name)
+        fp = self._plans.digest(name, metas)
         free = self.backend.mem_get_info(self.device_index)[0] + (self._ipc.nbytes if self._ipc else 0)
         size, slots = choose_layout(
             free, mem_fraction=self.settings.mem_fraction, max_slots=self.settings.num_slots,
@@ -279,16 +265,7 @@ class ParameterServer:
         if len({v["fp"] for v in views}) != 1:
             raise ConfigError(f"ranks disagree on the metas of {name!r}: call gather_metas on every rank again")
         size, slots = min(v["bucket"] for v in views), min(v["slots"] for v in views)
-        key = (size, fp)
-        if key not in self._plans:
-            plan = plan_buckets(metas, size)
-            wire = plan_fragment([[(p.meta.name, p.meta.dtype, p.meta.shape, p.offset) for p in b.placements]
-                                  for b in plan.buckets])
-            while len(self._plans) >= PLAN_CACHE:
-                self._plans.pop(next(iter(self._plans)))
-        else:
-            plan, wire = self._plans.pop(key)
-        self._plans[key] = (plan, wire)     # most recently used last
+        plan, wire = self._plans.get(metas, fp, size)
         return plan, max(1, min(slots, len(plan.buckets))), wire
 
     def _ensure_ipc(self, nbytes: int) -> IpcBuffer:

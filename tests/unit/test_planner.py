@@ -175,3 +175,21 @@ def test_copy_runs_never_span_two_pinned_pieces_of_a_host_region():
     plan = plan_buckets([[big]], 4 * PIN_CHUNK)
     runs = plan.buckets[0].copy_runs
     assert sum(r.nbytes for r in runs) == 3 * PIN_CHUNK and len(runs) == 4
+
+
+def test_the_plan_cache_shares_one_plan_per_layout_and_keeps_the_most_recent():
+    from ckpt_core._plans import PlanCache
+    cache = PlanCache(size=2)
+    metas = [[TensorMeta(f"t{i}", "F32", (64,), 256, 4, 0, 256 * i) for i in range(4)]]
+    same = [list(metas[0])]                      # a later step: equal metas, another list
+    d1, d2 = cache.digest("step-1", metas), cache.digest("step-2", same)
+    assert d1 == d2
+    first = cache.get(metas, d1, 1024)
+    assert cache.get(same, d2, 1024) is first     # shared, not planned again
+    cache.get(metas, d1, 512)
+    cache.get(metas, d1, 1024)                    # touch: 1024 is now the most recent
+    cache.get(metas, d1, 2048)                    # evicts 512, the least recently used
+    assert sorted(k[0] for k in cache._plans) == [1024, 2048]
+    assert cache.get(metas, d1, 1024) is first
+    other = [[TensorMeta("x", "F32", (64,), 256, 4, 0, 0)]]
+    assert cache.digest("step-3", other) != d1

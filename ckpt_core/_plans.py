@@ -1,0 +1,50 @@
+"""The PS's cache of transfer plans.
+
+A plan depends only on every rank's metas and the bucket size, so it is keyed by
+(bucket size, metas digest), not by checkpoint name: successive RL steps with one
+layout reuse one plan (and, through the plan's wire digest, the worker's validated
+copy of it). A checkpoint's metas digest is computed once per gathered metas.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from ._planner import Plan, TensorMeta, plan_buckets
+from ._protocol import plan_fragment
+
+PLAN_CACHE = 4      # plans kept; the least recently used goes first
+
+
+class PlanCache:
+    def __init__(self, size: int = PLAN_CACHE):
+        self.size = size
+        self._plans: dict[tuple[int, str], tuple[Plan, tuple[str, str]]] = {}
+        self._digests: dict[str, tuple[list, str]] = {}   # checkpoint -> (the metas it digests, digest)
+
+    def digest(self, name: str, metas: list[list[TensorMeta]]) -> str:
+        """Digest of a checkpoint's gathered metas (recomputed only when they were gathered again)."""
+        cached = self._digests.get(name)
+        if cached is None or cached[0] is not metas:
+            text = json.dumps([[list(m) for m in ms] for ms in metas])
+            cached = (metas, hashlib.sha1(text.encode()).hexdigest())
+            self._digests[name] = cached
+        return cached[1]
+
+    def forget(self, name: str) -> None:
+        self._digests.pop(name, None)
+
+    def get(self, metas: list[list[TensorMeta]], digest: str, bucket_bytes: int) -> tuple[Plan, tuple[str, str]]:
+        """The plan of these metas at this bucket size and its wire form (JSON, digest)."""
+        key = (bucket_bytes, digest)
+        if key in self._plans:
+            entry = self._plans.pop(key)
+        else:
+            plan = plan_buckets(metas, bucket_bytes)
+            entry = (plan, plan_fragment([[(p.meta.name, p.meta.dtype, p.meta.shape, p.offset) for p in b.placements]
+                                          for b in plan.buckets]))
+            while len(self._plans) >= self.size:
+                self._plans.pop(next(iter(self._plans)))
+        self._plans[key] = entry     # most recently used last
+        return entry
