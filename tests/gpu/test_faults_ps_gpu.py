@@ -5,16 +5,11 @@ typed error within PS_COLLECTIVE_TIMEOUT_S, aborts its communicators, the engine
 the dead update, and a new PS world then updates the same engine processes bit-exact.
 """
 
-import os
-import sys
-
 import pytest
 import torch
 
+import ps_fault_cases as ps_faults   # the CPU cases, run here with kind="cuda"
 from harness import EngineFront
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "integration"))
-import test_faults_ps as ps_faults  # noqa: E402  (the CPU cases, run here with kind="cuda")
 
 pytestmark = pytest.mark.gpu
 
