@@ -115,8 +115,14 @@ def format_report(result: dict) -> str:
         + (f", free device memory limited to {meta['free_mem_gib']} GiB" if meta.get("free_mem_gib") is not None else ""),
         "ceilings: H2D GB/s per rank (all copying) " + ", ".join(f"{x:.1f}" for x in ceil["h2d_gbps"])
         + f"; broadcast GB/s {'-' if bc is None else f'{bc:.1f}'}",
-        "",
     ]
+    if "host_fault_in_first_gbps" in ceil:
+        lines.append(
+            f"host memory fault-in GB/s per rank, {ceil['host_fault_in_bytes'] / GiB:.1f} GiB each, all ranks at once: "
+            "first use " + ", ".join(f"{x:.1f}" for x in ceil["host_fault_in_first_gbps"])
+            + "; recycled " + ", ".join(f"{x:.1f}" for x in ceil["host_fault_in_recycled_gbps"])
+            + " (the first use also warms the host for the registrations below)")
+    lines.append("")
     rows = []
     for c in result["cases"]:
         u, b = c["update"], c["update_breakdown"]

@@ -40,7 +40,6 @@ from _bench_worker import EngineFront, EngineWorker  # noqa: E402
 
 SHM = "/dev/shm"
 T0 = time.perf_counter()
-T0 = time.perf_counter()
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -54,6 +53,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="before the updates, fill device memory so only this many GiB stay free (cuda only)")
     p.add_argument("--h2d-mib", type=int, default=None, help="H2D ceiling copy size (default 4096 cuda, 64 cpu)")
     p.add_argument("--bcast-mib", type=int, default=None, help="broadcast ceiling size (default 1024 cuda, 64 cpu)")
+    p.add_argument("--host-touch-gib", type=float, default=None,
+                   help="fresh host memory each rank faults in (twice) as a ceiling before the cases; "
+                        "default: twice the largest share (a case's source data and its registered copy); 0: skip")
     p.add_argument("--keep-device-buffers", action="store_true", help="ParameterServer(keep_device_buffers=True)")
     p.add_argument("--skip-pool", action="store_true", help="skip the shared-pool re-registration")
     p.add_argument("--skip-shm", action="store_true", help="skip the /dev/shm in-place registration")
@@ -89,10 +91,15 @@ class Bench:
         bcast = (args.bcast_mib or (1024 if self.kind == "cuda" else 64)) << 20
         if self.kind == "cuda":
             _ = self.worker.address   # its CUDA context exists before we time the device
-        mine = measure(self.kind, self.device, self.ctrl, h2d_bytes=h2d, bcast_bytes=bcast)
+        host = self._host_touch_bytes()
+        mine = measure(self.kind, self.device, self.ctrl, h2d_bytes=h2d, bcast_bytes=bcast, host_bytes=host)
         views = self.gather(mine)
         self.ceilings = {"h2d_gbps": [v["h2d_gbps"] for v in views], "broadcast_gbps": views[0]["broadcast_gbps"],
                          "h2d_bytes": h2d, "broadcast_bytes": bcast}
+        if host:
+            self.ceilings.update({k: [v[k] for v in views] for k in
+                                  ("host_fault_in_first_gbps", "host_fault_in_recycled_gbps")},
+                                 host_fault_in_bytes=host)
         addresses = self.gather(self.worker.address)
         self.front = EngineFront(addresses) if self.rank == 0 else None
         self.barrier()
@@ -103,6 +110,13 @@ class Bench:
         self.say(f"ceilings: H2D {self.ceilings['h2d_gbps']} GB/s, broadcast {self.ceilings['broadcast_gbps']} GB/s")
 
     # -- helpers ---------------------------------------------------------------
+    def _host_touch_bytes(self) -> int:
+        if self.args.host_touch_gib is not None:
+            return int(self.args.host_touch_gib * GiB)
+        largest = max(max(sum(s.nbytes for s in sh) for sh in split(build_case(c, self.args.scale), self.world))
+                      for c in self.args.cases)
+        return 2 * largest
+
     def say(self, msg: str) -> None:
         if self.rank == 0:
             print(f"[bench {time.perf_counter() - T0:6.1f}s] {msg}", flush=True)
