@@ -102,6 +102,7 @@ def measure_broadcast(kind: str, device: torch.device, nbytes: int, ctrl, repeat
 def measure_host_fault_in(nbytes: int, ctrl) -> dict:
     """GB/s of faulting in fresh host memory with the registration's threads: first use, then recycled."""
     from ckpt_core._host import new_region, populate_jobs, run_jobs
+    from ckpt_core._settings import fault_threads
     from ckpt_core.devices import get_backend
     rates = {}
     for label in ("first", "recycled"):
@@ -109,7 +110,7 @@ def measure_host_fault_in(nbytes: int, ctrl) -> dict:
         try:
             dist.barrier(group=ctrl)
             t0 = time.perf_counter()
-            run_jobs(populate_jobs(region))
+            run_jobs(populate_jobs(region), fault_threads())
             rates[label] = nbytes / (time.perf_counter() - t0) / 1e9
         finally:
             region.release()

@@ -10,7 +10,7 @@ registration's own fault-in-and-pin (``ckpt_core._host.fill_and_pin``), then fre
     python3 benchmarks/first_touch_probe.py --gib 8 --procs 2 [--threads 8,16] [--kind cuda] [--out probe.json]
 
 Rounds, per process, all processes at once (like the PS ranks of one host), for each thread
-count T of --threads (the registration's COPY_THREADS):
+count T of --threads (the registration's PS_FAULT_THREADS):
   cold-populate+pin/T   fresh region, fault in and pin (kept, so later rounds get unused pages)
   cold-populate/T       fresh region, fault in only (kept); then every region is freed and
   warm-populate/T       fresh region, fault in only: the pages come from what was freed
@@ -29,21 +29,20 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ckpt_core import _host  # noqa: E402
 from ckpt_core._host import fill_and_pin, new_region, populate_jobs, run_jobs  # noqa: E402
+from ckpt_core._settings import fault_threads  # noqa: E402
 from ckpt_core.devices import get_backend  # noqa: E402
 
 GiB = 1 << 30
 
 
 def _round(backend, nbytes: int, pin: bool, threads: int):
-    _host.COPY_THREADS = threads
     region = new_region(backend, 0, nbytes)
     t0 = time.perf_counter()
     if pin:
-        fill_and_pin(backend, region, populate_jobs(region))
+        fill_and_pin(backend, region, populate_jobs(region), threads)
     else:
-        run_jobs(populate_jobs(region))
+        run_jobs(populate_jobs(region), threads)
     return region, time.perf_counter() - t0
 
 
@@ -72,7 +71,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gib", type=float, default=8.0, help="GiB per process and round")
     ap.add_argument("--procs", type=int, default=2)
-    ap.add_argument("--threads", default=str(_host.COPY_THREADS), help="comma-separated thread counts to compare")
+    ap.add_argument("--threads", default=str(fault_threads()), help="comma-separated thread counts to compare")
     ap.add_argument("--kind", default="cuda", help="device backend that pins (cuda) or not (cpu)")
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args(argv)

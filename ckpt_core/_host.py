@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 
 from ._planner import PIN_CHUNK, align_up
+from ._settings import fault_threads
 from .devices import DeviceBackend, HostPin
 from .errors import CheckpointFormatError, ConfigError
 
@@ -50,13 +51,14 @@ class HostRegion:
 Job = tuple[int, int, Callable[[], None]]
 
 
-def run_jobs(jobs: list[Job]) -> None:
-    """Run every job's ``fn``, across threads when there is more than one."""
-    if len(jobs) <= 1 or COPY_THREADS == 1:
+def run_jobs(jobs: list[Job], threads: int | None = None) -> None:
+    """Run every job's ``fn``, across ``threads`` (default COPY_THREADS) when there is more than one."""
+    threads = threads or COPY_THREADS
+    if len(jobs) <= 1 or threads == 1:
         for job in jobs:
             job[2]()
         return
-    with ThreadPoolExecutor(COPY_THREADS) as ex:
+    with ThreadPoolExecutor(threads) as ex:
         list(ex.map(lambda job: job[2](), jobs))
 
 
@@ -104,7 +106,9 @@ def populate_jobs(region: HostRegion) -> list[Job]:
     Pinning (cudaHostRegister) runs ~2x faster over pages that are already mapped
     (benchmarks/pin_probe.py), and the pieces run in parallel with the pinning of
     earlier ones. Where the kernel lacks MADV_POPULATE_WRITE the pages are faulted
-    in by the pinning itself.
+    in by the pinning itself. Run them on ``fault_threads()`` threads: faulting one
+    address space from more threads contends in the kernel (benchmarks/first_touch_probe.py:
+    8 GiB per rank, 2 ranks, populate+pin 0.94 s with 4 threads, 1.8-2.4 s with 8).
     """
     global _libc
     if _libc is None:
@@ -124,16 +128,16 @@ def populate_jobs(region: HostRegion) -> list[Job]:
     return [(a, min(a + step, size), lambda a=a: one(a, min(step, size - a))) for a in range(0, size, step)]
 
 
-def fill_and_pin(backend: DeviceBackend, region: HostRegion, jobs: list[Job]) -> None:
-    """Run ``jobs`` (faulting in or filling the region) across threads; meanwhile pin each PIN_CHUNK
+def fill_and_pin(backend: DeviceBackend, region: HostRegion, jobs: list[Job], threads: int | None = None) -> None:
+    """Run ``jobs`` (faulting in or filling the region) across ``threads``; meanwhile pin each PIN_CHUNK
     of the region as soon as every job touching it has finished, so pinning overlaps the jobs instead
     of following them. On failure nothing stays pinned by this call and the first error is raised."""
     if not (backend.pins_host_memory and region.nbytes > 0):
-        run_jobs(jobs)
+        run_jobs(jobs, threads)
         return
     jobs = sorted(jobs, key=lambda j: j[0])
     pins: list[HostPin] = []
-    with ThreadPoolExecutor(COPY_THREADS) as ex:
+    with ThreadPoolExecutor(threads or COPY_THREADS) as ex:
         futures = [(job[0], ex.submit(job[2])) for job in jobs]
         try:
             k = 0
@@ -184,7 +188,7 @@ def map_file_region(backend: DeviceBackend, rid: int, path: str, *, unlink: bool
     region.closer = close
     region.source_check = source_check
     try:
-        fill_and_pin(backend, region, populate_jobs(region))
+        fill_and_pin(backend, region, populate_jobs(region), fault_threads())
         lap("populate and pin in place")
     except BaseException:
         region.release()
@@ -215,7 +219,7 @@ class SharedPool:
                 self.region.release()
             self.region = new_region(self.backend, rid, align_up(nbytes, 1 << 20))
             try:
-                fill_and_pin(self.backend, self.region, populate_jobs(self.region))
+                fill_and_pin(self.backend, self.region, populate_jobs(self.region), fault_threads())
             except BaseException:
                 self.region.release()
                 self.region = None

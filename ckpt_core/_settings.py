@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from .errors import ConfigError
 
-__all__ = ["Settings", "ENV_VARS", "load_settings", "gc_pause_enabled"]
+__all__ = ["Settings", "ENV_VARS", "load_settings", "gc_pause_enabled", "fault_threads"]
 
 # name -> (type, default, meaning); the README's table is generated from the same facts.
 ENV_VARS: dict[str, tuple[str, str, str]] = {
@@ -26,6 +26,8 @@ ENV_VARS: dict[str, tuple[str, str, str]] = {
     "PS_COLLECTIVE_TIMEOUT_S": ("float", "600", "timeout of every collective and store wait, seconds"),
     "PS_PAUSE_GC": ("bool", "1", "pause Python's cyclic GC during register/gather/update and while an engine "
                     "worker receives (0: leave it running)"),
+    "PS_FAULT_THREADS": ("int", "4", "threads per rank that fault in fresh host memory before it is pinned "
+                         "(registration); more contend in the kernel and were slower on 2 ranks per host"),
     "PS_P2P_STORE_RDMA_DEVICES": ("str", "", "comma-separated RDMA NICs for the P2P store"),
     "NCCL_IB_HCA": ("str", "", "read as a fallback for PS_P2P_STORE_RDMA_DEVICES"),
 }
@@ -100,3 +102,11 @@ def gc_pause_enabled() -> bool:
     if raw in ("0", "false", "no", "off"):
         return False
     raise ConfigError(f"environment variable PS_PAUSE_GC={raw!r} is not a valid bool (0 or 1)")
+
+
+def fault_threads() -> int:
+    """PS_FAULT_THREADS, read at each registration."""
+    n = _get("PS_FAULT_THREADS", int, 4)
+    if n < 1:
+        raise ConfigError(f"PS_FAULT_THREADS must be >= 1, got {n}")
+    return n

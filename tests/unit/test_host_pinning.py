@@ -1,6 +1,7 @@
 """Host regions are filled by several threads and pinned piece by piece as the pieces are complete."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -28,6 +29,9 @@ class RecordingBackend:
         with self.lock:
             self.pinned.append(rng)
         return HostPin(lambda: self.released.append(rng))
+
+    def empty_host(self, nbytes: int) -> torch.Tensor:
+        return get_backend("cpu").empty_host(nbytes)
 
 
 @pytest.fixture
@@ -114,3 +118,37 @@ def test_populating_a_map_of_a_file_that_shrank_is_a_format_error_not_sigbus(tmp
         del region
     finally:
         os.unlink(path)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_faulting_in_runs_on_PS_FAULT_THREADS_threads(monkeypatch, small_chunks, threads):
+    lock, running, most = threading.Lock(), [0], [0]
+    real = _host.populate_jobs
+
+    def slow(fn):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.01)
+        fn()
+        with lock:
+            running[0] -= 1
+
+    monkeypatch.setattr(_host, "populate_jobs", lambda region: [(a, b, lambda fn=fn: slow(fn)) for a, b, fn in real(region)])
+    monkeypatch.setenv("PS_FAULT_THREADS", str(threads))
+    backend = RecordingBackend()
+    pool = _host.SharedPool(backend)
+    region = pool.acquire("a", 6 * small_chunks, 0)
+    assert most[0] == threads and len(backend.pinned) == region.nbytes // small_chunks
+    pool.close()
+
+
+@pytest.mark.parametrize("raw", ["0", "-3", "four"])
+def test_a_bad_PS_FAULT_THREADS_is_a_config_error_and_nothing_stays_allocated(monkeypatch, raw):
+    from ckpt_core.errors import ConfigError
+    monkeypatch.setenv("PS_FAULT_THREADS", raw)
+    backend = RecordingBackend()
+    pool = _host.SharedPool(backend)
+    with pytest.raises(ConfigError, match="PS_FAULT_THREADS"):
+        pool.acquire("a", 1 << 20, 0)
+    assert pool.region is None and backend.pinned == []
