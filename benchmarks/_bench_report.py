@@ -69,13 +69,26 @@ def _first_best(section: dict) -> str:
     return (f"{_fmt_s(first)}/" if first is not None else "") + _fmt_s(section["update_s"])
 
 
+def memory_check(result: dict) -> dict | None:
+    """Peak extra device memory of every update on every rank, against the IPC buffer the PS computed
+    for that rank (slots x slot bytes): the budget must hold in every run, low-memory ones included."""
+    if result["meta"]["device"] != "cuda":
+        return None
+    ratios = [peak / budget for c in result["cases"]
+              for peak, budget in zip(c["peak_extra_device_bytes_per_rank"], c["device_buffer_bytes_per_rank"])]
+    worst = max(ratios, default=0.0)
+    return {"target": "peak extra device memory / PS's IPC buffer", "bound": "<= 1.0", "measured": worst,
+            "met": worst <= 1.0}
+
+
 def check_targets(result: dict) -> list[dict]:
     """Issue 5's targets that this run can speak to (full size, on a device, matching rank count)."""
     meta = result["meta"]
+    mem = memory_check(result)
+    out = [mem] if mem is not None else []
     if meta["device"] == "cpu" or meta["scale"] != 1.0 or meta.get("free_mem_gib") is not None:
-        return []
+        return out
     by_case = {c["case"]: c for c in result["cases"]}
-    out = []
     for label, world, case, metric, op, bound in TARGETS:
         if world != meta["world_size"]:
             continue
@@ -130,10 +143,11 @@ def format_report(result: dict) -> str:
             c["case"], f"{c['bytes'] / GiB:.3f}", str(c["tensors"]), _fmt_s(c["register_s"]), _fmt_s(c["gather_metas_s"]),
             f"{u['best_s']:.3f}/{u['median_s']:.3f}", f"{c['bytes'] / u['best_s'] / 1e9:.1f}",
             f"{c['floor']['seconds']:.3f}", f"{u['best_s'] / c['floor']['seconds']:.2f}" if c["floor"]["seconds"] else "-",
-            f"{c['peak_extra_device_bytes'] / (1 << 20):.0f}", f"{c['buckets']}x{c['bucket_bytes'] / (1 << 20):.0f}M",
+            f"{c['peak_extra_device_bytes'] / (1 << 20):.0f}/{max(c.get('device_buffer_bytes_per_rank') or [0]) / (1 << 20):.0f}",
+            f"{c['buckets']}x{c['bucket_bytes'] / (1 << 20):.0f}M",
             _breakdown(b)])
     lines.append(_table(["case", "GiB", "tensors", "register s", "gather s", "update best/med s", "GB/s",
-                         "floor s", "x floor", "peak MiB", "buckets", "rank-0 breakdown s (plan/handshake/pipeline/end)"],
+                         "floor s", "x floor", "peak/buffer MiB", "buckets", "rank-0 breakdown s (plan/handshake/pipeline/end)"],
                         rows))
     lines += ["", "registration (max over ranks; GB/s of the rank's own share, in-place also of the model):"]
     rows = []

@@ -225,6 +225,9 @@ class Bench:
             "peak_extra_device_bytes": max(max(u["peak_extra_device_bytes"]) for u in updates),
             "peak_extra_device_bytes_per_rank": [max(u["peak_extra_device_bytes"][r] for u in updates)
                                                  for r in range(self.world)],
+            # what the PS computed it may use on the device: its IPC buffer, slots x slot bytes
+            "device_buffer_bytes_per_rank": [max(u["ps"][r]["device_buffer_bytes"] for u in updates)
+                                             for r in range(self.world)],
             "floor": floor_seconds(share_bytes, self.ceilings["h2d_gbps"], self.ceilings["broadcast_gbps"]),
             "updates": updates,
         }
