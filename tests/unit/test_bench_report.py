@@ -27,6 +27,12 @@ def test_peak_within_the_ps_buffer_is_met_and_over_it_is_not():
     assert not over["met"] and over["measured"] == pytest.approx(5000 / 4158)
 
 
+def test_the_budget_is_counted_in_torchs_2_MiB_blocks():
+    # 1 slot of 1039.5 MiB: torch allocates (and max_memory_allocated counts) 1040 MiB
+    assert memory_check(_result([1040 * MiB] * 2, [int(1039.5 * MiB)] * 2))["met"]
+    assert not memory_check(_result([1042 * MiB] * 2, [int(1039.5 * MiB)] * 2))["met"]
+
+
 def test_the_memory_check_applies_to_low_memory_runs_but_speed_targets_do_not():
     got = check_targets(_result([1040 * MiB] * 2, [1040 * MiB] * 2, free_mem_gib=2))
     assert [t["target"] for t in got] == ["peak extra device memory / PS's IPC buffer"]
