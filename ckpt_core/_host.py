@@ -108,7 +108,7 @@ def populate_jobs(region: HostRegion) -> list[Job]:
     earlier ones. Where the kernel lacks MADV_POPULATE_WRITE the pages are faulted
     in by the pinning itself. Run them on ``fault_threads()`` threads: faulting one
     address space from more threads contends in the kernel (benchmarks/first_touch_probe.py:
-    8 GiB per rank, 2 ranks, populate+pin 0.94 s with 4 threads, 1.8-2.4 s with 8).
+    8 GiB per rank, 2 ranks, populate+pin 0.94-1.57 s with 4 threads, 1.84-2.44 s with 8).
     """
     global _libc
     if _libc is None:
