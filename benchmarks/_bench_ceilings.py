@@ -101,16 +101,16 @@ def measure_broadcast(kind: str, device: torch.device, nbytes: int, ctrl, repeat
 
 def measure_host_fault_in(nbytes: int, ctrl) -> dict:
     """GB/s of faulting in fresh host memory with the registration's threads: first use, then recycled."""
-    from ckpt_core._host import new_region, populate_jobs, run_jobs
-    from ckpt_core._settings import fault_threads
+    from ckpt_core._host import new_region, populate_and_pin
     from ckpt_core.devices import get_backend
     rates = {}
     for label in ("first", "recycled"):
-        region = new_region(get_backend("cpu"), 0, nbytes)
+        cpu = get_backend("cpu")   # faults in without pinning
+        region = new_region(cpu, 0, nbytes)
         try:
             dist.barrier(group=ctrl)
             t0 = time.perf_counter()
-            run_jobs(populate_jobs(region), fault_threads())
+            populate_and_pin(cpu, region)
             rates[label] = nbytes / (time.perf_counter() - t0) / 1e9
         finally:
             region.release()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import statistics
 
+from ckpt_core._planner import align_up
+
 GiB = float(1 << 30)
 
 
@@ -78,7 +80,7 @@ def memory_check(result: dict) -> dict | None:
     must hold in every run, low-memory ones included."""
     if result["meta"]["device"] != "cuda":
         return None
-    ratios = [peak / (-(-budget // TORCH_BLOCK) * TORCH_BLOCK) for c in result["cases"]
+    ratios = [peak / align_up(budget, TORCH_BLOCK) for c in result["cases"]
               for peak, budget in zip(c["peak_extra_device_bytes_per_rank"], c["device_buffer_bytes_per_rank"])]
     worst = max(ratios, default=0.0)
     return {"target": "peak extra device memory / PS's IPC buffer", "bound": "<= 1.0", "measured": worst,

@@ -16,11 +16,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._host import (HostRegion, SharedPool, copy_jobs, fill_and_pin, map_file_region, new_region, populate_jobs,
-                    read_jobs, run_jobs)
+from ._host import (HostRegion, SharedPool, copy_jobs, map_file_region, new_region, populate_and_pin, read_jobs,
+                    run_jobs)
 from ._planner import TensorMeta, align_up
 from ._safetensors import DTYPE_CODES, SafetensorsHeader, read_header
-from ._settings import fault_threads
 from .devices import DeviceBackend
 from .errors import CheckpointFormatError, ConfigError
 
@@ -118,7 +117,7 @@ def build_checkpoint(name: str, backend: DeviceBackend, *, files=None,
                 # Fault the fresh pages in and pin them piece by piece, overlapped; then copy into
                 # pinned memory. (Pinning while copying into fresh pages was 2x slower on 2xH200:
                 # dense16 5.3 s against 2.0 s + 0.35 s.) The pool is pinned already.
-                fill_and_pin(backend, region, populate_jobs(region), fault_threads())
+                populate_and_pin(backend, region)
                 clock.lap("populate and pin")
             run_jobs(_fill_jobs(region, copied, named, layout))
             clock.lap("fill")

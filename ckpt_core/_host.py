@@ -156,6 +156,11 @@ def fill_and_pin(backend: DeviceBackend, region: HostRegion, jobs: list[Job], th
     region.pin = HostPin(lambda: [p.release() for p in pins])
 
 
+def populate_and_pin(backend: DeviceBackend, region: HostRegion) -> None:
+    """Fault a fresh mapping in on ``fault_threads()`` threads and pin it piece by piece (see above)."""
+    fill_and_pin(backend, region, populate_jobs(region), fault_threads())
+
+
 def new_region(backend: DeviceBackend, rid: int, nbytes: int) -> HostRegion:
     tensor = backend.empty_host(nbytes)
     return HostRegion(rid, tensor)
@@ -188,7 +193,7 @@ def map_file_region(backend: DeviceBackend, rid: int, path: str, *, unlink: bool
     region.closer = close
     region.source_check = source_check
     try:
-        fill_and_pin(backend, region, populate_jobs(region), fault_threads())
+        populate_and_pin(backend, region)
         lap("populate and pin in place")
     except BaseException:
         region.release()
@@ -219,7 +224,7 @@ class SharedPool:
                 self.region.release()
             self.region = new_region(self.backend, rid, align_up(nbytes, 1 << 20))
             try:
-                fill_and_pin(self.backend, self.region, populate_jobs(self.region), fault_threads())
+                populate_and_pin(self.backend, self.region)
             except BaseException:
                 self.region.release()
                 self.region = None

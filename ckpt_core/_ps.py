@@ -285,7 +285,8 @@ class ParameterServer:
         t0 = time.perf_counter()
         plan, slots, (plan_json, plan_digest) = self._agree_plan(name)
         slot_bytes = align_up(max(plan.largest_bucket, ALIGN))
-        ipc = self._ensure_ipc(slot_bytes * slots)
+        buffer_bytes = slot_bytes * slots
+        ipc = self._ensure_ipc(buffer_bytes)
         update_id = f"{self._run_id}-{self._updates}"
         self._updates += 1
         handles = [(k, f"ipc://@ckpt-{update_id}-{r}") for r, k in enumerate(self._device_keys)]
@@ -338,7 +339,7 @@ class ParameterServer:
             if not self.keep_device_buffers and mapped and not broken:
                 self._release_ipc()
         times["total"] = time.perf_counter() - t0
-        return self._report(name, plan, stats, times, slots=slots, device_buffer_bytes=slot_bytes * slots)
+        return self._report(name, plan, stats, times, slots=slots, device_buffer_bytes=buffer_bytes)
 
     def _report(self, name: str, plan: Plan, stats, times: dict, **layout) -> dict:
         """The update's figures: logged once, kept in ``last_update``, returned."""
