@@ -18,7 +18,8 @@ What this module adds, because the update arrives in buckets and may be wrong:
 - A failed update must leave a serving model: :meth:`ReloadSession.abort` puts every layer that
   was not processed yet back on its live tensors (old weights), so the engine keeps answering.
 
-Pinned to the reload internals of vLLM 0.32 (``LAYERWISE_INFO`` and ``LayerReloadingInfo``);
+Pinned to the reload internals of vLLM 0.32 (``LAYERWISE_INFO``, ``LayerReloadingInfo`` and
+``_place_kernel_tensors``, which restores a layer's live tensors);
 imports vLLM lazily so that ``ckpt_vllm`` imports without vLLM.
 """
 
@@ -170,6 +171,8 @@ class ReloadSession:
         """Give every unprocessed layer its live tensors back (the old weights). Idempotent."""
         if not self.active:
             return
+        from vllm.model_executor.model_loader.reload.layerwise import _place_kernel_tensors
+
         self.active = False
         restored = 0
         for _, layer, info in list(self._pending()):
@@ -198,19 +201,6 @@ def _reprocess_tied(layer: torch.nn.Module) -> None:
     else:
         log.warning("%s shares its weights with another layer and uses %s: its processed copy was "
                     "not refreshed by this update", type(layer).__name__, type(method).__name__)
-
-
-def _place_kernel_tensors(layer: torch.nn.Module, info) -> None:
-    """Re-register the live tensors captured by ``initialize_layerwise_reload``."""
-    for name, tensor in list(layer._parameters.items()) + list(layer._buffers.items()):
-        if tensor is not None:  # a `bias` registered as None stays as it is
-            delattr(layer, name)
-    params, buffers = info.kernel_tensors
-    non_persistent = getattr(info, "kernel_non_persistent_buffers", set())
-    for name, param in params.items():
-        layer.register_parameter(name, param)
-    for name, buf in buffers.items():
-        layer.register_buffer(name, buf, persistent=name not in non_persistent)
 
 
 def _missing_in_layer(model: torch.nn.Module, qname: str, layer: torch.nn.Module, info) -> list[str]:

@@ -60,7 +60,6 @@ class CkptWeightTransferEngine(WeightTransferEngine[CkptInitInfo, CkptUpdateInfo
         super().__init__(config, vllm_config, device, model)
         self._timeout = _w.DEFAULT_TIMEOUT_S
         self._sessions: list[ReloadSession] | None = None
-        self._checked = False
         self._zmq_ctx = None
 
     def init_transfer_engine(self, init_info: CkptInitInfo) -> None:
@@ -73,7 +72,7 @@ class CkptWeightTransferEngine(WeightTransferEngine[CkptInitInfo, CkptUpdateInfo
         session = ReloadSession(self.model, self.model_config,
                                 label="model" if self.model is self._default_model else "draft model")
         session.begin()
-        self._sessions, self._checked = [session], False
+        self._sessions = [session]
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class ends with torch.accelerator.synchronize(), which raises on CPU;
@@ -91,33 +90,26 @@ class CkptWeightTransferEngine(WeightTransferEngine[CkptInitInfo, CkptUpdateInfo
         complete = update_info.check_complete
         try:
             _w.receive_into(self._sessions, self._context(), handle, kind, index, timeout=timeout,
-                            check_complete=complete, finalize=complete)
+                            finalize=complete)
         except BaseException:
             self._sessions = None  # receive_into aborted them: the old weights serve on
             raise
         if complete:
             self._sessions = None
-        self._checked = complete
 
     def finish_weight_update(self) -> None:
         sessions, self._sessions = self._sessions, None
         if sessions is None:
             return
         try:
-            if not self._checked:
-                for s in sessions:
-                    s.check_complete()
-            for s in sessions:
-                s.finish()
+            _w.finish_sessions(sessions)
         except BaseException:
-            for s in sessions:
-                s.abort()
+            _w.abort_sessions(sessions)
             raise
 
     def shutdown(self) -> None:
         if self._sessions is not None:
-            for s in self._sessions:
-                s.abort()
+            _w.abort_sessions(self._sessions)
             self._sessions = None
         ctx, self._zmq_ctx = self._zmq_ctx, None
         if ctx is not None:
@@ -125,11 +117,11 @@ class CkptWeightTransferEngine(WeightTransferEngine[CkptInitInfo, CkptUpdateInfo
 
     def _device(self) -> tuple[str, int]:
         """The same (kind, index) the worker extension uses; the engine sees no worker object."""
-        if self.device.type == "cpu" or self.device.index is None:
+        def local_rank() -> int:
             from vllm.distributed.parallel_state import get_world_group
 
-            return self.device.type, int(get_world_group().local_rank)
-        return self.device.type, int(self.device.index)
+            return get_world_group().local_rank
+        return _w.device_kind_index(self.device, local_rank)
 
     def _context(self):
         import zmq

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 from ckpt_core import update_weights_from_ipc as _core_update_weights_from_ipc
+from ckpt_core._worker import DEFAULT_TIMEOUT_S
 from ckpt_core.devices import local_device_key
 from ckpt_core.errors import ConfigError
 
@@ -22,19 +23,22 @@ from ._reload import ReloadSession
 __all__ = ["VllmColocateWorkerExtension", "worker_device", "drafter_target", "receive_into"]
 
 log = logging.getLogger("ckpt_vllm")
-DEFAULT_TIMEOUT_S = 600.0
+
+
+def device_kind_index(device, local_rank: Callable[[], int]) -> tuple[str, int]:
+    """(device kind, index) of a vLLM worker's ``device``, as ckpt_core keys devices.
+
+    On CPU the index is the worker's local rank (vLLM's device is plain ``cpu``); on an
+    accelerator it is the device's own index. ``local_rank`` is only called on CPU.
+    """
+    if device.type == "cpu" or device.index is None:
+        return device.type, int(local_rank())
+    return device.type, int(device.index)
 
 
 def worker_device(worker: Any) -> tuple[str, int]:
-    """(device kind, index) of a vLLM worker, as ckpt_core keys devices.
-
-    On CPU the index is the worker's local rank (vLLM's device is plain ``cpu``); on an
-    accelerator it is the worker's own device index.
-    """
-    device = worker.device
-    if device.type == "cpu" or device.index is None:
-        return device.type, int(worker.local_rank)
-    return device.type, int(device.index)
+    """(device kind, index) of a vLLM worker (see ``device_kind_index``)."""
+    return device_kind_index(worker.device, lambda: worker.local_rank)
 
 
 def drafter_target(worker: Any):
@@ -54,11 +58,24 @@ def drafter_target(worker: Any):
     return (draft, spec.draft_model_config) if shares_checkpoint else None
 
 
+def finish_sessions(sessions: list[ReloadSession]) -> None:
+    """Check that every session received all it needs, then let vLLM finalize each one."""
+    for s in sessions:
+        s.check_complete()
+    for s in sessions:
+        s.finish()
+
+
+def abort_sessions(sessions: list[ReloadSession]) -> None:
+    for s in sessions:
+        s.abort()
+
+
 def receive_into(sessions: list[ReloadSession], zmq_ctx, zmq_handle: str, kind: str, index: int, *,
-                 timeout: float, check_complete: bool = True, finalize: bool = True) -> dict:
+                 timeout: float, finalize: bool = True) -> dict:
     """Run one PS update into begun reload ``sessions`` (the model, and the MTP drafter if any).
 
-    The completeness check and (with ``finalize``) vLLM's deferred processing run in the core's
+    With ``finalize``, the completeness check and vLLM's deferred processing run in the core's
     post hook, so the PS learns of a failure before its ``update`` returns. On any failure every
     session is aborted (unprocessed layers keep their old weights) and the error is raised.
     """
@@ -68,19 +85,11 @@ def receive_into(sessions: list[ReloadSession], zmq_ctx, zmq_handle: str, kind: 
         for s in sessions:
             s.load(weights)
 
-    def post_hook():
-        if check_complete:
-            for s in sessions:
-                s.check_complete()
-        if finalize:
-            for s in sessions:
-                s.finish()
-
     try:
-        _core_update_weights_from_ipc(zmq_ctx, zmq_handle, index, run=run, post_hook=post_hook, timeout=timeout)
+        _core_update_weights_from_ipc(zmq_ctx, zmq_handle, index, run=run, timeout=timeout,
+                                      post_hook=(lambda: finish_sessions(sessions)) if finalize else None)
     except BaseException:
-        for s in sessions:
-            s.abort()
+        abort_sessions(sessions)
         raise
     main = sessions[0]
     return {"device_key": local_device_key(kind, index), "tensors": main.tensors, "bytes": main.bytes,
