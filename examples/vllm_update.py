@@ -57,8 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def check_args(args: argparse.Namespace, world_size: int) -> list[str]:
-    """Validate flags before any collective; returns the endpoint of each engine."""
+def check_args(args: argparse.Namespace, world_size: int) -> tuple[list[str], int]:
+    """Validate flags before any collective; returns the endpoint of each engine and its device count."""
     if args.update_method != "broadcast" or args.load_metas_file:
         raise ConfigError(P2P_UNSUPPORTED)
     if not args.checkpoint_path:
@@ -72,7 +72,7 @@ def check_args(args: argparse.Namespace, world_size: int) -> list[str]:
                           f"got {len(endpoints)}: {endpoints}")
     if args.uds and len(endpoints) != 1:
         raise ConfigError("--uds addresses one engine; give a single --endpoint")
-    return endpoints
+    return endpoints, ips
 
 
 def make_req_func(clients: list[VllmClient], ips: int, args: argparse.Namespace, reports: list):
@@ -101,8 +101,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     world_size, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
-    endpoints = check_args(args, world_size)
-    ips = args.inference_parallel_size or world_size
+    endpoints, ips = check_args(args, world_size)
     clients = [VllmClient(e, uds=args.uds, timeout=args.timeout) for e in endpoints] if rank == 0 else []
     try:
         for c in clients:
