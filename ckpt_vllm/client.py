@@ -56,10 +56,10 @@ class VllmClient:
         if timeout <= 0 or connect_timeout <= 0:
             raise ConfigError(f"timeouts must be positive, got timeout={timeout}, connect_timeout={connect_timeout}")
         self.endpoint = endpoint.rstrip("/") if endpoint else "http://localhost"
-        self.uds, self.timeout = uds, float(timeout)
+        self.uds, self.timeout, self.connect_timeout = uds, float(timeout), float(connect_timeout)
         transport = httpx.HTTPTransport(uds=uds) if uds else None
         self._http = httpx.Client(base_url=self.endpoint, transport=transport,
-                                  timeout=httpx.Timeout(self.timeout, connect=connect_timeout))
+                                  timeout=httpx.Timeout(self.timeout, connect=self.connect_timeout))
         self._closed = False
         self._lock = threading.Lock()
         self.last_report: UpdateReport | None = None
@@ -84,8 +84,12 @@ class VllmClient:
         if self._closed:
             raise ClosedError(f"this VllmClient of {self.where} is closed")
         wait = self.timeout if timeout is None else timeout
+        connect = min(wait, self.connect_timeout)
         try:
-            resp = self._http.request(method, path, timeout=httpx.Timeout(wait, connect=min(wait, 10.0)), **kw)
+            resp = self._http.request(method, path, timeout=httpx.Timeout(wait, connect=connect), **kw)
+        except httpx.ConnectTimeout as exc:
+            raise UpdateTimeoutError(f"{method} {path} on {self.where}: no connection within {connect:g} s "
+                                     "(connect_timeout)") from exc
         except httpx.TimeoutException as exc:
             raise UpdateTimeoutError(f"{method} {path} on {self.where}: no answer within {wait:.0f} s") from exc
         except httpx.HTTPError as exc:

@@ -2,6 +2,7 @@
 
 import http.server
 import json
+import socket
 import socketserver
 import threading
 import time
@@ -128,6 +129,29 @@ def test_nothing_listening_is_a_transport_error_and_wait_ready_gives_up_in_time(
         assert time.monotonic() - t0 < 5
         with pytest.raises(TransportError, match="went away"):
             client.wait_ready(timeout=30, interval=0.1, alive=lambda: False)
+
+
+def test_connect_timeout_bounds_a_connection_the_server_never_accepts():
+    # A listening socket whose accept queue is full: the kernel drops further SYNs, so connect hangs.
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(0)
+    port = srv.getsockname()[1]
+    fillers = []
+    for _ in range(4):
+        c = socket.socket()
+        c.setblocking(False)
+        c.connect_ex(("127.0.0.1", port))
+        fillers.append(c)
+    try:
+        with VllmClient(f"http://127.0.0.1:{port}", connect_timeout=0.5) as client:
+            t0 = time.monotonic()
+            with pytest.raises(UpdateTimeoutError, match=r"no connection within 0.5 s \(connect_timeout\)"):
+                client.collective_rpc("x", timeout=20)
+            assert time.monotonic() - t0 < 5, "connect_timeout was not applied to the request"
+    finally:
+        for c in fillers + [srv]:
+            c.close()
 
 
 def test_wait_ready_returns_once_health_answers(fake):
