@@ -8,16 +8,8 @@ import uuid
 
 import torch
 
-from harness import EngineFront, digest, run_ps_world
+from harness import FAULT_DTYPES as DTYPES, EngineFront, fresh_tensor as fresh, run_ps_world, want_digests
 from ckpt_core._safetensors import write_file
-
-DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn]
-
-
-def fresh(shape, dtype, gen):
-    """Random data (never zeros) in any dtype, float8 included."""
-    x = torch.randn(shape, generator=gen) * 3
-    return x.to(dtype)
 
 
 def tensors(prefix: str, n: int, gen, *, min_elems=1, max_elems=5000) -> dict[str, torch.Tensor]:
@@ -28,10 +20,6 @@ def tensors(prefix: str, n: int, gen, *, min_elems=1, max_elems=5000) -> dict[st
         shape = (numel,) if i % 3 else (1, numel)
         out[f"{prefix}.{i}.{str(dtype).split('.')[-1]}"] = fresh(shape, dtype, gen)
     return out
-
-
-def want_digests(*groups: dict[str, torch.Tensor]) -> dict[str, str]:
-    return {n: digest(t) for g in groups for n, t in g.items()}
 
 
 class ShmDir:
@@ -105,11 +93,10 @@ def case_two_checkpoints_and_shared_pool(kind: str, world: int):
         upd = lambda n: ("update", (n, front.address, 60))  # noqa: E731
         script = [("init", {"max_bucket_gb": 0.00002}),
                   ("register", ("A", named(a))), ("register", ("B", named(b))), ("gather", "A"), ("gather", "B"),
-                  upd("A"), ("sleep", 0), upd("B"), ("sleep", 0), upd("A"),
+                  upd("A"), upd("B"), upd("A"),
                   ("register", ("S1", named(s1, use_shared_memory_pool=True))), ("gather", "S1"), upd("S1"),
                   ("unregister", "S1"),
                   ("register", ("S2", named(s2, use_shared_memory_pool=True))), ("gather", "S2"), upd("S2")]
-        # run in two halves so the digests can be checked between updates
         res = ok(run_ps_world(kind, world, script), world)
         merged = lambda d: {k: v for r in d.values() for k, v in r.items()}  # noqa: E731
         got = front.digests(0)

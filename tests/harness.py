@@ -17,7 +17,7 @@ import socket
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.connection import Client, Listener
 
 import torch
@@ -91,7 +91,7 @@ class SimEngine:
             if this.get("mark_dir"):   # lets a test act while the worker is inside bucket b
                 open(os.path.join(this["mark_dir"], f"w{self.index}-b{b}"), "w").close()
             fail = this.get("fail_bucket")
-            if fail is not None and (fail == b or (fail == -1 and b == this.get("n_buckets", -2) - 1)):
+            if fail == b:
                 raise RuntimeError(f"injected engine failure at bucket {b}")
             if this.get("sleep_s"):
                 time.sleep(this["sleep_s"])
@@ -262,9 +262,6 @@ def ps_main(rank: int, world: int, port: int, kind: str, script: list, out) -> N
                 elif step == "unregister":
                     ps.unregister_checkpoint(arg)
                     results.append(("ok", None))
-                elif step == "sleep":
-                    time.sleep(arg)
-                    results.append(("ok", None))
                 elif step == "mem":   # device and host footprint of this PS rank, now
                     free = torch.cuda.mem_get_info(ps.device_index)[0] if kind == "cuda" else 0
                     alloc = torch.cuda.memory_allocated(ps.device_index) if kind == "cuda" else 0
@@ -275,13 +272,6 @@ def ps_main(rank: int, world: int, port: int, kind: str, script: list, out) -> N
     except Exception:
         results.append(("fatal", traceback.format_exc()))
     out.put((rank, results))
-
-
-@dataclass
-class World:
-    kind: str
-    size: int
-    results: dict = field(default_factory=dict)
 
 
 def run_ps_world(kind: str, world: int, script: list, *, timeout: float = 120) -> dict[int, list]:
@@ -328,22 +318,27 @@ class Outcome:
         return f"Outcome({'ok' if self.ok else 'error'}, {what}, {self.seconds:.2f}s)"
 
 
-def _rss_bytes(pid: int | str = "self") -> int:
+def _proc_status(pid: int | str = "self") -> dict[str, int]:
+    """The leading number of each field of /proc/PID/status that has one (VmRSS in kB, Threads, ...)."""
+    out = {}
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
+            key, _, rest = line.partition(":")
+            first = rest.split()[:1]
+            if first and first[0].isdigit():
+                out[key] = int(first[0])
+    return out
+
+
+def _rss_bytes(pid: int | str = "self") -> int:
+    return _proc_status(pid).get("VmRSS", 0) * 1024
 
 
 def process_footprint(pid: int) -> dict[str, int]:
     """Resident memory, open descriptors and threads of a process (Linux /proc)."""
-    threads = 0
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("Threads:"):
-                threads = int(line.split()[1])
-    return {"rss": _rss_bytes(pid), "fds": len(os.listdir(f"/proc/{pid}/fd")), "threads": threads}
+    status = _proc_status(pid)
+    return {"rss": status.get("VmRSS", 0) * 1024, "fds": len(os.listdir(f"/proc/{pid}/fd")),
+            "threads": status.get("Threads", 0)}
 
 
 def shm_footprint() -> dict[str, int]:
@@ -385,14 +380,10 @@ def _ps_command(ps, rank: int, cmd: str, arg):
         return ps.checkpoints()
     if cmd == "close":
         return ps.close()
-    if cmd == "rss":
-        return _rss_bytes()
     if cmd == "ipc_prefix":       # /dev/shm name prefix of this world's IPC buffers (cpu kind)
         return f"ckpt-{ps._run_id}-"
     if cmd == "ipc_buffer":       # the IPC buffer this rank holds between updates (None: released)
         return None if ps._ipc is None else dict(ps._ipc.descriptor)
-    if cmd == "sleep":
-        return time.sleep(arg)
     raise ValueError(f"unknown harness command {cmd!r}")
 
 
@@ -536,29 +527,44 @@ class PsWorld:
         self.close()
 
 
-def open_ipc_and_sum(kind: str, desc_json: str, index: int, q) -> None:
-    """Child process: map an exported IPC buffer and report (byte sum, device) or the traceback."""
-    import json
-    try:
-        from ckpt_core.devices import get_backend
-        t, _ = get_backend(kind).open_ipc(json.loads(desc_json), index)
-        q.put((int(t.sum().item()), str(t.device)))
-    except Exception:
-        q.put(("error", traceback.format_exc()))
-
-
 # ---------------------------------------------------------------- helpers of the fault-injection suite
 FAULT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
 
 
+def fresh_tensor(shape, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """Random data (never zeros: a transfer that moves nothing must not pass) in any dtype, float8 included."""
+    x = torch.randn(shape, generator=gen) * 3
+    x[x == 0] = 1.0
+    return x.to(dtype)
+
+
 def fresh_tensors(names_shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], gen: torch.Generator) -> dict:
-    """Random data (never zeros: a transfer that moves nothing must not pass) for fixed names."""
-    out = {}
-    for name, (shape, dtype) in names_shapes.items():
-        x = torch.randn(shape, generator=gen) * 3
-        x[x == 0] = 1.0
-        out[name] = x.to(dtype)
-    return out
+    """``fresh_tensor`` for fixed names."""
+    return {name: fresh_tensor(shape, dtype, gen) for name, (shape, dtype) in names_shapes.items()}
+
+
+def want_digests(*groups: dict[str, torch.Tensor]) -> dict[str, str]:
+    """{tensor name: digest} of every tensor of the groups: what the engines must hold afterwards."""
+    return {n: digest(t) for g in groups for n, t in g.items()}
+
+
+def assert_every_rank_failed(got: dict, error: str, *needles: str) -> dict:
+    """Every rank's outcome is the exception class ``error`` with each needle in its message."""
+    for r, o in got.items():
+        assert not o.ok and o.error == error, f"rank {r} should have failed with {error}: {o}"
+        for needle in needles:
+            assert needle in o.message, f"rank {r}: {needle!r} not in {o.message!r}"
+    return got
+
+
+class PickleBomb:
+    """Unpickling this would create a file: proof that nothing from a socket was unpickled."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
 
 
 class FreshCheckpoints:
@@ -580,7 +586,7 @@ class FreshCheckpoints:
         assert all(o.ok for o in got.values()), got
         got = self.world.all("gather", name)
         assert all(o.ok for o in got.values()), got
-        return name, {n: digest(t) for d in data.values() for n, t in d.items()}
+        return name, want_digests(*data.values())
 
     def drop(self, name: str) -> None:
         got = self.world.all("unregister", (name, {}))

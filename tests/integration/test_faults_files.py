@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from ckpt_core._safetensors import write_file
-from harness import EngineFront, PsWorld, digest, fresh_tensors, report_case
+from harness import EngineFront, PsWorld, fresh_tensors, report_case, want_digests
 
 MiB = 1 << 20
 
@@ -117,7 +117,7 @@ def assert_genuine_update_delivers(ps: PsWorld, front: EngineFront, name: str, b
     assert all(o.ok for o in ps.all("gather", name).values())
     got = ps.update(name, front, 30)
     assert all(o.ok for o in got.values()), got
-    want = {n: digest(t) for d in (good, other) for n, t in d.items()}
+    want = want_digests(good, other)
     for i in range(2):
         assert {n: front.digests(i)[n] for n in want} == want
     assert all(o.ok for o in ps.all("unregister", (name, {})).values())

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness import EngineFront, FreshCheckpoints, PsWorld, report_case
+from harness import EngineFront, FreshCheckpoints, PsWorld, assert_every_rank_failed, report_case
 
 INIT = {"max_bucket_gb": (16 << 10) / (1 << 30)}
 
@@ -23,11 +23,8 @@ def world():
 
 
 def assert_all(got, error: str, *needles: str) -> float:
-    for r, o in got.items():
-        assert not o.ok and o.error == error, f"rank {r}: {o}"
-        for n in needles:
-            assert n in o.message, f"rank {r}: {n!r} not in {o.message!r}"
-    return max(o.seconds for o in got.values())
+    """harness.assert_every_rank_failed; returns the slowest rank's seconds."""
+    return max(o.seconds for o in assert_every_rank_failed(got, error, *needles).values())
 
 
 def assert_world_still_delivers(ps, front, ckpts) -> None:

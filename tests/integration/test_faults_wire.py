@@ -22,19 +22,9 @@ import zmq
 
 from ckpt_core import _protocol as proto
 from ckpt_core import local_device_key
-from harness import AUTH, EngineFront, FreshCheckpoints, PsWorld, report_case
+from harness import AUTH, EngineFront, FreshCheckpoints, PickleBomb, PsWorld, report_case
 
 SLOT = 4096
-
-
-class _Boom:
-    """Unpickling this would create a file: proof that nothing was unpickled."""
-
-    def __init__(self, marker: str):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (open, (self.marker, "w"))
 
 
 def _hello(**over) -> dict:
@@ -48,7 +38,7 @@ def frames(marker: str) -> dict[str, tuple[bytes, str]]:
     """case -> (first frame, the error class the worker must raise)."""
     return {
         "garbage": (os.urandom(200) + b"\xfe", "ProtocolError"),
-        "pickle payload": (pickle.dumps(_Boom(marker)), "ProtocolError"),
+        "pickle payload": (pickle.dumps(PickleBomb(marker)), "ProtocolError"),
         "wrong version": (json.dumps({"v": 0, "kind": "hello", "update": "x", **_hello()}).encode(), "ProtocolError"),
         "wrong kind": (proto.encode("bucket", "x", index=0, slot=0), "ProtocolError"),
         "tensors outside the buffer": (proto.encode("hello", "x", **_hello(buckets=[[["w", "F32", [2048], 0]]])),

@@ -8,7 +8,6 @@ import torch
 
 from ckpt_core import _host
 from ckpt_core._host import HostRegion, copy_jobs, fill_and_pin, populate_jobs
-from ckpt_core._planner import PIN_CHUNK
 from ckpt_core.devices import HostPin, get_backend
 
 

@@ -23,6 +23,7 @@ from ckpt_core import _worker
 from ckpt_core import update_weights_from_ipc
 from ckpt_core.devices.cpu import CpuBackend
 from ckpt_core.errors import ProtocolError, RemoteWorkerError, TransportError, UpdateTimeoutError
+from harness import PickleBomb
 
 SLOT = 4096
 UPDATE = "fake-update"
@@ -171,22 +172,12 @@ def test_a_new_buffer_for_the_device_replaces_a_kept_one_of_a_ps_that_went_away(
 
 
 # ------------------------------------------------------------------ foreign or malformed first frames
-class _Boom:
-    """Unpickling this would create a file: proof that nothing was unpickled."""
-
-    def __init__(self, marker: str):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (open, (self.marker, "w"))
-
-
 def _first_frames(ps: FakePs, marker: str) -> dict[str, bytes]:
     good = ps.hello()
     enc = lambda **kw: json.dumps(kw).encode()  # noqa: E731
     return {
         "garbage bytes": os.urandom(64) + b"\xff",
-        "a pickle payload": pickle.dumps(_Boom(marker)),
+        "a pickle payload": pickle.dumps(PickleBomb(marker)),
         "a JSON list": b"[1, 2, 3]",
         "deeply nested JSON": b"[" * 50000 + b"]" * 50000,
         "another protocol version": enc(v=2, kind="hello", update=UPDATE, **good),
