@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ckpt_core._planner import align_up
+
 GiB = 1 << 30
 MiB = 1 << 20
 ALIGN = 256
@@ -188,10 +190,6 @@ class Share:
     named: dict[str, torch.Tensor]
     sums: dict[str, tuple[int, int]]
 
-    @property
-    def nbytes(self) -> int:
-        return sum(s.nbytes for s in self.specs)
-
 
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -213,13 +211,13 @@ def materialize(specs: list[TensorSpec], device: torch.device, seed: int) -> Sha
     offsets, pos = [], 0
     for s in specs:
         offsets.append(pos)
-        pos += (s.nbytes + ALIGN - 1) // ALIGN * ALIGN
+        pos += align_up(s.nbytes, ALIGN)
     buffer = torch.empty(pos, dtype=torch.uint8)
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     named, parts = {}, []
     for s, off in zip(specs, offsets):
-        slot = buffer[off: off + (s.nbytes + ALIGN - 1) // ALIGN * ALIGN]
+        slot = buffer[off: off + align_up(s.nbytes, ALIGN)]
         if device.type == "cpu":
             _fill_random(slot, s.dtype, gen)
         else:

@@ -47,7 +47,6 @@ TARGETS = [
 
 
 def _metric(c: dict, metric: str) -> float | None:
-    own = max(c["share_bytes"])
     pool, shm = c.get("pool") or {}, c.get("shm") or {}
     if metric == "update_s":
         return c["update"]["best_s"]
