@@ -67,6 +67,7 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"unknown case {c!r}; known: {', '.join(CASES)}")
     if args.repeats < 1 or args.scale <= 0:
         p.error("--repeats must be >= 1 and --scale > 0")
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     return args
 
 
@@ -76,7 +77,7 @@ class Bench:
     def __init__(self, args: argparse.Namespace):
         from ckpt_core import ParameterServer
         self.args = args
-        self.kind = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.kind = args.device
         self.rank, self.world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         self.local = int(os.environ.get("LOCAL_RANK", self.rank))
         if self.kind == "cuda":
@@ -327,7 +328,7 @@ def phases(seconds: dict) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.free_mem_gib is not None and (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) != "cuda":
+    if args.free_mem_gib is not None and args.device != "cuda":
         print("[bench] --free-mem-gib applies to cuda only; ignored", flush=True)
         args.free_mem_gib = None
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
