@@ -38,9 +38,10 @@ def digest(t: torch.Tensor) -> str:
 
 
 # ---------------------------------------------------------------- engine worker side
-def worker_main(kind: str, index: int, conn, behavior: dict) -> None:
-    """One engine worker: waits for handles, receives updates, keeps digests of what it loaded."""
-    engine = SimEngine(kind, index, behavior)
+def worker_main(kind: str, index: int, conn, behavior: dict, engine_cls=None) -> None:
+    """One engine worker: waits for handles, receives updates, keeps digests of what it loaded.
+    ``engine_cls``: another engine (a SimEngine subclass, e.g. one running the stock worker)."""
+    engine = (engine_cls or SimEngine)(kind, index, behavior)
     while True:
         cmd = conn.recv()
         if cmd[0] == "stop":
@@ -81,6 +82,14 @@ class SimEngine:
         if this.get("never_connect"):
             time.sleep(this.get("never_connect"))
             raise RuntimeError("worker did not connect (injected)")
+        run, post_hook, on_plan, buckets = self.callbacks(this)
+        update_weights_from_ipc(self.ctx, handles[self.key], self.index, run=run, post_hook=post_hook,
+                                timeout=this.get("timeout", 60), on_plan=on_plan)
+        self.updates += 1
+        return {"buckets": buckets[0]}
+
+    def callbacks(self, this: dict):
+        """(run, post_hook, on_plan, bucket counter) of one update, with its fault injections."""
         buckets = [0]
         staged: dict[str, str] = {}
 
@@ -108,17 +117,16 @@ class SimEngine:
             if missing:
                 raise KeyError(f"checkpoint lacks {sorted(missing)}")
 
-        update_weights_from_ipc(self.ctx, handles[self.key], self.index, run=run, post_hook=post_hook,
-                                timeout=this.get("timeout", 60), on_plan=on_plan)
-        self.updates += 1
-        return {"buckets": buckets[0]}
+        return run, post_hook, on_plan, buckets
 
 
 # ---------------------------------------------------------------- engine front (the "server")
 class EngineFront:
     """Listens like an engine's HTTP API; fans an update request out to every worker."""
 
-    def __init__(self, kind: str, world: int, behavior: dict | None = None, devices: list[int] | None = None):
+    def __init__(self, kind: str, world: int, behavior: dict | None = None, devices: list[int] | None = None,
+                 engine_cls=None):
+        self.engine_cls = engine_cls
         self.listener = Listener(("127.0.0.1", 0), authkey=AUTH)
         self.address = self.listener.address
         self.kind, self.behavior = kind, dict(behavior or {})
@@ -149,8 +157,8 @@ class EngineFront:
 
     def _spawn(self, i: int):
         parent, child = CTX.Pipe()
-        p = CTX.Process(target=worker_main, args=(self.kind, self.devices[i], child, dict(self.behavior)),
-                        daemon=True)
+        p = CTX.Process(target=worker_main, args=(self.kind, self.devices[i], child, dict(self.behavior),
+                                                  self.engine_cls), daemon=True)
         p.start()
         child.close()   # so that recv() on parent sees EOF when the worker dies
         return parent, p

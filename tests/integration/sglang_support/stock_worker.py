@@ -1,0 +1,91 @@
+"""Engine workers that run the STOCK checkpoint-engine worker loop (the PyPI package, unmodified).
+
+``scripts/stock_ce_env.sh`` installs releases into folders and ``scripts/test.sh`` exports
+``CKPT_STOCK_CE="0.4.2=DIR 0.3.4=DIR ..."``. A worker process puts one folder first on its
+``sys.path`` and calls that release's ``checkpoint_engine.worker.update_weights_from_ipc``.
+
+The one stand-in: the stock worker builds a ``DeviceManager`` that refuses a machine without a
+GPU or NPU (``TypeError: The current device type is not supported``), although on a CPU buffer
+it only needs ``synchronize``, ``ipc_collect`` and ``empty_cache``. ``CpuDeviceManager``
+supplies those as no-ops; everything else (unpickling the frames, rebuilding the buffer,
+slicing the tensors, the state machine and its replies) is the stock code.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from harness import SimEngine
+
+STOCK_ENV = "CKPT_STOCK_CE"
+# stock release -> the wire our PS must speak to it
+WIRE_OF = {"0.4": "stock", "0.3": "stock-0.3", "0.2": "stock-0.3"}
+
+
+def stock_dirs() -> dict[str, str]:
+    """{version: folder} from ``$CKPT_STOCK_CE``."""
+    out = {}
+    for item in os.environ.get(STOCK_ENV, "").split():
+        version, _, path = item.partition("=")
+        if version and os.path.isdir(path):
+            out[version] = path
+    return out
+
+
+def wire_of(version: str) -> str:
+    return WIRE_OF[".".join(version.split(".")[:2])]
+
+
+def stock_params(versions=None) -> list:
+    """pytest params, one per installed release (skipped, with the reason, when none is)."""
+    dirs = stock_dirs()
+    wanted = versions or sorted(dirs, reverse=True) or ["0.4.2"]
+    return [pytest.param((v, dirs.get(v)), id=f"ce-{v}",
+                         marks=() if v in dirs else pytest.mark.skip(
+                             reason=f"stock checkpoint-engine {v} not installed: run scripts/stock_ce_env.sh "
+                                    f"and export {STOCK_ENV} (scripts/test.sh does)"))
+            for v in wanted]
+
+
+class _CpuDeviceModule:
+    @staticmethod
+    def synchronize(*_a) -> None:
+        pass
+
+    @staticmethod
+    def ipc_collect() -> None:
+        pass
+
+    @staticmethod
+    def empty_cache() -> None:
+        pass
+
+
+class CpuDeviceManager:
+    """What the stock worker uses of its DeviceManager, for a CPU buffer (see the module docstring)."""
+    device_type = "cpu"
+    device_module = _CpuDeviceModule
+
+
+def load_stock_worker(folder: str):
+    """Import ``checkpoint_engine.worker`` from ``folder`` (first on sys.path) with the CPU stand-in."""
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    import checkpoint_engine.worker as stock
+    assert os.path.dirname(os.path.dirname(stock.__file__)) == folder, (stock.__file__, folder)
+    stock.DeviceManager = CpuDeviceManager
+    return stock
+
+
+class StockSimEngine(SimEngine):
+    """A harness engine whose update is the stock worker's loop; ``behavior["stock_dir"]`` picks the release."""
+
+    def update(self, handles, this: dict) -> dict:
+        stock = load_stock_worker(this["stock_dir"])
+        run, post_hook, _on_plan, buckets = self.callbacks(this)   # stock workers have no plan check
+        stock.update_weights_from_ipc(self.ctx, handles[self.key], self.index, run=run, post_hook=post_hook)
+        self.updates += 1
+        return {"buckets": buckets[0]}
