@@ -89,7 +89,8 @@ def open_shared_buffer(path: str, nbytes: int, _2=None, _3=None, _4=None, _5=Non
     ckpt_core: stock checkpoint-engine itself has no CPU kind (its PS refuses to run without a
     GPU/NPU), so this serves tests and CPU deployments that install both packages.
     """
-    tensor, _mapping = get_backend("cpu").open_ipc({"path": path, "nbytes": nbytes}, int(device_id))
+    # the device index means nothing for host memory (SGLang on CPU even passes the string "cpu")
+    tensor, _mapping = get_backend("cpu").open_ipc({"path": path, "nbytes": nbytes}, 0)
     return tensor   # torch.frombuffer keeps the mapping alive as long as the tensor
 
 

@@ -4,11 +4,8 @@
 ``CKPT_STOCK_CE="0.4.2=DIR 0.3.4=DIR ..."``. A worker process puts one folder first on its
 ``sys.path`` and calls that release's ``checkpoint_engine.worker.update_weights_from_ipc``.
 
-The one stand-in: the stock worker builds a ``DeviceManager`` that refuses a machine without a
-GPU or NPU (``TypeError: The current device type is not supported``), although on a CPU buffer
-it only needs ``synchronize``, ``ipc_collect`` and ``empty_cache``. ``CpuDeviceManager``
-supplies those as no-ops; everything else (unpickling the frames, rebuilding the buffer,
-slicing the tensors, the state machine and its replies) is the stock code.
+The one stand-in is the stock worker's DeviceManager, which refuses a machine without a GPU or
+NPU (``cpu_device.py``); everything else is the stock code.
 """
 
 from __future__ import annotations
@@ -19,6 +16,7 @@ import sys
 import pytest
 
 from harness import SimEngine
+from sglang_support import cpu_device
 
 STOCK_ENV = "CKPT_STOCK_CE"
 # stock release -> the wire our PS must speak to it
@@ -50,33 +48,13 @@ def stock_params(versions=None) -> list:
             for v in wanted]
 
 
-class _CpuDeviceModule:
-    @staticmethod
-    def synchronize(*_a) -> None:
-        pass
-
-    @staticmethod
-    def ipc_collect() -> None:
-        pass
-
-    @staticmethod
-    def empty_cache() -> None:
-        pass
-
-
-class CpuDeviceManager:
-    """What the stock worker uses of its DeviceManager, for a CPU buffer (see the module docstring)."""
-    device_type = "cpu"
-    device_module = _CpuDeviceModule
-
-
 def load_stock_worker(folder: str):
     """Import ``checkpoint_engine.worker`` from ``folder`` (first on sys.path) with the CPU stand-in."""
     if folder not in sys.path:
         sys.path.insert(0, folder)
     import checkpoint_engine.worker as stock
     assert os.path.dirname(os.path.dirname(stock.__file__)) == folder, (stock.__file__, folder)
-    stock.DeviceManager = CpuDeviceManager
+    cpu_device.install(stock)
     return stock
 
 
