@@ -31,10 +31,13 @@ def engine(tmp_path_factory):
         eng.close()
 
 
+# buckets of ~100 KiB: the 0.4 MB model travels in several, through both slots of the ring
+SMALL_BUCKETS = {"PS_MAX_BUCKET_SIZE_GB": str(100_000 / (1 << 30)), "PS_NUM_SLOTS": "2"}
+
+
 def _launch(engine_url: str, ckpt, *extra: str):
-    proc = run_launcher("--checkpoint-path", str(ckpt), "--endpoint", engine_url, "--inference-parallel-size", "1",
-                        "--device", "cpu", "--timeout", "120", "--ready-timeout", "60", *extra)
-    return proc
+    return run_launcher("--checkpoint-path", str(ckpt), "--endpoint", engine_url, "--inference-parallel-size", "1",
+                        "--device", "cpu", "--timeout", "120", "--ready-timeout", "60", *extra, env=SMALL_BUCKETS)
 
 
 def _figures(proc) -> dict:
@@ -55,7 +58,8 @@ def test_launcher_updates_every_sglang_parameter_and_a_second_update_switches(en
         wrong = [n for n in want if state["params"][n] != want[n]]
         assert not wrong, f"step {seed}: parameters differ from the pushed checkpoint: {wrong}"
         assert state["weight_version"] == f"v{step}"
-        assert figures["ps"]["bytes"] > 0 and figures["engine"][0]["seconds"]["update"] > 0
+        assert figures["ps"]["buckets"] >= 4 and figures["ps"]["slots"] == 2, figures["ps"]
+        assert figures["engine"][0]["seconds"]["update"] > 0
     assert all(before[n] != want[n] for n in want), "the start weights already equalled the checkpoint"
 
 

@@ -124,10 +124,10 @@ class SglangEngine:
         self._out.close()
 
 
-def run_launcher(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def run_launcher(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     """``python -m ckpt_sglang.update ARGS`` as a user runs it (RANK unset: it re-executes under torchrun)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                             "MASTER_PORT")}
+    env = {k: v for k, v in dict(os.environ, **(env or {})).items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env["PYTHONPATH"] = str(REPO)
     return subprocess.run([sys.executable, "-m", "ckpt_sglang.update", *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=str(REPO))
