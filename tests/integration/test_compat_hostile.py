@@ -21,7 +21,7 @@ import zmq
 
 from ckpt_core._compat import MAX_REPLY_BYTES
 from harness import AUTH, EngineFront, FreshCheckpoints, PickleBomb, PsWorld, assert_every_rank_failed
-from sglang_support.stock_worker import StockSimEngine, stock_dirs
+from stock_workers import StockSimEngine, stock_dirs
 
 
 def _globals(frame: bytes) -> list[str]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from harness import EngineFront, FreshCheckpoints, PsWorld, assert_every_rank_failed
-from sglang_support.stock_worker import StockSimEngine, stock_params, wire_of
+from stock_workers import StockSimEngine, stock_params, wire_of
 
 SMALL_BUCKETS = {"PS_MAX_BUCKET_SIZE_GB": str(40_000 / (1 << 30)), "PS_NUM_SLOTS": "2"}
 

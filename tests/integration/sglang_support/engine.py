@@ -1,6 +1,6 @@
 """An SGLang "server" on CPU: SGLang's real HTTP app and update path around its real Qwen2 model.
 
-Run with the SGLang venv's python (``scripts/sglang_env.sh``), with the repo and
+Run with the SGLang venv's python (``scripts/sglang_env.sh``), with the repo, ``tests`` and
 ``tests/integration`` on PYTHONPATH::
 
     python -m sglang_support.engine --model-dir DIR --port P
@@ -15,7 +15,7 @@ SGLang's real ``SchedulerWeightUpdaterManager``, model-runner ``WeightUpdater`` 
 ``load_weights``. What is stood in: the request queue (a count of "requests in flight" a test
 sets with ``POST /ckpt_test/busy``), SGLang's CPU device key (its CPU platform answers the
 machine arch; our PS keys CPU ranks ``CPU-<machine id>-<index>``), the stock DeviceManager
-(``cpu_device.py``) and ``vllm._custom_ops`` (imported by SGLang's rotary embedding).
+(``stock_cpu_device.py``) and ``vllm._custom_ops`` (imported by SGLang's rotary embedding).
 ``GET /ckpt_test/digests`` reports a digest of every parameter.
 """
 
@@ -148,7 +148,7 @@ def main() -> None:
     from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
 
     from ckpt_core import local_device_key
-    from sglang_support import cpu_device
+    import stock_cpu_device as cpu_device
 
     cpu_device.install(stock)
     SGLangCheckpointEngineWorkerExtensionImpl.get_device_uuid = lambda self: local_device_key("cpu", 0)

@@ -94,7 +94,8 @@ class SglangEngine:
     def __init__(self, python: str, model_dir: Path, log: Path):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{REPO / 'tests' / 'integration'}")
+        paths = (REPO, REPO / "tests", REPO / "tests" / "integration")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(str(p) for p in paths))
         self.log = log
         self._out = open(log, "w")
         self.proc = subprocess.Popen([python, "-m", "sglang_support.engine", "--model-dir", str(model_dir),

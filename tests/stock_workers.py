@@ -5,7 +5,7 @@
 ``sys.path`` and calls that release's ``checkpoint_engine.worker.update_weights_from_ipc``.
 
 The one stand-in is the stock worker's DeviceManager, which refuses a machine without a GPU or
-NPU (``cpu_device.py``); everything else is the stock code.
+NPU (``stock_cpu_device.py``); everything else is the stock code.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from harness import SimEngine
-from sglang_support import cpu_device
+import stock_cpu_device as cpu_device
 
 STOCK_ENV = "CKPT_STOCK_CE"
 # stock release -> the wire our PS must speak to it
@@ -48,21 +48,27 @@ def stock_params(versions=None) -> list:
             for v in wanted]
 
 
-def load_stock_worker(folder: str):
-    """Import ``checkpoint_engine.worker`` from ``folder`` (first on sys.path) with the CPU stand-in."""
+def load_stock_worker(folder: str, kind: str = "cpu"):
+    """Import ``checkpoint_engine.worker`` from ``folder`` (first on sys.path); on the cpu kind with
+    the DeviceManager stand-in (on cuda the stock DeviceManager runs unchanged)."""
     if folder not in sys.path:
         sys.path.insert(0, folder)
     import checkpoint_engine.worker as stock
     assert os.path.dirname(os.path.dirname(stock.__file__)) == folder, (stock.__file__, folder)
-    cpu_device.install(stock)
+    if kind == "cpu":
+        cpu_device.install(stock)
     return stock
 
 
 class StockSimEngine(SimEngine):
     """A harness engine whose update is the stock worker's loop; ``behavior["stock_dir"]`` picks the release."""
 
+    def __init__(self, kind: str, index: int, behavior: dict):
+        super().__init__(kind, index, behavior)
+        self.kind = kind
+
     def update(self, handles, this: dict) -> dict:
-        stock = load_stock_worker(this["stock_dir"])
+        stock = load_stock_worker(this["stock_dir"], self.kind)
         run, post_hook, _on_plan, buckets = self.callbacks(this)   # stock workers have no plan check
         stock.update_weights_from_ipc(self.ctx, handles[self.key], self.index, run=run, post_hook=post_hook)
         self.updates += 1
