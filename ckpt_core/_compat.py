@@ -169,13 +169,16 @@ class StockLink(PsLink):
                 self._owed = (what, index)
 
     def _take_reply(self) -> None:
+        """Read the answer owed to the last request. If the wait ends first (stop, deadline, lost
+        worker), the answer stays owed: ``send_abort`` must know that the turn is still the worker's."""
         what, index = self._owed
-        self._owed = None
         while self.failure is None:
             if not self._wait(zmq.POLLIN, f"the engine worker's answer to {what}"):
                 continue
+            frame = self.sock.recv()
+            self._owed = None
             try:
-                text = decode_reply(self.sock.recv())
+                text = decode_reply(frame)
             except ProtocolError as exc:
                 self._fail(f"bad answer from the engine worker to {what}: {exc}")
                 return
@@ -219,6 +222,8 @@ class StockLink(PsLink):
         The worker may still owe the answer to our last request (it is loading a bucket): take
         it first; if it does not come, relax the REQ state machine so the abort can go anyway.
         """
+        if not self.watch.seen or self.watch.lost:
+            return   # no worker ever connected, or it is gone: nobody to tell
         try:
             if self._owed is not None:
                 self._owed = None

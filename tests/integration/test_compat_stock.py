@@ -61,6 +61,22 @@ def test_a_failure_in_the_stock_workers_run_reaches_every_rank_and_the_next_upda
     ckpts.drop(name)
 
 
+@pytest.mark.parametrize("sleep_s", [1.0, 7.0], ids=["answers-within-grace", "answers-after-grace"])
+def test_a_peer_failure_while_this_ranks_stock_worker_still_loads_aborts_it_too(stock, sleep_s):
+    """Rank 1's worker fails while rank 0's is inside a slow bucket: rank 0 owes its REQ socket an
+    answer. It takes the answer (or, past ABORT_GRACE_S, relaxes the REQ state machine) and sends the
+    abort anyway: no worker is left waiting, and the next update is exact."""
+    version, _folder, world, front = stock
+    ckpts = FreshCheckpoints(world, seed=16)
+    name, want = ckpts.new("slow")
+    got = world.update(name, front, timeout=60, behaviors={0: {"sleep_s": sleep_s}, 1: {"fail_bucket": 0}})
+    assert all(not o.ok and o.error == "RemoteWorkerError" and "rank 1" in o.message for o in got.values()), got
+    got = world.update(name, front, timeout=60)
+    assert all(o.ok for o in got.values()), got
+    assert front.digests(0) == front.digests(1) == want
+    ckpts.drop(name)
+
+
 def test_a_failing_stock_post_hook_fails_every_rank(stock):
     _version, _folder, world, front = stock
     ckpts = FreshCheckpoints(world, seed=14)
