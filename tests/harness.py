@@ -114,6 +114,30 @@ class SimEngine:
         return {"buckets": buckets[0]}
 
 
+def queue_worker_main(kind: str, index: int, inbox, outbox, env: dict | None = None) -> None:
+    """An engine worker fed by its own PS rank's req_func (``req_func = inbox.put``), the
+    reference's test shape. A dict in ``inbox`` sets faults for the next update only; a
+    handles list runs one update, answered in ``outbox`` with ("ok", result, digests of
+    exactly what it loaded) or ("error", traceback); None ends the worker."""
+    os.environ.update(env or {})
+    engine = SimEngine(kind, index, {})
+    this: dict = {}
+    while True:
+        item = inbox.get()
+        if item is None:
+            return
+        if isinstance(item, dict):
+            this = item
+            continue
+        engine.loaded = {}
+        try:
+            result = engine.update(dict(item), this)
+            outbox.put(("ok", result, dict(engine.loaded)))
+        except Exception:
+            outbox.put(("error", traceback.format_exc()))
+        this = {}
+
+
 # ---------------------------------------------------------------- engine front (the "server")
 class EngineFront:
     """Listens like an engine's HTTP API; fans an update request out to every worker."""
