@@ -118,9 +118,11 @@ def queue_worker_main(kind: str, index: int, inbox, outbox, env: dict | None = N
     """An engine worker fed by its own PS rank's req_func (``req_func = inbox.put``), the
     reference's test shape. A dict in ``inbox`` sets faults for the next update only; a
     handles list runs one update, answered in ``outbox`` with ("ok", result, digests of
-    exactly what it loaded) or ("error", traceback); None ends the worker."""
+    exactly what it loaded) or ("error", traceback); None ends the worker. Says ("ready", pid)
+    first, so that a test's short update timeouts do not count the worker's start."""
     os.environ.update(env or {})
     engine = SimEngine(kind, index, {})
+    outbox.put(("ready", os.getpid()))
     this: dict = {}
     while True:
         item = inbox.get()

@@ -96,6 +96,8 @@ def parity_ps_main(rank: int, world: int, port: int, kind: str, steps: list, ini
     worker.start()
     results: list = []
     try:
+        ready = outbox.get(timeout=WORKER_RESULT_S)
+        assert ready[0] == "ready", ready
         with ParameterServer(rank, world, device=kind, master_addr="127.0.0.1", master_port=port, **init) as ps:
             for step, name, arg in steps:
                 t0 = time.monotonic()

@@ -18,3 +18,68 @@ from ckpt_core.devices import get_backend
 
 def test_every_ranks_req_func_feeds_its_own_worker_three_updates_then_a_worker_error_reaches_every_rank(tmp_path):
     cases.case_reference_scenario("cpu", 2, tmp_path)
+
+
+def test_a_req_func_failing_or_hanging_on_rank_1_fails_every_rank_naming_rank_1():
+    """raise1: rank 1's req_func raises (rank 0's worker is mid-update); hang1: it never returns."""
+    gen = torch.Generator().manual_seed(7)
+    data = {r: {f"w{r}.{i}": fresh_tensor((64, 8), torch.bfloat16, gen) for i in range(4)} for r in range(2)}
+    steps = [("register", "c", {r: {"named_tensors": d} for r, d in data.items()}), ("gather", "c", None),
+             ("update", "c", ("raise1", 30)), ("update", "c", ("hang1", 6)), ("update", "c", ("all", 30))]
+    res = cases.run_parity_world("cpu", 2, steps, init={"max_bucket_gb": 0.00002})
+    for r in range(2):
+        raised, hung, after = res[r][2:5]
+        assert raised[:2] == ("error", "RemoteWorkerError") and raised[3] == 1, f"rank {r}: {raised}"
+        assert "rank 1: req_func raised" in raised[2] and "injected: rank 1's req_func failed" in raised[2]
+        assert hung[:2] == ("error", "UpdateTimeoutError"), f"rank {r}: {hung}"
+        assert "[rank 1] req_func did not return within the update timeout" in hung[2], hung[2]
+        assert hung[5] < 6 + 60, "the hang is bounded by the update timeout (generous ceiling)"
+        assert after[0] == "ok" and len(after[2][2]) == 8, f"the next update on rank {r}: {after}"
+    assert res[0][2][4][0] == "error", "rank 0's worker must leave the update rank 1 failed"
+
+
+# ---------------------------------------------------------------- duplicate names in one registration
+def _build(files=(), named=None):
+    return build_checkpoint("dup", get_backend("cpu"), files=[str(f) for f in files], named_tensors=named or {})
+
+
+def test_byte_identical_duplicates_are_registered_once_with_a_warning_naming_both_files(tmp_path, caplog):
+    gen = torch.Generator().manual_seed(1)
+    shared = {"a": fresh_tensor((3, 5), torch.float16, gen), "b": fresh_tensor((7,), torch.float8_e4m3fn, gen)}
+    f1, f2 = tmp_path / "one.safetensors", tmp_path / "two.safetensors"
+    write_file(str(f1), {**shared, "x": fresh_tensor((4,), torch.float32, gen)})
+    write_file(str(f2), {"b": shared["b"].clone(), "y": fresh_tensor((2, 2), torch.bfloat16, gen)})
+    before = (f1.read_bytes(), f2.read_bytes())
+    with caplog.at_level(logging.WARNING, logger="ckpt_core"):
+        ckpt = _build([f1, f2], {"a": shared["a"].clone(), "z": fresh_tensor((5,), torch.float32, gen)})
+    try:
+        assert sorted(m.name for m in ckpt.metas) == ["a", "b", "x", "y", "z"]
+        for m in ckpt.metas:
+            if m.name in shared:
+                assert torch.equal(ckpt.host_tensor(m).view(torch.uint8), shared[m.name].view(torch.uint8))
+        warned = "\n".join(r.getMessage() for r in caplog.records)
+        assert f"'b' appears in both {f1} and {f2}" in warned and f"'a' appears in both {f1} and named_tensors" in warned
+    finally:
+        ckpt.release()
+    assert (f1.read_bytes(), f2.read_bytes()) == before, "source files must stay untouched"
+
+
+@pytest.mark.parametrize("change", ["bytes", "dtype", "shape"])
+@pytest.mark.parametrize("second", ["file", "named"])
+def test_differing_duplicates_raise_naming_both_sources_and_the_tensor(tmp_path, change, second):
+    gen = torch.Generator().manual_seed(2)
+    t = fresh_tensor((4, 6), torch.bfloat16, gen)
+    other = {"bytes": t.clone().index_fill_(0, torch.tensor([3]), 7.0), "dtype": t.to(torch.float16),
+             "shape": t.reshape(6, 4).clone()}[change]
+    f1 = tmp_path / "one.safetensors"
+    write_file(str(f1), {"w": t})
+    if second == "file":
+        f2 = tmp_path / "two.safetensors"
+        write_file(str(f2), {"w": other})
+        files, named, where = [f1, f2], None, str(f2)
+    else:
+        files, named, where = [f1], {"w": other}, "named_tensors"
+    with pytest.raises(CheckpointFormatError) as info:
+        _build(files, named)
+    msg = str(info.value)
+    assert str(f1) in msg and where in msg and "tensor 'w'" in msg and info.value.tensor == "w", msg
