@@ -231,6 +231,8 @@ class ParameterServer:
         Returns timings (also kept in ``last_update``).
         """
         self._check_open()
+        if not callable(req_func):
+            raise ConfigError(f"req_func must be callable, got {type(req_func).__name__}")
         if ranks:
             raise ConfigError("P2P updates (ranks=[...]) are not supported by this build; pass ranks=None "
                               "to broadcast to all ranks")

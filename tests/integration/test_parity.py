@@ -83,3 +83,49 @@ def test_differing_duplicates_raise_naming_both_sources_and_the_tensor(tmp_path,
         _build(files, named)
     msg = str(info.value)
     assert str(f1) in msg and where in msg and "tensor 'w'" in msg and info.value.tensor == "w", msg
+
+
+# ---------------------------------------------------------------- the surface a migrating user touches
+def test_errors_are_still_the_builtins_the_reference_raises():
+    import ckpt_core as c
+    for cls, builtins in {c.ConfigError: (ValueError, AssertionError), c.CheckpointFormatError: (ValueError,),
+                          c.CheckpointNotFoundError: (KeyError, RuntimeError),
+                          c.RemoteWorkerError: (RuntimeError,), c.TransportError: (RuntimeError,),
+                          c.UpdateTimeoutError: (RuntimeError, TimeoutError), c.ClosedError: (RuntimeError,)}.items():
+        for b in builtins:
+            assert issubclass(cls, b), f"{cls.__name__} must still be caught by 'except {b.__name__}'"
+
+
+def test_reference_keywords_metas_round_trip_and_empty_ranks_broadcast():
+    """Keyword-only construction with gpu_count; get_metas() -> JSON -> load_metas() on another
+    ParameterServer; ranks=[] and ranks=None both broadcast; a req_func that is not callable is a
+    ConfigError (the reference asserts)."""
+    import json
+
+    import zmq
+
+    from harness import FAULT_DTYPES, digest, free_port
+    from ckpt_core import ConfigError, ParameterServer, update_weights_from_ipc
+
+    gen = torch.Generator().manual_seed(3)
+    named = {f"t{i}": fresh_tensor((16, 8), dtype, gen) for i, dtype in enumerate(FAULT_DTYPES)}
+    with ParameterServer(rank=0, world_size=1, gpu_count=1, device="cpu", auto_pg=True, mem_fraction=0.5,
+                         master_addr="127.0.0.1", master_port=free_port()) as ps:
+        ps.register_checkpoint("c", named_tensors=named)
+        ps.gather_metas("c")
+        saved = json.loads(json.dumps(ps.get_metas()))
+        ctx, got = zmq.Context(), {}
+
+        def req_func(handles):   # the engine side, in the req_func thread: one worker, this device
+            update_weights_from_ipc(ctx, dict(handles)[ps.device_uuid], 0,
+                                    run=lambda ws: got.update({n: digest(t) for n, t in ws}))
+        for ranks in ([], None):
+            got.clear()
+            ps.update("c", req_func, ranks=ranks, timeout=60)
+            assert got == {n: digest(t) for n, t in named.items()}, f"ranks={ranks!r} must broadcast"
+        with pytest.raises(ConfigError, match="req_func must be callable"):
+            ps.update("c", None)
+        ctx.term()
+    with ParameterServer(rank=0, world_size=1, device="cpu", master_addr="127.0.0.1", master_port=free_port()) as other:
+        other.load_metas(saved)
+        assert other.get_metas() == saved
