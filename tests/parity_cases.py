@@ -22,6 +22,7 @@ from harness import CTX, FAULT_DTYPES, digest, fresh_tensor, free_port, queue_wo
 from ckpt_core._safetensors import write_file
 
 WORKER_RESULT_S = 120.0   # generous: how long a PS rank waits for its worker's report
+HANG_TIMEOUT_S = 10.0     # the update timeout that must bound a req_func that never returns
 
 
 # ---------------------------------------------------------------- data
@@ -187,3 +188,22 @@ def case_reference_scenario(kind: str, world: int, tmp_path, *, seed: int = 2026
         return res
     finally:
         shm.close()
+
+
+def case_req_func_faults_on_rank_1(kind: str) -> dict[int, list]:
+    """2 ranks. raise1: rank 1's req_func raises (rank 0's worker is mid-update); hang1: it never returns."""
+    gen = torch.Generator().manual_seed(7)
+    data = {r: {f"w{r}.{i}": fresh_tensor((64, 8), torch.bfloat16, gen) for i in range(4)} for r in range(2)}
+    steps = [("register", "c", {r: {"named_tensors": d} for r, d in data.items()}), ("gather", "c", None),
+             ("update", "c", ("raise1", 30)), ("update", "c", ("hang1", HANG_TIMEOUT_S)), ("update", "c", ("all", 30))]
+    res = run_parity_world(kind, 2, steps, init={"max_bucket_gb": 0.00002})
+    for r in range(2):
+        raised, hung, after = res[r][2:5]
+        assert raised[:2] == ("error", "RemoteWorkerError") and raised[3] == 1, f"rank {r}: {raised}"
+        assert "rank 1: req_func raised" in raised[2] and "injected: rank 1's req_func failed" in raised[2]
+        assert hung[:2] == ("error", "UpdateTimeoutError"), f"rank {r}: {hung}"
+        assert "[rank 1] req_func did not return within the update timeout" in hung[2], hung[2]
+        assert hung[5] < HANG_TIMEOUT_S + 60, "the hang is bounded by the update timeout (generous ceiling)"
+        assert after[0] == "ok" and len(after[2][2]) == 8, f"the next update on rank {r}: {after}"
+    assert res[0][2][4][0] == "error", "rank 0's worker must leave the update rank 1 failed"
+    return res

@@ -21,21 +21,7 @@ def test_every_ranks_req_func_feeds_its_own_worker_three_updates_then_a_worker_e
 
 
 def test_a_req_func_failing_or_hanging_on_rank_1_fails_every_rank_naming_rank_1():
-    """raise1: rank 1's req_func raises (rank 0's worker is mid-update); hang1: it never returns."""
-    gen = torch.Generator().manual_seed(7)
-    data = {r: {f"w{r}.{i}": fresh_tensor((64, 8), torch.bfloat16, gen) for i in range(4)} for r in range(2)}
-    steps = [("register", "c", {r: {"named_tensors": d} for r, d in data.items()}), ("gather", "c", None),
-             ("update", "c", ("raise1", 30)), ("update", "c", ("hang1", 6)), ("update", "c", ("all", 30))]
-    res = cases.run_parity_world("cpu", 2, steps, init={"max_bucket_gb": 0.00002})
-    for r in range(2):
-        raised, hung, after = res[r][2:5]
-        assert raised[:2] == ("error", "RemoteWorkerError") and raised[3] == 1, f"rank {r}: {raised}"
-        assert "rank 1: req_func raised" in raised[2] and "injected: rank 1's req_func failed" in raised[2]
-        assert hung[:2] == ("error", "UpdateTimeoutError"), f"rank {r}: {hung}"
-        assert "[rank 1] req_func did not return within the update timeout" in hung[2], hung[2]
-        assert hung[5] < 6 + 60, "the hang is bounded by the update timeout (generous ceiling)"
-        assert after[0] == "ok" and len(after[2][2]) == 8, f"the next update on rank {r}: {after}"
-    assert res[0][2][4][0] == "error", "rank 0's worker must leave the update rank 1 failed"
+    cases.case_req_func_faults_on_rank_1("cpu")
 
 
 # ---------------------------------------------------------------- duplicate names in one registration
