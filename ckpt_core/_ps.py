@@ -114,6 +114,17 @@ class ParameterServer:
         self._zmq.term()
         self._coll.close()
 
+    def init_process_group(self, *, timeout=None) -> None:
+        """The reference's explicit call. Here the process groups exist from construction on and
+        live as long as this ParameterServer, so it only checks that this one is usable."""
+        self._check_open()
+
+    def store_based_barrier(self, timeout=None) -> None:
+        """Collective: wait until every rank got here (the reference's name; the wait is bounded
+        by PS_COLLECTIVE_TIMEOUT_S, not by ``timeout``)."""
+        self._check_open()
+        self._coll.barrier()
+
     def __enter__(self):
         return self
 

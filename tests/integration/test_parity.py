@@ -97,6 +97,8 @@ def test_reference_keywords_metas_round_trip_and_empty_ranks_broadcast():
     named = {f"t{i}": fresh_tensor((16, 8), dtype, gen) for i, dtype in enumerate(FAULT_DTYPES)}
     with ParameterServer(rank=0, world_size=1, gpu_count=1, device="cpu", auto_pg=True, mem_fraction=0.5,
                          master_addr="127.0.0.1", master_port=free_port()) as ps:
+        ps.init_process_group()          # the reference's examples call these explicitly
+        ps.store_based_barrier()
         ps.register_checkpoint("c", named_tensors=named)
         ps.gather_metas("c")
         saved = json.loads(json.dumps(ps.get_metas()))
