@@ -23,8 +23,8 @@ def group_handles(handles: list[tuple[str, str]], rank: int, inference_parallel_
     return list(handles[rank: rank + ips]) if rank % ips == 0 else None
 
 
-def request_inference_to_update(url: str, socket_paths: dict[str, str], *, timeout: float = 300.0,
-                                uds: str | None = None, method: str = "update_weights_from_ipc") -> None:
+def request_inference_to_update(url: str, socket_paths: dict[str, str], timeout: float = 300.0,
+                                uds: str | None = None, *, method: str = "update_weights_from_ipc") -> None:
     """POST ``{"method": method, "args": [socket_paths]}`` to ``url`` (a vLLM ``/collective_rpc``).
 
     ``socket_paths`` maps device keys to ZeroMQ handles (``dict(handles)`` of

@@ -82,6 +82,16 @@ def test_errors_are_still_the_builtins_the_reference_raises():
             assert issubclass(cls, b), f"{cls.__name__} must still be caught by 'except {b.__name__}'"
 
 
+def test_request_inference_to_update_keeps_the_reference_signature():
+    import inspect
+
+    from ckpt_core import request_inference_to_update
+    params = list(inspect.signature(request_inference_to_update).parameters.values())
+    assert [p.name for p in params[:4]] == ["url", "socket_paths", "timeout", "uds"]
+    assert all(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params[:4])
+    assert (params[2].default, params[3].default) == (300.0, None)
+
+
 def test_reference_keywords_metas_round_trip_and_empty_ranks_broadcast():
     """Keyword-only construction with gpu_count; get_metas() -> JSON -> load_metas() on another
     ParameterServer; ranks=[] and ranks=None both broadcast; a req_func that is not callable is a
