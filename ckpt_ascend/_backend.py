@@ -120,8 +120,8 @@ class NpuBackend(DeviceBackend):
 
     def pin(self, tensor: torch.Tensor) -> HostPin:
         """No in-place registration on NPU: pinned memory is already pinned, anything else stays pageable."""
-        if tensor.numel() == 0 or tensor.is_pinned():
-            return HostPin()
+        if tensor.numel() == 0 or tensor.is_pinned() or "alloc" in self._warned:
+            return HostPin()   # (after a failed pinned allocation everything is pageable: said once already)
         self._warn_once("pin", "npu: existing host memory cannot be pinned in place (%d bytes at %#x stay "
                         "pageable); register /dev/shm checkpoints with use_inplace_pin_memory=False to copy "
                         "them into pinned memory", tensor.numel() * tensor.element_size(), tensor.data_ptr())
