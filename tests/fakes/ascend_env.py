@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import zipfile
 from pathlib import Path
 
@@ -85,6 +86,7 @@ def run_py(code: str, env: dict[str, str], *, paths: list[Path], timeout: float 
     full = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "ASCEND_RT_VISIBLE_DEVICES")}
     full.update(env)
     full["PYTHONPATH"] = os.pathsep.join(str(p) for p in paths)
-    done = subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True, timeout=timeout,
+                          cwd=tempfile.gettempdir())   # not the checkout: "-c" puts the working folder on sys.path
     assert done.returncode == 0, f"child failed (exit {done.returncode}):\n{done.stderr[-4000:]}"
     return done.stdout
