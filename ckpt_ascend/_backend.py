@@ -61,6 +61,9 @@ class NpuBackend(DeviceBackend):
     kind = "npu"
     collective_backend = "hccl"
     pins_host_memory = True
+    # Mooncake transport for P2P (issue 11, not landed): the P2P store should read this rather
+    # than name device kinds. ascend_direct needs no RDMA NIC list. See docs/ascend.md.
+    p2p_transport = "ascend_direct"
 
     def __init__(self):
         self._warned: set[str] = set()
