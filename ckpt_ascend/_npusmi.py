@@ -172,12 +172,16 @@ _lock = threading.Lock()
 
 
 def host_ip() -> str:
-    """This host's outbound IPv4 address (no packet is sent), else its hostname's address."""
+    """This host's address on its default route (no packet is sent), else its hostname's address.
+
+    Chosen exactly as stock checkpoint-engine chooses it (route towards 8.8.8.8), so that an
+    engine embedding the stock worker (SGLang) computes the same key on a multi-homed host.
+    """
     global _ip
     if _ip is None:
         try:
             with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-                s.connect(("10.255.255.255", 1))   # routing only: UDP connect sends nothing
+                s.connect(("8.8.8.8", 80))   # routing only: a UDP connect sends nothing
                 _ip = s.getsockname()[0]
         except OSError:
             _ip = socket.gethostbyname(socket.gethostname())

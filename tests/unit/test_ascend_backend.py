@@ -5,6 +5,7 @@ Everything that needs (the fake) torch_npu runs in child processes: see tests/fa
 
 import json
 import logging
+import os
 import subprocess
 import sys
 import tempfile
@@ -120,7 +121,7 @@ def test_a_worker_maps_the_ps_buffer_on_its_own_index_even_when_visible_devices_
     """PS sees chips 1,3 and uses npu:1 (chip 3); the worker sees only chip 3, as npu:0."""
     paths = [ROOT, FAKES]
     ps_env = board_env(tmp_path / "board", [0, 1], 2, visible="1,3")
-    full = {**{k: v for k, v in __import__("os").environ.items() if k != "ASCEND_RT_VISIBLE_DEVICES"}, **ps_env,
+    full = {**{k: v for k, v in os.environ.items() if k != "ASCEND_RT_VISIBLE_DEVICES"}, **ps_env,
             "PYTHONPATH": ":".join(map(str, paths))}
     ps = subprocess.Popen([sys.executable, "-c", EXPORT], env=full, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                           text=True, cwd=tempfile.gettempdir())
