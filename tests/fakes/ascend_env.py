@@ -16,6 +16,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+import pytest
+
 from . import npu_board
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,6 +51,12 @@ def install_project(dest: Path) -> Path:
     with zipfile.ZipFile(wheel) as z:
         z.extractall(dest)
     return dest
+
+
+@pytest.fixture(scope="session")
+def installed(tmp_path_factory) -> Path:
+    """ckpt-engine installed into a folder of its own (``install_project``); import it into a test module."""
+    return install_project(tmp_path_factory.mktemp("site") / "site")
 
 
 def _write_dist_info(dest: Path) -> Path:

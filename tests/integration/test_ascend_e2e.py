@@ -12,12 +12,7 @@ import pytest
 
 import e2e_cases as cases
 from fakes import npu_board
-from fakes.ascend_env import FAKES, board_env, install_project
-
-
-@pytest.fixture(scope="module")
-def installed(tmp_path_factory):
-    return install_project(tmp_path_factory.mktemp("site") / "site")
+from fakes.ascend_env import FAKES, board_env, installed  # noqa: F401 - a fixture
 
 
 @pytest.fixture

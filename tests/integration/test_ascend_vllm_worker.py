@@ -14,7 +14,7 @@ from multiprocessing.connection import Listener
 import pytest
 
 from harness import AUTH, FreshCheckpoints, PsWorld
-from fakes.ascend_env import FAKES, ROOT, board_env, install_project, run_py
+from fakes.ascend_env import FAKES, ROOT, board_env, installed, run_py
 
 WORKER = r"""
 import hashlib, json, sys
@@ -68,11 +68,6 @@ class OneEngineWorker:
             except BaseException as exc:   # the PS must hear of it, not wait for its timeout
                 self.error = str(exc)
                 c.send([("error", self.error)])
-
-
-@pytest.fixture(scope="module")
-def installed(tmp_path_factory):
-    return install_project(tmp_path_factory.mktemp("site") / "site")
 
 
 def test_a_vllm_ascend_worker_with_no_device_receives_the_update_on_its_chip(installed, tmp_path, monkeypatch):

@@ -15,13 +15,7 @@ import pytest
 import torch
 
 from ckpt_ascend import NpuBackend
-from fakes.ascend_env import FAKES, ROOT, board_env, install_project, run_py
-
-
-@pytest.fixture(scope="module")
-def installed(tmp_path_factory):
-    """ckpt-engine built and installed (pip wheel, unpacked with its .dist-info) into a folder."""
-    return install_project(tmp_path_factory.mktemp("site") / "site")
+from fakes.ascend_env import FAKES, ROOT, board_env, installed, run_py
 
 
 DISCOVER = """
