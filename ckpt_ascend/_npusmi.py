@@ -27,6 +27,7 @@ import shutil
 import socket
 import subprocess
 import threading
+import time
 from dataclasses import dataclass, field
 
 from ckpt_core.errors import ConfigError
@@ -36,7 +37,7 @@ __all__ = ["ProcMem", "parse_proc_mem", "visible_devices", "find_chip", "device_
 log = logging.getLogger("ckpt_ascend")
 
 NPU_SMI = "npu-smi"
-NPU_SMI_TIMEOUT_S = 30.0   # one query; npu-smi answers in well under a second on a healthy host
+NPU_SMI_TIMEOUT_S = 60.0   # all queries of one lookup; npu-smi answers in well under a second each
 MAX_NPU_IDS = 16           # npu ids scanned (A3 boxes have 8 NPUs of 2 chips, Box16 has 16)
 VISIBLE_ENV = "ASCEND_RT_VISIBLE_DEVICES"
 
@@ -111,7 +112,7 @@ def visible_devices() -> list[int] | None:
     return ids
 
 
-def _query(npu_id: int) -> ProcMem | None:
+def _query(npu_id: int, deadline: float) -> ProcMem | None:
     """One npu id's report; None when npu-smi says that id does not exist here (non-zero exit)."""
     exe = shutil.which(NPU_SMI)
     if exe is None:
@@ -119,9 +120,11 @@ def _query(npu_id: int) -> ProcMem | None:
                           f"'{NPU_SMI} info -t proc-mem' (install the Ascend driver tools or add them to PATH)")
     cmd = [exe, "info", "-t", "proc-mem", "-i", str(npu_id)]
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=NPU_SMI_TIMEOUT_S, check=False)
+        left = max(0.1, deadline - time.monotonic())
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=left, check=False)
     except subprocess.TimeoutExpired as exc:
-        raise ConfigError(f"'{' '.join(cmd)}' did not answer within {NPU_SMI_TIMEOUT_S:g} s") from exc
+        raise ConfigError(f"'{' '.join(cmd)}' did not answer (the device-key lookup may take "
+                          f"{NPU_SMI_TIMEOUT_S:g} s in all)") from exc
     except OSError as exc:
         raise ConfigError(f"cannot run '{' '.join(cmd)}': {exc}") from exc
     if done.returncode != 0:
@@ -144,8 +147,9 @@ def find_chip(pid: int, hint: int | None = None) -> int:
         order = first + [i for i in order if i not in first]
     found: list[int] = []
     answered = 0
+    deadline = time.monotonic() + NPU_SMI_TIMEOUT_S
     for npu_id in order:
-        report = _query(npu_id)
+        report = _query(npu_id, deadline)
         if report is None:
             continue
         answered += 1

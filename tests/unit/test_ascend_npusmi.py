@@ -140,3 +140,15 @@ def test_visible_devices_outside_the_index_is_a_config_error(board, monkeypatch)
     monkeypatch.setenv("ASCEND_RT_VISIBLE_DEVICES", "1")
     with pytest.raises(ConfigError, match="device index 1 is outside"):
         _npusmi.device_key(1)
+
+
+def test_a_hung_npu_smi_is_a_config_error_within_the_lookup_deadline(board, monkeypatch, tmp_path):
+    board()
+    hung = tmp_path / "bin"
+    hung.mkdir()
+    (hung / "npu-smi").write_text("#!/bin/sh\nexec sleep 30\n")
+    (hung / "npu-smi").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{hung}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(_npusmi, "NPU_SMI_TIMEOUT_S", 1.0)
+    with pytest.raises(ConfigError, match="did not answer"):
+        find_chip(os.getpid())
