@@ -83,6 +83,15 @@ def test_a_parameter_server_without_a_readable_npu_smi_fails_with_config_error(i
     assert needle in run_py(code, env, paths=[ROOT, installed, FAKES])
 
 
+def test_a_device_index_beyond_the_visible_chips_is_a_config_error_naming_them(installed, tmp_path):
+    env = {**board_env(tmp_path / "board", [0, 1], 2, visible="2"), "LOCAL_RANK": "1"}
+    code = ("from ckpt_core import ParameterServer, ConfigError\n"
+            "try:\n    ParameterServer(0, 1, device='npu', master_port=1)\n"
+            "except ConfigError as e:\n    print('ConfigError:', e)\n")
+    out = run_py(code, env, paths=[ROOT, installed, FAKES])
+    assert "ConfigError: cannot use npu:1 (ASCEND_RT_VISIBLE_DEVICES=[2])" in out
+
+
 EXPORT = """
 import json, sys, torch
 from ckpt_ascend import NpuBackend
