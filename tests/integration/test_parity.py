@@ -127,3 +127,23 @@ def test_reference_keywords_metas_round_trip_and_empty_ranks_broadcast():
     with ParameterServer(rank=0, world_size=1, device="cpu", master_addr="127.0.0.1", master_port=free_port()) as other:
         other.load_metas(saved)
         assert other.get_metas() == saved
+
+
+def test_a_req_func_failure_is_published_under_its_own_rank():
+    """The store's abort flag names the rank whose req_func raised (it used to say rank 0)."""
+    from ckpt_core._signals import ReqThread, StopSignal
+
+    class Store(dict):
+        def set(self, key, value):
+            self[key] = value
+
+    def boom(handles):
+        raise RuntimeError("no engine here")
+
+    req = ReqThread(boom, [("K", "h")])
+    req.start()
+    req.join(10)
+    store = Store()
+    signal = StopSignal(store, "abort", 3, req, logging.getLogger("test"))
+    assert "req_func raised" in signal.should_stop() and "no engine here" in signal.should_stop()
+    assert store == {"abort": "rank 3: req_func raised"}
