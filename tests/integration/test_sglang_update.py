@@ -41,8 +41,9 @@ def _launch(engine_url: str, ckpt, *extra: str):
 
 
 def _figures(proc) -> dict:
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
-    assert proc.returncode == 0 and lines, f"launcher failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert proc.returncode == 0 and lines, \
+        f"launcher failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return json.loads(lines[-1])
 
 
