@@ -222,7 +222,7 @@ class StockLink(PsLink):
         The worker may still owe the answer to our last request (it is loading a bucket): take
         it first; if it does not come, relax the REQ state machine so the abort can go anyway.
         """
-        if not self.watch.seen or self.watch.lost:
+        if self.watch.lost or not self.watch.seen:   # (``lost`` first: it reads the monitor's events)
             return   # no worker ever connected, or it is gone: nobody to tell
         try:
             if self._owed is not None:
