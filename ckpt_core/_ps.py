@@ -20,23 +20,17 @@ from ._link import Failure, PsLink
 from ._log import rank_logger
 from ._planner import ALIGN, Plan, TensorMeta, align_up, choose_layout
 from ._plans import PlanCache
+from ._prechecks import parse_metas, problem_of, raise_agreed, update_seconds
 from ._protocol import encode_hello
 from ._settings import load_settings
 from ._signals import ReqThread, StopSignal, is_echo
 from .devices import IpcBuffer, default_kind, get_backend
-from .errors import (CheckpointFormatError, CheckpointNotFoundError, ClosedError, ConfigError,
+from .errors import (CheckpointFormatError, CheckpointNotFoundError, CkptError, ClosedError, ConfigError,
                      RemoteWorkerError, TransportError, UpdateTimeoutError)
 
 ReqFunc = Callable[[list[tuple[str, str]]], object]
 REQ_GRACE_S = 2.0   # how long a failed update still waits for req_func to return
 GiB = float(1 << 30)
-
-
-def _seconds(timeout) -> float:
-    value = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
-    if value <= 0:
-        raise ConfigError(f"timeout must be positive, got {timeout!r}")
-    return value
 
 
 class ParameterServer:
@@ -172,14 +166,20 @@ class ParameterServer:
 
     def _gather_metas(self, name: str) -> None:
         t0 = time.perf_counter()
-        ckpt = self._checkpoints.get(name)
-        mine = None if ckpt is None else [[m.name, m.dtype, list(m.shape), m.nbytes, m.itemsize, m.base,
-                                          m.base_offset] for m in ckpt.metas]
-        gathered = self._coll.all_gather_json(mine)
+        ckpt = mine = problem = None
+        if isinstance(name, str):   # a local problem goes into the exchange: no rank is left waiting
+            ckpt = self._checkpoints.get(name)
+            mine = None if ckpt is None else [[m.name, m.dtype, list(m.shape), m.nbytes, m.itemsize, m.base,
+                                              m.base_offset] for m in ckpt.metas]
+        else:
+            problem = problem_of(ConfigError(f"checkpoint name must be a string, got {name!r}"))
+        gathered = self._coll.all_gather_json({"metas": mine, "problem": problem})
+        raise_agreed([g["problem"] for g in gathered], f"gather_metas({name!r})")
+        gathered = [g["metas"] for g in gathered]
         missing = [r for r, g in enumerate(gathered) if g is None]
         if missing:
             raise CheckpointNotFoundError(f"checkpoint {name!r} is not registered on rank(s) {missing}")
-        metas = [list(ckpt.metas) if r == self.rank else
+        metas = [ckpt.metas if r == self.rank else
                  [TensorMeta(n, d, tuple(s), nb, it, b, o) for n, d, s, nb, it, b, o in g]
                  for r, g in enumerate(gathered)]
         owner: dict[str, int] = {}
@@ -198,15 +198,15 @@ class ParameterServer:
                 for name, metas in self._metas.items()}
 
     def load_metas(self, metas: dict[str, list[list[dict]]]) -> None:
-        """Install metas saved with ``get_metas`` (e.g. on ranks that hold no data)."""
-        try:
-            for name, per_rank in metas.items():
-                self._metas[name] = [[TensorMeta(**(m | {"shape": tuple(m["shape"])})) for m in ms] for ms in per_rank]
-        except (TypeError, AttributeError, KeyError) as exc:
-            raise ConfigError(f"metas are not in the format get_metas() returns: {exc}") from exc
-        for name, per_rank in self._metas.items():
-            if len(per_rank) != self.world_size:
-                raise ConfigError(f"metas of {name!r} describe {len(per_rank)} ranks, this world has {self.world_size}")
+        """Install metas saved with ``get_metas`` (e.g. on ranks that hold no data).
+
+        All or nothing: every entry is validated first; on a ``ConfigError`` nothing changed.
+        A rank that loaded metas can update a checkpoint it never registered if the metas give
+        it no tensors of that checkpoint.
+        """
+        self._check_open()
+        parsed = parse_metas(metas, self.world_size)
+        self._metas.update(parsed)
 
     # -- update ----------------------------------------------------------------
     def update(self, name: str, req_func: ReqFunc, *, ranks: list[int] | None = None,
@@ -221,19 +221,11 @@ class ParameterServer:
         Returns timings (also kept in ``last_update``).
         """
         self._check_open()
-        if ranks:
-            raise ConfigError("P2P updates (ranks=[...]) are not supported by this build; pass ranks=None "
-                              "to broadcast to all ranks")
-        deadline = time.monotonic() + _seconds(timeout)
-        if name not in self._checkpoints:
-            raise CheckpointNotFoundError(f"checkpoint {name!r} is not registered on rank {self.rank}")
-        if name not in self._metas:
-            raise ConfigError(f"call gather_metas({name!r}) on every rank before update({name!r})")
         if not self._update_lock.acquire(blocking=False):
             raise ConfigError("another update is already running on this ParameterServer")
         try:
             with gc_paused():
-                return self._update(name, req_func, deadline)
+                return self._update(name, req_func, *self._precheck(name, ranks, timeout))
         except TransportError as exc:
             if getattr(exc, "groups_broken", False):
                 # A collective failed or never finished: the process groups cannot be trusted
@@ -248,25 +240,75 @@ class ParameterServer:
         finally:
             self._update_lock.release()
 
-    def _agree_plan(self, name: str) -> tuple[Plan, int, tuple[str, str]]:
+    def _precheck(self, name, ranks, timeout) -> tuple[float, RegisteredCheckpoint | None, list | None]:
+        """This rank's own checks of an update (no collective): (deadline, checkpoint, problem).
+
+        The problem is not raised here but sent in the first exchange, so that every rank
+        raises it (``_agree_plan``) and none is left waiting in a collective.
+        """
+        try:
+            deadline = time.monotonic() + update_seconds(timeout)
+        except ConfigError as exc:
+            return time.monotonic() + self.settings.collective_timeout_s, None, problem_of(exc)
+        try:
+            if ranks:
+                raise ConfigError("P2P updates (ranks=[...]) are not supported by this build; pass ranks=None "
+                                  "to broadcast to all ranks")
+            return deadline, self._own_share(name), None
+        except CkptError as exc:
+            return deadline, None, problem_of(exc)
+
+    def _own_share(self, name) -> RegisteredCheckpoint:
+        """The checkpoint this rank sends from; a rank that loaded metas giving it nothing gets an empty one."""
+        if not isinstance(name, str):
+            raise ConfigError(f"checkpoint name must be a string, got {name!r}")
+        ckpt, metas = self._checkpoints.get(name), self._metas.get(name)
+        if metas is None:
+            if ckpt is None:
+                raise CheckpointNotFoundError(f"checkpoint {name!r} is not registered on rank {self.rank}")
+            raise ConfigError(f"call gather_metas({name!r}) on every rank before update({name!r})")
+        mine = metas[self.rank]
+        if ckpt is None:
+            if mine:
+                raise CheckpointNotFoundError(f"checkpoint {name!r} is not registered on rank {self.rank}, "
+                                              f"whose metas list {len(mine)} tensors for it")
+            return RegisteredCheckpoint(name, [], {})
+        if mine is not ckpt.metas and list(mine) != list(ckpt.metas):
+            raise ConfigError(f"the metas of {name!r} for rank {self.rank} do not describe the checkpoint "
+                              f"registered there; call gather_metas({name!r}) on every rank again")
+        return ckpt
+
+    def _agree_plan(self, name: str, problem: list | None) -> tuple[Plan, int, tuple[str, str]]:
         """All ranks agree on (bucket size, slots) from their free memory, then plan (cached).
 
-        Returns the plan, the slots to use and the plan's wire form (JSON, digest).
+        The same exchange carries every rank's pre-check problem: if any rank has one, every
+        rank raises it. Returns the plan, the slots to use and the plan's wire form (JSON, digest).
         """
+        view = {"problem": problem}
+        if problem is None:
+            try:
+                view = self._layout_view(name)
+            except CkptError as exc:
+                view = {"problem": problem_of(exc)}
+        views = self._coll.all_gather_json(view)
+        raise_agreed([v.get("problem") for v in views], f"update({name!r})")
+        metas, fp = self._metas[name], view["fp"]
+        if len({v["fp"] for v in views}) != 1:
+            raise ConfigError(f"ranks disagree on the metas of {name!r}: call gather_metas on every rank again")
+        size, slots = min(v["bucket"] for v in views), min(v["slots"] for v in views)
+        plan, wire = self._plans.get(metas, fp, size)
+        return plan, max(1, min(slots, len(plan.buckets))), wire
+
+    def _layout_view(self, name: str) -> dict:
+        """This rank's metas digest and the (bucket size, slots) its free memory allows."""
         metas = self._metas[name]
-        fp = self._plans.digest(name, metas)
         free = self.backend.mem_get_info(self.device_index)[0] + (self._ipc.nbytes if self._ipc else 0)
         size, slots = choose_layout(
             free, mem_fraction=self.settings.mem_fraction, max_slots=self.settings.num_slots,
             max_bucket_bytes=self.settings.max_bucket_bytes,
             largest_tensor=max((m.nbytes for ms in metas for m in ms), default=0),
             largest_owner_total=max((sum(align_up(m.nbytes) for m in ms) for ms in metas), default=1))
-        views = self._coll.all_gather_json({"fp": fp, "bucket": size, "slots": slots})
-        if len({v["fp"] for v in views}) != 1:
-            raise ConfigError(f"ranks disagree on the metas of {name!r}: call gather_metas on every rank again")
-        size, slots = min(v["bucket"] for v in views), min(v["slots"] for v in views)
-        plan, wire = self._plans.get(metas, fp, size)
-        return plan, max(1, min(slots, len(plan.buckets))), wire
+        return {"fp": self._plans.digest(name, metas), "bucket": size, "slots": slots}
 
     def _ensure_ipc(self, nbytes: int) -> IpcBuffer:
         if self._ipc is not None and self._ipc.nbytes >= nbytes:
@@ -281,12 +323,16 @@ class ParameterServer:
             self._ipc = None
             self.backend.empty_cache()
 
-    def _update(self, name: str, req_func: ReqFunc, deadline: float) -> dict:
+    def _update(self, name: str, req_func: ReqFunc, deadline: float, ckpt: RegisteredCheckpoint | None,
+                problem: list | None) -> dict:
         t0 = time.perf_counter()
-        plan, slots, (plan_json, plan_digest) = self._agree_plan(name)
+        plan, slots, (plan_json, plan_digest) = self._agree_plan(name, problem)
         slot_bytes = align_up(max(plan.largest_bucket, ALIGN))
         buffer_bytes = slot_bytes * slots
-        ipc = self._ensure_ipc(buffer_bytes)
+        try:
+            ipc, alloc_failed = self._ensure_ipc(buffer_bytes), None
+        except CkptError as exc:   # told to every rank at the handshake's agreement, not raised alone
+            ipc, alloc_failed = None, f"cannot allocate the {buffer_bytes}-byte IPC buffer: {exc}"
         update_id = f"{self._run_id}-{self._updates}"
         self._updates += 1
         handles = [(k, f"ipc://@ckpt-{update_id}-{r}") for r, k in enumerate(self._device_keys)]
@@ -303,18 +349,21 @@ class ParameterServer:
         try:
             if req is not None:
                 req.start()
-            link.send_hello(frame=encode_hello(update_id, device_kind=self.backend.kind, buffer=ipc.descriptor,
-                                               slot_bytes=slot_bytes, num_slots=slots, plan_json=plan_json,
-                                               plan_digest=plan_digest))
-            mapped = link.wait_ready()
-            problem = self._checkpoints[name].source_problem()
+            if alloc_failed:
+                link.fail(alloc_failed)
+            else:
+                link.send_hello(frame=encode_hello(update_id, device_kind=self.backend.kind, buffer=ipc.descriptor,
+                                                   slot_bytes=slot_bytes, num_slots=slots, plan_json=plan_json,
+                                                   plan_digest=plan_digest))
+                mapped = link.wait_ready()
+            problem = ckpt.source_problem()
             if problem:
                 link.fail(problem)
             if not mapped or problem:
                 publish(link.failure)
             self._agree(link, req, deadline, phase="handshake", final=False)
             times["handshake"] = time.perf_counter() - t0 - times["plan"]
-            host = {rid: region.tensor for rid, region in self._checkpoints[name].regions.items()}
+            host = {rid: region.tensor for rid, region in ckpt.regions.items()}
             stats = BroadcastPipeline(plan=plan, rank=self.rank, index=self.device_index, backend=self.backend,
                                       ipc=ipc, slot_bytes=slot_bytes, num_slots=slots, host=host, coll=self._coll,
                                       link=link, copy_stream=self._copy_stream, log=self._log,

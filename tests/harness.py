@@ -378,6 +378,10 @@ def _ps_command(ps, rank: int, cmd: str, arg):
         return ps.unregister_checkpoint(name, **kwargs)
     if cmd == "checkpoints":
         return ps.checkpoints()
+    if cmd == "get_metas":
+        return ps.get_metas()
+    if cmd == "load_metas":
+        return ps.load_metas(arg)
     if cmd == "close":
         return ps.close()
     if cmd == "ipc_prefix":       # /dev/shm name prefix of this world's IPC buffers (cpu kind)

@@ -10,16 +10,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness import EngineFront, FreshCheckpoints, PsWorld, fresh_tensors, want_digests
+from harness import EngineFront, FreshCheckpoints, PsWorld, assert_every_rank_failed, fresh_tensors, want_digests
 from ckpt_core._safetensors import write_file
 
 INIT = {"max_bucket_gb": (16 << 10) / (1 << 30)}
+COLLECTIVE_TIMEOUT_S = 20.0      # a refusal must come well before any collective would time out
+ENV = {"PS_COLLECTIVE_TIMEOUT_S": str(COLLECTIVE_TIMEOUT_S)}
 
 
 @pytest.fixture(scope="module")
 def world():
     front = EngineFront("cpu", 2)
-    ps = PsWorld("cpu", 2, init=INIT)
+    ps = PsWorld("cpu", 2, init=INIT, env=ENV)
     try:
         yield ps, front, FreshCheckpoints(ps, seed=1414)
     finally:
@@ -56,4 +58,58 @@ def test_a_rank_whose_share_is_only_zero_byte_tensors_delivers_them(world, tmp_p
         held = front.digests(i)
         assert {n: held.get(n) for n in want} == want, f"engine worker {i} lacks the 0-byte tensors"
     assert all(o.ok for o in ps.all("unregister", ("zero", {})).values())
+    assert_world_still_delivers(ps, front, ckpts)
+
+
+# -- defect 2: a local pre-check failing on one rank ------------------------------------------------
+def test_an_update_refused_on_one_rank_is_refused_on_every_rank_at_once_and_the_world_stays_usable(world):
+    ps, front, ckpts = world
+    name, _ = ckpts.new("half-gone")
+    assert ps.all("unregister", (name, {}), ranks=[1])[1].ok
+    got = ps.update(name, front, 3)
+    assert_every_rank_failed(got, "CheckpointNotFoundError", repr(name), "not registered on rank 1", "rank(s) [1]")
+    slowest = max(o.seconds for o in got.values())
+    # Before: rank 0 waited for PS_COLLECTIVE_TIMEOUT_S and the world refused all further work.
+    assert slowest < COLLECTIVE_TIMEOUT_S, f"a refusal must not wait for the collective timeout ({slowest:.1f} s)"
+    assert ps.all("unregister", (name, {}), ranks=[0])[0].ok
+    assert_world_still_delivers(ps, front, ckpts)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), -1.0, 0, "soon"], ids=["nan", "negative", "zero", "str"])
+def test_a_bad_update_timeout_on_one_rank_is_a_config_error_on_every_rank(world, bad):
+    ps, front, ckpts = world
+    name, _ = ckpts.new("bad-timeout")
+    args = {0: (name, front.address, 30, None), 1: (name, None, bad, None)}
+    got = ps.collect(ps.send("update", per_rank=args), timeout=120)
+    assert_every_rank_failed(got, "ConfigError", "update timeout", "rank(s) [1]")
+    assert max(o.seconds for o in got.values()) < COLLECTIVE_TIMEOUT_S
+    ckpts.drop(name)
+    assert_world_still_delivers(ps, front, ckpts)
+
+
+def test_gather_metas_with_a_bad_name_on_one_rank_is_refused_on_every_rank(world):
+    ps, front, ckpts = world
+    name, _ = ckpts.new("gather-bad")
+    got = ps.collect(ps.send("gather", per_rank={0: name, 1: ["not", "a", "name"]}), timeout=120)
+    assert_every_rank_failed(got, "ConfigError", "rank(s) [1]", "checkpoint name")
+    assert max(o.seconds for o in got.values()) < COLLECTIVE_TIMEOUT_S
+    ckpts.drop(name)
+    assert_world_still_delivers(ps, front, ckpts)
+
+
+def test_a_rank_that_holds_no_data_updates_with_metas_it_loaded(world):
+    ps, front, ckpts = world
+    gen = torch.Generator().manual_seed(2)
+    data = fresh_tensors({"only0.a": ((999,), torch.float16), "only0.b": ((4, 33), torch.bfloat16)}, gen)
+    got = ps.all("register", per_rank={0: ("r0-only", {"named_tensors": data}), 1: ("r0-only", {"named_tensors": {}})})
+    assert all(o.ok for o in got.values()) and all(o.ok for o in ps.all("gather", "r0-only").values())
+    metas = ps.all("get_metas", ranks=[0])[0].value
+    assert ps.all("unregister", ("r0-only", {}), ranks=[1])[1].ok          # rank 1 now holds nothing
+    assert ps.all("load_metas", {"r0-only": metas["r0-only"]}, ranks=[1])[1].ok
+    got = ps.update("r0-only", front, 30)
+    assert all(o.ok for o in got.values()), got
+    for i in range(2):
+        held = front.digests(i)
+        assert {n: held.get(n) for n in data} == want_digests(data)
+    assert ps.all("unregister", ("r0-only", {}), ranks=[0])[0].ok
     assert_world_still_delivers(ps, front, ckpts)
