@@ -10,20 +10,22 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from ._host import (HostRegion, SharedPool, copy_jobs, map_file_region, new_region, populate_and_pin, read_jobs,
-                    run_jobs)
+from ._host import (HostRegion, SharedPool, copy_jobs, file_writable, map_file_region, new_region, populate_and_pin,
+                    read_jobs, run_jobs)
 from ._planner import TensorMeta, align_up
 from ._safetensors import DTYPE_CODES, SafetensorsHeader, read_header
 from .devices import DeviceBackend
 from .errors import CheckpointFormatError, ConfigError
 
 SHM_PREFIX = "/dev/shm/"
+_log = logging.getLogger("ckpt_core")
 
 
 @dataclass
@@ -38,6 +40,8 @@ class RegisteredCheckpoint:
     def host_tensor(self, meta: TensorMeta) -> torch.Tensor:
         """A typed view of one tensor's host bytes (for checks and the P2P path)."""
         raw = self.regions[meta.base].tensor[meta.base_offset: meta.base_offset + meta.nbytes]
+        if meta.base_offset % max(meta.itemsize, 1):   # in-place file data need not be aligned: a copy
+            raw = raw.clone()
         return raw.view(_torch_dtype(meta.dtype)).view(meta.shape)
 
     def source_problem(self) -> str | None:
@@ -97,10 +101,14 @@ def build_checkpoint(name: str, backend: DeviceBackend, *, files=None,
         raise ConfigError(f"checkpoint file(s) do not exist or are not regular files: {missing}")
     clock = _Phases()
     named = _check_named(named_tensors or {})
-    headers = [read_header(p) for p in files]          # validates every file before any allocation
+    headers = [_read_header(p) for p in files]          # validates every file before any allocation
     _check_unique(headers, named)
-    copied = [h for h in headers if not _in_place(h.path, inplace)]
     placed = [h for h in headers if _in_place(h.path, inplace)]
+    # A read-only in-place file is mapped read-only; a kind that pins host memory (which needs
+    # write access to the pages) gets a copy instead.
+    writable = {h.path: file_writable(h.path) for h in placed}
+    placed = [h for h in placed if writable[h.path] or not backend.pins_host_memory]
+    copied = [h for h in headers if all(h is not p for p in placed)]
 
     layout, total = _layout(copied, named)
     clock.lap("validate")
@@ -127,13 +135,36 @@ def build_checkpoint(name: str, backend: DeviceBackend, *, files=None,
             metas += _metas_copied(rid, copied, named, layout)
         for h in placed:
             rid = next(ids)
-            regions[rid] = map_file_region(backend, rid, h.path, unlink=unlink_inplace_files, lap=clock.lap)
+            regions[rid] = map_file_region(backend, rid, h.path, writable=writable[h.path], lap=clock.lap)
             metas += [_meta(e.name, e.dtype, e.shape, rid, e.start) for e in h.tensors]
     except BaseException:
         RegisteredCheckpoint(name, [], regions, pool).release()
         raise
-    return RegisteredCheckpoint(name, metas, regions, pool if total and pool is not None else None,
+    ckpt = RegisteredCheckpoint(name, metas, regions, pool if total and pool is not None else None,
                                 nbytes=sum(m.nbytes for m in metas), seconds=clock.seconds)
+    if unlink_inplace_files:   # only now that every region is mapped: a failure above deletes nothing
+        _unlink(h.path for h in placed)
+    return ckpt
+
+
+def _read_header(path: str) -> SafetensorsHeader:
+    try:
+        return read_header(path)
+    except OSError as exc:   # unreadable (permissions), vanished since the check
+        raise ConfigError(f"cannot read checkpoint file {path!r}: {exc}") from exc
+
+
+def _unlink(paths) -> None:
+    """Delete in-place files the caller asked us to: their memory goes when we release the map.
+    A file that cannot be deleted is kept (and said so): the registration stands."""
+    for path in paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            _log.warning("could not delete the in-place checkpoint file %r (unlink_inplace_files=True): %s",
+                         path, exc)
 
 
 class _Phases:
