@@ -160,7 +160,8 @@ def fill_and_pin(backend: DeviceBackend, region: HostRegion, jobs: list[Job], th
 
 def populate_and_pin(backend: DeviceBackend, region: HostRegion, *, write: bool = True) -> None:
     """Fault a fresh mapping in on ``fault_threads()`` threads and pin it piece by piece (see above)."""
-    fill_and_pin(backend, region, populate_jobs(region, write=write), fault_threads())
+    jobs = populate_jobs(region) if write else populate_jobs(region, write=False)
+    fill_and_pin(backend, region, jobs, fault_threads())
 
 
 def new_region(backend: DeviceBackend, rid: int, nbytes: int) -> HostRegion:
