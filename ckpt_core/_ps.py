@@ -30,6 +30,7 @@ from .errors import (CheckpointFormatError, CheckpointNotFoundError, CkptError, 
 
 ReqFunc = Callable[[list[tuple[str, str]]], object]
 REQ_GRACE_S = 2.0   # how long a failed update still waits for req_func to return
+CLOSE_GRACE_S = 5.0  # close(): how much longer than a collective a running update may take to stop
 GiB = float(1 << 30)
 
 
@@ -75,6 +76,7 @@ class ParameterServer:
         self._update_lock = threading.Lock()
         self._updates = 0
         self._closed = False
+        self._closing: str | None = None   # set by close() while an update runs: the update stops
         self._broken: str | None = None
         self.last_update: dict | None = None
         self.last_register: dict | None = None   # the latest registration's phases (seconds)
@@ -89,10 +91,29 @@ class ParameterServer:
                                  f"({self._broken}); close it and create a new one")
 
     def close(self) -> None:
-        """Free host memory, device buffers, sockets and the process groups it created. Idempotent."""
+        """Free host memory, device buffers, sockets and the process groups it created. Idempotent.
+
+        An update running in another thread is stopped first (every rank's ``update`` raises
+        ``RemoteWorkerError`` naming this rank; the engine workers abort) and nothing is freed
+        under it. close() waits for it up to ``PS_COLLECTIVE_TIMEOUT_S`` + a grace; if it still
+        runs, the process groups are aborted and the memory is left to the process's exit.
+        """
         if self._closed:
             return
         self._closed = True
+        self._closing = f"close() was called on rank {self.rank} during the update"
+        wait = self.settings.collective_timeout_s + CLOSE_GRACE_S
+        if not self._update_lock.acquire(timeout=wait):
+            self._coll.abort()
+            if not self._update_lock.acquire(timeout=CLOSE_GRACE_S):
+                self._log.warning("close(): an update still runs after %.0f s; its memory is not freed", wait)
+                return
+        try:
+            self._free()
+        finally:
+            self._update_lock.release()
+
+    def _free(self) -> None:
         for ckpt in self._checkpoints.values():
             ckpt.release()
         self._checkpoints.clear()
@@ -144,8 +165,14 @@ class ParameterServer:
         self._check_open()
         if name not in self._checkpoints:
             raise CheckpointNotFoundError(f"checkpoint {name!r} is not registered on rank {self.rank}")
-        if self._update_lock.locked():
+        if not self._update_lock.acquire(blocking=False):   # held while we free: no update can start
             raise ConfigError(f"cannot unregister {name!r} while an update is running")
+        try:
+            self._unregister(name, force)
+        finally:
+            self._update_lock.release()
+
+    def _unregister(self, name: str, force: bool) -> None:
         ckpt = self._checkpoints.pop(name)
         ckpt.release()
         self._metas.pop(name, None)
@@ -224,6 +251,7 @@ class ParameterServer:
         if not self._update_lock.acquire(blocking=False):
             raise ConfigError("another update is already running on this ParameterServer")
         try:
+            self._check_open()   # again: close() may have run between the first check and the lock
             with gc_paused():
                 return self._update(name, req_func, *self._precheck(name, ranks, timeout))
         except TransportError as exc:
@@ -343,7 +371,7 @@ class ParameterServer:
         should_stop, publish = signal.should_stop, signal.publish
 
         link = PsLink(self._zmq, handles[self.rank][1], update_id, rank=self.rank, device_key=self.device_uuid,
-                      deadline=deadline, should_stop=should_stop)
+                      deadline=deadline, should_stop=lambda: self._closing_stop(link) or should_stop())
         times = {"plan": time.perf_counter() - t0}
         ok = mapped = False
         try:
@@ -389,6 +417,12 @@ class ParameterServer:
                 self._release_ipc()
         times["total"] = time.perf_counter() - t0
         return self._report(name, plan, stats, times, slots=slots, device_buffer_bytes=buffer_bytes)
+
+    def _closing_stop(self, link: PsLink) -> str | None:
+        """close() was called in another thread: this rank's update fails (and tells its peers)."""
+        if self._closing is not None:
+            link.fail(self._closing)
+        return self._closing
 
     def _report(self, name: str, plan: Plan, stats, times: dict, **layout) -> dict:
         """The update's figures: logged once, kept in ``last_update``, returned."""

@@ -370,6 +370,8 @@ def _ps_command(ps, rank: int, cmd: str, arg):
             except Exception as exc:
                 out.append((type(exc).__name__, str(exc)[:200]))
         return out
+    if cmd == "act_during_update":
+        return _act_during_update(ps, rank, *arg)
     if cmd == "two_updates_at_once":
         name, address, timeout, behaviors = arg
         return _two_updates_at_once(ps, rank, name, address, timeout, behaviors)
@@ -416,6 +418,41 @@ def _two_updates_at_once(ps, rank, name, address, timeout, behaviors=None):
         second = type(exc).__name__ + ": " + str(exc)
     t.join(timeout + 5)
     return {"second": second, "first": "ok" if "ok" in first else first.get("error", "still running")}
+
+
+def _act_during_update(ps, rank, name, address, timeout, behaviors, mark, action):
+    """Run an update in a thread; once file ``mark`` exists (a worker is inside a bucket), call
+    ``action`` ("close", "unregister" or None) from this thread. Reports both outcomes and the
+    order in which they ended."""
+    order: list[str] = []
+    result: dict = {}
+
+    def one():
+        req = make_req_func(address, behaviors) if rank == 0 else (lambda h: None)
+        try:
+            ps.update(name, req, timeout=timeout)
+            result["update"] = "ok"
+        except Exception as exc:
+            result["update"] = f"{type(exc).__name__}: {exc}"
+        order.append("update ended")
+
+    t = threading.Thread(target=one)
+    t.start()
+    if action is not None:
+        deadline = time.monotonic() + timeout
+        while not os.path.exists(mark):
+            if time.monotonic() > deadline or not t.is_alive():
+                raise TimeoutError(f"the update never reached {mark}")
+            time.sleep(0.005)
+        try:
+            ps.close() if action == "close" else ps.unregister_checkpoint(name)
+            result["action"] = "ok"
+        except Exception as exc:
+            result["action"] = f"{type(exc).__name__}: {exc}"
+        order.append(f"{action} returned")
+    t.join(timeout + 30)
+    result["order"] = order
+    return result
 
 
 def ps_server_main(rank: int, world: int, port: int, kind: str, init: dict, env: dict, conn) -> None:
