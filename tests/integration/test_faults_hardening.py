@@ -162,3 +162,27 @@ def test_close_during_an_update_stops_it_on_every_rank_with_a_typed_error_then_f
             assert not again.ok and again.error == "ClosedError", again
     finally:
         front.close()
+
+
+# -- defect 6: load_metas is all or nothing ----------------------------------------------------------
+def test_load_metas_validates_everything_before_installing_anything(world):
+    ps, front, ckpts = world
+    name, want = ckpts.new("saved")
+    saved = ps.all("get_metas", ranks=[0])[0].value[name]
+    three_ranks = saved + [[]]
+    misshapen = [[dict(m, nbytes=m["nbytes"] + 1) for m in saved[0]], saved[1]]
+    for bad, needle in ((three_ranks, "describe 3 ranks"), (misshapen, "do not match shape"),
+                        ([saved[0], saved[0]], "twice")):
+        got = ps.all("load_metas", {"fine": saved, "bad": bad})
+        assert_every_rank_failed(got, "ConfigError", "'bad'", needle)
+        held = ps.all("get_metas")
+        assert all(set(o.value) == {name} for o in held.values()), f"a refused load installed metas: {held}"
+    got = ps.update("bad", front, 10)            # nothing of it was installed: a clean refusal
+    assert_every_rank_failed(got, "CheckpointNotFoundError", "'bad'")
+    assert all(o.ok for o in ps.all("load_metas", {name: saved}).values())
+    got = ps.update(name, front, 30)             # a valid load works and the world is intact
+    assert all(o.ok for o in got.values()), got
+    for i in range(2):
+        held = front.digests(i)
+        assert {n: held.get(n) for n in want} == want
+    ckpts.drop(name)
