@@ -6,6 +6,7 @@ caller means 0 (we test ``is None``, never truthiness).
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -64,13 +65,29 @@ class Settings:
         if self.local_rank < 0:
             raise ConfigError(f"local rank must be >= 0, got {self.local_rank}")
         if not 0 < self.mem_fraction <= 1:
-            raise ConfigError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")
+            raise ConfigError(f"mem_fraction (PS_MEM_FRACTION) must be in (0, 1], got {self.mem_fraction}")
         if self.max_bucket_bytes < 1024:
             raise ConfigError(f"the bucket size bound must be >= 1 KiB, got {self.max_bucket_bytes} bytes")
         if self.num_slots < 1:
             raise ConfigError(f"PS_NUM_SLOTS must be >= 1, got {self.num_slots}")
         if not 1 <= self.master_port <= 65535:
             raise ConfigError(f"master_port must be in 1..65535, got {self.master_port}")
+        _finite_positive("PS_COLLECTIVE_TIMEOUT_S", self.collective_timeout_s)
+
+
+def _finite_positive(what: str, value: float) -> float:
+    """``value`` if it is a finite number > 0; else a ConfigError naming ``what`` (NaN and inf included:
+    they would surface later as a misleading rendezvous error or a raw ValueError/OverflowError)."""
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        raise ConfigError(f"{what} must be a finite number > 0, got {value!r}")
+    return value
+
+
+def _number(what: str, value) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{what} must be a number, got {value!r}") from exc
 
 
 def load_settings(*, rank=None, world_size=None, master_addr=None, master_port=None,
@@ -78,7 +95,10 @@ def load_settings(*, rank=None, world_size=None, master_addr=None, master_port=N
     """Merge explicit arguments over the environment and validate the result."""
     rank = _get("RANK", int, 0) if rank is None else int(rank)
     world_size = _get("WORLD_SIZE", int, 1) if world_size is None else int(world_size)
-    bucket_gb = _get("PS_MAX_BUCKET_SIZE_GB", float, 8.0) if max_bucket_gb is None else float(max_bucket_gb)
+    if max_bucket_gb is None:
+        bucket_gb = _finite_positive("PS_MAX_BUCKET_SIZE_GB", _get("PS_MAX_BUCKET_SIZE_GB", float, 8.0))
+    else:
+        bucket_gb = _finite_positive("max_bucket_gb", _number("max_bucket_gb", max_bucket_gb))
     rdma = _get("PS_P2P_STORE_RDMA_DEVICES", str, "") or _get("NCCL_IB_HCA", str, "")
     return Settings(
         rank=rank,
@@ -87,7 +107,8 @@ def load_settings(*, rank=None, world_size=None, master_addr=None, master_port=N
         master_addr=master_addr if master_addr is not None else _get("MASTER_ADDR", str, "127.0.0.1"),
         master_port=int(master_port) if master_port is not None else _get("MASTER_PORT", int, 29500),
         max_bucket_bytes=int(bucket_gb * (1 << 30)),
-        mem_fraction=float(mem_fraction) if mem_fraction is not None else _get("PS_MEM_FRACTION", float, 0.9),
+        mem_fraction=(_number("mem_fraction", mem_fraction) if mem_fraction is not None
+                      else _get("PS_MEM_FRACTION", float, 0.9)),
         num_slots=_get("PS_NUM_SLOTS", int, 4),
         collective_timeout_s=_get("PS_COLLECTIVE_TIMEOUT_S", float, 600.0),
         rdma_devices=tuple(d for d in rdma.split(",") if d),

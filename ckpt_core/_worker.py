@@ -20,6 +20,7 @@ from . import _protocol as proto
 from ._link import CLOSE_LINGER_MS, PeerWatch
 from ._gc import gc_paused
 from ._log import rank_logger
+from ._prechecks import update_seconds
 from ._safetensors import DTYPES
 from .devices import get_backend
 from .errors import CkptError, ProtocolError, RemoteWorkerError, TransportError, UpdateTimeoutError
@@ -161,6 +162,7 @@ def update_weights_from_ipc(zmq_ctx: zmq.Context, zmq_handle: str, device_id: in
         update_weights_from_ipc(zmq.Context.instance(), handles[my_key], device_index,
                                 run=model.load_weights, post_hook=lambda: torch.cuda.synchronize())
     """
+    timeout = update_seconds(timeout)   # NaN or <= 0: ConfigError; inf: no deadline (clamped)
     with gc_paused():
         _receive_update(zmq_ctx, zmq_handle, device_id, run, post_hook, timeout, on_plan)
 

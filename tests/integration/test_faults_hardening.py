@@ -7,6 +7,8 @@ the typed error, the engines' digests, and a world that still delivers afterward
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 import torch
 
@@ -181,6 +183,19 @@ def test_load_metas_validates_everything_before_installing_anything(world):
     assert_every_rank_failed(got, "CheckpointNotFoundError", "'bad'")
     assert all(o.ok for o in ps.all("load_metas", {name: saved}).values())
     got = ps.update(name, front, 30)             # a valid load works and the world is intact
+    assert all(o.ok for o in got.values()), got
+    for i in range(2):
+        held = front.digests(i)
+        assert {n: held.get(n) for n in want} == want
+    ckpts.drop(name)
+
+
+# -- defect 7: an infinite update timeout has a meaning ----------------------------------------------
+@pytest.mark.parametrize("timeout", [float("inf"), timedelta.max], ids=["inf", "timedelta.max"])
+def test_an_infinite_update_timeout_means_no_deadline_and_the_update_delivers(world, timeout):
+    ps, front, ckpts = world
+    name, want = ckpts.new("no-deadline")
+    got = ps.all("update", (name, front.address, timeout, None), timeout=120)
     assert all(o.ok for o in got.values()), got
     for i in range(2):
         held = front.digests(i)
