@@ -20,7 +20,7 @@ import torch
 from ._host import (HostRegion, SharedPool, copy_jobs, file_writable, map_file_region, new_region, populate_and_pin,
                     read_jobs, run_jobs)
 from ._planner import TensorMeta, align_up
-from ._safetensors import DTYPE_CODES, SafetensorsHeader, read_header
+from ._safetensors import WIRE_CODES, SafetensorsHeader, read_header
 from .devices import DeviceBackend
 from .errors import CheckpointFormatError, ConfigError
 
@@ -63,8 +63,8 @@ class RegisteredCheckpoint:
 
 
 def _torch_dtype(code: str) -> torch.dtype:
-    from ._safetensors import DTYPES
-    return DTYPES[code]
+    from ._safetensors import WIRE_DTYPES
+    return WIRE_DTYPES[code]
 
 
 def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -80,8 +80,9 @@ def _check_named(named: dict) -> list[tuple[str, torch.Tensor]]:
             raise ConfigError(f"tensor names must be non-empty strings, got {name!r}")
         if not isinstance(t, torch.Tensor):
             raise ConfigError(f"named_tensors[{name!r}] is a {type(t).__name__}, not a torch.Tensor")
-        if t.dtype not in DTYPE_CODES:
-            raise ConfigError(f"named_tensors[{name!r}] has dtype {t.dtype}, which has no safetensors code")
+        if t.dtype not in WIRE_CODES:
+            raise ConfigError(f"named_tensors[{name!r}] has dtype {t.dtype}, which is unsupported: only dtypes "
+                              "with a whole number of bytes per element and plain storage can be carried")
         out.append((name, t))
     return out
 
@@ -221,7 +222,7 @@ def _meta(name, dtype: torch.dtype, shape, rid: int, offset: int) -> TensorMeta:
     n = 1
     for d in shape:
         n *= d
-    return TensorMeta(name, DTYPE_CODES[dtype], shape, n * dtype.itemsize, dtype.itemsize, rid, offset)
+    return TensorMeta(name, WIRE_CODES[dtype], shape, n * dtype.itemsize, dtype.itemsize, rid, offset)
 
 
 def _metas_copied(rid: int, copied, named, layout) -> list[TensorMeta]:

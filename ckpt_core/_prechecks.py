@@ -16,7 +16,7 @@ from datetime import timedelta
 
 from . import errors
 from ._planner import TensorMeta
-from ._safetensors import DTYPES
+from ._safetensors import WIRE_DTYPES
 from .errors import CkptError, ConfigError
 
 # An update timeout above this (float("inf"), timedelta.max, ...) means "no deadline for the
@@ -88,7 +88,7 @@ def _meta(m: dict) -> TensorMeta:
     ints = (meta.nbytes, meta.itemsize, meta.base, meta.base_offset, *meta.shape)
     if not (isinstance(meta.name, str) and isinstance(meta.dtype, str) and all(isinstance(v, int) for v in ints)):
         raise ValueError(f"tensor entry {m!r} has fields of the wrong type")
-    dtype = DTYPES.get(meta.dtype)
+    dtype = WIRE_DTYPES.get(meta.dtype)
     if dtype is None or dtype.itemsize != meta.itemsize:
         raise ValueError(f"tensor {meta.name!r} has dtype code {meta.dtype!r} with itemsize {meta.itemsize}, "
                          "which this build does not carry")

@@ -201,3 +201,44 @@ def test_an_infinite_update_timeout_means_no_deadline_and_the_update_delivers(wo
         held = front.digests(i)
         assert {n: held.get(n) for n in want} == want
     ckpts.drop(name)
+
+
+# -- defect 8: every dtype torch and safetensors share, and torch-only ones for named tensors ----------
+def random_bytes_as(shape, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """Random bit patterns (never all zero) viewed as ``dtype``: a byte-exact check needs no arithmetic."""
+    numel = 1
+    for d in shape:
+        numel *= d
+    raw = torch.randint(1, 256, (numel * dtype.itemsize,), dtype=torch.uint8, generator=gen)
+    return raw.view(dtype).reshape(shape)
+
+
+def test_mx_scales_complex_and_fnuz_float8_arrive_bit_exact_from_files_and_named_tensors(world, tmp_path):
+    from ckpt_core._safetensors import DTYPES, WIRE_DTYPES
+    ps, front, ckpts = world
+    gen = torch.Generator().manual_seed(8)
+    in_file = {f"file.{code}": random_bytes_as((3, 5), DTYPES[code], gen)
+               for code in ("F8_E8M0", "C64", "F8_E4M3FNUZ", "F8_E5M2FNUZ")}
+    from safetensors.torch import save_file    # written by the reference implementation, not ours
+    path = str(tmp_path / "mx.safetensors")
+    save_file(in_file, path)
+    named = {f"named.{code}": random_bytes_as((7,), dt, gen) for code, dt in WIRE_DTYPES.items() if dt != torch.bool}
+    named["named.bool"] = torch.randint(0, 2, (9,), generator=gen).bool()
+    got = ps.all("register", per_rank={0: ("dtypes", {"files": [path]}), 1: ("dtypes", {"named_tensors": named})})
+    assert all(o.ok for o in got.values()), got
+    assert all(o.ok for o in ps.all("gather", "dtypes").values())
+    got = ps.update("dtypes", front, 30)
+    assert all(o.ok for o in got.values()), got
+    want = want_digests(in_file, named)
+    for i in range(2):
+        held = front.digests(i)
+        assert {n: held.get(n) for n in want} == want, f"engine worker {i}: a dtype did not arrive bit-exact"
+    assert all(o.ok for o in ps.all("unregister", ("dtypes", {})).values())
+
+
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")
+def test_a_named_tensor_of_a_dtype_we_cannot_carry_is_called_unsupported(world):
+    ps, front, ckpts = world
+    q = torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8)
+    got = ps.all("register", ("quantized", {"named_tensors": {"q": q}}), ranks=[0])[0]
+    assert not got.ok and got.error == "ConfigError" and "unsupported" in got.message, got
