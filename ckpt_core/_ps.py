@@ -61,11 +61,15 @@ class ParameterServer:
         self.keep_device_buffers = keep_device_buffers
         self._log = rank_logger(f"ps rank {self.rank}/{self.world_size} {self.backend.kind}:{self.device_index}")
         self._coll = Collectives(self.settings, self.backend.collective_backend, auto_pg=auto_pg)
-        peers = self._coll.all_gather_json({"key": self.device_uuid, "token": secrets.token_hex(6)})
-        self._run_id = peers[0]["token"]
-        self._device_keys = [p["key"] for p in peers]
-        if len(set(self._device_keys)) != self.world_size:
-            raise ConfigError(f"two ranks share a device key: {self._device_keys}; set LOCAL_RANK per rank")
+        try:
+            peers = self._coll.all_gather_json({"key": self.device_uuid, "token": secrets.token_hex(6)})
+            self._run_id = peers[0]["token"]
+            self._device_keys = [p["key"] for p in peers]
+            if len(set(self._device_keys)) != self.world_size:
+                raise ConfigError(f"two ranks share a device key: {self._device_keys}; set LOCAL_RANK per rank")
+        except BaseException:
+            self._coll.close()   # a constructor that fails leaves no process group behind
+            raise
         self._checkpoints: dict[str, RegisteredCheckpoint] = {}
         self._metas: dict[str, list[list[TensorMeta]]] = {}
         self._plans = PlanCache()   # shared by checkpoints of one layout

@@ -92,3 +92,60 @@ def freeze_a_ps_rank_mid_update(kind: str, front: EngineFront, marks) -> str:
         report_case(f"PS rank 1 frozen (SIGSTOP) mid-update ({kind})", f"{got.error} on rank 0", dt)
         assert dt < COLLECTIVE_TIMEOUT_S + 4, f"survivor took {dt:.1f} s (collective timeout {COLLECTIVE_TIMEOUT_S} s)"
     return prefix
+
+
+# -- process groups a ParameterServer creates inside a caller's default group (issue 14, defect 5) ----
+def _group_census_main(rank: int, world: int, port: int, kind: str, n: int, mode: str, q) -> None:
+    """A trainer-like process: it owns the default group; ``n`` ParameterServers come and go in it."""
+    import gc
+
+    import torch
+    import torch.distributed as dist
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    try:
+        if kind == "cuda":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        from ckpt_core import ParameterServer
+
+        def census() -> dict:
+            gc.collect()   # what a reference cycle holds is freed by the collector, not leaked
+            out = {"groups": len(dist.distributed_c10d._world.pg_map), "fds": len(os.listdir("/proc/self/fd"))}
+            if kind == "cuda":
+                out["device_free"] = torch.cuda.mem_get_info(rank)[0]
+            return out
+
+        ParameterServer(rank, world, device=kind, auto_pg=False).close()   # lazy one-time allocations
+        before = census()
+        for _ in range(n):
+            ps = ParameterServer(rank, world, device=kind, auto_pg=False)
+            if mode == "abort":   # what update() does after a broken collective
+                ps._coll.abort()
+            ps.close()
+        after = census()
+        dist.barrier()                    # the caller's own default group still works
+        dist.destroy_process_group()
+        q.put((rank, {"before": before, "after": after}))
+    except Exception:
+        import traceback
+        q.put((rank, {"error": traceback.format_exc()}))
+
+
+def group_census(kind: str, n: int, mode: str, world: int = 2) -> dict[int, dict]:
+    """Each rank's process-group count and open fds before and after ``n`` ParameterServers were
+    created in (and closed or aborted out of) a default group the caller initialised."""
+    from harness import CTX, free_port
+    port, q = free_port(), CTX.Queue()
+    procs = [CTX.Process(target=_group_census_main, args=(r, world, port, kind, n, mode, q), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        out = dict(q.get(timeout=300) for _ in range(world))
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    assert all("error" not in v for v in out.values()), out
+    return out

@@ -242,3 +242,13 @@ def test_a_named_tensor_of_a_dtype_we_cannot_carry_is_called_unsupported(world):
     q = torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8)
     got = ps.all("register", ("quantized", {"named_tensors": {"q": q}}), ranks=[0])[0]
     assert not got.ok and got.error == "ConfigError" and "unsupported" in got.message, got
+
+
+# -- defect 5: close()/abort() free the groups the PS created in the caller's default group ------------
+@pytest.mark.parametrize("mode", ["close", "abort"])
+def test_parameter_servers_in_a_trainers_default_group_leave_no_process_groups_or_fds_behind(mode):
+    from ps_fault_cases import group_census
+    got = group_census("cpu", 10, mode)
+    for r, c in got.items():
+        assert c["after"]["groups"] == c["before"]["groups"], f"rank {r} leaked process groups: {c}"
+        assert c["after"]["fds"] <= c["before"]["fds"] + 4, f"rank {r} leaked descriptors: {c}"
