@@ -115,14 +115,21 @@ def _group_census_main(rank: int, world: int, port: int, kind: str, n: int, mode
                 out["device_free"] = torch.cuda.mem_get_info(rank)[0]
             return out
 
-        ParameterServer(rank, world, device=kind, auto_pg=False).close()   # lazy one-time allocations
-        before = census()
-        for _ in range(n):
+        def one():
             ps = ParameterServer(rank, world, device=kind, auto_pg=False)
+            # a broadcast, as every update does: on CUDA it creates the NCCL communicator
+            ps._coll.broadcast(torch.ones(4, device=ps.backend.device(ps.device_index)), 0, async_op=False)
             if mode == "abort":   # what update() does after a broken collective
                 ps._coll.abort()
             ps.close()
+            return ps             # a closed PS the caller still holds must hold no group
+
+        kept = one()              # lazy one-time allocations
+        before = census()
+        for _ in range(n):
+            kept = one()
         after = census()
+        del kept
         dist.barrier()                    # the caller's own default group still works
         dist.destroy_process_group()
         q.put((rank, {"before": before, "after": after}))
@@ -149,3 +156,37 @@ def group_census(kind: str, n: int, mode: str, world: int = 2) -> dict[int, dict
                 p.kill()
     assert all("error" not in v for v in out.values()), out
     return out
+
+
+# -- close() or unregister_checkpoint() while an update runs (issue 14, defect 4) --------------------
+def act_mid_update(ps: PsWorld, front: EngineFront, name: str, marks, action_rank: int, action: str) -> dict:
+    """Both engines take 0.3 s per bucket; ``action`` ("close" or "unregister") runs on ``action_rank``
+    once worker 0 is inside bucket 1. Returns each rank's {"update", "action", "order"}."""
+    mark = str(marks / "w0-b1")
+    slow = {i: {"sleep_s": 0.3, "mark_dir": str(marks), "timeout": WORKER_TIMEOUT_S} for i in range(ps.size)}
+    args = {r: (name, front.address, 30, slow, mark, action if r == action_rank else None) for r in range(ps.size)}
+    got = ps.collect(ps.send("act_during_update", per_rank=args), timeout=120)
+    assert all(o.ok for o in got.values()), got
+    return {r: o.value for r, o in got.items()}
+
+
+def close_a_rank_mid_update(kind: str, front: EngineFront, marks) -> None:
+    """Rank 1 is closed mid-update: its update and rank 0's fail naming rank 1 and close(); close()
+    returns only after the update left; the engines aborted (they keep the previous weights)."""
+    with PsWorld(kind, 2, init=INIT, env=ENV) as ps:
+        ckpts = FreshCheckpoints(ps, seed=44)
+        first, want = ckpts.new("before")
+        assert all(o.ok for o in ps.update(first, front, 30).values())
+        name, _ = ckpts.new("closing")
+        got = act_mid_update(ps, front, name, marks, 1, "close")
+        assert got[1]["action"] == "ok" and got[1]["order"] == ["update ended", "close returned"], got
+        for r in range(2):
+            assert got[r]["update"].startswith("RemoteWorkerError"), got
+            assert "[rank 1]" in got[r]["update"] and "close() was called" in got[r]["update"], got
+        for i in range(2):
+            held = front.digests(i)
+            assert {n: held.get(n) for n in want} == want, f"engine worker {i} committed a failed update"
+        again = ps.all("update", (name, None, 10, None), ranks=[1])[1]
+        assert not again.ok and again.error == "ClosedError", again
+        report_case(f"close() on rank 1 mid-update ({kind})", "RemoteWorkerError [rank 1] close() on every rank; "
+                    "freed after the update left", None)

@@ -118,20 +118,11 @@ def test_a_rank_that_holds_no_data_updates_with_metas_it_loaded(world):
 
 
 # -- defect 4: close() and unregister_checkpoint() racing an update ---------------------------------
-def _slow_update(ps, front, name, tmp_path, action_rank: int, action: str):
-    """Both engines take 0.3 s per bucket; ``action`` runs on ``action_rank`` once worker 0 is in bucket 1."""
-    mark = str(tmp_path / "w0-b1")
-    slow = {i: {"sleep_s": 0.3, "mark_dir": str(tmp_path)} for i in range(ps.size)}
-    args = {r: (name, front.address, 30, slow, mark, action if r == action_rank else None) for r in range(ps.size)}
-    got = ps.collect(ps.send("act_during_update", per_rank=args), timeout=120)
-    assert all(o.ok for o in got.values()), got
-    return {r: o.value for r, o in got.items()}
-
-
 def test_unregistering_the_checkpoint_being_updated_is_refused_and_the_update_delivers(world, tmp_path):
+    from ps_fault_cases import act_mid_update
     ps, front, ckpts = world
     name, want = ckpts.new("busy")
-    got = _slow_update(ps, front, name, tmp_path, 1, "unregister")
+    got = act_mid_update(ps, front, name, tmp_path, 1, "unregister")
     assert got[1]["action"].startswith("ConfigError") and "while an update is running" in got[1]["action"], got
     assert got[0]["update"] == "ok" and got[1]["update"] == "ok", got
     for i in range(2):
@@ -140,28 +131,11 @@ def test_unregistering_the_checkpoint_being_updated_is_refused_and_the_update_de
     ckpts.drop(name)
 
 
-def test_close_during_an_update_stops_it_on_every_rank_with_a_typed_error_then_frees():
-    """Its own world: rank 1 is closed mid-update. Its update and rank 0's fail naming rank 1 and
-    close(); close() returns only after the update left; the workers abort (weights unchanged)."""
-    import tempfile
-    from pathlib import Path
+def test_close_during_an_update_stops_it_on_every_rank_with_a_typed_error_then_frees(tmp_path):
+    from ps_fault_cases import close_a_rank_mid_update
     front = EngineFront("cpu", 2)
     try:
-        with PsWorld("cpu", 2, init=INIT, env=ENV) as ps, tempfile.TemporaryDirectory() as tmp:
-            ckpts = FreshCheckpoints(ps, seed=44)
-            first, want = ckpts.new("before")
-            assert all(o.ok for o in ps.update(first, front, 30).values())
-            name, _ = ckpts.new("closing")
-            got = _slow_update(ps, front, name, Path(tmp), 1, "close")
-            assert got[1]["action"] == "ok" and got[1]["order"] == ["update ended", "close returned"], got
-            for r in range(2):
-                assert got[r]["update"].startswith("RemoteWorkerError"), got
-                assert "[rank 1]" in got[r]["update"] and "close() was called" in got[r]["update"], got
-            for i in range(2):   # the healthy engines aborted: they still hold the previous weights
-                held = front.digests(i)
-                assert {n: held.get(n) for n in want} == want, f"engine worker {i} committed a failed update"
-            again = ps.all("update", (name, None, 10, None), ranks=[1])[1]
-            assert not again.ok and again.error == "ClosedError", again
+        close_a_rank_mid_update("cpu", front, tmp_path)
     finally:
         front.close()
 
