@@ -431,7 +431,8 @@ class ParameterServer:
     def _report(self, name: str, plan: Plan, stats, times: dict, **layout) -> dict:
         """The update's figures: logged once, kept in ``last_update``, returned."""
         result = {"name": name, "bytes": plan.total_bytes, "buckets": len(plan.buckets), "bucket_bytes": plan.bucket_bytes,
-                  **layout, "h2d_bytes": stats.h2d_bytes, "seconds": times, "gbps": plan.total_bytes / times["total"] / 1e9}
+                  **layout, "h2d_bytes": stats.h2d_bytes, "waits": {"deferred": stats.deferred, "awaited": stats.awaited},
+                  "seconds": times, "gbps": plan.total_bytes / times["total"] / 1e9}
         self.last_update = result
         self._log.info("updated %r: %.3f GiB in %d buckets, %.3f s (%.1f GB/s); pipeline %.3f s", name,
                        plan.total_bytes / GiB, len(plan.buckets), times["total"], result["gbps"], stats.seconds)

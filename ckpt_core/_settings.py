@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from .errors import ConfigError
 
-__all__ = ["Settings", "ENV_VARS", "load_settings", "gc_pause_enabled", "fault_threads"]
+__all__ = ["Settings", "ENV_VARS", "load_settings", "gc_pause_enabled", "fault_threads", "cpu_event_delay_s"]
 
 # name -> (type, default, meaning); the README's table is generated from the same facts.
 ENV_VARS: dict[str, tuple[str, str, str]] = {
@@ -31,6 +31,8 @@ ENV_VARS: dict[str, tuple[str, str, str]] = {
                          "(registration); more contend in the kernel and were slower on 2 ranks per host"),
     "PS_P2P_STORE_RDMA_DEVICES": ("str", "", "comma-separated RDMA NICs for the P2P store"),
     "NCCL_IB_HCA": ("str", "", "read as a fallback for PS_P2P_STORE_RDMA_DEVICES"),
+    "CKPT_TEST_CPU_EVENT_DELAY_S": ("float", "0", "tests only: `cpu` device events report done this long after "
+                                    "they were recorded, so the pipeline's waits and deferrals run on CPU"),
 }
 
 
@@ -131,3 +133,11 @@ def fault_threads() -> int:
     if n < 1:
         raise ConfigError(f"PS_FAULT_THREADS must be >= 1, got {n}")
     return n
+
+
+def cpu_event_delay_s() -> float:
+    """CKPT_TEST_CPU_EVENT_DELAY_S (tests only), read when a cpu event is made; 0 means events are done at once."""
+    delay = _get("CKPT_TEST_CPU_EVENT_DELAY_S", float, 0.0)
+    if not (math.isfinite(delay) and delay >= 0):
+        raise ConfigError(f"CKPT_TEST_CPU_EVENT_DELAY_S must be a finite number >= 0, got {delay!r}")
+    return delay

@@ -147,12 +147,13 @@ def test_load_metas_validates_everything_before_installing_anything(world):
     saved = ps.all("get_metas", ranks=[0])[0].value[name]
     three_ranks = saved + [[]]
     misshapen = [[dict(m, nbytes=m["nbytes"] + 1) for m in saved[0]], saved[1]]
+    known = {r: set(o.value) for r, o in ps.all("get_metas").items()}
     for bad, needle in ((three_ranks, "describe 3 ranks"), (misshapen, "do not match shape"),
                         ([saved[0], saved[0]], "twice")):
         got = ps.all("load_metas", {"fine": saved, "bad": bad})
         assert_every_rank_failed(got, "ConfigError", "'bad'", needle)
-        held = ps.all("get_metas")
-        assert all(set(o.value) == {name} for o in held.values()), f"a refused load installed metas: {held}"
+        held = {r: set(o.value) for r, o in ps.all("get_metas").items()}
+        assert held == known, f"a refused load installed metas: {held}"
     got = ps.update("bad", front, 10)            # nothing of it was installed: a clean refusal
     assert_every_rank_failed(got, "CheckpointNotFoundError", "'bad'")
     assert all(o.ok for o in ps.all("load_metas", {name: saved}).values())
