@@ -18,9 +18,9 @@ from ._gc import gc_paused
 from ._host import SharedPool
 from ._link import Failure, PsLink
 from ._log import rank_logger
-from ._planner import ALIGN, Plan, TensorMeta, align_up, choose_layout
+from ._planner import ALIGN, Plan, TensorMeta, align_up
 from ._plans import PlanCache
-from ._prechecks import parse_metas, problem_of, raise_agreed, update_seconds
+from ._prechecks import UpdateAgreement, parse_metas, problem_of, raise_agreed
 from ._protocol import encode_hello
 from ._settings import load_settings
 from ._signals import ReqThread, StopSignal, is_echo
@@ -34,7 +34,7 @@ CLOSE_GRACE_S = 5.0  # close(): how much longer than a collective a running upda
 GiB = float(1 << 30)
 
 
-class ParameterServer:
+class ParameterServer(UpdateAgreement):
     """One parameter-server rank, beside one engine worker (one device).
 
     Example (run under ``torchrun --nproc-per-node N``)::
@@ -271,76 +271,6 @@ class ParameterServer:
             raise
         finally:
             self._update_lock.release()
-
-    def _precheck(self, name, ranks, timeout) -> tuple[float, RegisteredCheckpoint | None, list | None]:
-        """This rank's own checks of an update (no collective): (deadline, checkpoint, problem).
-
-        The problem is not raised here but sent in the first exchange, so that every rank
-        raises it (``_agree_plan``) and none is left waiting in a collective.
-        """
-        try:
-            deadline = time.monotonic() + update_seconds(timeout)
-        except ConfigError as exc:
-            return time.monotonic() + self.settings.collective_timeout_s, None, problem_of(exc)
-        try:
-            if ranks:
-                raise ConfigError("P2P updates (ranks=[...]) are not supported by this build; pass ranks=None "
-                                  "to broadcast to all ranks")
-            return deadline, self._own_share(name), None
-        except CkptError as exc:
-            return deadline, None, problem_of(exc)
-
-    def _own_share(self, name) -> RegisteredCheckpoint:
-        """The checkpoint this rank sends from; a rank that loaded metas giving it nothing gets an empty one."""
-        if not isinstance(name, str):
-            raise ConfigError(f"checkpoint name must be a string, got {name!r}")
-        ckpt, metas = self._checkpoints.get(name), self._metas.get(name)
-        if metas is None:
-            if ckpt is None:
-                raise CheckpointNotFoundError(f"checkpoint {name!r} is not registered on rank {self.rank}")
-            raise ConfigError(f"call gather_metas({name!r}) on every rank before update({name!r})")
-        mine = metas[self.rank]
-        if ckpt is None:
-            if mine:
-                raise CheckpointNotFoundError(f"checkpoint {name!r} is not registered on rank {self.rank}, "
-                                              f"whose metas list {len(mine)} tensors for it")
-            return RegisteredCheckpoint(name, [], {})
-        if mine is not ckpt.metas and list(mine) != list(ckpt.metas):
-            raise ConfigError(f"the metas of {name!r} for rank {self.rank} do not describe the checkpoint "
-                              f"registered there; call gather_metas({name!r}) on every rank again")
-        return ckpt
-
-    def _agree_plan(self, name: str, problem: list | None) -> tuple[Plan, int, tuple[str, str]]:
-        """All ranks agree on (bucket size, slots) from their free memory, then plan (cached).
-
-        The same exchange carries every rank's pre-check problem: if any rank has one, every
-        rank raises it. Returns the plan, the slots to use and the plan's wire form (JSON, digest).
-        """
-        view = {"problem": problem}
-        if problem is None:
-            try:
-                view = self._layout_view(name)
-            except CkptError as exc:
-                view = {"problem": problem_of(exc)}
-        views = self._coll.all_gather_json(view)
-        raise_agreed([v.get("problem") for v in views], f"update({name!r})")
-        metas, fp = self._metas[name], view["fp"]
-        if len({v["fp"] for v in views}) != 1:
-            raise ConfigError(f"ranks disagree on the metas of {name!r}: call gather_metas on every rank again")
-        size, slots = min(v["bucket"] for v in views), min(v["slots"] for v in views)
-        plan, wire = self._plans.get(metas, fp, size)
-        return plan, max(1, min(slots, len(plan.buckets))), wire
-
-    def _layout_view(self, name: str) -> dict:
-        """This rank's metas digest and the (bucket size, slots) its free memory allows."""
-        metas = self._metas[name]
-        free = self.backend.mem_get_info(self.device_index)[0] + (self._ipc.nbytes if self._ipc else 0)
-        size, slots = choose_layout(
-            free, mem_fraction=self.settings.mem_fraction, max_slots=self.settings.num_slots,
-            max_bucket_bytes=self.settings.max_bucket_bytes,
-            largest_tensor=max((m.nbytes for ms in metas for m in ms), default=0),
-            largest_owner_total=max((sum(align_up(m.nbytes) for m in ms) for ms in metas), default=1))
-        return {"fp": self._plans.digest(name, metas), "bucket": size, "slots": slots}
 
     def _ensure_ipc(self, nbytes: int) -> IpcBuffer:
         if self._ipc is not None and self._ipc.nbytes >= nbytes:
