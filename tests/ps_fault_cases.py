@@ -39,7 +39,8 @@ def assert_engines_left_and_a_new_world_delivers(front: EngineFront, seed: int, 
     t0 = time.monotonic()
     for i in range(2):
         assert front.stats(i)["mapped"] == [], f"engine worker {i} still maps the dead world's buffer"
-    assert time.monotonic() - t0 < 10, "the engine workers stayed in the dead update"
+    # before their own WORKER_TIMEOUT_S: they left because they noticed, not because they timed out
+    assert time.monotonic() - t0 < WORKER_TIMEOUT_S, "the engine workers stayed in the dead update"
     with PsWorld(kind, 2, init=INIT) as ps:
         ckpts = FreshCheckpoints(ps, seed=seed)
         name, want = ckpts.new("after")
@@ -63,7 +64,8 @@ def kill_a_ps_rank_mid_update(kind: str, front: EngineFront, victim: int, marks)
         dt = time.monotonic() - t_kill
         assert not got.ok and got.error in ("TransportError", "UpdateTimeoutError"), got
         assert f"rank {survivor}" in got.message and "die" in got.message, got
-        assert dt < COLLECTIVE_TIMEOUT_S + 3, f"survivor took {dt:.1f} s (collective timeout {COLLECTIVE_TIMEOUT_S} s)"
+        # ordering, not seconds: the survivor failed on the dead peer, before its own 30 s update deadline
+        assert dt < 30, f"survivor took {dt:.1f} s: it waited for its update deadline, not the peer's death"
         report_case(f"PS rank {victim} SIGKILLed mid-update ({kind})", f"{got.error} on rank {survivor}: "
                     f"{got.message.splitlines()[0][:90]}", dt)
         # its process groups are gone: a further update says so at once instead of hanging
@@ -90,7 +92,8 @@ def freeze_a_ps_rank_mid_update(kind: str, front: EngineFront, marks) -> str:
         assert not got.ok and got.error == "UpdateTimeoutError", got
         assert "PS_COLLECTIVE_TIMEOUT_S" in got.message or "control group" in got.message, got
         report_case(f"PS rank 1 frozen (SIGSTOP) mid-update ({kind})", f"{got.error} on rank 0", dt)
-        assert dt < COLLECTIVE_TIMEOUT_S + 4, f"survivor took {dt:.1f} s (collective timeout {COLLECTIVE_TIMEOUT_S} s)"
+        # the message names the collective timeout: it came first, before the 15 s update deadline
+        assert dt < 15 + 5, f"survivor took {dt:.1f} s: past its update deadline"
     return prefix
 
 

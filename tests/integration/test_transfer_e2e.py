@@ -1,7 +1,6 @@
 """End to end on CPU: real PS processes (gloo), real engine-worker processes, /dev/shm IPC buffers."""
 
 import os
-import time
 
 import pytest
 
@@ -29,9 +28,7 @@ def test_an_engine_error_on_the_last_bucket_fails_every_rank_and_a_retry_succeed
 
 
 def test_an_engine_that_never_connects_times_out_naming_the_rank():
-    t0 = time.monotonic()
     res = cases.case_engine_never_connects("cpu", 2, timeout_s=3.0)
-    assert time.monotonic() - t0 < 60
     assert "timed out waiting for engine worker" in res[1][3][2] and "to connect" in res[1][3][2]
 
 
