@@ -110,7 +110,7 @@ class UpdateAgreement:
     plan cache and collectives), kept here with the rest of the pre-check machinery.
     """
 
-    def _precheck(self, name, ranks, timeout) -> tuple[float, RegisteredCheckpoint | None, list | None]:
+    def _precheck(self, name, req_func, ranks, timeout) -> tuple[float, RegisteredCheckpoint | None, list | None]:
         """This rank's own checks of an update (no collective): (deadline, checkpoint, problem).
 
         The problem is not raised here but sent in the first exchange, so that every rank
@@ -121,6 +121,8 @@ class UpdateAgreement:
         except ConfigError as exc:
             return time.monotonic() + self.settings.collective_timeout_s, None, problem_of(exc)
         try:
+            if not callable(req_func):
+                raise ConfigError(f"req_func must be callable, got {type(req_func).__name__}")
             if ranks:
                 raise ConfigError("P2P updates (ranks=[...]) are not supported by this build; pass ranks=None "
                                   "to broadcast to all ranks")

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from .._settings import cpu_event_delay_s
-from ..errors import TransportError
+from .._settings import cpu_event_delay_s, cpu_visible_devices
+from ..errors import ConfigError, TransportError
 from ._base import DeviceBackend, IpcBuffer, NullEvent
 
 SHM_DIR = "/dev/shm"
@@ -129,7 +129,16 @@ class CpuBackend(DeviceBackend):
         return (st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize)
 
     def device_key(self, index: int) -> str:
-        return f"CPU-{_machine_id()}-{int(index)}"
+        """``CPU-<machine>-<n>``: n is ``index`` mapped through PS_CPU_VISIBLE_DEVICES (like CUDA's
+        visible devices), so two engines on one host can each number their workers from 0."""
+        visible = cpu_visible_devices()
+        index = int(index)
+        if visible:
+            if not 0 <= index < len(visible):
+                raise ConfigError(f"cpu device {index} is not visible: PS_CPU_VISIBLE_DEVICES lists "
+                                  f"{len(visible)} device(s) {list(visible)}")
+            index = visible[index]
+        return f"CPU-{_machine_id()}-{index}"
 
     def new_event(self):
         delay = cpu_event_delay_s()
