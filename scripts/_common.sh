@@ -12,6 +12,9 @@ CKPT_PROJECT_REQS=(
     "torch==2.13.0" "pyzmq>=25" "httpx>=0.25" "safetensors>=0.4" "numpy"
     "pytest>=8" "pytest-timeout>=2" "fastapi>=0.110" "uvicorn>=0.27" "pydantic>=2"
 )
+# P2P store (issue 11): Mooncake's TransferEngine, the build that imports without CUDA. It needs
+# Debian's libibverbs1 even for TCP: ensure_p2p_system_libs installs it where it is missing.
+CKPT_PROJECT_REQS+=("mooncake-transfer-engine-non-cuda==0.3.13.post1")
 
 ckpt_log() { echo "[$(basename "$0")] $*" >&2; }
 
@@ -49,4 +52,16 @@ ensure_project_venv() {
     venv=${CKPT_PROJECT_VENV:-$CKPT_CACHE/project-$key}
     ckpt_cached_venv "$venv" "$base" 1200 _install_project_reqs || return 1
     echo "$venv/bin/python"
+}
+
+# ensure_p2p_system_libs: Mooncake's module links libibverbs.so.1 (also for the TCP transport).
+# Install Debian's libibverbs1 when it is missing and we may (root with apt-get: CI's fresh Debian).
+ensure_p2p_system_libs() {
+    if ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1'; then return 0; fi
+    if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
+        ckpt_log "installing libibverbs1 (needed by Mooncake's TransferEngine)"
+        (apt-get install -y -q libibverbs1 || { apt-get update -q && apt-get install -y -q libibverbs1; }) >&2
+    else
+        ckpt_log "libibverbs.so.1 is missing and cannot be installed here: the P2P tests will be skipped"
+    fi
 }
