@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from .errors import ConfigError
 
-__all__ = ["Settings", "ENV_VARS", "load_settings", "gc_pause_enabled", "fault_threads"]
+__all__ = ["Settings", "ENV_VARS", "load_settings", "gc_pause_enabled", "fault_threads", "p2p_env"]
 
 # name -> (type, default, meaning); the README's table is generated from the same facts.
 ENV_VARS: dict[str, tuple[str, str, str]] = {
@@ -30,6 +30,8 @@ ENV_VARS: dict[str, tuple[str, str, str]] = {
                          "(registration); more contend in the kernel and were slower on 2 ranks per host"),
     "PS_P2P_STORE_RDMA_DEVICES": ("str", "", "comma-separated RDMA NICs for the P2P store"),
     "NCCL_IB_HCA": ("str", "", "read as a fallback for PS_P2P_STORE_RDMA_DEVICES"),
+    "PS_P2P_HOST": ("str", "(route to MASTER_ADDR)", "address this rank's P2P store binds to and publishes "
+                    "in the metas (default: the local address that routes to MASTER_ADDR)"),
 }
 
 
@@ -110,3 +112,19 @@ def fault_threads() -> int:
     if n < 1:
         raise ConfigError(f"PS_FAULT_THREADS must be >= 1, got {n}")
     return n
+
+
+def p2p_env(master_addr: str, master_port: int) -> dict[str, str]:
+    """The P2P store's settings, read when the store is created: its host address and the raw
+    NIC selections (``_nics`` parses them: NCCL_IB_HCA has its own syntax)."""
+    host = _get("PS_P2P_HOST", str, "")
+    if not host:
+        import socket
+        try:   # no packet is sent: connecting a UDP socket only picks the route and its source address
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.connect((master_addr, master_port))
+                host = s.getsockname()[0]
+        except OSError:
+            host = "127.0.0.1"
+    return {"host": host, "ps_devices": _get("PS_P2P_STORE_RDMA_DEVICES", str, ""),
+            "nccl_ib_hca": _get("NCCL_IB_HCA", str, "")}
