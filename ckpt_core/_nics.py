@@ -84,9 +84,10 @@ def nic_for_rank(local_rank: int, devices: list[str]) -> str | None:
 def assign_readers(buckets: list[tuple[int, int]], targets: list[int]) -> list[int]:
     """Which target rank reads each bucket ``(owner, nbytes)`` from its owner.
 
-    Balances bytes over the targets (greedy: least loaded first), and among equally
-    loaded targets prefers one that did not just read from the same owner, so that
-    reads in flight at the same time pair distinct readers with distinct owners.
+    Balances bytes over the targets (greedy: least loaded first; ties go round-robin), so
+    that consecutive buckets, whose reads overlap in the pipeline, go to distinct readers;
+    the plan already alternates owners from bucket to bucket, so overlapping reads also
+    leave from distinct owners (and, through ``nic_for_rank``, distinct NICs on both sides).
     Deterministic: the same inputs give the same list on every rank.
     """
     if not targets:
@@ -94,14 +95,12 @@ def assign_readers(buckets: list[tuple[int, int]], targets: list[int]) -> list[i
     if len(set(targets)) != len(targets):
         raise ConfigError(f"P2P target ranks repeat: {targets}")
     load = {t: 0 for t in targets}
-    last_owner: dict[int, int | None] = {t: None for t in targets}
     out = []
     start = 0
-    for owner, nbytes in buckets:
-        order = targets[start:] + targets[:start]   # rotate ties, so equal buckets go round-robin
-        best = min(order, key=lambda t: (load[t], last_owner[t] == owner))
+    for _owner, nbytes in buckets:
+        order = targets[start:] + targets[:start]   # rotate, so equal loads go round-robin
+        best = min(order, key=lambda t: load[t])
         out.append(best)
         load[best] += max(int(nbytes), 1)
-        last_owner[best] = owner
         start = (targets.index(best) + 1) % len(targets)
     return out
