@@ -22,7 +22,8 @@ from typing import Any, Callable
 
 import httpx
 
-from ckpt_core.errors import ClosedError, ConfigError, RemoteWorkerError, TransportError, UpdateTimeoutError
+from ckpt_core._http import HttpTransport
+from ckpt_core.errors import ConfigError, RemoteWorkerError, TransportError, UpdateTimeoutError
 
 __all__ = ["VllmClient", "UpdateReport", "PATHS"]
 
@@ -53,25 +54,18 @@ class VllmClient:
 
     def __init__(self, endpoint: str = "http://127.0.0.1:8000", *, uds: str | None = None,
                  timeout: float = 600.0, connect_timeout: float = 10.0):
-        if timeout <= 0 or connect_timeout <= 0:
-            raise ConfigError(f"timeouts must be positive, got timeout={timeout}, connect_timeout={connect_timeout}")
-        self.endpoint = endpoint.rstrip("/") if endpoint else "http://localhost"
-        self.uds, self.timeout, self.connect_timeout = uds, float(timeout), float(connect_timeout)
-        transport = httpx.HTTPTransport(uds=uds) if uds else None
-        self._http = httpx.Client(base_url=self.endpoint, transport=transport,
-                                  timeout=httpx.Timeout(self.timeout, connect=self.connect_timeout))
-        self._closed = False
+        self.http = HttpTransport(endpoint, uds=uds, timeout=timeout, connect_timeout=connect_timeout)
+        self.endpoint, self.uds = self.http.endpoint, uds
+        self.timeout, self.connect_timeout = self.http.timeout, self.http.connect_timeout
         self._lock = threading.Lock()
         self.last_report: UpdateReport | None = None
 
     @property
     def where(self) -> str:
-        return f"{self.endpoint} (unix socket {self.uds})" if self.uds else self.endpoint
+        return self.http.where
 
     def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._http.close()
+        self.http.close()
 
     def __enter__(self) -> "VllmClient":
         return self
@@ -81,26 +75,11 @@ class VllmClient:
 
     # -- plumbing ----------------------------------------------------------------
     def _request(self, method: str, path: str, *, timeout: float | None = None, **kw) -> httpx.Response:
-        if self._closed:
-            raise ClosedError(f"this VllmClient of {self.where} is closed")
-        wait = self.timeout if timeout is None else timeout
-        connect = min(wait, self.connect_timeout)
-        try:
-            resp = self._http.request(method, path, timeout=httpx.Timeout(wait, connect=connect), **kw)
-        except httpx.ConnectTimeout as exc:
-            raise UpdateTimeoutError(f"{method} {path} on {self.where}: no connection within {connect:g} s "
-                                     "(connect_timeout)") from exc
-        except httpx.TimeoutException as exc:
-            raise UpdateTimeoutError(f"{method} {path} on {self.where}: no answer within {wait:.0f} s") from exc
-        except httpx.HTTPError as exc:
-            raise TransportError(f"{method} {path} on {self.where}: {type(exc).__name__}: {exc}") from exc
+        resp = self.http.request(method, path, timeout=timeout, **kw)
         if resp.status_code == 404:
             raise ConfigError(f"{path} is not served by {self.where} (HTTP 404): start vLLM with "
                               f"VLLM_SERVER_DEV_MODE=1{'' if path == '/collective_rpc' else ' and a weight-transfer config'}")
-        if resp.status_code // 100 != 2:
-            raise RemoteWorkerError(f"{method} {path} on {self.where} answered HTTP {resp.status_code}: "
-                                    f"{_error_text(resp)}", remote_traceback=resp.text[-20000:])
-        return resp
+        return self.http.raise_for_status(resp)
 
     def _post(self, path: str, body: dict | None = None, *, timeout: float | None = None, **kw) -> Any:
         resp = self._request("POST", path, json=body, timeout=timeout, **kw)
@@ -108,15 +87,11 @@ class VllmClient:
 
     # -- readiness -----------------------------------------------------------------
     def healthy(self, timeout: float = 5.0) -> bool:
-        # Twice: after a 500 the server may close the pooled keep-alive connection under us.
-        for _ in range(2):
-            try:
-                return self._request("GET", "/health", timeout=timeout).status_code == 200
-            except TransportError:
-                continue
-            except (RemoteWorkerError, ConfigError, UpdateTimeoutError):
-                return False
-        return False
+        """True if ``GET /health`` answers 200 within ``timeout`` seconds; never raises a transport error."""
+        try:
+            return self._request("GET", "/health", timeout=timeout).status_code == 200
+        except (TransportError, RemoteWorkerError, ConfigError):
+            return False
 
     def wait_ready(self, timeout: float = 300.0, interval: float = 0.5,
                    alive: Callable[[], bool] | None = None) -> float:
@@ -207,16 +182,3 @@ class VllmClient:
         """The ``req_func`` for ``ParameterServer.update``; keyword arguments go to :meth:`update`."""
         return lambda handles: self.update(handles, **update_kwargs)
 
-
-def _error_text(resp: httpx.Response) -> str:
-    """vLLM answers errors as {"error": {"message": ...}} or FastAPI's {"detail": ...}."""
-    try:
-        body = resp.json()
-    except ValueError:
-        return resp.text[:2000]
-    if isinstance(body, dict):
-        err = body.get("error", body.get("detail", body))
-        if isinstance(err, dict):
-            err = err.get("message", err)
-        return str(err)[:4000]
-    return str(body)[:2000]

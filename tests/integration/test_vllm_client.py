@@ -167,3 +167,9 @@ def test_bad_arguments_and_use_after_close_raise_clear_errors(fake):
     fake.close()
     with pytest.raises(ClosedError):
         fake.collective_rpc("x")
+
+
+def test_healthy_gives_up_after_one_timeout_not_two(fake):
+    _Handler.routes[("GET", "/health")] = (200, {}, 1.5)
+    assert not fake.healthy(timeout=0.5)
+    assert [c[1] for c in _Handler.calls] == ["/health"], "a timed-out /health was sent again"
