@@ -92,12 +92,16 @@ class P2PStore:
     """A Mooncake TransferEngine bound to ``host``: RDMA through this rank's NIC when the host has
     one (see ``_nics``), TCP otherwise. ``close()`` is idempotent."""
 
-    def __init__(self, host: str, *, local_rank: int, ps_devices: str, nccl_ib_hca: str, log):
+    def __init__(self, host: str, *, local_rank: int, ps_devices: str, nccl_ib_hca: str, log,
+                 transport: str | None = None):
         engine_cls = import_mooncake()
         self.log = log
-        devices = select_rdma_devices(rdma_devices_here(), ps_devices=ps_devices, nccl_ib_hca=nccl_ib_hca)
-        self.nic = nic_for_rank(local_rank, devices)
-        self.transport = "rdma" if self.nic else "tcp"
+        if transport:   # the device backend names its own transport (NPU: "ascend_direct"); no NIC list
+            self.nic, self.transport = None, transport
+        else:
+            devices = select_rdma_devices(rdma_devices_here(), ps_devices=ps_devices, nccl_ib_hca=nccl_ib_hca)
+            self.nic = nic_for_rank(local_rank, devices)
+            self.transport = "rdma" if self.nic else "tcp"
         self.engine = engine_cls()
         rc = self.engine.initialize(host, "P2PHANDSHAKE", self.transport, self.nic or "")
         if rc != 0:
