@@ -129,7 +129,7 @@ class P2PState:
                 env = p2p_env(ps.settings.master_addr, ps.settings.master_port)
                 self.store = P2PStore(env["host"], local_rank=ps.device_index, ps_devices=env["ps_devices"],
                                       nccl_ib_hca=env["nccl_ib_hca"], log=ps._log,
-                                      transport=getattr(ps.backend, "p2p_transport", None))
+                                      transport=getattr(ps.backend, "p2p_transport", None), rdma=env["rdma"])
             except CkptError as exc:
                 self.store_error = str(exc)
         if self.store is None and required:

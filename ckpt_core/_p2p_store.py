@@ -93,13 +93,14 @@ class P2PStore:
     one (see ``_nics``), TCP otherwise. ``close()`` is idempotent."""
 
     def __init__(self, host: str, *, local_rank: int, ps_devices: str, nccl_ib_hca: str, log,
-                 transport: str | None = None):
+                 transport: str | None = None, rdma: bool = True):
         engine_cls = import_mooncake()
         self.log = log
         if transport:   # the device backend names its own transport (NPU: "ascend_direct"); no NIC list
             self.nic, self.transport = None, transport
         else:
-            devices = select_rdma_devices(rdma_devices_here(), ps_devices=ps_devices, nccl_ib_hca=nccl_ib_hca)
+            here = rdma_devices_here() if rdma else []
+            devices = select_rdma_devices(here, ps_devices=ps_devices, nccl_ib_hca=nccl_ib_hca) if here else []
             self.nic = nic_for_rank(local_rank, devices)
             self.transport = "rdma" if self.nic else "tcp"
         self.engine = engine_cls()

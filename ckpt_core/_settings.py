@@ -30,6 +30,7 @@ ENV_VARS: dict[str, tuple[str, str, str]] = {
                          "(registration); more contend in the kernel and were slower on 2 ranks per host"),
     "PS_P2P_STORE_RDMA_DEVICES": ("str", "", "comma-separated RDMA NICs for the P2P store"),
     "NCCL_IB_HCA": ("str", "", "read as a fallback for PS_P2P_STORE_RDMA_DEVICES"),
+    "NCCL_IB_DISABLE": ("bool", "0", "1: the P2P store uses TCP even where RDMA NICs exist (NCCL's meaning)"),
     "PS_P2P_HOST": ("str", "(route to MASTER_ADDR)", "address this rank's P2P store binds to and publishes "
                     "in the metas (default: the local address that routes to MASTER_ADDR)"),
 }
@@ -126,5 +127,6 @@ def p2p_env(master_addr: str, master_port: int) -> dict[str, str]:
                 host = s.getsockname()[0]
         except OSError:
             host = "127.0.0.1"
+    ib_off = _get("NCCL_IB_DISABLE", str, "0").strip().lower() in ("1", "true", "yes", "on")
     return {"host": host, "ps_devices": _get("PS_P2P_STORE_RDMA_DEVICES", str, ""),
-            "nccl_ib_hca": _get("NCCL_IB_HCA", str, "")}
+            "nccl_ib_hca": _get("NCCL_IB_HCA", str, ""), "rdma": not ib_off}

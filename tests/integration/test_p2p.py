@@ -2,78 +2,24 @@
 
 from __future__ import annotations
 
-import itertools
 import os
 
 import pytest
-import torch
 
+import p2p_cases as cases
 from harness import EngineFront, FreshCheckpoints, PsWorld, assert_every_rank_failed
+from p2p_cases import JOINERS, OWNERS, SMALL, all_ok, call, owners_with
 
 mooncake = pytest.importorskip("mooncake.engine", reason="Mooncake (the p2p extra) is not installed: "
                                "scripts/test.sh installs mooncake-transfer-engine-non-cuda and libibverbs1")
 
-OWNERS = {"PS_P2P_HOST": "127.0.0.2"}
-JOINERS = {"PS_P2P_HOST": "127.0.0.3"}
-SMALL = {"max_bucket_gb": 0.00005}   # ~52 KiB buckets: every update spans many buckets
-
-
-def call(world, fn, *args, ranks=None, timeout=120):
-    return world.all("call", ("p2p_cases", fn, args), ranks=ranks, timeout=timeout)
-
-
-def all_ok(got):
-    assert all(o.ok for o in got.values()), got
-    return got
-
 
 def test_p2p_into_every_subset_of_targets_is_bit_exact_and_leaves_the_others_alone():
-    with PsWorld("cpu", 2, init=SMALL, env=OWNERS) as w:
-        ck = FreshCheckpoints(w, seed=11)
-        name, want = ck.new()
-        for targets in ([0], [1], [0, 1]):
-            front = EngineFront("cpu", len(targets), devices=targets)
-            try:
-                got = all_ok(call(w, "p2p_update", name, front.address, 60, targets))
-                for r in range(2):
-                    assert got[r].value["target"] == (r in targets), got[r]
-                for i in range(len(targets)):
-                    assert front.digests(i) == want, f"targets {targets}: worker {i}"
-                for r in set(range(2)) - set(targets):
-                    assert w.all("ipc_buffer", ranks=[r])[r].value is None, "a non-target allocated a buffer"
-                assert all(got[r].value["buckets"] >= 2 for r in targets), "the case must span several buckets"
-            finally:
-                front.close()
-
-
-def owners_with(w, n=1, **kw):
-    ck = FreshCheckpoints(w, seed=23, **kw)
-    return ck, [ck.new() for _ in range(n)]
+    cases.case_every_subset("cpu", 2)
 
 
 def test_a_separate_joiner_world_pulls_through_a_saved_metas_file_across_two_simulated_hosts(tmp_path):
-    path = str(tmp_path / "metas.json")
-    with PsWorld("cpu", 2, init=SMALL, env=OWNERS) as owners:
-        _, [(name, want)] = owners_with(owners)
-        all_ok(call(owners, "save_metas", path, ranks=[0]))
-        import json
-        doc = json.load(open(path))
-        assert doc["format"] == "ckpt-engine/metas" and doc["version"] == 1
-        addrs = [o["p2p"]["address"] for o in doc["checkpoints"][name]["owners"]]
-        assert all(a.startswith("127.0.0.2:") for a in addrs) and len(set(addrs)) == 2, addrs
-        with PsWorld("cpu", 2, init=SMALL, env=JOINERS) as joiners:
-            all_ok(call(joiners, "load_metas", path))
-            front = EngineFront("cpu", 2)
-            try:
-                got = all_ok(call(joiners, "p2p_update", name, front.address, 60, [0, 1]))
-                assert sum(got[r].value["read_bytes"] for r in range(2)) == got[0].value["bytes"]
-                for i in range(2):
-                    assert front.digests(i) == want
-                info = all_ok(call(joiners, "p2p_info"))
-                assert all(info[r].value["address"].startswith("127.0.0.3:") for r in range(2)), info
-                assert all(info[r].value["registered"] == 0 for r in range(2)), "staging stays registered"
-            finally:
-                front.close()
+    cases.case_joiner_world("cpu", 2, tmp_path)
 
 
 def test_a_pickled_foreign_or_malformed_metas_file_is_a_config_error(tmp_path):
@@ -159,3 +105,20 @@ def test_twenty_alternating_broadcast_and_p2p_updates_keep_memory_flat():
         finally:
             every.close()
             one.close()
+
+
+def test_the_p2p_benchmark_runs_verified_on_cpu_and_reports_the_ratio_to_its_ceiling(tmp_path):
+    """No timing asserted: the benchmark works, verifies its first update bit-exact, and records its figures."""
+    import json
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = tmp_path / "p2p.json"
+    env = {**os.environ, "PYTHONPATH": root, "NCCL_IB_DISABLE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "p2p_bench.py"), "--gib", "0.02",
+                           "--tensor-mib", "1", "--repeats", "1", "--out", str(out)],
+                          env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "verified bit-exact" in proc.stdout
+    rep = json.loads(out.read_text())
+    assert rep["bytes"] == rep["ceiling"]["bytes"] > 0 and rep["p2p_gbps"] > 0 and rep["ratio"] > 0
