@@ -3,7 +3,7 @@
 An owner world (``--owners`` ranks, P2P store on ``--owner-host``) registers a
 checkpoint of ``--gib`` GiB of random bf16 tensors and saves its metas; a separate
 reader world (``--readers`` ranks on ``--reader-host``) loads the metas and pulls the
-checkpoint with ``update(..., ranks=all readers)`` into engine workers (one thread per
+checkpoint with ``update(..., ranks=all readers)`` into engine workers (one process per
 reader that copies every tensor into its own preallocated parameter and checksums it).
 The ceiling is a plain Mooncake read of the same bytes from the same owners by the
 reader's own store into a registered buffer of the same device kind.
@@ -21,7 +21,6 @@ import json
 import multiprocessing as mp
 import os
 import socket
-import threading
 import time
 
 CTX = mp.get_context("spawn")
@@ -60,54 +59,70 @@ def owner_main(rank, world, port, args, metas_path, ready, stop):
     ps.close()
 
 
-def reader_main(rank, world, port, args, metas_path, sums, out):
+def engine_main(kind, index, conn, verify_first):
+    """One engine worker in its own process (CUDA IPC cannot be opened by the exporting process):
+    copies every tensor into its own preallocated parameter; checksums the first update."""
     import torch
+    import zmq
+    from ckpt_core import update_weights_from_ipc
+    dev = torch.device(kind, index) if kind == "cuda" else torch.device("cpu")
+    ctx, params, check = zmq.Context(), {}, [verify_first]
+    while True:
+        handle = conn.recv()
+        if handle is None:
+            return
+        got = {}
+
+        def run(weights):
+            for name, t in weights:
+                p = params.get(name)
+                if p is None:
+                    p = params[name] = torch.empty_like(t, device=dev)
+                p.copy_(t)
+                if check[0]:
+                    got[name] = _checksum(p)
+        try:
+            update_weights_from_ipc(ctx, handle, index, run=run)
+            conn.send(("ok", got))
+        except Exception as exc:
+            conn.send(("error", repr(exc)))
+        check[0] = False
+
+
+def reader_main(rank, world, port, args, metas_path, sums, out):
     os.environ["PS_P2P_HOST"] = args.reader_host
     os.environ["LOCAL_RANK"] = str(rank)
-    import zmq
-    from ckpt_core import ParameterServer, update_weights_from_ipc
+    from ckpt_core import ParameterServer
     ps = ParameterServer(rank, world, device=args.device, master_addr="127.0.0.1", master_port=port)
     ps.load_metas(metas_path)
-    dev = torch.device(args.device, rank) if args.device == "cuda" else torch.device("cpu")
-    params: dict = {}
-    got: dict = {}
-    ctx = zmq.Context()
-    check = [args.verify]   # the warm-up update is verified; the timed ones copy only
+    conn, child = CTX.Pipe()
+    engine = CTX.Process(target=engine_main, args=(args.device, ps.device_index, child, args.verify), daemon=True)
+    engine.start()
 
-    def run(weights):
-        for name, t in weights:
-            p = params.get(name)
-            if p is None:
-                p = params[name] = torch.empty_like(t, device=dev)
-            p.copy_(t)
-            if check[0]:
-                got[name] = _checksum(p)
-
-    def req(handles):   # every reader rank starts its own engine worker
-        key = ps.device_uuid
-        threading.Thread(target=update_weights_from_ipc, args=(ctx, dict(handles)[key], ps.device_index),
-                         kwargs={"run": run}, daemon=True).start()
+    def req(handles):   # every reader rank asks its own engine worker to pull
+        conn.send(dict(handles)[ps.device_uuid])
+        status, got = conn.recv()
+        if status != "ok":
+            raise RuntimeError(f"engine worker failed: {got}")
+        if got and got != sums:
+            bad = [k for k in sums if got.get(k) != sums[k]][:5]
+            raise RuntimeError(f"rank {rank}: the update is not bit-exact: {bad}")
 
     times = []
     for i in range(args.repeats + 1):
-        got.clear()
         r = ps.update("ck", req, ranks=list(range(world)), timeout=600)
-        if check[0] and got != sums:
-            bad = [k for k in sums if got.get(k) != sums[k]][:5]
-            raise SystemExit(f"rank {rank}: update {i} is not bit-exact: {bad}")
-        check[0] = False
         times.append(r["seconds"]["total"])
-    total = r["bytes"]
-    ceiling = None
-    if rank == 0:
-        ceiling = _ceiling(ps, dev, args)
-    out.put({"rank": rank, "update_s": times, "bytes": total, "ceiling": ceiling})
+    conn.send(None)
+    engine.join(30)
+    ceiling = _ceiling(ps, args) if rank == 0 else None
+    out.put({"rank": rank, "update_s": times, "bytes": r["bytes"], "ceiling": ceiling})
     ps.close()
 
 
-def _ceiling(ps, dev, args) -> dict:
+def _ceiling(ps, args) -> dict:
     """A plain Mooncake read of every owner region into one registered buffer of this device kind."""
     import torch
+    dev = torch.device(args.device, ps.device_index) if args.device == "cuda" else torch.device("cpu")
     store = ps._p2p.store
     src = ps._p2p.loaded["ck"]
     regions = [(peer, rid, ptr, n) for peer in src.peers for rid, (ptr, n) in peer.regions.items()]
@@ -154,7 +169,7 @@ def main() -> None:
         sums = {}
         for _ in owners:
             sums.update(ready.get(timeout=600))
-        readers = [CTX.Process(target=reader_main, args=(r, args.readers, rport, args, metas, sums, out), daemon=True)
+        readers = [CTX.Process(target=reader_main, args=(r, args.readers, rport, args, metas, sums, out))
                    for r in range(args.readers)]
         for p in readers:
             p.start()

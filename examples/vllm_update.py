@@ -11,7 +11,13 @@ devices (``world size = k * --inference-parallel-size``), give ``--endpoint`` k 
 URLs: ranks [i*n, (i+1)*n) feed the engine at the i-th URL. The vLLM servers must run with
 ``VLLM_SERVER_DEV_MODE=1`` and ``--worker-extension-cls ckpt_vllm.VllmColocateWorkerExtension``
 (``--path extension``, the default) or ``--weight-transfer-config '{"backend": "ckpt"}'``
-(``--path backend``). Rank 0 prints the update's timings as one JSON line.
+(``--path backend``). Rank 0 prints each update's timings as one JSON line.
+
+P2P (the ``p2p`` extra, Mooncake): ``--update-method p2p`` makes every rank pull the checkpoint
+from the owners' host memory instead of broadcasting it (``all``: broadcast, then p2p). Owners
+started with ``--save-metas-file m.json --sleep-time 600`` keep serving; a separate, joining
+torchrun world started with ``--load-metas-file m.json`` (no ``--checkpoint-path``) registers
+nothing and pulls the checkpoint into its own engines.
 """
 
 from __future__ import annotations
@@ -28,24 +34,25 @@ from ckpt_core import ParameterServer, split_checkpoint_files
 from ckpt_core.errors import ConfigError
 from ckpt_vllm import VllmClient
 
-P2P_UNSUPPORTED = ("P2P updates (--update-method p2p/all, --load-metas-file) are not supported yet: "
-                   "the P2P transport of ckpt_core has not landed. Use --update-method broadcast.")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint-path", help="directory of safetensors files (an HF checkpoint)")
     ap.add_argument("--checkpoint-name", default="my-checkpoint-iter-0")
-    ap.add_argument("--update-method", choices=("broadcast", "p2p", "all"), default="broadcast")
+    ap.add_argument("--update-method", choices=("broadcast", "p2p", "all"), default="broadcast",
+                    help="broadcast from every rank's share; p2p: every rank pulls from the owners' host "
+                         "memory (Mooncake, the p2p extra); all: broadcast, then p2p")
     ap.add_argument("--inference-parallel-size", type=int, default=None,
                     help="devices of one engine (default: the world size)")
     ap.add_argument("--endpoint", default="http://localhost:19730",
                     help="vLLM server URL; comma-separated, one per engine, when there are several")
     ap.add_argument("--uds", default=None, help="talk HTTP over this Unix socket (one engine)")
     ap.add_argument("--save-metas-file", default=None, help="rank 0 writes the gathered metas here (JSON)")
-    ap.add_argument("--load-metas-file", default=None, help="join with saved metas (P2P)")
+    ap.add_argument("--load-metas-file", default=None,
+                    help="join: register nothing, load these metas and pull the checkpoint from its owners (P2P)")
     ap.add_argument("--sleep-time", type=float, default=0.0,
-                    help="seconds to keep the checkpoint registered after the update")
+                    help="seconds to keep the checkpoint registered after the update (owners serving joiners)")
     # ckpt-engine additions
     ap.add_argument("--path", choices=("extension", "backend"), default="extension",
                     help="worker extension (/collective_rpc) or the ckpt weight-transfer backend")
@@ -59,10 +66,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def check_args(args: argparse.Namespace, world_size: int) -> tuple[list[str], int]:
     """Validate flags before any collective; returns the endpoint of each engine and its device count."""
-    if args.update_method != "broadcast" or args.load_metas_file:
-        raise ConfigError(P2P_UNSUPPORTED)
-    if not args.checkpoint_path:
-        raise ConfigError("--checkpoint-path is required")
+    if not args.checkpoint_path and not args.load_metas_file:
+        raise ConfigError("--checkpoint-path (or --load-metas-file, to join) is required")
     ips = args.inference_parallel_size or world_size
     if ips <= 0 or world_size % ips:
         raise ConfigError(f"world size {world_size} is not a multiple of --inference-parallel-size {ips}")
@@ -108,19 +113,27 @@ def main(argv=None) -> int:
             c.wait_ready(timeout=args.ready_timeout)
         with ParameterServer(device=args.device) as ps:
             t0 = time.perf_counter()
-            ps.register_checkpoint(args.checkpoint_name,
-                                   files=split_checkpoint_files(args.checkpoint_path, ps.rank, ps.world_size))
-            ps.gather_metas(args.checkpoint_name)
+            if args.load_metas_file:   # join: this world owns nothing; it pulls from the owners (P2P)
+                ps.load_metas(args.load_metas_file)
+            else:
+                ps.register_checkpoint(args.checkpoint_name,
+                                       files=split_checkpoint_files(args.checkpoint_path, ps.rank, ps.world_size))
+                ps.gather_metas(args.checkpoint_name)
             t_register = time.perf_counter() - t0
             if args.save_metas_file and ps.rank == 0:
-                with open(args.save_metas_file, "w") as f:
-                    json.dump(ps.get_metas(), f)
+                ps.save_metas(args.save_metas_file)   # versioned JSON, never pickle
             reports: list = []
-            result = ps.update(args.checkpoint_name, make_req_func(clients, ips, args, reports),
-                               timeout=args.timeout)
-            if ps.rank == 0:
-                print(json.dumps({"checkpoint": args.checkpoint_name, "register_and_gather_s": round(t_register, 4),
-                                  "ps": result, "engines": [r.__dict__ for r in reports]}), flush=True)
+            methods = ["p2p"] if args.load_metas_file else {"all": ["broadcast", "p2p"]}.get(args.update_method,
+                                                                                            [args.update_method])
+            for method in methods:
+                ranks = list(range(ps.world_size)) if method == "p2p" else None
+                result = ps.update(args.checkpoint_name, make_req_func(clients, ips, args, reports),
+                                   ranks=ranks, timeout=args.timeout)
+                if ps.rank == 0:
+                    print(json.dumps({"checkpoint": args.checkpoint_name, "method": method,
+                                      "register_and_gather_s": round(t_register, 4), "ps": result,
+                                      "engines": [r.__dict__ for r in reports]}), flush=True)
+                reports.clear()
             if args.sleep_time > 0:
                 time.sleep(args.sleep_time)
     finally:
