@@ -230,6 +230,9 @@ class ParameterServer:
                timeout: float | timedelta = timedelta(minutes=10)) -> dict:
         """Collective: push checkpoint ``name`` into every rank's engine worker.
 
+        ``ranks=[...]``: a P2P update of those ranks' engines only, read from the owners' host
+        memory (``_p2p.py``, docs/p2p.md); still called on every rank.
+
         ``req_func(handles)`` runs in a thread on rank 0 with ``handles`` =
         ``[(device_uuid, zmq_handle)]`` of all ranks; it must make the engine
         workers call ``update_weights_from_ipc``. Raises ``RemoteWorkerError``

@@ -57,6 +57,8 @@ def test_an_owner_killed_mid_transfer_fails_every_target_naming_it_and_engines_k
                 owners.kill(1)
                 got = joiners.collect(timeout=90)
                 assert_every_rank_failed(got, "TransportError", "owner rank 1 at 127.0.0.2:", "P2P read")
+                info = all_ok(call(joiners, "p2p_info"))
+                assert sum(info[r].value["quarantined"] for r in range(2)) >= 1, "the failed read's buffer was reused"
                 for i in range(2):
                     assert front.digests(i) == want, "an engine kept part of the failed update"
                 again = call(joiners, "p2p_update", first, front.address, 60, [0, 1])
