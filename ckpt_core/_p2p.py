@@ -260,21 +260,39 @@ def run_update(ps, name: str, req_func, ranks, deadline: float) -> dict:
         for phase, final in (("handshake", False), ("transfer", False), ("post-hook", True)):
             _agree(ps, link, None, deadline, phase, final)
         return {"name": name, "p2p": True, "target": False, "seconds": {"total": time.perf_counter() - t0}}
-    size = min(v["layout"][0] for v in tv)
-    plan, wire = ps._plans.get(src.metas, tv[0]["fp"], size)
-    readers = assign_readers([(b.owner, b.nbytes) for b in plan.buckets], list(targets))
-    p2p_plan = Plan(plan.bucket_bytes, tuple(P2PBucket(owner=rd, placements=b.placements, nbytes=b.nbytes + 1,
-                                                       source=b.owner, index=i)
-                                  for i, (b, rd) in enumerate(zip(plan.buckets, readers))))
-    slots = max(1, min(min(v["layout"][1] for v in tv), len(plan.buckets)))
+    try:
+        size = min(v["layout"][0] for v in tv)
+        plan, wire = ps._plans.get(src.metas, tv[0]["fp"], size)
+        readers = assign_readers([(b.owner, b.nbytes) for b in plan.buckets], list(targets))
+        p2p_plan = Plan(plan.bucket_bytes, tuple(P2PBucket(owner=rd, placements=b.placements, nbytes=b.nbytes + 1,
+                                                           source=b.owner, index=i)
+                                                 for i, (b, rd) in enumerate(zip(plan.buckets, readers))))
+        slots = max(1, min(min(v["layout"][1] for v in tv), len(plan.buckets)))
+    except CkptError as exc:
+        _fail_through(ps, exc, deadline)
     return _run_target(ps, name, req_func, deadline, targets, group, src, p2p_plan, wire, slots, update_id, t0)
+
+
+def _fail_through(ps, exc: Exception, deadline: float):
+    """A target failed before its first status exchange: tell every rank there (so nobody waits
+    for it until the collective timeout), then raise the original error here."""
+    link = _NoLink()
+    link.failure = Failure(ps.rank, ps.device_uuid, f"{type(exc).__name__}: {exc}")
+    try:
+        _agree(ps, link, None, deadline, "handshake", False)
+    except CkptError:
+        pass
+    raise exc
 
 
 def _run_target(ps, name, req_func, deadline, targets, group, src, plan, wire, slots, update_id, t0) -> dict:
     store = ps._p2p.store
     slot_bytes = align_up(max(plan.largest_bucket, ALIGN))
-    ipc = ps._ensure_ipc(slot_bytes * slots)
-    store.register(ipc.tensor.data_ptr(), ipc.nbytes)
+    try:
+        ipc = ps._ensure_ipc(slot_bytes * slots)
+        store.register(ipc.tensor.data_ptr(), ipc.nbytes)
+    except Exception as exc:   # e.g. no device memory, or Mooncake refusing the registration
+        _fail_through(ps, exc, deadline)
     handles = [(ps._device_keys[r], f"ipc://@ckpt-{update_id}-{r}") for r in targets]
     req = ReqThread(req_func, handles)
     signal = StopSignal(ps._coll.store, f"ckpt/{update_id}/abort", ps.rank, req, ps._log)

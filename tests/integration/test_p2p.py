@@ -124,3 +124,13 @@ def test_the_p2p_benchmark_runs_verified_on_cpu_and_reports_the_ratio_to_its_cei
     assert "verified bit-exact" in proc.stdout
     rep = json.loads(out.read_text())
     assert rep["bytes"] == rep["ceiling"]["bytes"] > 0 and rep["p2p_gbps"] > 0 and rep["ratio"] > 0
+
+
+def test_a_target_that_cannot_plan_fails_every_rank_at_once_not_at_the_collective_timeout():
+    """Rank 1 (the only target) has no room for a bucket: rank 0, outside ranks, must not wait for it."""
+    with PsWorld("cpu", 2, init={"mem_fraction": 1e-9}, env={**OWNERS, "PS_COLLECTIVE_TIMEOUT_S": "300"}) as w:
+        _, [(name, _)] = owners_with(w)
+        got = call(w, "p2p_update", name, None, 60, [1])
+        assert not got[1].ok and got[1].error == "ConfigError" and "does not fit a bucket" in got[1].message, got
+        assert not got[0].ok and got[0].error == "RemoteWorkerError" and "does not fit a bucket" in got[0].message
+        assert max(o.seconds for o in got.values()) < 60, got   # far below PS_COLLECTIVE_TIMEOUT_S
