@@ -7,7 +7,8 @@ Layout (version 1)::
      "checkpoints": {NAME: {"owners": [            # one entry per owner rank, in rank order
          {"rank": 0,
           "p2p": {"address": "10.0.0.5:15021", "host": "10.0.0.5", "nic": "mlx5_0" | null,
-                  "regions": {"0": [remote_ptr, nbytes], ...}} | null,   # null: no P2P store
+                  "regions": {"0": [remote_ptr, nbytes], ...},
+                  "stamp": [remote_ptr, "32 hex digits"]} | null,          # null: no P2P store
           "tensors": [[name, dtype, shape, nbytes, itemsize, region, offset], ...]}]}}}
 
 ``parse`` validates everything a reader will dereference (types, ranges, every tensor
@@ -26,6 +27,7 @@ from .errors import ConfigError
 
 FORMAT = "ckpt-engine/metas"
 VERSION = 1
+STAMP_BYTES = 16
 
 
 @dataclass(frozen=True)
@@ -35,10 +37,16 @@ class Peer:
     host: str
     nic: str | None
     regions: dict[int, tuple[int, int]]   # region id -> (remote pointer, nbytes)
+    # (remote pointer, hex token): the owner clears the token before it unregisters the checkpoint,
+    # so a reader that still finds it after a read knows the bytes it read were this checkpoint's
+    stamp: tuple[int, str] | None = None
 
     def to_json(self) -> dict:
-        return {"address": self.address, "host": self.host, "nic": self.nic,
-                "regions": {str(k): [p, n] for k, (p, n) in sorted(self.regions.items())}}
+        out = {"address": self.address, "host": self.host, "nic": self.nic,
+               "regions": {str(k): [p, n] for k, (p, n) in sorted(self.regions.items())}}
+        if self.stamp is not None:
+            out["stamp"] = [self.stamp[0], self.stamp[1]]
+        return out
 
 
 @dataclass(frozen=True)
@@ -122,7 +130,13 @@ def parse_peer(p, where: str) -> Peer | None:
         if not (isinstance(k, str) and k.isdigit()) or not isinstance(v, list) or len(v) != 2:
             raise ConfigError(f"metas: {where}.p2p.regions[{k!r}] must map a region id to [pointer, nbytes]")
         out[int(k)] = (_int(v[0], f"{where} region {k} pointer", 1), _int(v[1], f"{where} region {k} size"))
-    return Peer(addr, host, nic, out)
+    stamp = p.get("stamp")
+    if stamp is not None:
+        if not (isinstance(stamp, list) and len(stamp) == 2 and isinstance(stamp[1], str)
+                and len(stamp[1]) == 2 * STAMP_BYTES and all(c in "0123456789abcdef" for c in stamp[1])):
+            raise ConfigError(f"metas: {where}.p2p.stamp must be [pointer, {2 * STAMP_BYTES} hex digits]")
+        stamp = (_int(stamp[0], f"{where} stamp pointer", 1), stamp[1])
+    return Peer(addr, host, nic, out, stamp)
 
 
 def _tensor(t, where: str, peer: Peer | None) -> TensorMeta:

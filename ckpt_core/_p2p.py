@@ -115,6 +115,7 @@ class P2PState:
         self.store: P2PStore | None = None
         self.store_error: str | None = None
         self.served: dict[str, dict[int, tuple[int, int]]] = {}   # checkpoint -> regions this rank serves
+        self.stamps: dict[str, tuple[int, tuple[int, str]]] = {}  # checkpoint -> (slot, stamp)
         self.gathered: dict[str, list[Peer | None]] = {}         # checkpoint -> every owner's store
         self.loaded: dict[str, Source] = {}                       # checkpoint -> from load_metas
         self.groups: dict[tuple[int, ...], object] = {}
@@ -145,6 +146,7 @@ class P2PState:
         try:
             for ptr, n in regions.values():
                 store.register(ptr, n)
+            self.stamps[name] = store.stamp()
         except TransportError as exc:   # broadcast updates still work; a P2P update will name this rank
             self.ps._log.warning("checkpoint %r is not served to P2P readers: %s", name, exc)
             for ptr, _ in regions.values():
@@ -153,6 +155,8 @@ class P2PState:
         self.served[name] = regions
 
     def on_unregister(self, name: str) -> None:
+        if name in self.stamps and self.store is not None:   # first: a reader's next check fails
+            self.store.clear_stamp(self.stamps.pop(name)[0])
         for ptr, _ in self.served.pop(name, {}).values():
             if self.store is not None:
                 self.store.unregister(ptr)
@@ -161,7 +165,7 @@ class P2PState:
     def describe(self, name: str) -> dict | None:
         if self.store is None or name not in self.served:
             return None
-        return self.store.describe(self.served[name]).to_json()
+        return self.store.describe(self.served[name], self.stamps[name][1]).to_json()
 
     def gather(self, name: str) -> None:
         """Collective (after gather_metas): every rank learns every owner's store for ``name``."""

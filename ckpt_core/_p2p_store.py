@@ -16,7 +16,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
-from ._metas import Peer
+from ._metas import STAMP_BYTES, Peer
 from ._nics import nic_for_rank, select_rdma_devices
 from .errors import ConfigError, TransportError, UpdateTimeoutError
 
@@ -24,8 +24,15 @@ MAX_DESCRIPTORS = 1024      # Mooncake: keep one batch at or below this many des
 PIECE_BYTES = 64 << 20      # large runs are cut so that a batch spreads over Mooncake's slices
 SETTLE_GRACE_S = 5.0        # after a failed read returned, slices may still land for this long
 POLL_S = 0.01
+STAMP_SLOTS = 256           # checkpoints one store can serve at once
+STAMP_GONE = -2             # _read_batches: the owner's stamp changed (checkpoint unregistered or replaced)
 EXTRA = "p2p"
 MARK = "P2P read"           # every read failure's message starts with this
+
+
+def torch_frombuffer(data: bytes):
+    import torch
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
 def import_mooncake():
@@ -112,6 +119,12 @@ class P2PStore:
         self.address = f"{host}:{self.engine.get_rpc_port()}"
         self.registered: dict[int, int] = {}        # pointer -> nbytes
         self.quarantine = Quarantine()
+        import torch   # stamps of served checkpoints, and where a reader fetches an owner's stamp into
+        self._stamps = torch.zeros(STAMP_SLOTS * STAMP_BYTES, dtype=torch.uint8)
+        self._scratch = torch.zeros(STAMP_BYTES, dtype=torch.uint8)
+        self._free_slots = list(range(STAMP_SLOTS))
+        self.register(self._stamps.data_ptr(), self._stamps.numel())
+        self.register(self._scratch.data_ptr(), self._scratch.numel())
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="ckpt-p2p-read")
         self._closed = False
         log.info("P2P store at %s over %s%s", self.address, self.transport, f" ({self.nic})" if self.nic else "")
@@ -133,9 +146,24 @@ class P2PStore:
             if rc != 0:
                 self.log.warning("Mooncake could not unregister memory at %#x (%s)", ptr, rc)
 
-    def describe(self, regions: dict[int, tuple[int, int]]) -> Peer:
+    def stamp(self) -> tuple[int, tuple[int, str]]:
+        """A fresh stamp for a checkpoint being served: (slot, (pointer, hex token))."""
+        if not self._free_slots:
+            raise TransportError(f"this P2P store already serves {STAMP_SLOTS} checkpoints")
+        slot = self._free_slots.pop(0)
+        token = os.urandom(STAMP_BYTES)
+        view = self._stamps[slot * STAMP_BYTES: (slot + 1) * STAMP_BYTES]
+        view.copy_(torch_frombuffer(token))
+        return slot, (view.data_ptr(), token.hex())
+
+    def clear_stamp(self, slot: int) -> None:
+        """Before a served checkpoint's memory is unregistered: readers' next stamp check fails."""
+        self._stamps[slot * STAMP_BYTES: (slot + 1) * STAMP_BYTES].zero_()
+        self._free_slots.append(slot)
+
+    def describe(self, regions: dict[int, tuple[int, int]], stamp: tuple[int, str] | None = None) -> Peer:
         """This store as readers see it, serving ``regions`` (id -> (pointer, nbytes))."""
-        return Peer(self.address, self.host, self.nic, dict(regions))
+        return Peer(self.address, self.host, self.nic, dict(regions), stamp)
 
     # -- reading ---------------------------------------------------------------
     def read(self, peer: Peer, owner: int, descs: list[tuple[int, int, int]], *, what: str,
@@ -149,7 +177,7 @@ class P2PStore:
         """
         pieces = [(lp + a, rp + a, min(PIECE_BYTES, n - a)) for lp, rp, n in descs for a in range(0, n, PIECE_BYTES)]
         batches = [pieces[i: i + MAX_DESCRIPTORS] for i in range(0, len(pieces), MAX_DESCRIPTORS)]
-        fut = self._reader.submit(self._read_batches, peer.address, batches)
+        fut = self._reader.submit(self._read_batches, peer.address, batches, peer.stamp)
         head = f"{MARK} of {what} from owner rank {owner} at {peer.address}"
         while True:
             try:
@@ -164,6 +192,11 @@ class P2PStore:
                                           "(owner frozen or unreachable?)"))
                 exc.pending = fut
                 raise exc
+        if rc == STAMP_GONE:
+            exc = TransportError(f"{head} is void: the owner unregistered or replaced the checkpoint while "
+                                 "it was being read (keep it registered until readers finish)")
+            exc.pending = fut
+            raise exc
         if rc != 0:
             exc = TransportError(f"{head} failed (Mooncake returned {rc}: the owner died, froze past "
                                  "MC_TRANSFER_TIMEOUT, or no longer registers that memory)")
@@ -171,12 +204,21 @@ class P2PStore:
             raise exc
         return None
 
-    def _read_batches(self, address: str, batches) -> int:
+    def _read_batches(self, address: str, batches, stamp) -> int:
+        """Read, then (if the owner stamps its checkpoint) check that the stamp is still there:
+        the owner clears it before unregistering, so the bytes read were the checkpoint's."""
         for batch in batches:
             lp, rp, n = zip(*batch)
             rc = self.engine.batch_transfer_sync_read(address, list(lp), list(rp), list(n))
             if rc != 0:
                 return rc
+        if stamp is not None:
+            self._scratch.zero_()
+            rc = self.engine.batch_transfer_sync_read(address, [self._scratch.data_ptr()], [stamp[0]], [STAMP_BYTES])
+            if rc != 0:
+                return rc
+            if bytes(self._scratch.numpy()).hex() != stamp[1]:
+                return STAMP_GONE
         return 0
 
     def close(self, settle_wait_s: float) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 import p2p_cases as cases
 from harness import EngineFront, FreshCheckpoints, PsWorld, assert_every_rank_failed
@@ -134,3 +135,38 @@ def test_a_target_that_cannot_plan_fails_every_rank_at_once_not_at_the_collectiv
         assert not got[1].ok and got[1].error == "ConfigError" and "does not fit a bucket" in got[1].message, got
         assert not got[0].ok and got[0].error == "RemoteWorkerError" and "does not fit a bucket" in got[0].message
         assert max(o.seconds for o in got.values()) < 60, got   # far below PS_COLLECTIVE_TIMEOUT_S
+
+
+def test_a_read_after_the_owner_replaced_its_checkpoint_in_place_is_refused_not_loaded():
+    """Real Mooncake TCP between two stores: the owner re-fills the same memory with another
+    checkpoint (a shared pool does that) between two reads; the second read must be refused."""
+    import logging
+    import time
+    from ckpt_core._p2p_store import P2PStore
+    from ckpt_core.errors import TransportError
+    log = logging.getLogger("test")
+    owner = P2PStore("127.0.0.2", local_rank=0, ps_devices="", nccl_ib_hca="", log=log, rdma=False)
+    reader = P2PStore("127.0.0.3", local_rank=0, ps_devices="", nccl_ib_hca="", log=log, rdma=False)
+    gen = torch.Generator().manual_seed(3)
+    n = 1 << 20
+    region = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
+    dst = torch.zeros(n, dtype=torch.uint8)
+    try:
+        owner.register(region.data_ptr(), n)
+        reader.register(dst.data_ptr(), n)
+        slot, stamp = owner.stamp()
+        peer = owner.describe({0: (region.data_ptr(), n)}, stamp)
+
+        def read():
+            reader.read(peer, 0, [(dst.data_ptr(), region.data_ptr(), n)], what="bucket 0",
+                        deadline=time.monotonic() + 60, should_stop=lambda: None)
+        read()
+        assert torch.equal(dst, region)
+        owner.clear_stamp(slot)                   # what unregister_checkpoint does first
+        region.copy_(torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen))
+        owner.stamp()                             # the next checkpoint in the same memory
+        with pytest.raises(TransportError, match="owner rank 0 at 127.0.0.2:.*unregistered or replaced"):
+            read()
+    finally:
+        owner.close(0)
+        reader.close(0)
