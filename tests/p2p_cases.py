@@ -106,5 +106,8 @@ def hide_mooncake(ps, rank):
 
 def p2p_info(ps, rank):
     st = ps._p2p.store
-    return None if st is None else {"address": st.address, "transport": st.transport,
-                                    "quarantined": len(st.quarantine), "registered": len(st.registered)}
+    if st is None:
+        return None
+    fixed = {st._stamps.data_ptr(), st._scratch.data_ptr()}   # registered for the store's life
+    return {"address": st.address, "transport": st.transport, "quarantined": len(st.quarantine),
+            "registered": len(set(st.registered) - fixed)}

@@ -13,7 +13,7 @@ from ckpt_core.errors import ConfigError
 
 METAS = {"ck": [[TensorMeta("a", "BF16", (4, 8), 64, 2, 0, 0), TensorMeta("b", "F32", (3,), 12, 4, 0, 64)],
                 [TensorMeta("c", "F8_E4M3", (0,), 0, 1, 1, 0)]]}
-PEERS = {"ck": [Peer("10.0.0.2:15001", "10.0.0.2", "mlx5_0", {0: (1 << 20, 4096)}),
+PEERS = {"ck": [Peer("10.0.0.2:15001", "10.0.0.2", "mlx5_0", {0: (1 << 20, 4096)}, (8192, "ab" * 16)),
                 Peer("10.0.0.3:15002", "10.0.0.3", None, {1: (2 << 20, 4096)})]}
 
 
@@ -60,6 +60,8 @@ OWNER = ["checkpoints", "ck", "owners", 0]
     (OWNER + ["tensors", 0, 4], True, "itemsize"),
     (OWNER + ["tensors", 1, 0], "a", "listed by two owners"),
     (OWNER + ["tensors", 0], ["a", "BF16"], "must be [name"),
+    (OWNER + ["p2p", "stamp"], [8192, "xyz"], "stamp must be"),
+    (OWNER + ["p2p", "stamp"], [0, "ab" * 16], "stamp pointer"),
 ])
 def test_a_malformed_document_is_a_config_error_naming_the_fault(path, value, needle):
     with pytest.raises(ConfigError, match=None) as info:
