@@ -57,6 +57,17 @@ class _NoLink:
         pass
 
 
+class _NoReq:
+    """A rank outside ``ranks`` runs no req_func."""
+    error = None
+
+    def join(self, timeout=None) -> None:
+        pass
+
+    def is_alive(self) -> bool:
+        return False
+
+
 class _GroupColl:
     """The pipeline's view of the collectives: broadcasts go to the target group."""
 
@@ -262,7 +273,7 @@ def run_update(ps, name: str, req_func, ranks, deadline: float) -> dict:
     if not me:
         link = _NoLink()
         for phase, final in (("handshake", False), ("transfer", False), ("post-hook", True)):
-            _agree(ps, link, None, deadline, phase, final)
+            _agree(ps, link, _NoReq(), deadline, phase, final)
         return {"name": name, "p2p": True, "target": False, "seconds": {"total": time.perf_counter() - t0}}
     try:
         size = min(v["layout"][0] for v in tv)
@@ -283,7 +294,7 @@ def _fail_through(ps, exc: Exception, deadline: float):
     link = _NoLink()
     link.failure = Failure(ps.rank, ps.device_uuid, f"{type(exc).__name__}: {exc}")
     try:
-        _agree(ps, link, None, deadline, "handshake", False)
+        _agree(ps, link, _NoReq(), deadline, "handshake", False)
     except CkptError:
         pass
     raise exc
@@ -297,10 +308,12 @@ def _run_target(ps, name, req_func, deadline, targets, group, src, plan, wire, s
         store.register(ipc.tensor.data_ptr(), ipc.nbytes)
     except Exception as exc:   # e.g. no device memory, or Mooncake refusing the registration
         _fail_through(ps, exc, deadline)
-    handles = [(ps._device_keys[r], f"ipc://@ckpt-{update_id}-{r}") for r in targets]
+    # Every rank's handle, in rank order (the broadcast contract, so req_funcs that pick their group's
+    # handles by position work unchanged); only the targets' sockets exist and only targets run req_func.
+    handles = [(k, f"ipc://@ckpt-{update_id}-{r}") for r, k in enumerate(ps._device_keys)]
     req = ReqThread(req_func, handles)
     signal = StopSignal(ps._coll.store, f"ckpt/{update_id}/abort", ps.rank, req, ps._log)
-    link = PsLink(ps._zmq, handles[targets.index(ps.rank)][1], update_id, rank=ps.rank, device_key=ps.device_uuid,
+    link = PsLink(ps._zmq, handles[ps.rank][1], update_id, rank=ps.rank, device_key=ps.device_uuid,
                   deadline=deadline, should_stop=signal.should_stop)
     times = {"plan": time.perf_counter() - t0}
     pipe = None
