@@ -170,3 +170,72 @@ def test_a_read_after_the_owner_replaced_its_checkpoint_in_place_is_refused_not_
     finally:
         owner.close(0)
         reader.close(0)
+
+
+def test_the_example_driver_broadcasts_then_p2p_and_a_joiner_world_pulls_through_its_metas_file(tmp_path):
+    """examples/vllm_update.py under torchrun: owners --update-method all --save-metas-file
+    --sleep-time; a second torchrun world --load-metas-file feeds two other engines."""
+    import json
+    import subprocess
+    import sys
+    import threading
+    import time
+    from harness import free_port, fresh_tensor, want_digests
+    from ckpt_core._safetensors import write_file
+    from test_topology_example import EXAMPLE, ROOT, _EngineHttp, _UnixHttp
+    gen = torch.Generator().manual_seed(7)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    shards = [{f"layer{i}.{j}": fresh_tensor((64, 32), torch.bfloat16, gen) for j in range(3)} for i in range(3)]
+    for i, shard in enumerate(shards):
+        write_file(str(ckpt / f"model-{i}.safetensors"), shard)
+    want, metas = want_digests(*shards), str(tmp_path / "metas.json")
+    fronts, servers = [], []
+
+    def engines(tag):
+        socks = []
+        for g in range(2):
+            front = EngineFront("cpu", 1, env={"PS_CPU_VISIBLE_DEVICES": str(g)})
+            srv = _UnixHttp(str(tmp_path / f"{tag}{g}.sock"), _EngineHttp)
+            srv.front = front
+            threading.Thread(target=srv.serve_forever, daemon=True).start()
+            fronts.append(front)
+            servers.append(srv)
+            socks.append(str(tmp_path / f"{tag}{g}.sock"))
+        return fronts[-2:], ",".join(socks)
+
+    def torchrun(args, host):
+        env = dict(os.environ, PYTHONPATH=str(ROOT), PS_P2P_HOST=host, NCCL_IB_DISABLE="1")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(EXAMPLE),
+               "--inference-parallel-size", "1", "--device", "cpu", "--timeout", "90", "--ready-timeout", "30", *args]
+        return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    try:
+        own_fronts, own_socks = engines("owner")
+        owners = torchrun(["--checkpoint-path", str(ckpt), "--uds", own_socks, "--update-method", "all",
+                           "--save-metas-file", metas, "--sleep-time", "60"], "127.0.0.2")
+        t0 = time.monotonic()
+        while not all(len(f.requests) == 2 for f in own_fronts):   # broadcast, then p2p, done
+            assert owners.poll() is None, owners.communicate()[1][-4000:]
+            assert time.monotonic() - t0 < 240, "the owners' two updates did not finish"
+            time.sleep(0.2)
+        join_fronts, join_socks = engines("joiner")
+        joiners = torchrun(["--load-metas-file", metas, "--uds", join_socks], "127.0.0.3")
+        out, err = joiners.communicate(timeout=300)
+        assert joiners.returncode == 0, err[-4000:]
+        assert [json.loads(x)["method"] for x in out.splitlines() if x.startswith("{")] == ["p2p", "p2p"], out
+        for front in own_fronts + join_fronts:
+            assert front.digests(0) == want
+        owners.terminate()   # it would sleep on (--sleep-time); torchrun passes SIGTERM on to its ranks
+        out, _ = owners.communicate(timeout=60)
+        lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+        assert sorted((x["rank"], x["method"]) for x in lines) == [(0, "broadcast"), (0, "p2p"), (1, "broadcast"),
+                                                                   (1, "p2p")], out
+        assert json.load(open(metas))["format"] == "ckpt-engine/metas"
+    finally:
+        for srv in servers:
+            srv.shutdown()
+            srv.server_close()
+        for f in fronts:
+            f.close()
