@@ -4,15 +4,23 @@ With ``--weight-transfer-config '{"backend": "ckpt"}'`` (registered by :mod:`ckp
 vLLM's own routes drive an update from our parameter server:
 
     POST /init_weight_transfer_engine  {"init_info": {"timeout_s": 600}}     (optional)
-    POST /start_weight_update                                  layerwise reload begins
+    POST /start_weight_update                                  a session opens; nothing is touched
     POST /update_weights  {"update_info": {"zmq_handles": {device_key: handle}}}
-                                                              blocks until the PS update is in
+                                    the layerwise reload begins, blocks until the PS update is in
     POST /finish_weight_update                                 deferred layers processed
+
+The reload begins inside ``/update_weights`` (not at ``/start``): the engine keeps running steps
+between the calls, and a layer on the meta device would kill it. Any failure of
+``/update_weights`` (its parsing included) aborts the session: layers not yet processed get their
+old weights back. A failed ``/finish_weight_update`` also ends vLLM's session, so the next
+``/start_weight_update`` is accepted.
 
 ``update_info`` may add ``timeout_s`` and ``check_complete`` (default true: the update carries
 the whole checkpoint, so it is checked and finalized before the PS's update returns, and
 ``/finish_weight_update`` has nothing left to do; pass false to spread one checkpoint over
-several PS updates: the check and vLLM's deferred processing then run at ``/finish_weight_update``).
+several PS updates: the check and vLLM's deferred processing then run at ``/finish_weight_update``,
+a tensor sent twice in the session is refused, and generation must stay paused from the first
+part to the finish, since the model is half reloaded in between).
 This module imports vLLM; vLLM imports it lazily when the backend is selected.
 """
 
