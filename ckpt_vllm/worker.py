@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from ckpt_core import update_weights_from_ipc as _core_update_weights_from_ipc
 from ckpt_core._worker import DEFAULT_TIMEOUT_S
-from ckpt_core.devices import local_device_key
+from ckpt_core.devices import default_kind, get_backend, local_device_key
 from ckpt_core.errors import ConfigError
 
 from ._reload import ReloadSession
@@ -37,7 +37,13 @@ def device_kind_index(device, local_rank: Callable[[], int]) -> tuple[str, int]:
 
 
 def worker_device(worker: Any) -> tuple[str, int]:
-    """(device kind, index) of a vLLM worker (see ``device_kind_index``)."""
+    """(device kind, index) of a vLLM worker (see ``device_kind_index``).
+
+    vllm-ascend's worker may leave ``device`` unset; it is then set to the worker's local rank
+    on this host's default device kind (a plugin kind such as ``npu`` when it is available).
+    """
+    if getattr(worker, "device", None) is None:
+        worker.device = get_backend(default_kind()).device(int(worker.local_rank))
     return device_kind_index(worker.device, lambda: worker.local_rank)
 
 

@@ -58,6 +58,8 @@ class SimEngine:
     def __init__(self, kind: str, index: int, behavior: dict):
         import zmq
         from ckpt_core import local_device_key
+        from ckpt_core.devices import get_backend
+        get_backend(kind).set_device(index)   # like a real engine worker: on its device before anything else
         self.ctx, self.index, self.behavior = zmq.Context(), index, behavior
         self.key = local_device_key(kind, index)
         self.loaded: dict[str, str] = {}

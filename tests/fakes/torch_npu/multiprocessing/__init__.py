@@ -1,0 +1,1 @@
+"""FAKE ``torch_npu.multiprocessing`` (see ``torch_npu`` in this folder)."""
