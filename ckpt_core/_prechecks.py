@@ -110,8 +110,8 @@ class UpdateAgreement:
     plan cache and collectives), kept here with the rest of the pre-check machinery.
     """
 
-    def _precheck(self, name, req_func, ranks, timeout) -> tuple[float, RegisteredCheckpoint | None, list | None]:
-        """This rank's own checks of an update (no collective): (deadline, checkpoint, problem).
+    def _precheck(self, name, req_func, timeout) -> tuple[float, RegisteredCheckpoint | None, list | None]:
+        """This rank's own checks of a broadcast update (no collective): (deadline, checkpoint, problem).
 
         The problem is not raised here but sent in the first exchange, so that every rank
         raises it (``_agree_plan``) and none is left waiting in a collective.
@@ -123,9 +123,6 @@ class UpdateAgreement:
         try:
             if not callable(req_func):
                 raise ConfigError(f"req_func must be callable, got {type(req_func).__name__}")
-            if ranks:
-                raise ConfigError("P2P updates (ranks=[...]) are not supported by this build; pass ranks=None "
-                                  "to broadcast to all ranks")
             return deadline, self._own_share(name), None
         except CkptError as exc:
             return deadline, None, problem_of(exc)
