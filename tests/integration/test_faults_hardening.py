@@ -31,6 +31,17 @@ def world():
         front.close()
 
 
+def only(doc: dict, name: str) -> dict:
+    """The versioned metas document ``get_metas()`` returns, reduced to checkpoint ``name``."""
+    return dict(doc, checkpoints={name: doc["checkpoints"][name]})
+
+
+def legacy(doc: dict, name: str) -> list[list[dict]]:
+    """Checkpoint ``name`` of a versioned metas document in the unversioned per-rank form."""
+    keys = ("name", "dtype", "shape", "nbytes", "itemsize", "base", "base_offset")
+    return [[dict(zip(keys, t)) for t in owner["tensors"]] for owner in doc["checkpoints"][name]["owners"]]
+
+
 def assert_world_still_delivers(ps, front, ckpts) -> None:
     name, want = ckpts.new("genuine")
     got = ps.update(name, front, 30)
@@ -107,7 +118,7 @@ def test_a_rank_that_holds_no_data_updates_with_metas_it_loaded(world):
     assert all(o.ok for o in got.values()) and all(o.ok for o in ps.all("gather", "r0-only").values())
     metas = ps.all("get_metas", ranks=[0])[0].value
     assert ps.all("unregister", ("r0-only", {}), ranks=[1])[1].ok          # rank 1 now holds nothing
-    assert ps.all("load_metas", {"r0-only": metas["r0-only"]}, ranks=[1])[1].ok
+    assert ps.all("load_metas", only(metas, "r0-only"), ranks=[1])[1].ok
     got = ps.update("r0-only", front, 30)
     assert all(o.ok for o in got.values()), got
     for i in range(2):
@@ -144,15 +155,15 @@ def test_close_during_an_update_stops_it_on_every_rank_with_a_typed_error_then_f
 def test_load_metas_validates_everything_before_installing_anything(world):
     ps, front, ckpts = world
     name, want = ckpts.new("saved")
-    saved = ps.all("get_metas", ranks=[0])[0].value[name]
+    saved = legacy(ps.all("get_metas", ranks=[0])[0].value, name)
     three_ranks = saved + [[]]
     misshapen = [[dict(m, nbytes=m["nbytes"] + 1) for m in saved[0]], saved[1]]
-    known = {r: set(o.value) for r, o in ps.all("get_metas").items()}
+    known = {r: set(o.value["checkpoints"]) for r, o in ps.all("get_metas").items()}
     for bad, needle in ((three_ranks, "describe 3 ranks"), (misshapen, "do not match shape"),
                         ([saved[0], saved[0]], "twice")):
         got = ps.all("load_metas", {"fine": saved, "bad": bad})
         assert_every_rank_failed(got, "ConfigError", "'bad'", needle)
-        held = {r: set(o.value) for r, o in ps.all("get_metas").items()}
+        held = {r: set(o.value["checkpoints"]) for r, o in ps.all("get_metas").items()}
         assert held == known, f"a refused load installed metas: {held}"
     got = ps.update("bad", front, 10)            # nothing of it was installed: a clean refusal
     assert_every_rank_failed(got, "CheckpointNotFoundError", "'bad'")
