@@ -72,12 +72,13 @@ def wire_handles(wire: str, update_id: str, device_keys: list[str]) -> list[tupl
 
 
 def open_link(wire: str, ctx: zmq.Context, handle: str, update_id: str, *, buckets: list[Bucket],
-              slot_bytes: int, ipc: IpcBuffer, device_kind: str, **link_kw) -> PsLink:
+              slot_bytes: int, ipc: IpcBuffer | None, device_kind: str, **link_kw) -> PsLink:
     """The PS end of one update's socket for ``wire`` (``link_kw``: ``PsLink``'s keywords)."""
     if wire == "native":
         return PsLink(ctx, handle, update_id, **link_kw)
+    # ipc is None when this rank could not allocate it: the update then fails before any hello
     return StockLink(ctx, handle, update_id, finals=WIRES[wire], buckets=buckets, slot_bytes=slot_bytes,
-                     buffer_frame=buffer_frame(device_kind, ipc), **link_kw)
+                     hello=lambda: buffer_frame(device_kind, ipc), **link_kw)
 
 
 # -- encoding (the only pickles we make; we never load one) ------------------------------------
@@ -154,10 +155,10 @@ class StockLink(PsLink):
     MAX_FRAME_BYTES = MAX_REPLY_BYTES
 
     def __init__(self, ctx: zmq.Context, handle: str, update_id: str, *, finals: int, buckets: list[Bucket],
-                 slot_bytes: int, buffer_frame: bytes, **link_kw):
+                 slot_bytes: int, hello, **link_kw):
         super().__init__(ctx, handle, update_id, **link_kw)
         self.finals, self.buckets, self.slot_bytes = finals, buckets, slot_bytes
-        self._buffer_frame = buffer_frame
+        self._hello = hello   # () -> the pickled buffer handle
         self._owed: tuple[str, int] | None = None   # (what the pending request was, bucket index or -1)
 
     def _request(self, kind: str, frame: bytes, what: str, index: int = -1) -> None:
@@ -191,7 +192,7 @@ class StockLink(PsLink):
     def send_hello(self, fields: dict | None = None, *, frame: bytes | None = None) -> None:
         """Send the buffer handle. The native hello (plan, descriptor) has no stock equivalent and is
         ignored: a stock worker learns the buffer from the handle and the tensors bucket by bucket."""
-        self._request("hello", self._buffer_frame, "the buffer handle")
+        self._request("hello", self._hello(), "the buffer handle")
 
     def wait_ready(self) -> bool:
         if self._owed is not None:
