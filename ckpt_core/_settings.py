@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from .errors import ConfigError
 
-__all__ = ["Settings", "ENV_VARS", "load_settings", "gc_pause_enabled", "fault_threads"]
+__all__ = ["Settings", "ENV_VARS", "load_settings", "gc_pause_enabled", "fault_threads", "service_token"]
 
 # name -> (type, default, meaning); the README's table is generated from the same facts.
 ENV_VARS: dict[str, tuple[str, str, str]] = {
@@ -30,6 +30,7 @@ ENV_VARS: dict[str, tuple[str, str, str]] = {
                          "(registration); more contend in the kernel and were slower on 2 ranks per host"),
     "PS_P2P_STORE_RDMA_DEVICES": ("str", "", "comma-separated RDMA NICs for the P2P store"),
     "NCCL_IB_HCA": ("str", "", "read as a fallback for PS_P2P_STORE_RDMA_DEVICES"),
+    "CKPT_SERVICE_TOKEN": ("str", "", "bearer token of `ckpt-engine serve` on TCP (else `--token-file`)"),
 }
 
 
@@ -110,3 +111,8 @@ def fault_threads() -> int:
     if n < 1:
         raise ConfigError(f"PS_FAULT_THREADS must be >= 1, got {n}")
     return n
+
+
+def service_token() -> str | None:
+    """CKPT_SERVICE_TOKEN (None when unset or empty)."""
+    return _get("CKPT_SERVICE_TOKEN", str, "") or None
