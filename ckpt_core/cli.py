@@ -91,9 +91,10 @@ def inspect_checkpoint(path: str, device_mem_gib: float, ranks: int = 1) -> dict
             header = read_header(f)
         except OSError as exc:
             raise ConfigError(f"cannot read {f!r}: {exc}") from exc
-        for e in header.entries:
-            tensors.append((e.name, e.dtype, tuple(e.shape), e.nbytes, f))
-            d = dtypes.setdefault(e.dtype, {"tensors": 0, "bytes": 0})
+        for e in header.tensors:
+            dtype = str(e.dtype).removeprefix("torch.")
+            tensors.append((e.name, dtype, tuple(e.shape), e.nbytes, f))
+            d = dtypes.setdefault(dtype, {"tensors": 0, "bytes": 0})
             d["tensors"] += 1
             d["bytes"] += e.nbytes
     names = [t[0] for t in tensors]

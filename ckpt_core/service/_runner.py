@@ -65,6 +65,21 @@ def bind_tcp(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _server_class():
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        """uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown, which would kill the process
+        before the ParameterServer is closed and the socket file removed: we stop cleanly instead."""
+
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            captured = getattr(self, "_captured_signals", None)
+            if isinstance(captured, list):
+                captured.clear()
+    return _Server
+
+
 def serve(ps, *, uds: str | None = None, host: str | None = None, port: int | None = None,
           token: str | None = None, log_level: str = "warning") -> None:
     """Serve ``ps`` until SIGINT/SIGTERM; then close the socket (and remove the socket file).
@@ -79,6 +94,7 @@ def serve(ps, *, uds: str | None = None, host: str | None = None, port: int | No
     """
     import uvicorn
     from ._app import create_app
+    _Server = _server_class()
 
     if (uds is None) == (host is None and port is None):
         raise ConfigError("serve on either a unix socket (uds=...) or TCP (host=..., port=...), not both or neither")
@@ -89,7 +105,7 @@ def serve(ps, *, uds: str | None = None, host: str | None = None, port: int | No
     log = rank_logger(f"service rank {ps.rank}/{ps.world_size}")
     app = create_app(ps, token=token)
     config = uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
+    server = _Server(config)
     log.info("phase=serve listening on %s (%s)", where, "bearer token required" if token else "unix socket, mode 0600")
     try:
         server.run(sockets=[sock])
