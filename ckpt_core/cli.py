@@ -60,6 +60,9 @@ def cmd_serve(args) -> int:
     token = token or service_token()
     with ParameterServer(device=args.device, max_bucket_gb=args.max_bucket_gb, mem_fraction=args.mem_fraction,
                          keep_device_buffers=args.keep_device_buffers) as ps:
+        if ps.device_index == 0:   # one bar per host: ranks under torchrun share the terminal
+            from ._progress import TerminalProgress
+            ps.progress = TerminalProgress(f"rank {ps.rank}")
         if args.host is not None or args.port is not None:
             port = None if args.port is None else args.port + (ps.device_index if args.port else 0)
             serve(ps, host=args.host or "127.0.0.1", port=port, token=token, log_level=args.uvicorn_log_level)

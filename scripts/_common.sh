@@ -11,7 +11,7 @@ CKPT_CACHE=${CKPT_CACHE_DIR:-$HOME/.cache/ckpt-engine}
 CKPT_PROJECT_REQS=(
     "torch==2.13.0" "pyzmq>=25" "httpx>=0.25" "safetensors>=0.4" "numpy"
     "pytest>=8" "pytest-timeout>=2" "fastapi>=0.110" "uvicorn>=0.27" "pydantic>=2"
-    "prometheus-client>=0.17" "tqdm>=4.60"
+    "prometheus-client>=0.17" "tqdm>=4.60" "schemathesis>=4,<5"
 )
 
 ckpt_log() { echo "[$(basename "$0")] $*" >&2; }

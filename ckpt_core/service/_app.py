@@ -64,6 +64,13 @@ def create_app(ps, *, token: str | None = None, metrics=None) -> FastAPI:
     app = FastAPI(title="ckpt-engine parameter server", version="1", responses=_ERRORS,
                   description="One parameter-server rank; see docs/operations.md")
     app.state.service = state
+    chained = ps.progress   # e.g. a terminal progress bar set by `ckpt-engine serve`
+
+    def progress(operation, phase, done, total):
+        state.set_phase(phase, done, total)
+        if chained is not None:
+            chained(operation, phase, done, total)
+    ps.progress = progress
     _install_errors(app)
     if token is not None:
         _install_auth(app, token)

@@ -99,7 +99,7 @@ def test_health_and_status_answer_during_a_slow_update_and_a_second_update_is_a_
         deadline = time.monotonic() + 60
         while True:
             running = world.clients[0].get("/v1/status").json()["running"]
-            if running and running["operation"] == "update":
+            if running and running["operation"] == "update" and running["phase"] == "transfer":
                 break
             assert time.monotonic() < deadline and t.is_alive(), "the update never showed up as running"
             time.sleep(0.05)
@@ -116,6 +116,8 @@ def test_health_and_status_answer_during_a_slow_update_and_a_second_update_is_a_
     assert second.status_code == 409 and second.json()["error"]["type"] == "Conflict", second.text
     assert "update of 'slow' is running" in second.json()["error"]["message"]
     assert still is not None and still["checkpoint"] == "slow", "the first update was still running"
+    assert 1 <= running["done"] <= running["total"] and running["total"] >= 2, running
+    assert running["elapsed_s"] >= 0 and running["started_unix"] > 0
     assert [r.status_code for r in results["r"]] == [200, 200], [r.text for r in results["r"]]
     assert _engines_hold(world, want)
 
