@@ -54,7 +54,8 @@ def _error(code: int, type_: str, message: str, **extra) -> JSONResponse:
 
 
 def create_app(ps, *, token: str | None = None, metrics=None) -> FastAPI:
-    """The service of ``ps`` (one ``ParameterServer`` rank). ``app.state.service`` owns its thread.
+    """The service of ``ps`` (one ``ParameterServer`` rank). ``app.state.service`` owns its worker
+    thread; whoever serves the app calls ``app.state.service.close()`` when done (``serve`` does).
 
     ``token``: when set, every request must carry ``Authorization: Bearer <token>`` (compared in
     constant time); otherwise 401. ``metrics``: a :class:`ckpt_core._metrics.Metrics` (default:
@@ -75,7 +76,6 @@ def create_app(ps, *, token: str | None = None, metrics=None) -> FastAPI:
     if token is not None:
         _install_auth(app, token)
     _routes(app, state, ps)
-    app.router.add_event_handler("shutdown", state.close)
     return app
 
 

@@ -110,6 +110,7 @@ def serve(ps, *, uds: str | None = None, host: str | None = None, port: int | No
     try:
         server.run(sockets=[sock])
     finally:
+        app.state.service.close()   # waits for a long operation still running on the worker thread
         sock.close()
         if uds is not None and os.path.lexists(uds):
             os.unlink(uds)
