@@ -16,30 +16,51 @@ CKPT_PROJECT_REQS=(
 
 ckpt_log() { echo "[$(basename "$0")] $*" >&2; }
 
+# ckpt_quiet LOG CMD...: run CMD with its output appended to LOG (installers are chatty); on
+# failure say which command failed, name LOG and show its last lines.
+ckpt_quiet() {
+    local log=$1; shift
+    if ! "$@" >>"$log" 2>&1; then
+        ckpt_log "failed: $*"
+        ckpt_log "full output in $log; its last lines:"
+        tail -n 25 "$log" >&2
+        return 1
+    fi
+}
+
 # ckpt_cached_venv VENV BASE_PYTHON LOCK_WAIT_S INSTALL_FN [ALWAYS_FN]
 # Create VENV with BASE_PYTHON and run INSTALL_FN VENV_PYTHON in it, once: a stamp file marks a
 # finished install, and a lock keeps two callers (tests and the demo) from installing into one
 # venv at the same time. ALWAYS_FN VENV_PYTHON, if given, runs on every call, under the same lock.
+# Both see CKPT_INSTALL_LOG (VENV.install.log), where installer output goes (see ckpt_quiet);
+# one line per venv says whether it was cached or built, and how long that took.
 ckpt_cached_venv() {
     local venv=$1 base=$2 wait=$3 install=$4 always=${5:-}
     mkdir -p "$(dirname "$venv")"
     (
+        export CKPT_INSTALL_LOG=$venv.install.log
+        local t0=$SECONDS
         exec 8>"$venv.lock"
         flock -w "$wait" 8 || { ckpt_log "timed out after $wait s waiting for $venv.lock"; exit 1; }
         if [[ ! -f $venv/.ckpt-installed ]]; then
             rm -rf "$venv"
-            "$base" -m venv "$venv"
-            "$install" "$venv/bin/python"
+            : >"$CKPT_INSTALL_LOG"
+            # Explicit checks: callers often run this under `||`, where `set -e` does not apply.
+            ckpt_quiet "$CKPT_INSTALL_LOG" "$base" -m venv "$venv" || exit 1
+            "$install" "$venv/bin/python" || { ckpt_log "building $venv failed (output: $CKPT_INSTALL_LOG)"; exit 1; }
             date -u +%FT%TZ >"$venv/.ckpt-installed"
+            ckpt_log "$(basename "$venv"): built in $((SECONDS - t0)) s (installer output: $CKPT_INSTALL_LOG)"
+        else
+            ckpt_log "$(basename "$venv"): cached"
         fi
-        if [[ -n $always ]]; then "$always" "$venv/bin/python"; fi
+        if [[ -n $always ]]; then "$always" "$venv/bin/python" || exit 1; fi
     )
 }
 
 _install_project_reqs() {
-    ckpt_log "creating the project virtualenv $(dirname "$(dirname "$1")")"
-    "$1" -m pip install -q "${CKPT_PROJECT_REQS[@]}" >&2
-    "$1" -c 'import torch, zmq, httpx, safetensors, pytest' >&2
+    ckpt_log "building the project virtualenv $(dirname "$(dirname "$1")") (about a minute)"
+    ckpt_quiet "$CKPT_INSTALL_LOG" "$1" -m pip install "${CKPT_PROJECT_REQS[@]}" || return 1
+    ckpt_quiet "$CKPT_INSTALL_LOG" "$1" -c 'import torch, zmq, httpx, safetensors, pytest'
 }
 
 ensure_project_venv() {
