@@ -62,12 +62,12 @@ def stop(proc: subprocess.Popen, timeout: float = 20) -> int:
 class ServiceWorld:
     """W service processes on Unix sockets under ``tmp``; ``clients[r]`` talks to rank r."""
 
-    def __init__(self, size: int, tmp: str, *, extra: list[str] = (), env: dict | None = None):
+    def __init__(self, size: int, tmp: str, *, extra: list[str] = (), env: dict | None = None, device: str = "cpu"):
         self.size, self.tmp = size, tmp
         port = free_port()
         self.socks = [os.path.join(tmp, f"ps-{r}.sock") for r in range(size)]
         self.logs = [os.path.join(tmp, f"ps-{r}.log") for r in range(size)]
-        self.procs = [start_serve(["--device", "cpu", "--uds", os.path.join(tmp, "ps-{rank}.sock"), *extra],
+        self.procs = [start_serve(["--device", device, "--uds", os.path.join(tmp, "ps-{rank}.sock"), *extra],
                                   {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(size),
                                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **(env or {})},
                                   self.logs[r]) for r in range(size)]
@@ -99,8 +99,8 @@ class ServiceWorld:
 class HttpEngineFront:
     """The harness's engine workers behind ``POST /collective_rpc`` (a real HTTP server, like vLLM's)."""
 
-    def __init__(self, world: int):
-        self.engine = EngineFront("cpu", world)
+    def __init__(self, world: int, kind: str = "cpu"):
+        self.engine = EngineFront(kind, world)
         self.requests = 0
         front = self
 
