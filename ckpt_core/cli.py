@@ -50,6 +50,10 @@ def cmd_serve(args) -> int:
     from ._settings import service_token
     from .service import serve
 
+    if args.parent_pid is not None:   # managed mode: never outlive the engine worker that started us
+        from .service._managed import die_with_parent
+        die_with_parent(args.parent_pid)
+
     token = None
     if args.token_file:
         try:
@@ -196,6 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--mem-fraction", type=float)
     s.add_argument("--keep-device-buffers", action="store_true")
     s.add_argument("--uvicorn-log-level", default="warning")
+    s.add_argument("--parent-pid", type=int, help="managed mode: exit (SIGTERM) when this parent process dies")
 
     i = sub.add_parser("inspect", help="validate a safetensors file or HF directory and show its bucket plan")
     i.add_argument("path")

@@ -32,11 +32,11 @@ def start_serve(args: list[str], env: dict, log_path: str) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, cwd=ROOT)
 
 
-def wait_healthy(client: httpx.Client, proc: subprocess.Popen, log_path: str, timeout: float = 120) -> None:
+def wait_healthy(client: httpx.Client, proc: subprocess.Popen | None, log_path: str, timeout: float = 120) -> None:
     """Poll ``/v1/healthz`` until 200; fail with the process's log if it exits or never answers."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
+        if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"serve exited with {proc.returncode}:\n{open(log_path).read()[-4000:]}")
         try:
             if client.get("/v1/healthz").status_code == 200:
