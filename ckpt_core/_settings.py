@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 from .errors import ConfigError
 
-__all__ = ["Settings", "ENV_VARS", "load_settings", "gc_pause_enabled", "fault_threads", "service_token"]
+__all__ = ["Settings", "ENV_VARS", "load_settings", "gc_pause_enabled", "fault_threads", "service_token",
+           "engine_serve"]
 
 # name -> (type, default, meaning); the README's table is generated from the same facts.
 ENV_VARS: dict[str, tuple[str, str, str]] = {
@@ -31,6 +32,10 @@ ENV_VARS: dict[str, tuple[str, str, str]] = {
     "PS_P2P_STORE_RDMA_DEVICES": ("str", "", "comma-separated RDMA NICs for the P2P store"),
     "NCCL_IB_HCA": ("str", "", "read as a fallback for PS_P2P_STORE_RDMA_DEVICES"),
     "CKPT_SERVICE_TOKEN": ("str", "", "bearer token of `ckpt-engine serve` on TCP (else `--token-file`)"),
+    "CKPT_ENGINE_SERVE": ("str", "", "managed mode: `uds:PATH` (`{rank}` filled in); each engine worker starts "
+                          "its PS rank serving there (docs/operations.md)"),
+    "CKPT_ENGINE_SERVE_MASTER": ("str", "127.0.0.1:29555", "managed mode: `host:port` where the managed PS ranks "
+                                 "of one engine meet"),
 }
 
 
@@ -116,3 +121,15 @@ def fault_threads() -> int:
 def service_token() -> str | None:
     """CKPT_SERVICE_TOKEN (None when unset or empty)."""
     return _get("CKPT_SERVICE_TOKEN", str, "") or None
+
+
+def engine_serve() -> tuple[str, str, int] | None:
+    """(CKPT_ENGINE_SERVE, master address, master port) when managed mode is asked for, else None."""
+    spec = _get("CKPT_ENGINE_SERVE", str, "")
+    if not spec:
+        return None
+    master = _get("CKPT_ENGINE_SERVE_MASTER", str, "127.0.0.1:29555")
+    host, sep, port = master.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ConfigError(f"CKPT_ENGINE_SERVE_MASTER={master!r} is not host:port")
+    return spec, host, int(port)

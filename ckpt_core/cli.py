@@ -51,8 +51,8 @@ def cmd_serve(args) -> int:
     from .service import serve
 
     if args.parent_pid is not None:   # managed mode: never outlive the engine worker that started us
-        from .service._managed import die_with_parent
-        die_with_parent(args.parent_pid)
+        from .service._managed import watch_parent
+        watch_parent(args.parent_pid)
 
     token = None
     if args.token_file:
@@ -200,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--mem-fraction", type=float)
     s.add_argument("--keep-device-buffers", action="store_true")
     s.add_argument("--uvicorn-log-level", default="warning")
-    s.add_argument("--parent-pid", type=int, help="managed mode: exit (SIGTERM) when this parent process dies")
+    s.add_argument("--parent-pid", type=int, help="managed mode: stop (as on SIGTERM) once this process (the engine worker) is gone")
 
     i = sub.add_parser("inspect", help="validate a safetensors file or HF directory and show its bucket plan")
     i.add_argument("path")

@@ -22,6 +22,7 @@ Errors: every 4xx/5xx body is ``{"error": {"type", "message", ...}}`` (:class:`E
 from __future__ import annotations
 
 import hmac
+import os
 
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -183,7 +184,7 @@ def _routes(app: FastAPI, state: ServiceState, ps) -> None:
 
     @app.get("/v1/status", response_model=Status)
     async def status():
-        return Status(rank=ps.rank, world_size=ps.world_size, device_key=ps.device_uuid,
+        return Status(rank=ps.rank, world_size=ps.world_size, pid=os.getpid(), device_key=ps.device_uuid,
                       checkpoints=ps.checkpoints(), gathered=sorted(ps.get_metas()), running=state.snapshot(),
                       updates=state.updates, failures=state.failures, last_update=ps.last_update,
                       last_register=ps.last_register, last_error=state.last_error,

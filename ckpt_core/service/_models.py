@@ -83,6 +83,7 @@ class Status(BaseModel):
     """``GET /v1/status``."""
     rank: int
     world_size: int
+    pid: int
     device_key: str
     checkpoints: list[str]
     gathered: list[str]

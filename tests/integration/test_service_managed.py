@@ -1,6 +1,7 @@
-"""Managed mode: an engine worker starts its PS rank as a child serving on a Unix socket; the
-controller only talks to the service; the child never outlives the worker (stop, or SIGKILL of
-the worker), and leaves no socket and no /dev/shm buffer behind."""
+"""Managed mode: an engine worker starts its PS rank serving on a Unix socket; the controller only
+talks to the service; the PS never outlives the worker (its stop hook, or the worker SIGKILLed
+together with its whole process tree, as vLLM does at shutdown) and leaves no socket and no
+/dev/shm buffer behind."""
 
 import json
 import os
@@ -28,7 +29,7 @@ rank, world, port, spec, log = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[
 m = start_managed(spec, rank=rank, world_size=world, local_rank=rank, device="cpu", master_port=port,
                   extra_args=["--keep-device-buffers", "--max-bucket-gb", "0.00005"], log_path=log)
 def shutdown(*_):
-    print(json.dumps({"stopped": m.stop()}), flush=True)
+    print(json.dumps({"stopped_cleanly": m.stop()}), flush=True)
     sys.exit(0)
 signal.signal(signal.SIGTERM, shutdown)
 print(json.dumps({"child": m.pid, "uds": m.uds}), flush=True)
@@ -52,6 +53,19 @@ def _gone(pid: int, timeout: float = 60) -> bool:
             return True
         time.sleep(0.1)
     return False
+
+
+def _descendants(pid: int) -> list[int]:
+    kids = []
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                with open(f"/proc/{p}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        kids.append(int(p))
+            except OSError:
+                continue
+    return kids + [d for k in kids for d in _descendants(k)]
 
 
 def _buffers_of(pid: int) -> list[str]:
@@ -98,11 +112,14 @@ def test_managed_ps_ranks_serve_updates_and_die_with_their_worker(tmp_path):
         assert held == want_digests(data)
         assert all(_buffers_of(pid) for pid in children), "kept device (/dev/shm) buffers exist while serving"
 
-        os.kill(workers[0].pid, signal.SIGKILL)            # the engine worker dies without any cleanup
+        tree = _descendants(workers[0].pid)
+        for pid in [workers[0].pid, *tree]:                # the worker and its whole tree, no cleanup
+            os.kill(pid, signal.SIGKILL)
         workers[0].wait(10)
+        assert children[0] not in tree, "the PS is not in its worker's process tree"
         assert _gone(children[0]), "the PS child outlived its SIGKILLed worker"
         workers[1].send_signal(signal.SIGTERM)             # the engine worker shuts down: its hook stops the PS
-        assert json.loads(workers[1].stdout.readline()) == {"stopped": 0}
+        assert json.loads(workers[1].stdout.readline()) == {"stopped_cleanly": True}
         assert _gone(children[1])
         for pid, i in zip(children, info):
             assert not _buffers_of(pid), f"/dev/shm buffers of PS pid {pid} are left behind"
