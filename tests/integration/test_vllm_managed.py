@@ -59,7 +59,10 @@ def test_the_server_runs_its_own_ps_rank_and_takes_it_down_with_it(vllm_python, 
         assert got.status_code == 200, got.text
         assert server.complete(tiny_model.prompts, MAX_TOKENS) == tiny_model.reference(weights)
         buffers = [n for n in os.listdir("/dev/shm") if n.startswith("ckpt-") and f"-p{ps_pid}n" in n]
-        os.kill(server.proc.pid, stop_with)        # the server only: its PS child is not signalled by us
+        # Every process of the server (its session, as a supervisor stops it); the PS runs in a
+        # session of its own, so nothing here signals it: it must notice that its worker is gone.
+        assert os.getsid(ps_pid) != os.getsid(server.proc.pid)
+        os.killpg(server.proc.pid, stop_with)
         server.proc.wait(60)
         assert _gone(ps_pid), f"PS pid {ps_pid} outlived the server ({stop_with.name})"
         assert not os.path.exists(sock), "the PS socket is removed"
