@@ -8,6 +8,7 @@ was taken. Source files are never modified or deleted unless asked.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ._duplicates import dedupe
 from ._host import (HostRegion, SharedPool, copy_jobs, map_file_region, new_region, populate_and_pin, read_jobs,
                     run_jobs)
 from ._planner import TensorMeta, align_up
@@ -98,7 +100,8 @@ def build_checkpoint(name: str, backend: DeviceBackend, *, files=None,
     clock = _Phases()
     named = _check_named(named_tensors or {})
     headers = [read_header(p) for p in files]          # validates every file before any allocation
-    _check_unique(headers, named)
+    skip, named = dedupe(headers, named)               # duplicate names: identical once, differing raise
+    headers = [_without(h, {n for i, n in skip if i == k}) for k, h in enumerate(headers)]
     copied = [h for h in headers if not _in_place(h.path, inplace)]
     placed = [h for h in headers if _in_place(h.path, inplace)]
 
@@ -144,17 +147,9 @@ class _Phases:
         self._t = now
 
 
-def _check_unique(headers: list[SafetensorsHeader], named) -> None:
-    where: dict[str, str] = {}
-    for h in headers:
-        for e in h.tensors:
-            if e.name in where:
-                raise CheckpointFormatError(f"tensor appears in both {where[e.name]} and {h.path}", tensor=e.name)
-            where[e.name] = h.path
-    for n, _ in named:
-        if n in where:
-            raise CheckpointFormatError(f"named tensor also appears in file {where[n]}", tensor=n)
-        where[n] = "named_tensors"
+def _without(h: SafetensorsHeader, names: set[str]) -> SafetensorsHeader:
+    """``h`` without the entries ``names`` (their bytes are still copied with the file, never registered)."""
+    return dataclasses.replace(h, tensors=tuple(e for e in h.tensors if e.name not in names)) if names else h
 
 
 def _layout(copied: list[SafetensorsHeader], named) -> tuple[list[int], int]:

@@ -22,7 +22,7 @@ from ._planner import ALIGN, Plan, TensorMeta, align_up, choose_layout
 from ._plans import PlanCache
 from ._protocol import encode_hello
 from ._settings import load_settings
-from ._signals import ReqThread, StopSignal, is_echo
+from ._signals import ReqThread, StopSignal, causes as causes_of
 from .devices import IpcBuffer, default_kind, get_backend
 from .errors import (CheckpointFormatError, CheckpointNotFoundError, ClosedError, ConfigError,
                      RemoteWorkerError, TransportError, UpdateTimeoutError)
@@ -47,20 +47,26 @@ class ParameterServer:
         ps = ParameterServer()                      # RANK/WORLD_SIZE/MASTER_* from the environment
         ps.register_checkpoint("step-7", files=my_share_of_files)
         ps.gather_metas("step-7")
-        ps.update("step-7", lambda handles: request_inference_to_update(url, dict(handles)))
+        # req_func runs on every rank; here one engine of N devices, reached by rank 0 only
+        ps.update("step-7", lambda handles: ps.rank == 0 and request_inference_to_update(url, dict(handles)))
+
+    ``gpu_count`` (the reference's keyword): devices per host; when given, this
+    rank's device index is ``rank % gpu_count`` instead of ``LOCAL_RANK``.
     """
 
     def __init__(self, rank: int | None = None, world_size: int | None = None, *, device: str | None = None,
                  auto_pg: bool = True, mem_fraction: float | None = None, master_addr: str | None = None,
                  master_port: int | None = None, max_bucket_gb: float | None = None,
-                 keep_device_buffers: bool = False):
+                 keep_device_buffers: bool = False, gpu_count: int | None = None):
         self.settings = load_settings(rank=rank, world_size=world_size, master_addr=master_addr,
                                       master_port=master_port, mem_fraction=mem_fraction, max_bucket_gb=max_bucket_gb)
         self.rank, self.world_size = self.settings.rank, self.settings.world_size
         self.backend = get_backend(device or default_kind())
         if not self.backend.is_available():
             raise ConfigError(f"device kind {self.backend.kind!r} is not available on this machine")
-        self.device_index = self.settings.local_rank
+        if gpu_count is not None and (not isinstance(gpu_count, int) or gpu_count < 1):
+            raise ConfigError(f"gpu_count must be a positive int, got {gpu_count!r}")
+        self.device_index = self.settings.local_rank if gpu_count is None else self.rank % gpu_count
         self.backend.set_device(self.device_index)
         self.device_uuid = self.backend.device_key(self.device_index)
         self.keep_device_buffers = keep_device_buffers
@@ -110,6 +116,17 @@ class ParameterServer:
         self._release_ipc()
         self._zmq.term()
         self._coll.close()
+
+    def init_process_group(self, *, timeout=None) -> None:
+        """The reference's explicit call. Here the process groups exist from construction on and
+        live as long as this ParameterServer, so it only checks that this one is usable."""
+        self._check_open()
+
+    def store_based_barrier(self, timeout=None) -> None:
+        """Collective: wait until every rank got here (the reference's name; the wait is bounded
+        by PS_COLLECTIVE_TIMEOUT_S, not by ``timeout``)."""
+        self._check_open()
+        self._coll.barrier()
 
     def __enter__(self):
         return self
@@ -223,14 +240,20 @@ class ParameterServer:
                timeout: float | timedelta = timedelta(minutes=10)) -> dict:
         """Collective: push checkpoint ``name`` into every rank's engine worker.
 
-        ``req_func(handles)`` runs in a thread on rank 0 with ``handles`` =
-        ``[(device_uuid, zmq_handle)]`` of all ranks; it must make the engine
-        workers call ``update_weights_from_ipc``. Raises ``RemoteWorkerError``
-        (naming the rank and carrying the traceback) if any engine worker or
-        ``req_func`` failed, ``UpdateTimeoutError`` if a worker stayed silent.
+        ``req_func(handles)`` runs in a thread on every rank with ``handles`` =
+        ``[(device_uuid, zmq_handle)]`` of all ranks, in rank order (the
+        reference's contract); between them, the calls must make every engine
+        worker call ``update_weights_from_ipc``; typically the first rank of each
+        inference group posts its group's handles to its own engine and the
+        others return. Raises ``RemoteWorkerError`` (naming the rank and carrying
+        the traceback) if any engine worker or any rank's ``req_func`` failed,
+        ``UpdateTimeoutError`` if a worker stayed silent or a ``req_func`` did
+        not return within ``timeout``.
         Returns timings (also kept in ``last_update``).
         """
         self._check_open()
+        if not callable(req_func):
+            raise ConfigError(f"req_func must be callable, got {type(req_func).__name__}")
         if ranks:
             raise ConfigError("P2P updates (ranks=[...]) are not supported by this build; pass ranks=None "
                               "to broadcast to all ranks")
@@ -303,7 +326,7 @@ class ParameterServer:
         self._updates += 1
         handles = [(k, f"ipc://@ckpt-{update_id}-{r}") for r, k in enumerate(self._device_keys)]
         abort_key = f"ckpt/{update_id}/abort"
-        req = ReqThread(req_func, handles) if self.rank == 0 else None
+        req = ReqThread(req_func, handles)   # on every rank, like the reference: the function decides what to post
 
         signal = StopSignal(self._coll.store, abort_key, self.rank, req, self._log)
         should_stop, publish = signal.should_stop, signal.publish
@@ -313,8 +336,7 @@ class ParameterServer:
         times = {"plan": time.perf_counter() - t0}
         ok = mapped = False
         try:
-            if req is not None:
-                req.start()
+            req.start()
             link.send_hello(frame=encode_hello(update_id, device_kind=self.backend.kind, buffer=ipc.descriptor,
                                                slot_bytes=slot_bytes, num_slots=slots, plan_json=plan_json,
                                                plan_digest=plan_digest))
@@ -341,10 +363,9 @@ class ParameterServer:
             ok = True
         finally:
             link.close()
-            if req is not None:
-                # On failure the error matters more than req_func's return: wait briefly only.
-                left = max(0.0, deadline - time.monotonic())
-                req.join(left if ok else min(left, REQ_GRACE_S))
+            # On failure the error matters more than req_func's return: wait briefly only.
+            left = max(0.0, deadline - time.monotonic())
+            req.join(left if ok else min(left, REQ_GRACE_S))
             # A buffer no worker mapped stays exported (torch frees an IPC export only once a
             # consumer has let go of it): keep it for the next update instead of leaking it.
             # After a broken collective it may still be the target of a stuck broadcast: it is
@@ -364,13 +385,13 @@ class ParameterServer:
                        plan.total_bytes / GiB, len(plan.buckets), times["total"], result["gbps"], stats.seconds)
         return result
 
-    def _agree(self, link: PsLink, req: "ReqThread | None", deadline: float, *, phase: str, final: bool) -> None:
+    def _agree(self, link: PsLink, req: ReqThread, deadline: float, *, phase: str, final: bool) -> None:
         """All ranks exchange their status; if any failed, every rank aborts its worker and raises."""
         failure = None
-        if req is not None and req.error is not None:
+        if req.error is not None:
             failure = Failure(self.rank, self.device_uuid, "req_func raised", req.error)
         failure = failure or link.failure
-        if failure is None and final and req is not None:
+        if failure is None and final:
             req.join(max(0.0, deadline - time.monotonic()))
             if req.is_alive():
                 failure = Failure(self.rank, self.device_uuid, "req_func did not return within the update timeout",
@@ -383,7 +404,7 @@ class ParameterServer:
             return
         # An engine worker's own failure is the cause; ranks that stopped because of it,
         # and req_func failing because the engine reported it, are echoes.
-        causes = [f for f in failed if not is_echo(f)] or failed
+        causes = causes_of(failed)
         reason = "; ".join(f"rank {f.rank}: {f.message}" for f in causes)
         link.send_abort(reason)
         first = causes[0]

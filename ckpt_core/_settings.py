@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 from .errors import ConfigError
 
-__all__ = ["Settings", "ENV_VARS", "load_settings", "gc_pause_enabled", "fault_threads", "service_token",
-           "engine_serve"]
+__all__ = ["Settings", "ENV_VARS", "load_settings", "gc_pause_enabled", "fault_threads", "cpu_visible_devices",
+           "service_token", "engine_serve"]
 
 # name -> (type, default, meaning); the README's table is generated from the same facts.
 ENV_VARS: dict[str, tuple[str, str, str]] = {
@@ -29,6 +29,9 @@ ENV_VARS: dict[str, tuple[str, str, str]] = {
                     "worker receives (0: leave it running)"),
     "PS_FAULT_THREADS": ("int", "4", "threads per rank that fault in fresh host memory before it is pinned "
                          "(registration); more contend in the kernel and were slower on 2 ranks per host"),
+    "PS_CPU_VISIBLE_DEVICES": ("str", "", "cpu kind only, like CUDA_VISIBLE_DEVICES: comma-separated host-wide "
+                               "device numbers; local device i of this process is the i-th (e.g. `2,3` for the "
+                               "workers of a second engine on the host); empty: i itself"),
     "PS_P2P_STORE_RDMA_DEVICES": ("str", "", "comma-separated RDMA NICs for the P2P store"),
     "NCCL_IB_HCA": ("str", "", "read as a fallback for PS_P2P_STORE_RDMA_DEVICES"),
     "CKPT_SERVICE_TOKEN": ("str", "", "bearer token of `ckpt-engine serve` on TCP (else `--token-file`)"),
@@ -116,6 +119,21 @@ def fault_threads() -> int:
     if n < 1:
         raise ConfigError(f"PS_FAULT_THREADS must be >= 1, got {n}")
     return n
+
+
+def cpu_visible_devices() -> tuple[int, ...]:
+    """PS_CPU_VISIBLE_DEVICES as numbers (empty: no mapping), read at each use."""
+    raw = os.environ.get("PS_CPU_VISIBLE_DEVICES", "").strip()
+    if not raw:
+        return ()
+    try:
+        out = tuple(int(x) for x in raw.split(","))
+    except ValueError as exc:
+        raise ConfigError(f"environment variable PS_CPU_VISIBLE_DEVICES={raw!r} is not a comma-separated "
+                          f"list of device numbers") from exc
+    if any(d < 0 for d in out) or len(set(out)) != len(out):
+        raise ConfigError(f"PS_CPU_VISIBLE_DEVICES={raw!r} must list distinct non-negative numbers")
+    return out
 
 
 def service_token() -> str | None:

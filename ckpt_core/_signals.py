@@ -1,7 +1,7 @@
 """How the ranks of one update learn, without a collective, that they should stop waiting.
 
-``req_func`` runs in a thread on rank 0; a rank whose worker failed publishes
-that in the rendezvous store. Every rank's waits poll ``StopSignal.should_stop``
+``req_func`` runs in a thread on every rank; a rank whose worker or whose
+``req_func`` failed publishes that in the rendezvous store. Every rank's waits poll ``StopSignal.should_stop``
 so that nobody waits for its own worker until the deadline once the update is
 lost anyway. The final verdict is still the ranks' status exchange (``_agree``).
 """
@@ -21,6 +21,13 @@ STORE_CHECK_INTERVAL_S = 0.02   # a store round trip per poll would tax every bu
 def is_echo(f: Failure) -> bool:
     """A failure caused by another rank's failure (the cause is reported instead)."""
     return f.message.startswith("stopped while") or f.message.startswith("req_func raised")
+
+
+def causes(failed: list[Failure]) -> list[Failure]:
+    """The failures to report: engine workers' own failures first; else the ranks whose
+    req_func raised (rather than the ranks that merely stopped because of them); else all."""
+    return ([f for f in failed if not is_echo(f)]
+            or [f for f in failed if f.message.startswith("req_func")] or failed)
 
 
 class ReqThread(threading.Thread):
@@ -43,11 +50,14 @@ class StopSignal:
     def __init__(self, store, key: str, rank: int, req: ReqThread | None, log):
         self.store, self.key, self.rank, self.req, self.log = store, key, rank, req, log
         self._last_check = 0.0
+        self._req_published = False
 
     def should_stop(self) -> str | None:
         """Why this rank should stop waiting for its worker, or None."""
         if self.req is not None and self.req.error is not None:
-            self.store.set(self.key, "rank 0: req_func raised")
+            if not self._req_published:   # once: every poll would be a store round trip
+                self._req_published = True
+                self._set(f"rank {self.rank}: req_func raised")
             return f"req_func raised: {self.req.error.splitlines()[-1] if self.req.error else ''}"
         now = time.monotonic()
         if now - self._last_check < STORE_CHECK_INTERVAL_S:
@@ -62,7 +72,10 @@ class StopSignal:
 
     def publish(self, failure: Failure) -> None:
         """Tell the other ranks at once, so they stop waiting for their own workers."""
+        self._set(f"rank {self.rank}: {failure.message}"[:500])
+
+    def _set(self, value: str) -> None:
         try:
-            self.store.set(self.key, f"rank {self.rank}: {failure.message}"[:500])
+            self.store.set(self.key, value)
         except Exception as exc:  # the store going away is reported by the next collective
             self.log.warning("could not publish the failure to the other ranks: %s", exc)

@@ -2,7 +2,10 @@
 
 Every error that bad input, a peer, a file or the configuration can cause is a
 subclass of :class:`CkptError`. Third-party errors are translated at one seam
-with ``raise ... from``.
+with ``raise ... from``. Each class also derives from the builtin that
+checkpoint-engine raises in the same situation (it asserts on misuse, raises
+``RuntimeError`` for an unknown checkpoint or a remote failure, ``ValueError``
+for bad files), so ``except`` clauses written for it keep catching.
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ class CkptError(Exception):
     """Base of every error raised by ckpt-engine."""
 
 
-class ConfigError(CkptError, ValueError):
-    """Invalid argument, setting or environment variable, or API misuse."""
+class ConfigError(CkptError, ValueError, AssertionError):
+    """Invalid argument, setting or environment variable, or API misuse (the reference asserts)."""
 
 
 class CheckpointFormatError(CkptError, ValueError):
@@ -42,8 +45,8 @@ class CheckpointFormatError(CkptError, ValueError):
         self.tensor = tensor
 
 
-class CheckpointNotFoundError(CkptError, KeyError):
-    """An operation named a checkpoint that is not registered."""
+class CheckpointNotFoundError(CkptError, KeyError, RuntimeError):
+    """An operation named a checkpoint that is not registered (the reference: RuntimeError)."""
 
     def __str__(self) -> str:  # KeyError quotes its argument; we want the plain message
         return str(self.args[0]) if self.args else ""

@@ -6,7 +6,7 @@ is :meth:`VllmClient.req_func`::
 
     client = VllmClient("http://127.0.0.1:8000")
     client.wait_ready(timeout=300)
-    ps.update("step-7", client.req_func())
+    ps.update("step-7", client.req_func(rank=ps.rank))   # req_func runs on every rank; rank 0 posts
 
 Importing this package does not import vLLM (the requester runs in the trainer's environment).
 """

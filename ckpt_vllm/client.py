@@ -23,6 +23,7 @@ from typing import Any, Callable
 import httpx
 
 from ckpt_core._http import HttpTransport
+from ckpt_core._requests import group_handles
 from ckpt_core.errors import ConfigError, RemoteWorkerError, TransportError, UpdateTimeoutError
 
 __all__ = ["VllmClient", "UpdateReport", "PATHS"]
@@ -48,7 +49,7 @@ class VllmClient:
 
         with VllmClient("http://127.0.0.1:8000") as client:
             client.wait_ready(timeout=300)
-            ps.update("step-7", client.req_func(path="extension", pause="wait"))
+            ps.update("step-7", client.req_func(rank=ps.rank, path="extension", pause="wait"))
             print(client.last_report)
     """
 
@@ -178,7 +179,20 @@ class VllmClient:
             self.last_report = report
         return report
 
-    def req_func(self, **update_kwargs) -> Callable[[list[tuple[str, str]]], UpdateReport]:
-        """The ``req_func`` for ``ParameterServer.update``; keyword arguments go to :meth:`update`."""
-        return lambda handles: self.update(handles, **update_kwargs)
+    def req_func(self, *, rank: int | None = None, inference_parallel_size: int | None = None,
+                 **update_kwargs) -> Callable[[list[tuple[str, str]]], UpdateReport | None]:
+        """The ``req_func`` for ``ParameterServer.update``; other keyword arguments go to :meth:`update`.
+
+        ``req_func`` runs on every PS rank. With ``rank`` (the PS rank), only the first rank of
+        each inference group of ``inference_parallel_size`` ranks (default: all ranks, one engine)
+        posts, with its group's handles (``ckpt_core._requests.group_handles``); without ``rank``,
+        every call posts all handles: build it on the posting rank only.
+        """
+        if rank is None:
+            return lambda handles: self.update(handles, **update_kwargs)
+
+        def req_func(handles):
+            mine = group_handles(handles, rank, inference_parallel_size)
+            return None if mine is None else self.update(mine, **update_kwargs)
+        return req_func
 

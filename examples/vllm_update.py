@@ -1,17 +1,21 @@
 """Push a checkpoint from parameter-server ranks into running vLLM servers (torchrun driver).
 
-One PS rank per device of the engine, on the same host; every rank registers its share of the
-checkpoint's safetensors files, then rank 0 asks each vLLM server to pull::
+One PS rank per device of the engines, on the same host as its device; every rank registers its
+share of the checkpoint's safetensors files. ``req_func`` runs on every rank; as in
+checkpoint-engine's examples/update.py, the first rank of each inference group (ranks
+``[g*n, (g+1)*n)`` for ``--inference-parallel-size n``) posts its group's handles to its own
+engine::
 
     torchrun --nproc-per-node 8 examples/vllm_update.py --checkpoint-path /ckpt/step-7 \\
         --endpoint http://127.0.0.1:8000 --inference-parallel-size 8
 
-Flags follow checkpoint-engine's examples/update.py. With more ranks than one engine has
-devices (``world size = k * --inference-parallel-size``), give ``--endpoint`` k comma-separated
-URLs: ranks [i*n, (i+1)*n) feed the engine at the i-th URL. The vLLM servers must run with
-``VLLM_SERVER_DEV_MODE=1`` and ``--worker-extension-cls ckpt_vllm.VllmColocateWorkerExtension``
-(``--path extension``, the default) or ``--weight-transfer-config '{"backend": "ckpt"}'``
-(``--path backend``). Rank 0 prints the update's timings as one JSON line.
+With k engines (``world size = k * n``), ``--endpoint`` and ``--uds`` take either one value, used
+by every group (each node's own ``localhost``), or k comma-separated values, one per group (two
+engines on one node, each on its own port or Unix socket: only its group's first rank needs to
+reach it). The vLLM servers must run with ``VLLM_SERVER_DEV_MODE=1`` and
+``--worker-extension-cls ckpt_vllm.VllmColocateWorkerExtension`` (``--path extension``, the
+default) or ``--weight-transfer-config '{"backend": "ckpt"}'`` (``--path backend``). The first
+rank of each group prints one JSON line: the update's timings and its engine's report.
 """
 
 from __future__ import annotations
@@ -21,10 +25,10 @@ import json
 import logging
 import os
 import sys
-import threading
 import time
 
 from ckpt_core import ParameterServer, split_checkpoint_files
+from ckpt_core._requests import group_handles
 from ckpt_core.errors import ConfigError
 from ckpt_vllm import VllmClient
 
@@ -40,8 +44,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--inference-parallel-size", type=int, default=None,
                     help="devices of one engine (default: the world size)")
     ap.add_argument("--endpoint", default="http://localhost:19730",
-                    help="vLLM server URL; comma-separated, one per engine, when there are several")
-    ap.add_argument("--uds", default=None, help="talk HTTP over this Unix socket (one engine)")
+                    help="vLLM server URL: one for every group, or comma-separated, one per group")
+    ap.add_argument("--uds", default=None,
+                    help="talk HTTP over this Unix socket: one for every group, or one per group")
     ap.add_argument("--save-metas-file", default=None, help="rank 0 writes the gathered metas here (JSON)")
     ap.add_argument("--load-metas-file", default=None, help="join with saved metas (P2P)")
     ap.add_argument("--sleep-time", type=float, default=0.0,
@@ -57,43 +62,40 @@ def parse_args(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def check_args(args: argparse.Namespace, world_size: int) -> tuple[list[str], int]:
-    """Validate flags before any collective; returns the endpoint of each engine and its device count."""
+def _per_group(flag: str, value: str | None, groups: int) -> list[str | None]:
+    """One value per inference group: a single value is shared, else exactly ``groups`` values."""
+    if value is None:
+        return [None] * groups
+    values = [v.strip() for v in value.split(",") if v.strip()]
+    if len(values) == 1:
+        return values * groups
+    if len(values) != groups:
+        raise ConfigError(f"{groups} engine(s) need one {flag} or {groups} comma-separated ones, "
+                          f"got {len(values)}: {values}")
+    return values
+
+
+def check_args(args: argparse.Namespace, world_size: int) -> tuple[int, list[str], list[str | None]]:
+    """Validate flags before any collective or wait; returns the group size and, per group, the
+    engine's endpoint and Unix socket."""
     if args.update_method != "broadcast" or args.load_metas_file:
         raise ConfigError(P2P_UNSUPPORTED)
     if not args.checkpoint_path:
         raise ConfigError("--checkpoint-path is required")
-    ips = args.inference_parallel_size or world_size
+    ips = world_size if args.inference_parallel_size is None else args.inference_parallel_size
     if ips <= 0 or world_size % ips:
-        raise ConfigError(f"world size {world_size} is not a multiple of --inference-parallel-size {ips}")
-    endpoints = [e.strip() for e in args.endpoint.split(",") if e.strip()]
-    if len(endpoints) != world_size // ips:
-        raise ConfigError(f"{world_size // ips} engine(s) of {ips} devices need as many --endpoint URLs, "
-                          f"got {len(endpoints)}: {endpoints}")
-    if args.uds and len(endpoints) != 1:
-        raise ConfigError("--uds addresses one engine; give a single --endpoint")
-    return endpoints, ips
+        raise ConfigError(f"--inference-parallel-size must be a positive divisor of the world size "
+                          f"{world_size}, got {args.inference_parallel_size}")
+    groups = world_size // ips
+    return ips, _per_group("--endpoint", args.endpoint, groups), _per_group("--uds", args.uds, groups)
 
 
-def make_req_func(clients: list[VllmClient], ips: int, args: argparse.Namespace, reports: list):
-    """Rank 0's req_func: each engine pulls from its own ranks' handles, all engines at once."""
+def make_req_func(client: VllmClient | None, rank: int, ips: int, args: argparse.Namespace, reports: list):
+    """Every rank's req_func: the first rank of each group posts its group's handles to its engine."""
     def req_func(handles):
-        errors: list[BaseException] = []
-
-        def one(i: int, client: VllmClient) -> None:
-            try:
-                reports.append(client.update(handles[i * ips:(i + 1) * ips], path=args.path,
-                                             timeout=args.timeout, pause=args.pause))
-            except BaseException as exc:
-                errors.append(exc)
-
-        threads = [threading.Thread(target=one, args=(i, c)) for i, c in enumerate(clients)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
+        mine = group_handles(handles, rank, ips)
+        if mine is not None:
+            reports.append(client.update(mine, path=args.path, timeout=args.timeout, pause=args.pause))
     return req_func
 
 
@@ -101,31 +103,34 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     world_size, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
-    endpoints, ips = check_args(args, world_size)
-    clients = [VllmClient(e, uds=args.uds, timeout=args.timeout) for e in endpoints] if rank == 0 else []
+    ips, endpoints, socks = check_args(args, world_size)
+    # A missing or empty checkpoint directory is reported now, not after waiting for the servers.
+    files = split_checkpoint_files(args.checkpoint_path, rank, world_size)
+    group, leader = rank // ips, rank % ips == 0
+    client = VllmClient(endpoints[group], uds=socks[group], timeout=args.timeout) if leader else None
     try:
-        for c in clients:
-            c.wait_ready(timeout=args.ready_timeout)
+        if client is not None:
+            client.wait_ready(timeout=args.ready_timeout)
         with ParameterServer(device=args.device) as ps:
             t0 = time.perf_counter()
-            ps.register_checkpoint(args.checkpoint_name,
-                                   files=split_checkpoint_files(args.checkpoint_path, ps.rank, ps.world_size))
+            ps.register_checkpoint(args.checkpoint_name, files=files)
             ps.gather_metas(args.checkpoint_name)
             t_register = time.perf_counter() - t0
             if args.save_metas_file and ps.rank == 0:
                 with open(args.save_metas_file, "w") as f:
                     json.dump(ps.get_metas(), f)
             reports: list = []
-            result = ps.update(args.checkpoint_name, make_req_func(clients, ips, args, reports),
+            result = ps.update(args.checkpoint_name, make_req_func(client, ps.rank, ips, args, reports),
                                timeout=args.timeout)
-            if ps.rank == 0:
-                print(json.dumps({"checkpoint": args.checkpoint_name, "register_and_gather_s": round(t_register, 4),
-                                  "ps": result, "engines": [r.__dict__ for r in reports]}), flush=True)
+            if leader:
+                print(json.dumps({"checkpoint": args.checkpoint_name, "rank": ps.rank, "group": group,
+                                  "register_and_gather_s": round(t_register, 4), "ps": result,
+                                  "engines": [r.__dict__ for r in reports]}), flush=True)
             if args.sleep_time > 0:
                 time.sleep(args.sleep_time)
     finally:
-        for c in clients:
-            c.close()
+        if client is not None:
+            client.close()
     return 0
 
 

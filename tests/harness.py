@@ -38,8 +38,10 @@ def digest(t: torch.Tensor) -> str:
 
 
 # ---------------------------------------------------------------- engine worker side
-def worker_main(kind: str, index: int, conn, behavior: dict) -> None:
-    """One engine worker: waits for handles, receives updates, keeps digests of what it loaded."""
+def worker_main(kind: str, index: int, conn, behavior: dict, env: dict | None = None) -> None:
+    """One engine worker: waits for handles, receives updates, keeps digests of what it loaded.
+    ``env`` is set first (e.g. PS_CPU_VISIBLE_DEVICES for a second engine on the host)."""
+    os.environ.update(env or {})
     engine = SimEngine(kind, index, behavior)
     while True:
         cmd = conn.recv()
@@ -116,13 +118,43 @@ class SimEngine:
         return {"buckets": buckets[0]}
 
 
+def queue_worker_main(kind: str, index: int, inbox, outbox, env: dict | None = None) -> None:
+    """An engine worker fed by its own PS rank's req_func (``req_func = inbox.put``), the
+    reference's test shape. A dict in ``inbox`` sets faults for the next update only; a
+    handles list runs one update, answered in ``outbox`` with ("ok", result, digests of
+    exactly what it loaded) or ("error", traceback); None ends the worker. Says ("ready", pid)
+    first, so that a test's short update timeouts do not count the worker's start."""
+    os.environ.update(env or {})
+    engine = SimEngine(kind, index, {})
+    outbox.put(("ready", os.getpid()))
+    this: dict = {}
+    while True:
+        item = inbox.get()
+        if item is None:
+            return
+        if isinstance(item, dict):
+            this = item
+            continue
+        engine.loaded = {}
+        try:
+            result = engine.update(dict(item), this)
+            outbox.put(("ok", result, dict(engine.loaded)))
+        except Exception:
+            outbox.put(("error", traceback.format_exc()))
+        this = {}
+
+
 # ---------------------------------------------------------------- engine front (the "server")
 class EngineFront:
     """Listens like an engine's HTTP API; fans an update request out to every worker."""
 
-    def __init__(self, kind: str, world: int, behavior: dict | None = None, devices: list[int] | None = None):
-        self.listener = Listener(("127.0.0.1", 0), authkey=AUTH)
+    def __init__(self, kind: str, world: int, behavior: dict | None = None, devices: list[int] | None = None,
+                 *, uds: str | None = None, env: dict | None = None):
+        # uds: listen on that Unix socket only (an engine that only its own host can reach)
+        self.listener = Listener(uds, family="AF_UNIX", authkey=AUTH) if uds else Listener(("127.0.0.1", 0), authkey=AUTH)
         self.address = self.listener.address
+        self.env = dict(env or {})
+        self.requests: list[list[str]] = []   # the device keys of each update request, in order
         self.kind, self.behavior = kind, dict(behavior or {})
         self.devices = devices or list(range(world))
         self.conns, self.procs = [], []
@@ -143,6 +175,7 @@ class EngineFront:
             try:
                 with c:
                     handles, behaviors = c.recv()
+                    self.requests.append(sorted(handles))
                     with self._lock:
                         results = self._fan_out(handles, behaviors or {})
                     c.send(results)
@@ -151,7 +184,7 @@ class EngineFront:
 
     def _spawn(self, i: int):
         parent, child = CTX.Pipe()
-        p = CTX.Process(target=worker_main, args=(self.kind, self.devices[i], child, dict(self.behavior)),
+        p = CTX.Process(target=worker_main, args=(self.kind, self.devices[i], child, dict(self.behavior), self.env),
                         daemon=True)
         p.start()
         child.close()   # so that recv() on parent sees EOF when the worker dies
@@ -233,6 +266,18 @@ def make_req_func(address, behaviors: dict | None = None):
             raise RuntimeError("engine reported: " + errors[0])
         if (behaviors or {}).get("req_fail_after"):
             raise RuntimeError("injected: req_func failed after the engine finished")
+    return req_func
+
+
+def group_req_func(rank: int, ips: int, address):
+    """A req_func as in the reference's examples/update.py: it runs on every rank; the first rank
+    of each inference group of ``ips`` ranks posts that group's handles to its own engine at
+    ``address``; the other ranks return at once."""
+    inner = make_req_func(address) if rank % ips == 0 else None
+
+    def req_func(handles):
+        if inner is not None:
+            inner(handles[rank: rank + ips])
     return req_func
 
 
@@ -361,6 +406,9 @@ def _ps_command(ps, rank: int, cmd: str, arg):
         name, address, timeout, behaviors = arg
         req = make_req_func(address, behaviors) if rank == 0 and address is not None else (lambda h: None)
         return ps.update(name, req, timeout=timeout)
+    if cmd == "update_group":     # several engines: the first rank of each group posts its group's handles
+        name, address, ips, timeout = arg
+        return ps.update(name, group_req_func(rank, ips, address), timeout=timeout)
     if cmd == "updates":          # many back-to-back updates, one command (the soak test)
         names, address, timeout, *rest = arg
         faults = rest[0] if rest else {}          # update number -> per-worker fault injections

@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from ..errors import TransportError
+from .._settings import cpu_visible_devices
+from ..errors import ConfigError, TransportError
 from ._base import DeviceBackend, IpcBuffer
 
 SHM_DIR = "/dev/shm"
@@ -105,7 +106,16 @@ class CpuBackend(DeviceBackend):
         return (st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize)
 
     def device_key(self, index: int) -> str:
-        return f"CPU-{_machine_id()}-{int(index)}"
+        """``CPU-<machine>-<n>``: n is ``index`` mapped through PS_CPU_VISIBLE_DEVICES (like CUDA's
+        visible devices), so two engines on one host can each number their workers from 0."""
+        visible = cpu_visible_devices()
+        index = int(index)
+        if visible:
+            if not 0 <= index < len(visible):
+                raise ConfigError(f"cpu device {index} is not visible: PS_CPU_VISIBLE_DEVICES lists "
+                                  f"{len(visible)} device(s) {list(visible)}")
+            index = visible[index]
+        return f"CPU-{_machine_id()}-{index}"
 
     def alloc_ipc(self, nbytes: int, index: int, name: str) -> IpcBuffer:
         _sweep_orphans()
