@@ -140,9 +140,11 @@ class Collectives:
         self._call(dist.barrier, group=self.ctrl_group)
 
     # -- data plane ----------------------------------------------------------
-    def broadcast(self, tensor: torch.Tensor, src: int, *, async_op: bool):
+    def broadcast(self, tensor: torch.Tensor, src: int, *, async_op: bool, group=None):
+        """``src`` is a global rank; ``group`` (default: the data group) e.g. a P2P update's target group."""
         try:
-            return dist.broadcast(tensor, src=src, group=self.data_group, async_op=async_op)
+            return dist.broadcast(tensor, src=src, group=self.data_group if group is None else group,
+                                  async_op=async_op)
         except Exception as exc:  # collective libraries raise RuntimeError/DistBackendError
             text = str(exc)
             if "imed out" in text or "imeout" in text:

@@ -18,6 +18,8 @@ from ._gc import gc_paused
 from ._host import SharedPool
 from ._link import Failure, PsLink
 from ._log import rank_logger
+from . import _metas
+from ._p2p import P2PState, run_update as run_p2p_update
 from ._planner import ALIGN, Plan, TensorMeta, align_up, choose_layout
 from ._plans import PlanCache
 from ._protocol import encode_hello
@@ -82,6 +84,7 @@ class ParameterServer:
         self._plans = PlanCache()   # shared by checkpoints of one layout
         self._pool: SharedPool | None = None
         self._ipc: IpcBuffer | None = None
+        self._p2p = P2PState(self)   # Mooncake store (created when first needed), owners' stores, target groups
         self._copy_stream = self.backend.new_stream(self.device_index)
         self._zmq = zmq.Context()
         self._update_lock = threading.Lock()
@@ -108,6 +111,7 @@ class ParameterServer:
         if self._closed:
             return
         self._closed = True
+        self._p2p.close()   # first: waits (bounded) for unsettled P2P reads before their buffers go
         for ckpt in self._checkpoints.values():
             ckpt.release()
         self._checkpoints.clear()
@@ -159,6 +163,7 @@ class ParameterServer:
                                     pool=pool, inplace=use_inplace_pin_memory,
                                     unlink_inplace_files=unlink_inplace_files)
         self._checkpoints[name] = ckpt
+        self._p2p.on_register(name, ckpt)   # P2P readers may pull its regions (when Mooncake is installed)
         dt = time.perf_counter() - t0
         self.last_register = {"name": name, "bytes": ckpt.nbytes, "seconds": dict(ckpt.seconds, total=dt)}
         self._log.info("registered %r: %d tensors, %.3f GiB in %.3f s (%.2f GB/s; %s)", name, len(ckpt.metas),
@@ -173,6 +178,7 @@ class ParameterServer:
         if self._update_lock.locked():
             raise ConfigError(f"cannot unregister {name!r} while an update is running")
         ckpt = self._checkpoints.pop(name)
+        self._p2p.on_unregister(name)
         ckpt.release()
         self._metas.pop(name, None)
         self._plans.forget(name)
@@ -196,6 +202,7 @@ class ParameterServer:
         self._check_open()
         with gc_paused():
             self._gather_metas(name)
+            self._p2p.gather(name)   # every owner's P2P store address and regions
 
     def _gather_metas(self, name: str) -> None:
         t0 = time.perf_counter()
@@ -219,13 +226,23 @@ class ParameterServer:
         self._log.info("gathered metas of %r: %d tensors on %d ranks in %.3f s", name, len(owner),
                        self.world_size, time.perf_counter() - t0)
 
-    def get_metas(self) -> dict[str, list[list[dict]]]:
-        """Plain-data copy of every gathered checkpoint's metas (JSON-serialisable)."""
-        return {name: [[m._asdict() | {"shape": list(m.shape)} for m in ms] for ms in metas]
-                for name, metas in self._metas.items()}
+    def get_metas(self) -> dict:
+        """Every gathered (or loaded) checkpoint's metas as a versioned JSON document (see
+        ``ckpt_core._metas``): tensors per owner rank, and each owner's P2P store address."""
+        return self._p2p.metas_document()
 
-    def load_metas(self, metas: dict[str, list[list[dict]]]) -> None:
-        """Install metas saved with ``get_metas`` (e.g. on ranks that hold no data)."""
+    def save_metas(self, path) -> None:
+        """Write ``get_metas()`` to ``path`` as JSON (atomically)."""
+        _metas.save(path, self.get_metas())
+
+    def load_metas(self, metas) -> None:
+        """Install metas from ``get_metas()``/``save_metas()`` (a dict or a file path), e.g. in a
+        separate world whose ranks own nothing and pull with ``update(..., ranks=[...])``.
+
+        The whole document is validated before anything is installed. Metas of a world of this
+        size also serve broadcast updates; any size serves P2P updates.
+        """
+        metas = self._p2p.load(metas)   # versioned/path -> validated, kept for P2P; legacy dicts pass through
         try:
             for name, per_rank in metas.items():
                 self._metas[name] = [[TensorMeta(**(m | {"shape": tuple(m["shape"])})) for m in ms] for ms in per_rank]
@@ -239,6 +256,10 @@ class ParameterServer:
     def update(self, name: str, req_func: ReqFunc, *, ranks: list[int] | None = None,
                timeout: float | timedelta = timedelta(minutes=10)) -> dict:
         """Collective: push checkpoint ``name`` into every rank's engine worker.
+
+        ``ranks=[...]``: a P2P update of those ranks' engines only, read from the owners' host
+        memory (``_p2p.py``, docs/p2p.md); still called on every rank, ``req_func`` runs on
+        those ranks only (with the handles of all ranks, in rank order).
 
         ``req_func(handles)`` runs in a thread on every rank with ``handles`` =
         ``[(device_uuid, zmq_handle)]`` of all ranks, in rank order (the
@@ -254,18 +275,18 @@ class ParameterServer:
         self._check_open()
         if not callable(req_func):
             raise ConfigError(f"req_func must be callable, got {type(req_func).__name__}")
-        if ranks:
-            raise ConfigError("P2P updates (ranks=[...]) are not supported by this build; pass ranks=None "
-                              "to broadcast to all ranks")
         deadline = time.monotonic() + _seconds(timeout)
-        if name not in self._checkpoints:
-            raise CheckpointNotFoundError(f"checkpoint {name!r} is not registered on rank {self.rank}")
-        if name not in self._metas:
-            raise ConfigError(f"call gather_metas({name!r}) on every rank before update({name!r})")
+        if not ranks:
+            if name not in self._checkpoints:
+                raise CheckpointNotFoundError(f"checkpoint {name!r} is not registered on rank {self.rank}")
+            if name not in self._metas:
+                raise ConfigError(f"call gather_metas({name!r}) on every rank before update({name!r})")
         if not self._update_lock.acquire(blocking=False):
             raise ConfigError("another update is already running on this ParameterServer")
         try:
             with gc_paused():
+                if ranks:   # P2P into those ranks, from the owners' host memory (_p2p.py)
+                    return run_p2p_update(self, name, req_func, ranks, deadline)
                 return self._update(name, req_func, deadline)
         except TransportError as exc:
             if getattr(exc, "groups_broken", False):

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from .errors import ConfigError, RemoteWorkerError, TransportError, UpdateTimeoutError
+from urllib.parse import urlsplit
+
+from ._http import HttpTransport
+from .errors import ConfigError, RemoteWorkerError
 
 
 def group_handles(handles: list[tuple[str, str]], rank: int, inference_parallel_size: int | None = None
@@ -24,23 +27,26 @@ def group_handles(handles: list[tuple[str, str]], rank: int, inference_parallel_
 
 
 def request_inference_to_update(url: str, socket_paths: dict[str, str], timeout: float = 300.0,
-                                uds: str | None = None, *, method: str = "update_weights_from_ipc") -> None:
+                                uds: str | None = None, *, method: str = "update_weights_from_ipc",
+                                reset_prefix_cache: bool = True) -> None:
     """POST ``{"method": method, "args": [socket_paths]}`` to ``url`` (a vLLM ``/collective_rpc``).
 
     ``socket_paths`` maps device keys to ZeroMQ handles (``dict(handles)`` of
-    ``req_func``). ``uds``: talk HTTP over that Unix socket. Raises a typed error on
-    a transport failure, a timeout, or a non-2xx answer (with the server's text).
+    ``req_func``). ``uds``: talk HTTP over that Unix socket. Then, unless
+    ``reset_prefix_cache=False``, ``POST /reset_prefix_cache?reset_running_requests=true`` on the
+    same server: KV blocks cached before the update were computed with the old weights, and a
+    prompt that hits them would answer from those. Raises a typed error on a transport failure,
+    a timeout, a non-2xx answer (with the server's text), or a refused reset.
     """
-    import httpx
-
-    transport = httpx.HTTPTransport(uds=uds) if uds else None
+    parts = urlsplit(url)
+    if not parts.scheme or not parts.netloc:
+        raise ConfigError(f"url must be absolute (http://host:port/collective_rpc), got {url!r}")
     body = {"method": method, "args": [socket_paths], "timeout": timeout}
-    try:
-        with httpx.Client(transport=transport, timeout=httpx.Timeout(timeout, connect=10.0)) as client:
-            resp = client.post(url, json=body)
-    except httpx.TimeoutException as exc:
-        raise UpdateTimeoutError(f"{url} did not answer within {timeout} s") from exc
-    except httpx.HTTPError as exc:
-        raise TransportError(f"cannot reach {url}: {exc}") from exc
-    if resp.status_code // 100 != 2:
-        raise RemoteWorkerError(f"{url} answered HTTP {resp.status_code}", remote_traceback=resp.text[:20000])
+    with HttpTransport(f"{parts.scheme}://{parts.netloc}", uds=uds, timeout=timeout + 30.0) as http:
+        http.raise_for_status(http.request("POST", parts.path or "/", json=body))
+        if reset_prefix_cache:
+            resp = http.raise_for_status(http.request("POST", "/reset_prefix_cache", timeout=60.0,
+                                                      params={"reset_running_requests": "true"}))
+            if resp.content and resp.json().get("success") is False:
+                raise RemoteWorkerError(f"{http.where} refused to reset its prefix cache after the update: "
+                                        "cached prompts would answer from the old weights")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from .errors import ConfigError
 
 __all__ = ["Settings", "ENV_VARS", "load_settings", "gc_pause_enabled", "fault_threads", "cpu_visible_devices",
-           "service_token", "engine_serve"]
+           "p2p_env", "service_token", "engine_serve"]
 
 # name -> (type, default, meaning); the README's table is generated from the same facts.
 ENV_VARS: dict[str, tuple[str, str, str]] = {
@@ -34,6 +34,9 @@ ENV_VARS: dict[str, tuple[str, str, str]] = {
                                "workers of a second engine on the host); empty: i itself"),
     "PS_P2P_STORE_RDMA_DEVICES": ("str", "", "comma-separated RDMA NICs for the P2P store"),
     "NCCL_IB_HCA": ("str", "", "read as a fallback for PS_P2P_STORE_RDMA_DEVICES"),
+    "NCCL_IB_DISABLE": ("bool", "0", "1: the P2P store uses TCP even where RDMA NICs exist (NCCL's meaning)"),
+    "PS_P2P_HOST": ("str", "(route to MASTER_ADDR)", "address this rank's P2P store binds to and publishes "
+                    "in the metas (default: the local address that routes to MASTER_ADDR)"),
     "CKPT_SERVICE_TOKEN": ("str", "", "bearer token of `ckpt-engine serve` on TCP (else `--token-file`)"),
     "CKPT_ENGINE_SERVE": ("str", "", "managed mode: `uds:PATH` (`{rank}` filled in); each engine worker starts "
                           "its PS rank serving there (docs/operations.md)"),
@@ -134,6 +137,23 @@ def cpu_visible_devices() -> tuple[int, ...]:
     if any(d < 0 for d in out) or len(set(out)) != len(out):
         raise ConfigError(f"PS_CPU_VISIBLE_DEVICES={raw!r} must list distinct non-negative numbers")
     return out
+
+
+def p2p_env(master_addr: str, master_port: int) -> dict[str, str]:
+    """The P2P store's settings, read when the store is created: its host address and the raw
+    NIC selections (``_nics`` parses them: NCCL_IB_HCA has its own syntax)."""
+    host = _get("PS_P2P_HOST", str, "")
+    if not host:
+        import socket
+        try:   # no packet is sent: connecting a UDP socket only picks the route and its source address
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.connect((master_addr, master_port))
+                host = s.getsockname()[0]
+        except OSError:
+            host = "127.0.0.1"
+    ib_off = _get("NCCL_IB_DISABLE", str, "0").strip().lower() in ("1", "true", "yes", "on")
+    return {"host": host, "ps_devices": _get("PS_P2P_STORE_RDMA_DEVICES", str, ""),
+            "nccl_ib_hca": _get("NCCL_IB_HCA", str, ""), "rdma": not ib_off}
 
 
 def service_token() -> str | None:

@@ -176,7 +176,8 @@ def cmd_bench(args, extra: list[str]) -> int:
     script = os.path.join(REPO, "benchmarks", "update_bench.py")
     if not os.path.exists(script):
         raise ConfigError(f"the benchmark is not here ({script}): run it from a source checkout of ckpt-engine")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}", script, *extra]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}", script,
+           *extra]
     print("running: " + " ".join(cmd), file=sys.stderr)
     return subprocess.call(cmd)
 

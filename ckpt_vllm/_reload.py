@@ -61,6 +61,7 @@ class ReloadSession:
         self.active = False
         self.tensors = 0
         self.bytes = 0
+        self.received: set[str] = set()   # checkpoint names loaded in this session (all its PS updates)
         self.seconds = {"begin": 0.0, "load": 0.0, "finish": 0.0}
 
     def begin(self) -> None:
@@ -73,10 +74,30 @@ class ReloadSession:
         self.active = True
         self.seconds["begin"] += time.perf_counter() - t0
 
+    def check_plan(self, names: Iterable[str]) -> None:
+        """Refuse, before anything is loaded, a name sent twice: in this plan, or by an earlier
+        update of the same session (``check_complete=false`` spreads a checkpoint over several).
+
+        A layer that is complete has been processed into the live weights; a second copy of one of
+        its tensors would be written straight into them.
+        """
+        seen: set[str] = set()
+        twice = []
+        for name in names:
+            if name in seen or name in self.received:
+                twice.append(name)
+            seen.add(name)
+        if twice:
+            raise CheckpointFormatError(
+                f"the update of the {self.label} sends {', '.join(sorted(set(twice))[:8])} again: "
+                f"{len(set(twice))} tensor(s) already received in this weight update; nothing was loaded",
+                tensor=twice[0])
+
     def load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         """Feed one bucket to the model's own ``load_weights``; a rejected tensor is named."""
         if not self.active:
             raise ConfigError(f"load() outside a weight update of the {self.label}: call begin() first")
+        self.check_plan(name for name, _ in weights)
         t0 = time.perf_counter()
         current: list[tuple[str, torch.Tensor] | None] = [None]
 
@@ -102,6 +123,7 @@ class ReloadSession:
                 f"{str(tensor.dtype).removeprefix('torch.')}): {type(exc).__name__}: {exc}",
                 tensor=name) from exc
         self._detach_pending({t.untyped_storage().data_ptr() for _, t in weights})
+        self.received.update(name for name, _ in weights)
         self.tensors += len(weights)
         self.bytes += sum(t.numel() * t.element_size() for _, t in weights)
         self.seconds["load"] += time.perf_counter() - t0
@@ -210,7 +232,7 @@ def _missing_in_layer(model: torch.nn.Module, qname: str, layer: torch.nn.Module
         sid = args.arguments.get("loaded_shard_id")
         received.setdefault(pname, set()).add(tuple(sid) if isinstance(sid, list) else sid)
     missing = []
-    for pname in info.restore_metadata[0]:
+    for pname in _loadable_params(layer, info):
         shards = received.get(pname)
         if not shards:
             missing.append(_checkpoint_names(model, qname, pname, None))
@@ -222,11 +244,24 @@ def _missing_in_layer(model: torch.nn.Module, qname: str, layer: torch.nn.Module
         for s in shards:  # "q"/"k"/"v", an int, or a tuple of ints (several parts at once)
             got.update(s if isinstance(s, (tuple, list)) else [_QKV_SHARDS.index(s) if s in _QKV_SHARDS else s])
         missing += [_checkpoint_names(model, qname, pname, i) for i in range(n_parts) if i not in got]
-    if not missing and any(hasattr(p, "weight_loader_numel") for p in layer.parameters(recurse=False)):
-        # Fused MoE: padding is excluded from the count, so any shortfall is a missing expert.
+    fused = len(getattr(layer, "output_sizes", ()) or ()) > 1
+    if not missing and (fused or any(hasattr(p, "weight_loader_numel") for p in layer.parameters(recurse=False))):
+        # Fused linear layers have no padding, and fused MoE excludes its padding from the count:
+        # any shortfall is a missing part (an expert, a bias shard, a slice) that named no parameter.
         if info.load_numel < info.load_numel_total:
             missing.append(f"{qname} ({info.load_numel} of {info.load_numel_total} elements)")
     return missing
+
+
+def _loadable_params(layer: torch.nn.Module, info) -> list[str]:
+    """Every parameter the layer must receive: the restore metadata lists only what vLLM put back
+    on the meta device, and leaves out parameters it keeps live through the reload (``bias``)."""
+    from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS
+
+    names = list(info.restore_metadata[0])
+    names += [n for n, p in layer._parameters.items()
+              if p is not None and n not in names and n not in SKIP_LOAD_TENSORS]
+    return names
 
 
 def _checkpoint_names(model: torch.nn.Module, qname: str, pname: str, part: int | None) -> str:

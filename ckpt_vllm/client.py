@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import httpx
 
-from ckpt_core._http import HttpTransport
+from ckpt_core._http import HttpTransport, Phases
 from ckpt_core._requests import group_handles
 from ckpt_core.errors import ConfigError, RemoteWorkerError, TransportError, UpdateTimeoutError
 
@@ -123,9 +123,31 @@ class VllmClient:
         reply = self._post("/collective_rpc", body, timeout=wait + 30.0)  # the server times out first
         return (reply or {}).get("results", [])
 
-    def reset_prefix_cache(self) -> bool:
-        reply = self._post("/reset_prefix_cache")
+    def reset_prefix_cache(self, *, running: bool = False) -> bool:
+        """Drop cached KV blocks; False when vLLM refused (blocks still held). ``running``: also
+        preempt running requests (they are recomputed, with the weights now loaded)."""
+        reply = self._post("/reset_prefix_cache", params={"reset_running_requests": "true"} if running else None)
         return bool((reply or {}).get("success", True))
+
+    def ensure_prefix_cache_reset(self, timeout: float = 30.0) -> None:
+        """Reset the prefix cache, or raise: a stale entry makes a cached prompt answer from old weights.
+
+        Running requests hold blocks, and vLLM then refuses a plain reset (it only logs that):
+        they are preempted and recomputed (their KV was computed with the old weights anyway).
+        Retried until ``timeout`` while vLLM still refuses (KV transfers in flight).
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if self.reset_prefix_cache(running=True):
+                    return
+                last = "success=false"
+            except RemoteWorkerError as exc:   # vLLM raises when the forced reset fails too
+                last = str(exc)
+            if time.monotonic() > deadline:
+                raise RemoteWorkerError(f"{self.where} refused to reset its prefix cache for {timeout:g} s "
+                                        f"({last}): cached prompts would answer from the old weights")
+            time.sleep(0.2)
 
     def pause(self, mode: str = "wait") -> None:
         if mode not in PAUSE_MODES:
@@ -135,49 +157,80 @@ class VllmClient:
     def resume(self) -> None:
         self._post("/resume")
 
+    def is_paused(self) -> bool:
+        reply = self._request("GET", "/is_paused").json()
+        return bool(reply.get("is_paused") if isinstance(reply, dict) else reply)
+
     # -- updates -------------------------------------------------------------------
     def update(self, handles, *, path: str = "extension", timeout: float | None = None,
-               pause: str | None = None, init_info: dict | None = None) -> UpdateReport:
+               pause: str | None = None, init_info: dict | None = None,
+               start: bool = True, finish: bool = True) -> UpdateReport:
         """Make the server pull one update; ``handles``: ``[(device_key, zmq_handle)]`` or a dict.
 
         ``pause``: pause generation around the update ("wait" lets running requests finish,
         "abort" drops them, "keep" freezes them); None leaves traffic running (requests then
-        see the new weights from the next engine step on).
+        see the new weights from the next engine step on, and running ones are recomputed).
+
+        One checkpoint spread over several PS updates (backend path only): the first call with
+        ``finish=False``, the middle ones with ``start=False, finish=False``, the last with
+        ``start=False``. The completeness check then runs at the last call's
+        ``/finish_weight_update``; a pause is required (between the parts the model is half
+        reloaded) and lasts from the first call to the last, or to the first failure.
+
+        On any failure the server is resumed and the weight update ended (old weights serve
+        for every layer not yet processed); the original error is raised, with a failing
+        cleanup added as a note.
         """
         if path not in PATHS:
             raise ConfigError(f"path must be one of {PATHS}, got {path!r}")
+        whole = start and finish
+        if not whole and path != "backend":
+            raise ConfigError("start=False / finish=False (one checkpoint over several updates) needs path='backend'")
+        if not whole and pause is None:
+            raise ConfigError("spreading a checkpoint over several updates needs a pause (pause='wait', "
+                              "'abort' or 'keep'): between the parts the model cannot serve")
         handles = dict(handles)
         wait = self.timeout if timeout is None else float(timeout)
         report = UpdateReport(path=path)
+        phases = Phases()
+        phases.seconds = report.seconds
         t0 = time.perf_counter()
-
-        def phase(name: str, fn, *a, **kw):
-            t = time.perf_counter()
-            out = fn(*a, **kw)
-            report.seconds[name] = time.perf_counter() - t
-            return out
-
-        if pause is not None:
-            phase("pause", self.pause, pause)
+        paused = False
         try:
+            if pause is not None and start:
+                paused = True   # a pause that failed half-way is undone too
+                phases.run("pause", self.pause, pause)
             if path == "extension":
-                report.workers = phase("update", self.collective_rpc, "update_weights_from_ipc", [handles],
-                                       {"timeout": wait}, timeout=wait)
+                report.workers = phases.run("update", self.collective_rpc, "update_weights_from_ipc", [handles],
+                                            {"timeout": wait}, timeout=wait)
             else:
                 if init_info is not None:
-                    phase("init", self._post, "/init_weight_transfer_engine", {"init_info": init_info})
-                phase("start", self._post, "/start_weight_update")
-                phase("update", self._post, "/update_weights",
-                      {"update_info": {"zmq_handles": handles, "timeout_s": wait}}, timeout=wait + 30.0)
-                phase("finish", self._post, "/finish_weight_update")
-            phase("reset_prefix_cache", self.reset_prefix_cache)
-        finally:
-            if pause is not None:
-                phase("resume", self.resume)
+                    phases.run("init", self._post, "/init_weight_transfer_engine", {"init_info": init_info})
+                if start:
+                    phases.run("start", self._post, "/start_weight_update")
+                info = {"zmq_handles": handles, "timeout_s": wait, "check_complete": whole}
+                phases.run("update", self._post, "/update_weights", {"update_info": info}, timeout=wait + 30.0)
+                if finish:
+                    phases.run("finish", self._post, "/finish_weight_update")
+            if finish:
+                phases.run("reset_prefix_cache", self.ensure_prefix_cache_reset)
+        except BaseException as exc:
+            if pause is not None or paused:
+                self._cleanup(exc, "resume", self.resume)
+            raise
+        if pause is not None and finish:
+            phases.run("resume", self.resume)
         report.seconds["total"] = time.perf_counter() - t0
         with self._lock:
             self.last_report = report
         return report
+
+    def _cleanup(self, exc: BaseException, what: str, fn: Callable[[], Any]) -> None:
+        """Run a cleanup step after ``exc``; its own failure is noted on ``exc``, never raised."""
+        try:
+            fn()
+        except Exception as cleanup:   # noqa: BLE001 - the original error is the one to raise
+            exc.add_note(f"cleanup: {what} on {self.where} failed too: {type(cleanup).__name__}: {cleanup}")
 
     def req_func(self, *, rank: int | None = None, inference_parallel_size: int | None = None,
                  **update_kwargs) -> Callable[[list[tuple[str, str]]], UpdateReport | None]:

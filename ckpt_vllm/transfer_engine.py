@@ -4,20 +4,30 @@ With ``--weight-transfer-config '{"backend": "ckpt"}'`` (registered by :mod:`ckp
 vLLM's own routes drive an update from our parameter server:
 
     POST /init_weight_transfer_engine  {"init_info": {"timeout_s": 600}}     (optional)
-    POST /start_weight_update                                  layerwise reload begins
+    POST /start_weight_update                                  a session opens; nothing is touched
     POST /update_weights  {"update_info": {"zmq_handles": {device_key: handle}}}
-                                                              blocks until the PS update is in
+                                    the layerwise reload begins, blocks until the PS update is in
     POST /finish_weight_update                                 deferred layers processed
+
+The reload begins inside ``/update_weights`` (not at ``/start``): the engine keeps running steps
+between the calls, and a layer on the meta device would kill it. Any failure of
+``/update_weights`` (its parsing included) aborts the session: layers not yet processed get their
+old weights back. A failed ``/finish_weight_update`` also ends vLLM's session, so the next
+``/start_weight_update`` is accepted.
 
 ``update_info`` may add ``timeout_s`` and ``check_complete`` (default true: the update carries
 the whole checkpoint, so it is checked and finalized before the PS's update returns, and
 ``/finish_weight_update`` has nothing left to do; pass false to spread one checkpoint over
-several PS updates: the check and vLLM's deferred processing then run at ``/finish_weight_update``).
+several PS updates: the check and vLLM's deferred processing then run at ``/finish_weight_update``,
+a tensor sent twice in the session is refused, and generation must stay paused from the first
+part to the finish, since the model is half reloaded in between).
 This module imports vLLM; vLLM imports it lazily when the backend is selected.
 """
 
 from __future__ import annotations
 
+import logging
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +40,8 @@ from . import worker as _w
 from ._reload import ReloadSession
 
 __all__ = ["CkptInitInfo", "CkptUpdateInfo", "CkptWeightTransferEngine"]
+
+log = logging.getLogger("ckpt_vllm")
 
 
 @dataclass
@@ -59,7 +71,8 @@ class CkptWeightTransferEngine(WeightTransferEngine[CkptInitInfo, CkptUpdateInfo
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
         self._timeout = _w.DEFAULT_TIMEOUT_S
-        self._sessions: list[ReloadSession] | None = None
+        self._sessions: list[ReloadSession] | None = None   # None: no session; []: started, not begun
+        self._target = (model, self.model_config, "model")
         self._zmq_ctx = None
         self._managed = self._start_managed_ps()   # managed mode (CKPT_ENGINE_SERVE); None otherwise
 
@@ -69,49 +82,59 @@ class CkptWeightTransferEngine(WeightTransferEngine[CkptInitInfo, CkptUpdateInfo
         self._timeout = float(init_info.timeout_s)
 
     def start_weight_update(self) -> None:
+        # Nothing is touched here: the engine may still run steps until /update_weights arrives,
+        # and layers put on the meta device now would kill it. The reload begins in the receive.
         # The worker retargets self.model/self.model_config at the drafter for a draft session.
-        session = ReloadSession(self.model, self.model_config,
-                                label="model" if self.model is self._default_model else "draft model")
-        session.begin()
-        self._sessions = [session]
+        self._target = (self.model, self.model_config,
+                        "model" if self.model is self._default_model else "draft model")
+        self._sessions = []
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class ends with torch.accelerator.synchronize(), which raises on CPU;
         # the core's receive loop already synchronizes the device after every bucket.
-        self.receive_weights(self.parse_update_info(update_info))
+        # Any failure, parsing included, aborts the session: the old weights keep serving.
+        try:
+            self.receive_weights(self.parse_update_info(update_info))
+        except BaseException:
+            self._abort()
+            raise
 
     def receive_weights(self, update_info: CkptUpdateInfo) -> None:
         if self._sessions is None:
             raise ConfigError("update_weights called outside a weight update: call start_weight_update first")
         kind, index = self._device()
-        handle = _w.own_handle(update_info.zmq_handles, kind, index)
+        handle = _w.agree_on_handle(update_info.zmq_handles, kind, index)
         timeout = float(update_info.timeout_s or self._timeout)
+        if not self._sessions:   # the first update of this session begins the reload
+            model, model_config, label = self._target
+            session = ReloadSession(model, model_config, label=label)
+            session.begin()
+            self._sessions = [session]
         # A complete update is also finalized in the core's post hook, so that a failure there
         # reaches the PS before its update() returns; /finish_weight_update then has nothing left.
         complete = update_info.check_complete
-        try:
-            _w.receive_into(self._sessions, self._context(), handle, kind, index, timeout=timeout,
-                            finalize=complete)
-        except BaseException:
-            self._sessions = None  # receive_into aborted them: the old weights serve on
-            raise
+        _w.receive_into(self._sessions, self._context(), handle, kind, index, timeout=timeout, finalize=complete)
         if complete:
             self._sessions = None
 
     def finish_weight_update(self) -> None:
         sessions, self._sessions = self._sessions, None
-        if sessions is None:
+        if not sessions:
             return
         try:
             _w.finish_sessions(sessions)
         except BaseException:
             _w.abort_sessions(sessions)
+            _end_worker_session(self)
             raise
 
+    def _abort(self) -> None:
+        sessions, self._sessions = self._sessions, None
+        if sessions:
+            _w.abort_sessions(sessions)
+
     def shutdown(self) -> None:
-        if self._sessions is not None:
-            _w.abort_sessions(self._sessions)
-            self._sessions = None
+        self._abort()
         ctx, self._zmq_ctx = self._zmq_ctx, None
         if ctx is not None:
             ctx.term()
@@ -142,3 +165,23 @@ class CkptWeightTransferEngine(WeightTransferEngine[CkptInitInfo, CkptUpdateInfo
         if self._zmq_ctx is None:
             self._zmq_ctx = zmq.Context()
         return self._zmq_ctx
+
+
+def _end_worker_session(engine: CkptWeightTransferEngine) -> None:
+    """After a failed finish, clear the calling vLLM worker's "update active" flag.
+
+    vLLM 0.32's worker clears it only when finish succeeds, so every later /start_weight_update
+    would be refused until someone posted /finish_weight_update again. The worker is the caller
+    (``Worker.finish_weight_update``); it is found on the stack, by its engine.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if owner is not engine and getattr(owner, "weight_transfer_engine", None) is engine:
+            if hasattr(owner, "_weight_update_active"):
+                owner._weight_update_active = False
+            engine.reset_weight_update_target()
+            return
+        frame = frame.f_back
+    log.warning("a failed /finish_weight_update: the vLLM worker was not found on the stack; "
+                "post /finish_weight_update once more before the next update")

@@ -20,7 +20,7 @@ from ckpt_core.errors import ConfigError
 
 from ._reload import ReloadSession
 
-__all__ = ["VllmColocateWorkerExtension", "worker_device", "drafter_target", "receive_into"]
+__all__ = ["VllmColocateWorkerExtension", "worker_device", "drafter_target", "receive_into", "agree_on_handle"]
 
 log = logging.getLogger("ckpt_vllm")
 
@@ -91,8 +91,12 @@ def receive_into(sessions: list[ReloadSession], zmq_ctx, zmq_handle: str, kind: 
         for s in sessions:
             s.load(weights)
 
+    def on_plan(tensors):
+        for s in sessions:
+            s.check_plan(name for name, _, _ in tensors)
+
     try:
-        _core_update_weights_from_ipc(zmq_ctx, zmq_handle, index, run=run, timeout=timeout,
+        _core_update_weights_from_ipc(zmq_ctx, zmq_handle, index, run=run, timeout=timeout, on_plan=on_plan,
                                       post_hook=(lambda: finish_sessions(sessions)) if finalize else None)
     except BaseException:
         abort_sessions(sessions)
@@ -127,6 +131,45 @@ def own_handle(zmq_handles: dict[str, str], kind: str, index: int) -> str:
     return zmq_handles[key]
 
 
+def agree_on_handle(zmq_handles: dict[str, str], kind: str, index: int) -> str:
+    """This worker's handle, once every worker of the engine found its own: all load, or none.
+
+    Tensor-parallel workers hold slices of one model: one loading while another refuses would
+    leave them on different weights. Each worker checks its handle, then the workers count the
+    failures over vLLM's world group (CPU group), before any of them touches a weight.
+    """
+    try:
+        handle, problem = own_handle(zmq_handles, kind, index), None
+    except ConfigError as exc:
+        handle, problem = None, exc
+    failed = _count_over_workers(problem is not None)
+    if problem is not None:
+        raise problem
+    if failed:
+        known = sorted(zmq_handles) if isinstance(zmq_handles, dict) else zmq_handles
+        raise ConfigError(f"{failed} other worker(s) of this engine have no ZeroMQ handle among {known}; "
+                          "no worker loads anything (all workers of an engine update together)")
+    return handle
+
+
+def _count_over_workers(flag: bool) -> int:
+    """How many workers of this engine raised ``flag`` (this one alone outside a vLLM world)."""
+    try:
+        from vllm.distributed.parallel_state import get_world_group
+
+        group = get_world_group()
+    except (ImportError, AssertionError):
+        return int(flag)
+    if group.world_size <= 1:
+        return int(flag)
+    import torch
+    import torch.distributed as dist
+
+    count = torch.tensor([int(flag)], dtype=torch.int64)
+    dist.all_reduce(count, group=group.cpu_group)
+    return int(count.item())
+
+
 class VllmColocateWorkerExtension:
     """Mixed into vLLM's worker by ``--worker-extension-cls ckpt_vllm.VllmColocateWorkerExtension``.
 
@@ -144,7 +187,7 @@ class VllmColocateWorkerExtension:
         layer not yet processed) when a tensor is missing, has the wrong shape, or the PS aborts.
         """
         kind, index = worker_device(self)
-        handle = own_handle(zmq_handles, kind, index)
+        handle = agree_on_handle(zmq_handles, kind, index)
         sessions = new_sessions(self)
         for s in sessions:
             s.begin()

@@ -15,7 +15,13 @@ engines on one node, each on its own port or Unix socket: only its group's first
 reach it). The vLLM servers must run with ``VLLM_SERVER_DEV_MODE=1`` and
 ``--worker-extension-cls ckpt_vllm.VllmColocateWorkerExtension`` (``--path extension``, the
 default) or ``--weight-transfer-config '{"backend": "ckpt"}'`` (``--path backend``). The first
-rank of each group prints one JSON line: the update's timings and its engine's report.
+rank of each group prints one JSON line per update: its timings and its engine's report.
+
+P2P (the ``p2p`` extra, Mooncake): ``--update-method p2p`` makes every rank pull the checkpoint
+from the owners' host memory instead of broadcasting it (``all``: broadcast, then p2p). Owners
+started with ``--save-metas-file m.json --sleep-time 600`` keep serving; a separate, joining
+torchrun world started with ``--load-metas-file m.json`` (no ``--checkpoint-path``) registers
+nothing and pulls the checkpoint into its own engines.
 """
 
 from __future__ import annotations
@@ -32,15 +38,13 @@ from ckpt_core._requests import group_handles
 from ckpt_core.errors import ConfigError
 from ckpt_vllm import VllmClient
 
-P2P_UNSUPPORTED = ("P2P updates (--update-method p2p/all, --load-metas-file) are not supported yet: "
-                   "the P2P transport of ckpt_core has not landed. Use --update-method broadcast.")
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint-path", help="directory of safetensors files (an HF checkpoint)")
     ap.add_argument("--checkpoint-name", default="my-checkpoint-iter-0")
-    ap.add_argument("--update-method", choices=("broadcast", "p2p", "all"), default="broadcast")
+    ap.add_argument("--update-method", choices=("broadcast", "p2p", "all"), default="broadcast",
+                    help="broadcast from every rank's share; p2p: every rank pulls from the owners' host "
+                         "memory (Mooncake, the p2p extra); all: broadcast, then p2p")
     ap.add_argument("--inference-parallel-size", type=int, default=None,
                     help="devices of one engine (default: the world size)")
     ap.add_argument("--endpoint", default="http://localhost:19730",
@@ -48,9 +52,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--uds", default=None,
                     help="talk HTTP over this Unix socket: one for every group, or one per group")
     ap.add_argument("--save-metas-file", default=None, help="rank 0 writes the gathered metas here (JSON)")
-    ap.add_argument("--load-metas-file", default=None, help="join with saved metas (P2P)")
+    ap.add_argument("--load-metas-file", default=None,
+                    help="join: register nothing, load these metas and pull the checkpoint from its owners (P2P)")
     ap.add_argument("--sleep-time", type=float, default=0.0,
-                    help="seconds to keep the checkpoint registered after the update")
+                    help="seconds to keep the checkpoint registered after the update (owners serving joiners)")
     # ckpt-engine additions
     ap.add_argument("--path", choices=("extension", "backend"), default="extension",
                     help="worker extension (/collective_rpc) or the ckpt weight-transfer backend")
@@ -78,10 +83,8 @@ def _per_group(flag: str, value: str | None, groups: int) -> list[str | None]:
 def check_args(args: argparse.Namespace, world_size: int) -> tuple[int, list[str], list[str | None]]:
     """Validate flags before any collective or wait; returns the group size and, per group, the
     engine's endpoint and Unix socket."""
-    if args.update_method != "broadcast" or args.load_metas_file:
-        raise ConfigError(P2P_UNSUPPORTED)
-    if not args.checkpoint_path:
-        raise ConfigError("--checkpoint-path is required")
+    if not args.checkpoint_path and not args.load_metas_file:
+        raise ConfigError("--checkpoint-path (or --load-metas-file, to join) is required")
     ips = world_size if args.inference_parallel_size is None else args.inference_parallel_size
     if ips <= 0 or world_size % ips:
         raise ConfigError(f"--inference-parallel-size must be a positive divisor of the world size "
@@ -105,7 +108,7 @@ def main(argv=None) -> int:
     world_size, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     ips, endpoints, socks = check_args(args, world_size)
     # A missing or empty checkpoint directory is reported now, not after waiting for the servers.
-    files = split_checkpoint_files(args.checkpoint_path, rank, world_size)
+    files = None if args.load_metas_file else split_checkpoint_files(args.checkpoint_path, rank, world_size)
     group, leader = rank // ips, rank % ips == 0
     client = VllmClient(endpoints[group], uds=socks[group], timeout=args.timeout) if leader else None
     try:
@@ -113,19 +116,25 @@ def main(argv=None) -> int:
             client.wait_ready(timeout=args.ready_timeout)
         with ParameterServer(device=args.device) as ps:
             t0 = time.perf_counter()
-            ps.register_checkpoint(args.checkpoint_name, files=files)
-            ps.gather_metas(args.checkpoint_name)
+            if args.load_metas_file:   # join: this world owns nothing; it pulls from the owners (P2P)
+                ps.load_metas(args.load_metas_file)
+            else:
+                ps.register_checkpoint(args.checkpoint_name, files=files)
+                ps.gather_metas(args.checkpoint_name)
             t_register = time.perf_counter() - t0
             if args.save_metas_file and ps.rank == 0:
-                with open(args.save_metas_file, "w") as f:
-                    json.dump(ps.get_metas(), f)
-            reports: list = []
-            result = ps.update(args.checkpoint_name, make_req_func(client, ps.rank, ips, args, reports),
-                               timeout=args.timeout)
-            if leader:
-                print(json.dumps({"checkpoint": args.checkpoint_name, "rank": ps.rank, "group": group,
-                                  "register_and_gather_s": round(t_register, 4), "ps": result,
-                                  "engines": [r.__dict__ for r in reports]}), flush=True)
+                ps.save_metas(args.save_metas_file)   # versioned JSON, never pickle
+            methods = (["p2p"] if args.load_metas_file
+                       else {"all": ["broadcast", "p2p"]}.get(args.update_method, [args.update_method]))
+            for method in methods:
+                reports: list = []
+                result = ps.update(args.checkpoint_name, make_req_func(client, ps.rank, ips, args, reports),
+                                   ranks=list(range(ps.world_size)) if method == "p2p" else None,
+                                   timeout=args.timeout)
+                if leader:
+                    print(json.dumps({"checkpoint": args.checkpoint_name, "method": method, "rank": ps.rank,
+                                      "group": group, "register_and_gather_s": round(t_register, 4),
+                                      "ps": result, "engines": [r.__dict__ for r in reports]}), flush=True)
             if args.sleep_time > 0:
                 time.sleep(args.sleep_time)
     finally:

@@ -13,6 +13,9 @@ CKPT_PROJECT_REQS=(
     "pytest>=8" "pytest-timeout>=2" "fastapi>=0.110" "uvicorn>=0.27" "pydantic>=2"
     "prometheus-client>=0.17" "tqdm>=4.60" "schemathesis>=4,<5"
 )
+# P2P store (issue 11): Mooncake's TransferEngine, the build that imports without CUDA. It needs
+# Debian's libibverbs1 even for TCP: ensure_p2p_system_libs installs it where it is missing.
+CKPT_PROJECT_REQS+=("mooncake-transfer-engine-non-cuda==0.3.13.post1")
 
 ckpt_log() { echo "[$(basename "$0")] $*" >&2; }
 
@@ -32,28 +35,42 @@ ckpt_quiet() {
 # Create VENV with BASE_PYTHON and run INSTALL_FN VENV_PYTHON in it, once: a stamp file marks a
 # finished install, and a lock keeps two callers (tests and the demo) from installing into one
 # venv at the same time. ALWAYS_FN VENV_PYTHON, if given, runs on every call, under the same lock.
+# Every step is checked by hand: callers run this inside $(...) or left of ||, where `set -e` is
+# off, so a failed install must not reach the stamp. A failed build returns 1, says which step
+# failed, and leaves no stamp (the next call rebuilds). Only a directory these scripts created
+# (marker file .ckpt-venv) is ever deleted: a VENV path that holds anything else is refused.
 # Both see CKPT_INSTALL_LOG (VENV.install.log), where installer output goes (see ckpt_quiet);
 # one line per venv says whether it was cached or built, and how long that took.
 ckpt_cached_venv() {
     local venv=$1 base=$2 wait=$3 install=$4 always=${5:-}
-    mkdir -p "$(dirname "$venv")"
+    mkdir -p "$(dirname "$venv")" || return 1
     (
         export CKPT_INSTALL_LOG=$venv.install.log
         local t0=$SECONDS
         exec 8>"$venv.lock"
         flock -w "$wait" 8 || { ckpt_log "timed out after $wait s waiting for $venv.lock"; exit 1; }
         if [[ ! -f $venv/.ckpt-installed ]]; then
-            rm -rf "$venv"
+            if [[ -e $venv && ! -f $venv/.ckpt-venv ]] && [[ -n "$(ls -A "$venv" 2>/dev/null)" || ! -d $venv ]]; then
+                ckpt_log "refusing to use $venv: it exists and was not made by these scripts (no .ckpt-venv" \
+                         "marker); nothing was deleted. Point the variable at a new path or remove it yourself"
+                exit 1
+            fi
+            rm -rf "$venv"   # ours (marker) and unfinished, or an empty directory
             : >"$CKPT_INSTALL_LOG"
-            # Explicit checks: callers often run this under `||`, where `set -e` does not apply.
-            ckpt_quiet "$CKPT_INSTALL_LOG" "$base" -m venv "$venv" || exit 1
-            "$install" "$venv/bin/python" || { ckpt_log "building $venv failed (output: $CKPT_INSTALL_LOG)"; exit 1; }
-            date -u +%FT%TZ >"$venv/.ckpt-installed"
+            ckpt_quiet "$CKPT_INSTALL_LOG" "$base" -m venv "$venv" \
+                || { ckpt_log "creating the virtualenv $venv with $base failed"; exit 1; }
+            date -u +%FT%TZ >"$venv/.ckpt-venv"
+            if ! "$install" "$venv/bin/python"; then
+                ckpt_log "installing into $venv failed (output: $CKPT_INSTALL_LOG); it is left unfinished" \
+                         "and is rebuilt on the next run"
+                exit 1
+            fi
+            date -u +%FT%TZ >"$venv/.ckpt-installed" || exit 1
             ckpt_log "$(basename "$venv"): built in $((SECONDS - t0)) s (installer output: $CKPT_INSTALL_LOG)"
         else
             ckpt_log "$(basename "$venv"): cached"
         fi
-        if [[ -n $always ]]; then "$always" "$venv/bin/python" || exit 1; fi
+        if [[ -n $always ]]; then "$always" "$venv/bin/python" || { ckpt_log "$always failed for $venv"; exit 1; }; fi
     )
 }
 
@@ -71,4 +88,16 @@ ensure_project_venv() {
     venv=${CKPT_PROJECT_VENV:-$CKPT_CACHE/project-$key}
     ckpt_cached_venv "$venv" "$base" 1200 _install_project_reqs || return 1
     echo "$venv/bin/python"
+}
+
+# ensure_p2p_system_libs: Mooncake's module links libibverbs.so.1 (also for the TCP transport).
+# Install Debian's libibverbs1 when it is missing and we may (root with apt-get: CI's fresh Debian).
+ensure_p2p_system_libs() {
+    if ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1'; then return 0; fi
+    if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
+        ckpt_log "installing libibverbs1 (needed by Mooncake's TransferEngine)"
+        (apt-get install -y -q libibverbs1 || { apt-get update -q && apt-get install -y -q libibverbs1; }) >&2
+    else
+        ckpt_log "libibverbs.so.1 is missing and cannot be installed here: the P2P tests will be skipped"
+    fi
 }

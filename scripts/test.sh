@@ -8,6 +8,7 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_common.sh"
 cd "$CKPT_REPO"
 
+ensure_p2p_system_libs || true
 PY=$(ensure_project_venv)
 ckpt_log "project python: $PY"
 if [[ -z ${CKPT_SKIP_VLLM:-} ]]; then

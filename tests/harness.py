@@ -434,6 +434,10 @@ def _ps_command(ps, rank: int, cmd: str, arg):
         return f"ckpt-{ps._run_id}-"
     if cmd == "ipc_buffer":       # the IPC buffer this rank holds between updates (None: released)
         return None if ps._ipc is None else dict(ps._ipc.descriptor)
+    if cmd == "call":             # run fn(ps, rank, *args) from a test helper module (module, fn, args)
+        import importlib
+        module, fn, args = arg
+        return getattr(importlib.import_module(module), fn)(ps, rank, *args)
     raise ValueError(f"unknown harness command {cmd!r}")
 
 

@@ -185,7 +185,8 @@ def _routes(app: FastAPI, state: ServiceState, ps) -> None:
     @app.get("/v1/status", response_model=Status)
     async def status():
         return Status(rank=ps.rank, world_size=ps.world_size, pid=os.getpid(), device_key=ps.device_uuid,
-                      checkpoints=ps.checkpoints(), gathered=sorted(ps.get_metas()), running=state.snapshot(),
+                      checkpoints=ps.checkpoints(), gathered=sorted(getattr(ps, "_metas", {})),
+                      running=state.snapshot(),
                       updates=state.updates, failures=state.failures, last_update=ps.last_update,
                       last_register=ps.last_register, last_error=state.last_error,
                       healthy=_health_problem(state, ps) is None)

@@ -84,7 +84,7 @@ def fake(request, tmp_path):
 @pytest.mark.parametrize("fake", ["tcp", "uds"], indirect=True)
 def test_the_extension_path_calls_collective_rpc_then_resets_the_prefix_cache(fake):
     report = fake.update([("K", "ipc://@h")], path="extension", timeout=7)
-    assert [c[1] for c in _Handler.calls] == ["/collective_rpc", "/reset_prefix_cache"]
+    assert [c[1] for c in _Handler.calls] == ["/collective_rpc", "/reset_prefix_cache?reset_running_requests=true"]
     body = _Handler.calls[0][2]
     assert body == {"method": "update_weights_from_ipc", "args": [{"K": "ipc://@h"}], "kwargs": {"timeout": 7.0},
                     "timeout": 7.0}
@@ -95,7 +95,7 @@ def test_the_extension_path_calls_collective_rpc_then_resets_the_prefix_cache(fa
 def test_the_backend_path_uses_the_native_routes_in_order_inside_a_pause(fake):
     fake.update({"K": "ipc://@h"}, path="backend", pause="wait")
     assert [c[1] for c in _Handler.calls] == ["/pause?mode=wait", "/start_weight_update", "/update_weights",
-                                              "/finish_weight_update", "/reset_prefix_cache", "/resume"]
+                                              "/finish_weight_update", "/reset_prefix_cache?reset_running_requests=true", "/resume"]
     assert _Handler.calls[2][2]["update_info"]["zmq_handles"] == {"K": "ipc://@h"}
 
 
@@ -173,3 +173,31 @@ def test_healthy_gives_up_after_one_timeout_not_two(fake):
     _Handler.routes[("GET", "/health")] = (200, {}, 1.5)
     assert not fake.healthy(timeout=0.5)
     assert [c[1] for c in _Handler.calls] == ["/health"], "a timed-out /health was sent again"
+
+
+def test_a_failing_resume_never_hides_the_update_error(fake):
+    _Handler.routes[("POST", "/update_weights")] = (500, {"error": {"message": "worker died"}}, 0)
+    _Handler.routes[("POST", "/resume")] = (500, {"error": {"message": "resume broke"}}, 0)
+    with pytest.raises(RemoteWorkerError, match="worker died") as info:
+        fake.update({"K": "h"}, path="backend", pause="wait")
+    assert any("resume" in n and "resume broke" in n for n in info.value.__notes__)
+
+
+def test_a_refused_prefix_cache_reset_fails_the_update_loudly(fake):
+    _Handler.routes[("POST", "/reset_prefix_cache")] = (200, {"success": False}, 0)
+    with pytest.raises(RemoteWorkerError, match="refused to reset its prefix cache"):
+        fake.ensure_prefix_cache_reset(timeout=0.5)
+    assert len([c for c in _Handler.calls if c[1].startswith("/reset_prefix_cache")]) >= 2
+
+
+def test_a_checkpoint_over_several_updates_needs_the_backend_and_a_pause(fake):
+    with pytest.raises(ConfigError, match="needs path='backend'"):
+        fake.update({"K": "h"}, path="extension", finish=False, pause="wait")
+    with pytest.raises(ConfigError, match="needs a pause"):
+        fake.update({"K": "h"}, path="backend", finish=False)
+    fake.update({"K": "h"}, path="backend", finish=False, pause="keep")
+    fake.update({"K": "h"}, path="backend", start=False, pause="keep")
+    assert [c[1].split("?")[0] for c in _Handler.calls] == [
+        "/pause", "/start_weight_update", "/update_weights", "/update_weights", "/finish_weight_update",
+        "/reset_prefix_cache", "/resume"]
+    assert [c[2]["update_info"]["check_complete"] for c in _Handler.calls if c[1] == "/update_weights"] == [False, False]

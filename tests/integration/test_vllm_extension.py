@@ -6,6 +6,7 @@ One server (dummy weights, TCP) serves every test of this module, in order.
 
 import pytest
 
+from ckpt_core import request_inference_to_update
 from ckpt_core.errors import RemoteWorkerError
 from vllm_support.fixtures import MAX_TOKENS, broken_copy, push, start_server, tiny_model, vllm_python  # noqa: F401
 
@@ -52,13 +53,21 @@ def test_layers_split_across_many_small_buckets_still_arrive_exactly(server, tin
     assert completions(server, tiny_model) == tiny_model.reference(tiny_model.weights[0])
 
 
-@pytest.mark.parametrize("tensor", [
-    "model.layers.0.self_attn.k_proj.weight",  # one part of the fused qkv_proj
-    "model.layers.1.mlp.down_proj.weight",     # a whole layer
+QKV_BIASES = tuple(f"model.layers.0.self_attn.{p}_proj.bias" for p in "qkv")
+
+
+@pytest.mark.parametrize("drop, named", [
+    ("model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.k_proj.weight"),  # one part of qkv_proj
+    ("model.layers.1.mlp.down_proj.weight", "model.layers.1.mlp.down_proj.weight"),        # a whole layer
+    # The reload keeps biases live and its metadata lists only weights: these passed unnoticed.
+    ("model.layers.0.self_attn.k_proj.bias", "model.layers.0.self_attn.k_proj.bias"),
+    ("model.layers.0.self_attn.q_proj.bias", "model.layers.0.self_attn.q_proj.bias"),
+    (QKV_BIASES, "model.layers.0.self_attn.qkv_proj.bias"),
 ])
-def test_a_missing_tensor_fails_naming_it_and_the_server_keeps_serving(server, tiny_model, tmp_path, tensor):
-    broken = broken_copy(tiny_model.weights[1], tmp_path / "broken.safetensors", drop=tensor)
-    with pytest.raises(RemoteWorkerError, match=f"nothing arrived for {tensor}"):
+def test_a_missing_tensor_fails_naming_it_and_the_server_keeps_serving(server, tiny_model, tmp_path, drop, named):
+    push(server, [tiny_model.weights[0]], path="extension")
+    broken = broken_copy(tiny_model.weights[1], tmp_path / "broken.safetensors", drop=drop)
+    with pytest.raises(RemoteWorkerError, match=f"nothing arrived for {named}"):
         push(server, [broken], path="extension")
     _assert_serving_and_recovers(server, tiny_model)
 
@@ -86,3 +95,49 @@ def _assert_serving_and_recovers(server, model):
 def _header(path):
     with open(path, "rb") as f:
         return 8 + int.from_bytes(f.read(8), "little")
+
+
+def test_the_readme_requester_resets_the_prefix_cache(server, tiny_model):
+    """README: ``ps.update(name, lambda handles: request_inference_to_update(url, dict(handles)))``."""
+    url = f"{server.endpoint}/collective_rpc"
+    push(server, [tiny_model.weights[0]], path="extension",
+         req_func=lambda handles: request_inference_to_update(url, dict(handles)))
+    assert completions(server, tiny_model) == tiny_model.reference(tiny_model.weights[0])
+    # The prompts' KV blocks are cached now; the README's call must not let them survive.
+    push(server, [tiny_model.weights[1]], path="extension",
+         req_func=lambda handles: request_inference_to_update(url, dict(handles)))
+    assert completions(server, tiny_model) == tiny_model.reference(tiny_model.weights[1])
+
+
+def test_without_the_prefix_cache_reset_cached_prompts_answer_from_the_old_weights(server, tiny_model):
+    """Why the requester resets: the same switch with the reset left out gives wrong output."""
+    url = f"{server.endpoint}/collective_rpc"
+    push(server, [tiny_model.weights[0]], path="extension")
+    assert completions(server, tiny_model) == tiny_model.reference(tiny_model.weights[0])
+    push(server, [tiny_model.weights[1]], path="extension",
+         req_func=lambda handles: request_inference_to_update(url, dict(handles), reset_prefix_cache=False))
+    stale = completions(server, tiny_model)
+    assert stale[2] != tiny_model.reference(tiny_model.weights[1])[2], \
+        "the 200-token prompt answered from the new weights although its old KV blocks stayed cached"
+    server.client.ensure_prefix_cache_reset()
+    assert completions(server, tiny_model) == tiny_model.reference(tiny_model.weights[1])
+
+
+@pytest.mark.parametrize("mode", ["wait", "abort", "keep"])
+def test_each_pause_mode_updates_exactly_and_leaves_the_server_resumed(server, tiny_model, mode):
+    for weights in tiny_model.weights:
+        push(server, [weights], path="extension", pause=mode)
+        assert server.client.last_report.seconds.keys() >= {"pause", "update", "reset_prefix_cache", "resume"}
+        assert not server.client.is_paused()
+        assert completions(server, tiny_model) == tiny_model.reference(weights)
+
+
+def test_a_failed_update_with_pause_wait_raises_the_worker_error_and_resumes(server, tiny_model, tmp_path):
+    tensor = "model.layers.1.mlp.up_proj.weight"
+    broken = broken_copy(tiny_model.weights[1], tmp_path / "broken.safetensors", drop=tensor)
+    for _ in range(2):   # the second failure goes out on the connection the first 500 left behind
+        with pytest.raises(RemoteWorkerError, match=f"nothing arrived for {tensor}") as info:
+            push(server, [broken], path="extension", pause="wait")
+        assert "resume" not in "".join(getattr(info.value, "__notes__", []))
+        assert not server.client.is_paused()
+    _assert_serving_and_recovers(server, tiny_model)

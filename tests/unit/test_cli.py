@@ -105,3 +105,16 @@ def test_plan_prints_stages_memory_and_json(tmp_path, capsys):
 def test_the_console_script_is_declared():
     text = open(os.path.join(ROOT, "pyproject.toml")).read()
     assert 'ckpt-engine = "ckpt_core.cli:main"' in text
+
+
+def test_bench_runs_the_benchmark_under_torchrun_and_passes_its_flags_and_exit_code(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, "-m", "ckpt_core.cli", "bench", "--nproc", "1", "--device", "cpu",
+                           "--scale", "0.002", "--cases", "tiny", "--repeats", "1", "--host-touch-gib", "0.05",
+                           "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert [c["case"] for c in json.loads(out.read_text())["cases"]] == ["tiny"]
+    bad = subprocess.run([sys.executable, "-m", "ckpt_core.cli", "bench", "--nproc", "1", "--cases", "nonsense"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert bad.returncode != 0

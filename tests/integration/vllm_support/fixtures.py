@@ -114,22 +114,54 @@ def start_server(python: str, model: TinyModel, log_dir: Path, **kwargs) -> Vllm
 
 
 def push(server: VllmServer, files: list[Path], *, path: str, name: str = "ckpt",
-         max_bucket_gb: float | None = None, timeout: float = 120) -> dict:
-    """One PS rank (world of 1, on CPU) pushes ``files`` into ``server``; returns the PS's result."""
+         max_bucket_gb: float | None = None, timeout: float = 120, req_func=None, **update_kwargs) -> dict:
+    """One PS rank (world of 1, on CPU) pushes ``files`` into ``server``; returns the PS's result.
+
+    ``update_kwargs`` go to ``VllmClient.update`` (``pause``, ...); ``req_func`` replaces the client's.
+    """
+    return push_parts(server, [files], path=path, name=name, max_bucket_gb=max_bucket_gb, timeout=timeout,
+                      req_func=req_func, **update_kwargs)[0]
+
+
+def push_parts(server: VllmServer, parts: list[list[Path]], *, path: str, name: str = "ckpt",
+               max_bucket_gb: float | None = None, timeout: float = 120, req_func=None, **update_kwargs) -> list:
+    """One PS pushes each part as its own PS update; several parts form one weight update of the
+    server (backend path: start with the first, finish with the last). Returns the PS's results."""
+    results = []
     with ParameterServer(rank=0, world_size=1, device="cpu", master_addr="127.0.0.1",
                          master_port=free_port(), max_bucket_gb=max_bucket_gb) as ps:
-        ps.register_checkpoint(name, files=[str(f) for f in files])
-        ps.gather_metas(name)
-        return ps.update(name, server.client.req_func(path=path, timeout=timeout), timeout=timeout)
+        for i, files in enumerate(parts):
+            part = f"{name}-{i}"
+            ps.register_checkpoint(part, files=[str(f) for f in files])
+            ps.gather_metas(part)
+            if len(parts) > 1:
+                update_kwargs.update(start=i == 0, finish=i == len(parts) - 1)
+            fn = req_func or server.client.req_func(path=path, timeout=timeout, **update_kwargs)
+            results.append(ps.update(part, fn, timeout=timeout))
+    return results
 
 
-def broken_copy(src: Path, dst: Path, *, drop: str | None = None, reshape: str | None = None) -> Path:
-    """``src`` without tensor ``drop``, or with tensor ``reshape`` transposed / cut (same dtype)."""
+def split_copy(src: Path, out_dir: Path, parts: int = 2) -> list[Path]:
+    """``src``'s tensors dealt round-robin into ``parts`` files (one checkpoint, several PS updates)."""
     from safetensors.torch import load_file, save_file
 
     tensors = load_file(str(src))
-    if drop:
-        del tensors[drop]
+    files = []
+    for i in range(parts):
+        names = sorted(tensors)[i::parts]
+        files.append(out_dir / f"part-{i}.safetensors")
+        save_file({n: tensors[n] for n in names}, str(files[-1]))
+    return files
+
+
+def broken_copy(src: Path, dst: Path, *, drop: str | tuple[str, ...] | None = None,
+                reshape: str | None = None) -> Path:
+    """``src`` without tensor(s) ``drop``, or with tensor ``reshape`` transposed / cut (same dtype)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(src))
+    for name in ([drop] if isinstance(drop, str) else drop or ()):
+        del tensors[name]
     if reshape:
         t = tensors[reshape]
         tensors[reshape] = (t.t() if t.shape[0] != t.shape[1] else t[:, : t.shape[1] // 2]).contiguous()

@@ -43,7 +43,7 @@ class VllmServer:
 
     def __init__(self, python: str, model_dir: Path, log_path: Path, *, extension: bool = True,
                  backend: str | None = None, uds: Path | None = None, load_format: str = "dummy",
-                 extra_args: tuple[str, ...] = ()):
+                 extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None):
         self.python, self.model_dir, self.log_path = python, Path(model_dir), Path(log_path)
         self.uds = uds
         self.port = None if uds else free_port()
@@ -58,6 +58,7 @@ class VllmServer:
         if backend:
             args += ["--weight-transfer-config", json.dumps({"backend": backend})]
         self.args = args + list(extra_args)
+        self.env = dict(env or {})
         self.proc: subprocess.Popen | None = None
         self.client: VllmClient | None = None
         self.start_seconds: float | None = None
@@ -65,6 +66,7 @@ class VllmServer:
     def start(self, timeout: float = 300.0) -> "VllmServer":
         env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
         env.update(SERVER_ENV)
+        env.update(self.env)
         # Works with or without the editable install of this repo in the vLLM venv.
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,202 @@
+"""P2P update throughput against the transport's ceiling measured in the same run.
+
+An owner world (``--owners`` ranks, P2P store on ``--owner-host``) registers a
+checkpoint of ``--gib`` GiB of random bf16 tensors and saves its metas; a separate
+reader world (``--readers`` ranks on ``--reader-host``) loads the metas and pulls the
+checkpoint with ``update(..., ranks=all readers)`` into engine workers (one process per
+reader that copies every tensor into its own preallocated parameter and checksums it).
+The ceiling is a plain Mooncake read of the same bytes from the same owners by the
+reader's own store into a registered buffer of the same device kind.
+
+    python benchmarks/p2p_bench.py --device cpu --gib 0.25 --out p2p.json
+    python benchmarks/p2p_bench.py --device cuda --gib 4 --readers 2 --out p2p.json   # 2 GPUs
+
+The first (warm-up) update is verified (per-tensor checksums) before any figure is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import socket
+import time
+
+CTX = mp.get_context("spawn")
+MiB = 1 << 20
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _checksum(t) -> int:
+    import torch
+    flat = t.reshape(-1).view(torch.uint8)
+    return int(flat.to(torch.int64).sum().item()) * 1000003 + int(flat[::97].to(torch.int64).sum().item())
+
+
+def owner_main(rank, world, port, args, metas_path, ready, stop):
+    import torch
+    os.environ["PS_P2P_HOST"] = args.owner_host
+    from ckpt_core import ParameterServer
+    ps = ParameterServer(rank, world, device="cpu", master_addr="127.0.0.1", master_port=port)
+    gen = torch.Generator().manual_seed(rank)
+    per_rank = int(args.gib * (1 << 30)) // world
+    n = max(1, per_rank // (args.tensor_mib * MiB))
+    ts = {f"r{rank}.w{i}": torch.randn(args.tensor_mib * MiB // 2, generator=gen).to(torch.bfloat16) for i in range(n)}
+    ps.register_checkpoint("ck", named_tensors=ts)
+    ps.gather_metas("ck")
+    sums = {k: _checksum(v) for k, v in ts.items()}
+    del ts
+    if rank == 0:
+        ps.save_metas(metas_path)
+    ready.put(sums)
+    stop.wait(3600)
+    ps.close()
+
+
+def engine_main(kind, index, conn, verify_first):
+    """One engine worker in its own process (CUDA IPC cannot be opened by the exporting process):
+    copies every tensor into its own preallocated parameter; checksums the first update."""
+    import torch
+    import zmq
+    from ckpt_core import update_weights_from_ipc
+    dev = torch.device(kind, index) if kind == "cuda" else torch.device("cpu")
+    ctx, params, check = zmq.Context(), {}, [verify_first]
+    while True:
+        handle = conn.recv()
+        if handle is None:
+            return
+        got = {}
+
+        def run(weights):
+            for name, t in weights:
+                p = params.get(name)
+                if p is None:
+                    p = params[name] = torch.empty_like(t, device=dev)
+                p.copy_(t)
+                if check[0]:
+                    got[name] = _checksum(p)
+        try:
+            update_weights_from_ipc(ctx, handle, index, run=run)
+            conn.send(("ok", got))
+        except Exception as exc:
+            conn.send(("error", repr(exc)))
+        check[0] = False
+
+
+def reader_main(rank, world, port, args, metas_path, sums, out):
+    os.environ["PS_P2P_HOST"] = args.reader_host
+    os.environ["LOCAL_RANK"] = str(rank)
+    from ckpt_core import ParameterServer
+    ps = ParameterServer(rank, world, device=args.device, master_addr="127.0.0.1", master_port=port)
+    ps.load_metas(metas_path)
+    conn, child = CTX.Pipe()
+    engine = CTX.Process(target=engine_main, args=(args.device, ps.device_index, child, args.verify), daemon=True)
+    engine.start()
+
+    def req(handles):   # every reader rank asks its own engine worker to pull
+        conn.send(dict(handles)[ps.device_uuid])
+        status, got = conn.recv()
+        if status != "ok":
+            raise RuntimeError(f"engine worker failed: {got}")
+        if got and got != sums:
+            bad = [k for k in sums if got.get(k) != sums[k]][:5]
+            raise RuntimeError(f"rank {rank}: the update is not bit-exact: {bad}")
+
+    times = []
+    for i in range(args.repeats + 1):
+        r = ps.update("ck", req, ranks=list(range(world)), timeout=600)
+        times.append(r["seconds"]["total"])
+    conn.send(None)
+    engine.join(30)
+    ceiling = _ceiling(ps, args) if rank == 0 else None
+    out.put({"rank": rank, "update_s": times, "bytes": r["bytes"], "ceiling": ceiling})
+    ps.close()
+
+
+def _ceiling(ps, args) -> dict:
+    """A plain Mooncake read of every owner region into one registered buffer of this device kind."""
+    import torch
+    dev = torch.device(args.device, ps.device_index) if args.device == "cuda" else torch.device("cpu")
+    store = ps._p2p.store
+    src = ps._p2p.loaded["ck"]
+    regions = [(peer, rid, ptr, n) for peer in src.peers for rid, (ptr, n) in peer.regions.items()]
+    total = sum(n for *_, n in regions)
+    dst = torch.empty(total, dtype=torch.uint8, device=dev)
+    store.register(dst.data_ptr(), total)
+    best = None
+    for _ in range(args.repeats + 1):
+        t0 = time.perf_counter()
+        off = 0
+        for owner, (peer, rid, ptr, n) in enumerate(regions):
+            store.read(peer, owner, [(dst.data_ptr() + off, ptr, n)], what=f"region {rid}",
+                       deadline=time.monotonic() + 600, should_stop=lambda: None)
+            off += n
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        dt = time.perf_counter() - t0
+        best = dt if best is None else min(best, dt)
+    store.unregister(dst.data_ptr())
+    return {"bytes": total, "best_s": best, "gbps": total / best / 1e9}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--gib", type=float, default=0.25)
+    ap.add_argument("--tensor-mib", type=int, default=16)
+    ap.add_argument("--owners", type=int, default=2)
+    ap.add_argument("--readers", type=int, default=2)
+    ap.add_argument("--owner-host", default="127.0.0.2")
+    ap.add_argument("--reader-host", default="127.0.0.3")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--no-verify", dest="verify", action="store_false")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    metas = f"/tmp/p2p-bench-{os.getpid()}.json"
+    ready, stop, out = CTX.Queue(), CTX.Event(), CTX.Queue()
+    oport, rport = _port(), _port()
+    owners = [CTX.Process(target=owner_main, args=(r, args.owners, oport, args, metas, ready, stop), daemon=True)
+              for r in range(args.owners)]
+    for p in owners:
+        p.start()
+    try:
+        sums = {}
+        for _ in owners:
+            sums.update(ready.get(timeout=600))
+        readers = [CTX.Process(target=reader_main, args=(r, args.readers, rport, args, metas, sums, out))
+                   for r in range(args.readers)]
+        for p in readers:
+            p.start()
+        res = sorted((out.get(timeout=1800) for _ in readers), key=lambda x: x["rank"])
+        for p in readers:
+            p.join(60)
+    finally:
+        stop.set()
+        for p in owners:
+            p.join(30)
+        if os.path.exists(metas):
+            os.unlink(metas)
+    nbytes = res[0]["bytes"]
+    best = min(max(r["update_s"][i] for r in res) for i in range(1, args.repeats + 1))
+    ceil = res[0]["ceiling"]
+    report = {"device": args.device, "owners": args.owners, "readers": args.readers, "bytes": nbytes,
+              "verified": args.verify, "p2p_update_best_s": best, "p2p_gbps": nbytes / best / 1e9,
+              "ceiling": ceil, "ratio": (nbytes / best / 1e9) / ceil["gbps"],
+              "first_update_s": max(r["update_s"][0] for r in res)}
+    print(json.dumps(report, indent=1))
+    print(f"P2P update: {nbytes / MiB:.0f} MiB in {best:.3f} s = {report['p2p_gbps']:.2f} GB/s; plain Mooncake "
+          f"read of the same bytes: {ceil['gbps']:.2f} GB/s; ratio {report['ratio']:.2f}"
+          + ("; the first update was verified bit-exact" if args.verify else ""))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

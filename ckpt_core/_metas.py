@@ -1,0 +1,194 @@
+"""The metas file: what a reader needs to pull a checkpoint from its owners, as versioned JSON.
+
+Never pickle (a pickled metas file, as the reference writes, can run code when read).
+Layout (version 1)::
+
+    {"format": "ckpt-engine/metas", "version": 1,
+     "checkpoints": {NAME: {"owners": [            # one entry per owner rank, in rank order
+         {"rank": 0,
+          "p2p": {"address": "10.0.0.5:15021", "host": "10.0.0.5", "nic": "mlx5_0" | null,
+                  "regions": {"0": [remote_ptr, nbytes], ...},
+                  "stamp": [remote_ptr, "32 hex digits"]} | null,          # null: no P2P store
+          "tensors": [[name, dtype, shape, nbytes, itemsize, region, offset], ...]}]}}}
+
+``parse`` validates everything a reader will dereference (types, ranges, every tensor
+inside a region that the owner registered) before anything is installed, and names
+what is wrong; a foreign or malformed document is a ``ConfigError``, never a crash.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+from ._planner import TensorMeta
+from .errors import ConfigError
+
+FORMAT = "ckpt-engine/metas"
+VERSION = 1
+STAMP_BYTES = 16
+
+
+@dataclass(frozen=True)
+class Peer:
+    """An owner rank's P2P store as a reader sees it."""
+    address: str                      # "host:rpc_port" of its Mooncake TransferEngine
+    host: str
+    nic: str | None
+    regions: dict[int, tuple[int, int]]   # region id -> (remote pointer, nbytes)
+    # (remote pointer, hex token): the owner clears the token before it unregisters the checkpoint,
+    # so a reader that still finds it after a read knows the bytes it read were this checkpoint's
+    stamp: tuple[int, str] | None = None
+
+    def to_json(self) -> dict:
+        out = {"address": self.address, "host": self.host, "nic": self.nic,
+               "regions": {str(k): [p, n] for k, (p, n) in sorted(self.regions.items())}}
+        if self.stamp is not None:
+            out["stamp"] = [self.stamp[0], self.stamp[1]]
+        return out
+
+
+@dataclass(frozen=True)
+class Source:
+    """One checkpoint as readers pull it: every owner's tensors and P2P store."""
+    metas: list[list[TensorMeta]]
+    peers: list[Peer | None]
+
+
+def dump(metas: dict[str, list[list[TensorMeta]]], peers: dict[str, list[Peer | None]]) -> dict:
+    """The versioned document of these checkpoints (plain JSON types)."""
+    out = {}
+    for name, per_rank in metas.items():
+        ps = peers.get(name) or [None] * len(per_rank)
+        out[name] = {"owners": [{"rank": r, "p2p": None if ps[r] is None else ps[r].to_json(),
+                                 "tensors": [[m.name, m.dtype, list(m.shape), m.nbytes, m.itemsize, m.base,
+                                              m.base_offset] for m in ms]}
+                                for r, ms in enumerate(per_rank)]}
+    return {"format": FORMAT, "version": VERSION, "checkpoints": out}
+
+
+def is_versioned(doc) -> bool:
+    return isinstance(doc, dict) and "format" in doc
+
+
+def to_legacy(doc: dict[str, Source]) -> dict[str, list[list[dict]]]:
+    """The unversioned per-rank dicts that ``load_metas`` installs for broadcast updates."""
+    return {name: [[m._asdict() | {"shape": list(m.shape)} for m in ms] for ms in src.metas]
+            for name, src in doc.items()}
+
+
+def save(path: str | os.PathLike, doc: dict) -> None:
+    """Write a document atomically (a reader never sees half a file)."""
+    tmp = f"{os.fspath(path)}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(doc, f)
+    os.replace(tmp, path)
+
+
+def read(path: str | os.PathLike) -> dict:
+    """Read a metas file; anything but our JSON is a ``ConfigError`` naming the file."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as exc:
+        raise ConfigError(f"cannot read metas file {os.fspath(path)!r}: {exc}") from exc
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        hint = " (it looks pickled: pickled metas are never read)" if raw[:1] == b"\x80" else ""
+        raise ConfigError(f"metas file {os.fspath(path)!r} is not JSON{hint}: {exc}") from exc
+    if not is_versioned(doc):
+        raise ConfigError(f"metas file {os.fspath(path)!r} is not a ckpt-engine metas document "
+                          f"(no 'format' field)")
+    return doc
+
+
+def _int(v, what: str, lo: int = 0) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ConfigError(f"metas: {what} must be an integer >= {lo}, got {v!r}")
+    return v
+
+
+def parse_peer(p, where: str) -> Peer | None:
+    if p is None:
+        return None
+    if not isinstance(p, dict):
+        raise ConfigError(f"metas: {where}.p2p must be an object or null")
+    addr, host = p.get("address"), p.get("host")
+    if not isinstance(addr, str) or ":" not in addr or not isinstance(host, str) or not host:
+        raise ConfigError(f"metas: {where}.p2p needs 'address' ('host:port') and 'host', got {addr!r}, {host!r}")
+    _int(int(addr.rsplit(":", 1)[1]) if addr.rsplit(":", 1)[1].isdigit() else -1, f"{where}.p2p port", 1)
+    nic = p.get("nic")
+    if nic is not None and not isinstance(nic, str):
+        raise ConfigError(f"metas: {where}.p2p.nic must be a string or null")
+    regions = p.get("regions")
+    if not isinstance(regions, dict):
+        raise ConfigError(f"metas: {where}.p2p.regions must be an object")
+    out = {}
+    for k, v in regions.items():
+        if not (isinstance(k, str) and k.isdigit()) or not isinstance(v, list) or len(v) != 2:
+            raise ConfigError(f"metas: {where}.p2p.regions[{k!r}] must map a region id to [pointer, nbytes]")
+        out[int(k)] = (_int(v[0], f"{where} region {k} pointer", 1), _int(v[1], f"{where} region {k} size"))
+    stamp = p.get("stamp")
+    if stamp is not None:
+        if not (isinstance(stamp, list) and len(stamp) == 2 and isinstance(stamp[1], str)
+                and len(stamp[1]) == 2 * STAMP_BYTES and all(c in "0123456789abcdef" for c in stamp[1])):
+            raise ConfigError(f"metas: {where}.p2p.stamp must be [pointer, {2 * STAMP_BYTES} hex digits]")
+        stamp = (_int(stamp[0], f"{where} stamp pointer", 1), stamp[1])
+    return Peer(addr, host, nic, out, stamp)
+
+
+def _tensor(t, where: str, peer: Peer | None) -> TensorMeta:
+    if not isinstance(t, list) or len(t) != 7:
+        raise ConfigError(f"metas: {where} must be [name, dtype, shape, nbytes, itemsize, region, offset]")
+    name, dtype, shape, nbytes, itemsize, base, off = t
+    if not isinstance(name, str) or not name or not isinstance(dtype, str) or not isinstance(shape, list):
+        raise ConfigError(f"metas: {where} has a bad name, dtype or shape: {t[:3]!r}")
+    dims = tuple(_int(d, f"{where} ({name}) shape") for d in shape)
+    nbytes, itemsize = _int(nbytes, f"{name} nbytes"), _int(itemsize, f"{name} itemsize", 1)
+    numel = 1
+    for d in dims:
+        numel *= d
+    if numel * itemsize != nbytes:
+        raise ConfigError(f"metas: tensor {name!r}: shape {list(dims)} x {itemsize} bytes != {nbytes} bytes")
+    base, off = _int(base, f"{name} region"), _int(off, f"{name} offset")
+    if peer is not None:
+        region = peer.regions.get(base)
+        if region is None or off + nbytes > region[1]:
+            raise ConfigError(f"metas: tensor {name!r} lies outside the region {base} its owner registered "
+                              f"({peer.address}): bytes {off}..{off + nbytes} of {region and region[1]}")
+    return TensorMeta(name, dtype, dims, nbytes, itemsize, base, off)
+
+
+def parse(doc) -> dict[str, Source]:
+    """Validate a whole document (nothing is returned from a half-valid one)."""
+    if not is_versioned(doc):
+        raise ConfigError("metas are not a ckpt-engine metas document (no 'format' field)")
+    if doc.get("format") != FORMAT:
+        raise ConfigError(f"metas are in a foreign format {doc.get('format')!r}, expected {FORMAT!r}")
+    if doc.get("version") != VERSION:
+        raise ConfigError(f"metas version {doc.get('version')!r} is not supported (this build reads {VERSION})")
+    cks = doc.get("checkpoints")
+    if not isinstance(cks, dict):
+        raise ConfigError("metas: 'checkpoints' must be an object")
+    out = {}
+    for name, ck in cks.items():
+        owners = ck.get("owners") if isinstance(ck, dict) else None
+        if not isinstance(owners, list) or not owners:
+            raise ConfigError(f"metas: checkpoint {name!r} needs a non-empty 'owners' list")
+        metas, peers, seen = [], [], set()
+        for r, o in enumerate(owners):
+            where = f"checkpoint {name!r} owner {r}"
+            if not isinstance(o, dict) or o.get("rank") != r or not isinstance(o.get("tensors"), list):
+                raise ConfigError(f"metas: {where} must be {{'rank': {r}, 'p2p': ..., 'tensors': [...]}}")
+            peer = parse_peer(o.get("p2p"), where)
+            ms = [_tensor(t, f"{where} tensor {i}", peer) for i, t in enumerate(o["tensors"])]
+            for m in ms:
+                if m.name in seen:
+                    raise ConfigError(f"metas: tensor {m.name!r} of {name!r} is listed by two owners")
+                seen.add(m.name)
+            metas.append(ms)
+            peers.append(peer)
+        out[name] = Source(metas, peers)
+    return out

@@ -1,0 +1,372 @@
+"""P2P updates (``update(name, req_func, ranks=[...])``): target ranks pull from the owners' host memory.
+
+Called on every rank of the world (it creates the target group, a collective). Then:
+
+* the target ranks map their engines' IPC buffer as in a broadcast update; each bucket
+  of the plan is assigned to one target (``_nics.assign_readers``), which reads the
+  bucket's runs straight from the owner's registered host memory into its slot
+  (Mooncake, ``_p2p_store``) and broadcasts it inside the target group: the same
+  pipeline, wire protocol and worker loop as a broadcast update;
+* ranks outside ``ranks`` touch neither their device nor their engine: they only take
+  part in the status agreements, so that every rank ends the update with one verdict.
+
+Each broadcast slot carries one status byte after the bucket (1: read, 0: not): a
+target never hands its worker a bucket whose read failed. A failed or abandoned read
+leaves its staging buffer unsettled (``Quarantine``); it is not reused or freed until
+settled. The owners may live in another world: their metas (``_metas``) say where.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from ._broadcast import BroadcastPipeline
+from ._link import Failure, PsLink
+from . import _metas
+from ._metas import Peer, Source
+from ._nics import assign_readers
+from ._p2p_store import MARK, P2PStore, import_mooncake
+from ._planner import ALIGN, Bucket, Plan, align_up, choose_layout
+from ._protocol import encode_hello
+from ._settings import p2p_env
+from ._signals import ReqThread, StopSignal
+from .errors import CkptError, ConfigError, RemoteWorkerError, TransportError
+
+READ_MARGIN_S = 3.0    # a read must give up this long before the update's deadline, so the ranks can still agree
+SETTLE_AT_CLOSE_S = 10.0
+
+
+@dataclass(eq=False)
+class P2PBucket(Bucket):
+    """A bucket as a P2P update moves it: ``owner`` is the target rank that reads and broadcasts
+    it, ``source`` the rank that holds its bytes; ``nbytes`` includes the trailing status byte."""
+    source: int = -1
+    index: int = -1
+
+
+class _NoLink:
+    """A rank outside ``ranks`` has no worker to talk to."""
+    failure = None
+
+    def send_abort(self, reason: str) -> None:
+        pass
+
+
+class _NoReq:
+    """A rank outside ``ranks`` runs no req_func."""
+    error = None
+
+    def join(self, timeout=None) -> None:
+        pass
+
+    def is_alive(self) -> bool:
+        return False
+
+
+class _GroupColl:
+    """The pipeline's view of the collectives: broadcasts go to the target group."""
+
+    def __init__(self, coll, group):
+        self.coll, self.group, self.timeout = coll, group, coll.timeout
+
+    def broadcast(self, tensor, src: int, *, async_op: bool):
+        return self.coll.broadcast(tensor, src, async_op=async_op, group=self.group)
+
+
+class P2PPipeline(BroadcastPipeline):
+    """The broadcast pipeline with the owner's host-to-device copy replaced by a P2P read."""
+
+    def __init__(self, *, store: P2PStore, peers: list, should_stop, read_deadline: float, **kw):
+        super().__init__(**kw)
+        self.store, self.peers, self.should_stop, self.read_deadline = store, peers, should_stop, read_deadline
+        self.pending_read = None      # the future of a failed read: the buffer is unsettled until it is done
+        self.read_bytes = 0
+
+    def _stage(self, bucket: P2PBucket, dst) -> int:
+        n, ok = bucket.nbytes - 1, False
+        index = bucket.index
+        if self.link.failure is None and self.pending_read is None:
+            peer: Peer = self.peers[bucket.source]
+            base = dst.data_ptr()
+            descs = [(base + r.offset, peer.regions[r.base][0] + r.base_offset, r.nbytes) for r in bucket.copy_runs]
+            try:
+                self.store.read(peer, bucket.source, descs, what=f"bucket {index} ({n} bytes)",
+                                deadline=self.read_deadline, should_stop=self.should_stop)
+                ok = True
+                self.read_bytes += n
+            except TransportError as exc:
+                self.pending_read = getattr(exc, "pending", None)
+                done = f"; {index} of {len(self.plan.buckets)} buckets had been handed to the engines" if index else ""
+                self.link._fail(f"{exc}{done}", timeout=type(exc).__name__ == "UpdateTimeoutError")
+                self._report()
+        dst[n: n + 1].fill_(1 if ok else 0)
+        return n
+
+    def _notify(self, index: int, slot: int, event, issued: float) -> None:
+        bucket = self.plan.buckets[index]
+        self._await(event, f"the broadcast of bucket {index} from rank {bucket.owner}", issued)
+        at = slot * self.slot_bytes + bucket.nbytes - 1
+        if self.link.failure is None and int(self.ipc.tensor[at: at + 1].item()) != 1:
+            self.link._fail(f"stopped while receiving bucket {index}: its reader, rank {bucket.owner}, "
+                            f"could not read it from owner rank {bucket.source}")
+        self.link.send_bucket(index, slot)
+        self._report()
+
+
+class P2PState:
+    """A ParameterServer's P2P side: its store, the owners' stores it learned, target groups."""
+
+    def __init__(self, ps):
+        self.ps = ps
+        self.store: P2PStore | None = None
+        self.store_error: str | None = None
+        self.served: dict[str, dict[int, tuple[int, int]]] = {}   # checkpoint -> regions this rank serves
+        self.stamps: dict[str, tuple[int, tuple[int, str]]] = {}  # checkpoint -> (slot, stamp)
+        self.gathered: dict[str, list[Peer | None]] = {}         # checkpoint -> every owner's store
+        self.loaded: dict[str, Source] = {}                       # checkpoint -> from load_metas
+        self.groups: dict[tuple[int, ...], object] = {}
+
+    # -- the store -------------------------------------------------------------
+    def ensure_store(self, *, required: bool) -> P2PStore | None:
+        """The store, created on first use. Without Mooncake: None, or ConfigError if ``required``."""
+        if self.store is None and self.store_error is None:
+            ps = self.ps
+            try:
+                import_mooncake()
+                env = p2p_env(ps.settings.master_addr, ps.settings.master_port)
+                self.store = P2PStore(env["host"], local_rank=ps.device_index, ps_devices=env["ps_devices"],
+                                      nccl_ib_hca=env["nccl_ib_hca"], log=ps._log,
+                                      transport=getattr(ps.backend, "p2p_transport", None), rdma=env["rdma"])
+            except CkptError as exc:
+                self.store_error = str(exc)
+        if self.store is None and required:
+            raise ConfigError(self.store_error or "no P2P store")
+        return self.store
+
+    def on_register(self, name: str, ckpt) -> None:
+        """Serve a newly registered checkpoint's host regions (when Mooncake is installed)."""
+        store = self.ensure_store(required=False)
+        if store is None:
+            return
+        regions = {rid: (r.tensor.data_ptr(), r.nbytes) for rid, r in ckpt.regions.items() if r.nbytes > 0}
+        try:
+            for ptr, n in regions.values():
+                store.register(ptr, n)
+            self.stamps[name] = store.stamp()
+        except TransportError as exc:   # broadcast updates still work; a P2P update will name this rank
+            self.ps._log.warning("checkpoint %r is not served to P2P readers: %s", name, exc)
+            for ptr, _ in regions.values():
+                store.unregister(ptr)
+            return
+        self.served[name] = regions
+
+    def on_unregister(self, name: str) -> None:
+        if name in self.stamps and self.store is not None:   # first: a reader's next check fails
+            self.store.clear_stamp(self.stamps.pop(name)[0])
+        for ptr, _ in self.served.pop(name, {}).values():
+            if self.store is not None:
+                self.store.unregister(ptr)
+        self.gathered.pop(name, None)
+
+    def describe(self, name: str) -> dict | None:
+        if self.store is None or name not in self.served:
+            return None
+        return self.store.describe(self.served[name], self.stamps[name][1]).to_json()
+
+    def gather(self, name: str) -> None:
+        """Collective (after gather_metas): every rank learns every owner's store for ``name``."""
+        docs = self.ps._coll.all_gather_json(self.describe(name))
+        self.gathered[name] = [None if d is None else _metas.parse_peer(d, f"rank {r}") for r, d in enumerate(docs)]
+
+    def metas_document(self) -> dict:
+        metas = {n: s.metas for n, s in self.loaded.items()} | dict(self.ps._metas)
+        peers = {n: s.peers for n, s in self.loaded.items()} | self.gathered
+        return _metas.dump(metas, peers)
+
+    def load(self, doc):
+        """``load_metas``'s first step: a path or a versioned document is read and validated whole,
+        kept for P2P updates, and returned as the per-rank dicts of the checkpoints whose owner
+        count is this world's size (for broadcast updates); an unversioned dict passes through."""
+        if isinstance(doc, (str, os.PathLike)):
+            doc = _metas.read(doc)
+        if not _metas.is_versioned(doc):
+            return doc
+        parsed = _metas.parse(doc)
+        self.loaded.update(parsed)
+        return _metas.to_legacy({n: s for n, s in parsed.items() if len(s.metas) == self.ps.world_size})
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close(SETTLE_AT_CLOSE_S)
+
+    # -- update ----------------------------------------------------------------
+    def source(self, name: str) -> Source:
+        if name in self.loaded:
+            return self.loaded[name]
+        if name in self.ps._metas and name in self.gathered:
+            return Source(self.ps._metas[name], self.gathered[name])
+        raise ConfigError(f"P2P update of {name!r}: call gather_metas({name!r}) on the owners' world, or "
+                          "load_metas(...) with their metas, on every rank first")
+
+    def group(self, targets: tuple[int, ...]):
+        """The target ranks' data group; created once (a collective of the whole world)."""
+        if targets not in self.groups:
+            coll = self.ps._coll
+            backend = self.ps.backend.collective_backend
+            self.groups[targets] = dist.new_group(ranks=list(targets), backend=backend, timeout=coll.timeout)
+        return self.groups[targets]
+
+
+def _targets(ranks, world_size: int) -> tuple[int, ...]:
+    try:
+        out = tuple(sorted({int(r) for r in ranks}))
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"ranks must be a list of integers, got {ranks!r}") from exc
+    if out[0] < 0 or out[-1] >= world_size:
+        raise ConfigError(f"ranks {list(ranks)} are not all in [0, {world_size})")
+    return out
+
+
+def run_update(ps, name: str, req_func, ranks, deadline: float) -> dict:
+    """Collective over the whole world; see the module docstring. Returns this rank's figures."""
+    t0 = time.perf_counter()
+    state: P2PState = ps._p2p
+    targets = _targets(ranks, ps.world_size)
+    me = ps.rank in targets
+    problem, src = None, None
+    if me:
+        try:
+            src = state.source(name)
+            state.ensure_store(required=True)
+            state.store.quarantine.reap()
+            missing = [r for r, p in enumerate(src.peers) if p is None and src.metas[r]]
+            if missing:
+                raise ConfigError(f"owner rank(s) {missing} of {name!r} serve no P2P store (no Mooncake there?)")
+        except ConfigError as exc:
+            problem = f"rank {ps.rank}: {exc}"
+    view = {"targets": list(targets), "problem": problem}
+    if me and problem is None:
+        metas = src.metas
+        free = ps.backend.mem_get_info(ps.device_index)[0] + (ps._ipc.nbytes if ps._ipc else 0)
+        view.update(fp=ps._plans.digest(f"p2p:{name}", metas), layout=choose_layout(
+            free, mem_fraction=ps.settings.mem_fraction, max_slots=ps.settings.num_slots,
+            max_bucket_bytes=ps.settings.max_bucket_bytes,
+            largest_tensor=max((m.nbytes for ms in metas for m in ms), default=0),
+            largest_owner_total=max((sum(align_up(m.nbytes) for m in ms) for ms in metas), default=1)))
+    views = ps._coll.all_gather_json(view)
+    problems = [v["problem"] for v in views if v["problem"]]
+    if problems:
+        raise ConfigError("P2P update refused: " + "; ".join(problems))
+    if len({tuple(v["targets"]) for v in views}) != 1:
+        raise ConfigError(f"ranks disagree on the P2P targets: {[v['targets'] for v in views]}")
+    tv = [views[r] for r in targets]
+    if len({v["fp"] for v in tv}) != 1:
+        raise ConfigError(f"target ranks disagree on the metas of {name!r}: gather or load them again everywhere")
+    group = state.group(targets)
+    update_id = f"{ps._run_id}-{ps._updates}"
+    ps._updates += 1
+    if not me:
+        link = _NoLink()
+        for phase, final in (("handshake", False), ("transfer", False), ("post-hook", True)):
+            _agree(ps, link, _NoReq(), deadline, phase, final)
+        return {"name": name, "p2p": True, "target": False, "seconds": {"total": time.perf_counter() - t0}}
+    try:
+        size = min(v["layout"][0] for v in tv)
+        plan, wire = ps._plans.get(src.metas, tv[0]["fp"], size)
+        readers = assign_readers([(b.owner, b.nbytes) for b in plan.buckets], list(targets))
+        p2p_plan = Plan(plan.bucket_bytes, tuple(P2PBucket(owner=rd, placements=b.placements, nbytes=b.nbytes + 1,
+                                                           source=b.owner, index=i)
+                                                 for i, (b, rd) in enumerate(zip(plan.buckets, readers))))
+        slots = max(1, min(min(v["layout"][1] for v in tv), len(plan.buckets)))
+    except CkptError as exc:
+        _fail_through(ps, exc, deadline)
+    return _run_target(ps, name, req_func, deadline, targets, group, src, p2p_plan, wire, slots, update_id, t0)
+
+
+def _fail_through(ps, exc: Exception, deadline: float):
+    """A target failed before its first status exchange: tell every rank there (so nobody waits
+    for it until the collective timeout), then raise the original error here."""
+    link = _NoLink()
+    link.failure = Failure(ps.rank, ps.device_uuid, f"{type(exc).__name__}: {exc}")
+    try:
+        _agree(ps, link, _NoReq(), deadline, "handshake", False)
+    except CkptError:
+        pass
+    raise exc
+
+
+def _run_target(ps, name, req_func, deadline, targets, group, src, plan, wire, slots, update_id, t0) -> dict:
+    store = ps._p2p.store
+    slot_bytes = align_up(max(plan.largest_bucket, ALIGN))
+    try:
+        ipc = ps._ensure_ipc(slot_bytes * slots)
+        store.register(ipc.tensor.data_ptr(), ipc.nbytes)
+    except Exception as exc:   # e.g. no device memory, or Mooncake refusing the registration
+        _fail_through(ps, exc, deadline)
+    # Every rank's handle, in rank order (the broadcast contract, so req_funcs that pick their group's
+    # handles by position work unchanged); only the targets' sockets exist and only targets run req_func.
+    handles = [(k, f"ipc://@ckpt-{update_id}-{r}") for r, k in enumerate(ps._device_keys)]
+    req = ReqThread(req_func, handles)
+    signal = StopSignal(ps._coll.store, f"ckpt/{update_id}/abort", ps.rank, req, ps._log)
+    link = PsLink(ps._zmq, handles[ps.rank][1], update_id, rank=ps.rank, device_key=ps.device_uuid,
+                  deadline=deadline, should_stop=signal.should_stop)
+    times = {"plan": time.perf_counter() - t0}
+    pipe = None
+    ok = mapped = False
+    try:
+        req.start()
+        link.send_hello(frame=encode_hello(update_id, device_kind=ps.backend.kind, buffer=ipc.descriptor,
+                                           slot_bytes=slot_bytes, num_slots=slots, plan_json=wire[0],
+                                           plan_digest=wire[1]))
+        mapped = link.wait_ready()
+        if not mapped:
+            signal.publish(link.failure)
+        _agree(ps, link, req, deadline, "handshake", False)
+        pipe = P2PPipeline(store=store, peers=src.peers, should_stop=signal.should_stop,
+                           read_deadline=deadline - READ_MARGIN_S, plan=plan, rank=ps.rank, index=ps.device_index,
+                           backend=ps.backend, ipc=ipc, slot_bytes=slot_bytes, num_slots=slots, host={},
+                           coll=_GroupColl(ps._coll, group), link=link, copy_stream=ps._copy_stream, log=ps._log,
+                           on_failure=signal.publish, deadline=deadline)
+        stats = pipe.run()
+        times["pipeline"] = stats.seconds
+        _agree(ps, link, req, deadline, "transfer", False)
+        link.send_end(ps.keep_device_buffers)
+        link.wait_finished()
+        _agree(ps, link, req, deadline, "post-hook", True)
+        ok = True
+    finally:
+        link.close()
+        req.join(max(0.0, deadline - time.monotonic()) if ok else 2.0)
+        broken = getattr(sys.exc_info()[1], "groups_broken", False)
+        if pipe is not None and pipe.pending_read is not None:
+            # Mooncake may still land bytes in this buffer: keep it (and its registration) until settled.
+            ps._ipc = None
+            ptr = ipc.tensor.data_ptr()
+            store.quarantine.add(pipe.pending_read, lambda: (store.unregister(ptr), ipc.close()))
+            ps._log.warning("P2P staging buffer quarantined until its failed read settles")
+        else:
+            store.unregister(ipc.tensor.data_ptr())   # registered per update: a kept buffer may be freed later
+            if not ps.keep_device_buffers and mapped and not broken:
+                ps._release_ipc()
+    times["total"] = time.perf_counter() - t0
+    result = ps._report(name, plan, stats, times, slots=slots, device_buffer_bytes=slot_bytes * slots)
+    result.update(p2p=True, target=True, read_bytes=pipe.read_bytes, bytes=plan.total_bytes)
+    return result
+
+
+def _agree(ps, link, req, deadline: float, phase: str, final: bool) -> None:
+    """``ParameterServer._agree``; a P2P read failure is a TransportError, not an engine's."""
+    try:
+        ps._agree(link, req, deadline, phase=phase, final=final)
+    except RemoteWorkerError as exc:
+        if MARK in str(exc):
+            raise TransportError(str(exc)) from exc
+        raise
+
+
+__all__ = ["P2PState", "run_update", "Failure"]

@@ -1,0 +1,235 @@
+"""The P2P store: one Mooncake TransferEngine per ParameterServer, behind one seam.
+
+Owners register their host regions with it (readers then pull with one-sided
+reads); readers register their staging buffer and read into it. Mooncake's
+failures (a -1 return) become a ``TransportError`` naming the owner rank and
+address. A read that failed or was abandoned may still land bytes afterwards:
+its buffer is *unsettled* and is neither reused nor freed until the read call
+returned and ``SETTLE_GRACE_S`` passed (``Quarantine``).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
+
+from ._metas import STAMP_BYTES, Peer
+from ._nics import nic_for_rank, select_rdma_devices
+from .errors import ConfigError, TransportError, UpdateTimeoutError
+
+MAX_DESCRIPTORS = 1024      # Mooncake: keep one batch at or below this many descriptors
+PIECE_BYTES = 64 << 20      # large runs are cut so that a batch spreads over Mooncake's slices
+SETTLE_GRACE_S = 5.0        # after a failed read returned, slices may still land for this long
+POLL_S = 0.01
+STAMP_SLOTS = 256           # checkpoints one store can serve at once
+STAMP_GONE = -2             # _read_batches: the owner's stamp changed (checkpoint unregistered or replaced)
+EXTRA = "p2p"
+MARK = "P2P read"           # every read failure's message starts with this
+
+
+def torch_frombuffer(data: bytes):
+    import torch
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def import_mooncake():
+    """Mooncake's TransferEngine class, or a ConfigError that says what to install."""
+    try:
+        from mooncake.engine import TransferEngine
+    except ImportError as exc:
+        raise ConfigError(
+            "P2P updates (ranks=[...]) need Mooncake's TransferEngine: install the 'p2p' extra "
+            "(pip install 'ckpt-engine[p2p]', i.e. mooncake-transfer-engine; on hosts without CUDA "
+            f"mooncake-transfer-engine-non-cuda, plus the libibverbs1 system package): {exc}") from exc
+    return TransferEngine
+
+
+def mooncake_available() -> bool:
+    try:
+        import_mooncake()
+        return True
+    except ConfigError:
+        return False
+
+
+def rdma_devices_here() -> list[str]:
+    try:
+        return sorted(os.listdir("/sys/class/infiniband"))
+    except OSError:
+        return []
+
+
+class Quarantine:
+    """Buffers that a failed or abandoned read may still write into; freed once settled."""
+
+    def __init__(self):
+        self._items: list[tuple[Future | None, float, Callable[[], None]]] = []
+        self._lock = threading.Lock()
+
+    def add(self, pending: Future | None, release: Callable[[], None]) -> None:
+        with self._lock:
+            self._items.append((pending, time.monotonic(), release))
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def reap(self, wait_s: float = 0.0) -> int:
+        """Release what has settled (waiting up to ``wait_s``); returns how many are still unsettled."""
+        end = time.monotonic() + wait_s
+        while True:
+            with self._lock:
+                keep = []
+                for pending, since, release in self._items:
+                    if pending is not None and pending.done():
+                        pending, since = None, max(since, time.monotonic())
+                    if pending is None and time.monotonic() - since >= SETTLE_GRACE_S:
+                        release()
+                    else:
+                        keep.append((pending, since, release))
+                self._items = keep
+            if not keep or time.monotonic() >= end:
+                return len(keep)
+            time.sleep(0.05)
+
+
+class P2PStore:
+    """A Mooncake TransferEngine bound to ``host``: RDMA through this rank's NIC when the host has
+    one (see ``_nics``), TCP otherwise. ``close()`` is idempotent."""
+
+    def __init__(self, host: str, *, local_rank: int, ps_devices: str, nccl_ib_hca: str, log,
+                 transport: str | None = None, rdma: bool = True):
+        engine_cls = import_mooncake()
+        self.log = log
+        if transport:   # the device backend names its own transport (NPU: "ascend_direct"); no NIC list
+            self.nic, self.transport = None, transport
+        else:
+            here = rdma_devices_here() if rdma else []
+            devices = select_rdma_devices(here, ps_devices=ps_devices, nccl_ib_hca=nccl_ib_hca) if here else []
+            self.nic = nic_for_rank(local_rank, devices)
+            self.transport = "rdma" if self.nic else "tcp"
+        self.engine = engine_cls()
+        rc = self.engine.initialize(host, "P2PHANDSHAKE", self.transport, self.nic or "")
+        if rc != 0:
+            raise TransportError(f"Mooncake TransferEngine.initialize({host!r}, {self.transport}, "
+                                 f"{self.nic or '-'}) failed ({rc})")
+        self.host = host
+        self.address = f"{host}:{self.engine.get_rpc_port()}"
+        self.registered: dict[int, int] = {}        # pointer -> nbytes
+        self.quarantine = Quarantine()
+        import torch   # stamps of served checkpoints, and where a reader fetches an owner's stamp into
+        self._stamps = torch.zeros(STAMP_SLOTS * STAMP_BYTES, dtype=torch.uint8)
+        self._scratch = torch.zeros(STAMP_BYTES, dtype=torch.uint8)
+        self._free_slots = list(range(STAMP_SLOTS))
+        self.register(self._stamps.data_ptr(), self._stamps.numel())
+        self.register(self._scratch.data_ptr(), self._scratch.numel())
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="ckpt-p2p-read")
+        self._closed = False
+        log.info("P2P store at %s over %s%s", self.address, self.transport, f" ({self.nic})" if self.nic else "")
+
+    # -- registration ----------------------------------------------------------
+    def register(self, ptr: int, nbytes: int) -> None:
+        if nbytes <= 0 or self.registered.get(ptr) == nbytes:
+            return
+        if ptr in self.registered:
+            self.unregister(ptr)
+        rc = self.engine.register_memory(ptr, nbytes)
+        if rc != 0:
+            raise TransportError(f"Mooncake could not register {nbytes} bytes at {ptr:#x} ({rc})")
+        self.registered[ptr] = nbytes
+
+    def unregister(self, ptr: int) -> None:
+        if self.registered.pop(ptr, None) is not None:
+            rc = self.engine.unregister_memory(ptr)
+            if rc != 0:
+                self.log.warning("Mooncake could not unregister memory at %#x (%s)", ptr, rc)
+
+    def stamp(self) -> tuple[int, tuple[int, str]]:
+        """A fresh stamp for a checkpoint being served: (slot, (pointer, hex token))."""
+        if not self._free_slots:
+            raise TransportError(f"this P2P store already serves {STAMP_SLOTS} checkpoints")
+        slot = self._free_slots.pop(0)
+        token = os.urandom(STAMP_BYTES)
+        view = self._stamps[slot * STAMP_BYTES: (slot + 1) * STAMP_BYTES]
+        view.copy_(torch_frombuffer(token))
+        return slot, (view.data_ptr(), token.hex())
+
+    def clear_stamp(self, slot: int) -> None:
+        """Before a served checkpoint's memory is unregistered: readers' next stamp check fails."""
+        self._stamps[slot * STAMP_BYTES: (slot + 1) * STAMP_BYTES].zero_()
+        self._free_slots.append(slot)
+
+    def describe(self, regions: dict[int, tuple[int, int]], stamp: tuple[int, str] | None = None) -> Peer:
+        """This store as readers see it, serving ``regions`` (id -> (pointer, nbytes))."""
+        return Peer(self.address, self.host, self.nic, dict(regions), stamp)
+
+    # -- reading ---------------------------------------------------------------
+    def read(self, peer: Peer, owner: int, descs: list[tuple[int, int, int]], *, what: str,
+             deadline: float, should_stop: Callable[[], str | None]) -> Future | None:
+        """Read ``(local_ptr, remote_ptr, nbytes)`` descriptors from ``peer`` (owner rank ``owner``).
+
+        Runs on the store's reader thread, in batches of <= MAX_DESCRIPTORS, while this
+        thread waits with the deadline. Returns ``None`` on success. On failure raises a
+        ``TransportError`` (``UpdateTimeoutError`` past the deadline) whose ``pending``
+        attribute is the read's future: the destination is unsettled until it is done.
+        """
+        pieces = [(lp + a, rp + a, min(PIECE_BYTES, n - a)) for lp, rp, n in descs for a in range(0, n, PIECE_BYTES)]
+        batches = [pieces[i: i + MAX_DESCRIPTORS] for i in range(0, len(pieces), MAX_DESCRIPTORS)]
+        fut = self._reader.submit(self._read_batches, peer.address, batches, peer.stamp)
+        head = f"{MARK} of {what} from owner rank {owner} at {peer.address}"
+        while True:
+            try:
+                rc = fut.result(timeout=POLL_S)
+                break
+            except TimeoutError:
+                pass
+            stop = should_stop()
+            if stop or time.monotonic() > deadline:
+                exc = (TransportError(f"{head} abandoned: {stop}") if stop else
+                       UpdateTimeoutError(f"{head} did not finish within the update timeout "
+                                          "(owner frozen or unreachable?)"))
+                exc.pending = fut
+                raise exc
+        if rc == STAMP_GONE:
+            exc = TransportError(f"{head} is void: the owner unregistered or replaced the checkpoint while "
+                                 "it was being read (keep it registered until readers finish)")
+            exc.pending = fut
+            raise exc
+        if rc != 0:
+            exc = TransportError(f"{head} failed (Mooncake returned {rc}: the owner died, froze past "
+                                 "MC_TRANSFER_TIMEOUT, or no longer registers that memory)")
+            exc.pending = fut
+            raise exc
+        return None
+
+    def _read_batches(self, address: str, batches, stamp) -> int:
+        """Read, then (if the owner stamps its checkpoint) check that the stamp is still there:
+        the owner clears it before unregistering, so the bytes read were the checkpoint's."""
+        for batch in batches:
+            lp, rp, n = zip(*batch)
+            rc = self.engine.batch_transfer_sync_read(address, list(lp), list(rp), list(n))
+            if rc != 0:
+                return rc
+        if stamp is not None:
+            self._scratch.zero_()
+            rc = self.engine.batch_transfer_sync_read(address, [self._scratch.data_ptr()], [stamp[0]], [STAMP_BYTES])
+            if rc != 0:
+                return rc
+            if bytes(self._scratch.numpy()).hex() != stamp[1]:
+                return STAMP_GONE
+        return 0
+
+    def close(self, settle_wait_s: float) -> None:
+        """Release what settled (waiting up to ``settle_wait_s``), unregister everything."""
+        if self._closed:
+            return
+        self._closed = True
+        left = self.quarantine.reap(settle_wait_s)
+        if left:
+            self.log.warning("%d staging buffer(s) still unsettled at close (a read in flight may land): "
+                             "kept until the process exits", left)
+        self._reader.shutdown(wait=False)
+        for ptr in list(self.registered):
+            self.unregister(ptr)

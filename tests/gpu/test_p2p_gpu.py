@@ -1,0 +1,54 @@
+"""P2P updates on CUDA: Mooncake reads from the owners' pinned host memory straight into the
+targets' CUDA IPC buffers, then NCCL broadcasts inside the target group.
+
+Needs Mooncake's CUDA build (``mooncake-transfer-engine-cuda13==0.3.14`` on the H200 image) and
+2 GPUs. The transport is TCP on loopback (NCCL_IB_DISABLE=1 in the cases), like the CPU tests.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+
+def need(n: int) -> None:
+    if torch.cuda.device_count() < n:
+        pytest.skip(f"needs {n} GPUs, this machine has {torch.cuda.device_count()}")
+    try:
+        import mooncake.engine  # noqa: F401
+    except ImportError as exc:
+        pytest.skip(f"Mooncake's CUDA build (mooncake-transfer-engine-cuda13) is not installed: {exc}")
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_p2p_into_every_subset_of_cuda_targets_is_bit_exact(world):
+    need(world)
+    import p2p_cases as cases
+    cases.case_every_subset("cuda", world)
+
+
+def test_a_joiner_world_on_cuda_pulls_through_saved_metas(tmp_path):
+    need(2)
+    import p2p_cases as cases
+    cases.case_joiner_world("cuda", 2, tmp_path)
+
+
+def test_the_p2p_benchmark_into_gpu_memory_against_a_plain_mooncake_read(tmp_path):
+    """Figures for the issue's note: P2P update throughput into 2 GPUs vs Mooncake's TCP read ceiling."""
+    need(2)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = tmp_path / "p2p_gpu.json"
+    gib = os.environ.get("CKPT_P2P_BENCH_GIB", "4")
+    env = {**os.environ, "PYTHONPATH": root, "NCCL_IB_DISABLE": "1", "NCCL_NVLS_ENABLE": "0"}
+    proc = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "p2p_bench.py"), "--device", "cuda",
+                           "--gib", gib, "--readers", "2", "--owners", "2", "--repeats", "3", "--out", str(out)],
+                          env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    print(proc.stdout.strip().splitlines()[-1])
+    rep = json.loads(out.read_text())
+    assert rep["verified"] and rep["ratio"] > 0
