@@ -51,8 +51,11 @@ def _register_and_gather(world, name: str) -> dict:
 
 
 def _update(world, name: str, **body):
-    return world.all("POST", f"/v1/checkpoints/{name}/update", [dict({"update_url": world.front.url, "timeout": 60},
-                                                                      **body)] * world.size)
+    """The reference's contract: every rank's service gets the update; the one engine's request is
+    posted by rank 0 only (the only rank given ``update_url``), with every rank's handles."""
+    bodies = [dict({"timeout": 60}, **body) for _ in range(world.size)]
+    bodies[0]["update_url"] = world.front.url
+    return world.all("POST", f"/v1/checkpoints/{name}/update", bodies)
 
 
 def _engines_hold(world, want: dict) -> bool:

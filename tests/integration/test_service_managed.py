@@ -106,8 +106,8 @@ def test_managed_ps_ranks_serve_updates_and_die_with_their_worker(tmp_path):
             write_file(str(tmp_path / f"m{r}.safetensors"), ts)
             data.update(ts)
             assert c.post("/v1/checkpoints/m/files", json={"files": [str(tmp_path / f"m{r}.safetensors")]}).status_code == 200
-        _both(clients, "/v1/checkpoints/m/gather-metas", {})
-        _both(clients, "/v1/checkpoints/m/update", {"update_url": front.url, "timeout": 60})
+        _both(clients, "/v1/checkpoints/m/gather-metas", [{}, {}])
+        _both(clients, "/v1/checkpoints/m/update", [{"update_url": front.url, "timeout": 60}, {"timeout": 60}])
         held = {**front.engine.digests(0), **front.engine.digests(1)}
         assert held == want_digests(data)
         assert all(_buffers_of(pid) for pid in children), "kept device (/dev/shm) buffers exist while serving"
@@ -137,5 +137,5 @@ def test_managed_ps_ranks_serve_updates_and_die_with_their_worker(tmp_path):
 def _both(clients, path, body):
     from concurrent.futures import ThreadPoolExecutor
     with ThreadPoolExecutor(2) as pool:
-        got = list(pool.map(lambda c: c.post(path, json=body), clients))
+        got = list(pool.map(lambda cb: cb[0].post(path, json=cb[1]), zip(clients, body)))
     assert [r.status_code for r in got] == [200, 200], [r.text for r in got]
