@@ -97,7 +97,8 @@ class ServiceWorld:
 
 
 class HttpEngineFront:
-    """The harness's engine workers behind ``POST /collective_rpc`` (a real HTTP server, like vLLM's)."""
+    """The harness's engine workers behind ``POST /collective_rpc`` and ``/reset_prefix_cache`` (a
+    real HTTP server, answering like vLLM's)."""
 
     def __init__(self, world: int, kind: str = "cpu"):
         self.engine = EngineFront(kind, world)
@@ -106,13 +107,18 @@ class HttpEngineFront:
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+                if self.path.startswith("/reset_prefix_cache"):   # asked after every update, like vLLM's
+                    return self._answer(200, b"{}")
                 front.requests += 1
                 try:
                     make_req_func(front.engine.address)(list(body["args"][0].items()))
                     code, out = 200, json.dumps({"results": [None] * world}).encode()
                 except Exception as exc:
                     code, out = 500, str(exc).encode()
+                self._answer(code, out)
+
+            def _answer(self, code: int, out: bytes) -> None:
                 self.send_response(code)
                 self.send_header("Content-Length", str(len(out)))
                 self.end_headers()
