@@ -62,17 +62,28 @@ def cmd_serve(args) -> int:
         except OSError as exc:
             raise ConfigError(f"cannot read --token-file {args.token_file!r}: {exc}") from exc
     token = token or service_token()
-    with ParameterServer(device=args.device, max_bucket_gb=args.max_bucket_gb, mem_fraction=args.mem_fraction,
-                         keep_device_buffers=args.keep_device_buffers) as ps:
+    ps = ParameterServer(device=args.device, max_bucket_gb=args.max_bucket_gb, mem_fraction=args.mem_fraction,
+                         keep_device_buffers=args.keep_device_buffers)
+    idle = False
+    try:
         if ps.device_index == 0:   # one bar per host: ranks under torchrun share the terminal
             from ._progress import TerminalProgress
             ps.progress = TerminalProgress(f"rank {ps.rank}")
         if args.host is not None or args.port is not None:
             port = None if args.port is None else args.port + (ps.device_index if args.port else 0)
-            serve(ps, host=args.host or "127.0.0.1", port=port, token=token, log_level=args.uvicorn_log_level)
+            idle = serve(ps, host=args.host or "127.0.0.1", port=port, token=token, log_level=args.uvicorn_log_level)
         else:
-            serve(ps, uds=args.uds.format(rank=ps.rank, local_rank=ps.device_index), token=token,
-                  log_level=args.uvicorn_log_level)
+            idle = serve(ps, uds=args.uds.format(rank=ps.rank, local_rank=ps.device_index), token=token,
+                         log_level=args.uvicorn_log_level)
+    finally:
+        if not idle and sys.exc_info()[0] is None:
+            # An operation is stuck (e.g. a collective whose peers are gone): closing would wait on it,
+            # and so would the interpreter's exit. Leave now; the next PS on this host reclaims our
+            # /dev/shm buffers (their names carry our pid).
+            print(f"ckpt-engine serve: rank {ps.rank}: an operation is still running; exiting without "
+                  "closing the parameter server", file=sys.stderr, flush=True)
+            os._exit(EXIT_TRANSPORT)
+        ps.close()
     return EXIT_OK
 
 

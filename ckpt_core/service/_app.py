@@ -23,24 +23,23 @@ from __future__ import annotations
 
 import hmac
 import os
+from typing import Any
 
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import TypeAdapter
 
 from .. import _metrics
 from .._requests import request_inference_to_update
 from ..errors import (CheckpointFormatError, CheckpointNotFoundError, CkptError, ClosedError, ConfigError,
                       RemoteWorkerError, UpdateTimeoutError)
-from ._models import (NAME_PATTERN, Done, ErrorBody, Metas, RegisterRequest, Status, UpdateRequest)
+from ._models import NAME_PATTERN, Done, ErrorBody, RegisterRequest, Status, UpdateRequest
 from ._state import Busy, ServiceState, error_fields
 
 # Most specific first: UpdateTimeoutError is a TransportError, ConfigError a ValueError.
 _STATUS = ((UpdateTimeoutError, 504), (RemoteWorkerError, 502), (ClosedError, 503), (CheckpointNotFoundError, 404),
            (CheckpointFormatError, 422), (ConfigError, 400))
 _ERRORS = {code: {"model": ErrorBody} for code in (400, 401, 404, 409, 422, 500, 502, 503, 504)}
-_METAS = TypeAdapter(Metas)
 
 
 def status_of(exc: BaseException) -> int:
@@ -172,14 +171,15 @@ def _routes(app: FastAPI, state: ServiceState, ps) -> None:
             return _error(503, "Unhealthy", problem)
         return {"status": "ok"}
 
-    @app.get("/v1/metas", response_model=Metas)
+    @app.get("/v1/metas", response_model=dict[str, Any])
     async def get_metas():
+        """The versioned metas document of ``ParameterServer.get_metas()`` (see ckpt_core._metas)."""
         return ps.get_metas()
 
     @app.post("/v1/metas", response_model=Done)
-    async def load_metas(metas: Metas):
-        plain = {k: [[m.model_dump() for m in ms] for ms in per_rank] for k, per_rank in metas.items()}
-        await state.run("load_metas", None, lambda: ps.load_metas(plain))
+    async def load_metas(metas: dict[str, Any]):
+        """Install a document from ``GET /v1/metas``; the PS validates it whole (400 when malformed)."""
+        await state.run("load_metas", None, lambda: ps.load_metas(metas))
         return Done()
 
     @app.get("/v1/status", response_model=Status)

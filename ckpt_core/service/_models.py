@@ -40,20 +40,6 @@ class UpdateRequest(_Strict):
     uds: Optional[str] = Field(default=None, min_length=1, max_length=107)
 
 
-class TensorMetaModel(_Strict):
-    """One tensor of ``GET /v1/metas`` (the form ``ParameterServer.get_metas`` returns)."""
-    name: str
-    dtype: str
-    shape: list[int]
-    nbytes: int = Field(ge=0)
-    itemsize: int = Field(ge=1)
-    base: int = Field(ge=0)
-    base_offset: int = Field(ge=0)
-
-
-Metas = dict[str, list[list[TensorMetaModel]]]
-
-
 class ErrorDetail(BaseModel):
     type: str = Field(description="the ckpt_core.errors class (or ValidationError, Conflict, Unauthorized)")
     message: str

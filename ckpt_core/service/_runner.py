@@ -81,8 +81,11 @@ def _server_class():
 
 
 def serve(ps, *, uds: str | None = None, host: str | None = None, port: int | None = None,
-          token: str | None = None, log_level: str = "warning") -> None:
+          token: str | None = None, log_level: str = "warning") -> bool:
     """Serve ``ps`` until SIGINT/SIGTERM; then close the socket (and remove the socket file).
+
+    Returns False when a long operation was still running 10 s after the stop (the caller
+    should then exit without closing ``ps``: its collective may never return).
 
     Exactly one of ``uds`` or ``host``/``port``. TCP requires ``token``: the service moves model
     weights into engines and must not be driven by anyone who can reach a port.
@@ -107,11 +110,13 @@ def serve(ps, *, uds: str | None = None, host: str | None = None, port: int | No
     config = uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=5)
     server = _Server(config)
     log.info("phase=serve listening on %s (%s)", where, "bearer token required" if token else "unix socket, mode 0600")
+    idle = False
     try:
         server.run(sockets=[sock])
     finally:
-        app.state.service.close()   # waits for a long operation still running on the worker thread
+        idle = app.state.service.close()   # waits (bounded) for a long operation still running
         sock.close()
         if uds is not None and os.path.lexists(uds):
             os.unlink(uds)
         log.info("phase=serve stopped")
+    return idle

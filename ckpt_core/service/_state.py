@@ -119,8 +119,20 @@ class ServiceState:
         self.log.info("phase=%s checkpoint=%s outcome=ok bytes=%s seconds=%.3f%s", operation, checkpoint,
                       nbytes if nbytes is not None else "-", seconds, rate)
 
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        self._pool.shutdown(wait=True, cancel_futures=True)
+    def close(self, timeout: float = 10.0) -> bool:
+        """Refuse new operations; wait up to ``timeout`` s for a running one. True when idle.
+
+        A collective whose peers are gone can run until its own timeout: the caller decides what
+        to do with a rank that is still busy (``ckpt-engine serve`` exits without waiting).
+        """
+        if not self.closed:
+            self.closed = True
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        deadline = time.monotonic() + timeout
+        while self.snapshot() is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        running = self.snapshot()
+        if running is not None:
+            self.log.warning("phase=stop %s of %r still running after %.0f s", running["operation"],
+                             running.get("checkpoint"), timeout)
+        return running is None
