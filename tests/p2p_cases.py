@@ -37,7 +37,7 @@ def subsets(world: int) -> list[list[int]]:
 def case_every_subset(kind: str, world: int) -> None:
     """An owner world; P2P into every non-empty subset of its ranks, bit-exact; the others untouched."""
     with PsWorld(kind, world, init=SMALL, env=OWNERS) as w:
-        _, [(name, want)] = owners_with(w)
+        _, [(name, want)] = owners_with(w, per_rank=16)   # > 2 buckets of SMALL even with one owner
         for targets in subsets(world):
             front = EngineFront(kind, len(targets), devices=targets)
             try:

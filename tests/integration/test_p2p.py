@@ -15,8 +15,9 @@ mooncake = pytest.importorskip("mooncake.engine", reason="Mooncake (the p2p extr
                                "scripts/test.sh installs mooncake-transfer-engine-non-cuda and libibverbs1")
 
 
-def test_p2p_into_every_subset_of_targets_is_bit_exact_and_leaves_the_others_alone():
-    cases.case_every_subset("cpu", 2)
+@pytest.mark.parametrize("world", [1, 2])
+def test_p2p_into_every_subset_of_targets_is_bit_exact_and_leaves_the_others_alone(world):
+    cases.case_every_subset("cpu", world)
 
 
 def test_a_separate_joiner_world_pulls_through_a_saved_metas_file_across_two_simulated_hosts(tmp_path):
