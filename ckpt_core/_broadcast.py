@@ -34,6 +34,8 @@ class PipelineStats:
     buckets: int = 0
     h2d_bytes: int = 0
     bytes: int = 0
+    deferred: int = 0    # times a finished broadcast's notice waited because an earlier one was not done
+    awaited: int = 0     # times the host had to wait for a broadcast to complete (a slot, or the end)
 
 
 class BroadcastPipeline:
@@ -56,9 +58,10 @@ class BroadcastPipeline:
         self.async_ops = backend.collective_backend != "gloo"
         self.pending: deque = deque()          # (index, slot, event, issued at): broadcast issued, worker not told
         self.in_slot: dict[int, int] = {}      # slot -> bucket index the worker may still read
+        self.stats = PipelineStats()
 
     def run(self) -> PipelineStats:
-        stats = PipelineStats()
+        stats = self.stats
         t0 = time.perf_counter()
         for i, bucket in enumerate(self.plan.buckets):
             slot = i % self.num_slots
@@ -107,6 +110,8 @@ class BroadcastPipeline:
         tears the process down). Polling lets the rank fail with a typed error instead.
         """
         limit = min(self.deadline, issued + self.collective_s)
+        if not event.query():
+            self.stats.awaited += 1
         while not event.query():
             now = time.monotonic()
             if now > limit:
@@ -125,6 +130,8 @@ class BroadcastPipeline:
         """
         while self.pending and self.pending[0][2].query():
             self._notify(*self.pending.popleft())
+        if self.pending:
+            self.stats.deferred += 1
 
     def _notify(self, index: int, slot: int, event, issued: float) -> None:
         owner = self.plan.buckets[index].owner

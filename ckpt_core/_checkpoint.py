@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -18,14 +19,15 @@ from dataclasses import dataclass, field
 import torch
 
 from ._duplicates import dedupe
-from ._host import (HostRegion, SharedPool, copy_jobs, map_file_region, new_region, populate_and_pin, read_jobs,
-                    run_jobs)
+from ._host import (HostRegion, SharedPool, copy_jobs, file_writable, map_file_region, new_region, populate_and_pin,
+                    read_jobs, run_jobs)
 from ._planner import TensorMeta, align_up
-from ._safetensors import DTYPE_CODES, SafetensorsHeader, read_header
+from ._safetensors import WIRE_CODES, SafetensorsHeader, read_header
 from .devices import DeviceBackend
 from .errors import CheckpointFormatError, ConfigError
 
 SHM_PREFIX = "/dev/shm/"
+_log = logging.getLogger("ckpt_core")
 
 
 @dataclass
@@ -40,6 +42,8 @@ class RegisteredCheckpoint:
     def host_tensor(self, meta: TensorMeta) -> torch.Tensor:
         """A typed view of one tensor's host bytes (for checks and the P2P path)."""
         raw = self.regions[meta.base].tensor[meta.base_offset: meta.base_offset + meta.nbytes]
+        if meta.base_offset % max(meta.itemsize, 1):   # in-place file data need not be aligned: a copy
+            raw = raw.clone()
         return raw.view(_torch_dtype(meta.dtype)).view(meta.shape)
 
     def source_problem(self) -> str | None:
@@ -61,8 +65,8 @@ class RegisteredCheckpoint:
 
 
 def _torch_dtype(code: str) -> torch.dtype:
-    from ._safetensors import DTYPES
-    return DTYPES[code]
+    from ._safetensors import WIRE_DTYPES
+    return WIRE_DTYPES[code]
 
 
 def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -78,8 +82,9 @@ def _check_named(named: dict) -> list[tuple[str, torch.Tensor]]:
             raise ConfigError(f"tensor names must be non-empty strings, got {name!r}")
         if not isinstance(t, torch.Tensor):
             raise ConfigError(f"named_tensors[{name!r}] is a {type(t).__name__}, not a torch.Tensor")
-        if t.dtype not in DTYPE_CODES:
-            raise ConfigError(f"named_tensors[{name!r}] has dtype {t.dtype}, which has no safetensors code")
+        if t.dtype not in WIRE_CODES:
+            raise ConfigError(f"named_tensors[{name!r}] has dtype {t.dtype}, which is unsupported: only dtypes "
+                              "with a whole number of bytes per element and plain storage can be carried")
         out.append((name, t))
     return out
 
@@ -99,11 +104,15 @@ def build_checkpoint(name: str, backend: DeviceBackend, *, files=None,
         raise ConfigError(f"checkpoint file(s) do not exist or are not regular files: {missing}")
     clock = _Phases()
     named = _check_named(named_tensors or {})
-    headers = [read_header(p) for p in files]          # validates every file before any allocation
+    headers = [_read_header(p) for p in files]          # validates every file before any allocation
     skip, named = dedupe(headers, named)               # duplicate names: identical once, differing raise
     headers = [_without(h, {n for i, n in skip if i == k}) for k, h in enumerate(headers)]
-    copied = [h for h in headers if not _in_place(h.path, inplace)]
     placed = [h for h in headers if _in_place(h.path, inplace)]
+    # A read-only in-place file is mapped read-only; a kind that pins host memory (which needs
+    # write access to the pages) gets a copy instead.
+    writable = {h.path: file_writable(h.path) for h in placed}
+    placed = [h for h in placed if writable[h.path] or not backend.pins_host_memory]
+    copied = [h for h in headers if all(h is not p for p in placed)]
 
     layout, total = _layout(copied, named)
     clock.lap("validate")
@@ -111,12 +120,15 @@ def build_checkpoint(name: str, backend: DeviceBackend, *, files=None,
     regions: dict[int, HostRegion] = {}
     metas: list[TensorMeta] = []
     try:
-        if total:
+        if copied or named:
+            # A share of 0-byte tensors only (total == 0) is still part of the checkpoint: its
+            # tensors get metas in an empty region, so they reach the engine like any other.
             rid = next(ids)
-            region = pool.acquire(name, total, rid) if pool is not None else new_region(backend, rid, total)
+            region = (pool.acquire(name, total, rid) if pool is not None and total else
+                      new_region(backend, rid, total))
             regions[rid] = region
             clock.lap("allocate")
-            if pool is None and backend.pins_host_memory:
+            if (pool is None or not total) and backend.pins_host_memory:
                 # Fault the fresh pages in and pin them piece by piece, overlapped; then copy into
                 # pinned memory. (Pinning while copying into fresh pages was 2x slower on 2xH200:
                 # dense16 5.3 s against 2.0 s + 0.35 s.) The pool is pinned already.
@@ -127,13 +139,36 @@ def build_checkpoint(name: str, backend: DeviceBackend, *, files=None,
             metas += _metas_copied(rid, copied, named, layout)
         for h in placed:
             rid = next(ids)
-            regions[rid] = map_file_region(backend, rid, h.path, unlink=unlink_inplace_files, lap=clock.lap)
+            regions[rid] = map_file_region(backend, rid, h.path, writable=writable[h.path], lap=clock.lap)
             metas += [_meta(e.name, e.dtype, e.shape, rid, e.start) for e in h.tensors]
     except BaseException:
         RegisteredCheckpoint(name, [], regions, pool).release()
         raise
-    return RegisteredCheckpoint(name, metas, regions, pool if total and pool is not None else None,
+    ckpt = RegisteredCheckpoint(name, metas, regions, pool if total and pool is not None else None,
                                 nbytes=sum(m.nbytes for m in metas), seconds=clock.seconds)
+    if unlink_inplace_files:   # only now that every region is mapped: a failure above deletes nothing
+        _unlink(h.path for h in placed)
+    return ckpt
+
+
+def _read_header(path: str) -> SafetensorsHeader:
+    try:
+        return read_header(path)
+    except OSError as exc:   # unreadable (permissions), vanished since the check
+        raise ConfigError(f"cannot read checkpoint file {path!r}: {exc}") from exc
+
+
+def _unlink(paths) -> None:
+    """Delete in-place files the caller asked us to: their memory goes when we release the map.
+    A file that cannot be deleted is kept (and said so): the registration stands."""
+    for path in paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            _log.warning("could not delete the in-place checkpoint file %r (unlink_inplace_files=True): %s",
+                         path, exc)
 
 
 class _Phases:
@@ -182,7 +217,7 @@ def _meta(name, dtype: torch.dtype, shape, rid: int, offset: int) -> TensorMeta:
     n = 1
     for d in shape:
         n *= d
-    return TensorMeta(name, DTYPE_CODES[dtype], shape, n * dtype.itemsize, dtype.itemsize, rid, offset)
+    return TensorMeta(name, WIRE_CODES[dtype], shape, n * dtype.itemsize, dtype.itemsize, rid, offset)
 
 
 def _metas_copied(rid: int, copied, named, layout) -> list[TensorMeta]:

@@ -95,14 +95,16 @@ class Collectives:
                               "call torch.distributed.init_process_group first or pass auto_pg=True")
         self.store = _Store(self.store or dist.distributed_c10d._get_default_store(), self.rank)
         default_backend = dist.get_backend()
-        self.data_group = None  # the default group
-        if default_backend == "gloo":
-            self.ctrl_group = None
-        else:
-            self.ctrl_group = dist.new_group(backend="gloo", timeout=self.timeout)
-        if data_backend != default_backend:
-            self.data_group = dist.new_group(backend=data_backend, timeout=self.timeout)
+        self.ctrl_group = self.data_group = None   # None: the default group
         self._closed = False
+        try:
+            if default_backend != "gloo":
+                self.ctrl_group = dist.new_group(backend="gloo", timeout=self.timeout)
+            if data_backend != default_backend:
+                self.data_group = dist.new_group(backend=data_backend, timeout=self.timeout)
+        except BaseException:
+            self.close()
+            raise
         self.abort_finished: bool | None = None   # set by abort()
 
     def _init_default(self, s: Settings, backend: str) -> None:
@@ -142,6 +144,8 @@ class Collectives:
     # -- data plane ----------------------------------------------------------
     def broadcast(self, tensor: torch.Tensor, src: int, *, async_op: bool, group=None):
         """``src`` is a global rank; ``group`` (default: the data group) e.g. a P2P update's target group."""
+        if self._closed:   # never fall back to the caller's default group
+            raise TransportError("the process groups of this ParameterServer are closed")
         try:
             return dist.broadcast(tensor, src=src, group=self.data_group if group is None else group,
                                   async_op=async_op)
@@ -175,15 +179,19 @@ class Collectives:
         if getattr(self, "_closed", True):
             return
         self._closed = True
-        if not (self._owns_default and dist.is_initialized()):
+        if not dist.is_initialized():
             return
         abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        # Ours only: the whole world if we created it, else the groups we added to the caller's.
+        groups = [None] if self._owns_default else self._own_groups()
+        self.ctrl_group = self.data_group = None   # a destroyed group's sockets go with its last reference
 
         def run() -> None:
-            try:
-                abort() if abort is not None else dist.destroy_process_group()
-            except Exception:  # already torn down by the backend's own error handling
-                pass
+            for g in groups:
+                try:
+                    abort(g) if abort is not None else dist.destroy_process_group(g)
+                except Exception:  # already torn down by the backend's own error handling
+                    pass
 
         # The collective library may itself block on the stuck collective; the caller's
         # typed error must not wait for it longer than ABORT_WAIT_S.
@@ -192,9 +200,19 @@ class Collectives:
         t.join(ABORT_WAIT_S)
         self.abort_finished = not t.is_alive()
 
+    def _own_groups(self) -> list:
+        """The groups this object created inside a default group it does not own."""
+        return [g for g in (self.ctrl_group, self.data_group) if g is not None]
+
     def close(self) -> None:
+        """Destroy every group we created: the default group (and all with it) if ours, else our
+        own sub-groups, so that a trainer's default group never accumulates them."""
         if getattr(self, "_closed", True):
             return
         self._closed = True
-        if self._owns_default and dist.is_initialized():
-            dist.destroy_process_group()
+        if not dist.is_initialized():
+            return
+        groups = [None] if self._owns_default else self._own_groups()
+        self.ctrl_group = self.data_group = None   # a destroyed group's sockets go with its last reference
+        for g in groups:
+            dist.destroy_process_group(g)

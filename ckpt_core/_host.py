@@ -12,6 +12,7 @@ import ctypes
 import errno
 import mmap
 import os
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
@@ -96,11 +97,11 @@ def _read_into(path: str, off: int, dst: torch.Tensor) -> None:
         raise CheckpointFormatError(f"reading the checkpoint failed: {exc}") from exc
 
 
-MADV_POPULATE_WRITE = 23     # Linux >= 5.14
+MADV_POPULATE_READ, MADV_POPULATE_WRITE = 22, 23     # Linux >= 5.14
 _libc = None
 
 
-def populate_jobs(region: HostRegion) -> list[Job]:
+def populate_jobs(region: HostRegion, *, write: bool = True) -> list[Job]:
     """Build the page tables of a fresh mapping (file or anonymous) ahead of pinning, in pieces.
 
     Pinning (cudaHostRegister) runs ~2x faster over pages that are already mapped
@@ -117,9 +118,10 @@ def populate_jobs(region: HostRegion) -> list[Job]:
     ptr, size = region.tensor.data_ptr(), region.nbytes
     if size == 0 or ptr % mmap.PAGESIZE:
         return []
+    advice = MADV_POPULATE_WRITE if write else MADV_POPULATE_READ   # a read-only map cannot be written
 
     def one(a: int, n: int) -> None:
-        if _libc.madvise(ptr + a, n, MADV_POPULATE_WRITE) != 0:
+        if _libc.madvise(ptr + a, n, advice) != 0:
             err = ctypes.get_errno()
             if err not in (errno.EINVAL, errno.ENOSYS):   # EFAULT/ENOMEM: file shorter than its map, no memory
                 raise CheckpointFormatError(f"cannot fault in {n} bytes of host memory: {os.strerror(err)}")
@@ -156,9 +158,10 @@ def fill_and_pin(backend: DeviceBackend, region: HostRegion, jobs: list[Job], th
     region.pin = HostPin(lambda: [p.release() for p in pins])
 
 
-def populate_and_pin(backend: DeviceBackend, region: HostRegion) -> None:
+def populate_and_pin(backend: DeviceBackend, region: HostRegion, *, write: bool = True) -> None:
     """Fault a fresh mapping in on ``fault_threads()`` threads and pin it piece by piece (see above)."""
-    fill_and_pin(backend, region, populate_jobs(region), fault_threads())
+    jobs = populate_jobs(region) if write else populate_jobs(region, write=False)
+    fill_and_pin(backend, region, jobs, fault_threads())
 
 
 def new_region(backend: DeviceBackend, rid: int, nbytes: int) -> HostRegion:
@@ -166,14 +169,36 @@ def new_region(backend: DeviceBackend, rid: int, nbytes: int) -> HostRegion:
     return HostRegion(rid, tensor)
 
 
-def map_file_region(backend: DeviceBackend, rid: int, path: str, *, unlink: bool,
+def file_writable(path: str) -> bool:
+    """Whether this process may open ``path`` for writing (read-only files are mapped read-only)."""
+    try:
+        os.close(os.open(path, os.O_RDWR))
+        return True
+    except OSError:
+        return False
+
+
+def map_file_region(backend: DeviceBackend, rid: int, path: str, *, writable: bool = True,
                     lap: Callable[[str], None] = lambda phase: None) -> HostRegion:
-    """Map a whole file (a /dev/shm checkpoint) in place and pin it; nothing is copied."""
-    with open(path, "r+b") as f:
-        size = os.fstat(f.fileno()).st_size
-        mm = mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED) if size else None
-        fd = os.dup(f.fileno())   # to see the file shrink even after it was unlinked
-    tensor = torch.frombuffer(mm, dtype=torch.uint8) if mm is not None else torch.empty(0, dtype=torch.uint8)
+    """Map a whole file (a /dev/shm checkpoint) in place and pin it; nothing is copied.
+
+    ``writable=False`` maps it read-only (nothing ever writes a checkpoint's host memory);
+    only kinds that do not pin host memory are given such files. Never deletes the file.
+    """
+    try:
+        with open(path, "r+b" if writable else "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+            mm = mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED, prot=prot) if size else None
+            fd = os.dup(f.fileno())   # to see the file shrink even after it was unlinked
+    except OSError as exc:
+        raise ConfigError(f"cannot map the in-place checkpoint file {path!r}: {exc}") from exc
+    if mm is None:
+        tensor = torch.empty(0, dtype=torch.uint8)
+    else:
+        with warnings.catch_warnings():   # torch warns that a read-only buffer is not writable: we only read it
+            warnings.simplefilter("ignore", UserWarning)
+            tensor = torch.frombuffer(mm, dtype=torch.uint8)
     region = HostRegion(rid, tensor)
 
     def source_check() -> str | None:
@@ -193,13 +218,11 @@ def map_file_region(backend: DeviceBackend, rid: int, path: str, *, unlink: bool
     region.closer = close
     region.source_check = source_check
     try:
-        populate_and_pin(backend, region)
+        populate_and_pin(backend, region, write=writable)
         lap("populate and pin in place")
     except BaseException:
         region.release()
         raise
-    if unlink:
-        os.unlink(path)  # asked for by the caller: frees the memory when we release the map
     return region
 
 

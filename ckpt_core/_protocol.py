@@ -32,7 +32,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ._safetensors import DTYPES
+from ._safetensors import WIRE_DTYPES
 from .errors import ProtocolError
 
 VERSION = 1
@@ -121,11 +121,11 @@ def _tensor(entry: Any, slot_bytes: int) -> WireTensor:
     name, dtype, shape, offset = entry
     if not isinstance(name, str) or not name:
         raise ProtocolError(f"tensor name {name!r:.80} is not a non-empty string")
-    if dtype not in DTYPES:
+    if dtype not in WIRE_DTYPES:
         raise ProtocolError(f"tensor {name!r} has unknown dtype {dtype!r}")
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
         raise ProtocolError(f"tensor {name!r} has an invalid shape {shape!r:.80}")
-    itemsize = DTYPES[dtype].itemsize
+    itemsize = WIRE_DTYPES[dtype].itemsize
     nbytes = math.prod(shape) * itemsize
     if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0 or offset + nbytes > slot_bytes:
         raise ProtocolError(f"tensor {name!r} ({nbytes} bytes at offset {offset!r}) lies outside a slot of {slot_bytes} bytes")

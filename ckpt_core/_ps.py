@@ -20,28 +20,23 @@ from ._link import Failure, PsLink
 from ._log import rank_logger
 from . import _metas
 from ._p2p import P2PState, run_update as run_p2p_update
-from ._planner import ALIGN, Plan, TensorMeta, align_up, choose_layout
+from ._planner import ALIGN, Plan, TensorMeta, align_up
 from ._plans import PlanCache
+from ._prechecks import UpdateAgreement, parse_metas, problem_of, raise_agreed, update_seconds
 from ._protocol import encode_hello
 from ._settings import load_settings
 from ._signals import ReqThread, StopSignal, causes as causes_of
 from .devices import IpcBuffer, default_kind, get_backend
-from .errors import (CheckpointFormatError, CheckpointNotFoundError, ClosedError, ConfigError,
+from .errors import (CheckpointFormatError, CheckpointNotFoundError, CkptError, ClosedError, ConfigError,
                      RemoteWorkerError, TransportError, UpdateTimeoutError)
 
 ReqFunc = Callable[[list[tuple[str, str]]], object]
 REQ_GRACE_S = 2.0   # how long a failed update still waits for req_func to return
+CLOSE_GRACE_S = 5.0  # close(): how much longer than a collective a running update may take to stop
 GiB = float(1 << 30)
 
 
-def _seconds(timeout) -> float:
-    value = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
-    if value <= 0:
-        raise ConfigError(f"timeout must be positive, got {timeout!r}")
-    return value
-
-
-class ParameterServer:
+class ParameterServer(UpdateAgreement):
     """One parameter-server rank, beside one engine worker (one device).
 
     Example (run under ``torchrun --nproc-per-node N``)::
@@ -74,11 +69,15 @@ class ParameterServer:
         self.keep_device_buffers = keep_device_buffers
         self._log = rank_logger(f"ps rank {self.rank}/{self.world_size} {self.backend.kind}:{self.device_index}")
         self._coll = Collectives(self.settings, self.backend.collective_backend, auto_pg=auto_pg)
-        peers = self._coll.all_gather_json({"key": self.device_uuid, "token": secrets.token_hex(6)})
-        self._run_id = peers[0]["token"]
-        self._device_keys = [p["key"] for p in peers]
-        if len(set(self._device_keys)) != self.world_size:
-            raise ConfigError(f"two ranks share a device key: {self._device_keys}; set LOCAL_RANK per rank")
+        try:
+            peers = self._coll.all_gather_json({"key": self.device_uuid, "token": secrets.token_hex(6)})
+            self._run_id = peers[0]["token"]
+            self._device_keys = [p["key"] for p in peers]
+            if len(set(self._device_keys)) != self.world_size:
+                raise ConfigError(f"two ranks share a device key: {self._device_keys}; set LOCAL_RANK per rank")
+        except BaseException:
+            self._coll.close()   # a constructor that fails leaves no process group behind
+            raise
         self._checkpoints: dict[str, RegisteredCheckpoint] = {}
         self._metas: dict[str, list[list[TensorMeta]]] = {}
         self._plans = PlanCache()   # shared by checkpoints of one layout
@@ -90,6 +89,7 @@ class ParameterServer:
         self._update_lock = threading.Lock()
         self._updates = 0
         self._closed = False
+        self._closing: str | None = None   # set by close() while an update runs: the update stops
         self._broken: str | None = None
         self.last_update: dict | None = None
         self.last_register: dict | None = None   # the latest registration's phases (seconds)
@@ -107,10 +107,29 @@ class ParameterServer:
                                  f"({self._broken}); close it and create a new one")
 
     def close(self) -> None:
-        """Free host memory, device buffers, sockets and the process groups it created. Idempotent."""
+        """Free host memory, device buffers, sockets and the process groups it created. Idempotent.
+
+        An update running in another thread is stopped first (every rank's ``update`` raises
+        ``RemoteWorkerError`` naming this rank; the engine workers abort) and nothing is freed
+        under it. close() waits for it up to ``PS_COLLECTIVE_TIMEOUT_S`` + a grace; if it still
+        runs, the process groups are aborted and the memory is left to the process's exit.
+        """
         if self._closed:
             return
         self._closed = True
+        self._closing = f"close() was called on rank {self.rank} during the update"
+        wait = self.settings.collective_timeout_s + CLOSE_GRACE_S
+        if not self._update_lock.acquire(timeout=wait):
+            self._coll.abort()
+            if not self._update_lock.acquire(timeout=CLOSE_GRACE_S):
+                self._log.warning("close(): an update still runs after %.0f s; its memory is not freed", wait)
+                return
+        try:
+            self._free()
+        finally:
+            self._update_lock.release()
+
+    def _free(self) -> None:
         self._p2p.close()   # first: waits (bounded) for unsettled P2P reads before their buffers go
         for ckpt in self._checkpoints.values():
             ckpt.release()
@@ -175,8 +194,14 @@ class ParameterServer:
         self._check_open()
         if name not in self._checkpoints:
             raise CheckpointNotFoundError(f"checkpoint {name!r} is not registered on rank {self.rank}")
-        if self._update_lock.locked():
+        if not self._update_lock.acquire(blocking=False):   # held while we free: no update can start
             raise ConfigError(f"cannot unregister {name!r} while an update is running")
+        try:
+            self._unregister(name, force)
+        finally:
+            self._update_lock.release()
+
+    def _unregister(self, name: str, force: bool) -> None:
         ckpt = self._checkpoints.pop(name)
         self._p2p.on_unregister(name)
         ckpt.release()
@@ -206,14 +231,20 @@ class ParameterServer:
 
     def _gather_metas(self, name: str) -> None:
         t0 = time.perf_counter()
-        ckpt = self._checkpoints.get(name)
-        mine = None if ckpt is None else [[m.name, m.dtype, list(m.shape), m.nbytes, m.itemsize, m.base,
-                                          m.base_offset] for m in ckpt.metas]
-        gathered = self._coll.all_gather_json(mine)
+        ckpt = mine = problem = None
+        if isinstance(name, str):   # a local problem goes into the exchange: no rank is left waiting
+            ckpt = self._checkpoints.get(name)
+            mine = None if ckpt is None else [[m.name, m.dtype, list(m.shape), m.nbytes, m.itemsize, m.base,
+                                              m.base_offset] for m in ckpt.metas]
+        else:
+            problem = problem_of(ConfigError(f"checkpoint name must be a string, got {name!r}"))
+        gathered = self._coll.all_gather_json({"metas": mine, "problem": problem})
+        raise_agreed([g["problem"] for g in gathered], f"gather_metas({name!r})")
+        gathered = [g["metas"] for g in gathered]
         missing = [r for r, g in enumerate(gathered) if g is None]
         if missing:
             raise CheckpointNotFoundError(f"checkpoint {name!r} is not registered on rank(s) {missing}")
-        metas = [list(ckpt.metas) if r == self.rank else
+        metas = [ckpt.metas if r == self.rank else
                  [TensorMeta(n, d, tuple(s), nb, it, b, o) for n, d, s, nb, it, b, o in g]
                  for r, g in enumerate(gathered)]
         owner: dict[str, int] = {}
@@ -239,18 +270,14 @@ class ParameterServer:
         """Install metas from ``get_metas()``/``save_metas()`` (a dict or a file path), e.g. in a
         separate world whose ranks own nothing and pull with ``update(..., ranks=[...])``.
 
-        The whole document is validated before anything is installed. Metas of a world of this
-        size also serve broadcast updates; any size serves P2P updates.
+        All or nothing: the whole document is validated before anything is installed; on a
+        ``ConfigError`` nothing changed. Metas of a world of this size also serve broadcast
+        updates (a rank whose loaded metas give it no tensors takes part without registering
+        anything); any size serves P2P updates.
         """
+        self._check_open()
         metas = self._p2p.load(metas)   # versioned/path -> validated, kept for P2P; legacy dicts pass through
-        try:
-            for name, per_rank in metas.items():
-                self._metas[name] = [[TensorMeta(**(m | {"shape": tuple(m["shape"])})) for m in ms] for ms in per_rank]
-        except (TypeError, AttributeError, KeyError) as exc:
-            raise ConfigError(f"metas are not in the format get_metas() returns: {exc}") from exc
-        for name, per_rank in self._metas.items():
-            if len(per_rank) != self.world_size:
-                raise ConfigError(f"metas of {name!r} describe {len(per_rank)} ranks, this world has {self.world_size}")
+        self._metas.update(parse_metas(metas, self.world_size))
 
     # -- update ----------------------------------------------------------------
     def update(self, name: str, req_func: ReqFunc, *, ranks: list[int] | None = None,
@@ -273,21 +300,16 @@ class ParameterServer:
         Returns timings (also kept in ``last_update``).
         """
         self._check_open()
-        if not callable(req_func):
-            raise ConfigError(f"req_func must be callable, got {type(req_func).__name__}")
-        deadline = time.monotonic() + _seconds(timeout)
-        if not ranks:
-            if name not in self._checkpoints:
-                raise CheckpointNotFoundError(f"checkpoint {name!r} is not registered on rank {self.rank}")
-            if name not in self._metas:
-                raise ConfigError(f"call gather_metas({name!r}) on every rank before update({name!r})")
         if not self._update_lock.acquire(blocking=False):
             raise ConfigError("another update is already running on this ParameterServer")
         try:
+            self._check_open()   # again: close() may have run between the first check and the lock
             with gc_paused():
                 if ranks:   # P2P into those ranks, from the owners' host memory (_p2p.py)
-                    return run_p2p_update(self, name, req_func, ranks, deadline)
-                return self._update(name, req_func, deadline)
+                    if not callable(req_func):
+                        raise ConfigError(f"req_func must be callable, got {type(req_func).__name__}")
+                    return run_p2p_update(self, name, req_func, ranks, time.monotonic() + update_seconds(timeout))
+                return self._update(name, req_func, *self._precheck(name, req_func, timeout))
         except TransportError as exc:
             if getattr(exc, "groups_broken", False):
                 # A collective failed or never finished: the process groups cannot be trusted
@@ -302,26 +324,6 @@ class ParameterServer:
         finally:
             self._update_lock.release()
 
-    def _agree_plan(self, name: str) -> tuple[Plan, int, tuple[str, str]]:
-        """All ranks agree on (bucket size, slots) from their free memory, then plan (cached).
-
-        Returns the plan, the slots to use and the plan's wire form (JSON, digest).
-        """
-        metas = self._metas[name]
-        fp = self._plans.digest(name, metas)
-        free = self.backend.mem_get_info(self.device_index)[0] + (self._ipc.nbytes if self._ipc else 0)
-        size, slots = choose_layout(
-            free, mem_fraction=self.settings.mem_fraction, max_slots=self.settings.num_slots,
-            max_bucket_bytes=self.settings.max_bucket_bytes,
-            largest_tensor=max((m.nbytes for ms in metas for m in ms), default=0),
-            largest_owner_total=max((sum(align_up(m.nbytes) for m in ms) for ms in metas), default=1))
-        views = self._coll.all_gather_json({"fp": fp, "bucket": size, "slots": slots})
-        if len({v["fp"] for v in views}) != 1:
-            raise ConfigError(f"ranks disagree on the metas of {name!r}: call gather_metas on every rank again")
-        size, slots = min(v["bucket"] for v in views), min(v["slots"] for v in views)
-        plan, wire = self._plans.get(metas, fp, size)
-        return plan, max(1, min(slots, len(plan.buckets))), wire
-
     def _ensure_ipc(self, nbytes: int) -> IpcBuffer:
         if self._ipc is not None and self._ipc.nbytes >= nbytes:
             return self._ipc
@@ -335,14 +337,18 @@ class ParameterServer:
             self._ipc = None
             self.backend.empty_cache()
 
-    def _update(self, name: str, req_func: ReqFunc, deadline: float) -> dict:
+    def _update(self, name: str, req_func: ReqFunc, deadline: float, ckpt: RegisteredCheckpoint | None,
+                problem: list | None) -> dict:
         t0 = time.perf_counter()
         self._tell("update", "plan")
-        plan, slots, (plan_json, plan_digest) = self._agree_plan(name)
+        plan, slots, (plan_json, plan_digest) = self._agree_plan(name, problem)
         self._tell("update", "handshake", 0, len(plan.buckets))
         slot_bytes = align_up(max(plan.largest_bucket, ALIGN))
         buffer_bytes = slot_bytes * slots
-        ipc = self._ensure_ipc(buffer_bytes)
+        try:
+            ipc, alloc_failed = self._ensure_ipc(buffer_bytes), None
+        except CkptError as exc:   # told to every rank at the handshake's agreement, not raised alone
+            ipc, alloc_failed = None, f"cannot allocate the {buffer_bytes}-byte IPC buffer: {exc}"
         update_id = f"{self._run_id}-{self._updates}"
         self._updates += 1
         handles = [(k, f"ipc://@ckpt-{update_id}-{r}") for r, k in enumerate(self._device_keys)]
@@ -353,23 +359,26 @@ class ParameterServer:
         should_stop, publish = signal.should_stop, signal.publish
 
         link = PsLink(self._zmq, handles[self.rank][1], update_id, rank=self.rank, device_key=self.device_uuid,
-                      deadline=deadline, should_stop=should_stop)
+                      deadline=deadline, should_stop=lambda: self._closing_stop(link) or should_stop())
         times = {"plan": time.perf_counter() - t0}
         ok = mapped = False
         try:
             req.start()
-            link.send_hello(frame=encode_hello(update_id, device_kind=self.backend.kind, buffer=ipc.descriptor,
-                                               slot_bytes=slot_bytes, num_slots=slots, plan_json=plan_json,
-                                               plan_digest=plan_digest))
-            mapped = link.wait_ready()
-            problem = self._checkpoints[name].source_problem()
+            if alloc_failed:
+                link.fail(alloc_failed)
+            else:
+                link.send_hello(frame=encode_hello(update_id, device_kind=self.backend.kind, buffer=ipc.descriptor,
+                                                   slot_bytes=slot_bytes, num_slots=slots, plan_json=plan_json,
+                                                   plan_digest=plan_digest))
+                mapped = link.wait_ready()
+            problem = ckpt.source_problem()
             if problem:
                 link.fail(problem)
             if not mapped or problem:
                 publish(link.failure)
             self._agree(link, req, deadline, phase="handshake", final=False)
             times["handshake"] = time.perf_counter() - t0 - times["plan"]
-            host = {rid: region.tensor for rid, region in self._checkpoints[name].regions.items()}
+            host = {rid: region.tensor for rid, region in ckpt.regions.items()}
             stats = BroadcastPipeline(plan=plan, rank=self.rank, index=self.device_index, backend=self.backend,
                                       ipc=ipc, slot_bytes=slot_bytes, num_slots=slots, host=host, coll=self._coll,
                                       link=link, copy_stream=self._copy_stream, log=self._log,
@@ -397,10 +406,17 @@ class ParameterServer:
         times["total"] = time.perf_counter() - t0
         return self._report(name, plan, stats, times, slots=slots, device_buffer_bytes=buffer_bytes)
 
+    def _closing_stop(self, link: PsLink) -> str | None:
+        """close() was called in another thread: this rank's update fails (and tells its peers)."""
+        if self._closing is not None:
+            link.fail(self._closing)
+        return self._closing
+
     def _report(self, name: str, plan: Plan, stats, times: dict, **layout) -> dict:
         """The update's figures: logged once, kept in ``last_update``, returned."""
         result = {"name": name, "bytes": plan.total_bytes, "buckets": len(plan.buckets), "bucket_bytes": plan.bucket_bytes,
-                  **layout, "h2d_bytes": stats.h2d_bytes, "seconds": times, "gbps": plan.total_bytes / times["total"] / 1e9}
+                  **layout, "h2d_bytes": stats.h2d_bytes, "waits": {"deferred": stats.deferred, "awaited": stats.awaited},
+                  "seconds": times, "gbps": plan.total_bytes / times["total"] / 1e9}
         self.last_update = result
         self._log.info("updated %r: %.3f GiB in %d buckets, %.3f s (%.1f GB/s); pipeline %.3f s", name,
                        plan.total_bytes / GiB, len(plan.buckets), times["total"], result["gbps"], stats.seconds)

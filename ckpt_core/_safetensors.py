@@ -32,7 +32,7 @@ import torch
 from ckpt_core.errors import CheckpointFormatError
 
 __all__ = [
-    "DTYPES", "DTYPE_CODES", "MAX_HEADER_BYTES", "TensorEntry", "SafetensorsHeader",
+    "DTYPES", "DTYPE_CODES", "WIRE_DTYPES", "WIRE_CODES", "UNSUPPORTED_CODES", "MAX_HEADER_BYTES", "TensorEntry", "SafetensorsHeader",
     "read_header", "parse_header_bytes", "map_tensors", "read_tensors", "write_file",
 ]
 
@@ -46,7 +46,26 @@ DTYPES: dict[str, torch.dtype] = {
 for _code, _attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64")):
     if hasattr(torch, _attr):
         DTYPES[_code] = getattr(torch, _attr)
+# MX scale tensors (F8_E8M0), complex64 and the fnuz float8 variants (codes as the safetensors
+# package writes them); torch builds that lack a dtype simply cannot load it.
+for _code, _attr in (("F8_E8M0", "float8_e8m0fnu"), ("C64", "complex64"), ("F8_E4M3FNUZ", "float8_e4m3fnuz"),
+                     ("F8_E5M2FNUZ", "float8_e5m2fnuz")):
+    if hasattr(torch, _attr):
+        DTYPES[_code] = getattr(torch, _attr)
 DTYPE_CODES: dict[torch.dtype, str] = {dt: code for code, dt in DTYPES.items()}
+
+# Codes the format defines that no torch dtype holds element for element (sub-byte elements:
+# a shape counts 4- or 6-bit values). Valid files, but we cannot carry them: "unsupported".
+UNSUPPORTED_CODES = {"F4": "4-bit floats", "F6_E2M3": "6-bit floats", "F6_E3M2": "6-bit floats"}
+
+# Named tensors (never written to a file) may also have dtypes the format has no code for: they
+# travel under ckpt-engine's own codes on our wire only. Every torch dtype with a whole number of
+# bytes per element and plain storage is carried; quantized and sub-byte bit dtypes are not.
+WIRE_DTYPES: dict[str, torch.dtype] = dict(DTYPES)
+for _code, _attr in (("C128", "complex128"), ("C32", "complex32"), ("F4_E2M1FN_X2", "float4_e2m1fn_x2")):
+    if hasattr(torch, _attr):
+        WIRE_DTYPES[_code] = getattr(torch, _attr)
+WIRE_CODES: dict[torch.dtype, str] = {dt: code for code, dt in WIRE_DTYPES.items()}
 
 # A real header is a few MB at most (~100 bytes per tensor); the cap keeps a corrupt
 # length prefix from making us allocate or read gigabytes.
@@ -133,6 +152,9 @@ def _parse_entry(name: str, raw: object, data_size: int,
     code, shape, offsets = raw["dtype"], raw["shape"], raw["data_offsets"]
     if not isinstance(code, str):
         raise bad(f"dtype is {code!r}, not a string")
+    if code in UNSUPPORTED_CODES:
+        raise bad(f"dtype {code!r} ({UNSUPPORTED_CODES[code]}) is valid safetensors but unsupported by "
+                  "ckpt-engine: no torch dtype holds it element for element")
     if code not in DTYPES:
         raise bad(f"unknown dtype {code!r}; known: {', '.join(DTYPES)}")
     if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):

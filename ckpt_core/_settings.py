@@ -6,13 +6,14 @@ caller means 0 (we test ``is None``, never truthiness).
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
 from .errors import ConfigError
 
 __all__ = ["Settings", "ENV_VARS", "load_settings", "gc_pause_enabled", "fault_threads", "cpu_visible_devices",
-           "p2p_env", "service_token", "engine_serve"]
+           "p2p_env", "cpu_event_delay_s", "service_token", "engine_serve"]
 
 # name -> (type, default, meaning); the README's table is generated from the same facts.
 ENV_VARS: dict[str, tuple[str, str, str]] = {
@@ -37,6 +38,8 @@ ENV_VARS: dict[str, tuple[str, str, str]] = {
     "NCCL_IB_DISABLE": ("bool", "0", "1: the P2P store uses TCP even where RDMA NICs exist (NCCL's meaning)"),
     "PS_P2P_HOST": ("str", "(route to MASTER_ADDR)", "address this rank's P2P store binds to and publishes "
                     "in the metas (default: the local address that routes to MASTER_ADDR)"),
+    "CKPT_TEST_CPU_EVENT_DELAY_S": ("float", "0", "tests only: `cpu` device events report done this long after "
+                                    "they were recorded, so the pipeline's waits and deferrals run on CPU"),
     "CKPT_SERVICE_TOKEN": ("str", "", "bearer token of `ckpt-engine serve` on TCP (else `--token-file`)"),
     "CKPT_ENGINE_SERVE": ("str", "", "managed mode: `uds:PATH` (`{rank}` filled in); each engine worker starts "
                           "its PS rank serving there (docs/operations.md)"),
@@ -76,13 +79,29 @@ class Settings:
         if self.local_rank < 0:
             raise ConfigError(f"local rank must be >= 0, got {self.local_rank}")
         if not 0 < self.mem_fraction <= 1:
-            raise ConfigError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")
+            raise ConfigError(f"mem_fraction (PS_MEM_FRACTION) must be in (0, 1], got {self.mem_fraction}")
         if self.max_bucket_bytes < 1024:
             raise ConfigError(f"the bucket size bound must be >= 1 KiB, got {self.max_bucket_bytes} bytes")
         if self.num_slots < 1:
             raise ConfigError(f"PS_NUM_SLOTS must be >= 1, got {self.num_slots}")
         if not 1 <= self.master_port <= 65535:
             raise ConfigError(f"master_port must be in 1..65535, got {self.master_port}")
+        _finite_positive("PS_COLLECTIVE_TIMEOUT_S", self.collective_timeout_s)
+
+
+def _finite_positive(what: str, value: float) -> float:
+    """``value`` if it is a finite number > 0; else a ConfigError naming ``what`` (NaN and inf included:
+    they would surface later as a misleading rendezvous error or a raw ValueError/OverflowError)."""
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        raise ConfigError(f"{what} must be a finite number > 0, got {value!r}")
+    return value
+
+
+def _number(what: str, value) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{what} must be a number, got {value!r}") from exc
 
 
 def load_settings(*, rank=None, world_size=None, master_addr=None, master_port=None,
@@ -90,7 +109,10 @@ def load_settings(*, rank=None, world_size=None, master_addr=None, master_port=N
     """Merge explicit arguments over the environment and validate the result."""
     rank = _get("RANK", int, 0) if rank is None else int(rank)
     world_size = _get("WORLD_SIZE", int, 1) if world_size is None else int(world_size)
-    bucket_gb = _get("PS_MAX_BUCKET_SIZE_GB", float, 8.0) if max_bucket_gb is None else float(max_bucket_gb)
+    if max_bucket_gb is None:
+        bucket_gb = _finite_positive("PS_MAX_BUCKET_SIZE_GB", _get("PS_MAX_BUCKET_SIZE_GB", float, 8.0))
+    else:
+        bucket_gb = _finite_positive("max_bucket_gb", _number("max_bucket_gb", max_bucket_gb))
     rdma = _get("PS_P2P_STORE_RDMA_DEVICES", str, "") or _get("NCCL_IB_HCA", str, "")
     return Settings(
         rank=rank,
@@ -99,7 +121,8 @@ def load_settings(*, rank=None, world_size=None, master_addr=None, master_port=N
         master_addr=master_addr if master_addr is not None else _get("MASTER_ADDR", str, "127.0.0.1"),
         master_port=int(master_port) if master_port is not None else _get("MASTER_PORT", int, 29500),
         max_bucket_bytes=int(bucket_gb * (1 << 30)),
-        mem_fraction=float(mem_fraction) if mem_fraction is not None else _get("PS_MEM_FRACTION", float, 0.9),
+        mem_fraction=(_number("mem_fraction", mem_fraction) if mem_fraction is not None
+                      else _get("PS_MEM_FRACTION", float, 0.9)),
         num_slots=_get("PS_NUM_SLOTS", int, 4),
         collective_timeout_s=_get("PS_COLLECTIVE_TIMEOUT_S", float, 600.0),
         rdma_devices=tuple(d for d in rdma.split(",") if d),
@@ -154,6 +177,14 @@ def p2p_env(master_addr: str, master_port: int) -> dict[str, str]:
     ib_off = _get("NCCL_IB_DISABLE", str, "0").strip().lower() in ("1", "true", "yes", "on")
     return {"host": host, "ps_devices": _get("PS_P2P_STORE_RDMA_DEVICES", str, ""),
             "nccl_ib_hca": _get("NCCL_IB_HCA", str, ""), "rdma": not ib_off}
+
+
+def cpu_event_delay_s() -> float:
+    """CKPT_TEST_CPU_EVENT_DELAY_S (tests only), read when a cpu event is made; 0 means events are done at once."""
+    delay = _get("CKPT_TEST_CPU_EVENT_DELAY_S", float, 0.0)
+    if not (math.isfinite(delay) and delay >= 0):
+        raise ConfigError(f"CKPT_TEST_CPU_EVENT_DELAY_S must be a finite number >= 0, got {delay!r}")
+    return delay
 
 
 def service_token() -> str | None:

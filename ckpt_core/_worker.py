@@ -20,7 +20,8 @@ from . import _protocol as proto
 from ._link import CLOSE_LINGER_MS, PeerWatch
 from ._gc import gc_paused
 from ._log import rank_logger
-from ._safetensors import DTYPES
+from ._prechecks import update_seconds
+from ._safetensors import WIRE_DTYPES
 from .devices import get_backend
 from .errors import CkptError, ProtocolError, RemoteWorkerError, TransportError, UpdateTimeoutError
 
@@ -134,7 +135,7 @@ def _views(buf: torch.Tensor, base: int, tensors: Iterable[proto.WireTensor]) ->
     out = []
     for t in tensors:
         raw = buf[base + t.offset: base + t.offset + t.nbytes]
-        out.append((t.name, raw.view(DTYPES[t.dtype]).view(t.shape)))
+        out.append((t.name, raw.view(WIRE_DTYPES[t.dtype]).view(t.shape)))
     return out
 
 
@@ -161,6 +162,7 @@ def update_weights_from_ipc(zmq_ctx: zmq.Context, zmq_handle: str, device_id: in
         update_weights_from_ipc(zmq.Context.instance(), handles[my_key], device_index,
                                 run=model.load_weights, post_hook=lambda: torch.cuda.synchronize())
     """
+    timeout = update_seconds(timeout)   # NaN or <= 0: ConfigError; inf: no deadline (clamped)
     with gc_paused():
         _receive_update(zmq_ctx, zmq_handle, device_id, run, post_hook, timeout, on_plan)
 
@@ -235,7 +237,7 @@ def _handshake(link: _Link, device_id: int, on_plan=None):
     link.update = hello.update
     try:
         if on_plan is not None:   # the engine may refuse the checkpoint before any weight is touched
-            on_plan([(t.name, DTYPES[t.dtype], t.shape) for b in hello.buckets for t in b])
+            on_plan([(t.name, WIRE_DTYPES[t.dtype], t.shape) for b in hello.buckets for t in b])
         backend = get_backend(hello.device_kind)
         backend.set_device(device_id)
         key, buf = _map(hello.device_kind, hello.buffer, device_id)

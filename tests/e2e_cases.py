@@ -8,7 +8,8 @@ import uuid
 
 import torch
 
-from harness import FAULT_DTYPES as DTYPES, EngineFront, fresh_tensor as fresh, run_ps_world, want_digests
+from harness import FAULT_DTYPES as DTYPES, EngineFront, assert_healthy_workers_aborted, fresh_tensor as fresh
+from harness import run_ps_world, want_digests
 from ckpt_core._safetensors import write_file
 
 
@@ -119,6 +120,15 @@ def case_engine_fails_then_retry(kind: str, world: int, fail_rank: int):
                                               ("gather", "c"), ("update", ("c", front.address, 60))]), world)
         n = first[3][1]["buckets"]
         bad = {fail_rank: {"fail_bucket": n - 1}}
+        # The failing update carries new bytes, so a healthy worker that committed it would show.
+        before = {i: front.digests(i) for i in range(world)}
+        data = {r: {k: fresh(t.shape, t.dtype, gen) for k, t in v.items()} for r, v in data.items()}
+        spec = {r: {"named_tensors": v} for r, v in data.items()}
+        since = front.fanouts
+        failed = run_ps_world(kind, world, [("init", {"max_bucket_gb": 0.00002}), ("register", ("c", spec)),
+                                            ("gather", "c"), ("update", ("c", front.address, 60, bad))])
+        assert all(failed[r][3][:2] == ("error", "RemoteWorkerError") for r in range(world)), failed
+        assert_healthy_workers_aborted(front, since, before, failing=(fail_rank,))
         res = run_ps_world(kind, world, [("init", {"max_bucket_gb": 0.00002}), ("register", ("c", spec)),
                                          ("gather", "c"), ("update", ("c", front.address, 60, bad)),
                                          ("update", ("c", front.address, 60))])

@@ -67,11 +67,13 @@ class SimEngine:
         self.loaded: dict[str, str] = {}
         self.updates = 0
         self.runs = 0   # run() calls over the worker's life: a rejected frame must leave it unchanged
+        self.gc_in_run: bool | None = None   # was Python's cyclic GC enabled inside the latest run()?
 
     def command(self, cmd):
         if cmd[0] == "stats":
             from ckpt_core import _worker
-            return {"runs": self.runs, "updates": self.updates, "pid": os.getpid(), "mapped": sorted(_worker._mapped)}
+            return {"runs": self.runs, "updates": self.updates, "pid": os.getpid(), "mapped": sorted(_worker._mapped),
+                    "gc_in_run": self.gc_in_run}
         if cmd[0] == "digests":
             return dict(self.loaded)
         if cmd[0] == "behavior":
@@ -89,9 +91,11 @@ class SimEngine:
         staged: dict[str, str] = {}
 
         def run(weights):
+            import gc
             b = buckets[0]
             buckets[0] += 1
             self.runs += 1
+            self.gc_in_run = gc.isenabled()
             if this.get("mark_dir"):   # lets a test act while the worker is inside bucket b
                 open(os.path.join(this["mark_dir"], f"w{self.index}-b{b}"), "w").close()
             fail = this.get("fail_bucket")
@@ -163,6 +167,8 @@ class EngineFront:
             self.conns.append(parent)
             self.procs.append(p)
         self._lock = threading.Lock()
+        self.fanouts = 0                 # update requests served so far
+        self.last_results: list = []     # each worker's (status, value or traceback) of the latest one
         self._thread = threading.Thread(target=self._serve, daemon=True)
         self._thread.start()
 
@@ -178,6 +184,7 @@ class EngineFront:
                     self.requests.append(sorted(handles))
                     with self._lock:
                         results = self._fan_out(handles, behaviors or {})
+                        self.last_results, self.fanouts = results, self.fanouts + 1
                     c.send(results)
             except (EOFError, OSError):
                 continue   # the caller (a PS rank) went away: keep serving the next one
@@ -222,6 +229,18 @@ class EngineFront:
                 self.procs[i].join(10)
             self.conns[i].close()
             self.conns[i], self.procs[i] = self._spawn(i)
+
+    def worker_outcomes(self, since: int, timeout: float = 60) -> list:
+        """Each worker's (status, value or traceback) of the first update request after ``since``
+        requests, once every worker answered it (a worker may leave a failed update late)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                if self.fanouts > since:
+                    return list(self.last_results)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the engine front served no update request after #{since}")
+            time.sleep(0.02)
 
     def stats(self, i: int) -> dict:
         return self.call(i, "stats")[1]
@@ -406,6 +425,13 @@ def _ps_command(ps, rank: int, cmd: str, arg):
         name, address, timeout, behaviors = arg
         req = make_req_func(address, behaviors) if rank == 0 and address is not None else (lambda h: None)
         return ps.update(name, req, timeout=timeout)
+    if cmd == "update_gc_probe":  # an update whose req_func notes whether the PS paused the GC meanwhile
+        import gc
+        name, address, timeout = arg
+        seen = []
+        inner = make_req_func(address) if rank == 0 else (lambda h: None)
+        ps.update(name, lambda h: (seen.append(gc.isenabled()), inner(h)), timeout=timeout)
+        return {"gc_during_update": seen, "gc_after": gc.isenabled()}
     if cmd == "update_group":     # several engines: the first rank of each group posts its group's handles
         name, address, ips, timeout = arg
         return ps.update(name, group_req_func(rank, ips, address), timeout=timeout)
@@ -420,6 +446,8 @@ def _ps_command(ps, rank: int, cmd: str, arg):
             except Exception as exc:
                 out.append((type(exc).__name__, str(exc)[:200]))
         return out
+    if cmd == "act_during_update":
+        return _act_during_update(ps, rank, *arg)
     if cmd == "two_updates_at_once":
         name, address, timeout, behaviors = arg
         return _two_updates_at_once(ps, rank, name, address, timeout, behaviors)
@@ -428,6 +456,12 @@ def _ps_command(ps, rank: int, cmd: str, arg):
         return ps.unregister_checkpoint(name, **kwargs)
     if cmd == "checkpoints":
         return ps.checkpoints()
+    if cmd == "pool_bytes":       # bytes the shared memory pool holds (None: no pool memory)
+        return None if ps._pool is None or ps._pool.region is None else ps._pool.region.nbytes
+    if cmd == "get_metas":
+        return ps.get_metas()
+    if cmd == "load_metas":
+        return ps.load_metas(arg)
     if cmd == "close":
         return ps.close()
     if cmd == "ipc_prefix":       # /dev/shm name prefix of this world's IPC buffers (cpu kind)
@@ -466,6 +500,41 @@ def _two_updates_at_once(ps, rank, name, address, timeout, behaviors=None):
         second = type(exc).__name__ + ": " + str(exc)
     t.join(timeout + 5)
     return {"second": second, "first": "ok" if "ok" in first else first.get("error", "still running")}
+
+
+def _act_during_update(ps, rank, name, address, timeout, behaviors, mark, action):
+    """Run an update in a thread; once file ``mark`` exists (a worker is inside a bucket), call
+    ``action`` ("close", "unregister" or None) from this thread. Reports both outcomes and the
+    order in which they ended."""
+    order: list[str] = []
+    result: dict = {}
+
+    def one():
+        req = make_req_func(address, behaviors) if rank == 0 else (lambda h: None)
+        try:
+            ps.update(name, req, timeout=timeout)
+            result["update"] = "ok"
+        except Exception as exc:
+            result["update"] = f"{type(exc).__name__}: {exc}"
+        order.append("update ended")
+
+    t = threading.Thread(target=one)
+    t.start()
+    if action is not None:
+        deadline = time.monotonic() + timeout
+        while not os.path.exists(mark):
+            if time.monotonic() > deadline or not t.is_alive():
+                raise TimeoutError(f"the update never reached {mark}")
+            time.sleep(0.005)
+        try:
+            ps.close() if action == "close" else ps.unregister_checkpoint(name)
+            result["action"] = "ok"
+        except Exception as exc:
+            result["action"] = f"{type(exc).__name__}: {exc}"
+        order.append(f"{action} returned")
+    t.join(timeout + 30)
+    result["order"] = order
+    return result
 
 
 def ps_server_main(rank: int, world: int, port: int, kind: str, init: dict, env: dict, conn) -> None:
@@ -609,6 +678,23 @@ def assert_every_rank_failed(got: dict, error: str, *needles: str) -> dict:
         for needle in needles:
             assert needle in o.message, f"rank {r}: {needle!r} not in {o.message!r}"
     return got
+
+
+def assert_healthy_workers_aborted(front: "EngineFront", since: int, before: dict[int, dict], *,
+                                   failing: tuple[int, ...] = ()) -> None:
+    """After a failed update: every worker not in ``failing`` raised RemoteWorkerError from
+    ``update_weights_from_ipc`` (the PS aborted it) and still holds exactly the weights it held
+    before (``before``: worker -> digests); no worker committed anything of the failed update."""
+    outcomes = front.worker_outcomes(since)
+    for i, (status, text) in enumerate(outcomes):
+        if i in failing:
+            assert status == "error", f"the failing worker {i} reported success: {text}"
+            continue
+        assert status == "error" and "RemoteWorkerError" in str(text), \
+            f"healthy worker {i} did not raise RemoteWorkerError: {status} {str(text)[-800:]}"
+    for i in range(len(outcomes)):
+        if front.procs[i].is_alive():
+            assert front.digests(i) == before[i], f"engine worker {i} changed its weights in a failed update"
 
 
 class PickleBomb:

@@ -9,13 +9,14 @@ from __future__ import annotations
 import mmap
 import os
 import socket
+import time
 from typing import Any
 
 import torch
 
-from .._settings import cpu_visible_devices
+from .._settings import cpu_event_delay_s, cpu_visible_devices
 from ..errors import ConfigError, TransportError
-from ._base import DeviceBackend, IpcBuffer
+from ._base import DeviceBackend, IpcBuffer, NullEvent
 
 SHM_DIR = "/dev/shm"
 
@@ -46,6 +47,28 @@ class _Mapping:
             except BufferError:
                 # A tensor still views the map; the OS frees it when the last view dies.
                 pass
+
+
+class LateEvent:
+    """Tests only (CKPT_TEST_CPU_EVENT_DELAY_S): an event that reports done ``delay`` seconds after
+    it was recorded, as a device's would, so that the pipeline's waiting and deferral paths run
+    for real on CPU (the work itself is synchronous here, so the data is there already)."""
+
+    def __init__(self, delay: float):
+        self.delay, self.done_at = delay, None
+
+    def record(self, stream=None) -> None:
+        self.done_at = time.monotonic() + self.delay
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return self.done_at is None or time.monotonic() >= self.done_at
+
+    def synchronize(self) -> None:
+        if self.done_at is not None:
+            time.sleep(max(0.0, self.done_at - time.monotonic()))
 
 
 def _pid_alive(pid: int) -> bool:
@@ -116,6 +139,10 @@ class CpuBackend(DeviceBackend):
                                   f"{len(visible)} device(s) {list(visible)}")
             index = visible[index]
         return f"CPU-{_machine_id()}-{index}"
+
+    def new_event(self):
+        delay = cpu_event_delay_s()
+        return LateEvent(delay) if delay else NullEvent()
 
     def alloc_ipc(self, nbytes: int, index: int, name: str) -> IpcBuffer:
         _sweep_orphans()

@@ -50,7 +50,8 @@ CASES = {
     "duplicate key in one header": (st(b'{"w": ' + json.dumps(entry("F32", [4], 0, 16)).encode() + b', "w": '
                                        + json.dumps(entry("F32", [4], 16, 32)).encode() + b"}", DATA),
                                     ["duplicate key 'w'"], None),
-    "unknown dtype": (st({"w": entry("F4", [4], 0, 16)}, DATA), ["unknown dtype 'F4'"], "w"),
+    "unknown dtype": (st({"w": entry("F128", [4], 0, 16)}, DATA), ["unknown dtype 'F128'"], "w"),
+    "unsupported dtype": (st({"w": entry("F4", [4], 0, 2)}, DATA[:2]), ["dtype 'F4'", "unsupported"], "w"),
     "offsets out of range": (st({"w": entry("F32", [1 << 38], 0, 1 << 40)}, DATA), ["past the end"], "w"),
     "negative offset": (st({"w": entry("F32", [4], -16, 0)}, DATA), ["non-negative"], "w"),
     "offsets reversed": (st({"w": entry("F32", [0], 16, 0)}, DATA), ["begin 16 > end 0"], "w"),

@@ -1,7 +1,6 @@
 """End to end on CPU: real PS processes (gloo), real engine-worker processes, /dev/shm IPC buffers."""
 
 import os
-import time
 
 import pytest
 
@@ -29,9 +28,7 @@ def test_an_engine_error_on_the_last_bucket_fails_every_rank_and_a_retry_succeed
 
 
 def test_an_engine_that_never_connects_times_out_naming_the_rank():
-    t0 = time.monotonic()
     res = cases.case_engine_never_connects("cpu", 2, timeout_s=3.0)
-    assert time.monotonic() - t0 < 60
     assert "timed out waiting for engine worker" in res[1][3][2] and "to connect" in res[1][3][2]
 
 
@@ -81,5 +78,121 @@ def test_an_engine_refusing_the_plan_fails_the_update_before_any_weight_is_loade
             assert res[r][3][:2] == ("error", "RemoteWorkerError"), res[r][3]
             assert "during handshake" in res[r][3][2] and "lm_head.weight" in res[r][3][2]
         assert front.digests(0) == {} and front.digests(1) == {}, "nothing may be loaded"
+    finally:
+        front.close()
+
+
+def test_a_slow_worker_with_more_buckets_than_slots_gets_every_bucket_intact():
+    """The ring's reuse guard: with 2 slots and many buckets, a slot is refilled only once the
+    worker is done with the bucket it held (the workers dwell in every bucket before reading it)."""
+    from harness import EngineFront, FreshCheckpoints, PsWorld
+    front = EngineFront("cpu", 2, behavior={"sleep_s": 0.05})
+    try:
+        with PsWorld("cpu", 2, init={"max_bucket_gb": (16 << 10) / (1 << 30)}, env={"PS_NUM_SLOTS": "2"}) as ps:
+            name, want = FreshCheckpoints(ps, seed=12, per_rank=12).new("ring")
+            got = ps.update(name, front, 60)
+            assert all(o.ok for o in got.values()), got
+            assert got[0].value["slots"] == 2 and got[0].value["buckets"] >= 8, got[0].value
+            for i in range(2):
+                assert front.digests(i) == want, f"engine worker {i} read a slot that was refilled under it"
+    finally:
+        front.close()
+
+
+def _late_event_world(env: dict):
+    from harness import PsWorld
+    return PsWorld("cpu", 2, init={"max_bucket_gb": (16 << 10) / (1 << 30)}, env=env)
+
+
+def test_device_events_that_complete_later_run_the_pipelines_waits_for_real():
+    """CKPT_TEST_CPU_EVENT_DELAY_S: cpu events report done later, as a GPU's do, so the pipeline
+    defers notices and waits for slots for real; every bucket still arrives intact."""
+    from harness import EngineFront, FreshCheckpoints
+    front = EngineFront("cpu", 2)
+    try:
+        with _late_event_world({"CKPT_TEST_CPU_EVENT_DELAY_S": "0.02", "PS_NUM_SLOTS": "2"}) as ps:
+            name, want = FreshCheckpoints(ps, seed=13, per_rank=12).new("late")
+            got = ps.update(name, front, 60)
+            assert all(o.ok for o in got.values()), got
+            for r, o in got.items():
+                waits = o.value["waits"]
+                assert waits["deferred"] > 0 and waits["awaited"] > 0, f"rank {r} never waited: {waits}"
+            for i in range(2):
+                assert front.digests(i) == want
+    finally:
+        front.close()
+
+
+def test_a_broadcast_that_never_completes_in_time_fails_every_rank_naming_the_collective_timeout():
+    from harness import EngineFront, FreshCheckpoints, assert_every_rank_failed
+    front = EngineFront("cpu", 2)
+    try:
+        # 15 s: the collective timeout also bounds the world's rendezvous, slow on a loaded machine
+        with _late_event_world({"CKPT_TEST_CPU_EVENT_DELAY_S": "600", "PS_COLLECTIVE_TIMEOUT_S": "15"}) as ps:
+            name, _ = FreshCheckpoints(ps, seed=14).new("stuck")
+            got = ps.update(name, front, 120)
+            assert_every_rank_failed(got, "UpdateTimeoutError", "did not complete within PS_COLLECTIVE_TIMEOUT_S=15")
+            again = ps.update(name, front, 10)     # the groups are not trusted again
+            assert_every_rank_failed(again, "TransportError", "broke in an earlier update")
+    finally:
+        front.close()
+
+
+def test_shm_files_registered_without_inplace_pinning_are_copied(tmp_path):
+    """use_inplace_pin_memory=False: a /dev/shm file is copied at registration, so rewriting it
+    afterwards changes nothing that is pushed."""
+    import torch
+    from harness import EngineFront, PsWorld, fresh_tensors, want_digests
+    gen = torch.Generator().manual_seed(21)
+    shm = cases.ShmDir()
+    front = EngineFront("cpu", 2)
+    try:
+        data = {r: fresh_tensors({f"s{r}.a": ((512,), torch.bfloat16), f"s{r}.b": ((9, 9), torch.float32)}, gen)
+                for r in range(2)}
+        paths = {r: shm.write(f"r{r}.safetensors", data[r]) for r in range(2)}
+        with PsWorld("cpu", 2) as ps:
+            got = ps.all("register", per_rank={r: ("c", {"files": [paths[r]], "use_inplace_pin_memory": False})
+                                               for r in range(2)})
+            assert all(o.ok for o in got.values()), got
+            for r in range(2):   # same size, other bytes: an in-place map would push these
+                write_file(paths[r], {n: t + 1 for n, t in data[r].items()})
+            assert all(o.ok for o in ps.all("gather", "c").values())
+            got = ps.update("c", front, 30)
+            assert all(o.ok for o in got.values()), got
+            for i in range(2):
+                assert front.digests(i) == want_digests(*data.values())
+    finally:
+        front.close()
+        shm.close()
+
+
+def test_unregister_with_force_frees_the_shared_pool_and_without_it_keeps_it():
+    import torch
+    from harness import PsWorld
+    with PsWorld("cpu", 1) as ps:
+        pooled = {"named_tensors": {"w": torch.randn(1 << 18)}, "use_shared_memory_pool": True}
+        assert ps.all("register", ("a", pooled))[0].ok
+        held = ps.all("pool_bytes")[0].value
+        assert held >= 1 << 20
+        assert ps.all("unregister", ("a", {}))[0].ok and ps.all("pool_bytes")[0].value == held
+        assert ps.all("register", ("b", pooled))[0].ok
+        assert ps.all("unregister", ("b", {"force": True}))[0].ok
+        assert ps.all("pool_bytes")[0].value is None
+
+
+def test_the_gc_is_paused_during_an_update_on_the_ps_and_in_the_worker_and_resumed_after():
+    from harness import EngineFront, FreshCheckpoints, PsWorld
+    front = EngineFront("cpu", 2)
+    try:
+        with PsWorld("cpu", 2, init={"max_bucket_gb": (16 << 10) / (1 << 30)}) as ps:
+            name, want = FreshCheckpoints(ps, seed=31).new("gc")
+            got = ps.all("update_gc_probe", (name, front.address, 30))
+            assert all(o.ok for o in got.values()), got
+            for r, o in got.items():   # req_func runs on rank 0 at least (on every rank after issue 10)
+                seen = o.value["gc_during_update"]
+                assert o.value["gc_after"] is True and not any(seen) and (r or seen == [False]), f"rank {r}: {o.value}"
+            for i in range(2):
+                assert front.stats(i)["gc_in_run"] is False, f"engine worker {i} received with the GC running"
+                assert front.digests(i) == want
     finally:
         front.close()

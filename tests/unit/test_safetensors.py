@@ -273,7 +273,7 @@ def test_dtype_tables_are_inverse_and_cover_the_safetensors_codes():
 
 
 @pytest.mark.parametrize("tensors,metadata,fragment", [
-    ({"w": torch.randn(2).to(torch.complex64)}, None, "cannot store torch.complex64"),
+    ({"w": torch.randn(2).to(torch.complex128)}, None, "cannot store torch.complex128"),
     ({"w": [1.0, 2.0]}, None, "cannot store list"),
     ({"": torch.randn(2)}, None, "invalid tensor name ''"),
     ({"__metadata__": torch.randn(2)}, None, "invalid tensor name '__metadata__'"),
@@ -289,7 +289,7 @@ def test_the_writer_refuses_what_safetensors_cannot_hold(tmp_path, tensors, meta
 
 def test_the_module_exports_exactly_the_documented_api():
     assert sorted(st.__all__) == sorted([
-        "DTYPES", "DTYPE_CODES", "MAX_HEADER_BYTES", "TensorEntry", "SafetensorsHeader",
+        "DTYPES", "DTYPE_CODES", "WIRE_DTYPES", "WIRE_CODES", "UNSUPPORTED_CODES", "MAX_HEADER_BYTES", "TensorEntry", "SafetensorsHeader",
         "read_header", "parse_header_bytes", "map_tensors", "read_tensors", "write_file"])
     assert st.MAX_HEADER_BYTES == 64 * 1024 * 1024
 
@@ -314,3 +314,25 @@ def test_every_dtype_code_matches_the_safetensors_package(tmp_path, code):
     save_file(want, str(path))
     assert st.read_header(path).tensors[0].dtype == dtype
     _assert_same(st.read_tensors(path), want)
+
+
+def test_mx_scales_complex64_and_fnuz_float8_files_are_read_not_called_corrupt():
+    assert st.DTYPES["F8_E8M0"] is torch.float8_e8m0fnu and st.DTYPES["C64"] is torch.complex64
+    assert st.DTYPES["F8_E4M3FNUZ"] is torch.float8_e4m3fnuz and st.DTYPES["F8_E5M2FNUZ"] is torch.float8_e5m2fnuz
+
+
+@pytest.mark.parametrize("code", sorted(st.UNSUPPORTED_CODES))
+def test_a_valid_code_we_cannot_carry_is_called_unsupported_not_unknown(tmp_path, code):
+    header = json.dumps({"w": {"dtype": code, "shape": [2], "data_offsets": [0, 1]}}).encode()
+    path = tmp_path / "sub-byte.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + b"\x11")
+    with pytest.raises(CheckpointFormatError, match="unsupported") as info:
+        st.read_header(path)
+    assert "unknown" not in str(info.value) and info.value.tensor == "w"
+
+
+def test_wire_codes_extend_the_file_codes_with_torch_only_dtypes():
+    assert {c: dt for dt, c in st.WIRE_CODES.items()} == st.WIRE_DTYPES
+    assert st.DTYPES.items() <= st.WIRE_DTYPES.items()
+    assert {torch.complex128, torch.complex32, torch.float4_e2m1fn_x2} <= st.WIRE_CODES.keys()
+    assert not set(st.WIRE_DTYPES) & set(st.UNSUPPORTED_CODES)

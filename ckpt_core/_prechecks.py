@@ -1,0 +1,182 @@
+"""What a rank checks before a collective, and how every rank learns the verdict.
+
+A check that fails on one rank only (a checkpoint unregistered there, a bad
+timeout, metas it cannot use) must not make that rank leave while its peers
+enter the collective: they would wait for it until ``PS_COLLECTIVE_TIMEOUT_S``
+and break the world. Instead each rank turns its local problem into a plain
+``[error class, message]`` pair, sends it in the collective's first exchange,
+and every rank raises the same typed error (:func:`raise_agreed`); the world
+stays usable.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from datetime import timedelta
+
+from . import errors
+from ._checkpoint import RegisteredCheckpoint
+from ._planner import Plan, TensorMeta, align_up, choose_layout
+from ._safetensors import WIRE_DTYPES
+from .errors import CheckpointNotFoundError, CkptError, ConfigError
+
+# An update timeout above this (float("inf"), timedelta.max, ...) means "no deadline for the
+# update as a whole"; it is clamped here because thread joins and socket polls overflow on larger
+# values. The collectives stay bounded by PS_COLLECTIVE_TIMEOUT_S, and a worker that goes away is
+# still noticed at once.
+NO_DEADLINE_S = 1e8   # ~3 years
+
+Problem = list   # [error class name, message], JSON on the wire
+
+
+def update_seconds(timeout) -> float:
+    """The update's ``timeout`` (seconds or a timedelta) as seconds; ConfigError unless > 0 and not NaN."""
+    if isinstance(timeout, timedelta):
+        value = timeout.total_seconds()
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        value = float(timeout)
+    else:
+        raise ConfigError(f"update timeout must be seconds (a number) or a timedelta, got {timeout!r}")
+    if math.isnan(value) or value <= 0:
+        raise ConfigError(f"update timeout must be positive, got {timeout!r}")
+    return min(value, NO_DEADLINE_S)
+
+
+def problem_of(exc: CkptError) -> Problem:
+    return [type(exc).__name__, str(exc)]
+
+
+def raise_agreed(problems: list[Problem | None], what: str) -> None:
+    """Raise, on every rank alike, the problems the ranks reported in one exchange (none: return).
+
+    The error class is the lowest failing rank's; the message lists every rank's own message.
+    """
+    failed = [(r, p) for r, p in enumerate(problems) if p]
+    if not failed:
+        return
+    first = failed[0][1]
+    cls = getattr(errors, str(first[0]), None)
+    if not (isinstance(cls, type) and issubclass(cls, CkptError)) or cls is errors.RemoteWorkerError:
+        cls = ConfigError
+    text = "; ".join(dict.fromkeys(str(p[1]) for _, p in failed))   # same text once, rank order kept
+    raise cls(f"{what} refused on rank(s) {[r for r, _ in failed]}: {text}")
+
+
+def parse_metas(metas, world_size: int) -> dict[str, list[list[TensorMeta]]]:
+    """Metas in the form ``get_metas()`` returns, checked whole before anything is installed."""
+    if not isinstance(metas, dict):
+        raise ConfigError(f"metas must be the dict get_metas() returns, got {type(metas).__name__}")
+    out: dict[str, list[list[TensorMeta]]] = {}
+    for name, per_rank in metas.items():
+        try:
+            parsed = [[_meta(m) for m in ms] for ms in per_rank]
+        except (TypeError, AttributeError, KeyError, ValueError) as exc:
+            raise ConfigError(f"metas of {name!r} are not in the format get_metas() returns: {exc}") from exc
+        if len(parsed) != world_size:
+            raise ConfigError(f"metas of {name!r} describe {len(parsed)} ranks, this world has {world_size}")
+        owner: dict[str, int] = {}
+        for r, ms in enumerate(parsed):
+            for m in ms:
+                if m.name in owner:
+                    raise ConfigError(f"metas of {name!r} list tensor {m.name!r} twice (ranks {owner[m.name]} and {r})")
+                owner[m.name] = r
+        out[name] = parsed
+    return out
+
+
+def _meta(m: dict) -> TensorMeta:
+    meta = TensorMeta(**(m | {"shape": tuple(int(d) for d in m["shape"])}))
+    ints = (meta.nbytes, meta.itemsize, meta.base, meta.base_offset, *meta.shape)
+    if not (isinstance(meta.name, str) and isinstance(meta.dtype, str) and all(isinstance(v, int) for v in ints)):
+        raise ValueError(f"tensor entry {m!r} has fields of the wrong type")
+    dtype = WIRE_DTYPES.get(meta.dtype)
+    if dtype is None or dtype.itemsize != meta.itemsize:
+        raise ValueError(f"tensor {meta.name!r} has dtype code {meta.dtype!r} with itemsize {meta.itemsize}, "
+                         "which this build does not carry")
+    if min(ints, default=0) < 0:
+        raise ValueError(f"tensor {meta.name!r} has a negative size, shape or offset")
+    numel = math.prod(meta.shape)
+    if meta.nbytes != numel * meta.itemsize:
+        raise ValueError(f"tensor {meta.name!r}: {meta.nbytes} bytes do not match shape {meta.shape} "
+                         f"x {meta.itemsize} bytes per element")
+    return meta
+
+
+class UpdateAgreement:
+    """The ParameterServer's first exchange of an update: every rank's pre-checks and layout.
+
+    A mixin of :class:`ParameterServer` (it uses its settings, backend, metas, checkpoints,
+    plan cache and collectives), kept here with the rest of the pre-check machinery.
+    """
+
+    def _precheck(self, name, req_func, timeout) -> tuple[float, RegisteredCheckpoint | None, list | None]:
+        """This rank's own checks of a broadcast update (no collective): (deadline, checkpoint, problem).
+
+        The problem is not raised here but sent in the first exchange, so that every rank
+        raises it (``_agree_plan``) and none is left waiting in a collective.
+        """
+        try:
+            deadline = time.monotonic() + update_seconds(timeout)
+        except ConfigError as exc:
+            return time.monotonic() + self.settings.collective_timeout_s, None, problem_of(exc)
+        try:
+            if not callable(req_func):
+                raise ConfigError(f"req_func must be callable, got {type(req_func).__name__}")
+            return deadline, self._own_share(name), None
+        except CkptError as exc:
+            return deadline, None, problem_of(exc)
+
+    def _own_share(self, name) -> RegisteredCheckpoint:
+        """The checkpoint this rank sends from; a rank that loaded metas giving it nothing gets an empty one."""
+        if not isinstance(name, str):
+            raise ConfigError(f"checkpoint name must be a string, got {name!r}")
+        ckpt, metas = self._checkpoints.get(name), self._metas.get(name)
+        if metas is None:
+            if ckpt is None:
+                raise CheckpointNotFoundError(f"checkpoint {name!r} is not registered on rank {self.rank}")
+            raise ConfigError(f"call gather_metas({name!r}) on every rank before update({name!r})")
+        mine = metas[self.rank]
+        if ckpt is None:
+            if mine:
+                raise CheckpointNotFoundError(f"checkpoint {name!r} is not registered on rank {self.rank}, "
+                                              f"whose metas list {len(mine)} tensors for it")
+            return RegisteredCheckpoint(name, [], {})
+        if mine is not ckpt.metas and list(mine) != list(ckpt.metas):
+            raise ConfigError(f"the metas of {name!r} for rank {self.rank} do not describe the checkpoint "
+                              f"registered there; call gather_metas({name!r}) on every rank again")
+        return ckpt
+
+    def _agree_plan(self, name: str, problem: list | None) -> tuple[Plan, int, tuple[str, str]]:
+        """All ranks agree on (bucket size, slots) from their free memory, then plan (cached).
+
+        The same exchange carries every rank's pre-check problem: if any rank has one, every
+        rank raises it. Returns the plan, the slots to use and the plan's wire form (JSON, digest).
+        """
+        view = {"problem": problem}
+        if problem is None:
+            try:
+                view = self._layout_view(name)
+            except CkptError as exc:
+                view = {"problem": problem_of(exc)}
+        views = self._coll.all_gather_json(view)
+        raise_agreed([v.get("problem") for v in views], f"update({name!r})")
+        metas, fp = self._metas[name], view["fp"]
+        if len({v["fp"] for v in views}) != 1:
+            raise ConfigError(f"ranks disagree on the metas of {name!r}: call gather_metas on every rank again")
+        size, slots = min(v["bucket"] for v in views), min(v["slots"] for v in views)
+        plan, wire = self._plans.get(metas, fp, size)
+        return plan, max(1, min(slots, len(plan.buckets))), wire
+
+    def _layout_view(self, name: str) -> dict:
+        """This rank's metas digest and the (bucket size, slots) its free memory allows."""
+        metas = self._metas[name]
+        free = self.backend.mem_get_info(self.device_index)[0] + (self._ipc.nbytes if self._ipc else 0)
+        size, slots = choose_layout(
+            free, mem_fraction=self.settings.mem_fraction, max_slots=self.settings.num_slots,
+            max_bucket_bytes=self.settings.max_bucket_bytes,
+            largest_tensor=max((m.nbytes for ms in metas for m in ms), default=0),
+            largest_owner_total=max((sum(align_up(m.nbytes) for m in ms) for ms in metas), default=1))
+        return {"fp": self._plans.digest(name, metas), "bucket": size, "slots": slots}
+
+

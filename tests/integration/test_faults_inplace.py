@@ -1,0 +1,103 @@
+"""In-place /dev/shm checkpoints with files this process may not write or read (issue 14, defect 3).
+
+Permissions only bind an unprivileged process, so each case runs ``build_checkpoint`` (what
+``register_checkpoint`` calls) in a child process that drops to an unprivileged user after its
+imports when the suite runs as root. The promises: a read-only file is mapped read-only and
+delivers its exact bytes; ``unlink_inplace_files=True`` deletes the files only once the whole
+registration succeeded, never when a later file fails; every failure is a ``CkptError``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from e2e_cases import ShmDir
+from harness import digest, fresh_tensors
+
+NOBODY = 65534
+CHILD = r"""
+import json, os, sys
+import torch
+from ckpt_core._checkpoint import build_checkpoint
+from ckpt_core.devices import get_backend
+from ckpt_core.errors import CkptError
+if os.geteuid() == 0:
+    os.setgid(%(uid)d); os.setuid(%(uid)d)
+files, unlink = json.loads(sys.argv[1]), sys.argv[2] == "1"
+out = {}
+try:
+    ckpt = build_checkpoint("c", get_backend("cpu"), files=files, unlink_inplace_files=unlink)
+    out["ok"] = True
+    out["in_place"] = [r.source_check is not None for r in ckpt.regions.values()]
+    from harness import digest
+    out["digests"] = {m.name: digest(ckpt.host_tensor(m)) for m in ckpt.metas}
+    out["exist"] = [os.path.exists(f) for f in files]
+    ckpt.release()
+except CkptError as exc:
+    out = {"ok": False, "error": type(exc).__name__, "message": str(exc)}
+except BaseException as exc:
+    out = {"ok": False, "error": "raw " + type(exc).__name__, "message": str(exc)}
+out.setdefault("exist", [os.path.exists(f) for f in files])
+print("RESULT " + json.dumps(out))
+""" % {"uid": NOBODY}
+
+
+def register_as_unprivileged(files: list[str], *, unlink: bool) -> dict:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.path.join(root, "tests")]))
+    proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(files), "1" if unlink else "0"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, f"child failed: {proc.stderr[-3000:]}"
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+@pytest.fixture
+def shm():
+    d = ShmDir()
+    os.chmod(d.path, 0o777)   # the unprivileged child deletes files in it
+    yield d
+    d.close()
+
+
+def write_owned(shm: ShmDir, name: str, tensors: dict, mode: int) -> str:
+    path = shm.write(name, tensors)
+    if os.geteuid() == 0:
+        os.chown(path, NOBODY, NOBODY)
+    os.chmod(path, mode)
+    return path
+
+
+def test_a_read_only_shm_file_is_mapped_read_only_and_unlinked_only_after_success(shm):
+    gen = torch.Generator().manual_seed(3)
+    a = fresh_tensors({"a.w": ((1000,), torch.bfloat16)}, gen)
+    b = fresh_tensors({"b.w": ((77, 3), torch.float32), "b.v": ((5,), torch.float16)}, gen)
+    files = [write_owned(shm, "a.safetensors", a, 0o644), write_owned(shm, "b.safetensors", b, 0o444)]
+    got = register_as_unprivileged(files, unlink=True)
+    assert got["ok"], got
+    assert got["in_place"] == [True, True], "in-place registration needs no write access"
+    assert got["digests"] == {n: digest(t) for n, t in {**a, **b}.items()}
+    assert got["exist"] == [False, False], "unlink_inplace_files=True deletes the files after a success"
+
+
+def test_a_later_unreadable_file_fails_the_registration_and_deletes_nothing(shm):
+    gen = torch.Generator().manual_seed(4)
+    files = [write_owned(shm, "a.safetensors", fresh_tensors({"a": ((64,), torch.float32)}, gen), 0o644),
+             write_owned(shm, "b.safetensors", fresh_tensors({"b": ((64,), torch.float32)}, gen), 0o000)]
+    got = register_as_unprivileged(files, unlink=True)
+    assert not got["ok"] and got["error"] == "ConfigError", got
+    assert "b.safetensors" in got["message"] and "Permission denied" in got["message"], got
+    assert got["exist"] == [True, True], "a failed registration must not delete any file"
+
+
+def test_files_are_kept_without_unlink_inplace_files(shm):
+    gen = torch.Generator().manual_seed(5)
+    files = [write_owned(shm, "a.safetensors", fresh_tensors({"a": ((64,), torch.float32)}, gen), 0o444)]
+    got = register_as_unprivileged(files, unlink=False)
+    assert got["ok"] and got["exist"] == [True], got

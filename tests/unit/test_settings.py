@@ -1,0 +1,88 @@
+"""Settings from the environment: the documented defaults on a clean environment, and every
+timeout or size that is infinite, NaN or <= 0 refused with a ConfigError naming the variable."""
+
+from __future__ import annotations
+
+import math
+from datetime import timedelta
+
+import pytest
+
+from ckpt_core._prechecks import NO_DEADLINE_S, update_seconds
+from ckpt_core._settings import ENV_VARS, fault_threads, gc_pause_enabled, load_settings
+from ckpt_core.errors import ConfigError
+
+EXTRA = ("PS_PAUSE_GC", "PS_FAULT_THREADS")
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for name in list(ENV_VARS) + list(EXTRA):
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def test_load_settings_on_a_clean_environment_gives_the_documented_defaults(clean_env):
+    s = load_settings()
+    doc = {name: default for name, (_, default, _) in ENV_VARS.items()}
+    assert s.rank == int(doc["RANK"]) and s.world_size == int(doc["WORLD_SIZE"])
+    assert doc["LOCAL_RANK"] == "RANK" and s.local_rank == s.rank
+    assert s.master_addr == doc["MASTER_ADDR"] and s.master_port == int(doc["MASTER_PORT"])
+    assert s.max_bucket_bytes == int(float(doc["PS_MAX_BUCKET_SIZE_GB"]) * (1 << 30))
+    assert s.mem_fraction == float(doc["PS_MEM_FRACTION"])
+    assert s.num_slots == int(doc["PS_NUM_SLOTS"])
+    assert s.collective_timeout_s == float(doc["PS_COLLECTIVE_TIMEOUT_S"])
+    assert s.rdma_devices == () and doc["PS_P2P_STORE_RDMA_DEVICES"] == "" and doc["NCCL_IB_HCA"] == ""
+    assert gc_pause_enabled() is (doc["PS_PAUSE_GC"] == "1")
+    assert fault_threads() == int(doc["PS_FAULT_THREADS"])
+
+
+def test_environment_values_are_used_and_explicit_arguments_win(clean_env):
+    clean_env.setenv("RANK", "1")
+    clean_env.setenv("WORLD_SIZE", "3")
+    clean_env.setenv("PS_MAX_BUCKET_SIZE_GB", "0.5")
+    clean_env.setenv("NCCL_IB_HCA", "mlx5_0,mlx5_1")
+    s = load_settings()
+    assert (s.rank, s.world_size, s.local_rank, s.max_bucket_bytes) == (1, 3, 1, 1 << 29)
+    assert s.rdma_devices == ("mlx5_0", "mlx5_1")
+    s = load_settings(rank=0, max_bucket_gb=1)
+    assert (s.rank, s.max_bucket_bytes) == (0, 1 << 30)
+
+
+BAD = ["0", "-5", "nan", "inf", "-inf"]
+
+
+@pytest.mark.parametrize("value", BAD)
+@pytest.mark.parametrize("var", ["PS_COLLECTIVE_TIMEOUT_S", "PS_MAX_BUCKET_SIZE_GB"])
+def test_a_timeout_or_size_that_is_not_finite_and_positive_is_a_config_error_naming_it(clean_env, var, value):
+    clean_env.setenv(var, value)
+    with pytest.raises(ConfigError, match=var):
+        load_settings()
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "0", "1.5"])
+def test_a_memory_fraction_outside_0_1_is_a_config_error_naming_it(clean_env, value):
+    clean_env.setenv("PS_MEM_FRACTION", value)
+    with pytest.raises(ConfigError, match="PS_MEM_FRACTION"):
+        load_settings()
+
+
+@pytest.mark.parametrize("value", [math.inf, math.nan, 0, -1, "big"])
+def test_an_explicit_bucket_bound_that_is_not_finite_and_positive_is_a_config_error(clean_env, value):
+    with pytest.raises(ConfigError, match="max_bucket_gb"):
+        load_settings(max_bucket_gb=value)
+
+
+@pytest.mark.parametrize("value", [math.nan, 0, -3, timedelta(0), timedelta(seconds=-1), "10", True, None])
+def test_an_update_timeout_that_is_nan_or_not_positive_is_a_config_error(value):
+    with pytest.raises(ConfigError, match="update timeout"):
+        update_seconds(value)
+
+
+@pytest.mark.parametrize("value", [math.inf, timedelta.max, 1e300])
+def test_an_infinite_update_timeout_means_no_deadline_and_does_not_overflow(value):
+    assert update_seconds(value) == NO_DEADLINE_S
+
+
+def test_a_finite_update_timeout_is_kept():
+    assert update_seconds(timedelta(minutes=2)) == 120.0 and update_seconds(3) == 3.0
