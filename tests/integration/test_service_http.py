@@ -130,7 +130,6 @@ def test_health_and_status_answer_during_a_slow_update_and_a_second_update_is_a_
     ("/v1/checkpoints/c/files", {"files": "not-a-list"}, 422, "ValidationError", "files"),
     ("/v1/checkpoints/c/files", {"files": ["/x"], "bogus": 1}, 422, "ValidationError", "bogus"),
     ("/v1/checkpoints/c/files", {"files": ["/nonexistent/a.safetensors"]}, 400, "ConfigError", "/nonexistent"),
-    ("/v1/checkpoints/never/update", {}, 404, "CheckpointNotFoundError", "never"),
     ("/v1/checkpoints/c/update", {"timeout": -1}, 422, "ValidationError", "timeout"),
     ("/v1/checkpoints/c/update", {"timeout": "soon"}, 422, "ValidationError", "timeout"),
     ("/v1/metas", ["not", "an", "object"], 422, "ValidationError", "body"),
@@ -141,6 +140,13 @@ def test_bad_requests_are_4xx_with_a_json_body_naming_the_problem(world, route, 
     assert resp.status_code == code, resp.text
     err = resp.json()["error"]
     assert err["type"] == kind and needle in err["message"], err
+
+
+def test_an_update_of_an_unregistered_checkpoint_is_a_404_on_every_rank(world):
+    got = world.all("POST", "/v1/checkpoints/never/update", [{"timeout": 30}] * world.size)   # collective
+    for resp in got:
+        assert resp.status_code == 404 and resp.json()["error"]["type"] == "CheckpointNotFoundError", resp.text
+        assert "never" in resp.json()["error"]["message"]
 
 
 def test_a_hostile_checkpoint_file_is_a_422_naming_the_file_and_nothing_is_registered(world):
