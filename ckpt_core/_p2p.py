@@ -23,7 +23,6 @@ import sys
 import time
 from dataclasses import dataclass
 
-import torch.distributed as dist
 
 from ._broadcast import BroadcastPipeline
 from ._link import Failure, PsLink
@@ -201,6 +200,7 @@ class P2PState:
         return _metas.to_legacy({n: s for n, s in parsed.items() if len(s.metas) == self.ps.world_size})
 
     def close(self) -> None:
+        self.groups.clear()   # the Collectives destroy them; a closed PS must not keep them alive
         if self.store is not None:
             self.store.close(SETTLE_AT_CLOSE_S)
 
@@ -215,10 +215,8 @@ class P2PState:
 
     def group(self, targets: tuple[int, ...]):
         """The target ranks' data group; created once (a collective of the whole world)."""
-        if targets not in self.groups:
-            coll = self.ps._coll
-            backend = self.ps.backend.collective_backend
-            self.groups[targets] = dist.new_group(ranks=list(targets), backend=backend, timeout=coll.timeout)
+        if targets not in self.groups:   # owned by the Collectives: close()/abort() free it with the others
+            self.groups[targets] = self.ps._coll.new_group(list(targets))
         return self.groups[targets]
 
 
