@@ -38,6 +38,29 @@ def test_a_joiner_world_on_cuda_pulls_through_saved_metas(tmp_path):
     cases.case_joiner_world("cuda", 2, tmp_path)
 
 
+@pytest.mark.parametrize("mode", ["close", "abort"])
+def test_p2p_target_groups_under_nccl_are_freed_by_close_and_abort(mode, monkeypatch):
+    """Issue 14 defect 5's sibling on NCCL: 10 ParameterServers in a trainer's default group, each
+    after a P2P update into rank 1's GPU, leave no group, fd or communicator memory behind."""
+    need(2)
+    from harness import EngineFront
+    from p2p_cases import OWNERS
+    from ps_fault_cases import group_census
+    for key, value in OWNERS.items():
+        monkeypatch.setenv(key, value)
+    front = EngineFront("cuda", 1, devices=[1])
+    try:
+        got = group_census("cuda", 10, mode, p2p=front.address)
+        assert len(front.requests) == 11, "every ParameterServer's P2P update reached rank 1's engine"
+    finally:
+        front.close()
+    for r, c in got.items():
+        before, after = c["before"], c["after"]
+        assert after["groups"] == before["groups"], f"rank {r} leaked process groups: {c}"
+        assert after["fds"] <= before["fds"] + 4, f"rank {r} leaked descriptors: {c}"
+        assert after["device_free"] >= before["device_free"] - (64 << 20), f"rank {r} leaked device memory: {c}"
+
+
 BENCH_TIMEOUT_S = 840   # 1 GiB (the default) takes a few minutes at most; the run is cut short before pytest's limit
 
 
