@@ -79,16 +79,20 @@ class PsLink:
     The first problem (worker error, silence past the deadline, bad frame) is
     kept in ``failure`` and the link goes quiet: later sends and waits are
     no-ops, so the caller can finish the collectives and report once.
+    Subclasses speaking another wire (``_compat.StockLink``) change the socket type and frame limit.
     """
+
+    SOCKET_TYPE = zmq.PAIR
+    MAX_FRAME_BYTES = proto.MAX_FRAME_BYTES
 
     def __init__(self, ctx: zmq.Context, handle: str, update_id: str, *, rank: int, device_key: str,
                  deadline: float, should_stop: Callable[[], str | None]):
         self.update_id, self.rank, self.device_key = update_id, rank, device_key
         self.deadline, self.should_stop = deadline, should_stop
         self.failure = None
-        self.sock = ctx.socket(zmq.PAIR)
+        self.sock = ctx.socket(self.SOCKET_TYPE)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, proto.MAX_FRAME_BYTES)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, self.MAX_FRAME_BYTES)
         self.watch = PeerWatch(self.sock)
         self.sock.bind(handle)
         self._done_upto = -1

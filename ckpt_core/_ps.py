@@ -14,6 +14,7 @@ import zmq
 from ._broadcast import BroadcastPipeline
 from ._checkpoint import RegisteredCheckpoint, build_checkpoint
 from ._collectives import ABORT_WAIT_S, Collectives
+from ._compat import check_wire, open_link, wire_handles
 from ._gc import gc_paused
 from ._host import SharedPool
 from ._link import Failure, PsLink
@@ -54,7 +55,8 @@ class ParameterServer(UpdateAgreement):
     def __init__(self, rank: int | None = None, world_size: int | None = None, *, device: str | None = None,
                  auto_pg: bool = True, mem_fraction: float | None = None, master_addr: str | None = None,
                  master_port: int | None = None, max_bucket_gb: float | None = None,
-                 keep_device_buffers: bool = False, gpu_count: int | None = None):
+                 keep_device_buffers: bool = False, gpu_count: int | None = None,
+                 wire: str = "native"):
         self.settings = load_settings(rank=rank, world_size=world_size, master_addr=master_addr,
                                       master_port=master_port, mem_fraction=mem_fraction, max_bucket_gb=max_bucket_gb)
         self.rank, self.world_size = self.settings.rank, self.settings.world_size
@@ -67,6 +69,7 @@ class ParameterServer(UpdateAgreement):
         self.backend.set_device(self.device_index)
         self.device_uuid = self.backend.device_key(self.device_index)
         self.keep_device_buffers = keep_device_buffers
+        self.wire = check_wire(wire)   # "stock"/"stock-0.3": engine workers run stock checkpoint-engine
         self._log = rank_logger(f"ps rank {self.rank}/{self.world_size} {self.backend.kind}:{self.device_index}")
         self._coll = Collectives(self.settings, self.backend.collective_backend, auto_pg=auto_pg)
         try:
@@ -337,15 +340,17 @@ class ParameterServer(UpdateAgreement):
             ipc, alloc_failed = None, f"cannot allocate the {buffer_bytes}-byte IPC buffer: {exc}"
         update_id = f"{self._run_id}-{self._updates}"
         self._updates += 1
-        handles = [(k, f"ipc://@ckpt-{update_id}-{r}") for r, k in enumerate(self._device_keys)]
+        handles = wire_handles(self.wire, update_id, self._device_keys)
         abort_key = f"ckpt/{update_id}/abort"
         req = ReqThread(req_func, handles)   # on every rank, like the reference: the function decides what to post
 
         signal = StopSignal(self._coll.store, abort_key, self.rank, req, self._log)
         should_stop, publish = signal.should_stop, signal.publish
 
-        link = PsLink(self._zmq, handles[self.rank][1], update_id, rank=self.rank, device_key=self.device_uuid,
-                      deadline=deadline, should_stop=lambda: self._closing_stop(link) or should_stop())
+        link = open_link(self.wire, self._zmq, handles[self.rank][1], update_id, rank=self.rank,
+                         device_key=self.device_uuid, deadline=deadline,
+                         should_stop=lambda: self._closing_stop(link) or should_stop(),
+                         buckets=plan.buckets, slot_bytes=slot_bytes, ipc=ipc, device_kind=self.backend.kind)
         times = {"plan": time.perf_counter() - t0}
         ok = mapped = False
         try:

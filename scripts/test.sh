@@ -19,6 +19,18 @@ else
     ckpt_log "CKPT_SKIP_VLLM set: the vLLM server tests will be skipped"
 fi
 
+# SGLang (its real app and model on CPU) and stock checkpoint-engine releases (compat-codec tests).
+if [[ -z ${CKPT_SKIP_SGLANG:-} ]]; then
+    CKPT_SGLANG_PYTHON=$(bash scripts/sglang_env.sh | tail -n 1)
+    export CKPT_SGLANG_PYTHON
+    ckpt_log "SGLang python: $CKPT_SGLANG_PYTHON"
+else
+    ckpt_log "CKPT_SKIP_SGLANG set: the SGLang tests will be skipped"
+fi
+CKPT_STOCK_CE=$(bash scripts/stock_ce_env.sh | tr '\n' ' ')
+export CKPT_STOCK_CE
+ckpt_log "stock checkpoint-engine releases: $CKPT_STOCK_CE"
+
 export PYTHONPATH="$CKPT_REPO${PYTHONPATH:+:$PYTHONPATH}"
 export NCCL_NVLS_ENABLE=0
 set +e

@@ -38,11 +38,12 @@ def digest(t: torch.Tensor) -> str:
 
 
 # ---------------------------------------------------------------- engine worker side
-def worker_main(kind: str, index: int, conn, behavior: dict, env: dict | None = None) -> None:
+def worker_main(kind: str, index: int, conn, behavior: dict, env: dict | None = None, engine_cls=None) -> None:
     """One engine worker: waits for handles, receives updates, keeps digests of what it loaded.
-    ``env`` is set first (e.g. PS_CPU_VISIBLE_DEVICES for a second engine on the host)."""
+    ``env`` is set first (e.g. PS_CPU_VISIBLE_DEVICES for a second engine on the host);
+    ``engine_cls``: another engine (a SimEngine subclass, e.g. one running the stock worker)."""
     os.environ.update(env or {})
-    engine = SimEngine(kind, index, behavior)
+    engine = (engine_cls or SimEngine)(kind, index, behavior)
     while True:
         cmd = conn.recv()
         if cmd[0] == "stop":
@@ -87,6 +88,14 @@ class SimEngine:
         if this.get("never_connect"):
             time.sleep(this.get("never_connect"))
             raise RuntimeError("worker did not connect (injected)")
+        run, post_hook, on_plan, buckets = self.callbacks(this)
+        update_weights_from_ipc(self.ctx, handles[self.key], self.index, run=run, post_hook=post_hook,
+                                timeout=this.get("timeout", 60), on_plan=on_plan)
+        self.updates += 1
+        return {"buckets": buckets[0]}
+
+    def callbacks(self, this: dict):
+        """(run, post_hook, on_plan, bucket counter) of one update, with its fault injections."""
         buckets = [0]
         staged: dict[str, str] = {}
 
@@ -116,10 +125,7 @@ class SimEngine:
             if missing:
                 raise KeyError(f"checkpoint lacks {sorted(missing)}")
 
-        update_weights_from_ipc(self.ctx, handles[self.key], self.index, run=run, post_hook=post_hook,
-                                timeout=this.get("timeout", 60), on_plan=on_plan)
-        self.updates += 1
-        return {"buckets": buckets[0]}
+        return run, post_hook, on_plan, buckets
 
 
 def queue_worker_main(kind: str, index: int, inbox, outbox, env: dict | None = None) -> None:
@@ -153,9 +159,10 @@ class EngineFront:
     """Listens like an engine's HTTP API; fans an update request out to every worker."""
 
     def __init__(self, kind: str, world: int, behavior: dict | None = None, devices: list[int] | None = None,
-                 *, uds: str | None = None, env: dict | None = None):
+                 *, uds: str | None = None, env: dict | None = None, engine_cls=None):
         # uds: listen on that Unix socket only (an engine that only its own host can reach)
         self.listener = Listener(uds, family="AF_UNIX", authkey=AUTH) if uds else Listener(("127.0.0.1", 0), authkey=AUTH)
+        self.engine_cls = engine_cls
         self.address = self.listener.address
         self.env = dict(env or {})
         self.requests: list[list[str]] = []   # the device keys of each update request, in order
@@ -191,8 +198,8 @@ class EngineFront:
 
     def _spawn(self, i: int):
         parent, child = CTX.Pipe()
-        p = CTX.Process(target=worker_main, args=(self.kind, self.devices[i], child, dict(self.behavior), self.env),
-                        daemon=True)
+        p = CTX.Process(target=worker_main, args=(self.kind, self.devices[i], child, dict(self.behavior), self.env,
+                                                  self.engine_cls), daemon=True)
         p.start()
         child.close()   # so that recv() on parent sees EOF when the worker dies
         return parent, p

@@ -1,0 +1,178 @@
+"""Requester: drive an SGLang server's side of an update over HTTP (TCP or a Unix socket).
+
+SGLang's engine embeds the stock checkpoint-engine worker, so the parameter server must speak
+the stock wire (``ParameterServer(wire="stock")``). One ``POST /update_weights_from_ipc`` makes
+every worker of the engine pull from its PS rank. Routes used:
+
+- ``GET /model_info``: readiness (``/health`` stays 503 until the first weights arrived).
+- ``POST /update_weights_from_ipc`` ``{"zmq_handles", "flush_cache", "weight_version"}``:
+  ``{"success", "message"}``, HTTP 400 on failure.
+- ``POST /pause_generation`` ``{"mode"}``, ``POST /continue_generation``, ``POST /flush_cache``.
+
+With ``flush_cache`` and requests in flight, SGLang loads the weights and then answers 400
+("the cache was not flushed"): the weights are in, only the KV cache of the old weights is
+left. ``busy="retract"`` (default) or ``"abort"`` then pauses generation that way, flushes the
+cache and continues; ``busy="fail"`` raises. ``pause=`` instead pauses around the whole update.
+Errors are ckpt_core's (``ckpt_core._http``): ``UpdateTimeoutError``, ``TransportError``,
+``RemoteWorkerError`` (with the server's message), ``ConfigError``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ckpt_core._http import HttpTransport, Phases, error_text
+from ckpt_core.errors import ConfigError, RemoteWorkerError, TransportError, UpdateTimeoutError
+
+__all__ = ["SglangClient", "UpdateReport", "PAUSE_MODES", "BUSY_MODES"]
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+BUSY_MODES = ("retract", "abort", "fail")
+CACHE_NOT_FLUSHED = "cache was not flushed"   # SGLang's 400 text when requests were still running
+
+
+@dataclass
+class UpdateReport:
+    """Requester-side seconds per phase; ``busy``: the cache flush had to wait for a pause."""
+    seconds: dict[str, float] = field(default_factory=dict)
+    message: str = ""
+    busy: bool = False
+
+
+class SglangClient:
+    """HTTP client of one SGLang server. Thread-safe; ``close()`` is idempotent.
+
+    Example::
+
+        with SglangClient("http://127.0.0.1:30000") as client:
+            client.wait_ready(timeout=300)
+            ps = ParameterServer(wire="stock")
+            ...
+            ps.update("step-7", client.req_func(weight_version="7"))
+    """
+
+    def __init__(self, endpoint: str = "http://localhost:19730", *, uds: str | None = None,
+                 timeout: float = 600.0, connect_timeout: float = 10.0):
+        self._http = HttpTransport(endpoint, uds=uds, timeout=timeout, connect_timeout=connect_timeout)
+        self._lock = threading.Lock()
+        self.last_report: UpdateReport | None = None
+
+    @property
+    def where(self) -> str:
+        return self._http.where
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> "SglangClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _post(self, path: str, body: dict | None = None, *, timeout: float | None = None) -> dict:
+        resp = self._http.request("POST", path, json=body, timeout=timeout)
+        if resp.status_code == 404:
+            raise ConfigError(f"{path} is not served by {self.where} (HTTP 404): is this an SGLang server?")
+        self._http.raise_for_status(resp)
+        try:
+            reply = resp.json()
+        except ValueError:
+            return {"message": resp.text}
+        return reply if isinstance(reply, dict) else {"message": str(reply)}
+
+    # -- readiness ---------------------------------------------------------------------
+    def wait_ready(self, timeout: float = 300.0, interval: float = 0.5,
+                   alive: Callable[[], bool] | None = None) -> float:
+        """Poll ``GET /model_info`` until it answers 200; returns the seconds waited.
+
+        ``/model_info`` answers as soon as the HTTP server runs, also while a server started
+        with ``--checkpoint-engine-wait-weights-before-ready`` waits for its first weights
+        (``/health`` is 503 then). ``alive()`` (e.g. "the server process runs") ends the wait early.
+        """
+        t0 = time.monotonic()
+        last = "no answer yet"
+        while True:
+            try:
+                resp = self._http.request("GET", "/model_info", timeout=min(5.0, timeout))
+                if resp.status_code == 200:
+                    return time.monotonic() - t0
+                last = f"HTTP {resp.status_code}: {error_text(resp)[:200]}"
+            except (TransportError, UpdateTimeoutError) as exc:
+                last = str(exc)
+            if alive is not None and not alive():
+                raise TransportError(f"{self.where} went away while waiting for it to be ready ({last})")
+            if time.monotonic() - t0 > timeout:
+                raise UpdateTimeoutError(f"{self.where} was not ready within {timeout:g} s (GET /model_info; "
+                                         f"last: {last})")
+            time.sleep(interval)
+
+    # -- calls -------------------------------------------------------------------------
+    def pause(self, mode: str = "retract") -> None:
+        if mode not in PAUSE_MODES:
+            raise ConfigError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        self._post("/pause_generation", {"mode": mode})
+
+    def resume(self) -> None:
+        self._post("/continue_generation", {})
+
+    def flush_cache(self) -> None:
+        self._post("/flush_cache")
+
+    def update(self, handles, *, flush_cache: bool = True, weight_version: str | None = None,
+               timeout: float | None = None, pause: str | None = None, busy: str = "retract") -> UpdateReport:
+        """Make the server pull one update; ``handles``: ``[(device_key, zmq_handle)]`` or a dict.
+
+        ``pause``: pause generation (``PAUSE_MODES``) around the update; None keeps serving.
+        ``busy``: what to do when the weights went in but the cache could not be flushed
+        because requests were running (see the module docstring).
+        """
+        if busy not in BUSY_MODES:
+            raise ConfigError(f"busy must be one of {BUSY_MODES}, got {busy!r}")
+        if pause is not None and pause not in PAUSE_MODES:
+            raise ConfigError(f"pause mode must be one of {PAUSE_MODES}, got {pause!r}")
+        wait = self._http.timeout if timeout is None else float(timeout)
+        body = {"zmq_handles": dict(handles), "flush_cache": flush_cache, "weight_version": weight_version}
+        phases, report = Phases(), UpdateReport()
+        t0 = time.perf_counter()
+        if pause is not None:
+            phases.run("pause", self.pause, pause)
+        try:
+            resp = phases.run("update", self._http.request, "POST", "/update_weights_from_ipc", json=body,
+                              timeout=wait)
+            if resp.status_code == 404:
+                raise ConfigError(f"/update_weights_from_ipc is not served by {self.where} (HTTP 404)")
+            report.message = error_text(resp)
+            if resp.status_code == 400 and CACHE_NOT_FLUSHED in report.message and busy != "fail":
+                report.busy = True
+                self._flush_while_paused(phases, busy if pause is None else None)
+            else:
+                self._http.raise_for_status(resp)
+        finally:
+            if pause is not None:
+                phases.run("resume", self.resume)
+        report.seconds = dict(phases.seconds, total=time.perf_counter() - t0)
+        with self._lock:
+            self.last_report = report
+        return report
+
+    def _flush_while_paused(self, phases: Phases, mode: str | None) -> None:
+        """The weights are in; requests in flight kept SGLang from flushing the old weights' cache."""
+        if mode is None:   # already paused by the caller
+            phases.run("flush_cache", self.flush_cache)
+            return
+        phases.run("pause", self.pause, mode)
+        try:
+            phases.run("flush_cache", self.flush_cache)
+        except RemoteWorkerError as exc:
+            raise RemoteWorkerError(f"weights were updated on {self.where}, but its KV cache of the old "
+                                    f"weights could not be flushed even after pausing ({mode}): {exc}") from exc
+        finally:
+            phases.run("resume", self.resume)
+
+    def req_func(self, **update_kwargs) -> Callable[[list[tuple[str, str]]], UpdateReport]:
+        """A ``req_func`` posting every handle it is given; keyword arguments go to :meth:`update`."""
+        return lambda handles: self.update(handles, **update_kwargs)

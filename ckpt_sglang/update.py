@@ -1,0 +1,152 @@
+"""Push a checkpoint into running SGLang servers: ``python -m ckpt_sglang.update``.
+
+Same flags and defaults as SGLang's own launcher (``sglang.srt.checkpoint_engine.update``), so
+switching is a module name::
+
+    python -m sglang.launch_server --model-path DIR --tp 8 --port 19730 --load-format dummy \\
+        --checkpoint-engine-wait-weights-before-ready
+    python -m ckpt_sglang.update --checkpoint-path DIR --inference-parallel-size 8
+
+Without ``RANK`` in the environment it re-executes itself under torchrun with
+``--inference-parallel-size`` processes on this host. Each rank registers its share of the
+checkpoint's files; the first rank of each inference group (ranks ``[k*n, (k+1)*n)``) waits
+for its server (``GET /model_info``) and posts ``/update_weights_from_ipc`` with its group's
+handles; the PS speaks the stock wire that SGLang's embedded worker expects. ``p2p``/``all``
+and ``--load-metas-file`` (joining through P2P) are refused until our P2P transport lands.
+Rank 0 prints the update's figures as one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+
+from ckpt_core import ParameterServer, split_checkpoint_files
+from ckpt_core._compat import WIRES
+from ckpt_core.errors import CkptError, ConfigError
+
+from .client import BUSY_MODES, PAUSE_MODES, SglangClient
+
+P2P_UNSUPPORTED = ("--update-method p2p/all and --load-metas-file need ckpt_core's P2P transport, which has "
+                   "not landed yet; use --update-method broadcast")
+log = logging.getLogger("ckpt_sglang.update")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m ckpt_sglang.update", description=__doc__.splitlines()[0])
+    # SGLang's launcher flags, same defaults
+    ap.add_argument("--checkpoint-path", default=None, help="directory of safetensors files (an HF checkpoint)")
+    ap.add_argument("--save-metas-file", default=None, help="rank 0 writes the gathered metas here (JSON)")
+    ap.add_argument("--load-metas-file", default=None, help="join with saved metas (P2P; not supported yet)")
+    ap.add_argument("--sleep-time", type=float, default=0, help="seconds to stay up after the update")
+    ap.add_argument("--endpoint", default="http://localhost:19730", help="the SGLang server of this host")
+    ap.add_argument("--inference-parallel-size", type=int, default=8, help="devices of one SGLang server")
+    ap.add_argument("--checkpoint-name", default="my-checkpoint-iter-0")
+    ap.add_argument("--update-method", choices=("broadcast", "p2p", "all"), default="broadcast")
+    ap.add_argument("--uds", default=None, help="talk HTTP over this Unix socket")
+    ap.add_argument("--weight-version", default=None, help="version string the server reports afterwards")
+    # ckpt-engine additions
+    ap.add_argument("--wire", choices=[w for w in WIRES if w != "native"], default="stock",
+                    help="stock worker generation embedded in the server: 'stock' (checkpoint-engine >= 0.4), "
+                         "'stock-0.3' (0.2.1-0.3.4)")
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: the best available)")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole update")
+    ap.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for the server")
+    ap.add_argument("--pause", choices=PAUSE_MODES, default=None, help="pause generation around the update")
+    ap.add_argument("--busy", choices=BUSY_MODES, default="retract",
+                    help="requests in flight kept the cache from being flushed: pause this way, flush, "
+                         "continue ('fail': raise)")
+    return ap.parse_args(argv)
+
+
+def check_args(args: argparse.Namespace, world_size: int) -> None:
+    """Refuse what cannot work before any process group or server is touched."""
+    if args.update_method != "broadcast" or args.load_metas_file:
+        raise ConfigError(P2P_UNSUPPORTED)
+    if not args.checkpoint_path:
+        raise ConfigError("--checkpoint-path is required")
+    n = args.inference_parallel_size
+    if n <= 0 or world_size % n:
+        raise ConfigError(f"world size {world_size} is not a multiple of --inference-parallel-size {n}")
+
+
+def make_req_func(client: SglangClient | None, rank: int, n: int, args: argparse.Namespace, reports: list):
+    """The reference's req_func contract: it runs on every rank; the first rank of each group of ``n``
+    posts that group's handles to its own server, the others return at once."""
+    def req_func(handles):
+        if client is None:
+            return None
+        first = rank - rank % n
+        reports.append(client.update(handles[first:first + n], weight_version=args.weight_version,
+                                     timeout=args.timeout, pause=args.pause, busy=args.busy))
+        return reports[-1]
+    return req_func
+
+
+def torchrun_command(argv: list[str], nproc: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            "--module", "ckpt_sglang.update", *argv]
+
+
+def run(args: argparse.Namespace) -> dict | None:
+    """One rank's work; returns rank 0's figures."""
+    world_size, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    check_args(args, world_size)
+    n = args.inference_parallel_size
+    client = SglangClient(args.endpoint, uds=args.uds, timeout=args.timeout) if rank % n == 0 else None
+    try:
+        if client is not None:
+            waited = client.wait_ready(timeout=args.ready_timeout)
+            log.info("rank %d: %s answers /model_info (waited %.1f s)", rank, client.where, waited)
+        with ParameterServer(device=args.device, wire=args.wire) as ps:
+            t0 = time.perf_counter()
+            ps.register_checkpoint(args.checkpoint_name,
+                                   files=split_checkpoint_files(args.checkpoint_path, ps.rank, ps.world_size))
+            ps.gather_metas(args.checkpoint_name)
+            register_s = time.perf_counter() - t0
+            if args.save_metas_file and ps.rank == 0:
+                with open(args.save_metas_file, "w") as f:
+                    json.dump(ps.get_metas(), f)
+            reports: list = []
+            result = ps.update(args.checkpoint_name, make_req_func(client, ps.rank, n, args, reports),
+                               timeout=args.timeout)
+            if args.sleep_time > 0:
+                time.sleep(args.sleep_time)
+            return {"checkpoint": args.checkpoint_name, "register_and_gather_s": round(register_s, 4), "ps": result,
+                    "engine": [r.__dict__ for r in reports]} if ps.rank == 0 else None
+    finally:
+        if client is not None:
+            client.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    try:   # refuse bad flags before starting processes (under torchrun: world size = the group's size)
+        check_args(args, int(os.environ.get("WORLD_SIZE", args.inference_parallel_size)))
+    except ConfigError as exc:
+        print(f"ckpt_sglang.update: ConfigError: {exc}", file=sys.stderr, flush=True)
+        return 2
+    if os.environ.get("RANK") is None:
+        # Like SGLang's launcher: one process per device of the server, on this host.
+        cmd = torchrun_command(argv, args.inference_parallel_size)
+        print("running: " + " ".join(cmd), file=sys.stderr, flush=True)
+        return subprocess.run(cmd, check=False).returncode
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        figures = run(args)
+    except CkptError as exc:
+        print(f"ckpt_sglang.update: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return 2 if isinstance(exc, ConfigError) else 1
+    if figures is not None:
+        print(json.dumps(figures, default=str), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

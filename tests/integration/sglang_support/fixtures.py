@@ -1,0 +1,142 @@
+"""The SGLang CPU engine process and tiny Qwen2 checkpoints for tests/integration/test_sglang*.py.
+
+The engine (``engine.py``) runs under ``CKPT_SGLANG_PYTHON`` (the venv of
+``scripts/sglang_env.sh``); the tests, our launcher and the parameter server run in the project
+venv. Without ``CKPT_SGLANG_PYTHON`` every SGLang test is skipped, with that reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from ckpt_core._safetensors import write_file
+from harness import digest, free_port
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[2]
+CONFIG = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 256, "hidden_size": 64,
+          "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+          "max_position_embeddings": 256, "tie_word_embeddings": False, "torch_dtype": "float32",
+          "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "hidden_act": "silu"}
+
+
+def sglang_python() -> str:
+    python = os.environ.get("CKPT_SGLANG_PYTHON")
+    if not python or not os.path.exists(python):
+        pytest.skip("SGLang venv not available: run scripts/sglang_env.sh and export CKPT_SGLANG_PYTHON "
+                    "(scripts/test.sh does)")
+    return python
+
+
+def hf_weights(seed: int) -> dict[str, torch.Tensor]:
+    """A Hugging Face Qwen2 state dict (separate q/k/v and gate/up) with fresh random values."""
+    gen = torch.Generator().manual_seed(seed)
+    c = CONFIG
+    h, inter, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+    hd = h // c["num_attention_heads"]
+    kv = c["num_key_value_heads"] * hd
+
+    def t(*shape):
+        x = torch.randn(shape, generator=gen)
+        x[x == 0] = 1.0
+        return x
+
+    out = {"model.embed_tokens.weight": t(v, h), "model.norm.weight": t(h), "lm_head.weight": t(v, h)}
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        out.update({p + "self_attn.q_proj.weight": t(h, h), p + "self_attn.q_proj.bias": t(h),
+                    p + "self_attn.k_proj.weight": t(kv, h), p + "self_attn.k_proj.bias": t(kv),
+                    p + "self_attn.v_proj.weight": t(kv, h), p + "self_attn.v_proj.bias": t(kv),
+                    p + "self_attn.o_proj.weight": t(h, h), p + "mlp.gate_proj.weight": t(inter, h),
+                    p + "mlp.up_proj.weight": t(inter, h), p + "mlp.down_proj.weight": t(h, inter),
+                    p + "input_layernorm.weight": t(h), p + "post_attention_layernorm.weight": t(h)})
+    return out
+
+
+def sglang_digests(weights: dict[str, torch.Tensor]) -> dict[str, str]:
+    """What SGLang's parameters must hold after loading ``weights``: q/k/v and gate/up fused."""
+    out, fused = {}, {"q_proj": "qkv_proj", "gate_proj": "gate_up_proj"}
+    parts = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    for name, tensor in weights.items():
+        module = name.split(".")[-2]
+        if module in fused:
+            target = name.replace(module, fused[module])
+            out[target] = digest(torch.cat([weights[name.replace(module, m)] for m in parts[fused[module]]]))
+        elif not any(module in ms for ms in parts.values()):
+            out[name] = digest(tensor)
+    return out
+
+
+def write_checkpoint(root: Path, seed: int, shards: int = 2) -> tuple[Path, dict[str, str]]:
+    """An HF checkpoint directory (config, ``shards`` safetensors files); returns it and the digests
+    SGLang's parameters must show after loading it."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(CONFIG))
+    weights = hf_weights(seed)
+    names = sorted(weights)
+    for s in range(shards):
+        write_file(root / f"model-{s:05d}.safetensors", {n: weights[n] for n in names[s::shards]})
+    return root, sglang_digests(weights)
+
+
+class SglangEngine:
+    """The engine process (``engine.py``) and an HTTP client of its test routes."""
+
+    def __init__(self, python: str, model_dir: Path, log: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        paths = (REPO, REPO / "tests", REPO / "tests" / "integration")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(str(p) for p in paths))
+        self.log = log
+        self._out = open(log, "w")
+        self.proc = subprocess.Popen([python, "-m", "sglang_support.engine", "--model-dir", str(model_dir),
+                                      "--port", str(self.port)], stdout=self._out, stderr=subprocess.STDOUT, env=env)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def state(self) -> dict:
+        return httpx.get(f"{self.url}/ckpt_test/digests", timeout=30).json()
+
+    def set_busy(self, n: int) -> None:
+        httpx.post(f"{self.url}/ckpt_test/busy", params={"n": n}, timeout=30).raise_for_status()
+
+    def tail(self, n: int = 3000) -> str:
+        self._out.flush()
+        return self.log.read_text()[-n:]
+
+    def close(self) -> None:
+        if self.alive():
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._out.close()
+
+
+def run_launcher(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``python -m ckpt_sglang.update ARGS`` as a user runs it (RANK unset: it re-executes under torchrun)."""
+    env = {k: v for k, v in dict(os.environ, **(env or {})).items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONPATH"] = str(REPO)
+    return subprocess.run([sys.executable, "-m", "ckpt_sglang.update", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=str(REPO))
+
+
+def wait_for(fn, what: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not fn():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} within {timeout} s")
+        time.sleep(0.2)

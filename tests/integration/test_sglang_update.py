@@ -1,0 +1,115 @@
+"""Our launcher updates SGLang's real Qwen2 model through SGLang's real /update_weights_from_ipc route.
+
+Chain under test: ``python -m ckpt_sglang.update`` (re-executes under torchrun) -> our PS with
+the stock wire -> HTTP into SGLang's FastAPI app -> SGLang's weight-update managers -> SGLang's
+checkpoint-engine worker extension -> the stock ``checkpoint_engine.worker`` (PyPI 0.4.2) ->
+``Qwen2ForCausalLM.load_weights`` (fusing q/k/v and gate/up). See sglang_support/engine.py for
+what is stood in on CPU. Every parameter is compared bit for bit with the pushed checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ckpt_sglang import SglangClient
+from sglang_support.fixtures import SglangEngine, run_launcher, sglang_python, write_checkpoint
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    python = sglang_python()
+    root = tmp_path_factory.mktemp("sglang")
+    model_dir, _ = write_checkpoint(root / "model", seed=100)
+    eng = SglangEngine(python, model_dir, root / "engine.log")
+    try:
+        with SglangClient(eng.url) as client:
+            client.wait_ready(timeout=240, alive=eng.alive)
+        yield eng, root
+    finally:
+        eng.close()
+
+
+# buckets of ~100 KiB: the 0.4 MB model travels in several, through both slots of the ring
+SMALL_BUCKETS = {"PS_MAX_BUCKET_SIZE_GB": str(100_000 / (1 << 30)), "PS_NUM_SLOTS": "2"}
+
+
+def _launch(engine_url: str, ckpt, *extra: str):
+    return run_launcher("--checkpoint-path", str(ckpt), "--endpoint", engine_url, "--inference-parallel-size", "1",
+                        "--device", "cpu", "--timeout", "120", "--ready-timeout", "60", *extra, env=SMALL_BUCKETS)
+
+
+def _figures(proc) -> dict:
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert proc.returncode == 0 and lines, \
+        f"launcher failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return json.loads(lines[-1])
+
+
+def test_launcher_updates_every_sglang_parameter_and_a_second_update_switches(engine):
+    eng, root = engine
+    before = eng.state()["params"]
+    for step, seed in enumerate((1, 2)):
+        ckpt, want = write_checkpoint(root / f"step-{seed}", seed=seed)
+        figures = _figures(_launch(eng.url, ckpt, "--weight-version", f"v{step}",
+                                   "--checkpoint-name", f"step-{seed}"))
+        state = eng.state()
+        assert state["params"].keys() == want.keys(), "every parameter of the model is covered"
+        wrong = [n for n in want if state["params"][n] != want[n]]
+        assert not wrong, f"step {seed}: parameters differ from the pushed checkpoint: {wrong}"
+        assert state["weight_version"] == f"v{step}"
+        assert figures["ps"]["buckets"] >= 4 and figures["ps"]["slots"] == 2, figures["ps"]
+        assert figures["engine"][0]["seconds"]["update"] > 0
+    assert all(before[n] != want[n] for n in want), "the start weights already equalled the checkpoint"
+
+
+def test_requests_in_flight_are_paused_flushed_and_continued(engine):
+    eng, root = engine
+    ckpt, want = write_checkpoint(root / "busy", seed=3)
+    eng.set_busy(2)
+    try:
+        figures = _figures(_launch(eng.url, ckpt, "--busy", "retract"))
+    finally:
+        eng.set_busy(0)
+    state = eng.state()
+    assert all(state["params"][n] == want[n] for n in want)
+    assert figures["engine"][0]["busy"] is True
+    assert list(figures["engine"][0]["seconds"])[:4] == ["update", "pause", "flush_cache", "resume"]
+    assert state["paused"] is None, "generation was continued"
+
+
+def test_busy_fail_reports_sglangs_answer(engine):
+    eng, root = engine
+    ckpt, _ = write_checkpoint(root / "busy-fail", seed=4)
+    eng.set_busy(1)
+    try:
+        proc = _launch(eng.url, ckpt, "--busy", "fail")
+    finally:
+        eng.set_busy(0)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "RemoteWorkerError" in proc.stderr and "cache was not flushed" in proc.stderr
+
+
+def test_an_error_in_sglangs_loader_reaches_the_ps_as_remote_worker_error(engine, tmp_path):
+    """A checkpoint whose q_proj has the wrong shape: SGLang's loader raises inside the stock worker."""
+    eng, _root = engine
+    import torch
+    from ckpt_core._safetensors import write_file
+    ckpt, _ = write_checkpoint(tmp_path / "bad", seed=5, shards=1)
+    bad = {"model.layers.0.self_attn.q_proj.weight": torch.randn(3, 7)}
+    (ckpt / "model-00000.safetensors").unlink()
+    write_file(ckpt / "model-00000.safetensors", bad)
+    before = eng.state()["params"]
+    proc = _launch(eng.url, ckpt)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "RemoteWorkerError" in proc.stderr and "rank 0" in proc.stderr, proc.stderr[-3000:]
+    assert eng.state()["params"] == before, "a failed update changed parameters"
+
+
+@pytest.mark.parametrize("flags", [("--update-method", "p2p"), ("--update-method", "all"),
+                                   ("--load-metas-file", "/nonexistent.json")])
+def test_p2p_methods_are_refused_with_a_clear_error(flags, tmp_path):
+    proc = run_launcher("--checkpoint-path", str(tmp_path), "--inference-parallel-size", "1", *flags, timeout=60)
+    assert proc.returncode == 2
+    assert "P2P transport" in proc.stderr and "--update-method broadcast" in proc.stderr
