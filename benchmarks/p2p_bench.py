@@ -33,25 +33,55 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
+def _say(args, who: str, msg: str) -> None:
+    """Progress, flushed at once: a run cut short (a test's timeout) still shows how far it got."""
+    print(f"[p2p_bench +{time.monotonic() - args.t0:7.1f} s] {who}: {msg}", flush=True)
+
+
 def _checksum(t) -> int:
+    """Order-sensitive and cheap at any size: 32-bit words summed per block of 4096 in int64 (no
+    int64 copy of the tensor), each block weighted by its position so a misplaced block shows."""
     import torch
     flat = t.reshape(-1).view(torch.uint8)
-    return int(flat.to(torch.int64).sum().item()) * 1000003 + int(flat[::97].to(torch.int64).sum().item())
+    words = flat.view(torch.int32) if flat.numel() % 4 == 0 else flat
+    m = words.numel() // 4096 * 4096
+    blocks = words[:m].view(-1, 4096).sum(dim=1, dtype=torch.int64)
+    weights = torch.arange(1, blocks.numel() + 1, device=blocks.device, dtype=torch.int64)
+    return int((blocks * weights).sum().item()) + int(words[m:].sum(dtype=torch.int64).item())
+
+
+def _random_share(rank: int, n: int, numel: int) -> dict:
+    """``n`` distinct random bf16 tensors of ``numel`` elements, generated at memory speed: one
+    random block of bits, each tensor that block XOR its own random 16-bit key (randn and a bf16
+    cast cost ~0.6 s per 16 MiB on one CPU core: over a minute for a 2 GiB share)."""
+    import torch
+    gen = torch.Generator().manual_seed(rank)
+    base = torch.randint(-(1 << 15), 1 << 15, (numel,), dtype=torch.int16, generator=gen)
+    keys = (torch.randperm((1 << 15) - 1, generator=gen) + 1).tolist()   # distinct, non-zero, int16
+    out = {}
+    for i in range(n):
+        t = base ^ keys[i % len(keys)]
+        out[f"r{rank}.w{i}"] = (t if i < len(keys) else t.roll(i // len(keys))).view(torch.bfloat16)
+    return out
 
 
 def owner_main(rank, world, port, args, metas_path, ready, stop):
-    import torch
     os.environ["PS_P2P_HOST"] = args.owner_host
     from ckpt_core import ParameterServer
     ps = ParameterServer(rank, world, device="cpu", master_addr="127.0.0.1", master_port=port)
-    gen = torch.Generator().manual_seed(rank)
     per_rank = int(args.gib * (1 << 30)) // world
     n = max(1, per_rank // (args.tensor_mib * MiB))
-    ts = {f"r{rank}.w{i}": torch.randn(args.tensor_mib * MiB // 2, generator=gen).to(torch.bfloat16) for i in range(n)}
-    ps.register_checkpoint("ck", named_tensors=ts)
-    ps.gather_metas("ck")
+    who = f"owner {rank}/{world}"
+    _say(args, who, f"making {n} random tensors of {args.tensor_mib} MiB")
+    ts = _random_share(rank, n, args.tensor_mib * MiB // 2)
     sums = {k: _checksum(v) for k, v in ts.items()}
+    _say(args, who, f"registering {n * args.tensor_mib / 1024:.2f} GiB")
+    t0 = time.perf_counter()
+    ps.register_checkpoint("ck", named_tensors=ts)
     del ts
+    dt = time.perf_counter() - t0
+    _say(args, who, f"registered in {dt:.2f} s ({n * args.tensor_mib * MiB / dt / 1e9:.2f} GB/s); gathering metas")
+    ps.gather_metas("ck")
     if rank == 0:
         ps.save_metas(metas_path)
     ready.put(sums)
@@ -108,10 +138,12 @@ def reader_main(rank, world, port, args, metas_path, sums, out):
             bad = [k for k in sums if got.get(k) != sums[k]][:5]
             raise RuntimeError(f"rank {rank}: the update is not bit-exact: {bad}")
 
-    times = []
+    times, who = [], f"reader {rank}/{world}"
     for i in range(args.repeats + 1):
         r = ps.update("ck", req, ranks=list(range(world)), timeout=600)
         times.append(r["seconds"]["total"])
+        _say(args, who, f"update {i + 1}/{args.repeats + 1}{' (warm-up, verified)' if i == 0 and args.verify else ''}: "
+                        f"{r['bytes'] / (1 << 30):.2f} GiB in {times[-1]:.2f} s ({r['bytes'] / times[-1] / 1e9:.2f} GB/s)")
     conn.send(None)
     engine.join(30)
     ceiling = _ceiling(ps, args) if rank == 0 else None
@@ -141,6 +173,7 @@ def _ceiling(ps, args) -> dict:
             torch.cuda.synchronize(dev)
         dt = time.perf_counter() - t0
         best = dt if best is None else min(best, dt)
+        _say(args, "ceiling", f"plain Mooncake read of {total / (1 << 30):.2f} GiB in {dt:.2f} s ({total / dt / 1e9:.2f} GB/s)")
     store.unregister(dst.data_ptr())
     return {"bytes": total, "best_s": best, "gbps": total / best / 1e9}
 
@@ -158,6 +191,7 @@ def main() -> None:
     ap.add_argument("--no-verify", dest="verify", action="store_false")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    args.t0 = time.monotonic()   # CLOCK_MONOTONIC is system-wide: the children's progress shares it
     metas = f"/tmp/p2p-bench-{os.getpid()}.json"
     ready, stop, out = CTX.Queue(), CTX.Event(), CTX.Queue()
     oport, rport = _port(), _port()
@@ -166,9 +200,11 @@ def main() -> None:
     for p in owners:
         p.start()
     try:
+        _say(args, "main", f"{args.owners} owners register {args.gib:g} GiB ({args.device} readers: {args.readers})")
         sums = {}
         for _ in owners:
             sums.update(ready.get(timeout=600))
+        _say(args, "main", "owners ready; readers load the metas and update")
         readers = [CTX.Process(target=reader_main, args=(r, args.readers, rport, args, metas, sums, out))
                    for r in range(args.readers)]
         for p in readers:

@@ -96,6 +96,8 @@ class Collectives:
         self.store = _Store(self.store or dist.distributed_c10d._get_default_store(), self.rank)
         default_backend = dist.get_backend()
         self.ctrl_group = self.data_group = None   # None: the default group
+        self.data_backend = data_backend
+        self._subgroups: list = []   # made by new_group() (e.g. P2P target groups); freed with ours
         self._closed = False
         try:
             if default_backend != "gloo":
@@ -159,6 +161,16 @@ class Collectives:
             raise groups_broken(TransportError(f"rank {self.rank}: broadcast of {tensor.numel()} bytes from "
                                                f"rank {src} failed (a peer rank died?): {text}")) from exc
 
+    def new_group(self, ranks: list[int]):
+        """A data-backend group of ``ranks`` (global ranks); a collective of the whole world.
+
+        Owned here like the control and data groups: ``close()`` and ``abort()`` free it, also
+        when the caller owns the default group. Ranks outside ``ranks`` get torch's non-member.
+        """
+        group = self._call(dist.new_group, ranks=list(ranks), backend=self.data_backend, timeout=self.timeout)
+        self._subgroups.append(group)
+        return group
+
     def _call(self, fn, *args, **kwargs):
         if self._closed:
             raise TransportError("the process groups of this ParameterServer are closed")
@@ -185,6 +197,7 @@ class Collectives:
         # Ours only: the whole world if we created it, else the groups we added to the caller's.
         groups = [None] if self._owns_default else self._own_groups()
         self.ctrl_group = self.data_group = None   # a destroyed group's sockets go with its last reference
+        self._subgroups = []
 
         def run() -> None:
             for g in groups:
@@ -202,7 +215,7 @@ class Collectives:
 
     def _own_groups(self) -> list:
         """The groups this object created inside a default group it does not own."""
-        return [g for g in (self.ctrl_group, self.data_group) if g is not None]
+        return [g for g in (*self._subgroups, self.ctrl_group, self.data_group) if g is not None]
 
     def close(self) -> None:
         """Destroy every group we created: the default group (and all with it) if ours, else our
@@ -214,5 +227,6 @@ class Collectives:
             return
         groups = [None] if self._owns_default else self._own_groups()
         self.ctrl_group = self.data_group = None   # a destroyed group's sockets go with its last reference
+        self._subgroups = []
         for g in groups:
             dist.destroy_process_group(g)

@@ -18,12 +18,12 @@ settled. The owners may live in another world: their metas (``_metas``) say wher
 
 from __future__ import annotations
 
+import operator
 import os
 import sys
 import time
 from dataclasses import dataclass
 
-import torch.distributed as dist
 
 from ._broadcast import BroadcastPipeline
 from ._link import Failure, PsLink
@@ -32,10 +32,11 @@ from ._metas import Peer, Source
 from ._nics import assign_readers
 from ._p2p_store import MARK, P2PStore, import_mooncake
 from ._planner import ALIGN, Bucket, Plan, align_up, choose_layout
+from ._prechecks import problem_of, raise_agreed, same_kind
 from ._protocol import encode_hello
 from ._settings import p2p_env
 from ._signals import ReqThread, StopSignal
-from .errors import CkptError, ConfigError, RemoteWorkerError, TransportError
+from .errors import CheckpointNotFoundError, CkptError, ConfigError, RemoteWorkerError, TransportError
 
 READ_MARGIN_S = 3.0    # a read must give up this long before the update's deadline, so the ranks can still agree
 SETTLE_AT_CLOSE_S = 10.0
@@ -201,6 +202,7 @@ class P2PState:
         return _metas.to_legacy({n: s for n, s in parsed.items() if len(s.metas) == self.ps.world_size})
 
     def close(self) -> None:
+        self.groups.clear()   # the Collectives destroy them; a closed PS must not keep them alive
         if self.store is not None:
             self.store.close(SETTLE_AT_CLOSE_S)
 
@@ -215,58 +217,84 @@ class P2PState:
 
     def group(self, targets: tuple[int, ...]):
         """The target ranks' data group; created once (a collective of the whole world)."""
-        if targets not in self.groups:
-            coll = self.ps._coll
-            backend = self.ps.backend.collective_backend
-            self.groups[targets] = dist.new_group(ranks=list(targets), backend=backend, timeout=coll.timeout)
+        if targets not in self.groups:   # owned by the Collectives: close()/abort() free it with the others
+            self.groups[targets] = self.ps._coll.new_group(list(targets))
         return self.groups[targets]
 
 
 def _targets(ranks, world_size: int) -> tuple[int, ...]:
     try:
-        out = tuple(sorted({int(r) for r in ranks}))
-    except (TypeError, ValueError) as exc:
+        out = tuple(sorted({operator.index(r) for r in ranks}))
+    except TypeError as exc:
         raise ConfigError(f"ranks must be a list of integers, got {ranks!r}") from exc
-    if out[0] < 0 or out[-1] >= world_size:
+    if not out or out[0] < 0 or out[-1] >= world_size:
         raise ConfigError(f"ranks {list(ranks)} are not all in [0, {world_size})")
     return out
 
 
-def run_update(ps, name: str, req_func, ranks, deadline: float) -> dict:
-    """Collective over the whole world; see the module docstring. Returns this rank's figures."""
-    t0 = time.perf_counter()
+def _target_view(ps, name: str) -> tuple[Source, dict]:
+    """A target's own checks and what it tells the others: its metas digest, the (bucket size,
+    slots) its free memory allows, and, for metas gathered in this world, the owner ranks."""
     state: P2PState = ps._p2p
-    targets = _targets(ranks, ps.world_size)
-    me = ps.rank in targets
-    problem, src = None, None
-    if me:
-        try:
-            src = state.source(name)
-            state.ensure_store(required=True)
-            state.store.quarantine.reap()
-            missing = [r for r, p in enumerate(src.peers) if p is None and src.metas[r]]
-            if missing:
-                raise ConfigError(f"owner rank(s) {missing} of {name!r} serve no P2P store (no Mooncake there?)")
-        except ConfigError as exc:
-            problem = f"rank {ps.rank}: {exc}"
-    view = {"targets": list(targets), "problem": problem}
-    if me and problem is None:
-        metas = src.metas
-        free = ps.backend.mem_get_info(ps.device_index)[0] + (ps._ipc.nbytes if ps._ipc else 0)
-        view.update(fp=ps._plans.digest(f"p2p:{name}", metas), layout=choose_layout(
-            free, mem_fraction=ps.settings.mem_fraction, max_slots=ps.settings.num_slots,
-            max_bucket_bytes=ps.settings.max_bucket_bytes,
-            largest_tensor=max((m.nbytes for ms in metas for m in ms), default=0),
-            largest_owner_total=max((sum(align_up(m.nbytes) for m in ms) for ms in metas), default=1)))
+    src = state.source(name)
+    state.ensure_store(required=True)
+    state.store.quarantine.reap()
+    missing = [r for r, p in enumerate(src.peers) if p is None and src.metas[r]]
+    if missing:
+        raise ConfigError(f"owner rank(s) {missing} of {name!r} serve no P2P store (no Mooncake there?)")
+    metas = src.metas
+    free = ps.backend.mem_get_info(ps.device_index)[0] + (ps._ipc.nbytes if ps._ipc else 0)
+    layout = choose_layout(
+        free, mem_fraction=ps.settings.mem_fraction, max_slots=ps.settings.num_slots,
+        max_bucket_bytes=ps.settings.max_bucket_bytes,
+        largest_tensor=max((m.nbytes for ms in metas for m in ms), default=0),
+        largest_owner_total=max((sum(align_up(m.nbytes) for m in ms) for ms in metas), default=1))
+    owners = None if name in state.loaded else [r for r, ms in enumerate(metas) if ms]
+    return src, {"fp": ps._plans.digest(f"p2p:{name}", metas), "layout": layout, "owners": owners}
+
+
+def _first_exchange(ps, name, req_func, ranks, timeout) -> tuple[float, tuple[int, ...], Source | None, list]:
+    """Every rank's pre-checks (the broadcast update's own, shared), agreed in one exchange.
+
+    A problem on any rank (bad timeout, req_func, ranks or name; a target without metas or
+    Mooncake; an owner of this world that no longer holds the checkpoint; ranks disagreeing on
+    ``ranks`` or on the kind of update) is raised on every rank alike, before a group is made
+    or anything moves: the world stays usable. Returns (deadline, targets, source, target views).
+    """
+    deadline, problem = ps._precheck_call(req_func, timeout)
+    targets, src, extra = None, None, {}
+    try:
+        targets = _targets(ranks, ps.world_size)
+        if not isinstance(name, str):
+            raise ConfigError(f"checkpoint name must be a string, got {name!r}")
+        if problem is None and ps.rank in targets:
+            src, extra = _target_view(ps, name)
+    except CkptError as exc:
+        problem = problem or problem_of(exc)
+    holds = isinstance(name, str) and name in ps._checkpoints
+    view = {"targets": targets and list(targets), "problem": problem, "holds": holds, **extra}
     views = ps._coll.all_gather_json(view)
-    problems = [v["problem"] for v in views if v["problem"]]
-    if problems:
-        raise ConfigError("P2P update refused: " + "; ".join(problems))
+    what = f"P2P update({name!r})"
+    raise_agreed([v.get("problem") for v in views], what)
+    same_kind(views, what)
     if len({tuple(v["targets"]) for v in views}) != 1:
-        raise ConfigError(f"ranks disagree on the P2P targets: {[v['targets'] for v in views]}")
+        raise ConfigError(f"{what} refused: ranks disagree on the targets: {[v['targets'] for v in views]}")
+    gone = sorted({r for v in views for r in v.get("owners") or () if not views[r]["holds"]})
+    if gone:
+        raise CheckpointNotFoundError(f"{what} refused: checkpoint {name!r} is not registered on owner "
+                                      f"rank(s) {gone} (unregistered since gather_metas?)")
     tv = [views[r] for r in targets]
     if len({v["fp"] for v in tv}) != 1:
         raise ConfigError(f"target ranks disagree on the metas of {name!r}: gather or load them again everywhere")
+    return deadline, targets, src, tv
+
+
+def run_update(ps, name: str, req_func, ranks, timeout) -> dict:
+    """Collective over the whole world; see the module docstring. Returns this rank's figures."""
+    t0 = time.perf_counter()
+    state: P2PState = ps._p2p
+    deadline, targets, src, tv = _first_exchange(ps, name, req_func, ranks, timeout)
+    me = ps.rank in targets
     group = state.group(targets)
     update_id = f"{ps._run_id}-{ps._updates}"
     ps._updates += 1

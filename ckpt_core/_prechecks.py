@@ -63,6 +63,19 @@ def raise_agreed(problems: list[Problem | None], what: str) -> None:
     raise cls(f"{what} refused on rank(s) {[r for r, _ in failed]}: {text}")
 
 
+def same_kind(views: list[dict], what: str) -> None:
+    """Every rank called the same kind of update: P2P views carry ``targets``, broadcast views not.
+
+    Checked by both kinds right after :func:`raise_agreed` on the same first exchange, so a
+    mixed call fails with this one error on every rank (none waits in a collective).
+    """
+    p2p = [r for r, v in enumerate(views) if "targets" in v]
+    if p2p and len(p2p) != len(views):
+        rest = [r for r in range(len(views)) if r not in p2p]
+        raise ConfigError(f"{what} refused: rank(s) {p2p} called a P2P update (ranks=[...]) but rank(s) "
+                          f"{rest} a broadcast update (ranks empty or None); call it alike on every rank")
+
+
 def parse_metas(metas, world_size: int) -> dict[str, list[list[TensorMeta]]]:
     """Metas in the form ``get_metas()`` returns, checked whole before anything is installed."""
     if not isinstance(metas, dict):
@@ -116,16 +129,27 @@ class UpdateAgreement:
         The problem is not raised here but sent in the first exchange, so that every rank
         raises it (``_agree_plan``) and none is left waiting in a collective.
         """
+        deadline, problem = self._precheck_call(req_func, timeout)
+        if problem is not None:
+            return deadline, None, problem
         try:
-            deadline = time.monotonic() + update_seconds(timeout)
-        except ConfigError as exc:
-            return time.monotonic() + self.settings.collective_timeout_s, None, problem_of(exc)
-        try:
-            if not callable(req_func):
-                raise ConfigError(f"req_func must be callable, got {type(req_func).__name__}")
             return deadline, self._own_share(name), None
         except CkptError as exc:
             return deadline, None, problem_of(exc)
+
+    def _precheck_call(self, req_func, timeout) -> tuple[float, list | None]:
+        """The checks every update makes, broadcast or P2P: (deadline, problem), nothing raised.
+
+        With a bad ``timeout`` the deadline is ``PS_COLLECTIVE_TIMEOUT_S`` away: long enough
+        for the first exchange, which tells every rank the problem.
+        """
+        try:
+            deadline = time.monotonic() + update_seconds(timeout)
+        except ConfigError as exc:
+            return time.monotonic() + self.settings.collective_timeout_s, problem_of(exc)
+        if not callable(req_func):
+            return deadline, problem_of(ConfigError(f"req_func must be callable, got {type(req_func).__name__}"))
+        return deadline, None
 
     def _own_share(self, name) -> RegisteredCheckpoint:
         """The checkpoint this rank sends from; a rank that loaded metas giving it nothing gets an empty one."""
@@ -161,6 +185,7 @@ class UpdateAgreement:
                 view = {"problem": problem_of(exc)}
         views = self._coll.all_gather_json(view)
         raise_agreed([v.get("problem") for v in views], f"update({name!r})")
+        same_kind(views, f"update({name!r})")
         metas, fp = self._metas[name], view["fp"]
         if len({v["fp"] for v in views}) != 1:
             raise ConfigError(f"ranks disagree on the metas of {name!r}: call gather_metas on every rank again")

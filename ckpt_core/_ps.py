@@ -23,7 +23,7 @@ from . import _metas
 from ._p2p import P2PState, run_update as run_p2p_update
 from ._planner import ALIGN, Plan, TensorMeta, align_up
 from ._plans import PlanCache
-from ._prechecks import UpdateAgreement, parse_metas, problem_of, raise_agreed, update_seconds
+from ._prechecks import UpdateAgreement, parse_metas, problem_of, raise_agreed
 from ._protocol import encode_hello
 from ._settings import load_settings
 from ._signals import ReqThread, StopSignal, causes as causes_of
@@ -309,9 +309,7 @@ class ParameterServer(UpdateAgreement):
             self._check_open()   # again: close() may have run between the first check and the lock
             with gc_paused():
                 if ranks:   # P2P into those ranks, from the owners' host memory (_p2p.py)
-                    if not callable(req_func):
-                        raise ConfigError(f"req_func must be callable, got {type(req_func).__name__}")
-                    return run_p2p_update(self, name, req_func, ranks, time.monotonic() + update_seconds(timeout))
+                    return run_p2p_update(self, name, req_func, ranks, timeout)
                 return self._update(name, req_func, *self._precheck(name, req_func, timeout))
         except TransportError as exc:
             if getattr(exc, "groups_broken", False):

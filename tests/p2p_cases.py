@@ -111,3 +111,10 @@ def p2p_info(ps, rank):
     fixed = {st._stamps.data_ptr(), st._scratch.data_ptr()}   # registered for the store's life
     return {"address": st.address, "transport": st.transport, "quarantined": len(st.quarantine),
             "registered": len(set(st.registered) - fixed)}
+
+
+def p2p_update_as(ps, rank, name, address, timeout, ranks, req="post"):
+    """``p2p_update`` with this rank's own, possibly bad, arguments; ``req="none"``: req_func=None."""
+    if req == "none":
+        return ps.update(name, None, ranks=ranks, timeout=timeout)
+    return p2p_update(ps, rank, name, address, timeout, ranks)

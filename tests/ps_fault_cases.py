@@ -98,8 +98,9 @@ def freeze_a_ps_rank_mid_update(kind: str, front: EngineFront, marks) -> str:
 
 
 # -- process groups a ParameterServer creates inside a caller's default group (issue 14, defect 5) ----
-def _group_census_main(rank: int, world: int, port: int, kind: str, n: int, mode: str, q) -> None:
-    """A trainer-like process: it owns the default group; ``n`` ParameterServers come and go in it."""
+def _group_census_main(rank: int, world: int, port: int, kind: str, n: int, mode: str, q, p2p=None) -> None:
+    """A trainer-like process: it owns the default group; ``n`` ParameterServers come and go in it.
+    ``p2p``: the engine front's address; each ParameterServer then does a P2P update into rank 1."""
     import gc
 
     import torch
@@ -120,6 +121,8 @@ def _group_census_main(rank: int, world: int, port: int, kind: str, n: int, mode
 
         def one():
             ps = ParameterServer(rank, world, device=kind, auto_pg=False)
+            if p2p is not None:   # a P2P update creates its target group: it must go with close() too
+                p2p_update_once(ps, rank, p2p)
             # a broadcast, as every update does: on CUDA it creates the NCCL communicator
             ps._coll.broadcast(torch.ones(4, device=ps.backend.device(ps.device_index)), 0, async_op=False)
             if mode == "abort":   # what update() does after a broken collective
@@ -141,12 +144,24 @@ def _group_census_main(rank: int, world: int, port: int, kind: str, n: int, mode
         q.put((rank, {"error": traceback.format_exc()}))
 
 
-def group_census(kind: str, n: int, mode: str, world: int = 2) -> dict[int, dict]:
+def p2p_update_once(ps, rank: int, address: str) -> None:
+    """Register fresh random tensors, gather, and P2P-update the engine worker of rank 1 from every rank."""
+    import torch
+    from harness import make_req_func
+    gen = torch.Generator().manual_seed(rank)
+    ps.register_checkpoint("census", named_tensors={f"r{rank}.w{i}": torch.randn(4096, generator=gen)
+                                                    for i in range(4)})
+    ps.gather_metas("census")
+    ps.update("census", make_req_func(address) if rank == 1 else (lambda handles: None), ranks=[1], timeout=60)
+
+
+def group_census(kind: str, n: int, mode: str, world: int = 2, p2p: str | None = None) -> dict[int, dict]:
     """Each rank's process-group count and open fds before and after ``n`` ParameterServers were
-    created in (and closed or aborted out of) a default group the caller initialised."""
+    created in (and closed or aborted out of) a default group the caller initialised; with ``p2p``
+    (an engine front serving rank 1's worker), each did a P2P update into rank 1 first."""
     from harness import CTX, free_port
     port, q = free_port(), CTX.Queue()
-    procs = [CTX.Process(target=_group_census_main, args=(r, world, port, kind, n, mode, q), daemon=True)
+    procs = [CTX.Process(target=_group_census_main, args=(r, world, port, kind, n, mode, q, p2p), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
