@@ -171,6 +171,6 @@ def test_a_joiner_with_a_foreign_metas_file_is_a_config_error_and_its_server_kee
     before = eng.state()["params"]
     proc = run_launcher("--load-metas-file", str(metas), "--endpoint", eng.url, "--inference-parallel-size", "1",
                         "--device", "cpu", "--timeout", "60", "--ready-timeout", "60", timeout=180)
-    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-3000:]   # torchrun's code for a failed rank
     assert "ConfigError" in proc.stderr and "foreign.json" in proc.stderr, proc.stderr[-3000:]
     assert eng.state()["params"] == before
