@@ -92,8 +92,12 @@ def test_busy_fail_reports_sglangs_answer(engine):
     assert "RemoteWorkerError" in proc.stderr and "cache was not flushed" in proc.stderr
 
 
-def test_an_error_in_sglangs_loader_reaches_the_ps_as_remote_worker_error(engine, tmp_path):
-    """A checkpoint whose q_proj has the wrong shape: SGLang's loader raises inside the stock worker."""
+@pytest.mark.parametrize("method", ["broadcast", "p2p"])
+def test_an_error_in_sglangs_loader_reaches_the_ps_as_remote_worker_error(engine, tmp_path, method):
+    """A checkpoint whose q_proj has the wrong shape: SGLang's loader raises inside the stock worker,
+    whether the bucket came by broadcast or by a P2P read."""
+    if method == "p2p":
+        pytest.importorskip("mooncake.engine", reason="Mooncake (the p2p extra) is not installed")
     eng, _root = engine
     import torch
     from ckpt_core._safetensors import write_file
@@ -102,7 +106,7 @@ def test_an_error_in_sglangs_loader_reaches_the_ps_as_remote_worker_error(engine
     (ckpt / "model-00000.safetensors").unlink()
     write_file(ckpt / "model-00000.safetensors", bad)
     before = eng.state()["params"]
-    proc = _launch(eng.url, ckpt)
+    proc = _launch(eng.url, ckpt, "--update-method", method)
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "RemoteWorkerError" in proc.stderr and "rank 0" in proc.stderr, proc.stderr[-3000:]
     assert eng.state()["params"] == before, "a failed update changed parameters"
