@@ -12,8 +12,8 @@ its own device index at argument 6.
 
 Host memory: NPU memory cannot be pinned in place (no ``cudaHostRegister``
 counterpart), so host buffers are allocated pinned (``pin_memory=True``) and filled
-by copying; ranges that are not pinned (an in-place ``/dev/shm`` checkpoint) stay
-pageable, which is logged with the way out (``use_inplace_pin_memory=False``).
+by copying; ``pins_in_place = False`` makes the core copy in-place ``/dev/shm``
+checkpoints into pinned memory too (logged) instead of mapping them pageable.
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ class NpuBackend(DeviceBackend):
     kind = "npu"
     collective_backend = "hccl"
     pins_host_memory = True
+    pins_in_place = False   # the core copies /dev/shm files into pinned memory instead
     # Mooncake transport for P2P (issue 11, not landed): the P2P store should read this rather
     # than name device kinds. ascend_direct needs no RDMA NIC list. See docs/ascend.md.
     p2p_transport = "ascend_direct"

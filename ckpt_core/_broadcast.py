@@ -43,11 +43,12 @@ class BroadcastPipeline:
 
     def __init__(self, *, plan: Plan, rank: int, index: int, backend: DeviceBackend, ipc: IpcBuffer,
                  slot_bytes: int, num_slots: int, host: dict[int, torch.Tensor], coll: Collectives,
-                 link: PsLink, copy_stream, log, on_failure=None, deadline: float | None = None):
+                 link: PsLink, copy_stream, log, on_failure=None, deadline: float | None = None, progress=None):
         self.plan, self.rank, self.index, self.backend = plan, rank, index, backend
         self.ipc, self.slot_bytes, self.num_slots = ipc, slot_bytes, num_slots
         self.host, self.coll, self.link, self.copy_stream, self.log = host, coll, link, copy_stream, log
         self.on_failure = on_failure           # told once, as soon as this rank's worker fails
+        self.progress = progress               # optional (buckets handed to the worker, all buckets)
         # Only the deadline ends a wait on the device: a peer's *worker* failing does not stop
         # the collectives (every rank still issues them), so it is no reason to stop waiting.
         self.deadline = deadline if deadline is not None else float("inf")
@@ -136,6 +137,8 @@ class BroadcastPipeline:
         owner = self.plan.buckets[index].owner
         self._await(event, f"the broadcast of bucket {index} from rank {owner}", issued)
         self.link.send_bucket(index, slot)
+        if self.progress is not None:
+            self.progress(index + 1, len(self.plan.buckets))
         self._report()
 
     def _free_slot(self, slot: int) -> None:

@@ -112,6 +112,10 @@ def build_checkpoint(name: str, backend: DeviceBackend, *, files=None,
     # write access to the pages) gets a copy instead.
     writable = {h.path: file_writable(h.path) for h in placed}
     placed = [h for h in placed if writable[h.path] or not backend.pins_host_memory]
+    if placed and backend.pins_host_memory and not backend.pins_in_place:
+        _log.info("%s cannot pin host memory in place: copying %d /dev/shm file(s) into pinned memory "
+                  "instead of mapping them", backend.kind, len(placed))
+        placed = []
     copied = [h for h in headers if all(h is not p for p in placed)]
 
     layout, total = _layout(copied, named)

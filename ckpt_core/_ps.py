@@ -96,6 +96,9 @@ class ParameterServer(UpdateAgreement):
         self._broken: str | None = None
         self.last_update: dict | None = None
         self.last_register: dict | None = None   # the latest registration's phases (seconds)
+        # Optional progress(operation, phase, done, total): the service's status, progress bars.
+        # Called on the thread doing the work; whatever it raises is logged, never propagated.
+        self.progress: Callable[[str, str, int | None, int | None], None] | None = None
         self._log.info("ready: device key %s, %s collectives", self.device_uuid, self.backend.collective_backend)
 
     # -- lifecycle -------------------------------------------------------------
@@ -210,6 +213,13 @@ class ParameterServer(UpdateAgreement):
         if force and ckpt.pool is not None and self._pool is not None:
             self._pool.close()
             self._pool = None
+
+    def _tell(self, operation: str, phase: str, done: int | None = None, total: int | None = None) -> None:
+        if self.progress is not None:
+            try:
+                self.progress(operation, phase, done, total)
+            except Exception:   # a progress display must never break a transfer
+                self._log.exception("progress callback failed (ignored)")
 
     def checkpoints(self) -> list[str]:
         return sorted(self._checkpoints)
@@ -333,7 +343,9 @@ class ParameterServer(UpdateAgreement):
     def _update(self, name: str, req_func: ReqFunc, deadline: float, ckpt: RegisteredCheckpoint | None,
                 problem: list | None) -> dict:
         t0 = time.perf_counter()
+        self._tell("update", "plan")
         plan, slots, (plan_json, plan_digest) = self._agree_plan(name, problem)
+        self._tell("update", "handshake", 0, len(plan.buckets))
         slot_bytes = align_up(max(plan.largest_bucket, ALIGN))
         buffer_bytes = slot_bytes * slots
         try:
@@ -375,9 +387,11 @@ class ParameterServer(UpdateAgreement):
             stats = BroadcastPipeline(plan=plan, rank=self.rank, index=self.device_index, backend=self.backend,
                                       ipc=ipc, slot_bytes=slot_bytes, num_slots=slots, host=host, coll=self._coll,
                                       link=link, copy_stream=self._copy_stream, log=self._log,
-                                      on_failure=publish, deadline=deadline).run()
+                                      on_failure=publish, deadline=deadline,
+                                      progress=lambda done, n: self._tell("update", "transfer", done, n)).run()
             times["pipeline"] = stats.seconds
             self._agree(link, req, deadline, phase="transfer", final=False)
+            self._tell("update", "post-hook", len(plan.buckets), len(plan.buckets))
             link.send_end(self.keep_device_buffers)
             link.wait_finished()
             self._agree(link, req, deadline, phase="post-hook", final=True)

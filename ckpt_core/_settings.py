@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from .errors import ConfigError
 
 __all__ = ["Settings", "ENV_VARS", "load_settings", "gc_pause_enabled", "fault_threads", "cpu_visible_devices",
-           "p2p_env", "cpu_event_delay_s"]
+           "p2p_env", "cpu_event_delay_s", "service_token", "engine_serve"]
 
 # name -> (type, default, meaning); the README's table is generated from the same facts.
 ENV_VARS: dict[str, tuple[str, str, str]] = {
@@ -40,6 +40,11 @@ ENV_VARS: dict[str, tuple[str, str, str]] = {
                     "in the metas (default: the local address that routes to MASTER_ADDR)"),
     "CKPT_TEST_CPU_EVENT_DELAY_S": ("float", "0", "tests only: `cpu` device events report done this long after "
                                     "they were recorded, so the pipeline's waits and deferrals run on CPU"),
+    "CKPT_SERVICE_TOKEN": ("str", "", "bearer token of `ckpt-engine serve` on TCP (else `--token-file`)"),
+    "CKPT_ENGINE_SERVE": ("str", "", "managed mode: `uds:PATH` (`{rank}` filled in); each engine worker starts "
+                          "its PS rank serving there (docs/operations.md)"),
+    "CKPT_ENGINE_SERVE_MASTER": ("str", "127.0.0.1:29555", "managed mode: `host:port` where the managed PS ranks "
+                                 "of one engine meet"),
 }
 
 
@@ -180,3 +185,20 @@ def cpu_event_delay_s() -> float:
     if not (math.isfinite(delay) and delay >= 0):
         raise ConfigError(f"CKPT_TEST_CPU_EVENT_DELAY_S must be a finite number >= 0, got {delay!r}")
     return delay
+
+
+def service_token() -> str | None:
+    """CKPT_SERVICE_TOKEN (None when unset or empty)."""
+    return _get("CKPT_SERVICE_TOKEN", str, "") or None
+
+
+def engine_serve() -> tuple[str, str, int] | None:
+    """(CKPT_ENGINE_SERVE, master address, master port) when managed mode is asked for, else None."""
+    spec = _get("CKPT_ENGINE_SERVE", str, "")
+    if not spec:
+        return None
+    master = _get("CKPT_ENGINE_SERVE_MASTER", str, "127.0.0.1:29555")
+    host, sep, port = master.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ConfigError(f"CKPT_ENGINE_SERVE_MASTER={master!r} is not host:port")
+    return spec, host, int(port)

@@ -74,6 +74,7 @@ class CkptWeightTransferEngine(WeightTransferEngine[CkptInitInfo, CkptUpdateInfo
         self._sessions: list[ReloadSession] | None = None   # None: no session; []: started, not begun
         self._target = (model, self.model_config, "model")
         self._zmq_ctx = None
+        self._managed = self._start_managed_ps()   # managed mode (CKPT_ENGINE_SERVE); None otherwise
 
     def init_transfer_engine(self, init_info: CkptInitInfo) -> None:
         if init_info.timeout_s <= 0:
@@ -137,6 +138,18 @@ class CkptWeightTransferEngine(WeightTransferEngine[CkptInitInfo, CkptUpdateInfo
         ctx, self._zmq_ctx = self._zmq_ctx, None
         if ctx is not None:
             ctx.term()
+        managed, self._managed = self._managed, None
+        if managed is not None:
+            managed.stop()
+
+    def _start_managed_ps(self):
+        """With CKPT_ENGINE_SERVE=uds:PATH, this worker's PS rank runs as our child (stopped by shutdown)."""
+        from ckpt_core.service._managed import start_from_env
+        from vllm.distributed.parallel_state import get_world_group
+
+        group = get_world_group()
+        kind, index = self._device()
+        return start_from_env(rank=group.rank, world_size=group.world_size, local_rank=index, device=kind)
 
     def _device(self) -> tuple[str, int]:
         """The same (kind, index) the worker extension uses; the engine sees no worker object."""

@@ -11,12 +11,25 @@ CKPT_CACHE=${CKPT_CACHE_DIR:-$HOME/.cache/ckpt-engine}
 CKPT_PROJECT_REQS=(
     "torch==2.13.0" "pyzmq>=25" "httpx>=0.25" "safetensors>=0.4" "numpy"
     "pytest>=8" "pytest-timeout>=2" "fastapi>=0.110" "uvicorn>=0.27" "pydantic>=2"
+    "prometheus-client>=0.17" "tqdm>=4.60" "schemathesis>=4,<5"
 )
 # P2P store (issue 11): Mooncake's TransferEngine, the build that imports without CUDA. It needs
 # Debian's libibverbs1 even for TCP: ensure_p2p_system_libs installs it where it is missing.
 CKPT_PROJECT_REQS+=("mooncake-transfer-engine-non-cuda==0.3.13.post1")
 
 ckpt_log() { echo "[$(basename "$0")] $*" >&2; }
+
+# ckpt_quiet LOG CMD...: run CMD with its output appended to LOG (installers are chatty); on
+# failure say which command failed, name LOG and show its last lines.
+ckpt_quiet() {
+    local log=$1; shift
+    if ! "$@" >>"$log" 2>&1; then
+        ckpt_log "failed: $*"
+        ckpt_log "full output in $log; its last lines:"
+        tail -n 25 "$log" >&2
+        return 1
+    fi
+}
 
 # ckpt_cached_venv VENV BASE_PYTHON LOCK_WAIT_S INSTALL_FN [ALWAYS_FN]
 # Create VENV with BASE_PYTHON and run INSTALL_FN VENV_PYTHON in it, once: a stamp file marks a
@@ -26,10 +39,14 @@ ckpt_log() { echo "[$(basename "$0")] $*" >&2; }
 # off, so a failed install must not reach the stamp. A failed build returns 1, says which step
 # failed, and leaves no stamp (the next call rebuilds). Only a directory these scripts created
 # (marker file .ckpt-venv) is ever deleted: a VENV path that holds anything else is refused.
+# Both see CKPT_INSTALL_LOG (VENV.install.log), where installer output goes (see ckpt_quiet);
+# one line per venv says whether it was cached or built, and how long that took.
 ckpt_cached_venv() {
     local venv=$1 base=$2 wait=$3 install=$4 always=${5:-}
     mkdir -p "$(dirname "$venv")" || return 1
     (
+        export CKPT_INSTALL_LOG=$venv.install.log
+        local t0=$SECONDS
         exec 8>"$venv.lock"
         flock -w "$wait" 8 || { ckpt_log "timed out after $wait s waiting for $venv.lock"; exit 1; }
         if [[ ! -f $venv/.ckpt-installed ]]; then
@@ -39,23 +56,28 @@ ckpt_cached_venv() {
                 exit 1
             fi
             rm -rf "$venv"   # ours (marker) and unfinished, or an empty directory
-            "$base" -m venv "$venv" || { ckpt_log "creating the virtualenv $venv with $base failed"; exit 1; }
+            : >"$CKPT_INSTALL_LOG"
+            ckpt_quiet "$CKPT_INSTALL_LOG" "$base" -m venv "$venv" \
+                || { ckpt_log "creating the virtualenv $venv with $base failed"; exit 1; }
             date -u +%FT%TZ >"$venv/.ckpt-venv"
             if ! "$install" "$venv/bin/python"; then
-                ckpt_log "installing into $venv failed (see pip's output above); it is left unfinished" \
+                ckpt_log "installing into $venv failed (output: $CKPT_INSTALL_LOG); it is left unfinished" \
                          "and is rebuilt on the next run"
                 exit 1
             fi
             date -u +%FT%TZ >"$venv/.ckpt-installed" || exit 1
+            ckpt_log "$(basename "$venv"): built in $((SECONDS - t0)) s (installer output: $CKPT_INSTALL_LOG)"
+        else
+            ckpt_log "$(basename "$venv"): cached"
         fi
         if [[ -n $always ]]; then "$always" "$venv/bin/python" || { ckpt_log "$always failed for $venv"; exit 1; }; fi
     )
 }
 
 _install_project_reqs() {
-    ckpt_log "creating the project virtualenv $(dirname "$(dirname "$1")")"
-    "$1" -m pip install -q "${CKPT_PROJECT_REQS[@]}" >&2 || { ckpt_log "pip install ${CKPT_PROJECT_REQS[*]} failed"; return 1; }
-    "$1" -c 'import torch, zmq, httpx, safetensors, pytest' >&2 || { ckpt_log "the new venv cannot import its packages"; return 1; }
+    ckpt_log "building the project virtualenv $(dirname "$(dirname "$1")") (about a minute)"
+    ckpt_quiet "$CKPT_INSTALL_LOG" "$1" -m pip install "${CKPT_PROJECT_REQS[@]}" || return 1
+    ckpt_quiet "$CKPT_INSTALL_LOG" "$1" -c 'import torch, zmq, httpx, safetensors, pytest'
 }
 
 ensure_project_venv() {

@@ -99,7 +99,8 @@ PROMPT_IDS=$("$PY" -c "import json; print(json.load(open('$WORK/after.json'))['p
 "$VPY" tests/integration/vllm_support/tiny_model.py reference --model "$WORK/model" \
     --weights "$WORK/ckpt/model.safetensors" --prompts "[$PROMPT_IDS]" --max-tokens 16 2>/dev/null \
     >"$WORK/hf.json"
-"$PY" - "$WORK/hf.json" "$WORK/after.json" <<'EOF'
+CHECK=0
+"$PY" - "$WORK/hf.json" "$WORK/after.json" <<'EOF' || CHECK=$?
 import json, sys
 hf = list(json.load(open(sys.argv[1])).values())[0][0]
 after = json.load(open(sys.argv[2]))["token_ids"]
@@ -108,4 +109,20 @@ print("\nvLLM after the update equals Hugging Face token for token" if hf == aft
       "\nMISMATCH: vLLM after the update differs from Hugging Face")
 sys.exit(0 if hf == after else 1)
 EOF
+
+step "summary"
+"$PY" - "$WORK/update.json" "$CHECK" <<'EOF'
+import json, sys
+r = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
+ps = r["ps"]
+rows = [("model bytes", f"{ps['bytes'] / 1e6:.2f} MB in {ps['buckets']} bucket(s)"),
+        ("register + gather", f"{r['register_and_gather_s']:.3f} s")]
+rows += [(f"update: {k}", f"{v:.4f} s") for k, v in ps["seconds"].items()]
+rows += [("update rate", f"{ps['bytes'] / ps['seconds']['total'] / 1e9:.3f} GB/s of model bytes"),
+         ("check", "vLLM == Hugging Face" if sys.argv[2] == "0" else "MISMATCH")]
+width = max(len(k) for k, _ in rows)
+for k, v in rows:
+    print(f"  {k:<{width}}  {v}")
+EOF
 echo "stopping the server"
+exit "$CHECK"

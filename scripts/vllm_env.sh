@@ -27,14 +27,12 @@ VENV=${CKPT_VLLM_VENV:-$CKPT_CACHE/vllm-$key}
 install_vllm() {
     local py=$1
     ckpt_log "installing ${REQS[*]} into $VENV (about 4 minutes, 2.5 GB)"
-    # Checked step by step: `set -e` is off here (ckpt_cached_venv runs us left of ||).
-    "$py" -m pip install -q --upgrade pip >&2 || { ckpt_log "upgrading pip failed"; return 1; }
-    "$py" -m pip install "${REQS[@]}" >&2 || { ckpt_log "pip install ${REQS[*]} failed"; return 1; }
-    "$py" -m pip uninstall -y "${REMOVE[@]}" >&2 || true
-    "$py" -m pip install -q setuptools wheel >&2 || { ckpt_log "pip install setuptools wheel failed"; return 1; }
+    ckpt_quiet "$CKPT_INSTALL_LOG" "$py" -m pip install --upgrade pip || return 1
+    ckpt_quiet "$CKPT_INSTALL_LOG" "$py" -m pip install "${REQS[@]}" || return 1
+    "$py" -m pip uninstall -y "${REMOVE[@]}" >>"$CKPT_INSTALL_LOG" 2>&1 || true
+    ckpt_quiet "$CKPT_INSTALL_LOG" "$py" -m pip install setuptools wheel || return 1   # for the editable install below
     # Fail here, not in the first test, if the venv cannot import vLLM.
-    "$py" -c 'import vllm, transformers, tokenizers; print("vllm", vllm.__version__)' >&2 \
-        || { ckpt_log "the new venv cannot import vllm"; return 1; }
+    ckpt_quiet "$CKPT_INSTALL_LOG" "$py" -c 'import vllm, transformers, tokenizers; print("vllm", vllm.__version__)'
 }
 
 # Link this checkout into the venv so ckpt_core/ckpt_vllm import from the repo and our
@@ -48,8 +46,7 @@ link_repo() {
     want="$CKPT_REPO:$(sha256sum <"$CKPT_REPO/pyproject.toml" | cut -c1-12)"
     if [[ "$(cat "$linked" 2>/dev/null)" != "$want" ]]; then
         ckpt_log "linking $CKPT_REPO into $VENV (pip install --no-deps -e)"
-        "$py" -m pip install -q --no-deps --no-build-isolation -e "$CKPT_REPO" >&2 \
-            || { ckpt_log "linking $CKPT_REPO into $VENV failed"; return 1; }
+        ckpt_quiet "$CKPT_INSTALL_LOG" "$py" -m pip install --no-deps --no-build-isolation -e "$CKPT_REPO" || return 1
         echo "$want" >"$linked"
     fi
 }

@@ -75,6 +75,10 @@ class DeviceBackend(ABC):
     kind: str = ""
     collective_backend: str = ""   # torch.distributed backend name for the data plane
     pins_host_memory: bool = False  # whether host buffers should be pinned for fast copies
+    # whether existing host memory (an in-place /dev/shm file) can be pinned where it lies (CUDA's
+    # cudaHostRegister); a kind that pins but cannot do that (npu) gets such files copied into
+    # pinned memory instead
+    pins_in_place: bool = True
 
     @abstractmethod
     def is_available(self) -> bool: ...

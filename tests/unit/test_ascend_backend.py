@@ -194,3 +194,28 @@ def test_pinning_in_place_is_not_possible_and_says_how_to_copy_instead(caplog):
         p.release()   # idempotent
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 1 and "use_inplace_pin_memory=False" in warnings[0]
+
+
+def test_a_dev_shm_checkpoint_is_copied_into_pinned_memory_not_mapped_pageable(tmp_path, caplog):
+    """pins_in_place=False: the core copies in-place files (logged) instead of mapping them."""
+    from safetensors.torch import save_file
+
+    from ckpt_core._checkpoint import build_checkpoint
+    path = f"/dev/shm/ckpt-ascend-test-{os.getpid()}.safetensors"
+    want = {"w": torch.randn(64, 32), "b": torch.arange(7, dtype=torch.int32)}
+    save_file(want, path)
+    try:
+        with caplog.at_level(logging.INFO, "ckpt_core"):
+            ckpt = build_checkpoint("c", NpuBackend(), files=[path], inplace=True)
+        try:
+            assert all(r.closer is None for r in ckpt.regions.values()), "a region maps the file in place"
+            assert any("copying 1 /dev/shm file(s) into pinned memory" in r.getMessage() for r in caplog.records)
+            for m in ckpt.metas:
+                region = ckpt.regions[m.base].tensor
+                got = region[m.base_offset:m.base_offset + m.nbytes].view(want[m.name].dtype).view(want[m.name].shape)
+                assert torch.equal(got, want[m.name])
+        finally:
+            ckpt.release()
+        assert os.path.exists(path), "the source file must stay"
+    finally:
+        os.unlink(path)

@@ -1,0 +1,163 @@
+"""Capacity planner: predicted update time per stage and memory, for clusters we never ran on.
+
+Pure: plain numbers in, plain data out (``ckpt-engine plan`` prints it). The model follows
+what the transfer does (docs/architecture.md):
+
+- **h2d**: each owner copies its share from pinned host memory to a device slot. At most
+  ``slots`` buckets are in flight (a slot must be free on every rank), so at most
+  ``min(slots, ranks)`` ranks copy at once: ``max(largest share / h2d, model / (h2d x that))``.
+- **broadcast**: every bucket is broadcast once to every rank: ``model / bw``, where ``bw`` is the
+  intra-node broadcast bandwidth, or the NIC bandwidth of a node when that is lower and there
+  is more than one node (each bucket crosses every node's NIC once).
+- **reload**: the engine copies what it received into its parameters: ``model / reload`` plus a
+  per-tensor cost (Python and kernel launches per tensor; it is what makes MoE slower).
+- **p2p** (``mode="p2p"``, late-joining ranks): the joining node pulls the whole model over its
+  NIC from the owners' host memory, then broadcasts locally; replaces h2d. Model only: this
+  build does not run P2P updates yet.
+
+Stages overlap over the ring of slots: ``fixed + max(stages) + (sum - max) / buckets`` (the
+pipeline's fill and drain); with one slot nothing overlaps and the stages add up.
+
+The defaults are calibrated on this project's measured 2xH200 run
+(``benchmarks/results/2xH200-all-cases.json``, see :func:`calibrate`): within 10 % of every
+case of that run (tests/unit/test_capacity.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+
+from ._planner import choose_layout
+from .errors import ConfigError
+
+GB = 1e9
+GiB = float(1 << 30)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Costs that no ceiling measures; fitted on a benchmark run."""
+    fixed_s: float = 0.0102          # per update: plan, handshake, agreements (tiny case)
+    per_tensor_s: float = 2.92e-05   # engine-side cost per tensor (MoE case)
+    reload_gbps: float = 2125.0      # device-to-device copy into parameters (half the D2D read+write rate)
+    register_gbps: float = 3.95      # one rank's registration (copy into pinned memory), GB/s of its share
+    source: str = "benchmarks/results/2xH200-all-cases.json"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    total_bytes: int
+    tensors: int
+    largest_tensor: int
+
+    def __post_init__(self):
+        if self.total_bytes <= 0 or self.tensors <= 0:
+            raise ConfigError(f"model size and tensor count must be positive, got {self.total_bytes} bytes, "
+                              f"{self.tensors} tensors")
+        if not 0 < self.largest_tensor <= self.total_bytes:
+            raise ConfigError(f"largest tensor must be in (0, model size], got {self.largest_tensor}")
+
+
+@dataclass(frozen=True)
+class Topology:
+    nodes: int = 1
+    devices_per_node: int = 2
+    h2d_gbps: float = 49.3            # per device, all devices copying at once (measured 2xH200)
+    broadcast_gbps: float = 347.0     # intra-node device broadcast (NVLink, measured 2xH200)
+    nic_gbps: float = 50.0            # per node, all NICs together (GB/s; 8x400 Gb/s ~ 400)
+    device_free_gib: float = 130.0    # free device memory per device before the update
+    mem_fraction: float = 0.9
+    slots: int = 4
+    max_bucket_gib: float = 8.0
+
+    def __post_init__(self):
+        for name in ("nodes", "devices_per_node", "slots"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("h2d_gbps", "broadcast_gbps", "nic_gbps", "device_free_gib", "max_bucket_gib"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0 < self.mem_fraction <= 1:
+            raise ConfigError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")
+
+    @property
+    def ranks(self) -> int:
+        return self.nodes * self.devices_per_node
+
+
+def predict(model: ModelSpec, topo: Topology, *, mode: str = "broadcast", cal: Calibration = Calibration()) -> dict:
+    """Predicted seconds per stage, the update's total, and host/device memory (plain data)."""
+    if mode not in ("broadcast", "p2p"):
+        raise ConfigError(f"mode must be 'broadcast' or 'p2p', got {mode!r}")
+    ranks = topo.ranks
+    share = math.ceil(model.total_bytes / ranks)   # the registration spreads bytes evenly (largest first)
+    share = max(share, model.largest_tensor)
+    bucket, slots = choose_layout(int(topo.device_free_gib * GiB), mem_fraction=topo.mem_fraction,
+                                  max_slots=topo.slots, max_bucket_bytes=int(topo.max_bucket_gib * GiB),
+                                  largest_tensor=model.largest_tensor, largest_owner_total=share)
+    if bucket < model.largest_tensor:
+        raise ConfigError(f"the largest tensor ({model.largest_tensor / GiB:.2f} GiB) does not fit in "
+                          f"{topo.mem_fraction:g} of {topo.device_free_gib:g} GiB of free device memory")
+    buckets = ranks * max(1, math.ceil(share / bucket))
+    slots = max(1, min(slots, buckets))
+    bcast_bw = topo.broadcast_gbps if topo.nodes == 1 else min(topo.broadcast_gbps, topo.nic_gbps)
+    stages = {"broadcast": 0.0 if ranks == 1 else model.total_bytes / (bcast_bw * GB),
+              "reload": model.total_bytes / (cal.reload_gbps * GB) + model.tensors * cal.per_tensor_s}
+    if mode == "broadcast":
+        stages["h2d"] = max(share / (topo.h2d_gbps * GB),
+                            model.total_bytes / (topo.h2d_gbps * GB * min(slots, ranks)))
+    else:
+        stages["p2p"] = model.total_bytes / (topo.nic_gbps * GB)
+        stages["broadcast"] = 0.0 if topo.devices_per_node == 1 else model.total_bytes / (topo.broadcast_gbps * GB)
+    total_stages = sum(stages.values())
+    longest = max(stages, key=stages.get)
+    overlap = slots > 1
+    update = cal.fixed_s + (stages[longest] + (total_stages - stages[longest]) / buckets if overlap else total_stages)
+    return {
+        "mode": mode, "ranks": ranks, "nodes": topo.nodes, "devices_per_node": topo.devices_per_node,
+        "model_bytes": model.total_bytes, "tensors": model.tensors,
+        "bucket_bytes": bucket, "slots": slots, "buckets": buckets, "pipelined": overlap,
+        "stages_s": {k: round(v, 6) for k, v in stages.items()}, "fixed_s": cal.fixed_s,
+        "bottleneck": longest, "update_s": round(update, 6), "model_gbps": model.total_bytes / update / GB,
+        "register_s": round(share / (cal.register_gbps * GB), 3),
+        "host_bytes_per_rank": share, "host_bytes_per_node": share * topo.devices_per_node,
+        "device_bytes_per_rank": bucket * slots,
+        "calibration": asdict(cal), "topology": asdict(topo),
+    }
+
+
+def calibrate(run: dict, *, base: Calibration = Calibration()) -> Calibration:
+    """Fit ``fixed_s``, ``per_tensor_s`` and ``register_gbps`` on a benchmark JSON (update_bench.py).
+
+    ``fixed_s`` comes from the smallest case, ``per_tensor_s`` from the case with the most
+    tensors (its reload stage is what is left once the other stages are accounted for).
+    """
+    cases = run.get("cases") or []
+    if not cases:
+        raise ConfigError("the benchmark run has no cases")
+    topo = topology_of(run)
+    tiny = min(cases, key=lambda c: c["bytes"])
+    fixed = max(0.0, tiny["update"]["best_s"] - predict(_spec(tiny), topo, cal=replace(base, fixed_s=0.0))["update_s"])
+    many = max(cases, key=lambda c: c["tensors"])
+    pred = predict(_spec(many), topo, cal=replace(base, fixed_s=fixed, per_tensor_s=0.0))
+    others = sum(v for k, v in pred["stages_s"].items() if k != "reload")
+    reload_s = many["update"]["best_s"] - fixed - others / pred["buckets"]
+    per_tensor = max(0.0, reload_s - many["bytes"] / (base.reload_gbps * GB)) / many["tensors"]
+    reg = [max(c["share_bytes"]) / c["register_s"] for c in cases if c.get("register_s") and c["bytes"] > 1 << 30]
+    return replace(base, fixed_s=round(fixed, 4), per_tensor_s=float(f"{per_tensor:.3g}"),
+                   register_gbps=round(min(reg) / GB, 2) if reg else base.register_gbps)
+
+
+def topology_of(run: dict) -> Topology:
+    """The single-node topology a benchmark JSON measured (its ceilings and memory limit)."""
+    meta, ceil = run["meta"], run.get("ceilings") or {}
+    h2d = ceil.get("h2d_gbps") or [Topology.h2d_gbps]
+    free = meta.get("free_mem_gib") or (meta.get("device_memory_bytes", 0) / GiB) or Topology.device_free_gib
+    return Topology(nodes=1, devices_per_node=meta["world_size"], h2d_gbps=sum(h2d) / len(h2d),
+                    broadcast_gbps=ceil.get("broadcast_gbps") or Topology.broadcast_gbps, device_free_gib=free)
+
+
+def _spec(case: dict) -> ModelSpec:
+    # Benchmark cases split evenly; their largest tensor is the embedding (or an expert), well under a bucket.
+    return ModelSpec(case["bytes"], case["tensors"], case.get("largest_tensor") or max(1, case["bytes"] // 16))

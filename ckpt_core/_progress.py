@@ -1,0 +1,47 @@
+"""A terminal progress bar for ``ParameterServer.progress`` (tqdm; silent when not a TTY).
+
+Usage::
+
+    ps.progress = TerminalProgress(f"rank {ps.rank}")   # a bar per update, on a terminal only
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+try:
+    from tqdm import tqdm as _tqdm
+except ImportError:   # optional (extra "server")
+    _tqdm = None
+
+
+class TerminalProgress:
+    """Draws one bar per update (buckets handed to the engine); a no-op unless ``stream`` is a TTY."""
+
+    def __init__(self, label: str, stream=None, *, force: bool = False):
+        self.stream = stream if stream is not None else sys.stderr
+        self.enabled = _tqdm is not None and (force or bool(getattr(self.stream, "isatty", lambda: False)()))
+        self.label = label
+        self._bar = None
+        self._lock = threading.Lock()
+
+    def __call__(self, operation: str, phase: str, done: int | None, total: int | None) -> None:
+        if not self.enabled:
+            return
+        with self._lock:
+            if phase in ("plan", "gather") and self._bar is not None:
+                self._close()
+            if total and self._bar is None:
+                self._bar = _tqdm(total=total, desc=f"{self.label} {operation}", unit="bucket", file=self.stream,
+                                  leave=False, dynamic_ncols=True)
+            if self._bar is not None:
+                self._bar.set_postfix_str(phase, refresh=False)
+                if done is not None:
+                    self._bar.update(done - self._bar.n)
+                if phase == "post-hook":
+                    self._close()
+
+    def _close(self) -> None:
+        self._bar.close()
+        self._bar = None

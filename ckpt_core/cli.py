@@ -1,0 +1,270 @@
+"""``ckpt-engine``: serve a parameter-server rank, inspect a checkpoint, plan a cluster, benchmark.
+
+Exit codes (also with ``--json``, whose error form is ``{"error": {"type", "message"}}``):
+
+| code | meaning |
+|---|---|
+| 0 | success |
+| 1 | internal error (a bug: please report it) |
+| 2 | bad command line (argparse) |
+| 3 | ``CheckpointFormatError``: the checkpoint is malformed |
+| 4 | ``ConfigError`` / ``CheckpointNotFoundError``: bad argument, setting or path |
+| 5 | ``TransportError``, ``UpdateTimeoutError``, ``RemoteWorkerError``: a peer or the network failed |
+| 6 | any other ``CkptError`` |
+| 130 | interrupted (Ctrl-C) |
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+from .errors import (CheckpointFormatError, CheckpointNotFoundError, CkptError, ConfigError, RemoteWorkerError,
+                     TransportError)
+
+EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_FORMAT, EXIT_CONFIG, EXIT_TRANSPORT, EXIT_OTHER = 0, 1, 2, 3, 4, 5, 6
+GiB = float(1 << 30)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def exit_code(exc: BaseException) -> int:
+    if isinstance(exc, CheckpointFormatError):
+        return EXIT_FORMAT
+    if isinstance(exc, (ConfigError, CheckpointNotFoundError)):
+        return EXIT_CONFIG
+    if isinstance(exc, (TransportError, RemoteWorkerError)):
+        return EXIT_TRANSPORT
+    return EXIT_OTHER if isinstance(exc, CkptError) else EXIT_INTERNAL
+
+
+def _emit(args, doc: dict, text: str) -> None:
+    print(json.dumps(doc, indent=2, default=str) if args.json else text)
+
+
+# ------------------------------------------------------------------ serve
+def cmd_serve(args) -> int:
+    from . import ParameterServer
+    from ._settings import service_token
+    from .service import serve
+
+    if args.parent_pid is not None:   # managed mode: never outlive the engine worker that started us
+        from .service._managed import watch_parent
+        watch_parent(args.parent_pid)
+
+    token = None
+    if args.token_file:
+        try:
+            with open(args.token_file) as f:
+                token = f.read().strip()
+        except OSError as exc:
+            raise ConfigError(f"cannot read --token-file {args.token_file!r}: {exc}") from exc
+    token = token or service_token()
+    ps = ParameterServer(device=args.device, max_bucket_gb=args.max_bucket_gb, mem_fraction=args.mem_fraction,
+                         keep_device_buffers=args.keep_device_buffers)
+    idle = False
+    try:
+        if ps.device_index == 0:   # one bar per host: ranks under torchrun share the terminal
+            from ._progress import TerminalProgress
+            ps.progress = TerminalProgress(f"rank {ps.rank}")
+        if args.host is not None or args.port is not None:
+            port = None if args.port is None else args.port + (ps.device_index if args.port else 0)
+            idle = serve(ps, host=args.host or "127.0.0.1", port=port, token=token, log_level=args.uvicorn_log_level)
+        else:
+            idle = serve(ps, uds=args.uds.format(rank=ps.rank, local_rank=ps.device_index), token=token,
+                         log_level=args.uvicorn_log_level)
+    finally:
+        if not idle and sys.exc_info()[0] is None:
+            # An operation is stuck (e.g. a collective whose peers are gone): closing would wait on it,
+            # and so would the interpreter's exit. Leave now; the next PS on this host reclaims our
+            # /dev/shm buffers (their names carry our pid).
+            print(f"ckpt-engine serve: rank {ps.rank}: an operation is still running; exiting without "
+                  "closing the parameter server", file=sys.stderr, flush=True)
+            os._exit(EXIT_TRANSPORT)
+        ps.close()
+    return EXIT_OK
+
+
+# ------------------------------------------------------------------ inspect
+def _files_of(path: str) -> list[str]:
+    from ._checkpoint import split_checkpoint_files
+    if os.path.isdir(path):
+        return split_checkpoint_files(path, 0, 1)
+    if not os.path.exists(path):
+        raise ConfigError(f"no such file or directory: {path!r}")
+    return [path]
+
+
+def inspect_checkpoint(path: str, device_mem_gib: float, ranks: int = 1) -> dict:
+    """Tensors, dtypes and sizes of a safetensors file or HF directory, validated, with a bucket plan."""
+    from ._planner import TensorMeta, choose_layout, plan_buckets
+    from ._safetensors import read_header
+    from ._settings import load_settings
+
+    files, tensors, dtypes = _files_of(path), [], {}
+    for f in files:
+        try:
+            header = read_header(f)
+        except OSError as exc:
+            raise ConfigError(f"cannot read {f!r}: {exc}") from exc
+        for e in header.tensors:
+            dtype = str(e.dtype).removeprefix("torch.")
+            tensors.append((e.name, dtype, tuple(e.shape), e.nbytes, f))
+            d = dtypes.setdefault(dtype, {"tensors": 0, "bytes": 0})
+            d["tensors"] += 1
+            d["bytes"] += e.nbytes
+    names = [t[0] for t in tensors]
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})[:5]
+        raise CheckpointFormatError(f"tensor names appear in more than one file: {dup}", path=path)
+    total = sum(t[3] for t in tensors)
+    largest = max(tensors, key=lambda t: t[3], default=("-", "", (), 0, ""))
+    settings = load_settings(rank=0, world_size=1)
+    bucket, slots = choose_layout(int(device_mem_gib * GiB), mem_fraction=settings.mem_fraction,
+                                  max_slots=settings.num_slots, max_bucket_bytes=settings.max_bucket_bytes,
+                                  largest_tensor=largest[3], largest_owner_total=max(1, -(-total // ranks)))
+    metas = [[] for _ in range(ranks)]
+    for i, (name, dtype, shape, nbytes, _) in enumerate(sorted(tensors, key=lambda t: -t[3])):
+        r = min(range(ranks), key=lambda k: sum(m.nbytes for m in metas[k])) if ranks > 1 else 0
+        metas[r].append(TensorMeta(name, dtype, shape, nbytes, 1, 0, sum(m.nbytes for m in metas[r])))
+    plan = plan_buckets(metas, bucket) if tensors else None
+    return {"path": path, "files": files, "valid": True, "tensors": len(tensors), "bytes": total,
+            "dtypes": dtypes, "largest_tensor": {"name": largest[0], "bytes": largest[3], "shape": list(largest[2])},
+            "plan": {"device_mem_gib": device_mem_gib, "ranks": ranks, "bucket_bytes": bucket, "slots": slots,
+                     "buckets": len(plan.buckets) if plan else 0, "device_buffer_bytes": bucket * slots}}
+
+
+def cmd_inspect(args) -> int:
+    doc = inspect_checkpoint(args.path, args.device_mem_gib, args.ranks)
+    p = doc["plan"]
+    lines = [f"{doc['path']}: valid, {doc['tensors']} tensors, {doc['bytes'] / GiB:.3f} GiB in {len(doc['files'])} file(s)"]
+    lines += [f"  {k:>6}: {v['tensors']:6d} tensors {v['bytes'] / GiB:10.3f} GiB" for k, v in sorted(doc["dtypes"].items())]
+    lt = doc["largest_tensor"]
+    lines.append(f"  largest tensor {lt['name']} {lt['shape']} {lt['bytes'] / (1 << 20):.1f} MiB")
+    lines.append(f"  plan for {p['device_mem_gib']:g} GiB free device memory, {p['ranks']} rank(s): {p['buckets']} buckets "
+                 f"of <= {p['bucket_bytes'] / (1 << 20):.0f} MiB, {p['slots']} slot(s), device buffer "
+                 f"{p['device_buffer_bytes'] / GiB:.2f} GiB")
+    _emit(args, doc, "\n".join(lines))
+    return EXIT_OK
+
+
+# ------------------------------------------------------------------ plan
+def cmd_plan(args) -> int:
+    from ._capacity import ModelSpec, Topology, predict
+    if args.model:
+        info = inspect_checkpoint(args.model, args.device_free_gib)
+        spec = ModelSpec(info["bytes"], info["tensors"], info["largest_tensor"]["bytes"])
+    elif args.size_gib and args.tensors:
+        total = int(args.size_gib * GiB)
+        largest = int(args.largest_mib * (1 << 20)) if args.largest_mib else max(total // args.tensors, total // 16)
+        spec = ModelSpec(total, args.tensors, largest)
+    else:
+        raise ConfigError("give a model directory (--model DIR) or its size and tensor count (--size-gib, --tensors)")
+    topo = Topology(nodes=args.nodes, devices_per_node=args.devices, h2d_gbps=args.h2d_gbps,
+                    broadcast_gbps=args.d2d_gbps, nic_gbps=args.nic_gbps, device_free_gib=args.device_free_gib,
+                    slots=args.slots, max_bucket_gib=args.max_bucket_gib)
+    doc = predict(spec, topo, mode=args.mode)
+    st = doc["stages_s"]
+    text = "\n".join([
+        f"{doc['mode']} update of {spec.total_bytes / GiB:.2f} GiB ({spec.tensors} tensors) into "
+        f"{args.nodes} node(s) x {args.devices} device(s):",
+        *[f"  {k:>9}: {v:8.3f} s" for k, v in st.items()],
+        f"  {'fixed':>9}: {doc['fixed_s']:8.3f} s",
+        f"  update ~ {doc['update_s']:.3f} s ({doc['model_gbps']:.1f} GB/s of model bytes); bottleneck: "
+        f"{doc['bottleneck']}{'' if doc['pipelined'] else ' (one slot: stages do not overlap)'}",
+        f"  {doc['buckets']} buckets of <= {doc['bucket_bytes'] / (1 << 20):.0f} MiB, {doc['slots']} slot(s)",
+        f"  memory per rank: host {doc['host_bytes_per_rank'] / GiB:.2f} GiB (pinned), device "
+        f"{doc['device_bytes_per_rank'] / GiB:.2f} GiB; per node host {doc['host_bytes_per_node'] / GiB:.2f} GiB",
+        f"  registration ~ {doc['register_s']:.2f} s per rank; calibrated on {doc['calibration']['source']}"])
+    _emit(args, doc, text)
+    return EXIT_OK
+
+
+# ------------------------------------------------------------------ bench
+def cmd_bench(args, extra: list[str]) -> int:
+    script = os.path.join(REPO, "benchmarks", "update_bench.py")
+    if not os.path.exists(script):
+        raise ConfigError(f"the benchmark is not here ({script}): run it from a source checkout of ckpt-engine")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}", script,
+           *extra]
+    print("running: " + " ".join(cmd), file=sys.stderr)
+    return subprocess.call(cmd)
+
+
+# ------------------------------------------------------------------ main
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ckpt-engine", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", action="store_true", help="machine-readable output (and errors) on stdout")
+    p.add_argument("--log-level", default="INFO", help="ckpt_core log level (default INFO)")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="serve this rank's HTTP API (run one per device, under torchrun)")
+    s.add_argument("--uds", default="/tmp/ckpt-engine-ps-{rank}.sock",
+                   help="unix socket path; {rank}/{local_rank} are filled in (default %(default)s)")
+    s.add_argument("--host", help="serve TCP on this address instead (needs a token)")
+    s.add_argument("--port", type=int, help="TCP port of local rank 0; local rank i listens on PORT+i (0: any)")
+    s.add_argument("--token-file", help="file holding the bearer token (else CKPT_SERVICE_TOKEN)")
+    s.add_argument("--device", help="device kind (cpu, cuda, npu); default: the best available")
+    s.add_argument("--max-bucket-gb", type=float)
+    s.add_argument("--mem-fraction", type=float)
+    s.add_argument("--keep-device-buffers", action="store_true")
+    s.add_argument("--uvicorn-log-level", default="warning")
+    s.add_argument("--parent-pid", type=int, help="managed mode: stop (as on SIGTERM) once this process (the engine worker) is gone")
+
+    i = sub.add_parser("inspect", help="validate a safetensors file or HF directory and show its bucket plan")
+    i.add_argument("path")
+    i.add_argument("--device-mem-gib", type=float, default=16.0, help="free device memory to plan for (default 16)")
+    i.add_argument("--ranks", type=int, default=1, help="parameter-server ranks sharing the checkpoint")
+
+    pl = sub.add_parser("plan", help="predict update time and memory for a model on a topology")
+    pl.add_argument("--model", help="checkpoint directory or file (else --size-gib and --tensors)")
+    pl.add_argument("--size-gib", type=float)
+    pl.add_argument("--tensors", type=int)
+    pl.add_argument("--largest-mib", type=float, help="largest tensor (default: the larger of mean and 1/16)")
+    pl.add_argument("--nodes", type=int, default=1)
+    pl.add_argument("--devices", type=int, default=8, help="devices per node (default 8)")
+    pl.add_argument("--h2d-gbps", type=float, default=49.3, help="per device, GB/s (measured 2xH200: 49.3)")
+    pl.add_argument("--d2d-gbps", type=float, default=347.0, help="intra-node broadcast, GB/s (2xH200 NVLink: 347)")
+    pl.add_argument("--nic-gbps", type=float, default=50.0, help="per node, all NICs, GB/s (default 50 = 400 Gb/s)")
+    pl.add_argument("--device-free-gib", type=float, default=16.0, help="free device memory per device (default 16)")
+    pl.add_argument("--slots", type=int, default=4)
+    pl.add_argument("--max-bucket-gib", type=float, default=8.0)
+    pl.add_argument("--mode", choices=("broadcast", "p2p"), default="broadcast")
+
+    b = sub.add_parser("bench", help="run benchmarks/update_bench.py under torchrun (other flags pass through)")
+    b.add_argument("--nproc", type=int, default=1, help="ranks (devices) to run (default 1)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "bench":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    import logging
+    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    try:
+        if args.command == "bench":
+            return cmd_bench(args, extra)
+        return {"serve": cmd_serve, "inspect": cmd_inspect, "plan": cmd_plan}[args.command](args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:   # the one place where every error becomes a message and an exit code
+        code = exit_code(exc)
+        kind = type(exc).__name__
+        if args.json:
+            print(json.dumps({"error": {"type": kind, "message": str(exc)}}))
+        print(f"ckpt-engine {args.command}: {kind}: {exc}", file=sys.stderr)
+        if code == EXIT_INTERNAL:
+            import traceback
+            traceback.print_exc()
+            print("this is a bug in ckpt-engine: please report it with the traceback above", file=sys.stderr)
+        return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,208 @@
+"""The FastAPI application of one parameter-server rank.
+
+Routes (the first seven are the reference checkpoint-engine's, same paths and fields):
+
+| route | does | collective |
+|---|---|---|
+| ``POST /v1/checkpoints/{name}/files`` | ``register_checkpoint(name, files=...)`` | no |
+| ``DELETE /v1/checkpoints/{name}`` | ``unregister_checkpoint(name)`` | no |
+| ``POST /v1/checkpoints/{name}/gather-metas`` | ``gather_metas(name)`` | yes: post to every rank |
+| ``POST /v1/checkpoints/{name}/update`` | ``update(name, ...)`` | yes: post to every rank |
+| ``GET /v1/healthz`` | 200 while the rank can work, 503 once closed or broken | |
+| ``GET /v1/metas``, ``POST /v1/metas`` | ``get_metas()``, ``load_metas(...)`` | no |
+| ``GET /v1/status`` | checkpoints, the running operation and its phase, last results | |
+| ``GET /metrics`` | Prometheus text | |
+
+Errors: every 4xx/5xx body is ``{"error": {"type", "message", ...}}`` (:class:`ErrorBody`).
+``ConfigError`` 400, ``CheckpointNotFoundError`` 404, a second long operation 409,
+``CheckpointFormatError`` 422, request validation 422, ``RemoteWorkerError`` 502,
+``ClosedError`` 503, ``UpdateTimeoutError`` 504, any other error 500 (its class in ``type``).
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+from typing import Any
+
+from fastapi import FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+
+from .. import _metrics
+from .._requests import request_inference_to_update
+from ..errors import (CheckpointFormatError, CheckpointNotFoundError, CkptError, ClosedError, ConfigError,
+                      RemoteWorkerError, UpdateTimeoutError)
+from ._models import NAME_PATTERN, Done, ErrorBody, RegisterRequest, Status, UpdateRequest
+from ._state import Busy, ServiceState, error_fields
+
+# Most specific first: UpdateTimeoutError is a TransportError, ConfigError a ValueError.
+_STATUS = ((UpdateTimeoutError, 504), (RemoteWorkerError, 502), (ClosedError, 503), (CheckpointNotFoundError, 404),
+           (CheckpointFormatError, 422), (ConfigError, 400))
+_ERRORS = {code: {"model": ErrorBody} for code in (400, 401, 404, 409, 422, 500, 502, 503, 504)}
+
+
+def status_of(exc: BaseException) -> int:
+    for cls, code in _STATUS:
+        if isinstance(exc, cls):
+            return code
+    return 500
+
+
+def _error(code: int, type_: str, message: str, **extra) -> JSONResponse:
+    return JSONResponse({"error": {"type": type_, "message": message, **extra}}, status_code=code)
+
+
+def create_app(ps, *, token: str | None = None, metrics=None) -> FastAPI:
+    """The service of ``ps`` (one ``ParameterServer`` rank). ``app.state.service`` owns its worker
+    thread; whoever serves the app calls ``app.state.service.close()`` when done (``serve`` does).
+
+    ``token``: when set, every request must carry ``Authorization: Bearer <token>`` (compared in
+    constant time); otherwise 401. ``metrics``: a :class:`ckpt_core._metrics.Metrics` (default:
+    one for this rank when prometheus-client is installed).
+    """
+    state = ServiceState(ps, metrics if metrics is not None else _metrics.make_metrics(ps.rank))
+    app = FastAPI(title="ckpt-engine parameter server", version="1", responses=_ERRORS,
+                  description="One parameter-server rank; see docs/operations.md")
+    app.state.service = state
+    chained = ps.progress   # e.g. a terminal progress bar set by `ckpt-engine serve`
+
+    def progress(operation, phase, done, total):
+        state.set_phase(phase, done, total)
+        if chained is not None:
+            chained(operation, phase, done, total)
+    ps.progress = progress
+    _install_errors(app)
+    if token is not None:
+        _install_auth(app, token)
+    _routes(app, state, ps)
+    return app
+
+
+def _install_errors(app: FastAPI) -> None:
+    @app.exception_handler(CkptError)
+    async def on_ckpt_error(request: Request, exc: CkptError):
+        return JSONResponse({"error": error_fields(exc)}, status_code=status_of(exc))
+
+    @app.exception_handler(Busy)
+    async def on_busy(request: Request, exc: Busy):
+        return _error(409, "Conflict", str(exc))
+
+    @app.exception_handler(RequestValidationError)
+    async def on_invalid(request: Request, exc: RequestValidationError):
+        details = [{"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")}
+                   for e in exc.errors()]
+        where = "; ".join(f"{'.'.join(map(str, d['loc']))}: {d['msg']}" for d in details[:5])
+        return _error(422, "ValidationError", f"invalid request: {where}", details=details)
+
+    @app.exception_handler(Exception)
+    async def on_other(request: Request, exc: Exception):
+        return JSONResponse({"error": error_fields(exc)}, status_code=500)
+
+
+def _install_auth(app: FastAPI, token: str) -> None:
+    if not token:
+        raise ConfigError("the bearer token must not be empty")
+    want = f"Bearer {token}".encode()
+
+    @app.middleware("http")
+    async def bearer(request: Request, call_next):
+        got = request.headers.get("authorization", "").encode("latin-1", "replace")
+        if not hmac.compare_digest(got, want):
+            resp = _error(401, "Unauthorized", "missing or wrong bearer token (Authorization: Bearer <token>)")
+            resp.headers["WWW-Authenticate"] = "Bearer"
+            return resp
+        return await call_next(request)
+
+
+def _check_name(name: str) -> str:
+    import re
+    if not re.fullmatch(NAME_PATTERN, name):
+        raise ConfigError(f"checkpoint name {name[:80]!r} is not allowed (1-256 characters, no '/' or control characters)")
+    return name
+
+
+def _req_func(body: UpdateRequest, world_size: int):
+    """The ``req_func`` of one update: post the chosen handles to ``update_url`` (if any)."""
+    bad = [r for r in body.inference_group_ranks if not 0 <= r < world_size]
+    if bad:
+        raise ConfigError(f"inference_group_ranks {bad} are outside this world of {world_size} ranks")
+
+    def req_func(handles):
+        if body.update_url is None:
+            return None
+        chosen = [handles[r] for r in body.inference_group_ranks] if body.inference_group_ranks else handles
+        request_inference_to_update(body.update_url, dict(chosen), timeout=body.timeout, uds=body.uds)
+    return req_func
+
+
+def _routes(app: FastAPI, state: ServiceState, ps) -> None:
+    @app.post("/v1/checkpoints/{name}/files", response_model=Done)
+    async def register_files(name: str, body: RegisterRequest):
+        _check_name(name)
+        await state.run("register", name, lambda: ps.register_checkpoint(
+            name, files=body.files, use_shared_memory_pool=body.use_shared_memory_pool,
+            use_inplace_pin_memory=body.use_inplace_pin_memory))
+        return Done(result=ps.last_register)
+
+    @app.delete("/v1/checkpoints/{name}", response_model=Done)
+    async def unregister(name: str, force: bool = Query(False)):
+        await state.run("unregister", name, lambda: ps.unregister_checkpoint(name, force=force))
+        return Done()
+
+    @app.post("/v1/checkpoints/{name}/gather-metas", response_model=Done)
+    async def gather_metas(name: str):
+        _check_name(name)
+        await state.run("gather", name, lambda: ps.gather_metas(name))
+        return Done()
+
+    @app.post("/v1/checkpoints/{name}/update", response_model=Done)
+    async def update(name: str, body: UpdateRequest):
+        _check_name(name)
+        req_func = _req_func(body, ps.world_size)
+        result = await state.run("update", name, lambda: ps.update(name, req_func, ranks=body.ranks or None,
+                                                                     timeout=body.timeout))
+        return Done(result=result)
+
+    @app.get("/v1/healthz")
+    async def healthz():
+        problem = _health_problem(state, ps)
+        if problem:
+            return _error(503, "Unhealthy", problem)
+        return {"status": "ok"}
+
+    @app.get("/v1/metas", response_model=dict[str, Any])
+    async def get_metas():
+        """The versioned metas document of ``ParameterServer.get_metas()`` (see ckpt_core._metas)."""
+        return ps.get_metas()
+
+    @app.post("/v1/metas", response_model=Done)
+    async def load_metas(metas: dict[str, Any]):
+        """Install a document from ``GET /v1/metas``; the PS validates it whole (400 when malformed)."""
+        await state.run("load_metas", None, lambda: ps.load_metas(metas))
+        return Done()
+
+    @app.get("/v1/status", response_model=Status)
+    async def status():
+        return Status(rank=ps.rank, world_size=ps.world_size, pid=os.getpid(), device_key=ps.device_uuid,
+                      checkpoints=ps.checkpoints(), gathered=sorted(getattr(ps, "_metas", {})),
+                      running=state.snapshot(),
+                      updates=state.updates, failures=state.failures, last_update=ps.last_update,
+                      last_register=ps.last_register, last_error=state.last_error,
+                      healthy=_health_problem(state, ps) is None)
+
+    @app.get("/metrics", include_in_schema=True, response_class=Response)
+    async def metrics():
+        if state.metrics is None:
+            return _error(501, "NotImplemented", "Prometheus metrics need prometheus-client: "
+                          "pip install 'ckpt-engine[server]'")
+        return Response(state.metrics.render(), media_type=_metrics.CONTENT_TYPE)
+
+
+def _health_problem(state: ServiceState, ps) -> str | None:
+    if state.closed or getattr(ps, "_closed", False):
+        return "this parameter server is closed"
+    broken = getattr(ps, "_broken", None)
+    if broken:
+        return f"process groups broke in an earlier update ({broken}); restart this world"
+    return None

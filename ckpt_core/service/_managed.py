@@ -1,0 +1,157 @@
+"""A parameter-server rank started by an engine worker (managed mode, engine-agnostic).
+
+An engine adapter calls :func:`start_managed` (or :func:`start_from_env`) from the worker's
+start-up hook and ``ManagedParameterServer.stop()`` from its shutdown hook; the RL controller
+then only talks to the service (``ckpt-engine serve`` on a Unix socket): register, gather, update.
+
+The PS is *not* left a descendant of the worker: engines tear their process tree down with
+SIGKILL (vLLM's ``kill_process_tree``), which would leave the socket file behind and skip the
+PS's cleanup. It is started through a short-lived intermediate, in its own session, and runs
+``ckpt-engine serve --parent-pid PID``: a watcher thread sees the worker gone (or its pid reused)
+within :data:`WATCH_S` and stops the service as SIGTERM does: the ParameterServer is closed (host
+memory, /dev/shm buffers, process groups) and the socket removed. A PS that is itself SIGKILLed
+leaves its /dev/shm buffer to the next PS on the host (it reclaims buffers of dead owners) and its
+socket file to the next service on that path (a stale socket is replaced).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from ..errors import ConfigError, UpdateTimeoutError
+from .._log import rank_logger
+
+WATCH_S = 0.5
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _start_time(pid: int) -> str | None:
+    """The kernel's start time of ``pid`` (tells a pid from a reused one); None once it is gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] in ("Z", "X") else fields[19]
+
+
+def watch_parent(parent_pid: int, on_gone=lambda: os.kill(os.getpid(), signal.SIGTERM)) -> threading.Thread:
+    """In the PS: call ``on_gone`` (default: SIGTERM to ourselves) once ``parent_pid`` has exited."""
+    born = _start_time(parent_pid)
+    if born is None:
+        raise ConfigError(f"--parent-pid {parent_pid}: no such process")
+
+    def loop():
+        while _start_time(parent_pid) == born:
+            time.sleep(WATCH_S)
+        rank_logger("managed ps").warning("phase=stop engine worker pid %d is gone: stopping", parent_pid)
+        on_gone()
+    t = threading.Thread(target=loop, name="ckpt-parent-watch", daemon=True)
+    t.start()
+    return t
+
+
+def parse_serve_spec(spec: str) -> str:
+    """``uds:PATH`` (PATH may hold ``{rank}``) -> PATH; anything else is a ``ConfigError``."""
+    kind, sep, path = spec.partition(":")
+    if kind != "uds" or not sep or not path:
+        raise ConfigError(f"managed serving spec must be 'uds:PATH' (e.g. uds:/run/ckpt/ps-{{rank}}.sock), got {spec!r}")
+    return path
+
+
+class ManagedParameterServer:
+    """A PS process started by :func:`start_managed`; ``stop()`` is idempotent."""
+
+    def __init__(self, pid: int, uds: str, rank: int, log_path: str | None):
+        self.pid, self.uds, self.rank, self.log_path = pid, uds, rank, log_path
+        self._born = _start_time(pid)
+        self._log = rank_logger(f"managed ps rank {rank}")
+
+    def alive(self) -> bool:
+        return self._born is not None and _start_time(self.pid) == self._born
+
+    def stop(self, timeout: float = 30.0) -> bool:
+        """SIGTERM (the service closes the PS and removes its socket), SIGKILL after ``timeout``.
+
+        Returns whether it stopped by itself (False: it had to be killed).
+        """
+        clean = True
+        for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 10.0)):
+            if not self.alive():
+                break
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + wait
+            while self.alive() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if self.alive() and sig == signal.SIGTERM:
+                self._log.warning("phase=stop pid %d ignored SIGTERM for %.0f s: SIGKILL", self.pid, timeout)
+                clean = False
+        if not clean and os.path.lexists(self.uds):
+            os.unlink(self.uds)   # a killed service could not remove it
+        return clean
+
+
+def start_managed(spec: str, *, rank: int, world_size: int, local_rank: int, device: str,
+                  master_addr: str = "127.0.0.1", master_port: int = 29555, extra_args: list[str] | tuple = (),
+                  log_path: str | None = None) -> ManagedParameterServer:
+    """Start this worker's PS rank serving on the socket of ``spec`` (``uds:PATH``); returns at once.
+
+    ``rank``/``world_size``: the PS world (one rank per engine worker; every worker of the engine
+    starts one; they meet at ``master_addr:master_port``). ``device``: the worker's device kind,
+    ``local_rank`` its index. Poll the service's ``/v1/healthz`` for readiness.
+    """
+    uds = parse_serve_spec(spec).format(rank=rank, local_rank=local_rank)
+    env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank),
+               MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
+               PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+    argv = [sys.executable, "-m", "ckpt_core.cli", "serve", "--device", device, "--uds", uds,
+            "--parent-pid", str(os.getpid()), *extra_args]
+    # The intermediate starts the PS in a new session, prints its pid and exits: the PS is then
+    # nobody's descendant here, so a process-tree kill of the engine cannot reach it.
+    launcher = ("import json, subprocess, sys\n"
+                "argv, log = json.loads(sys.argv[1]), sys.argv[2]\n"
+                "out = open(log, 'ab') if log else subprocess.DEVNULL\n"
+                "p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,"
+                " start_new_session=True)\n"
+                "print(p.pid, flush=True)\n")
+    proc = subprocess.run([sys.executable, "-c", launcher, json.dumps(argv), log_path or ""], env=env,
+                          capture_output=True, text=True, timeout=60)
+    if proc.returncode != 0 or not proc.stdout.strip().isdigit():
+        raise ConfigError(f"could not start the managed parameter server: {proc.stderr.strip()[-2000:]}")
+    pid = int(proc.stdout.strip())
+    rank_logger(f"managed ps rank {rank}").info("phase=start pid %d serving on %s (world %d, %s:%d)", pid, uds,
+                                                world_size, device, local_rank)
+    return ManagedParameterServer(pid, uds, rank, log_path)
+
+
+def start_from_env(*, rank: int, world_size: int, local_rank: int, device: str) -> ManagedParameterServer | None:
+    """:func:`start_managed` as ``CKPT_ENGINE_SERVE`` asks (None when unset); the PS logs to PATH.log."""
+    from .._settings import engine_serve
+    asked = engine_serve()
+    if asked is None:
+        return None
+    spec, host, port = asked
+    log = parse_serve_spec(spec).format(rank=rank, local_rank=local_rank) + ".log"
+    return start_managed(spec, rank=rank, world_size=world_size, local_rank=local_rank, device=device,
+                         master_addr=host, master_port=port, log_path=log)
+
+
+def wait_socket(path: str, managed: ManagedParameterServer, timeout: float) -> None:
+    """Wait until the service's socket exists (or fail naming why)."""
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if not managed.alive():
+            raise ConfigError(f"the managed parameter server (pid {managed.pid}) exited before serving on {path}"
+                              + (f"; see {managed.log_path}" if managed.log_path else ""))
+        if time.monotonic() > deadline:
+            raise UpdateTimeoutError(f"the managed parameter server did not create {path} within {timeout} s")
+        time.sleep(0.05)

@@ -1,0 +1,87 @@
+"""Request and response bodies of the HTTP service (pydantic), and the error body.
+
+Request models forbid unknown fields, so a misspelt field is a 422 naming it rather than a
+silently ignored option. Field names of the update request are the reference's
+(checkpoint-engine's ``UpdateRequest``), so existing controllers keep working.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_TIMEOUT_S = 7 * 24 * 3600.0   # one week: anything longer is a typo, not a plan
+NAME_PATTERN = r"^[^/\x00-\x1f]{1,256}$"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class RegisterRequest(_Strict):
+    """``POST /v1/checkpoints/{name}/files``: this rank's share of the checkpoint."""
+    files: list[str] = Field(min_length=1, description="safetensors files of this rank's share")
+    use_shared_memory_pool: bool = False
+    use_inplace_pin_memory: bool = True
+
+
+class UpdateRequest(_Strict):
+    """``POST /v1/checkpoints/{name}/update``; every rank's service must receive one (collective).
+
+    ``update_url`` (optional): the engine's ``/collective_rpc`` URL the update request is posted
+    to, with the handles of ``inference_group_ranks`` (all ranks when empty); over the Unix
+    socket ``uds`` when given. ``timeout`` bounds the whole update, that request included.
+    """
+    ranks: list[int] = Field(default_factory=list, description="P2P target ranks; empty: broadcast to all")
+    update_url: Optional[str] = Field(default=None, min_length=1, max_length=4096)
+    inference_group_ranks: list[int] = Field(default_factory=list)
+    timeout: float = Field(default=300.0, gt=0, le=MAX_TIMEOUT_S, description="seconds")
+    uds: Optional[str] = Field(default=None, min_length=1, max_length=107)
+
+
+class ErrorDetail(BaseModel):
+    type: str = Field(description="the ckpt_core.errors class (or ValidationError, Conflict, Unauthorized)")
+    message: str
+    rank: Optional[int] = None
+    device_key: Optional[str] = None
+    remote_traceback: Optional[str] = None
+    details: Optional[list] = None
+
+
+class ErrorBody(BaseModel):
+    """Every 4xx/5xx answer of the service."""
+    error: ErrorDetail
+
+
+class Operation(BaseModel):
+    """The long operation running now (at most one at a time)."""
+    operation: str
+    checkpoint: Optional[str] = None
+    phase: str
+    started_unix: float
+    elapsed_s: float
+    done: Optional[int] = None
+    total: Optional[int] = None
+
+
+class Status(BaseModel):
+    """``GET /v1/status``."""
+    rank: int
+    world_size: int
+    pid: int
+    device_key: str
+    checkpoints: list[str]
+    gathered: list[str]
+    running: Optional[Operation] = None
+    updates: int
+    failures: int
+    last_update: Optional[dict] = None
+    last_register: Optional[dict] = None
+    last_error: Optional[ErrorDetail] = None
+    healthy: bool
+
+
+class Done(BaseModel):
+    ok: bool = True
+    result: Optional[dict] = None

@@ -1,0 +1,122 @@
+"""Serving the app: a Unix socket (mode 0600) by default, TCP only with a bearer token.
+
+The Unix socket is bound and chmod-ed to 0600 *before* ``listen()``, so there is no moment at
+which another user could connect; uvicorn then serves the already-listening socket.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+
+from ..errors import ConfigError
+from .._log import rank_logger
+
+UDS_MODE = 0o600
+MAX_UDS_PATH = 107   # sun_path is 108 bytes with the NUL
+
+
+def bind_unix(path: str) -> socket.socket:
+    """A listening Unix socket at ``path`` with mode 0600.
+
+    A stale socket file (nobody listening) is replaced; a live one, or any other kind of file,
+    is a ``ConfigError`` (we never delete what is not ours to delete).
+    """
+    if len(os.fsencode(path)) > MAX_UDS_PATH:
+        raise ConfigError(f"unix socket path is longer than {MAX_UDS_PATH} bytes: {path!r}")
+    if os.path.lexists(path):
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            raise ConfigError(f"{path!r} exists and is not a socket; refusing to replace it")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.settimeout(1.0)
+            probe.connect(path)
+        except OSError:
+            os.unlink(path)          # stale: its server is gone
+        else:
+            raise ConfigError(f"another server already listens on {path!r}")
+        finally:
+            probe.close()
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise ConfigError(f"the directory of the unix socket does not exist: {parent!r}")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+        os.chmod(path, UDS_MODE)
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on unix socket {path!r}: {exc}") from exc
+    return sock
+
+
+def bind_tcp(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc}") from exc
+    return sock
+
+
+def _server_class():
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        """uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown, which would kill the process
+        before the ParameterServer is closed and the socket file removed: we stop cleanly instead."""
+
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            captured = getattr(self, "_captured_signals", None)
+            if isinstance(captured, list):
+                captured.clear()
+    return _Server
+
+
+def serve(ps, *, uds: str | None = None, host: str | None = None, port: int | None = None,
+          token: str | None = None, log_level: str = "warning") -> bool:
+    """Serve ``ps`` until SIGINT/SIGTERM; then close the socket (and remove the socket file).
+
+    Returns False when a long operation was still running 10 s after the stop (the caller
+    should then exit without closing ``ps``: its collective may never return).
+
+    Exactly one of ``uds`` or ``host``/``port``. TCP requires ``token``: the service moves model
+    weights into engines and must not be driven by anyone who can reach a port.
+
+    Example (one process per rank, under torchrun)::
+
+        with ParameterServer() as ps:
+            serve(ps, uds=f"/run/ckpt/ps-{ps.rank}.sock")
+    """
+    import uvicorn
+    from ._app import create_app
+    _Server = _server_class()
+
+    if (uds is None) == (host is None and port is None):
+        raise ConfigError("serve on either a unix socket (uds=...) or TCP (host=..., port=...), not both or neither")
+    if uds is None and not token:
+        raise ConfigError("TCP serving requires a bearer token (--token-file or CKPT_SERVICE_TOKEN)")
+    sock = bind_unix(uds) if uds is not None else bind_tcp(host or "127.0.0.1", int(port or 0))
+    where = uds if uds is not None else "%s:%d" % sock.getsockname()[:2]
+    log = rank_logger(f"service rank {ps.rank}/{ps.world_size}")
+    app = create_app(ps, token=token)
+    config = uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=5)
+    server = _Server(config)
+    log.info("phase=serve listening on %s (%s)", where, "bearer token required" if token else "unix socket, mode 0600")
+    idle = False
+    try:
+        server.run(sockets=[sock])
+    finally:
+        idle = app.state.service.close()   # waits (bounded) for a long operation still running
+        sock.close()
+        if uds is not None and os.path.lexists(uds):
+            os.unlink(uds)
+        log.info("phase=serve stopped")
+    return idle

@@ -1,0 +1,199 @@
+"""The HTTP service: real `ckpt-engine serve` processes (2 ranks, gloo) on Unix sockets, driven with httpx."""
+
+import os
+import stat
+import threading
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+from harness import FAULT_DTYPES, fresh_tensor, want_digests  # noqa: E402
+from service_world import HttpEngineFront, ServiceWorld  # noqa: E402
+from ckpt_core._safetensors import write_file  # noqa: E402
+
+BUCKET_GB = "0.00005"   # ~52 KiB buckets: every update has several, so a slow engine is slow per bucket
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("svc"))
+    w = ServiceWorld(2, tmp, extra=["--max-bucket-gb", BUCKET_GB])
+    front = HttpEngineFront(2)
+    w.front, w.gen = front, torch.Generator().manual_seed(1601)
+    yield w
+    front.close()
+    codes = w.close()
+    assert codes == [0, 0], f"serve processes should stop cleanly on SIGTERM: {codes}"
+    assert not any(os.path.exists(s) for s in w.socks), "the socket files are removed on exit"
+
+
+def _files(world, name: str) -> tuple[list[str], dict]:
+    """One fresh safetensors file per rank; returns the paths and the digests the engines must hold."""
+    paths, data = [], {}
+    for r in range(world.size):
+        ts = {f"{name}.r{r}.{i}": fresh_tensor((300 + 97 * i,), FAULT_DTYPES[i % 4], world.gen) for i in range(8)}
+        p = os.path.join(world.tmp, f"{name}-{r}.safetensors")
+        write_file(p, ts)
+        paths.append(p)
+        data.update(ts)
+    return paths, want_digests(data)
+
+
+def _register_and_gather(world, name: str) -> dict:
+    paths, want = _files(world, name)
+    got = world.all("POST", f"/v1/checkpoints/{name}/files", [{"files": [p]} for p in paths])
+    assert [r.status_code for r in got] == [200, 200], [r.text for r in got]
+    got = world.all("POST", f"/v1/checkpoints/{name}/gather-metas")
+    assert [r.status_code for r in got] == [200, 200], [r.text for r in got]
+    return want
+
+
+def _update(world, name: str, **body):
+    """The reference's contract: every rank's service gets the update; the one engine's request is
+    posted by rank 0 only (the only rank given ``update_url``), with every rank's handles."""
+    bodies = [dict({"timeout": 60}, **body) for _ in range(world.size)]
+    bodies[0]["update_url"] = world.front.url
+    return world.all("POST", f"/v1/checkpoints/{name}/update", bodies)
+
+
+def _engines_hold(world, want: dict) -> bool:
+    held = {}
+    for i in range(world.size):
+        held.update(world.front.engine.digests(i))
+    return all(held.get(k) == v for k, v in want.items())
+
+
+def test_the_unix_sockets_are_private_to_their_owner(world):
+    for s in world.socks:
+        st = os.stat(s)
+        assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600, oct(st.st_mode)
+
+
+def test_register_gather_and_update_deliver_every_tensor_and_show_in_status_and_metrics(world):
+    want = _register_and_gather(world, "step-1")
+    got = _update(world, "step-1")
+    assert [r.status_code for r in got] == [200, 200], [r.text for r in got]
+    assert got[0].json()["result"]["bytes"] == got[1].json()["result"]["bytes"] > 0
+    assert _engines_hold(world, want), "every engine worker holds exactly the registered bytes"
+    status = world.clients[1].get("/v1/status").json()
+    assert status["rank"] == 1 and status["world_size"] == 2 and "step-1" in status["checkpoints"]
+    assert status["running"] is None and status["last_update"]["name"] == "step-1" and status["healthy"]
+    assert set(status["last_update"]["seconds"]) >= {"plan", "handshake", "pipeline", "total"}
+    metas = world.clients[0].get("/v1/metas").json()
+    owners = metas["checkpoints"]["step-1"]["owners"]
+    assert sorted(t[0] for owner in owners for t in owner["tensors"]) == sorted(want)
+    text = world.clients[0].get("/metrics").text
+    assert 'ckpt_operations_total{operation="update",outcome="ok",rank="0"}' in text
+    assert "ckpt_update_bytes_total" in text and 'ckpt_last_update_phase_seconds{phase="pipeline",rank="0"}' in text
+    got = world.all("DELETE", "/v1/checkpoints/step-1")
+    assert [r.status_code for r in got] == [200, 200]
+    assert "step-1" not in world.clients[0].get("/v1/status").json()["checkpoints"]
+
+
+def test_health_and_status_answer_during_a_slow_update_and_a_second_update_is_a_409(world):
+    want = _register_and_gather(world, "slow")
+    for i in range(2):
+        world.front.engine.set_behavior(i, {"sleep_s": 0.4})
+    try:
+        results = {}
+        t = threading.Thread(target=lambda: results.update(r=_update(world, "slow")))
+        t.start()
+        deadline = time.monotonic() + 60
+        while True:
+            running = world.clients[0].get("/v1/status").json()["running"]
+            if running and running["operation"] == "update" and running["phase"] == "transfer":
+                break
+            assert time.monotonic() < deadline and t.is_alive(), "the update never showed up as running"
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        health = world.clients[0].get("/v1/healthz")
+        second = world.clients[0].post("/v1/checkpoints/slow/update", json={"timeout": 30})
+        answered = time.monotonic() - t0
+        still = world.clients[0].get("/v1/status").json()["running"]
+        t.join(120)
+    finally:
+        for i in range(2):
+            world.front.engine.set_behavior(i, {})
+    assert health.status_code == 200 and answered < 10, "health answers while the update runs (event loop free)"
+    assert second.status_code == 409 and second.json()["error"]["type"] == "Conflict", second.text
+    assert "update of 'slow' is running" in second.json()["error"]["message"]
+    assert still is not None and still["checkpoint"] == "slow", "the first update was still running"
+    assert 1 <= running["done"] <= running["total"] and running["total"] >= 2, running
+    assert running["elapsed_s"] >= 0 and running["started_unix"] > 0
+    assert [r.status_code for r in results["r"]] == [200, 200], [r.text for r in results["r"]]
+    assert _engines_hold(world, want)
+
+
+@pytest.mark.parametrize("route, body, code, kind, needle", [
+    ("/v1/checkpoints/c/files", {"files": "not-a-list"}, 422, "ValidationError", "files"),
+    ("/v1/checkpoints/c/files", {"files": ["/x"], "bogus": 1}, 422, "ValidationError", "bogus"),
+    ("/v1/checkpoints/c/files", {"files": ["/nonexistent/a.safetensors"]}, 400, "ConfigError", "/nonexistent"),
+    ("/v1/checkpoints/c/update", {"timeout": -1}, 422, "ValidationError", "timeout"),
+    ("/v1/checkpoints/c/update", {"timeout": "soon"}, 422, "ValidationError", "timeout"),
+    ("/v1/metas", ["not", "an", "object"], 422, "ValidationError", "body"),
+    ("/v1/metas", {"c": [[{"name": 1}]]}, 400, "ConfigError", "format"),
+])
+def test_bad_requests_are_4xx_with_a_json_body_naming_the_problem(world, route, body, code, kind, needle):
+    resp = world.clients[0].post(route, json=body)
+    assert resp.status_code == code, resp.text
+    err = resp.json()["error"]
+    assert err["type"] == kind and needle in err["message"], err
+
+
+def test_an_update_of_an_unregistered_checkpoint_is_a_404_on_every_rank(world):
+    got = world.all("POST", "/v1/checkpoints/never/update", [{"timeout": 30}] * world.size)   # collective
+    for resp in got:
+        assert resp.status_code == 404 and resp.json()["error"]["type"] == "CheckpointNotFoundError", resp.text
+        assert "never" in resp.json()["error"]["message"]
+
+
+def test_a_hostile_checkpoint_file_is_a_422_naming_the_file_and_nothing_is_registered(world):
+    bad = os.path.join(world.tmp, "hostile.safetensors")
+    with open(bad, "wb") as f:
+        f.write((10 ** 12).to_bytes(8, "little") + b"{}")
+    resp = world.clients[0].post("/v1/checkpoints/hostile/files", json={"files": [bad]})
+    assert resp.status_code == 422 and resp.json()["error"]["type"] == "CheckpointFormatError", resp.text
+    assert bad in resp.json()["error"]["message"]
+    assert "hostile" not in world.clients[0].get("/v1/status").json()["checkpoints"]
+
+
+def test_misuse_of_a_registered_checkpoint_is_a_400(world):
+    _register_and_gather(world, "misuse")
+    try:
+        for body, needle in (({"inference_group_ranks": [5]}, "outside this world"),):
+            resp = world.clients[0].post("/v1/checkpoints/misuse/update", json=body)
+            assert resp.status_code == 400 and resp.json()["error"]["type"] == "ConfigError", resp.text
+            assert needle in resp.json()["error"]["message"]
+    finally:
+        world.all("DELETE", "/v1/checkpoints/misuse")
+
+
+def test_an_engine_failure_is_a_502_on_every_rank_carrying_the_rank_and_traceback_and_the_next_update_works(world):
+    want = _register_and_gather(world, "fails")
+    world.front.engine.set_behavior(1, {"fail_bucket": 0})
+    try:
+        got = _update(world, "fails")
+    finally:
+        world.front.engine.set_behavior(1, {})
+    for resp in got:
+        assert resp.status_code == 502, resp.text
+        err = resp.json()["error"]
+        assert err["type"] == "RemoteWorkerError" and err["rank"] == 1, err
+        assert "injected engine failure at bucket 0" in err["remote_traceback"]
+    status = world.clients[0].get("/v1/status").json()
+    assert status["last_error"]["type"] == "RemoteWorkerError" and status["failures"] >= 1
+    assert 'ckpt_operation_failures_total{error="RemoteWorkerError",operation="update",rank="0"}' in \
+        world.clients[0].get("/metrics").text
+    got = _update(world, "fails")
+    assert [r.status_code for r in got] == [200, 200], [r.text for r in got]
+    assert _engines_hold(world, want)
+
+
+def test_the_openapi_schema_lists_the_reference_routes(world):
+    paths = world.clients[0].get("/openapi.json").json()["paths"]
+    for p in ("/v1/checkpoints/{name}/files", "/v1/checkpoints/{name}", "/v1/checkpoints/{name}/gather-metas",
+              "/v1/checkpoints/{name}/update", "/v1/healthz", "/v1/metas", "/v1/status", "/metrics"):
+        assert p in paths, p
+    assert set(paths["/v1/metas"]) == {"get", "post"}

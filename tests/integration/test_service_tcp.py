@@ -1,0 +1,61 @@
+"""The service on TCP: only with a bearer token, and then every request must carry it."""
+
+import os
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+pytest.importorskip("fastapi")
+from harness import free_port  # noqa: E402
+from service_world import ROOT, start_serve, stop, wait_healthy  # noqa: E402
+
+TOKEN = "s3cret-token-for-tests"
+
+
+def _single_rank_env(**extra) -> dict:
+    return {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port()), **extra}
+
+
+def test_tcp_without_a_token_refuses_to_start_with_a_config_error(tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT, CKPT_SERVICE_TOKEN="", **_single_rank_env())
+    proc = subprocess.run([sys.executable, "-m", "ckpt_core.cli", "serve", "--device", "cpu", "--host", "127.0.0.1",
+                           "--port", str(free_port())], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 4, proc.stderr
+    assert "ConfigError" in proc.stderr and "requires a bearer token" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("source", ["env", "file"])
+def test_every_tcp_request_needs_the_right_bearer_token(tmp_path, source):
+    port = free_port()
+    args = ["--device", "cpu", "--host", "127.0.0.1", "--port", str(port)]
+    env = _single_rank_env()
+    if source == "env":
+        env["CKPT_SERVICE_TOKEN"] = TOKEN
+    else:
+        (tmp_path / "token").write_text(TOKEN + "\n")
+        args += ["--token-file", str(tmp_path / "token")]
+    log = str(tmp_path / "serve.log")
+    proc = start_serve(args, env, log)
+    right = httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
+    try:
+        wait_healthy(right, proc, log)
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as anon:
+            for path in ("/v1/healthz", "/v1/status", "/openapi.json", "/metrics"):
+                none = anon.get(path)
+                wrong = anon.get(path, headers={"Authorization": f"Bearer {TOKEN}x"})
+                prefix = anon.get(path, headers={"Authorization": f"Bearer {TOKEN[:-1]}"})
+                for resp in (none, wrong, prefix):
+                    assert resp.status_code == 401, (path, resp.status_code)
+                    assert resp.json()["error"]["type"] == "Unauthorized"
+                    assert resp.headers["www-authenticate"] == "Bearer"
+            denied = anon.post("/v1/checkpoints/x/files", json={"files": ["/etc/passwd"]})
+            assert denied.status_code == 401
+        assert right.get("/v1/status").json()["checkpoints"] == [], "the refused request registered nothing"
+        assert right.get("/v1/healthz").status_code == 200
+    finally:
+        right.close()
+        assert stop(proc) == 0, open(log).read()[-3000:]

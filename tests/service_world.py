@@ -1,0 +1,138 @@
+"""Real `ckpt-engine serve` processes (one per rank, env as torchrun sets it) and an HTTP engine front.
+
+``ServiceWorld`` starts the console script's code (``python -m ckpt_core.cli serve``) in W
+processes forming one CPU (gloo) world, each on its own Unix socket, and hands out httpx
+clients bound to those sockets. ``HttpEngineFront`` puts the harness's engine workers behind a
+real HTTP ``/collective_rpc`` route, so the service's ``update_url`` path is exercised as with vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+
+from harness import EngineFront, free_port, make_req_func
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def start_serve(args: list[str], env: dict, log_path: str) -> subprocess.Popen:
+    """``python -m ckpt_core.cli serve ARGS`` with ``env`` added; stderr/stdout into ``log_path``."""
+    full = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **env)
+    log = open(log_path, "wb")
+    return subprocess.Popen([sys.executable, "-m", "ckpt_core.cli", "serve", *args], env=full, stdout=log,
+                            stderr=subprocess.STDOUT, cwd=ROOT)
+
+
+def wait_healthy(client: httpx.Client, proc: subprocess.Popen | None, log_path: str, timeout: float = 120) -> None:
+    """Poll ``/v1/healthz`` until 200; fail with the process's log if it exits or never answers."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"serve exited with {proc.returncode}:\n{open(log_path).read()[-4000:]}")
+        try:
+            if client.get("/v1/healthz").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"serve did not become healthy within {timeout} s:\n{open(log_path).read()[-4000:]}")
+
+
+def stop(proc: subprocess.Popen, timeout: float = 20) -> int:
+    """SIGTERM (uvicorn's graceful stop), then SIGKILL after ``timeout``; the exit code."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+    return proc.returncode
+
+
+class ServiceWorld:
+    """W service processes on Unix sockets under ``tmp``; ``clients[r]`` talks to rank r."""
+
+    def __init__(self, size: int, tmp: str, *, extra: list[str] = (), env: dict | None = None, device: str = "cpu"):
+        self.size, self.tmp = size, tmp
+        port = free_port()
+        self.socks = [os.path.join(tmp, f"ps-{r}.sock") for r in range(size)]
+        self.logs = [os.path.join(tmp, f"ps-{r}.log") for r in range(size)]
+        self.procs = [start_serve(["--device", device, "--uds", os.path.join(tmp, "ps-{rank}.sock"), *extra],
+                                  {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(size),
+                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **(env or {})},
+                                  self.logs[r]) for r in range(size)]
+        self.clients = [httpx.Client(transport=httpx.HTTPTransport(uds=s), base_url="http://ps", timeout=120)
+                        for s in self.socks]
+        try:
+            deadline = time.monotonic() + 120
+            for r in range(size):
+                while not os.path.exists(self.socks[r]) and self.procs[r].poll() is None and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                wait_healthy(self.clients[r], self.procs[r], self.logs[r], max(1.0, deadline - time.monotonic()))
+        except Exception:
+            self.close()
+            raise
+
+    def all(self, method: str, path: str, bodies=None, **kw) -> list[httpx.Response]:
+        """The same call on every rank at once (collectives need every rank); responses in rank order."""
+        with ThreadPoolExecutor(self.size) as pool:
+            futs = [pool.submit(self.clients[r].request, method, path,
+                                **(dict(kw, json=bodies[r]) if bodies is not None else kw)) for r in range(self.size)]
+            return [f.result() for f in futs]
+
+    def close(self) -> list[int]:
+        for c in self.clients:
+            c.close()
+        return [stop(p) for p in self.procs]
+
+
+class HttpEngineFront:
+    """The harness's engine workers behind ``POST /collective_rpc`` and ``/reset_prefix_cache`` (a
+    real HTTP server, answering like vLLM's)."""
+
+    def __init__(self, world: int, kind: str = "cpu"):
+        self.engine = EngineFront(kind, world)
+        self.requests = 0
+        front = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+                if self.path.startswith("/reset_prefix_cache"):   # asked after every update, like vLLM's
+                    return self._answer(200, b"{}")
+                front.requests += 1
+                try:
+                    make_req_func(front.engine.address)(list(body["args"][0].items()))
+                    code, out = 200, json.dumps({"results": [None] * world}).encode()
+                except Exception as exc:
+                    code, out = 500, str(exc).encode()
+                self._answer(code, out)
+
+            def _answer(self, code: int, out: bytes) -> None:
+                self.send_response(code)
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/collective_rpc"
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.engine.close()

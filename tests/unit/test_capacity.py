@@ -1,0 +1,78 @@
+"""The capacity planner: calibrated on the recorded benchmark runs, and sane outside them."""
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from ckpt_core._capacity import Calibration, ModelSpec, Topology, calibrate, predict, topology_of
+from ckpt_core.errors import ConfigError
+
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+GiB = 1 << 30
+
+
+def _run(name: str) -> dict:
+    return json.loads((RESULTS / name).read_text())
+
+
+def test_the_default_calibration_is_what_the_recorded_2xh200_run_gives():
+    fitted = calibrate(_run("2xH200-all-cases.json"))
+    assert fitted == Calibration(), "update the defaults in _capacity.py when the reference run changes"
+    topo = topology_of(_run("2xH200-all-cases.json"))
+    assert round(topo.h2d_gbps, 1) == Topology.h2d_gbps and round(topo.broadcast_gbps) == Topology.broadcast_gbps
+
+
+@pytest.mark.parametrize("run", ["2xH200-all-cases.json", "1xH200-dense16.json", "2xH200-dense16-2GiB-free.json",
+                                 "2xH200-dense16-memory-2GiB-free.json", "2xH200-all-cases-gc-fix-only.json"])
+def test_predictions_are_within_25_percent_of_every_recorded_case(run):
+    doc = _run(run)
+    topo = topology_of(doc)
+    for case in doc["cases"]:
+        got = predict(ModelSpec(case["bytes"], case["tensors"], case["bytes"] // 16), topo)
+        measured = case["update"]["best_s"]
+        assert abs(got["update_s"] / measured - 1) < 0.25, (run, case["case"], got["update_s"], measured)
+
+
+def test_little_device_memory_means_one_slot_and_stages_that_add_up():
+    model = ModelSpec(16 * GiB, 387, GiB)
+    roomy = predict(model, Topology(devices_per_node=2, device_free_gib=130))
+    tight = predict(model, Topology(devices_per_node=2, device_free_gib=2))
+    assert roomy["pipelined"] and roomy["slots"] == 4 and not tight["pipelined"] and tight["slots"] == 1
+    assert tight["update_s"] > 1.8 * roomy["update_s"]
+    assert tight["device_bytes_per_rank"] < roomy["device_bytes_per_rank"]
+
+
+def test_more_nodes_split_host_memory_and_a_slow_nic_becomes_the_bottleneck():
+    model = ModelSpec(400 * GiB, 20000, 2 * GiB)
+    one = predict(model, Topology(nodes=1, devices_per_node=8, nic_gbps=400))
+    two = predict(model, Topology(nodes=2, devices_per_node=8, nic_gbps=25))
+    assert two["host_bytes_per_node"] == pytest.approx(one["host_bytes_per_node"] / 2, rel=0.01)
+    assert two["bottleneck"] == "broadcast" and two["update_s"] > one["update_s"]
+    assert one["stages_s"]["broadcast"] < two["stages_s"]["broadcast"]
+
+
+def test_more_slots_let_more_ranks_copy_at_once():
+    model = ModelSpec(400 * GiB, 20000, GiB)
+    few = predict(model, Topology(devices_per_node=8, slots=2))
+    many = predict(model, Topology(devices_per_node=8, slots=8))
+    assert few["stages_s"]["h2d"] == pytest.approx(4 * many["stages_s"]["h2d"], rel=0.01)
+
+
+def test_p2p_pulls_the_model_over_the_nic_instead_of_h2d():
+    got = predict(ModelSpec(100 * GiB, 1000, GiB), Topology(nodes=2, devices_per_node=8, nic_gbps=50), mode="p2p")
+    assert "h2d" not in got["stages_s"] and got["stages_s"]["p2p"] == pytest.approx(100 * GiB / 50e9, rel=1e-3)
+
+
+@pytest.mark.parametrize("bad", [dict(nodes=0), dict(h2d_gbps=0), dict(mem_fraction=1.5), dict(slots=0)])
+def test_a_bad_topology_is_a_config_error(bad):
+    with pytest.raises(ConfigError):
+        Topology(**bad)
+
+
+def test_a_tensor_larger_than_device_memory_is_a_config_error_naming_it():
+    with pytest.raises(ConfigError, match="largest tensor"):
+        predict(ModelSpec(100 * GiB, 10, 50 * GiB), Topology(device_free_gib=20))
+    with pytest.raises(ConfigError):
+        predict(ModelSpec(GiB, 10, GiB), replace(Topology()), mode="carrier-pigeon")
