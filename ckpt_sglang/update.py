@@ -46,8 +46,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     # SGLang's launcher flags, same defaults
     ap.add_argument("--checkpoint-path", default=None, help="directory of safetensors files (an HF checkpoint)")
     ap.add_argument("--save-metas-file", default=None, help="rank 0 writes the gathered metas here (JSON)")
-    ap.add_argument("--load-metas-file", default=None, help="join: register nothing, load these metas and pull the checkpoint from its owners (P2P)")
-    ap.add_argument("--sleep-time", type=float, default=0, help="seconds to keep the checkpoint registered after the updates (owners serving joiners)")
+    ap.add_argument("--load-metas-file", default=None,
+                    help="join: register nothing, load these metas and pull the checkpoint from its owners (P2P)")
+    ap.add_argument("--sleep-time", type=float, default=0,
+                    help="seconds to keep the checkpoint registered after the updates (owners serving joiners)")
     ap.add_argument("--endpoint", default="http://localhost:19730", help="the SGLang server of this host")
     ap.add_argument("--inference-parallel-size", type=int, default=8, help="devices of one SGLang server")
     ap.add_argument("--checkpoint-name", default="my-checkpoint-iter-0")

@@ -141,7 +141,8 @@ def test_owners_update_all_and_a_joiner_launcher_pulls_into_its_own_server_throu
                                 "--checkpoint-name", "p2p", out=out, env=dict(p2p_env, PS_P2P_HOST="127.0.0.2"))
         wait_for(lambda: owners.poll() is not None or len(_lines(out)) == 2,
                  "the owners' broadcast and P2P updates", timeout=240)
-        assert owners.poll() is None, f"owners exited ({owners.returncode}): {(tmp_path / 'owners.out.err').read_text()[-4000:]}"
+        err = tmp_path / "owners.out.err"
+        assert owners.poll() is None, f"owners exited ({owners.returncode}): {err.read_text()[-4000:]}"
         assert [x["method"] for x in _lines(out)] == ["broadcast", "p2p"]
         assert all(eng.state()["params"][n] == want[n] for n in want), "the owners' own server"
         assert json.loads(metas.read_text())["format"] == "ckpt-engine/metas"
