@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 
 from ._broadcast import BroadcastPipeline
-from ._link import Failure, PsLink
+from ._compat import open_link, wire_handles
+from ._link import Failure
 from . import _metas
 from ._metas import Peer, Source
 from ._nics import assign_readers
@@ -338,11 +339,13 @@ def _run_target(ps, name, req_func, deadline, targets, group, src, plan, wire, s
         _fail_through(ps, exc, deadline)
     # Every rank's handle, in rank order (the broadcast contract, so req_funcs that pick their group's
     # handles by position work unchanged); only the targets' sockets exist and only targets run req_func.
-    handles = [(k, f"ipc://@ckpt-{update_id}-{r}") for r, k in enumerate(ps._device_keys)]
+    # The engines' wire is the broadcast update's (ps.wire: native, or the stock worker's for SGLang).
+    handles = wire_handles(ps.wire, update_id, ps._device_keys)
     req = ReqThread(req_func, handles)
     signal = StopSignal(ps._coll.store, f"ckpt/{update_id}/abort", ps.rank, req, ps._log)
-    link = PsLink(ps._zmq, handles[ps.rank][1], update_id, rank=ps.rank, device_key=ps.device_uuid,
-                  deadline=deadline, should_stop=signal.should_stop)
+    link = open_link(ps.wire, ps._zmq, handles[ps.rank][1], update_id, rank=ps.rank, device_key=ps.device_uuid,
+                     deadline=deadline, should_stop=signal.should_stop, buckets=plan.buckets,
+                     slot_bytes=slot_bytes, ipc=ipc, device_kind=ps.backend.kind)
     times = {"plan": time.perf_counter() - t0}
     pipe = None
     ok = mapped = False

@@ -11,9 +11,14 @@ Without ``RANK`` in the environment it re-executes itself under torchrun with
 ``--inference-parallel-size`` processes on this host. Each rank registers its share of the
 checkpoint's files; the first rank of each inference group (ranks ``[k*n, (k+1)*n)``) waits
 for its server (``GET /model_info``) and posts ``/update_weights_from_ipc`` with its group's
-handles; the PS speaks the stock wire that SGLang's embedded worker expects. ``p2p``/``all``
-and ``--load-metas-file`` (joining through P2P) are refused until our P2P transport lands.
-Rank 0 prints the update's figures as one JSON line.
+handles; the PS speaks the stock wire that SGLang's embedded worker expects.
+
+P2P (the ``p2p`` extra, Mooncake; docs/p2p.md): ``--update-method p2p`` makes every rank pull
+the checkpoint from the owners' host memory, ``all`` broadcasts then pulls. Owners started with
+``--save-metas-file m.json --sleep-time 600`` keep the checkpoint registered; a joining launcher
+with ``--load-metas-file m.json`` (no ``--checkpoint-path``) registers nothing and pulls it into
+its own server (``ckpt_core/_driver.py`` holds this flow, shared with examples/vllm_update.py).
+Rank 0 prints one JSON line of figures per update, as soon as that update ends.
 """
 
 from __future__ import annotations
@@ -28,12 +33,11 @@ import time
 
 from ckpt_core import ParameterServer, split_checkpoint_files
 from ckpt_core._compat import WIRES
+from ckpt_core._driver import UPDATE_METHODS, prepare_checkpoint, run_updates, update_methods
 from ckpt_core.errors import CkptError, ConfigError
 
 from .client import BUSY_MODES, PAUSE_MODES, SglangClient
 
-P2P_UNSUPPORTED = ("--update-method p2p/all and --load-metas-file need ckpt_core's P2P transport, which has "
-                   "not landed yet; use --update-method broadcast")
 log = logging.getLogger("ckpt_sglang.update")
 
 
@@ -42,12 +46,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     # SGLang's launcher flags, same defaults
     ap.add_argument("--checkpoint-path", default=None, help="directory of safetensors files (an HF checkpoint)")
     ap.add_argument("--save-metas-file", default=None, help="rank 0 writes the gathered metas here (JSON)")
-    ap.add_argument("--load-metas-file", default=None, help="join with saved metas (P2P; not supported yet)")
-    ap.add_argument("--sleep-time", type=float, default=0, help="seconds to stay up after the update")
+    ap.add_argument("--load-metas-file", default=None,
+                    help="join: register nothing, load these metas and pull the checkpoint from its owners (P2P)")
+    ap.add_argument("--sleep-time", type=float, default=0,
+                    help="seconds to keep the checkpoint registered after the updates (owners serving joiners)")
     ap.add_argument("--endpoint", default="http://localhost:19730", help="the SGLang server of this host")
     ap.add_argument("--inference-parallel-size", type=int, default=8, help="devices of one SGLang server")
     ap.add_argument("--checkpoint-name", default="my-checkpoint-iter-0")
-    ap.add_argument("--update-method", choices=("broadcast", "p2p", "all"), default="broadcast")
+    ap.add_argument("--update-method", choices=UPDATE_METHODS, default="broadcast",
+                    help="p2p: pull from the owners' host memory (Mooncake, the p2p extra); all: broadcast, then p2p")
     ap.add_argument("--uds", default=None, help="talk HTTP over this Unix socket")
     ap.add_argument("--weight-version", default=None, help="version string the server reports afterwards")
     # ckpt-engine additions
@@ -66,10 +73,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def check_args(args: argparse.Namespace, world_size: int) -> None:
     """Refuse what cannot work before any process group or server is touched."""
-    if args.update_method != "broadcast" or args.load_metas_file:
-        raise ConfigError(P2P_UNSUPPORTED)
-    if not args.checkpoint_path:
-        raise ConfigError("--checkpoint-path is required")
+    if not args.checkpoint_path and not args.load_metas_file:
+        raise ConfigError("--checkpoint-path (or --load-metas-file, to join) is required")
     n = args.inference_parallel_size
     if n <= 0 or world_size % n:
         raise ConfigError(f"world size {world_size} is not a multiple of --inference-parallel-size {n}")
@@ -93,8 +98,8 @@ def torchrun_command(argv: list[str], nproc: int) -> list[str]:
             "--module", "ckpt_sglang.update", *argv]
 
 
-def run(args: argparse.Namespace) -> dict | None:
-    """One rank's work; returns rank 0's figures."""
+def run(args: argparse.Namespace) -> None:
+    """One rank's work: prepare the checkpoint, run the updates (rank 0 prints each one's figures)."""
     world_size, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     check_args(args, world_size)
     n = args.inference_parallel_size
@@ -103,22 +108,19 @@ def run(args: argparse.Namespace) -> dict | None:
         if client is not None:
             waited = client.wait_ready(timeout=args.ready_timeout)
             log.info("rank %d: %s answers /model_info (waited %.1f s)", rank, client.where, waited)
+        files = None if args.load_metas_file else split_checkpoint_files(args.checkpoint_path, rank, world_size)
         with ParameterServer(device=args.device, wire=args.wire) as ps:
-            t0 = time.perf_counter()
-            ps.register_checkpoint(args.checkpoint_name,
-                                   files=split_checkpoint_files(args.checkpoint_path, ps.rank, ps.world_size))
-            ps.gather_metas(args.checkpoint_name)
-            register_s = time.perf_counter() - t0
-            if args.save_metas_file and ps.rank == 0:
-                with open(args.save_metas_file, "w") as f:
-                    json.dump(ps.get_metas(), f)
-            reports: list = []
-            result = ps.update(args.checkpoint_name, make_req_func(client, ps.rank, n, args, reports),
-                               timeout=args.timeout)
+            register_s = prepare_checkpoint(ps, args.checkpoint_name, files=files, load_metas_file=args.load_metas_file,
+                                            save_metas_file=args.save_metas_file)
+            methods = update_methods(args.update_method, joining=bool(args.load_metas_file))
+            make = lambda reports: make_req_func(client, ps.rank, n, args, reports)   # noqa: E731
+            for method, result, reports in run_updates(ps, args.checkpoint_name, methods, make, timeout=args.timeout):
+                if ps.rank == 0:   # as soon as it ends: a joiner may wait for the owners' updates
+                    print(json.dumps({"checkpoint": args.checkpoint_name, "method": method,
+                                      "register_and_gather_s": round(register_s, 4), "ps": result,
+                                      "engine": [r.__dict__ for r in reports]}, default=str), flush=True)
             if args.sleep_time > 0:
                 time.sleep(args.sleep_time)
-            return {"checkpoint": args.checkpoint_name, "register_and_gather_s": round(register_s, 4), "ps": result,
-                    "engine": [r.__dict__ for r in reports]} if ps.rank == 0 else None
     finally:
         if client is not None:
             client.close()
@@ -139,12 +141,10 @@ def main(argv: list[str] | None = None) -> int:
         return subprocess.run(cmd, check=False).returncode
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        figures = run(args)
+        run(args)
     except CkptError as exc:
         print(f"ckpt_sglang.update: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         return 2 if isinstance(exc, ConfigError) else 1
-    if figures is not None:
-        print(json.dumps(figures, default=str), flush=True)
     return 0
 
 

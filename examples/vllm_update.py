@@ -34,6 +34,7 @@ import sys
 import time
 
 from ckpt_core import ParameterServer, split_checkpoint_files
+from ckpt_core._driver import UPDATE_METHODS, prepare_checkpoint, run_updates, update_methods
 from ckpt_core._requests import group_handles
 from ckpt_core.errors import ConfigError
 from ckpt_vllm import VllmClient
@@ -42,7 +43,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint-path", help="directory of safetensors files (an HF checkpoint)")
     ap.add_argument("--checkpoint-name", default="my-checkpoint-iter-0")
-    ap.add_argument("--update-method", choices=("broadcast", "p2p", "all"), default="broadcast",
+    ap.add_argument("--update-method", choices=UPDATE_METHODS, default="broadcast",
                     help="broadcast from every rank's share; p2p: every rank pulls from the owners' host "
                          "memory (Mooncake, the p2p extra); all: broadcast, then p2p")
     ap.add_argument("--inference-parallel-size", type=int, default=None,
@@ -115,22 +116,11 @@ def main(argv=None) -> int:
         if client is not None:
             client.wait_ready(timeout=args.ready_timeout)
         with ParameterServer(device=args.device) as ps:
-            t0 = time.perf_counter()
-            if args.load_metas_file:   # join: this world owns nothing; it pulls from the owners (P2P)
-                ps.load_metas(args.load_metas_file)
-            else:
-                ps.register_checkpoint(args.checkpoint_name, files=files)
-                ps.gather_metas(args.checkpoint_name)
-            t_register = time.perf_counter() - t0
-            if args.save_metas_file and ps.rank == 0:
-                ps.save_metas(args.save_metas_file)   # versioned JSON, never pickle
-            methods = (["p2p"] if args.load_metas_file
-                       else {"all": ["broadcast", "p2p"]}.get(args.update_method, [args.update_method]))
-            for method in methods:
-                reports: list = []
-                result = ps.update(args.checkpoint_name, make_req_func(client, ps.rank, ips, args, reports),
-                                   ranks=list(range(ps.world_size)) if method == "p2p" else None,
-                                   timeout=args.timeout)
+            t_register = prepare_checkpoint(ps, args.checkpoint_name, files=files, load_metas_file=args.load_metas_file,
+                                            save_metas_file=args.save_metas_file)
+            methods = update_methods(args.update_method, joining=bool(args.load_metas_file))
+            make = lambda reports: make_req_func(client, ps.rank, ips, args, reports)   # noqa: E731
+            for method, result, reports in run_updates(ps, args.checkpoint_name, methods, make, timeout=args.timeout):
                 if leader:
                     print(json.dumps({"checkpoint": args.checkpoint_name, "method": method, "rank": ps.rank,
                                       "group": group, "register_and_gather_s": round(t_register, 4),

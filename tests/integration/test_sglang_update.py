@@ -14,7 +14,8 @@ import json
 import pytest
 
 from ckpt_sglang import SglangClient
-from sglang_support.fixtures import SglangEngine, run_launcher, sglang_python, write_checkpoint
+from sglang_support.fixtures import (SglangEngine, run_launcher, sglang_python, start_launcher, wait_for,
+                                     write_checkpoint)
 
 
 @pytest.fixture(scope="module")
@@ -91,8 +92,12 @@ def test_busy_fail_reports_sglangs_answer(engine):
     assert "RemoteWorkerError" in proc.stderr and "cache was not flushed" in proc.stderr
 
 
-def test_an_error_in_sglangs_loader_reaches_the_ps_as_remote_worker_error(engine, tmp_path):
-    """A checkpoint whose q_proj has the wrong shape: SGLang's loader raises inside the stock worker."""
+@pytest.mark.parametrize("method", ["broadcast", "p2p"])
+def test_an_error_in_sglangs_loader_reaches_the_ps_as_remote_worker_error(engine, tmp_path, method):
+    """A checkpoint whose q_proj has the wrong shape: SGLang's loader raises inside the stock worker,
+    whether the bucket came by broadcast or by a P2P read."""
+    if method == "p2p":
+        pytest.importorskip("mooncake.engine", reason="Mooncake (the p2p extra) is not installed")
     eng, _root = engine
     import torch
     from ckpt_core._safetensors import write_file
@@ -101,15 +106,76 @@ def test_an_error_in_sglangs_loader_reaches_the_ps_as_remote_worker_error(engine
     (ckpt / "model-00000.safetensors").unlink()
     write_file(ckpt / "model-00000.safetensors", bad)
     before = eng.state()["params"]
-    proc = _launch(eng.url, ckpt)
+    proc = _launch(eng.url, ckpt, "--update-method", method)
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "RemoteWorkerError" in proc.stderr and "rank 0" in proc.stderr, proc.stderr[-3000:]
     assert eng.state()["params"] == before, "a failed update changed parameters"
 
 
-@pytest.mark.parametrize("flags", [("--update-method", "p2p"), ("--update-method", "all"),
-                                   ("--load-metas-file", "/nonexistent.json")])
-def test_p2p_methods_are_refused_with_a_clear_error(flags, tmp_path):
-    proc = run_launcher("--checkpoint-path", str(tmp_path), "--inference-parallel-size", "1", *flags, timeout=60)
-    assert proc.returncode == 2
-    assert "P2P transport" in proc.stderr and "--update-method broadcast" in proc.stderr
+def test_a_launcher_without_checkpoint_or_metas_is_refused_before_starting_ranks():
+    proc = run_launcher("--inference-parallel-size", "1", timeout=60)
+    assert proc.returncode == 2 and "running: " not in proc.stderr, proc.stderr[-2000:]
+    assert "--checkpoint-path (or --load-metas-file, to join) is required" in proc.stderr
+
+
+def _lines(path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.startswith("{")]
+
+
+def test_owners_update_all_and_a_joiner_launcher_pulls_into_its_own_server_through_saved_metas(engine, tmp_path):
+    """Owners: --update-method all (broadcast, then P2P) --save-metas-file --sleep-time, on one simulated
+    host (127.0.0.2); a joiner launcher on another (127.0.0.3) with --load-metas-file only feeds a second
+    SGLang server from the owners' host memory (Mooncake TCP), bit-exact."""
+    pytest.importorskip("mooncake.engine", reason="Mooncake (the p2p extra) is not installed: scripts/test.sh "
+                        "installs mooncake-transfer-engine-non-cuda and libibverbs1")
+    eng, root = engine
+    ckpt, want = write_checkpoint(root / "p2p", seed=6)
+    metas, out = tmp_path / "metas.json", tmp_path / "owners.out"
+    p2p_env = dict(SMALL_BUCKETS, NCCL_IB_DISABLE="1")
+    joiner = SglangEngine(sglang_python(), root / "model", tmp_path / "joiner-engine.log")
+    owners = None
+    try:
+        owners = start_launcher("--checkpoint-path", str(ckpt), "--endpoint", eng.url, "--inference-parallel-size",
+                                "1", "--device", "cpu", "--timeout", "120", "--ready-timeout", "60",
+                                "--update-method", "all", "--save-metas-file", str(metas), "--sleep-time", "300",
+                                "--checkpoint-name", "p2p", out=out, env=dict(p2p_env, PS_P2P_HOST="127.0.0.2"))
+        wait_for(lambda: owners.poll() is not None or len(_lines(out)) == 2,
+                 "the owners' broadcast and P2P updates", timeout=240)
+        err = tmp_path / "owners.out.err"
+        assert owners.poll() is None, f"owners exited ({owners.returncode}): {err.read_text()[-4000:]}"
+        assert [x["method"] for x in _lines(out)] == ["broadcast", "p2p"]
+        assert all(eng.state()["params"][n] == want[n] for n in want), "the owners' own server"
+        assert json.loads(metas.read_text())["format"] == "ckpt-engine/metas"
+
+        with SglangClient(joiner.url) as client:
+            client.wait_ready(timeout=240, alive=joiner.alive)
+        before = joiner.state()["params"]
+        proc = run_launcher("--load-metas-file", str(metas), "--endpoint", joiner.url, "--inference-parallel-size",
+                            "1", "--device", "cpu", "--timeout", "120", "--ready-timeout", "60",
+                            "--checkpoint-name", "p2p", "--weight-version", "joined",
+                            env=dict(p2p_env, PS_P2P_HOST="127.0.0.3"))
+        figures = _figures(proc)
+        assert figures["method"] == "p2p" and figures["ps"]["buckets"] >= 4, figures
+        state = joiner.state()
+        wrong = [n for n in want if state["params"][n] != want[n]]
+        assert not wrong, f"the joiner's server differs from the owners' checkpoint: {wrong}"
+        assert all(before[n] != want[n] for n in want), "the joiner's server already held the checkpoint"
+        assert state["weight_version"] == "joined"
+        assert owners.poll() is None, "the owners stayed up (--sleep-time) while the joiner read"
+    finally:
+        if owners is not None and owners.poll() is None:
+            owners.terminate()   # it would sleep on; torchrun passes SIGTERM on to its rank
+            owners.wait(60)
+        joiner.close()
+
+
+def test_a_joiner_with_a_foreign_metas_file_is_a_config_error_and_its_server_keeps_its_weights(engine, tmp_path):
+    eng, _root = engine
+    metas = tmp_path / "foreign.json"
+    metas.write_text('{"format": "other", "version": 1}')
+    before = eng.state()["params"]
+    proc = run_launcher("--load-metas-file", str(metas), "--endpoint", eng.url, "--inference-parallel-size", "1",
+                        "--device", "cpu", "--timeout", "60", "--ready-timeout", "60", timeout=180)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-3000:]   # torchrun's code for a failed rank
+    assert "ConfigError" in proc.stderr and "foreign.json" in proc.stderr, proc.stderr[-3000:]
+    assert eng.state()["params"] == before

@@ -125,13 +125,24 @@ class SglangEngine:
         self._out.close()
 
 
-def run_launcher(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
-    """``python -m ckpt_sglang.update ARGS`` as a user runs it (RANK unset: it re-executes under torchrun)."""
+def _launcher(args, env: dict | None):
     env = {k: v for k, v in dict(os.environ, **(env or {})).items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env["PYTHONPATH"] = str(REPO)
-    return subprocess.run([sys.executable, "-m", "ckpt_sglang.update", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=str(REPO))
+    return [sys.executable, "-m", "ckpt_sglang.update", *args], env
+
+
+def run_launcher(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``python -m ckpt_sglang.update ARGS`` as a user runs it (RANK unset: it re-executes under torchrun)."""
+    cmd, env = _launcher(args, env)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=str(REPO))
+
+
+def start_launcher(*args: str, out: Path, env: dict | None = None) -> subprocess.Popen:
+    """The same, in the background; stdout and stderr go to ``out`` and ``out``.err."""
+    cmd, env = _launcher(args, env)
+    with open(out, "w") as stdout, open(f"{out}.err", "w") as stderr:   # the child keeps its own copies
+        return subprocess.Popen(cmd, stdout=stdout, stderr=stderr, env=env, cwd=str(REPO))
 
 
 def wait_for(fn, what: str, timeout: float) -> None:

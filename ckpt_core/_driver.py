@@ -1,0 +1,67 @@
+"""The reference launchers' update flow, shared by our drivers (``examples/vllm_update.py``,
+``python -m ckpt_sglang.update``).
+
+Meanings kept from checkpoint-engine's examples/update.py and SGLang's launcher:
+
+- owners (``--checkpoint-path``): register this rank's share, gather metas, rank 0 writes them
+  (``--save-metas-file``; JSON here, never pickle), then ``--update-method`` ``broadcast``
+  (default), ``p2p`` (every rank pulls from the owners' host memory) or ``all`` (broadcast,
+  then p2p);
+- joiners (``--load-metas-file``): register nothing, load the owners' metas and pull the
+  checkpoint P2P into this world's engines (``--update-method`` is ignored, as upstream);
+- ``--sleep-time``: afterwards, keep the checkpoint registered that long (owners serving joiners).
+
+Difference: a P2P update targets every rank of this world (upstream SGLang's launcher names the
+first inference group, which is the whole world under its own torchrun re-execution).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterator
+
+from .errors import ConfigError
+
+UPDATE_METHODS = ("broadcast", "p2p", "all")
+
+
+def update_methods(update_method: str, joining: bool) -> list[str]:
+    """The updates to run, in order: ``["p2p"]`` for a joiner, else ``update_method`` expanded."""
+    if update_method not in UPDATE_METHODS:
+        raise ConfigError(f"--update-method must be one of {UPDATE_METHODS}, got {update_method!r}")
+    if joining:
+        return ["p2p"]
+    return ["broadcast", "p2p"] if update_method == "all" else [update_method]
+
+
+def prepare_checkpoint(ps, name: str, *, files: list[str] | None, load_metas_file: str | None,
+                       save_metas_file: str | None) -> float:
+    """Collective: make ``name`` updatable on every rank of ``ps``; returns the seconds it took.
+
+    Joiner (``load_metas_file``): ``ps.load_metas`` (validated JSON; a malformed or foreign file is
+    a ``ConfigError``). Owner: ``register_checkpoint(files=...)`` + ``gather_metas``. Then rank 0
+    writes the metas to ``save_metas_file`` (atomically), if given.
+    """
+    t0 = time.perf_counter()
+    if load_metas_file:
+        ps.load_metas(load_metas_file)
+    else:
+        ps.register_checkpoint(name, files=files)
+        ps.gather_metas(name)
+    if save_metas_file and ps.rank == 0:
+        ps.save_metas(save_metas_file)
+    return time.perf_counter() - t0
+
+
+def run_updates(ps, name: str, methods: list[str], make_req_func: Callable[[list], Callable], *,
+                timeout: float) -> Iterator[tuple[str, dict, list]]:
+    """Collective: run ``methods`` in order; yields ``(method, ps result, reports)`` after each.
+
+    ``make_req_func(reports)`` builds that update's ``req_func``, which may append its engine's
+    reports to ``reports``. ``p2p`` targets every rank of the world (``ranks=[0..world)``).
+    """
+    for method in methods:
+        reports: list = []
+        ranks = list(range(ps.world_size)) if method == "p2p" else None
+        result = ps.update(name, make_req_func(reports), ranks=ranks, timeout=timeout)
+        yield method, result, reports
