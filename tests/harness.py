@@ -347,33 +347,41 @@ def ps_main(rank: int, world: int, port: int, kind: str, script: list, out) -> N
     out.put((rank, results))
 
 
-def run_ps_world(kind: str, world: int, script: list, *, timeout: float = 120) -> dict[int, list]:
-    """Start ``world`` PS processes running ``script``; return each rank's step results."""
-    port = free_port()
-    q = CTX.Queue()
-    procs = [CTX.Process(target=ps_main, args=(r, world, port, kind, script, q), daemon=True) for r in range(world)]
+def collect_world(procs: list, q, what: str, timeout: float, join_s: float = 5) -> dict[int, list]:
+    """Start ``procs`` (one per rank; each puts ``(rank, result)`` on ``q``) and return every rank's
+    result, failing with ``what`` named when they do not finish within ``timeout`` or all die silently."""
     for p in procs:
         p.start()
     out: dict[int, list] = {}
-    deadline = time.monotonic() + timeout
+    start = time.monotonic()
+    deadline = start + timeout
     try:
-        while len(out) < world:
+        while len(out) < len(procs):
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(f"PS world did not finish within {timeout} s; finished ranks {sorted(out)}")
+                raise TimeoutError(f"{what} did not finish within {timeout} s; finished ranks {sorted(out)}")
             try:
                 rank, res = q.get(timeout=min(left, 1.0))
                 out[rank] = res
             except Exception:
                 dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in out]
-                if dead and time.monotonic() > deadline - timeout + 5 and all(not p.is_alive() for p in procs):
+                # A rank's last put may still be in flight for a moment after it exits.
+                if dead and time.monotonic() > start + 5 and all(not p.is_alive() for p in procs) and q.empty():
                     raise RuntimeError(f"PS ranks {dead} died without reporting")
     finally:
         for p in procs:
-            p.join(5)
+            p.join(join_s)
             if p.is_alive():
                 p.kill()
     return out
+
+
+def run_ps_world(kind: str, world: int, script: list, *, timeout: float = 120) -> dict[int, list]:
+    """Start ``world`` PS processes running ``script``; return each rank's step results."""
+    port = free_port()
+    q = CTX.Queue()
+    procs = [CTX.Process(target=ps_main, args=(r, world, port, kind, script, q), daemon=True) for r in range(world)]
+    return collect_world(procs, q, "PS world", timeout)
 
 
 # ---------------------------------------------------------------- PS side, driven step by step

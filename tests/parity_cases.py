@@ -18,7 +18,7 @@ import traceback
 import torch
 
 from e2e_cases import ShmDir
-from harness import CTX, FAULT_DTYPES, digest, fresh_tensor, free_port, queue_worker_main
+from harness import CTX, FAULT_DTYPES, collect_world, digest, fresh_tensor, free_port, queue_worker_main
 from ckpt_core._safetensors import write_file
 
 WORKER_RESULT_S = 120.0   # generous: how long a PS rank waits for its worker's report
@@ -127,27 +127,7 @@ def run_parity_world(kind: str, world: int, steps: list, *, init: dict | None = 
     port, q = free_port(), CTX.Queue()
     procs = [CTX.Process(target=parity_ps_main, args=(r, world, port, kind, steps, dict(init or {}), q))
              for r in range(world)]
-    for p in procs:
-        p.start()
-    out: dict[int, list] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(out) < world:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"parity world did not finish within {timeout} s; finished ranks {sorted(out)}")
-            try:
-                rank, res = q.get(timeout=min(left, 1.0))
-                out[rank] = res
-            except Exception:
-                if all(not p.is_alive() for p in procs) and q.empty():
-                    raise RuntimeError(f"PS ranks {sorted(set(range(world)) - set(out))} died without reporting")
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-    return out
+    return collect_world(procs, q, "parity world", timeout, join_s=10)
 
 
 # ---------------------------------------------------------------- cases
