@@ -146,16 +146,24 @@ def interleave(per_owner: list[list[Bucket]]) -> list[Bucket]:
     return out
 
 
+def first_shared_name(metas_per_rank: list[list[TensorMeta]]) -> tuple[str, int, int] | None:
+    """The first tensor name listed by two ranks (or twice by one), with both ranks; None if none is."""
+    owner: dict[str, int] = {}
+    for rank, metas in enumerate(metas_per_rank):
+        for m in metas:
+            if m.name in owner:
+                return m.name, owner[m.name], rank
+            owner[m.name] = rank
+    return None
+
+
 def plan_buckets(metas_per_rank: list[list[TensorMeta]], bucket_bytes: int) -> Plan:
     """Pack every rank's tensors into buckets of at most ``bucket_bytes``."""
     if bucket_bytes <= 0:
         raise ConfigError(f"bucket size must be positive, got {bucket_bytes}")
-    seen: dict[str, int] = {}
-    for rank, metas in enumerate(metas_per_rank):
-        for m in metas:
-            if m.name in seen:
-                raise ConfigError(f"tensor {m.name!r} is registered on rank {seen[m.name]} and on rank {rank}")
-            seen[m.name] = rank
+    shared = first_shared_name(metas_per_rank)
+    if shared:
+        raise ConfigError(f"tensor {shared[0]!r} is registered on rank {shared[1]} and on rank {shared[2]}")
     per_owner = [_pack_owner(r, metas, bucket_bytes) for r, metas in enumerate(metas_per_rank)]
     return Plan(bucket_bytes, tuple(interleave(per_owner)))
 

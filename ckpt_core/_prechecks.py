@@ -17,7 +17,7 @@ from datetime import timedelta
 
 from . import errors
 from ._checkpoint import RegisteredCheckpoint
-from ._planner import Plan, TensorMeta, align_up, choose_layout
+from ._planner import Plan, TensorMeta, align_up, choose_layout, first_shared_name
 from ._safetensors import WIRE_DTYPES
 from .errors import CheckpointNotFoundError, CkptError, ConfigError
 
@@ -88,12 +88,9 @@ def parse_metas(metas, world_size: int) -> dict[str, list[list[TensorMeta]]]:
             raise ConfigError(f"metas of {name!r} are not in the format get_metas() returns: {exc}") from exc
         if len(parsed) != world_size:
             raise ConfigError(f"metas of {name!r} describe {len(parsed)} ranks, this world has {world_size}")
-        owner: dict[str, int] = {}
-        for r, ms in enumerate(parsed):
-            for m in ms:
-                if m.name in owner:
-                    raise ConfigError(f"metas of {name!r} list tensor {m.name!r} twice (ranks {owner[m.name]} and {r})")
-                owner[m.name] = r
+        shared = first_shared_name(parsed)
+        if shared:
+            raise ConfigError(f"metas of {name!r} list tensor {shared[0]!r} twice (ranks {shared[1]} and {shared[2]})")
         out[name] = parsed
     return out
 

@@ -21,7 +21,7 @@ from ._link import Failure, PsLink
 from ._log import rank_logger
 from . import _metas
 from ._p2p import P2PState, run_update as run_p2p_update
-from ._planner import ALIGN, Plan, TensorMeta, align_up
+from ._planner import ALIGN, Plan, TensorMeta, align_up, first_shared_name
 from ._plans import PlanCache
 from ._prechecks import UpdateAgreement, parse_metas, problem_of, raise_agreed
 from ._protocol import encode_hello
@@ -250,14 +250,11 @@ class ParameterServer(UpdateAgreement):
         metas = [ckpt.metas if r == self.rank else
                  [TensorMeta(n, d, tuple(s), nb, it, b, o) for n, d, s, nb, it, b, o in g]
                  for r, g in enumerate(gathered)]
-        owner: dict[str, int] = {}
-        for r, ms in enumerate(metas):
-            for m in ms:
-                if m.name in owner:
-                    raise CheckpointFormatError(f"tensor is registered on rank {owner[m.name]} and rank {r}", tensor=m.name)
-                owner[m.name] = r
+        shared = first_shared_name(metas)
+        if shared:
+            raise CheckpointFormatError(f"tensor is registered on rank {shared[1]} and rank {shared[2]}", tensor=shared[0])
         self._metas[name] = metas
-        self._log.info("gathered metas of %r: %d tensors on %d ranks in %.3f s", name, len(owner),
+        self._log.info("gathered metas of %r: %d tensors on %d ranks in %.3f s", name, sum(map(len, metas)),
                        self.world_size, time.perf_counter() - t0)
 
     def get_metas(self) -> dict:
