@@ -61,6 +61,7 @@ class _Store:
 # Values the user set win.
 NCCL_ERROR_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
 ABORT_WAIT_S = 1.0     # how long abort() waits for the collective library; it carries on in the background
+CLOSE_WAIT_S = 30.0    # the same for close(): freeing communicators normally takes well under a second
 
 
 def nccl_error_defaults() -> None:
@@ -188,12 +189,34 @@ class Collectives:
         Aborting (rather than destroying) does not wait for the collectives in flight,
         which may never finish when a peer died.
         """
+        self._release(graceful=False, wait_s=ABORT_WAIT_S)
+
+    def close(self) -> None:
+        """Free every group we created: the default group (and all with it) if ours, else our
+        own sub-groups, so that a trainer's default group never accumulates them. Local: never
+        waits for the peers.
+
+        A collective library's graceful destroy (NCCL's finalize) is itself a collective: it
+        blocks until every peer destroys too, so one rank closing while the others keep their
+        ParameterServer (close() during an update, a service stopping rank by rank) would hang.
+        Those groups are aborted instead; nothing of ours is in flight when close() runs (an
+        update synchronizes its device before it returns). Gloo groups are destroyed.
+        """
+        self._release(graceful=self.data_backend == "gloo", wait_s=CLOSE_WAIT_S)
+
+    def _own_groups(self) -> list:
+        """The groups this object created inside a default group it does not own."""
+        return [g for g in (*self._subgroups, self.ctrl_group, self.data_group) if g is not None]
+
+    def _release(self, *, graceful: bool, wait_s: float) -> None:
         if getattr(self, "_closed", True):
             return
         self._closed = True
         if not dist.is_initialized():
             return
         abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        if abort is None:
+            graceful = True
         # Ours only: the whole world if we created it, else the groups we added to the caller's.
         groups = [None] if self._owns_default else self._own_groups()
         self.ctrl_group = self.data_group = None   # a destroyed group's sockets go with its last reference
@@ -202,31 +225,13 @@ class Collectives:
         def run() -> None:
             for g in groups:
                 try:
-                    abort(g) if abort is not None else dist.destroy_process_group(g)
+                    dist.destroy_process_group(g) if graceful else abort(g)
                 except Exception:  # already torn down by the backend's own error handling
                     pass
 
-        # The collective library may itself block on the stuck collective; the caller's
-        # typed error must not wait for it longer than ABORT_WAIT_S.
-        t = threading.Thread(target=run, name="ckpt-abort-groups", daemon=True)
+        # The collective library may itself block (on a stuck collective, or on a peer); the
+        # caller must not wait for it longer than wait_s: it carries on in the background.
+        t = threading.Thread(target=run, name="ckpt-release-groups", daemon=True)
         t.start()
-        t.join(ABORT_WAIT_S)
+        t.join(wait_s)
         self.abort_finished = not t.is_alive()
-
-    def _own_groups(self) -> list:
-        """The groups this object created inside a default group it does not own."""
-        return [g for g in (*self._subgroups, self.ctrl_group, self.data_group) if g is not None]
-
-    def close(self) -> None:
-        """Destroy every group we created: the default group (and all with it) if ours, else our
-        own sub-groups, so that a trainer's default group never accumulates them."""
-        if getattr(self, "_closed", True):
-            return
-        self._closed = True
-        if not dist.is_initialized():
-            return
-        groups = [None] if self._owns_default else self._own_groups()
-        self.ctrl_group = self.data_group = None   # a destroyed group's sockets go with its last reference
-        self._subgroups = []
-        for g in groups:
-            dist.destroy_process_group(g)

@@ -9,6 +9,7 @@ when all are done. Workers keep what they received and report SHA-256 digests.
 
 from __future__ import annotations
 
+import faulthandler
 import hashlib
 import multiprocessing as mp
 import os
@@ -556,6 +557,7 @@ def ps_server_main(rank: int, world: int, port: int, kind: str, init: dict, env:
     """A PS rank that executes commands from the test process, answering each with an Outcome."""
     os.environ.update(env)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    faulthandler.register(signal.SIGUSR1, all_threads=True)   # the harness asks for stacks when a rank hangs
     from ckpt_core import ParameterServer
     try:
         ps = ParameterServer(rank, world, device=kind, master_addr="127.0.0.1", master_port=port, **init)
@@ -621,12 +623,22 @@ class PsWorld:
             left = deadline - time.monotonic()
             try:
                 if not self.conns[r].poll(max(0.0, left)):
-                    out[r] = Outcome(False, None, "HarnessTimeout", f"PS rank {r} did not answer within {timeout} s")
+                    out[r] = Outcome(False, None, "HarnessTimeout", f"PS rank {r} did not answer within {timeout} s "
+                                     "(its threads' stacks are in the captured stderr)")
+                    self._dump_stacks(r)
                     continue
                 out[r] = self.conns[r].recv()
             except (EOFError, OSError):
                 out[r] = Outcome(False, None, "ProcessDied", f"PS rank {r} (pid {self.procs[r].pid}) died")
         return out
+
+    def _dump_stacks(self, r: int) -> None:
+        """A rank that hangs prints every thread's stack to stderr (faulthandler), for the log."""
+        try:
+            os.kill(self.procs[r].pid, signal.SIGUSR1)
+            time.sleep(0.5)
+        except OSError:
+            pass
 
     def collect(self, ranks=None, timeout: float = 60) -> dict[int, Outcome]:
         return self._collect(range(self.size) if ranks is None else ranks, timeout)
