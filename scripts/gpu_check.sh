@@ -65,6 +65,7 @@ OUT="$(cd "$OUT" && pwd)"
 command -v "$PY" >/dev/null || die "no interpreter $PY"
 
 export NCCL_NVLS_ENABLE=0          # NVLink SHARP multicast stays off on these hosts
+export CKPT_BENCH_OUT="$OUT"        # benchmarks run by the GPU tests (P2P) leave their JSON here
 export PYTHONUNBUFFERED=1
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"

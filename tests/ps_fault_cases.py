@@ -188,23 +188,26 @@ def act_mid_update(ps: PsWorld, front: EngineFront, name: str, marks, action_ran
     return {r: o.value for r, o in got.items()}
 
 
-def close_a_rank_mid_update(kind: str, front: EngineFront, marks) -> None:
-    """Rank 1 is closed mid-update: its update and rank 0's fail naming rank 1 and close(); close()
-    returns only after the update left; the engines aborted (they keep the previous weights)."""
-    with PsWorld(kind, 2, init=INIT, env=ENV) as ps:
+def close_a_rank_mid_update(kind: str, front: EngineFront, marks, world: int = 2) -> None:
+    """The last rank is closed mid-update: its update and every other rank's fail naming it and
+    close(); close() returns only after the update left; the engines aborted (they keep the
+    previous weights)."""
+    victim = world - 1
+    with PsWorld(kind, world, init=INIT, env=ENV) as ps:
         ckpts = FreshCheckpoints(ps, seed=44)
         first, want = ckpts.new("before")
         assert all(o.ok for o in ps.update(first, front, 30).values())
         name, _ = ckpts.new("closing")
-        got = act_mid_update(ps, front, name, marks, 1, "close")
-        assert got[1]["action"] == "ok" and got[1]["order"] == ["update ended", "close returned"], got
-        for r in range(2):
+        got = act_mid_update(ps, front, name, marks, victim, "close")
+        assert got[victim]["action"] == "ok" and got[victim]["order"] == ["update ended", "close returned"], got
+        for r in range(world):
             assert got[r]["update"].startswith("RemoteWorkerError"), got
-            assert "[rank 1]" in got[r]["update"] and "close() was called" in got[r]["update"], got
-        for i in range(2):
+            assert f"[rank {victim}]" in got[r]["update"] and "close() was called" in got[r]["update"], got
+        for i in range(world):
             held = front.digests(i)
             assert {n: held.get(n) for n in want} == want, f"engine worker {i} committed a failed update"
-        again = ps.all("update", (name, None, 10, None), ranks=[1])[1]
+        again = ps.all("update", (name, None, 10, None), ranks=[victim])[victim]
         assert not again.ok and again.error == "ClosedError", again
-        report_case(f"close() on rank 1 mid-update ({kind})", "RemoteWorkerError [rank 1] close() on every rank; "
+        report_case(f"close() on rank {victim} mid-update ({kind}, {world} ranks)",
+                    f"RemoteWorkerError [rank {victim}] close() on every rank; "
                     "freed after the update left", None)

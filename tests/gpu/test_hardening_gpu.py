@@ -18,11 +18,15 @@ def _need_two_gpus():
         pytest.skip(f"needs 2 GPUs, this machine has {torch.cuda.device_count()}")
 
 
-def test_close_during_an_update_under_nccl_stops_every_rank_then_frees(tmp_path):
-    _need_two_gpus()
-    front = EngineFront("cuda", 2)
+@pytest.mark.parametrize("world", [1, 2])
+def test_close_during_an_update_under_nccl_stops_every_rank_then_frees(world, tmp_path):
+    if world == 2:
+        _need_two_gpus()
+    elif not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    front = EngineFront("cuda", world)
     try:
-        cases.close_a_rank_mid_update("cuda", front, tmp_path)
+        cases.close_a_rank_mid_update("cuda", front, tmp_path, world)
     finally:
         front.close()
 
@@ -37,3 +41,29 @@ def test_parameter_servers_in_a_trainers_nccl_default_group_leave_no_groups_fds_
         assert after["fds"] <= before["fds"] + 4, f"rank {r} leaked descriptors: {c}"
         # an NCCL communicator holds tens of MiB of device memory; ten leaked ones are unmistakable
         assert after["device_free"] >= before["device_free"] - 64 * MiB, f"rank {r} leaked device memory: {c}"
+
+
+def test_a_read_only_shm_file_on_cuda_is_copied_into_pinned_memory_and_unlinked_after_success():
+    """Defect 3 on CUDA: pinning in place (cudaHostRegister) needs write access to the pages, so a
+    read-only /dev/shm file is copied instead while a writable one is pinned where it lies; both
+    deliver their exact bytes, and unlink_inplace_files=True deletes them only after the success."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    import os
+    from e2e_cases import ShmDir
+    from harness import digest, fresh_tensors
+    from inplace_cases import register_as_unprivileged, write_owned
+    shm = ShmDir()
+    os.chmod(shm.path, 0o777)   # the unprivileged child deletes files in it
+    try:
+        gen = torch.Generator().manual_seed(3)
+        a = fresh_tensors({"a.w": ((4096, 256), torch.bfloat16)}, gen)
+        b = fresh_tensors({"b.w": ((77, 3), torch.float32), "b.v": ((5,), torch.float16)}, gen)
+        files = [write_owned(shm, "a.safetensors", a, 0o644), write_owned(shm, "b.safetensors", b, 0o444)]
+        got = register_as_unprivileged(files, unlink=True, kind="cuda")
+        assert got["ok"], got
+        assert sorted(got["in_place"]) == [False, True], f"one region pinned in place, one copied: {got}"
+        assert got["digests"] == {n: digest(t) for n, t in {**a, **b}.items()}
+        assert got["exist"] == [False, False], "unlink_inplace_files=True deletes the files after a success"
+    finally:
+        shm.close()

@@ -142,11 +142,12 @@ def test_unregistering_the_checkpoint_being_updated_is_refused_and_the_update_de
     ckpts.drop(name)
 
 
-def test_close_during_an_update_stops_it_on_every_rank_with_a_typed_error_then_frees(tmp_path):
+@pytest.mark.parametrize("world", [1, 2])
+def test_close_during_an_update_stops_it_on_every_rank_with_a_typed_error_then_frees(world, tmp_path):
     from ps_fault_cases import close_a_rank_mid_update
-    front = EngineFront("cpu", 2)
+    front = EngineFront("cpu", world)
     try:
-        close_a_rank_mid_update("cpu", front, tmp_path)
+        close_a_rank_mid_update("cpu", front, tmp_path, world)
     finally:
         front.close()
 

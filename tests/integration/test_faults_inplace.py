@@ -9,53 +9,14 @@ registration succeeded, never when a later file fails; every failure is a ``Ckpt
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from e2e_cases import ShmDir
 from harness import digest, fresh_tensors
-
-NOBODY = 65534
-CHILD = r"""
-import json, os, sys
-import torch
-from ckpt_core._checkpoint import build_checkpoint
-from ckpt_core.devices import get_backend
-from ckpt_core.errors import CkptError
-if os.geteuid() == 0:
-    os.setgid(%(uid)d); os.setuid(%(uid)d)
-files, unlink = json.loads(sys.argv[1]), sys.argv[2] == "1"
-out = {}
-try:
-    ckpt = build_checkpoint("c", get_backend("cpu"), files=files, unlink_inplace_files=unlink)
-    out["ok"] = True
-    out["in_place"] = [r.source_check is not None for r in ckpt.regions.values()]
-    from harness import digest
-    out["digests"] = {m.name: digest(ckpt.host_tensor(m)) for m in ckpt.metas}
-    out["exist"] = [os.path.exists(f) for f in files]
-    ckpt.release()
-except CkptError as exc:
-    out = {"ok": False, "error": type(exc).__name__, "message": str(exc)}
-except BaseException as exc:
-    out = {"ok": False, "error": "raw " + type(exc).__name__, "message": str(exc)}
-out.setdefault("exist", [os.path.exists(f) for f in files])
-print("RESULT " + json.dumps(out))
-""" % {"uid": NOBODY}
-
-
-def register_as_unprivileged(files: list[str], *, unlink: bool) -> dict:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.path.join(root, "tests")]))
-    proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(files), "1" if unlink else "0"],
-                          capture_output=True, text=True, timeout=120, env=env)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert lines, f"child failed: {proc.stderr[-3000:]}"
-    return json.loads(lines[-1][len("RESULT "):])
+from inplace_cases import register_as_unprivileged, write_owned
 
 
 @pytest.fixture
@@ -64,14 +25,6 @@ def shm():
     os.chmod(d.path, 0o777)   # the unprivileged child deletes files in it
     yield d
     d.close()
-
-
-def write_owned(shm: ShmDir, name: str, tensors: dict, mode: int) -> str:
-    path = shm.write(name, tensors)
-    if os.geteuid() == 0:
-        os.chown(path, NOBODY, NOBODY)
-    os.chmod(path, mode)
-    return path
 
 
 def test_a_read_only_shm_file_is_mapped_read_only_and_unlinked_only_after_success(shm):
