@@ -33,6 +33,15 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
+def _stacks_later() -> None:
+    """With CKPT_BENCH_STACKS_AFTER=S, every process of the run prints all its threads' stacks
+    to stderr after S seconds (a run that hangs shows where)."""
+    after = float(os.environ.get("CKPT_BENCH_STACKS_AFTER") or 0)
+    if after > 0:
+        import faulthandler
+        faulthandler.dump_traceback_later(after, exit=False)
+
+
 def _say(args, who: str, msg: str) -> None:
     """Progress, flushed at once: a run cut short (a test's timeout) still shows how far it got."""
     print(f"[p2p_bench +{time.monotonic() - args.t0:7.1f} s] {who}: {msg}", flush=True)
@@ -66,6 +75,7 @@ def _random_share(rank: int, n: int, numel: int) -> dict:
 
 
 def owner_main(rank, world, port, args, metas_path, ready, stop):
+    _stacks_later()
     os.environ["PS_P2P_HOST"] = args.owner_host
     from ckpt_core import ParameterServer
     ps = ParameterServer(rank, world, device="cpu", master_addr="127.0.0.1", master_port=port)
@@ -92,6 +102,7 @@ def owner_main(rank, world, port, args, metas_path, ready, stop):
 def engine_main(kind, index, conn, verify_first):
     """One engine worker in its own process (CUDA IPC cannot be opened by the exporting process):
     copies every tensor into its own preallocated parameter; checksums the first update."""
+    _stacks_later()
     import torch
     import zmq
     from ckpt_core import update_weights_from_ipc
@@ -120,6 +131,7 @@ def engine_main(kind, index, conn, verify_first):
 
 
 def reader_main(rank, world, port, args, metas_path, sums, out):
+    _stacks_later()
     os.environ["PS_P2P_HOST"] = args.reader_host
     os.environ["LOCAL_RANK"] = str(rank)
     from ckpt_core import ParameterServer
@@ -178,6 +190,22 @@ def _ceiling(ps, args) -> dict:
     return {"bytes": total, "best_s": best, "gbps": total / best / 1e9}
 
 
+def _get(q, procs, timeout: float, what: str):
+    """The next result from ``q``; fails as soon as one of ``procs`` died without sending it (a
+    child that cannot even import ckpt_core must not leave the run waiting for the timeout)."""
+    import queue
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return q.get(timeout=1.0)
+        except queue.Empty:
+            dead = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead:
+                raise SystemExit(f"p2p_bench: {what} {dead[0][0]} exited with code {dead[0][1]} (its stderr is above)")
+            if time.monotonic() > deadline:
+                raise SystemExit(f"p2p_bench: no result from the {what}s within {timeout:g} s")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -199,23 +227,29 @@ def main() -> None:
               for r in range(args.owners)]
     for p in owners:
         p.start()
+    readers = []   # not daemons: each starts its engine worker process
     try:
         _say(args, "main", f"{args.owners} owners register {args.gib:g} GiB ({args.device} readers: {args.readers})")
         sums = {}
         for _ in owners:
-            sums.update(ready.get(timeout=600))
+            sums.update(_get(ready, owners, 600, "owner"))
         _say(args, "main", "owners ready; readers load the metas and update")
         readers = [CTX.Process(target=reader_main, args=(r, args.readers, rport, args, metas, sums, out))
                    for r in range(args.readers)]
         for p in readers:
             p.start()
-        res = sorted((out.get(timeout=1800) for _ in readers), key=lambda x: x["rank"])
+        res = sorted((_get(out, readers, 1800, "reader") for _ in readers), key=lambda x: x["rank"])
         for p in readers:
             p.join(60)
     finally:
+        for p in readers:
+            if p.is_alive():
+                p.kill()
         stop.set()
         for p in owners:
             p.join(30)
+            if p.is_alive():
+                p.kill()
         if os.path.exists(metas):
             os.unlink(metas)
     nbytes = res[0]["bytes"]

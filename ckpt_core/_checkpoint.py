@@ -107,7 +107,7 @@ def build_checkpoint(name: str, backend: DeviceBackend, *, files=None,
     headers = [_read_header(p) for p in files]          # validates every file before any allocation
     skip, named = dedupe(headers, named)               # duplicate names: identical once, differing raise
     headers = [_without(h, {n for i, n in skip if i == k}) for k, h in enumerate(headers)]
-    placed = [h for h in headers if _in_place(h.path, inplace)]
+    placed = eligible = [h for h in headers if _in_place(h.path, inplace)]
     # A read-only in-place file is mapped read-only; a kind that pins host memory (which needs
     # write access to the pages) gets a copy instead.
     writable = {h.path: file_writable(h.path) for h in placed}
@@ -151,7 +151,9 @@ def build_checkpoint(name: str, backend: DeviceBackend, *, files=None,
     ckpt = RegisteredCheckpoint(name, metas, regions, pool if total and pool is not None else None,
                                 nbytes=sum(m.nbytes for m in metas), seconds=clock.seconds)
     if unlink_inplace_files:   # only now that every region is mapped: a failure above deletes nothing
-        _unlink(h.path for h in placed)
+        # Every /dev/shm file registered in place goes, also one this device kind had to copy
+        # (read-only, or a kind that cannot pin in place): its bytes are ours now either way.
+        _unlink(h.path for h in eligible)
     return ckpt
 
 
@@ -163,7 +165,8 @@ def _read_header(path: str) -> SafetensorsHeader:
 
 
 def _unlink(paths) -> None:
-    """Delete in-place files the caller asked us to: their memory goes when we release the map.
+    """Delete in-place files the caller asked us to: a mapped file's memory goes when we release
+    the map, a copied one's at once.
     A file that cannot be deleted is kept (and said so): the registration stands."""
     for path in paths:
         try:

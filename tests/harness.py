@@ -27,6 +27,13 @@ AUTH = b"ckpt-tests"
 CTX = mp.get_context("spawn")
 
 
+def pythonpath(*paths) -> str:
+    """PYTHONPATH for a child interpreter: ``paths`` first, then the caller's own (an air-gapped
+    host puts its wheels there; a child that loses them cannot import zmq or Mooncake)."""
+    parts = [str(p) for p in paths] + [os.environ.get("PYTHONPATH", "")]
+    return os.pathsep.join(p for p in parts if p)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 from e2e_cases import ShmDir
+from harness import pythonpath
 
 NOBODY = 65534
 CHILD = r"""
@@ -48,7 +49,7 @@ print("RESULT " + json.dumps(out))
 
 def register_as_unprivileged(files: list[str], *, unlink: bool, kind: str = "cpu") -> dict:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the project (this file is in tests/)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.path.join(root, "tests")]))
+    env = dict(os.environ, PYTHONPATH=pythonpath(root, os.path.join(root, "tests")))
     proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(files), "1" if unlink else "0", kind],
                           capture_output=True, text=True, timeout=120, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]

@@ -78,7 +78,8 @@ def test_the_p2p_benchmark_into_gpu_memory_against_a_plain_mooncake_read(tmp_pat
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = os.path.join(os.environ.get("CKPT_BENCH_OUT", str(tmp_path)), "p2p_gpu.json")
     gib = os.environ.get("CKPT_P2P_BENCH_GIB", "1")
-    env = {**os.environ, "PYTHONPATH": root, "NCCL_IB_DISABLE": "1", "NCCL_NVLS_ENABLE": "0"}
+    from harness import pythonpath
+    env = {**os.environ, "PYTHONPATH": pythonpath(root), "NCCL_IB_DISABLE": "1", "NCCL_NVLS_ENABLE": "0"}
     cmd = [sys.executable, os.path.join(root, "benchmarks", "p2p_bench.py"), "--device", "cuda",
            "--gib", gib, "--readers", n, "--owners", n, "--repeats", "3", "--out", str(out)]
     try:

@@ -54,3 +54,24 @@ def test_files_are_kept_without_unlink_inplace_files(shm):
     files = [write_owned(shm, "a.safetensors", fresh_tensors({"a": ((64,), torch.float32)}, gen), 0o444)]
     got = register_as_unprivileged(files, unlink=False)
     assert got["ok"] and got["exist"] == [True], got
+
+
+def test_files_a_kind_must_copy_are_deleted_too_after_success(shm):
+    """A kind that pins host memory but cannot pin a file where it lies (like NPUs) copies the
+    /dev/shm files; with unlink_inplace_files=True they go after the success like mapped ones."""
+    from ckpt_core._checkpoint import build_checkpoint
+    from ckpt_core.devices.cpu import CpuBackend
+
+    class CopyingBackend(CpuBackend):
+        pins_host_memory, pins_in_place = True, False
+
+    gen = torch.Generator().manual_seed(6)
+    a = fresh_tensors({"a.w": ((300,), torch.bfloat16)}, gen)
+    path = shm.write("a.safetensors", a)
+    ckpt = build_checkpoint("c", CopyingBackend(), files=[path], unlink_inplace_files=True)
+    try:
+        assert [r.source_check for r in ckpt.regions.values()] == [None], "copied, not mapped"
+        assert {m.name: digest(ckpt.host_tensor(m)) for m in ckpt.metas} == {n: digest(t) for n, t in a.items()}
+        assert not os.path.exists(path)
+    finally:
+        ckpt.release()

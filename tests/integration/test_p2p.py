@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import p2p_cases as cases
-from harness import EngineFront, FreshCheckpoints, PsWorld, assert_every_rank_failed
+from harness import EngineFront, FreshCheckpoints, PsWorld, assert_every_rank_failed, pythonpath
 from p2p_cases import JOINERS, OWNERS, SMALL, all_ok, call, owners_with
 
 mooncake = pytest.importorskip("mooncake.engine", reason="Mooncake (the p2p extra) is not installed: "
@@ -118,7 +118,7 @@ def test_the_p2p_benchmark_runs_verified_on_cpu_and_reports_the_ratio_to_its_cei
     import sys
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = tmp_path / "p2p.json"
-    env = {**os.environ, "PYTHONPATH": root, "NCCL_IB_DISABLE": "1", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": pythonpath(root), "NCCL_IB_DISABLE": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "p2p_bench.py"), "--gib", "0.02",
                            "--tensor-mib", "1", "--repeats", "1", "--out", str(out)],
                           env=env, capture_output=True, text=True, timeout=240)

@@ -16,6 +16,7 @@ import torch
 
 from ckpt_ascend import NpuBackend
 from fakes.ascend_env import FAKES, ROOT, board_env, installed, run_py
+from harness import pythonpath
 
 
 DISCOVER = """
@@ -125,7 +126,7 @@ def test_a_worker_maps_the_ps_buffer_on_its_own_index_even_when_visible_devices_
     paths = [ROOT, FAKES]
     ps_env = board_env(tmp_path / "board", [0, 1], 2, visible="1,3")
     full = {**{k: v for k, v in os.environ.items() if k != "ASCEND_RT_VISIBLE_DEVICES"}, **ps_env,
-            "PYTHONPATH": ":".join(map(str, paths))}
+            "PYTHONPATH": pythonpath(*paths)}
     ps = subprocess.Popen([sys.executable, "-c", EXPORT], env=full, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                           text=True, cwd=tempfile.gettempdir())
     try:

@@ -19,6 +19,7 @@ from ckpt_core._host import SharedPool
 from ckpt_core._safetensors import write_file
 from ckpt_core.devices import get_backend
 from ckpt_core.errors import CheckpointFormatError, ConfigError, RemoteWorkerError, TransportError
+from harness import pythonpath
 
 
 # -- NCCL error-handling defaults ------------------------------------------------------------------
@@ -55,7 +56,7 @@ def test_a_plugin_package_adds_a_device_kind_through_the_entry_point(tmp_path):
     code = ("from ckpt_core.devices import available_kinds, get_backend, default_kind\n"
             "print(available_kinds(), get_backend('fakenpu').kind, default_kind())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), root])))
+                         env=dict(os.environ, PYTHONPATH=pythonpath(tmp_path, root)))
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["['cpu',", "'cuda',", "'fakenpu']", "fakenpu", "fakenpu"], out.stdout
 
