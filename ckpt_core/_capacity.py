@@ -12,8 +12,10 @@ what the transfer does (docs/architecture.md):
 - **reload**: the engine copies what it received into its parameters: ``model / reload`` plus a
   per-tensor cost (Python and kernel launches per tensor; it is what makes MoE slower).
 - **p2p** (``mode="p2p"``, late-joining ranks): the joining node pulls the whole model over its
-  NIC from the owners' host memory, then broadcasts locally; replaces h2d. Model only: this
-  build does not run P2P updates yet.
+  NIC from the owners' host memory, then broadcasts locally; replaces h2d. Measured on one
+  H200 over TCP on loopback, a P2P update ran at 0.93 to 1.0 of a plain Mooncake read of the
+  same bytes (benchmarks/results/README.md), which is what this assumes; RDMA NIC rates are
+  not measured here.
 
 Stages overlap over the ring of slots: ``fixed + max(stages) + (sum - max) / buckets`` (the
 pipeline's fill and drain); with one slot nothing overlaps and the stages add up.
@@ -63,7 +65,7 @@ class ModelSpec:
 class Topology:
     nodes: int = 1
     devices_per_node: int = 2
-    h2d_gbps: float = 49.3            # per device, all devices copying at once (measured 2xH200)
+    h2d_gbps: float = 49.3            # per device, all devices copying at once (measured 2xH200; see h2d_default)
     broadcast_gbps: float = 347.0     # intra-node device broadcast (NVLink, measured 2xH200)
     nic_gbps: float = 50.0            # per node, all NICs together (GB/s; 8x400 Gb/s ~ 400)
     device_free_gib: float = 130.0    # free device memory per device before the update
@@ -84,6 +86,14 @@ class Topology:
     @property
     def ranks(self) -> int:
         return self.nodes * self.devices_per_node
+
+
+H2D_ALONE_GBPS = 55.4   # one H200 copying alone (measured 1xH200): no other device shares host memory
+
+
+def h2d_default(devices_per_node: int) -> float:
+    """Measured host-to-device rate per device: alone on its host, or with every device copying."""
+    return H2D_ALONE_GBPS if devices_per_node == 1 else Topology.h2d_gbps
 
 
 def predict(model: ModelSpec, topo: Topology, *, mode: str = "broadcast", cal: Calibration = Calibration()) -> dict:

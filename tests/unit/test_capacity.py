@@ -25,7 +25,8 @@ def test_the_default_calibration_is_what_the_recorded_2xh200_run_gives():
 
 
 @pytest.mark.parametrize("run", ["2xH200-all-cases.json", "1xH200-dense16.json", "2xH200-dense16-2GiB-free.json",
-                                 "2xH200-dense16-memory-2GiB-free.json", "2xH200-all-cases-gc-fix-only.json"])
+                                 "2xH200-dense16-memory-2GiB-free.json", "2xH200-all-cases-gc-fix-only.json",
+                                 "1xH200-tiny-moe8-dense16-session5.json"])
 def test_predictions_are_within_25_percent_of_every_recorded_case(run):
     doc = _run(run)
     topo = topology_of(doc)
@@ -33,6 +34,20 @@ def test_predictions_are_within_25_percent_of_every_recorded_case(run):
         got = predict(ModelSpec(case["bytes"], case["tensors"], case["bytes"] // 16), topo)
         measured = case["update"]["best_s"]
         assert abs(got["update_s"] / measured - 1) < 0.25, (run, case["case"], got["update_s"], measured)
+
+
+def test_one_device_alone_defaults_to_the_rate_measured_alone():
+    """The CLI's defaults (no measured ceilings passed in) against the one-GPU run of session 5."""
+    from ckpt_core._capacity import H2D_ALONE_GBPS, h2d_default
+    doc = _run("1xH200-tiny-moe8-dense16-session5.json")
+    assert round(topology_of(doc).h2d_gbps, 1) == H2D_ALONE_GBPS == h2d_default(1)
+    assert h2d_default(2) == h2d_default(8) == Topology.h2d_gbps
+    for case in doc["cases"]:
+        if case["bytes"] < GiB:
+            continue   # the fixed cost was fitted on two ranks (one rank agrees with nobody: cheaper)
+        got = predict(ModelSpec(case["bytes"], case["tensors"], case["bytes"] // 16),
+                      Topology(devices_per_node=1, h2d_gbps=h2d_default(1)))
+        assert abs(got["update_s"] / case["update"]["best_s"] - 1) < 0.10, (case["case"], got["update_s"])
 
 
 def test_little_device_memory_means_one_slot_and_stages_that_add_up():
