@@ -25,8 +25,7 @@ def test_the_default_calibration_is_what_the_recorded_2xh200_run_gives():
 
 
 @pytest.mark.parametrize("run", ["2xH200-all-cases.json", "1xH200-dense16.json", "2xH200-dense16-2GiB-free.json",
-                                 "2xH200-dense16-memory-2GiB-free.json", "2xH200-all-cases-gc-fix-only.json",
-                                 "1xH200-tiny-moe8-dense16-session5.json"])
+                                 "2xH200-dense16-memory-2GiB-free.json", "2xH200-all-cases-gc-fix-only.json"])
 def test_predictions_are_within_25_percent_of_every_recorded_case(run):
     doc = _run(run)
     topo = topology_of(doc)
