@@ -1,0 +1,170 @@
+"""The broadcast update's flow on one rank (a mixin of :class:`ParameterServer`).
+
+After the first exchange (``_prechecks.UpdateAgreement``) agreed the plan: the IPC buffer, the
+handshake with this rank's engine worker, the pipeline (``_broadcast.py``), the post hook, and
+an agreement of every rank's status after each phase, so that every rank raises the same
+error and every worker aborts when any rank or worker failed.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Callable
+
+from ._broadcast import BroadcastPipeline
+from ._checkpoint import RegisteredCheckpoint
+from ._compat import open_link, wire_handles
+from ._link import Failure, PsLink
+from ._planner import ALIGN, Plan, align_up
+from ._protocol import encode_hello
+from ._signals import ReqThread, StopSignal, causes as causes_of
+from .devices import IpcBuffer
+from .errors import CkptError, RemoteWorkerError, UpdateTimeoutError
+
+ReqFunc = Callable[[list[tuple[str, str]]], object]
+REQ_GRACE_S = 2.0   # how long a failed update still waits for req_func to return
+GiB = float(1 << 30)
+
+
+class BroadcastUpdate:
+    """Uses the ParameterServer's settings, backend, collectives, zmq context and checkpoints."""
+
+    def _ensure_ipc(self, nbytes: int) -> IpcBuffer:
+        if self._ipc is not None and self._ipc.nbytes >= nbytes:
+            return self._ipc
+        self._release_ipc()
+        self._ipc = self.backend.alloc_ipc(nbytes, self.device_index, f"{self._run_id}-{self.rank}-{self._updates}")
+        return self._ipc
+
+    def _release_ipc(self) -> None:
+        if self._ipc is not None:
+            self._ipc.close()
+            self._ipc = None
+            self.backend.empty_cache()
+
+    def _update(self, name: str, req_func: ReqFunc, deadline: float, ckpt: RegisteredCheckpoint | None,
+                problem: list | None) -> dict:
+        t0 = time.perf_counter()
+        self._tell("update", "plan")
+        plan, slots, (plan_json, plan_digest) = self._agree_plan(name, problem)
+        self._tell("update", "handshake", 0, len(plan.buckets))
+        slot_bytes = align_up(max(plan.largest_bucket, ALIGN))
+        buffer_bytes = slot_bytes * slots
+        try:
+            ipc, alloc_failed = self._ensure_ipc(buffer_bytes), None
+        except CkptError as exc:   # told to every rank at the handshake's agreement, not raised alone
+            ipc, alloc_failed = None, f"cannot allocate the {buffer_bytes}-byte IPC buffer: {exc}"
+        update_id = f"{self._run_id}-{self._updates}"
+        self._updates += 1
+        handles = wire_handles(self.wire, update_id, self._device_keys)
+        abort_key = f"ckpt/{update_id}/abort"
+        req = ReqThread(req_func, handles)   # on every rank, like the reference: the function decides what to post
+
+        signal = StopSignal(self._coll.store, abort_key, self.rank, req, self._log)
+        should_stop, publish = signal.should_stop, signal.publish
+
+        link = open_link(self.wire, self._zmq, handles[self.rank][1], update_id, rank=self.rank,
+                         device_key=self.device_uuid, deadline=deadline,
+                         should_stop=lambda: self._closing_stop(link) or should_stop(),
+                         buckets=plan.buckets, slot_bytes=slot_bytes, ipc=ipc, device_kind=self.backend.kind)
+        times = {"plan": time.perf_counter() - t0}
+        ok = mapped = False
+        try:
+            req.start()
+            hello = None if alloc_failed else encode_hello(
+                update_id, device_kind=self.backend.kind, buffer=ipc.descriptor, slot_bytes=slot_bytes,
+                num_slots=slots, plan_json=plan_json, plan_digest=plan_digest)
+            mapped = self._handshake(link, hello, alloc_failed, ckpt, publish)
+            self._agree(link, req, deadline, phase="handshake", final=False)
+            times["handshake"] = time.perf_counter() - t0 - times["plan"]
+            host = {rid: region.tensor for rid, region in ckpt.regions.items()}
+            stats = BroadcastPipeline(plan=plan, rank=self.rank, index=self.device_index, backend=self.backend,
+                                      ipc=ipc, slot_bytes=slot_bytes, num_slots=slots, host=host, coll=self._coll,
+                                      link=link, copy_stream=self._copy_stream, log=self._log,
+                                      on_failure=publish, deadline=deadline,
+                                      progress=lambda done, n: self._tell("update", "transfer", done, n)).run()
+            times["pipeline"] = stats.seconds
+            self._agree(link, req, deadline, phase="transfer", final=False)
+            self._tell("update", "post-hook", len(plan.buckets), len(plan.buckets))
+            link.send_end(self.keep_device_buffers)
+            link.wait_finished()
+            self._agree(link, req, deadline, phase="post-hook", final=True)
+            ok = True
+        finally:
+            link.close()
+            # On failure the error matters more than req_func's return: wait briefly only.
+            left = max(0.0, deadline - time.monotonic())
+            req.join(left if ok else min(left, REQ_GRACE_S))
+            # A buffer no worker mapped stays exported (torch frees an IPC export only once a
+            # consumer has let go of it): keep it for the next update instead of leaking it.
+            # After a broken collective it may still be the target of a stuck broadcast: it is
+            # freed by close(), once the process groups are aborted.
+            broken = getattr(sys.exc_info()[1], "groups_broken", False)
+            if not self.keep_device_buffers and mapped and not broken:
+                self._release_ipc()
+        times["total"] = time.perf_counter() - t0
+        return self._report(name, plan, stats, times, slots=slots, device_buffer_bytes=buffer_bytes)
+
+    def _handshake(self, link: PsLink, hello: bytes | None, alloc_failed: str | None,
+                   ckpt: RegisteredCheckpoint, publish) -> bool:
+        """Send the plan and buffer to this rank's worker; whether it mapped the buffer. A local
+        problem (no buffer, an in-place file that shrank) fails the link and is published."""
+        mapped = False
+        if alloc_failed:
+            link.fail(alloc_failed)
+        else:
+            link.send_hello(frame=hello)
+            mapped = link.wait_ready()
+        problem = ckpt.source_problem()
+        if problem:
+            link.fail(problem)
+        if not mapped or problem:
+            publish(link.failure)
+        return mapped
+
+    def _closing_stop(self, link: PsLink) -> str | None:
+        """close() was called in another thread: this rank's update fails (and tells its peers)."""
+        if self._closing is not None:
+            link.fail(self._closing)
+        return self._closing
+
+    def _report(self, name: str, plan: Plan, stats, times: dict, **layout) -> dict:
+        """The update's figures: logged once, kept in ``last_update``, returned."""
+        result = {"name": name, "bytes": plan.total_bytes, "buckets": len(plan.buckets), "bucket_bytes": plan.bucket_bytes,
+                  **layout, "h2d_bytes": stats.h2d_bytes, "waits": {"deferred": stats.deferred, "awaited": stats.awaited},
+                  "seconds": times, "gbps": plan.total_bytes / times["total"] / 1e9}
+        self.last_update = result
+        self._log.info("updated %r: %.3f GiB in %d buckets, %.3f s (%.1f GB/s); pipeline %.3f s", name,
+                       plan.total_bytes / GiB, len(plan.buckets), times["total"], result["gbps"], stats.seconds)
+        return result
+
+    def _agree(self, link: PsLink, req: ReqThread, deadline: float, *, phase: str, final: bool) -> None:
+        """All ranks exchange their status; if any failed, every rank aborts its worker and raises."""
+        failure = None
+        if req.error is not None:
+            failure = Failure(self.rank, self.device_uuid, "req_func raised", req.error)
+        failure = failure or link.failure
+        if failure is None and final:
+            req.join(max(0.0, deadline - time.monotonic()))
+            if req.is_alive():
+                failure = Failure(self.rank, self.device_uuid, "req_func did not return within the update timeout",
+                                  timeout=True)
+            elif req.error is not None:   # req_func may fail after the workers finished (e.g. a resume call)
+                failure = Failure(self.rank, self.device_uuid, "req_func raised", req.error)
+        statuses = self._coll.all_gather_json(failure.to_json() if failure else None)
+        failed = [Failure(**s) for s in statuses if s is not None]
+        if not failed:
+            return
+        # An engine worker's own failure is the cause; ranks that stopped because of it,
+        # and req_func failing because the engine reported it, are echoes.
+        causes = causes_of(failed)
+        reason = "; ".join(f"rank {f.rank}: {f.message}" for f in causes)
+        link.send_abort(reason)
+        first = causes[0]
+        self._log.error("update failed during %s: %s", phase, reason)
+        if first.timeout:
+            raise UpdateTimeoutError(f"[rank {first.rank}] {first.message} (device {first.device_key}); "
+                                     f"failed during {phase}: {reason}")
+        raise RemoteWorkerError(f"update failed during {phase}: {reason}", rank=first.rank,
+                                device_key=first.device_key, remote_traceback=first.traceback or None)
