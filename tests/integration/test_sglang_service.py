@@ -61,7 +61,7 @@ def _holds(eng, want: dict) -> list[str]:
 def test_the_service_updates_every_sglang_parameter_and_a_second_checkpoint_switches(engine, service):
     eng, root = engine
     assert service.clients[0].get("/v1/status").json()["wire"] == "stock"
-    before = eng.state()["params"]
+    before, flushes = eng.state()["params"], eng.state()["flushes"]
     for seed, version in ((11, "v1"), (12, "v2")):
         ckpt, want = write_checkpoint(root / f"svc-{seed}", seed=seed)
         _register(service, f"step-{seed}", ckpt)
@@ -70,6 +70,8 @@ def test_the_service_updates_every_sglang_parameter_and_a_second_checkpoint_swit
         assert resp.json()["result"]["buckets"] >= 4, resp.json()
         assert not _holds(eng, want), f"step {seed}: SGLang's parameters differ from the pushed checkpoint"
         assert eng.state()["weight_version"] == version
+        assert eng.state()["flushes"] > flushes, "flush_cache defaults to true"
+        flushes = eng.state()["flushes"]
         assert service.clients[0].delete(f"/v1/checkpoints/step-{seed}").status_code == 200
     assert all(before[n] != want[n] for n in want), "the start weights already equalled the checkpoint"
     status = service.clients[0].get("/v1/status").json()
@@ -138,6 +140,7 @@ def test_uds_reaches_sglang_over_a_unix_socket_with_flush_cache_off(engine, serv
     eng, root = engine
     ckpt, want = write_checkpoint(root / "svc-uds", seed=14)
     _register(service, "uds", ckpt)
+    flushes = eng.state()["flushes"]
     proxy = _UnixToTcp(str(tmp_path / "sglang.sock"), eng.port)
     try:
         # the host is not resolvable: only the unix socket can lead to the server
@@ -148,6 +151,7 @@ def test_uds_reaches_sglang_over_a_unix_socket_with_flush_cache_off(engine, serv
     finally:
         proxy.close()
     assert not _holds(eng, want) and eng.state()["weight_version"] == "over-uds"
+    assert eng.state()["flushes"] == flushes, "flush_cache=false reached SGLang: no cache flush"
     assert service.clients[0].delete("/v1/checkpoints/uds").status_code == 200
 
 
