@@ -12,6 +12,7 @@ import ctypes
 import errno
 import mmap
 import os
+import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -61,6 +62,24 @@ def run_jobs(jobs: list[Job], threads: int | None = None) -> None:
         return
     with ThreadPoolExecutor(threads) as ex:
         list(ex.map(lambda job: job[2](), jobs))
+
+
+def counted(jobs: list[Job], on_bytes: Callable[[int], None] | None) -> list[Job]:
+    """The same jobs; each, once done, calls ``on_bytes(bytes done so far by all of them)`` (progress).
+    Jobs run on several threads: the running total is kept under a lock."""
+    if on_bytes is None:
+        return jobs
+    lock, done = threading.Lock(), [0]
+
+    def wrap(start: int, end: int, fn: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            fn()
+            with lock:
+                done[0] += end - start
+                now = done[0]
+            on_bytes(now)
+        return run
+    return [(a, b, wrap(a, b, fn)) for a, b, fn in jobs]
 
 
 def _pieces(region: HostRegion, dst: torch.Tensor):
@@ -158,10 +177,12 @@ def fill_and_pin(backend: DeviceBackend, region: HostRegion, jobs: list[Job], th
     region.pin = HostPin(lambda: [p.release() for p in pins])
 
 
-def populate_and_pin(backend: DeviceBackend, region: HostRegion, *, write: bool = True) -> None:
-    """Fault a fresh mapping in on ``fault_threads()`` threads and pin it piece by piece (see above)."""
+def populate_and_pin(backend: DeviceBackend, region: HostRegion, *, write: bool = True,
+                     on_bytes: Callable[[int], None] | None = None) -> None:
+    """Fault a fresh mapping in on ``fault_threads()`` threads and pin it piece by piece (see above).
+    ``on_bytes``: progress, bytes faulted in so far (see :func:`counted`)."""
     jobs = populate_jobs(region) if write else populate_jobs(region, write=False)
-    fill_and_pin(backend, region, jobs, fault_threads())
+    fill_and_pin(backend, region, counted(jobs, on_bytes), fault_threads())
 
 
 def new_region(backend: DeviceBackend, rid: int, nbytes: int) -> HostRegion:
@@ -179,7 +200,8 @@ def file_writable(path: str) -> bool:
 
 
 def map_file_region(backend: DeviceBackend, rid: int, path: str, *, writable: bool = True,
-                    lap: Callable[[str], None] = lambda phase: None) -> HostRegion:
+                    lap: Callable[[str], None] = lambda phase: None,
+                    on_bytes: Callable[[int], None] | None = None) -> HostRegion:
     """Map a whole file (a /dev/shm checkpoint) in place and pin it; nothing is copied.
 
     ``writable=False`` maps it read-only (nothing ever writes a checkpoint's host memory);
@@ -218,7 +240,7 @@ def map_file_region(backend: DeviceBackend, rid: int, path: str, *, writable: bo
     region.closer = close
     region.source_check = source_check
     try:
-        populate_and_pin(backend, region, write=writable)
+        populate_and_pin(backend, region, write=writable, on_bytes=on_bytes)
         lap("populate and pin in place")
     except BaseException:
         region.release()

@@ -180,14 +180,17 @@ class ParameterServer(UpdateAgreement):
             self._pool = self._pool or SharedPool(self.backend)
             pool = self._pool
         t0 = time.perf_counter()
+        self._tell("register", "validate")
         with gc_paused():
             ckpt = build_checkpoint(name, self.backend, files=files, named_tensors=named_tensors,
                                     pool=pool, inplace=use_inplace_pin_memory,
-                                    unlink_inplace_files=unlink_inplace_files)
+                                    unlink_inplace_files=unlink_inplace_files,
+                                    progress=lambda phase, done, total: self._tell("register", phase, done, total))
         self._checkpoints[name] = ckpt
         self._p2p.on_register(name, ckpt)   # P2P readers may pull its regions (when Mooncake is installed)
         dt = time.perf_counter() - t0
         self.last_register = {"name": name, "bytes": ckpt.nbytes, "seconds": dict(ckpt.seconds, total=dt)}
+        self._tell("register", "done", ckpt.nbytes, ckpt.nbytes)
         self._log.info("registered %r: %d tensors, %.3f GiB in %.3f s (%.2f GB/s; %s)", name, len(ckpt.metas),
                        ckpt.nbytes / GiB, dt, ckpt.nbytes / max(dt, 1e-9) / 1e9,
                        ", ".join(f"{k} {v:.3f} s" for k, v in ckpt.seconds.items() if v >= 0.0005))

@@ -56,3 +56,22 @@ def test_every_piece_of_a_region_is_registered_and_released():
     other = new_region(backend, 1, PIN_CHUNK + 4096)
     assert memory_type(lib, other.tensor.data_ptr() + PIN_CHUNK) in (0,)   # never pinned
     other.release()
+
+
+def test_registration_on_cuda_reports_pinning_and_copy_progress_in_bytes():
+    """The pinning kind's extra phase (fault in + cudaHostRegister) is reported, in bytes, before
+    the copy; both reach their totals."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from ckpt_core import ParameterServer
+    from harness import free_port
+    calls = []
+    with ParameterServer(0, 1, device="cuda", master_addr="127.0.0.1", master_port=free_port()) as ps:
+        ps.progress = lambda *a: calls.append(a)
+        ps.register_checkpoint("c", named_tensors={"w": torch.ones(600 << 18, dtype=torch.int32)})   # 600 MiB
+    phases = [p for op, p, _, _ in calls if op == "register"]
+    assert phases[0] == "validate" and phases[-1] == "done", phases
+    assert phases.index("populate and pin") < phases.index("fill"), phases
+    for phase in ("populate and pin", "fill"):
+        last = [(d, t) for op, p, d, t in calls if p == phase][-1]
+        assert last[0] == last[1] >= 600 << 20, (phase, last)
