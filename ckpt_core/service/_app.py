@@ -158,7 +158,8 @@ def _sglang_base(url: str) -> str:
     """The SGLang server's base URL from ``update_url`` (``http://host:port``, optionally with its route)."""
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.netloc or parts.query or parts.fragment:
-        raise ConfigError(f"update_url for engine='sglang' must be the server's URL (http://host:port), got {url[:200]!r}")
+        raise ConfigError(f"update_url for engine='sglang' must be the server's URL (http://host:port), "
+                          f"got {url[:200]!r}")
     path = parts.path.rstrip("/").removesuffix(SGLANG_ROUTE)
     return f"{parts.scheme}://{parts.netloc}{path}"
 
