@@ -27,6 +27,7 @@ from .errors import (CheckpointFormatError, CheckpointNotFoundError, CkptError, 
 
 EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_FORMAT, EXIT_CONFIG, EXIT_TRANSPORT, EXIT_OTHER = 0, 1, 2, 3, 4, 5, 6
 GiB = float(1 << 30)
+SERVE_WIRES = ("native", "stock", "stock-0.3")   # ckpt_core._compat.WIRES, without importing torch here
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -63,7 +64,7 @@ def cmd_serve(args) -> int:
             raise ConfigError(f"cannot read --token-file {args.token_file!r}: {exc}") from exc
     token = token or service_token()
     ps = ParameterServer(device=args.device, max_bucket_gb=args.max_bucket_gb, mem_fraction=args.mem_fraction,
-                         keep_device_buffers=args.keep_device_buffers)
+                         keep_device_buffers=args.keep_device_buffers, wire=args.wire)
     idle = False
     try:
         if ps.device_index == 0:   # one bar per host: ranks under torchrun share the terminal
@@ -212,6 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-bucket-gb", type=float)
     s.add_argument("--mem-fraction", type=float)
     s.add_argument("--keep-device-buffers", action="store_true")
+    s.add_argument("--wire", choices=SERVE_WIRES, default="native",
+                   help="wire to the engine workers: native (ckpt_core's, vLLM), stock (checkpoint-engine >= 0.4 "
+                        "workers, e.g. SGLang's), stock-0.3 (0.2.1 - 0.3.4) (default %(default)s)")
     s.add_argument("--uvicorn-log-level", default="warning")
     s.add_argument("--parent-pid", type=int, help="managed mode: stop (as on SIGTERM) once this process (the engine worker) is gone")
 

@@ -1,6 +1,7 @@
 """The FastAPI application of one parameter-server rank.
 
-Routes (the first seven are the reference checkpoint-engine's, same paths and fields):
+Routes (the first seven are the reference checkpoint-engine's, same paths and fields; the update
+route adds ``engine`` (``vllm``/``sglang``), ``weight_version`` and ``flush_cache``):
 
 | route | does | collective |
 |---|---|---|
@@ -24,6 +25,7 @@ from __future__ import annotations
 import hmac
 import os
 from typing import Any
+from urllib.parse import urlsplit
 
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -39,6 +41,7 @@ from ._state import Busy, ServiceState, error_fields
 # Most specific first: UpdateTimeoutError is a TransportError, ConfigError a ValueError.
 _STATUS = ((UpdateTimeoutError, 504), (RemoteWorkerError, 502), (ClosedError, 503), (CheckpointNotFoundError, 404),
            (CheckpointFormatError, 422), (ConfigError, 400))
+SGLANG_ROUTE = "/update_weights_from_ipc"
 _ERRORS = {code: {"model": ErrorBody} for code in (400, 401, 404, 409, 422, 500, 502, 503, 504)}
 
 
@@ -122,18 +125,43 @@ def _check_name(name: str) -> str:
     return name
 
 
-def _req_func(body: UpdateRequest, world_size: int):
-    """The ``req_func`` of one update: post the chosen handles to ``update_url`` (if any)."""
+def _req_func(body: UpdateRequest, world_size: int, wire: str):
+    """The ``req_func`` of one update: post the chosen handles to ``update_url`` (if any).
+
+    ``engine="vllm"``: ``request_inference_to_update`` (``/collective_rpc``). ``engine="sglang"``:
+    ``ckpt_sglang.SglangClient.update`` (``/update_weights_from_ipc``), which needs a PS speaking
+    the stock wire (SGLang embeds the stock worker): refused up front on a native-wire service.
+    """
     bad = [r for r in body.inference_group_ranks if not 0 <= r < world_size]
     if bad:
         raise ConfigError(f"inference_group_ranks {bad} are outside this world of {world_size} ranks")
+    if body.engine == "sglang" and wire == "native":
+        raise ConfigError("engine='sglang' needs a parameter server speaking the stock wire (SGLang embeds the "
+                          "stock checkpoint-engine worker): start the service with `ckpt-engine serve --wire stock` "
+                          "(`--wire stock-0.3` for checkpoint-engine 0.2.1 - 0.3.4 in the server)")
+    sglang_base = _sglang_base(body.update_url) if body.engine == "sglang" and body.update_url else None
 
     def req_func(handles):
         if body.update_url is None:
             return None
         chosen = [handles[r] for r in body.inference_group_ranks] if body.inference_group_ranks else handles
-        request_inference_to_update(body.update_url, dict(chosen), timeout=body.timeout, uds=body.uds)
+        if sglang_base is None:
+            request_inference_to_update(body.update_url, dict(chosen), timeout=body.timeout, uds=body.uds)
+            return None
+        from ckpt_sglang import SglangClient
+        with SglangClient(sglang_base, uds=body.uds, timeout=body.timeout) as client:
+            client.update(chosen, flush_cache=body.flush_cache, weight_version=body.weight_version)
     return req_func
+
+
+def _sglang_base(url: str) -> str:
+    """The SGLang server's base URL from ``update_url`` (``http://host:port``, optionally with its route)."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc or parts.query or parts.fragment:
+        raise ConfigError(f"update_url for engine='sglang' must be the server's URL (http://host:port), "
+                          f"got {url[:200]!r}")
+    path = parts.path.rstrip("/").removesuffix(SGLANG_ROUTE)
+    return f"{parts.scheme}://{parts.netloc}{path}"
 
 
 def _routes(app: FastAPI, state: ServiceState, ps) -> None:
@@ -159,7 +187,7 @@ def _routes(app: FastAPI, state: ServiceState, ps) -> None:
     @app.post("/v1/checkpoints/{name}/update", response_model=Done)
     async def update(name: str, body: UpdateRequest):
         _check_name(name)
-        req_func = _req_func(body, ps.world_size)
+        req_func = _req_func(body, ps.world_size, ps.wire)
         result = await state.run("update", name, lambda: ps.update(name, req_func, ranks=body.ranks or None,
                                                                      timeout=body.timeout))
         return Done(result=result)
@@ -184,7 +212,7 @@ def _routes(app: FastAPI, state: ServiceState, ps) -> None:
 
     @app.get("/v1/status", response_model=Status)
     async def status():
-        return Status(rank=ps.rank, world_size=ps.world_size, pid=os.getpid(), device_key=ps.device_uuid,
+        return Status(rank=ps.rank, world_size=ps.world_size, pid=os.getpid(), device_key=ps.device_uuid, wire=ps.wire,
                       checkpoints=ps.checkpoints(), gathered=sorted(getattr(ps, "_metas", {})),
                       running=state.snapshot(),
                       updates=state.updates, failures=state.failures, last_update=ps.last_update,

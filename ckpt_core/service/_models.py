@@ -7,9 +7,9 @@ silently ignored option. Field names of the update request are the reference's
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MAX_TIMEOUT_S = 7 * 24 * 3600.0   # one week: anything longer is a typo, not a plan
 NAME_PATTERN = r"^[^/\x00-\x1f]{1,256}$"
@@ -29,15 +29,32 @@ class RegisterRequest(_Strict):
 class UpdateRequest(_Strict):
     """``POST /v1/checkpoints/{name}/update``; every rank's service must receive one (collective).
 
-    ``update_url`` (optional): the engine's ``/collective_rpc`` URL the update request is posted
-    to, with the handles of ``inference_group_ranks`` (all ranks when empty); over the Unix
-    socket ``uds`` when given. ``timeout`` bounds the whole update, that request included.
+    ``update_url`` (optional): where the handles of ``inference_group_ranks`` (all ranks when
+    empty) are posted, over the Unix socket ``uds`` when given. ``engine="vllm"`` (default, the
+    reference's behaviour): ``update_url`` is the engine's ``/collective_rpc`` URL.
+    ``engine="sglang"``: ``update_url`` is the SGLang server's base URL (``http://host:port``;
+    a trailing ``/update_weights_from_ipc`` is accepted), which gets ``POST
+    /update_weights_from_ipc`` with ``weight_version`` and ``flush_cache``; the service's PS must
+    speak the stock wire (``ckpt-engine serve --wire stock``). ``weight_version`` and
+    ``flush_cache`` are refused (422) with ``engine="vllm"``. ``timeout`` bounds the whole
+    update, that request included.
     """
     ranks: list[int] = Field(default_factory=list, description="P2P target ranks; empty: broadcast to all")
     update_url: Optional[str] = Field(default=None, min_length=1, max_length=4096)
     inference_group_ranks: list[int] = Field(default_factory=list)
     timeout: float = Field(default=300.0, gt=0, le=MAX_TIMEOUT_S, description="seconds")
     uds: Optional[str] = Field(default=None, min_length=1, max_length=107)
+    engine: Literal["vllm", "sglang"] = Field(default="vllm", description="the kind of engine behind update_url")
+    weight_version: Optional[str] = Field(default=None, max_length=256,
+                                          description="sglang only: the version SGLang reports after the update")
+    flush_cache: bool = Field(default=True, description="sglang only: flush SGLang's KV cache after the update")
+
+    @model_validator(mode="after")
+    def _sglang_fields_need_sglang(self) -> "UpdateRequest":
+        given = sorted({"weight_version", "flush_cache"} & self.model_fields_set)
+        if self.engine != "sglang" and given:
+            raise ValueError(f"{' and '.join(given)} apply to engine='sglang' only")
+        return self
 
 
 class ErrorDetail(BaseModel):
@@ -71,6 +88,7 @@ class Status(BaseModel):
     world_size: int
     pid: int
     device_key: str
+    wire: str = Field(description="native, stock or stock-0.3 (ckpt-engine serve --wire)")
     checkpoints: list[str]
     gathered: list[str]
     running: Optional[Operation] = None

@@ -14,22 +14,15 @@ import json
 import pytest
 
 from ckpt_sglang import SglangClient
-from sglang_support.fixtures import (SglangEngine, run_launcher, sglang_python, start_launcher, wait_for,
-                                     write_checkpoint)
+from sglang_support.fixtures import (SglangEngine, ready_engine, run_launcher, sglang_python, start_launcher,
+                                     wait_for, write_checkpoint)
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    python = sglang_python()
     root = tmp_path_factory.mktemp("sglang")
-    model_dir, _ = write_checkpoint(root / "model", seed=100)
-    eng = SglangEngine(python, model_dir, root / "engine.log")
-    try:
-        with SglangClient(eng.url) as client:
-            client.wait_ready(timeout=240, alive=eng.alive)
+    with ready_engine(root) as eng:
         yield eng, root
-    finally:
-        eng.close()
 
 
 # buckets of ~100 KiB: the 0.4 MB model travels in several, through both slots of the ring

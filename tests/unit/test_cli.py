@@ -91,6 +91,21 @@ def test_an_unknown_flag_is_a_usage_error():
     assert exc.value.code == cli.EXIT_USAGE
 
 
+@pytest.mark.parametrize("wire", ["stock4", "", "NATIVE"])
+def test_serve_refuses_an_unknown_wire_as_a_usage_error(wire, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["serve", "--wire", wire])
+    assert exc.value.code == cli.EXIT_USAGE
+    assert "--wire" in capsys.readouterr().err
+
+
+def test_serve_offers_exactly_the_parameter_servers_wires():
+    from ckpt_core._compat import WIRES
+    assert set(cli.SERVE_WIRES) == set(WIRES)
+    assert cli.build_parser().parse_args(["serve"]).wire == "native"
+    assert cli.build_parser().parse_args(["serve", "--wire", "stock-0.3"]).wire == "stock-0.3"
+
+
 def test_plan_prints_stages_memory_and_json(tmp_path, capsys):
     assert cli.main(["--json", "plan", "--size-gib", "16", "--tensors", "387", "--devices", "2",
                      "--device-free-gib", "130"]) == 0

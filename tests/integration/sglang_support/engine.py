@@ -16,7 +16,8 @@ SGLang's real ``SchedulerWeightUpdaterManager``, model-runner ``WeightUpdater`` 
 sets with ``POST /ckpt_test/busy``), SGLang's CPU device key (its CPU platform answers the
 machine arch; our PS keys CPU ranks ``CPU-<machine id>-<index>``), the stock DeviceManager
 (``stock_cpu_device.py``) and ``vllm._custom_ops`` (imported by SGLang's rotary embedding).
-``GET /ckpt_test/digests`` reports a digest of every parameter.
+``GET /ckpt_test/digests`` reports a digest of every parameter (and the weight version, the
+pause mode and how many cache flushes were asked for).
 """
 
 from __future__ import annotations
@@ -68,10 +69,12 @@ class SchedulerStandIn:
 
     def __init__(self, model):
         self.model, self.running, self.paused, self.weight_version = model, 0, None, None
+        self.flushes = 0   # cache flushes asked for (the update's flush_cache, /flush_cache)
         self.weight_updater = None   # the model runner's real WeightUpdater, set by main()
 
     # what SchedulerWeightUpdaterManager calls
     def flush_cache(self, empty_cache: bool = True) -> bool:
+        self.flushes += 1
         return self.running == 0 or self.paused in ("retract", "abort")
 
     def is_fully_idle(self, **_kw) -> bool:
@@ -165,7 +168,8 @@ def main() -> None:
     @app.get("/ckpt_test/digests")
     async def digests():
         return {"params": {n: digest(p) for n, p in model.named_parameters()},
-                "weight_version": scheduler.weight_version, "paused": scheduler.paused}
+                "weight_version": scheduler.weight_version, "paused": scheduler.paused,
+                "flushes": scheduler.flushes}
 
     @app.post("/ckpt_test/busy")
     async def busy(n: int = Query(0)):

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -123,6 +124,21 @@ class SglangEngine:
                 self.proc.kill()
                 self.proc.wait(10)
         self._out.close()
+
+
+@contextmanager
+def ready_engine(root: Path, seed: int = 100):
+    """An engine on a fresh model directory under ``root`` (weights of ``seed``), ready to update."""
+    from ckpt_sglang import SglangClient
+    python = sglang_python()
+    model_dir, _ = write_checkpoint(root / "model", seed=seed)
+    eng = SglangEngine(python, model_dir, root / "engine.log")
+    try:
+        with SglangClient(eng.url) as client:
+            client.wait_ready(timeout=240, alive=eng.alive)
+        yield eng
+    finally:
+        eng.close()
 
 
 def _launcher(args, env: dict | None):
