@@ -109,15 +109,7 @@ def build_checkpoint(name: str, backend: DeviceBackend, *, files=None,
     headers = [_read_header(p) for p in files]          # validates every file before any allocation
     skip, named = dedupe(headers, named)               # duplicate names: identical once, differing raise
     headers = [_without(h, {n for i, n in skip if i == k}) for k, h in enumerate(headers)]
-    placed = eligible = [h for h in headers if _in_place(h.path, inplace)]
-    # A read-only in-place file is mapped read-only; a kind that pins host memory (which needs
-    # write access to the pages) gets a copy instead.
-    writable = {h.path: file_writable(h.path) for h in placed}
-    placed = [h for h in placed if writable[h.path] or not backend.pins_host_memory]
-    if placed and backend.pins_host_memory and not backend.pins_in_place:
-        _log.info("%s cannot pin host memory in place: copying %d /dev/shm file(s) into pinned memory "
-                  "instead of mapping them", backend.kind, len(placed))
-        placed = []
+    eligible, placed, writable = _in_place_files(backend, headers, inplace)
     copied = [h for h in headers if all(h is not p for p in placed)]
 
     layout, total = _layout(copied, named)
@@ -160,6 +152,22 @@ def build_checkpoint(name: str, backend: DeviceBackend, *, files=None,
         # (read-only, or a kind that cannot pin in place): its bytes are ours now either way.
         _unlink(h.path for h in eligible)
     return ckpt
+
+
+def _in_place_files(backend: DeviceBackend, headers, inplace: bool):
+    """(files eligible for in-place registration, those mapped in place, path -> writable).
+
+    A read-only in-place file is mapped read-only; a kind that pins host memory (which needs
+    write access to the pages) gets a copy instead, as does every file of a kind that cannot
+    pin memory where it lies."""
+    eligible = [h for h in headers if _in_place(h.path, inplace)]
+    writable = {h.path: file_writable(h.path) for h in eligible}
+    placed = [h for h in eligible if writable[h.path] or not backend.pins_host_memory]
+    if placed and backend.pins_host_memory and not backend.pins_in_place:
+        _log.info("%s cannot pin host memory in place: copying %d /dev/shm file(s) into pinned memory "
+                  "instead of mapping them", backend.kind, len(placed))
+        placed = []
+    return eligible, placed, writable
 
 
 def _reporter(progress, phase: str, total: int):
