@@ -226,8 +226,12 @@ class Collectives:
             for g in groups:
                 try:
                     dist.destroy_process_group(g) if graceful else abort(g)
-                except Exception:  # already torn down by the backend's own error handling
-                    pass
+                except Exception:  # torn down by the backend's own error handling, or no abort in it
+                    if not graceful:
+                        try:   # a backend without abort (e.g. a device plugin's) is destroyed instead
+                            dist.destroy_process_group(g)
+                        except Exception:
+                            pass
 
         # The collective library may itself block (on a stuck collective, or on a peer); the
         # caller must not wait for it longer than wait_s: it carries on in the background.
