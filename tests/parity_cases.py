@@ -175,7 +175,10 @@ def case_req_func_faults_on_rank_1(kind: str) -> dict[int, list]:
     gen = torch.Generator().manual_seed(7)
     data = {r: {f"w{r}.{i}": fresh_tensor((64, 8), torch.bfloat16, gen) for i in range(4)} for r in range(2)}
     steps = [("register", "c", {r: {"named_tensors": d} for r, d in data.items()}), ("gather", "c", None),
-             ("update", "c", ("raise1", 30)), ("update", "c", ("hang1", HANG_TIMEOUT_S)), ("update", "c", ("all", 30))]
+             # raise1 and all end by themselves: their timeout only bounds them, generously (on a
+             # loaded 2-core machine 30 s could pass before the handshake, and the deadline then
+             # fails the wait for the worker before rank 1's req_func thread had raised)
+             ("update", "c", ("raise1", 120)), ("update", "c", ("hang1", HANG_TIMEOUT_S)), ("update", "c", ("all", 120))]
     res = run_parity_world(kind, 2, steps, init={"max_bucket_gb": 0.00002})
     for r in range(2):
         raised, hung, after = res[r][2:5]
