@@ -70,3 +70,71 @@ def test_the_server_runs_its_own_ps_rank_and_takes_it_down_with_it(vllm_python, 
     finally:
         ps.close()
         server.stop()
+
+
+def _healthy(client: httpx.Client, sock, deadline: float) -> None:
+    while True:
+        try:
+            if client.get("/v1/healthz").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, f"the managed PS never served on {sock}"
+        time.sleep(0.2)
+
+
+def _shards(weights, out_dir) -> list:
+    """The model's one safetensors file as two shards (every other tensor), one per PS rank."""
+    from safetensors.torch import load_file
+    from ckpt_core._safetensors import write_file
+    tensors = load_file(str(weights))
+    names = sorted(tensors)
+    paths = []
+    for r in range(2):
+        path = out_dir / f"shard-{r}.safetensors"
+        write_file(str(path), {n: tensors[n] for n in names[r::2]})
+        paths.append(path)
+    return paths
+
+
+def test_tensor_parallel_2_runs_a_ps_world_of_2_driven_through_both_services(vllm_python, tiny_model, tmp_path,
+                                                                            monkeypatch):
+    """TP=2: each worker starts its own PS rank (a world of 2); the controller registers a shard
+    on each rank's service, gathers and updates on both at once (rank 0 posts for the engine);
+    output equals the reference; SIGTERM to the server leaves neither PS rank behind."""
+    from concurrent.futures import ThreadPoolExecutor
+    monkeypatch.setenv("CKPT_ENGINE_SERVE", f"uds:{tmp_path}/ps-{{rank}}.sock")
+    monkeypatch.setenv("CKPT_ENGINE_SERVE_MASTER", f"127.0.0.1:{free_port()}")
+    server = start_server(vllm_python, tiny_model, tmp_path, extension=True, backend="ckpt",
+                          extra_args=("--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"),
+                          env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    socks = [tmp_path / f"ps-{r}.sock" for r in range(2)]
+    clients = [httpx.Client(transport=httpx.HTTPTransport(uds=str(s)), base_url="http://ps", timeout=300)
+               for s in socks]
+    try:
+        deadline = time.monotonic() + 180
+        for c, s in zip(clients, socks):
+            _healthy(c, s, deadline)
+        status = [c.get("/v1/status").json() for c in clients]
+        assert [(s["rank"], s["world_size"]) for s in status] == [(0, 2), (1, 2)], status
+        weights = tiny_model.weights[1]
+        for c, shard in zip(clients, _shards(weights, tmp_path)):
+            assert c.post("/v1/checkpoints/w/files", json={"files": [str(shard)]}).status_code == 200
+        with ThreadPoolExecutor(2) as ex:   # collectives: both ranks at once
+            gathered = list(ex.map(lambda c: c.post("/v1/checkpoints/w/gather-metas"), clients))
+            assert [g.status_code for g in gathered] == [200, 200], [g.text for g in gathered]
+            bodies = [{"update_url": f"{server.endpoint}/collective_rpc", "timeout": 300}, {"timeout": 300}]
+            got = list(ex.map(lambda cb: cb[0].post("/v1/checkpoints/w/update", json=cb[1]), zip(clients, bodies)))
+        assert [g.status_code for g in got] == [200, 200], [g.text for g in got]
+        assert server.complete(tiny_model.prompts, MAX_TOKENS) == tiny_model.reference(weights)
+        pids = [s["pid"] for s in status]
+        os.killpg(server.proc.pid, signal.SIGTERM)
+        server.proc.wait(60)
+        for pid, sock in zip(pids, socks):
+            assert _gone(pid), f"PS pid {pid} outlived the server"
+            assert not os.path.exists(sock), f"{sock} is removed"
+            assert not [n for n in os.listdir("/dev/shm") if f"-p{pid}n" in n], "a PS buffer was left behind"
+    finally:
+        for c in clients:
+            c.close()
+        server.stop()
