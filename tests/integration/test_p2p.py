@@ -69,6 +69,46 @@ def test_an_owner_killed_mid_transfer_fails_every_target_naming_it_and_engines_k
                 front.close()
 
 
+@pytest.mark.parametrize("bound", ["mooncake", "deadline"])
+def test_a_frozen_owner_fails_every_target_in_time_naming_it_and_once_thawed_serves_again(tmp_path, bound):
+    """An owner stopped with SIGSTOP (its sockets still accept, nothing answers): the joiners'
+    update ends on every rank within its timeout, naming owner rank 1 and its address; the engines
+    keep their weights; once the owner runs again, the next update succeeds bit-exact.
+    ``mooncake``: Mooncake's MC_TRANSFER_TIMEOUT (5 s) ends the read; ``deadline``: Mooncake's
+    default (30 s) outlasts the update's 12 s, whose deadline abandons the read."""
+    import signal
+    import time
+    # Mooncake's own per-transfer timeout (seconds)
+    joiners_env = dict(JOINERS, MC_TRANSFER_TIMEOUT="5") if bound == "mooncake" else dict(JOINERS)
+    timeout = 30 if bound == "mooncake" else 12
+    with PsWorld("cpu", 2, init=SMALL, env=OWNERS) as owners:
+        _, [(first, want), (second, want2)] = owners_with(owners, 2, per_rank=12)
+        all_ok(call(owners, "save_metas", str(tmp_path / "m.json"), ranks=[0]))
+        with PsWorld("cpu", 2, init=SMALL, env=joiners_env) as joiners:
+            all_ok(call(joiners, "load_metas", str(tmp_path / "m.json")))
+            front = EngineFront("cpu", 2)
+            try:
+                all_ok(call(joiners, "p2p_update", first, front.address, 60, [0, 1]))
+                os.kill(owners.pids[1], signal.SIGSTOP)
+                try:
+                    t0 = time.monotonic()
+                    got = call(joiners, "p2p_update", second, front.address, timeout, [0, 1], timeout=120)
+                    took = time.monotonic() - t0
+                finally:
+                    os.kill(owners.pids[1], signal.SIGCONT)
+                assert all(not o.ok and o.error in ("TransportError", "UpdateTimeoutError") for o in got.values()), got
+                assert all("owner rank 1 at 127.0.0.2:" in o.message for o in got.values()), got
+                assert took < timeout + 60, f"the update's timeout bounds a frozen owner (generous ceiling): {took:.0f} s"
+                print(f"frozen owner: every target failed after {took:.1f} s: {got[0].message[:300]}")
+                for i in range(2):
+                    assert front.digests(i) == want, "an engine kept part of the failed update"
+                all_ok(call(joiners, "p2p_update", second, front.address, 60, [0, 1]))
+                for i in range(2):
+                    assert front.digests(i) == want2, "the thawed owner served the next update bit-exact"
+            finally:
+                front.close()
+
+
 def test_without_mooncake_broadcast_works_and_p2p_is_a_config_error_naming_the_extra():
     with PsWorld("cpu", 2, init=SMALL) as w:
         all_ok(call(w, "hide_mooncake"))
