@@ -66,7 +66,8 @@ def run_jobs(jobs: list[Job], threads: int | None = None) -> None:
 
 def counted(jobs: list[Job], on_bytes: Callable[[int], None] | None) -> list[Job]:
     """The same jobs; each, once done, calls ``on_bytes(bytes done so far by all of them)`` (progress).
-    Jobs run on several threads: the running total is kept under a lock."""
+    Jobs run on several threads: the total and the call are under one lock, so the reported
+    counts only grow (the callback must be quick)."""
     if on_bytes is None:
         return jobs
     lock, done = threading.Lock(), [0]
@@ -76,8 +77,7 @@ def counted(jobs: list[Job], on_bytes: Callable[[int], None] | None) -> list[Job
             fn()
             with lock:
                 done[0] += end - start
-                now = done[0]
-            on_bytes(now)
+                on_bytes(done[0])
         return run
     return [(a, b, wrap(a, b, fn)) for a, b, fn in jobs]
 
