@@ -17,12 +17,33 @@ first inference group, which is the whole world under its own torchrun re-execut
 
 from __future__ import annotations
 
+import io
+import json
+import os
+import sys
 import time
 from typing import Callable, Iterator
 
 from .errors import ConfigError
 
 UPDATE_METHODS = ("broadcast", "p2p", "all")
+
+
+def emit_json_line(obj, **dumps_kwargs) -> None:
+    """Print ``obj`` as one JSON line in a single write to stdout. The ranks of a torchrun job
+    share one stream: a line written in pieces (unbuffered output writes the text, then the
+    newline) can have another rank's line land in between; one write of up to PIPE_BUF bytes
+    (4 KiB) cannot be split."""
+    data = (json.dumps(obj, **dumps_kwargs) + "\n").encode()
+    sys.stdout.flush()   # whatever this process printed before goes first
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, io.UnsupportedOperation):   # a captured or replaced stdout
+        sys.stdout.write(data.decode())
+        sys.stdout.flush()
+        return
+    while data:
+        data = data[os.write(fd, data):]
 
 
 def update_methods(update_method: str, joining: bool) -> list[str]:

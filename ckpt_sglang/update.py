@@ -24,7 +24,6 @@ Rank 0 prints one JSON line of figures per update, as soon as that update ends.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import subprocess
@@ -33,7 +32,7 @@ import time
 
 from ckpt_core import ParameterServer, split_checkpoint_files
 from ckpt_core._compat import WIRES
-from ckpt_core._driver import UPDATE_METHODS, prepare_checkpoint, run_updates, update_methods
+from ckpt_core._driver import UPDATE_METHODS, emit_json_line, prepare_checkpoint, run_updates, update_methods
 from ckpt_core.errors import CkptError, ConfigError
 
 from .client import BUSY_MODES, PAUSE_MODES, SglangClient
@@ -116,9 +115,9 @@ def run(args: argparse.Namespace) -> None:
             make = lambda reports: make_req_func(client, ps.rank, n, args, reports)   # noqa: E731
             for method, result, reports in run_updates(ps, args.checkpoint_name, methods, make, timeout=args.timeout):
                 if ps.rank == 0:   # as soon as it ends: a joiner may wait for the owners' updates
-                    print(json.dumps({"checkpoint": args.checkpoint_name, "method": method,
-                                      "register_and_gather_s": round(register_s, 4), "ps": result,
-                                      "engine": [r.__dict__ for r in reports]}, default=str), flush=True)
+                    emit_json_line({"checkpoint": args.checkpoint_name, "method": method,
+                                    "register_and_gather_s": round(register_s, 4), "ps": result,
+                                    "engine": [r.__dict__ for r in reports]}, default=str)
             if args.sleep_time > 0:
                 time.sleep(args.sleep_time)
     finally:

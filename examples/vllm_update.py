@@ -27,14 +27,13 @@ nothing and pulls the checkpoint into its own engines.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
 import time
 
 from ckpt_core import ParameterServer, split_checkpoint_files
-from ckpt_core._driver import UPDATE_METHODS, prepare_checkpoint, run_updates, update_methods
+from ckpt_core._driver import UPDATE_METHODS, emit_json_line, prepare_checkpoint, run_updates, update_methods
 from ckpt_core._requests import group_handles
 from ckpt_core.errors import ConfigError
 from ckpt_vllm import VllmClient
@@ -122,9 +121,9 @@ def main(argv=None) -> int:
             make = lambda reports: make_req_func(client, ps.rank, ips, args, reports)   # noqa: E731
             for method, result, reports in run_updates(ps, args.checkpoint_name, methods, make, timeout=args.timeout):
                 if leader:
-                    print(json.dumps({"checkpoint": args.checkpoint_name, "method": method, "rank": ps.rank,
-                                      "group": group, "register_and_gather_s": round(t_register, 4),
-                                      "ps": result, "engines": [r.__dict__ for r in reports]}), flush=True)
+                    emit_json_line({"checkpoint": args.checkpoint_name, "method": method, "rank": ps.rank,
+                                    "group": group, "register_and_gather_s": round(t_register, 4),
+                                    "ps": result, "engines": [r.__dict__ for r in reports]})
             if args.sleep_time > 0:
                 time.sleep(args.sleep_time)
     finally:
