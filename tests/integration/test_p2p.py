@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -40,33 +41,42 @@ def test_a_pickled_foreign_or_malformed_metas_file_is_a_config_error(tmp_path):
         assert "outside the region" in call(w, "load_metas", str(tmp_path / "outside.json"))[0].message
 
 
-def test_an_owner_killed_mid_transfer_fails_every_target_naming_it_and_engines_keep_their_weights(tmp_path):
+@contextlib.contextmanager
+def joined_after_one_update(tmp_path, joiners_env=JOINERS):
+    """2 owners (127.0.0.2) with 2 checkpoints; 2 joiners (127.0.0.3) that loaded the owners'
+    metas and pulled the first into their 2 engine workers. Yields (owners, joiners, front,
+    [(name, digests)] * 2)."""
     with PsWorld("cpu", 2, init=SMALL, env=OWNERS) as owners:
-        _, [(first, want), (second, _)] = owners_with(owners, 2, per_rank=12)
+        _, ckpts = owners_with(owners, 2, per_rank=12)
         all_ok(call(owners, "save_metas", str(tmp_path / "m.json"), ranks=[0]))
-        with PsWorld("cpu", 2, init=SMALL, env=JOINERS) as joiners:
+        with PsWorld("cpu", 2, init=SMALL, env=joiners_env) as joiners:
             all_ok(call(joiners, "load_metas", str(tmp_path / "m.json")))
             front = EngineFront("cpu", 2)
             try:
-                all_ok(call(joiners, "p2p_update", first, front.address, 60, [0, 1]))
-                slow = {i: {"sleep_s": 0.3, "mark_dir": str(tmp_path)} for i in range(2)}
-                joiners.send("call", ("p2p_cases", "p2p_update", (second, front.address, 60, [0, 1], slow)))
-                import time
-                t0 = time.monotonic()
-                while not os.path.exists(tmp_path / "w0-b1"):
-                    assert time.monotonic() - t0 < 60, "the slow update never reached its second bucket"
-                    time.sleep(0.01)
-                owners.kill(1)
-                got = joiners.collect(timeout=90)
-                assert_every_rank_failed(got, "TransportError", "owner rank 1 at 127.0.0.2:", "P2P read")
-                info = all_ok(call(joiners, "p2p_info"))
-                assert sum(info[r].value["quarantined"] for r in range(2)) >= 1, "the failed read's buffer was reused"
-                for i in range(2):
-                    assert front.digests(i) == want, "an engine kept part of the failed update"
-                again = call(joiners, "p2p_update", first, front.address, 60, [0, 1])
-                assert_every_rank_failed(again, "TransportError", "owner rank 1 at 127.0.0.2:")
+                all_ok(call(joiners, "p2p_update", ckpts[0][0], front.address, 60, [0, 1]))
+                yield owners, joiners, front, ckpts
             finally:
                 front.close()
+
+
+def test_an_owner_killed_mid_transfer_fails_every_target_naming_it_and_engines_keep_their_weights(tmp_path):
+    with joined_after_one_update(tmp_path) as (owners, joiners, front, [(first, want), (second, _)]):
+        slow = {i: {"sleep_s": 0.3, "mark_dir": str(tmp_path)} for i in range(2)}
+        joiners.send("call", ("p2p_cases", "p2p_update", (second, front.address, 60, [0, 1], slow)))
+        import time
+        t0 = time.monotonic()
+        while not os.path.exists(tmp_path / "w0-b1"):
+            assert time.monotonic() - t0 < 60, "the slow update never reached its second bucket"
+            time.sleep(0.01)
+        owners.kill(1)
+        got = joiners.collect(timeout=90)
+        assert_every_rank_failed(got, "TransportError", "owner rank 1 at 127.0.0.2:", "P2P read")
+        info = all_ok(call(joiners, "p2p_info"))
+        assert sum(info[r].value["quarantined"] for r in range(2)) >= 1, "the failed read's buffer was reused"
+        for i in range(2):
+            assert front.digests(i) == want, "an engine kept part of the failed update"
+        again = call(joiners, "p2p_update", first, front.address, 60, [0, 1])
+        assert_every_rank_failed(again, "TransportError", "owner rank 1 at 127.0.0.2:")
 
 
 @pytest.mark.parametrize("bound", ["mooncake", "deadline"])
@@ -81,32 +91,23 @@ def test_a_frozen_owner_fails_every_target_in_time_naming_it_and_once_thawed_ser
     # Mooncake's own per-transfer timeout (seconds)
     joiners_env = dict(JOINERS, MC_TRANSFER_TIMEOUT="5") if bound == "mooncake" else dict(JOINERS)
     timeout = 30 if bound == "mooncake" else 12
-    with PsWorld("cpu", 2, init=SMALL, env=OWNERS) as owners:
-        _, [(first, want), (second, want2)] = owners_with(owners, 2, per_rank=12)
-        all_ok(call(owners, "save_metas", str(tmp_path / "m.json"), ranks=[0]))
-        with PsWorld("cpu", 2, init=SMALL, env=joiners_env) as joiners:
-            all_ok(call(joiners, "load_metas", str(tmp_path / "m.json")))
-            front = EngineFront("cpu", 2)
-            try:
-                all_ok(call(joiners, "p2p_update", first, front.address, 60, [0, 1]))
-                os.kill(owners.pids[1], signal.SIGSTOP)
-                try:
-                    t0 = time.monotonic()
-                    got = call(joiners, "p2p_update", second, front.address, timeout, [0, 1], timeout=120)
-                    took = time.monotonic() - t0
-                finally:
-                    os.kill(owners.pids[1], signal.SIGCONT)
-                assert all(not o.ok and o.error in ("TransportError", "UpdateTimeoutError") for o in got.values()), got
-                assert all("owner rank 1 at 127.0.0.2:" in o.message for o in got.values()), got
-                assert took < timeout + 60, f"the update's timeout bounds a frozen owner (generous ceiling): {took:.0f} s"
-                print(f"frozen owner: every target failed after {took:.1f} s: {got[0].message[:300]}")
-                for i in range(2):
-                    assert front.digests(i) == want, "an engine kept part of the failed update"
-                all_ok(call(joiners, "p2p_update", second, front.address, 60, [0, 1]))
-                for i in range(2):
-                    assert front.digests(i) == want2, "the thawed owner served the next update bit-exact"
-            finally:
-                front.close()
+    with joined_after_one_update(tmp_path, joiners_env) as (owners, joiners, front, [(_, want), (second, want2)]):
+        os.kill(owners.pids[1], signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            got = call(joiners, "p2p_update", second, front.address, timeout, [0, 1], timeout=120)
+            took = time.monotonic() - t0
+        finally:
+            os.kill(owners.pids[1], signal.SIGCONT)
+        assert all(not o.ok and o.error in ("TransportError", "UpdateTimeoutError") for o in got.values()), got
+        assert all("owner rank 1 at 127.0.0.2:" in o.message for o in got.values()), got
+        assert took < timeout + 60, f"the update's timeout bounds a frozen owner (generous ceiling): {took:.0f} s"
+        print(f"frozen owner: every target failed after {took:.1f} s: {got[0].message[:300]}")
+        for i in range(2):
+            assert front.digests(i) == want, "an engine kept part of the failed update"
+        all_ok(call(joiners, "p2p_update", second, front.address, 60, [0, 1]))
+        for i in range(2):
+            assert front.digests(i) == want2, "the thawed owner served the next update bit-exact"
 
 
 def test_without_mooncake_broadcast_works_and_p2p_is_a_config_error_naming_the_extra():

@@ -30,6 +30,17 @@ def _gone(pid: int, timeout: float = 60) -> bool:
     return False
 
 
+def _healthy(client: httpx.Client, sock, deadline: float) -> None:
+    while True:
+        try:
+            if client.get("/v1/healthz").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, f"the managed PS never served on {sock}"
+        time.sleep(0.2)
+
+
 @pytest.mark.parametrize("stop_with", [signal.SIGTERM, signal.SIGKILL])
 def test_the_server_runs_its_own_ps_rank_and_takes_it_down_with_it(vllm_python, tiny_model, tmp_path, monkeypatch,
                                                                   stop_with):
@@ -39,15 +50,7 @@ def test_the_server_runs_its_own_ps_rank_and_takes_it_down_with_it(vllm_python, 
     server = start_server(vllm_python, tiny_model, tmp_path, extension=True, backend="ckpt")
     ps = httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), base_url="http://ps", timeout=300)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if ps.get("/v1/healthz").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, f"the managed PS never served on {sock}"
-            time.sleep(0.2)
+        _healthy(ps, sock, time.monotonic() + 120)
         status = ps.get("/v1/status").json()
         ps_pid = status["pid"]
         assert status["world_size"] == 1 and os.stat(sock).st_mode & 0o777 == 0o600
@@ -70,17 +73,6 @@ def test_the_server_runs_its_own_ps_rank_and_takes_it_down_with_it(vllm_python, 
     finally:
         ps.close()
         server.stop()
-
-
-def _healthy(client: httpx.Client, sock, deadline: float) -> None:
-    while True:
-        try:
-            if client.get("/v1/healthz").status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, f"the managed PS never served on {sock}"
-        time.sleep(0.2)
 
 
 def _shards(weights, out_dir) -> list:
