@@ -34,6 +34,24 @@ def pythonpath(*paths) -> str:
     return os.pathsep.join(p for p in parts if p)
 
 
+def process_gone(pid: int, timeout: float = 60) -> bool:
+    """Whether ``pid`` exits (or is left a zombie) within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        try:   # a zombie of a dead parent is reaped by init; a stopped one would still show here
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split(") ")[1].startswith("Z"):
+                    return True
+        except OSError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -155,6 +155,17 @@ def p2p_update_once(ps, rank: int, address: str) -> None:
     ps.update("census", make_req_func(address) if rank == 1 else (lambda handles: None), ranks=[1], timeout=60)
 
 
+def assert_census_clean(got: dict[int, dict], *, device_slack: int | None = None) -> None:
+    """What ``group_census`` saw: every rank ends with the process groups it began with, at most
+    4 more fds and, with ``device_slack``, no less free device memory than that below the start."""
+    for r, c in got.items():
+        before, after = c["before"], c["after"]
+        assert after["groups"] == before["groups"], f"rank {r} leaked process groups: {c}"
+        assert after["fds"] <= before["fds"] + 4, f"rank {r} leaked descriptors: {c}"
+        if device_slack is not None:
+            assert after["device_free"] >= before["device_free"] - device_slack, f"rank {r} leaked device memory: {c}"
+
+
 def group_census(kind: str, n: int, mode: str, world: int = 2, p2p: str | None = None) -> dict[int, dict]:
     """Each rank's process-group count and open fds before and after ``n`` ParameterServers were
     created in (and closed or aborted out of) a default group the caller initialised; with ``p2p``

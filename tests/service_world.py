@@ -37,14 +37,23 @@ def wait_healthy(client: httpx.Client, proc: subprocess.Popen | None, log_path: 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"serve exited with {proc.returncode}:\n{open(log_path).read()[-4000:]}")
+            raise RuntimeError(f"serve exited with {proc.returncode}:\n{_tail(log_path)}")
         try:
             if client.get("/v1/healthz").status_code == 200:
                 return
         except httpx.TransportError:
             pass
         time.sleep(0.2)
-    raise TimeoutError(f"serve did not become healthy within {timeout} s:\n{open(log_path).read()[-4000:]}")
+    raise TimeoutError(f"serve did not become healthy within {timeout} s:\n{_tail(log_path)}")
+
+
+def _tail(log_path: str) -> str:
+    """The end of a serve log (a managed PS that never started has none)."""
+    try:
+        with open(log_path, errors="replace") as f:
+            return f.read()[-4000:]
+    except OSError as exc:
+        return f"(no log at {log_path}: {exc})"
 
 
 def stop(proc: subprocess.Popen, timeout: float = 20) -> int:

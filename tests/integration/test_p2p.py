@@ -287,7 +287,7 @@ def test_the_example_driver_broadcasts_then_p2p_and_a_joiner_world_pulls_through
 def test_p2p_target_groups_in_a_trainers_default_group_are_freed_by_close_and_abort(mode, monkeypatch):
     """Issue 14 defect 5's sibling: each P2P update makes a target group; 10 ParameterServers in a
     default group the caller owns, each after a P2P update, must leave no group or fd behind."""
-    from ps_fault_cases import group_census
+    from ps_fault_cases import assert_census_clean, group_census
     for key, value in OWNERS.items():
         monkeypatch.setenv(key, value)   # inherited by the census processes
     front = EngineFront("cpu", 1, devices=[1])
@@ -296,6 +296,4 @@ def test_p2p_target_groups_in_a_trainers_default_group_are_freed_by_close_and_ab
         assert len(front.requests) == 11, "every ParameterServer's P2P update reached rank 1's engine"
     finally:
         front.close()
-    for r, c in got.items():
-        assert c["after"]["groups"] == c["before"]["groups"], f"rank {r} leaked process groups: {c}"
-        assert c["after"]["fds"] <= c["before"]["fds"] + 4, f"rank {r} leaked descriptors: {c}"
+    assert_census_clean(got)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 pytest.importorskip("fastapi")
-from harness import FAULT_DTYPES, free_port, fresh_tensor, want_digests  # noqa: E402
+from harness import FAULT_DTYPES, free_port, fresh_tensor, process_gone, want_digests  # noqa: E402
 from service_world import ROOT, HttpEngineFront, wait_healthy  # noqa: E402
 from ckpt_core._safetensors import write_file  # noqa: E402
 from ckpt_core.errors import ConfigError  # noqa: E402
@@ -36,23 +36,6 @@ print(json.dumps({"child": m.pid, "uds": m.uds}), flush=True)
 while True:
     time.sleep(1)
 """
-
-
-def _gone(pid: int, timeout: float = 60) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        try:   # a zombie of a dead parent is reaped by init; a stopped one would still show here
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().split(") ")[1].startswith("Z"):
-                    return True
-        except OSError:
-            return True
-        time.sleep(0.1)
-    return False
 
 
 def _descendants(pid: int) -> list[int]:
@@ -117,10 +100,10 @@ def test_managed_ps_ranks_serve_updates_and_die_with_their_worker(tmp_path):
             os.kill(pid, signal.SIGKILL)
         workers[0].wait(10)
         assert children[0] not in tree, "the PS is not in its worker's process tree"
-        assert _gone(children[0]), "the PS child outlived its SIGKILLed worker"
+        assert process_gone(children[0]), "the PS child outlived its SIGKILLed worker"
         workers[1].send_signal(signal.SIGTERM)             # the engine worker shuts down: its hook stops the PS
         assert json.loads(workers[1].stdout.readline()) == {"stopped_cleanly": True}
-        assert _gone(children[1])
+        assert process_gone(children[1])
         for pid, i in zip(children, info):
             assert not _buffers_of(pid), f"/dev/shm buffers of PS pid {pid} are left behind"
             assert not os.path.exists(i["uds"]), "the socket file is removed"

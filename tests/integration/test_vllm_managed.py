@@ -11,34 +11,12 @@ import time
 import httpx
 import pytest
 
+from harness import process_gone
+from service_world import wait_healthy
 from vllm_support.fixtures import MAX_TOKENS, start_server, tiny_model, vllm_python  # noqa: F401
 from vllm_support.server import free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
-
-
-def _gone(pid: int, timeout: float = 60) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().split(") ")[1].startswith("Z"):
-                    return True
-        except OSError:
-            return True
-        time.sleep(0.1)
-    return False
-
-
-def _healthy(client: httpx.Client, sock, deadline: float) -> None:
-    while True:
-        try:
-            if client.get("/v1/healthz").status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, f"the managed PS never served on {sock}"
-        time.sleep(0.2)
 
 
 @pytest.mark.parametrize("stop_with", [signal.SIGTERM, signal.SIGKILL])
@@ -50,7 +28,7 @@ def test_the_server_runs_its_own_ps_rank_and_takes_it_down_with_it(vllm_python, 
     server = start_server(vllm_python, tiny_model, tmp_path, extension=True, backend="ckpt")
     ps = httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), base_url="http://ps", timeout=300)
     try:
-        _healthy(ps, sock, time.monotonic() + 120)
+        wait_healthy(ps, None, f"{sock}.log", timeout=120)   # the managed PS logs to PATH.log
         status = ps.get("/v1/status").json()
         ps_pid = status["pid"]
         assert status["world_size"] == 1 and os.stat(sock).st_mode & 0o777 == 0o600
@@ -67,7 +45,7 @@ def test_the_server_runs_its_own_ps_rank_and_takes_it_down_with_it(vllm_python, 
         assert os.getsid(ps_pid) != os.getsid(server.proc.pid)
         os.killpg(server.proc.pid, stop_with)
         server.proc.wait(60)
-        assert _gone(ps_pid), f"PS pid {ps_pid} outlived the server ({stop_with.name})"
+        assert process_gone(ps_pid), f"PS pid {ps_pid} outlived the server ({stop_with.name})"
         assert not os.path.exists(sock), "the PS socket is removed"
         assert not [n for n in os.listdir("/dev/shm") if f"-p{ps_pid}n" in n], (buffers, "left behind")
     finally:
@@ -106,7 +84,7 @@ def test_tensor_parallel_2_runs_a_ps_world_of_2_driven_through_both_services(vll
     try:
         deadline = time.monotonic() + 180
         for c, s in zip(clients, socks):
-            _healthy(c, s, deadline)
+            wait_healthy(c, None, f"{s}.log", timeout=max(1.0, deadline - time.monotonic()))
         status = [c.get("/v1/status").json() for c in clients]
         assert [(s["rank"], s["world_size"]) for s in status] == [(0, 2), (1, 2)], status
         weights = tiny_model.weights[1]
@@ -123,7 +101,7 @@ def test_tensor_parallel_2_runs_a_ps_world_of_2_driven_through_both_services(vll
         os.killpg(server.proc.pid, signal.SIGTERM)
         server.proc.wait(60)
         for pid, sock in zip(pids, socks):
-            assert _gone(pid), f"PS pid {pid} outlived the server"
+            assert process_gone(pid), f"PS pid {pid} outlived the server"
             assert not os.path.exists(sock), f"{sock} is removed"
             assert not [n for n in os.listdir("/dev/shm") if f"-p{pid}n" in n], "a PS buffer was left behind"
     finally:
