@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ckpt_core._planner import align_up
+from ckpt_core.planning.buckets import align_up
 
 GiB = 1 << 30
 MiB = 1 << 20

@@ -101,7 +101,7 @@ def measure_broadcast(kind: str, device: torch.device, nbytes: int, ctrl, repeat
 
 def measure_host_fault_in(nbytes: int, ctrl) -> dict:
     """GB/s of faulting in fresh host memory with the registration's threads: first use, then recycled."""
-    from ckpt_core._host import new_region, populate_and_pin
+    from ckpt_core.checkpoint.host import new_region, populate_and_pin
     from ckpt_core.devices import get_backend
     rates = {}
     for label in ("first", "recycled"):

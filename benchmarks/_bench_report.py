@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 
-from ckpt_core._planner import align_up
+from ckpt_core.planning.buckets import align_up
 
 GiB = float(1 << 30)
 

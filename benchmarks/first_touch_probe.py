@@ -5,7 +5,7 @@ virtual machine the hypervisor may back guest memory lazily, so the first touch 
 that no process has used since boot can cost far more than touching a recycled page. This
 probe separates that from our code: each round maps fresh anonymous memory and either only
 faults it in (``madvise(MADV_POPULATE_WRITE)`` from the registration's threads) or runs the
-registration's own fault-in-and-pin (``ckpt_core._host.fill_and_pin``), then frees it.
+registration's own fault-in-and-pin (``ckpt_core.checkpoint.host.fill_and_pin``), then frees it.
 
     python3 benchmarks/first_touch_probe.py --gib 8 --procs 2 [--threads 8,16] [--kind cuda] [--out probe.json]
 
@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ckpt_core._host import fill_and_pin, new_region, populate_jobs, run_jobs  # noqa: E402
+from ckpt_core.checkpoint.host import fill_and_pin, new_region, populate_jobs, run_jobs  # noqa: E402
 from ckpt_core._settings import fault_threads  # noqa: E402
 from ckpt_core.devices import get_backend  # noqa: E402
 

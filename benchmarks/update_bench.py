@@ -270,7 +270,7 @@ class Bench:
 
     def shm_section(self, case: str, share, total: int) -> dict:
         """Register this rank's share from a /dev/shm safetensors file in place (mapped and pinned, not copied)."""
-        from ckpt_core._safetensors import write_file
+        from ckpt_core.checkpoint.safetensors import write_file
         st = os.statvfs(SHM) if os.path.isdir(SHM) else None
         room = st.f_bavail * st.f_frsize if st else 0
         fits = self.gather(room >= total * 1.05 + (64 << 20))   # every local rank writes its share at once

@@ -10,21 +10,21 @@ from typing import Callable
 
 import zmq
 
-from ._checkpoint import RegisteredCheckpoint, build_checkpoint
-from ._collectives import ABORT_WAIT_S, Collectives
-from ._compat import check_wire
-from ._gc import gc_paused
-from ._host import SharedPool
-from ._log import rank_logger
-from . import _metas
-from ._p2p import P2PState, run_update as run_p2p_update
-from ._planner import TensorMeta, first_shared_name
-from ._plans import PlanCache
-from ._prechecks import UpdateAgreement, parse_metas, problem_of, raise_agreed
-from ._settings import load_settings
-from ._update_flow import BroadcastUpdate, ReqFunc
-from .devices import IpcBuffer, default_kind, get_backend
-from .errors import CheckpointFormatError, CheckpointNotFoundError, ClosedError, ConfigError, TransportError
+from ckpt_core.checkpoint.sources import RegisteredCheckpoint, build_checkpoint
+from ckpt_core.transfer.collectives import ABORT_WAIT_S, Collectives
+from ckpt_core.wire.stock import check_wire
+from ckpt_core.ops.gc import gc_paused
+from ckpt_core.checkpoint.host import SharedPool
+from ckpt_core.ops.log import rank_logger
+from ckpt_core.p2p import metas as _metas
+from ckpt_core.p2p.update import P2PState, run_update as run_p2p_update
+from ckpt_core.planning.buckets import TensorMeta, first_shared_name
+from ckpt_core.transfer.plan_cache import PlanCache
+from ckpt_core.transfer.prechecks import UpdateAgreement, parse_metas, problem_of, raise_agreed
+from ckpt_core._settings import load_settings
+from ckpt_core.transfer.broadcast import BroadcastUpdate, ReqFunc
+from ckpt_core.devices import IpcBuffer, default_kind, get_backend
+from ckpt_core.errors import CheckpointFormatError, CheckpointNotFoundError, ClosedError, ConfigError, TransportError
 
 CLOSE_GRACE_S = 5.0  # close(): how much longer than a collective a running update may take to stop
 GiB = float(1 << 30)
@@ -255,7 +255,7 @@ class ParameterServer(UpdateAgreement, BroadcastUpdate):
 
     def get_metas(self) -> dict:
         """Every gathered (or loaded) checkpoint's metas as a versioned JSON document (see
-        ``ckpt_core._metas``): tensors per owner rank, and each owner's P2P store address."""
+        ``ckpt_core.p2p.metas``): tensors per owner rank, and each owner's P2P store address."""
         return self._p2p.metas_document()
 
     def save_metas(self, path) -> None:

@@ -10,7 +10,7 @@ import math
 import os
 from dataclasses import dataclass
 
-from .errors import ConfigError
+from ckpt_core.errors import ConfigError
 
 __all__ = ["Settings", "ENV_VARS", "load_settings", "gc_pause_enabled", "fault_threads", "cpu_visible_devices",
            "p2p_env", "cpu_event_delay_s", "service_token", "engine_serve"]

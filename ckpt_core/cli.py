@@ -22,12 +22,12 @@ import os
 import subprocess
 import sys
 
-from .errors import (CheckpointFormatError, CheckpointNotFoundError, CkptError, ConfigError, RemoteWorkerError,
+from ckpt_core.errors import (CheckpointFormatError, CheckpointNotFoundError, CkptError, ConfigError, RemoteWorkerError,
                      TransportError)
 
 EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_FORMAT, EXIT_CONFIG, EXIT_TRANSPORT, EXIT_OTHER = 0, 1, 2, 3, 4, 5, 6
 GiB = float(1 << 30)
-SERVE_WIRES = ("native", "stock", "stock-0.3")   # ckpt_core._compat.WIRES, without importing torch here
+SERVE_WIRES = ("native", "stock", "stock-0.3")   # ckpt_core.wire.stock.WIRES, without importing torch here
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -47,12 +47,12 @@ def _emit(args, doc: dict, text: str) -> None:
 
 # ------------------------------------------------------------------ serve
 def cmd_serve(args) -> int:
-    from . import ParameterServer
-    from ._settings import service_token
-    from .service import serve
+    from ckpt_core import ParameterServer
+    from ckpt_core._settings import service_token
+    from ckpt_core.service import serve
 
     if args.parent_pid is not None:   # managed mode: never outlive the engine worker that started us
-        from .service._managed import watch_parent
+        from ckpt_core.service._managed import watch_parent
         watch_parent(args.parent_pid)
 
     token = None
@@ -68,7 +68,7 @@ def cmd_serve(args) -> int:
     idle = False
     try:
         if ps.device_index == 0:   # one bar per host: ranks under torchrun share the terminal
-            from ._progress import TerminalProgress
+            from ckpt_core.ops.progress import TerminalProgress
             ps.progress = TerminalProgress(f"rank {ps.rank}")
         if args.host is not None or args.port is not None:
             port = None if args.port is None else args.port + (ps.device_index if args.port else 0)
@@ -90,7 +90,7 @@ def cmd_serve(args) -> int:
 
 # ------------------------------------------------------------------ inspect
 def _files_of(path: str) -> list[str]:
-    from ._checkpoint import split_checkpoint_files
+    from ckpt_core.checkpoint.sources import split_checkpoint_files
     if os.path.isdir(path):
         return split_checkpoint_files(path, 0, 1)
     if not os.path.exists(path):
@@ -100,9 +100,9 @@ def _files_of(path: str) -> list[str]:
 
 def inspect_checkpoint(path: str, device_mem_gib: float, ranks: int = 1) -> dict:
     """Tensors, dtypes and sizes of a safetensors file or HF directory, validated, with a bucket plan."""
-    from ._planner import TensorMeta, choose_layout, plan_buckets
-    from ._safetensors import read_header
-    from ._settings import load_settings
+    from ckpt_core.planning.buckets import TensorMeta, choose_layout, plan_buckets
+    from ckpt_core.checkpoint.safetensors import read_header
+    from ckpt_core._settings import load_settings
 
     files, tensors, dtypes = _files_of(path), [], {}
     for f in files:
@@ -153,7 +153,7 @@ def cmd_inspect(args) -> int:
 
 # ------------------------------------------------------------------ plan
 def cmd_plan(args) -> int:
-    from ._capacity import ModelSpec, Topology, h2d_default, predict
+    from ckpt_core.planning.capacity import ModelSpec, Topology, h2d_default, predict
     if args.model:
         info = inspect_checkpoint(args.model, args.device_free_gib)
         spec = ModelSpec(info["bytes"], info["tensors"], info["largest_tensor"]["bytes"])

@@ -1,7 +1,7 @@
 """SGLang adapter of ckpt-engine: requester and update launcher (``python -m ckpt_sglang.update``).
 
 SGLang's engine embeds the stock checkpoint-engine worker, so the parameter server speaks the
-stock wire (``ParameterServer(wire="stock")``, see ``ckpt_core._compat``)::
+stock wire (``ParameterServer(wire="stock")``, see ``ckpt_core.wire.stock``)::
 
     client = SglangClient("http://127.0.0.1:19730")
     client.wait_ready(timeout=300)            # GET /model_info

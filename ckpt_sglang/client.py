@@ -13,7 +13,7 @@ With ``flush_cache`` and requests in flight, SGLang loads the weights and then a
 ("the cache was not flushed"): the weights are in, only the KV cache of the old weights is
 left. ``busy="retract"`` (default) or ``"abort"`` then pauses generation that way, flushes the
 cache and continues; ``busy="fail"`` raises. ``pause=`` instead pauses around the whole update.
-Errors are ckpt_core's (``ckpt_core._http``): ``UpdateTimeoutError``, ``TransportError``,
+Errors are ckpt_core's (``ckpt_core.engines.http``): ``UpdateTimeoutError``, ``TransportError``,
 ``RemoteWorkerError`` (with the server's message), ``ConfigError``.
 """
 
@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ckpt_core._http import HttpTransport, Phases, error_text
+from ckpt_core.engines.http import HttpTransport, Phases, error_text
 from ckpt_core.errors import ConfigError, RemoteWorkerError, TransportError, UpdateTimeoutError
 
 __all__ = ["SglangClient", "UpdateReport", "PAUSE_MODES", "BUSY_MODES"]

@@ -17,7 +17,7 @@ P2P (the ``p2p`` extra, Mooncake; docs/p2p.md): ``--update-method p2p`` makes ev
 the checkpoint from the owners' host memory, ``all`` broadcasts then pulls. Owners started with
 ``--save-metas-file m.json --sleep-time 600`` keep the checkpoint registered; a joining launcher
 with ``--load-metas-file m.json`` (no ``--checkpoint-path``) registers nothing and pulls it into
-its own server (``ckpt_core/_driver.py`` holds this flow, shared with examples/vllm_update.py).
+its own server (``ckpt_core/engines/driver.py`` holds this flow, shared with examples/vllm_update.py).
 Rank 0 prints one JSON line of figures per update, as soon as that update ends.
 """
 
@@ -31,8 +31,8 @@ import sys
 import time
 
 from ckpt_core import ParameterServer, split_checkpoint_files
-from ckpt_core._compat import WIRES
-from ckpt_core._driver import UPDATE_METHODS, emit_json_line, prepare_checkpoint, run_updates, update_methods
+from ckpt_core.wire.stock import WIRES
+from ckpt_core.engines.driver import UPDATE_METHODS, emit_json_line, prepare_checkpoint, run_updates, update_methods
 from ckpt_core.errors import CkptError, ConfigError
 
 from .client import BUSY_MODES, PAUSE_MODES, SglangClient

@@ -22,8 +22,8 @@ from typing import Any, Callable
 
 import httpx
 
-from ckpt_core._http import HttpTransport, Phases
-from ckpt_core._requests import group_handles
+from ckpt_core.engines.http import HttpTransport, Phases
+from ckpt_core.engines.requests import group_handles
 from ckpt_core.errors import ConfigError, RemoteWorkerError, TransportError, UpdateTimeoutError
 
 __all__ = ["VllmClient", "UpdateReport", "PATHS"]
@@ -238,7 +238,7 @@ class VllmClient:
 
         ``req_func`` runs on every PS rank. With ``rank`` (the PS rank), only the first rank of
         each inference group of ``inference_parallel_size`` ranks (default: all ranks, one engine)
-        posts, with its group's handles (``ckpt_core._requests.group_handles``); without ``rank``,
+        posts, with its group's handles (``ckpt_core.engines.requests.group_handles``); without ``rank``,
         every call posts all handles: build it on the posting rank only.
         """
         if rank is None:

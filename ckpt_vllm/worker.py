@@ -14,7 +14,7 @@ import time
 from typing import Any, Callable
 
 from ckpt_core import update_weights_from_ipc as _core_update_weights_from_ipc
-from ckpt_core._worker import DEFAULT_TIMEOUT_S
+from ckpt_core.wire.worker import DEFAULT_TIMEOUT_S
 from ckpt_core.devices import default_kind, get_backend, local_device_key
 from ckpt_core.errors import ConfigError
 

@@ -33,8 +33,8 @@ import sys
 import time
 
 from ckpt_core import ParameterServer, split_checkpoint_files
-from ckpt_core._driver import UPDATE_METHODS, emit_json_line, prepare_checkpoint, run_updates, update_methods
-from ckpt_core._requests import group_handles
+from ckpt_core.engines.driver import UPDATE_METHODS, emit_json_line, prepare_checkpoint, run_updates, update_methods
+from ckpt_core.engines.requests import group_handles
 from ckpt_core.errors import ConfigError
 from ckpt_vllm import VllmClient
 

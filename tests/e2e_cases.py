@@ -10,7 +10,7 @@ import torch
 
 from harness import FAULT_DTYPES as DTYPES, EngineFront, assert_healthy_workers_aborted, fresh_tensor as fresh
 from harness import run_ps_world, want_digests
-from ckpt_core._safetensors import write_file
+from ckpt_core.checkpoint.safetensors import write_file
 
 
 def tensors(prefix: str, n: int, gen, *, min_elems=1, max_elems=5000) -> dict[str, torch.Tensor]:

@@ -98,7 +98,7 @@ class SimEngine:
 
     def command(self, cmd):
         if cmd[0] == "stats":
-            from ckpt_core import _worker
+            from ckpt_core.wire import worker as _worker
             return {"runs": self.runs, "updates": self.updates, "pid": os.getpid(), "mapped": sorted(_worker._mapped),
                     "gc_in_run": self.gc_in_run}
         if cmd[0] == "digests":

@@ -20,7 +20,7 @@ NOBODY = 65534
 CHILD = r"""
 import json, os, sys
 import torch
-from ckpt_core._checkpoint import build_checkpoint
+from ckpt_core.checkpoint.sources import build_checkpoint
 from ckpt_core.devices import get_backend
 from ckpt_core.errors import CkptError
 from harness import digest

@@ -13,7 +13,7 @@ import threading
 from importlib.metadata import entry_points
 from typing import Callable
 
-from ..errors import ConfigError
+from ckpt_core.errors import ConfigError
 from ._base import DeviceBackend, HostPin, IpcBuffer, NullEvent, NullStream
 
 __all__ = [

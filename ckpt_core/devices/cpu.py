@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from .._settings import cpu_event_delay_s, cpu_visible_devices
-from ..errors import ConfigError, TransportError
+from ckpt_core._settings import cpu_event_delay_s, cpu_visible_devices
+from ckpt_core.errors import ConfigError, TransportError
 from ._base import DeviceBackend, IpcBuffer, NullEvent
 
 SHM_DIR = "/dev/shm"

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..errors import TransportError
+from ckpt_core.errors import TransportError
 from ._base import DeviceBackend, HostPin, IpcBuffer
 
 _B64_FIELDS = ("handle", "ref_counter_handle", "event_handle")

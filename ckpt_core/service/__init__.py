@@ -5,7 +5,7 @@ Unix socket (mode 0600), or on TCP with a bearer token. ``ckpt-engine serve`` do
 torchrun. Routes and error codes: :mod:`ckpt_core.service._app` and docs/operations.md.
 """
 
-from ..errors import ConfigError
+from ckpt_core.errors import ConfigError
 
 try:
     from ._app import create_app, status_of

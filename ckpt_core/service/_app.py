@@ -31,9 +31,9 @@ from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
-from .. import _metrics
-from .._requests import request_inference_to_update
-from ..errors import (CheckpointFormatError, CheckpointNotFoundError, CkptError, ClosedError, ConfigError,
+from ckpt_core.ops import metrics as _metrics
+from ckpt_core.engines.requests import request_inference_to_update
+from ckpt_core.errors import (CheckpointFormatError, CheckpointNotFoundError, CkptError, ClosedError, ConfigError,
                       RemoteWorkerError, UpdateTimeoutError)
 from ._models import NAME_PATTERN, Done, ErrorBody, RegisterRequest, Status, UpdateRequest
 from ._state import Busy, ServiceState, error_fields
@@ -61,7 +61,7 @@ def create_app(ps, *, token: str | None = None, metrics=None) -> FastAPI:
     thread; whoever serves the app calls ``app.state.service.close()`` when done (``serve`` does).
 
     ``token``: when set, every request must carry ``Authorization: Bearer <token>`` (compared in
-    constant time); otherwise 401. ``metrics``: a :class:`ckpt_core._metrics.Metrics` (default:
+    constant time); otherwise 401. ``metrics``: a :class:`ckpt_core.ops.metrics.Metrics` (default:
     one for this rank when prometheus-client is installed).
     """
     state = ServiceState(ps, metrics if metrics is not None else _metrics.make_metrics(ps.rank))
@@ -201,7 +201,7 @@ def _routes(app: FastAPI, state: ServiceState, ps) -> None:
 
     @app.get("/v1/metas", response_model=dict[str, Any])
     async def get_metas():
-        """The versioned metas document of ``ParameterServer.get_metas()`` (see ckpt_core._metas)."""
+        """The versioned metas document of ``ParameterServer.get_metas()`` (see ckpt_core.p2p.metas)."""
         return ps.get_metas()
 
     @app.post("/v1/metas", response_model=Done)

@@ -24,8 +24,8 @@ import sys
 import threading
 import time
 
-from ..errors import ConfigError, UpdateTimeoutError
-from .._log import rank_logger
+from ckpt_core.errors import ConfigError, UpdateTimeoutError
+from ckpt_core.ops.log import rank_logger
 
 WATCH_S = 0.5
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -135,7 +135,7 @@ def start_managed(spec: str, *, rank: int, world_size: int, local_rank: int, dev
 
 def start_from_env(*, rank: int, world_size: int, local_rank: int, device: str) -> ManagedParameterServer | None:
     """:func:`start_managed` as ``CKPT_ENGINE_SERVE`` asks (None when unset); the PS logs to PATH.log."""
-    from .._settings import engine_serve
+    from ckpt_core._settings import engine_serve
     asked = engine_serve()
     if asked is None:
         return None

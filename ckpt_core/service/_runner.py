@@ -10,8 +10,8 @@ import os
 import socket
 import stat
 
-from ..errors import ConfigError
-from .._log import rank_logger
+from ckpt_core.errors import ConfigError
+from ckpt_core.ops.log import rank_logger
 
 UDS_MODE = 0o600
 MAX_UDS_PATH = 107   # sun_path is 108 bytes with the NUL

@@ -15,8 +15,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
-from ..errors import CkptError
-from .._log import rank_logger
+from ckpt_core.errors import CkptError
+from ckpt_core.ops.log import rank_logger
 
 
 class Busy(Exception):

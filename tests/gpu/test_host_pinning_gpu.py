@@ -40,8 +40,8 @@ def memory_type(lib, ptr: int) -> int:
 def test_every_piece_of_a_region_is_registered_and_released():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    from ckpt_core._host import fill_and_pin, new_region, populate_jobs
-    from ckpt_core._planner import PIN_CHUNK
+    from ckpt_core.checkpoint.host import fill_and_pin, new_region, populate_jobs
+    from ckpt_core.planning.buckets import PIN_CHUNK
     from ckpt_core.devices import get_backend
 
     lib = _cudart()

@@ -10,7 +10,7 @@ pytestmark = pytest.mark.gpu
 pytest.importorskip("fastapi")
 from harness import FAULT_DTYPES, fresh_tensor, want_digests  # noqa: E402
 from service_world import HttpEngineFront, ServiceWorld  # noqa: E402
-from ckpt_core._safetensors import write_file  # noqa: E402
+from ckpt_core.checkpoint.safetensors import write_file  # noqa: E402
 
 
 def test_register_gather_update_through_the_service_on_cuda(tmp_path):

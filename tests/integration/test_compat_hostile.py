@@ -19,7 +19,7 @@ from multiprocessing.connection import Listener
 import pytest
 import zmq
 
-from ckpt_core._compat import MAX_REPLY_BYTES
+from ckpt_core.wire.stock import MAX_REPLY_BYTES
 from harness import AUTH, EngineFront, FreshCheckpoints, PickleBomb, PsWorld, assert_every_rank_failed
 from stock_workers import StockSimEngine, stock_dirs
 
@@ -92,7 +92,7 @@ def test_a_hostile_reply_is_refused_unread_and_the_next_update_works(world, tmp_
     assert not os.path.exists(marker), "a reply was unpickled"
     # what the PS sent, inspected without loading: our buffer opener, then (except after a dropped
     # connection) the abort as a RuntimeError
-    assert _globals(hostile.frames[0])[0] == "ckpt_core._compat.open_shared_buffer"
+    assert _globals(hostile.frames[0])[0] == "ckpt_core.wire.stock.open_shared_buffer"
     if case != "huge frame":
         assert "builtins.RuntimeError" in _globals(hostile.frames[1]), hostile.frames[1][:200]
 

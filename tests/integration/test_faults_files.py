@@ -19,7 +19,7 @@ import uuid
 import pytest
 import torch
 
-from ckpt_core._safetensors import write_file
+from ckpt_core.checkpoint.safetensors import write_file
 from harness import EngineFront, PsWorld, fresh_tensors, report_case, want_digests
 
 MiB = 1 << 20

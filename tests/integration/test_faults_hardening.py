@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from harness import EngineFront, FreshCheckpoints, PsWorld, assert_every_rank_failed, fresh_tensors, want_digests
-from ckpt_core._safetensors import write_file
+from ckpt_core.checkpoint.safetensors import write_file
 
 INIT = {"max_bucket_gb": (16 << 10) / (1 << 30)}
 COLLECTIVE_TIMEOUT_S = 20.0      # a refusal must come well before any collective would time out
@@ -201,7 +201,7 @@ def random_bytes_as(shape, dtype: torch.dtype, gen: torch.Generator) -> torch.Te
 
 
 def test_mx_scales_complex_and_fnuz_float8_arrive_bit_exact_from_files_and_named_tensors(world, tmp_path):
-    from ckpt_core._safetensors import DTYPES, WIRE_DTYPES
+    from ckpt_core.checkpoint.safetensors import DTYPES, WIRE_DTYPES
     ps, front, ckpts = world
     gen = torch.Generator().manual_seed(8)
     in_file = {f"file.{code}": random_bytes_as((3, 5), DTYPES[code], gen)

@@ -59,7 +59,7 @@ def test_files_are_kept_without_unlink_inplace_files(shm):
 def test_files_a_kind_must_copy_are_deleted_too_after_success(shm):
     """A kind that pins host memory but cannot pin a file where it lies (like NPUs) copies the
     /dev/shm files; with unlink_inplace_files=True they go after the success like mapped ones."""
-    from ckpt_core._checkpoint import build_checkpoint
+    from ckpt_core.checkpoint.sources import build_checkpoint
     from ckpt_core.devices.cpu import CpuBackend
 
     class CopyingBackend(CpuBackend):

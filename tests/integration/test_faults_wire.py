@@ -20,7 +20,7 @@ from multiprocessing.connection import Client
 import pytest
 import zmq
 
-from ckpt_core import _protocol as proto
+from ckpt_core.wire import protocol as proto
 from ckpt_core import local_device_key
 from harness import AUTH, EngineFront, FreshCheckpoints, PickleBomb, PsWorld, report_case
 

@@ -184,7 +184,7 @@ def test_a_read_after_the_owner_replaced_its_checkpoint_in_place_is_refused_not_
     checkpoint (a shared pool does that) between two reads; the second read must be refused."""
     import logging
     import time
-    from ckpt_core._p2p_store import P2PStore
+    from ckpt_core.p2p.store import P2PStore
     from ckpt_core.errors import TransportError
     log = logging.getLogger("test")
     owner = P2PStore("127.0.0.2", local_rank=0, ps_devices="", nccl_ib_hca="", log=log, rdma=False)
@@ -223,7 +223,7 @@ def test_the_example_driver_broadcasts_then_p2p_and_a_joiner_world_pulls_through
     import threading
     import time
     from harness import free_port, fresh_tensor, want_digests
-    from ckpt_core._safetensors import write_file
+    from ckpt_core.checkpoint.safetensors import write_file
     from test_topology_example import EXAMPLE, ROOT, _EngineHttp, _UnixHttp
     gen = torch.Generator().manual_seed(7)
     ckpt = tmp_path / "ckpt"

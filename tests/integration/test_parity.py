@@ -11,8 +11,8 @@ import torch
 import parity_cases as cases
 from harness import fresh_tensor
 from ckpt_core import CheckpointFormatError
-from ckpt_core._checkpoint import build_checkpoint
-from ckpt_core._safetensors import write_file
+from ckpt_core.checkpoint.sources import build_checkpoint
+from ckpt_core.checkpoint.safetensors import write_file
 from ckpt_core.devices import get_backend
 
 
@@ -131,7 +131,7 @@ def test_reference_keywords_metas_round_trip_and_empty_ranks_broadcast():
 
 def test_a_req_func_failure_is_published_under_its_own_rank():
     """The store's abort flag names the rank whose req_func raised (it used to say rank 0)."""
-    from ckpt_core._signals import ReqThread, StopSignal
+    from ckpt_core.transfer.signals import ReqThread, StopSignal
 
     class Store(dict):
         def set(self, key, value):

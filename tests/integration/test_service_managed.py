@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("fastapi")
 from harness import FAULT_DTYPES, free_port, fresh_tensor, process_gone, want_digests  # noqa: E402
 from service_world import ROOT, HttpEngineFront, wait_healthy  # noqa: E402
-from ckpt_core._safetensors import write_file  # noqa: E402
+from ckpt_core.checkpoint.safetensors import write_file  # noqa: E402
 from ckpt_core.errors import ConfigError  # noqa: E402
 from ckpt_core.service._managed import parse_serve_spec  # noqa: E402
 

@@ -93,7 +93,7 @@ def test_an_error_in_sglangs_loader_reaches_the_ps_as_remote_worker_error(engine
         pytest.importorskip("mooncake.engine", reason="Mooncake (the p2p extra) is not installed")
     eng, _root = engine
     import torch
-    from ckpt_core._safetensors import write_file
+    from ckpt_core.checkpoint.safetensors import write_file
     ckpt, _ = write_checkpoint(tmp_path / "bad", seed=5, shards=1)
     bad = {"model.layers.0.self_attn.q_proj.weight": torch.randn(3, 7)}
     (ckpt / "model-00000.safetensors").unlink()

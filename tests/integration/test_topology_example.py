@@ -19,8 +19,8 @@ import torch
 
 from harness import EngineFront, free_port, fresh_tensor, make_req_func, want_digests
 from ckpt_core import CheckpointFormatError, ConfigError, local_device_key
-from ckpt_core._requests import group_handles
-from ckpt_core._safetensors import write_file
+from ckpt_core.engines.requests import group_handles
+from ckpt_core.checkpoint.safetensors import write_file
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "vllm_update.py"

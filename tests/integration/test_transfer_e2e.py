@@ -6,7 +6,7 @@ import pytest
 
 import e2e_cases as cases
 from ckpt_core import split_checkpoint_files
-from ckpt_core._safetensors import write_file
+from ckpt_core.checkpoint.safetensors import write_file
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -56,7 +56,7 @@ def test_the_server_runs_its_own_ps_rank_and_takes_it_down_with_it(vllm_python, 
 def _shards(weights, out_dir) -> list:
     """The model's one safetensors file as two shards (every other tensor), one per PS rank."""
     from safetensors.torch import load_file
-    from ckpt_core._safetensors import write_file
+    from ckpt_core.checkpoint.safetensors import write_file
     tensors = load_file(str(weights))
     names = sorted(tensors)
     paths = []

@@ -201,7 +201,7 @@ def test_a_dev_shm_checkpoint_is_copied_into_pinned_memory_not_mapped_pageable(t
     """pins_in_place=False: the core copies in-place files (logged) instead of mapping them."""
     from safetensors.torch import save_file
 
-    from ckpt_core._checkpoint import build_checkpoint
+    from ckpt_core.checkpoint.sources import build_checkpoint
     path = f"/dev/shm/ckpt-ascend-test-{os.getpid()}.safetensors"
     want = {"w": torch.randn(64, 32), "b": torch.arange(7, dtype=torch.int32)}
     save_file(want, path)

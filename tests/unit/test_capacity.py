@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_core._capacity import Calibration, ModelSpec, Topology, calibrate, predict, topology_of
+from ckpt_core.planning.capacity import Calibration, ModelSpec, Topology, calibrate, predict, topology_of
 from ckpt_core.errors import ConfigError
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
@@ -37,7 +37,7 @@ def test_predictions_are_within_25_percent_of_every_recorded_case(run):
 
 def test_one_device_alone_defaults_to_the_rate_measured_alone():
     """The CLI's defaults (no measured ceilings passed in) against the one-GPU run of session 5."""
-    from ckpt_core._capacity import H2D_ALONE_GBPS, h2d_default
+    from ckpt_core.planning.capacity import H2D_ALONE_GBPS, h2d_default
     doc = _run("1xH200-tiny-moe8-dense16-session5.json")
     assert round(topology_of(doc).h2d_gbps, 1) == H2D_ALONE_GBPS == h2d_default(1)
     assert h2d_default(2) == h2d_default(8) == Topology.h2d_gbps

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ckpt_core import cli
-from ckpt_core._safetensors import write_file
+from ckpt_core.checkpoint.safetensors import write_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -100,7 +100,7 @@ def test_serve_refuses_an_unknown_wire_as_a_usage_error(wire, capsys):
 
 
 def test_serve_offers_exactly_the_parameter_servers_wires():
-    from ckpt_core._compat import WIRES
+    from ckpt_core.wire.stock import WIRES
     assert set(cli.SERVE_WIRES) == set(WIRES)
     assert cli.build_parser().parse_args(["serve"]).wire == "native"
     assert cli.build_parser().parse_args(["serve", "--wire", "stock-0.3"]).wire == "stock-0.3"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from ckpt_core._collectives import Collectives
+from ckpt_core.transfer.collectives import Collectives
 from ckpt_core._settings import load_settings
 from harness import free_port
 

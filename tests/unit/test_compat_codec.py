@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import ckpt_sglang
-from ckpt_core._compat import (MAX_REPLY_BYTES, WIRES, abort_frame, bucket_frame, check_wire, decode_reply,
+from ckpt_core.wire.stock import (MAX_REPLY_BYTES, WIRES, abort_frame, bucket_frame, check_wire, decode_reply,
                                wire_handles)
-from ckpt_core._planner import Bucket, Placement, TensorMeta
+from ckpt_core.planning.buckets import Bucket, Placement, TensorMeta
 from ckpt_core.errors import ConfigError, ProtocolError
 
 

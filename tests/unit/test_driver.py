@@ -1,10 +1,10 @@
-"""The reference launchers' flow shared by our drivers (ckpt_core/_driver.py): which updates run, in order."""
+"""The reference launchers' flow shared by our drivers (ckpt_core/engines/driver.py): which updates run, in order."""
 
 from __future__ import annotations
 
 import pytest
 
-from ckpt_core._driver import run_updates, update_methods
+from ckpt_core.engines.driver import run_updates, update_methods
 from ckpt_core.errors import ConfigError
 
 

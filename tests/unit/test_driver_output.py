@@ -9,7 +9,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CHILD = r"""
 import sys
-from ckpt_core._driver import emit_json_line
+from ckpt_core.engines.driver import emit_json_line
 for i in range(400):
     emit_json_line({"rank": int(sys.argv[1]), "i": i, "pad": "x" * 600})
 """
@@ -29,6 +29,6 @@ def test_lines_of_concurrent_unbuffered_writers_never_interleave():
 
 
 def test_a_captured_stdout_gets_the_line_too(capsys):
-    from ckpt_core._driver import emit_json_line
+    from ckpt_core.engines.driver import emit_json_line
     emit_json_line({"a": 1})
     assert json.loads(capsys.readouterr().out) == {"a": 1}

@@ -3,7 +3,7 @@ import threading
 
 import pytest
 
-from ckpt_core._gc import gc_paused
+from ckpt_core.ops.gc import gc_paused
 from ckpt_core.errors import ConfigError
 
 

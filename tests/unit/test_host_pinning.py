@@ -6,8 +6,8 @@ import time
 import pytest
 import torch
 
-from ckpt_core import _host
-from ckpt_core._host import HostRegion, copy_jobs, fill_and_pin, populate_jobs
+from ckpt_core.checkpoint import host as _host
+from ckpt_core.checkpoint.host import HostRegion, copy_jobs, fill_and_pin, populate_jobs
 from ckpt_core.devices import HostPin, get_backend
 
 

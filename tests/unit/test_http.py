@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from ckpt_core._http import HttpTransport, Phases
+from ckpt_core.engines.http import HttpTransport, Phases
 from ckpt_core.errors import ClosedError, RemoteWorkerError, TransportError, UpdateTimeoutError
 
 pytestmark = pytest.mark.timeout(60)

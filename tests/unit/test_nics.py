@@ -2,7 +2,7 @@
 
 import pytest
 
-from ckpt_core._nics import HcaFilter, assign_readers, nic_for_rank, parse_nccl_ib_hca, select_rdma_devices
+from ckpt_core.planning.nics import HcaFilter, assign_readers, nic_for_rank, parse_nccl_ib_hca, select_rdma_devices
 from ckpt_core.errors import ConfigError
 
 HOST = ["mlx5_0", "mlx5_1", "mlx5_10", "mlx4_0", "bnxt_re0"]

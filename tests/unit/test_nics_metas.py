@@ -6,9 +6,9 @@ import pickle
 
 import pytest
 
-from ckpt_core import _metas
-from ckpt_core._metas import Peer
-from ckpt_core._planner import TensorMeta
+from ckpt_core.p2p import metas as _metas
+from ckpt_core.p2p.metas import Peer
+from ckpt_core.planning.buckets import TensorMeta
 from ckpt_core.errors import ConfigError
 
 METAS = {"ck": [[TensorMeta("a", "BF16", (4, 8), 64, 2, 0, 0), TensorMeta("b", "F32", (3,), 12, 4, 0, 64)],

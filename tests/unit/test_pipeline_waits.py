@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from ckpt_core._broadcast import BroadcastPipeline, PipelineStats
+from ckpt_core.transfer.pipeline import BroadcastPipeline, PipelineStats
 from ckpt_core.errors import TransportError, UpdateTimeoutError
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from ckpt_core._planner import ALIGN, TensorMeta, align_up, choose_layout, interleave, plan_buckets
+from ckpt_core.planning.buckets import ALIGN, TensorMeta, align_up, choose_layout, interleave, plan_buckets
 from ckpt_core.errors import ConfigError
 
 
@@ -148,7 +148,7 @@ def test_two_registrations_of_one_layout_have_identical_metas_so_they_share_a_pl
     """RL steady state: step N+1 has step N's names and shapes; its metas (region ids included)
     must be equal, so that the PS reuses the plan and the worker its validated copy."""
     import torch
-    from ckpt_core._checkpoint import build_checkpoint
+    from ckpt_core.checkpoint.sources import build_checkpoint
     from ckpt_core.devices import get_backend
 
     backend = get_backend("cpu")
@@ -164,7 +164,7 @@ def test_two_registrations_of_one_layout_have_identical_metas_so_they_share_a_pl
 
 
 def test_copy_runs_never_span_two_pinned_pieces_of_a_host_region():
-    from ckpt_core._planner import PIN_CHUNK, CopyRun, split_at_pin_chunks
+    from ckpt_core.planning.buckets import PIN_CHUNK, CopyRun, split_at_pin_chunks
     run = CopyRun(base=0, base_offset=PIN_CHUNK - 100, offset=4096, nbytes=2 * PIN_CHUNK + 300)
     parts = split_at_pin_chunks(run)
     assert [p.nbytes for p in parts] == [100, PIN_CHUNK, PIN_CHUNK, 200]
@@ -178,7 +178,7 @@ def test_copy_runs_never_span_two_pinned_pieces_of_a_host_region():
 
 
 def test_the_plan_cache_shares_one_plan_per_layout_and_keeps_the_most_recent():
-    from ckpt_core._plans import PlanCache
+    from ckpt_core.transfer.plan_cache import PlanCache
     cache = PlanCache(size=2)
     metas = [[TensorMeta(f"t{i}", "F32", (64,), 256, 4, 0, 256 * i) for i in range(4)]]
     same = [list(metas[0])]                      # a later step: equal metas, another list

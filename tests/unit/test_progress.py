@@ -5,7 +5,7 @@ import io
 import pytest
 
 pytest.importorskip("tqdm")
-from ckpt_core._progress import TerminalProgress  # noqa: E402
+from ckpt_core.ops.progress import TerminalProgress  # noqa: E402
 
 
 def _one_update(bar, seen=None):
@@ -42,7 +42,7 @@ def test_a_real_registration_draws_a_bar_per_phase_in_bytes_and_ends_closed(tmp_
     of every file and tensor); the bar shows them and is closed when the registration is done."""
     import torch
     from ckpt_core import ParameterServer
-    from ckpt_core._safetensors import write_file
+    from ckpt_core.checkpoint.safetensors import write_file
     calls = []
     out = io.StringIO()
     bar = TerminalProgress("rank 0", out, force=True)

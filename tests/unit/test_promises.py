@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from ckpt_core import split_checkpoint_files
-from ckpt_core._collectives import NCCL_ERROR_ENV, nccl_error_defaults
-from ckpt_core._host import SharedPool
-from ckpt_core._safetensors import write_file
+from ckpt_core.transfer.collectives import NCCL_ERROR_ENV, nccl_error_defaults
+from ckpt_core.checkpoint.host import SharedPool
+from ckpt_core.checkpoint.safetensors import write_file
 from ckpt_core.devices import get_backend
 from ckpt_core.errors import CheckpointFormatError, ConfigError, RemoteWorkerError, TransportError
 from harness import pythonpath

@@ -7,7 +7,7 @@ import pickle
 
 import pytest
 
-from ckpt_core import _protocol as proto
+from ckpt_core.wire import protocol as proto
 from ckpt_core.errors import ProtocolError
 
 UPDATE = "run-7"

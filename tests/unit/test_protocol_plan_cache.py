@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from ckpt_core import _protocol as proto
+from ckpt_core.wire import protocol as proto
 from ckpt_core.errors import ProtocolError
 
 BUCKETS = [[("a", "BF16", (4, 4), 0), ("b", "F32", (3,), 256)], [("c", "F8_E4M3", (10,), 0)]]

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ckpt_core import _safetensors as st
+from ckpt_core.checkpoint import safetensors as st
 from ckpt_core.errors import CheckpointFormatError
 
 

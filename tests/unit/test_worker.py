@@ -18,8 +18,8 @@ import pytest
 import torch
 import zmq
 
-from ckpt_core import _protocol as proto
-from ckpt_core import _worker
+from ckpt_core.wire import protocol as proto
+from ckpt_core.wire import worker as _worker
 from ckpt_core import update_weights_from_ipc
 from ckpt_core.devices.cpu import CpuBackend
 from ckpt_core.errors import ProtocolError, RemoteWorkerError, TransportError, UpdateTimeoutError

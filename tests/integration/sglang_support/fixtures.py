@@ -19,7 +19,7 @@ import httpx
 import pytest
 import torch
 
-from ckpt_core._safetensors import write_file
+from ckpt_core.checkpoint.safetensors import write_file
 from harness import digest, free_port
 
 HERE = Path(__file__).resolve().parent

@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._duplicates import dedupe
-from ._host import (HostRegion, SharedPool, copy_jobs, counted, file_writable, map_file_region, new_region,
+from ckpt_core.checkpoint.duplicates import dedupe
+from ckpt_core.checkpoint.host import (HostRegion, SharedPool, copy_jobs, counted, file_writable, map_file_region, new_region,
                     populate_and_pin, read_jobs, run_jobs)
-from ._planner import TensorMeta, align_up
-from ._safetensors import WIRE_CODES, SafetensorsHeader, read_header
-from .devices import DeviceBackend
-from .errors import CheckpointFormatError, ConfigError
+from ckpt_core.planning.buckets import TensorMeta, align_up
+from ckpt_core.checkpoint.safetensors import WIRE_CODES, SafetensorsHeader, read_header
+from ckpt_core.devices import DeviceBackend
+from ckpt_core.errors import CheckpointFormatError, ConfigError
 
 SHM_PREFIX = "/dev/shm/"
 _log = logging.getLogger("ckpt_core")
@@ -65,7 +65,7 @@ class RegisteredCheckpoint:
 
 
 def _torch_dtype(code: str) -> torch.dtype:
-    from ._safetensors import WIRE_DTYPES
+    from ckpt_core.checkpoint.safetensors import WIRE_DTYPES
     return WIRE_DTYPES[code]
 
 

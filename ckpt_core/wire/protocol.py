@@ -32,8 +32,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ._safetensors import WIRE_DTYPES
-from .errors import ProtocolError
+from ckpt_core.checkpoint.safetensors import WIRE_DTYPES
+from ckpt_core.errors import ProtocolError
 
 VERSION = 1
 MAX_FRAME_BYTES = 256 << 20

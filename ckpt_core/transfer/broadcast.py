@@ -12,15 +12,15 @@ import sys
 import time
 from typing import Callable
 
-from ._broadcast import BroadcastPipeline
-from ._checkpoint import RegisteredCheckpoint
-from ._compat import open_link, wire_handles
-from ._link import Failure, PsLink
-from ._planner import ALIGN, Plan, align_up
-from ._protocol import encode_hello
-from ._signals import ReqThread, StopSignal, causes as causes_of
-from .devices import IpcBuffer
-from .errors import CkptError, RemoteWorkerError, UpdateTimeoutError
+from ckpt_core.transfer.pipeline import BroadcastPipeline
+from ckpt_core.checkpoint.sources import RegisteredCheckpoint
+from ckpt_core.wire.stock import open_link, wire_handles
+from ckpt_core.wire.link import Failure, PsLink
+from ckpt_core.planning.buckets import ALIGN, Plan, align_up
+from ckpt_core.wire.protocol import encode_hello
+from ckpt_core.transfer.signals import ReqThread, StopSignal, causes as causes_of
+from ckpt_core.devices import IpcBuffer
+from ckpt_core.errors import CkptError, RemoteWorkerError, UpdateTimeoutError
 
 ReqFunc = Callable[[list[tuple[str, str]]], object]
 REQ_GRACE_S = 2.0   # how long a failed update still waits for req_func to return

@@ -16,14 +16,14 @@ from typing import Any, Callable, Iterable
 import torch
 import zmq
 
-from . import _protocol as proto
-from ._link import CLOSE_LINGER_MS, PeerWatch
-from ._gc import gc_paused
-from ._log import rank_logger
-from ._prechecks import update_seconds
-from ._safetensors import WIRE_DTYPES
-from .devices import get_backend
-from .errors import CkptError, ProtocolError, RemoteWorkerError, TransportError, UpdateTimeoutError
+from ckpt_core.wire import protocol as proto
+from ckpt_core.wire.link import CLOSE_LINGER_MS, PeerWatch
+from ckpt_core.ops.gc import gc_paused
+from ckpt_core.ops.log import rank_logger
+from ckpt_core.transfer.prechecks import update_seconds
+from ckpt_core.checkpoint.safetensors import WIRE_DTYPES
+from ckpt_core.devices import get_backend
+from ckpt_core.errors import CkptError, ProtocolError, RemoteWorkerError, TransportError, UpdateTimeoutError
 
 __all__ = ["update_weights_from_ipc"]
 

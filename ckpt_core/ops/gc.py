@@ -14,7 +14,7 @@ import gc
 import threading
 from contextlib import contextmanager
 
-from ._settings import gc_pause_enabled
+from ckpt_core._settings import gc_pause_enabled
 
 _lock = threading.Lock()
 _depth = 0          # nested / concurrent pauses: the collector resumes when the last one ends

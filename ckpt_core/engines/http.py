@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 import httpx
 
-from .errors import ClosedError, ConfigError, RemoteWorkerError, TransportError, UpdateTimeoutError
+from ckpt_core.errors import ClosedError, ConfigError, RemoteWorkerError, TransportError, UpdateTimeoutError
 
 __all__ = ["HttpTransport", "Phases", "error_text"]
 

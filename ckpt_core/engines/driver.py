@@ -24,7 +24,7 @@ import sys
 import time
 from typing import Callable, Iterator
 
-from .errors import ConfigError
+from ckpt_core.errors import ConfigError
 
 UPDATE_METHODS = ("broadcast", "p2p", "all")
 

@@ -30,8 +30,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 
-from ._planner import choose_layout
-from .errors import ConfigError
+from ckpt_core.planning.buckets import choose_layout
+from ckpt_core.errors import ConfigError
 
 GB = 1e9
 GiB = float(1 << 30)

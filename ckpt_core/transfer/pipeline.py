@@ -19,11 +19,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ._collectives import Collectives, groups_broken
-from ._link import PsLink
-from ._planner import Plan
-from .devices import DeviceBackend, IpcBuffer
-from .errors import UpdateTimeoutError
+from ckpt_core.transfer.collectives import Collectives, groups_broken
+from ckpt_core.wire.link import PsLink
+from ckpt_core.planning.buckets import Plan
+from ckpt_core.devices import DeviceBackend, IpcBuffer
+from ckpt_core.errors import UpdateTimeoutError
 
 AWAIT_SLICE_S = 0.0002   # polling step while the host must wait for the device
 

@@ -25,19 +25,19 @@ import time
 from dataclasses import dataclass
 
 
-from ._broadcast import BroadcastPipeline
-from ._compat import open_link, wire_handles
-from ._link import Failure
-from . import _metas
-from ._metas import Peer, Source
-from ._nics import assign_readers
-from ._p2p_store import MARK, P2PStore, import_mooncake
-from ._planner import ALIGN, Bucket, Plan, align_up, choose_layout
-from ._prechecks import problem_of, raise_agreed, same_kind
-from ._protocol import encode_hello
-from ._settings import p2p_env
-from ._signals import ReqThread, StopSignal
-from .errors import CheckpointNotFoundError, CkptError, ConfigError, RemoteWorkerError, TransportError
+from ckpt_core.transfer.pipeline import BroadcastPipeline
+from ckpt_core.wire.stock import open_link, wire_handles
+from ckpt_core.wire.link import Failure
+from ckpt_core.p2p import metas as _metas
+from ckpt_core.p2p.metas import Peer, Source
+from ckpt_core.planning.nics import assign_readers
+from ckpt_core.p2p.store import MARK, P2PStore, import_mooncake
+from ckpt_core.planning.buckets import ALIGN, Bucket, Plan, align_up, choose_layout
+from ckpt_core.transfer.prechecks import problem_of, raise_agreed, same_kind
+from ckpt_core.wire.protocol import encode_hello
+from ckpt_core._settings import p2p_env
+from ckpt_core.transfer.signals import ReqThread, StopSignal
+from ckpt_core.errors import CheckpointNotFoundError, CkptError, ConfigError, RemoteWorkerError, TransportError
 
 READ_MARGIN_S = 3.0    # a read must give up this long before the update's deadline, so the ranks can still agree
 SETTLE_AT_CLOSE_S = 10.0

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from urllib.parse import urlsplit
 
-from ._http import HttpTransport
-from .errors import ConfigError, RemoteWorkerError
+from ckpt_core.engines.http import HttpTransport
+from ckpt_core.errors import ConfigError, RemoteWorkerError
 
 
 def group_handles(handles: list[tuple[str, str]], rank: int, inference_parallel_size: int | None = None

@@ -15,11 +15,11 @@ import math
 import time
 from datetime import timedelta
 
-from . import errors
-from ._checkpoint import RegisteredCheckpoint
-from ._planner import Plan, TensorMeta, align_up, choose_layout, first_shared_name
-from ._safetensors import WIRE_DTYPES
-from .errors import CheckpointNotFoundError, CkptError, ConfigError
+from ckpt_core import errors
+from ckpt_core.checkpoint.sources import RegisteredCheckpoint
+from ckpt_core.planning.buckets import Plan, TensorMeta, align_up, choose_layout, first_shared_name
+from ckpt_core.checkpoint.safetensors import WIRE_DTYPES
+from ckpt_core.errors import CheckpointNotFoundError, CkptError, ConfigError
 
 # An update timeout above this (float("inf"), timedelta.max, ...) means "no deadline for the
 # update as a whole"; it is clamped here because thread joins and socket polls overflow on larger

@@ -40,11 +40,11 @@ from typing import Any
 import torch
 import zmq
 
-from ._link import PsLink
-from ._planner import Bucket
-from ._safetensors import DTYPES
-from .devices import IpcBuffer, get_backend
-from .errors import ConfigError, ProtocolError
+from ckpt_core.wire.link import PsLink
+from ckpt_core.planning.buckets import Bucket
+from ckpt_core.checkpoint.safetensors import DTYPES
+from ckpt_core.devices import IpcBuffer, get_backend
+from ckpt_core.errors import ConfigError, ProtocolError
 
 __all__ = ["WIRES", "check_wire", "wire_handles", "open_link", "decode_reply", "open_shared_buffer"]
 

@@ -13,7 +13,7 @@ import time
 import traceback
 from typing import Callable
 
-from ._link import Failure
+from ckpt_core.wire.link import Failure
 
 STORE_CHECK_INTERVAL_S = 0.02   # a store round trip per poll would tax every bucket
 

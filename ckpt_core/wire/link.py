@@ -8,8 +8,8 @@ from typing import Callable
 
 import zmq
 
-from . import _protocol as proto
-from .errors import ProtocolError
+from ckpt_core.wire import protocol as proto
+from ckpt_core.errors import ProtocolError
 
 POLL_SLICE_MS = 50
 # Close with a short linger so that a last frame (abort, finished, error) still reaches

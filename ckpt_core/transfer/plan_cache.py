@@ -11,8 +11,8 @@ from __future__ import annotations
 import hashlib
 import json
 
-from ._planner import Plan, TensorMeta, plan_buckets
-from ._protocol import plan_fragment
+from ckpt_core.planning.buckets import Plan, TensorMeta, plan_buckets
+from ckpt_core.wire.protocol import plan_fragment
 
 PLAN_CACHE = 4      # plans kept; the least recently used goes first
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import ConfigError
+from ckpt_core.errors import ConfigError
 
 __all__ = ["HcaFilter", "parse_nccl_ib_hca", "select_rdma_devices", "nic_for_rank", "assign_readers"]
 

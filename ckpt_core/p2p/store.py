@@ -16,9 +16,9 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
-from ._metas import STAMP_BYTES, Peer
-from ._nics import nic_for_rank, select_rdma_devices
-from .errors import ConfigError, TransportError, UpdateTimeoutError
+from ckpt_core.p2p.metas import STAMP_BYTES, Peer
+from ckpt_core.planning.nics import nic_for_rank, select_rdma_devices
+from ckpt_core.errors import ConfigError, TransportError, UpdateTimeoutError
 
 MAX_DESCRIPTORS = 1024      # Mooncake: keep one batch at or below this many descriptors
 PIECE_BYTES = 64 << 20      # large runs are cut so that a batch spreads over Mooncake's slices

@@ -22,8 +22,8 @@ import json
 import os
 from dataclasses import dataclass
 
-from ._planner import TensorMeta
-from .errors import ConfigError
+from ckpt_core.planning.buckets import TensorMeta
+from ckpt_core.errors import ConfigError
 
 FORMAT = "ckpt-engine/metas"
 VERSION = 1

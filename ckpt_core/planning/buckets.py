@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple
 
-from .errors import ConfigError
+from ckpt_core.errors import ConfigError
 
 ALIGN = 256          # offset alignment of a tensor placed on its own in a bucket
 PIN_CHUNK = 512 << 20   # host regions are pinned in pieces of this size, at offsets that are multiples of it

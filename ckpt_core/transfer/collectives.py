@@ -16,8 +16,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ._settings import Settings
-from .errors import ConfigError, TransportError, UpdateTimeoutError
+from ckpt_core._settings import Settings
+from ckpt_core.errors import ConfigError, TransportError, UpdateTimeoutError
 
 
 class _Store:

@@ -20,10 +20,10 @@ from typing import Callable
 
 import torch
 
-from ._planner import PIN_CHUNK, align_up
-from ._settings import fault_threads
-from .devices import DeviceBackend, HostPin
-from .errors import CheckpointFormatError, ConfigError
+from ckpt_core.planning.buckets import PIN_CHUNK, align_up
+from ckpt_core._settings import fault_threads
+from ckpt_core.devices import DeviceBackend, HostPin
+from ckpt_core.errors import CheckpointFormatError, ConfigError
 
 COPY_CHUNK = 256 << 20
 COPY_THREADS = max(1, min(8, (os.cpu_count() or 2)))

@@ -1,0 +1,1 @@
+"""Checkpoint sources: our safetensors reader, host memory regions and pinning, duplicates, registration."""

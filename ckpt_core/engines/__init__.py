@@ -1,0 +1,1 @@
+"""Engine-facing requesters: HTTP transport, request_inference_to_update, the reference launchers' flow."""

@@ -1,0 +1,1 @@
+"""The P2P path: the metas document, the Mooncake store, updates into a subset of ranks."""
