@@ -9,11 +9,12 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 from ckpt_core.errors import ConfigError
 
 __all__ = ["Settings", "ENV_VARS", "load_settings", "gc_pause_enabled", "fault_threads", "cpu_visible_devices",
-           "p2p_env", "cpu_event_delay_s", "service_token", "engine_serve"]
+           "p2p_env", "cpu_event_delay_s", "service_token", "engine_serve", "update_seconds", "NO_DEADLINE_S"]
 
 # name -> (type, default, meaning); the README's table is generated from the same facts.
 ENV_VARS: dict[str, tuple[str, str, str]] = {
@@ -202,3 +203,22 @@ def engine_serve() -> tuple[str, str, int] | None:
     if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
         raise ConfigError(f"CKPT_ENGINE_SERVE_MASTER={master!r} is not host:port")
     return spec, host, int(port)
+
+
+# An update timeout above this (float("inf"), timedelta.max, ...) means "no deadline for the
+# update as a whole"; it is clamped here because thread joins and socket polls overflow on larger
+# values. The collectives stay bounded by PS_COLLECTIVE_TIMEOUT_S, and a worker that goes away is
+# still noticed at once.
+NO_DEADLINE_S = 1e8   # ~3 years
+
+def update_seconds(timeout) -> float:
+    """The update's ``timeout`` (seconds or a timedelta) as seconds; ConfigError unless > 0 and not NaN."""
+    if isinstance(timeout, timedelta):
+        value = timeout.total_seconds()
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        value = float(timeout)
+    else:
+        raise ConfigError(f"update timeout must be seconds (a number) or a timedelta, got {timeout!r}")
+    if math.isnan(value) or value <= 0:
+        raise ConfigError(f"update timeout must be positive, got {timeout!r}")
+    return min(value, NO_DEADLINE_S)

@@ -13,34 +13,15 @@ from __future__ import annotations
 
 import math
 import time
-from datetime import timedelta
 
 from ckpt_core import errors
+from ckpt_core._settings import update_seconds
 from ckpt_core.checkpoint.sources import RegisteredCheckpoint
 from ckpt_core.planning.buckets import Plan, TensorMeta, align_up, choose_layout, first_shared_name
 from ckpt_core.checkpoint.safetensors import WIRE_DTYPES
 from ckpt_core.errors import CheckpointNotFoundError, CkptError, ConfigError
 
-# An update timeout above this (float("inf"), timedelta.max, ...) means "no deadline for the
-# update as a whole"; it is clamped here because thread joins and socket polls overflow on larger
-# values. The collectives stay bounded by PS_COLLECTIVE_TIMEOUT_S, and a worker that goes away is
-# still noticed at once.
-NO_DEADLINE_S = 1e8   # ~3 years
-
 Problem = list   # [error class name, message], JSON on the wire
-
-
-def update_seconds(timeout) -> float:
-    """The update's ``timeout`` (seconds or a timedelta) as seconds; ConfigError unless > 0 and not NaN."""
-    if isinstance(timeout, timedelta):
-        value = timeout.total_seconds()
-    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-        value = float(timeout)
-    else:
-        raise ConfigError(f"update timeout must be seconds (a number) or a timedelta, got {timeout!r}")
-    if math.isnan(value) or value <= 0:
-        raise ConfigError(f"update timeout must be positive, got {timeout!r}")
-    return min(value, NO_DEADLINE_S)
 
 
 def problem_of(exc: CkptError) -> Problem:

@@ -20,7 +20,7 @@ from ckpt_core.wire import protocol as proto
 from ckpt_core.wire.link import CLOSE_LINGER_MS, PeerWatch
 from ckpt_core.ops.gc import gc_paused
 from ckpt_core.ops.log import rank_logger
-from ckpt_core.transfer.prechecks import update_seconds
+from ckpt_core._settings import update_seconds
 from ckpt_core.checkpoint.safetensors import WIRE_DTYPES
 from ckpt_core.devices import get_backend
 from ckpt_core.errors import CkptError, ProtocolError, RemoteWorkerError, TransportError, UpdateTimeoutError

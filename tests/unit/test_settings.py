@@ -8,7 +8,7 @@ from datetime import timedelta
 
 import pytest
 
-from ckpt_core.transfer.prechecks import NO_DEADLINE_S, update_seconds
+from ckpt_core._settings import NO_DEADLINE_S, update_seconds
 from ckpt_core._settings import ENV_VARS, fault_threads, gc_pause_enabled, load_settings
 from ckpt_core.errors import ConfigError
 
