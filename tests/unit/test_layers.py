@@ -101,3 +101,13 @@ def test_the_leaves_do_not_import_each_other():
         if mine in leaves:
             others = {unit_of(t) for t in imported_modules(path)} & (leaves - {mine})
             assert others == set(), f"{module_name(path)} imports {others}"
+
+
+def test_importing_ckpt_core_imports_no_engine_and_no_optional_extra():
+    import subprocess
+    import sys
+    code = ("import sys, ckpt_core; print(sorted({m.split('.')[0] for m in sys.modules} & "
+            "{'vllm', 'sglang', 'ckpt_vllm', 'ckpt_sglang', 'ckpt_ascend', 'torch_npu', 'mooncake', 'fastapi'}))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=PACKAGE.parent, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
