@@ -14,6 +14,9 @@
 # --lowmem GIB       also run dense16 with only GIB of device memory left free (bench-lowmem.json);
 #                    (the PS then uses fewer, smaller slots; tensors larger than what is free fail)
 # --single           also run dense16 on one GPU (bench-1gpu.json)
+# --vllm-bench LIST also run benchmarks/vllm_bench.py (a real vLLM engine; needs vLLM importable) for
+#                    each of LIST, e.g. 7b,tiny:fp8,moe (SHAPE[:QUANTIZATION]), with --verify and both PS
+#                    implementations where checkpoint-engine is importable (vllm-SHAPE[-Q].json)
 # --skip-tests / --skip-bench
 # --python PY        interpreter (default python3)
 # --step-timeout S   kill a step that runs longer than S seconds (needs coreutils timeout)
@@ -35,6 +38,7 @@ SINGLE=0
 SKIP_TESTS=0
 SKIP_BENCH=0
 STEP_TIMEOUT=""
+VLLM_BENCH=""
 BENCH_EXTRA=()
 
 die() { echo "gpu_check: $*" >&2; exit 2; }
@@ -50,6 +54,7 @@ while [[ $# -gt 0 ]]; do
     --repeats) need_arg "$@"; REPEATS="$2"; shift 2 ;;
     --lowmem) need_arg "$@"; LOWMEM="$2"; shift 2 ;;
     --single) SINGLE=1; shift ;;
+    --vllm-bench) need_arg "$@"; VLLM_BENCH="$2"; shift 2 ;;
     --skip-tests) SKIP_TESTS=1; shift ;;
     --skip-bench) SKIP_BENCH=1; shift ;;
     --python) need_arg "$@"; PY="$2"; shift 2 ;;
@@ -215,6 +220,25 @@ if [[ $SKIP_BENCH == 0 ]]; then
     [[ -n "$LOWMEM" ]] && bench "benchmark, $LOWMEM GiB free device memory" "$NPROC" bench-lowmem \
       --cases dense16 --free-mem-gib "$LOWMEM" --skip-pool --skip-shm
     [[ $SINGLE == 1 ]] && bench "benchmark (1 rank)" 1 bench-1gpu --cases dense16 --skip-pool --skip-shm
+  fi
+fi
+
+# ---------------------------------------------------------------- real vLLM engine
+if [[ -n "$VLLM_BENCH" ]]; then
+  if ! "$PY" -c "import vllm" >/dev/null 2>&1; then
+    note "vllm benchmark: SKIPPED, vllm is not importable (add its wheels to --wheelhouse)"
+    FAILED=1
+  else
+    impls=ours
+    "$PY" -c "import checkpoint_engine.worker" >/dev/null 2>&1 && impls=ours,reference
+    IFS=, read -r -a vcases <<<"$VLLM_BENCH"
+    for c in "${vcases[@]}"; do
+      shape=${c%%:*}; quant=""; stem="vllm-$shape"
+      [[ $c == *:* ]] && { quant=${c#*:}; stem="$stem-$quant"; }
+      qargs=(); [[ -n "$quant" ]] && qargs=(--quantization "$quant")
+      run_step "vllm benchmark $c" "$OUT/$stem.log" "$PY" benchmarks/vllm_bench.py --shape "$shape" \
+        ${qargs[@]+"${qargs[@]}"} --ps "$impls" --verify ${REPEATS:+--repeats "$REPEATS"} --out "$OUT/$stem.json" || FAILED=1
+    done
   fi
 fi
 

