@@ -51,6 +51,7 @@ def parse_args(argv=None):
     p.add_argument("--verify", action="store_true", help="compare with a cold load (names, bytes, tokens)")
     p.add_argument("--out", default=None, help="JSON results")
     p.add_argument("--dir", default="/dev/shm/ckpt-vllm-bench", help="where the checkpoint is written")
+    p.add_argument("--profile", default=None, help="write a cProfile of the engine's last update (text) here")
     p.add_argument("--gpu-mem", type=float, default=0.45, help="vLLM gpu_memory_utilization")
     p.add_argument("--role", choices=("main", "engine", "ps", "cold"), default="main", help=argparse.SUPPRESS)
     p.add_argument("--impl", default="ours", help=argparse.SUPPRESS)
@@ -100,6 +101,25 @@ def _worker_checksums(worker) -> dict:
     return checksums(worker.model_runner.model)
 
 
+def _profiler():
+    import cProfile
+    prof = cProfile.Profile()
+    prof.enable()
+    return prof
+
+
+def _write_profile(prof, path: str) -> None:
+    import io
+    import pstats
+    prof.disable()
+    buf = io.StringIO()
+    stats = pstats.Stats(prof, stream=buf).sort_stats("cumulative")
+    stats.print_stats(45)
+    stats.sort_stats("tottime").print_stats(30)
+    with open(path, "w") as f:
+        f.write(buf.getvalue())
+
+
 # ---------------------------------------------------------------- roles
 def run_engine(args) -> None:
     """One implementation: the engine here, its PS rank in a child; reports timings on stdout (last line)."""
@@ -117,9 +137,13 @@ def run_engine(args) -> None:
     while True:
         msg = ch.recv()
         if "handles" in msg:
+            last = len(engine_s) == args.repeats
+            prof = _profiler() if (args.profile and last) else None
             t0 = time.perf_counter()
             res = llm.collective_rpc("update_weights_from_ipc", args=(msg["handles"],))
             engine_s.append(time.perf_counter() - t0)
+            if prof is not None:
+                _write_profile(prof, f"{args.profile}.{args.impl}.txt")
             results.append(res[0] if isinstance(res[0], dict) else None)
             ch.send({"ok": True})
         elif "done" in msg:
@@ -199,6 +223,7 @@ def run_child(args, role: str, impl: str, timeout: float = 1800) -> dict:
     cmd = [sys.executable, __file__, "--role", role, "--impl", impl, "--dir", args.dir, "--shape", args.shape,
            "--repeats", str(args.repeats), "--gpu-mem", str(args.gpu_mem)]
     cmd += ["--verify"] if args.verify else []
+    cmd += ["--profile", args.profile] if args.profile else []
     cmd += ["--quantization", args.quantization] if args.quantization else []
     out = subprocess.run(cmd, env=child_env(), stdout=subprocess.PIPE, text=True, timeout=timeout)
     sys.stdout.write("\n".join(line for line in out.stdout.splitlines() if not line.startswith("RESULT ")) + "\n")
