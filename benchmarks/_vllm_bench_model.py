@@ -16,13 +16,13 @@ SHARD_BYTES = 2 << 30
 SEED = 1234
 SHAPES = {
     # Qwen2-7B dimensions: 7.6 B parameters, 14.19 GiB in bf16.
-    "7b": ("Qwen2Config", dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+    "7b": ("Qwen2Config", dict(architectures=["Qwen2ForCausalLM"], hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                                num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
                                max_position_embeddings=4096, tie_word_embeddings=False)),
-    "tiny": ("Qwen2Config", dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+    "tiny": ("Qwen2Config", dict(architectures=["Qwen2ForCausalLM"], hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                                  num_key_value_heads=2, vocab_size=1024, max_position_embeddings=512,
                                  tie_word_embeddings=False)),
-    "moe": ("Qwen3MoeConfig", dict(hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
+    "moe": ("Qwen3MoeConfig", dict(architectures=["Qwen3MoeForCausalLM"], hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
                                    num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
                                    num_experts=8, num_experts_per_tok=2, vocab_size=2048, decoder_sparse_step=1,
                                    max_position_embeddings=512, tie_word_embeddings=False)),

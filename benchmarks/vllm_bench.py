@@ -160,7 +160,10 @@ def run_engine(args) -> None:
 
 
 def run_ps(args) -> None:
+    import logging
+
     import torch
+    logging.basicConfig(level=logging.INFO, format="[ps %(asctime)s] %(name)s %(levelname)s %(message)s")
     from _vllm_bench_model import checkpoint_files
     files = checkpoint_files(args.dir)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
