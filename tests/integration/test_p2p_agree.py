@@ -65,10 +65,17 @@ def assert_prompt(got: dict) -> None:
     assert slowest < PROMPT_S, f"no rank may wait for the collective timeout ({slowest:.1f} s)"
 
 
-def assert_nothing_left(w: PsWorld, ranks) -> None:
-    """No staging buffer stays registered with Mooncake, none is quarantined."""
-    for r, o in all_ok(call(w, "p2p_info", ranks=ranks)).items():
-        assert o.value["registered"] == 0 and o.value["quarantined"] == 0, (r, o.value)
+def registered(w: PsWorld, ranks) -> dict[int, int]:
+    """Memory each rank registers with Mooncake: its served checkpoints' regions (a staging
+    buffer only while an update runs); quarantined buffers must be none."""
+    info = all_ok(call(w, "p2p_info", ranks=ranks))
+    assert all(o.value["quarantined"] == 0 for o in info.values()), info
+    return {r: o.value["registered"] for r, o in info.items()}
+
+
+def assert_nothing_left(w: PsWorld, before: dict[int, int]) -> None:
+    """No staging buffer stayed registered with Mooncake after the update, none is quarantined."""
+    assert registered(w, list(before)) == before, "a staging buffer stayed registered"
 
 
 def metas_doc(w: PsWorld) -> dict:
@@ -88,15 +95,16 @@ def test_an_owner_whose_share_is_only_zero_byte_tensors_serves_p2p_and_its_metas
     all_ok(w.all("register", per_rank={0: ("zero", {"named_tensors": data0}), 1: ("zero", {"named_tensors": zeros})}))
     all_ok(w.all("gather", "zero"))
     want = want_digests(data0, zeros)
+    served = registered(w, [0, 1])
     got = call(w, "p2p_update", "zero", front.address, 30, [0, 1])
     assert all(o.ok for o in got.values()), got       # before: KeyError on a target, the other rank waited
     holds(front, want)
-    assert_nothing_left(w, [0, 1])
+    assert_nothing_left(w, served)
     jw, jfront = joiner
     all_ok(call(jw, "load_metas", metas_doc(w)))      # before: "lies outside the region its owner registered"
     all_ok(call(jw, "p2p_update", "zero", jfront.address, 30, [0]))
     holds(jfront, want)
-    assert_nothing_left(jw, [0])
+    assert_nothing_left(jw, {0: 0})
     all_ok(w.all("unregister", ("zero", {})))
 
 
@@ -105,6 +113,7 @@ def test_a_local_failure_inside_a_targets_read_fails_every_rank_through_the_agre
     first, want = ckpts.new("before")
     all_ok(call(w, "p2p_update", first, front.address, 30, [0, 1]))
     name, want2 = ckpts.new("broken-read")
+    served = registered(w, [0, 1])
     all_ok(call(w, "break_next_read", ranks=[1]))
     posted = len(front.requests)
     got = call(w, "p2p_update", name, front.address, 30, [0, 1])
@@ -112,7 +121,7 @@ def test_a_local_failure_inside_a_targets_read_fails_every_rank_through_the_agre
     assert_prompt(got)
     assert len(front.requests) == posted + 1
     holds(front, want)                                # the engines kept the previous weights
-    assert_nothing_left(w, [0, 1])
+    assert_nothing_left(w, served)
     all_ok(call(w, "p2p_update", name, front.address, 30, [0, 1]))
     holds(front, want2)                               # the world stays usable, bit-exact
     ckpts.drop(first)
