@@ -21,7 +21,8 @@ from ckpt_core.p2p import metas as _metas
 from ckpt_core.p2p.update import P2PState, run_update as run_p2p_update
 from ckpt_core.planning.buckets import TensorMeta, first_shared_name
 from ckpt_core.transfer.plan_cache import PlanCache
-from ckpt_core.transfer.prechecks import UpdateAgreement, parse_metas, problem_of, raise_agreed, same_call
+from ckpt_core.transfer.prechecks import (UpdateAgreement, parse_metas, problem_of, raise_agreed, same_call,
+                                          tensor_meta)
 from ckpt_core._settings import load_settings
 from ckpt_core.transfer.broadcast import BroadcastUpdate, ReqFunc
 from ckpt_core.devices import IpcBuffer, default_kind, get_backend
@@ -252,7 +253,7 @@ class ParameterServer(UpdateAgreement, BroadcastUpdate):
         if missing:
             raise CheckpointNotFoundError(f"checkpoint {name!r} is not registered on rank(s) {missing}")
         metas = [ckpt.metas if r == self.rank else
-                 [TensorMeta(n, d, tuple(s), nb, it, b, o) for n, d, s, nb, it, b, o in g]
+                 [tensor_meta(*row, where=f"rank {r}'s metas of {name!r}") for row in g]   # as load_metas does
                  for r, g in enumerate(gathered)]
         shared = first_shared_name(metas)
         if shared:

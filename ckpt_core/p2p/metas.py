@@ -126,7 +126,8 @@ def parse_peer(p, where: str) -> Peer | None:
     for k, v in regions.items():
         if not (isinstance(k, str) and k.isdigit()) or not isinstance(v, list) or len(v) != 2:
             raise ConfigError(f"metas: {where}.p2p.regions[{k!r}] must map a region id to [pointer, nbytes]")
-        out[int(k)] = (check_count(v[0], f"{where} region {k} pointer", 1), check_count(v[1], f"{where} region {k} size"))
+        out[int(k)] = (check_count(v[0], f"{where} region {k} pointer", 1),
+                       check_count(v[1], f"{where} region {k} size"))
     stamp = p.get("stamp")
     if stamp is not None:
         if not (isinstance(stamp, list) and len(stamp) == 2 and isinstance(stamp[1], str)
