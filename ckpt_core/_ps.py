@@ -13,6 +13,7 @@ import zmq
 from ckpt_core.checkpoint.sources import RegisteredCheckpoint, build_checkpoint
 from ckpt_core.transfer.collectives import ABORT_WAIT_S, Collectives
 from ckpt_core.wire.stock import check_wire
+from ckpt_core.wire.link import Failure
 from ckpt_core.ops.gc import gc_paused
 from ckpt_core.checkpoint.host import SharedPool
 from ckpt_core.ops.log import rank_logger
@@ -20,7 +21,8 @@ from ckpt_core.p2p import metas as _metas
 from ckpt_core.p2p.update import P2PState, run_update as run_p2p_update
 from ckpt_core.planning.buckets import TensorMeta, first_shared_name
 from ckpt_core.transfer.plan_cache import PlanCache
-from ckpt_core.transfer.prechecks import UpdateAgreement, parse_metas, problem_of, raise_agreed
+from ckpt_core.transfer.prechecks import (UpdateAgreement, parse_metas, problem_of, raise_agreed, same_call,
+                                          tensor_meta)
 from ckpt_core._settings import load_settings
 from ckpt_core.transfer.broadcast import BroadcastUpdate, ReqFunc
 from ckpt_core.devices import IpcBuffer, default_kind, get_backend
@@ -86,6 +88,7 @@ class ParameterServer(UpdateAgreement, BroadcastUpdate):
         self._updates = 0
         self._closed = False
         self._closing: str | None = None   # set by close() while an update runs: the update stops
+        self._stop_signal = None           # the running update's StopSignal: close() tells every rank at once
         self._broken: str | None = None
         self.last_update: dict | None = None
         self.last_register: dict | None = None   # the latest registration's phases (seconds)
@@ -114,6 +117,9 @@ class ParameterServer(UpdateAgreement, BroadcastUpdate):
             return
         self._closed = True
         self._closing = f"close() was called on rank {self.rank} during the update"
+        signal = self._stop_signal
+        if signal is not None:   # peers stop waiting at once, even while this rank sits in a collective
+            signal.publish(Failure(self.rank, self.device_uuid, self._closing))
         wait = self.settings.collective_timeout_s + CLOSE_GRACE_S
         if not self._update_lock.acquire(timeout=wait):
             self._coll.abort()
@@ -237,14 +243,17 @@ class ParameterServer(UpdateAgreement, BroadcastUpdate):
                                               m.base_offset] for m in ckpt.metas]
         else:
             problem = problem_of(ConfigError(f"checkpoint name must be a string, got {name!r}"))
-        gathered = self._coll.all_gather_json({"metas": mine, "problem": problem})
+        # the name travels too: ranks gathering two checkpoints would each install a mix of both
+        gathered = self._coll.all_gather_json({"metas": mine, "problem": problem,
+                                               "name": name if isinstance(name, str) else repr(name)})
         raise_agreed([g["problem"] for g in gathered], f"gather_metas({name!r})")
+        same_call(gathered, "gather_metas", {"name": "checkpoint"})
         gathered = [g["metas"] for g in gathered]
         missing = [r for r, g in enumerate(gathered) if g is None]
         if missing:
             raise CheckpointNotFoundError(f"checkpoint {name!r} is not registered on rank(s) {missing}")
         metas = [ckpt.metas if r == self.rank else
-                 [TensorMeta(n, d, tuple(s), nb, it, b, o) for n, d, s, nb, it, b, o in g]
+                 [tensor_meta(*row, where=f"rank {r}'s metas of {name!r}") for row in g]   # as load_metas does
                  for r, g in enumerate(gathered)]
         shared = first_shared_name(metas)
         if shared:
@@ -272,8 +281,10 @@ class ParameterServer(UpdateAgreement, BroadcastUpdate):
         anything); any size serves P2P updates.
         """
         self._check_open()
-        metas = self._p2p.load(metas)   # versioned/path -> validated, kept for P2P; legacy dicts pass through
-        self._metas.update(parse_metas(metas, self.world_size))
+        sources, legacy = self._p2p.parse(metas)       # versioned/path -> validated; legacy dicts pass through
+        broadcast = parse_metas(legacy, self.world_size)
+        self._p2p.loaded.update(sources)                # installed only once everything was validated
+        self._metas.update(broadcast)
 
     # -- update ----------------------------------------------------------------
     def update(self, name: str, req_func: ReqFunc, *, ranks: list[int] | None = None,

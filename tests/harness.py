@@ -543,17 +543,17 @@ def _two_updates_at_once(ps, rank, name, address, timeout, behaviors=None):
     return {"second": second, "first": "ok" if "ok" in first else first.get("error", "still running")}
 
 
-def _act_during_update(ps, rank, name, address, timeout, behaviors, mark, action):
+def _act_during_update(ps, rank, name, address, timeout, behaviors, mark, action, ranks=None):
     """Run an update in a thread; once file ``mark`` exists (a worker is inside a bucket), call
     ``action`` ("close", "unregister" or None) from this thread. Reports both outcomes and the
-    order in which they ended."""
+    order in which they ended. ``ranks``: a P2P update into those ranks (the first posts)."""
     order: list[str] = []
     result: dict = {}
 
     def one():
-        req = make_req_func(address, behaviors) if rank == 0 else (lambda h: None)
+        req = make_req_func(address, behaviors) if rank == min(ranks or [0]) else (lambda h: None)
         try:
-            ps.update(name, req, timeout=timeout)
+            ps.update(name, req, ranks=ranks, timeout=timeout)
             result["update"] = "ok"
         except Exception as exc:
             result["update"] = f"{type(exc).__name__}: {exc}"

@@ -118,3 +118,20 @@ def p2p_update_as(ps, rank, name, address, timeout, ranks, req="post"):
     if req == "none":
         return ps.update(name, None, ranks=ranks, timeout=timeout)
     return p2p_update(ps, rank, name, address, timeout, ranks)
+
+
+def break_next_read(ps, rank):
+    """Fault injection at the transport seam: this rank's next P2P read raises a plain (untyped)
+    exception, as a bug or a third-party library would, instead of returning."""
+    store = ps._p2p.ensure_store(required=True)
+    real = store.read
+
+    def read(*args, **kwargs):
+        store.read = real
+        raise RuntimeError("injected: a local failure inside this target's read")
+    store.read = read
+
+
+def set_wire(ps, rank, wire):
+    """This rank's engine wire (normally fixed at construction): lets a test make ranks disagree."""
+    ps.wire = wire

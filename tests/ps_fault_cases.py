@@ -188,12 +188,15 @@ def group_census(kind: str, n: int, mode: str, world: int = 2, p2p: str | None =
 
 
 # -- close() or unregister_checkpoint() while an update runs (issue 14, defect 4) --------------------
-def act_mid_update(ps: PsWorld, front: EngineFront, name: str, marks, action_rank: int, action: str) -> dict:
-    """Both engines take 0.3 s per bucket; ``action`` ("close" or "unregister") runs on ``action_rank``
-    once worker 0 is inside bucket 1. Returns each rank's {"update", "action", "order"}."""
-    mark = str(marks / "w0-b1")
-    slow = {i: {"sleep_s": 0.3, "mark_dir": str(marks), "timeout": WORKER_TIMEOUT_S} for i in range(ps.size)}
-    args = {r: (name, front.address, 30, slow, mark, action if r == action_rank else None) for r in range(ps.size)}
+def act_mid_update(ps: PsWorld, front: EngineFront, name: str, marks, action_rank: int, action: str,
+                   ranks: list[int] | None = None) -> dict:
+    """The engines take 0.3 s per bucket; ``action`` ("close" or "unregister") runs on ``action_rank``
+    once the front's first worker is inside bucket 1. ``ranks``: a P2P update into those ranks.
+    Returns each rank's {"update", "action", "order"}."""
+    mark = str(marks / f"w{front.devices[0]}-b1")   # a worker marks files with its device index
+    slow = {i: {"sleep_s": 0.3, "mark_dir": str(marks), "timeout": WORKER_TIMEOUT_S} for i in range(len(front.procs))}
+    args = {r: (name, front.address, 30, slow, mark, action if r == action_rank else None, ranks)
+            for r in range(ps.size)}
     got = ps.collect(ps.send("act_during_update", per_rank=args), timeout=120)
     assert all(o.ok for o in got.values()), got
     return {r: o.value for r, o in got.items()}

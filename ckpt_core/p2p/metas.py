@@ -11,9 +11,11 @@ Layout (version 1)::
                   "stamp": [remote_ptr, "32 hex digits"]} | null,          # null: no P2P store
           "tensors": [[name, dtype, shape, nbytes, itemsize, region, offset], ...]}]}}}
 
-``parse`` validates everything a reader will dereference (types, ranges, every tensor
-inside a region that the owner registered) before anything is installed, and names
-what is wrong; a foreign or malformed document is a ``ConfigError``, never a crash.
+``parse`` validates everything a reader will dereference (types, ranges, dtype codes
+against itemsizes, every tensor with bytes inside a region that the owner registered)
+before anything is installed, and names what is wrong; a foreign or malformed document
+is a ``ConfigError``, never a crash. Tensor rows are checked by the one validation that
+the unversioned dicts and gathered metas go through too (``prechecks.tensor_meta``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import os
 from dataclasses import dataclass
 
 from ckpt_core.planning.buckets import TensorMeta
+from ckpt_core.transfer.prechecks import check_count, tensor_meta
 from ckpt_core.errors import ConfigError
 
 FORMAT = "ckpt-engine/metas"
@@ -104,12 +107,6 @@ def read(path: str | os.PathLike) -> dict:
     return doc
 
 
-def _int(v, what: str, lo: int = 0) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise ConfigError(f"metas: {what} must be an integer >= {lo}, got {v!r}")
-    return v
-
-
 def parse_peer(p, where: str) -> Peer | None:
     if p is None:
         return None
@@ -118,7 +115,7 @@ def parse_peer(p, where: str) -> Peer | None:
     addr, host = p.get("address"), p.get("host")
     if not isinstance(addr, str) or ":" not in addr or not isinstance(host, str) or not host:
         raise ConfigError(f"metas: {where}.p2p needs 'address' ('host:port') and 'host', got {addr!r}, {host!r}")
-    _int(int(addr.rsplit(":", 1)[1]) if addr.rsplit(":", 1)[1].isdigit() else -1, f"{where}.p2p port", 1)
+    check_count(int(addr.rsplit(":", 1)[1]) if addr.rsplit(":", 1)[1].isdigit() else -1, f"{where}.p2p port", 1)
     nic = p.get("nic")
     if nic is not None and not isinstance(nic, str):
         raise ConfigError(f"metas: {where}.p2p.nic must be a string or null")
@@ -129,36 +126,31 @@ def parse_peer(p, where: str) -> Peer | None:
     for k, v in regions.items():
         if not (isinstance(k, str) and k.isdigit()) or not isinstance(v, list) or len(v) != 2:
             raise ConfigError(f"metas: {where}.p2p.regions[{k!r}] must map a region id to [pointer, nbytes]")
-        out[int(k)] = (_int(v[0], f"{where} region {k} pointer", 1), _int(v[1], f"{where} region {k} size"))
+        out[int(k)] = (check_count(v[0], f"{where} region {k} pointer", 1),
+                       check_count(v[1], f"{where} region {k} size"))
     stamp = p.get("stamp")
     if stamp is not None:
         if not (isinstance(stamp, list) and len(stamp) == 2 and isinstance(stamp[1], str)
                 and len(stamp[1]) == 2 * STAMP_BYTES and all(c in "0123456789abcdef" for c in stamp[1])):
             raise ConfigError(f"metas: {where}.p2p.stamp must be [pointer, {2 * STAMP_BYTES} hex digits]")
-        stamp = (_int(stamp[0], f"{where} stamp pointer", 1), stamp[1])
+        stamp = (check_count(stamp[0], f"{where} stamp pointer", 1), stamp[1])
     return Peer(addr, host, nic, out, stamp)
 
 
 def _tensor(t, where: str, peer: Peer | None) -> TensorMeta:
+    """A tensor row, validated as every path validates metas (``prechecks.tensor_meta``), and inside
+    a region its owner registered. A 0-byte tensor is read from nowhere: it needs no region (an
+    owner serves no region of 0 bytes)."""
     if not isinstance(t, list) or len(t) != 7:
         raise ConfigError(f"metas: {where} must be [name, dtype, shape, nbytes, itemsize, region, offset]")
-    name, dtype, shape, nbytes, itemsize, base, off = t
-    if not isinstance(name, str) or not name or not isinstance(dtype, str) or not isinstance(shape, list):
-        raise ConfigError(f"metas: {where} has a bad name, dtype or shape: {t[:3]!r}")
-    dims = tuple(_int(d, f"{where} ({name}) shape") for d in shape)
-    nbytes, itemsize = _int(nbytes, f"{name} nbytes"), _int(itemsize, f"{name} itemsize", 1)
-    numel = 1
-    for d in dims:
-        numel *= d
-    if numel * itemsize != nbytes:
-        raise ConfigError(f"metas: tensor {name!r}: shape {list(dims)} x {itemsize} bytes != {nbytes} bytes")
-    base, off = _int(base, f"{name} region"), _int(off, f"{name} offset")
-    if peer is not None:
-        region = peer.regions.get(base)
-        if region is None or off + nbytes > region[1]:
-            raise ConfigError(f"metas: tensor {name!r} lies outside the region {base} its owner registered "
-                              f"({peer.address}): bytes {off}..{off + nbytes} of {region and region[1]}")
-    return TensorMeta(name, dtype, dims, nbytes, itemsize, base, off)
+    meta = tensor_meta(*t, where=where)
+    if peer is not None and meta.nbytes:
+        region = peer.regions.get(meta.base)
+        end = meta.base_offset + meta.nbytes
+        if region is None or end > region[1]:
+            raise ConfigError(f"metas: tensor {meta.name!r} lies outside the region {meta.base} its owner "
+                              f"registered ({peer.address}): bytes {meta.base_offset}..{end} of {region and region[1]}")
+    return meta
 
 
 def parse(doc) -> dict[str, Source]:

@@ -10,114 +10,37 @@ Called on every rank of the world (it creates the target group, a collective). T
 * ranks outside ``ranks`` touch neither their device nor their engine: they only take
   part in the status agreements, so that every rank ends the update with one verdict.
 
-Each broadcast slot carries one status byte after the bucket (1: read, 0: not): a
+The first exchange (``p2p/agree.py``) agrees every rank's pre-checks and the update's
+identity; the pipeline (``p2p/pipeline.py``) carries one status byte per bucket, so a
 target never hands its worker a bucket whose read failed. A failed or abandoned read
 leaves its staging buffer unsettled (``Quarantine``); it is not reused or freed until
 settled. The owners may live in another world: their metas (``_metas``) say where.
+close() in another thread stops the update on every rank, as on the broadcast path.
 """
 
 from __future__ import annotations
 
-import operator
 import os
 import sys
 import time
-from dataclasses import dataclass
+import traceback
 
-
-from ckpt_core.transfer.pipeline import BroadcastPipeline
 from ckpt_core.wire.stock import open_link, wire_handles
 from ckpt_core.wire.link import Failure
 from ckpt_core.p2p import metas as _metas
+from ckpt_core.p2p.agree import first_exchange
 from ckpt_core.p2p.metas import Peer, Source
+from ckpt_core.p2p.pipeline import GroupColl, NoLink, NoReq, P2PBucket, P2PPipeline
 from ckpt_core.planning.nics import assign_readers
 from ckpt_core.p2p.store import MARK, P2PStore, import_mooncake
-from ckpt_core.planning.buckets import ALIGN, Bucket, Plan, align_up, choose_layout
-from ckpt_core.transfer.prechecks import problem_of, raise_agreed, same_kind
+from ckpt_core.planning.buckets import ALIGN, Plan, align_up
 from ckpt_core.wire.protocol import encode_hello
 from ckpt_core._settings import p2p_env
 from ckpt_core.transfer.signals import ReqThread, StopSignal
-from ckpt_core.errors import CheckpointNotFoundError, CkptError, ConfigError, RemoteWorkerError, TransportError
+from ckpt_core.errors import CkptError, ConfigError, RemoteWorkerError, TransportError
 
 READ_MARGIN_S = 3.0    # a read must give up this long before the update's deadline, so the ranks can still agree
 SETTLE_AT_CLOSE_S = 10.0
-
-
-@dataclass(eq=False)
-class P2PBucket(Bucket):
-    """A bucket as a P2P update moves it: ``owner`` is the target rank that reads and broadcasts
-    it, ``source`` the rank that holds its bytes; ``nbytes`` includes the trailing status byte."""
-    source: int = -1
-    index: int = -1
-
-
-class _NoLink:
-    """A rank outside ``ranks`` has no worker to talk to."""
-    failure = None
-
-    def send_abort(self, reason: str) -> None:
-        pass
-
-
-class _NoReq:
-    """A rank outside ``ranks`` runs no req_func."""
-    error = None
-
-    def join(self, timeout=None) -> None:
-        pass
-
-    def is_alive(self) -> bool:
-        return False
-
-
-class _GroupColl:
-    """The pipeline's view of the collectives: broadcasts go to the target group."""
-
-    def __init__(self, coll, group):
-        self.coll, self.group, self.timeout = coll, group, coll.timeout
-
-    def broadcast(self, tensor, src: int, *, async_op: bool):
-        return self.coll.broadcast(tensor, src, async_op=async_op, group=self.group)
-
-
-class P2PPipeline(BroadcastPipeline):
-    """The broadcast pipeline with the owner's host-to-device copy replaced by a P2P read."""
-
-    def __init__(self, *, store: P2PStore, peers: list, should_stop, read_deadline: float, **kw):
-        super().__init__(**kw)
-        self.store, self.peers, self.should_stop, self.read_deadline = store, peers, should_stop, read_deadline
-        self.pending_read = None      # the future of a failed read: the buffer is unsettled until it is done
-        self.read_bytes = 0
-
-    def _stage(self, bucket: P2PBucket, dst) -> int:
-        n, ok = bucket.nbytes - 1, False
-        index = bucket.index
-        if self.link.failure is None and self.pending_read is None:
-            peer: Peer = self.peers[bucket.source]
-            base = dst.data_ptr()
-            descs = [(base + r.offset, peer.regions[r.base][0] + r.base_offset, r.nbytes) for r in bucket.copy_runs]
-            try:
-                self.store.read(peer, bucket.source, descs, what=f"bucket {index} ({n} bytes)",
-                                deadline=self.read_deadline, should_stop=self.should_stop)
-                ok = True
-                self.read_bytes += n
-            except TransportError as exc:
-                self.pending_read = getattr(exc, "pending", None)
-                done = f"; {index} of {len(self.plan.buckets)} buckets had been handed to the engines" if index else ""
-                self.link._fail(f"{exc}{done}", timeout=type(exc).__name__ == "UpdateTimeoutError")
-                self._report()
-        dst[n: n + 1].fill_(1 if ok else 0)
-        return n
-
-    def _notify(self, index: int, slot: int, event, issued: float) -> None:
-        bucket = self.plan.buckets[index]
-        self._await(event, f"the broadcast of bucket {index} from rank {bucket.owner}", issued)
-        at = slot * self.slot_bytes + bucket.nbytes - 1
-        if self.link.failure is None and int(self.ipc.tensor[at: at + 1].item()) != 1:
-            self.link._fail(f"stopped while receiving bucket {index}: its reader, rank {bucket.owner}, "
-                            f"could not read it from owner rank {bucket.source}")
-        self.link.send_bucket(index, slot)
-        self._report()
 
 
 class P2PState:
@@ -190,17 +113,17 @@ class P2PState:
         peers = {n: s.peers for n, s in self.loaded.items()} | self.gathered
         return _metas.dump(metas, peers)
 
-    def load(self, doc):
-        """``load_metas``'s first step: a path or a versioned document is read and validated whole,
-        kept for P2P updates, and returned as the per-rank dicts of the checkpoints whose owner
-        count is this world's size (for broadcast updates); an unversioned dict passes through."""
+    def parse(self, doc) -> tuple[dict[str, Source], dict]:
+        """``load_metas``'s first step, installing nothing: a path or a versioned document is read
+        and validated whole. Returns (the checkpoints for P2P updates, the per-rank dicts of those
+        whose owner count is this world's size, for broadcast updates); an unversioned dict
+        passes through as the second (``parse_metas`` validates it)."""
         if isinstance(doc, (str, os.PathLike)):
             doc = _metas.read(doc)
         if not _metas.is_versioned(doc):
-            return doc
+            return {}, doc
         parsed = _metas.parse(doc)
-        self.loaded.update(parsed)
-        return _metas.to_legacy({n: s for n, s in parsed.items() if len(s.metas) == self.ps.world_size})
+        return parsed, _metas.to_legacy({n: s for n, s in parsed.items() if len(s.metas) == self.ps.world_size})
 
     def close(self) -> None:
         self.groups.clear()   # the Collectives destroy them; a closed PS must not keep them alive
@@ -223,86 +146,17 @@ class P2PState:
         return self.groups[targets]
 
 
-def _targets(ranks, world_size: int) -> tuple[int, ...]:
-    try:
-        out = tuple(sorted({operator.index(r) for r in ranks}))
-    except TypeError as exc:
-        raise ConfigError(f"ranks must be a list of integers, got {ranks!r}") from exc
-    if not out or out[0] < 0 or out[-1] >= world_size:
-        raise ConfigError(f"ranks {list(ranks)} are not all in [0, {world_size})")
-    return out
-
-
-def _target_view(ps, name: str) -> tuple[Source, dict]:
-    """A target's own checks and what it tells the others: its metas digest, the (bucket size,
-    slots) its free memory allows, and, for metas gathered in this world, the owner ranks."""
-    state: P2PState = ps._p2p
-    src = state.source(name)
-    state.ensure_store(required=True)
-    state.store.quarantine.reap()
-    missing = [r for r, p in enumerate(src.peers) if p is None and src.metas[r]]
-    if missing:
-        raise ConfigError(f"owner rank(s) {missing} of {name!r} serve no P2P store (no Mooncake there?)")
-    metas = src.metas
-    free = ps.backend.mem_get_info(ps.device_index)[0] + (ps._ipc.nbytes if ps._ipc else 0)
-    layout = choose_layout(
-        free, mem_fraction=ps.settings.mem_fraction, max_slots=ps.settings.num_slots,
-        max_bucket_bytes=ps.settings.max_bucket_bytes,
-        largest_tensor=max((m.nbytes for ms in metas for m in ms), default=0),
-        largest_owner_total=max((sum(align_up(m.nbytes) for m in ms) for ms in metas), default=1))
-    owners = None if name in state.loaded else [r for r, ms in enumerate(metas) if ms]
-    return src, {"fp": ps._plans.digest(f"p2p:{name}", metas), "layout": layout, "owners": owners}
-
-
-def _first_exchange(ps, name, req_func, ranks, timeout) -> tuple[float, tuple[int, ...], Source | None, list]:
-    """Every rank's pre-checks (the broadcast update's own, shared), agreed in one exchange.
-
-    A problem on any rank (bad timeout, req_func, ranks or name; a target without metas or
-    Mooncake; an owner of this world that no longer holds the checkpoint; ranks disagreeing on
-    ``ranks`` or on the kind of update) is raised on every rank alike, before a group is made
-    or anything moves: the world stays usable. Returns (deadline, targets, source, target views).
-    """
-    deadline, problem = ps._precheck_call(req_func, timeout)
-    targets, src, extra = None, None, {}
-    try:
-        targets = _targets(ranks, ps.world_size)
-        if not isinstance(name, str):
-            raise ConfigError(f"checkpoint name must be a string, got {name!r}")
-        if problem is None and ps.rank in targets:
-            src, extra = _target_view(ps, name)
-    except CkptError as exc:
-        problem = problem or problem_of(exc)
-    holds = isinstance(name, str) and name in ps._checkpoints
-    view = {"targets": targets and list(targets), "problem": problem, "holds": holds, **extra}
-    views = ps._coll.all_gather_json(view)
-    what = f"P2P update({name!r})"
-    raise_agreed([v.get("problem") for v in views], what)
-    same_kind(views, what)
-    if len({tuple(v["targets"]) for v in views}) != 1:
-        raise ConfigError(f"{what} refused: ranks disagree on the targets: {[v['targets'] for v in views]}")
-    gone = sorted({r for v in views for r in v.get("owners") or () if not views[r]["holds"]})
-    if gone:
-        raise CheckpointNotFoundError(f"{what} refused: checkpoint {name!r} is not registered on owner "
-                                      f"rank(s) {gone} (unregistered since gather_metas?)")
-    tv = [views[r] for r in targets]
-    if len({v["fp"] for v in tv}) != 1:
-        raise ConfigError(f"target ranks disagree on the metas of {name!r}: gather or load them again everywhere")
-    return deadline, targets, src, tv
-
-
 def run_update(ps, name: str, req_func, ranks, timeout) -> dict:
     """Collective over the whole world; see the module docstring. Returns this rank's figures."""
     t0 = time.perf_counter()
     state: P2PState = ps._p2p
-    deadline, targets, src, tv = _first_exchange(ps, name, req_func, ranks, timeout)
+    deadline, targets, src, tv = first_exchange(ps, name, req_func, ranks, timeout)
     me = ps.rank in targets
     group = state.group(targets)
     update_id = f"{ps._run_id}-{ps._updates}"
     ps._updates += 1
     if not me:
-        link = _NoLink()
-        for phase, final in (("handshake", False), ("transfer", False), ("post-hook", True)):
-            _agree(ps, link, _NoReq(), deadline, phase, final)
+        _stand_by(ps, update_id, deadline)
         return {"name": name, "p2p": True, "target": False, "seconds": {"total": time.perf_counter() - t0}}
     try:
         size = min(v["layout"][0] for v in tv)
@@ -312,20 +166,38 @@ def run_update(ps, name: str, req_func, ranks, timeout) -> dict:
                                                            source=b.owner, index=i)
                                                  for i, (b, rd) in enumerate(zip(plan.buckets, readers))))
         slots = max(1, min(min(v["layout"][1] for v in tv), len(plan.buckets)))
-    except CkptError as exc:
+    except Exception as exc:   # ours or not: every rank learns it at the next agreement
         _fail_through(ps, exc, deadline)
     return _run_target(ps, name, req_func, deadline, targets, group, src, p2p_plan, wire, slots, update_id, t0)
 
 
+def _stand_by(ps, update_id: str, deadline: float) -> None:
+    """A rank outside ``ranks`` only takes part in the status agreements. It still has the
+    update's stop signal, so that close() here stops the targets at once (``ps._stop_signal``)."""
+    link = NoLink()
+    signal = StopSignal(ps._coll.store, f"ckpt/{update_id}/abort", ps.rank, None, ps._log)
+    ps._stop_signal = signal
+    try:
+        for phase, final in (("handshake", False), ("transfer", False), ("post-hook", True)):
+            if ps._closing is not None and link.failure is None:
+                link.failure = Failure(ps.rank, ps.device_uuid, ps._closing)
+            _agree(ps, link, NoReq(), deadline, phase, final)
+    finally:
+        ps._stop_signal = None
+
+
 def _fail_through(ps, exc: Exception, deadline: float):
     """A target failed before its first status exchange: tell every rank there (so nobody waits
-    for it until the collective timeout), then raise the original error here."""
-    link = _NoLink()
-    link.failure = Failure(ps.rank, ps.device_uuid, f"{type(exc).__name__}: {exc}")
+    for it until the collective timeout), then raise the error here: its own if it is one of
+    ours (it says more), else the agreed one, as on the other ranks."""
+    link = NoLink()
+    tb = "" if isinstance(exc, CkptError) else traceback.format_exc()
+    link.failure = Failure(ps.rank, ps.device_uuid, f"{type(exc).__name__}: {exc}", tb)
     try:
-        _agree(ps, link, _NoReq(), deadline, "handshake", False)
-    except CkptError:
-        pass
+        _agree(ps, link, NoReq(), deadline, "handshake", False)
+    except CkptError as agreed:
+        if not isinstance(exc, CkptError):
+            raise agreed from exc
     raise exc
 
 
@@ -343,12 +215,15 @@ def _run_target(ps, name, req_func, deadline, targets, group, src, plan, wire, s
     handles = wire_handles(ps.wire, update_id, ps._device_keys)
     req = ReqThread(req_func, handles)
     signal = StopSignal(ps._coll.store, f"ckpt/{update_id}/abort", ps.rank, req, ps._log)
+    # close() in another thread stops this rank's waits (its worker's and its reads) as on the broadcast path
+    should_stop = lambda: ps._closing_stop(link) or signal.should_stop()   # noqa: E731
     link = open_link(ps.wire, ps._zmq, handles[ps.rank][1], update_id, rank=ps.rank, device_key=ps.device_uuid,
-                     deadline=deadline, should_stop=signal.should_stop, buckets=plan.buckets,
+                     deadline=deadline, should_stop=should_stop, buckets=plan.buckets,
                      slot_bytes=slot_bytes, ipc=ipc, device_kind=ps.backend.kind)
     times = {"plan": time.perf_counter() - t0}
     pipe = None
     ok = mapped = False
+    ps._stop_signal = signal
     try:
         req.start()
         link.send_hello(frame=encode_hello(update_id, device_kind=ps.backend.kind, buffer=ipc.descriptor,
@@ -358,10 +233,10 @@ def _run_target(ps, name, req_func, deadline, targets, group, src, plan, wire, s
         if not mapped:
             signal.publish(link.failure)
         _agree(ps, link, req, deadline, "handshake", False)
-        pipe = P2PPipeline(store=store, peers=src.peers, should_stop=signal.should_stop,
+        pipe = P2PPipeline(store=store, peers=src.peers, should_stop=should_stop,
                            read_deadline=deadline - READ_MARGIN_S, plan=plan, rank=ps.rank, index=ps.device_index,
                            backend=ps.backend, ipc=ipc, slot_bytes=slot_bytes, num_slots=slots, host={},
-                           coll=_GroupColl(ps._coll, group), link=link, copy_stream=ps._copy_stream, log=ps._log,
+                           coll=GroupColl(ps._coll, group), link=link, copy_stream=ps._copy_stream, log=ps._log,
                            on_failure=signal.publish, deadline=deadline)
         stats = pipe.run()
         times["pipeline"] = stats.seconds
@@ -371,6 +246,7 @@ def _run_target(ps, name, req_func, deadline, targets, group, src, plan, wire, s
         _agree(ps, link, req, deadline, "post-hook", True)
         ok = True
     finally:
+        ps._stop_signal = None
         link.close()
         req.join(max(0.0, deadline - time.monotonic()) if ok else 2.0)
         broken = getattr(sys.exc_info()[1], "groups_broken", False)

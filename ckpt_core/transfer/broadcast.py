@@ -70,6 +70,7 @@ class BroadcastUpdate:
                          buckets=plan.buckets, slot_bytes=slot_bytes, ipc=ipc, device_kind=self.backend.kind)
         times = {"plan": time.perf_counter() - t0}
         ok = mapped = False
+        self._stop_signal = signal   # close() in another thread publishes through it
         try:
             req.start()
             hello = None if alloc_failed else encode_hello(
@@ -92,6 +93,7 @@ class BroadcastUpdate:
             self._agree(link, req, deadline, phase="post-hook", final=True)
             ok = True
         finally:
+            self._stop_signal = None
             link.close()
             # On failure the error matters more than req_func's return: wait briefly only.
             left = max(0.0, deadline - time.monotonic())

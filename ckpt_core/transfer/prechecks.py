@@ -22,10 +22,15 @@ from ckpt_core.checkpoint.safetensors import WIRE_DTYPES
 from ckpt_core.errors import CheckpointNotFoundError, CkptError, ConfigError
 
 Problem = list   # [error class name, message], JSON on the wire
+IDENTITY = {"name": "checkpoint", "wire": "engine wire"}   # what every rank of one update must share
 
 
-def problem_of(exc: CkptError) -> Problem:
-    return [type(exc).__name__, str(exc)]
+def problem_of(exc: Exception) -> Problem:
+    """An error as it travels in an exchange. One that is not ours (a bug, a third-party library)
+    travels as ``CkptError`` naming its class, so that every rank still raises a typed error."""
+    if isinstance(exc, CkptError):
+        return [type(exc).__name__, str(exc)]
+    return ["CkptError", f"{type(exc).__name__}: {exc}"]
 
 
 def raise_agreed(problems: list[Problem | None], what: str) -> None:
@@ -57,6 +62,21 @@ def same_kind(views: list[dict], what: str) -> None:
                           f"{rest} a broadcast update (ranks empty or None); call it alike on every rank")
 
 
+def same_call(views: list[dict], what: str, keys: dict[str, str]) -> None:
+    """Every rank called the collective about the same thing: each ``key`` of ``keys`` has one
+    value on every rank (``keys`` maps a view's key to what it means, for the message).
+
+    The identity of what a collective moves (the checkpoint's name, the engines' wire) travels
+    in its first exchange: ranks naming two checkpoints of one layout would otherwise each send
+    their own bytes, and the engines would hold a mix of both. Raised alike on every rank.
+    """
+    for key, label in keys.items():
+        values = [v.get(key) for v in views]
+        if any(x != values[0] for x in values):
+            told = ", ".join(f"rank {r} {x!r}" for r, x in enumerate(values))
+            raise ConfigError(f"{what} refused: ranks disagree on the {label} ({told}); call it alike on every rank")
+
+
 def parse_metas(metas, world_size: int) -> dict[str, list[list[TensorMeta]]]:
     """Metas in the form ``get_metas()`` returns, checked whole before anything is installed."""
     if not isinstance(metas, dict):
@@ -65,7 +85,7 @@ def parse_metas(metas, world_size: int) -> dict[str, list[list[TensorMeta]]]:
     for name, per_rank in metas.items():
         try:
             parsed = [[_meta(m) for m in ms] for ms in per_rank]
-        except (TypeError, AttributeError, KeyError, ValueError) as exc:
+        except (TypeError, AttributeError, KeyError, ValueError) as exc:   # ConfigError is a ValueError
             raise ConfigError(f"metas of {name!r} are not in the format get_metas() returns: {exc}") from exc
         if len(parsed) != world_size:
             raise ConfigError(f"metas of {name!r} describe {len(parsed)} ranks, this world has {world_size}")
@@ -77,21 +97,40 @@ def parse_metas(metas, world_size: int) -> dict[str, list[list[TensorMeta]]]:
 
 
 def _meta(m: dict) -> TensorMeta:
-    meta = TensorMeta(**(m | {"shape": tuple(int(d) for d in m["shape"])}))
-    ints = (meta.nbytes, meta.itemsize, meta.base, meta.base_offset, *meta.shape)
-    if not (isinstance(meta.name, str) and isinstance(meta.dtype, str) and all(isinstance(v, int) for v in ints)):
-        raise ValueError(f"tensor entry {m!r} has fields of the wrong type")
-    dtype = WIRE_DTYPES.get(meta.dtype)
-    if dtype is None or dtype.itemsize != meta.itemsize:
-        raise ValueError(f"tensor {meta.name!r} has dtype code {meta.dtype!r} with itemsize {meta.itemsize}, "
-                         "which this build does not carry")
-    if min(ints, default=0) < 0:
-        raise ValueError(f"tensor {meta.name!r} has a negative size, shape or offset")
-    numel = math.prod(meta.shape)
-    if meta.nbytes != numel * meta.itemsize:
-        raise ValueError(f"tensor {meta.name!r}: {meta.nbytes} bytes do not match shape {meta.shape} "
-                         f"x {meta.itemsize} bytes per element")
-    return meta
+    if not isinstance(m, dict):
+        raise ValueError(f"tensor entry {m!r} is not an object")
+    keys = ("name", "dtype", "shape", "nbytes", "itemsize", "base", "base_offset")
+    if set(m) != set(keys):
+        raise ValueError(f"tensor entry {m!r} needs exactly the fields {list(keys)}")
+    return tensor_meta(*(m[k] for k in keys), where=f"tensor entry {m.get('name')!r}")
+
+
+def check_count(v, what: str, lo: int = 0) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ConfigError(f"metas: {what} must be an integer >= {lo}, got {v!r}")
+    return v
+
+
+def tensor_meta(name, dtype, shape, nbytes, itemsize, base, offset, *, where: str) -> TensorMeta:
+    """The one validation of a tensor's metas, whatever document or exchange brought them.
+
+    Checks every field's type, the dtype code against its itemsize (a code this build does not
+    carry, or ``F16`` with 4 bytes per element, would hand the engine views of the wrong type),
+    and ``shape x itemsize == nbytes``. 0-byte tensors are valid. Raises ``ConfigError``.
+    """
+    if not isinstance(name, str) or not name or not isinstance(dtype, str) or not isinstance(shape, (list, tuple)):
+        raise ConfigError(f"metas: {where} has a bad name, dtype or shape: {[name, dtype, shape]!r}")
+    dims = tuple(check_count(d, f"{where} ({name}) shape") for d in shape)
+    nbytes, itemsize = check_count(nbytes, f"{name} nbytes"), check_count(itemsize, f"{name} itemsize", 1)
+    known = WIRE_DTYPES.get(dtype)
+    if known is None or known.itemsize != itemsize:
+        raise ConfigError(f"metas: tensor {name!r} has dtype code {dtype!r} with itemsize {itemsize}, "
+                          "which this build does not carry")
+    if math.prod(dims) * itemsize != nbytes:
+        raise ConfigError(f"metas: tensor {name!r}: {nbytes} bytes do not match shape {list(dims)} "
+                          f"x {itemsize} bytes per element")
+    return TensorMeta(name, dtype, dims, nbytes, itemsize, check_count(base, f"{name} region"),
+                      check_count(offset, f"{name} offset"))
 
 
 class UpdateAgreement:
@@ -159,11 +198,14 @@ class UpdateAgreement:
         if problem is None:
             try:
                 view = self._layout_view(name)
-            except CkptError as exc:
+            except Exception as exc:   # ours or not: told to every rank, none is left waiting
                 view = {"problem": problem_of(exc)}
+        # the update's identity: ranks naming two checkpoints of one layout would send a mix of both
+        view.update(name=name if isinstance(name, str) else repr(name), wire=self.wire)
         views = self._coll.all_gather_json(view)
         raise_agreed([v.get("problem") for v in views], f"update({name!r})")
         same_kind(views, f"update({name!r})")
+        same_call(views, "update", IDENTITY)
         metas, fp = self._metas[name], view["fp"]
         if len({v["fp"] for v in views}) != 1:
             raise ConfigError(f"ranks disagree on the metas of {name!r}: call gather_metas on every rank again")

@@ -53,7 +53,9 @@ OWNER = ["checkpoints", "ck", "owners", 0]
     (OWNER + ["p2p", "address"], "h:port", "port"),
     (OWNER + ["p2p", "regions"], {"0": [0, 10]}, "pointer"),
     (OWNER + ["p2p", "regions"], {"x": [1, 10]}, "region id"),
-    (OWNER + ["tensors", 0, 3], 65, "!= 65 bytes"),
+    (OWNER + ["tensors", 0, 3], 65, "65 bytes do not match shape"),
+    (OWNER + ["tensors", 1, 1], "F16", "dtype code 'F16' with itemsize 4"),   # shape x 4 still == nbytes
+    (OWNER + ["tensors", 1, 1], "Q3", "dtype code 'Q3'"),
     (OWNER + ["tensors", 0, 2], [4, -8], "shape"),
     (OWNER + ["tensors", 0, 6], 4090, "outside the region"),
     (OWNER + ["tensors", 0, 5], 7, "outside the region 7"),
@@ -81,3 +83,18 @@ def test_a_pickled_or_non_json_or_unversioned_file_is_refused_without_unpickling
         _metas.read(tmp_path / "old.json")
     with pytest.raises(ConfigError, match="cannot read"):
         _metas.read(tmp_path / "missing.json")
+
+
+def test_a_zero_byte_tensor_needs_no_region_its_owner_serves():
+    """An owner serves no region of 0 bytes: its 0-byte tensors name a region no peer lists."""
+    d = _broken(["checkpoints", "ck", "owners", 1, "p2p", "regions"], {})
+    assert _metas.parse(d)["ck"].metas[1] == METAS["ck"][1]
+
+
+def test_the_unversioned_dicts_go_through_the_same_validation():
+    from ckpt_core.transfer.prechecks import parse_metas
+    legacy = _metas.to_legacy(_metas.parse(doc()))
+    assert parse_metas(legacy, 2)["ck"] == METAS["ck"]
+    legacy["ck"][0][1]["dtype"] = "F16"
+    with pytest.raises(ConfigError, match="dtype code 'F16' with itemsize 4"):
+        parse_metas(legacy, 2)

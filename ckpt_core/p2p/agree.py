@@ -1,0 +1,100 @@
+"""The first exchange of a P2P update: every rank's pre-checks and the update's identity, agreed.
+
+A problem on any rank (bad timeout, req_func, ranks or name; a target without metas or
+Mooncake; an owner of this world that no longer holds the checkpoint) and any disagreement
+between ranks (the checkpoint's name, the engine wire, the metas' digest, ``ranks``, the kind
+of update) is raised on every rank alike, before a group is made or anything moves: the world
+stays usable. The checks themselves are the broadcast update's (``transfer/prechecks.py``).
+"""
+
+from __future__ import annotations
+
+import operator
+
+from ckpt_core.p2p.metas import Source
+from ckpt_core.planning.buckets import align_up, choose_layout
+from ckpt_core.transfer.prechecks import IDENTITY, problem_of, raise_agreed, same_call, same_kind
+from ckpt_core.errors import CheckpointNotFoundError, ConfigError
+
+
+def targets_of(ranks, world_size: int) -> tuple[int, ...]:
+    try:
+        out = tuple(sorted({operator.index(r) for r in ranks}))
+    except TypeError as exc:
+        raise ConfigError(f"ranks must be a list of integers, got {ranks!r}") from exc
+    if not out or out[0] < 0 or out[-1] >= world_size:
+        raise ConfigError(f"ranks {list(ranks)} are not all in [0, {world_size})")
+    return out
+
+
+def _metas_digest(ps, name: str, src: Source) -> str:
+    return ps._plans.digest(f"p2p:{name}", src.metas)
+
+
+def _target_view(ps, name: str) -> tuple[Source, dict]:
+    """A target's own checks and what it tells the others: its metas digest, the (bucket size,
+    slots) its free memory allows, and, for metas gathered in this world, the owner ranks."""
+    state = ps._p2p
+    src = state.source(name)
+    state.ensure_store(required=True)
+    state.store.quarantine.reap()
+    # an owner whose share is only 0-byte tensors is never read from: it needs no store
+    missing = [r for r, p in enumerate(src.peers) if p is None and any(m.nbytes for m in src.metas[r])]
+    if missing:
+        raise ConfigError(f"owner rank(s) {missing} of {name!r} serve no P2P store (no Mooncake there?)")
+    metas = src.metas
+    free = ps.backend.mem_get_info(ps.device_index)[0] + (ps._ipc.nbytes if ps._ipc else 0)
+    layout = choose_layout(
+        free, mem_fraction=ps.settings.mem_fraction, max_slots=ps.settings.num_slots,
+        max_bucket_bytes=ps.settings.max_bucket_bytes,
+        largest_tensor=max((m.nbytes for ms in metas for m in ms), default=0),
+        largest_owner_total=max((sum(align_up(m.nbytes) for m in ms) for ms in metas), default=1))
+    owners = None if name in state.loaded else [r for r, ms in enumerate(metas) if ms]
+    return src, {"fp": _metas_digest(ps, name, src), "layout": layout, "owners": owners}
+
+
+def _bystander_view(ps, name: str) -> dict:
+    """A rank outside ``ranks`` that knows the checkpoint's metas tells their digest too."""
+    try:
+        return {"fp": _metas_digest(ps, name, ps._p2p.source(name))}
+    except ConfigError:
+        return {}
+
+
+def _view(ps, name, targets, problem) -> tuple[Source | None, dict]:
+    if not isinstance(name, str):
+        raise ConfigError(f"checkpoint name must be a string, got {name!r}")
+    if problem is None and ps.rank in targets:
+        return _target_view(ps, name)
+    return None, _bystander_view(ps, name)
+
+
+def first_exchange(ps, name, req_func, ranks, timeout) -> tuple[float, tuple[int, ...], Source | None, list]:
+    """Every rank's pre-checks and identity, agreed in one exchange (see the module docstring).
+    Returns (deadline, targets, source, target views)."""
+    deadline, problem = ps._precheck_call(req_func, timeout)
+    targets, src, extra = None, None, {}
+    try:
+        targets = targets_of(ranks, ps.world_size)
+        src, extra = _view(ps, name, targets, problem)
+    except Exception as exc:   # ours or not: told to every rank, nobody is left waiting in a collective
+        problem = problem or problem_of(exc)
+    holds = isinstance(name, str) and name in ps._checkpoints
+    view = {"targets": targets and list(targets), "problem": problem, "holds": holds,
+            "name": name if isinstance(name, str) else repr(name), "wire": ps.wire, **extra}
+    views = ps._coll.all_gather_json(view)
+    what = f"P2P update({name!r})"
+    raise_agreed([v.get("problem") for v in views], what)
+    same_kind(views, what)
+    same_call(views, "P2P update", IDENTITY)
+    if len({tuple(v["targets"]) for v in views}) != 1:
+        raise ConfigError(f"{what} refused: ranks disagree on the targets: {[v['targets'] for v in views]}")
+    gone = sorted({r for v in views for r in v.get("owners") or () if not views[r]["holds"]})
+    if gone:
+        raise CheckpointNotFoundError(f"{what} refused: checkpoint {name!r} is not registered on owner "
+                                      f"rank(s) {gone} (unregistered since gather_metas?)")
+    if len({v["fp"] for v in views if "fp" in v}) != 1:
+        told = {r: v["fp"][:12] for r, v in enumerate(views) if "fp" in v}
+        raise ConfigError(f"{what} refused: ranks disagree on the metas of {name!r} ({told}): "
+                          "gather or load them again everywhere")
+    return deadline, targets, src, [views[r] for r in targets]

@@ -1,0 +1,120 @@
+"""The P2P update's pipeline: the broadcast pipeline with the owner's host-to-device copy
+replaced by a Mooncake read from the owner's registered host memory (``p2p/store.py``).
+
+Each broadcast slot carries one status byte after the bucket (1: read, 0: not): a target
+never hands its worker a bucket whose read failed. Any failure of a read on this rank, ours or
+not, is recorded on the link and travels through the update's status agreement; the rank
+keeps issuing the remaining broadcasts so that no peer waits for it.
+"""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass
+
+from ckpt_core.transfer.pipeline import BroadcastPipeline
+from ckpt_core.p2p.metas import Peer
+from ckpt_core.p2p.store import MARK, P2PStore
+from ckpt_core.planning.buckets import Bucket
+from ckpt_core.errors import TransportError, UpdateTimeoutError
+
+
+@dataclass(eq=False)
+class P2PBucket(Bucket):
+    """A bucket as a P2P update moves it: ``owner`` is the target rank that reads and broadcasts
+    it, ``source`` the rank that holds its bytes; ``nbytes`` includes the trailing status byte."""
+    source: int = -1
+    index: int = -1
+
+
+class NoLink:
+    """A rank outside ``ranks`` has no worker to talk to; its own failure (close()) still travels."""
+    failure = None
+
+    def send_abort(self, reason: str) -> None:
+        pass
+
+
+class NoReq:
+    """A rank outside ``ranks`` runs no req_func."""
+    error = None
+
+    def join(self, timeout=None) -> None:
+        pass
+
+    def is_alive(self) -> bool:
+        return False
+
+
+class GroupColl:
+    """The pipeline's view of the collectives: broadcasts go to the target group."""
+
+    def __init__(self, coll, group):
+        self.coll, self.group, self.timeout = coll, group, coll.timeout
+
+    def broadcast(self, tensor, src: int, *, async_op: bool):
+        return self.coll.broadcast(tensor, src, async_op=async_op, group=self.group)
+
+
+class P2PPipeline(BroadcastPipeline):
+    """The broadcast pipeline with the owner's host-to-device copy replaced by a P2P read."""
+
+    def __init__(self, *, store: P2PStore, peers: list, should_stop, read_deadline: float, **kw):
+        super().__init__(**kw)
+        self.store, self.peers, self.should_stop, self.read_deadline = store, peers, should_stop, read_deadline
+        self.pending_read = None      # the future of a failed read: the buffer is unsettled until it is done
+        self.read_bytes = 0
+
+    def _stage(self, bucket: P2PBucket, dst) -> int:
+        n, ok = bucket.nbytes - 1, False
+        if self.link.failure is None and self.pending_read is None:
+            ok = self._read(bucket, dst)
+        dst[n: n + 1].fill_(1 if ok else 0)
+        return n
+
+    def _read(self, bucket: P2PBucket, dst) -> bool:
+        """Read one bucket into ``dst``; whether it arrived. A failure fails the link, never raises."""
+        index, n = bucket.index, bucket.nbytes - 1
+        # 0-byte tensors are placed but never read: an owner serves no region of 0 bytes
+        runs = [r for r in bucket.copy_runs if r.nbytes]
+        stopped: list[str] = []
+
+        def should_stop():
+            why = self.should_stop()
+            if why:
+                stopped.append(why)
+            return why
+        try:
+            if runs:
+                peer: Peer = self.peers[bucket.source]
+                base = dst.data_ptr()
+                descs = [(base + r.offset, peer.regions[r.base][0] + r.base_offset, r.nbytes) for r in runs]
+                self.store.read(peer, bucket.source, descs, what=f"bucket {index} ({n} bytes)",
+                                deadline=self.read_deadline, should_stop=should_stop)
+            self.read_bytes += n
+            return True
+        except Exception as exc:   # ours or not: it must reach every rank through the agreement
+            self.pending_read = getattr(exc, "pending", None)
+            done = f"; {index} of {len(self.plan.buckets)} buckets had been handed to the engines" if index else ""
+            tb = ""
+            if stopped:     # an echo of another rank's failure (or of close()), not a read failure
+                message = f"stopped while reading bucket {index} from owner rank {bucket.source}: {stopped[0]}"
+            elif isinstance(exc, TransportError):
+                message = f"{exc}{done}"
+            else:
+                message = (f"{MARK} of bucket {index} from owner rank {bucket.source} failed on this rank: "
+                           f"{type(exc).__name__}: {exc}{done}")
+                tb = traceback.format_exc()
+            self.link._fail(message, tb=tb, timeout=not stopped and isinstance(exc, UpdateTimeoutError))
+            self._report()
+            return False
+
+    def _notify(self, index: int, slot: int, event, issued: float) -> None:
+        bucket = self.plan.buckets[index]
+        self._await(event, f"the broadcast of bucket {index} from rank {bucket.owner}", issued)
+        at = slot * self.slot_bytes + bucket.nbytes - 1
+        if self.link.failure is None and int(self.ipc.tensor[at: at + 1].item()) != 1:
+            self.link._fail(f"stopped while receiving bucket {index}: its reader, rank {bucket.owner}, "
+                            f"could not read it from owner rank {bucket.source}")
+        self.link.send_bucket(index, slot)
+        self._report()
