@@ -50,6 +50,7 @@ def cmd_serve(args) -> int:
     from ckpt_core import ParameterServer
     from ckpt_core._settings import service_token
     from ckpt_core.service import serve
+    from ckpt_core.service._policy import ServicePolicy
 
     if args.parent_pid is not None:   # managed mode: never outlive the engine worker that started us
         from ckpt_core.service._managed import watch_parent
@@ -63,6 +64,7 @@ def cmd_serve(args) -> int:
         except OSError as exc:
             raise ConfigError(f"cannot read --token-file {args.token_file!r}: {exc}") from exc
     token = token or service_token()
+    policy = ServicePolicy.build(args.allow_dir, args.engine_url, args.engine_uds)   # before any memory is taken
     ps = ParameterServer(device=args.device, max_bucket_gb=args.max_bucket_gb, mem_fraction=args.mem_fraction,
                          keep_device_buffers=args.keep_device_buffers, wire=args.wire)
     idle = False
@@ -72,10 +74,11 @@ def cmd_serve(args) -> int:
             ps.progress = TerminalProgress(f"rank {ps.rank}")
         if args.host is not None or args.port is not None:
             port = None if args.port is None else args.port + (ps.device_index if args.port else 0)
-            idle = serve(ps, host=args.host or "127.0.0.1", port=port, token=token, log_level=args.uvicorn_log_level)
+            idle = serve(ps, host=args.host or "127.0.0.1", port=port, token=token, log_level=args.uvicorn_log_level,
+                         policy=policy)
         else:
             idle = serve(ps, uds=args.uds.format(rank=ps.rank, local_rank=ps.device_index), token=token,
-                         log_level=args.uvicorn_log_level)
+                         log_level=args.uvicorn_log_level, policy=policy)
     finally:
         if not idle and sys.exc_info()[0] is None:
             # An operation is stuck (e.g. a collective whose peers are gone): closing would wait on it,
@@ -216,6 +219,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--wire", choices=SERVE_WIRES, default="native",
                    help="wire to the engine workers: native (ckpt_core's, vLLM), stock (checkpoint-engine >= 0.4 "
                         "workers, e.g. SGLang's), stock-0.3 (0.2.1 - 0.3.4) (default %(default)s)")
+    s.add_argument("--allow-dir", action="append", default=[], metavar="DIR",
+                   help="a directory whose files (resolved: '..' and symlinks) requests may register; repeatable. "
+                        "Default: none, the service reads no files")
+    s.add_argument("--engine-url", action="append", default=[], metavar="URL",
+                   help="an engine's base URL (http://host:port) that update_url may name; repeatable. "
+                        "Default: any loopback host")
+    s.add_argument("--engine-uds", action="append", default=[], metavar="PATH",
+                   help="an engine's Unix socket that an update's uds may name; repeatable. Default: none")
     s.add_argument("--uvicorn-log-level", default="warning")
     s.add_argument("--parent-pid", type=int, help="managed mode: stop (as on SIGTERM) once this process (the engine worker) is gone")
 

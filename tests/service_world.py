@@ -71,12 +71,15 @@ def stop(proc: subprocess.Popen, timeout: float = 20) -> int:
 class ServiceWorld:
     """W service processes on Unix sockets under ``tmp``; ``clients[r]`` talks to rank r."""
 
-    def __init__(self, size: int, tmp: str, *, extra: list[str] = (), env: dict | None = None, device: str = "cpu"):
+    def __init__(self, size: int, tmp: str, *, extra: list[str] = (), env: dict | None = None, device: str = "cpu",
+                 allow_dirs: tuple[str, ...] | None = None):
+        """``allow_dirs``: the ``--allow-dir`` of every rank (default: ``tmp``, where the tests write files)."""
         self.size, self.tmp = size, tmp
+        allow = [a for d in (allow_dirs if allow_dirs is not None else (tmp,)) for a in ("--allow-dir", d)]
         port = free_port()
         self.socks = [os.path.join(tmp, f"ps-{r}.sock") for r in range(size)]
         self.logs = [os.path.join(tmp, f"ps-{r}.log") for r in range(size)]
-        self.procs = [start_serve(["--device", device, "--uds", os.path.join(tmp, "ps-{rank}.sock"), *extra],
+        self.procs = [start_serve(["--device", device, "--uds", os.path.join(tmp, "ps-{rank}.sock"), *allow, *extra],
                                   {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(size),
                                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **(env or {})},
                                   self.logs[r]) for r in range(size)]

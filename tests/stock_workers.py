@@ -69,6 +69,9 @@ class StockSimEngine(SimEngine):
 
     def update(self, handles, this: dict) -> dict:
         stock = load_stock_worker(this["stock_dir"], self.kind)
+        if this.get("connect_delay_s"):   # the engine reaches this worker late (after req_func posted)
+            import time
+            time.sleep(this["connect_delay_s"])
         run, post_hook, _on_plan, buckets = self.callbacks(this)   # stock workers have no plan check
         stock.update_weights_from_ipc(self.ctx, handles[self.key], self.index, run=run, post_hook=post_hook)
         self.updates += 1

@@ -111,12 +111,16 @@ def _header_len(prefix: bytes | memoryview, file_size: int, path: str, limit: in
     (n,) = struct.unpack_from("<Q", prefix, 0)
     if n == 0:
         raise CheckpointFormatError("header length is 0", path=path)
+    # The declared length is never printed: for a file that is not safetensors it is the file's
+    # first 8 bytes (a service must not echo the contents of files it was pointed at).
     if n > limit:
         raise CheckpointFormatError(
-            f"header length {n} exceeds the limit {limit} bytes", path=path)
+            f"the header length its first 8 bytes declare exceeds the limit {limit} bytes "
+            "(not a safetensors file?)", path=path)
     if _LEN_PREFIX + n > file_size:
         raise CheckpointFormatError(
-            f"header length {n} runs past the end of the file ({file_size} bytes)", path=path)
+            f"the header length its first 8 bytes declare runs past the end of the file ({file_size} bytes)",
+            path=path)
     return n
 
 
@@ -213,7 +217,8 @@ def parse_header_bytes(buf: bytes | memoryview, *, file_size: int, path: str = "
     try:
         text = bytes(buf[_LEN_PREFIX:data_offset]).decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise CheckpointFormatError(f"header is not UTF-8: {exc}", path=path) from exc
+        # position only: the exception's text would quote the offending byte
+        raise CheckpointFormatError(f"header is not UTF-8 (at header byte {exc.start})", path=path) from exc
     try:
         doc = json.loads(text, object_pairs_hook=_reject_duplicates(path))
     except json.JSONDecodeError as exc:

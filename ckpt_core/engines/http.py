@@ -67,7 +67,9 @@ class HttpTransport:
 
     def _new_client(self) -> httpx.Client:
         transport = httpx.HTTPTransport(uds=self.uds) if self.uds else None
-        return httpx.Client(base_url=self.endpoint, transport=transport,
+        # never follow a redirect: the service checks the endpoint it posts to (service/_policy.py),
+        # and an engine's 3xx must not lead the update elsewhere
+        return httpx.Client(base_url=self.endpoint, transport=transport, follow_redirects=False,
                             timeout=httpx.Timeout(self.timeout, connect=self.connect_timeout))
 
     def close(self) -> None:

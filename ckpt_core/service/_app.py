@@ -15,7 +15,7 @@ route adds ``engine`` (``vllm``/``sglang``), ``weight_version`` and ``flush_cach
 | ``GET /metrics`` | Prometheus text | |
 
 Errors: every 4xx/5xx body is ``{"error": {"type", "message", ...}}`` (:class:`ErrorBody`).
-``ConfigError`` 400, ``CheckpointNotFoundError`` 404, a second long operation 409,
+``Forbidden`` 403 (a file or engine endpoint outside the operator's allow-lists, ``_policy.py``), ``ConfigError`` 400, ``CheckpointNotFoundError`` 404, a second long operation 409,
 ``CheckpointFormatError`` 422, request validation 422, ``RemoteWorkerError`` 502,
 ``ClosedError`` 503, ``UpdateTimeoutError`` 504, any other error 500 (its class in ``type``).
 """
@@ -35,14 +35,15 @@ from ckpt_core.ops import metrics as _metrics
 from ckpt_core.engines.requests import request_inference_to_update
 from ckpt_core.errors import (CheckpointFormatError, CheckpointNotFoundError, CkptError, ClosedError, ConfigError,
                       RemoteWorkerError, UpdateTimeoutError)
+from ._policy import Forbidden, ServicePolicy
 from ._models import NAME_PATTERN, Done, ErrorBody, RegisterRequest, Status, UpdateRequest
 from ._state import Busy, ServiceState, error_fields
 
-# Most specific first: UpdateTimeoutError is a TransportError, ConfigError a ValueError.
+# Most specific first: UpdateTimeoutError is a TransportError, Forbidden a ConfigError, ConfigError a ValueError.
 _STATUS = ((UpdateTimeoutError, 504), (RemoteWorkerError, 502), (ClosedError, 503), (CheckpointNotFoundError, 404),
-           (CheckpointFormatError, 422), (ConfigError, 400))
+           (CheckpointFormatError, 422), (Forbidden, 403), (ConfigError, 400))
 SGLANG_ROUTE = "/update_weights_from_ipc"
-_ERRORS = {code: {"model": ErrorBody} for code in (400, 401, 404, 409, 422, 500, 502, 503, 504)}
+_ERRORS = {code: {"model": ErrorBody} for code in (400, 401, 403, 404, 409, 422, 500, 502, 503, 504)}
 
 
 def status_of(exc: BaseException) -> int:
@@ -56,13 +57,14 @@ def _error(code: int, type_: str, message: str, **extra) -> JSONResponse:
     return JSONResponse({"error": {"type": type_, "message": message, **extra}}, status_code=code)
 
 
-def create_app(ps, *, token: str | None = None, metrics=None) -> FastAPI:
+def create_app(ps, *, token: str | None = None, metrics=None, policy: ServicePolicy | None = None) -> FastAPI:
     """The service of ``ps`` (one ``ParameterServer`` rank). ``app.state.service`` owns its worker
     thread; whoever serves the app calls ``app.state.service.close()`` when done (``serve`` does).
 
     ``token``: when set, every request must carry ``Authorization: Bearer <token>`` (compared in
     constant time); otherwise 401. ``metrics``: a :class:`ckpt_core.ops.metrics.Metrics` (default:
-    one for this rank when prometheus-client is installed).
+    one for this rank when prometheus-client is installed). ``policy``: the files and engine endpoints
+    requests may name (default ``ServicePolicy()``: no files, loopback engines, no engine sockets).
     """
     state = ServiceState(ps, metrics if metrics is not None else _metrics.make_metrics(ps.rank))
     app = FastAPI(title="ckpt-engine parameter server", version="1", responses=_ERRORS,
@@ -78,7 +80,7 @@ def create_app(ps, *, token: str | None = None, metrics=None) -> FastAPI:
     _install_errors(app)
     if token is not None:
         _install_auth(app, token)
-    _routes(app, state, ps)
+    _routes(app, state, ps, policy if policy is not None else ServicePolicy())
     return app
 
 
@@ -125,7 +127,7 @@ def _check_name(name: str) -> str:
     return name
 
 
-def _req_func(body: UpdateRequest, world_size: int, wire: str):
+def _req_func(body: UpdateRequest, world_size: int, wire: str, policy: ServicePolicy):
     """The ``req_func`` of one update: post the chosen handles to ``update_url`` (if any).
 
     ``engine="vllm"``: ``request_inference_to_update`` (``/collective_rpc``). ``engine="sglang"``:
@@ -139,6 +141,11 @@ def _req_func(body: UpdateRequest, world_size: int, wire: str):
         raise ConfigError("engine='sglang' needs a parameter server speaking the stock wire (SGLang embeds the "
                           "stock checkpoint-engine worker): start the service with `ckpt-engine serve --wire stock` "
                           "(`--wire stock-0.3` for checkpoint-engine 0.2.1 - 0.3.4 in the server)")
+    if body.uds is not None and body.update_url is None:
+        raise ConfigError("uds is the socket to reach update_url by: give update_url too")
+    uds = None
+    if body.update_url is not None:   # before anything is posted: only to engines the operator allowed
+        uds = policy.check_engine(body.update_url, body.uds, body.engine)
     sglang_base = _sglang_base(body.update_url) if body.engine == "sglang" and body.update_url else None
 
     def req_func(handles):
@@ -146,10 +153,10 @@ def _req_func(body: UpdateRequest, world_size: int, wire: str):
             return None
         chosen = [handles[r] for r in body.inference_group_ranks] if body.inference_group_ranks else handles
         if sglang_base is None:
-            request_inference_to_update(body.update_url, dict(chosen), timeout=body.timeout, uds=body.uds)
+            request_inference_to_update(body.update_url, dict(chosen), timeout=body.timeout, uds=uds)
             return None
         from ckpt_sglang import SglangClient
-        with SglangClient(sglang_base, uds=body.uds, timeout=body.timeout) as client:
+        with SglangClient(sglang_base, uds=uds, timeout=body.timeout) as client:
             client.update(chosen, flush_cache=body.flush_cache, weight_version=body.weight_version)
     return req_func
 
@@ -164,12 +171,13 @@ def _sglang_base(url: str) -> str:
     return f"{parts.scheme}://{parts.netloc}{path}"
 
 
-def _routes(app: FastAPI, state: ServiceState, ps) -> None:
+def _routes(app: FastAPI, state: ServiceState, ps, policy: ServicePolicy) -> None:
     @app.post("/v1/checkpoints/{name}/files", response_model=Done)
     async def register_files(name: str, body: RegisterRequest):
         _check_name(name)
+        files = policy.check_files(body.files)   # before any file is opened: 403 outside --allow-dir
         await state.run("register", name, lambda: ps.register_checkpoint(
-            name, files=body.files, use_shared_memory_pool=body.use_shared_memory_pool,
+            name, files=files, use_shared_memory_pool=body.use_shared_memory_pool,
             use_inplace_pin_memory=body.use_inplace_pin_memory))
         return Done(result=ps.last_register)
 
@@ -187,7 +195,7 @@ def _routes(app: FastAPI, state: ServiceState, ps) -> None:
     @app.post("/v1/checkpoints/{name}/update", response_model=Done)
     async def update(name: str, body: UpdateRequest):
         _check_name(name)
-        req_func = _req_func(body, ps.world_size, ps.wire)
+        req_func = _req_func(body, ps.world_size, ps.wire, policy)
         result = await state.run("update", name, lambda: ps.update(name, req_func, ranks=body.ranks or None,
                                                                      timeout=body.timeout))
         return Done(result=result)

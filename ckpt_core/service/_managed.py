@@ -57,12 +57,29 @@ def watch_parent(parent_pid: int, on_gone=lambda: os.kill(os.getpid(), signal.SI
     return t
 
 
+SPEC_OPTIONS = ("allow-dir", "engine-url", "engine-uds")   # ckpt-engine serve's allow-list flags
+
+
 def parse_serve_spec(spec: str) -> str:
-    """``uds:PATH`` (PATH may hold ``{rank}``) -> PATH; anything else is a ``ConfigError``."""
-    kind, sep, path = spec.partition(":")
+    """``uds:PATH[,OPTION=VALUE...]`` (PATH may hold ``{rank}``) -> PATH; anything else is a ``ConfigError``."""
+    return _parse_spec(spec)[0]
+
+
+def _parse_spec(spec: str) -> tuple[str, list[str]]:
+    """(PATH, extra ``serve`` arguments): options are the allow-lists of ``ckpt-engine serve``
+    (``allow-dir=DIR``, ``engine-url=URL``, ``engine-uds=PATH``, each repeatable), comma-separated."""
+    head, *options = spec.split(",")
+    kind, sep, path = head.partition(":")
     if kind != "uds" or not sep or not path:
-        raise ConfigError(f"managed serving spec must be 'uds:PATH' (e.g. uds:/run/ckpt/ps-{{rank}}.sock), got {spec!r}")
-    return path
+        raise ConfigError(f"managed serving spec must be 'uds:PATH[,allow-dir=DIR,...]' "
+                          f"(e.g. uds:/run/ckpt/ps-{{rank}}.sock,allow-dir=/ckpt), got {spec!r}")
+    extra = []
+    for opt in options:
+        key, sep, value = opt.partition("=")
+        if key not in SPEC_OPTIONS or not sep or not value:
+            raise ConfigError(f"managed serving spec option {opt!r} is not one of {', '.join(k + '=...' for k in SPEC_OPTIONS)}")
+        extra += [f"--{key}", value]
+    return path, extra
 
 
 class ManagedParameterServer:
@@ -103,18 +120,20 @@ class ManagedParameterServer:
 def start_managed(spec: str, *, rank: int, world_size: int, local_rank: int, device: str,
                   master_addr: str = "127.0.0.1", master_port: int = 29555, extra_args: list[str] | tuple = (),
                   log_path: str | None = None) -> ManagedParameterServer:
-    """Start this worker's PS rank serving on the socket of ``spec`` (``uds:PATH``); returns at once.
+    """Start this worker's PS rank serving on the socket of ``spec`` (``uds:PATH[,allow-dir=DIR,...]``:
+    the options are ``ckpt-engine serve``'s allow-lists); returns at once.
 
     ``rank``/``world_size``: the PS world (one rank per engine worker; every worker of the engine
     starts one; they meet at ``master_addr:master_port``). ``device``: the worker's device kind,
     ``local_rank`` its index. Poll the service's ``/v1/healthz`` for readiness.
     """
-    uds = parse_serve_spec(spec).format(rank=rank, local_rank=local_rank)
+    path, options = _parse_spec(spec)
+    uds = path.format(rank=rank, local_rank=local_rank)
     env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank),
                MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
                PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
     argv = [sys.executable, "-m", "ckpt_core.cli", "serve", "--device", device, "--uds", uds,
-            "--parent-pid", str(os.getpid()), *extra_args]
+            "--parent-pid", str(os.getpid()), *options, *extra_args]
     # The intermediate starts the PS in a new session, prints its pid and exits: the PS is then
     # nobody's descendant here, so a process-tree kill of the engine cannot reach it.
     launcher = ("import json, subprocess, sys\n"

@@ -81,11 +81,13 @@ def _server_class():
 
 
 def serve(ps, *, uds: str | None = None, host: str | None = None, port: int | None = None,
-          token: str | None = None, log_level: str = "warning") -> bool:
+          token: str | None = None, log_level: str = "warning", policy=None) -> bool:
     """Serve ``ps`` until SIGINT/SIGTERM; then close the socket (and remove the socket file).
 
     Returns False when a long operation was still running 10 s after the stop (the caller
     should then exit without closing ``ps``: its collective may never return).
+    ``policy``: a ``ServicePolicy`` (the files and engine endpoints requests may name; default:
+    no files, loopback engines).
 
     Exactly one of ``uds`` or ``host``/``port``. TCP requires ``token``: the service moves model
     weights into engines and must not be driven by anyone who can reach a port.
@@ -106,10 +108,14 @@ def serve(ps, *, uds: str | None = None, host: str | None = None, port: int | No
     sock = bind_unix(uds) if uds is not None else bind_tcp(host or "127.0.0.1", int(port or 0))
     where = uds if uds is not None else "%s:%d" % sock.getsockname()[:2]
     log = rank_logger(f"service rank {ps.rank}/{ps.world_size}")
-    app = create_app(ps, token=token)
+    app = create_app(ps, token=token, policy=policy)
     config = uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=5)
     server = _Server(config)
     log.info("phase=serve listening on %s (%s)", where, "bearer token required" if token else "unix socket, mode 0600")
+    if policy is not None:
+        log.info("phase=serve reads files under %s; posts to engines %s%s", list(policy.allow_dirs) or "no directory",
+                 list(policy.engine_urls) or "on loopback hosts",
+                 f" and over the sockets {list(policy.engine_uds)}" if policy.engine_uds else "")
     idle = False
     try:
         server.run(sockets=[sock])

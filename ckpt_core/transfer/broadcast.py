@@ -94,6 +94,8 @@ class BroadcastUpdate:
             ok = True
         finally:
             self._stop_signal = None
+            if not ok:   # an error that skipped the agreement (e.g. a broken collective): end the worker's call too
+                link.send_abort(f"the update failed on rank {self.rank}: {sys.exc_info()[1]!r}")
             link.close()
             # On failure the error matters more than req_func's return: wait briefly only.
             left = max(0.0, deadline - time.monotonic())

@@ -90,6 +90,7 @@ class PsLink:
         self.update_id, self.rank, self.device_key = update_id, rank, device_key
         self.deadline, self.should_stop = deadline, should_stop
         self.failure = None
+        self.aborted = False   # send_abort ran: it tells the worker once per update
         self.sock = ctx.socket(self.SOCKET_TYPE)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, self.MAX_FRAME_BYTES)
@@ -146,6 +147,9 @@ class PsLink:
         self._send("end", keep_buffer=keep_buffer)
 
     def send_abort(self, reason: str) -> None:
+        if self.aborted:
+            return
+        self.aborted = True
         try:  # best effort: the worker may be gone; never block
             self.sock.send(proto.encode("abort", self.update_id, reason=reason[:4000]), zmq.NOBLOCK)
         except zmq.ZMQError:

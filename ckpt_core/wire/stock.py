@@ -18,6 +18,20 @@ imports it by name) cannot speak our JSON protocol. ``ParameterServer(..., wire=
       PS -> worker  None                       run post_hook, reply b"" (0.2.1-0.3.4: only this one)
       PS -> worker  RuntimeError(reason)       instead of any of the above: the worker raises
 
+Ending a failed update (``StockLink.send_abort``). Stock workers have no timeout, so a worker the
+PS leaves waiting blocks its engine's ``update_weights_from_ipc`` call for good. Whatever state
+the worker is in, the abort ends its call:
+
+- not connected yet (the engine starts it after ``req_func`` posted): wait up to
+  ``ABORT_CONNECT_S`` for it to connect, then as below; one that connects later stays blocked
+  (the bound is what a failing rank can afford; logged).
+- connected, no buffer handle sent: it takes the abort for the handle (``assert isinstance(...,
+  tuple)`` fails), answers with that traceback and waits for an ack: the PS reads the answer
+  (as bytes, discarded) and sends ``b""``; the worker raises ``AssertionError``.
+- handle sent, answer owed: take the answer (or relax REQ past ``ABORT_GRACE_S``), then the abort:
+  a worker that rebuilt the buffer raises it; one that failed to takes it as its ack and raises.
+- between buckets or final messages (answer taken or owed): same, the worker raises the abort.
+
 Trust boundary. The stock protocol pickles, and unpickling runs code chosen by the sender.
 Our PS only *encodes* pickles (of its own buffer handle, plain dicts, ``None`` and a
 ``RuntimeError``); every reply is read as raw bytes: ``b""`` is success, printable UTF-8 text
@@ -34,6 +48,7 @@ deadline of the native link (``PsLink``).
 
 from __future__ import annotations
 
+import logging
 import pickle
 from typing import Any
 
@@ -46,12 +61,14 @@ from ckpt_core.checkpoint.safetensors import DTYPES
 from ckpt_core.devices import IpcBuffer, get_backend
 from ckpt_core.errors import ConfigError, ProtocolError
 
+_log = logging.getLogger(__name__)
 __all__ = ["WIRES", "check_wire", "wire_handles", "open_link", "decode_reply", "open_shared_buffer"]
 
 # wire -> number of final ``None`` messages its stock worker expects (native: not a stock wire)
 WIRES = {"native": 0, "stock": 2, "stock-0.3": 1}
 MAX_REPLY_BYTES = 4 << 20       # a traceback; a larger reply drops the connection (MAXMSGSIZE)
 ABORT_GRACE_S = 5.0             # how long an abort waits for the reply owed to the last request
+ABORT_CONNECT_S = 10.0          # how long a failing rank waits for a stock worker that has not connected
 PICKLE_PROTOCOL = 4             # readable by every Python a stock worker runs on
 _NONE_FRAME = pickle.dumps(None, protocol=PICKLE_PROTOCOL)
 _LAYOUT = str.maketrans("", "", "\n\r\t")   # the only control characters a traceback holds
@@ -160,6 +177,7 @@ class StockLink(PsLink):
         self.finals, self.buckets, self.slot_bytes = finals, buckets, slot_bytes
         self._hello = hello   # () -> the pickled buffer handle
         self._owed: tuple[str, int] | None = None   # (what the pending request was, bucket index or -1)
+        self._sent_handle = False   # whether the worker got its buffer handle (it expects it first)
 
     def _request(self, kind: str, frame: bytes, what: str, index: int = -1) -> None:
         if self._owed is not None:
@@ -168,6 +186,7 @@ class StockLink(PsLink):
             self._send(kind, frame)
             if self.failure is None:
                 self._owed = (what, index)
+                self._sent_handle = True
 
     def _take_reply(self) -> None:
         """Read the answer owed to the last request. If the wait ends first (stop, deadline, lost
@@ -218,21 +237,53 @@ class StockLink(PsLink):
             self._take_reply()
 
     def send_abort(self, reason: str) -> None:
-        """Best effort, never blocks past ``ABORT_GRACE_S``: the stock worker raises what we send.
+        """End the stock worker's call, whatever its state (module docstring); once per update.
 
-        The worker may still owe the answer to our last request (it is loading a bucket): take
-        it first; if it does not come, relax the REQ state machine so the abort can go anyway.
+        Bounded: at most ``ABORT_CONNECT_S`` for a worker that has not connected, then
+        ``ABORT_GRACE_S`` per answer it owes. Never raises: the update is lost anyway.
         """
-        if self.watch.lost or not self.watch.seen:   # (``lost`` first: it reads the monitor's events)
-            return   # no worker ever connected, or it is gone: nobody to tell
+        if self.aborted:
+            return
+        self.aborted = True
         try:
-            if self._owed is not None:
-                self._owed = None
-                if self.sock.poll(int(ABORT_GRACE_S * 1000), zmq.POLLIN):
-                    self.sock.recv(zmq.NOBLOCK)   # discarded unread: the update is lost anyway
-                else:
-                    self.sock.setsockopt(zmq.REQ_RELAXED, 1)
-            if self.sock.poll(int(ABORT_GRACE_S * 1000), zmq.POLLOUT):
-                self.sock.send(abort_frame(reason), zmq.NOBLOCK)
+            self._abort(reason)
         except zmq.ZMQError:
             pass
+
+    def _abort(self, reason: str) -> None:
+        if not self._reach_worker():
+            return
+        if self._owed is not None:
+            # the turn is the worker's (it is loading a bucket or rebuilding the buffer): take its
+            # answer; if it does not come, relax the REQ state machine so the abort can go anyway
+            self._owed = None
+            if self.sock.poll(int(ABORT_GRACE_S * 1000), zmq.POLLIN):
+                self.sock.recv(zmq.NOBLOCK)   # discarded unread: the update is lost anyway
+            else:
+                self.sock.setsockopt(zmq.REQ_RELAXED, 1)
+        if not self.sock.poll(int(ABORT_GRACE_S * 1000), zmq.POLLOUT):
+            return
+        self.sock.send(abort_frame(reason), zmq.NOBLOCK)
+        if not self._sent_handle:
+            # it took the abort for the buffer handle: it answers with a traceback, then waits for an ack
+            if self.sock.poll(int(ABORT_GRACE_S * 1000), zmq.POLLIN):
+                self.sock.recv(zmq.NOBLOCK)   # bytes, discarded unread
+                self.sock.send(b"", zmq.NOBLOCK)
+
+    def _reach_worker(self) -> bool:
+        """Whether a worker is connected to take the abort, waiting up to ``ABORT_CONNECT_S`` for one
+        that has not connected yet (``req_func`` may have started it a moment ago)."""
+        if self.watch.lost:   # it connected and is gone: nobody to tell
+            return False
+        if self.watch.seen:
+            return True
+        # a REQ socket is writable once a peer is connected
+        if self.sock.poll(int(ABORT_CONNECT_S * 1000), zmq.POLLOUT) and not self.watch.lost:
+            return True
+        self.log_abandoned()
+        return False
+
+    def log_abandoned(self) -> None:
+        _log.warning("rank %d: no stock engine worker (%s) connected within %.0f s of the failed update; "
+                     "one that connects later waits forever (stock workers have no timeout)",
+                     self.rank, self.device_key, ABORT_CONNECT_S)

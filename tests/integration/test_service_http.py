@@ -129,7 +129,7 @@ def test_health_and_status_answer_during_a_slow_update_and_a_second_update_is_a_
 @pytest.mark.parametrize("route, body, code, kind, needle", [
     ("/v1/checkpoints/c/files", {"files": "not-a-list"}, 422, "ValidationError", "files"),
     ("/v1/checkpoints/c/files", {"files": ["/x"], "bogus": 1}, 422, "ValidationError", "bogus"),
-    ("/v1/checkpoints/c/files", {"files": ["/nonexistent/a.safetensors"]}, 400, "ConfigError", "/nonexistent"),
+    ("/v1/checkpoints/c/files", {"files": ["/nonexistent/a.safetensors"]}, 403, "Forbidden", "--allow-dir"),
     ("/v1/checkpoints/c/update", {"timeout": -1}, 422, "ValidationError", "timeout"),
     ("/v1/checkpoints/c/update", {"timeout": "soon"}, 422, "ValidationError", "timeout"),
     ("/v1/metas", ["not", "an", "object"], 422, "ValidationError", "body"),
@@ -140,6 +140,13 @@ def test_bad_requests_are_4xx_with_a_json_body_naming_the_problem(world, route, 
     assert resp.status_code == code, resp.text
     err = resp.json()["error"]
     assert err["type"] == kind and needle in err["message"], err
+
+
+def test_a_missing_file_inside_the_allowed_directory_is_a_400_naming_it(world):
+    missing = os.path.join(world.tmp, "missing.safetensors")
+    resp = world.clients[0].post("/v1/checkpoints/c/files", json={"files": [missing]})
+    assert resp.status_code == 400 and resp.json()["error"]["type"] == "ConfigError", resp.text
+    assert missing in resp.json()["error"]["message"]
 
 
 def test_an_update_of_an_unregistered_checkpoint_is_a_404_on_every_rank(world):

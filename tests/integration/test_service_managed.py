@@ -63,7 +63,7 @@ def test_the_serving_spec_must_be_a_unix_socket():
 
 
 def test_managed_ps_ranks_serve_updates_and_die_with_their_worker(tmp_path):
-    port, spec = free_port(), "uds:" + str(tmp_path / "ps-{rank}.sock")
+    port, spec = free_port(), "uds:" + str(tmp_path / "ps-{rank}.sock") + f",allow-dir={tmp_path}"
     env = dict(os.environ, PYTHONPATH=ROOT)
     workers = [subprocess.Popen([sys.executable, "-c", WORKER, str(r), "2", str(port), spec, str(tmp_path / f"ps{r}.log")],
                                 env=env, stdout=subprocess.PIPE, text=True) for r in range(2)]

@@ -33,8 +33,11 @@ def engine(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
-    w = ServiceWorld(1, str(tmp_path_factory.mktemp("svc-stock")), extra=["--wire", "stock", "--max-bucket-gb",
-                                                                         BUCKET_GB], env={"PS_NUM_SLOTS": "2"})
+    tmp = str(tmp_path_factory.mktemp("svc-stock"))
+    # the operator allows the checkpoints' directory and the one engine socket the uds test posts over
+    w = ServiceWorld(1, tmp, extra=["--wire", "stock", "--max-bucket-gb", BUCKET_GB,
+                                    "--engine-uds", os.path.join(tmp, "sglang.sock")],
+                     env={"PS_NUM_SLOTS": "2"}, allow_dirs=(str(tmp_path_factory.getbasetemp()),))
     yield w
     assert w.close() == [0], "the service stops cleanly on SIGTERM"
 
@@ -141,7 +144,7 @@ def test_uds_reaches_sglang_over_a_unix_socket_with_flush_cache_off(engine, serv
     ckpt, want = write_checkpoint(root / "svc-uds", seed=14)
     _register(service, "uds", ckpt)
     flushes = eng.state()["flushes"]
-    proxy = _UnixToTcp(str(tmp_path / "sglang.sock"), eng.port)
+    proxy = _UnixToTcp(os.path.join(service.tmp, "sglang.sock"), eng.port)   # the socket --engine-uds allows
     try:
         # the host is not resolvable: only the unix socket can lead to the server
         resp = _update(service, "uds", "http://sglang.invalid/update_weights_from_ipc", uds=proxy.path,

@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 def test_the_server_runs_its_own_ps_rank_and_takes_it_down_with_it(vllm_python, tiny_model, tmp_path, monkeypatch,
                                                                   stop_with):
     sock = tmp_path / "ps-0.sock"
-    monkeypatch.setenv("CKPT_ENGINE_SERVE", f"uds:{tmp_path}/ps-{{rank}}.sock")
+    monkeypatch.setenv("CKPT_ENGINE_SERVE", f"uds:{tmp_path}/ps-{{rank}}.sock,allow-dir={tmp_path.parent}")  # pytest's base temp
     monkeypatch.setenv("CKPT_ENGINE_SERVE_MASTER", f"127.0.0.1:{free_port()}")
     server = start_server(vllm_python, tiny_model, tmp_path, extension=True, backend="ckpt")
     ps = httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), base_url="http://ps", timeout=300)
@@ -73,7 +73,7 @@ def test_tensor_parallel_2_runs_a_ps_world_of_2_driven_through_both_services(vll
     on each rank's service, gathers and updates on both at once (rank 0 posts for the engine);
     output equals the reference; SIGTERM to the server leaves neither PS rank behind."""
     from concurrent.futures import ThreadPoolExecutor
-    monkeypatch.setenv("CKPT_ENGINE_SERVE", f"uds:{tmp_path}/ps-{{rank}}.sock")
+    monkeypatch.setenv("CKPT_ENGINE_SERVE", f"uds:{tmp_path}/ps-{{rank}}.sock,allow-dir={tmp_path.parent}")  # pytest's base temp
     monkeypatch.setenv("CKPT_ENGINE_SERVE_MASTER", f"127.0.0.1:{free_port()}")
     server = start_server(vllm_python, tiny_model, tmp_path, extension=True, backend="ckpt",
                           extra_args=("--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"),
