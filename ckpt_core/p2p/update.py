@@ -31,11 +31,11 @@ from ckpt_core.wire.link import Failure
 from ckpt_core.p2p import metas as _metas
 from ckpt_core.p2p.metas import Peer, Source
 from ckpt_core.planning.nics import assign_readers
-from ckpt_core.p2p.store import MARK, P2PStore, import_mooncake
+from ckpt_core.p2p.store import MARK, P2PStore, open_store
+from ckpt_core.p2p.digests import bucket_mismatch, tensor_digests
 from ckpt_core.planning.buckets import ALIGN, Bucket, Plan, align_up, choose_layout
 from ckpt_core.transfer.prechecks import problem_of, raise_agreed, same_kind
 from ckpt_core.wire.protocol import encode_hello
-from ckpt_core._settings import p2p_env
 from ckpt_core.transfer.signals import ReqThread, StopSignal
 from ckpt_core.errors import CheckpointNotFoundError, CkptError, ConfigError, RemoteWorkerError, TransportError
 
@@ -99,6 +99,10 @@ class P2PPipeline(BroadcastPipeline):
             try:
                 self.store.read(peer, bucket.source, descs, what=f"bucket {index} ({n} bytes)",
                                 deadline=self.read_deadline, should_stop=self.should_stop)
+                bad = bucket_mismatch(bucket.placements, dst, peer.digests)   # p2p/digests.py
+                if bad:
+                    raise TransportError(f"{MARK} of bucket {index} ({n} bytes) from owner rank {bucket.source} "
+                                         f"at {peer.address} is refused: {bad}")
                 ok = True
                 self.read_bytes += n
             except TransportError as exc:
@@ -129,6 +133,7 @@ class P2PState:
         self.store_error: str | None = None
         self.served: dict[str, dict[int, tuple[int, int]]] = {}   # checkpoint -> regions this rank serves
         self.stamps: dict[str, tuple[int, tuple[int, str]]] = {}  # checkpoint -> (slot, stamp)
+        self.digests: dict[str, dict[str, str]] = {}               # checkpoint -> tensor digests it serves
         self.gathered: dict[str, list[Peer | None]] = {}         # checkpoint -> every owner's store
         self.loaded: dict[str, Source] = {}                       # checkpoint -> from load_metas
         self.groups: dict[tuple[int, ...], object] = {}
@@ -138,12 +143,8 @@ class P2PState:
         """The store, created on first use. Without Mooncake: None, or ConfigError if ``required``."""
         if self.store is None and self.store_error is None:
             ps = self.ps
-            try:
-                import_mooncake()
-                env = p2p_env(ps.settings.master_addr, ps.settings.master_port)
-                self.store = P2PStore(env["host"], local_rank=ps.device_index, ps_devices=env["ps_devices"],
-                                      nccl_ib_hca=env["nccl_ib_hca"], log=ps._log,
-                                      transport=getattr(ps.backend, "p2p_transport", None), rdma=env["rdma"])
+            try:   # serving (registering checkpoints) only when asked for: docs/p2p.md, p2p/store.py
+                self.store = open_store(ps, serving=ps.settings.serve_p2p)
             except CkptError as exc:
                 self.store_error = str(exc)
         if self.store is None and required:
@@ -151,8 +152,8 @@ class P2PState:
         return self.store
 
     def on_register(self, name: str, ckpt) -> None:
-        """Serve a newly registered checkpoint's host regions (when Mooncake is installed)."""
-        store = self.ensure_store(required=False)
+        """Serve a newly registered checkpoint's host regions (only with serve_p2p: its store exists)."""
+        store = self.store if self.ps.settings.serve_p2p else None
         if store is None:
             return
         regions = {rid: (r.tensor.data_ptr(), r.nbytes) for rid, r in ckpt.regions.items() if r.nbytes > 0}
@@ -160,6 +161,7 @@ class P2PState:
             for ptr, n in regions.values():
                 store.register(ptr, n)
             self.stamps[name] = store.stamp()
+            self.digests[name] = tensor_digests(ckpt)
         except TransportError as exc:   # broadcast updates still work; a P2P update will name this rank
             self.ps._log.warning("checkpoint %r is not served to P2P readers: %s", name, exc)
             for ptr, _ in regions.values():
@@ -170,6 +172,7 @@ class P2PState:
     def on_unregister(self, name: str) -> None:
         if name in self.stamps and self.store is not None:   # first: a reader's next check fails
             self.store.clear_stamp(self.stamps.pop(name)[0])
+        self.digests.pop(name, None)
         for ptr, _ in self.served.pop(name, {}).values():
             if self.store is not None:
                 self.store.unregister(ptr)
@@ -178,7 +181,7 @@ class P2PState:
     def describe(self, name: str) -> dict | None:
         if self.store is None or name not in self.served:
             return None
-        return self.store.describe(self.served[name], self.stamps[name][1]).to_json()
+        return self.store.describe(self.served[name], self.stamps[name][1], self.digests.get(name)).to_json()
 
     def gather(self, name: str) -> None:
         """Collective (after gather_metas): every rank learns every owner's store for ``name``."""
@@ -206,6 +209,7 @@ class P2PState:
         self.groups.clear()   # the Collectives destroy them; a closed PS must not keep them alive
         if self.store is not None:
             self.store.close(SETTLE_AT_CLOSE_S)
+            self.store = None   # its TransferEngine goes with it: no port of this PS stays open
 
     # -- update ----------------------------------------------------------------
     def source(self, name: str) -> Source:
@@ -242,7 +246,8 @@ def _target_view(ps, name: str) -> tuple[Source, dict]:
     state.store.quarantine.reap()
     missing = [r for r, p in enumerate(src.peers) if p is None and src.metas[r]]
     if missing:
-        raise ConfigError(f"owner rank(s) {missing} of {name!r} serve no P2P store (no Mooncake there?)")
+        raise ConfigError(f"owner rank(s) {missing} of {name!r} do not serve it over P2P (start the owners with "
+                          "serve_p2p=True or PS_P2P_SERVE=1; Mooncake installed there?)")
     metas = src.metas
     free = ps.backend.mem_get_info(ps.device_index)[0] + (ps._ipc.nbytes if ps._ipc else 0)
     layout = choose_layout(
