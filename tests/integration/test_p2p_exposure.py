@@ -112,10 +112,15 @@ def test_close_releases_every_socket_and_a_new_ps_on_the_same_port_works_with_it
 
 
 def _outward() -> str | None:
-    from ckpt_core.p2p.store import _route_source
-    from ckpt_core.planning.nics import is_loopback
-    host = _route_source("8.8.8.8", 53)
-    return None if host is None or is_loopback(host) else host
+    """This host's outward interface: the source address of the route to a public address."""
+    import socket
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("8.8.8.8", 53))
+            host = s.getsockname()[0]
+    except OSError:
+        return None
+    return None if host.startswith("127.") else host
 
 
 def test_saved_metas_of_a_loopback_world_carry_the_outward_address_and_a_joiner_pulls_through_it(tmp_path):
@@ -145,10 +150,10 @@ import json, os, sys, torch
 from ckpt_core import ParameterServer
 out = {}
 os.environ["PS_P2P_SERVE"] = "1"
-for host in ("", "127.0.0.1"):
+for i, host in enumerate(("", "127.0.0.1")):
     os.environ["PS_P2P_HOST"] = host
     path = sys.argv[1] + f"/m{host or '-default'}.json"
-    with ParameterServer(0, 1, device="cpu", master_addr="127.0.0.1", master_port=29611) as ps:
+    with ParameterServer(0, 1, device="cpu", master_addr="127.0.0.1", master_port=29611 + i) as ps:
         ps.register_checkpoint("c", named_tensors={"w": torch.randn(64)})
         ps.gather_metas("c")
         try:
