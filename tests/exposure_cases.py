@@ -18,16 +18,20 @@ def memory_view(ps, rank, name):
             "registered": [] if st is None else sorted(st.registered.items()), "listening": listening_sockets()}
 
 
-def close_and_reopen(ps, rank, address, seed):
-    """close(); then a new ParameterServer on the same MASTER_PORT registers fresh tensors and updates
-    the engine at ``address`` (rank 0 posts); then that one closes too. Reports the listening sockets
-    of this process at each step and the digests the engine must hold."""
-    from ckpt_core import ParameterServer
-    port, world, kind = ps.settings.master_port, ps.world_size, ps.backend.kind
+def close_and_listen(ps, rank):
+    """close(); the sockets this process listened on before and after, and the port to reuse."""
     before = listening_sockets()
     ps.close()
-    after_close = listening_sockets()
-    again = ParameterServer(rank, world, device=kind, master_addr="127.0.0.1", master_port=port)
+    return {"before": before, "after_close": listening_sockets(), "port": ps.settings.master_port}
+
+
+def reopen_and_update(ps, rank, address, seed):
+    """After ``close_and_listen`` on every rank: a new ParameterServer on the same MASTER_PORT registers
+    fresh tensors and updates the engine at ``address`` (rank 0 posts), then closes too. Reports the
+    listening sockets at the end and the digests the engine must hold."""
+    from ckpt_core import ParameterServer
+    again = ParameterServer(rank, ps.world_size, device=ps.backend.kind, master_addr="127.0.0.1",
+                            master_port=ps.settings.master_port)
     try:
         data = fresh_tensors({f"again{rank}.{i}": ((512,), torch.float32) for i in range(3)},
                              torch.Generator().manual_seed(seed + rank))
@@ -37,8 +41,7 @@ def close_and_reopen(ps, rank, address, seed):
         during = listening_sockets()
     finally:
         again.close()
-    return {"before": before, "after_close": after_close, "during": during, "after_second_close": listening_sockets(),
-            "want": want_digests(data), "port": port}
+    return {"during": during, "after_second_close": listening_sockets(), "want": want_digests(data)}
 
 
 class ForeignPeer:

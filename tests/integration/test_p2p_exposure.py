@@ -96,14 +96,17 @@ def test_close_releases_every_socket_and_a_new_ps_on_the_same_port_works_with_it
         FreshCheckpoints(w, seed=8).new()
         front = EngineFront("cpu", 2)
         try:
-            got = all_ok(xcall(w, "close_and_reopen", front.address, 500))
-            v = [got[r].value for r in range(2)]
+            closed = all_ok(xcall(w, "close_and_listen"))
+            # every rank has closed (rank 0's store is gone) before any builds the new world
+            again = all_ok(xcall(w, "reopen_and_update", front.address, 500))
+            v = [{**closed[r].value, **again[r].value} for r in range(2)]
             port = v[0]["port"]
             assert ("127.0.0.1", port) in v[0]["before"], v[0]["before"]
             assert [s for s in v[0]["before"] if s[1] == port] == [("127.0.0.1", port)], "store on every interface"
             for r in range(2):
                 assert [s for s in v[r]["before"] if s[0] in WILDCARD], f"rank {r}: no Mooncake port was open"
                 assert v[r]["after_close"] == [], f"rank {r} still listens after close(): {v[r]['after_close']}"
+                assert [s for s in v[r]["during"] if s[0] in WILDCARD], f"rank {r}: the new PS serves too"
                 assert v[r]["after_second_close"] == [], f"rank {r}: {v[r]['after_second_close']}"
             want = {**v[0]["want"], **v[1]["want"]}
             assert front.digests(0) == want and front.digests(1) == want
