@@ -2,7 +2,8 @@
 
 Mooncake registers memory readable *and writable* by any peer that reaches its ports (no
 read-only registration, no peer authentication; docs/p2p.md). So an owner that serves P2P takes
-a digest of every tensor when it registers the checkpoint (BLAKE2b, 16 bytes), publishes them in
+a digest of every tensor when it registers the checkpoint (SHA-256 cut to 16 bytes: with SHA-NI
+2-3x faster than BLAKE2b on our hosts), publishes them in
 its metas, and a reader checks every tensor of a bucket it read before any engine is told to
 load that bucket: bytes rewritten in the owner's memory after registration (a foreign peer, a
 bug) fail the update instead of reaching an engine. Buckets hold whole tensors (the planner
@@ -21,7 +22,7 @@ DIGEST_BYTES = 16
 
 def digest_of(view) -> str:
     """The digest of a CPU uint8 tensor's bytes (hashlib reads them in place, without the GIL)."""
-    return hashlib.blake2b(memoryview(view.numpy()), digest_size=DIGEST_BYTES).hexdigest()
+    return hashlib.sha256(memoryview(view.numpy())).digest()[:DIGEST_BYTES].hex()
 
 
 def tensor_digests(ckpt) -> dict[str, str]:

@@ -41,7 +41,7 @@ class Peer:
     # (remote pointer, hex token): the owner clears the token before it unregisters the checkpoint,
     # so a reader that still finds it after a read knows the bytes it read were this checkpoint's
     stamp: tuple[int, str] | None = None
-    # tensor name -> BLAKE2b-128 of its bytes at registration (p2p/digests.py): checked by the reader
+    # tensor name -> digest of its bytes at registration (SHA-256, 16 bytes; p2p/digests.py), checked by readers
     digests: dict[str, str] | None = None
 
     def to_json(self) -> dict:
