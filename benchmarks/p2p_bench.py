@@ -78,7 +78,7 @@ def owner_main(rank, world, port, args, metas_path, ready, stop):
     _stacks_later()
     os.environ["PS_P2P_HOST"] = args.owner_host
     from ckpt_core import ParameterServer
-    ps = ParameterServer(rank, world, device="cpu", master_addr="127.0.0.1", master_port=port)
+    ps = ParameterServer(rank, world, device="cpu", master_addr="127.0.0.1", master_port=port, serve_p2p=True)
     per_rank = int(args.gib * (1 << 30)) // world
     n = max(1, per_rank // (args.tensor_mib * MiB))
     who = f"owner {rank}/{world}"

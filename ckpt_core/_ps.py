@@ -23,7 +23,8 @@ from ckpt_core.planning.buckets import TensorMeta, first_shared_name
 from ckpt_core.transfer.plan_cache import PlanCache
 from ckpt_core.transfer.prechecks import (UpdateAgreement, parse_metas, problem_of, raise_agreed, same_call,
                                           tensor_meta)
-from ckpt_core._settings import load_settings
+from ckpt_core._settings import load_settings, p2p_env
+from ckpt_core.planning.nics import is_loopback, loopback_owners
 from ckpt_core.transfer.broadcast import BroadcastUpdate, ReqFunc
 from ckpt_core.devices import IpcBuffer, default_kind, get_backend
 from ckpt_core.errors import CheckpointFormatError, CheckpointNotFoundError, ClosedError, ConfigError, TransportError
@@ -45,15 +46,21 @@ class ParameterServer(UpdateAgreement, BroadcastUpdate):
 
     ``gpu_count`` (the reference's keyword): devices per host; when given, this
     rank's device index is ``rank % gpu_count`` instead of ``LOCAL_RANK``.
+
+    ``serve_p2p`` (default ``PS_P2P_SERVE``, off): serve registered checkpoints to P2P readers
+    (other ranks' ``update(..., ranks=[...])``, joining worlds). Mooncake then exposes their host
+    memory, readable and writable, to whoever reaches its ports (docs/p2p.md); off, nothing is
+    registered with Mooncake and no P2P port opens unless this rank itself reads P2P.
     """
 
     def __init__(self, rank: int | None = None, world_size: int | None = None, *, device: str | None = None,
                  auto_pg: bool = True, mem_fraction: float | None = None, master_addr: str | None = None,
                  master_port: int | None = None, max_bucket_gb: float | None = None,
                  keep_device_buffers: bool = False, gpu_count: int | None = None,
-                 wire: str = "native"):
+                 wire: str = "native", serve_p2p: bool | None = None):
         self.settings = load_settings(rank=rank, world_size=world_size, master_addr=master_addr,
-                                      master_port=master_port, mem_fraction=mem_fraction, max_bucket_gb=max_bucket_gb)
+                                      master_port=master_port, mem_fraction=mem_fraction, max_bucket_gb=max_bucket_gb,
+                                      serve_p2p=serve_p2p)
         self.rank, self.world_size = self.settings.rank, self.settings.world_size
         self.backend = get_backend(device or default_kind())
         if not self.backend.is_available():
@@ -73,6 +80,9 @@ class ParameterServer(UpdateAgreement, BroadcastUpdate):
             self._device_keys = [p["key"] for p in peers]
             if len(set(self._device_keys)) != self.world_size:
                 raise ConfigError(f"two ranks share a device key: {self._device_keys}; set LOCAL_RANK per rank")
+            self._p2p = P2PState(self)   # Mooncake store (serving: now; reading: when first needed), target groups
+            if self.settings.serve_p2p:   # asked for: a store that cannot start is this constructor's error
+                self._p2p.ensure_store(required=True)
         except BaseException:
             self._coll.close()   # a constructor that fails leaves no process group behind
             raise
@@ -81,7 +91,6 @@ class ParameterServer(UpdateAgreement, BroadcastUpdate):
         self._plans = PlanCache()   # shared by checkpoints of one layout
         self._pool: SharedPool | None = None
         self._ipc: IpcBuffer | None = None
-        self._p2p = P2PState(self)   # Mooncake store (created when first needed), owners' stores, target groups
         self._copy_stream = self.backend.new_stream(self.device_index)
         self._zmq = zmq.Context()
         self._update_lock = threading.Lock()
@@ -186,7 +195,7 @@ class ParameterServer(UpdateAgreement, BroadcastUpdate):
                                     unlink_inplace_files=unlink_inplace_files,
                                     progress=lambda phase, done, total: self._tell("register", phase, done, total))
         self._checkpoints[name] = ckpt
-        self._p2p.on_register(name, ckpt)   # P2P readers may pull its regions (when Mooncake is installed)
+        self._p2p.on_register(name, ckpt)   # P2P readers may pull its regions (serve_p2p only)
         dt = time.perf_counter() - t0
         self.last_register = {"name": name, "bytes": ckpt.nbytes, "seconds": dict(ckpt.seconds, total=dt)}
         self._tell("register", "done", ckpt.nbytes, ckpt.nbytes)
@@ -268,8 +277,21 @@ class ParameterServer(UpdateAgreement, BroadcastUpdate):
         return self._p2p.metas_document()
 
     def save_metas(self, path) -> None:
-        """Write ``get_metas()`` to ``path`` as JSON (atomically)."""
-        _metas.save(path, self.get_metas())
+        """Write ``get_metas()`` to ``path`` as JSON (atomically), for readers on other hosts: refused
+        (``ConfigError`` naming PS_P2P_HOST) while an owner publishes a loopback address, unless this
+        rank's PS_P2P_HOST was set to one on purpose (every world on one host)."""
+        doc = self.get_metas()
+        self.check_metas_reachable(doc)
+        _metas.save(path, doc)
+
+    def check_metas_reachable(self, doc: dict | None = None) -> None:
+        """``save_metas``' check alone; every rank can run it (same document, same verdict)."""
+        bad = loopback_owners(self.get_metas() if doc is None else doc)
+        if bad and not is_loopback(p2p_env()["host"]):
+            shown = ", ".join(f"{n!r} owner rank {r} at {a}" for n, r, a in bad[:4])
+            raise ConfigError(f"saving metas refused: {shown} publish a loopback address, which a joiner on "
+                              "another host would read from its own loopback; set PS_P2P_HOST to an address other "
+                              "hosts reach (or to a loopback address on purpose when every world runs on this host)")
 
     def load_metas(self, metas) -> None:
         """Install metas from ``get_metas()``/``save_metas()`` (a dict or a file path), e.g. in a

@@ -37,8 +37,11 @@ ENV_VARS: dict[str, tuple[str, str, str]] = {
     "PS_P2P_STORE_RDMA_DEVICES": ("str", "", "comma-separated RDMA NICs for the P2P store"),
     "NCCL_IB_HCA": ("str", "", "read as a fallback for PS_P2P_STORE_RDMA_DEVICES"),
     "NCCL_IB_DISABLE": ("bool", "0", "1: the P2P store uses TCP even where RDMA NICs exist (NCCL's meaning)"),
-    "PS_P2P_HOST": ("str", "(route to MASTER_ADDR)", "address this rank's P2P store binds to and publishes "
-                    "in the metas (default: the local address that routes to MASTER_ADDR)"),
+    "PS_P2P_HOST": ("str", "(route to MASTER_ADDR)", "address this rank's P2P store publishes in the metas "
+                    "(default: the local address that routes to MASTER_ADDR, or, when that is loopback, the "
+                    "outward interface's); Mooncake itself listens on every interface"),
+    "PS_P2P_SERVE": ("bool", "0", "serve this rank's registered checkpoints to P2P readers (Mooncake; also "
+                     "`ParameterServer(serve_p2p=True)`); off: no checkpoint memory is registered with Mooncake"),
     "CKPT_TEST_CPU_EVENT_DELAY_S": ("float", "0", "tests only: `cpu` device events report done this long after "
                                     "they were recorded, so the pipeline's waits and deferrals run on CPU"),
     "CKPT_SERVICE_TOKEN": ("str", "", "bearer token of `ckpt-engine serve` on TCP (else `--token-file`)"),
@@ -71,6 +74,7 @@ class Settings:
     num_slots: int
     collective_timeout_s: float
     rdma_devices: tuple[str, ...]
+    serve_p2p: bool = False   # register checkpoints with the P2P store (Mooncake): opt-in, see docs/p2p.md
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -105,8 +109,19 @@ def _number(what: str, value) -> float:
         raise ConfigError(f"{what} must be a number, got {value!r}") from exc
 
 
+def _bool(name: str, default: bool) -> bool:
+    raw = os.environ.get(name, "").strip().lower()
+    if raw == "":
+        return default
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"environment variable {name}={raw!r} is not a valid bool (0 or 1)")
+
+
 def load_settings(*, rank=None, world_size=None, master_addr=None, master_port=None,
-                  mem_fraction=None, max_bucket_gb=None) -> Settings:
+                  mem_fraction=None, max_bucket_gb=None, serve_p2p=None) -> Settings:
     """Merge explicit arguments over the environment and validate the result."""
     rank = _get("RANK", int, 0) if rank is None else int(rank)
     world_size = _get("WORLD_SIZE", int, 1) if world_size is None else int(world_size)
@@ -127,7 +142,14 @@ def load_settings(*, rank=None, world_size=None, master_addr=None, master_port=N
         num_slots=_get("PS_NUM_SLOTS", int, 4),
         collective_timeout_s=_get("PS_COLLECTIVE_TIMEOUT_S", float, 600.0),
         rdma_devices=tuple(d for d in rdma.split(",") if d),
+        serve_p2p=_bool("PS_P2P_SERVE", False) if serve_p2p is None else _explicit_bool("serve_p2p", serve_p2p),
     )
+
+
+def _explicit_bool(what: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{what} must be True or False, got {value!r}")
+    return value
 
 
 def gc_pause_enabled() -> bool:
@@ -163,20 +185,12 @@ def cpu_visible_devices() -> tuple[int, ...]:
     return out
 
 
-def p2p_env(master_addr: str, master_port: int) -> dict[str, str]:
-    """The P2P store's settings, read when the store is created: its host address and the raw
-    NIC selections (``_nics`` parses them: NCCL_IB_HCA has its own syntax)."""
-    host = _get("PS_P2P_HOST", str, "")
-    if not host:
-        import socket
-        try:   # no packet is sent: connecting a UDP socket only picks the route and its source address
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-                s.connect((master_addr, master_port))
-                host = s.getsockname()[0]
-        except OSError:
-            host = "127.0.0.1"
+def p2p_env() -> dict:
+    """The P2P store's raw settings, read when the store is created: ``PS_P2P_HOST`` as set ("" when
+    unset: ``p2p.store.store_host`` picks the address) and the raw NIC selections (``planning.nics``
+    parses them: NCCL_IB_HCA has its own syntax)."""
     ib_off = _get("NCCL_IB_DISABLE", str, "0").strip().lower() in ("1", "true", "yes", "on")
-    return {"host": host, "ps_devices": _get("PS_P2P_STORE_RDMA_DEVICES", str, ""),
+    return {"host": _get("PS_P2P_HOST", str, "").strip(), "ps_devices": _get("PS_P2P_STORE_RDMA_DEVICES", str, ""),
             "nccl_ib_hca": _get("NCCL_IB_HCA", str, ""), "rdma": not ib_off}
 
 

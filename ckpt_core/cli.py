@@ -66,7 +66,8 @@ def cmd_serve(args) -> int:
     token = token or service_token()
     policy = ServicePolicy.build(args.allow_dir, args.engine_url, args.engine_uds)   # before any memory is taken
     ps = ParameterServer(device=args.device, max_bucket_gb=args.max_bucket_gb, mem_fraction=args.mem_fraction,
-                         keep_device_buffers=args.keep_device_buffers, wire=args.wire)
+                         keep_device_buffers=args.keep_device_buffers, wire=args.wire,
+                         serve_p2p=True if args.serve_p2p else None)   # None: PS_P2P_SERVE (off by default)
     idle = False
     try:
         if ps.device_index == 0:   # one bar per host: ranks under torchrun share the terminal
@@ -216,6 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-bucket-gb", type=float)
     s.add_argument("--mem-fraction", type=float)
     s.add_argument("--keep-device-buffers", action="store_true")
+    s.add_argument("--serve-p2p", action="store_true",
+                   help="serve registered checkpoints to P2P readers (Mooncake; exposes them: docs/p2p.md)")
     s.add_argument("--wire", choices=SERVE_WIRES, default="native",
                    help="wire to the engine workers: native (ckpt_core's, vLLM), stock (checkpoint-engine >= 0.4 "
                         "workers, e.g. SGLang's), stock-0.3 (0.2.1 - 0.3.4) (default %(default)s)")

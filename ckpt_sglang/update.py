@@ -32,7 +32,8 @@ import time
 
 from ckpt_core import ParameterServer, split_checkpoint_files
 from ckpt_core.wire.stock import WIRES
-from ckpt_core.engines.driver import UPDATE_METHODS, emit_json_line, prepare_checkpoint, run_updates, update_methods
+from ckpt_core.engines.driver import (UPDATE_METHODS, emit_json_line, prepare_checkpoint, run_updates, serves_p2p,
+                                     update_methods)
 from ckpt_core.errors import CkptError, ConfigError
 
 from .client import BUSY_MODES, PAUSE_MODES, SglangClient
@@ -108,7 +109,8 @@ def run(args: argparse.Namespace) -> None:
             waited = client.wait_ready(timeout=args.ready_timeout)
             log.info("rank %d: %s answers /model_info (waited %.1f s)", rank, client.where, waited)
         files = None if args.load_metas_file else split_checkpoint_files(args.checkpoint_path, rank, world_size)
-        with ParameterServer(device=args.device, wire=args.wire) as ps:
+        serve = serves_p2p(args.update_method, joining=bool(args.load_metas_file), save_metas_file=args.save_metas_file)
+        with ParameterServer(device=args.device, wire=args.wire, serve_p2p=serve) as ps:
             register_s = prepare_checkpoint(ps, args.checkpoint_name, files=files, load_metas_file=args.load_metas_file,
                                             save_metas_file=args.save_metas_file)
             methods = update_methods(args.update_method, joining=bool(args.load_metas_file))

@@ -21,7 +21,8 @@ P2P (the ``p2p`` extra, Mooncake): ``--update-method p2p`` makes every rank pull
 from the owners' host memory instead of broadcasting it (``all``: broadcast, then p2p). Owners
 started with ``--save-metas-file m.json --sleep-time 600`` keep serving; a separate, joining
 torchrun world started with ``--load-metas-file m.json`` (no ``--checkpoint-path``) registers
-nothing and pulls the checkpoint into its own engines.
+nothing and pulls the checkpoint into its own engines. Owners serve their host memory over P2P
+only with ``p2p``/``all`` or ``--save-metas-file`` (``serve_p2p``; who can then reach it: docs/p2p.md).
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ import sys
 import time
 
 from ckpt_core import ParameterServer, split_checkpoint_files
-from ckpt_core.engines.driver import UPDATE_METHODS, emit_json_line, prepare_checkpoint, run_updates, update_methods
+from ckpt_core.engines.driver import (UPDATE_METHODS, emit_json_line, prepare_checkpoint, run_updates, serves_p2p,
+                                     update_methods)
 from ckpt_core.engines.requests import group_handles
 from ckpt_core.errors import ConfigError
 from ckpt_vllm import VllmClient
@@ -114,7 +116,8 @@ def main(argv=None) -> int:
     try:
         if client is not None:
             client.wait_ready(timeout=args.ready_timeout)
-        with ParameterServer(device=args.device) as ps:
+        serve = serves_p2p(args.update_method, joining=bool(args.load_metas_file), save_metas_file=args.save_metas_file)
+        with ParameterServer(device=args.device, serve_p2p=serve) as ps:   # owners serve P2P only when asked
             t_register = prepare_checkpoint(ps, args.checkpoint_name, files=files, load_metas_file=args.load_metas_file,
                                             save_metas_file=args.save_metas_file)
             methods = update_methods(args.update_method, joining=bool(args.load_metas_file))

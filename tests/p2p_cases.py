@@ -9,7 +9,8 @@ import sys
 
 from harness import EngineFront, FreshCheckpoints, PsWorld, make_req_func
 
-OWNERS = {"PS_P2P_HOST": "127.0.0.2", "NCCL_IB_DISABLE": "1"}    # simulated host A (TCP on loopback)
+# simulated host A (TCP on loopback), serving its checkpoints over P2P (opt-in)
+OWNERS = {"PS_P2P_HOST": "127.0.0.2", "NCCL_IB_DISABLE": "1", "PS_P2P_SERVE": "1"}
 JOINERS = {"PS_P2P_HOST": "127.0.0.3", "NCCL_IB_DISABLE": "1"}   # simulated host B
 SMALL = {"max_bucket_gb": 0.00005}   # ~52 KiB buckets: every update spans many buckets
 

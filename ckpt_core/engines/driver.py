@@ -55,13 +55,21 @@ def update_methods(update_method: str, joining: bool) -> list[str]:
     return ["broadcast", "p2p"] if update_method == "all" else [update_method]
 
 
+def serves_p2p(update_method: str, *, joining: bool, save_metas_file: str | None) -> bool:
+    """Whether the owners of a launcher serve their checkpoint over P2P (``serve_p2p``, docs/p2p.md):
+    only when asked, by ``--update-method p2p|all`` or ``--save-metas-file`` (metas are for joiners,
+    who pull P2P); joiners own nothing to serve."""
+    return not joining and (update_method in ("p2p", "all") or bool(save_metas_file))
+
+
 def prepare_checkpoint(ps, name: str, *, files: list[str] | None, load_metas_file: str | None,
                        save_metas_file: str | None) -> float:
     """Collective: make ``name`` updatable on every rank of ``ps``; returns the seconds it took.
 
     Joiner (``load_metas_file``): ``ps.load_metas`` (validated JSON; a malformed or foreign file is
     a ``ConfigError``). Owner: ``register_checkpoint(files=...)`` + ``gather_metas``. Then rank 0
-    writes the metas to ``save_metas_file`` (atomically), if given.
+    writes the metas to ``save_metas_file`` (atomically), if given; an owner address on loopback is a
+    ``ConfigError`` on every rank (``ParameterServer.save_metas``).
     """
     t0 = time.perf_counter()
     if load_metas_file:
@@ -69,8 +77,10 @@ def prepare_checkpoint(ps, name: str, *, files: list[str] | None, load_metas_fil
     else:
         ps.register_checkpoint(name, files=files)
         ps.gather_metas(name)
-    if save_metas_file and ps.rank == 0:
-        ps.save_metas(save_metas_file)
+    if save_metas_file:   # every rank checks (same metas, same verdict): rank 0 never fails alone
+        ps.check_metas_reachable()
+        if ps.rank == 0:
+            ps.save_metas(save_metas_file)
     return time.perf_counter() - t0
 
 

@@ -41,7 +41,8 @@ def _target_view(ps, name: str) -> tuple[Source, dict]:
     # an owner whose share is only 0-byte tensors is never read from: it needs no store
     missing = [r for r, p in enumerate(src.peers) if p is None and any(m.nbytes for m in src.metas[r])]
     if missing:
-        raise ConfigError(f"owner rank(s) {missing} of {name!r} serve no P2P store (no Mooncake there?)")
+        raise ConfigError(f"owner rank(s) {missing} of {name!r} do not serve it over P2P (start the owners with "
+                          "serve_p2p=True or PS_P2P_SERVE=1; Mooncake installed there?)")
     metas = src.metas
     free = ps.backend.mem_get_info(ps.device_index)[0] + (ps._ipc.nbytes if ps._ipc else 0)
     layout = choose_layout(

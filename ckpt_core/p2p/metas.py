@@ -8,7 +8,8 @@ Layout (version 1)::
          {"rank": 0,
           "p2p": {"address": "10.0.0.5:15021", "host": "10.0.0.5", "nic": "mlx5_0" | null,
                   "regions": {"0": [remote_ptr, nbytes], ...},
-                  "stamp": [remote_ptr, "32 hex digits"]} | null,          # null: no P2P store
+                  "stamp": [remote_ptr, "32 hex digits"],
+                  "digests": {tensor name: "32 hex digits", ...}} | null,  # null: not served over P2P
           "tensors": [[name, dtype, shape, nbytes, itemsize, region, offset], ...]}]}}}
 
 ``parse`` validates everything a reader will dereference (types, ranges, dtype codes
@@ -43,12 +44,16 @@ class Peer:
     # (remote pointer, hex token): the owner clears the token before it unregisters the checkpoint,
     # so a reader that still finds it after a read knows the bytes it read were this checkpoint's
     stamp: tuple[int, str] | None = None
+    # tensor name -> digest of its bytes at registration (SHA-256, 16 bytes; p2p/digests.py), checked by readers
+    digests: dict[str, str] | None = None
 
     def to_json(self) -> dict:
         out = {"address": self.address, "host": self.host, "nic": self.nic,
                "regions": {str(k): [p, n] for k, (p, n) in sorted(self.regions.items())}}
         if self.stamp is not None:
             out["stamp"] = [self.stamp[0], self.stamp[1]]
+        if self.digests is not None:
+            out["digests"] = dict(self.digests)
         return out
 
 
@@ -134,7 +139,20 @@ def parse_peer(p, where: str) -> Peer | None:
                 and len(stamp[1]) == 2 * STAMP_BYTES and all(c in "0123456789abcdef" for c in stamp[1])):
             raise ConfigError(f"metas: {where}.p2p.stamp must be [pointer, {2 * STAMP_BYTES} hex digits]")
         stamp = (check_count(stamp[0], f"{where} stamp pointer", 1), stamp[1])
-    return Peer(addr, host, nic, out, stamp)
+    return Peer(addr, host, nic, out, stamp, _digests(p.get("digests"), where))
+
+
+def _hex(v, n: int) -> bool:
+    return isinstance(v, str) and len(v) == 2 * n and all(c in "0123456789abcdef" for c in v)
+
+
+def _digests(d, where: str) -> dict[str, str] | None:
+    """The owner's tensor digests (p2p/digests.py: 16 bytes each), or None where it published none."""
+    if d is None:
+        return None
+    if not isinstance(d, dict) or not all(isinstance(k, str) and _hex(v, 16) for k, v in d.items()):
+        raise ConfigError(f"metas: {where}.p2p.digests must map tensor names to 32 hex digits")
+    return dict(d)
 
 
 def _tensor(t, where: str, peer: Peer | None) -> TensorMeta:

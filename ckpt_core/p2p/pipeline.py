@@ -13,6 +13,7 @@ import traceback
 from dataclasses import dataclass
 
 from ckpt_core.transfer.pipeline import BroadcastPipeline
+from ckpt_core.p2p.digests import bucket_mismatch
 from ckpt_core.p2p.metas import Peer
 from ckpt_core.p2p.store import MARK, P2PStore
 from ckpt_core.planning.buckets import Bucket
@@ -91,6 +92,10 @@ class P2PPipeline(BroadcastPipeline):
                 descs = [(base + r.offset, peer.regions[r.base][0] + r.base_offset, r.nbytes) for r in runs]
                 self.store.read(peer, bucket.source, descs, what=f"bucket {index} ({n} bytes)",
                                 deadline=self.read_deadline, should_stop=should_stop)
+                bad = bucket_mismatch(bucket.placements, dst, peer.digests)   # p2p/digests.py
+                if bad:
+                    raise TransportError(f"{MARK} of bucket {index} ({n} bytes) from owner rank {bucket.source} "
+                                         f"at {peer.address} is refused: {bad}")
             self.read_bytes += n
             return True
         except Exception as exc:   # ours or not: it must reach every rank through the agreement

@@ -6,6 +6,12 @@ failures (a -1 return) become a ``TransportError`` naming the owner rank and
 address. A read that failed or was abandoned may still land bytes afterwards:
 its buffer is *unsettled* and is neither reused nor freed until the read call
 returned and ``SETTLE_GRACE_S`` passed (``Quarantine``).
+
+Exposure: Mooncake (0.3.x) listens on two ports on *every* interface (it binds 0.0.0.0 and [::]
+whatever address it is given) and lets any peer that reaches them read and write every
+registered byte. So a store only registers checkpoints when serving was asked for
+(``ParameterServer(serve_p2p=True)`` / ``PS_P2P_SERVE=1``), logs the ports it opened, and
+``close()`` destroys the TransferEngine, which closes them.
 """
 
 from __future__ import annotations
@@ -17,7 +23,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 from ckpt_core.p2p.metas import STAMP_BYTES, Peer
-from ckpt_core.planning.nics import nic_for_rank, select_rdma_devices
+from ckpt_core.planning.nics import choose_p2p_host, nic_for_rank, select_rdma_devices
+from ckpt_core.ops.sockets import listening_sockets
+from ckpt_core._settings import p2p_env
 from ckpt_core.errors import ConfigError, TransportError, UpdateTimeoutError
 
 MAX_DESCRIPTORS = 1024      # Mooncake: keep one batch at or below this many descriptors
@@ -53,6 +61,37 @@ def mooncake_available() -> bool:
         return True
     except ConfigError:
         return False
+
+
+_UNSETTLED: list = []   # engines closed while a read may still land: kept alive (and their ports open) until exit
+
+
+def _route_source(addr: str, port: int) -> str | None:
+    """The local address of the route to ``addr`` (no packet is sent: a UDP connect only picks the route)."""
+    import socket
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((addr, port))
+            return s.getsockname()[0]
+    except OSError:
+        return None
+
+
+def store_host(explicit: str, master_addr: str, master_port: int) -> str:
+    """The address this rank's store publishes (``planning.nics.choose_p2p_host``): PS_P2P_HOST, else
+    the route to MASTER_ADDR, else (loopback) the outward interface, i.e. the route to a public address."""
+    if explicit:
+        return explicit
+    return choose_p2p_host("", _route_source(master_addr, master_port), _route_source("8.8.8.8", 53))
+
+
+def open_store(ps, *, serving: bool) -> "P2PStore":
+    """The store of a ParameterServer, from its settings and the P2P environment variables."""
+    env = p2p_env()
+    return P2PStore(store_host(env["host"], ps.settings.master_addr, ps.settings.master_port),
+                    local_rank=ps.device_index, ps_devices=env["ps_devices"], nccl_ib_hca=env["nccl_ib_hca"],
+                    log=ps._log, transport=getattr(ps.backend, "p2p_transport", None), rdma=env["rdma"],
+                    serving=serving)
 
 
 def rdma_devices_here() -> list[str]:
@@ -96,25 +135,30 @@ class Quarantine:
 
 
 class P2PStore:
-    """A Mooncake TransferEngine bound to ``host``: RDMA through this rank's NIC when the host has
-    one (see ``_nics``), TCP otherwise. ``close()`` is idempotent."""
+    """A Mooncake TransferEngine publishing ``host``: RDMA through this rank's NIC when the host has
+    one (see ``planning.nics``), TCP otherwise. ``serving``: it may register checkpoints for
+    readers (a reader-only store registers its scratch and, during an update, its staging buffer).
+    ``close()`` is idempotent and destroys the engine (its ports close)."""
 
     def __init__(self, host: str, *, local_rank: int, ps_devices: str, nccl_ib_hca: str, log,
-                 transport: str | None = None, rdma: bool = True):
+                 transport: str | None = None, rdma: bool = True, serving: bool = False):
         engine_cls = import_mooncake()
-        self.log = log
+        self.log, self.serving = log, serving
         if transport:   # the device backend names its own transport (NPU: "ascend_direct"); no NIC list
             self.nic, self.transport = None, transport
-        else:
-            here = rdma_devices_here() if rdma else []
-            devices = select_rdma_devices(here, ps_devices=ps_devices, nccl_ib_hca=nccl_ib_hca) if here else []
+        else:   # a NIC named in PS_P2P_STORE_RDMA_DEVICES that this host lacks is a ConfigError, even with none
+            devices = select_rdma_devices(rdma_devices_here(), ps_devices=ps_devices,
+                                          nccl_ib_hca=nccl_ib_hca) if rdma else []
             self.nic = nic_for_rank(local_rank, devices)
             self.transport = "rdma" if self.nic else "tcp"
+        before = set(listening_sockets())
         self.engine = engine_cls()
         rc = self.engine.initialize(host, "P2PHANDSHAKE", self.transport, self.nic or "")
         if rc != 0:
+            self.engine = None
             raise TransportError(f"Mooncake TransferEngine.initialize({host!r}, {self.transport}, "
                                  f"{self.nic or '-'}) failed ({rc})")
+        self.ports = sorted(set(listening_sockets()) - before)   # what Mooncake opened (for the log)
         self.host = host
         self.address = f"{host}:{self.engine.get_rpc_port()}"
         self.registered: dict[int, int] = {}        # pointer -> nbytes
@@ -122,12 +166,25 @@ class P2PStore:
         import torch   # stamps of served checkpoints, and where a reader fetches an owner's stamp into
         self._stamps = torch.zeros(STAMP_SLOTS * STAMP_BYTES, dtype=torch.uint8)
         self._scratch = torch.zeros(STAMP_BYTES, dtype=torch.uint8)
-        self._free_slots = list(range(STAMP_SLOTS))
-        self.register(self._stamps.data_ptr(), self._stamps.numel())
+        self._free_slots = list(range(STAMP_SLOTS)) if serving else []
+        if serving:
+            self.register(self._stamps.data_ptr(), self._stamps.numel())
         self.register(self._scratch.data_ptr(), self._scratch.numel())
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="ckpt-p2p-read")
         self._closed = False
-        log.info("P2P store at %s over %s%s", self.address, self.transport, f" ({self.nic})" if self.nic else "")
+        log.info("P2P store at %s over %s%s (%s)", self.address, self.transport, f" ({self.nic})" if self.nic else "",
+                 "serving checkpoints" if serving else "reading only")
+        if serving:
+            self.log_exposure()
+
+    def log_exposure(self) -> None:
+        """Say once, when serving starts, who can reach the served memory (Mooncake cannot fence it)."""
+        ports = ", ".join(f"[{a}]:{p}" if ":" in a else f"{a}:{p}" for a, p in self.ports) or "two ports in MC_MIN_RPC_PORT..MC_MAX_RPC_PORT"
+        self.log.warning("P2P serving is on: every checkpoint registered from now on can be READ AND WRITTEN by any "
+                         "process that reaches this store's Mooncake ports (%s; Mooncake listens on every interface "
+                         "and has no read-only registration or peer authentication, whatever PS_P2P_HOST=%s says). "
+                         "Readers check per-tensor digests; fence the ports with the network or a firewall "
+                         "(docs/p2p.md)", ports, self.host)
 
     # -- registration ----------------------------------------------------------
     def register(self, ptr: int, nbytes: int) -> None:
@@ -141,13 +198,15 @@ class P2PStore:
         self.registered[ptr] = nbytes
 
     def unregister(self, ptr: int) -> None:
-        if self.registered.pop(ptr, None) is not None:
+        if self.registered.pop(ptr, None) is not None and self.engine is not None:
             rc = self.engine.unregister_memory(ptr)
             if rc != 0:
                 self.log.warning("Mooncake could not unregister memory at %#x (%s)", ptr, rc)
 
     def stamp(self) -> tuple[int, tuple[int, str]]:
         """A fresh stamp for a checkpoint being served: (slot, (pointer, hex token))."""
+        if not self.serving:
+            raise ConfigError("this P2P store does not serve checkpoints (serve_p2p=False, PS_P2P_SERVE=0)")
         if not self._free_slots:
             raise TransportError(f"this P2P store already serves {STAMP_SLOTS} checkpoints")
         slot = self._free_slots.pop(0)
@@ -161,9 +220,11 @@ class P2PStore:
         self._stamps[slot * STAMP_BYTES: (slot + 1) * STAMP_BYTES].zero_()
         self._free_slots.append(slot)
 
-    def describe(self, regions: dict[int, tuple[int, int]], stamp: tuple[int, str] | None = None) -> Peer:
-        """This store as readers see it, serving ``regions`` (id -> (pointer, nbytes))."""
-        return Peer(self.address, self.host, self.nic, dict(regions), stamp)
+    def describe(self, regions: dict[int, tuple[int, int]], stamp: tuple[int, str] | None = None,
+                 digests: dict[str, str] | None = None) -> Peer:
+        """This store as readers see it, serving ``regions`` (id -> (pointer, nbytes)) whose tensors have
+        ``digests`` (name -> digest, ``p2p.digests``)."""
+        return Peer(self.address, self.host, self.nic, dict(regions), stamp, digests)
 
     # -- reading ---------------------------------------------------------------
     def read(self, peer: Peer, owner: int, descs: list[tuple[int, int, int]], *, what: str,
@@ -222,14 +283,18 @@ class P2PStore:
         return 0
 
     def close(self, settle_wait_s: float) -> None:
-        """Release what settled (waiting up to ``settle_wait_s``), unregister everything."""
+        """Release what settled (waiting up to ``settle_wait_s``), unregister everything, destroy the
+        TransferEngine (its two listening ports close with it). An engine that a read may still
+        write through is kept, with its buffers, until the process exits."""
         if self._closed:
             return
         self._closed = True
         left = self.quarantine.reap(settle_wait_s)
-        if left:
-            self.log.warning("%d staging buffer(s) still unsettled at close (a read in flight may land): "
-                             "kept until the process exits", left)
-        self._reader.shutdown(wait=False)
+        self._reader.shutdown(wait=not left)
         for ptr in list(self.registered):
             self.unregister(ptr)
+        if left:
+            self.log.warning("%d staging buffer(s) still unsettled at close (a read in flight may land): they and "
+                             "the Mooncake engine (ports %s) are kept until the process exits", left, self.ports)
+            _UNSETTLED.append((self.engine, self.quarantine))
+        self.engine = None   # the last reference: Mooncake's destructor closes its sockets

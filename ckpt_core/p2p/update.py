@@ -32,10 +32,10 @@ from ckpt_core.p2p.agree import first_exchange
 from ckpt_core.p2p.metas import Peer, Source
 from ckpt_core.p2p.pipeline import GroupColl, NoLink, NoReq, P2PBucket, P2PPipeline
 from ckpt_core.planning.nics import assign_readers
-from ckpt_core.p2p.store import MARK, P2PStore, import_mooncake
+from ckpt_core.p2p.store import MARK, P2PStore, open_store
+from ckpt_core.p2p.digests import tensor_digests
 from ckpt_core.planning.buckets import ALIGN, Plan, align_up
 from ckpt_core.wire.protocol import encode_hello
-from ckpt_core._settings import p2p_env
 from ckpt_core.transfer.signals import ReqThread, StopSignal
 from ckpt_core.errors import CkptError, ConfigError, RemoteWorkerError, TransportError
 
@@ -52,6 +52,7 @@ class P2PState:
         self.store_error: str | None = None
         self.served: dict[str, dict[int, tuple[int, int]]] = {}   # checkpoint -> regions this rank serves
         self.stamps: dict[str, tuple[int, tuple[int, str]]] = {}  # checkpoint -> (slot, stamp)
+        self.digests: dict[str, dict[str, str]] = {}               # checkpoint -> tensor digests it serves
         self.gathered: dict[str, list[Peer | None]] = {}         # checkpoint -> every owner's store
         self.loaded: dict[str, Source] = {}                       # checkpoint -> from load_metas
         self.groups: dict[tuple[int, ...], object] = {}
@@ -61,12 +62,8 @@ class P2PState:
         """The store, created on first use. Without Mooncake: None, or ConfigError if ``required``."""
         if self.store is None and self.store_error is None:
             ps = self.ps
-            try:
-                import_mooncake()
-                env = p2p_env(ps.settings.master_addr, ps.settings.master_port)
-                self.store = P2PStore(env["host"], local_rank=ps.device_index, ps_devices=env["ps_devices"],
-                                      nccl_ib_hca=env["nccl_ib_hca"], log=ps._log,
-                                      transport=getattr(ps.backend, "p2p_transport", None), rdma=env["rdma"])
+            try:   # serving (registering checkpoints) only when asked for: docs/p2p.md, p2p/store.py
+                self.store = open_store(ps, serving=ps.settings.serve_p2p)
             except CkptError as exc:
                 self.store_error = str(exc)
         if self.store is None and required:
@@ -74,8 +71,8 @@ class P2PState:
         return self.store
 
     def on_register(self, name: str, ckpt) -> None:
-        """Serve a newly registered checkpoint's host regions (when Mooncake is installed)."""
-        store = self.ensure_store(required=False)
+        """Serve a newly registered checkpoint's host regions (only with serve_p2p: its store exists)."""
+        store = self.store if self.ps.settings.serve_p2p else None
         if store is None:
             return
         regions = {rid: (r.tensor.data_ptr(), r.nbytes) for rid, r in ckpt.regions.items() if r.nbytes > 0}
@@ -83,6 +80,7 @@ class P2PState:
             for ptr, n in regions.values():
                 store.register(ptr, n)
             self.stamps[name] = store.stamp()
+            self.digests[name] = tensor_digests(ckpt)
         except TransportError as exc:   # broadcast updates still work; a P2P update will name this rank
             self.ps._log.warning("checkpoint %r is not served to P2P readers: %s", name, exc)
             for ptr, _ in regions.values():
@@ -93,6 +91,7 @@ class P2PState:
     def on_unregister(self, name: str) -> None:
         if name in self.stamps and self.store is not None:   # first: a reader's next check fails
             self.store.clear_stamp(self.stamps.pop(name)[0])
+        self.digests.pop(name, None)
         for ptr, _ in self.served.pop(name, {}).values():
             if self.store is not None:
                 self.store.unregister(ptr)
@@ -101,7 +100,7 @@ class P2PState:
     def describe(self, name: str) -> dict | None:
         if self.store is None or name not in self.served:
             return None
-        return self.store.describe(self.served[name], self.stamps[name][1]).to_json()
+        return self.store.describe(self.served[name], self.stamps[name][1], self.digests.get(name)).to_json()
 
     def gather(self, name: str) -> None:
         """Collective (after gather_metas): every rank learns every owner's store for ``name``."""
@@ -129,6 +128,7 @@ class P2PState:
         self.groups.clear()   # the Collectives destroy them; a closed PS must not keep them alive
         if self.store is not None:
             self.store.close(SETTLE_AT_CLOSE_S)
+            self.store = None   # its TransferEngine goes with it: no port of this PS stays open
 
     # -- update ----------------------------------------------------------------
     def source(self, name: str) -> Source:

@@ -7,11 +7,13 @@ same functions on the same inputs and so agrees without talking.
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 
 from ckpt_core.errors import ConfigError
 
-__all__ = ["HcaFilter", "parse_nccl_ib_hca", "select_rdma_devices", "nic_for_rank", "assign_readers"]
+__all__ = ["HcaFilter", "parse_nccl_ib_hca", "select_rdma_devices", "nic_for_rank", "assign_readers",
+           "is_loopback", "choose_p2p_host", "loopback_owners"]
 
 
 @dataclass(frozen=True)
@@ -103,4 +105,40 @@ def assign_readers(buckets: list[tuple[int, int]], targets: list[int]) -> list[i
         out.append(best)
         load[best] += max(int(nbytes), 1)
         start = (targets.index(best) + 1) % len(targets)
+    return out
+
+
+def is_loopback(host: str) -> bool:
+    """``host`` is a loopback address (127.0.0.0/8, ::1) or ``localhost``: other hosts cannot reach it."""
+    h = (host or "").strip().strip("[]")
+    if h.lower() == "localhost" or h.lower().endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(h).is_loopback
+    except ValueError:
+        return False
+
+
+def choose_p2p_host(explicit: str, to_master: str | None, outward: str | None) -> str:
+    """The address a P2P store publishes: ``PS_P2P_HOST`` when set; else the local address on the
+    route to MASTER_ADDR, unless that is loopback (a ``torchrun --standalone`` world has
+    MASTER_ADDR=localhost), then the outward interface's (the route to the default gateway, as the
+    reference's ``get_ip()``); loopback only when the host has nothing else."""
+    if explicit:
+        return explicit
+    for candidate in (to_master, outward):
+        if candidate and not is_loopback(candidate) and candidate not in ("0.0.0.0", "::"):
+            return candidate
+    return to_master or "127.0.0.1"
+
+
+def loopback_owners(doc: dict) -> list[tuple[str, int, str]]:
+    """``(checkpoint, owner rank, address)`` of every owner in a metas document whose P2P store
+    publishes a loopback address (a joiner on another host would read from its own loopback)."""
+    out = []
+    for name, ck in sorted((doc.get("checkpoints") or {}).items()):
+        for o in ck.get("owners") or ():
+            p2p = o.get("p2p")
+            if p2p and is_loopback(p2p.get("host", "")):
+                out.append((name, o.get("rank"), p2p.get("address")))
     return out

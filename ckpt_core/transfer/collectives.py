@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import threading
 from datetime import timedelta
 
@@ -17,7 +18,50 @@ import torch
 import torch.distributed as dist
 
 from ckpt_core._settings import Settings
+from ckpt_core.planning.nics import is_loopback
 from ckpt_core.errors import ConfigError, TransportError, UpdateTimeoutError
+
+
+def store_bind_address(master_addr: str, world_size: int, local_world_size: int | None) -> str | None:
+    """Where rank 0 binds the rendezvous store; None: every interface (other hosts must reach it).
+
+    A world known to sit on one host binds one address: MASTER_ADDR a loopback literal or
+    ``localhost`` (peers can only be local), one rank, or torchrun's LOCAL_WORLD_SIZE equal to the
+    world size. It binds the address MASTER_ADDR resolves to here, which is what its peers connect to
+    (on one host they resolve it alike). A hostname that resolves to loopback here but not elsewhere
+    (Debian's 127.0.1.1) does not count as one host.
+    """
+    literal = master_addr.strip().strip("[]")
+    if not (is_loopback(literal) and not _is_name(literal) or literal.lower() == "localhost"
+            or world_size == 1 or local_world_size == world_size):
+        return None
+    try:
+        infos = socket.getaddrinfo(literal, None, socket.AF_INET, socket.SOCK_STREAM)
+    except OSError:
+        return None   # unresolvable: TCPStore reports it, naming MASTER_ADDR
+    return infos[0][4][0] if infos else None
+
+
+def _is_name(host: str) -> bool:
+    import ipaddress
+    try:
+        ipaddress.ip_address(host)
+        return False
+    except ValueError:
+        return True
+
+
+def _listen(addr: str, port: int) -> socket.socket:
+    """A listening socket on ``addr:port`` for the TCPStore to serve on (``master_listen_fd``)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((addr, port))
+        sock.listen(1024)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 class _Store:
@@ -85,6 +129,7 @@ class Collectives:
         self.timeout = timedelta(seconds=settings.collective_timeout_s)
         self._owns_default = False
         self.store = None
+        self._listen_sock: socket.socket | None = None   # rank 0, one host: the store's socket (we bound it)
         if dist.is_initialized():
             if dist.get_world_size() != self.world_size or dist.get_rank() != self.rank:
                 raise ConfigError(f"the existing process group is rank {dist.get_rank()}/{dist.get_world_size()}, "
@@ -114,10 +159,22 @@ class Collectives:
         try:
             # Under torchrun the elastic agent already serves the store on MASTER_PORT.
             agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-            self.store = dist.TCPStore(s.master_addr, s.master_port, s.world_size,
-                                       is_master=s.rank == 0 and not agent_store,
-                                       timeout=self.timeout, wait_for_workers=False)
+            master = s.rank == 0 and not agent_store
+            local = os.environ.get("LOCAL_WORLD_SIZE")
+            bind = store_bind_address(s.master_addr, s.world_size, int(local) if local and local.isdigit() else None)
+            fd = None
+            if master and bind is not None:   # one host: the store listens there only (else on every interface)
+                self._listen_sock = _listen(bind, s.master_port)
+                fd = self._listen_sock.fileno()
+            self.store = dist.TCPStore(s.master_addr, s.master_port, s.world_size, is_master=master,
+                                       timeout=self.timeout, wait_for_workers=False, master_listen_fd=fd)
+            if self._listen_sock is not None:   # the store owns the fd now and closes it when destroyed
+                self._listen_sock.detach()
+                self._listen_sock = None
         except (RuntimeError, OSError) as exc:
+            if self._listen_sock is not None:
+                self._listen_sock.close()
+                self._listen_sock = None
             raise TransportError(f"rank {s.rank}: cannot reach the rendezvous store at "
                                  f"{s.master_addr}:{s.master_port}: {exc}") from exc
         dist.init_process_group(backend, store=self.store, rank=s.rank, world_size=s.world_size,
@@ -217,6 +274,9 @@ class Collectives:
         if getattr(self, "_closed", True):
             return
         self._closed = True
+        # The rendezvous store (rank 0: its listening socket) goes with its last reference too: the
+        # default group's is dropped by destroying the group, ours here. A borrowed store is the caller's.
+        self.store = None
         if not dist.is_initialized():
             return
         abort = getattr(dist.distributed_c10d, "_abort_process_group", None)

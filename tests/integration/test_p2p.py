@@ -187,7 +187,7 @@ def test_a_read_after_the_owner_replaced_its_checkpoint_in_place_is_refused_not_
     from ckpt_core.p2p.store import P2PStore
     from ckpt_core.errors import TransportError
     log = logging.getLogger("test")
-    owner = P2PStore("127.0.0.2", local_rank=0, ps_devices="", nccl_ib_hca="", log=log, rdma=False)
+    owner = P2PStore("127.0.0.2", local_rank=0, ps_devices="", nccl_ib_hca="", log=log, rdma=False, serving=True)
     reader = P2PStore("127.0.0.3", local_rank=0, ps_devices="", nccl_ib_hca="", log=log, rdma=False)
     gen = torch.Generator().manual_seed(3)
     n = 1 << 20
