@@ -3,11 +3,17 @@
 The IPC descriptor carries the fields of ``UntypedStorage._share_cuda_()`` as
 plain JSON (bytes in base64), so no pickle crosses the wire; the worker maps it
 onto its own device index.
+
+CUDA cannot open an IPC handle in the process that exported it, so a worker that runs in the
+PS's own process (an offline engine colocated with the trainer) gets the exporting tensor back
+from a process-local table instead; the descriptor carries the exporter's pid to tell.
 """
 
 from __future__ import annotations
 
 import base64
+import os
+import weakref
 from typing import Any
 
 import torch
@@ -16,6 +22,8 @@ from ckpt_core.errors import TransportError
 from ._base import DeviceBackend, HostPin, IpcBuffer
 
 _B64_FIELDS = ("handle", "ref_counter_handle", "event_handle")
+# handle (base64) -> the exported buffer, for workers in the exporting process; weak: the PS owns it
+_EXPORTED: "weakref.WeakValueDictionary[str, torch.Tensor]" = weakref.WeakValueDictionary()
 
 
 class CudaBackend(DeviceBackend):
@@ -73,9 +81,17 @@ class CudaBackend(DeviceBackend):
         }
         for key in _B64_FIELDS:
             desc[key] = base64.b64encode(desc[key] or b"").decode("ascii")
+        desc["pid"] = os.getpid()
+        _EXPORTED[desc["handle"]] = tensor
         return IpcBuffer(tensor, desc)
 
     def open_ipc(self, descriptor: dict[str, Any], index: int):
+        own = _EXPORTED.get(descriptor.get("handle", "")) if descriptor.get("pid") == os.getpid() else None
+        if own is not None:
+            if own.device.index != index or own.numel() != int(descriptor["nbytes"]):
+                raise TransportError(f"the IPC buffer exported by this process lies on cuda:{own.device.index} "
+                                     f"({own.numel()} bytes), not on cuda:{index} ({descriptor['nbytes']} bytes)")
+            return own, None
         try:
             raw = {k: base64.b64decode(descriptor[k]) for k in _B64_FIELDS}
             storage = torch.UntypedStorage._new_shared_cuda(
