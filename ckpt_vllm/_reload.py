@@ -63,6 +63,7 @@ class ReloadSession:
         self.bytes = 0
         self.received: set[str] = set()   # checkpoint names loaded in this session (all its PS updates)
         self.seconds = {"begin": 0.0, "load": 0.0, "finish": 0.0}
+        self._cold: list = []   # quant methods processing as on a cold load during this session
 
     def begin(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -71,6 +72,7 @@ class ReloadSession:
             raise ConfigError(f"a weight update of the {self.label} is already in progress")
         t0 = time.perf_counter()
         initialize_layerwise_reload(self.model)
+        self._cold = _process_as_cold_load(self.model)
         self.active = True
         self.seconds["begin"] += time.perf_counter() - t0
 
@@ -151,8 +153,13 @@ class ReloadSession:
 
         pending = list(self._pending())
         pending_ids = {id(layer) for _, layer, _ in pending}
+        # Parameters whose tensor arrived: those of processed layers, and the live ones of layers
+        # that received tensors but wait for vLLM's finalize (an embedding whose rows are padded
+        # to a multiple of 64 never counts as complete while loading: vocab 333 of 384 rows).
         done_param_ids = {id(p) for m in self.model.modules() if id(m) not in pending_ids
                           for p in m.parameters(recurse=False)}
+        done_param_ids |= {id(p) for _, _, info in pending if info.loaded_weights and info.kernel_tensors
+                           for p in info.kernel_tensors[0].values()}
         tied: list[torch.nn.Module] = []
         missing: list[str] = []
         for qname, layer, info in pending:
@@ -183,7 +190,10 @@ class ReloadSession:
             return
         t0 = time.perf_counter()
         tied, _ = self._classify()
-        finalize_layerwise_reload(self.model, self.model_config)
+        try:
+            finalize_layerwise_reload(self.model, self.model_config)
+        finally:
+            _restore_processing(self._cold)
         self.active = False
         for layer in tied:
             _reprocess_tied(layer)
@@ -196,6 +206,7 @@ class ReloadSession:
         from vllm.model_executor.model_loader.reload.layerwise import _place_kernel_tensors
 
         self.active = False
+        _restore_processing(self._cold)
         restored = 0
         for _, layer, info in list(self._pending()):
             if info.kernel_tensors is not None:
@@ -206,6 +217,55 @@ class ReloadSession:
             self.model._do_torchao_reload = self.model._original_do_torchao_reload
         log.warning("weight update of the %s aborted: %d layers kept their previous weights, "
                     "layers already processed hold the new ones", self.label, restored)
+
+
+# Attributes a quant method sets when it first processes a layer and reads on a later call to
+# decide that this is "a weight update" of an already processed layer, and then skips steps.
+# vLLM 0.32's UnquantizedFusedMoEMethod._setup_kernel does so with ``moe_kernel``: it skips
+# ``moe_kernel.fused_experts.process_weights_after_loading(layer)``, where vLLM-CPU's
+# CPUUnquantizedExperts repacks w13/w2 (``cpu_prepack_moe_weight``) and pads the intermediate
+# dimension. Under layerwise reload the layer is rebuilt in checkpoint format, so those steps
+# must run again: the repack was skipped and the kernel read checkpoint-layout bytes as packed
+# ones (issue 21, item 0).
+FIRST_LOAD_STATE = ("moe_kernel",)
+
+
+def _process_as_cold_load(model: torch.nn.Module) -> list:
+    """Make every quant method with first-load state process its layer as a cold load does.
+
+    For the session, ``process_weights_after_loading`` of each such method (an instance
+    attribute, removed by :func:`_restore_processing`) clears that state before running the
+    method's own code, so it takes its first-load path (new kernel tensors, the kernel rebuilt
+    from them, the experts' own repack); vLLM then copies the result into the live tensors.
+    """
+    wrapped = []
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if (method is None or "process_weights_after_loading" in vars(method)
+                or not any(getattr(method, a, None) is not None for a in FIRST_LOAD_STATE)):
+            continue
+        method.process_weights_after_loading = _cold_processing(method, method.process_weights_after_loading)
+        wrapped.append(method)
+    return wrapped
+
+
+def _cold_processing(method, original):
+    def process_weights_after_loading(layer: torch.nn.Module) -> None:
+        saved = {a: getattr(method, a) for a in FIRST_LOAD_STATE if hasattr(method, a)}
+        for a in saved:
+            setattr(method, a, None)
+        try:
+            original(layer)
+        except BaseException:
+            for a, value in saved.items():   # the layer keeps its old kernel (abort restores its tensors)
+                setattr(method, a, value)
+            raise
+    return process_weights_after_loading
+
+
+def _restore_processing(methods: list) -> None:
+    while methods:
+        vars(methods.pop()).pop("process_weights_after_loading", None)
 
 
 def _reprocess_tied(layer: torch.nn.Module) -> None:
