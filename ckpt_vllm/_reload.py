@@ -18,9 +18,9 @@ What this module adds, because the update arrives in buckets and may be wrong:
 - A failed update must leave a serving model: :meth:`ReloadSession.abort` puts every layer that
   was not processed yet back on its live tensors (old weights), so the engine keeps answering.
 
-Pinned to the reload internals of vLLM 0.32 (``LAYERWISE_INFO``, ``LayerReloadingInfo`` and
-``_place_kernel_tensors``, which restores a layer's live tensors);
-imports vLLM lazily so that ``ckpt_vllm`` imports without vLLM.
+Uses the reload internals (``LAYERWISE_INFO``, ``LayerReloadingInfo`` and
+``_place_kernel_tensors``, which restores a layer's live tensors) as :mod:`ckpt_vllm._compat`
+finds them in vLLM 0.26 - 0.33; imports vLLM lazily so that ``ckpt_vllm`` imports without vLLM.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ from typing import Iterable, Iterator
 import torch
 
 from ckpt_core.errors import CheckpointFormatError, ConfigError
+
+from ._compat import reload_api
 
 __all__ = ["ReloadSession"]
 
@@ -66,12 +68,11 @@ class ReloadSession:
         self._cold: list = []   # quant methods processing as on a cold load during this session
 
     def begin(self) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
+        api = reload_api()   # ConfigError naming what an unsupported vLLM lacks, before anything is touched
         if self.active:
             raise ConfigError(f"a weight update of the {self.label} is already in progress")
         t0 = time.perf_counter()
-        initialize_layerwise_reload(self.model)
+        api.initialize(self.model)
         self._cold = _process_as_cold_load(self.model)
         self.active = True
         self.seconds["begin"] += time.perf_counter() - t0
@@ -131,10 +132,9 @@ class ReloadSession:
         self.seconds["load"] += time.perf_counter() - t0
 
     def _pending(self) -> Iterable[tuple[str, torch.nn.Module, object]]:
-        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
-
+        layerwise_info = reload_api().layerwise_info
         for qname, layer in self.model.named_modules():
-            info = LAYERWISE_INFO.get(layer)
+            info = layerwise_info.get(layer)
             if info is not None and info.can_load():
                 yield qname, layer, info
 
@@ -149,8 +149,7 @@ class ReloadSession:
 
     def _classify(self) -> tuple[list[torch.nn.Module], list[str]]:
         """(tied layers waiting only for weights another layer loaded, names of missing tensors)."""
-        from vllm.model_executor.layers.attention import is_deferred_attention_layer
-
+        is_deferred_attention_layer = reload_api().is_deferred_attention
         pending = list(self._pending())
         pending_ids = {id(layer) for _, layer, _ in pending}
         # Parameters whose tensor arrived: those of processed layers, and the live ones of layers
@@ -184,10 +183,9 @@ class ReloadSession:
 
     def finish(self) -> None:
         """Process the layers vLLM defers to the end (attention) and leave reload mode."""
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
         if not self.active:
             return
+        finalize_layerwise_reload = reload_api().finalize
         t0 = time.perf_counter()
         tied, _ = self._classify()
         try:
@@ -203,8 +201,7 @@ class ReloadSession:
         """Give every unprocessed layer its live tensors back (the old weights). Idempotent."""
         if not self.active:
             return
-        from vllm.model_executor.model_loader.reload.layerwise import _place_kernel_tensors
-
+        _place_kernel_tensors = reload_api().place_kernel_tensors
         self.active = False
         _restore_processing(self._cold)
         restored = 0
@@ -316,8 +313,7 @@ def _missing_in_layer(model: torch.nn.Module, qname: str, layer: torch.nn.Module
 def _loadable_params(layer: torch.nn.Module, info) -> list[str]:
     """Every parameter the layer must receive: the restore metadata lists only what vLLM put back
     on the meta device, and leaves out parameters it keeps live through the reload (``bias``)."""
-    from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS
-
+    SKIP_LOAD_TENSORS = reload_api().skip_load_tensors
     names = list(info.restore_metadata[0])
     names += [n for n, p in layer._parameters.items()
               if p is not None and n not in names and n not in SKIP_LOAD_TENSORS]

@@ -90,7 +90,7 @@ def _random_model(model_dir: Path, seed: int):
 
 
 def build(out: Path, seed: int, variants: int = 1, tie: bool = False, family: str = "qwen2",
-          vocab: int | None = None) -> None:
+          vocab: int | None = None, overrides: dict | None = None) -> None:
     """Config, tokenizer and ``variants`` random checkpoints, each in the layout transformers'
     ``save_pretrained`` writes (per-expert tensors for MoE; no ``lm_head.weight`` when tied)."""
     import shutil
@@ -101,8 +101,8 @@ def build(out: Path, seed: int, variants: int = 1, tie: bool = False, family: st
     out.mkdir(parents=True, exist_ok=True)
     cls_name, extra = FAMILIES[family]
     vocab = vocab or CONFIG["vocab_size"]
-    cfg = getattr(transformers, cls_name)(**{**CONFIG, **extra, "vocab_size": vocab, "tie_word_embeddings": tie},
-                                          bos_token_id=1, eos_token_id=1)
+    cfg = getattr(transformers, cls_name)(**{**CONFIG, **extra, "vocab_size": vocab, "tie_word_embeddings": tie,
+                                             **(overrides or {})}, bos_token_id=1, eos_token_id=1)
     cfg.save_pretrained(out)
     _train_tokenizer(out, vocab)
     for i in range(max(variants, 1)):
