@@ -12,11 +12,13 @@ import json
 import os
 import random
 import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .fixtures import MAX_TOKENS, TinyModel, hf_reference, run_vllm_python
-from .server import REPO
+from .fixtures import push
+from .server import REPO, free_port
 
 HERE = Path(__file__).resolve().parent
 
@@ -100,3 +102,31 @@ def differences(engine: list[dict], cold: list[dict]) -> list[str]:
 
 def completions(server, model: TinyModel) -> list[list[int]]:
     return server.complete(model.prompts, MAX_TOKENS)
+
+
+def push_to(server, weights: Path, path: str, tp: int, where: Path) -> dict:
+    """Push ``weights`` into ``server`` with one PS rank per worker; the leader's PS result.
+
+    TP 1: one PS rank in this process (``fixtures.push``). TP > 1: ``tp`` PS ranks under torchrun
+    (examples/vllm_update.py, the checkpoint split into one shard per rank), the way a user does.
+    """
+    if tp == 1:
+        return push(server, [weights], path=path, timeout=300)
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(weights))
+    ckpt = where / f"{weights.stem}-{path}-shards"
+    ckpt.mkdir(parents=True, exist_ok=True)
+    names = sorted(tensors)
+    for i in range(tp):
+        save_file({n: tensors[n] for n in names[i::tp]}, str(ckpt / f"model-{i}.safetensors"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(tp),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(REPO / "examples" / "vllm_update.py"),
+           "--checkpoint-path", str(ckpt), "--checkpoint-name", ckpt.name, "--inference-parallel-size", str(tp),
+           "--endpoint", server.endpoint, "--path", path, "--device", "cpu", "--timeout", "300"]
+    run = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=600)
+    if run.returncode != 0:
+        raise RuntimeError(f"vllm_update.py failed ({run.returncode}):\n{run.stderr[-6000:]}\n{server.log_tail(30)}")
+    lines = [json.loads(x) for x in run.stdout.splitlines() if x.startswith("{")]
+    assert len(lines) == 1 and len(lines[0]["engines"]) == 1, lines
+    return lines[0]["ps"]
