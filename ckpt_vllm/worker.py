@@ -198,6 +198,16 @@ class VllmColocateWorkerExtension:
                  result["bytes"] / 1e6, result["seconds"]["total"])
         return result
 
+    def ckpt_state_digests(self) -> dict[str, list]:
+        """``{name: [dtype, shape, sha256]}`` of everything this worker's model reads in its
+        forward pass: parameters, buffers, derived kernel tensors and a probe of each linear
+        layer (:func:`ckpt_vllm._digest.state_digests`). Compare with a cold load of the same
+        checkpoint in the same vLLM: ``POST /collective_rpc {"method": "ckpt_state_digests"}``.
+        """
+        from ._digest import state_digests
+
+        return state_digests(self.model_runner.model, dtype=getattr(self.model_config, "dtype", None))
+
     def _ckpt_zmq_context(self):
         # One context per worker process, for its lifetime. No destroy hook on purpose: a hook
         # name that a future vLLM worker also defines would stop vLLM from starting.

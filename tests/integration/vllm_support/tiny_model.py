@@ -1,9 +1,9 @@
-"""Build a tiny Qwen2 model locally and compute Hugging Face greedy references.
+"""Build a tiny model (Qwen2, Llama, Qwen3, Qwen3-MoE, Mixtral) locally and compute Hugging Face greedy references.
 
 Runs as a script under the vLLM venv's python (transformers and tokenizers live there), so the
 project venv needs neither. No hub access: the tokenizer is trained here with `tokenizers`.
 
-    python tiny_model.py build --out DIR [--seed N] [--variants K] [--tie]
+    python tiny_model.py build --out DIR [--seed N] [--variants K] [--tie] [--family F] [--vocab V]
         config, tokenizer, and K sets of random weights DIR/weights-{i}.safetensors (seed N+i);
         DIR/model.safetensors holds set 0; --tie: lm_head shares embed_tokens' weight
     python tiny_model.py reference --model DIR [--weights FILE ...] --prompts JSON --max-tokens N
@@ -34,6 +34,17 @@ CONFIG = dict(
     tie_word_embeddings=False,
     torch_dtype="float32",
 )
+# Model families (transformers config class, extra config). qwen2 has q/k/v biases, qwen3 q/k
+# norms; the MoE intermediate sizes are multiples of 32 (vLLM-CPU's grouped-GEMM alignment).
+FAMILIES = {
+    "qwen2": ("Qwen2Config", {}),
+    "llama": ("LlamaConfig", {"head_dim": 64}),
+    "qwen3": ("Qwen3Config", {"head_dim": 64}),
+    "qwen3_moe": ("Qwen3MoeConfig", {"head_dim": 64, "num_experts": 8, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 64, "norm_topk_prob": True}),
+    "mixtral": ("MixtralConfig", {"head_dim": 64, "num_local_experts": 4, "num_experts_per_tok": 2,
+                                  "intermediate_size": 64}),
+}
 _CORPUS_WORDS = (
     "the quick brown fox jumps over a lazy dog while parameter servers push new weights into "
     "running inference engines many times a day without restarting them and every worker "
@@ -41,7 +52,7 @@ _CORPUS_WORDS = (
 ).split()
 
 
-def _train_tokenizer(out: Path) -> None:
+def _train_tokenizer(out: Path, vocab_size: int) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -49,7 +60,7 @@ def _train_tokenizer(out: Path) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=CONFIG["vocab_size"], special_tokens=["<unk>", "<|endoftext|>"],
+        vocab_size=vocab_size, special_tokens=["<unk>", "<|endoftext|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     lines = [" ".join(_CORPUS_WORDS[i:] + _CORPUS_WORDS[:i]) for i in range(len(_CORPUS_WORDS))]
     tok.train_from_iterator(lines, trainer)
@@ -60,8 +71,9 @@ def _train_tokenizer(out: Path) -> None:
 
 
 def _random_model(model_dir: Path, seed: int):
-    """A Qwen2 model with fresh random weights. The std is large enough that greedy argmax has
-    clear winners: with the usual 0.02 init, logits nearly tie and float noise could flip them."""
+    """A model of ``model_dir``'s config with fresh random weights. The std is large enough that
+    greedy argmax has clear winners: with the usual 0.02 init, logits nearly tie and float noise
+    could flip them."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -77,43 +89,54 @@ def _random_model(model_dir: Path, seed: int):
     return model.eval()
 
 
-def build(out: Path, seed: int, variants: int = 1, tie: bool = False) -> None:
-    from safetensors.torch import save_file
-    from transformers import Qwen2Config
+def build(out: Path, seed: int, variants: int = 1, tie: bool = False, family: str = "qwen2",
+          vocab: int | None = None, overrides: dict | None = None) -> None:
+    """Config, tokenizer and ``variants`` random checkpoints, each in the layout transformers'
+    ``save_pretrained`` writes (per-expert tensors for MoE; no ``lm_head.weight`` when tied)."""
+    import shutil
+    import tempfile
+
+    import transformers
 
     out.mkdir(parents=True, exist_ok=True)
-    cfg = Qwen2Config(**{**CONFIG, "tie_word_embeddings": tie}, bos_token_id=1, eos_token_id=1)
+    cls_name, extra = FAMILIES[family]
+    vocab = vocab or CONFIG["vocab_size"]
+    cfg = getattr(transformers, cls_name)(**{**CONFIG, **extra, "vocab_size": vocab, "tie_word_embeddings": tie,
+                                             **(overrides or {})}, bos_token_id=1, eos_token_id=1)
     cfg.save_pretrained(out)
-    _train_tokenizer(out)
+    _train_tokenizer(out, vocab)
     for i in range(max(variants, 1)):
-        state = {k: v.contiguous() for k, v in _random_model(out, seed + i).state_dict().items()
-                 if not (tie and k == "lm_head.weight")}  # tied checkpoints carry the embedding only
-        save_file(state, str(out / f"weights-{i}.safetensors"))
+        with tempfile.TemporaryDirectory() as tmp:
+            _random_model(out, seed + i).save_pretrained(tmp)
+            shutil.move(str(Path(tmp) / "model.safetensors"), str(out / f"weights-{i}.safetensors"))
+            if i == 0:   # the model's own config names its architecture (XForCausalLM)
+                shutil.copyfile(Path(tmp) / "config.json", out / "config.json")
         if i == 0:
-            save_file(state, str(out / "model.safetensors"))
+            shutil.copyfile(out / "weights-0.safetensors", out / "model.safetensors")
+
+
+def _load_hf(model_dir: Path, weights_file: Path | None):
+    """transformers' model with ``weights_file`` loaded as a checkpoint of ``model_dir``'s config
+    (``from_pretrained`` converts the on-disk layout, e.g. per-expert tensors, as for any hub model)."""
+    import tempfile
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if weights_file is None:
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").symlink_to(model_dir / "config.json")
+        (Path(tmp) / "model.safetensors").symlink_to(Path(weights_file).resolve())
+        return AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)
 
 
 def reference(model_dir: Path, weights_file: Path | None, prompts: list[list[int]],
               max_tokens: int) -> list[list[int]]:
-    """Greedy continuations of ``prompts`` by transformers' Qwen2 with ``weights_file`` loaded."""
+    """Greedy continuations of ``prompts`` by transformers with ``weights_file`` loaded."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
 
-    if weights_file is None:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    else:
-        from safetensors.torch import load_file
-
-        config = AutoConfig.from_pretrained(model_dir)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        missing, unexpected = model.load_state_dict(load_file(str(weights_file)), strict=False)
-        if config.tie_word_embeddings:  # lm_head is embed_tokens' own parameter: loaded with it
-            assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
-            missing = [m for m in missing if m != "lm_head.weight"]
-        if missing or unexpected:
-            raise SystemExit(f"weights do not fit the model: missing={missing} "
-                             f"unexpected={unexpected}")
-    model.eval()
+    model = _load_hf(model_dir, weights_file).eval()
     outs = []
     with torch.no_grad():
         for prompt in prompts:
@@ -133,6 +156,8 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--variants", type=int, default=1)
     b.add_argument("--tie", action="store_true")
+    b.add_argument("--family", choices=sorted(FAMILIES), default="qwen2")
+    b.add_argument("--vocab", type=int, default=None)
     r = sub.add_parser("reference")
     r.add_argument("--model", type=Path, required=True)
     r.add_argument("--weights", type=Path, nargs="*", default=[])
@@ -140,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--max-tokens", type=int, default=16)
     args = ap.parse_args(argv)
     if args.cmd == "build":
-        build(args.out, args.seed, args.variants, args.tie)
+        build(args.out, args.seed, args.variants, args.tie, args.family, args.vocab)
     else:
         prompts = json.loads(args.prompts)
         out = {str(w) if w else "": reference(args.model, w, prompts, args.max_tokens)

