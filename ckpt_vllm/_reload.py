@@ -66,6 +66,7 @@ class ReloadSession:
         self.received: set[str] = set()   # checkpoint names loaded in this session (all its PS updates)
         self.seconds = {"begin": 0.0, "load": 0.0, "finish": 0.0}
         self._cold: list = []   # quant methods processing as on a cold load during this session
+        self._modules: list = []   # (name, module) of the model's modules, listed at begin()
 
     def begin(self) -> None:
         api = reload_api()   # ConfigError naming what an unsupported vLLM lacks, before anything is touched
@@ -73,6 +74,9 @@ class ReloadSession:
             raise ConfigError(f"a weight update of the {self.label} is already in progress")
         t0 = time.perf_counter()
         api.initialize(self.model)
+        # The module tree does not change during a reload: list it once, not once per bucket
+        # (named_modules() per bucket cost ~40 ms of a 7B update on the GPU, ~10 % of it).
+        self._modules = list(self.model.named_modules())
         self._cold = _process_as_cold_load(self.model)
         self.active = True
         self.seconds["begin"] += time.perf_counter() - t0
@@ -133,7 +137,7 @@ class ReloadSession:
 
     def _pending(self) -> Iterable[tuple[str, torch.nn.Module, object]]:
         layerwise_info = reload_api().layerwise_info
-        for qname, layer in self.model.named_modules():
+        for qname, layer in self._modules:
             info = layerwise_info.get(layer)
             if info is not None and info.can_load():
                 yield qname, layer, info
