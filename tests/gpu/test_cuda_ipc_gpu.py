@@ -45,7 +45,7 @@ def test_a_worker_in_another_process_still_maps_the_buffer_through_cuda_ipc():
     buf.tensor.copy_(data)
     torch.cuda.synchronize()
     code = ("import json, sys, torch; from ckpt_core.devices import get_backend; "
-            "t, _ = get_backend('cuda').open_ipc(json.loads(sys.stdin.read()), 0); "
+            "b = get_backend('cuda'); b.set_device(0); t, _ = b.open_ipc(json.loads(sys.stdin.read()), 0); "
             "print(int(t.to(torch.int64).sum()))")
     out = subprocess.run([sys.executable, "-c", code], input=json.dumps(buf.descriptor), capture_output=True,
                          text=True, timeout=120)
