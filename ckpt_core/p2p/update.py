@@ -247,9 +247,7 @@ def _run_target(ps, name, req_func, deadline, targets, group, src, plan, wire, s
         ok = True
     finally:
         ps._stop_signal = None
-        if not ok:   # an error that skipped the agreement (e.g. a broken collective): end the worker's call too
-            link.send_abort(f"the P2P update failed on rank {ps.rank}: {sys.exc_info()[1]!r}")
-        link.close()
+        link.end(ok, f"the P2P update failed on rank {ps.rank}: {sys.exc_info()[1]!r}")
         req.join(max(0.0, deadline - time.monotonic()) if ok else 2.0)
         broken = getattr(sys.exc_info()[1], "groups_broken", False)
         if pipe is not None and pipe.pending_read is not None:

@@ -94,9 +94,7 @@ class BroadcastUpdate:
             ok = True
         finally:
             self._stop_signal = None
-            if not ok:   # an error that skipped the agreement (e.g. a broken collective): end the worker's call too
-                link.send_abort(f"the update failed on rank {self.rank}: {sys.exc_info()[1]!r}")
-            link.close()
+            link.end(ok, f"the update failed on rank {self.rank}: {sys.exc_info()[1]!r}")
             # On failure the error matters more than req_func's return: wait briefly only.
             left = max(0.0, deadline - time.monotonic())
             req.join(left if ok else min(left, REQ_GRACE_S))

@@ -201,3 +201,10 @@ class PsLink:
     def close(self) -> None:
         self.watch.close()
         self.sock.close(linger=CLOSE_LINGER_MS)
+
+    def end(self, ok: bool, reason: str) -> None:
+        """Close at the end of an update; after a failure that skipped the agreement (a broken
+        collective, say) end the worker's call first, so no engine waits on a dead update."""
+        if not ok:
+            self.send_abort(reason)
+        self.close()
