@@ -170,8 +170,11 @@ class ReloadSession:
             if not params or is_deferred_attention_layer(layer) or not info.load_numel_total:
                 continue  # buffers only (rotary caches) or attention scales: nothing required
             kernel = info.kernel_tensors[0] if info.kernel_tensors else {}
-            if kernel and all(id(p) in done_param_ids for p in kernel.values()):
-                tied.append(layer)  # lm_head tied to embed_tokens: its weight arrived there
+            # Tied: received nothing itself, and every weight it reads arrived through another layer
+            # (lm_head tied to embed_tokens). A layer that received part of its tensors is never tied:
+            # what it lacks is missing (a qkv layer without k).
+            if kernel and not info.loaded_weights and all(id(p) in done_param_ids for p in kernel.values()):
+                tied.append(layer)
                 continue
             missing += _missing_in_layer(self.model, qname, layer, info)
         return tied, missing

@@ -9,9 +9,12 @@ data goes over the device kind's backend.
 from __future__ import annotations
 
 import json
+import gc
+import logging
 import os
 import socket
 import threading
+import time
 from datetime import timedelta
 
 import torch
@@ -20,6 +23,7 @@ import torch.distributed as dist
 from ckpt_core._settings import Settings
 from ckpt_core.planning.nics import is_loopback
 from ckpt_core.errors import ConfigError, TransportError, UpdateTimeoutError
+from ckpt_core.ops.sockets import listening_sockets
 
 
 def store_bind_address(master_addr: str, world_size: int, local_world_size: int | None) -> str | None:
@@ -106,6 +110,8 @@ class _Store:
 NCCL_ERROR_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
 ABORT_WAIT_S = 1.0     # how long abort() waits for the collective library; it carries on in the background
 CLOSE_WAIT_S = 30.0    # the same for close(): freeing communicators normally takes well under a second
+log = logging.getLogger("ckpt_core")
+STORE_CLOSE_WAIT_S = 5.0   # close(): how long rank 0 waits for the store it served to stop listening
 
 
 def nccl_error_defaults() -> None:
@@ -168,6 +174,7 @@ class Collectives:
                 fd = self._listen_sock.fileno()
             self.store = dist.TCPStore(s.master_addr, s.master_port, s.world_size, is_master=master,
                                        timeout=self.timeout, wait_for_workers=False, master_listen_fd=fd)
+            self._served_port = s.master_port if master else None
             if self._listen_sock is not None:   # the store owns the fd now and closes it when destroyed
                 self._listen_sock.detach()
                 self._listen_sock = None
@@ -304,3 +311,21 @@ class Collectives:
         t.start()
         t.join(wait_s)
         self.abort_finished = not t.is_alive()
+        if self.abort_finished:
+            self._await_store_closed()
+
+    def _await_store_closed(self, wait_s: float = STORE_CLOSE_WAIT_S) -> None:
+        """Rank 0: the store we served stops listening with its last reference, but its server
+        thread may take a moment (and a reference cycle needs the GC): so that close() leaves
+        nothing listening, collect and wait a bounded time for its port, then say if it stayed."""
+        port = getattr(self, "_served_port", None)
+        if port is None:
+            return
+        gc.collect()
+        deadline = time.monotonic() + wait_s
+        while any(p == port for _, p in listening_sockets()):
+            if time.monotonic() >= deadline:
+                log.warning("rank %d: the rendezvous store still listens on port %d %.0f s after close()",
+                            self.rank, port, wait_s)
+                return
+            time.sleep(0.02)
