@@ -53,8 +53,10 @@ MAX_TOKENS = 12
 # reads them only for an FP8 KV cache, which these engines do not use (asserted below), and the
 # greedy tokens equal the cold load's. Every other tensor must be equal.
 UNUSED_WITH_BF16_KV = ("_k_scale", "_v_scale", "_q_scale", "_prob_scale", "<_k_scale_cpu>", "<_v_scale_cpu>")
-CASES = ["qwen2-bf16", "qwen2-fp8-block", "qwen2-fp8-tensor", "qwen2-fp8-channel", "qwen2-fp8-online",
-         "qwen3_moe-bf16", "qwen3_moe-fp8-block"]
+# The MoE cases first: the engines share this process, and vLLM creates its expert-parallel group
+# only when the first engine of a process is an MoE model (a later MoE engine fails without it).
+CASES = ["qwen3_moe-bf16", "qwen3_moe-fp8-block", "qwen2-bf16", "qwen2-fp8-block", "qwen2-fp8-tensor",
+         "qwen2-fp8-channel", "qwen2-fp8-online"]
 COLD_AT_ONCE = 3
 
 
