@@ -57,6 +57,8 @@ UNUSED_WITH_BF16_KV = ("_k_scale", "_v_scale", "_q_scale", "_prob_scale", "<_k_s
 # only when the first engine of a process is an MoE model (a later MoE engine fails without it).
 CASES = ["qwen3_moe-bf16", "qwen3_moe-fp8-block", "qwen2-bf16", "qwen2-fp8-block", "qwen2-fp8-tensor",
          "qwen2-fp8-channel", "qwen2-fp8-online"]
+if os.environ.get("CKPT_GPU_VLLM_CASES"):   # a comma-separated subset, e.g. to rerun one case
+    CASES = [c for c in CASES if c in os.environ["CKPT_GPU_VLLM_CASES"].split(",")]
 COLD_AT_ONCE = 3
 
 
@@ -126,8 +128,9 @@ QUANT_CONFIGS = {
 
 
 def _quantized(name: str) -> bool:
-    """The linear layers of the decoder (attention and MLP/experts); not the router, norms, embeddings."""
-    return name.endswith("_proj.weight") and ".layers." in name
+    """The linear layers of the decoder (attention, MLP, experts and the MoE router: vLLM 0.26
+    builds Qwen3-MoE's ``mlp.gate`` with the model's quantization); not norms or embeddings."""
+    return (name.endswith("_proj.weight") or name.endswith(".mlp.gate.weight")) and ".layers." in name
 
 
 def convert_checkpoint(path: Path, kind: str) -> None:
