@@ -110,11 +110,40 @@ class Plan:
         return max((b.nbytes for b in self.buckets), default=0)
 
 
+def layer_of(name: str) -> str:
+    """The layer a tensor belongs to: its name up to the first numeric component
+    (``model.layers.12.mlp.experts.3.w1`` -> ``model.layers.12``); a name without one is its own."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[:i + 1])
+    return name
+
+
+def delivery_order(metas: list[TensorMeta]) -> list[TensorMeta]:
+    """Host order, with the tensors of one layer kept together.
+
+    safetensors writes a file's tensors sorted by dtype before name, so an FP8 checkpoint holds
+    every float32 scale first and every FP8 weight after them: sent in host order, each layer
+    would wait for its weights until the last bucket, and the engine's layerwise reload would
+    buffer every layer at once (on vLLM 0.26 that cost 0.2 s of a 0.34 s 7B update in per-tensor
+    bookkeeping over the pending layers). Here each host buffer's layers go in the order of their
+    first byte, and a layer's tensors in host order, so its copies still merge into few runs.
+    A file whose tensors share one dtype (a bf16 checkpoint) keeps its host order exactly.
+    """
+    first: dict[tuple[int, str], int] = {}
+    for m in metas:
+        key = (m.base, layer_of(m.name))
+        if key not in first or m.base_offset < first[key]:
+            first[key] = m.base_offset
+    return sorted(metas, key=lambda t: (t.base, first[(t.base, layer_of(t.name))], t.base_offset))
+
+
 def _pack_owner(owner: int, metas: list[TensorMeta], bucket_bytes: int) -> list[Bucket]:
     buckets: list[Bucket] = []
     cur = Bucket(owner)
     prev: Placement | None = None
-    for m in sorted(metas, key=lambda t: (t.base, t.base_offset)):
+    for m in delivery_order(metas):
         if m.nbytes > bucket_bytes:
             raise ConfigError(
                 f"tensor {m.name!r} ({m.nbytes} bytes, rank {owner}) does not fit a bucket of "

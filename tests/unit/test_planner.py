@@ -193,3 +193,39 @@ def test_the_plan_cache_shares_one_plan_per_layout_and_keeps_the_most_recent():
     assert cache.get(metas, d1, 1024) is first
     other = [[TensorMeta("x", "F32", (64,), 256, 4, 0, 0)]]
     assert cache.digest("step-3", other) != d1
+
+
+def test_an_fp8_file_travels_layer_by_layer_with_few_runs_per_layer():
+    """safetensors writes scales (float32) before weights (FP8): each layer's tensors still travel together."""
+    from ckpt_core.planning.buckets import delivery_order, layer_of
+
+    names = []
+    for kind in ("weight_scale_inv", "weight"):        # the file's order: all scales, then all weights
+        for layer in range(3):
+            for proj in ("k_proj", "q_proj"):
+                names.append(f"model.layers.{layer}.self_attn.{proj}.{kind}")
+    names.insert(0, "model.embed_tokens.weight")
+    metas, pos = [], 0
+    for n in names:                                     # larger than the gaps the planner copies over
+        metas.append(meta(n, 8192, offset=pos))
+        pos += 8192
+    order = [m.name for m in delivery_order(metas)]
+    layers = [layer_of(n) for n in order]
+    assert layers == [layer for layer in dict.fromkeys(layers) for _ in range(layers.count(layer))], \
+        f"a layer's tensors are spread out: {layers}"
+    assert order[0] == "model.embed_tokens.weight"
+    assert order[1:5] == ["model.layers.0.self_attn.k_proj.weight_scale_inv", "model.layers.0.self_attn.q_proj.weight_scale_inv",
+                          "model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.q_proj.weight"]
+    (bucket,) = plan_buckets([metas], 1 << 20).buckets
+    # the embedding with layer 0's scales, its weights, then a scales run and a weights run per layer
+    assert len(bucket.runs()) == 2 * 3
+
+
+def test_a_single_dtype_file_keeps_its_host_order():
+    from ckpt_core.planning.buckets import delivery_order
+
+    names = sorted(f"model.layers.{i}.{p}" for i in range(12) for p in ("a.weight", "b.weight")) + ["lm_head.weight"]
+    metas = [meta(n, 256, offset=i * 256) for i, n in enumerate(names)]
+    assert [m.name for m in delivery_order(metas)] == names
+    (bucket,) = plan_buckets([metas], 1 << 20).buckets
+    assert len(bucket.runs()) == 1
