@@ -7,8 +7,8 @@ checkpoints A, B, A, B through ``llm.collective_rpc("update_weights_from_ipc", .
 (``ckpt_state_digests``) must equal a cold load of that checkpoint in the same vLLM (computed in
 a subprocess by tests/integration/vllm_support/cold_load.py), and greedy tokens must equal the
 cold load's. Models: bf16 tiny Qwen2, FP8 block (128x128, ``quant_method: fp8`` with
-``weight_scale_inv``, quantized here), bf16 Qwen3-MoE. Written for vLLM 0.26 on the H200
-(../shared/gpu_vllm/README.md); skipped without CUDA or without vLLM, with the reason.
+``weight_scale_inv``, quantized here), bf16 Qwen3-MoE. Written for vLLM 0.26.0 on an H200
+(the newest vLLM release built for torch 2.11, CUDA 13; put it on PYTHONPATH); skipped without CUDA or without vLLM, with the reason.
 
     PYTHONPATH=/tmp/vsite:<repo> NCCL_NVLS_ENABLE=0 python -m pytest -q tests/gpu/test_vllm_gpu.py
 """
@@ -52,7 +52,7 @@ def _requirements() -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     if importlib.util.find_spec("vllm") is None:
-        pytest.skip("needs vLLM importable (../shared/gpu_vllm/README.md: PYTHONPATH=/tmp/vsite:<repo>)")
+        pytest.skip("needs vLLM importable (vLLM 0.26.0 for torch 2.11 on PYTHONPATH)")
 
 
 @pytest.fixture(scope="module")
