@@ -34,14 +34,27 @@ def checkpoint_files(directory: str) -> list[str]:
     return sorted(os.path.join(directory, f) for f in os.listdir(directory) if f.endswith(".safetensors"))
 
 
-def make_checkpoint(shape: str, directory: str, *, seed: int = SEED) -> dict:
-    """Write ``shape``'s config.json and random bf16 weights into ``directory`` (reused when present)."""
+FORMATS = ("bf16", "fp8-block")
+# What a block-FP8 checkpoint (DeepSeek-V3, Qwen3-FP8) says in its config.json.
+FP8_BLOCK_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}
+
+
+def make_checkpoint(shape: str, directory: str, *, seed: int = SEED, fmt: str = "bf16") -> dict:
+    """Write ``shape``'s config.json and random weights into ``directory`` (reused when present).
+
+    ``fmt="fp8-block"`` stores the decoder's linear weights as float8_e4m3fn with a float32
+    ``weight_scale_inv`` per 128x128 block (embeddings, norms, router and lm_head stay bf16).
+    """
     import transformers
     from safetensors.torch import save_file
 
+    if fmt not in FORMATS:
+        raise ValueError(f"format {fmt!r}: one of {', '.join(FORMATS)}")
     cls_name, kwargs = SHAPES[shape]
     config = getattr(transformers, cls_name)(**kwargs, torch_dtype="bfloat16")
-    key = json.dumps({"shape": shape, "seed": seed, "config": kwargs}, sort_keys=True)
+    if fmt == "fp8-block":
+        config.quantization_config = FP8_BLOCK_CONFIG
+    key = json.dumps({"shape": shape, "seed": seed, "config": kwargs, "format": fmt}, sort_keys=True)
     marker = os.path.join(directory, MARKER)
     if os.path.exists(marker) and open(marker).read() == key:
         files = checkpoint_files(directory)
@@ -52,14 +65,21 @@ def make_checkpoint(shape: str, directory: str, *, seed: int = SEED) -> dict:
     config.save_pretrained(directory)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
-    specs = [(n, tuple(p.shape)) for n, p in model.state_dict().items()]
+    specs = _per_expert([(n, tuple(p.shape)) for n, p in model.state_dict().items()])
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator(device=device).manual_seed(seed)
-    shard, size, n, total = {}, 0, 0, 0
+    shard, size, n, total, count = {}, 0, 0, 0, 0
     for name, shp in specs:
-        shard[name] = _random(name, shp, gen, device).cpu()
-        size += shard[name].nbytes
-        total += shard[name].nbytes
+        t = _random(name, shp, gen, device)
+        pieces = {name: t}
+        if fmt == "fp8-block" and name.endswith("_proj.weight") and ".layers." in name:
+            q, scale = quantize_block(t)
+            pieces = {name: q, name.removesuffix("weight") + "weight_scale_inv": scale}
+        for k, v in pieces.items():
+            shard[k] = v.cpu()
+            size += shard[k].nbytes
+            total += shard[k].nbytes
+            count += 1
         if size >= SHARD_BYTES:
             n += 1
             save_file(shard, os.path.join(directory, f"model-{n:05d}.safetensors"), metadata={"format": "pt"})
@@ -69,7 +89,37 @@ def make_checkpoint(shape: str, directory: str, *, seed: int = SEED) -> dict:
         save_file(shard, os.path.join(directory, f"model-{n:05d}.safetensors"), metadata={"format": "pt"})
     with open(marker, "w") as f:
         f.write(key)
-    return {"tensors": len(specs), "bytes": total, "reused": False}
+    return {"tensors": count, "bytes": total, "reused": False}
+
+
+def _per_expert(specs: list[tuple[str, tuple]]) -> list[tuple[str, tuple]]:
+    """Experts one tensor each, as Qwen3-MoE checkpoints ship them (transformers 5 models hold
+    them fused: ``experts.gate_up_proj`` [E, 2I, H] and ``experts.down_proj`` [E, H, I])."""
+    out = []
+    for name, shape in specs:
+        if name.endswith("experts.gate_up_proj"):
+            base = name.removesuffix("gate_up_proj")
+            out += [(f"{base}{e}.{p}_proj.weight", (shape[1] // 2, shape[2]))
+                    for e in range(shape[0]) for p in ("gate", "up")]
+        elif name.endswith("experts.down_proj"):
+            base = name.removesuffix("down_proj")
+            out += [(f"{base}{e}.down_proj.weight", tuple(shape[1:])) for e in range(shape[0])]
+        else:
+            out.append((name, shape))
+    return out
+
+
+def quantize_block(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn weight, float32 scale [ceil(N/128), ceil(K/128)]) with w ~= q * scale per block."""
+    n, k = w.shape
+    nb, kb = -(-n // block), -(-k // block)
+    padded = torch.zeros(nb * block, kb * block, dtype=torch.float32, device=w.device)
+    padded[:n, :k] = w.float()
+    tiles = padded.view(nb, block, kb, block)
+    fmax = torch.finfo(torch.float8_e4m3fn).max
+    scale = (tiles.abs().amax(dim=(1, 3)) / fmax).clamp(min=1e-12)
+    q = (tiles / scale[:, None, :, None]).clamp(-fmax, fmax).to(torch.float8_e4m3fn)
+    return q.view(nb * block, kb * block)[:n, :k].contiguous(), scale.contiguous()
 
 
 def _random(name: str, shape, gen, device) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
     python benchmarks/vllm_bench.py --shape 7b --ps ours,reference --repeats 3 --out vllm-7b.json
     python benchmarks/vllm_bench.py --shape tiny --quantization fp8 --verify
+    python benchmarks/vllm_bench.py --shape 7b --format fp8-block --ps ours --verify
 
 For each parameter-server implementation (``ours``: ckpt_core with ckpt_vllm's worker extension;
 ``reference``: checkpoint-engine with its own extension, when importable) this starts a vLLM
@@ -32,7 +33,7 @@ ROOT = os.path.dirname(HERE)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from _vllm_bench_model import SHAPES, checksums, make_checkpoint  # noqa: E402
+from _vllm_bench_model import FORMATS, SHAPES, checksums, make_checkpoint  # noqa: E402
 
 ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_USE_DEEP_GEMM": "0",
        "NCCL_NVLS_ENABLE": "0", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -46,6 +47,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="7b")
     p.add_argument("--ps", default="ours,reference", help="comma-separated: ours, reference")
+    p.add_argument("--format", choices=FORMATS, default="bf16",
+                   help="checkpoint format: bf16, or fp8-block (FP8 weights, a scale per 128x128 block)")
     p.add_argument("--quantization", default=None, help="vLLM --quantization (e.g. fp8: online FP8 of a bf16 checkpoint)")
     p.add_argument("--repeats", type=int, default=3, help="timed updates after the first")
     p.add_argument("--verify", action="store_true", help="compare with a cold load (names, bytes, tokens)")
@@ -261,9 +264,11 @@ def main(argv=None) -> int:
     if args.role == "cold":
         run_cold(args)
         return 0
-    info = make_checkpoint(args.shape, args.dir)
-    print(f"checkpoint {args.shape}: {info['tensors']} tensors, {info['bytes'] / GiB:.2f} GiB in {args.dir}", flush=True)
-    report = {"shape": args.shape, "quantization": args.quantization, "checkpoint": info, "runs": []}
+    info = make_checkpoint(args.shape, args.dir, fmt=args.format)
+    print(f"checkpoint {args.shape} ({args.format}): {info['tensors']} tensors, {info['bytes'] / GiB:.2f} GiB in "
+          f"{args.dir}", flush=True)
+    report = {"shape": args.shape, "format": args.format, "quantization": args.quantization, "checkpoint": info,
+              "runs": []}
     cold = run_child(args, "cold", "ours") if args.verify else None
     for impl in [s for s in args.ps.split(",") if s]:
         run = run_child(args, "engine", impl)
@@ -281,7 +286,8 @@ def main(argv=None) -> int:
 def format_report(report: dict) -> str:
     size = report["checkpoint"]["bytes"]
     floor = size / 55.4e9
-    lines = [f"{report['shape']} ({size / GiB:.2f} GiB, quantization {report['quantization']}); "
+    lines = [f"{report['shape']} ({report.get('format', 'bf16')}, {size / GiB:.2f} GiB, "
+             f"quantization {report['quantization']}); "
              f"H2D floor at 55.4 GB/s: {floor:.3f} s",
              "| PS | first update | best update | GB/s | x floor | engine's call (best) | equal to a cold load |",
              "|---|---|---|---|---|---|---|"]

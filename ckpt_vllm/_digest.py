@@ -106,7 +106,8 @@ def _probe(module: torch.nn.Module, dtype: torch.dtype | None) -> torch.Tensor |
         return None
     param_dtype = getattr(module, "params_dtype", None) or dtype or torch.get_default_dtype()
     gen = torch.Generator().manual_seed(_PROBE_SEED)
-    x = torch.randn(_PROBE_ROWS, int(width), generator=gen).to(param_dtype)
+    # float32 drawn, then cast: the same input whatever torch's default dtype is at the time.
+    x = torch.randn(_PROBE_ROWS, int(width), generator=gen, dtype=torch.float32).to(param_dtype)
     device = _device_of(module)
     if device is not None:
         x = x.to(device)

@@ -15,8 +15,9 @@
 #                    (the PS then uses fewer, smaller slots; tensors larger than what is free fail)
 # --single           also run dense16 on one GPU (bench-1gpu.json)
 # --vllm-bench LIST also run benchmarks/vllm_bench.py (a real vLLM engine; needs vLLM importable) for
-#                    each of LIST, e.g. 7b,tiny:fp8,moe (SHAPE[:QUANTIZATION]), with --verify and both PS
-#                    implementations where checkpoint-engine is importable (vllm-SHAPE[-Q].json)
+#                    each of LIST, e.g. 7b,tiny:fp8,moe,7b@fp8-block (SHAPE[:QUANTIZATION][@FORMAT]), with
+#                    --verify; bf16 checkpoints also with checkpoint-engine where it is importable
+#                    (vllm-SHAPE[-Q][-FORMAT].json)
 # --skip-tests / --skip-bench
 # --python PY        interpreter (default python3)
 # --step-timeout S   kill a step that runs longer than S seconds (needs coreutils timeout)
@@ -233,11 +234,15 @@ if [[ -n "$VLLM_BENCH" ]]; then
     "$PY" -c "import checkpoint_engine.worker" >/dev/null 2>&1 && impls=ours,reference
     IFS=, read -r -a vcases <<<"$VLLM_BENCH"
     for c in "${vcases[@]}"; do
+      fmt=bf16; [[ $c == *@* ]] && { fmt=${c#*@}; c=${c%%@*}; }
       shape=${c%%:*}; quant=""; stem="vllm-$shape"
       [[ $c == *:* ]] && { quant=${c#*:}; stem="$stem-$quant"; }
+      [[ $fmt != bf16 ]] && stem="$stem-$fmt"
       qargs=(); [[ -n "$quant" ]] && qargs=(--quantization "$quant")
-      run_step "vllm benchmark $c" "$OUT/$stem.log" "$PY" benchmarks/vllm_bench.py --shape "$shape" \
-        ${qargs[@]+"${qargs[@]}"} --ps "$impls" --verify ${REPEATS:+--repeats "$REPEATS"} --out "$OUT/$stem.json" || FAILED=1
+      ps=$impls; [[ $fmt != bf16 ]] && ps=ours
+      run_step "vllm benchmark $stem" "$OUT/$stem.log" "$PY" benchmarks/vllm_bench.py --shape "$shape" \
+        --format "$fmt" ${qargs[@]+"${qargs[@]}"} --ps "$ps" --verify ${REPEATS:+--repeats "$REPEATS"} \
+        --out "$OUT/$stem.json" || FAILED=1
     done
   fi
 fi

