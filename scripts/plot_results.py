@@ -3,6 +3,7 @@
 
     python3 scripts/plot_results.py            # writes docs/img/update-time.svg
     python3 scripts/plot_results.py --table    # prints the README's markdown table
+    python3 scripts/plot_results.py --summary  # a few lines of the headline figures (scripts/demo.sh)
     python3 scripts/plot_results.py --check    # exits 1 if the committed SVG or README table is stale
 
 Only the standard library: the SVG is written by hand, so no plotting package is needed. Every
@@ -74,6 +75,19 @@ def table(d: dict) -> str:
     return "\n".join(rows) + "\n"
 
 
+def summary(d: dict) -> str:
+    """A few lines for a terminal (scripts/demo.sh): the headline runs."""
+    o, r = d["vllm_ours"], d["vllm_ref"]
+    lines = [f"  1x H200, real vLLM 0.26.0, {o['gib']:.2f} GiB bf16: ckpt-engine {o['best']:.3f} s "
+             f"({o['gib'] * GiB / o['best'] / 1e9:.1f} GB/s), checkpoint-engine 0.4.2 {r['best']:.3f} s, "
+             f"floor {o['floor']:.3f} s"]
+    for hw, key in (("1x H200", "sim1"), ("2x H200", "sim2")):
+        p = max(d[key], key=lambda p: p["gib"])
+        lines.append(f"  {hw}, simulated engine, {p['gib']:.2f} GiB: ckpt-engine {p['best']:.3f} s "
+                     f"({p['gib'] * GiB / p['best'] / 1e9:.1f} GB/s), floor {p['floor']:.3f} s")
+    return "\n".join(lines) + "\n"
+
+
 def svg(d: dict) -> str:
     """Update time against checkpoint size on one H200: ours, the reference, and the floor."""
     w, h, left, right, top, bottom = 720, 400, 64, 250, 40, 52
@@ -133,12 +147,13 @@ def svg(d: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--table", action="store_true", help="print the README's table instead of writing the SVG")
+    ap.add_argument("--summary", action="store_true", help="print a few lines of the headline figures")
     ap.add_argument("--check", action="store_true", help="fail if the committed SVG or the README's table is stale")
     ap.add_argument("--out", type=Path, default=SVG, help=f"where the SVG goes (default {SVG.relative_to(ROOT)})")
     args = ap.parse_args(argv)
     d = collect()
-    if args.table:
-        sys.stdout.write(table(d))
+    if args.table or args.summary:
+        sys.stdout.write(table(d) if args.table else summary(d))
         return 0
     if args.check:
         stale = [what for what, ok in (("docs/img/update-time.svg", SVG.exists() and SVG.read_text() == svg(d)),
