@@ -25,7 +25,7 @@ EXAMPLE = ROOT / "examples" / "rl_controller.py"
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("rl"))
-    w = ServiceWorld(2, tmp, extra=["--max-bucket-gb", "0.0001"])   # ~100 KiB buckets: several per update
+    w = ServiceWorld(2, tmp, env={"PS_MAX_BUCKET_SIZE_GB": "0.0001"})   # ~100 KiB buckets: several per update
     w.front, w.gen = HttpEngineFront(2), torch.Generator().manual_seed(2603)
     yield w
     w.front.close()
