@@ -64,6 +64,7 @@ class ReloadSession:
         self.tensors = 0
         self.bytes = 0
         self.received: set[str] = set()   # checkpoint names loaded in this session (all its PS updates)
+        self.layout: dict[str, tuple[str, tuple]] = {}   # name -> (dtype, shape) of what was loaded
         self.seconds = {"begin": 0.0, "load": 0.0, "finish": 0.0}
         self._cold: list = []   # quant methods processing as on a cold load during this session
         self._modules: list = []   # (name, module) of the model's modules, listed at begin()
@@ -131,6 +132,7 @@ class ReloadSession:
                 tensor=name) from exc
         self._detach_pending({t.untyped_storage().data_ptr() for _, t in weights})
         self.received.update(name for name, _ in weights)
+        self.layout.update((name, (str(t.dtype).removeprefix("torch."), tuple(t.shape))) for name, t in weights)
         self.tensors += len(weights)
         self.bytes += sum(t.numel() * t.element_size() for _, t in weights)
         self.seconds["load"] += time.perf_counter() - t0

@@ -164,7 +164,8 @@ class VllmClient:
     # -- updates -------------------------------------------------------------------
     def update(self, handles, *, path: str = "extension", timeout: float | None = None,
                pause: str | None = None, init_info: dict | None = None,
-               start: bool = True, finish: bool = True) -> UpdateReport:
+               start: bool = True, finish: bool = True, stage: str | None = None,
+               stage_device_bytes: int = 0, version: str | None = None) -> UpdateReport:
         """Make the server pull one update; ``handles``: ``[(device_key, zmq_handle)]`` or a dict.
 
         ``pause``: pause generation around the update ("wait" lets running requests finish,
@@ -180,7 +181,16 @@ class VllmClient:
         On any failure the server is resumed and the weight update ended (old weights serve
         for every layer not yet processed); the original error is raised, with a failing
         cleanup added as a note.
+
+        ``stage="v8"`` stages the update instead (:meth:`stage`); :meth:`commit` switches to it.
+        ``version``: the weight version this update makes live (the workers record it; vLLM's
+        ``/update_weight_version`` is set where the server has it).
         """
+        if stage is not None:
+            if path != "extension" or pause is not None or not (start and finish):
+                raise ConfigError("a staged update takes the extension path, whole, without a pause "
+                                  "(the engine keeps serving while it stages; commit() pauses)")
+            return self.stage(handles, stage, timeout=timeout, device_bytes=stage_device_bytes)
         if path not in PATHS:
             raise ConfigError(f"path must be one of {PATHS}, got {path!r}")
         whole = start and finish
@@ -201,8 +211,9 @@ class VllmClient:
                 paused = True   # a pause that failed half-way is undone too
                 phases.run("pause", self.pause, pause)
             if path == "extension":
+                rpc_kwargs = {"timeout": wait, **({"version": str(version)} if version is not None else {})}
                 report.workers = phases.run("update", self.collective_rpc, "update_weights_from_ipc", [handles],
-                                            {"timeout": wait}, timeout=wait)
+                                            rpc_kwargs, timeout=wait)
             else:
                 if init_info is not None:
                     phases.run("init", self._post, "/init_weight_transfer_engine", {"init_info": init_info})
@@ -214,6 +225,8 @@ class VllmClient:
                     phases.run("finish", self._post, "/finish_weight_update")
             if finish:
                 phases.run("reset_prefix_cache", self.ensure_prefix_cache_reset)
+                if version is not None:
+                    phases.run("weight_version", self.set_weight_version, str(version))
         except BaseException as exc:
             if pause is not None or paused:
                 self._cleanup(exc, "resume", self.resume)
@@ -224,6 +237,73 @@ class VllmClient:
         with self._lock:
             self.last_report = report
         return report
+
+    # -- staged updates ----------------------------------------------------------------
+    def stage(self, handles, version: str, *, timeout: float | None = None, device_bytes: int = 0) -> UpdateReport:
+        """Receive an update into every worker's staging area while the server keeps serving.
+
+        ``device_bytes``: device memory each worker may stage into (beyond it: pinned host
+        memory). Nothing live changes; a failed stage frees the area. Staging again replaces it.
+        """
+        wait = self.timeout if timeout is None else float(timeout)
+        report = UpdateReport(path="stage")
+        phases = Phases()
+        phases.seconds = report.seconds
+        report.workers = phases.run("stage", self.collective_rpc, "update_weights_from_ipc", [dict(handles)],
+                                    {"timeout": wait, "stage": str(version), "stage_device_bytes": int(device_bytes)},
+                                    timeout=wait)
+        with self._lock:
+            self.last_report = report
+        return report
+
+    def commit(self, version: str, *, pause: str = "keep", timeout: float | None = None) -> UpdateReport:
+        """Switch the server to the staged ``version``: pause (``keep``: running requests freeze and
+        resume on the new weights), load the staged tensors through the reload path, reset the
+        prefix cache, set vLLM's weight version where the server has that route, resume.
+
+        ``report.seconds["paused"]`` is how long generation stood still. A version that is not
+        staged on every worker is a ``RemoteWorkerError`` (ConfigError on the worker) and changes
+        nothing; the server is resumed on every failure.
+        """
+        if pause not in PAUSE_MODES:
+            raise ConfigError(f"pause mode must be one of {PAUSE_MODES}, got {pause!r}")
+        wait = self.timeout if timeout is None else float(timeout)
+        report = UpdateReport(path="commit")
+        phases = Phases()
+        phases.seconds = report.seconds
+        t0 = time.perf_counter()
+        try:
+            phases.run("pause", self.pause, pause)
+            report.workers = phases.run("commit", self.collective_rpc, "commit_staged_weights", [str(version)],
+                                        timeout=wait)
+            phases.run("reset_prefix_cache", self.ensure_prefix_cache_reset)
+            phases.run("weight_version", self.set_weight_version, str(version))
+        except BaseException as exc:
+            self._cleanup(exc, "resume", self.resume)
+            raise
+        phases.run("resume", self.resume)
+        report.seconds["paused"] = time.perf_counter() - t0
+        report.seconds["total"] = report.seconds["paused"]
+        with self._lock:
+            self.last_report = report
+        return report
+
+    def drop_staged(self) -> list:
+        """Free every worker's staging area; returns what each held (None where nothing was)."""
+        return self.collective_rpc("drop_staged_weights")
+
+    def weight_versions(self) -> list[dict]:
+        """Per worker: the live version (and since when, unix time) and what is staged."""
+        return self.collective_rpc("ckpt_weight_versions")
+
+    def set_weight_version(self, version: str) -> bool:
+        """vLLM's own weight version (``/update_weight_version``, reported on outputs); False where
+        the server has no such route (older vLLM)."""
+        try:
+            self._post("/update_weight_version", {"new_version": str(version)})
+        except ConfigError:
+            return False
+        return True
 
     def _cleanup(self, exc: BaseException, what: str, fn: Callable[[], Any]) -> None:
         """Run a cleanup step after ``exc``; its own failure is noted on ``exc``, never raised."""

@@ -19,6 +19,7 @@ from ckpt_core.devices import default_kind, get_backend, local_device_key
 from ckpt_core.errors import ConfigError
 
 from ._reload import ReloadSession
+from ._staging import StagingArea
 
 __all__ = ["VllmColocateWorkerExtension", "worker_device", "drafter_target", "receive_into", "agree_on_handle"]
 
@@ -179,24 +180,124 @@ class VllmColocateWorkerExtension:
                               "args": [{"CPU-<machine>-0": "ipc://@ckpt-..."}]}
     """
 
-    def update_weights_from_ipc(self, zmq_handles: dict[str, str], timeout: float | None = None) -> dict:
+    def update_weights_from_ipc(self, zmq_handles: dict[str, str], timeout: float | None = None,
+                                stage: str | None = None, stage_device_bytes: int = 0,
+                                version: str | None = None) -> dict:
         """Receive one update from the PS rank colocated with this worker; returns its timings.
 
         ``zmq_handles`` maps device keys to handles (the PS's ``req_func`` argument as a dict);
         this worker picks its own. Raises (and keeps serving the previous weights for every
         layer not yet processed) when a tensor is missing, has the wrong shape, or the PS aborts.
+
+        ``stage="v8"``: stage instead (see :meth:`commit_staged_weights`): the buckets are copied
+        into a staging area (device memory up to ``stage_device_bytes``, then pinned host memory)
+        while the engine keeps serving its current weights; a stage replaces one staged before.
+        ``version`` names the weights an update makes live (see :meth:`ckpt_weight_versions`).
         """
         kind, index = worker_device(self)
         handle = agree_on_handle(zmq_handles, kind, index)
+        if stage is not None:
+            return self._ckpt_stage(handle, kind, index, str(stage), int(stage_device_bytes),
+                                    float(timeout or DEFAULT_TIMEOUT_S))
         sessions = new_sessions(self)
         for s in sessions:
             s.begin()
         result = receive_into(sessions, self._ckpt_zmq_context(), handle, kind, index,
                               timeout=float(timeout or DEFAULT_TIMEOUT_S))
-        reset_derived_caches(self)
+        self._ckpt_made_live(sessions[0].layout, version)
         log.info("ckpt update on %s: %d tensors, %.1f MB in %.3f s", result["device_key"], result["tensors"],
                  result["bytes"] / 1e6, result["seconds"]["total"])
         return result
+
+    def commit_staged_weights(self, version: str) -> dict:
+        """Make the staged weights of ``version`` live, through the reload path an update takes.
+
+        Run it while generation is paused (``VllmClient.commit`` pauses with ``mode=keep``). Every
+        worker of the engine must hold ``version`` staged, else none commits. The staging area is
+        freed afterwards, also when the commit fails (the engine then serves its previous weights
+        for every layer not yet processed, as after a failed update).
+        """
+        t0 = time.perf_counter()
+        area = getattr(self, "_ckpt_staged", None)
+        ok = area is not None and area.sealed and area.version == str(version)
+        if _count_over_workers(not ok):
+            staged = "nothing" if area is None or not area.sealed else f"version {area.version!r}"
+            raise ConfigError(f"cannot commit version {str(version)!r}: this worker has {staged} staged, or "
+                              "another worker of the engine lacks it; nothing was committed")
+        sessions = new_sessions(self)
+        for s in sessions:
+            s.begin()
+        try:
+            try:
+                for bucket in area.buckets:
+                    for s in sessions:
+                        s.load(bucket)
+                finish_sessions(sessions)
+            except BaseException:
+                abort_sessions(sessions)
+                raise
+            self._ckpt_made_live(sessions[0].layout, str(version))
+        finally:
+            self._ckpt_drop_staged()
+        main = sessions[0]
+        result = {"device_key": local_device_key(*worker_device(self)), "version": str(version),
+                  "tensors": main.tensors, "bytes": main.bytes,
+                  "seconds": {**main.seconds, "total": time.perf_counter() - t0}}
+        log.info("ckpt commit of %s on %s: %d tensors, %.1f MB in %.3f s", version, result["device_key"],
+                 result["tensors"], result["bytes"] / 1e6, result["seconds"]["total"])
+        return result
+
+    def drop_staged_weights(self) -> dict | None:
+        """Free the staging area; returns what it held (None if nothing was staged)."""
+        area = getattr(self, "_ckpt_staged", None)
+        self._ckpt_drop_staged()
+        return None if area is None else area.summary()
+
+    def ckpt_weight_versions(self) -> dict:
+        """``{"live": version or None, "live_since": unix time, "staged": {...} or None}``."""
+        area = getattr(self, "_ckpt_staged", None)
+        return {"live": getattr(self, "_ckpt_live_version", None), "live_since": getattr(self, "_ckpt_live_since", None),
+                "staged": None if area is None or not area.sealed else area.summary()}
+
+    def _ckpt_stage(self, handle: str, kind: str, index: int, version: str, device_limit: int,
+                    timeout: float) -> dict:
+        import torch
+
+        self._ckpt_drop_staged()   # a new stage replaces the staged one, also when it fails
+        t0 = time.perf_counter()
+        device = torch.device(kind.lower(), index) if kind.lower() == "cuda" else torch.device("cpu")
+        area = StagingArea(version, device, device_limit)
+        expected = getattr(self, "_ckpt_live_layout", None)
+
+        def seal():
+            area.sealed = True
+
+        try:
+            _core_update_weights_from_ipc(self._ckpt_zmq_context(), handle, index, run=area.add, timeout=timeout,
+                                          on_plan=lambda tensors: area.check_plan(tensors, expected),
+                                          post_hook=seal)
+        except BaseException:
+            area.free()
+            raise
+        self._ckpt_staged = area
+        result = {"device_key": local_device_key(kind, index), **area.summary(),
+                  "seconds": {"copy": area.seconds, "total": time.perf_counter() - t0}}
+        log.info("ckpt stage of %s on %s: %d tensors, %.1f MB (%.1f MB on the device) in %.3f s", version,
+                 result["device_key"], area.tensors, area.nbytes / 1e6, area.device_bytes / 1e6,
+                 result["seconds"]["total"])
+        return result
+
+    def _ckpt_drop_staged(self) -> None:
+        area = getattr(self, "_ckpt_staged", None)
+        if area is not None:
+            area.free()
+        self._ckpt_staged = None
+
+    def _ckpt_made_live(self, layout: dict, version: str | None) -> None:
+        reset_derived_caches(self)
+        self._ckpt_live_layout = dict(layout)
+        self._ckpt_live_version = version
+        self._ckpt_live_since = time.time()
 
     def ckpt_state_digests(self) -> dict[str, list]:
         """``{name: [dtype, shape, sha256]}`` of everything this worker's model reads in its

@@ -1,0 +1,114 @@
+"""Staged weights: an update received while the engine keeps serving, switched in later.
+
+A stage receives every bucket of a PS update the usual way (same wire, same checks), but copies
+each bucket into a staging area this worker owns instead of loading it: device memory up to a
+limit the caller sets, pinned host memory beyond it (plain host memory on a CPU engine). Live
+parameters, KV cache and running requests are not touched. ``commit`` later feeds the staged
+tensors through the same reload path an update uses (vLLM's layerwise reload: fused, repacked and
+quantized layers come out exactly as from a cold load), then frees the area.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ckpt_core.errors import CheckpointFormatError
+
+__all__ = ["StagingArea"]
+
+_ALIGN = 256
+
+
+def _aligned(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+@dataclass
+class StagingArea:
+    """The staged tensors of one version, bucket by bucket, in buffers this worker owns."""
+
+    version: str
+    device: torch.device
+    device_limit: int = 0          # bytes of device memory the area may use; the rest goes to host memory
+    buckets: list[list[tuple[str, torch.Tensor]]] = field(default_factory=list)
+    names: set = field(default_factory=set)
+    device_bytes: int = 0
+    host_bytes: int = 0
+    tensors: int = 0
+    seconds: float = 0.0
+    sealed: bool = False           # every bucket arrived and the PS update succeeded
+
+    @property
+    def nbytes(self) -> int:
+        return self.device_bytes + self.host_bytes
+
+    def check_plan(self, tensors, expected: dict | None) -> None:
+        """Refuse a plan before anything is copied: a name twice, or, when the layout of the last
+        complete update is known (``{name: (dtype, shape)}``), a missing, unknown or reshaped tensor.
+
+        ``tensors``: ``(name, torch dtype, shape)`` of every tensor of the PS update.
+        """
+        seen: dict[str, tuple[str, tuple]] = {}
+        twice = set()
+        for name, dtype, shape in tensors:
+            if name in seen:
+                twice.add(name)
+            seen[name] = (str(dtype).removeprefix("torch."), tuple(shape))
+        if twice:
+            raise CheckpointFormatError(f"the staged update sends {', '.join(sorted(twice)[:8])} twice; "
+                                        "nothing was staged", tensor=sorted(twice)[0])
+        if not expected:
+            return
+        missing = sorted(set(expected) - set(seen))
+        unknown = sorted(set(seen) - set(expected))
+        changed = sorted(n for n in set(seen) & set(expected) if seen[n] != tuple(expected[n]))
+        if missing:
+            what, first = f"nothing would arrive for {', '.join(missing[:8])} ({len(missing)} missing)", missing[0]
+        elif unknown:
+            what, first = f"{', '.join(unknown[:8])} ({len(unknown)}) were not part of it", unknown[0]
+        elif changed:
+            n = changed[0]
+            what, first = (f"{n} is {seen[n][0]} {list(seen[n][1])}, the engine loaded {expected[n][0]} "
+                           f"{list(expected[n][1])} ({len(changed)} tensor(s) differ)"), n
+        else:
+            return
+        raise CheckpointFormatError(
+            f"the staged update does not match the last complete update of this engine: {what}; nothing was "
+            "staged and the engine serves its current weights", tensor=first)
+
+    def add(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """Copy one bucket (views into the PS's IPC buffer, reused after this returns) into the area."""
+        t0 = time.perf_counter()
+        total = sum(_aligned(t.numel() * t.element_size()) for _, t in weights)
+        on_device = self.device.type != "cpu" and self.device_bytes + total <= self.device_limit
+        if on_device:
+            buf = torch.empty(total, dtype=torch.uint8, device=self.device)
+            self.device_bytes += total
+        else:
+            buf = torch.empty(total, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+            self.host_bytes += total
+        staged, offset = [], 0
+        for name, t in weights:
+            n = t.numel() * t.element_size()
+            view = buf[offset:offset + n].view(t.dtype).view(t.shape) if n else torch.empty(t.shape, dtype=t.dtype)
+            view.copy_(t, non_blocking=True)
+            staged.append((name, view))
+            offset += _aligned(n)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()   # the PS reuses its buffer for the next bucket
+        self.buckets.append(staged)
+        self.names.update(name for name, _ in weights)
+        self.tensors += len(weights)
+        self.seconds += time.perf_counter() - t0
+
+    def free(self) -> None:
+        self.buckets.clear()
+        self.names.clear()
+        self.sealed = False
+
+    def summary(self) -> dict:
+        return {"version": self.version, "tensors": self.tensors, "bytes": self.nbytes,
+                "device_bytes": self.device_bytes, "host_bytes": self.host_bytes, "sealed": self.sealed}

