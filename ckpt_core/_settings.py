@@ -16,7 +16,7 @@ from ckpt_core.errors import ConfigError
 __all__ = ["Settings", "ENV_VARS", "load_settings", "gc_pause_enabled", "fault_threads", "cpu_visible_devices",
            "p2p_env", "cpu_event_delay_s", "service_token", "engine_serve", "update_seconds", "NO_DEADLINE_S"]
 
-# name -> (type, default, meaning); the README's table is generated from the same facts.
+# name -> (type, default, meaning); docs/api.md lists the same (tests/unit/test_docs_env.py checks it).
 ENV_VARS: dict[str, tuple[str, str, str]] = {
     "RANK": ("int", "0", "this parameter-server rank"),
     "WORLD_SIZE": ("int", "1", "number of parameter-server ranks"),

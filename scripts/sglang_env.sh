@@ -31,17 +31,23 @@ key=$(printf '%s\n' "${TORCH[@]}" "${NO_DEPS[@]}" "${PURE[@]}" "python: $pyver" 
 VENV=${CKPT_SGLANG_VENV:-$CKPT_CACHE/sglang-$key}
 
 install_sglang() {
-    local py=$1
-    ckpt_log "installing SGLang for CPU tests into $VENV (a few minutes, ~4 GB)"
-    "$py" -m pip install -q --upgrade pip >&2
-    "$py" -m pip install -q "${TORCH[@]}" >&2
-    "$py" -m pip install -q --no-deps "${NO_DEPS[@]}" >&2
-    "$py" -m pip install -q "${PURE[@]}" "${TORCH[@]}" >&2   # torch again: nothing may move it
-    # Fail here, not in the first test, if SGLang's app and model cannot be imported.
-    "$py" -c 'import sys, types
+    local py=$1 log=$CKPT_INSTALL_LOG
+    ckpt_log "installing SGLang for CPU tests into $VENV (a few minutes, ~4 GB; installer output: $log)"
+    ckpt_quiet "$log" "$py" -m pip install --upgrade pip || return 1
+    ckpt_log "  torch ${TORCH[*]}"
+    ckpt_quiet "$log" "$py" -m pip install "${TORCH[@]}" || return 1
+    ckpt_log "  ${NO_DEPS[*]} (--no-deps)"
+    ckpt_quiet "$log" "$py" -m pip install --no-deps "${NO_DEPS[@]}" || return 1
+    ckpt_log "  SGLang's pure-Python dependencies (${#PURE[@]} requirements)"
+    ckpt_quiet "$log" "$py" -m pip install "${PURE[@]}" "${TORCH[@]}" || return 1   # torch again: nothing may move it
+    # Fail here, not in the first test, if SGLang's app and model cannot be imported. The pip
+    # resolver's complaints about sglang's undeclared GPU dependencies (installed --no-deps on
+    # purpose) stay in the log; only this import decides.
+    ckpt_log "  checking that SGLang's app and Qwen2 model import"
+    ckpt_quiet "$log" "$py" -c 'import sys, types
 ops = types.ModuleType("vllm._custom_ops"); sys.modules["vllm._custom_ops"] = ops
 import torch, checkpoint_engine.worker, sglang.srt.entrypoints.http_server, sglang.srt.models.qwen2
-print("sglang ok, torch", torch.__version__)' >&2
+print("sglang ok, torch", torch.__version__)'
 }
 
 ckpt_cached_venv "$VENV" "$BASE_PY" 1800 install_sglang

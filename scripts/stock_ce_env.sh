@@ -23,9 +23,11 @@ for v in "${VERSIONS[@]}"; do
         flock -w 600 8 || { ckpt_log "timed out waiting for $dir.lock"; exit 1; }
         if [[ ! -f $dir/.ckpt-installed ]]; then
             rm -rf "$dir"
-            ckpt_log "installing checkpoint-engine==$v into $dir"
-            "$PY" -m pip install -q --no-deps --target "$dir" "checkpoint-engine==$v" "$LOGURU" >&2
-            PYTHONPATH=$dir "$PY" -c 'import checkpoint_engine.worker' >&2
+            log=$dir.install.log
+            : >"$log"
+            ckpt_log "installing checkpoint-engine==$v into $dir (installer output: $log)"
+            ckpt_quiet "$log" "$PY" -m pip install --no-deps --target "$dir" "checkpoint-engine==$v" "$LOGURU" || exit 1
+            ckpt_quiet "$log" env PYTHONPATH="$dir" "$PY" -c 'import checkpoint_engine.worker' || exit 1
             date -u +%FT%TZ >"$dir/.ckpt-installed"
         fi
     )

