@@ -28,8 +28,8 @@ GiB = float(1 << 30)
 # with a real vLLM 0.26.0 (ours, and the reference checkpoint-engine 0.4.2 on the same model).
 SIMULATED_1GPU = "2026-12-01-1xH200-0388eb2-tiny-moe8-dense16.json"
 SIMULATED_2GPU = "2026-11-30-2xH200-7b50b1f-all-cases.json"
-VLLM_OURS = "2026-12-01-1xH200-a5c200d-vllm026-7b.json"
-VLLM_REFERENCE = "2026-12-01-1xH200-a5c200d-vllm026-7b-headless.json"   # the run where the reference ran
+VLLM_OURS = "2026-12-01-1xH200-e1bbe20-vllm026-7b-bf16-side-by-side.json"
+VLLM_REFERENCE = VLLM_OURS   # one run, the same engine build and checkpoint for both
 CASE_LABEL = {"tiny": "64 MiB (fixed cost)", "moe8": "MoE", "dense16": "dense", "dense40": "dense"}
 
 
@@ -65,7 +65,7 @@ def table(d: dict) -> str:
     o, r = d["vllm_ours"], d["vllm_ref"]
     rows.append(f"| 1x H200 | real vLLM 0.26.0 | 7B-shaped bf16, {o['gib']:.2f} GiB, {o['tensors']} tensors "
                 f"| {o['first']:.3f} / **{o['best']:.3f} s** | {r['first']:.3f} / {r['best']:.3f} s "
-                f"| {o['floor']:.3f} s | `{Path(o['file']).stem}`, `{Path(r['file']).stem}` |")
+                f"| {o['floor']:.3f} s | {', '.join(f'`{Path(f).stem}`' for f in dict.fromkeys((o['file'], r['file'])))} |")
     for hw, key in (("1x H200", "sim1"), ("2x H200", "sim2")):
         for p in sorted(d[key], key=lambda p: p["gib"], reverse=True):
             what = CASE_LABEL[p["case"]] if p["case"] == "tiny" else \
