@@ -1,0 +1,129 @@
+"""Pure planning of tensors registered in pieces (FSDP2/TP shards, ``TensorShard`` boxes).
+
+A piece is a box of a tensor: the ``TensorMeta`` of its local bytes carries ``box =
+(global_shape, offsets)``. The ranks' pieces of one name must tile the tensor exactly (no
+overlap, no gap, one dtype, one global shape); :func:`group_pieces` checks that on the
+gathered metas, so every rank reaches the same verdict without talking, and groups them.
+
+Plain data in, plain data out: no torch, no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ckpt_core.errors import CheckpointFormatError
+
+
+@dataclass(frozen=True)
+class Piece:
+    rank: int
+    meta: object                 # the owner's TensorMeta (its ``shape`` is the box's extent)
+    offsets: tuple[int, ...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.meta.shape)
+
+
+@dataclass(frozen=True)
+class PiecedTensor:
+    """One tensor of the checkpoint as the ranks' pieces make it up."""
+    name: str
+    dtype: str
+    shape: tuple[int, ...]       # the global shape
+    itemsize: int
+    pieces: tuple[Piece, ...]    # in row-major order of their first element
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+    @property
+    def scratch_bytes(self) -> int:
+        """Bytes of its pieces that cannot be broadcast into place (strided boxes)."""
+        return sum(p.meta.nbytes for p in self.pieces if contiguous_start(self.shape, p.offsets, p.shape) is None)
+
+
+def contiguous_start(shape, offsets, extent) -> int | None:
+    """The element index where a box starts if its elements are one contiguous run of the
+    row-major tensor, else None. A box is contiguous when, past its first dimension of extent
+    other than 1, it spans every later dimension whole (a range of rows is the usual case)."""
+    if math.prod(extent) == 0:
+        return 0
+    k = next((i for i, e in enumerate(extent) if e != 1), len(extent))
+    if any(extent[i] != shape[i] for i in range(k + 1, len(shape))):
+        return None
+    start, stride = 0, 1
+    for i in range(len(shape) - 1, -1, -1):
+        start += offsets[i] * stride
+        stride *= shape[i]
+    return start
+
+
+def is_piece(meta) -> bool:
+    return getattr(meta, "box", None) is not None
+
+
+def group_pieces(metas_per_rank: list[list]) -> list[PiecedTensor]:
+    """Every pieced tensor, checked to tile exactly; in order of first appearance (rank by rank).
+
+    Raises ``CheckpointFormatError`` naming the tensor and the ranks for a whole tensor of the
+    same name as pieces, a dtype or global-shape disagreement, a box outside the tensor, two
+    overlapping boxes, or a gap.
+    """
+    found: dict[str, list[Piece]] = {}
+    whole: dict[str, int] = {}
+    for rank, metas in enumerate(metas_per_rank):
+        for m in metas:
+            if is_piece(m):
+                found.setdefault(m.name, []).append(Piece(rank, m, tuple(m.box[1])))
+            else:
+                whole.setdefault(m.name, rank)
+    out = []
+    for name, pieces in found.items():
+        if name in whole:
+            raise CheckpointFormatError(f"registered whole on rank {whole[name]} and in pieces on rank(s) "
+                                        f"{sorted({p.rank for p in pieces})}", tensor=name)
+        out.append(_check_tiling(name, pieces))
+    return out
+
+
+def _check_tiling(name: str, pieces: list[Piece]) -> PiecedTensor:
+    first = pieces[0]
+    shape, dtype = tuple(first.meta.box[0]), first.meta.dtype
+    for p in pieces[1:]:
+        if p.meta.dtype != dtype:
+            raise CheckpointFormatError(f"pieces disagree on the dtype: {dtype} on rank {first.rank}, "
+                                        f"{p.meta.dtype} on rank {p.rank}", tensor=name)
+        if tuple(p.meta.box[0]) != shape:
+            raise CheckpointFormatError(f"pieces disagree on the global shape: {list(shape)} on rank {first.rank}, "
+                                        f"{list(p.meta.box[0])} on rank {p.rank}", tensor=name)
+    for p in pieces:
+        if len(p.offsets) != len(shape) or len(p.shape) != len(shape) or any(
+                o < 0 or o + e > d for o, e, d in zip(p.offsets, p.shape, shape)):
+            raise CheckpointFormatError(f"rank {p.rank}'s piece at offsets {list(p.offsets)} of extent "
+                                        f"{list(p.shape)} lies outside the global shape {list(shape)}", tensor=name)
+    live = sorted((p for p in pieces if math.prod(p.shape)), key=lambda p: p.offsets)
+    _no_overlap(name, live)
+    covered, total = sum(math.prod(p.shape) for p in live), math.prod(shape)
+    if covered != total:
+        raise CheckpointFormatError(f"the pieces of rank(s) {sorted({p.rank for p in pieces})} cover {covered} of "
+                                    f"its {total} elements (global shape {list(shape)}): a piece is missing",
+                                    tensor=name)
+    return PiecedTensor(name, dtype, shape, first.meta.itemsize, tuple(live))
+
+
+def _no_overlap(name: str, live: list[Piece]) -> None:
+    """A sweep along dimension 0: only boxes whose row ranges meet are compared."""
+    active: list[Piece] = []
+    for p in live:
+        lo = p.offsets[0] if p.offsets else 0
+        active = [a for a in active if not a.offsets or a.offsets[0] + a.shape[0] > lo]
+        for a in active:
+            if all(ao < po + pe and po < ao + ae for ao, ae, po, pe in zip(a.offsets, a.shape, p.offsets, p.shape)):
+                raise CheckpointFormatError(
+                    f"the pieces of rank {a.rank} (offsets {list(a.offsets)}, extent {list(a.shape)}) and rank "
+                    f"{p.rank} (offsets {list(p.offsets)}, extent {list(p.shape)}) overlap", tensor=name)
+        active.append(p)
