@@ -141,3 +141,20 @@ def run_trainers(world: int, address, *, tp: int = 1, steps: int = 2, timeout: f
     procs = [CTX.Process(target=trainer_main, args=(r, world, port, tp, steps, address, q), daemon=True)
              for r in range(world)]
     return collect_world(procs, q, "trainer world", timeout)
+
+
+# ---------------------------------------------------------------- helpers run inside PsWorld ranks ("call")
+def register_dtensor(ps, rank: int, name: str, placement: str) -> dict:
+    """Register a DTensor of the given placement on a 1-D mesh over the PS's own world; report the
+    outcome and what is registered afterwards."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+    mesh = init_device_mesh("cpu", (ps.world_size,))
+    p = {"partial": Partial(), "replicate": Replicate(), "shard": Shard(0)}[placement]
+    local = torch.full((3, 4), float(rank + 1))
+    t = DTensor.from_local(local, mesh, [p], run_check=False)
+    try:
+        ps.register_checkpoint(name, named_tensors={"w": t, "plain": torch.ones(2) * rank} if rank == 0 else {"w": t})
+        return {"ok": True, "checkpoints": ps.checkpoints(), "bytes": ps.last_register["bytes"]}
+    except Exception as exc:
+        return {"ok": False, "error": type(exc).__name__, "message": str(exc), "checkpoints": ps.checkpoints()}
