@@ -26,6 +26,7 @@ import os
 from dataclasses import dataclass
 
 from ckpt_core.planning.buckets import TensorMeta
+from ckpt_core.planning.pieces import group_pieces
 from ckpt_core.transfer.prechecks import check_count, meta_row, tensor_meta
 from ckpt_core.errors import ConfigError
 
@@ -199,11 +200,12 @@ def parse(doc) -> dict[str, Source]:
                 raise ConfigError(f"metas: {where} must be {{'rank': {r}, 'p2p': ..., 'tensors': [...]}}")
             peer = parse_peer(o.get("p2p"), where)
             ms = [_tensor(t, f"{where} tensor {i}", peer) for i, t in enumerate(o["tensors"])]
-            for m in ms:
+            for m in (m for m in ms if m.box is None):   # pieces share their name by design
                 if m.name in seen:
                     raise ConfigError(f"metas: tensor {m.name!r} of {name!r} is listed by two owners")
                 seen.add(m.name)
             metas.append(ms)
             peers.append(peer)
+        group_pieces(metas)   # pieces must tile their tensors (CheckpointFormatError), before anything installs
         out[name] = Source(metas, peers)
     return out

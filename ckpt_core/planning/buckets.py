@@ -17,7 +17,7 @@ from functools import cached_property
 from typing import NamedTuple
 
 from ckpt_core.errors import ConfigError
-from ckpt_core.planning.pieces import PiecedTensor, contiguous_start, group_pieces
+from ckpt_core.planning.pieces import PiecedTensor, contiguous_start, group_pieces, piece_key
 
 ALIGN = 256          # offset alignment of a tensor placed on its own in a bucket
 PIN_CHUNK = 512 << 20   # host regions are pinned in pieces of this size, at offsets that are multiples of it
@@ -109,6 +109,14 @@ class Scatter:
     itemsize: int
 
 
+class PieceSpan(NamedTuple):
+    """Where one rank's piece lands in a bucket as broadcast (before strided pieces are placed)."""
+    rank: int
+    key: str             # ``pieces.piece_key``: what its owner's digest is published under
+    offset: int
+    nbytes: int
+
+
 SHARED = -1   # the owner of a bucket filled by several ranks (its ``segments`` say who sends what)
 
 
@@ -119,6 +127,7 @@ class Bucket:
     nbytes: int = 0
     shared: tuple[Segment, ...] | None = None   # set for a bucket of pieces (owner SHARED)
     scatters: tuple[Scatter, ...] = ()
+    spans: tuple[PieceSpan, ...] = ()           # a bucket of pieces: each piece as broadcast
 
     @cached_property
     def copy_runs(self) -> tuple[CopyRun, ...]:
@@ -258,7 +267,7 @@ def pack_pieced(tensors: list[PiecedTensor], bucket_bytes: int) -> list[Bucket]:
 
 
 def _pieced_bucket(tensors: list[PiecedTensor]) -> Bucket:
-    placements, direct, strided = [], [], {}
+    placements, direct, strided, spans = [], [], {}, []
     pos = 0
     for t in tensors:
         at = align_up(pos)
@@ -269,6 +278,7 @@ def _pieced_bucket(tensors: list[PiecedTensor]) -> Bucket:
                 strided.setdefault(p.rank, []).append((t, p, at))
             else:
                 direct.append((p.rank, at + start * t.itemsize, p.meta))
+                spans.append(PieceSpan(p.rank, piece_key(t.name, p.offsets), at + start * t.itemsize, p.meta.nbytes))
         pos = at + t.nbytes
     segments, scatters = _direct_segments(direct), []
     for rank in sorted(strided):
@@ -277,9 +287,10 @@ def _pieced_bucket(tensors: list[PiecedTensor]) -> Bucket:
         for t, p, at in strided[rank]:
             runs.append(CopyRun(p.meta.base, p.meta.base_offset, pos, p.meta.nbytes))
             scatters.append(Scatter(pos, at, t.shape, p.offsets, p.shape, t.itemsize))
+            spans.append(PieceSpan(rank, piece_key(t.name, p.offsets), pos, p.meta.nbytes))
             pos += p.meta.nbytes
         segments.append(_segment(rank, start, pos - start, runs))
-    return Bucket(SHARED, placements, max(pos, 0), tuple(segments), tuple(scatters))
+    return Bucket(SHARED, placements, pos, tuple(segments), tuple(scatters), tuple(spans))
 
 
 def _direct_segments(direct: list[tuple[int, int, TensorMeta]]) -> list[Segment]:

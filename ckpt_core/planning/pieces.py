@@ -62,6 +62,15 @@ def contiguous_start(shape, offsets, extent) -> int | None:
     return start
 
 
+def piece_key(name: str, offsets) -> str:
+    """A piece's name where whole tensors use theirs (P2P digests): ``name@o0,o1,...``."""
+    return f"{name}@{','.join(str(o) for o in offsets)}"
+
+
+def meta_key(meta) -> str:
+    return meta.name if meta.box is None else piece_key(meta.name, meta.box[1])
+
+
 def is_piece(meta) -> bool:
     return getattr(meta, "box", None) is not None
 
