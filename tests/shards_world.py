@@ -46,15 +46,15 @@ class Block(torch.nn.Module):
         return h + self.down(torch.nn.functional.gelu(self.up(h)))
 
 
-def build(world: int, tp: int):
+def build(world: int, tp: int, kind: str = "cpu"):
     """The model on a (dp,) or (dp, tp) mesh: column-wise ``up``, row-wise ``down`` under TP, then FSDP2."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     torch.manual_seed(0)                      # the same initial weights on every rank
-    model = TinyLM()
+    model = TinyLM().to("cuda" if kind == "cuda" else "cpu")
     if tp > 1:
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-        mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
+        mesh = init_device_mesh(kind, (world // tp, tp), mesh_dim_names=("dp", "tp"))
         plan = {}
         for i in range(len(model.blocks)):
             plan[f"blocks.{i}.up"] = ColwiseParallel()
@@ -62,7 +62,7 @@ def build(world: int, tp: int):
         parallelize_module(model, mesh["tp"], plan)
         dp = mesh["dp"]
     else:
-        dp = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+        dp = init_device_mesh(kind, (world,), mesh_dim_names=("dp",))
     for b in model.blocks:
         fully_shard(b, mesh=dp)
     fully_shard(model, mesh=dp)
@@ -72,7 +72,7 @@ def build(world: int, tp: int):
 def train_step(model, dp_rank: int, step: int) -> None:
     # fresh data per data-parallel rank and step (the ranks of one TP group see the same batch)
     gen = torch.Generator().manual_seed(1000 * step + dp_rank)
-    ids = torch.randint(0, VOCAB, (4, 8), generator=gen)
+    ids = torch.randint(0, VOCAB, (4, 8), generator=gen).to(model.embed.weight.device)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     loss = model(ids).float().pow(2).mean()
     loss.backward()
@@ -102,16 +102,18 @@ def local_bytes(state: dict) -> int:
     return sum(t.to_local().numel() * t.element_size() for t in state.values())
 
 
-def trainer_main(rank: int, world: int, port: int, tp: int, steps: int, address, out) -> None:
+def trainer_main(rank: int, world: int, port: int, tp: int, steps: int, address, out, kind: str = "cpu") -> None:
     import torch.distributed as dist
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0")
     results: list = []
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        if kind == "cuda":
+            torch.cuda.set_device(rank)
+        dist.init_process_group("nccl" if kind == "cuda" else "gloo", rank=rank, world_size=world)
         from ckpt_core import ParameterServer
-        model = build(world, tp)
-        ps = ParameterServer(device="cpu", auto_pg=False)
+        model = build(world, tp, kind)
+        ps = ParameterServer(device=kind, auto_pg=False)
         req = make_req_func(address) if rank == 0 else (lambda h: None)
         for step in range(steps):
             train_step(model, rank // tp, step)
@@ -135,10 +137,11 @@ def trainer_main(rank: int, world: int, port: int, tp: int, steps: int, address,
     out.put((rank, results))
 
 
-def run_trainers(world: int, address, *, tp: int = 1, steps: int = 2, timeout: float = 240) -> dict[int, list]:
+def run_trainers(world: int, address, *, tp: int = 1, steps: int = 2, timeout: float = 240,
+                 kind: str = "cpu") -> dict[int, list]:
     port = free_port()
     q = CTX.Queue()
-    procs = [CTX.Process(target=trainer_main, args=(r, world, port, tp, steps, address, q), daemon=True)
+    procs = [CTX.Process(target=trainer_main, args=(r, world, port, tp, steps, address, q, kind), daemon=True)
              for r in range(world)]
     return collect_world(procs, q, "trainer world", timeout)
 
