@@ -17,7 +17,7 @@ from functools import cached_property
 from typing import NamedTuple
 
 from ckpt_core.errors import ConfigError
-from ckpt_core.planning.pieces import PiecedTensor, contiguous_start, group_pieces, piece_key
+from ckpt_core.planning.pieces import PiecedTensor, group_pieces, piece_key
 
 ALIGN = 256          # offset alignment of a tensor placed on its own in a bucket
 PIN_CHUNK = 512 << 20   # host regions are pinned in pieces of this size, at offsets that are multiples of it
@@ -273,7 +273,7 @@ def _pieced_bucket(tensors: list[PiecedTensor]) -> Bucket:
         at = align_up(pos)
         placements.append(Placement(TensorMeta(t.name, t.dtype, t.shape, t.nbytes, t.itemsize, -1, 0), at))
         for p in t.pieces:
-            start = contiguous_start(t.shape, p.offsets, p.shape)
+            start = p.start
             if start is None:
                 strided.setdefault(p.rank, []).append((t, p, at))
             else:

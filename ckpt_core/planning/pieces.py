@@ -12,19 +12,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ckpt_core.errors import CheckpointFormatError
 
 
-@dataclass(frozen=True)
-class Piece:
+class Piece(NamedTuple):
     rank: int
     meta: object                 # the owner's TensorMeta (its ``shape`` is the box's extent)
     offsets: tuple[int, ...]
+    start: int | None            # ``contiguous_start`` of the box: None for a strided piece
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self.meta.shape)
+        return self.meta.shape
 
 
 @dataclass(frozen=True)
@@ -35,28 +36,26 @@ class PiecedTensor:
     shape: tuple[int, ...]       # the global shape
     itemsize: int
     pieces: tuple[Piece, ...]    # in row-major order of their first element
+    scratch_bytes: int = 0       # bytes of its strided pieces (broadcast packed, then placed)
 
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.itemsize
-
-    @property
-    def scratch_bytes(self) -> int:
-        """Bytes of its pieces that cannot be broadcast into place (strided boxes)."""
-        return sum(p.meta.nbytes for p in self.pieces if contiguous_start(self.shape, p.offsets, p.shape) is None)
 
 
 def contiguous_start(shape, offsets, extent) -> int | None:
     """The element index where a box starts if its elements are one contiguous run of the
     row-major tensor, else None. A box is contiguous when, past its first dimension of extent
     other than 1, it spans every later dimension whole (a range of rows is the usual case)."""
-    if math.prod(extent) == 0:
-        return 0
-    k = next((i for i, e in enumerate(extent) if e != 1), len(extent))
-    if any(extent[i] != shape[i] for i in range(k + 1, len(shape))):
-        return None
+    n = len(shape)
+    k = 0
+    while k < n and extent[k] == 1:
+        k += 1
+    for i in range(k + 1, n):
+        if extent[i] != shape[i]:
+            return None
     start, stride = 0, 1
-    for i in range(len(shape) - 1, -1, -1):
+    for i in range(n - 1, -1, -1):
         start += offsets[i] * stride
         stride *= shape[i]
     return start
@@ -71,10 +70,6 @@ def meta_key(meta) -> str:
     return meta.name if meta.box is None else piece_key(meta.name, meta.box[1])
 
 
-def is_piece(meta) -> bool:
-    return getattr(meta, "box", None) is not None
-
-
 def group_pieces(metas_per_rank: list[list]) -> list[PiecedTensor]:
     """Every pieced tensor, checked to tile exactly; in order of first appearance (rank by rank).
 
@@ -86,8 +81,8 @@ def group_pieces(metas_per_rank: list[list]) -> list[PiecedTensor]:
     whole: dict[str, int] = {}
     for rank, metas in enumerate(metas_per_rank):
         for m in metas:
-            if is_piece(m):
-                found.setdefault(m.name, []).append(Piece(rank, m, tuple(m.box[1])))
+            if m.box is not None:
+                found.setdefault(m.name, []).append(Piece(rank, m, m.box[1], None))
             else:
                 whole.setdefault(m.name, rank)
     out = []
@@ -114,14 +109,16 @@ def _check_tiling(name: str, pieces: list[Piece]) -> PiecedTensor:
                 o < 0 or o + e > d for o, e, d in zip(p.offsets, p.shape, shape)):
             raise CheckpointFormatError(f"rank {p.rank}'s piece at offsets {list(p.offsets)} of extent "
                                         f"{list(p.shape)} lies outside the global shape {list(shape)}", tensor=name)
-    live = sorted((p for p in pieces if math.prod(p.shape)), key=lambda p: p.offsets)
+    live = sorted((p._replace(start=contiguous_start(shape, p.offsets, p.shape)) for p in pieces
+                   if p.meta.nbytes or math.prod(p.shape)), key=lambda p: p.offsets)
     _no_overlap(name, live)
     covered, total = sum(math.prod(p.shape) for p in live), math.prod(shape)
     if covered != total:
         raise CheckpointFormatError(f"the pieces of rank(s) {sorted({p.rank for p in pieces})} cover {covered} of "
                                     f"its {total} elements (global shape {list(shape)}): a piece is missing",
                                     tensor=name)
-    return PiecedTensor(name, dtype, shape, first.meta.itemsize, tuple(live))
+    scratch = sum(p.meta.nbytes for p in live if p.start is None)
+    return PiecedTensor(name, dtype, shape, first.meta.itemsize, tuple(live), scratch)
 
 
 def _no_overlap(name: str, live: list[Piece]) -> None:

@@ -18,7 +18,7 @@ from ckpt_core import errors
 from ckpt_core._settings import update_seconds
 from ckpt_core.checkpoint.sources import RegisteredCheckpoint
 from ckpt_core.planning.pieces import group_pieces
-from ckpt_core.planning.buckets import Plan, TensorMeta, choose_layout, first_shared_name, layout_sizes
+from ckpt_core.planning.buckets import Plan, TensorMeta, choose_layout, first_shared_name
 from ckpt_core.checkpoint.safetensors import WIRE_DTYPES
 from ckpt_core.errors import CheckpointNotFoundError, CkptError, ConfigError
 
@@ -236,10 +236,11 @@ class UpdateAgreement:
         """This rank's metas digest and the (bucket size, slots) its free memory allows."""
         metas = self._metas[name]
         free = self.backend.mem_get_info(self.device_index)[0] + (self._ipc.nbytes if self._ipc else 0)
-        largest, owner_total = layout_sizes(metas)
+        digest = self._plans.digest(name, metas)
+        largest, owner_total = self._plans.sizes(metas, digest)
         size, slots = choose_layout(
             free, mem_fraction=self.settings.mem_fraction, max_slots=self.settings.num_slots,
             max_bucket_bytes=self.settings.max_bucket_bytes, largest_tensor=largest, largest_owner_total=owner_total)
-        return {"fp": self._plans.digest(name, metas), "bucket": size, "slots": slots}
+        return {"fp": digest, "bucket": size, "slots": slots}
 
 
