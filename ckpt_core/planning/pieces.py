@@ -82,7 +82,7 @@ def group_pieces(metas_per_rank: list[list]) -> list[PiecedTensor]:
     for rank, metas in enumerate(metas_per_rank):
         for m in metas:
             if m.box is not None:
-                found.setdefault(m.name, []).append(Piece(rank, m, m.box[1], None))
+                found.setdefault(m.name, []).append(Piece(rank, m, m.box[1], None))   # start: _check_tiling
             else:
                 whole.setdefault(m.name, rank)
     out = []
@@ -96,29 +96,49 @@ def group_pieces(metas_per_rank: list[list]) -> list[PiecedTensor]:
 
 def _check_tiling(name: str, pieces: list[Piece]) -> PiecedTensor:
     first = pieces[0]
-    shape, dtype = tuple(first.meta.box[0]), first.meta.dtype
-    for p in pieces[1:]:
+    shape, dtype = first.meta.box[0], first.meta.dtype
+    ndim = len(shape)
+    live = []
+    for p in pieces:
         if p.meta.dtype != dtype:
             raise CheckpointFormatError(f"pieces disagree on the dtype: {dtype} on rank {first.rank}, "
                                         f"{p.meta.dtype} on rank {p.rank}", tensor=name)
-        if tuple(p.meta.box[0]) != shape:
+        if p.meta.box[0] != shape:
             raise CheckpointFormatError(f"pieces disagree on the global shape: {list(shape)} on rank {first.rank}, "
                                         f"{list(p.meta.box[0])} on rank {p.rank}", tensor=name)
-    for p in pieces:
-        if len(p.offsets) != len(shape) or len(p.shape) != len(shape) or any(
-                o < 0 or o + e > d for o, e, d in zip(p.offsets, p.shape, shape)):
+        ext = p.meta.shape
+        if len(p.offsets) != ndim or len(ext) != ndim or not all(
+                0 <= p.offsets[d] and p.offsets[d] + ext[d] <= shape[d] for d in range(ndim)):
             raise CheckpointFormatError(f"rank {p.rank}'s piece at offsets {list(p.offsets)} of extent "
-                                        f"{list(p.shape)} lies outside the global shape {list(shape)}", tensor=name)
-    live = sorted((p._replace(start=contiguous_start(shape, p.offsets, p.shape)) for p in pieces
-                   if p.meta.nbytes or math.prod(p.shape)), key=lambda p: p.offsets)
-    _no_overlap(name, live)
-    covered, total = sum(math.prod(p.shape) for p in live), math.prod(shape)
+                                        f"{list(ext)} lies outside the global shape {list(shape)}", tensor=name)
+        if p.meta.nbytes:
+            live.append(Piece(p.rank, p.meta, p.offsets, contiguous_start(shape, p.offsets, ext)))
+    total = math.prod(shape)
+    if all(p.start is not None for p in live):   # runs of the flat tensor (rows): a 1-D check suffices
+        live.sort(key=lambda p: p.start)
+        _runs_tile(name, live, shape, [p.rank for p in pieces])
+    else:
+        live.sort(key=lambda p: p.offsets)
+        _no_overlap(name, live)
+    covered = sum(math.prod(p.shape) for p in live)
     if covered != total:
         raise CheckpointFormatError(f"the pieces of rank(s) {sorted({p.rank for p in pieces})} cover {covered} of "
                                     f"its {total} elements (global shape {list(shape)}): a piece is missing",
                                     tensor=name)
     scratch = sum(p.meta.nbytes for p in live if p.start is None)
     return PiecedTensor(name, dtype, shape, first.meta.itemsize, tuple(live), scratch)
+
+
+def _runs_tile(name: str, live: list[Piece], shape, ranks: list[int]) -> None:
+    """Contiguous pieces sorted by their first element: each must start where the previous ended
+    (an overlap names both ranks; a gap is reported by the caller's element count)."""
+    end, prev = 0, None
+    for p in live:
+        if p.start < end:
+            raise CheckpointFormatError(
+                f"the pieces of rank {prev.rank} (offsets {list(prev.offsets)}, extent {list(prev.shape)}) and rank "
+                f"{p.rank} (offsets {list(p.offsets)}, extent {list(p.shape)}) overlap", tensor=name)
+        end, prev = p.start + math.prod(p.shape), p
 
 
 def _no_overlap(name: str, live: list[Piece]) -> None:
