@@ -120,3 +120,19 @@ def test_tensor_shard_refuses_boxes_outside_the_tensor_and_mismatched_ranks():
         TensorShard(torch.zeros(3, 2), (4, 2, 1), (0, 0))
     with pytest.raises(ConfigError, match="non-negative ints"):
         TensorShard(torch.zeros(3), (4,), (-1,))
+
+
+def test_pieces_round_trip_through_the_metas_document_and_a_bad_tiling_there_is_refused():
+    import json
+    from ckpt_core.p2p import metas as _metas
+    from ckpt_core.transfer.prechecks import parse_metas
+    good = [[piece("w", (4, 2), (0, 0), (2, 2))], [piece("w", (4, 2), (2, 0), (2, 2))]]
+    doc = json.loads(json.dumps(_metas.dump({"c": good}, {})))
+    assert doc["checkpoints"]["c"]["owners"][1]["tensors"][0][7] == [[4, 2], [2, 0]]
+    assert _metas.parse(doc)["c"].metas == good
+    assert parse_metas(_metas.to_legacy(_metas.parse(doc)), 2)["c"] == good
+    bad = [[piece("w", (4, 2), (0, 0), (3, 2))], [piece("w", (4, 2), (2, 0), (2, 2))]]
+    with pytest.raises(CheckpointFormatError, match="overlap"):
+        _metas.parse(json.loads(json.dumps(_metas.dump({"c": bad}, {}))))
+    with pytest.raises(CheckpointFormatError, match="overlap"):
+        parse_metas({"c": [[m._asdict() | {"box": [list(m.box[0]), list(m.box[1])]} for m in ms] for ms in bad]}, 2)
