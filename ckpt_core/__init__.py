@@ -6,6 +6,7 @@ Public API (names kept from MoonshotAI's checkpoint-engine)::
 """
 
 from ckpt_core.checkpoint.sources import split_checkpoint_files
+from ckpt_core.checkpoint.shards import TensorShard
 from ckpt_core._ps import ParameterServer
 from ckpt_core.engines.requests import request_inference_to_update
 from ckpt_core.wire.worker import update_weights_from_ipc
@@ -20,6 +21,7 @@ __all__ = [
     "update_weights_from_ipc",
     "request_inference_to_update",
     "split_checkpoint_files",
+    "TensorShard",
     "local_device_key",
     *errors.__all__,
     "__version__",

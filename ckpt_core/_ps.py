@@ -21,7 +21,8 @@ from ckpt_core.p2p import metas as _metas
 from ckpt_core.p2p.update import P2PState, run_update as run_p2p_update
 from ckpt_core.planning.buckets import TensorMeta, first_shared_name
 from ckpt_core.transfer.plan_cache import PlanCache
-from ckpt_core.transfer.prechecks import (UpdateAgreement, parse_metas, problem_of, raise_agreed, same_call,
+from ckpt_core.planning.pieces import group_pieces
+from ckpt_core.transfer.prechecks import (UpdateAgreement, meta_row, parse_metas, problem_of, raise_agreed, same_call,
                                           tensor_meta)
 from ckpt_core._settings import load_settings, p2p_env
 from ckpt_core.planning.nics import is_loopback, loopback_owners
@@ -248,8 +249,7 @@ class ParameterServer(UpdateAgreement, BroadcastUpdate):
         ckpt = mine = problem = None
         if isinstance(name, str):   # a local problem goes into the exchange: no rank is left waiting
             ckpt = self._checkpoints.get(name)
-            mine = None if ckpt is None else [[m.name, m.dtype, list(m.shape), m.nbytes, m.itemsize, m.base,
-                                              m.base_offset] for m in ckpt.metas]
+            mine = None if ckpt is None else [meta_row(m) for m in ckpt.metas]
         else:
             problem = problem_of(ConfigError(f"checkpoint name must be a string, got {name!r}"))
         # the name travels too: ranks gathering two checkpoints would each install a mix of both
@@ -267,8 +267,10 @@ class ParameterServer(UpdateAgreement, BroadcastUpdate):
         shared = first_shared_name(metas)
         if shared:
             raise CheckpointFormatError(f"tensor is registered on rank {shared[1]} and rank {shared[2]}", tensor=shared[0])
+        pieced = group_pieces(metas)   # pieces must tile their tensors: the same verdict on every rank
         self._metas[name] = metas
-        self._log.info("gathered metas of %r: %d tensors on %d ranks in %.3f s", name, sum(map(len, metas)),
+        self._log.info("gathered metas of %r: %d tensors (%d of them in pieces) on %d ranks in %.3f s", name,
+                       sum(1 for ms in metas for m in ms if m.box is None) + len(pieced), len(pieced),
                        self.world_size, time.perf_counter() - t0)
 
     def get_metas(self) -> dict:

@@ -1,4 +1,5 @@
-"""Checkpoint sources: safetensors files, in-memory named tensors, /dev/shm files in place.
+"""Checkpoint sources: safetensors files, in-memory named tensors (whole, DTensor shards or
+``TensorShard`` boxes: ``shards.py``), /dev/shm files in place.
 
 ``build_checkpoint`` validates everything first (all headers, names, dtypes),
 then lays the copied content out in one host region and fills it; a failure
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ckpt_core.checkpoint.duplicates import dedupe
+from ckpt_core.checkpoint.shards import TensorShard, boxes_of, is_pieced
 from ckpt_core.checkpoint.host import (HostRegion, SharedPool, copy_jobs, counted, file_writable, map_file_region, new_region,
                     populate_and_pin, read_jobs, run_jobs)
 from ckpt_core.planning.buckets import TensorMeta, align_up
@@ -80,8 +82,8 @@ def _check_named(named: dict) -> list[tuple[str, torch.Tensor]]:
     for name, t in named.items():
         if not isinstance(name, str) or not name:
             raise ConfigError(f"tensor names must be non-empty strings, got {name!r}")
-        if not isinstance(t, torch.Tensor):
-            raise ConfigError(f"named_tensors[{name!r}] is a {type(t).__name__}, not a torch.Tensor")
+        if not isinstance(t, (torch.Tensor, TensorShard)):
+            raise ConfigError(f"named_tensors[{name!r}] is a {type(t).__name__}, not a torch.Tensor or TensorShard")
         if t.dtype not in WIRE_CODES:
             raise ConfigError(f"named_tensors[{name!r}] has dtype {t.dtype}, which is unsupported: only dtypes "
                               "with a whole number of bytes per element and plain storage can be carried")
@@ -106,8 +108,11 @@ def build_checkpoint(name: str, backend: DeviceBackend, *, files=None,
         raise ConfigError(f"checkpoint file(s) do not exist or are not regular files: {missing}")
     clock = _Phases()
     named = _check_named(named_tensors or {})
+    pieces = [(b.name, b.view, (b.global_shape, b.offsets)) for n, t in named if is_pieced(t) for b in boxes_of(n, t)]
+    named = [(n, t) for n, t in named if not is_pieced(t)]
     headers = [_read_header(p) for p in files]          # validates every file before any allocation
     skip, named = dedupe(headers, named)               # duplicate names: identical once, differing raise
+    named = named + pieces                             # pieces: this rank's boxes (their tiling: gather_metas)
     headers = [_without(h, {n for i, n in skip if i == k}) for k, h in enumerate(headers)]
     eligible, placed, writable = _in_place_files(backend, headers, inplace)
     copied = [h for h in headers if all(h is not p for p in placed)]
@@ -220,7 +225,7 @@ def _layout(copied: list[SafetensorsHeader], named) -> tuple[list[int], int]:
     for h in copied:
         offsets.append(pos)
         pos = align_up(pos + h.file_size - h.data_offset)
-    for _, t in named:
+    for _, t, *_ in named:
         offsets.append(pos)
         pos = align_up(pos + t.numel() * t.element_size())
     return offsets, pos
@@ -231,10 +236,10 @@ def _fill_jobs(region: HostRegion, copied, named, layout) -> list:
     reads = [(h.path, h.data_offset, buf[off: off + h.file_size - h.data_offset])
              for h, off in zip(copied, layout) if h.file_size > h.data_offset]
     pairs = []
-    for (_, t), off in zip(named, layout[len(copied):]):
+    for (_, t, *_), off in zip(named, layout[len(copied):]):
+        # a device tensor is copied device-to-host straight into the region (pinned where the kind
+        # pins): no host copy of it on the way
         src = _flat_bytes(t)
-        if src.device.type != "cpu":
-            src = src.cpu()
         pairs.append((buf[off: off + src.numel()], src))
     return read_jobs(region, reads) + copy_jobs(region, pairs)
 
@@ -251,8 +256,8 @@ def _metas_copied(rid: int, copied, named, layout) -> list[TensorMeta]:
     out = []
     for h, off in zip(copied, layout):
         out += [_meta(e.name, e.dtype, e.shape, rid, off + e.start - h.data_offset) for e in h.tensors]
-    for (n, t), off in zip(named, layout[len(copied):]):
-        out.append(_meta(n, t.dtype, t.shape, rid, off))
+    for (n, t, *box), off in zip(named, layout[len(copied):]):
+        out.append(_meta(n, t.dtype, t.shape, rid, off)._replace(box=box[0] if box else None))
     return out
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import operator
 
 from ckpt_core.p2p.metas import Source
-from ckpt_core.planning.buckets import align_up, choose_layout
+from ckpt_core.planning.buckets import choose_layout
 from ckpt_core.transfer.prechecks import IDENTITY, problem_of, raise_agreed, same_call, same_kind
 from ckpt_core.errors import CheckpointNotFoundError, ConfigError
 
@@ -45,13 +45,13 @@ def _target_view(ps, name: str) -> tuple[Source, dict]:
                           "serve_p2p=True or PS_P2P_SERVE=1; Mooncake installed there?)")
     metas = src.metas
     free = ps.backend.mem_get_info(ps.device_index)[0] + (ps._ipc.nbytes if ps._ipc else 0)
+    fp = _metas_digest(ps, name, src)
+    largest, owner_total = ps._plans.sizes(metas, fp)   # a tensor in pieces counts whole; once per layout
     layout = choose_layout(
         free, mem_fraction=ps.settings.mem_fraction, max_slots=ps.settings.num_slots,
-        max_bucket_bytes=ps.settings.max_bucket_bytes,
-        largest_tensor=max((m.nbytes for ms in metas for m in ms), default=0),
-        largest_owner_total=max((sum(align_up(m.nbytes) for m in ms) for ms in metas), default=1))
+        max_bucket_bytes=ps.settings.max_bucket_bytes, largest_tensor=largest, largest_owner_total=owner_total)
     owners = None if name in state.loaded else [r for r, ms in enumerate(metas) if ms]
-    return src, {"fp": _metas_digest(ps, name, src), "layout": layout, "owners": owners}
+    return src, {"fp": fp, "layout": layout, "owners": owners}
 
 
 def _bystander_view(ps, name: str) -> dict:

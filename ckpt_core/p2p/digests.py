@@ -23,6 +23,7 @@ import hashlib
 from concurrent.futures import ThreadPoolExecutor
 
 from ckpt_core._settings import fault_threads
+from ckpt_core.planning.pieces import meta_key
 
 DIGEST_BYTES = 16
 PIECE_BYTES = 32 << 20
@@ -70,7 +71,22 @@ def tensor_digests(ckpt) -> dict[str, str]:
     """Every tensor of a registered checkpoint: name -> digest of its bytes in host memory."""
     metas = list(ckpt.metas)
     views = [ckpt.regions[m.base].tensor[m.base_offset: m.base_offset + m.nbytes] for m in metas]
-    return dict(zip((m.name for m in metas), digests_of(views)))
+    return dict(zip((meta_key(m) for m in metas), digests_of(views)))   # a piece under name@offsets
+
+
+def pieces_mismatch(spans, slot, peers) -> str | None:
+    """``bucket_mismatch`` for a bucket of pieces: each piece against the digest its owner published."""
+    for s in spans:
+        digests = peers[s.rank].digests
+        if digests is None or digests.get(s.key) is None:
+            return f"owner rank {s.rank} published no digest for the piece {s.key!r}"
+    got = digests_of([slot[s.offset: s.offset + s.nbytes] for s in spans])
+    for s, digest in zip(spans, got):
+        if peers[s.rank].digests[s.key] != digest:
+            return (f"the piece {s.key!r} of owner rank {s.rank} does not match the digest it took at registration "
+                    "(its memory was written after registration: a foreign Mooncake peer can write registered "
+                    "memory, docs/p2p.md)")
+    return None
 
 
 def bucket_mismatch(placements, slot, digests: dict[str, str] | None) -> str | None:

@@ -26,7 +26,8 @@ import os
 from dataclasses import dataclass
 
 from ckpt_core.planning.buckets import TensorMeta
-from ckpt_core.transfer.prechecks import check_count, tensor_meta
+from ckpt_core.planning.pieces import group_pieces
+from ckpt_core.transfer.prechecks import check_count, meta_row, tensor_meta
 from ckpt_core.errors import ConfigError
 
 FORMAT = "ckpt-engine/metas"
@@ -70,8 +71,7 @@ def dump(metas: dict[str, list[list[TensorMeta]]], peers: dict[str, list[Peer | 
     for name, per_rank in metas.items():
         ps = peers.get(name) or [None] * len(per_rank)
         out[name] = {"owners": [{"rank": r, "p2p": None if ps[r] is None else ps[r].to_json(),
-                                 "tensors": [[m.name, m.dtype, list(m.shape), m.nbytes, m.itemsize, m.base,
-                                              m.base_offset] for m in ms]}
+                                 "tensors": [meta_row(m) for m in ms]}
                                 for r, ms in enumerate(per_rank)]}
     return {"format": FORMAT, "version": VERSION, "checkpoints": out}
 
@@ -82,8 +82,13 @@ def is_versioned(doc) -> bool:
 
 def to_legacy(doc: dict[str, Source]) -> dict[str, list[list[dict]]]:
     """The unversioned per-rank dicts that ``load_metas`` installs for broadcast updates."""
-    return {name: [[m._asdict() | {"shape": list(m.shape)} for m in ms] for ms in src.metas]
-            for name, src in doc.items()}
+    return {name: [[_legacy(m) for m in ms] for ms in src.metas] for name, src in doc.items()}
+
+
+def _legacy(m: TensorMeta) -> dict:
+    d = m._asdict() | {"shape": list(m.shape)}
+    box = d.pop("box")
+    return d if box is None else d | {"box": [list(box[0]), list(box[1])]}
 
 
 def save(path: str | os.PathLike, doc: dict) -> None:
@@ -159,8 +164,9 @@ def _tensor(t, where: str, peer: Peer | None) -> TensorMeta:
     """A tensor row, validated as every path validates metas (``prechecks.tensor_meta``), and inside
     a region its owner registered. A 0-byte tensor is read from nowhere: it needs no region (an
     owner serves no region of 0 bytes)."""
-    if not isinstance(t, list) or len(t) != 7:
-        raise ConfigError(f"metas: {where} must be [name, dtype, shape, nbytes, itemsize, region, offset]")
+    if not isinstance(t, list) or len(t) not in (7, 8):
+        raise ConfigError(f"metas: {where} must be [name, dtype, shape, nbytes, itemsize, region, offset] "
+                          "(+ [global shape, offsets] for a piece)")
     meta = tensor_meta(*t, where=where)
     if peer is not None and meta.nbytes:
         region = peer.regions.get(meta.base)
@@ -194,11 +200,12 @@ def parse(doc) -> dict[str, Source]:
                 raise ConfigError(f"metas: {where} must be {{'rank': {r}, 'p2p': ..., 'tensors': [...]}}")
             peer = parse_peer(o.get("p2p"), where)
             ms = [_tensor(t, f"{where} tensor {i}", peer) for i, t in enumerate(o["tensors"])]
-            for m in ms:
+            for m in (m for m in ms if m.box is None):   # pieces share their name by design
                 if m.name in seen:
                     raise ConfigError(f"metas: tensor {m.name!r} of {name!r} is listed by two owners")
                 seen.add(m.name)
             metas.append(ms)
             peers.append(peer)
+        group_pieces(metas)   # pieces must tile their tensors (CheckpointFormatError), before anything installs
         out[name] = Source(metas, peers)
     return out

@@ -13,7 +13,7 @@ import traceback
 from dataclasses import dataclass
 
 from ckpt_core.transfer.pipeline import BroadcastPipeline
-from ckpt_core.p2p.digests import bucket_mismatch
+from ckpt_core.p2p.digests import bucket_mismatch, pieces_mismatch
 from ckpt_core.p2p.metas import Peer
 from ckpt_core.p2p.store import MARK, P2PStore
 from ckpt_core.planning.buckets import Bucket
@@ -26,6 +26,12 @@ class P2PBucket(Bucket):
     it, ``source`` the rank that holds its bytes; ``nbytes`` includes the trailing status byte."""
     source: int = -1
     index: int = -1
+    parts: tuple = ()    # ((owner rank, its host runs), ...): one owner, or each piece's owner in a bucket of pieces
+
+    @property
+    def sources(self) -> str:
+        ranks = sorted({r for r, runs in self.parts if runs}) or [self.source]
+        return f"owner rank {ranks[0]}" if len(ranks) == 1 else f"owner ranks {ranks}"
 
 
 class NoLink:
@@ -77,7 +83,8 @@ class P2PPipeline(BroadcastPipeline):
         """Read one bucket into ``dst``; whether it arrived. A failure fails the link, never raises."""
         index, n = bucket.index, bucket.nbytes - 1
         # 0-byte tensors are placed but never read: an owner serves no region of 0 bytes
-        runs = [r for r in bucket.copy_runs if r.nbytes]
+        parts = [(src, [r for r in runs if r.nbytes]) for src, runs in (bucket.parts or ((bucket.source, bucket.copy_runs),))]
+        parts = [(src, runs) for src, runs in parts if runs]
         stopped: list[str] = []
 
         def should_stop():
@@ -86,16 +93,20 @@ class P2PPipeline(BroadcastPipeline):
                 stopped.append(why)
             return why
         try:
-            if runs:
-                peer: Peer = self.peers[bucket.source]
-                base = dst.data_ptr()
+            base = dst.data_ptr()
+            for source, runs in parts:   # each piece from the owner that holds it
+                peer: Peer = self.peers[source]
                 descs = [(base + r.offset, peer.regions[r.base][0] + r.base_offset, r.nbytes) for r in runs]
-                self.store.read(peer, bucket.source, descs, what=f"bucket {index} ({n} bytes)",
+                self.store.read(peer, source, descs, what=f"bucket {index} ({n} bytes)",
                                 deadline=self.read_deadline, should_stop=should_stop)
-                bad = bucket_mismatch(bucket.placements, dst, peer.digests)   # p2p/digests.py
+            if parts:
+                # p2p/digests.py: whole tensors against their owner's digests, pieces against each owner's
+                bad = (pieces_mismatch(bucket.spans, dst, self.peers) if bucket.spans else
+                       bucket_mismatch(bucket.placements, dst, self.peers[parts[0][0]].digests))
                 if bad:
-                    raise TransportError(f"{MARK} of bucket {index} ({n} bytes) from owner rank {bucket.source} "
-                                         f"at {peer.address} is refused: {bad}")
+                    where = "" if bucket.spans else f" at {self.peers[parts[0][0]].address}"
+                    raise TransportError(f"{MARK} of bucket {index} ({n} bytes) from {bucket.sources}{where} "
+                                         f"is refused: {bad}")
             self.read_bytes += n
             return True
         except Exception as exc:   # ours or not: it must reach every rank through the agreement
@@ -103,11 +114,11 @@ class P2PPipeline(BroadcastPipeline):
             done = f"; {index} of {len(self.plan.buckets)} buckets had been handed to the engines" if index else ""
             tb = ""
             if stopped:     # an echo of another rank's failure (or of close()), not a read failure
-                message = f"stopped while reading bucket {index} from owner rank {bucket.source}: {stopped[0]}"
+                message = f"stopped while reading bucket {index} from {bucket.sources}: {stopped[0]}"
             elif isinstance(exc, TransportError):
                 message = f"{exc}{done}"
             else:
-                message = (f"{MARK} of bucket {index} from owner rank {bucket.source} failed on this rank: "
+                message = (f"{MARK} of bucket {index} from {bucket.sources} failed on this rank: "
                            f"{type(exc).__name__}: {exc}{done}")
                 tb = traceback.format_exc()
             self.link._fail(message, tb=tb, timeout=not stopped and isinstance(exc, UpdateTimeoutError))
@@ -120,6 +131,6 @@ class P2PPipeline(BroadcastPipeline):
         at = slot * self.slot_bytes + bucket.nbytes - 1
         if self.link.failure is None and int(self.ipc.tensor[at: at + 1].item()) != 1:
             self.link._fail(f"stopped while receiving bucket {index}: its reader, rank {bucket.owner}, "
-                            f"could not read it from owner rank {bucket.source}")
+                            f"could not read it from {bucket.sources}")
         self.link.send_bucket(index, slot)
         self._report()

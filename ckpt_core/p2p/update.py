@@ -162,13 +162,20 @@ def run_update(ps, name: str, req_func, ranks, timeout) -> dict:
         size = min(v["layout"][0] for v in tv)
         plan, wire = ps._plans.get(src.metas, tv[0]["fp"], size)
         readers = assign_readers([(b.owner, b.nbytes) for b in plan.buckets], list(targets))
-        p2p_plan = Plan(plan.bucket_bytes, tuple(P2PBucket(owner=rd, placements=b.placements, nbytes=b.nbytes + 1,
-                                                           source=b.owner, index=i)
-                                                 for i, (b, rd) in enumerate(zip(plan.buckets, readers))))
+        p2p_plan = Plan(plan.bucket_bytes, tuple(_p2p_bucket(b, i, rd) for i, (b, rd) in enumerate(zip(plan.buckets,
+                                                                                                       readers))))
         slots = max(1, min(min(v["layout"][1] for v in tv), len(plan.buckets)))
     except Exception as exc:   # ours or not: every rank learns it at the next agreement
         _fail_through(ps, exc, deadline)
     return _run_target(ps, name, req_func, deadline, targets, group, src, p2p_plan, wire, slots, update_id, t0)
+
+
+def _p2p_bucket(b, index: int, reader: int) -> P2PBucket:
+    """A planned bucket as its reader moves it: the reader reads every part from the owner that holds
+    it (one owner, or each piece's own), broadcasts the whole slot; every target places strided pieces."""
+    parts = tuple((s.rank, s.runs) for s in b.segments)
+    return P2PBucket(owner=reader, placements=b.placements, nbytes=b.nbytes + 1, scatters=b.scatters, spans=b.spans,
+                     source=b.owner, index=index, parts=parts)
 
 
 def _stand_by(ps, update_id: str, deadline: float) -> None:

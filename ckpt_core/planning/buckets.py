@@ -17,6 +17,7 @@ from functools import cached_property
 from typing import NamedTuple
 
 from ckpt_core.errors import ConfigError
+from ckpt_core.planning.pieces import PiecedTensor, group_pieces, piece_key
 
 ALIGN = 256          # offset alignment of a tensor placed on its own in a bucket
 PIN_CHUNK = 512 << 20   # host regions are pinned in pieces of this size, at offsets that are multiples of it
@@ -39,6 +40,9 @@ class TensorMeta(NamedTuple):
     itemsize: int
     base: int            # id of the host buffer on the owner rank
     base_offset: int     # byte offset in that buffer
+    # A piece of a tensor registered in pieces (``planning/pieces.py``): (global shape, offsets of
+    # the box); ``shape``/``nbytes`` are then the piece's own. None: the whole tensor.
+    box: tuple | None = None
 
 
 @dataclass(frozen=True)
@@ -68,11 +72,62 @@ def split_at_pin_chunks(run: CopyRun) -> list[CopyRun]:
     return out or [run]
 
 
+def merge_runs(runs) -> list[CopyRun]:
+    """Merge consecutive copies whose host and bucket positions advance together."""
+    out: list[CopyRun] = []
+    for r in runs:
+        if out:
+            last = out[-1]
+            if (last.base == r.base and r.base_offset - last.base_offset == r.offset - last.offset
+                    and r.base_offset >= last.base_offset + last.nbytes):
+                out[-1] = CopyRun(last.base, last.base_offset, last.offset, r.base_offset + r.nbytes - last.base_offset)
+                continue
+        out.append(r)
+    return out
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Bytes ``[offset, offset + nbytes)`` of a bucket that ``rank`` stages (``runs``, cut at
+    PIN_CHUNK boundaries) and broadcasts."""
+    rank: int
+    offset: int
+    nbytes: int
+    runs: tuple[CopyRun, ...]
+
+
+@dataclass(frozen=True)
+class Scatter:
+    """A strided piece: broadcast packed at ``src``, then copied on every rank into its box of the
+    whole tensor at ``dst`` (global ``shape``, box ``offsets`` and ``extent``, ``itemsize`` bytes
+    per element)."""
+    src: int
+    dst: int
+    shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    extent: tuple[int, ...]
+    itemsize: int
+
+
+class PieceSpan(NamedTuple):
+    """Where one rank's piece lands in a bucket as broadcast (before strided pieces are placed)."""
+    rank: int
+    key: str             # ``pieces.piece_key``: what its owner's digest is published under
+    offset: int
+    nbytes: int
+
+
+SHARED = -1   # the owner of a bucket filled by several ranks (its ``segments`` say who sends what)
+
+
 @dataclass
 class Bucket:
     owner: int
-    placements: list[Placement] = field(default_factory=list)
+    placements: list[Placement] = field(default_factory=list)   # what the engine worker sees
     nbytes: int = 0
+    shared: tuple[Segment, ...] | None = None   # set for a bucket of pieces (owner SHARED)
+    scatters: tuple[Scatter, ...] = ()
+    spans: tuple[PieceSpan, ...] = ()           # a bucket of pieces: each piece as broadcast
 
     @cached_property
     def copy_runs(self) -> tuple[CopyRun, ...]:
@@ -81,19 +136,20 @@ class Bucket:
         return tuple(r for run in self.runs() for r in split_at_pin_chunks(run))
 
     def runs(self) -> list[CopyRun]:
-        """Merge placements whose host and bucket positions advance together."""
-        out: list[CopyRun] = []
-        for p in self.placements:
-            m = p.meta
-            if out:
-                last = out[-1]
-                if (last.base == m.base and m.base_offset - last.base_offset == p.offset - last.offset
-                        and m.base_offset >= last.base_offset + last.nbytes):
-                    out[-1] = CopyRun(last.base, last.base_offset, last.offset,
-                                      m.base_offset + m.nbytes - last.base_offset)
-                    continue
-            out.append(CopyRun(m.base, m.base_offset, p.offset, m.nbytes))
-        return out
+        """Merge placements whose host and bucket positions advance together (one owner's bucket)."""
+        assert self.shared is None, "a bucket of pieces is staged by segments"
+        return merge_runs(CopyRun(p.meta.base, p.meta.base_offset, p.offset, p.meta.nbytes) for p in self.placements)
+
+    @cached_property
+    def segments(self) -> tuple[Segment, ...]:
+        """Who stages and broadcasts which bytes of the bucket: the owner all of it, or, in a bucket
+        of pieces, each piece's owner its own."""
+        if self.shared is not None:
+            return self.shared
+        return (Segment(self.owner, 0, self.nbytes, self.copy_runs),)
+
+    def owners(self) -> list[int]:
+        return sorted({s.rank for s in self.segments})
 
 
 @dataclass(frozen=True)
@@ -176,10 +232,13 @@ def interleave(per_owner: list[list[Bucket]]) -> list[Bucket]:
 
 
 def first_shared_name(metas_per_rank: list[list[TensorMeta]]) -> tuple[str, int, int] | None:
-    """The first tensor name listed by two ranks (or twice by one), with both ranks; None if none is."""
+    """The first whole tensor's name listed by two ranks (or twice by one), with both ranks; None if
+    none is. Pieces share their name by design (``pieces.group_pieces`` checks them)."""
     owner: dict[str, int] = {}
     for rank, metas in enumerate(metas_per_rank):
         for m in metas:
+            if m.box is not None:
+                continue
             if m.name in owner:
                 return m.name, owner[m.name], rank
             owner[m.name] = rank
@@ -193,8 +252,93 @@ def plan_buckets(metas_per_rank: list[list[TensorMeta]], bucket_bytes: int) -> P
     shared = first_shared_name(metas_per_rank)
     if shared:
         raise ConfigError(f"tensor {shared[0]!r} is registered on rank {shared[1]} and on rank {shared[2]}")
-    per_owner = [_pack_owner(r, metas, bucket_bytes) for r, metas in enumerate(metas_per_rank)]
+    per_owner = [_pack_owner(r, [m for m in metas if m.box is None], bucket_bytes)
+                 for r, metas in enumerate(metas_per_rank)]
+    pieced = group_pieces(metas_per_rank)
+    if pieced:   # buckets of pieces take turns with the owners' own
+        per_owner.append(pack_pieced(pieced, bucket_bytes))
     return Plan(bucket_bytes, tuple(interleave(per_owner)))
+
+
+def layout_sizes(metas_per_rank: list[list[TensorMeta]]) -> tuple[int, int]:
+    """(largest bucket unit, largest total of one owner) of these metas, for ``choose_layout``:
+    a tensor in pieces is one unit of its whole size (plus its strided pieces' scratch), and all
+    of them together count as one more owner."""
+    whole = [[m for m in ms if m.box is None] for ms in metas_per_rank]
+    pieced = group_pieces(metas_per_rank)
+    largest = max([m.nbytes for ms in whole for m in ms] + [t.nbytes + t.scratch_bytes for t in pieced], default=0)
+    totals = [sum(align_up(m.nbytes) for m in ms) for ms in whole]
+    totals.append(sum(align_up(t.nbytes) + t.scratch_bytes for t in pieced))
+    return largest, max(max(totals), 1)
+
+
+def pack_pieced(tensors: list[PiecedTensor], bucket_bytes: int) -> list[Bucket]:
+    """Buckets of whole tensors made of pieces, in order. A piece that is one contiguous run of its
+    tensor is broadcast by its owner straight into place; a strided one into the bucket's scratch
+    area after the tensors (each owner's together), then copied into place on every rank."""
+    buckets: list[Bucket] = []
+    cur: list[PiecedTensor] = []
+    used = 0   # tensor area + scratch of ``cur``
+    for t in tensors:
+        need = align_up(t.nbytes) + t.scratch_bytes + ALIGN * 2
+        if need - ALIGN * 2 > bucket_bytes:
+            raise ConfigError(
+                f"tensor {t.name!r} ({t.nbytes} bytes, registered in pieces) does not fit a bucket of "
+                f"{bucket_bytes} bytes; raise PS_MAX_BUCKET_SIZE_GB / PS_MEM_FRACTION or free device memory")
+        if cur and used + need > bucket_bytes:
+            buckets.append(_pieced_bucket(cur))
+            cur, used = [], 0
+        cur.append(t)
+        used += need
+    if cur:
+        buckets.append(_pieced_bucket(cur))
+    return buckets
+
+
+def _pieced_bucket(tensors: list[PiecedTensor]) -> Bucket:
+    placements, direct, strided, spans = [], [], {}, []
+    pos = 0
+    for t in tensors:
+        at = align_up(pos)
+        placements.append(Placement(TensorMeta(t.name, t.dtype, t.shape, t.nbytes, t.itemsize, -1, 0), at))
+        for p in t.pieces:
+            start = p.start
+            if start is None:
+                strided.setdefault(p.rank, []).append((t, p, at))
+            else:
+                direct.append((p.rank, at + start * t.itemsize, p.meta))
+                spans.append(PieceSpan(p.rank, piece_key(t.name, p.offsets), at + start * t.itemsize, p.meta.nbytes))
+        pos = at + t.nbytes
+    segments, scatters = _direct_segments(direct), []
+    for rank in sorted(strided):
+        pos = start = align_up(pos)
+        runs = []
+        for t, p, at in strided[rank]:
+            runs.append(CopyRun(p.meta.base, p.meta.base_offset, pos, p.meta.nbytes))
+            scatters.append(Scatter(pos, at, t.shape, p.offsets, p.shape, t.itemsize))
+            spans.append(PieceSpan(rank, piece_key(t.name, p.offsets), pos, p.meta.nbytes))
+            pos += p.meta.nbytes
+        segments.append(_segment(rank, start, pos - start, runs))
+    return Bucket(SHARED, placements, pos, tuple(segments), tuple(scatters), tuple(spans))
+
+
+def _direct_segments(direct: list[tuple[int, int, TensorMeta]]) -> list[Segment]:
+    """One segment per run of one rank's pieces with nothing of another rank between them (a small
+    gap, the alignment between two tensors, travels along: no rank writes it)."""
+    out: list[tuple[int, int, int, list[CopyRun]]] = []
+    for rank, at, m in sorted(direct, key=lambda d: d[1]):
+        run = CopyRun(m.base, m.base_offset, at, m.nbytes)
+        if out and out[-1][0] == rank and 0 <= at - (out[-1][1] + out[-1][2]) <= MAX_GAP:
+            r, start, _, runs = out[-1]
+            out[-1] = (r, start, at + m.nbytes - start, runs + [run])
+        else:
+            out.append((rank, at, m.nbytes, [run]))
+    return [_segment(*o) for o in out if o[2]]
+
+
+def _segment(rank: int, offset: int, nbytes: int, runs: list[CopyRun]) -> Segment:
+    return Segment(rank, offset, nbytes, tuple(r for run in merge_runs(runs) for r in split_at_pin_chunks(run)
+                                                if r.nbytes))
 
 
 TARGET_BUCKETS_PER_OWNER = 8   # enough buckets per rank for H2D, broadcast and reload to overlap

@@ -13,6 +13,7 @@ sequence); the failing rank stops talking to its worker and reports at the end.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -36,6 +37,21 @@ class PipelineStats:
     bytes: int = 0
     deferred: int = 0    # times a finished broadcast's notice waited because an earlier one was not done
     awaited: int = 0     # times the host had to wait for a broadcast to complete (a slot, or the end)
+
+
+def place_strided(slot: torch.Tensor, sc) -> None:
+    """Copy a strided piece, packed at ``sc.src`` of the slot, into its box of the whole tensor at
+    ``sc.dst``. Bytes are viewed as uint8 with the last dimension scaled by the itemsize, so every
+    dtype is moved bit-exact."""
+    k = sc.itemsize
+    shape, extent = list(sc.shape), list(sc.extent)
+    shape[-1] *= k
+    extent[-1] *= k
+    whole = slot[sc.dst: sc.dst + math.prod(shape)].view(shape)
+    box = whole
+    for d, (o, e) in enumerate(zip(sc.offsets, sc.extent)):
+        box = box.narrow(d, o * (k if d == len(shape) - 1 else 1), e * (k if d == len(shape) - 1 else 1))
+    box.copy_(slot[sc.src: sc.src + math.prod(extent)].view(extent))
 
 
 class BroadcastPipeline:
@@ -67,18 +83,14 @@ class BroadcastPipeline:
             slot = i % self.num_slots
             self._free_slot(slot)
             dst = self.ipc.tensor[slot * self.slot_bytes: slot * self.slot_bytes + bucket.nbytes]
-            if bucket.owner == self.rank:
-                stats.h2d_bytes += self._stage(bucket, dst)
-            work = self.coll.broadcast(dst, bucket.owner, async_op=self.async_ops)
-            if work is not None:
-                work.wait()   # on a device kind this only orders the current stream after the collective
+            self._move(bucket, dst)
             event = self.backend.new_event()
             event.record()
             self.pending.append((i, slot, event, time.monotonic()))
             self.in_slot[slot] = i
             self._notify_finished()
-            self.log.debug("bucket %d/%d: %d bytes from rank %d", i + 1, len(self.plan.buckets),
-                           bucket.nbytes, bucket.owner)
+            self.log.debug("bucket %d/%d: %d bytes from rank(s) %s", i + 1, len(self.plan.buckets),
+                           bucket.nbytes, bucket.owners())
         while self.pending:
             self._notify(*self.pending.popleft())
         for slot in list(self.in_slot):
@@ -89,11 +101,38 @@ class BroadcastPipeline:
         stats.bytes = self.plan.total_bytes
         return stats
 
+    def _move(self, bucket, dst: torch.Tensor) -> None:
+        """Stage this rank's part of the bucket, broadcast every part from its owner, place strided pieces.
+
+        A bucket of one owner is one segment. In a bucket of pieces every owner stages its own
+        segments at once (all host links busy), then each segment is broadcast from its owner;
+        the strided pieces, broadcast packed, are then copied into their boxes on every rank.
+        """
+        segments = bucket.segments
+        if bucket.shared is None:
+            if bucket.owner == self.rank:
+                self.stats.h2d_bytes += self._stage(bucket, dst)
+        else:
+            mine = [r for s in segments if s.rank == self.rank for r in s.runs]
+            if mine:
+                self.stats.h2d_bytes += self._copy_runs(mine, dst)
+        for seg in segments:
+            part = dst if bucket.shared is None else dst[seg.offset: seg.offset + seg.nbytes]
+            work = self.coll.broadcast(part, seg.rank, async_op=self.async_ops)
+            if work is not None:
+                work.wait()   # on a device kind this only orders the current stream after the collective
+        for sc in bucket.scatters:
+            place_strided(dst, sc)
+
     def _stage(self, bucket, dst: torch.Tensor) -> int:
         """Owner: copy the bucket's host runs into its slot on the copy stream."""
+        return self._copy_runs(bucket.copy_runs, dst)
+
+    def _copy_runs(self, runs, dst: torch.Tensor) -> int:
+        """Copy host runs into the slot on the copy stream; the broadcasting stream waits for them."""
         n = 0
         with self.backend.stream_context(self.copy_stream):
-            for run in bucket.copy_runs:
+            for run in runs:
                 src = self.host[run.base][run.base_offset: run.base_offset + run.nbytes]
                 dst[run.offset: run.offset + run.nbytes].copy_(src, non_blocking=True)
                 n += run.nbytes
@@ -134,8 +173,8 @@ class BroadcastPipeline:
             self.stats.deferred += 1
 
     def _notify(self, index: int, slot: int, event, issued: float) -> None:
-        owner = self.plan.buckets[index].owner
-        self._await(event, f"the broadcast of bucket {index} from rank {owner}", issued)
+        owners = self.plan.buckets[index].owners()
+        self._await(event, f"the broadcast of bucket {index} from rank(s) {owners}", issued)
         self.link.send_bucket(index, slot)
         if self.progress is not None:
             self.progress(index + 1, len(self.plan.buckets))

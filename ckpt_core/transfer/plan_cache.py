@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 
-from ckpt_core.planning.buckets import Plan, TensorMeta, plan_buckets
+from ckpt_core.planning.buckets import Plan, TensorMeta, layout_sizes, plan_buckets
 from ckpt_core.wire.protocol import plan_fragment
 
 PLAN_CACHE = 4      # plans kept; the least recently used goes first
@@ -22,6 +22,7 @@ class PlanCache:
         self.size = size
         self._plans: dict[tuple[int, str], tuple[Plan, tuple[str, str]]] = {}
         self._digests: dict[str, tuple[list, str]] = {}   # checkpoint -> (the metas it digests, digest)
+        self._sizes: dict[str, tuple[int, int]] = {}      # metas digest -> layout_sizes
 
     def digest(self, name: str, metas: list[list[TensorMeta]]) -> str:
         """Digest of a checkpoint's gathered metas (recomputed only when they were gathered again)."""
@@ -31,6 +32,14 @@ class PlanCache:
             cached = (metas, hashlib.sha1(text.encode()).hexdigest())
             self._digests[name] = cached
         return cached[1]
+
+    def sizes(self, metas: list[list[TensorMeta]], digest: str) -> tuple[int, int]:
+        """``layout_sizes`` of these metas, computed once per digest (every update asks)."""
+        if digest not in self._sizes:
+            while len(self._sizes) >= self.size:
+                self._sizes.pop(next(iter(self._sizes)))
+            self._sizes[digest] = layout_sizes(metas)
+        return self._sizes[digest]
 
     def forget(self, name: str) -> None:
         self._digests.pop(name, None)

@@ -17,7 +17,8 @@ import time
 from ckpt_core import errors
 from ckpt_core._settings import update_seconds
 from ckpt_core.checkpoint.sources import RegisteredCheckpoint
-from ckpt_core.planning.buckets import Plan, TensorMeta, align_up, choose_layout, first_shared_name
+from ckpt_core.planning.pieces import group_pieces
+from ckpt_core.planning.buckets import Plan, TensorMeta, choose_layout, first_shared_name
 from ckpt_core.checkpoint.safetensors import WIRE_DTYPES
 from ckpt_core.errors import CheckpointNotFoundError, CkptError, ConfigError
 
@@ -92,6 +93,7 @@ def parse_metas(metas, world_size: int) -> dict[str, list[list[TensorMeta]]]:
         shared = first_shared_name(parsed)
         if shared:
             raise ConfigError(f"metas of {name!r} list tensor {shared[0]!r} twice (ranks {shared[1]} and {shared[2]})")
+        group_pieces(parsed)   # pieces that do not tile their tensor: CheckpointFormatError, nothing installed
         out[name] = parsed
     return out
 
@@ -100,9 +102,9 @@ def _meta(m: dict) -> TensorMeta:
     if not isinstance(m, dict):
         raise ValueError(f"tensor entry {m!r} is not an object")
     keys = ("name", "dtype", "shape", "nbytes", "itemsize", "base", "base_offset")
-    if set(m) != set(keys):
-        raise ValueError(f"tensor entry {m!r} needs exactly the fields {list(keys)}")
-    return tensor_meta(*(m[k] for k in keys), where=f"tensor entry {m.get('name')!r}")
+    if set(m) - {"box"} != set(keys):
+        raise ValueError(f"tensor entry {m!r} needs exactly the fields {list(keys)} (and 'box' for a piece)")
+    return tensor_meta(*(m[k] for k in keys), m.get("box"), where=f"tensor entry {m.get('name')!r}")
 
 
 def check_count(v, what: str, lo: int = 0) -> int:
@@ -111,12 +113,14 @@ def check_count(v, what: str, lo: int = 0) -> int:
     return v
 
 
-def tensor_meta(name, dtype, shape, nbytes, itemsize, base, offset, *, where: str) -> TensorMeta:
+def tensor_meta(name, dtype, shape, nbytes, itemsize, base, offset, box=None, *, where: str) -> TensorMeta:
     """The one validation of a tensor's metas, whatever document or exchange brought them.
 
     Checks every field's type, the dtype code against its itemsize (a code this build does not
     carry, or ``F16`` with 4 bytes per element, would hand the engine views of the wrong type),
-    and ``shape x itemsize == nbytes``. 0-byte tensors are valid. Raises ``ConfigError``.
+    and ``shape x itemsize == nbytes``. 0-byte tensors are valid. ``box``: a piece's
+    ``[global_shape, offsets]`` (whether the pieces tile is ``pieces.group_pieces``' check). Raises
+    ``ConfigError``.
     """
     if not isinstance(name, str) or not name or not isinstance(dtype, str) or not isinstance(shape, (list, tuple)):
         raise ConfigError(f"metas: {where} has a bad name, dtype or shape: {[name, dtype, shape]!r}")
@@ -130,7 +134,22 @@ def tensor_meta(name, dtype, shape, nbytes, itemsize, base, offset, *, where: st
         raise ConfigError(f"metas: tensor {name!r}: {nbytes} bytes do not match shape {list(dims)} "
                           f"x {itemsize} bytes per element")
     return TensorMeta(name, dtype, dims, nbytes, itemsize, check_count(base, f"{name} region"),
-                      check_count(offset, f"{name} offset"))
+                      check_count(offset, f"{name} offset"), None if box is None else _box(name, box, len(dims)))
+
+
+def _box(name: str, box, ndim: int) -> tuple:
+    if not isinstance(box, (list, tuple)) or len(box) != 2 or not all(isinstance(b, (list, tuple)) for b in box) \
+            or len(box[0]) != ndim or len(box[1]) != ndim:
+        raise ConfigError(f"metas: the piece of tensor {name!r} has a bad box {box!r}: "
+                          f"want [global shape, offsets] of {ndim} dimensions each")
+    return (tuple(check_count(d, f"{name} global shape") for d in box[0]),
+            tuple(check_count(o, f"{name} piece offset") for o in box[1]))
+
+
+def meta_row(m: TensorMeta) -> list:
+    """A tensor's metas as one JSON row (``tensor_meta(*row)`` reads it back)."""
+    row = [m.name, m.dtype, list(m.shape), m.nbytes, m.itemsize, m.base, m.base_offset]
+    return row if m.box is None else row + [[list(m.box[0]), list(m.box[1])]]
 
 
 class UpdateAgreement:
@@ -217,11 +236,11 @@ class UpdateAgreement:
         """This rank's metas digest and the (bucket size, slots) its free memory allows."""
         metas = self._metas[name]
         free = self.backend.mem_get_info(self.device_index)[0] + (self._ipc.nbytes if self._ipc else 0)
+        digest = self._plans.digest(name, metas)
+        largest, owner_total = self._plans.sizes(metas, digest)
         size, slots = choose_layout(
             free, mem_fraction=self.settings.mem_fraction, max_slots=self.settings.num_slots,
-            max_bucket_bytes=self.settings.max_bucket_bytes,
-            largest_tensor=max((m.nbytes for ms in metas for m in ms), default=0),
-            largest_owner_total=max((sum(align_up(m.nbytes) for m in ms) for ms in metas), default=1))
-        return {"fp": self._plans.digest(name, metas), "bucket": size, "slots": slots}
+            max_bucket_bytes=self.settings.max_bucket_bytes, largest_tensor=largest, largest_owner_total=owner_total)
+        return {"fp": digest, "bucket": size, "slots": slots}
 
 

@@ -10,6 +10,7 @@ def test_exported_names_are_pinned():
         "ParameterServer", "update_weights_from_ipc", "request_inference_to_update", "split_checkpoint_files",
         "local_device_key", "CkptError", "ConfigError", "CheckpointFormatError", "CheckpointNotFoundError",
         "TransportError", "UpdateTimeoutError", "ProtocolError", "RemoteWorkerError", "ClosedError", "__version__",
+        "TensorShard",
     ])
 
 
