@@ -78,8 +78,9 @@ class Topology:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("h2d_gbps", "broadcast_gbps", "nic_gbps", "device_free_gib", "max_bucket_gib"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+            value = getattr(self, name)   # NaN and inf would surface later as a raw ValueError/OverflowError
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ConfigError(f"{name} must be a finite number > 0, got {value!r}")
         if not 0 < self.mem_fraction <= 1:
             raise ConfigError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")
 
