@@ -192,15 +192,17 @@ def _check_layout(entries: list[TensorEntry], data_offset: int, data_size: int, 
     """The safetensors package's rule (0.4 - 0.8): the tensors, sorted by offsets, tile the data area
     exactly, from its first byte to its last: no overlap, no gap, nothing after the last tensor.
     ``entries`` sorted by (start, end); a zero-length tensor sits where the previous one ended."""
-    at = data_offset
+    at, prev = data_offset, None
     for e in entries:
         if e.start != at:
-            what = (f"overlap the tensor before it, which ends at data byte {at - data_offset}" if e.start < at
-                    else f"leave a gap of {e.start - at} bytes after data byte {at - data_offset}")
+            what = (f"overlap tensor {prev.name!r} at [{prev.start - data_offset}, {prev.end - data_offset})"
+                    if e.start < at and prev is not None else
+                    f"leave a gap of {e.start - at} bytes after data byte {at - data_offset}" if e.start > at else
+                    f"start before data byte {at - data_offset}")
             raise CheckpointFormatError(
                 f"bytes [{e.start - data_offset}, {e.end - data_offset}) {what}: the tensors must cover the data "
                 "area contiguously, as the safetensors format requires", path=path, tensor=e.name)
-        at = e.end
+        at, prev = e.end, e
     if at != data_offset + data_size:
         raise CheckpointFormatError(
             f"{data_offset + data_size - at} bytes of the data area ({data_size} bytes) after the last tensor "
