@@ -39,10 +39,12 @@ class Liveness:
         self.log = rank_logger(f"service rank {rank}/{world_size}")
         self._host, self._port = host, port
         self._store = None
+        self._store_error = None
+        # A short store timeout: an op must fail (and be retried) rather than block the thread for long.
+        self._store_timeout_s = max(0.5, min(5.0, timeout_s / 2))
         now = clock()
         self._seen = {r: (None, now, None) for r in range(world_size) if r != rank}   # beat, when it changed, running
         self._store_ok = now
-        self._store_error: str | None = None
         self._warned: tuple | None = None   # the operation a "waiting" warning was logged for
         self._beat = 0
         self._lock = threading.Lock()
@@ -50,11 +52,25 @@ class Liveness:
         self._thread = threading.Thread(target=self._loop, name=f"ckpt-liveness-r{rank}", daemon=True)
 
     def start(self) -> "Liveness":
+        """Connect (here, once: rank 0's store is up, the PS has just used it) and start beating. Never
+        reconnected from the thread: a connection attempt retries for longer than any bounded wait at
+        exit, and once rank 0 is gone the world is over anyway."""
+        try:
+            self._store = self._connect()
+        except Exception as exc:
+            self._store_error = f"cannot connect: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            self.log.warning("phase=serve no peer heartbeats: the rendezvous store at %s: %s", self.where,
+                             self._store_error)
+            return self
         self._thread.start()
         return self
 
     def close(self) -> None:
+        """Stop the thread and wait for it (bounded by one store timeout): a daemon thread still inside a
+        store call when the interpreter exits aborts the process (C++ ``terminate``)."""
         self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(self._store_timeout_s + self.beat_s + 1.0)
 
     # -- what the service asks -----------------------------------------------------------------
     def problem(self) -> str | None:
@@ -81,21 +97,19 @@ class Liveness:
     # -- the thread ----------------------------------------------------------------------------
     def _connect(self):
         import torch.distributed as dist
-        # A short timeout: a store op must fail (and be retried next beat) rather than block the thread.
         return dist.TCPStore(self._host, self._port, is_master=False, wait_for_workers=False,
-                             timeout=timedelta(seconds=max(1.0, min(5.0, self.timeout_s / 2))))
+                             timeout=timedelta(seconds=self._store_timeout_s))
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.beat_s):
+        # While the store fails, try it only every timeout_s: each failure makes torch log a stack.
+        while not self._stop.wait(self.beat_s if self._store_error is None else self.timeout_s):
             try:
-                if self._store is None:
-                    self._store = self._connect()
                 self._exchange(self._store)
-            except Exception as exc:   # the store is gone or slow: counted by age, retried next beat
-                self._store = None
+            except Exception as exc:   # the store is gone or slow: counted by age (problem())
                 with self._lock:
-                    self._store_error = f"{type(exc).__name__}: {str(exc)[:200]}"
+                    self._store_error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
             self._check_waiting()
+        self._store = None
 
     def _exchange(self, store) -> None:
         running = self.state.snapshot()
