@@ -19,7 +19,7 @@ BUCKET_GB = "0.00005"   # ~52 KiB buckets: every update has several, so a slow e
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("svc"))
-    w = ServiceWorld(2, tmp, extra=["--max-bucket-gb", BUCKET_GB])
+    w = ServiceWorld(2, tmp, extra=["--max-bucket-gib", BUCKET_GB])
     front = HttpEngineFront(2)
     w.front, w.gen = front, torch.Generator().manual_seed(1601)
     yield w
