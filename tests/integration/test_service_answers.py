@@ -49,6 +49,16 @@ def test_a_huge_files_list_gets_a_small_answer_and_leaves_status_small(world):
     assert len(status.content) < BOUND and status.json()["last_error"]["type"] == "ConfigError"
 
 
+def test_a_deeply_nested_header_is_a_422_not_a_500(world):
+    body = b'{"x":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    path = os.path.join(world.tmp, "deep.safetensors")
+    with open(path, "wb") as f:
+        f.write(len(body).to_bytes(8, "little") + body)
+    resp = world.clients[0].post("/v1/checkpoints/deep/files", json={"files": [path]})
+    assert resp.status_code == 422 and resp.json()["error"]["type"] == "CheckpointFormatError", resp.text[:500]
+    assert "nested" in resp.json()["error"]["message"]
+
+
 @pytest.mark.parametrize("method, path, code, kind", [
     ("GET", "/v1/nowhere", 404, "NotFound"),
     ("GET", "/docs", 404, "NotFound"),

@@ -130,3 +130,17 @@ def test_the_exit_code_table_is_documented_as_the_code_has_it():
     for code, meaning in cli.EXIT_TABLE:
         assert f"| {code} |" in doc, (code, meaning)
     assert cli.exit_code(KeyError("x")) == cli.EXIT_INTERNAL
+
+
+@pytest.mark.parametrize("entry, needle", [("../outside.safetensors", "outside the checkpoint directory"),
+                                           ("/etc/hostname", "outside the checkpoint directory"),
+                                           ("m.safetensors", "not in the index's weight_map")])
+def test_inspect_refuses_an_index_pointing_outside_or_disagreeing_with_its_shards(tmp_path, entry, needle):
+    write_file(str(tmp_path / "outside.safetensors"), {"x": torch.randn(4)})
+    d = tmp_path / "model"
+    d.mkdir()
+    write_file(str(d / "m.safetensors"), {"a": torch.randn(4), "b": torch.randn(2)})
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": entry}}))
+    proc = run("--json", "inspect", str(d))
+    assert proc.returncode == cli.EXIT_FORMAT, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and needle in json.loads(proc.stdout)["error"]["message"]
