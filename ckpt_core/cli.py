@@ -118,7 +118,7 @@ def socket_template(template: str | None) -> str:
 
 def cmd_serve(args) -> int:
     from ckpt_core import ParameterServer
-    from ckpt_core._settings import service_token
+    from ckpt_core._settings import liveness, progress_log_s, service_token
     from ckpt_core.service import serve
     from ckpt_core.service._policy import ServicePolicy
 
@@ -136,6 +136,7 @@ def cmd_serve(args) -> int:
     token = token or service_token()
     tcp = args.host is not None or args.port is not None
     uds = None if tcp else socket_template(args.uds)   # before any memory is taken, like the policy
+    liveness(), progress_log_s()                         # and the settings read later
     policy = ServicePolicy.build(args.allow_dir, args.engine_url, args.engine_uds)
     ps = ParameterServer(device=args.device, max_bucket_gb=args.max_bucket_gib, mem_fraction=args.mem_fraction,
                          keep_device_buffers=args.keep_device_buffers, wire=args.wire,

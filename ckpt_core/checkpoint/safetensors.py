@@ -478,8 +478,11 @@ def checkpoint_files(directory: str) -> list[str]:
     if os.path.lexists(os.path.join(directory, INDEX_NAME)):
         files = sorted(set(read_index(directory).values()))
     else:
-        files = sorted(_member(directory, n, "directory listing") for n in os.listdir(directory)
-                       if n.endswith(".safetensors"))
+        try:
+            names = os.listdir(directory)
+        except OSError as exc:
+            raise ConfigError(f"cannot list checkpoint directory {directory!r}: {exc.strerror}") from exc
+        files = sorted(_member(directory, n, "directory listing") for n in names if n.endswith(".safetensors"))
     if not files:
         raise CheckpointFormatError("no .safetensors files", path=directory)
     return files
