@@ -110,6 +110,14 @@ def _finite_positive(what: str, value: float) -> float:
     return value
 
 
+def _seconds_or_zero(name: str, default: float) -> float:
+    """Environment variable ``name`` as a finite number >= 0 (else a ConfigError naming it)."""
+    value = _get(name, float, default)
+    if not (math.isfinite(value) and value >= 0):
+        raise ConfigError(f"{name} must be a finite number >= 0, got {value!r}")
+    return value
+
+
 def _number(what: str, value) -> float:
     try:
         return float(value)
@@ -204,10 +212,7 @@ def p2p_env() -> dict:
 
 def cpu_event_delay_s() -> float:
     """CKPT_TEST_CPU_EVENT_DELAY_S (tests only), read when a cpu event is made; 0 means events are done at once."""
-    delay = _get("CKPT_TEST_CPU_EVENT_DELAY_S", float, 0.0)
-    if not (math.isfinite(delay) and delay >= 0):
-        raise ConfigError(f"CKPT_TEST_CPU_EVENT_DELAY_S must be a finite number >= 0, got {delay!r}")
-    return delay
+    return _seconds_or_zero("CKPT_TEST_CPU_EVENT_DELAY_S", 0.0)
 
 
 MIN_TOKEN_CHARS = 16   # a bearer token shorter than this is guessable; `openssl rand -hex 16` gives 32
@@ -220,10 +225,7 @@ def service_token() -> str | None:
 
 def progress_log_s() -> float:
     """CKPT_PROGRESS_LOG_S: seconds between progress log lines (0: none)."""
-    value = _get("CKPT_PROGRESS_LOG_S", float, 10.0)
-    if not (math.isfinite(value) and value >= 0):
-        raise ConfigError(f"CKPT_PROGRESS_LOG_S must be a finite number >= 0, got {value!r}")
-    return value
+    return _seconds_or_zero("CKPT_PROGRESS_LOG_S", 10.0)
 
 
 def liveness() -> tuple[float, float]:
