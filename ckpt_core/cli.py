@@ -144,10 +144,11 @@ def cmd_serve(args) -> int:
     idle = False
     try:
         from ckpt_core.ops.progress import LogProgress, TerminalProgress
-        if ps.device_index == 0 and TerminalProgress(f"rank {ps.rank}").enabled:
-            ps.progress = TerminalProgress(f"rank {ps.rank}")   # one bar per host: torchrun ranks share the terminal
-        else:   # production logs: a line when an operation starts and one every CKPT_PROGRESS_LOG_S
-            ps.progress = LogProgress(f"ps rank {ps.rank}/{ps.world_size}")
+        bar = TerminalProgress(f"rank {ps.rank}")
+        if bar.enabled and ps.device_index == 0:
+            ps.progress = bar   # one bar per host: torchrun ranks share the terminal
+        else:   # production logs: a line when an operation starts, then one every CKPT_PROGRESS_LOG_S
+            ps.progress = LogProgress(f"ps rank {ps.rank}/{ps.world_size}", every_s=0 if bar.enabled else None)
         metrics_port = None if args.metrics_port is None else args.metrics_port + (ps.device_index if args.metrics_port else 0)
         common = dict(token=token, log_level=args.uvicorn_log_level, policy=policy, metrics_port=metrics_port)
         if tcp:

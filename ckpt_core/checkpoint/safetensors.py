@@ -446,7 +446,7 @@ def read_index(directory: str) -> dict[str, str]:
         if name not in seen:
             seen[name] = _member(directory, name, "index weight_map")
             if not os.path.isfile(seen[name]):
-                raise CheckpointFormatError(f"the index names a file that does not exist: {name[:200]!r}",
+                raise CheckpointFormatError(f"the index names missing files: {name[:200]!r} does not exist",
                                             path=index, tensor=tensor)
         out[tensor] = seen[name]
     return out
