@@ -42,6 +42,7 @@ def test_healthz_turns_unhealthy_within_the_peer_timeout_after_a_peer_rank_is_ki
         os.kill(w.procs[killed].pid, signal.SIGKILL)
         w.procs[killed].wait(30)
         took, body = _unhealthy_within(w.clients[survivor], CEILING_S)
+        print(f"healthz 503 {took:.2f} s after rank {killed} was killed (peer timeout {PEER_TIMEOUT_S} s)")
         assert body["error"]["type"] == "Unhealthy" and needle in body["error"]["message"], body
         assert took >= PEER_TIMEOUT_S - 2 * BEAT_S - 0.5, "not before the stated timeout either"
         status = w.clients[survivor].get("/v1/status").json()
