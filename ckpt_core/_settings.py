@@ -14,7 +14,8 @@ from datetime import timedelta
 from ckpt_core.errors import ConfigError
 
 __all__ = ["Settings", "ENV_VARS", "load_settings", "gc_pause_enabled", "fault_threads", "cpu_visible_devices",
-           "p2p_env", "cpu_event_delay_s", "service_token", "engine_serve", "update_seconds", "NO_DEADLINE_S"]
+           "p2p_env", "cpu_event_delay_s", "service_token", "engine_serve", "update_seconds", "NO_DEADLINE_S",
+           "progress_log_s", "liveness", "MIN_TOKEN_CHARS"]
 
 # name -> (type, default, meaning); docs/api.md lists the same (tests/unit/test_docs_env.py checks it).
 ENV_VARS: dict[str, tuple[str, str, str]] = {
@@ -47,6 +48,13 @@ ENV_VARS: dict[str, tuple[str, str, str]] = {
     "CKPT_SERVICE_TOKEN": ("str", "", "bearer token of `ckpt-engine serve` on TCP (else `--token-file`)"),
     "CKPT_ENGINE_SERVE": ("str", "", "managed mode: `uds:PATH` (`{rank}` filled in); each engine worker starts "
                           "its PS rank serving there (docs/operations.md)"),
+    "CKPT_PROGRESS_LOG_S": ("float", "10", "`ckpt-engine serve` with stderr not a terminal: log a progress line "
+                            "of a running register/update this often, seconds (0: only the start and end lines)"),
+    "CKPT_HEARTBEAT_S": ("float", "1", "`ckpt-engine serve`: each rank's service beats in the rendezvous store "
+                         "this often, seconds"),
+    "CKPT_PEER_TIMEOUT_S": ("float", "10", "`ckpt-engine serve`: /v1/healthz turns 503 once a peer rank's beat "
+                            "(or the store itself) has been silent this long, seconds; a collective posted to "
+                            "this rank only is logged and shown in /v1/status after this long"),
     "CKPT_ENGINE_SERVE_MASTER": ("str", "127.0.0.1:29555", "managed mode: `host:port` where the managed PS ranks "
                                  "of one engine meet"),
 }
@@ -99,6 +107,14 @@ def _finite_positive(what: str, value: float) -> float:
     they would surface later as a misleading rendezvous error or a raw ValueError/OverflowError)."""
     if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
         raise ConfigError(f"{what} must be a finite number > 0, got {value!r}")
+    return value
+
+
+def _seconds_or_zero(name: str, default: float) -> float:
+    """Environment variable ``name`` as a finite number >= 0 (else a ConfigError naming it)."""
+    value = _get(name, float, default)
+    if not (math.isfinite(value) and value >= 0):
+        raise ConfigError(f"{name} must be a finite number >= 0, got {value!r}")
     return value
 
 
@@ -196,15 +212,29 @@ def p2p_env() -> dict:
 
 def cpu_event_delay_s() -> float:
     """CKPT_TEST_CPU_EVENT_DELAY_S (tests only), read when a cpu event is made; 0 means events are done at once."""
-    delay = _get("CKPT_TEST_CPU_EVENT_DELAY_S", float, 0.0)
-    if not (math.isfinite(delay) and delay >= 0):
-        raise ConfigError(f"CKPT_TEST_CPU_EVENT_DELAY_S must be a finite number >= 0, got {delay!r}")
-    return delay
+    return _seconds_or_zero("CKPT_TEST_CPU_EVENT_DELAY_S", 0.0)
+
+
+MIN_TOKEN_CHARS = 16   # a bearer token shorter than this is guessable; `openssl rand -hex 16` gives 32
 
 
 def service_token() -> str | None:
     """CKPT_SERVICE_TOKEN (None when unset or empty)."""
     return _get("CKPT_SERVICE_TOKEN", str, "") or None
+
+
+def progress_log_s() -> float:
+    """CKPT_PROGRESS_LOG_S: seconds between progress log lines (0: none)."""
+    return _seconds_or_zero("CKPT_PROGRESS_LOG_S", 10.0)
+
+
+def liveness() -> tuple[float, float]:
+    """(CKPT_HEARTBEAT_S, CKPT_PEER_TIMEOUT_S), the second at least twice the first."""
+    beat = _finite_positive("CKPT_HEARTBEAT_S", _get("CKPT_HEARTBEAT_S", float, 1.0))
+    timeout = _finite_positive("CKPT_PEER_TIMEOUT_S", _get("CKPT_PEER_TIMEOUT_S", float, 10.0))
+    if timeout < 2 * beat:
+        raise ConfigError(f"CKPT_PEER_TIMEOUT_S ({timeout:g}) must be at least twice CKPT_HEARTBEAT_S ({beat:g})")
+    return beat, timeout
 
 
 def engine_serve() -> tuple[str, str, int] | None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -29,6 +30,59 @@ EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_FORMAT, EXIT_CONFIG, EXIT_TRANSPORT, EX
 GiB = float(1 << 30)
 SERVE_WIRES = ("native", "stock", "stock-0.3")   # ckpt_core.wire.stock.WIRES, without importing torch here
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _number(kind, *, low: float | None = None, low_open: bool = True, high: float | None = None):
+    """An argparse ``type``: ``kind`` (int or float) that is finite and within bounds; a bad value is a usage
+    error (exit 2) naming the option, never a traceback further in (NaN and inf pass ``float()``)."""
+    def convert(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if kind is float and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+        if low is not None and (value <= low if low_open else value < low):
+            raise argparse.ArgumentTypeError(f"{text!r} must be {'>' if low_open else '>='} {low:g}")
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"{text!r} must be <= {high:g}")
+        return value
+    convert.__name__ = "positive number" if kind is float else "integer"
+    return convert
+
+
+POSITIVE = _number(float, low=0)
+COUNT = _number(int, low=1, low_open=False)
+
+
+class _Deprecated(argparse.Action):
+    """An old option name that still works, warns once on stderr, and stores into the new option."""
+
+    def __init__(self, option_strings, dest, new: str, why: str, **kw):
+        super().__init__(option_strings, dest, **kw)
+        self.new, self.why = new, why
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"ckpt-engine: warning: {option_string} is deprecated ({self.why}); use {self.new}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def _renamed(parser, new: str, old: str, why: str, **kw) -> None:
+    """``new`` with its ``kw``; ``old`` a hidden deprecated alias of it."""
+    action = parser.add_argument(new, **kw)
+    parser.add_argument(old, dest=action.dest, action=_Deprecated, new=new, why=why, type=kw.get("type"),
+                        default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+        return version("ckpt-engine")
+    except (ImportError, PackageNotFoundError):   # a source checkout that was not installed
+        import re
+        with open(os.path.join(REPO, "pyproject.toml")) as f:
+            found = re.search(r'^version\s*=\s*"([^"]+)"', f.read(), re.M)
+        return found.group(1) if found else "unknown"
 
 
 def exit_code(exc: BaseException) -> int:
@@ -46,9 +100,25 @@ def _emit(args, doc: dict, text: str) -> None:
 
 
 # ------------------------------------------------------------------ serve
+def socket_template(template: str | None) -> str:
+    """The ``--uds`` template, checked before any memory is taken: only ``{rank}`` and ``{local_rank}``
+    may be filled in (a typo such as ``{rnak}`` is a ConfigError naming it, not a KeyError)."""
+    if template is None:
+        from ckpt_core.service._runner import default_socket_dir
+        return os.path.join(default_socket_dir(), "ps-{rank}.sock")
+    try:
+        template.format(rank=0, local_rank=0)
+    except (KeyError, IndexError) as exc:
+        raise ConfigError(f"--uds {template!r} names a field other than {{rank}} and {{local_rank}}: {exc}") from None
+    except ValueError as exc:
+        raise ConfigError(f"--uds {template!r} is not a valid template ({exc}); write a literal brace as "
+                          "'{{' or '}}'") from None
+    return template
+
+
 def cmd_serve(args) -> int:
     from ckpt_core import ParameterServer
-    from ckpt_core._settings import service_token
+    from ckpt_core._settings import liveness, progress_log_s, service_token
     from ckpt_core.service import serve
     from ckpt_core.service._policy import ServicePolicy
 
@@ -64,22 +134,28 @@ def cmd_serve(args) -> int:
         except OSError as exc:
             raise ConfigError(f"cannot read --token-file {args.token_file!r}: {exc}") from exc
     token = token or service_token()
-    policy = ServicePolicy.build(args.allow_dir, args.engine_url, args.engine_uds)   # before any memory is taken
-    ps = ParameterServer(device=args.device, max_bucket_gb=args.max_bucket_gb, mem_fraction=args.mem_fraction,
+    tcp = args.host is not None or args.port is not None
+    uds = None if tcp else socket_template(args.uds)   # before any memory is taken, like the policy
+    liveness(), progress_log_s()                         # and the settings read later
+    policy = ServicePolicy.build(args.allow_dir, args.engine_url, args.engine_uds)
+    ps = ParameterServer(device=args.device, max_bucket_gb=args.max_bucket_gib, mem_fraction=args.mem_fraction,
                          keep_device_buffers=args.keep_device_buffers, wire=args.wire,
                          serve_p2p=True if args.serve_p2p else None)   # None: PS_P2P_SERVE (off by default)
     idle = False
     try:
-        if ps.device_index == 0:   # one bar per host: ranks under torchrun share the terminal
-            from ckpt_core.ops.progress import TerminalProgress
-            ps.progress = TerminalProgress(f"rank {ps.rank}")
-        if args.host is not None or args.port is not None:
+        from ckpt_core.ops.progress import LogProgress, TerminalProgress
+        bar = TerminalProgress(f"rank {ps.rank}")
+        if bar.enabled and ps.device_index == 0:
+            ps.progress = bar   # one bar per host: torchrun ranks share the terminal
+        else:   # production logs: a line when an operation starts, then one every CKPT_PROGRESS_LOG_S
+            ps.progress = LogProgress(f"ps rank {ps.rank}/{ps.world_size}", every_s=0 if bar.enabled else None)
+        metrics_port = None if args.metrics_port is None else args.metrics_port + (ps.device_index if args.metrics_port else 0)
+        common = dict(token=token, log_level=args.uvicorn_log_level, policy=policy, metrics_port=metrics_port)
+        if tcp:
             port = None if args.port is None else args.port + (ps.device_index if args.port else 0)
-            idle = serve(ps, host=args.host or "127.0.0.1", port=port, token=token, log_level=args.uvicorn_log_level,
-                         policy=policy)
+            idle = serve(ps, host=args.host or "127.0.0.1", port=port, **common)
         else:
-            idle = serve(ps, uds=args.uds.format(rank=ps.rank, local_rank=ps.device_index), token=token,
-                         log_level=args.uvicorn_log_level, policy=policy)
+            idle = serve(ps, uds=uds.format(rank=ps.rank, local_rank=ps.device_index), **common)
     finally:
         if not idle and sys.exc_info()[0] is None:
             # An operation is stuck (e.g. a collective whose peers are gone): closing would wait on it,
@@ -94,9 +170,9 @@ def cmd_serve(args) -> int:
 
 # ------------------------------------------------------------------ inspect
 def _files_of(path: str) -> list[str]:
-    from ckpt_core.checkpoint.sources import split_checkpoint_files
+    from ckpt_core.checkpoint.safetensors import checkpoint_files
     if os.path.isdir(path):
-        return split_checkpoint_files(path, 0, 1)
+        return checkpoint_files(path)
     if not os.path.exists(path):
         raise ConfigError(f"no such file or directory: {path!r}")
     return [path]
@@ -105,21 +181,28 @@ def _files_of(path: str) -> list[str]:
 def inspect_checkpoint(path: str, device_mem_gib: float, ranks: int = 1) -> dict:
     """Tensors, dtypes and sizes of a safetensors file or HF directory, validated, with a bucket plan."""
     from ckpt_core.planning.buckets import TensorMeta, choose_layout, plan_buckets
-    from ckpt_core.checkpoint.safetensors import read_header
+    from ckpt_core.checkpoint.safetensors import INDEX_NAME, check_index, read_header, read_index
     from ckpt_core._settings import load_settings
 
-    files, tensors, dtypes = _files_of(path), [], {}
+    if not (isinstance(ranks, int) and ranks >= 1):
+        raise ConfigError(f"ranks must be an integer >= 1, got {ranks!r}")
+    if not (isinstance(device_mem_gib, (int, float)) and math.isfinite(device_mem_gib) and device_mem_gib > 0):
+        raise ConfigError(f"device_mem_gib must be a finite number > 0, got {device_mem_gib!r}")
+    files, tensors, dtypes, headers = _files_of(path), [], {}, []
     for f in files:
         try:
             header = read_header(f)
         except OSError as exc:
             raise ConfigError(f"cannot read {f!r}: {exc}") from exc
+        headers.append(header)
         for e in header.tensors:
             dtype = str(e.dtype).removeprefix("torch.")
             tensors.append((e.name, dtype, tuple(e.shape), e.nbytes, f))
             d = dtypes.setdefault(dtype, {"tensors": 0, "bytes": 0})
             d["tensors"] += 1
             d["bytes"] += e.nbytes
+    if os.path.isdir(path) and os.path.lexists(os.path.join(path, INDEX_NAME)):
+        check_index(read_index(path), headers, os.path.join(path, INDEX_NAME))
     names = [t[0] for t in tensors]
     if len(set(names)) != len(names):
         dup = sorted({n for n in names if names.count(n) > 1})[:5]
@@ -167,9 +250,9 @@ def cmd_plan(args) -> int:
         spec = ModelSpec(total, args.tensors, largest)
     else:
         raise ConfigError("give a model directory (--model DIR) or its size and tensor count (--size-gib, --tensors)")
-    h2d = args.h2d_gbps if args.h2d_gbps is not None else h2d_default(args.devices)
+    h2d = args.h2d_gb_per_s if args.h2d_gb_per_s is not None else h2d_default(args.devices)
     topo = Topology(nodes=args.nodes, devices_per_node=args.devices, h2d_gbps=h2d,
-                    broadcast_gbps=args.d2d_gbps, nic_gbps=args.nic_gbps, device_free_gib=args.device_free_gib,
+                    broadcast_gbps=args.d2d_gb_per_s, nic_gbps=args.nic_gb_per_s, device_free_gib=args.device_free_gib,
                     slots=args.slots, max_bucket_gib=args.max_bucket_gib)
     doc = predict(spec, topo, mode=args.mode)
     st = doc["stages_s"]
@@ -193,6 +276,10 @@ def cmd_bench(args, extra: list[str]) -> int:
     script = os.path.join(REPO, "benchmarks", "update_bench.py")
     if not os.path.exists(script):
         raise ConfigError(f"the benchmark is not here ({script}): run it from a source checkout of ckpt-engine")
+    if args.help:   # the benchmark's own flags, then ours
+        print("usage: ckpt-engine bench [--nproc N] [benchmark flags...]\n\n  --nproc N   ranks (devices) to run under "
+              "torchrun (default 1)\n\nbenchmark flags (benchmarks/update_bench.py):", flush=True)
+        return subprocess.call([sys.executable, script, "--help"], timeout=120)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}", script,
            *extra]
     print("running: " + " ".join(cmd), file=sys.stderr)
@@ -200,22 +287,38 @@ def cmd_bench(args, extra: list[str]) -> int:
 
 
 # ------------------------------------------------------------------ main
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ckpt-engine", description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--json", action="store_true", help="machine-readable output (and errors) on stdout")
-    p.add_argument("--log-level", default="INFO", help="ckpt_core log level (default INFO)")
-    sub = p.add_subparsers(dest="command", required=True)
+def _common(parser: argparse.ArgumentParser, top: bool) -> None:
+    """``--json`` and ``--log-level``, accepted before and after the subcommand (after wins)."""
+    default = {} if top else {"default": argparse.SUPPRESS}
+    parser.add_argument("--json", action="store_true", help="machine-readable output (and errors) on stdout",
+                        **({"default": False} if top else default))
+    parser.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, metavar="LEVEL",
+                        help="ckpt_core log level: " + ", ".join(LOG_LEVELS) + " (default INFO)",
+                        **({"default": "INFO"} if top else default))
 
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+GIB_WHY = "the value is GiB (2^30 bytes)"
+GBPS_WHY = "the value is GB/s, gigabytes per second, not Gb/s"
+
+
+def _serve_parser(sub) -> None:
     s = sub.add_parser("serve", help="serve this rank's HTTP API (run one per device, under torchrun)")
-    s.add_argument("--uds", default="/tmp/ckpt-engine-ps-{rank}.sock",
-                   help="unix socket path; {rank}/{local_rank} are filled in (default %(default)s)")
+    _common(s, False)
+    s.add_argument("--uds", default=None,
+                   help="unix socket path; {rank}/{local_rank} are filled in (default: ps-{rank}.sock in a "
+                        "private per-user directory, $XDG_RUNTIME_DIR/ckpt-engine or /tmp/ckpt-engine-UID, mode 0700)")
     s.add_argument("--host", help="serve TCP on this address instead (needs a token)")
-    s.add_argument("--port", type=int, help="TCP port of local rank 0; local rank i listens on PORT+i (0: any)")
-    s.add_argument("--token-file", help="file holding the bearer token (else CKPT_SERVICE_TOKEN)")
+    s.add_argument("--port", type=_number(int, low=0, low_open=False, high=65535),
+                   help="TCP port of local rank 0; local rank i listens on PORT+i (0: any)")
+    s.add_argument("--token-file", help="file holding the bearer token (else CKPT_SERVICE_TOKEN; at least "
+                                        "16 characters)")
+    s.add_argument("--metrics-port", type=_number(int, low=0, low_open=False, high=65535),
+                   help="also serve GET /metrics (only) on 127.0.0.1:PORT+local rank, for Prometheus; off by default")
     s.add_argument("--device", help="device kind (cpu, cuda, npu); default: the best available")
-    s.add_argument("--max-bucket-gb", type=float)
-    s.add_argument("--mem-fraction", type=float)
+    _renamed(s, "--max-bucket-gib", "--max-bucket-gb", GIB_WHY, type=POSITIVE,
+             help="upper bound of one bucket, GiB (default PS_MAX_BUCKET_SIZE_GB, 8)")
+    s.add_argument("--mem-fraction", type=_number(float, low=0, high=1))
     s.add_argument("--keep-device-buffers", action="store_true")
     s.add_argument("--serve-p2p", action="store_true",
                    help="serve registered checkpoints to P2P readers (Mooncake; exposes them: docs/p2p.md)")
@@ -230,33 +333,61 @@ def build_parser() -> argparse.ArgumentParser:
                         "Default: any loopback host")
     s.add_argument("--engine-uds", action="append", default=[], metavar="PATH",
                    help="an engine's Unix socket that an update's uds may name; repeatable. Default: none")
-    s.add_argument("--uvicorn-log-level", default="warning")
-    s.add_argument("--parent-pid", type=int, help="managed mode: stop (as on SIGTERM) once this process (the engine worker) is gone")
+    s.add_argument("--uvicorn-log-level", default="warning",
+                   choices=("critical", "error", "warning", "info", "debug", "trace"))
+    s.add_argument("--parent-pid", type=COUNT,
+                   help="managed mode: stop (as on SIGTERM) once this process (the engine worker) is gone")
 
-    i = sub.add_parser("inspect", help="validate a safetensors file or HF directory and show its bucket plan")
-    i.add_argument("path")
-    i.add_argument("--device-mem-gib", type=float, default=16.0, help="free device memory to plan for (default 16)")
-    i.add_argument("--ranks", type=int, default=1, help="parameter-server ranks sharing the checkpoint")
 
+def _plan_parser(sub) -> None:
     pl = sub.add_parser("plan", help="predict update time and memory for a model on a topology")
+    _common(pl, False)
     pl.add_argument("--model", help="checkpoint directory or file (else --size-gib and --tensors)")
-    pl.add_argument("--size-gib", type=float)
-    pl.add_argument("--tensors", type=int)
-    pl.add_argument("--largest-mib", type=float, help="largest tensor (default: the larger of mean and 1/16)")
-    pl.add_argument("--nodes", type=int, default=1)
-    pl.add_argument("--devices", type=int, default=8, help="devices per node (default 8)")
-    pl.add_argument("--h2d-gbps", type=float, default=None,
-                    help="per device, GB/s (default: measured, 49.3 with 2 H200 copying, 55.4 for one alone)")
-    pl.add_argument("--d2d-gbps", type=float, default=347.0, help="intra-node broadcast, GB/s (2xH200 NVLink: 347)")
-    pl.add_argument("--nic-gbps", type=float, default=50.0, help="per node, all NICs, GB/s (default 50 = 400 Gb/s)")
-    pl.add_argument("--device-free-gib", type=float, default=16.0, help="free device memory per device (default 16)")
-    pl.add_argument("--slots", type=int, default=4)
-    pl.add_argument("--max-bucket-gib", type=float, default=8.0)
+    pl.add_argument("--size-gib", type=POSITIVE)
+    pl.add_argument("--tensors", type=COUNT)
+    pl.add_argument("--largest-mib", type=POSITIVE, help="largest tensor (default: the larger of mean and 1/16)")
+    pl.add_argument("--nodes", type=COUNT, default=1)
+    pl.add_argument("--devices", type=COUNT, default=8, help="devices per node (default 8)")
+    _renamed(pl, "--h2d-gb-per-s", "--h2d-gbps", GBPS_WHY, type=POSITIVE, default=None,
+             help="host-to-device per device, GB/s (default: measured, 49.3 with 2 H200 copying, 55.4 for one alone)")
+    _renamed(pl, "--d2d-gb-per-s", "--d2d-gbps", GBPS_WHY, type=POSITIVE, default=347.0,
+             help="intra-node broadcast, GB/s (default 347: 2xH200 NVLink)")
+    _renamed(pl, "--nic-gb-per-s", "--nic-gbps", GBPS_WHY, type=POSITIVE, default=50.0,
+             help="per node, all NICs together, GB/s: gigaBYTES (default 50, i.e. one 400 Gb/s NIC)")
+    pl.add_argument("--device-free-gib", type=POSITIVE, default=16.0, help="free device memory per device (default 16)")
+    pl.add_argument("--slots", type=COUNT, default=4)
+    pl.add_argument("--max-bucket-gib", type=POSITIVE, default=8.0)
     pl.add_argument("--mode", choices=("broadcast", "p2p"), default="broadcast")
 
-    b = sub.add_parser("bench", help="run benchmarks/update_bench.py under torchrun (other flags pass through)")
-    b.add_argument("--nproc", type=int, default=1, help="ranks (devices) to run (default 1)")
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ckpt-engine", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="exit codes: " + ", ".join(f"{c} {m}" for c, m in EXIT_TABLE))
+    _common(p, True)
+    p.add_argument("--version", action="version", version=f"ckpt-engine {_version()}")
+    sub = p.add_subparsers(dest="command", required=True)
+    _serve_parser(sub)
+
+    i = sub.add_parser("inspect", help="validate a safetensors file or HF directory and show its bucket plan")
+    _common(i, False)
+    i.add_argument("path")
+    i.add_argument("--device-mem-gib", type=POSITIVE, default=16.0, help="free device memory to plan for (default 16)")
+    i.add_argument("--ranks", type=COUNT, default=1, help="parameter-server ranks sharing the checkpoint")
+    _plan_parser(sub)
+
+    # -h is the benchmark's: `bench --help` shows its flags (cmd_bench), not only --nproc.
+    b = sub.add_parser("bench", add_help=False,
+                       help="run benchmarks/update_bench.py under torchrun (other flags pass through; --help lists them)")
+    b.add_argument("-h", "--help", action="store_true", help="show the benchmark's flags and exit")
+    b.add_argument("--nproc", type=COUNT, default=1, help="ranks (devices) to run (default 1)")
     return p
+
+
+EXIT_TABLE = ((EXIT_OK, "success"), (EXIT_INTERNAL, "internal error (a bug)"), (EXIT_USAGE, "bad command line"),
+              (EXIT_FORMAT, "CheckpointFormatError"), (EXIT_CONFIG, "ConfigError/CheckpointNotFoundError"),
+              (EXIT_TRANSPORT, "TransportError/UpdateTimeoutError/RemoteWorkerError"), (EXIT_OTHER, "other CkptError"),
+              (130, "interrupted"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -265,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     if extra and args.command != "bench":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     import logging
-    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO), stream=sys.stderr,
+    logging.basicConfig(level=getattr(logging, args.log_level), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
     try:
         if args.command == "bench":

@@ -29,11 +29,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ckpt_core.errors import CheckpointFormatError
+from ckpt_core.errors import CheckpointFormatError, ConfigError
 
 __all__ = [
     "DTYPES", "DTYPE_CODES", "WIRE_DTYPES", "WIRE_CODES", "UNSUPPORTED_CODES", "MAX_HEADER_BYTES", "TensorEntry", "SafetensorsHeader",
-    "read_header", "parse_header_bytes", "map_tensors", "read_tensors", "write_file",
+    "read_header", "parse_header_bytes", "map_tensors", "read_tensors", "write_file", "INDEX_NAME",
+    "checkpoint_files", "read_index", "check_index",
 ]
 
 DTYPES: dict[str, torch.dtype] = {
@@ -91,7 +92,7 @@ class TensorEntry:
 
 @dataclass(frozen=True)
 class SafetensorsHeader:
-    """A validated header: entries sorted by ``start``, ranges inside the file, no overlaps."""
+    """A validated header: entries sorted by ``start``, tiling the data area exactly (no overlap, no gap)."""
 
     path: str
     file_size: int
@@ -187,18 +188,25 @@ def _parse_metadata(raw: object, path: str) -> dict[str, str]:
     return dict(raw)
 
 
-def _check_overlaps(entries: list[TensorEntry], path: str) -> None:
-    """``entries`` sorted by start; zero-length ranges own no bytes and never overlap."""
-    last: TensorEntry | None = None  # the non-empty entry reaching furthest so far
+def _check_layout(entries: list[TensorEntry], data_offset: int, data_size: int, path: str) -> None:
+    """The safetensors package's rule (0.4 - 0.8): the tensors, sorted by offsets, tile the data area
+    exactly, from its first byte to its last: no overlap, no gap, nothing after the last tensor.
+    ``entries`` sorted by (start, end); a zero-length tensor sits where the previous one ended."""
+    at, prev = data_offset, None
     for e in entries:
-        if e.nbytes == 0:
-            continue
-        if last is not None and e.start < last.end:
+        if e.start != at:
+            what = (f"overlap tensor {prev.name!r} at [{prev.start - data_offset}, {prev.end - data_offset})"
+                    if e.start < at and prev is not None else
+                    f"leave a gap of {e.start - at} bytes after data byte {at - data_offset}" if e.start > at else
+                    f"start before data byte {at - data_offset}")
             raise CheckpointFormatError(
-                f"bytes [{e.start}, {e.end}) overlap tensor {last.name!r} at "
-                f"[{last.start}, {last.end})", path=path, tensor=e.name)
-        if last is None or e.end > last.end:
-            last = e
+                f"bytes [{e.start - data_offset}, {e.end - data_offset}) {what}: the tensors must cover the data "
+                "area contiguously, as the safetensors format requires", path=path, tensor=e.name)
+        at, prev = e.end, e
+    if at != data_offset + data_size:
+        raise CheckpointFormatError(
+            f"{data_offset + data_size - at} bytes of the data area ({data_size} bytes) after the last tensor "
+            "belong to no tensor: the tensors must cover it exactly, as the safetensors format requires", path=path)
 
 
 def parse_header_bytes(buf: bytes | memoryview, *, file_size: int, path: str = "<memory>",
@@ -223,6 +231,9 @@ def parse_header_bytes(buf: bytes | memoryview, *, file_size: int, path: str = "
         doc = json.loads(text, object_pairs_hook=_reject_duplicates(path))
     except json.JSONDecodeError as exc:
         raise CheckpointFormatError(f"header is not JSON: {exc}", path=path) from exc
+    except RecursionError as exc:   # deeply nested arrays/objects: no header has them (safetensors: depth 128)
+        raise CheckpointFormatError("header is JSON nested deeper than Python's recursion limit "
+                                    "(a safetensors header is at most 3 levels deep)", path=path) from exc
     if not isinstance(doc, dict):
         raise CheckpointFormatError(
             f"header is a JSON {type(doc).__name__}, not an object", path=path)
@@ -234,7 +245,7 @@ def parse_header_bytes(buf: bytes | memoryview, *, file_size: int, path: str = "
         dtype, shape, begin, end = _parse_entry(name, raw, data_size, path)
         entries.append(TensorEntry(name, dtype, shape, data_offset + begin, data_offset + end))
     entries.sort(key=lambda e: (e.start, e.end))
-    _check_overlaps(entries, path)
+    _check_layout(entries, data_offset, data_size, path)
     return SafetensorsHeader(path, file_size, data_offset, tuple(entries), metadata)
 
 
@@ -374,3 +385,104 @@ def write_file(path: str | os.PathLike, tensors: dict[str, torch.Tensor],
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+
+
+
+# ---------------------------------------------------------------------------------------- HF directories
+INDEX_NAME = "model.safetensors.index.json"
+
+
+def _roots(directory: str) -> tuple[str, ...]:
+    """Where the files of ``directory`` may resolve to: inside it, or, for a Hugging Face hub cache
+    snapshot (``.../models--X/snapshots/REV``, whose files are symlinks to ``../../blobs/HASH``), inside
+    that repository's ``blobs``."""
+    real = os.path.realpath(directory)
+    roots = [real]
+    if os.path.basename(os.path.dirname(real)) == "snapshots":
+        roots.append(os.path.join(os.path.dirname(os.path.dirname(real)), "blobs"))
+    return tuple(roots)
+
+
+def _inside(path: str, roots: tuple[str, ...]) -> bool:
+    return any(os.path.commonpath([path, r]) == r for r in roots)
+
+
+def _member(directory: str, name: object, where: str) -> str:
+    """The path of file ``name`` of ``directory``: a plain relative name that stays inside it, and whose
+    symlinks (if any) resolve inside it too; else CheckpointFormatError (nothing outside is opened)."""
+    if not isinstance(name, str) or not name:
+        raise CheckpointFormatError(f"{where}: file name {name!r} is not a non-empty string", path=directory)
+    parts = name.replace("\\", "/").split("/")
+    if os.path.isabs(name) or ".." in parts or "\x00" in name:
+        raise CheckpointFormatError(f"{where}: file {name[:200]!r} points outside the checkpoint directory "
+                                    "(absolute or '..')", path=directory)
+    full = os.path.join(directory, name)
+    if not _inside(os.path.realpath(full), _roots(directory)):
+        raise CheckpointFormatError(f"{where}: file {name[:200]!r} is a symlink that resolves outside the "
+                                    "checkpoint directory", path=directory)
+    return full
+
+
+def read_index(directory: str) -> dict[str, str]:
+    """The ``weight_map`` of ``directory``'s index (tensor name -> file path), validated: a JSON object
+    whose ``weight_map`` maps strings to files of the directory (see :func:`_member`) that exist."""
+    index = os.path.join(directory, INDEX_NAME)
+    try:
+        with open(index, "rb") as f:
+            raw = f.read(MAX_HEADER_BYTES + 1)
+    except OSError as exc:
+        raise CheckpointFormatError(f"cannot read the index: {exc.strerror}", path=index) from exc
+    if len(raw) > MAX_HEADER_BYTES:
+        raise CheckpointFormatError(f"the index is larger than {MAX_HEADER_BYTES} bytes", path=index)
+    try:
+        doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_reject_duplicates(index))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise CheckpointFormatError(f"the index is not JSON: {str(exc)[:200]}", path=index) from exc
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointFormatError("the index has no weight_map object (tensor name -> file)", path=index)
+    out, seen = {}, {}
+    for tensor, name in weight_map.items():
+        if name not in seen:
+            seen[name] = _member(directory, name, "index weight_map")
+            if not os.path.isfile(seen[name]):
+                raise CheckpointFormatError(f"the index names missing files: {name[:200]!r} does not exist",
+                                            path=index, tensor=tensor)
+        out[tensor] = seen[name]
+    return out
+
+
+def check_index(weight_map: dict[str, str], headers: list[SafetensorsHeader], index_path: str) -> None:
+    """Every tensor of the index is in the file it names, and every tensor of the files is in the index."""
+    where = {e.name: h.path for h in headers for e in h.tensors}
+    for tensor, path in weight_map.items():
+        got = where.get(tensor)
+        if got is None:
+            raise CheckpointFormatError(f"the index maps this tensor to {os.path.basename(path)!r}, which does "
+                                        "not hold it", path=index_path, tensor=tensor)
+        if os.path.realpath(got) != os.path.realpath(path):
+            raise CheckpointFormatError(f"the index maps this tensor to {os.path.basename(path)!r} but it is in "
+                                        f"{os.path.basename(got)!r}", path=index_path, tensor=tensor)
+    extra = sorted(set(where) - set(weight_map))
+    if extra:
+        raise CheckpointFormatError(f"{len(extra)} tensor(s) of the shards are not in the index's weight_map, "
+                                    f"e.g. {extra[:3]}", path=index_path)
+
+
+def checkpoint_files(directory: str) -> list[str]:
+    """The safetensors files of a Hugging Face checkpoint directory, sorted: the files its index names
+    (validated by :func:`read_index`), else every ``*.safetensors`` in it (symlinks that resolve outside
+    are refused). Raises CheckpointFormatError; ConfigError when ``directory`` is not a directory."""
+    if not os.path.isdir(directory):
+        raise ConfigError(f"checkpoint directory {directory!r} does not exist")
+    if os.path.lexists(os.path.join(directory, INDEX_NAME)):
+        files = sorted(set(read_index(directory).values()))
+    else:
+        try:
+            names = os.listdir(directory)
+        except OSError as exc:
+            raise ConfigError(f"cannot list checkpoint directory {directory!r}: {exc.strerror}") from exc
+        files = sorted(_member(directory, n, "directory listing") for n in names if n.endswith(".safetensors"))
+    if not files:
+        raise CheckpointFormatError("no .safetensors files", path=directory)
+    return files

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import logging
 import os
 import time
@@ -24,7 +23,7 @@ from ckpt_core.checkpoint.shards import TensorShard, boxes_of, is_pieced
 from ckpt_core.checkpoint.host import (HostRegion, SharedPool, copy_jobs, counted, file_writable, map_file_region, new_region,
                     populate_and_pin, read_jobs, run_jobs)
 from ckpt_core.planning.buckets import TensorMeta, align_up
-from ckpt_core.checkpoint.safetensors import WIRE_CODES, SafetensorsHeader, read_header
+from ckpt_core.checkpoint.safetensors import WIRE_CODES, SafetensorsHeader, checkpoint_files, read_header
 from ckpt_core.devices import DeviceBackend
 from ckpt_core.errors import CheckpointFormatError, ConfigError
 
@@ -268,24 +267,7 @@ def split_checkpoint_files(path: str, rank: int, world_size: int) -> list[str]:
     exist), else every ``*.safetensors`` in the directory. Files are spread so that
     ranks get similar byte counts; every rank computes the same split.
     """
-    if not os.path.isdir(path):
-        raise ConfigError(f"checkpoint directory {path!r} does not exist")
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        try:
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-            names = sorted(set(weight_map.values()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise CheckpointFormatError(f"invalid index: {exc}", path=index) from exc
-        missing = [n for n in names if not os.path.exists(os.path.join(path, n))]
-        if missing:
-            raise CheckpointFormatError(f"index names missing files {missing}", path=index)
-    else:
-        names = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
-    if not names:
-        raise CheckpointFormatError("no .safetensors files", path=path)
-    files = [os.path.join(path, n) for n in names]
+    files = checkpoint_files(path)   # the index validated: its entries stay inside the directory
     loads = [0] * world_size
     mine = []
     for f in sorted(files, key=lambda p: (-os.path.getsize(p), p)):   # largest first, least-loaded rank

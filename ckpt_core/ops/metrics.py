@@ -7,15 +7,23 @@ collide and nothing leaks into the process-wide default registry. Without
 
 Exported series (all carry the label ``rank``):
 
-- ``ckpt_operations_total{operation, outcome}``: register/unregister/gather/update/load_metas calls
-- ``ckpt_operation_failures_total{operation, error}``: failures by ``ckpt_core.errors`` class
+- ``ckpt_operations_total{operation, outcome}``: register/unregister/gather/update/load_metas calls;
+  outcome ``ok``, ``error`` (ours or a peer's: HTTP 5xx) or ``rejected`` (the client's: HTTP 4xx)
+- ``ckpt_operation_failures_total{operation, error}``: failures (not rejections) by ``ckpt_core.errors`` class
 - ``ckpt_operation_seconds{operation}``: histogram of durations
-- ``ckpt_update_bytes_total``: model bytes pushed into engines by successful updates
+- ``ckpt_update_bytes_total``: bytes THIS rank moved in successful updates (its own share, copied from
+  its host memory and broadcast); a sum over ranks is the model bytes, once per update
 - ``ckpt_last_update_phase_seconds{phase}``: per-phase timings of the last successful update
+- ``ckpt_last_success_timestamp_seconds{operation}``: unix time of the last success of each operation
+- ``ckpt_checkpoint_info{checkpoint, weight_version}``: 1 for the checkpoint of the last successful update
+- ``ckpt_registered_bytes``: host bytes of the checkpoints registered on this rank now
+- ``ckpt_healthy``: 1 while ``/v1/healthz`` answers 200, else 0
 - ``ckpt_operation_running``: 1 while a long operation runs
 """
 
 from __future__ import annotations
+
+from ckpt_core.errors import ConfigError
 
 try:
     import prometheus_client as _prom
@@ -42,33 +50,62 @@ class Metrics:
                                       ["rank", "operation", "error"], registry=reg)
         self.seconds = _prom.Histogram("ckpt_operation_seconds", "Duration of long operations",
                                        ["rank", "operation"], buckets=_BUCKETS, registry=reg)
-        self.update_bytes = _prom.Counter("ckpt_update_bytes", "Model bytes pushed by successful updates",
+        self.update_bytes = _prom.Counter("ckpt_update_bytes", "Bytes this rank moved in successful updates (its "
+                                          "own share: a sum over ranks counts each model byte once)",
                                           ["rank"], registry=reg)
         self.phase = _prom.Gauge("ckpt_last_update_phase_seconds", "Phases of the last successful update",
                                  ["rank", "phase"], registry=reg)
         self.running = _prom.Gauge("ckpt_operation_running", "1 while a long operation runs", ["rank"], registry=reg)
+        self.last_success = _prom.Gauge("ckpt_last_success_timestamp_seconds",
+                                        "Unix time of the last successful operation", ["rank", "operation"], registry=reg)
+        self.info = _prom.Gauge("ckpt_checkpoint_info", "1 for the checkpoint (and weight version) of the last "
+                                "successful update", ["rank", "checkpoint", "weight_version"], registry=reg)
+        self.registered = _prom.Gauge("ckpt_registered_bytes", "Host bytes of the checkpoints registered on this rank",
+                                      ["rank"], registry=reg)
+        self.healthy = _prom.Gauge("ckpt_healthy", "1 while /v1/healthz answers 200, else 0", ["rank"], registry=reg)
+
+    def sample_with(self, registered, healthy) -> None:
+        """Callables read at each scrape (states, not events): ``registered() -> bytes``, ``healthy() -> bool``."""
+        self.registered.labels(self.rank).set_function(registered)
+        self.healthy.labels(self.rank).set_function(lambda: 1.0 if healthy() else 0.0)
 
     def started(self) -> None:
         self.running.labels(self.rank).set(1)
 
-    def succeeded(self, operation: str, seconds: float, nbytes: int | None, update: dict | None) -> None:
+    def succeeded(self, operation: str, seconds: float, nbytes: int | None, update: dict | None,
+                  weight_version: str | None = None) -> None:
         self.ops.labels(self.rank, operation, "ok").inc()
         self.seconds.labels(self.rank, operation).observe(seconds)
         self.running.labels(self.rank).set(0)
+        self.last_success.labels(self.rank, operation).set_to_current_time()
         if update is not None:
-            self.update_bytes.labels(self.rank).inc(nbytes or 0)
+            # h2d_bytes: what this rank staged from its own host memory (its share); a P2P update's
+            # figures have no share, and a rank that received only moved nothing of its own.
+            self.update_bytes.labels(self.rank).inc(update.get("h2d_bytes") or 0)
             for phase, value in (update.get("seconds") or {}).items():
                 if isinstance(value, (int, float)):
                     self.phase.labels(self.rank, phase).set(value)
+            self.info.clear()
+            self.info.labels(self.rank, str(update.get("name", "")), weight_version or "").set(1)
 
-    def failed(self, operation: str, error: str, seconds: float) -> None:
-        self.ops.labels(self.rank, operation, "error").inc()
-        self.failures.labels(self.rank, operation, error).inc()
+    def failed(self, operation: str, error: str, seconds: float, *, rejected: bool = False) -> None:
+        self.ops.labels(self.rank, operation, "rejected" if rejected else "error").inc()
+        if not rejected:
+            self.failures.labels(self.rank, operation, error).inc()
         self.seconds.labels(self.rank, operation).observe(seconds)
         self.running.labels(self.rank).set(0)
 
     def render(self) -> bytes:
         return _prom.generate_latest(self.registry)
+
+    def serve_on(self, port: int, addr: str = "127.0.0.1"):
+        """Serve this registry (``GET /metrics`` and ``/``) on ``addr:port`` in a daemon thread; returns
+        the server (``.server_address``, ``.shutdown()``). For Prometheus, which cannot scrape a Unix socket."""
+        try:
+            server, _thread = _prom.start_http_server(port, addr=addr, registry=self.registry)
+        except OSError as exc:
+            raise ConfigError(f"cannot serve metrics on {addr}:{port}: {exc}") from exc
+        return server
 
 
 def make_metrics(rank: int) -> Metrics | None:

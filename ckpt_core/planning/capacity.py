@@ -78,8 +78,9 @@ class Topology:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("h2d_gbps", "broadcast_gbps", "nic_gbps", "device_free_gib", "max_bucket_gib"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+            value = getattr(self, name)   # NaN and inf would surface later as a raw ValueError/OverflowError
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ConfigError(f"{name} must be a finite number > 0, got {value!r}")
         if not 0 < self.mem_fraction <= 1:
             raise ConfigError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")
 
@@ -171,3 +172,45 @@ def topology_of(run: dict) -> Topology:
 def _spec(case: dict) -> ModelSpec:
     # Benchmark cases split evenly; their largest tensor is the embedding (or an expert), well under a bucket.
     return ModelSpec(case["bytes"], case["tensors"], case.get("largest_tensor") or max(1, case["bytes"] // 16))
+
+
+# ------------------------------------------------------------------------------------ host memory
+def check_host_memory(needed_bytes: int, available_bytes: int | None, *, what: str = "this registration") -> None:
+    """ConfigError unless ``needed_bytes`` of new host memory fit in ``available_bytes`` (None: unknown,
+    nothing is checked). Pure; :func:`host_memory_available` measures the second argument. Checked before
+    a registration allocates, so that a checkpoint too large for the host is a clear refusal up front
+    rather than ``OSError: Cannot allocate memory`` halfway through (or the kernel's OOM killer)."""
+    if available_bytes is None or needed_bytes <= available_bytes:
+        return
+    raise ConfigError(f"{what} needs {needed_bytes / GiB:.2f} GiB of new host memory but only "
+                      f"{available_bytes / GiB:.2f} GiB are available on this host (MemAvailable, and the "
+                      "cgroup's limit where one is set): unregister a checkpoint, free host memory, or register "
+                      "the files in place from /dev/shm")
+
+
+def host_memory_available(meminfo: str = "/proc/meminfo", cgroup: str = "/sys/fs/cgroup") -> int | None:
+    """Bytes of host memory a new allocation can take: the kernel's MemAvailable, lowered to what this
+    cgroup (v2) may still use when it has a limit (limit - usage + inactive page cache). None where
+    neither can be read (not Linux)."""
+    found = []
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    found.append(int(line.split()[1]) * 1024)
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        with open(f"{cgroup}/memory.max") as f:
+            limit = f.read().strip()
+        with open(f"{cgroup}/memory.current") as f:
+            current = int(f.read().strip())
+        if limit != "max":
+            # usage counts the page cache; its inactive part is reclaimed on demand (kubelet's working set)
+            with open(f"{cgroup}/memory.stat") as f:
+                stat = dict(line.split() for line in f if line.count(" ") == 1)
+            found.append(max(0, int(limit) - current + int(stat.get("inactive_file", 0))))
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None

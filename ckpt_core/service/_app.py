@@ -14,47 +14,44 @@ route adds ``engine`` (``vllm``/``sglang``), ``weight_version`` and ``flush_cach
 | ``GET /v1/status`` | checkpoints, the running operation and its phase, last results | |
 | ``GET /metrics`` | Prometheus text | |
 
-Errors: every 4xx/5xx body is ``{"error": {"type", "message", ...}}`` (:class:`ErrorBody`).
-``Forbidden`` 403 (a file or engine endpoint outside the operator's allow-lists, ``_policy.py``), ``ConfigError`` 400, ``CheckpointNotFoundError`` 404, a second long operation 409,
-``CheckpointFormatError`` 422, request validation 422, ``RemoteWorkerError`` 502,
+Errors: every 4xx/5xx body is ``{"error": {"type", "message", ...}}`` (:class:`ErrorBody`), bounded
+in size (``_state.clip``), unknown routes and methods included (404 ``NotFound``, 405
+``MethodNotAllowed``). ``Forbidden`` 403 (a file or engine endpoint outside the operator's
+allow-lists, ``_policy.py``), ``ConfigError`` 400, ``CheckpointNotFoundError`` 404, a second long
+operation 409, ``CheckpointFormatError`` 422, request validation 422, ``RemoteWorkerError`` 502,
 ``ClosedError`` 503, ``UpdateTimeoutError`` 504, any other error 500 (its class in ``type``).
+
+No ``/docs`` page: FastAPI's loads its scripts from a public CDN, which air-gapped clusters cannot
+reach; ``/openapi.json`` is the schema.
 """
 
 from __future__ import annotations
 
 import hmac
 import os
-from typing import Any
+from typing import Any, Optional
 from urllib.parse import urlsplit
 
-from fastapi import FastAPI, Query, Request
+from fastapi import Body, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ckpt_core.ops import metrics as _metrics
 from ckpt_core.engines.requests import request_inference_to_update
-from ckpt_core.errors import (CheckpointFormatError, CheckpointNotFoundError, CkptError, ClosedError, ConfigError,
-                      RemoteWorkerError, UpdateTimeoutError)
-from ._policy import Forbidden, ServicePolicy
-from ._models import NAME_PATTERN, Done, ErrorBody, RegisterRequest, Status, UpdateRequest
-from ._state import Busy, ServiceState, error_fields
+from ckpt_core.errors import CkptError, ConfigError
+from ckpt_core._settings import MIN_TOKEN_CHARS
+from ._policy import ServicePolicy
+from ._models import MAX_DETAILS, NAME_PATTERN, Done, ErrorBody, RegisterRequest, Status, UpdateRequest
+from ._state import Busy, ServiceState, clip, error_fields, status_of
 
-# Most specific first: UpdateTimeoutError is a TransportError, Forbidden a ConfigError, ConfigError a ValueError.
-_STATUS = ((UpdateTimeoutError, 504), (RemoteWorkerError, 502), (ClosedError, 503), (CheckpointNotFoundError, 404),
-           (CheckpointFormatError, 422), (Forbidden, 403), (ConfigError, 400))
 SGLANG_ROUTE = "/update_weights_from_ipc"
-_ERRORS = {code: {"model": ErrorBody} for code in (400, 401, 403, 404, 409, 422, 500, 502, 503, 504)}
-
-
-def status_of(exc: BaseException) -> int:
-    for cls, code in _STATUS:
-        if isinstance(exc, cls):
-            return code
-    return 500
+_ERRORS = {code: {"model": ErrorBody} for code in (400, 401, 403, 404, 405, 409, 422, 500, 502, 503, 504)}
+_HTTP_TYPES = {404: "NotFound", 405: "MethodNotAllowed", 413: "PayloadTooLarge"}
 
 
 def _error(code: int, type_: str, message: str, **extra) -> JSONResponse:
-    return JSONResponse({"error": {"type": type_, "message": message, **extra}}, status_code=code)
+    return JSONResponse({"error": {"type": type_, "message": clip(message), **extra}}, status_code=code)
 
 
 def create_app(ps, *, token: str | None = None, metrics=None, policy: ServicePolicy | None = None) -> FastAPI:
@@ -68,9 +65,13 @@ def create_app(ps, *, token: str | None = None, metrics=None, policy: ServicePol
     """
     state = ServiceState(ps, metrics if metrics is not None else _metrics.make_metrics(ps.rank))
     app = FastAPI(title="ckpt-engine parameter server", version="1", responses=_ERRORS,
-                  description="One parameter-server rank; see docs/operations.md")
+                  description="One parameter-server rank; see docs/operations.md", docs_url=None, redoc_url=None)
     app.state.service = state
-    chained = ps.progress   # e.g. a terminal progress bar set by `ckpt-engine serve`
+    if state.metrics is not None:
+        state.metrics.sample_with(lambda: _registered_bytes(ps), lambda: _health_problem(state, ps) is None)
+    chained = ps.progress   # e.g. a terminal progress bar or a progress log set by `ckpt-engine serve`
+    if chained is not None and getattr(chained, "describe", False) is None:
+        chained.describe = state.describe   # a LogProgress's start line names the checkpoint and its bytes
 
     def progress(operation, phase, done, total):
         state.set_phase(phase, done, total)
@@ -95,25 +96,47 @@ def _install_errors(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def on_invalid(request: Request, exc: RequestValidationError):
-        details = [{"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")}
-                   for e in exc.errors()]
+        errors = exc.errors()   # never echoed whole: a 100,000-item body has as many errors
+        details = [{"loc": [clip(str(x), 200) for x in e.get("loc", ())][:8], "msg": clip(str(e.get("msg", "")), 300),
+                    "type": str(e.get("type", ""))[:100]} for e in errors[:MAX_DETAILS]]
         where = "; ".join(f"{'.'.join(map(str, d['loc']))}: {d['msg']}" for d in details[:5])
-        return _error(422, "ValidationError", f"invalid request: {where}", details=details)
+        more = f" (and {len(errors) - MAX_DETAILS} more)" if len(errors) > MAX_DETAILS else ""
+        return _error(422, "ValidationError", f"invalid request: {where}{more}", details=details)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http(request: Request, exc: StarletteHTTPException):
+        detail = exc.detail if isinstance(exc.detail, str) else "HTTP error"
+        if exc.status_code == 404:
+            detail = f"no route {request.url.path[:200]!r} (see /openapi.json)"
+        elif exc.status_code == 405:
+            detail = f"{request.method} is not allowed on {request.url.path[:200]!r} (see /openapi.json)"
+        resp = _error(exc.status_code, _HTTP_TYPES.get(exc.status_code, "HTTPError"), detail)
+        for key, value in (exc.headers or {}).items():
+            resp.headers[key] = value
+        return resp
 
     @app.exception_handler(Exception)
     async def on_other(request: Request, exc: Exception):
         return JSONResponse({"error": error_fields(exc)}, status_code=500)
 
 
+def check_token(token: str | None) -> None:
+    """ConfigError unless ``token`` is long enough to resist guessing (:data:`MIN_TOKEN_CHARS`)."""
+    if token is None or len(token) < MIN_TOKEN_CHARS or token != token.strip():
+        raise ConfigError(f"the bearer token must be at least {MIN_TOKEN_CHARS} characters without surrounding "
+                          f"spaces, got {0 if token is None else len(token)} (e.g. `openssl rand -hex 16`)")
+
+
 def _install_auth(app: FastAPI, token: str) -> None:
-    if not token:
-        raise ConfigError("the bearer token must not be empty")
-    want = f"Bearer {token}".encode()
+    check_token(token)
+    want = token.encode()
 
     @app.middleware("http")
     async def bearer(request: Request, call_next):
-        got = request.headers.get("authorization", "").encode("latin-1", "replace")
-        if not hmac.compare_digest(got, want):
+        # RFC 7235: the scheme is case-insensitive ("bearer", "BEARER"); the token is compared exactly.
+        scheme, _, got = request.headers.get("authorization", "").strip().partition(" ")
+        got = got.strip().encode("latin-1", "replace")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(got, want):
             resp = _error(401, "Unauthorized", "missing or wrong bearer token (Authorization: Bearer <token>)")
             resp.headers["WWW-Authenticate"] = "Bearer"
             return resp
@@ -176,9 +199,12 @@ def _routes(app: FastAPI, state: ServiceState, ps, policy: ServicePolicy) -> Non
     async def register_files(name: str, body: RegisterRequest):
         _check_name(name)
         files = policy.check_files(body.files)   # before any file is opened: 403 outside --allow-dir
-        await state.run("register", name, lambda: ps.register_checkpoint(
-            name, files=files, use_shared_memory_pool=body.use_shared_memory_pool,
-            use_inplace_pin_memory=body.use_inplace_pin_memory))
+
+        def register():
+            _check_host_memory(ps, files, body)   # before any memory is taken: 400 naming both sizes
+            ps.register_checkpoint(name, files=files, use_shared_memory_pool=body.use_shared_memory_pool,
+                                   use_inplace_pin_memory=body.use_inplace_pin_memory)
+        await state.run("register", name, register, nbytes=_file_bytes(files))
         return Done(result=ps.last_register)
 
     @app.delete("/v1/checkpoints/{name}", response_model=Done)
@@ -193,11 +219,13 @@ def _routes(app: FastAPI, state: ServiceState, ps, policy: ServicePolicy) -> Non
         return Done()
 
     @app.post("/v1/checkpoints/{name}/update", response_model=Done)
-    async def update(name: str, body: UpdateRequest):
+    async def update(name: str, body: Optional[UpdateRequest] = Body(default=None)):
         _check_name(name)
+        body = body if body is not None else UpdateRequest()   # every field has a default: no body is fine
         req_func = _req_func(body, ps.world_size, ps.wire, policy)
         result = await state.run("update", name, lambda: ps.update(name, req_func, ranks=body.ranks or None,
-                                                                     timeout=body.timeout))
+                                                                     timeout=body.timeout),
+                                 nbytes=_registered_bytes(ps, name), weight_version=body.weight_version)
         return Done(result=result)
 
     @app.get("/v1/healthz")
@@ -225,7 +253,9 @@ def _routes(app: FastAPI, state: ServiceState, ps, policy: ServicePolicy) -> Non
                       running=state.snapshot(),
                       updates=state.updates, failures=state.failures, last_update=ps.last_update,
                       last_register=ps.last_register, last_error=state.last_error,
-                      healthy=_health_problem(state, ps) is None)
+                      last_success_unix=dict(state.last_success), registered_bytes=_registered_bytes(ps),
+                      healthy=_health_problem(state, ps) is None, problem=_health_problem(state, ps),
+                      peers=state.liveness.peers() if state.liveness is not None else None)
 
     @app.get("/metrics", include_in_schema=True, response_class=Response)
     async def metrics():
@@ -240,5 +270,43 @@ def _health_problem(state: ServiceState, ps) -> str | None:
         return "this parameter server is closed"
     broken = getattr(ps, "_broken", None)
     if broken:
-        return f"process groups broke in an earlier update ({broken}); restart this world"
+        return clip(f"process groups broke in an earlier update ({broken}); restart this world")
+    if state.liveness is not None:
+        return state.liveness.problem()   # a peer rank (or the rendezvous store) went silent
     return None
+
+
+def _registered_bytes(ps, name: str | None = None) -> int | None:
+    """Host bytes of checkpoint ``name`` (None: all of them) registered on this rank."""
+    ckpts = getattr(ps, "_checkpoints", {})
+    if name is not None:
+        return ckpts[name].nbytes if name in ckpts else None
+    return sum(c.nbytes for c in ckpts.values())
+
+
+def _file_bytes(files: list[str]) -> int | None:
+    """Sizes of ``files`` on disk (the registration's start line); None when one cannot be read."""
+    try:
+        return sum(os.path.getsize(f) for f in files)
+    except OSError:
+        return None
+
+
+def _check_host_memory(ps, files: list[str], body: RegisterRequest) -> None:
+    """The host memory a registration of ``files`` will take, checked against what the host has. Files
+    mapped in place (/dev/shm) take none; a shared pool already large enough takes none."""
+    from ckpt_core.checkpoint.safetensors import read_header
+    from ckpt_core.planning.capacity import check_host_memory, host_memory_available
+    needed = 0
+    for f in files:
+        if body.use_inplace_pin_memory and f.startswith("/dev/shm/"):
+            continue
+        try:
+            header = read_header(f)
+        except OSError:
+            continue   # the registration names it (400)
+        needed += header.file_size - header.data_offset
+    pool = getattr(getattr(ps, "_pool", None), "region", None) if body.use_shared_memory_pool else None
+    if pool is not None and pool.nbytes >= needed:
+        return
+    check_host_memory(needed, host_memory_available(), what=f"registering {len(files)} file(s) on rank {ps.rank}")

@@ -7,12 +7,15 @@ silently ignored option. Field names of the update request are the reference's
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MAX_TIMEOUT_S = 7 * 24 * 3600.0   # one week: anything longer is a typo, not a plan
 NAME_PATTERN = r"^[^/\x00-\x1f]{1,256}$"
+MAX_FILES = 10_000    # files of one rank's share (the largest HF checkpoints have a few hundred shards)
+MAX_PATH_CHARS = 4096   # PATH_MAX
+MAX_DETAILS = 20      # validation errors listed in a 422
 
 
 class _Strict(BaseModel):
@@ -21,7 +24,8 @@ class _Strict(BaseModel):
 
 class RegisterRequest(_Strict):
     """``POST /v1/checkpoints/{name}/files``: this rank's share of the checkpoint."""
-    files: list[str] = Field(min_length=1, description="safetensors files of this rank's share")
+    files: list[Annotated[str, Field(min_length=1, max_length=MAX_PATH_CHARS)]] = Field(
+        min_length=1, max_length=MAX_FILES, description="safetensors files of this rank's share")
     use_shared_memory_pool: bool = False
     use_inplace_pin_memory: bool = True
 
@@ -64,6 +68,11 @@ class ErrorDetail(BaseModel):
     device_key: Optional[str] = None
     remote_traceback: Optional[str] = None
     details: Optional[list] = None
+    # in /v1/status's last_error only:
+    operation: Optional[str] = None
+    checkpoint: Optional[str] = None
+    status: Optional[int] = Field(default=None, description="the HTTP status the failing request got")
+    at_unix: Optional[float] = Field(default=None, description="when it failed (unix seconds)")
 
 
 class ErrorBody(BaseModel):
@@ -80,6 +89,10 @@ class Operation(BaseModel):
     elapsed_s: float
     done: Optional[int] = None
     total: Optional[int] = None
+    bytes: Optional[int] = Field(default=None, description="the checkpoint's bytes (update) or its files' (register)")
+    weight_version: Optional[str] = None
+    waiting_for: Optional[list[int]] = Field(
+        default=None, description="a collective: ranks whose service has not been asked for it (yet)")
 
 
 class Status(BaseModel):
@@ -96,8 +109,13 @@ class Status(BaseModel):
     failures: int
     last_update: Optional[dict] = None
     last_register: Optional[dict] = None
-    last_error: Optional[ErrorDetail] = None
+    last_error: Optional[ErrorDetail] = Field(default=None, description="cleared by the next success")
+    last_success_unix: dict[str, float] = Field(default_factory=dict, description="operation -> when it last succeeded")
+    registered_bytes: int = 0
     healthy: bool
+    problem: Optional[str] = Field(default=None, description="why healthy is false")
+    peers: Optional[dict[str, dict]] = Field(default=None, description="rank -> seconds since its last heartbeat "
+                                             "and what it runs (worlds of several ranks)")
 
 
 class Done(BaseModel):

@@ -14,7 +14,29 @@ from ckpt_core.errors import ConfigError
 from ckpt_core.ops.log import rank_logger
 
 UDS_MODE = 0o600
+DIR_MODE = 0o700
 MAX_UDS_PATH = 107   # sun_path is 108 bytes with the NUL
+
+
+def default_socket_dir() -> str:
+    """A directory only this user can enter, for the default socket: ``$XDG_RUNTIME_DIR/ckpt-engine`` (the
+    per-user runtime directory, itself 0700), else ``/tmp/ckpt-engine-UID``; created 0700. One that exists
+    but belongs to another user, is a symlink, or lets others in is refused (in world-writable /tmp,
+    anyone could have made it first, to see or replace the socket)."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
+    base = os.path.join(runtime, "ckpt-engine") if runtime and os.path.isdir(runtime) else \
+        os.path.join("/tmp", f"ckpt-engine-{os.getuid()}")
+    try:
+        os.mkdir(base, DIR_MODE)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise ConfigError(f"cannot create the socket directory {base!r}: {exc}; give --uds") from exc
+    st = os.lstat(base)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
+        raise ConfigError(f"the socket directory {base!r} is not a directory of this user with mode 0700 "
+                          f"(mode {oct(stat.S_IMODE(st.st_mode))}, owner uid {st.st_uid}); remove it or give --uds")
+    return base
 
 
 def bind_unix(path: str) -> socket.socket:
@@ -81,7 +103,7 @@ def _server_class():
 
 
 def serve(ps, *, uds: str | None = None, host: str | None = None, port: int | None = None,
-          token: str | None = None, log_level: str = "warning", policy=None) -> bool:
+          token: str | None = None, log_level: str = "warning", policy=None, metrics_port: int | None = None) -> bool:
     """Serve ``ps`` until SIGINT/SIGTERM; then close the socket (and remove the socket file).
 
     Returns False when a long operation was still running 10 s after the stop (the caller
@@ -89,8 +111,11 @@ def serve(ps, *, uds: str | None = None, host: str | None = None, port: int | No
     ``policy``: a ``ServicePolicy`` (the files and engine endpoints requests may name; default:
     no files, loopback engines).
 
-    Exactly one of ``uds`` or ``host``/``port``. TCP requires ``token``: the service moves model
-    weights into engines and must not be driven by anyone who can reach a port.
+    Exactly one of ``uds`` or ``host``/``port``. TCP requires ``token`` (at least 16 characters): the
+    service moves model weights into engines and must not be driven by anyone who can reach a port.
+    ``metrics_port``: also serve ``GET /metrics`` alone on 127.0.0.1 (Prometheus cannot scrape a Unix
+    socket); 0 picks a free port (logged). In a world of several ranks a heartbeat thread watches the
+    peers (``_liveness.py``; CKPT_HEARTBEAT_S, CKPT_PEER_TIMEOUT_S).
 
     Example (one process per rank, under torchrun)::
 
@@ -98,17 +123,25 @@ def serve(ps, *, uds: str | None = None, host: str | None = None, port: int | No
             serve(ps, uds=f"/run/ckpt/ps-{ps.rank}.sock")
     """
     import uvicorn
-    from ._app import create_app
+    from ._app import check_token, create_app
     _Server = _server_class()
 
     if (uds is None) == (host is None and port is None):
         raise ConfigError("serve on either a unix socket (uds=...) or TCP (host=..., port=...), not both or neither")
     if uds is None and not token:
         raise ConfigError("TCP serving requires a bearer token (--token-file or CKPT_SERVICE_TOKEN)")
-    sock = bind_unix(uds) if uds is not None else bind_tcp(host or "127.0.0.1", int(port or 0))
-    where = uds if uds is not None else "%s:%d" % sock.getsockname()[:2]
+    if token is not None:
+        check_token(token)
     log = rank_logger(f"service rank {ps.rank}/{ps.world_size}")
     app = create_app(ps, token=token, policy=policy)
+    state = app.state.service
+    try:
+        extras = _start_extras(ps, state, metrics_port, log)
+        sock = bind_unix(uds) if uds is not None else bind_tcp(host or "127.0.0.1", int(port or 0))
+    except BaseException:
+        state.close(0)
+        raise
+    where = uds if uds is not None else "%s:%d" % sock.getsockname()[:2]
     config = uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=5)
     server = _Server(config)
     log.info("phase=serve listening on %s (%s)", where, "bearer token required" if token else "unix socket, mode 0600")
@@ -120,9 +153,30 @@ def serve(ps, *, uds: str | None = None, host: str | None = None, port: int | No
     try:
         server.run(sockets=[sock])
     finally:
-        idle = app.state.service.close()   # waits (bounded) for a long operation still running
+        idle = state.close()   # waits (bounded) for a long operation still running
+        for server in extras:
+            server.shutdown()
+            server.server_close()
         sock.close()
         if uds is not None and os.path.lexists(uds):
             os.unlink(uds)
         log.info("phase=serve stopped")
     return idle
+
+
+def _start_extras(ps, state, metrics_port: int | None, log) -> list:
+    """The heartbeat thread (several ranks) and the metrics port (asked for); the servers to stop."""
+    from ckpt_core._settings import liveness
+    beat_s, timeout_s = liveness()
+    settings = getattr(ps, "settings", None)
+    if ps.world_size > 1 and settings is not None:
+        from ._liveness import Liveness
+        state.liveness = Liveness(state, ps.rank, ps.world_size, settings.master_addr, settings.master_port,
+                                  beat_s=beat_s, timeout_s=timeout_s).start()
+    if metrics_port is None:
+        return []
+    if state.metrics is None:
+        raise ConfigError("--metrics-port needs prometheus-client: pip install 'ckpt-engine[server]'")
+    server = state.metrics.serve_on(metrics_port)
+    log.info("phase=serve metrics on http://127.0.0.1:%d/metrics", server.server_address[1])
+    return [server]

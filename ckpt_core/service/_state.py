@@ -15,8 +15,38 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
-from ckpt_core.errors import CkptError
+from ckpt_core.errors import (CheckpointFormatError, CheckpointNotFoundError, CkptError, ClosedError, ConfigError,
+                              RemoteWorkerError, UpdateTimeoutError)
 from ckpt_core.ops.log import rank_logger
+from ._policy import Forbidden
+
+# Bounds of what an answer (and /v1/status, which keeps the last error) may carry: a request naming
+# 100,000 files must not come back as a 20 MB error, nor make every later status that large.
+MAX_MESSAGE_CHARS = 2000
+MAX_TRACEBACK_CHARS = 8000
+_TRACEBACK_MARK = "\n--- remote traceback ---\n"   # how RemoteWorkerError appends it to its message
+
+# Most specific first: UpdateTimeoutError is a TransportError, Forbidden a ConfigError, ConfigError a ValueError.
+_STATUS = ((UpdateTimeoutError, 504), (RemoteWorkerError, 502), (ClosedError, 503), (CheckpointNotFoundError, 404),
+           (CheckpointFormatError, 422), (Forbidden, 403), (ConfigError, 400))
+COLLECTIVE = ("gather", "update")   # operations every rank's service must be asked for
+
+
+def status_of(exc: BaseException) -> int:
+    """The HTTP status of an error: 4xx for the client's mistakes, 5xx for ours or a peer's."""
+    if isinstance(exc, Busy):
+        return 409
+    for cls, code in _STATUS:
+        if isinstance(exc, cls):
+            return code
+    return 500
+
+
+def clip(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """``text`` cut to ``limit`` characters, saying how much was cut."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... [{len(text) - limit} more characters cut]"
 
 
 class Busy(Exception):
@@ -30,13 +60,16 @@ class Busy(Exception):
 
 
 def error_fields(exc: BaseException) -> dict:
-    """The JSON form of an error: its class, message, and rank/device/traceback when it has them."""
-    out = {"type": type(exc).__name__ if isinstance(exc, CkptError) else "InternalError",
-           "message": str(exc) if isinstance(exc, CkptError) else f"{type(exc).__name__}: {exc}"}
+    """The JSON form of an error, bounded: its class, message, and rank/device/traceback when it has them.
+    A remote traceback is in ``remote_traceback`` only (the message is the error's first part)."""
+    message = str(exc) if isinstance(exc, CkptError) else f"{type(exc).__name__}: {exc}"
+    if getattr(exc, "remote_traceback", None):
+        message = message.split(_TRACEBACK_MARK, 1)[0]
+    out = {"type": type(exc).__name__ if isinstance(exc, CkptError) else "InternalError", "message": clip(message)}
     for key in ("rank", "device_key", "remote_traceback"):
         value = getattr(exc, key, None)
         if value is not None:
-            out[key] = value
+            out[key] = clip(value, MAX_TRACEBACK_CHARS) if isinstance(value, str) else value
     return out
 
 
@@ -50,8 +83,10 @@ class ServiceState:
         self._lock = threading.Lock()
         self.running: dict | None = None
         self.updates = self.failures = 0
-        self.last_error: dict | None = None
+        self.last_error: dict | None = None   # cleared by the next operation that succeeds
+        self.last_success: dict[str, float] = {}   # operation -> unix time it last succeeded
         self.closed = False
+        self.liveness = None   # a _liveness.Liveness on a world of several ranks (serve starts it)
 
     def snapshot(self) -> dict | None:
         with self._lock:
@@ -65,7 +100,8 @@ class ServiceState:
             if self.running is not None:
                 self.running.update(phase=phase, done=done, total=total)
 
-    async def run(self, operation: str, checkpoint: str | None, fn: Callable[[], Any]) -> Any:
+    async def run(self, operation: str, checkpoint: str | None, fn: Callable[[], Any], nbytes: int | None = None,
+                  weight_version: str | None = None) -> Any:
         """Run ``fn`` on the worker thread as ``operation``; raise :class:`Busy` if one is running.
 
         The bookkeeping is cleared by the thread itself when ``fn`` returns, so a client that
@@ -75,7 +111,8 @@ class ServiceState:
             if self.running is not None:
                 raise Busy(dict(self.running))
             self.running = {"operation": operation, "checkpoint": checkpoint, "phase": operation,
-                            "started_unix": time.time(), "done": None, "total": None}
+                            "started_unix": time.time(), "done": None, "total": None, "bytes": nbytes,
+                            "waiting_for": None, "weight_version": weight_version}
         if self.metrics is not None:
             self.metrics.started()
         try:
@@ -86,19 +123,23 @@ class ServiceState:
                     self.running = None
             raise
 
+    def describe(self, operation: str) -> tuple[str | None, int | None]:
+        """(checkpoint, bytes) of the running operation: for a progress log's start line."""
+        running = self.snapshot() or {}
+        return running.get("checkpoint"), running.get("bytes")
+
+    def set_waiting(self, ranks: list[int] | None) -> None:
+        """Peers that have not joined the running collective (the liveness thread tells)."""
+        with self._lock:
+            if self.running is not None:
+                self.running["waiting_for"] = ranks
+
     def _call(self, operation: str, checkpoint: str | None, fn: Callable[[], Any]) -> Any:
         t0 = time.perf_counter()
         try:
             result = fn()
         except BaseException as exc:
-            seconds = time.perf_counter() - t0
-            with self._lock:
-                self.failures += operation == "update"
-                self.last_error = dict(error_fields(exc), operation=operation, checkpoint=checkpoint)
-            if self.metrics is not None:
-                self.metrics.failed(operation, type(exc).__name__, seconds)
-            self.log.error("phase=%s checkpoint=%s outcome=error error=%s seconds=%.3f", operation, checkpoint,
-                           type(exc).__name__, seconds)
+            self._failed(operation, checkpoint, exc, time.perf_counter() - t0)
             raise
         else:
             seconds = time.perf_counter() - t0
@@ -108,13 +149,31 @@ class ServiceState:
             with self._lock:
                 self.running = None
 
-    def _record(self, operation: str, checkpoint: str | None, result: Any, seconds: float) -> None:
-        nbytes = result.get("bytes") if isinstance(result, dict) else None
-        if operation == "update":
-            with self._lock:
-                self.updates += 1
+    def _failed(self, operation: str, checkpoint: str | None, exc: BaseException, seconds: float) -> None:
+        """A client's mistake (4xx: bad name, bad file, misuse) is a rejection, logged at WARNING and not
+        counted as a failure; anything else (5xx) is a failure, logged at ERROR."""
+        rejected = status_of(exc) < 500
+        with self._lock:
+            self.failures += operation == "update" and not rejected
+            self.last_error = dict(error_fields(exc), operation=operation, checkpoint=checkpoint,
+                                   status=status_of(exc), at_unix=time.time())
         if self.metrics is not None:
-            self.metrics.succeeded(operation, seconds, nbytes, result if operation == "update" else None)
+            self.metrics.failed(operation, type(exc).__name__, seconds, rejected=rejected)
+        (self.log.warning if rejected else self.log.error)(
+            "phase=%s checkpoint=%s outcome=%s error=%s seconds=%.3f", operation, checkpoint,
+            "rejected" if rejected else "error", type(exc).__name__, seconds)
+
+    def _record(self, operation: str, checkpoint: str | None, result: Any, seconds: float) -> None:
+        if operation == "register":   # register_checkpoint returns nothing: its figures are in last_register
+            result = getattr(self.ps, "last_register", None)
+        nbytes = result.get("bytes") if isinstance(result, dict) else None
+        with self._lock:
+            self.updates += operation == "update"
+            self.last_error = None
+            self.last_success[operation] = time.time()
+        if self.metrics is not None:
+            self.metrics.succeeded(operation, seconds, nbytes, result if operation == "update" else None,
+                                   weight_version=(self.running or {}).get("weight_version"))
         rate = f" gbps={nbytes / max(seconds, 1e-9) / 1e9:.2f}" if nbytes else ""
         self.log.info("phase=%s checkpoint=%s outcome=ok bytes=%s seconds=%.3f%s", operation, checkpoint,
                       nbytes if nbytes is not None else "-", seconds, rate)
@@ -128,6 +187,8 @@ class ServiceState:
         if not self.closed:
             self.closed = True
             self._pool.shutdown(wait=False, cancel_futures=True)
+            if self.liveness is not None:
+                self.liveness.close()
         deadline = time.monotonic() + timeout
         while self.snapshot() is not None and time.monotonic() < deadline:
             time.sleep(0.05)

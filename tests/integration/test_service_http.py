@@ -19,7 +19,7 @@ BUCKET_GB = "0.00005"   # ~52 KiB buckets: every update has several, so a slow e
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("svc"))
-    w = ServiceWorld(2, tmp, extra=["--max-bucket-gb", BUCKET_GB])
+    w = ServiceWorld(2, tmp, extra=["--max-bucket-gib", BUCKET_GB])
     front = HttpEngineFront(2)
     w.front, w.gen = front, torch.Generator().manual_seed(1601)
     yield w
@@ -189,6 +189,7 @@ def test_an_engine_failure_is_a_502_on_every_rank_carrying_the_rank_and_tracebac
         err = resp.json()["error"]
         assert err["type"] == "RemoteWorkerError" and err["rank"] == 1, err
         assert "injected engine failure at bucket 0" in err["remote_traceback"]
+        assert "--- remote traceback ---" not in err["message"], "the traceback is in remote_traceback only"
     status = world.clients[0].get("/v1/status").json()
     assert status["last_error"]["type"] == "RemoteWorkerError" and status["failures"] >= 1
     assert 'ckpt_operation_failures_total{error="RemoteWorkerError",operation="update",rank="0"}' in \
@@ -204,3 +205,40 @@ def test_the_openapi_schema_lists_the_reference_routes(world):
               "/v1/checkpoints/{name}/update", "/v1/healthz", "/v1/metas", "/v1/status", "/metrics"):
         assert p in paths, p
     assert set(paths["/v1/metas"]) == {"get", "post"}
+
+
+def _metric(text: str, name: str, **labels) -> float | None:
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in text.splitlines():
+        if line.startswith(f"{name}{{{want}}} "):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def test_metrics_and_logs_say_what_each_rank_moved_when_and_which_checkpoint(world):
+    before = [_metric(c.get("/metrics").text, "ckpt_update_bytes_total", rank=r) or 0.0
+              for r, c in enumerate(world.clients)]
+    want = _register_and_gather(world, "observed")
+    t0 = time.time()
+    got = _update(world, "observed")
+    assert [r.status_code for r in got] == [200, 200], [r.text for r in got]
+    results = [r.json()["result"] for r in got]
+    texts = [c.get("/metrics").text for c in world.clients]
+    moved = [_metric(t, "ckpt_update_bytes_total", rank=r) - before[r] for r, t in enumerate(texts)]
+    assert moved == [res["h2d_bytes"] for res in results] and all(m > 0 for m in moved), moved
+    assert sum(moved) == results[0]["bytes"], "a sum over ranks counts each model byte once"
+    statuses = [c.get("/v1/status").json() for c in world.clients]
+    for r, (text, status) in enumerate(zip(texts, statuses)):
+        assert _metric(text, "ckpt_last_success_timestamp_seconds", operation="update", rank=r) >= t0 - 1
+        assert _metric(text, "ckpt_checkpoint_info", checkpoint="observed", rank=r, weight_version="") == 1
+        assert _metric(text, "ckpt_registered_bytes", rank=r) == status["registered_bytes"] > 0
+        assert _metric(text, "ckpt_healthy", rank=r) == 1
+        assert status["last_success_unix"]["update"] >= t0 - 1
+    with open(world.logs[0]) as f:
+        log = f.read()
+    registered = world.clients[0].get("/v1/status").json()["last_register"]["bytes"]
+    assert f"phase=update checkpoint=observed outcome=started bytes={registered}" in log, log[-3000:]
+    assert "phase=register checkpoint=observed outcome=ok bytes=-" not in log
+    assert f"phase=register checkpoint=observed outcome=ok bytes={registered} " in log, log[-3000:]
+    assert _engines_hold(world, want)
+    world.all("DELETE", "/v1/checkpoints/observed")

@@ -27,7 +27,7 @@ import json, signal, sys, time
 from ckpt_core.service._managed import start_managed
 rank, world, port, spec, log = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
 m = start_managed(spec, rank=rank, world_size=world, local_rank=rank, device="cpu", master_port=port,
-                  extra_args=["--keep-device-buffers", "--max-bucket-gb", "0.00005"], log_path=log)
+                  extra_args=["--keep-device-buffers", "--max-bucket-gib", "0.00005"], log_path=log)
 def shutdown(*_):
     print(json.dumps({"stopped_cleanly": m.stop()}), flush=True)
     sys.exit(0)

@@ -59,3 +59,34 @@ def test_every_tcp_request_needs_the_right_bearer_token(tmp_path, source):
     finally:
         right.close()
         assert stop(proc) == 0, open(log).read()[-3000:]
+
+
+@pytest.mark.parametrize("token", ["x", "short-token-15c", " padded-token-of-20 "])
+def test_a_token_shorter_than_16_characters_is_refused_at_start(tmp_path, token):
+    env = dict(os.environ, PYTHONPATH=ROOT, CKPT_SERVICE_TOKEN=token, **_single_rank_env())
+    proc = subprocess.run([sys.executable, "-m", "ckpt_core.cli", "serve", "--device", "cpu", "--host", "127.0.0.1",
+                           "--port", str(free_port())], env=env, capture_output=True, text=True, timeout=120)
+    if token.strip() != token:   # the env value is taken as given: surrounding spaces are a mistake
+        assert proc.returncode == 4 and "surrounding spaces" in proc.stderr, proc.stderr[-2000:]
+        return
+    assert proc.returncode == 4, proc.stderr[-2000:]
+    assert "at least 16 characters" in proc.stderr and "Traceback" not in proc.stderr
+    assert len(token) < 3 or token not in proc.stderr, "the refused token is not echoed"
+
+
+def test_the_bearer_scheme_is_case_insensitive_and_the_token_is_not(tmp_path):
+    port = free_port()
+    log = str(tmp_path / "serve.log")
+    proc = start_serve(["--device", "cpu", "--host", "127.0.0.1", "--port", str(port)],
+                       _single_rank_env(CKPT_SERVICE_TOKEN=TOKEN), log)
+    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
+    try:
+        wait_healthy(httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {TOKEN}"},
+                                  timeout=60), proc, log)
+        for header in (f"bearer {TOKEN}", f"BEARER {TOKEN}", f"BeArEr  {TOKEN}"):
+            assert client.get("/v1/status", headers={"Authorization": header}).status_code == 200, header
+        for header in (f"Bearer {TOKEN.upper()}", f"Basic {TOKEN}", f"Bearer{TOKEN}", TOKEN):
+            assert client.get("/v1/status", headers={"Authorization": header}).status_code == 401, header
+    finally:
+        client.close()
+        assert stop(proc) == 0, open(log).read()[-3000:]

@@ -78,7 +78,6 @@ def test_inspect_of_a_hf_directory_validates_every_shard(tmp_path, capsys):
     (["plan"], cli.EXIT_CONFIG, "--size-gib"),
     (["plan", "--size-gib", "100", "--tensors", "10", "--largest-mib", "60000", "--device-free-gib", "16"],
      cli.EXIT_CONFIG, "largest tensor"),
-    (["plan", "--size-gib", "1", "--tensors", "10", "--nodes", "0"], cli.EXIT_CONFIG, "nodes"),
 ])
 def test_bad_arguments_exit_4_with_a_message(argv, code, needle, capsys):
     assert cli.main(argv) == code

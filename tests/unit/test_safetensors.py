@@ -225,11 +225,112 @@ def test_misaligned_tensors_still_map_bit_exact(tmp_path):
     mm.close()
 
 
-def test_a_zero_length_tensor_inside_another_range_is_not_an_overlap():
-    blob = _file_bytes({"w": _entry(offsets=(0, 8)), "e": _entry(shape=(0,), offsets=(4, 4))},
-                       F32x2)
-    header = st.parse_header_bytes(blob, file_size=len(blob))
-    assert [e.name for e in header.tensors] == ["w", "e"]
+# The safetensors package's layout rule, case by case: what it accepts we accept, what it rejects we reject.
+LAYOUTS = [
+    ("contiguous", {"a": _entry(offsets=(0, 8)), "b": _entry(offsets=(8, 16))}, 16, True),
+    ("zero-length at the end", {"w": _entry(offsets=(0, 8)), "e": _entry(shape=(0,), offsets=(8, 8))}, 8, True),
+    ("zero-length first", {"e": _entry(shape=(0,), offsets=(0, 0)), "w": _entry(offsets=(0, 8))}, 8, True),
+    ("only a zero-length tensor", {"e": _entry(shape=(0,), offsets=(0, 0))}, 0, True),
+    ("no tensors, no data", {}, 0, True),
+    ("gap between tensors", {"a": _entry(offsets=(0, 8)), "b": _entry(offsets=(12, 20))}, 20, False),
+    ("gap before the first", {"a": _entry(offsets=(4, 12))}, 12, False),
+    ("bytes after the last", {"a": _entry(offsets=(0, 8))}, 12, False),
+    ("no tensors but data", {}, 4, False),
+    ("zero-length inside another", {"w": _entry(offsets=(0, 8)), "e": _entry(shape=(0,), offsets=(4, 4))}, 8, False),
+    ("zero-length beyond the data", {"e": _entry(shape=(0,), offsets=(3, 3))}, 3, False),
+]
+
+
+@pytest.mark.parametrize("header, data_size, valid", [c[1:] for c in LAYOUTS], ids=[c[0] for c in LAYOUTS])
+def test_the_data_area_must_be_tiled_exactly_as_the_safetensors_package_requires(header, data_size, valid):
+    from safetensors.torch import load
+    blob = _file_bytes(header, bytes(data_size))
+    try:
+        load(blob)
+        theirs = True
+    except Exception:
+        theirs = False
+    assert theirs == valid, "the table must say what the installed safetensors package does"
+    if valid:
+        st.parse_header_bytes(blob, file_size=len(blob))
+    else:
+        with pytest.raises(CheckpointFormatError, match="safetensors format requires"):
+            st.parse_header_bytes(blob, file_size=len(blob))
+
+
+def test_a_deeply_nested_header_is_a_format_error_not_a_recursion_error():
+    blob = _file_bytes(b'{"x":' + b"[" * 100_000 + b"]" * 100_000 + b"}")
+    with pytest.raises(CheckpointFormatError, match="nested") as info:
+        st.parse_header_bytes(blob, file_size=len(blob))
+    assert isinstance(info.value.__cause__, RecursionError)
+
+
+def _hf_dir(tmp_path, index: dict | None, shards: dict[str, dict[str, torch.Tensor]]):
+    for name, tensors in shards.items():
+        st.write_file(tmp_path / name, tensors)
+    if index is not None:
+        (tmp_path / st.INDEX_NAME).write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    return str(tmp_path)
+
+
+def test_an_index_that_matches_its_shards_lists_them(tmp_path):
+    d = _hf_dir(tmp_path, {"a": "s1.safetensors", "b": "s2.safetensors"},
+                {"s1.safetensors": {"a": torch.randn(3)}, "s2.safetensors": {"b": torch.randn(2)}})
+    files = st.checkpoint_files(d)
+    assert files == [os.path.join(d, "s1.safetensors"), os.path.join(d, "s2.safetensors")]
+    st.check_index(st.read_index(d), [st.read_header(f) for f in files], os.path.join(d, st.INDEX_NAME))
+
+
+@pytest.mark.parametrize("entry, needle", [
+    ("../outside.safetensors", "outside the checkpoint directory"),
+    ("/etc/passwd", "outside the checkpoint directory"),
+    ("sub/../../outside.safetensors", "outside the checkpoint directory"),
+    ("link.safetensors", "symlink that resolves outside"),
+    ("absent.safetensors", "does not exist"),
+    (7, "not a non-empty string"),
+])
+def test_an_index_entry_outside_the_directory_or_missing_is_refused_before_it_is_opened(tmp_path, entry, needle):
+    outside = tmp_path / "outside.safetensors"
+    st.write_file(outside, {"a": torch.randn(2)})
+    d = tmp_path / "model"
+    d.mkdir()
+    os.symlink(outside, d / "link.safetensors")
+    _hf_dir(d, {"a": entry}, {})
+    with pytest.raises(CheckpointFormatError, match=needle):
+        st.checkpoint_files(str(d))
+
+
+def test_a_directory_without_an_index_refuses_a_shard_that_links_outside(tmp_path):
+    outside = tmp_path / "outside.safetensors"
+    st.write_file(outside, {"a": torch.randn(2)})
+    d = tmp_path / "model"
+    d.mkdir()
+    os.symlink(outside, d / "model.safetensors")
+    with pytest.raises(CheckpointFormatError, match="symlink that resolves outside"):
+        st.checkpoint_files(str(d))
+
+
+def test_a_hub_cache_snapshot_whose_files_link_into_its_blobs_is_accepted(tmp_path):
+    blobs, snap = tmp_path / "models--x" / "blobs", tmp_path / "models--x" / "snapshots" / "abc123"
+    blobs.mkdir(parents=True)
+    snap.mkdir(parents=True)
+    st.write_file(blobs / "f00d", {"a": torch.randn(2)})
+    os.symlink("../../blobs/f00d", snap / "model.safetensors")
+    assert st.checkpoint_files(str(snap)) == [str(snap / "model.safetensors")]
+
+
+@pytest.mark.parametrize("index, needle", [
+    ({"a": "s1.safetensors", "b": "s2.safetensors", "c": "s2.safetensors", "z": "s1.safetensors"},
+     "which does not hold it"),
+    ({"a": "s1.safetensors", "b": "s1.safetensors", "c": "s2.safetensors"}, "but it is in 's2.safetensors'"),
+    ({"a": "s1.safetensors", "b": "s2.safetensors"}, "not in the index's weight_map"),
+])
+def test_an_index_that_disagrees_with_its_shards_is_a_format_error(tmp_path, index, needle):
+    d = _hf_dir(tmp_path, index, {"s1.safetensors": {"a": torch.randn(3)},
+                                  "s2.safetensors": {"b": torch.randn(2), "c": torch.randn(4)}})
+    files = st.checkpoint_files(d)
+    with pytest.raises(CheckpointFormatError, match=needle):
+        st.check_index(st.read_index(d), [st.read_header(f) for f in files], os.path.join(d, st.INDEX_NAME))
 
 
 def test_the_map_cannot_be_closed_while_views_are_alive(tmp_path):
@@ -290,7 +391,8 @@ def test_the_writer_refuses_what_safetensors_cannot_hold(tmp_path, tensors, meta
 def test_the_module_exports_exactly_the_documented_api():
     assert sorted(st.__all__) == sorted([
         "DTYPES", "DTYPE_CODES", "WIRE_DTYPES", "WIRE_CODES", "UNSUPPORTED_CODES", "MAX_HEADER_BYTES", "TensorEntry", "SafetensorsHeader",
-        "read_header", "parse_header_bytes", "map_tensors", "read_tensors", "write_file"])
+        "read_header", "parse_header_bytes", "map_tensors", "read_tensors", "write_file",
+        "INDEX_NAME", "checkpoint_files", "read_index", "check_index"])
     assert st.MAX_HEADER_BYTES == 64 * 1024 * 1024
 
 

@@ -1,0 +1,108 @@
+"""Pieces of the service and its operations, in process: error bodies, the socket directory, the
+host-memory check, the progress log."""
+
+import logging
+import os
+
+import pytest
+
+from ckpt_core.errors import ConfigError, RemoteWorkerError
+from ckpt_core.planning.capacity import check_host_memory, host_memory_available
+
+fastapi = pytest.importorskip("fastapi")
+from ckpt_core.service._runner import default_socket_dir  # noqa: E402
+from ckpt_core.service._state import MAX_MESSAGE_CHARS, MAX_TRACEBACK_CHARS, error_fields, status_of  # noqa: E402
+from ckpt_core.ops.progress import LogProgress  # noqa: E402
+
+
+def test_a_remote_traceback_appears_once_in_the_error_body():
+    exc = RemoteWorkerError("engine failed", rank=1, remote_traceback="Traceback (most recent call last):\n  boom")
+    body = error_fields(exc)
+    assert body["message"] == "[rank 1] engine failed" and body["rank"] == 1
+    assert body["remote_traceback"].count("boom") == 1 and "boom" not in body["message"]
+
+
+def test_error_bodies_are_bounded():
+    body = error_fields(ConfigError("x" * 10_000_000))
+    assert len(body["message"]) < MAX_MESSAGE_CHARS + 100 and "more characters cut" in body["message"]
+    body = error_fields(RemoteWorkerError("e", remote_traceback="t" * 10_000_000))
+    assert len(body["remote_traceback"]) < MAX_TRACEBACK_CHARS + 100
+
+
+@pytest.mark.parametrize("exc, code", [(ConfigError("x"), 400), (KeyError("x"), 500),
+                                       (RemoteWorkerError("x"), 502)])
+def test_status_codes_separate_client_mistakes_from_failures(exc, code):
+    assert status_of(exc) == code
+
+
+def test_the_default_socket_directory_is_created_private_and_checked(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    d = default_socket_dir()
+    assert d == str(tmp_path / "ckpt-engine") and (os.stat(d).st_mode & 0o777) == 0o700
+    assert default_socket_dir() == d, "an existing private directory is reused"
+    os.chmod(d, 0o755)
+    with pytest.raises(ConfigError, match="mode 0700"):
+        default_socket_dir()
+    os.rmdir(d)
+    os.symlink(tmp_path, d)
+    with pytest.raises(ConfigError, match="not a directory of this user"):
+        default_socket_dir()
+    monkeypatch.delenv("XDG_RUNTIME_DIR")
+    assert default_socket_dir() == f"/tmp/ckpt-engine-{os.getuid()}"
+
+
+def test_the_host_memory_check_names_both_sizes_and_passes_when_it_fits_or_is_unknown():
+    check_host_memory(1 << 30, 2 << 30)
+    check_host_memory(1 << 40, None)
+    with pytest.raises(ConfigError, match=r"needs 4.00 GiB of new host memory but only 1.00 GiB"):
+        check_host_memory(4 << 30, 1 << 30)
+
+
+def test_host_memory_available_takes_the_lower_of_meminfo_and_the_cgroups_room(tmp_path):
+    (tmp_path / "meminfo").write_text("MemTotal: 100 kB\nMemAvailable:    8388608 kB\n")   # 8 GiB
+    cg = tmp_path / "cg"
+    cg.mkdir()
+    assert host_memory_available(str(tmp_path / "meminfo"), str(cg)) == 8 << 30
+    (cg / "memory.max").write_text(f"{6 << 30}\n")
+    (cg / "memory.current").write_text(f"{3 << 30}\n")
+    (cg / "memory.stat").write_text(f"anon 100\ninactive_file {1 << 30}\n")
+    assert host_memory_available(str(tmp_path / "meminfo"), str(cg)) == 4 << 30
+    (cg / "memory.max").write_text("max\n")
+    assert host_memory_available(str(tmp_path / "meminfo"), str(cg)) == 8 << 30
+    assert host_memory_available(str(tmp_path / "none"), str(tmp_path / "none")) is None
+
+
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_the_progress_log_says_when_an_operation_starts_and_then_every_period(caplog):
+    clock = Clock()
+    p = LogProgress("ps rank 0/2", every_s=10, describe=lambda op: ("step-7", 1234), clock=clock)
+    with caplog.at_level(logging.INFO, logger="ckpt_core"):
+        p("update", "plan", None, None)
+        p("update", "handshake", 0, 8)
+        clock.t += 5
+        p("update", "transfer", 2, 8)   # within the period: no line
+        clock.t += 6
+        p("update", "transfer", 5, 8)
+        p("update", "post-hook", 8, 8)
+        p("update", "plan", None, None)   # the next update starts: a new start line
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0] == "[ps rank 0/2] phase=update checkpoint=step-7 outcome=started bytes=1234"
+    assert lines[1] == "[ps rank 0/2] phase=update step=transfer progress 5/8 buckets elapsed_s=11.0"
+    assert lines[2].endswith("outcome=started bytes=1234") and len(lines) == 3, lines
+
+
+def test_the_progress_log_can_keep_to_start_lines_only(caplog):
+    clock = Clock()
+    p = LogProgress("r", every_s=0, clock=clock)
+    with caplog.at_level(logging.INFO, logger="ckpt_core"):
+        p("register", "validate", None, None)
+        clock.t += 1000
+        p("register", "fill", 10, 100)
+    assert [r.getMessage() for r in caplog.records] == ["[r] phase=register checkpoint=None outcome=started bytes=-"]
