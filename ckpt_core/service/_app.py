@@ -42,7 +42,7 @@ from ckpt_core.engines.requests import request_inference_to_update
 from ckpt_core.errors import CkptError, ConfigError
 from ckpt_core._settings import MIN_TOKEN_CHARS
 from ._policy import ServicePolicy
-from ._models import MAX_DETAILS, NAME_PATTERN, Done, ErrorBody, RegisterRequest, Status, UpdateRequest
+from ._models import MAX_DETAILS, NAME_PATTERN, CommitRequest, Done, ErrorBody, RegisterRequest, Status, UpdateRequest
 from ._state import Busy, ServiceState, clip, error_fields, status_of
 
 SGLANG_ROUTE = "/update_weights_from_ipc"
@@ -175,6 +175,11 @@ def _req_func(body: UpdateRequest, world_size: int, wire: str, policy: ServicePo
         if body.update_url is None:
             return None
         chosen = [handles[r] for r in body.inference_group_ranks] if body.inference_group_ranks else handles
+        if body.stage is not None:
+            from ckpt_vllm.client import VllmClient
+            with VllmClient(_vllm_base(body.update_url), uds=uds, timeout=body.timeout) as client:
+                client.stage(chosen, body.stage, device_bytes=int(body.stage_device_gib * (1 << 30)))
+            return None
         if sglang_base is None:
             request_inference_to_update(body.update_url, dict(chosen), timeout=body.timeout, uds=uds)
             return None
@@ -182,6 +187,22 @@ def _req_func(body: UpdateRequest, world_size: int, wire: str, policy: ServicePo
         with SglangClient(sglang_base, uds=uds, timeout=body.timeout) as client:
             client.update(chosen, flush_cache=body.flush_cache, weight_version=body.weight_version)
     return req_func
+
+
+def _vllm_base(url: str) -> str:
+    """``http://host:port`` of a vLLM ``/collective_rpc`` URL (the policy checked its path)."""
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/').removesuffix('/collective_rpc')}"
+
+
+def _commit(body, policy: ServicePolicy) -> dict:
+    """``POST /v1/commit``: the engine's staged version made live (see ``CommitRequest``)."""
+    from ckpt_vllm.client import VllmClient
+
+    uds = policy.check_engine(body.update_url, body.uds, "vllm")
+    with VllmClient(_vllm_base(body.update_url), uds=uds, timeout=body.timeout) as client:
+        report = client.commit(body.version, pause=body.pause, timeout=body.timeout)
+    return {"version": body.version, "seconds": report.seconds, "workers": report.workers}
 
 
 def _sglang_base(url: str) -> str:
@@ -226,6 +247,11 @@ def _routes(app: FastAPI, state: ServiceState, ps, policy: ServicePolicy) -> Non
         result = await state.run("update", name, lambda: ps.update(name, req_func, ranks=body.ranks or None,
                                                                      timeout=body.timeout),
                                  nbytes=_registered_bytes(ps, name), weight_version=body.weight_version)
+        return Done(result=result)
+
+    @app.post("/v1/commit", response_model=Done)
+    async def commit(body: CommitRequest):
+        result = await state.run("commit", body.version, lambda: _commit(body, policy), weight_version=body.version)
         return Done(result=result)
 
     @app.get("/v1/healthz")

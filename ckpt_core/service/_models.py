@@ -52,13 +52,37 @@ class UpdateRequest(_Strict):
     weight_version: Optional[str] = Field(default=None, max_length=256,
                                           description="sglang only: the version SGLang reports after the update")
     flush_cache: bool = Field(default=True, description="sglang only: flush SGLang's KV cache after the update")
+    stage: Optional[str] = Field(default=None, min_length=1, max_length=256,
+                                 description="vllm only: stage the update as this version (the engine keeps "
+                                             "serving); POST /v1/commit switches to it")
+    stage_device_gib: float = Field(default=0.0, ge=0, le=1 << 20,
+                                    description="with stage: device memory each worker may stage into, GiB "
+                                                "(beyond it: pinned host memory)")
 
     @model_validator(mode="after")
     def _sglang_fields_need_sglang(self) -> "UpdateRequest":
         given = sorted({"weight_version", "flush_cache"} & self.model_fields_set)
         if self.engine != "sglang" and given:
             raise ValueError(f"{' and '.join(given)} apply to engine='sglang' only")
+        if self.stage is not None and (self.engine != "vllm" or self.update_url is None):
+            raise ValueError("stage needs engine='vllm' and an update_url (the engine's /collective_rpc)")
+        if "stage_device_gib" in self.model_fields_set and self.stage is None:
+            raise ValueError("stage_device_gib applies to a staged update (give stage)")
         return self
+
+
+class CommitRequest(_Strict):
+    """``POST /v1/commit``: switch a vLLM engine to the version staged by an update with ``stage``.
+
+    Pauses generation (``pause``: ``keep`` freezes running requests, which continue on the new
+    weights), loads the staged tensors on every worker of that engine, resets the prefix cache,
+    sets vLLM's weight version, resumes. Not collective: send it to one rank's service per engine.
+    """
+    update_url: str = Field(min_length=1, max_length=4096, description="the engine's /collective_rpc URL")
+    uds: Optional[str] = Field(default=None, min_length=1, max_length=107)
+    version: str = Field(min_length=1, max_length=256)
+    pause: Literal["keep", "wait", "abort"] = "keep"
+    timeout: float = Field(default=300.0, gt=0, le=MAX_TIMEOUT_S, description="seconds")
 
 
 class ErrorDetail(BaseModel):

@@ -171,3 +171,36 @@ def test_a_staged_update_refuses_a_pause_and_the_backend_path(server, tiny_model
     for kwargs in ({"pause": "keep"}, {"path": "backend"}):
         with pytest.raises(ConfigError, match="a staged update takes the extension path"):
             server.client.update({}, stage="z", **{"path": "extension", **kwargs})
+
+
+def test_the_service_stages_and_commits_into_a_real_vllm(server, tiny_model, tmp_path):
+    """``ckpt-engine serve``: ``POST .../update {"stage": v}`` then ``POST /v1/commit``."""
+    import shutil
+
+    from service_world import ServiceWorld
+
+    model = tiny_model
+    push(server, [model.weights[0]], path="extension", version="s0")
+    shutil.copy(model.weights[1], tmp_path / "w1.safetensors")
+    rpc = f"{server.endpoint}/collective_rpc"
+    world = ServiceWorld(1, str(tmp_path))
+    try:
+        (c,) = world.clients
+        assert c.post("/v1/checkpoints/w1/files", json={"files": [str(tmp_path / "w1.safetensors")]}).status_code == 200
+        assert c.post("/v1/checkpoints/w1/gather-metas").status_code == 200
+        bad = c.post("/v1/checkpoints/w1/update", json={"stage": "s1"})
+        assert bad.status_code == 422 and "update_url" in bad.text
+        staged = c.post("/v1/checkpoints/w1/update", json={"update_url": rpc, "stage": "s1"})
+        assert staged.status_code == 200, staged.text
+        assert server.complete(model.prompts, MAX_TOKENS) == model.reference(model.weights[0])
+        assert versions(server)[0]["staged"]["version"] == "s1"
+        wrong = c.post("/v1/commit", json={"update_url": rpc, "version": "s2"})
+        assert wrong.status_code >= 400 and "cannot commit version 's2'" in wrong.text, wrong.text
+        done = c.post("/v1/commit", json={"update_url": rpc, "version": "s1"})
+        assert done.status_code == 200, done.text
+        assert done.json()["result"]["seconds"]["paused"] > 0
+        assert server.complete(model.prompts, MAX_TOKENS) == model.reference(model.weights[1])
+        assert versions(server)[0]["live"] == "s1"
+        assert c.get("/v1/status").json()["last_error"] is None
+    finally:
+        assert world.close() == [0]
