@@ -266,7 +266,12 @@ def cmd_plan(args) -> int:
         f"  {doc['buckets']} buckets of <= {doc['bucket_bytes'] / (1 << 20):.0f} MiB, {doc['slots']} slot(s)",
         f"  memory per rank: host {doc['host_bytes_per_rank'] / GiB:.2f} GiB (pinned), device "
         f"{doc['device_bytes_per_rank'] / GiB:.2f} GiB; per node host {doc['host_bytes_per_node'] / GiB:.2f} GiB",
-        f"  registration ~ {doc['register_s']:.2f} s per rank; calibrated on {doc['calibration']['source']}"])
+        f"  registration ~ {doc['register_s']:.2f} s per rank; calibrated on {doc['calibration']['source']}",
+        f"  staged update: {doc['staging']['bytes_per_worker'] / GiB:.2f} GiB per engine worker "
+        f"{'fits in' if doc['staging']['fits_device'] else 'does not fit in'} its device memory "
+        f"({doc['staging']['device_room_bytes'] / GiB:.2f} GiB left beside the PS's buffer): staged in "
+        f"{doc['staging']['where']} memory, commit (the pause) ~ {doc['staging']['commit_s']:.3f} s with the "
+        "calibrated engine reload (a real vLLM's own reload adds its per-layer processing)"])
     _emit(args, doc, text)
     return EXIT_OK
 

@@ -90,3 +90,15 @@ def test_a_tensor_larger_than_device_memory_is_a_config_error_naming_it():
         predict(ModelSpec(100 * GiB, 10, 50 * GiB), Topology(device_free_gib=20))
     with pytest.raises(ConfigError):
         predict(ModelSpec(GiB, 10, GiB), replace(Topology()), mode="carrier-pigeon")
+
+
+def test_the_plan_says_whether_a_staged_update_fits_in_device_memory():
+    from ckpt_core.planning.capacity import ModelSpec, Topology, predict
+
+    GiB = 1 << 30
+    model = ModelSpec(14 * GiB, 339, GiB)
+    roomy = predict(model, Topology(devices_per_node=1, device_free_gib=60.0))["staging"]
+    tight = predict(model, Topology(devices_per_node=1, device_free_gib=16.0))["staging"]
+    assert roomy["fits_device"] and roomy["where"] == "device" and roomy["bytes_per_worker"] == 14 * GiB
+    assert not tight["fits_device"] and tight["where"] == "pinned host"
+    assert tight["commit_s"] > roomy["commit_s"]   # a host-staged commit adds H2D of every byte
