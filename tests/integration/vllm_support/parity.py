@@ -73,14 +73,22 @@ def build(python: str, case: Case, out: Path) -> ParityModel:
 
 
 def cold_digests(python: str, model_dir: Path, weights: list[Path], tp: int) -> dict[str, list[dict]]:
+    return cold_load(python, model_dir, weights, tp)["digests"]
+
+
+def cold_load(python: str, model_dir: Path, weights: list[Path], tp: int = 1, *, dtype: str = "float32",
+              prompts: list[list[int]] | None = None) -> dict:
+    """cold_load.py's result: ``{"digests": {file: per-rank digests}, "tokens": {file: greedy ids}}``."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     env.update(tp_server_args(tp).get("env", {}))
+    extra = ["--prompts", json.dumps(prompts), "--max-tokens", str(MAX_TOKENS)] if prompts else []
     proc = subprocess.run([python, str(HERE / "cold_load.py"), "--model", str(model_dir), "--tp", str(tp),
-                           "--weights", *map(str, weights)], capture_output=True, text=True, env=env, timeout=900)
+                           "--dtype", dtype, "--weights", *map(str, weights), *extra],
+                          capture_output=True, text=True, env=env, timeout=900)
     if proc.returncode != 0:
         raise RuntimeError(f"cold_load.py failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])["digests"]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def differences(engine: list[dict], cold: list[dict]) -> list[str]:

@@ -43,13 +43,13 @@ class VllmServer:
 
     def __init__(self, python: str, model_dir: Path, log_path: Path, *, extension: bool = True,
                  backend: str | None = None, uds: Path | None = None, load_format: str = "dummy",
-                 extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None):
+                 dtype: str = "float32", extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None):
         self.python, self.model_dir, self.log_path = python, Path(model_dir), Path(log_path)
         self.uds = uds
         self.port = None if uds else free_port()
         self.endpoint = "http://localhost" if uds else f"http://127.0.0.1:{self.port}"
         args = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-                "--served-model-name", "tiny", "--max-model-len", "256", "--dtype", "float32",
+                "--served-model-name", "tiny", "--max-model-len", "256", "--dtype", dtype,
                 "--enforce-eager", "--distributed-executor-backend", "uni",
                 "--kv-cache-memory-bytes", str(64 << 20), "--load-format", load_format, "--seed", "0"]
         args += ["--uds", str(uds)] if uds else ["--host", "127.0.0.1", "--port", str(self.port)]
