@@ -13,8 +13,12 @@ What this module adds, because the update arrives in buckets and may be wrong:
   tensors straddle two buckets keeps views from the first one in its buffer; those are cloned
   after each bucket (:meth:`ReloadSession.load`), and only those.
 - vLLM accepts an incomplete checkpoint silently (a layer that never completes keeps its old
-  weights or is processed with garbage for the missing part). :meth:`ReloadSession.check_complete`
-  names what is missing before anything is finalized.
+  weights or is processed with garbage for the missing part). :meth:`ReloadSession.check_whole_layers`
+  refuses, from the update's plan and before anything is loaded, a layer that would receive only
+  part of its tensors (a quantized layer's scale, one part of a fused qkv);
+  :meth:`ReloadSession.check_complete` names what is still missing before anything is finalized.
+- Attention layers of a quantized model keep, through vLLM's reload, the q/k/v/prob scales they
+  had; after the update they get a cold load's (:func:`_default_attention_scales`).
 - A failed update must leave a serving model: :meth:`ReloadSession.abort` puts every layer that
   was not processed yet back on its live tensors (old weights), so the engine keeps answering.
 
