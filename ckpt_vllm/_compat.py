@@ -7,6 +7,9 @@ Layerwise reload (``vllm.model_executor.model_loader.reload``) is where the rele
 | is a layer processed only at the end (attention)? | ``isinstance(layer, (Attention, MLAAttention))`` | ``layers.attention.is_deferred_attention_layer`` |
 | tensors no weight loader ever fills | ``reload.meta.SKIP_TENSORS`` | ``reload.meta.SKIP_LOAD_TENSORS`` |
 
+Optional: ``layers.quantization.kv_cache.BaseKVCacheMethod`` (the attention layers' q/k/v scale
+method of quantized models); without it those scales are left as vLLM's reload leaves them.
+
 Everything else used (``initialize_layerwise_reload``, ``finalize_layerwise_reload``,
 ``layerwise.LAYERWISE_INFO``, ``layerwise._place_kernel_tensors`` and the fields of
 ``LayerReloadingInfo``) is present in every supported release; a vLLM without one of them is
@@ -42,6 +45,7 @@ class ReloadApi:
     place_kernel_tensors: Callable  # (layer, info): put a layer's live tensors back
     is_deferred_attention: Callable  # (layer) -> bool
     skip_load_tensors: frozenset    # tensor names no weight loader fills
+    kv_cache_method: type | None = None  # quantization.kv_cache.BaseKVCacheMethod (attention scales)
 
 
 def _import(name: str):
@@ -80,7 +84,9 @@ def detect(import_module: Callable[[str], Any] = _import) -> ReloadApi:
     if missing:
         raise ConfigError(f"vLLM {version} lacks what ckpt_vllm's weight updates need: {', '.join(missing)} "
                           f"(supported: {SUPPORTED})")
-    return ReloadApi(version=version, skip_load_tensors=skip, is_deferred_attention=deferred, **found)
+    kv = import_module("vllm.model_executor.layers.quantization.kv_cache")
+    return ReloadApi(version=version, skip_load_tensors=skip, is_deferred_attention=deferred,
+                     kv_cache_method=getattr(kv, "BaseKVCacheMethod", None) if kv is not None else None, **found)
 
 
 def _skip_load_tensors(meta, missing: list[str]) -> frozenset:

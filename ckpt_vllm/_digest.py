@@ -102,7 +102,10 @@ def _probe(module: torch.nn.Module, dtype: torch.dtype | None) -> torch.Tensor |
     width = getattr(module, "input_size_per_partition", None) or getattr(module, "input_size", None)
     if width is None and hasattr(module, "org_vocab_size"):
         width = getattr(module, "embedding_dim", None)   # a (tied) lm_head is applied as a linear
-    if method is None or not width or not hasattr(method, "apply") or not hasattr(module, "weight"):
+    # Weight-only int4 layers (GPTQ, AWQ, compressed-tensors WNA16) have no ``weight``: their
+    # repacked ``qweight``/``weight_packed`` is probed the same way.
+    if (method is None or not width or not hasattr(method, "apply")
+            or not (hasattr(module, "weight") or module._parameters)):
         return None
     param_dtype = getattr(module, "params_dtype", None) or dtype or torch.get_default_dtype()
     gen = torch.Generator().manual_seed(_PROBE_SEED)

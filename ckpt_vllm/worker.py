@@ -95,6 +95,8 @@ def receive_into(sessions: list[ReloadSession], zmq_ctx, zmq_handle: str, kind: 
     def on_plan(tensors):
         for s in sessions:
             s.check_plan(name for name, _, _ in tensors)
+            if finalize:   # the last update of the weight update: no layer may be left half-written
+                s.check_whole_layers(name for name, _, _ in tensors)
 
     try:
         _core_update_weights_from_ipc(zmq_ctx, zmq_handle, index, run=run, timeout=timeout, on_plan=on_plan,

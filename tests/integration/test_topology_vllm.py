@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_support.fixtures import MAX_TOKENS, tiny_model, vllm_python  # noqa: F401
+from vllm_support.fixtures import MAX_TOKENS, ready, tiny_model, vllm_python  # noqa: F401
 from vllm_support.server import VllmServer, free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1200)]
@@ -36,28 +36,21 @@ def split_in_two(weights: Path, out: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def servers(vllm_python, tiny_model, tmp_path_factory, monkeypatch_module):
+def servers(vllm_python, tiny_model, tmp_path_factory):
     base = tmp_path_factory.mktemp("vllm-topo")
-    out = []
+    # The second server numbers its only worker 0, like a vLLM on GPU 1 started with
+    # CUDA_VISIBLE_DEVICES=1; PS_CPU_VISIBLE_DEVICES=1 is the cpu kind's equivalent.
+    # Both boot at once (a cold start is mostly one core's work).
+    out = [VllmServer(vllm_python, tiny_model.dir, base / f"server{g}.log", uds=base / f"engine{g}.sock",
+                      env={"PS_CPU_VISIBLE_DEVICES": str(g)}) for g in range(2)]
     try:
-        for g in range(2):
-            # The second server numbers its only worker 0, like a vLLM on GPU 1 started with
-            # CUDA_VISIBLE_DEVICES=1; PS_CPU_VISIBLE_DEVICES=1 is the cpu kind's equivalent.
-            monkeypatch_module.setenv("PS_CPU_VISIBLE_DEVICES", str(g))
-            srv = VllmServer(vllm_python, tiny_model.dir, base / f"server{g}.log", uds=base / f"engine{g}.sock")
-            out.append(srv.start())
-        monkeypatch_module.delenv("PS_CPU_VISIBLE_DEVICES")
+        for srv in out:
+            srv.launch()
+        ready(*out)
         yield out
     finally:
         for srv in out:
             srv.stop()
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    mp = pytest.MonkeyPatch()
-    yield mp
-    mp.undo()
 
 
 def test_two_servers_each_on_its_own_unix_socket_get_exactly_the_checkpoint_twice(servers, tiny_model, tmp_path):

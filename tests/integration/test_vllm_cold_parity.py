@@ -18,8 +18,8 @@ import os
 
 import pytest
 
-from vllm_support.fixtures import start_server, vllm_python  # noqa: F401
-from vllm_support.parity import Case, build, completions, differences, push_to, tp_server_args
+from vllm_support.fixtures import launch_server, ready, vllm_python  # noqa: F401
+from vllm_support.parity import Case, build_checkpoints, completions, differences, push_to, references, tp_server_args
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1500)]
 
@@ -43,9 +43,12 @@ SEQUENCE = [(0, "extension"), (1, "backend"), (0, "backend"), (1, "extension")]
 def served(request, vllm_python, tmp_path_factory):
     case = request.param
     where = tmp_path_factory.mktemp(case.id)
-    model = build(vllm_python, case, where / "model")
-    server = start_server(vllm_python, model.model, where, extension=True, backend="ckpt", **tp_server_args(case.tp))
+    checkpoints = build_checkpoints(vllm_python, case, where / "model")
+    # The server boots (dummy weights) while the references and the cold load are computed.
+    server = launch_server(vllm_python, checkpoints, where, extension=True, backend="ckpt", **tp_server_args(case.tp))
     try:
+        model = references(vllm_python, case, checkpoints)
+        ready(server)
         yield model, server
     finally:
         server.stop()

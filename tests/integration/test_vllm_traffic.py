@@ -14,7 +14,7 @@ import threading
 import httpx
 import pytest
 
-from vllm_support.fixtures import MAX_TOKENS, push, start_server, tiny_model, vllm_python  # noqa: F401
+from vllm_support.fixtures import MAX_TOKENS, push, shared_servers, tiny_model, vllm_python  # noqa: F401
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -22,13 +22,9 @@ PAUSES = [None, None, "keep", None, "wait", None, None, "keep", None, None]   # 
 
 
 @pytest.fixture(scope="module")
-def server(vllm_python, tiny_model, tmp_path_factory):
-    srv = start_server(vllm_python, tiny_model, tmp_path_factory.mktemp("vllm-traffic"), extension=True,
-                       backend="ckpt")
-    try:
-        yield srv
-    finally:
-        srv.stop()
+def server(shared_servers, tiny_model):
+    # The server test_vllm_extension.py used (or a fresh one); its last test here kills it.
+    return shared_servers.get(tiny_model, extension=True, backend="ckpt")
 
 
 class Traffic(threading.Thread):

@@ -3,7 +3,7 @@
 Runs as a script under the vLLM venv's python, with this repo first on PYTHONPATH:
 
     python cold_load.py --model DIR --weights FILE [FILE ...] [--tp N] [--dtype float32]
-                        [--engine-kwargs JSON] [--prompts JSON --max-tokens N]
+                        [--engine-kwargs JSON] [--prompts JSON --max-tokens N [--sequential]]
 
 For each FILE, an offline engine (``vllm.LLM``, in this process, with the flags of the test
 servers: float32, eager, 64 MiB of KV cache, seed 0; ``--engine-kwargs`` adds or replaces
@@ -42,16 +42,19 @@ def checkpoint_dir(model_dir: Path, weights: Path, where: Path) -> Path:
     return out
 
 
-def greedy(llm, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+def greedy(llm, prompts: list[list[int]], max_tokens: int, sequential: bool = False) -> list[list[int]]:
+    """Greedy completions; ``sequential``: one prompt at a time (see ``--sequential``)."""
     from vllm import SamplingParams, TokensPrompt
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, seed=0)
+    if sequential:
+        return [greedy(llm, [p], max_tokens)[0] for p in prompts]
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
 def cold_digests(model_dir: Path, weights: list[Path], tp: int, dtype: str = "float32", engine_kwargs=None,
-                 prompts=None, max_tokens: int = 12) -> dict:
+                 prompts=None, max_tokens: int = 12, sequential: bool = False) -> dict:
     from vllm import LLM
 
     out: dict = {"digests": {}, "tokens": {}}
@@ -66,7 +69,7 @@ def cold_digests(model_dir: Path, weights: list[Path], tp: int, dtype: str = "fl
             llm = LLM(model=str(checkpoint_dir(model_dir, w, Path(tmp))), load_format="auto", **kwargs)
             out["digests"][str(w)] = llm.collective_rpc("ckpt_state_digests")
             if prompts:
-                out["tokens"][str(w)] = greedy(llm, prompts, max_tokens)
+                out["tokens"][str(w)] = greedy(llm, prompts, max_tokens, sequential)
             engine_core = getattr(llm.llm_engine, "engine_core", None)
             if engine_core is not None:   # TP > 1: stop the worker processes before the next engine
                 engine_core.shutdown()
@@ -84,13 +87,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--engine-kwargs", type=json.loads, default=None, help="JSON object for vllm.LLM")
     ap.add_argument("--prompts", type=json.loads, default=None, help="JSON list of token-id lists")
     ap.add_argument("--max-tokens", type=int, default=12)
+    ap.add_argument("--sequential", action="store_true",
+                    help="generate one prompt at a time: vLLM-CPU's FP8 (AMX) GEMM is not batch invariant, so "
+                         "tokens compared with a server must come from batches of the same shape")
     ap.add_argument("--gpu", action="store_true", help="leave VLLM_TARGET_DEVICE unset")
     args = ap.parse_args(argv)
     for k, v in ENV.items():
         if not (args.gpu and k == "VLLM_TARGET_DEVICE"):
             os.environ.setdefault(k, v)
     result = cold_digests(args.model, args.weights, args.tp, args.dtype, args.engine_kwargs, args.prompts,
-                          args.max_tokens)
+                          args.max_tokens, args.sequential)
     sys.stdout.write(json.dumps(result) + "\n")
     sys.stdout.flush()
     os._exit(0)   # engine worker processes (TP > 1) are gone; skip vLLM's atexit teardown

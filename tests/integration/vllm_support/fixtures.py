@@ -108,9 +108,60 @@ def tiny_tied_model(vllm_python, tmp_path_factory) -> TinyModel:
 
 
 def start_server(python: str, model: TinyModel, log_dir: Path, **kwargs) -> VllmServer:
-    server = VllmServer(python, model.dir, log_dir / "vllm-server.log", **kwargs).start()
-    print(f"vLLM server up in {server.start_seconds:.1f} s, log {server.log_path}")
-    return server
+    return ready(launch_server(python, model, log_dir, **kwargs))
+
+
+def launch_server(python: str, model: TinyModel, log_dir: Path, **kwargs) -> VllmServer:
+    """Start a server without waiting for it (see ``ready``): work done meanwhile overlaps its boot."""
+    return VllmServer(python, model.dir, log_dir / "vllm-server.log", **kwargs).launch()
+
+
+def ready(*servers: VllmServer) -> VllmServer:
+    """Wait until every launched server serves (each stopped, all of them, if one fails); the first."""
+    try:
+        for server in servers:
+            server.wait_ready()
+            print(f"vLLM server up in {server.start_seconds:.1f} s, log {server.log_path}")
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
+    return servers[0]
+
+
+class SharedServers:
+    """One server per (model, arguments) for the whole session, shared by the test modules that
+    ask for the same one (a cold start costs ~40 s of the suite's 2 cores), stopped at the end.
+
+    A test on a shared server must not assume what an earlier module left in it: it pushes the
+    weights it checks (``VllmServer.pushed`` says whether anything was pushed yet).
+    """
+
+    def __init__(self, python: str, base: Path):
+        self.python, self.base = python, base
+        self._servers: dict[tuple, VllmServer] = {}
+
+    def get(self, model: TinyModel, **kwargs) -> VllmServer:
+        key = (str(model.dir), json.dumps(kwargs, sort_keys=True, default=str))
+        server = self._servers.get(key)
+        if server is None or not server.alive():
+            where = self.base / f"server-{len(self._servers)}"
+            server = self._servers[key] = start_server(self.python, model, where, **kwargs)
+        return server
+
+    def stop(self) -> None:
+        for server in self._servers.values():
+            server.stop()
+        self._servers.clear()
+
+
+@pytest.fixture(scope="session")
+def shared_servers(vllm_python, tmp_path_factory):
+    registry = SharedServers(vllm_python, tmp_path_factory.mktemp("shared-vllm"))
+    try:
+        yield registry
+    finally:
+        registry.stop()
 
 
 def push(server: VllmServer, files: list[Path], *, path: str, name: str = "ckpt",
@@ -137,6 +188,7 @@ def push_parts(server: VllmServer, parts: list[list[Path]], *, path: str, name: 
             if len(parts) > 1:
                 update_kwargs.update(start=i == 0, finish=i == len(parts) - 1)
             fn = req_func or server.client.req_func(path=path, timeout=timeout, **update_kwargs)
+            server.pushed = True
             results.append(ps.update(part, fn, timeout=timeout))
     return results
 

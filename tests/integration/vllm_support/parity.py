@@ -59,6 +59,12 @@ def tp_server_args(tp: int) -> dict:
 
 def build(python: str, case: Case, out: Path) -> ParityModel:
     """Two random checkpoints of ``case``'s model, their HF references and cold-load digests."""
+    return references(python, case, build_checkpoints(python, case, out))
+
+
+def build_checkpoints(python: str, case: Case, out: Path) -> TinyModel:
+    """``case``'s model directory and two random checkpoints (no references yet: a server may
+    boot from the directory while :func:`references` computes them)."""
     seed = int(os.environ.get("CKPT_TEST_SEED") or random.randrange(1, 2**31 - 4))
     print(f"{case.id} seed: {seed} (set CKPT_TEST_SEED={seed} to reproduce)")
     run_vllm_python(python, "build", "--out", str(out), "--seed", str(seed), "--variants", "2",
@@ -66,21 +72,35 @@ def build(python: str, case: Case, out: Path) -> ParityModel:
     rng = random.Random(seed)
     prompts = [[rng.randrange(2, case.vocab) for _ in range(n)] for n in (5, 17, 120)]
     weights = [out / "weights-0.safetensors", out / "weights-1.safetensors"]
-    model = TinyModel(dir=out, seed=seed, weights=weights, prompts=prompts, python=python)
-    model._refs.update(hf_reference(python, out, weights, prompts))
-    assert model.reference(weights[0]) != model.reference(weights[1]), "the two weight sets answer alike"
-    return ParityModel(case, model, cold_digests(python, out, weights, case.tp))
+    return TinyModel(dir=out, seed=seed, weights=weights, prompts=prompts, python=python)
+
+
+def references(python: str, case: Case, model: TinyModel) -> ParityModel:
+    """The HF references and cold-load digests of ``model``'s two checkpoints."""
+    model._refs.update(hf_reference(python, model.dir, model.weights, model.prompts))
+    assert model.reference(model.weights[0]) != model.reference(model.weights[1]), "the two weight sets answer alike"
+    return ParityModel(case, model, cold_digests(python, model.dir, model.weights, case.tp))
 
 
 def cold_digests(python: str, model_dir: Path, weights: list[Path], tp: int) -> dict[str, list[dict]]:
+    return cold_load(python, model_dir, weights, tp)["digests"]
+
+
+def cold_load(python: str, model_dir: Path, weights: list[Path], tp: int = 1, *, dtype: str = "float32",
+              prompts: list[list[int]] | None = None, sequential: bool = False) -> dict:
+    """cold_load.py's result: ``{"digests": {file: per-rank digests}, "tokens": {file: greedy ids}}``
+    (``sequential``: each prompt generated alone)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     env.update(tp_server_args(tp).get("env", {}))
+    extra = ["--prompts", json.dumps(prompts), "--max-tokens", str(MAX_TOKENS)] if prompts else []
+    extra += ["--sequential"] if prompts and sequential else []
     proc = subprocess.run([python, str(HERE / "cold_load.py"), "--model", str(model_dir), "--tp", str(tp),
-                           "--weights", *map(str, weights)], capture_output=True, text=True, env=env, timeout=900)
+                           "--dtype", dtype, "--weights", *map(str, weights), *extra],
+                          capture_output=True, text=True, env=env, timeout=900)
     if proc.returncode != 0:
         raise RuntimeError(f"cold_load.py failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])["digests"]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def differences(engine: list[dict], cold: list[dict]) -> list[str]:

