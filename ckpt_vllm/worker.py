@@ -231,6 +231,8 @@ class VllmColocateWorkerExtension:
             s.begin()
         try:
             try:
+                for s in sessions:   # no layer half-written: refused before anything is loaded
+                    s.check_whole_layers(area.names)
                 for bucket in area.buckets:
                     for s in sessions:
                         s.load(bucket)
