@@ -347,14 +347,15 @@ def _default_attention_scales(layer: torch.nn.Module, model_config) -> None:
     start and an update, ``_q/_k/_v/_prob_scale`` kept the dummy loader's random values where a
     cold load has 1.0 (``_prob_scale`` is never written by the processing: only the reset fixes it).
     """
-    for name in _SCALE_BUFFERS:
-        buf = getattr(layer, name, None)
-        if isinstance(buf, torch.Tensor):
-            buf.fill_(1.0)
-    method = layer.quant_method
-    method.create_weights(layer)
-    method.process_weights_after_loading(layer)
-    layer.process_weights_after_loading(model_config.dtype)
+    with torch.no_grad():   # on the GPU some scales are Parameters that require grad (compressed-tensors FP8)
+        for name in _SCALE_BUFFERS:
+            buf = getattr(layer, name, None)
+            if isinstance(buf, torch.Tensor):
+                buf.fill_(1.0)
+        method = layer.quant_method
+        method.create_weights(layer)
+        method.process_weights_after_loading(layer)
+        layer.process_weights_after_loading(model_config.dtype)
 
 
 def _missing_in_layer(model: torch.nn.Module, qname: str, layer: torch.nn.Module, info) -> list[str]:

@@ -83,16 +83,26 @@ def counted(jobs: list[Job], on_bytes: Callable[[int], None] | None) -> list[Job
 
 
 def _pieces(region: HostRegion, dst: torch.Tensor):
-    """``(offset in dst, piece, start in the region)`` for each COPY_CHUNK piece of a view of the region."""
+    """``(offset in dst, piece, start in the region)`` for each piece of a view of the region, cut at
+    the region's multiples of COPY_CHUNK: no piece crosses one, so none spans two of the PIN_CHUNK
+    ranges the region is pinned in (a device-to-host copy into two pinned ranges is refused by CUDA,
+    "invalid argument", as seen registering 16 GiB of CUDA shards on one H200)."""
     base = region.tensor.data_ptr()
-    for a in range(0, dst.numel(), COPY_CHUNK):
-        piece = dst[a: a + COPY_CHUNK]
-        yield a, piece, piece.data_ptr() - base
+    first = dst.data_ptr() - base
+    a = 0
+    while a < dst.numel():
+        n = min(dst.numel() - a, COPY_CHUNK - (first + a) % COPY_CHUNK)
+        yield a, dst[a: a + n], first + a
+        a += n
+
+
+assert PIN_CHUNK % COPY_CHUNK == 0, "pieces cut at COPY_CHUNK multiples stay inside one pinned range"
 
 
 def copy_jobs(region: HostRegion, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[Job]:
-    """Copy ``src -> dst`` pairs (``dst`` views of the region), split into COPY_CHUNK pieces."""
-    return [(start, start + d.numel(), lambda d=d, s=src[a: a + COPY_CHUNK]: d.copy_(s))
+    """Copy ``src -> dst`` pairs (``dst`` views of the region), in pieces that each stay inside one
+    pinned range of the region (see :func:`_pieces`)."""
+    return [(start, start + d.numel(), lambda d=d, s=src[a: a + d.numel()]: d.copy_(s))
             for dst, src in pairs for a, d, start in _pieces(region, dst)]
 
 

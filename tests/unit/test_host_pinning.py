@@ -151,3 +151,23 @@ def test_a_bad_PS_FAULT_THREADS_is_a_config_error_and_nothing_stays_allocated(mo
     with pytest.raises(ConfigError, match="PS_FAULT_THREADS"):
         pool.acquire("a", 1 << 20, 0)
     assert pool.region is None and backend.pinned == []
+
+
+def test_copy_pieces_never_cross_a_pinned_range_of_the_region(monkeypatch):
+    """A device-to-host copy into two separately pinned ranges is refused by CUDA: the copy jobs of a
+    view that starts anywhere in the region are cut at the region's COPY_CHUNK multiples."""
+    import torch
+
+    from ckpt_core.checkpoint import host
+
+    monkeypatch.setattr(host, "COPY_CHUNK", 64)
+    region = host.HostRegion(0, torch.zeros(1000, dtype=torch.uint8))
+    src = torch.arange(700, dtype=torch.int64).to(torch.uint8)
+    dst = region.tensor[37:737]
+    jobs = host.copy_jobs(region, [(dst, src)])
+    spans = [(a, b) for a, b, _ in jobs]
+    assert spans[0] == (37, 64) and spans[-1][1] == 737
+    assert all(b - a <= 64 and a // 64 == (b - 1) // 64 for a, b in spans), spans
+    assert [b for _, b in spans[:-1]] == [a for a, _ in spans[1:]], "the pieces tile the view"
+    host.run_jobs(jobs, threads=2)
+    assert torch.equal(dst, src)
