@@ -5,6 +5,12 @@ Run one rank per device (the project root needs no install; it is put on sys.pat
     torchrun --nproc-per-node 2 benchmarks/update_bench.py --out results.json
     torchrun --nproc-per-node 2 benchmarks/update_bench.py --cases dense16 --free-mem-gib 2
     python -m torch.distributed.run --nproc-per-node 2 benchmarks/update_bench.py --device cpu --scale 0.01
+    python benchmarks/update_bench.py --engine vllm --shape 7b --verify     # a real vLLM engine instead
+
+``--engine vllm`` hands every other argument to ``benchmarks/vllm_bench.py`` (a real vLLM engine
+in-process, ckpt-engine against checkpoint-engine, each compared with a cold load; its
+``--help`` lists them): the simulated engine copies each tensor into a preallocated parameter and
+does not see the engine's own reload, which is the slow stage on a real GPU vLLM.
 
 Each rank measures the machine's ceilings (pinned H2D with every rank copying, device
 broadcast), starts one simulated engine worker on its device, and for each case builds
@@ -44,6 +50,8 @@ T0 = time.perf_counter()
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--engine", choices=("simulated", "vllm"), default="simulated",
+                   help="vllm: a real vLLM engine; every other argument goes to benchmarks/vllm_bench.py")
     p.add_argument("--cases", default="dense16,dense40,moe8,tiny", help=f"comma-separated, of {', '.join(CASES)}")
     p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda if available")
     p.add_argument("--scale", type=float, default=1.0, help="multiplies every case's size (tensor count stays)")
@@ -349,5 +357,18 @@ def main(argv=None) -> int:
     return 0
 
 
+def _engine(argv: list[str]) -> tuple[str, list[str]]:
+    """(``--engine`` value, the other arguments): ``simulated`` (default) or ``vllm``."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--engine", choices=("simulated", "vllm"), default="simulated")
+    known, rest = pre.parse_known_args(argv)
+    return known.engine, rest
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    engine, rest = _engine(sys.argv[1:])
+    if engine == "vllm":
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import vllm_bench
+        sys.exit(vllm_bench.main(rest))
+    sys.exit(main(rest))
