@@ -23,14 +23,16 @@ torch.npu.set_device(0)   # the engine opened its NPU long ago; its worker objec
 from ckpt_vllm import worker as ext
 
 class Recorder:
-    def __init__(self): self.digests, self.tensors, self.bytes, self.seconds = {}, 0, 0, {}
+    def __init__(self): self.digests, self.tensors, self.bytes, self.seconds, self.layout = {}, 0, 0, {}, {}
     def load(self, weights):
         for name, t in weights:
+            self.layout[name] = (str(t.dtype).removeprefix("torch."), tuple(t.shape))
             self.digests[name] = hashlib.sha256(t.contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()
                                                 ).hexdigest() + f"|{t.dtype}|{tuple(t.shape)}"
             self.tensors += 1; self.bytes += t.numel() * t.element_size()
     def begin(self): pass
     def check_plan(self, names): list(names)
+    def check_whole_layers(self, names): list(names)
     def check_complete(self): pass
     def finish(self): pass
     def abort(self): pass
