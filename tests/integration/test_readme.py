@@ -37,7 +37,7 @@ def test_the_table_and_the_plot_are_generated_from_the_recorded_results():
     assert p.returncode == 0, p.stderr
     table = subprocess.run([sys.executable, str(ROOT / "scripts" / "plot_results.py"), "--table"], capture_output=True,
                            text=True, timeout=60, check=True).stdout
-    assert "| 1x H200 | real vLLM 0.26.0 |" in table and "0.318 s" in table and "0.519 s" in table, table
+    assert "| 1x H200 | real vLLM 0.26.0 |" in table and "0.313 s" in table and "0.526 s" in table, table
 
 
 def test_every_relative_link_and_named_file_exists():

@@ -20,6 +20,7 @@ from ckpt_core.service import create_app  # noqa: E402
 OPERATIONS = [("POST", "/v1/checkpoints/{name}/files"), ("DELETE", "/v1/checkpoints/{name}"),
               ("POST", "/v1/checkpoints/{name}/gather-metas"), ("POST", "/v1/checkpoints/{name}/update"),
               ("GET", "/v1/healthz"), ("GET", "/v1/metas"), ("POST", "/v1/metas"), ("GET", "/v1/status"),
+              ("POST", "/v1/commit"),
               ("GET", "/metrics")]
 
 

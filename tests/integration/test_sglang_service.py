@@ -89,7 +89,9 @@ def test_a_refusing_sglang_url_is_a_typed_5xx_and_the_next_update_succeeds(engin
     resp = _update(service, "refused", f"http://127.0.0.1:{free_port()}", weight_version="never")
     assert resp.status_code == 502, resp.text
     err = resp.json()["error"]
-    assert err["type"] == "RemoteWorkerError" and "/update_weights_from_ipc" in err["message"], err
+    # the remote text (naming the route) is in remote_traceback, the message says where it failed
+    assert err["type"] == "RemoteWorkerError" and "/update_weights_from_ipc" in (
+        err["message"] + (err.get("remote_traceback") or "")), err
     assert eng.state()["params"] == before and eng.state()["weight_version"] != "never", "nothing was loaded"
     assert service.clients[0].get("/v1/healthz").status_code == 200
     resp = _update(service, "refused", eng.url, weight_version="after-refusal")

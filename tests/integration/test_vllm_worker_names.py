@@ -8,7 +8,9 @@ VLLM_WORKER_NAMES = {"update_weights", "start_weight_update", "finish_weight_upd
                      "init_device", "shutdown", "get_model", "device", "model_runner", "rank", "local_rank"}
 
 
-def test_the_extension_adds_two_public_methods_and_only_ckpt_prefixed_helpers():
+def test_the_extension_adds_its_public_methods_and_only_ckpt_prefixed_helpers():
     names = {n for n in dir(VllmColocateWorkerExtension) if not n.startswith("__")}
     assert names & VLLM_WORKER_NAMES == set()
-    assert {n for n in names if not n.startswith("_ckpt_")} == {"update_weights_from_ipc", "ckpt_state_digests"}
+    assert {n for n in names if not n.startswith("_ckpt_")} == {"update_weights_from_ipc", "ckpt_state_digests",
+                                                                    "commit_staged_weights", "drop_staged_weights",
+                                                                    "ckpt_weight_versions"}
