@@ -54,7 +54,7 @@ if [[ -n $quick ]]; then
     # Unit tests only unless paths are given: many integration tests are multi-process runs that
     # are not marked slow (the whole integration folder without `slow` took over 10 minutes here).
     paths=(tests/unit)
-    for a in "$@"; do [[ $a == -* ]] || paths=(); done
+    for a in "$@"; do [[ $a != -* && -e ${a%%::*} ]] && paths=(); done   # a test path given (not an option's value)
     "$PY" -m pytest -ra --durations=25 -m "not slow" "$@" "${paths[@]}"
 else
     "$PY" -m pytest -ra --durations=25 "$@"
