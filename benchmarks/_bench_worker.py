@@ -115,9 +115,15 @@ class _Engine:
         pairs = [(self.params[n], t) for bucket in area.buckets for n, t in bucket]
         if len(pairs) != len(self.params):
             raise ValueError(f"{len(self.params) - len(pairs)} parameters were not staged")
+        by_dtype: dict = {}   # one list per dtype: a mixed list takes the per-tensor (slow) route
+        for p, t in pairs:
+            dst, src = by_dtype.setdefault(p.dtype, ([], []))
+            dst.append(p)
+            src.append(t)
         self.sync()
         t0 = time.perf_counter()
-        self.torch._foreach_copy_([p for p, _ in pairs], [t for _, t in pairs])
+        for dst, src in by_dtype.values():
+            self.torch._foreach_copy_(dst, src)
         self.sync()
         seconds = time.perf_counter() - t0
         nbytes = sum(t.numel() * t.element_size() for _, t in pairs)
