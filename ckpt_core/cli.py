@@ -170,7 +170,7 @@ def cmd_serve(args) -> int:
 
 # ------------------------------------------------------------------ inspect
 def _files_of(path: str) -> list[str]:
-    from ckpt_core.checkpoint.safetensors import checkpoint_files
+    from ckpt_core.checkpoint.hf_dir import checkpoint_files
     if os.path.isdir(path):
         return checkpoint_files(path)
     if not os.path.exists(path):
@@ -181,7 +181,8 @@ def _files_of(path: str) -> list[str]:
 def inspect_checkpoint(path: str, device_mem_gib: float, ranks: int = 1) -> dict:
     """Tensors, dtypes and sizes of a safetensors file or HF directory, validated, with a bucket plan."""
     from ckpt_core.planning.buckets import TensorMeta, choose_layout, plan_buckets
-    from ckpt_core.checkpoint.safetensors import INDEX_NAME, check_index, read_header, read_index
+    from ckpt_core.checkpoint.hf_dir import INDEX_NAME, check_index, read_index
+    from ckpt_core.checkpoint.safetensors import read_header
     from ckpt_core._settings import load_settings
 
     if not (isinstance(ranks, int) and ranks >= 1):

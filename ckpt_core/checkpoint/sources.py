@@ -23,7 +23,8 @@ from ckpt_core.checkpoint.shards import TensorShard, boxes_of, is_pieced
 from ckpt_core.checkpoint.host import (HostRegion, SharedPool, copy_jobs, counted, file_writable, map_file_region, new_region,
                     populate_and_pin, read_jobs, run_jobs)
 from ckpt_core.planning.buckets import TensorMeta, align_up
-from ckpt_core.checkpoint.safetensors import WIRE_CODES, SafetensorsHeader, checkpoint_files, read_header
+from ckpt_core.checkpoint.hf_dir import checkpoint_files
+from ckpt_core.checkpoint.safetensors import WIRE_CODES, SafetensorsHeader, read_header
 from ckpt_core.devices import DeviceBackend
 from ckpt_core.errors import CheckpointFormatError, ConfigError
 

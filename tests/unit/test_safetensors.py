@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from ckpt_core.checkpoint import hf_dir
 from ckpt_core.checkpoint import safetensors as st
 from ckpt_core.errors import CheckpointFormatError
 
@@ -269,16 +270,16 @@ def _hf_dir(tmp_path, index: dict | None, shards: dict[str, dict[str, torch.Tens
     for name, tensors in shards.items():
         st.write_file(tmp_path / name, tensors)
     if index is not None:
-        (tmp_path / st.INDEX_NAME).write_text(json.dumps({"metadata": {}, "weight_map": index}))
+        (tmp_path / hf_dir.INDEX_NAME).write_text(json.dumps({"metadata": {}, "weight_map": index}))
     return str(tmp_path)
 
 
 def test_an_index_that_matches_its_shards_lists_them(tmp_path):
     d = _hf_dir(tmp_path, {"a": "s1.safetensors", "b": "s2.safetensors"},
                 {"s1.safetensors": {"a": torch.randn(3)}, "s2.safetensors": {"b": torch.randn(2)}})
-    files = st.checkpoint_files(d)
+    files = hf_dir.checkpoint_files(d)
     assert files == [os.path.join(d, "s1.safetensors"), os.path.join(d, "s2.safetensors")]
-    st.check_index(st.read_index(d), [st.read_header(f) for f in files], os.path.join(d, st.INDEX_NAME))
+    hf_dir.check_index(hf_dir.read_index(d), [st.read_header(f) for f in files], os.path.join(d, hf_dir.INDEX_NAME))
 
 
 @pytest.mark.parametrize("entry, needle", [
@@ -297,7 +298,7 @@ def test_an_index_entry_outside_the_directory_or_missing_is_refused_before_it_is
     os.symlink(outside, d / "link.safetensors")
     _hf_dir(d, {"a": entry}, {})
     with pytest.raises(CheckpointFormatError, match=needle):
-        st.checkpoint_files(str(d))
+        hf_dir.checkpoint_files(str(d))
 
 
 def test_a_directory_without_an_index_refuses_a_shard_that_links_outside(tmp_path):
@@ -307,7 +308,7 @@ def test_a_directory_without_an_index_refuses_a_shard_that_links_outside(tmp_pat
     d.mkdir()
     os.symlink(outside, d / "model.safetensors")
     with pytest.raises(CheckpointFormatError, match="symlink that resolves outside"):
-        st.checkpoint_files(str(d))
+        hf_dir.checkpoint_files(str(d))
 
 
 def test_a_hub_cache_snapshot_whose_files_link_into_its_blobs_is_accepted(tmp_path):
@@ -316,7 +317,7 @@ def test_a_hub_cache_snapshot_whose_files_link_into_its_blobs_is_accepted(tmp_pa
     snap.mkdir(parents=True)
     st.write_file(blobs / "f00d", {"a": torch.randn(2)})
     os.symlink("../../blobs/f00d", snap / "model.safetensors")
-    assert st.checkpoint_files(str(snap)) == [str(snap / "model.safetensors")]
+    assert hf_dir.checkpoint_files(str(snap)) == [str(snap / "model.safetensors")]
 
 
 @pytest.mark.parametrize("index, needle", [
@@ -328,9 +329,9 @@ def test_a_hub_cache_snapshot_whose_files_link_into_its_blobs_is_accepted(tmp_pa
 def test_an_index_that_disagrees_with_its_shards_is_a_format_error(tmp_path, index, needle):
     d = _hf_dir(tmp_path, index, {"s1.safetensors": {"a": torch.randn(3)},
                                   "s2.safetensors": {"b": torch.randn(2), "c": torch.randn(4)}})
-    files = st.checkpoint_files(d)
+    files = hf_dir.checkpoint_files(d)
     with pytest.raises(CheckpointFormatError, match=needle):
-        st.check_index(st.read_index(d), [st.read_header(f) for f in files], os.path.join(d, st.INDEX_NAME))
+        hf_dir.check_index(hf_dir.read_index(d), [st.read_header(f) for f in files], os.path.join(d, hf_dir.INDEX_NAME))
 
 
 def test_the_map_cannot_be_closed_while_views_are_alive(tmp_path):
@@ -391,8 +392,8 @@ def test_the_writer_refuses_what_safetensors_cannot_hold(tmp_path, tensors, meta
 def test_the_module_exports_exactly_the_documented_api():
     assert sorted(st.__all__) == sorted([
         "DTYPES", "DTYPE_CODES", "WIRE_DTYPES", "WIRE_CODES", "UNSUPPORTED_CODES", "MAX_HEADER_BYTES", "TensorEntry", "SafetensorsHeader",
-        "read_header", "parse_header_bytes", "map_tensors", "read_tensors", "write_file",
-        "INDEX_NAME", "checkpoint_files", "read_index", "check_index"])
+        "read_header", "parse_header_bytes", "map_tensors", "read_tensors", "write_file"])
+    assert sorted(hf_dir.__all__) == sorted(["INDEX_NAME", "checkpoint_files", "read_index", "check_index"])
     assert st.MAX_HEADER_BYTES == 64 * 1024 * 1024
 
 
