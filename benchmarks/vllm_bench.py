@@ -183,10 +183,19 @@ def stage_into(llm, handles: dict, version: str) -> dict:
     while True:
         state = llm.collective_rpc("ckpt_stage_status")[0]
         if state["state"] == "done":
-            return {"version": version, "stage_engine_s": time.perf_counter() - t0, "worker": state}
+            break
         if state["state"] != "running":
             raise RuntimeError(f"the stage vanished: {state}")
         time.sleep(0.005)
+    out = {"version": version, "stage_engine_s": time.perf_counter() - t0, "worker": state}
+    t1, steps = time.perf_counter(), 0
+    while True:   # kernel format, a few layers per call (the calls a serving engine runs between steps)
+        prep = llm.collective_rpc("ckpt_prepare_staged", args=(version,), kwargs={"budget_bytes": 512 << 20})[0]
+        steps += 1
+        if prep["state"] != "preparing":
+            break
+    out["prepare"] = {**prep, "calls": steps, "wall_s": time.perf_counter() - t1}
+    return out
 
 
 def run_ps(args) -> None:
@@ -344,6 +353,9 @@ def format_report(report: dict) -> str:
                 {k: round(v, 4) for k, v in r["ckpt_vllm_phases"].items()}))
         st = r.get("stage")
         if st:
+            pr = st.get("prepare") or {}
+            lines.append(f"  prepared: {pr.get('state')} in {pr.get('calls')} calls, {pr.get('wall_s', 0):.3f} s"
+                         + (f" ({pr['reason']})" if pr.get("reason") else ""))
             lines.append(f"  staged: PS {st['ps_stage_s']:.3f} s while the engine could serve, then commit "
                          f"{st['commit_s'] * 1e3:.1f} ms (worker phases {json.dumps({k: round(v, 4) for k, v in st['commit_phases'].items()})})")
     return "\n".join(lines)

@@ -252,8 +252,9 @@ class ReloadSession:
                 if api.is_deferred_attention(layer) and info.kernel_tensors is not None and info.load_numel <= 0
                 and isinstance(getattr(layer, "quant_method", None), api.kv_cache_method)]
 
-    def abort(self) -> None:
-        """Give every unprocessed layer its live tensors back (the old weights). Idempotent."""
+    def abort(self, *, quiet: bool = False) -> None:
+        """Give every unprocessed layer its live tensors back (the old weights). Idempotent.
+        ``quiet``: an intended stop (a prepared stage), not a failure: no warning."""
         if not self.active:
             return
         _place_kernel_tensors = reload_api().place_kernel_tensors
@@ -267,8 +268,9 @@ class ReloadSession:
             info.reset()
         if hasattr(self.model, "_original_do_torchao_reload"):
             self.model._do_torchao_reload = self.model._original_do_torchao_reload
-        log.warning("weight update of the %s aborted: %d layers kept their previous weights, "
-                    "layers already processed hold the new ones", self.label, restored)
+        if not quiet:
+            log.warning("weight update of the %s aborted: %d layers kept their previous weights, "
+                        "layers already processed hold the new ones", self.label, restored)
 
 
 # Attributes a quant method sets when it first processes a layer and reads on a later call to

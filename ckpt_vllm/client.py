@@ -165,7 +165,7 @@ class VllmClient:
     def update(self, handles, *, path: str = "extension", timeout: float | None = None,
                pause: str | None = None, init_info: dict | None = None,
                start: bool = True, finish: bool = True, stage: str | None = None,
-               stage_device_bytes: int = 0, version: str | None = None) -> UpdateReport:
+               stage_device_bytes: int = 0, version: str | None = None, prepare: bool = False) -> UpdateReport:
         """Make the server pull one update; ``handles``: ``[(device_key, zmq_handle)]`` or a dict.
 
         ``pause``: pause generation around the update ("wait" lets running requests finish,
@@ -182,15 +182,15 @@ class VllmClient:
         for every layer not yet processed); the original error is raised, with a failing
         cleanup added as a note.
 
-        ``stage="v8"`` stages the update instead (:meth:`stage`); :meth:`commit` switches to it.
-        ``version``: the weight version this update makes live (the workers record it; vLLM's
+        ``stage="v8"`` stages the update instead (:meth:`stage`, with ``prepare``); :meth:`commit`
+        switches to it. ``version``: the weight version this update makes live (the workers record it; vLLM's
         ``/update_weight_version`` is set where the server has it).
         """
         if stage is not None:
             if path != "extension" or pause is not None or not (start and finish):
                 raise ConfigError("a staged update takes the extension path, whole, without a pause "
                                   "(the engine keeps serving while it stages; commit() pauses)")
-            return self.stage(handles, stage, timeout=timeout, device_bytes=stage_device_bytes)
+            return self.stage(handles, stage, timeout=timeout, device_bytes=stage_device_bytes, prepare=prepare)
         if path not in PATHS:
             raise ConfigError(f"path must be one of {PATHS}, got {path!r}")
         whole = start and finish
@@ -239,11 +239,18 @@ class VllmClient:
         return report
 
     # -- staged updates ----------------------------------------------------------------
-    def stage(self, handles, version: str, *, timeout: float | None = None, device_bytes: int = 0) -> UpdateReport:
+    def stage(self, handles, version: str, *, timeout: float | None = None, device_bytes: int = 0,
+              prepare: bool = False, prepare_step_bytes: int = 512 << 20) -> UpdateReport:
         """Receive an update into every worker's staging area while the server keeps serving.
 
         ``device_bytes``: device memory each worker may stage into (beyond it: pinned host
         memory). Nothing live changes; a failed stage frees the area. Staging again replaces it.
+
+        ``prepare``: then turn the staged tensors into the engine's kernel format, a few layers per
+        short RPC between engine steps (``prepare_step_bytes`` each), so that the commit is one
+        device copy. It needs as much device memory again as the model's weights until the
+        commit; a model whose processing does more than fill its tensors (vLLM-CPU, quantized KV
+        caches) is not prepared and its commit reloads (``report.workers``' ``prepare`` says why).
         """
         wait = self.timeout if timeout is None else float(timeout)
         report = UpdateReport(path="stage")
@@ -252,6 +259,10 @@ class VllmClient:
         phases.run("start", self.collective_rpc, "update_weights_from_ipc", [dict(handles)],
                    {"timeout": wait, "stage": str(version), "stage_device_bytes": int(device_bytes)}, timeout=wait)
         report.workers = phases.run("stage", self._wait_staged, str(version), wait)
+        if prepare:
+            prepared = phases.run("prepare", self._prepare_staged, str(version), int(prepare_step_bytes), wait)
+            for worker, state in zip(report.workers, prepared):
+                worker["prepare"] = state
         with self._lock:
             self.last_report = report
         return report
@@ -274,6 +285,17 @@ class VllmClient:
                     "drop_staged", self.drop_staged)
                 raise exc
             time.sleep(poll_s)
+
+    def _prepare_staged(self, version: str, step_bytes: int, timeout: float) -> list[dict]:
+        deadline = time.monotonic() + timeout
+        while True:
+            states = self.collective_rpc("ckpt_prepare_staged", [version], {"budget_bytes": step_bytes},
+                                         timeout=min(timeout, 60.0))
+            if all(s.get("state") != "preparing" for s in states):
+                return states
+            if time.monotonic() > deadline:
+                raise UpdateTimeoutError(f"{self.where} did not finish preparing {version!r} within {timeout:g} s "
+                                         "(it stays staged; its commit reloads)")
 
     def commit(self, version: str, *, pause: str = "keep", timeout: float | None = None) -> UpdateReport:
         """Switch the server to the staged ``version``: pause (``keep``: running requests freeze and

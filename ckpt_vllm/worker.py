@@ -241,6 +241,9 @@ class VllmColocateWorkerExtension:
             staged = "nothing" if area is None or not area.sealed else f"version {area.version!r}"
             raise ConfigError(f"cannot commit version {str(version)!r}: this worker has {staged} staged, or "
                               "another worker of the engine lacks it; nothing was committed")
+        job = getattr(self, "_ckpt_prepare_job", None)
+        if _count_over_workers(not (job is not None and job.prepared)) == 0:
+            return self._ckpt_commit_prepared(area, job, str(version), t0)
         sessions = new_sessions(self)
         for s in sessions:
             s.begin()
@@ -264,6 +267,41 @@ class VllmColocateWorkerExtension:
                   "seconds": {**main.seconds, "total": time.perf_counter() - t0}}
         log.info("ckpt commit of %s on %s: %d tensors, %.1f MB in %.3f s", version, result["device_key"],
                  result["tensors"], result["bytes"] / 1e6, result["seconds"]["total"])
+        return result
+
+    def ckpt_prepare_staged(self, version: str, budget_bytes: int = 512 << 20) -> dict:
+        """Turn the next layers of the staged ``version`` into kernel format (about ``budget_bytes``
+        per call; call until the state is no longer ``preparing``), so that the commit is one device
+        copy. The live model is unchanged when this returns; see :mod:`ckpt_vllm._prepare`."""
+        from ._prepare import PrepareJob, layer_groups, prepare_step
+
+        area = getattr(self, "_ckpt_staged", None)
+        if area is None or not area.sealed or area.version != str(version):
+            staged = "nothing" if area is None or not area.sealed else f"version {area.version!r}"
+            raise ConfigError(f"cannot prepare version {str(version)!r}: this worker has {staged} staged")
+        job = getattr(self, "_ckpt_prepare_job", None)
+        if job is None:
+            job = self._ckpt_prepare_job = PrepareJob(layer_groups(area.buckets))
+            if drafter_target(self) is not None:
+                job.give_up("an MTP drafter loads the same checkpoint (its stage is not prepared)")
+        return {"version": area.version, **prepare_step(self.model_runner.model, self.model_config, job,
+                                                        int(budget_bytes))}
+
+    def _ckpt_commit_prepared(self, area: StagingArea, job, version: str, t0: float) -> dict:
+        from ._prepare import commit_prepared
+
+        try:
+            seconds = commit_prepared(self.model_runner.model, self.model_config, job)
+            layout = {n: (str(t.dtype).removeprefix("torch."), tuple(t.shape)) for b in area.buckets for n, t in b}
+            self._ckpt_made_live(layout, version)
+            tensors, nbytes = area.tensors, area.nbytes
+        finally:
+            self._ckpt_drop_staged()
+        result = {"device_key": local_device_key(*worker_device(self)), "version": version, "path": "prepared",
+                  "tensors": tensors, "bytes": nbytes, "prepared_bytes": job.prepared_bytes,
+                  "seconds": {**seconds, "total": time.perf_counter() - t0}}
+        log.info("ckpt commit of %s on %s (prepared): %.1f MB copied in %.1f ms", version, result["device_key"],
+                 job.prepared_bytes / 1e6, seconds["copy"] * 1e3)
         return result
 
     def drop_staged_weights(self) -> dict | None:
@@ -359,6 +397,7 @@ class VllmColocateWorkerExtension:
                     raise ConfigError(f"the stage of {job.area.version!r} did not stop within {join_s:g} s")
             job.area.free()
         self._ckpt_stage_job = None
+        self._ckpt_prepare_job = None
 
     @property
     def _ckpt_staged(self) -> StagingArea | None:

