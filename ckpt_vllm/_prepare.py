@@ -251,6 +251,9 @@ def prepare_step(model: torch.nn.Module, model_config, job: PrepareJob, budget_b
         job.pairs += pairs
         job.prepared_bytes += sum(new.numel() * new.element_size() for _, new in pairs)
         job.next += len(batch)
+    devices = {new.device for _, new in pairs if new.device.type == "cuda"}
+    for d in devices:   # this step's work is done when it returns (the commit then times its copy alone)
+        torch.cuda.synchronize(d)
     job.steps += 1
     job.seconds += time.perf_counter() - t0
     return job.summary()
