@@ -26,10 +26,12 @@ and shapes), checked per bucket as it arrives and as a whole at the commit.
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
 import traceback
+import types
 
 import torch
 
@@ -107,11 +109,19 @@ class EngineStaging:
         return {"device_key": key, "version": version, "receiving": True}
 
     def _receive(self, area: StagingArea, handle: str, device_id, timeout: float) -> None:
-        import checkpoint_engine.worker as stock
-
+        loop = _stock_loop()
         expected, seen = self.layout, {}
 
+        first_error: list[str] = []
+
         def run(weights):
+            try:
+                check_and_add(weights)
+            except Exception as exc:   # the stock loop sends its traceback to the PS, which aborts
+                first_error.append(f"{type(exc).__name__}: {exc}")
+                raise
+
+        def check_and_add(weights):
             for name, t in weights:
                 got = (str(t.dtype).removeprefix("torch."), tuple(t.shape))
                 if name in seen:
@@ -140,13 +150,13 @@ class EngineStaging:
             if stream is not None:
                 torch.cuda.set_device(area.device)
                 with torch.cuda.stream(stream):   # off the stream generation runs on
-                    stock.update_weights_from_ipc(ctx, handle, device_id, run=run, post_hook=seal)
+                    loop(ctx, handle, device_id, run=run, post_hook=seal)
             else:
-                stock.update_weights_from_ipc(ctx, handle, device_id, run=run, post_hook=seal)
+                loop(ctx, handle, device_id, run=run, post_hook=seal)
         except BaseException as exc:   # noqa: BLE001 - reported to the PS by the stock loop; kept for state
             area.free()
             with self._lock:
-                self.last_stage_error = f"{type(exc).__name__}: {exc}"
+                self.last_stage_error = (first_error or [f"{type(exc).__name__}: {exc}"])[0]
                 self.receiving = None
                 if self.area is area:
                     self.area = None
@@ -211,6 +221,35 @@ class EngineStaging:
         if self.area is not None:
             self.area.free()
         self.area = None
+
+
+class _YoungGc:
+    """``gc`` as the stock loop sees it here: ``collect()`` collects the youngest generation only.
+
+    The stock loop runs two full collections per update. In a scheduler process with torch
+    imported one takes 0.1-0.5 s holding the GIL, and the scheduler cannot step meanwhile: a stage
+    would stall generation twice. What those collections are for (dropping the views of the IPC
+    buffer) is young garbage.
+    """
+
+    @staticmethod
+    def collect(generation: int = 0) -> int:
+        return gc.collect(0)
+
+    def __getattr__(self, name):
+        return getattr(gc, name)
+
+
+def _stock_loop():
+    """The stock checkpoint-engine worker loop (``checkpoint_engine.worker.update_weights_from_ipc``,
+    the one SGLang's ``/update_weights_from_ipc`` runs), unchanged but for the ``gc`` it calls."""
+    import checkpoint_engine.worker as stock
+
+    fn = stock.update_weights_from_ipc
+    loop = types.FunctionType(fn.__code__, {**fn.__globals__, "gc": _YoungGc()}, fn.__name__, fn.__defaults__,
+                              fn.__closure__)
+    loop.__kwdefaults__ = fn.__kwdefaults__
+    return loop
 
 
 _ENGINE = EngineStaging()

@@ -107,7 +107,8 @@ class SchedulerStandIn:
         return self.running == 0
 
     def record_weight_version_change(self, new_version=None) -> None:
-        self.weight_version = new_version
+        if new_version is not None:   # as SGLang's scheduler: None leaves the version
+            self.weight_version = new_version
 
     def weight_update_runners(self):   # the tp worker's runners
         return [("target", self)]
@@ -303,6 +304,25 @@ def main() -> None:
         return {"running": n}
 
     scheduler.decoder = DecoderStandIn(scheduler, args.model_dir)
+
+    @app.post("/ckpt_test/next_stage")
+    async def next_stage(fail_after: int = Query(-1), slow_s: float = Query(0.0)):
+        """The next stage's receiver raises after staging ``fail_after`` buckets (a worker failing
+        mid-way), and/or takes ``slow_s`` longer per bucket (a big checkpoint's transfer, which
+        outlasts the pause that opens the stage; the tiny one here would not)."""
+        import ckpt_sglang.staging as staging
+        real = staging.StagingArea
+
+        class TestArea(real):
+            def add(self, weights):
+                staging.StagingArea = real   # one stage only
+                if 0 <= fail_after <= len(self.buckets):
+                    raise RuntimeError(f"injected failure after {fail_after} staged bucket(s)")
+                time.sleep(slow_s)
+                super().add(weights)
+
+        staging.StagingArea = TestArea
+        return {"fail_after": fail_after, "slow_s": slow_s}
 
     @app.post("/ckpt_test/generate")
     async def generate(body: dict = Body(...)):

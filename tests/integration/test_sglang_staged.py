@@ -1,0 +1,231 @@
+"""Stage while SGLang generates, commit in a short pause: SGLang's real app, managers and loader on CPU.
+
+Chain under test: our PS (stock wire, in this process) <- the stock checkpoint-engine worker loop
+in a receiver thread that ``ckpt_sglang.staging.load`` starts inside the engine process, called by
+SGLang's own ``/update_weights_from_tensor`` -> ``SchedulerWeightUpdaterManager`` ->
+``WeightUpdater`` (custom weight loader, ``--custom-weight-loader ckpt_sglang.staging.load``),
+inside SGLang's ``/begin_weight_update`` .. ``/end_weight_update`` session, between
+``/pause_generation`` and ``/continue_generation``. The commit feeds the staged buckets to SGLang's
+``Qwen2ForCausalLM.load_weights``. sglang_support/engine.py says what is stood in on CPU (the
+scheduler's decode loop among it: greedy steps of Hugging Face's Qwen2 on SGLang's live
+parameters, under the lock weight calls take). References: transformers' Qwen2 loaded from the
+checkpoint files, in the SGLang venv (sglang_support/hf_reference.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import threading
+import time
+
+import httpx
+import pytest
+
+from ckpt_core import ParameterServer
+from ckpt_core.errors import ConfigError, RemoteWorkerError
+from ckpt_sglang import SglangClient
+from harness import free_port
+from sglang_support.fixtures import REPO, ready_engine, sglang_python, write_checkpoint
+
+pytestmark = [pytest.mark.timeout(900)]
+
+PROMPTS = [[5, 17, 42, 99], [200, 3, 3, 81, 7, 150]]
+MAX_NEW = 6
+# buckets of ~100 KiB: the 0.4 MB model travels in several, through both slots of the ring
+SMALL_BUCKETS = {"PS_MAX_BUCKET_SIZE_GB": str(100_000 / (1 << 30)), "PS_NUM_SLOTS": "2"}
+
+
+def hf_reference(ckpts, prompts=PROMPTS, max_new=MAX_NEW) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(str(p) for p in (REPO / "tests" / "integration",)))
+    out = subprocess.run([sglang_python(), "-m", "sglang_support.hf_reference", *sum((["--ckpt", str(c)] for c in ckpts), []),
+                          "--prompts", json.dumps(prompts), "--max-new", str(max_new)],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return {k: v for k, v in json.loads(out.stdout.splitlines()[-1]).items()}
+
+
+class Engine:
+    """The engine process, its client, a PS feeding it, and the checkpoints of this module."""
+
+    def __init__(self, eng, root):
+        self.eng, self.root = eng, root
+        self.client = SglangClient(eng.url, timeout=120)
+        self.ckpts = {seed: write_checkpoint(root / f"step-{seed}", seed=seed) for seed in (1, 2, 3)}
+        self.refs = {seed: v for seed, v in zip(self.ckpts, hf_reference([c for c, _ in self.ckpts.values()]).values())}
+        self.ps = ParameterServer(rank=0, world_size=1, device="cpu", wire="stock", master_addr="127.0.0.1",
+                                  master_port=free_port())
+        for seed, (ckpt, _) in self.ckpts.items():
+            self.ps.register_checkpoint(f"s{seed}", files=sorted(str(p) for p in ckpt.glob("*.safetensors")))
+            self.ps.gather_metas(f"s{seed}")
+
+    def generate(self, prompts=PROMPTS, max_new=MAX_NEW) -> list[list[int]]:
+        return [self.request(p, max_new)["tokens"] for p in prompts]
+
+    def request(self, prompt, max_new) -> dict:
+        resp = httpx.post(f"{self.eng.url}/ckpt_test/generate", json={"prompt": prompt, "max_new_tokens": max_new},
+                          timeout=180)
+        resp.raise_for_status()
+        return resp.json()
+
+    def params(self) -> dict:
+        return self.eng.state()["params"]
+
+    def stage(self, seed: int, version: str) -> dict:
+        return self.ps.update(f"s{seed}", self.client.req_func(stage=version), timeout=120)
+
+    def close(self) -> None:
+        self.ps.close()
+        self.client.close()
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    saved = {k: os.environ.get(k) for k in SMALL_BUCKETS}
+    os.environ.update(SMALL_BUCKETS)
+    root = tmp_path_factory.mktemp("sglang-staged")
+    try:
+        with ready_engine(root) as eng:
+            e = Engine(eng, root)
+            try:   # a plain update first: the server serves step 1 as "w1"
+                e.ps.update("s1", e.client.req_func(weight_version="w1"), timeout=120)
+                yield e
+            finally:
+                e.close()
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+
+class Traffic(threading.Thread):
+    """Long requests back to back through the engine's decode loop; keeps each token's time (taken
+    by the engine: a request spans the stage, so the tokens do not depend on this process, where
+    the PS runs, submitting the next one)."""
+
+    def __init__(self, engine: Engine):
+        super().__init__(daemon=True, name="traffic")
+        self.engine, self.stop, self.times, self.failures = engine, threading.Event(), [], []
+
+    def run(self):
+        while not self.stop.is_set():
+            try:
+                self.times += self.engine.request(PROMPTS[0], 64)["times"]
+            except Exception as exc:   # noqa: BLE001 - reported by the test
+                self.failures.append(f"{type(exc).__name__}: {exc}")
+
+    def between(self, t0: float, t1: float) -> int:
+        return sum(t0 <= t <= t1 for t in list(self.times))
+
+    def __enter__(self):
+        self.start()
+        deadline = time.time() + 60
+        while not self.times and time.time() < deadline:
+            time.sleep(0.05)
+        assert self.times, "the decode loop never produced a token"
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.join(120)
+
+
+def test_a_stage_under_traffic_changes_nothing_live_then_commit_switches_in_a_short_pause(engine):
+    e = engine
+    assert e.generate() == e.refs[1]
+    live = e.params()
+    httpx.post(f"{e.eng.url}/ckpt_test/next_stage", params={"slow_s": 0.1}, timeout=30).raise_for_status()
+    with Traffic(e) as traffic:
+        t0 = time.time()
+        result = e.stage(2, "w2")
+        t1 = time.time()
+        opened = e.client.last_report.seconds["paused"]
+        time.sleep(0.5)
+        assert e.params() == live, "a stage changed a live parameter"
+        assert e.generate() == e.refs[1], "a stage changed what the engine serves"
+        staged = e.client.weight_versions()[0]
+        assert staged["staged"]["version"] == "w2" and staged["staged"]["sealed"] and staged["receiving"] is None
+        assert staged["staged"]["tensors"] == 27 and staged["sglang_weight_version"] == "w1"
+        commit = e.client.commit("w2")
+        assert not traffic.failures, traffic.failures
+    during, idle = traffic.between(t0 + opened, t1), traffic.between(t1, t1 + 0.5)
+    want = e.ckpts[2][1]
+    assert {n: e.params()[n] for n in want} == want, "after the commit SGLang's parameters equal step 2"
+    assert e.generate() == e.refs[2], "greedy output after the commit equals transformers on step 2"
+    after = e.client.weight_versions()[0]
+    assert after["live"] == "w2" and after["staged"] is None and after["sglang_weight_version"] == "w2"
+    assert e.client.model_info()["weight_version"] == "w2"
+    assert e.eng.state()["paused"] is None, "generation was continued"
+    # the bucket copies alone take 0.5 s (5 x 0.1 s): a decode step is a few ms
+    assert during >= 10, f"{during} tokens while the stage ran: it blocked generation"
+    t2 = time.perf_counter()
+    e.ps.update("s1", e.client.req_func(weight_version="w1", pause="retract"), timeout=120)
+    plain = time.perf_counter() - t2
+    assert e.generate() == e.refs[1]
+    print(f"stage of {result['bytes']} bytes in {result['buckets']} buckets (0.1 s added per bucket): {t1 - t0:.3f} s, "
+          f"of which {opened * 1e3:.1f} ms paused to open it; {during} tokens during the rest "
+          f"({during / max(t1 - t0 - opened, 1e-9):.0f}/s; {idle / 0.5:.0f}/s right after); commit paused "
+          f"generation {commit.seconds['paused'] * 1e3:.1f} ms "
+          f"({ {k: round(v * 1e3, 1) for k, v in commit.seconds.items()} } ms); a plain update paused (retract) "
+          f"around the whole transfer: {plain * 1e3:.1f} ms")
+
+
+def test_a_request_streaming_across_the_commit_gets_old_then_new_weight_tokens(engine):
+    e = engine
+    e.stage(3, "w3")
+    out, max_new = {}, 40
+    req = threading.Thread(target=lambda: out.update(e.request(PROMPTS[1], max_new)), daemon=True)
+    req.start()
+    deadline = time.time() + 60
+    while e.eng.state()["params"] and httpx.get(f"{e.eng.url}/ckpt_test/traffic").json()["running"] == 0:
+        assert time.time() < deadline, "the request never started"
+        time.sleep(0.01)
+    time.sleep(0.05)
+    e.client.commit("w3")
+    req.join(120)
+    tokens, versions = out["tokens"], out["versions"]
+    cut = versions.index("w3")
+    assert 0 < cut < max_new and set(versions[:cut]) == {"w1"} and set(versions[cut:]) == {"w3"}, versions
+    old, new = hf_reference([e.ckpts[1][0]], [PROMPTS[1]], cut), hf_reference(
+        [e.ckpts[3][0]], [PROMPTS[1] + tokens[:cut]], max_new - cut)
+    assert tokens[:cut] == list(old.values())[0][0], "tokens before the commit come from the old weights"
+    assert tokens[cut:] == list(new.values())[0][0], "tokens after the commit come from the new weights"
+    e.ps.update("s1", e.client.req_func(weight_version="w1", pause="retract"), timeout=120)
+
+
+def test_commit_of_nothing_or_of_another_version_is_refused_and_changes_nothing(engine):
+    e = engine
+    live = e.params()
+    with pytest.raises(RemoteWorkerError, match="cannot commit version 'x1': nothing is staged"):
+        e.client.commit("x1")
+    e.stage(2, "x2")
+    with pytest.raises(RemoteWorkerError, match="cannot commit version 'x3': version 'x2' is staged"):
+        e.client.commit("x3")
+    e.stage(3, "x3")   # staging again replaces x2
+    with pytest.raises(RemoteWorkerError, match="version 'x3' is staged"):
+        e.client.commit("x2")
+    assert e.params() == live and e.generate() == e.refs[1]
+    assert e.client.model_info()["weight_version"] == "w1", "a refused commit set a weight version"
+    assert e.eng.state()["paused"] is None, "a refused commit left generation paused"
+    dropped = e.client.drop_staged()
+    assert dropped[0]["version"] == "x3" and e.client.weight_versions()[0]["staged"] is None
+    with pytest.raises(ConfigError, match="commit pauses with one of"):
+        e.client.commit("x3", pause="abort")
+
+
+def test_a_stage_failing_mid_way_leaves_the_old_weights_serving_exactly(engine):
+    e = engine
+    live = e.params()
+    httpx.post(f"{e.eng.url}/ckpt_test/next_stage", params={"fail_after": 2}, timeout=30).raise_for_status()
+    with pytest.raises(RemoteWorkerError, match="injected failure after 2 staged bucket"):
+        e.stage(2, "bad")
+    state = e.client.weight_versions()[0]
+    assert state["staged"] is None and state["receiving"] is None, "a failed stage left a staging area"
+    assert "injected failure" in state["last_stage_error"]
+    assert e.params() == live and e.generate() == e.refs[1], "a failed stage changed what the engine serves"
+    with pytest.raises(RemoteWorkerError, match="nothing is staged"):
+        e.client.commit("bad")
+    e.stage(2, "good")   # the next stage and commit work
+    e.client.commit("good")
+    assert e.generate() == e.refs[2]
+    e.ps.update("s1", e.client.req_func(weight_version="w1"), timeout=120)
