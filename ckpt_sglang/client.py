@@ -33,7 +33,7 @@ from ckpt_core.errors import ConfigError, RemoteWorkerError, TransportError, Upd
 
 from ._protocol import LOADER, ReplySocket, encode_command
 
-__all__ = ["SglangClient", "UpdateReport", "PAUSE_MODES", "BUSY_MODES"]
+__all__ = ["SglangClient", "UpdateReport", "PAUSE_MODES", "BUSY_MODES", "COMMIT_PAUSE_MODES"]
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 BUSY_MODES = ("retract", "abort", "fail")
