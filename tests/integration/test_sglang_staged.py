@@ -254,3 +254,36 @@ def test_the_launcher_stages_then_commits_and_a_commit_alone_of_nothing_fails(en
     assert proc.returncode == 2 and "--stage and --commit need --weight-version" in proc.stderr
     e.ps.update("s1", e.client.req_func(weight_version="w1"), timeout=120)
     assert e.generate() == e.refs[1]
+
+
+def test_the_service_stages_and_commits_into_sglang(engine, tmp_path):
+    """A controller over HTTP only: ``update`` with ``stage`` on a ``--wire stock`` service, then
+    ``POST /v1/commit`` with ``engine: "sglang"``; a commit of another version is a 502 that changes nothing."""
+    pytest.importorskip("fastapi")
+    from service_world import ServiceWorld
+
+    e = engine
+    ckpt, want = e.ckpts[2]
+    svc = ServiceWorld(1, str(tmp_path), extra=["--wire", "stock", "--max-bucket-gb", SMALL_BUCKETS["PS_MAX_BUCKET_SIZE_GB"]],
+                       env={"PS_NUM_SLOTS": "2"}, allow_dirs=(str(ckpt),))
+    try:
+        c = svc.clients[0]
+        files = sorted(str(p) for p in ckpt.glob("*.safetensors"))
+        assert c.post("/v1/checkpoints/s2/files", json={"files": files}).status_code == 200
+        assert c.post("/v1/checkpoints/s2/gather-metas").status_code == 200
+        resp = c.post("/v1/checkpoints/s2/update", json={"engine": "sglang", "update_url": e.eng.url, "stage": "svc2",
+                                                          "timeout": 120})
+        assert resp.status_code == 200, resp.text
+        assert e.generate() == e.refs[1], "a staged update changed what SGLang serves"
+        resp = c.post("/v1/commit", json={"engine": "sglang", "update_url": e.eng.url, "version": "other"})
+        assert resp.status_code == 502 and "version 'svc2' is staged" in resp.text, resp.text
+        assert e.generate() == e.refs[1]
+        resp = c.post("/v1/commit", json={"engine": "sglang", "update_url": e.eng.url, "version": "svc2"})
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["result"]["seconds"]["paused"] > 0
+        assert {n: e.params()[n] for n in want} == want and e.client.model_info()["weight_version"] == "svc2"
+        resp = c.post("/v1/commit", json={"engine": "sglang", "update_url": e.eng.url, "version": "x", "pause": "keep"})
+        assert resp.status_code == 422 and "a sglang commit pauses with one of" in resp.text, resp.text
+    finally:
+        assert svc.close() == [0]
+    e.ps.update("s1", e.client.req_func(weight_version="w1"), timeout=120)
