@@ -287,3 +287,28 @@ def test_the_service_stages_and_commits_into_sglang(engine, tmp_path):
     finally:
         assert svc.close() == [0]
     e.ps.update("s1", e.client.req_func(weight_version="w1"), timeout=120)
+
+
+def _doc_block(title: str) -> str:
+    """The first python block after the paragraph starting with ``title`` in docs/sglang.md."""
+    text = (REPO / "docs" / "sglang.md").read_text()
+    start = text.index(title)
+    block = text.index("```python\n", start) + len("```python\n")
+    return text[block:text.index("```", block)]
+
+
+def test_the_async_rl_controller_loop_of_the_docs_runs_as_written(engine, monkeypatch):
+    e = engine
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    seen = []
+
+    def rollout(client):
+        seen.append(e.generate())
+
+    checkpoints = [(f"loop-{seed}", sorted(str(p) for p in e.ckpts[seed][0].glob("*.safetensors"))) for seed in (2, 3)]
+    exec(_doc_block("The asynchronous-RL controller loop"),
+         {"URL": e.eng.url, "checkpoints": checkpoints, "rollout": rollout})
+    assert seen == [e.refs[1], e.refs[2]], "each batch ran on the weights live before its step's commit"
+    assert e.generate() == e.refs[3] and e.client.model_info()["weight_version"] == "loop-3"
+    e.ps.update("s1", e.client.req_func(weight_version="w1"), timeout=120)
