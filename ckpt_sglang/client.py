@@ -209,10 +209,9 @@ class SglangClient:
             self._tp_size = int(info.get("tp_size") or 1)
         return self._tp_size
 
-    def _session_op(self, phases: Phases, op: str, pause: str, timeout: float, **fields) -> list:
+    def _session_op(self, phases: Phases, op: str, pause: str, timeout: float, ranks: int, **fields) -> list:
         """Pause, open SGLang's weight-update session, run ``op`` in our loader on every TP rank,
         close the session; returns each rank's result. The caller resumes (also on failure)."""
-        ranks = self.staging_ranks()
         phases.run("pause", self.pause, pause)
         with ReplySocket() as replies:
             phases.run("begin", self._post, "/begin_weight_update", {"selector": "target"})
@@ -226,10 +225,11 @@ class SglangClient:
 
     def _staged_call(self, op: str, pause: str, timeout: float | None, after=None, **fields) -> UpdateReport:
         wait = self._http.timeout if timeout is None else float(timeout)
+        ranks = self.staging_ranks()   # refused before anything is posted
         phases, report = Phases(), UpdateReport()
         t0 = time.perf_counter()
         try:
-            report.workers = self._session_op(phases, op, pause, wait, **fields)
+            report.workers = self._session_op(phases, op, pause, wait, ranks, **fields)
             if after is not None:
                 after(phases)
         except BaseException as exc:
