@@ -22,6 +22,7 @@ import time
 
 import httpx
 import pytest
+import torch
 
 from ckpt_core import ParameterServer
 from ckpt_core.errors import ConfigError, RemoteWorkerError
@@ -312,3 +313,41 @@ def test_the_async_rl_controller_loop_of_the_docs_runs_as_written(engine, monkey
     assert seen == [e.refs[1], e.refs[2]], "each batch ran on the weights live before its step's commit"
     assert e.generate() == e.refs[3] and e.client.model_info()["weight_version"] == "loop-3"
     e.ps.update("s1", e.client.req_func(weight_version="w1"), timeout=120)
+
+
+def _altered(src, dst, *, drop=None, reshape=None):
+    """A copy of checkpoint directory ``src`` with one tensor dropped or given another shape."""
+    from ckpt_core.checkpoint.safetensors import read_tensors, write_file
+
+    dst.mkdir(parents=True, exist_ok=True)
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    for f in sorted(src.glob("*.safetensors")):
+        tensors = {n: t for n, t in read_tensors(f).items() if n != drop}
+        if reshape in tensors:
+            tensors[reshape] = torch.randn(3, 7)
+        write_file(dst / f.name, tensors)
+    return dst
+
+
+def test_a_stage_that_does_not_match_the_last_commit_is_refused_and_changes_nothing(engine, tmp_path):
+    e = engine
+    e.stage(1, "base")
+    e.client.commit("base")   # the layout later stages are checked against
+    live = e.params()
+    name = "model.layers.0.self_attn.k_proj.weight"
+    bad = _altered(e.ckpts[2][0], tmp_path / "reshaped", reshape=name)
+    e.ps.register_checkpoint("reshaped", files=sorted(str(p) for p in bad.glob("*.safetensors")))
+    e.ps.gather_metas("reshaped")
+    with pytest.raises(RemoteWorkerError, match=f"the staged update's {name} is float32 \\[3, 7\\]"):
+        e.ps.update("reshaped", e.client.req_func(stage="reshaped"), timeout=120)
+    assert e.client.weight_versions()[0]["staged"] is None
+    short = _altered(e.ckpts[2][0], tmp_path / "short", drop="model.layers.1.mlp.down_proj.weight")
+    e.ps.register_checkpoint("short", files=sorted(str(p) for p in short.glob("*.safetensors")))
+    e.ps.gather_metas("short")
+    e.ps.update("short", e.client.req_func(stage="short"), timeout=120)
+    with pytest.raises(RemoteWorkerError, match="cannot commit version 'short': it lacks model.layers.1.mlp.down_proj"):
+        e.client.commit("short")
+    assert e.client.weight_versions()[0]["staged"] is None, "the incomplete stage was dropped"
+    assert e.params() == live and e.generate() == e.refs[1] and e.client.model_info()["weight_version"] == "base"
+    for n in ("reshaped", "short"):
+        e.ps.unregister_checkpoint(n)

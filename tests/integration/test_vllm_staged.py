@@ -211,6 +211,7 @@ def test_the_example_driver_stages_then_commits_and_a_commit_alone_of_nothing_fa
     """``examples/vllm_update.py --stage --version V --commit`` under torchrun, as a user runs it."""
     import json
     import os
+    import shutil
     import subprocess
     import sys
 
@@ -221,7 +222,7 @@ def test_the_example_driver_stages_then_commits_and_a_commit_alone_of_nothing_fa
     push(server, [model.weights[0]], path="extension", version="e0")
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
-    (ckpt / "model.safetensors").symlink_to(model.weights[1])
+    shutil.copy(model.weights[1], ckpt / "model.safetensors")
 
     def example(*args):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "1",
