@@ -219,9 +219,19 @@ class SglangClient:
                 body = {"serialized_named_tensors": encode_command(op, replies.address, ranks, **fields),
                         "load_format": LOADER, "flush_cache": False, "selector": "target"}
                 phases.run(op, self._post, "/update_weights_from_tensor", body, timeout=timeout)
-                return phases.run(f"{op}_replies", replies.collect, op, ranks, timeout, self.where)
-            finally:
-                phases.run("end", self._post, "/end_weight_update", {})
+                results = phases.run(f"{op}_replies", replies.collect, op, ranks, timeout, self.where)
+            except BaseException as exc:
+                self._cleanup(exc, "end_weight_update", lambda: self._post("/end_weight_update", {}))
+                raise
+            phases.run("end", self._post, "/end_weight_update", {})
+            return results
+
+    def _cleanup(self, exc: BaseException, what: str, fn: Callable[[], object]) -> None:
+        """Run a cleanup step after ``exc``; its own failure is noted on ``exc``, never raised."""
+        try:
+            fn()
+        except Exception as cleanup:   # noqa: BLE001 - the original error is the one to raise
+            exc.add_note(f"cleanup: {what} on {self.where} failed too: {type(cleanup).__name__}: {cleanup}")
 
     def _staged_call(self, op: str, pause: str, timeout: float | None, after=None, **fields) -> UpdateReport:
         wait = self._http.timeout if timeout is None else float(timeout)
@@ -233,10 +243,7 @@ class SglangClient:
             if after is not None:
                 after(phases)
         except BaseException as exc:
-            try:
-                self.resume()
-            except Exception as cleanup:   # noqa: BLE001 - the original error is the one to raise
-                exc.add_note(f"cleanup: resume on {self.where} failed too: {type(cleanup).__name__}: {cleanup}")
+            self._cleanup(exc, "continue_generation", self.resume)
             raise
         phases.run("resume", self.resume)
         report.seconds = dict(phases.seconds, paused=time.perf_counter() - t0)

@@ -75,9 +75,9 @@ class EngineStaging:
         self.live_version: str | None = None
         self.live_since: float | None = None
         self.last_stage_error: str | None = None
-        self._ctx = None
 
-    def _zmq(self, timeout_s: float):
+    @staticmethod
+    def _receiver_context(timeout_s: float):
         import zmq
 
         ctx = zmq.Context()
@@ -101,6 +101,7 @@ class EngineStaging:
                                   "for its update to end")
             self._free_locked()   # a new stage replaces the staged one, also when it fails
             area = StagingArea(version, device, int(cmd.get("device_bytes", 0)))
+            area.layout = {}   # {name: (dtype, shape)} of what was staged, set when sealed
             thread = threading.Thread(target=self._receive, args=(area, handles[key], device_id, timeout),
                                       name=f"ckpt-stage-{version}", daemon=True)
             self.receiving = (version, thread)
@@ -144,7 +145,7 @@ class EngineStaging:
                 self.area, self.receiving = area, None
 
         t0 = time.perf_counter()
-        ctx = self._zmq(timeout)
+        ctx = self._receiver_context(timeout)
         stream = torch.cuda.Stream(area.device) if area.device.type == "cuda" else None
         try:
             if stream is not None:
@@ -178,8 +179,8 @@ class EngineStaging:
             if area is None or area.version != version:
                 staged = "nothing" if area is None else f"version {area.version!r}"
                 raise ConfigError(f"cannot commit version {version!r}: {staged} is staged; nothing was committed")
-            if self.layout is not None and set(area.layout) != set(self.layout):
-                missing = sorted(set(self.layout) - set(area.layout))
+            missing = sorted(set(self.layout) - set(area.layout)) if self.layout is not None else []
+            if missing:
                 self._free_locked()
                 raise CheckpointFormatError(f"cannot commit version {version!r}: it lacks {', '.join(missing[:8])} "
                                             f"({len(missing)} of the last commit's tensors); nothing was "

@@ -351,3 +351,13 @@ def test_a_stage_that_does_not_match_the_last_commit_is_refused_and_changes_noth
     assert e.params() == live and e.generate() == e.refs[1] and e.client.model_info()["weight_version"] == "base"
     for n in ("reshaped", "short"):
         e.ps.unregister_checkpoint(n)
+
+
+def test_an_in_place_commit_switches_without_a_flush(engine):
+    e = engine
+    e.stage(2, "ip2")
+    flushes = e.eng.state()["flushes"]
+    report = e.client.commit("ip2", pause="in_place")
+    assert "flush_cache" not in report.seconds and e.eng.state()["flushes"] == flushes
+    assert e.generate() == e.refs[2] and e.client.model_info()["weight_version"] == "ip2"
+    e.ps.update("s1", e.client.req_func(weight_version="w1"), timeout=120)
