@@ -30,7 +30,7 @@ from ckpt_sglang import SglangClient
 from harness import free_port
 from sglang_support.fixtures import REPO, ready_engine, run_launcher, sglang_python, write_checkpoint
 
-pytestmark = [pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 PROMPTS = [[5, 17, 42, 99], [200, 3, 3, 81, 7, 150]]
 MAX_NEW = 6
