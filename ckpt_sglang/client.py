@@ -133,19 +133,21 @@ class SglangClient:
 
     def update(self, handles, *, flush_cache: bool = True, weight_version: str | None = None,
                timeout: float | None = None, pause: str | None = None, busy: str = "retract",
-               stage: str | None = None, stage_device_bytes: int = 0) -> UpdateReport:
+               stage: str | None = None, stage_device_bytes: int = 0,
+               stage_pause: str | None = "in_place") -> UpdateReport:
         """Make the server pull one update; ``handles``: ``[(device_key, zmq_handle)]`` or a dict.
 
         ``pause``: pause generation (``PAUSE_MODES``) around the update; None keeps serving.
         ``busy``: what to do when the weights went in but the cache could not be flushed
         because requests were running (see the module docstring).
-        ``stage="v8"``: stage the update instead (:meth:`stage`); :meth:`commit` switches to it.
+        ``stage="v8"``: stage the update instead (:meth:`stage`, ``stage_pause`` its ``pause``);
+        :meth:`commit` switches to it.
         """
         if stage is not None:
             if pause is not None or weight_version is not None:
                 raise ConfigError("a staged update takes neither pause nor weight_version: the server keeps "
                                   "generating while it stages; commit(version) pauses and sets the version")
-            return self.stage(handles, stage, timeout=timeout, device_bytes=stage_device_bytes)
+            return self.stage(handles, stage, timeout=timeout, device_bytes=stage_device_bytes, pause=stage_pause)
         if busy not in BUSY_MODES:
             raise ConfigError(f"busy must be one of {BUSY_MODES}, got {busy!r}")
         if pause is not None and pause not in PAUSE_MODES:
@@ -212,7 +214,8 @@ class SglangClient:
     def _session_op(self, phases: Phases, op: str, pause: str, timeout: float, ranks: int, **fields) -> list:
         """Pause, open SGLang's weight-update session, run ``op`` in our loader on every TP rank,
         close the session; returns each rank's result. The caller resumes (also on failure)."""
-        phases.run("pause", self.pause, pause)
+        if pause is not None:
+            phases.run("pause", self.pause, pause)
         with ReplySocket() as replies:
             phases.run("begin", self._post, "/begin_weight_update", {"selector": "target"})
             try:
@@ -243,16 +246,19 @@ class SglangClient:
             if after is not None:
                 after(phases)
         except BaseException as exc:
-            self._cleanup(exc, "continue_generation", self.resume)
+            if pause is not None:
+                self._cleanup(exc, "continue_generation", self.resume)
             raise
-        phases.run("resume", self.resume)
+        if pause is not None:
+            phases.run("resume", self.resume)
         report.seconds = dict(phases.seconds, paused=time.perf_counter() - t0)
         report.seconds["total"] = report.seconds["paused"]
         with self._lock:
             self.last_report = report
         return report
 
-    def stage(self, handles, version: str, *, timeout: float | None = None, device_bytes: int = 0) -> UpdateReport:
+    def stage(self, handles, version: str, *, timeout: float | None = None, device_bytes: int = 0,
+              pause: str | None = "in_place") -> UpdateReport:
         """Start receiving an update into every TP rank's staging area; the server keeps its weights.
 
         Use it as the update's ``req_func`` (``req_func(stage="v8")``): it returns once the
@@ -260,9 +266,14 @@ class SglangClient:
         the transfer then runs while the server generates, and ``ParameterServer.update``
         returns when every bucket is staged (or raises; the area is then freed).
         ``device_bytes``: device memory each rank may stage into, beyond it pinned host memory.
+        ``pause=None`` opens the session without pausing: only for models whose weights SGLang
+        does not pack in place (``begin_weight_update`` then changes nothing; unquantized
+        models on GPU), else generation could run on unpacked weights until the session ends.
         """
         wait = self._http.timeout if timeout is None else float(timeout)
-        return self._staged_call("stage", "in_place", timeout, weights=str(version), handles=dict(handles),
+        if pause not in (None, "in_place", "retract"):
+            raise ConfigError(f"a stage opens its session under pause None, 'in_place' or 'retract', got {pause!r}")
+        return self._staged_call("stage", pause, timeout, weights=str(version), handles=dict(handles),
                                  device_bytes=int(device_bytes), receive_timeout=wait)
 
     def commit(self, version: str, *, pause: str = "retract", timeout: float | None = None) -> UpdateReport:

@@ -202,7 +202,8 @@ def test_commit_of_nothing_or_of_another_version_is_refused_and_changes_nothing(
     e.stage(2, "x2")
     with pytest.raises(RemoteWorkerError, match="cannot commit version 'x3': version 'x2' is staged"):
         e.client.commit("x3")
-    e.stage(3, "x3")   # staging again replaces x2
+    e.ps.update("s3", e.client.req_func(stage="x3", stage_pause=None), timeout=120)   # replaces x2; no pause
+    assert e.client.last_report.seconds.keys().isdisjoint({"pause", "resume"})
     with pytest.raises(RemoteWorkerError, match="version 'x3' is staged"):
         e.client.commit("x2")
     assert e.params() == live and e.generate() == e.refs[1]
