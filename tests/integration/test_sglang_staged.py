@@ -174,14 +174,15 @@ def test_a_stage_under_traffic_changes_nothing_live_then_commit_switches_in_a_sh
 def test_a_request_streaming_across_the_commit_gets_old_then_new_weight_tokens(engine):
     e = engine
     e.stage(3, "w3")
-    out, max_new = {}, 40
+    out, max_new = {}, 120
+    steps = httpx.get(f"{e.eng.url}/ckpt_test/traffic", timeout=30).json()["steps"]
     req = threading.Thread(target=lambda: out.update(e.request(PROMPTS[1], max_new)), daemon=True)
     req.start()
     deadline = time.time() + 60
-    while httpx.get(f"{e.eng.url}/ckpt_test/traffic", timeout=30).json()["running"] == 0:
-        assert time.time() < deadline, "the request never started"
+    while httpx.get(f"{e.eng.url}/ckpt_test/traffic", timeout=30).json()["steps"] < steps + 5:
+        assert time.time() < deadline and not out, "the request did not get its first tokens while running"
         time.sleep(0.01)
-    time.sleep(0.05)
+    assert not out, "the request ended before the commit"
     e.client.commit("w3")
     req.join(120)
     tokens, versions = out["tokens"], out["versions"]
@@ -196,6 +197,7 @@ def test_a_request_streaming_across_the_commit_gets_old_then_new_weight_tokens(e
 
 def test_commit_of_nothing_or_of_another_version_is_refused_and_changes_nothing(engine):
     e = engine
+    e.client.drop_staged()   # nothing staged, whatever an earlier test left
     live = e.params()
     with pytest.raises(RemoteWorkerError, match="cannot commit version 'x1': nothing is staged"):
         e.client.commit("x1")
