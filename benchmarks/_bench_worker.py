@@ -99,7 +99,7 @@ class _Engine:
         """Receive the update into a staging area on the device (what ckpt_vllm's worker does), not
         into the parameters; :meth:`commit` then copies it in."""
         from ckpt_core import update_weights_from_ipc
-        from ckpt_vllm._staging import StagingArea
+        from ckpt_core.wire.staging import StagingArea
 
         self.staged = StagingArea("bench", self.device, device_limit=1 << 50)
         t0 = time.perf_counter()

@@ -8,6 +8,10 @@ every worker of the engine pull from its PS rank. Routes used:
 - ``POST /update_weights_from_ipc`` ``{"zmq_handles", "flush_cache", "weight_version"}``:
   ``{"success", "message"}``, HTTP 400 on failure.
 - ``POST /pause_generation`` ``{"mode"}``, ``POST /continue_generation``, ``POST /flush_cache``.
+- Staged updates (``stage``/``commit``/``drop_staged``/``weight_versions``; the server started
+  with ``--custom-weight-loader ckpt_sglang.staging.load``, see ``ckpt_sglang/staging.py``):
+  ``GET /server_info``, ``POST /begin_weight_update``, ``/update_weights_from_tensor``
+  (``load_format`` = that loader), ``/end_weight_update``, ``/update_weight_version``.
 
 With ``flush_cache`` and requests in flight, SGLang loads the weights and then answers 400
 ("the cache was not flushed"): the weights are in, only the KV cache of the old weights is
@@ -27,10 +31,13 @@ from typing import Callable
 from ckpt_core.engines.http import HttpTransport, Phases, error_text
 from ckpt_core.errors import ConfigError, RemoteWorkerError, TransportError, UpdateTimeoutError
 
-__all__ = ["SglangClient", "UpdateReport", "PAUSE_MODES", "BUSY_MODES"]
+from ._protocol import LOADER, ReplySocket, encode_command
+
+__all__ = ["SglangClient", "UpdateReport", "PAUSE_MODES", "BUSY_MODES", "COMMIT_PAUSE_MODES"]
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 BUSY_MODES = ("retract", "abort", "fail")
+COMMIT_PAUSE_MODES = ("retract", "in_place")   # no request is dropped
 CACHE_NOT_FLUSHED = "cache was not flushed"   # SGLang's 400 text when requests were still running
 
 
@@ -40,6 +47,7 @@ class UpdateReport:
     seconds: dict[str, float] = field(default_factory=dict)
     message: str = ""
     busy: bool = False
+    workers: list = field(default_factory=list)   # staged ops: each TP rank's answer
 
 
 class SglangClient:
@@ -59,6 +67,7 @@ class SglangClient:
         self._http = HttpTransport(endpoint, uds=uds, timeout=timeout, connect_timeout=connect_timeout)
         self._lock = threading.Lock()
         self.last_report: UpdateReport | None = None
+        self._tp_size: int | None = None
 
     @property
     def where(self) -> str:
@@ -123,13 +132,22 @@ class SglangClient:
         self._post("/flush_cache")
 
     def update(self, handles, *, flush_cache: bool = True, weight_version: str | None = None,
-               timeout: float | None = None, pause: str | None = None, busy: str = "retract") -> UpdateReport:
+               timeout: float | None = None, pause: str | None = None, busy: str = "retract",
+               stage: str | None = None, stage_device_bytes: int = 0,
+               stage_pause: str | None = "in_place") -> UpdateReport:
         """Make the server pull one update; ``handles``: ``[(device_key, zmq_handle)]`` or a dict.
 
         ``pause``: pause generation (``PAUSE_MODES``) around the update; None keeps serving.
         ``busy``: what to do when the weights went in but the cache could not be flushed
         because requests were running (see the module docstring).
+        ``stage="v8"``: stage the update instead (:meth:`stage`, ``stage_pause`` its ``pause``);
+        :meth:`commit` switches to it.
         """
+        if stage is not None:
+            if pause is not None or weight_version is not None:
+                raise ConfigError("a staged update takes neither pause nor weight_version: the server keeps "
+                                  "generating while it stages; commit(version) pauses and sets the version")
+            return self.stage(handles, stage, timeout=timeout, device_bytes=stage_device_bytes, pause=stage_pause)
         if busy not in BUSY_MODES:
             raise ConfigError(f"busy must be one of {BUSY_MODES}, got {busy!r}")
         if pause is not None and pause not in PAUSE_MODES:
@@ -176,3 +194,123 @@ class SglangClient:
     def req_func(self, **update_kwargs) -> Callable[[list[tuple[str, str]]], UpdateReport]:
         """A ``req_func`` posting every handle it is given; keyword arguments go to :meth:`update`."""
         return lambda handles: self.update(handles, **update_kwargs)
+
+    # -- staged updates (ckpt_sglang/staging.py runs inside the server) ---------------------
+    def staging_ranks(self) -> int:
+        """The server's TP size, once it is known to run our loader (``GET /server_info``)."""
+        if self._tp_size is None:
+            resp = self._http.request("GET", "/server_info", timeout=30.0)
+            self._http.raise_for_status(resp)
+            info = resp.json()
+            if LOADER not in (info.get("custom_weight_loader") or []):
+                # an unknown load_format would end SGLang's scheduler: never send one
+                raise ConfigError(f"{self.where} was not started with --custom-weight-loader {LOADER} (it has "
+                                  f"{info.get('custom_weight_loader')}): staged updates need it")
+            if int(info.get("dp_size") or 1) != 1:
+                raise ConfigError(f"{self.where} has dp_size {info.get('dp_size')}: SGLang's weight routes need 1")
+            self._tp_size = int(info.get("tp_size") or 1)
+        return self._tp_size
+
+    def _session_op(self, phases: Phases, op: str, pause: str, timeout: float, ranks: int, **fields) -> list:
+        """Pause, open SGLang's weight-update session, run ``op`` in our loader on every TP rank,
+        close the session; returns each rank's result. The caller resumes (also on failure)."""
+        if pause is not None:
+            phases.run("pause", self.pause, pause)
+        with ReplySocket() as replies:
+            phases.run("begin", self._post, "/begin_weight_update", {"selector": "target"})
+            try:
+                body = {"serialized_named_tensors": encode_command(op, replies.address, ranks, **fields),
+                        "load_format": LOADER, "flush_cache": False, "selector": "target"}
+                phases.run(op, self._post, "/update_weights_from_tensor", body, timeout=timeout)
+                results = phases.run(f"{op}_replies", replies.collect, op, ranks, timeout, self.where)
+            except BaseException as exc:
+                self._cleanup(exc, "end_weight_update", lambda: self._post("/end_weight_update", {}))
+                raise
+            phases.run("end", self._post, "/end_weight_update", {})
+            return results
+
+    def _cleanup(self, exc: BaseException, what: str, fn: Callable[[], object]) -> None:
+        """Run a cleanup step after ``exc``; its own failure is noted on ``exc``, never raised."""
+        try:
+            fn()
+        except Exception as cleanup:   # noqa: BLE001 - the original error is the one to raise
+            exc.add_note(f"cleanup: {what} on {self.where} failed too: {type(cleanup).__name__}: {cleanup}")
+
+    def _staged_call(self, op: str, pause: str, timeout: float | None, after=None, **fields) -> UpdateReport:
+        wait = self._http.timeout if timeout is None else float(timeout)
+        ranks = self.staging_ranks()   # refused before anything is posted
+        phases, report = Phases(), UpdateReport()
+        t0 = time.perf_counter()
+        try:
+            report.workers = self._session_op(phases, op, pause, wait, ranks, **fields)
+            if after is not None:
+                after(phases)
+        except BaseException as exc:
+            if pause is not None:
+                self._cleanup(exc, "continue_generation", self.resume)
+            raise
+        if pause is not None:
+            phases.run("resume", self.resume)
+        report.seconds = dict(phases.seconds, paused=time.perf_counter() - t0)
+        report.seconds["total"] = report.seconds["paused"]
+        with self._lock:
+            self.last_report = report
+        return report
+
+    def stage(self, handles, version: str, *, timeout: float | None = None, device_bytes: int = 0,
+              pause: str | None = "in_place") -> UpdateReport:
+        """Start receiving an update into every TP rank's staging area; the server keeps its weights.
+
+        Use it as the update's ``req_func`` (``req_func(stage="v8")``): it returns once the
+        receivers run (a pause of a few milliseconds, ``in_place``, to open SGLang's session);
+        the transfer then runs while the server generates, and ``ParameterServer.update``
+        returns when every bucket is staged (or raises; the area is then freed).
+        ``device_bytes``: device memory each rank may stage into, beyond it pinned host memory.
+        ``pause=None`` opens the session without pausing: only for models whose weights SGLang
+        does not pack in place (``begin_weight_update`` then changes nothing; unquantized
+        models on GPU), else generation could run on unpacked weights until the session ends.
+        """
+        wait = self._http.timeout if timeout is None else float(timeout)
+        if pause not in (None, "in_place", "retract"):
+            raise ConfigError(f"a stage opens its session under pause None, 'in_place' or 'retract', got {pause!r}")
+        return self._staged_call("stage", pause, timeout, weights=str(version), handles=dict(handles),
+                                 device_bytes=int(device_bytes), receive_timeout=wait)
+
+    def commit(self, version: str, *, pause: str = "retract", timeout: float | None = None) -> UpdateReport:
+        """Switch the server to the staged ``version`` in one pause, with no request dropped.
+
+        ``retract`` (default): running requests go back to the queue and are recomputed on the new
+        weights, the cache of the old ones is flushed. ``in_place``: they stay in the running
+        batch with their KV cache of the old weights, and no flush happens (SGLang refuses one
+        then). Then SGLang's ``weight_version`` is set. ``report.seconds["paused"]`` is how long
+        generation stood still. Nothing (or another version) staged is a ``RemoteWorkerError``
+        (``ConfigError`` in the loader) and changes nothing.
+        """
+        if pause not in COMMIT_PAUSE_MODES:
+            raise ConfigError(f"commit pauses with one of {COMMIT_PAUSE_MODES} (no request dropped), got {pause!r}")
+
+        def after(phases: Phases) -> None:
+            if pause == "retract":
+                phases.run("flush_cache", self.flush_cache)
+            phases.run("weight_version", self.set_weight_version, str(version))
+
+        return self._staged_call("commit", pause, timeout, after=after, weights=str(version))
+
+    def drop_staged(self) -> list:
+        """Free every rank's staging area; returns what each held (None where nothing was)."""
+        return self._staged_call("drop", "in_place", None).workers
+
+    def weight_versions(self) -> list[dict]:
+        """Per TP rank: the live version our commits set (and since when, unix time), what is
+        staged or still receiving, the last failed stage; plus SGLang's own ``weight_version``."""
+        reported = self.model_info().get("weight_version")
+        return [dict(w, sglang_weight_version=reported) for w in self._staged_call("state", "in_place", None).workers]
+
+    def model_info(self) -> dict:
+        resp = self._http.request("GET", "/model_info", timeout=30.0)
+        self._http.raise_for_status(resp)
+        return resp.json()
+
+    def set_weight_version(self, version: str) -> None:
+        """SGLang's ``weight_version`` (``/model_info``, responses), without aborting requests."""
+        self._post("/update_weight_version", {"new_version": str(version), "abort_all_requests": False})

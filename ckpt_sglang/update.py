@@ -19,6 +19,12 @@ the checkpoint from the owners' host memory, ``all`` broadcasts then pulls. Owne
 with ``--load-metas-file m.json`` (no ``--checkpoint-path``) registers nothing and pulls it into
 its own server (``ckpt_core/engines/driver.py`` holds this flow, shared with examples/vllm_update.py).
 Rank 0 prints one JSON line of figures per update, as soon as that update ends.
+
+Staged (the server started with ``--custom-weight-loader ckpt_sglang.staging.load``):
+``--stage --weight-version v8`` receives the checkpoint into the servers' staging areas while
+they keep generating; ``--commit`` then switches each server to it in one short pause (rank 0
+prints a JSON line with ``"method": "commit"`` and the pause). ``--commit --weight-version v8``
+without ``--checkpoint-path`` only commits what an earlier ``--stage`` left staged.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from ckpt_core.engines.driver import (UPDATE_METHODS, emit_json_line, prepare_ch
                                      update_methods)
 from ckpt_core.errors import CkptError, ConfigError
 
-from .client import BUSY_MODES, PAUSE_MODES, SglangClient
+from .client import BUSY_MODES, COMMIT_PAUSE_MODES, PAUSE_MODES, SglangClient
 
 log = logging.getLogger("ckpt_sglang.update")
 
@@ -56,7 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--update-method", choices=UPDATE_METHODS, default="broadcast",
                     help="p2p: pull from the owners' host memory (Mooncake, the p2p extra); all: broadcast, then p2p")
     ap.add_argument("--uds", default=None, help="talk HTTP over this Unix socket")
-    ap.add_argument("--weight-version", default=None, help="version string the server reports afterwards")
+    ap.add_argument("--weight-version", "--version", dest="weight_version", default=None,
+                    help="version string the server reports afterwards (with --stage: the staged version)")
     # ckpt-engine additions
     ap.add_argument("--wire", choices=[w for w in WIRES if w != "native"], default="stock",
                     help="stock worker generation embedded in the server: 'stock' (checkpoint-engine >= 0.4), "
@@ -68,12 +75,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--busy", choices=BUSY_MODES, default="retract",
                     help="requests in flight kept the cache from being flushed: pause this way, flush, "
                          "continue ('fail': raise)")
+    ap.add_argument("--stage", action="store_true",
+                    help="stage the checkpoint as --weight-version while the servers keep generating "
+                         "(needs --custom-weight-loader ckpt_sglang.staging.load on the server)")
+    ap.add_argument("--stage-device-gib", type=float, default=0.0,
+                    help="with --stage: device memory each server rank may stage into (beyond it: pinned host memory)")
+    ap.add_argument("--commit", action="store_true",
+                    help="switch the servers to the staged --weight-version in one short pause (after --stage, "
+                         "or alone: what an earlier --stage left)")
+    ap.add_argument("--commit-pause", choices=COMMIT_PAUSE_MODES, default="retract",
+                    help="how --commit pauses generation (no request is dropped)")
     return ap.parse_args(argv)
 
 
 def check_args(args: argparse.Namespace, world_size: int) -> None:
     """Refuse what cannot work before any process group or server is touched."""
-    if not args.checkpoint_path and not args.load_metas_file:
+    if (args.stage or args.commit) and not args.weight_version:
+        raise ConfigError("--stage and --commit need --weight-version (the version staged and committed)")
+    if args.stage and args.pause is not None:
+        raise ConfigError("--stage takes no --pause: the servers keep generating while it stages; --commit pauses")
+    commit_only = args.commit and not args.stage
+    if commit_only and (args.checkpoint_path or args.load_metas_file):
+        raise ConfigError("--commit without --stage moves no checkpoint: drop --checkpoint-path/--load-metas-file, "
+                          "or add --stage")
+    if not commit_only and not args.checkpoint_path and not args.load_metas_file:
         raise ConfigError("--checkpoint-path (or --load-metas-file, to join) is required")
     n = args.inference_parallel_size
     if n <= 0 or world_size % n:
@@ -87,8 +112,13 @@ def make_req_func(client: SglangClient | None, rank: int, n: int, args: argparse
         if client is None:
             return None
         first = rank - rank % n
-        reports.append(client.update(handles[first:first + n], weight_version=args.weight_version,
-                                     timeout=args.timeout, pause=args.pause, busy=args.busy))
+        mine = handles[first:first + n]
+        if args.stage:
+            reports.append(client.stage(mine, args.weight_version, timeout=args.timeout,
+                                        device_bytes=int(args.stage_device_gib * (1 << 30))))
+        else:
+            reports.append(client.update(mine, weight_version=args.weight_version, timeout=args.timeout,
+                                         pause=args.pause, busy=args.busy))
         return reports[-1]
     return req_func
 
@@ -108,6 +138,9 @@ def run(args: argparse.Namespace) -> None:
         if client is not None:
             waited = client.wait_ready(timeout=args.ready_timeout)
             log.info("rank %d: %s answers /model_info (waited %.1f s)", rank, client.where, waited)
+        if args.commit and not args.stage:
+            commit(client, rank, args)
+            return
         files = None if args.load_metas_file else split_checkpoint_files(args.checkpoint_path, rank, world_size)
         serve = serves_p2p(args.update_method, joining=bool(args.load_metas_file), save_metas_file=args.save_metas_file)
         with ParameterServer(device=args.device, wire=args.wire, serve_p2p=serve) as ps:
@@ -120,11 +153,24 @@ def run(args: argparse.Namespace) -> None:
                     emit_json_line({"checkpoint": args.checkpoint_name, "method": method,
                                     "register_and_gather_s": round(register_s, 4), "ps": result,
                                     "engine": [r.__dict__ for r in reports]}, default=str)
+            if args.commit:   # every rank's update returned: every server holds the version staged
+                commit(client, ps.rank, args)
             if args.sleep_time > 0:
                 time.sleep(args.sleep_time)
     finally:
         if client is not None:
             client.close()
+
+
+def commit(client: SglangClient | None, rank: int, args: argparse.Namespace) -> None:
+    """The first rank of each inference group switches its server to the staged version."""
+    if client is None:
+        return
+    report = client.commit(args.weight_version, pause=args.commit_pause, timeout=args.timeout)
+    if rank == 0:
+        emit_json_line({"checkpoint": args.checkpoint_name, "method": "commit", "version": args.weight_version,
+                        "paused_ms": round(report.seconds["paused"] * 1e3, 3), "engine": [report.__dict__]},
+                       default=str)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,9 +20,9 @@ from ckpt_core import update_weights_from_ipc as _core_update_weights_from_ipc
 from ckpt_core.wire.worker import DEFAULT_TIMEOUT_S
 from ckpt_core.devices import default_kind, get_backend, local_device_key
 from ckpt_core.errors import ConfigError
+from ckpt_core.wire.staging import StagingArea
 
 from ._reload import ReloadSession
-from ._staging import StagingArea
 
 __all__ = ["VllmColocateWorkerExtension", "worker_device", "drafter_target", "receive_into", "agree_on_handle"]
 

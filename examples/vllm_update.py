@@ -23,6 +23,14 @@ started with ``--save-metas-file m.json --sleep-time 600`` keep serving; a separ
 torchrun world started with ``--load-metas-file m.json`` (no ``--checkpoint-path``) registers
 nothing and pulls the checkpoint into its own engines. Owners serve their host memory over P2P
 only with ``p2p``/``all`` or ``--save-metas-file`` (``serve_p2p``; who can then reach it: docs/p2p.md).
+
+Versions and staged updates (``--path extension``): ``--version v8`` names the weights an update
+makes live (the workers record it; vLLM's ``/update_weight_version`` where the server has it).
+``--stage --version v8`` receives the checkpoint into every worker's staging area while the
+servers keep generating; ``--commit`` then switches each server to it in one short pause
+(``--commit-pause keep``: running requests freeze and continue on the new weights) and prints a
+line with ``"method": "commit"``. ``--commit --version v8`` without a checkpoint only commits what
+an earlier ``--stage`` left staged.
 """
 
 from __future__ import annotations
@@ -66,6 +74,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for the servers")
     ap.add_argument("--pause", choices=("abort", "wait", "keep"), default=None,
                     help="pause generation around the update (default: keep serving)")
+    ap.add_argument("--version", default=None, help="the weight version the update makes live (with --stage: stages)")
+    ap.add_argument("--stage", action="store_true",
+                    help="stage the checkpoint as --version while the servers keep generating")
+    ap.add_argument("--stage-device-gib", type=float, default=0.0,
+                    help="with --stage: device memory each worker may stage into (beyond it: pinned host memory)")
+    ap.add_argument("--commit", action="store_true",
+                    help="switch the servers to the staged --version in one short pause (after --stage, or alone)")
+    ap.add_argument("--commit-pause", choices=("keep", "wait", "abort"), default="keep",
+                    help="how --commit pauses generation")
     return ap.parse_args(argv)
 
 
@@ -85,7 +102,16 @@ def _per_group(flag: str, value: str | None, groups: int) -> list[str | None]:
 def check_args(args: argparse.Namespace, world_size: int) -> tuple[int, list[str], list[str | None]]:
     """Validate flags before any collective or wait; returns the group size and, per group, the
     engine's endpoint and Unix socket."""
-    if not args.checkpoint_path and not args.load_metas_file:
+    if (args.stage or args.commit) and not args.version:
+        raise ConfigError("--stage and --commit need --version (the version staged and committed)")
+    if args.stage and (args.pause is not None or args.path != "extension"):
+        raise ConfigError("--stage takes the extension path and no --pause: the servers keep generating while it "
+                          "stages; --commit pauses")
+    commit_only = args.commit and not args.stage
+    if commit_only and (args.checkpoint_path or args.load_metas_file):
+        raise ConfigError("--commit without --stage moves no checkpoint: drop --checkpoint-path/--load-metas-file, "
+                          "or add --stage")
+    if not commit_only and not args.checkpoint_path and not args.load_metas_file:
         raise ConfigError("--checkpoint-path (or --load-metas-file, to join) is required")
     ips = world_size if args.inference_parallel_size is None else args.inference_parallel_size
     if ips <= 0 or world_size % ips:
@@ -100,8 +126,21 @@ def make_req_func(client: VllmClient | None, rank: int, ips: int, args: argparse
     def req_func(handles):
         mine = group_handles(handles, rank, ips)
         if mine is not None:
-            reports.append(client.update(mine, path=args.path, timeout=args.timeout, pause=args.pause))
+            reports.append(client.update(mine, path=args.path, timeout=args.timeout, pause=args.pause,
+                                         version=None if args.stage else args.version,
+                                         stage=args.version if args.stage else None,
+                                         stage_device_bytes=int(args.stage_device_gib * (1 << 30))))
     return req_func
+
+
+def commit(client: VllmClient | None, rank: int, group: int, args: argparse.Namespace) -> None:
+    """The first rank of each group switches its engine to the staged version and prints the pause."""
+    if client is None:
+        return
+    report = client.commit(args.version, pause=args.commit_pause, timeout=args.timeout)
+    emit_json_line({"checkpoint": args.checkpoint_name, "method": "commit", "rank": rank, "group": group,
+                    "version": args.version, "paused_ms": round(report.seconds["paused"] * 1e3, 3),
+                    "engines": [report.__dict__]})
 
 
 def main(argv=None) -> int:
@@ -110,12 +149,17 @@ def main(argv=None) -> int:
     world_size, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     ips, endpoints, socks = check_args(args, world_size)
     # A missing or empty checkpoint directory is reported now, not after waiting for the servers.
-    files = None if args.load_metas_file else split_checkpoint_files(args.checkpoint_path, rank, world_size)
+    commit_only = args.commit and not args.stage
+    files = None if args.load_metas_file or commit_only else split_checkpoint_files(args.checkpoint_path, rank,
+                                                                                      world_size)
     group, leader = rank // ips, rank % ips == 0
     client = VllmClient(endpoints[group], uds=socks[group], timeout=args.timeout) if leader else None
     try:
         if client is not None:
             client.wait_ready(timeout=args.ready_timeout)
+        if commit_only:
+            commit(client, rank, group, args)
+            return 0
         serve = serves_p2p(args.update_method, joining=bool(args.load_metas_file), save_metas_file=args.save_metas_file)
         with ParameterServer(device=args.device, serve_p2p=serve) as ps:   # owners serve P2P only when asked
             t_register = prepare_checkpoint(ps, args.checkpoint_name, files=files, load_metas_file=args.load_metas_file,
@@ -127,6 +171,8 @@ def main(argv=None) -> int:
                     emit_json_line({"checkpoint": args.checkpoint_name, "method": method, "rank": ps.rank,
                                     "group": group, "register_and_gather_s": round(t_register, 4),
                                     "ps": result, "engines": [r.__dict__ for r in reports]})
+            if args.commit:   # every rank's update returned: every engine holds the version staged
+                commit(client, ps.rank, group, args)
             if args.sleep_time > 0:
                 time.sleep(args.sleep_time)
     finally:

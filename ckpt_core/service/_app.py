@@ -176,8 +176,7 @@ def _req_func(body: UpdateRequest, world_size: int, wire: str, policy: ServicePo
             return None
         chosen = [handles[r] for r in body.inference_group_ranks] if body.inference_group_ranks else handles
         if body.stage is not None:
-            from ckpt_vllm.client import VllmClient
-            with VllmClient(_vllm_base(body.update_url), uds=uds, timeout=body.timeout) as client:
+            with _engine_client(body.engine, body.update_url, uds, body.timeout) as client:
                 client.stage(chosen, body.stage, device_bytes=int(body.stage_device_gib * (1 << 30)))
             return None
         if sglang_base is None:
@@ -195,12 +194,19 @@ def _vllm_base(url: str) -> str:
     return f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/').removesuffix('/collective_rpc')}"
 
 
+def _engine_client(engine: str, update_url: str, uds: str | None, timeout: float):
+    """The requester of a staged update's engine (``update_url`` already checked by the policy)."""
+    if engine == "sglang":
+        from ckpt_sglang import SglangClient
+        return SglangClient(_sglang_base(update_url), uds=uds, timeout=timeout)
+    from ckpt_vllm.client import VllmClient
+    return VllmClient(_vllm_base(update_url), uds=uds, timeout=timeout)
+
+
 def _commit(body, policy: ServicePolicy) -> dict:
     """``POST /v1/commit``: the engine's staged version made live (see ``CommitRequest``)."""
-    from ckpt_vllm.client import VllmClient
-
-    uds = policy.check_engine(body.update_url, body.uds, "vllm")
-    with VllmClient(_vllm_base(body.update_url), uds=uds, timeout=body.timeout) as client:
+    uds = policy.check_engine(body.update_url, body.uds, body.engine)
+    with _engine_client(body.engine, body.update_url, uds, body.timeout) as client:
         report = client.commit(body.version, pause=body.pause, timeout=body.timeout)
     return {"version": body.version, "seconds": report.seconds, "workers": report.workers}
 

@@ -53,8 +53,9 @@ class UpdateRequest(_Strict):
                                           description="sglang only: the version SGLang reports after the update")
     flush_cache: bool = Field(default=True, description="sglang only: flush SGLang's KV cache after the update")
     stage: Optional[str] = Field(default=None, min_length=1, max_length=256,
-                                 description="vllm only: stage the update as this version (the engine keeps "
-                                             "serving); POST /v1/commit switches to it")
+                                 description="stage the update as this version (the engine keeps serving); "
+                                             "POST /v1/commit switches to it. sglang: the server runs "
+                                             "--custom-weight-loader ckpt_sglang.staging.load")
     stage_device_gib: float = Field(default=0.0, ge=0, le=1 << 20,
                                     description="with stage: device memory each worker may stage into, GiB "
                                                 "(beyond it: pinned host memory)")
@@ -64,25 +65,44 @@ class UpdateRequest(_Strict):
         given = sorted({"weight_version", "flush_cache"} & self.model_fields_set)
         if self.engine != "sglang" and given:
             raise ValueError(f"{' and '.join(given)} apply to engine='sglang' only")
-        if self.stage is not None and (self.engine != "vllm" or self.update_url is None):
-            raise ValueError("stage needs engine='vllm' and an update_url (the engine's /collective_rpc)")
+        if self.stage is not None and self.update_url is None:
+            raise ValueError("stage needs an update_url (vllm: the engine's /collective_rpc; sglang: the server's URL)")
+        if self.stage is not None and "weight_version" in self.model_fields_set:
+            raise ValueError("a staged update's version is stage; POST /v1/commit sets it live")
         if "stage_device_gib" in self.model_fields_set and self.stage is None:
             raise ValueError("stage_device_gib applies to a staged update (give stage)")
         return self
 
 
-class CommitRequest(_Strict):
-    """``POST /v1/commit``: switch a vLLM engine to the version staged by an update with ``stage``.
+COMMIT_PAUSES = {"vllm": ("keep", "wait", "abort"), "sglang": ("retract", "in_place")}
 
-    Pauses generation (``pause``: ``keep`` freezes running requests, which continue on the new
-    weights), loads the staged tensors on every worker of that engine, resets the prefix cache,
-    sets vLLM's weight version, resumes. Not collective: send it to one rank's service per engine.
+
+class CommitRequest(_Strict):
+    """``POST /v1/commit``: switch an engine to the version staged by an update with ``stage``.
+
+    Pauses generation, loads the staged tensors on every worker of that engine through its own
+    loader, resets what the old weights computed (vLLM's prefix cache; SGLang's cache with
+    ``retract``), sets the engine's weight version, resumes. ``pause``: vLLM ``keep`` (default:
+    running requests freeze and continue on the new weights), ``wait``, ``abort``; SGLang
+    ``retract`` (default: back to the queue, recomputed) or ``in_place``. Not collective: send it
+    to one rank's service per engine.
     """
-    update_url: str = Field(min_length=1, max_length=4096, description="the engine's /collective_rpc URL")
+    update_url: str = Field(min_length=1, max_length=4096,
+                            description="vllm: the engine's /collective_rpc URL; sglang: the server's URL")
     uds: Optional[str] = Field(default=None, min_length=1, max_length=107)
+    engine: Literal["vllm", "sglang"] = "vllm"
     version: str = Field(min_length=1, max_length=256)
-    pause: Literal["keep", "wait", "abort"] = "keep"
+    pause: Optional[Literal["keep", "wait", "abort", "retract", "in_place"]] = None
     timeout: float = Field(default=300.0, gt=0, le=MAX_TIMEOUT_S, description="seconds")
+
+    @model_validator(mode="after")
+    def _pause_of_the_engine(self) -> "CommitRequest":
+        if self.pause is None:
+            self.pause = COMMIT_PAUSES[self.engine][0]
+        elif self.pause not in COMMIT_PAUSES[self.engine]:
+            raise ValueError(f"pause {self.pause!r}: a {self.engine} commit pauses with one of "
+                             f"{COMMIT_PAUSES[self.engine]}")
+        return self
 
 
 class ErrorDetail(BaseModel):

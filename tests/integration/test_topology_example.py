@@ -152,3 +152,17 @@ def test_the_driver_feeds_two_engines_each_through_its_own_unix_socket(tmp_path)
             srv.server_close()
         for f in fronts:
             f.close()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--checkpoint-path", "x", "--stage"], "--stage and --commit need --version"),
+    (["--commit"], "--stage and --commit need --version"),
+    (["--checkpoint-path", "x", "--stage", "--version", "v", "--pause", "keep"], "--stage takes the extension path"),
+    (["--checkpoint-path", "x", "--stage", "--version", "v", "--path", "backend"], "--stage takes the extension path"),
+    (["--checkpoint-path", "x", "--commit", "--version", "v"], "--commit without --stage moves no checkpoint"),
+])
+def test_stage_and_commit_flags_that_cannot_work_are_refused_before_any_wait(argv, message):
+    ex = _example()
+    with pytest.raises(ConfigError, match=message):
+        ex.check_args(ex.parse_args(argv), 1)
+    assert ex.check_args(ex.parse_args(["--commit", "--version", "v"]), 1)[0] == 1, "a commit alone needs no checkpoint"

@@ -281,3 +281,39 @@ def test_the_service_stages_and_commits_into_a_real_vllm(server, tiny_model, tmp
         assert c.get("/v1/status").json()["last_error"] is None
     finally:
         assert world.close() == [0]
+
+
+def test_the_example_driver_stages_then_commits_and_a_commit_alone_of_nothing_fails(server, tiny_model, tmp_path):
+    """``examples/vllm_update.py --stage --version V --commit`` under torchrun, as a user runs it."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from harness import free_port
+    from vllm_support.server import REPO
+
+    model = tiny_model
+    push(server, [model.weights[0]], path="extension", version="e0")
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    shutil.copy(model.weights[1], ckpt / "model.safetensors")
+
+    def example(*args):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "1",
+               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(REPO / "examples" / "vllm_update.py"),
+               "--endpoint", server.endpoint, "--device", "cpu", "--timeout", "120", *args]
+        return subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True,
+                              timeout=600)
+
+    run = example("--checkpoint-path", str(ckpt), "--stage", "--version", "e1", "--commit")
+    assert run.returncode == 0, run.stderr[-4000:]
+    lines = [json.loads(x) for x in run.stdout.splitlines() if x.startswith("{")]
+    assert [x["method"] for x in lines] == ["broadcast", "commit"], lines
+    assert lines[1]["version"] == "e1" and lines[1]["paused_ms"] > 0
+    assert server.complete(model.prompts, MAX_TOKENS) == model.reference(model.weights[1])
+    assert versions(server)[0]["live"] == "e1" and versions(server)[0]["staged"] is None
+    run = example("--commit", "--version", "e2")
+    assert run.returncode != 0 and "cannot commit version 'e2'" in run.stderr, run.stderr[-4000:]
+    assert server.complete(model.prompts, MAX_TOKENS) == model.reference(model.weights[1])

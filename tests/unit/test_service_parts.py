@@ -106,3 +106,32 @@ def test_the_progress_log_can_keep_to_start_lines_only(caplog):
         clock.t += 1000
         p("register", "fill", 10, 100)
     assert [r.getMessage() for r in caplog.records] == ["[r] phase=register checkpoint=None outcome=started bytes=-"]
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"stage": "v8"}, "stage needs an update_url"),
+    ({"engine": "sglang", "update_url": "http://127.0.0.1:1", "stage": "v8", "weight_version": "v8"},
+     "a staged update's version is stage"),
+    ({"stage_device_gib": 1}, "stage_device_gib applies to a staged update"),
+])
+def test_a_staged_update_request_that_cannot_work_is_refused(body, message):
+    from pydantic import ValidationError
+
+    from ckpt_core.service._models import UpdateRequest
+
+    with pytest.raises(ValidationError, match=message):
+        UpdateRequest(**body)
+    assert UpdateRequest(engine="sglang", update_url="http://127.0.0.1:1", stage="v8").stage == "v8"
+
+
+def test_a_commit_pauses_the_way_its_engine_can():
+    from pydantic import ValidationError
+
+    from ckpt_core.service._models import CommitRequest
+
+    url = "http://127.0.0.1:1"
+    assert CommitRequest(update_url=url, version="v").pause == "keep"
+    assert CommitRequest(update_url=url, version="v", engine="sglang").pause == "retract"
+    for engine, pause in (("sglang", "keep"), ("vllm", "retract")):
+        with pytest.raises(ValidationError, match=f"a {engine} commit pauses with one of"):
+            CommitRequest(update_url=url, version="v", engine=engine, pause=pause)

@@ -1,11 +1,13 @@
 """Staged weights: an update received while the engine keeps serving, switched in later.
 
-A stage receives every bucket of a PS update the usual way (same wire, same checks), but copies
+Engine-agnostic (used by ckpt_vllm's worker extension and ckpt_sglang's engine-side loader). A
+stage receives every bucket of a PS update the usual way (same wire, same checks), but copies
 each bucket into a staging area this worker owns instead of loading it: device memory up to a
 limit the caller sets, pinned host memory beyond it (plain host memory on a CPU engine). Live
 parameters, KV cache and running requests are not touched. ``commit`` later feeds the staged
 tensors through the same reload path an update uses (vLLM's layerwise reload: fused, repacked and
-quantized layers come out exactly as from a cold load), then frees the area.
+quantized layers come out exactly as from a cold load; SGLang's own ``load_weights``), then frees
+the area.
 """
 
 from __future__ import annotations

@@ -1,0 +1,281 @@
+"""Inside SGLang: stage an update while the server generates, switch to it in a short pause.
+
+Start SGLang with ``--custom-weight-loader ckpt_sglang.staging.load`` (ckpt-engine installed in
+the server's environment); :class:`ckpt_sglang.SglangClient` drives it (``stage``, ``commit``,
+``drop_staged``, ``weight_versions``). SGLang calls :func:`load` in its scheduler process, on
+every TP rank, inside a weight-update session (``/begin_weight_update`` ..
+``/end_weight_update``) that the client opens while generation is paused; ``_protocol.py`` says
+how commands arrive and replies leave.
+
+- ``stage``: start a receiver thread and return at once. The thread runs the stock
+  checkpoint-engine worker loop that SGLang's own ``/update_weights_from_ipc`` runs (so the same
+  ``ParameterServer(wire="stock")`` feeds both), with ``run`` copying each bucket into a
+  :class:`~ckpt_core.wire.staging.StagingArea` instead of ``model.load_weights``. The client
+  resumes generation right away; the transfer runs while the server generates, and the PS's
+  ``update`` returns once every bucket is staged. Live parameters are not touched; a stage that
+  fails frees its area, the old weights serve on.
+- ``commit``: under the client's pause, feed the staged buckets to SGLang's own
+  ``model.load_weights`` (fusing q/k/v and gate/up as in a cold load), then free the area. The
+  session's end runs SGLang's post-load processing; the client then flushes the cache, sets
+  SGLang's ``weight_version`` and continues.
+- ``drop``: free the area. ``state``: live version (since when), what is staged or receiving.
+
+A staged checkpoint must cover the layout of the last commit of this process (same names, dtypes
+and shapes), checked per bucket as it arrives and as a whole at the commit.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+import time
+import traceback
+import types
+
+import torch
+
+from ckpt_core.errors import CheckpointFormatError, ConfigError
+from ckpt_core.wire.staging import StagingArea
+
+from ._protocol import decode_command, reply
+
+__all__ = ["load", "EngineStaging"]
+
+log = logging.getLogger("ckpt_sglang.staging")
+REPLY_TIMEOUT_S = 10.0
+
+
+def _device_of(model) -> tuple[torch.device, str, int]:
+    """(device, device key, device id) as SGLang's checkpoint-engine worker extension keys this rank."""
+    from sglang.srt.checkpoint_engine.checkpoint_engine_worker import SGLangCheckpointEngineWorkerExtensionImpl
+
+    ext = SGLangCheckpointEngineWorkerExtensionImpl(None)
+    param = next(model.parameters())
+    return param.device, ext.get_device_uuid(), ext.get_device_id()
+
+
+def _tp_rank() -> int:
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        return int(get_parallel().tp_rank)
+    except Exception:   # noqa: BLE001 - outside a published SGLang context: one rank
+        return 0
+
+
+class EngineStaging:
+    """One scheduler process's staged area, receiver thread and live version (thread-safe)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.area: StagingArea | None = None
+        self.receiving: tuple[str, threading.Thread] | None = None
+        self.layout: dict[str, tuple[str, tuple]] | None = None   # of the last commit
+        self.live_version: str | None = None
+        self.live_since: float | None = None
+        self.last_stage_error: str | None = None
+
+    @staticmethod
+    def _receiver_context(timeout_s: float):
+        import zmq
+
+        ctx = zmq.Context()
+        # the stock worker loop has no deadline of its own: its socket inherits these
+        ctx.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
+        ctx.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
+        ctx.setsockopt(zmq.LINGER, 0)
+        return ctx
+
+    # -- ops (each returns its result or raises; load() turns that into the reply) ----------
+    def stage(self, model, cmd: dict) -> dict:
+        version, handles = str(cmd["weights"]), cmd.get("handles")
+        timeout = float(cmd.get("receive_timeout", 600.0))
+        device, key, device_id = _device_of(model)
+        if not isinstance(handles, dict) or key not in handles:
+            raise ConfigError(f"no ZeroMQ handle for this rank's device {key}; the parameter server sent "
+                              f"handles for {sorted(handles) if isinstance(handles, dict) else handles}")
+        with self._lock:
+            if self.receiving is not None and self.receiving[1].is_alive():
+                raise ConfigError(f"version {self.receiving[0]!r} is still being staged; a new stage waits "
+                                  "for its update to end")
+            self._free_locked()   # a new stage replaces the staged one, also when it fails
+            area = StagingArea(version, device, int(cmd.get("device_bytes", 0)))
+            area.layout = {}   # {name: (dtype, shape)} of what was staged, set when sealed
+            thread = threading.Thread(target=self._receive, args=(area, handles[key], device_id, timeout),
+                                      name=f"ckpt-stage-{version}", daemon=True)
+            self.receiving = (version, thread)
+            self.last_stage_error = None
+        thread.start()
+        return {"device_key": key, "version": version, "receiving": True}
+
+    def _receive(self, area: StagingArea, handle: str, device_id, timeout: float) -> None:
+        loop = _stock_loop()
+        expected, seen = self.layout, {}
+
+        first_error: list[str] = []
+
+        def run(weights):
+            try:
+                check_and_add(weights)
+            except Exception as exc:   # the stock loop sends its traceback to the PS, which aborts
+                first_error.append(f"{type(exc).__name__}: {exc}")
+                raise
+
+        def check_and_add(weights):
+            for name, t in weights:
+                got = (str(t.dtype).removeprefix("torch."), tuple(t.shape))
+                if name in seen:
+                    raise CheckpointFormatError(f"the staged update sends {name} twice; nothing is staged",
+                                                tensor=name)
+                if expected is not None and expected.get(name, got) != got:
+                    raise CheckpointFormatError(f"the staged update's {name} is {got[0]} {list(got[1])}, the "
+                                                f"last commit loaded {expected[name][0]} {list(expected[name][1])}"
+                                                "; nothing is staged", tensor=name)
+                if expected is not None and name not in expected:
+                    raise CheckpointFormatError(f"the staged update's {name} was not part of the last commit; "
+                                                "nothing is staged", tensor=name)
+                seen[name] = got
+            area.add(weights)
+
+        def seal():   # runs before the stock loop answers the PS: staged once its update returns
+            area.layout = dict(seen)
+            area.sealed = True
+            with self._lock:
+                self.area, self.receiving = area, None
+
+        t0 = time.perf_counter()
+        ctx = self._receiver_context(timeout)
+        stream = torch.cuda.Stream(area.device) if area.device.type == "cuda" else None
+        try:
+            if stream is not None:
+                torch.cuda.set_device(area.device)
+                with torch.cuda.stream(stream):   # off the stream generation runs on
+                    loop(ctx, handle, device_id, run=run, post_hook=seal)
+            else:
+                loop(ctx, handle, device_id, run=run, post_hook=seal)
+        except BaseException as exc:   # noqa: BLE001 - reported to the PS by the stock loop; kept for state
+            area.free()
+            with self._lock:
+                self.last_stage_error = (first_error or [f"{type(exc).__name__}: {exc}"])[0]
+                self.receiving = None
+                if self.area is area:
+                    self.area = None
+            log.warning("ckpt stage of %s failed: %s", area.version, self.last_stage_error)
+            return
+        finally:
+            ctx.destroy(linger=0)
+        log.info("ckpt stage of %s: %d tensors, %.1f MB (%.1f MB on the device) in %.3f s", area.version,
+                 area.tensors, area.nbytes / 1e6, area.device_bytes / 1e6, time.perf_counter() - t0)
+
+    def commit(self, model, cmd: dict) -> dict:
+        version = str(cmd["weights"])
+        t0 = time.perf_counter()
+        with self._lock:
+            area = self.area
+            if self.receiving is not None:
+                raise ConfigError(f"cannot commit version {version!r}: version {self.receiving[0]!r} is still "
+                                  "being staged; nothing was committed")
+            if area is None or area.version != version:
+                staged = "nothing" if area is None else f"version {area.version!r}"
+                raise ConfigError(f"cannot commit version {version!r}: {staged} is staged; nothing was committed")
+            missing = sorted(set(self.layout) - set(area.layout)) if self.layout is not None else []
+            if missing:
+                self._free_locked()
+                raise CheckpointFormatError(f"cannot commit version {version!r}: it lacks {', '.join(missing[:8])} "
+                                            f"({len(missing)} of the last commit's tensors); nothing was "
+                                            "committed and the staged version was dropped", tensor=missing[0])
+            self.area = None
+        try:
+            for bucket in area.buckets:   # SGLang's own loader: the fusing a cold load does
+                model.load_weights(bucket)
+            if area.device.type == "cuda":
+                torch.cuda.synchronize(area.device)
+        except BaseException as exc:
+            area.free()
+            raise RuntimeError(f"SGLang's load_weights failed while committing {version!r} ({exc}); the model may "
+                               "hold a mix of both versions: push a full update") from exc
+        with self._lock:
+            self.layout = dict(area.layout)
+            self.live_version, self.live_since = version, time.time()
+        summary = area.summary()
+        area.free()
+        return {**summary, "sealed": True, "seconds": {"load": time.perf_counter() - t0}}
+
+    def drop(self, model, cmd: dict) -> dict | None:
+        with self._lock:
+            if self.receiving is not None:
+                raise ConfigError(f"version {self.receiving[0]!r} is still being staged; its update must end "
+                                  "(or fail) before the area can be dropped")
+            area = self.area
+            self._free_locked()
+        return None if area is None else area.summary()
+
+    def state(self, model, cmd: dict) -> dict:
+        with self._lock:
+            return {"live": self.live_version, "live_since": self.live_since,
+                    "staged": None if self.area is None else self.area.summary(),
+                    "receiving": None if self.receiving is None else self.receiving[0],
+                    "last_stage_error": self.last_stage_error}
+
+    def _free_locked(self) -> None:
+        if self.area is not None:
+            self.area.free()
+        self.area = None
+
+
+class _YoungGc:
+    """``gc`` as the stock loop sees it here: ``collect()`` collects the youngest generation only.
+
+    The stock loop runs two full collections per update. In a scheduler process with torch
+    imported one takes 0.1-0.5 s holding the GIL, and the scheduler cannot step meanwhile: a stage
+    would stall generation twice. What those collections are for (dropping the views of the IPC
+    buffer) is young garbage.
+    """
+
+    @staticmethod
+    def collect(generation: int = 0) -> int:
+        return gc.collect(0)
+
+    def __getattr__(self, name):
+        return getattr(gc, name)
+
+
+def _stock_loop():
+    """The stock checkpoint-engine worker loop (``checkpoint_engine.worker.update_weights_from_ipc``,
+    the one SGLang's ``/update_weights_from_ipc`` runs), unchanged but for the ``gc`` it calls."""
+    import checkpoint_engine.worker as stock
+
+    fn = stock.update_weights_from_ipc
+    loop = types.FunctionType(fn.__code__, {**fn.__globals__, "gc": _YoungGc()}, fn.__name__, fn.__defaults__,
+                              fn.__closure__)
+    loop.__kwdefaults__ = fn.__kwdefaults__
+    return loop
+
+
+_ENGINE = EngineStaging()
+
+
+def load(model, named_tensors) -> None:
+    """SGLang's custom weight loader (``--custom-weight-loader ckpt_sglang.staging.load``).
+
+    Never raises: an exception here would end SGLang's scheduler. Every outcome is the reply.
+    """
+    import zmq
+
+    try:
+        cmd = decode_command(named_tensors)
+    except Exception:   # noqa: BLE001 - not ours: nothing to answer to
+        log.error("ckpt_sglang.staging.load was called with something that is not our command:\n%s",
+                  traceback.format_exc())
+        return
+    message = {"tp_rank": _tp_rank(), "op": cmd["op"], "ok": True}
+    try:
+        message["result"] = getattr(_ENGINE, cmd["op"])(model, cmd)
+    except Exception as exc:   # noqa: BLE001 - travels to the client
+        message.update(ok=False, error=str(exc), error_type=type(exc).__name__, traceback=traceback.format_exc())
+    try:
+        reply(zmq.Context.instance(), cmd["reply"], message, REPLY_TIMEOUT_S)
+    except Exception:   # noqa: BLE001
+        log.error("ckpt_sglang.staging: could not answer %s on %s:\n%s", cmd["op"], cmd["reply"],
+                  traceback.format_exc())

@@ -1,0 +1,366 @@
+"""Stage while SGLang generates, commit in a short pause: SGLang's real app, managers and loader on CPU.
+
+Chain under test: our PS (stock wire, in this process) <- the stock checkpoint-engine worker loop
+in a receiver thread that ``ckpt_sglang.staging.load`` starts inside the engine process, called by
+SGLang's own ``/update_weights_from_tensor`` -> ``SchedulerWeightUpdaterManager`` ->
+``WeightUpdater`` (custom weight loader, ``--custom-weight-loader ckpt_sglang.staging.load``),
+inside SGLang's ``/begin_weight_update`` .. ``/end_weight_update`` session, between
+``/pause_generation`` and ``/continue_generation``. The commit feeds the staged buckets to SGLang's
+``Qwen2ForCausalLM.load_weights``. sglang_support/engine.py says what is stood in on CPU (the
+scheduler's decode loop among it: greedy steps of Hugging Face's Qwen2 on SGLang's live
+parameters, under the lock weight calls take). References: transformers' Qwen2 loaded from the
+checkpoint files, in the SGLang venv (sglang_support/hf_reference.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from ckpt_core import ParameterServer
+from ckpt_core.errors import ConfigError, RemoteWorkerError
+from ckpt_sglang import SglangClient
+from harness import free_port
+from sglang_support.fixtures import REPO, ready_engine, run_launcher, sglang_python, write_checkpoint
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+PROMPTS = [[5, 17, 42, 99], [200, 3, 3, 81, 7, 150]]
+MAX_NEW = 6
+# buckets of ~100 KiB: the 0.4 MB model travels in several, through both slots of the ring
+SMALL_BUCKETS = {"PS_MAX_BUCKET_SIZE_GB": str(100_000 / (1 << 30)), "PS_NUM_SLOTS": "2"}
+
+
+def hf_reference(ckpts, prompts=PROMPTS, max_new=MAX_NEW) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(str(p) for p in (REPO / "tests" / "integration",)))
+    out = subprocess.run([sglang_python(), "-m", "sglang_support.hf_reference", *sum((["--ckpt", str(c)] for c in ckpts), []),
+                          "--prompts", json.dumps(prompts), "--max-new", str(max_new)],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+class Engine:
+    """The engine process, its client, a PS feeding it, and the checkpoints of this module."""
+
+    def __init__(self, eng, root):
+        self.eng, self.root = eng, root
+        self.client = SglangClient(eng.url, timeout=120)
+        self.ckpts = {seed: write_checkpoint(root / f"step-{seed}", seed=seed) for seed in (1, 2, 3)}
+        self.refs = {seed: v for seed, v in zip(self.ckpts, hf_reference([c for c, _ in self.ckpts.values()]).values())}
+        self.ps = ParameterServer(rank=0, world_size=1, device="cpu", wire="stock", master_addr="127.0.0.1",
+                                  master_port=free_port())
+        for seed, (ckpt, _) in self.ckpts.items():
+            self.ps.register_checkpoint(f"s{seed}", files=sorted(str(p) for p in ckpt.glob("*.safetensors")))
+            self.ps.gather_metas(f"s{seed}")
+
+    def generate(self, prompts=PROMPTS, max_new=MAX_NEW) -> list[list[int]]:
+        return [self.request(p, max_new)["tokens"] for p in prompts]
+
+    def request(self, prompt, max_new) -> dict:
+        resp = httpx.post(f"{self.eng.url}/ckpt_test/generate", json={"prompt": prompt, "max_new_tokens": max_new},
+                          timeout=180)
+        resp.raise_for_status()
+        return resp.json()
+
+    def params(self) -> dict:
+        return self.eng.state()["params"]
+
+    def stage(self, seed: int, version: str) -> dict:
+        return self.ps.update(f"s{seed}", self.client.req_func(stage=version), timeout=120)
+
+    def close(self) -> None:
+        self.ps.close()
+        self.client.close()
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    saved = {k: os.environ.get(k) for k in SMALL_BUCKETS}
+    os.environ.update(SMALL_BUCKETS)
+    root = tmp_path_factory.mktemp("sglang-staged")
+    try:
+        with ready_engine(root) as eng:
+            e = Engine(eng, root)
+            try:   # a plain update first: the server serves step 1 as "w1"
+                e.ps.update("s1", e.client.req_func(weight_version="w1"), timeout=120)
+                yield e
+            finally:
+                e.close()
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+
+class Traffic(threading.Thread):
+    """Long requests back to back through the engine's decode loop; keeps each token's time (taken
+    by the engine: a request spans the stage, so the tokens do not depend on this process, where
+    the PS runs, submitting the next one)."""
+
+    def __init__(self, engine: Engine):
+        super().__init__(daemon=True, name="traffic")
+        self.engine, self.stop, self.times, self.failures = engine, threading.Event(), [], []
+
+    def run(self):
+        while not self.stop.is_set():
+            try:
+                self.times += self.engine.request(PROMPTS[0], 64)["times"]
+            except Exception as exc:   # noqa: BLE001 - reported by the test
+                self.failures.append(f"{type(exc).__name__}: {exc}")
+
+    def between(self, t0: float, t1: float) -> int:
+        return sum(t0 <= t <= t1 for t in list(self.times))
+
+    def __enter__(self):
+        self.start()
+        deadline = time.time() + 60
+        while not self.times and time.time() < deadline:
+            time.sleep(0.05)
+        assert self.times, "the decode loop never produced a token"
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.join(120)
+
+
+def test_a_stage_under_traffic_changes_nothing_live_then_commit_switches_in_a_short_pause(engine):
+    e = engine
+    assert e.generate() == e.refs[1]
+    live = e.params()
+    httpx.post(f"{e.eng.url}/ckpt_test/next_stage", params={"slow_s": 0.1}, timeout=30).raise_for_status()
+    with Traffic(e) as traffic:
+        t0 = time.time()
+        result = e.stage(2, "w2")
+        t1 = time.time()
+        opened = e.client.last_report.seconds["paused"]
+        time.sleep(0.5)
+        assert e.params() == live, "a stage changed a live parameter"
+        assert e.generate() == e.refs[1], "a stage changed what the engine serves"
+        staged = e.client.weight_versions()[0]
+        assert staged["staged"]["version"] == "w2" and staged["staged"]["sealed"] and staged["receiving"] is None
+        assert staged["staged"]["tensors"] == 27 and staged["sglang_weight_version"] == "w1"
+        commit = e.client.commit("w2")
+        assert not traffic.failures, traffic.failures
+    during, idle = traffic.between(t0 + opened, t1), traffic.between(t1, t1 + 0.5)
+    want = e.ckpts[2][1]
+    assert {n: e.params()[n] for n in want} == want, "after the commit SGLang's parameters equal step 2"
+    assert e.generate() == e.refs[2], "greedy output after the commit equals transformers on step 2"
+    after = e.client.weight_versions()[0]
+    assert after["live"] == "w2" and after["staged"] is None and after["sglang_weight_version"] == "w2"
+    assert e.client.model_info()["weight_version"] == "w2"
+    assert e.eng.state()["paused"] is None, "generation was continued"
+    # the bucket copies alone take 0.5 s (5 x 0.1 s): a decode step is a few ms
+    assert during >= 5, f"{during} tokens while the stage ran: it blocked generation"
+    t2 = time.perf_counter()
+    e.ps.update("s1", e.client.req_func(weight_version="w1", pause="retract"), timeout=120)
+    plain = time.perf_counter() - t2
+    assert e.generate() == e.refs[1]
+    print(f"stage of {result['bytes']} bytes in {result['buckets']} buckets (0.1 s added per bucket): {t1 - t0:.3f} s, "
+          f"of which {opened * 1e3:.1f} ms paused to open it; {during} tokens during the rest "
+          f"({during / max(t1 - t0 - opened, 1e-9):.0f}/s; {idle / 0.5:.0f}/s right after); commit paused "
+          f"generation {commit.seconds['paused'] * 1e3:.1f} ms "
+          f"({ {k: round(v * 1e3, 1) for k, v in commit.seconds.items()} } ms); a plain update paused (retract) "
+          f"around the whole transfer: {plain * 1e3:.1f} ms")
+
+
+def test_a_request_streaming_across_the_commit_gets_old_then_new_weight_tokens(engine):
+    e = engine
+    e.stage(3, "w3")
+    out, max_new = {}, 120
+    steps = httpx.get(f"{e.eng.url}/ckpt_test/traffic", timeout=30).json()["steps"]
+    req = threading.Thread(target=lambda: out.update(e.request(PROMPTS[1], max_new)), daemon=True)
+    req.start()
+    deadline = time.time() + 60
+    while httpx.get(f"{e.eng.url}/ckpt_test/traffic", timeout=30).json()["steps"] < steps + 5:
+        assert time.time() < deadline and not out, "the request did not get its first tokens while running"
+        time.sleep(0.01)
+    assert not out, "the request ended before the commit"
+    e.client.commit("w3")
+    req.join(120)
+    tokens, versions = out["tokens"], out["versions"]
+    cut = versions.index("w3")
+    assert 0 < cut < max_new and set(versions[:cut]) == {"w1"} and set(versions[cut:]) == {"w3"}, versions
+    old, new = hf_reference([e.ckpts[1][0]], [PROMPTS[1]], cut), hf_reference(
+        [e.ckpts[3][0]], [PROMPTS[1] + tokens[:cut]], max_new - cut)
+    assert tokens[:cut] == list(old.values())[0][0], "tokens before the commit come from the old weights"
+    assert tokens[cut:] == list(new.values())[0][0], "tokens after the commit come from the new weights"
+    e.ps.update("s1", e.client.req_func(weight_version="w1", pause="retract"), timeout=120)
+
+
+def test_commit_of_nothing_or_of_another_version_is_refused_and_changes_nothing(engine):
+    e = engine
+    e.client.drop_staged()   # nothing staged, whatever an earlier test left
+    live = e.params()
+    with pytest.raises(RemoteWorkerError, match="cannot commit version 'x1': nothing is staged"):
+        e.client.commit("x1")
+    e.stage(2, "x2")
+    with pytest.raises(RemoteWorkerError, match="cannot commit version 'x3': version 'x2' is staged"):
+        e.client.commit("x3")
+    e.ps.update("s3", e.client.req_func(stage="x3", stage_pause=None), timeout=120)   # replaces x2; no pause
+    assert e.client.last_report.seconds.keys().isdisjoint({"pause", "resume"})
+    with pytest.raises(RemoteWorkerError, match="version 'x3' is staged"):
+        e.client.commit("x2")
+    assert e.params() == live and e.generate() == e.refs[1]
+    assert e.client.model_info()["weight_version"] == "w1", "a refused commit set a weight version"
+    assert e.eng.state()["paused"] is None, "a refused commit left generation paused"
+    dropped = e.client.drop_staged()
+    assert dropped[0]["version"] == "x3" and e.client.weight_versions()[0]["staged"] is None
+    with pytest.raises(ConfigError, match="commit pauses with one of"):
+        e.client.commit("x3", pause="abort")
+
+
+def test_a_stage_failing_mid_way_leaves_the_old_weights_serving_exactly(engine):
+    e = engine
+    live = e.params()
+    httpx.post(f"{e.eng.url}/ckpt_test/next_stage", params={"fail_after": 2}, timeout=30).raise_for_status()
+    with pytest.raises(RemoteWorkerError, match="injected failure after 2 staged bucket"):
+        e.stage(2, "bad")
+    state = e.client.weight_versions()[0]
+    assert state["staged"] is None and state["receiving"] is None, "a failed stage left a staging area"
+    assert "injected failure" in state["last_stage_error"]
+    assert e.params() == live and e.generate() == e.refs[1], "a failed stage changed what the engine serves"
+    with pytest.raises(RemoteWorkerError, match="nothing is staged"):
+        e.client.commit("bad")
+    e.stage(2, "good")   # the next stage and commit work
+    e.client.commit("good")
+    assert e.generate() == e.refs[2]
+    e.ps.update("s1", e.client.req_func(weight_version="w1"), timeout=120)
+
+
+def _lines(proc) -> list[dict]:
+    assert proc.returncode == 0, f"launcher failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+
+
+def test_the_launcher_stages_then_commits_and_a_commit_alone_of_nothing_fails(engine):
+    e = engine
+    ckpt, want = e.ckpts[3]
+    common = ("--endpoint", e.eng.url, "--inference-parallel-size", "1", "--device", "cpu", "--timeout", "120",
+              "--ready-timeout", "60")
+    lines = _lines(run_launcher("--checkpoint-path", str(ckpt), *common, "--stage", "--version", "L3", "--commit",
+                                env=SMALL_BUCKETS))
+    assert [x["method"] for x in lines] == ["broadcast", "commit"], lines
+    assert lines[1]["version"] == "L3" and lines[1]["paused_ms"] > 0 and lines[0]["ps"]["buckets"] >= 4
+    assert {n: e.params()[n] for n in want} == want and e.client.model_info()["weight_version"] == "L3"
+    assert e.generate() == e.refs[3]
+    proc = run_launcher(*common, "--commit", "--weight-version", "L4")
+    assert proc.returncode == 1 and "RemoteWorkerError" in proc.stderr and "nothing is staged" in proc.stderr, \
+        proc.stderr[-3000:]
+    proc = run_launcher("--checkpoint-path", str(ckpt), *common, "--stage")
+    assert proc.returncode == 2 and "--stage and --commit need --weight-version" in proc.stderr
+    e.ps.update("s1", e.client.req_func(weight_version="w1"), timeout=120)
+    assert e.generate() == e.refs[1]
+
+
+def test_the_service_stages_and_commits_into_sglang(engine, tmp_path):
+    """A controller over HTTP only: ``update`` with ``stage`` on a ``--wire stock`` service, then
+    ``POST /v1/commit`` with ``engine: "sglang"``; a commit of another version is a 502 that changes nothing."""
+    pytest.importorskip("fastapi")
+    from service_world import ServiceWorld
+
+    e = engine
+    ckpt, want = e.ckpts[2]
+    svc = ServiceWorld(1, str(tmp_path), extra=["--wire", "stock", "--max-bucket-gb", SMALL_BUCKETS["PS_MAX_BUCKET_SIZE_GB"]],
+                       env={"PS_NUM_SLOTS": "2"}, allow_dirs=(str(ckpt),))
+    try:
+        c = svc.clients[0]
+        files = sorted(str(p) for p in ckpt.glob("*.safetensors"))
+        assert c.post("/v1/checkpoints/s2/files", json={"files": files}).status_code == 200
+        assert c.post("/v1/checkpoints/s2/gather-metas").status_code == 200
+        resp = c.post("/v1/checkpoints/s2/update", json={"engine": "sglang", "update_url": e.eng.url, "stage": "svc2",
+                                                          "timeout": 120})
+        assert resp.status_code == 200, resp.text
+        assert e.generate() == e.refs[1], "a staged update changed what SGLang serves"
+        resp = c.post("/v1/commit", json={"engine": "sglang", "update_url": e.eng.url, "version": "other"})
+        assert resp.status_code == 502 and "version 'svc2' is staged" in resp.text, resp.text
+        assert e.generate() == e.refs[1]
+        resp = c.post("/v1/commit", json={"engine": "sglang", "update_url": e.eng.url, "version": "svc2"})
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["result"]["seconds"]["paused"] > 0
+        assert {n: e.params()[n] for n in want} == want and e.client.model_info()["weight_version"] == "svc2"
+        resp = c.post("/v1/commit", json={"engine": "sglang", "update_url": e.eng.url, "version": "x", "pause": "keep"})
+        assert resp.status_code == 422 and "a sglang commit pauses with one of" in resp.text, resp.text
+    finally:
+        assert svc.close() == [0]
+    e.ps.update("s1", e.client.req_func(weight_version="w1"), timeout=120)
+
+
+def _doc_block(title: str) -> str:
+    """The first python block after the paragraph starting with ``title`` in docs/sglang.md."""
+    text = (REPO / "docs" / "sglang.md").read_text()
+    start = text.index(title)
+    block = text.index("```python\n", start) + len("```python\n")
+    return text[block:text.index("```", block)]
+
+
+def test_the_async_rl_controller_loop_of_the_docs_runs_as_written(engine, monkeypatch):
+    e = engine
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    seen = []
+
+    def rollout(client):
+        seen.append(e.generate())
+
+    checkpoints = [(f"loop-{seed}", sorted(str(p) for p in e.ckpts[seed][0].glob("*.safetensors"))) for seed in (2, 3)]
+    exec(_doc_block("The asynchronous-RL controller loop"),
+         {"URL": e.eng.url, "checkpoints": checkpoints, "rollout": rollout})
+    assert seen == [e.refs[1], e.refs[2]], "each batch ran on the weights live before its step's commit"
+    assert e.generate() == e.refs[3] and e.client.model_info()["weight_version"] == "loop-3"
+    e.ps.update("s1", e.client.req_func(weight_version="w1"), timeout=120)
+
+
+def _altered(src, dst, *, drop=None, reshape=None):
+    """A copy of checkpoint directory ``src`` with one tensor dropped or given another shape."""
+    from ckpt_core.checkpoint.safetensors import read_tensors, write_file
+
+    dst.mkdir(parents=True, exist_ok=True)
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    for f in sorted(src.glob("*.safetensors")):
+        tensors = {n: t for n, t in read_tensors(f).items() if n != drop}
+        if reshape in tensors:
+            tensors[reshape] = torch.randn(3, 7)
+        write_file(dst / f.name, tensors)
+    return dst
+
+
+def test_a_stage_that_does_not_match_the_last_commit_is_refused_and_changes_nothing(engine, tmp_path):
+    e = engine
+    e.stage(1, "base")
+    e.client.commit("base")   # the layout later stages are checked against
+    live = e.params()
+    name = "model.layers.0.self_attn.k_proj.weight"
+    bad = _altered(e.ckpts[2][0], tmp_path / "reshaped", reshape=name)
+    e.ps.register_checkpoint("reshaped", files=sorted(str(p) for p in bad.glob("*.safetensors")))
+    e.ps.gather_metas("reshaped")
+    with pytest.raises(RemoteWorkerError, match=f"the staged update's {name} is float32 \\[3, 7\\]"):
+        e.ps.update("reshaped", e.client.req_func(stage="reshaped"), timeout=120)
+    assert e.client.weight_versions()[0]["staged"] is None
+    short = _altered(e.ckpts[2][0], tmp_path / "short", drop="model.layers.1.mlp.down_proj.weight")
+    e.ps.register_checkpoint("short", files=sorted(str(p) for p in short.glob("*.safetensors")))
+    e.ps.gather_metas("short")
+    e.ps.update("short", e.client.req_func(stage="short"), timeout=120)
+    with pytest.raises(RemoteWorkerError, match="cannot commit version 'short': it lacks model.layers.1.mlp.down_proj"):
+        e.client.commit("short")
+    assert e.client.weight_versions()[0]["staged"] is None, "the incomplete stage was dropped"
+    assert e.params() == live and e.generate() == e.refs[1] and e.client.model_info()["weight_version"] == "base"
+    for n in ("reshaped", "short"):
+        e.ps.unregister_checkpoint(n)
+
+
+def test_an_in_place_commit_switches_without_a_flush(engine):
+    e = engine
+    e.stage(2, "ip2")
+    flushes = e.eng.state()["flushes"]
+    report = e.client.commit("ip2", pause="in_place")
+    assert "flush_cache" not in report.seconds and e.eng.state()["flushes"] == flushes
+    assert e.generate() == e.refs[2] and e.client.model_info()["weight_version"] == "ip2"
+    e.ps.update("s1", e.client.req_func(weight_version="w1"), timeout=120)
