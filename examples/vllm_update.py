@@ -77,6 +77,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--version", default=None, help="the weight version the update makes live (with --stage: stages)")
     ap.add_argument("--stage", action="store_true",
                     help="stage the checkpoint as --version while the servers keep generating")
+    ap.add_argument("--prepare", action="store_true",
+                    help="with --stage: also turn the staged weights into kernel format between engine steps "
+                         "(the commit is then one device copy where the model allows; docs/vllm.md)")
     ap.add_argument("--stage-device-gib", type=float, default=0.0,
                     help="with --stage: device memory each worker may stage into (beyond it: pinned host memory)")
     ap.add_argument("--commit", action="store_true",
@@ -107,6 +110,8 @@ def check_args(args: argparse.Namespace, world_size: int) -> tuple[int, list[str
     if args.stage and (args.pause is not None or args.path != "extension"):
         raise ConfigError("--stage takes the extension path and no --pause: the servers keep generating while it "
                           "stages; --commit pauses")
+    if args.prepare and not args.stage:
+        raise ConfigError("--prepare applies to --stage")
     commit_only = args.commit and not args.stage
     if commit_only and (args.checkpoint_path or args.load_metas_file):
         raise ConfigError("--commit without --stage moves no checkpoint: drop --checkpoint-path/--load-metas-file, "
@@ -129,7 +134,8 @@ def make_req_func(client: VllmClient | None, rank: int, ips: int, args: argparse
             reports.append(client.update(mine, path=args.path, timeout=args.timeout, pause=args.pause,
                                          version=None if args.stage else args.version,
                                          stage=args.version if args.stage else None,
-                                         stage_device_bytes=int(args.stage_device_gib * (1 << 30))))
+                                         stage_device_bytes=int(args.stage_device_gib * (1 << 30)),
+                                         prepare=args.prepare))
     return req_func
 
 
@@ -149,6 +155,8 @@ def main(argv=None) -> int:
     world_size, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     ips, endpoints, socks = check_args(args, world_size)
     # A missing or empty checkpoint directory is reported now, not after waiting for the servers.
+    if args.prepare and not args.stage:
+        raise ConfigError("--prepare applies to --stage")
     commit_only = args.commit and not args.stage
     files = None if args.load_metas_file or commit_only else split_checkpoint_files(args.checkpoint_path, rank,
                                                                                       world_size)

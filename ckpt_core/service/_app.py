@@ -177,7 +177,8 @@ def _req_func(body: UpdateRequest, world_size: int, wire: str, policy: ServicePo
         chosen = [handles[r] for r in body.inference_group_ranks] if body.inference_group_ranks else handles
         if body.stage is not None:
             with _engine_client(body.engine, body.update_url, uds, body.timeout) as client:
-                client.stage(chosen, body.stage, device_bytes=int(body.stage_device_gib * (1 << 30)))
+                extra = {"prepare": True} if body.prepare else {}
+                client.stage(chosen, body.stage, device_bytes=int(body.stage_device_gib * (1 << 30)), **extra)
             return None
         if sglang_base is None:
             request_inference_to_update(body.update_url, dict(chosen), timeout=body.timeout, uds=uds)

@@ -59,6 +59,10 @@ class UpdateRequest(_Strict):
     stage_device_gib: float = Field(default=0.0, ge=0, le=1 << 20,
                                     description="with stage: device memory each worker may stage into, GiB "
                                                 "(beyond it: pinned host memory)")
+    prepare: bool = Field(default=False,
+                          description="vllm, with stage: also turn the staged weights into the engine's kernel "
+                                      "format between engine steps, so that the commit is one device copy "
+                                      "(docs/vllm.md, prepared stages)")
 
     @model_validator(mode="after")
     def _sglang_fields_need_sglang(self) -> "UpdateRequest":
@@ -71,6 +75,8 @@ class UpdateRequest(_Strict):
             raise ValueError("a staged update's version is stage; POST /v1/commit sets it live")
         if "stage_device_gib" in self.model_fields_set and self.stage is None:
             raise ValueError("stage_device_gib applies to a staged update (give stage)")
+        if self.prepare and (self.stage is None or self.engine != "vllm"):
+            raise ValueError("prepare applies to a staged update (give stage) of engine='vllm'")
         return self
 
 

@@ -113,6 +113,9 @@ def test_the_progress_log_can_keep_to_start_lines_only(caplog):
     ({"engine": "sglang", "update_url": "http://127.0.0.1:1", "stage": "v8", "weight_version": "v8"},
      "a staged update's version is stage"),
     ({"stage_device_gib": 1}, "stage_device_gib applies to a staged update"),
+    ({"prepare": True}, "prepare applies to a staged update"),
+    ({"prepare": True, "stage": "v1", "update_url": "http://127.0.0.1:1/", "engine": "sglang"},
+     "prepare applies to a staged update"),
 ])
 def test_a_staged_update_request_that_cannot_work_is_refused(body, message):
     from pydantic import ValidationError
