@@ -73,6 +73,9 @@ class ReloadSession:
         self.seconds = {"begin": 0.0, "load": 0.0, "finish": 0.0}
         self._cold: list = []   # quant methods processing as on a cold load during this session
         self._modules: list = []   # (name, module) of the model's modules, listed at begin()
+        # (name, received tensor) -> what the loader gets: a received slice posing as the whole
+        # tensor under a slice plan (``_slices.ReplayPlan.wrap``); None: the tensor itself.
+        self.wrap = None
 
     def begin(self) -> None:
         api = reload_api()   # ConfigError naming what an unsupported vLLM lacks, before anything is touched
@@ -144,7 +147,7 @@ class ReloadSession:
             # tensor being consumed when an error comes is the one that caused it.
             for item in weights:
                 current[0] = item
-                yield item
+                yield item if self.wrap is None else (item[0], self.wrap(*item))
             current[0] = None
 
         try:
@@ -178,7 +181,10 @@ class ReloadSession:
         for _, _, info in self._pending():
             for _, args in info.loaded_weights:
                 for key, value in args.arguments.items():
-                    if (isinstance(value, torch.Tensor) and not value.is_meta
+                    detached = getattr(value, "_ckpt_detached", None)   # a received slice (_slices.py)
+                    if detached is not None:
+                        args.arguments[key] = detached(bucket_storages)
+                    elif (isinstance(value, torch.Tensor) and not value.is_meta
                             and value.untyped_storage().data_ptr() in bucket_storages):
                         args.arguments[key] = value.clone()
 
@@ -252,7 +258,7 @@ class ReloadSession:
                 if api.is_deferred_attention(layer) and info.kernel_tensors is not None and info.load_numel <= 0
                 and isinstance(getattr(layer, "quant_method", None), api.kv_cache_method)]
 
-    def abort(self) -> None:
+    def abort(self, *, quiet: bool = False) -> None:
         """Give every unprocessed layer its live tensors back (the old weights). Idempotent."""
         if not self.active:
             return
@@ -267,8 +273,9 @@ class ReloadSession:
             info.reset()
         if hasattr(self.model, "_original_do_torchao_reload"):
             self.model._do_torchao_reload = self.model._original_do_torchao_reload
-        log.warning("weight update of the %s aborted: %d layers kept their previous weights, "
-                    "layers already processed hold the new ones", self.label, restored)
+        if not quiet:
+            log.warning("weight update of the %s aborted: %d layers kept their previous weights, "
+                        "layers already processed hold the new ones", self.label, restored)
 
 
 # Attributes a quant method sets when it first processes a layer and reads on a later call to

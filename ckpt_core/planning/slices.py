@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from typing import Iterable, NamedTuple
 
 from ckpt_core.errors import CheckpointFormatError, ConfigError
+from ckpt_core.planning.buckets import (Bucket, Placement, Plan, TensorMeta, _pack_owner, align_up, delivery_order,
+                                        first_shared_name, interleave)
 
 Box = tuple[tuple[int, int, int], ...]   # ((dim, start, length), ...); () reads every element
 PLAN_VERSION = 1
@@ -113,28 +115,25 @@ def contiguous_strides(shape) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-def view_box(shape, size, stride, offset: int) -> Box | None:
-    """The box of a contiguous tensor of ``shape`` that the strided view (``size``, ``stride``,
-    ``offset``, in elements) reads, or None when its elements are not exactly one box (a view
-    that repeats elements, skips some inside a dim, or is not a view of this tensor at all).
-
-    A view dim may span several tensor dims (``view(-1)`` of a range of rows): it then reads the
-    inner ones whole. The element order of the view does not matter (a transposed view reads the
-    same box); the loader that replays it gets a view of the same geometry.
-    """
+def _view_dims(shape, size, stride, offset: int):
+    """(start, extent, tensor dim of each view dim) of a strided view of a contiguous tensor of
+    ``shape`` whose elements are exactly one box, else None (see :func:`view_box`)."""
     n = len(shape)
     if any(s == 0 for s in size) or any(s == 0 for s in shape):
         return None
     cs = contiguous_strides(shape)
     ext = [1] * n
     seen = [False] * n
+    dim_of = []
     for s, st in zip(size, stride):
         if s == 1:
+            dim_of.append(None)
             continue
         dims = [d for d in range(n) if cs[d] == st and shape[d] > 1]
         if len(dims) != 1:
             return None
         d = dims[0]
+        dim_of.append(d)
         while s > shape[d] and not seen[d]:   # the view dim spans d whole and continues outward
             if s % shape[d] or d == 0:
                 return None
@@ -144,17 +143,39 @@ def view_box(shape, size, stride, offset: int) -> Box | None:
         if seen[d] or s > shape[d]:
             return None
         seen[d], ext[d] = True, s
-    start = []
-    for d in range(n):
-        start.append((offset // cs[d]) % shape[d])
+    start = [(offset // cs[d]) % shape[d] for d in range(n)]
     if sum(o * c for o, c in zip(start, cs)) != offset:
         return None
-    for d in range(n):
-        if start[d] + ext[d] > shape[d]:
-            return None
-        if seen[d] and ext[d] == shape[d] and start[d]:
-            return None
-    return make_box(shape, start, ext)
+    if any(start[d] + ext[d] > shape[d] for d in range(n)):
+        return None
+    return start, ext, dim_of
+
+
+def view_box(shape, size, stride, offset: int) -> Box | None:
+    """The box of a contiguous tensor of ``shape`` that the strided view (``size``, ``stride``,
+    ``offset``, in elements) reads, or None when its elements are not exactly one box (a view
+    that repeats elements, skips some inside a dim, or is not a view of this tensor at all).
+
+    A view dim may span several tensor dims (``view(-1)`` of a range of rows): it then reads the
+    inner ones whole. The element order of the view does not matter (a transposed view reads the
+    same box); the loader that replays it gets a view of the same geometry.
+    """
+    dims = _view_dims(shape, size, stride, offset)
+    return None if dims is None else make_box(shape, dims[0], dims[1])
+
+
+def view_in_box(shape, box: Box | None, size, stride, offset: int) -> tuple[tuple[int, ...], int]:
+    """The same view taken of the box alone (its elements packed in row-major order): the
+    (stride, offset) that give, from the packed box, the elements the view (``size``, ``stride``,
+    ``offset``) reads of the whole tensor. ConfigError when the view reads outside the box."""
+    dims = _view_dims(shape, size, stride, offset)
+    b_off, b_ext = box_offsets(shape, box), box_extent(shape, box)
+    if dims is None or any(s < o or s + e > o + x for s, e, o, x in zip(dims[0], dims[1], b_off, b_ext)):
+        raise ConfigError(f"a loader read a view (size {list(size)}, stride {list(stride)}, offset {offset}) of a "
+                          f"tensor of shape {list(shape)} outside its recorded box {list(map(list, box or ()))}")
+    bs = contiguous_strides(b_ext)
+    new_stride = tuple(0 if d is None else bs[d] for d in dims[2])
+    return new_stride, sum((s - o) * k for s, o, k in zip(dims[0], b_off, bs))
 
 
 def _check_box(what: str, shape, box: Box | None, *, tensor: str) -> None:
@@ -345,3 +366,96 @@ def merge_ranks(key: SliceKey, tensors: dict, ranks: Iterable[RankSlices]) -> Sl
     plan = SlicePlan(key, dict(tensors), ordered)
     check_plan(plan)
     return plan
+
+
+# --- routing: buckets of slices, each for one engine rank ----------------------------------------
+
+class BoxCopy(NamedTuple):
+    """The owner's host-to-bucket copy of one slice: the box ``box`` of the tensor of ``shape``
+    whose bytes start at ``base_offset`` of host buffer ``base``, packed at ``offset``."""
+    base: int
+    base_offset: int
+    shape: tuple[int, ...]
+    box: Box
+    itemsize: int
+    offset: int
+
+
+@dataclass
+class SlicedBucket(Bucket):
+    """A bucket of slices that goes to engine rank ``dest`` only (sent, not broadcast)."""
+    dest: int = 0
+    boxes: tuple[BoxCopy, ...] = ()
+
+
+def plan_sliced(metas_per_rank: list[list[TensorMeta]], plan: SlicePlan, bucket_bytes: int) -> Plan:
+    """Buckets that give each engine rank only what its loaders read.
+
+    A tensor some rank reads whole is broadcast whole (ordinary buckets); every other tensor goes
+    as one slice per rank that reads it, packed into buckets of one (owner, destination) pair.
+    PS rank r feeds engine rank r. Raises ConfigError for tensors in pieces, a checkpoint that
+    differs from the one the plan was recorded for, or engine ranks that are not the PS ranks.
+    """
+    if len(plan.ranks) != len(metas_per_rank):
+        raise ConfigError(f"the slice plan has {len(plan.ranks)} engine ranks, the parameter server "
+                          f"{len(metas_per_rank)} ranks: each PS rank feeds the engine rank of its number")
+    if any(m.box is not None for ms in metas_per_rank for m in ms):
+        raise ConfigError("slices of tensors registered in pieces are not supported: update without slices")
+    first_shared = first_shared_name(metas_per_rank)
+    if first_shared:
+        raise ConfigError(f"tensor {first_shared[0]!r} is registered on rank {first_shared[1]} and on rank "
+                          f"{first_shared[2]}")
+    _same_checkpoint(metas_per_rank, plan)
+    whole = {n for rs in plan.ranks for n, b in rs.needs.items() if not b}
+    streams: list[list[Bucket]] = []
+    for owner, metas in enumerate(metas_per_rank):
+        ordered = delivery_order(metas)
+        streams.append(_pack_owner(owner, [m for m in ordered if m.name in whole], bucket_bytes))
+        for rs in plan.ranks:
+            sliced = [m for m in ordered if m.name not in whole and m.name in rs.needs]
+            streams.append(_pack_slices(owner, rs, sliced, bucket_bytes))
+    return Plan(bucket_bytes, tuple(interleave(streams)))
+
+
+def _same_checkpoint(metas_per_rank: list[list[TensorMeta]], plan: SlicePlan) -> None:
+    have = {m.name: (m.dtype, tuple(m.shape)) for ms in metas_per_rank for m in ms}
+    for name, (dtype, shape, _) in plan.tensors.items():
+        if name in have and have[name] != (dtype, tuple(shape)):
+            raise ConfigError(f"tensor {name!r} is {have[name][0]}{list(have[name][1])} in the checkpoint, "
+                              f"{dtype}{list(shape)} in the slice plan: record the plan for this checkpoint")
+    unknown = sorted(set(have) - set(plan.tensors))
+    if unknown:
+        raise ConfigError(f"the slice plan was recorded without {', '.join(unknown[:5])} "
+                          f"({len(unknown)} tensor(s) of the checkpoint): record the plan for this checkpoint")
+
+
+def _pack_slices(owner: int, rs: RankSlices, metas: list[TensorMeta], bucket_bytes: int) -> list[Bucket]:
+    """Rank ``rs.rank``'s slices of ``owner``'s tensors, packed in order."""
+    out: list[Bucket] = []
+    cur, pos = None, 0
+    for m in metas:
+        box = rs.needs[m.name]
+        ext = box_extent(m.shape, box)
+        nbytes = math.prod(ext) * m.itemsize
+        if nbytes > bucket_bytes:
+            raise ConfigError(f"the slice of tensor {m.name!r} for engine rank {rs.rank} ({nbytes} bytes) does "
+                              f"not fit a bucket of {bucket_bytes} bytes; raise PS_MAX_BUCKET_SIZE_GB")
+        at = align_up(pos)
+        if cur is None or (cur.placements and at + nbytes > bucket_bytes):
+            cur, at = SlicedBucket(owner, dest=rs.rank), 0
+            out.append(cur)
+        cur.placements.append(Placement(TensorMeta(m.name, m.dtype, ext, nbytes, m.itemsize, -1, 0), at))
+        cur.boxes += (BoxCopy(m.base, m.base_offset, tuple(m.shape), box, m.itemsize, at),)
+        pos = cur.nbytes = at + nbytes
+    return out
+
+
+def rank_placements(plan: Plan, rank: int) -> list[list[tuple[str, str, tuple[int, ...], int]]]:
+    """What engine rank ``rank`` is told of each bucket: its own slices and the whole tensors
+    (a bucket of slices for another rank: nothing; it is not even in this rank's buffer)."""
+    return [[(p.meta.name, p.meta.dtype, p.meta.shape, p.offset) for p in b.placements]
+            if getattr(b, "dest", rank) == rank else [] for b in plan.buckets]
+
+
+def received_bytes(plan: Plan, rank: int) -> int:
+    return sum(p.meta.nbytes for b in plan.buckets if getattr(b, "dest", rank) == rank for p in b.placements)

@@ -9,9 +9,11 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from ckpt_core.errors import CheckpointFormatError, ConfigError
-from ckpt_core.planning.slices import (RankSlices, SliceKey, SlicePlan, SlicePlanCache, Write, box_extent,
-                                       box_offsets, check_plan, make_box, plan_from_json, plan_to_json,
-                                       require_key, view_box)
+from ckpt_core.planning.buckets import TensorMeta
+from ckpt_core.planning.slices import (RankSlices, SlicedBucket, SliceKey, SlicePlan, SlicePlanCache, Write,
+                                       box_extent, box_offsets, check_plan, make_box, plan_from_json, plan_sliced,
+                                       plan_to_json, rank_placements, received_bytes, require_key, view_box,
+                                       view_in_box)
 
 KEY = SliceKey("model-abc", "tp=2", "vllm-0.32.0")
 
@@ -273,3 +275,67 @@ def test_random_boxes_tile_only_when_they_partition_the_parameter():
         else:
             with pytest.raises(CheckpointFormatError, match="parameter p"):
                 check_plan(plan)
+
+
+# --- replaying a recorded view on the slice alone; routing buckets by destination ---------------
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_a_view_inside_the_box_reads_the_same_elements_from_the_packed_slice(data):
+    ndim = data.draw(st.integers(1, 3))
+    shape = tuple(data.draw(st.lists(st.integers(1, 6), min_size=ndim, max_size=ndim)))
+    offsets = [data.draw(st.integers(0, n - 1)) for n in shape]
+    extent = [data.draw(st.integers(1, n - o)) for n, o in zip(shape, offsets)]
+    box = make_box(shape, offsets, extent)
+    full = torch.arange(math.prod(shape)).view(shape)
+    view = full
+    for d in range(ndim):   # a loader's narrow inside the box
+        lo = data.draw(st.integers(offsets[d], offsets[d] + extent[d] - 1))
+        view = view.narrow(d, lo, data.draw(st.integers(1, offsets[d] + extent[d] - lo)))
+    if ndim >= 2 and data.draw(st.booleans()):
+        view = view.t() if ndim == 2 else view.transpose(0, 2)
+    bucket = torch.cat([torch.full((7,), -1), full[tuple(slice(o, o + e) for o, e in zip(offsets, extent))].flatten()])
+    packed = bucket[7:]   # a slice is a view of its bucket, at an offset
+    stride, offset = view_in_box(shape, box, view.shape, view.stride(), view.storage_offset())
+    assert torch.equal(packed.as_strided(view.shape, stride, packed.storage_offset() + offset), view)
+
+
+def test_a_view_outside_the_box_is_refused():
+    full = torch.arange(12).view(4, 3)
+    with pytest.raises(ConfigError, match="outside its recorded box"):
+        view_in_box((4, 3), ((0, 0, 2),), full[1:3].shape, full[1:3].stride(), full[1:3].storage_offset())
+
+
+def meta(name, shape, base=0, at=0, itemsize=4):
+    n = math.prod(shape) * itemsize
+    return TensorMeta(name, "F32", tuple(shape), n, itemsize, base, at)
+
+
+def test_each_rank_is_told_only_of_its_slices_and_the_tensors_sent_whole():
+    plan = tp_plan(2, nh=4, nkv=1, hd=32, H=64, inter=64, vocab=100, tied=True)
+    at, metas = 0, [[], []]
+    for i, (name, (_, shape, _)) in enumerate(plan.tensors.items()):
+        metas[i % 2].append(meta(name, shape, at=at))
+        at += math.prod(shape) * 4
+    routed = plan_sliced(metas, plan, 1 << 20)
+    for r in range(2):
+        told = [e for b in rank_placements(routed, r) for e in b]
+        names = {n for n, *_ in told}
+        assert names == set(plan.ranks[r].needs)
+        for name, _, shape, _ in told:
+            assert shape == box_extent(plan.tensors[name][1], plan.ranks[r].needs[name])
+        assert received_bytes(routed, r) == plan.rank_bytes(r)
+    # only the replicated norm goes to both; a bucket of slices has exactly one destination
+    whole = [b for b in routed.buckets if not isinstance(b, SlicedBucket)]
+    assert {p.meta.name for b in whole for p in b.placements} == {"norm.weight"}
+    assert plan.rank_bytes(0) < plan.whole_bytes() * 0.7
+
+
+def test_routing_refuses_a_checkpoint_the_plan_was_not_recorded_for():
+    plan = tp_plan(2, nh=4, nkv=2, hd=32, H=64, inter=64, vocab=100)
+    metas = [[meta(n, s) for n, (_, s, _) in plan.tensors.items()], []]
+    metas[0][0] = meta(metas[0][0].name, (1, 1))
+    with pytest.raises(ConfigError, match="record the plan for this checkpoint"):
+        plan_sliced(metas, plan, 1 << 20)
+    with pytest.raises(ConfigError, match="2 engine ranks, the parameter server 3"):
+        plan_sliced(metas + [[]], plan, 1 << 20)
