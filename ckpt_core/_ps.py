@@ -281,6 +281,19 @@ class ParameterServer(UpdateAgreement, BroadcastUpdate):
             raise ConfigError(f"call gather_metas({name!r}) before tensor_specs({name!r})")
         return {m.name: (m.dtype, tuple(m.box[0] if m.box is not None else m.shape)) for ms in metas for m in ms}
 
+    def share_slice_plan(self, plan=None, *, src: int = 0):
+        """Collective: every rank gets rank ``src``'s slice plan (``ckpt_core.planning.slices``),
+        as JSON over the control group, checked again on each rank (``check_plan``). Rank ``src``
+        passes the plan (e.g. ``VllmClient.slice_plan``), the others nothing."""
+        from ckpt_core.planning.slices import plan_from_json, plan_to_json
+
+        self._check_open()
+        mine = plan_to_json(plan) if self.rank == src and plan is not None else None
+        doc = self._coll.all_gather_json(mine)[src]
+        if doc is None:
+            raise ConfigError(f"rank {src} shared no slice plan")
+        return plan_from_json(doc)
+
     def get_metas(self) -> dict:
         """Every gathered (or loaded) checkpoint's metas as a versioned JSON document (see
         ``ckpt_core.p2p.metas``): tensors per owner rank, and each owner's P2P store address."""

@@ -66,6 +66,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for the servers")
     ap.add_argument("--pause", choices=("abort", "wait", "keep"), default=None,
                     help="pause generation around the update (default: keep serving)")
+    ap.add_argument("--slices", action="store_true",
+                    help="send each engine rank only the slices its loaders read (one engine, recorded "
+                         "from it first; broadcast updates, the extension path)")
     return ap.parse_args(argv)
 
 
@@ -92,15 +95,19 @@ def check_args(args: argparse.Namespace, world_size: int) -> tuple[int, list[str
         raise ConfigError(f"--inference-parallel-size must be a positive divisor of the world size "
                           f"{world_size}, got {args.inference_parallel_size}")
     groups = world_size // ips
+    if args.slices and (groups != 1 or args.path != "extension" or args.update_method != "broadcast"):
+        raise ConfigError("--slices needs one engine, --path extension and --update-method broadcast")
     return ips, _per_group("--endpoint", args.endpoint, groups), _per_group("--uds", args.uds, groups)
 
 
-def make_req_func(client: VllmClient | None, rank: int, ips: int, args: argparse.Namespace, reports: list):
+def make_req_func(client: VllmClient | None, rank: int, ips: int, args: argparse.Namespace, reports: list,
+                  slices: str | None = None):
     """Every rank's req_func: the first rank of each group posts its group's handles to its engine."""
     def req_func(handles):
         mine = group_handles(handles, rank, ips)
         if mine is not None:
-            reports.append(client.update(mine, path=args.path, timeout=args.timeout, pause=args.pause))
+            reports.append(client.update(mine, path=args.path, timeout=args.timeout, pause=args.pause,
+                                         **({"slices": slices} if slices else {})))
     return req_func
 
 
@@ -121,8 +128,14 @@ def main(argv=None) -> int:
             t_register = prepare_checkpoint(ps, args.checkpoint_name, files=files, load_metas_file=args.load_metas_file,
                                             save_metas_file=args.save_metas_file)
             methods = update_methods(args.update_method, joining=bool(args.load_metas_file))
-            make = lambda reports: make_req_func(client, ps.rank, ips, args, reports)   # noqa: E731
-            for method, result, reports in run_updates(ps, args.checkpoint_name, methods, make, timeout=args.timeout):
+            plan = None
+            if args.slices:   # recorded from the engine by rank 0, shared with every rank
+                recorded = client.slice_plan(ps.tensor_specs(args.checkpoint_name)) if ps.rank == 0 else None
+                plan = ps.share_slice_plan(recorded)
+            make = lambda reports: make_req_func(client, ps.rank, ips, args, reports,   # noqa: E731
+                                                 plan.digest if plan else None)
+            for method, result, reports in run_updates(ps, args.checkpoint_name, methods, make, timeout=args.timeout,
+                                                       slices=plan):
                 if leader:
                     emit_json_line({"checkpoint": args.checkpoint_name, "method": method, "rank": ps.rank,
                                     "group": group, "register_and_gather_s": round(t_register, 4),
