@@ -84,8 +84,7 @@ class _Lazy(torch.Tensor):
         self = torch.Tensor._make_wrapper_subclass(cls, geometry.shape, strides=geometry.stride(),
                                                    storage_offset=geometry.storage_offset(),
                                                    dtype=geometry.dtype, device=device)
-        self.geometry, self.name, self.full, self.recorder, self.tainted = geometry, name, full, recorder, tainted
-        recorder.touched.add(name)
+        self.geometry, self.ckpt_name, self.full, self.recorder, self.tainted = geometry, name, full, recorder, tainted
         return self
 
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -93,21 +92,22 @@ class _Lazy(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        lazy = _first(args, _Lazy) or _first(list(kwargs.values()), _Lazy)
+        lazy = _first([*args, *kwargs.values()], _Lazy)   # never `a or b`: bool() of a tensor dispatches
         rec = lazy.recorder
+        rec.touched.add(lazy.ckpt_name)
         if func in WRITES and not isinstance(args[0], _Lazy):
             src = args[1] if len(args) > 1 else None
-            rec.copy(args[0], src if isinstance(src, _Lazy) else None, lazy.name)
+            rec.copy(args[0], src if isinstance(src, _Lazy) else None, lazy.ckpt_name)
             return args[0]
         out = func(*_unwrap(args), **_unwrap(kwargs))
         if func not in VIEW_OPS:
-            rec.unsupported(lazy.name, func)
+            rec.unsupported(lazy.ckpt_name, func)
         return _rewrap(out, lazy, tainted=lazy.tainted or func not in VIEW_OPS)
 
 
 def _rewrap(out, lazy: "_Lazy", *, tainted: bool):
     if isinstance(out, torch.Tensor):
-        return _Lazy(out, lazy.name, lazy.full, lazy.recorder, lazy.device, tainted)
+        return _Lazy(out, lazy.ckpt_name, lazy.full, lazy.recorder, lazy.device, tainted)
     if isinstance(out, (list, tuple)):
         return type(out)(_rewrap(o, lazy, tainted=tainted) for o in out)
     return out
@@ -167,10 +167,10 @@ class _Recorder(TorchDispatchMode):
             return
         if src is not None:
             if src.tainted:
-                self.whole.setdefault(src.name, "its loader reads it through an op that is not a pure view")
+                self.whole.setdefault(src.ckpt_name, "its loader reads it through an op that is not a pure view")
             else:
-                self.reads.setdefault(src.name, set()).add(view_box(src.full, *_geometry(src.geometry)))
-        self.writes.append(Write(pname, region, None if src is None else src.name))
+                self.reads.setdefault(src.ckpt_name, set()).add(view_box(src.full, *_geometry(src.geometry)))
+        self.writes.append(Write(pname, region, None if src is None else src.ckpt_name))
 
     def unsupported(self, name: str, func) -> None:
         if name not in self.whole:
@@ -193,12 +193,21 @@ def record(model: torch.nn.Module, tensors: dict[str, tuple[str, tuple[int, ...]
         shapes[pname] = tuple(p.shape)
     loaders = _own_loaders(model)
     rec = _Recorder(params)
+    current = [None]
+
+    def lazies():
+        for name, (dtype, shape) in tensors.items():
+            current[0] = name
+            yield name, _Lazy(torch.empty(shape, dtype=WIRE_DTYPES[dtype], device="meta"), name, tuple(shape), rec,
+                              device)
+        current[0] = None
+
     try:
-        lazies = [(name, _Lazy(torch.empty(shape, dtype=WIRE_DTYPES[dtype], device="meta"), name, tuple(shape), rec,
-                               device)) for name, (dtype, shape) in tensors.items()]
-        rec.touched.clear()
         with torch.no_grad(), rec:
-            model.load_weights(iter(lazies))
+            model.load_weights(lazies())
+    except Exception as exc:
+        raise ConfigError(f"cannot record the slices of {current[0] or 'the checkpoint'}: the model's loader "
+                          f"failed on a recording tensor ({type(exc).__name__}: {exc}); update without slices") from exc
     finally:
         for p, loader in loaders:
             p.weight_loader = loader
@@ -282,7 +291,7 @@ class SliceTensor(torch.Tensor):
         self = torch.Tensor._make_wrapper_subclass(cls, geometry.shape, strides=geometry.stride(),
                                                    storage_offset=geometry.storage_offset(),
                                                    dtype=data.dtype, device=data.device)
-        self.data_, self.full_shape, self.box, self.name, self.geometry = data, tuple(full_shape), box, name, geometry
+        self.data_, self.full_shape, self.box, self.ckpt_name, self.geometry = data, tuple(full_shape), box, name, geometry
         return self
 
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -300,24 +309,24 @@ class SliceTensor(torch.Tensor):
         """A copy that outlives the bucket buffer (a layer waiting for a later bucket keeps it)."""
         if self.data_.untyped_storage().data_ptr() not in storages:
             return self
-        return SliceTensor(self.data_.clone(), self.full_shape, self.box, self.name, self.geometry)
+        return SliceTensor(self.data_.clone(), self.full_shape, self.box, self.ckpt_name, self.geometry)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        me = _first(args, SliceTensor) or _first(list(kwargs.values()), SliceTensor)
+        me = _first([*args, *kwargs.values()], SliceTensor)
         if func is aten.copy_.default and not isinstance(args[0], SliceTensor) and args[1] is me:
             return args[0].copy_(me.real(), **kwargs)
         if func in VIEW_OPS:
             out = func(*_unwrap(args), **_unwrap(kwargs))
             return _rewrap_slice(out, me)
         raise CheckpointFormatError(f"a loader applied {func} to a received slice, which its recording did not "
-                                    f"show: record the slice plan again, or update without slices", tensor=me.name)
+                                    f"show: record the slice plan again, or update without slices", tensor=me.ckpt_name)
 
 
 def _rewrap_slice(out, me: SliceTensor):
     if isinstance(out, torch.Tensor):
-        return SliceTensor(me.data_, me.full_shape, me.box, me.name, out)
+        return SliceTensor(me.data_, me.full_shape, me.box, me.ckpt_name, out)
     if isinstance(out, (list, tuple)):
         return type(out)(_rewrap_slice(o, me) for o in out)
     return out
