@@ -357,8 +357,8 @@ class ParameterServer(UpdateAgreement, BroadcastUpdate):
         each engine rank received). None (the default): every rank receives every tensor whole.
         """
         self._check_open()
-        if slices is not None and (ranks or self.wire != "ckpt"):
-            raise ConfigError("slices are supported on broadcast updates with the ckpt wire only")
+        if slices is not None and (ranks or self.wire != "native"):
+            raise ConfigError("slices are supported on broadcast updates with the native wire only")
         if not self._update_lock.acquire(blocking=False):
             raise ConfigError("another update is already running on this ParameterServer")
         try:
