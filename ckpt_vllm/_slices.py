@@ -177,17 +177,33 @@ class _Recorder(TorchDispatchMode):
             self.whole[name] = f"its loader applies {func}, which is not a pure view"
 
 
+def tied_aliases(model: torch.nn.Module) -> set[str]:
+    """Names of live parameters that are another name's parameter (a tied ``lm_head.weight``).
+
+    Read before the reload starts: on the meta device the two become separate tensors, and the
+    alias is written through its twin, never by a loader of its own.
+    """
+    seen: set[int] = set()
+    out = set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            out.add(name)
+        seen.add(id(p))
+    return out
+
+
 def record(model: torch.nn.Module, tensors: dict[str, tuple[str, tuple[int, ...]]], device, *, rank: int,
-           skip_params: frozenset = frozenset()) -> tuple[RankSlices, dict[str, str]]:
+           skip_params: frozenset = frozenset(), aliases: set[str] = frozenset()) -> tuple[RankSlices, dict[str, str]]:
     """This worker's recording: its ``RankSlices`` and, per name sent whole, why.
 
     Call with the model's layers in checkpoint format on the meta device (``ReloadSession.begin``)
-    and put them back afterwards (``ReloadSession.abort``).
+    and put them back afterwards (``ReloadSession.abort``). ``aliases``: :func:`tied_aliases`,
+    taken before; ``skip_params``: parameter names no loader fills.
     """
     params: dict[int, tuple[str, tuple[int, ...]]] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     for pname, p in model.named_parameters():
-        if pname.rsplit(".", 1)[-1] in skip_params:
+        if pname.rsplit(".", 1)[-1] in skip_params or pname in aliases:
             continue
         params[p.untyped_storage()._cdata] = (pname, tuple(p.shape))
         shapes[pname] = tuple(p.shape)

@@ -193,13 +193,48 @@ def agree_on_slices(worker: Any, zmq_handles: dict, kind: str, index: int, diges
     elif position != replay.rank.rank:
         problem = (f"the worker of tensor-parallel rank {replay.rank.rank} would receive the slices of PS rank "
                    f"{position}: each PS rank must feed the engine rank of its number")
-    failed = _count_over_workers(problem is not None)
-    if problem is not None:
-        raise ConfigError(f"{problem}; no worker loads anything")
-    if failed:
-        raise ConfigError(f"{failed} other worker(s) of this engine cannot take slice plan {str(digest)[:12]}; "
-                          "no worker loads anything")
+    refused = refuse_together(problem, f"slice plan {str(digest)[:12]}")
+    if refused is not None:
+        raise _Refused(refused)
     return replay
+
+
+class _Refused(Exception):
+    """Another worker raises the agreed refusal; this one returns ``refused`` to vLLM."""
+
+    def __init__(self, refused: dict):
+        super().__init__(refused["refused"])
+        self.refused = refused
+
+
+def refuse_together(problem: str | None, what: str) -> dict | None:
+    """Every worker's ``problem`` counted over the engine: None when no worker has one; else the last
+    worker raises ConfigError and the others return ``{"refused": ...}`` (their reason is logged).
+
+    Only the last worker raises because vLLM 0.32's MultiprocExecutor.collective_rpc stops reading
+    replies at the first failed worker: the replies of the workers after it stay queued and answer
+    the next call. A failure of the last worker alone leaves no reply behind.
+    """
+    failed = _count_over_workers(problem is not None)
+    if not failed:
+        return None
+    if problem is not None:
+        log.error("ckpt: this worker refuses %s: %s", what, problem)
+    message = (f"{failed} worker(s) of this engine refused {what}" +
+               (f" (this one: {problem})" if problem else " (see the server log for theirs)") + "; no worker used it")
+    if _is_last_worker():
+        raise ConfigError(message)
+    return {"refused": message}
+
+
+def _is_last_worker() -> bool:
+    try:
+        from vllm.distributed.parallel_state import get_world_group
+
+        group = get_world_group()
+    except (ImportError, AssertionError):
+        return True
+    return group.rank_in_group == group.world_size - 1
 
 
 def _count_over_workers(flag: bool) -> int:
@@ -247,7 +282,10 @@ class VllmColocateWorkerExtension:
         """
         kind, index = worker_device(self)
         handle = agree_on_handle(zmq_handles, kind, index)
-        replay = agree_on_slices(self, zmq_handles, kind, index, slices, stage) if slices is not None else None
+        try:
+            replay = agree_on_slices(self, zmq_handles, kind, index, slices, stage) if slices is not None else None
+        except _Refused as refused:
+            return refused.refused
         if stage is not None:
             return self._ckpt_stage(handle, kind, index, str(stage), int(stage_device_bytes),
                                     float(timeout or DEFAULT_TIMEOUT_S))
@@ -276,15 +314,16 @@ class VllmColocateWorkerExtension:
         from ckpt_core.planning.slices import rank_to_json
 
         from ._compat import reload_api
-        from ._slices import record, slice_key
+        from ._slices import record, slice_key, tied_aliases
 
         specs = _tensor_specs(tensors)
         rank = _slice_rank(self)
         model = self.model_runner.model
+        aliases = tied_aliases(model)
         session = ReloadSession(model, self.model_config, label="model (slice recording)")
         session.begin()
         try:
-            recorded, whole = record(model, specs, self.device, rank=rank,
+            recorded, whole = record(model, specs, self.device, rank=rank, aliases=aliases,
                                      skip_params=reload_api().skip_load_tensors)
         finally:
             session.abort(quiet=True)
@@ -300,11 +339,18 @@ class VllmColocateWorkerExtension:
 
         from ._slices import ReplayPlan, check_installed, slice_key
 
-        parsed = plan_from_json(plan)
-        rank = _slice_rank(self)
-        specs = {n: (d, tuple(s)) for n, (d, s, _) in parsed.tensors.items()}
-        check_installed(parsed.key, slice_key(self.model_runner.model, self.model_config,
-                                              self.vllm_config.parallel_config, specs))
+        problem = None
+        try:
+            parsed = plan_from_json(plan)
+            rank = _slice_rank(self)
+            specs = {n: (d, tuple(s)) for n, (d, s, _) in parsed.tensors.items()}
+            check_installed(parsed.key, slice_key(self.model_runner.model, self.model_config,
+                                                  self.vllm_config.parallel_config, specs))
+        except ConfigError as exc:
+            problem = str(exc)
+        refused = refuse_together(problem, "the slice plan")
+        if refused is not None:
+            return refused
         plans = getattr(self, "_ckpt_slice_plans", None)
         if plans is None:
             plans = self._ckpt_slice_plans = {}
