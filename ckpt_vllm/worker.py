@@ -309,7 +309,8 @@ class VllmColocateWorkerExtension:
         ``tensors``: ``{name: [dtype code, shape]}`` of the checkpoint (``ParameterServer.tensor_specs``).
         Returns ``{"key", "rank", "recording", "whole"}``: the engine's (model, layout, version) key,
         this worker's tensor-parallel rank, its ``RankSlices`` as JSON, and why each tensor sent whole
-        is. Nothing is loaded: the live layers are put back afterwards.
+        is. Nothing is loaded: the live layers are put back afterwards. Recorded once per key; a
+        later call with the same key returns the same recording.
         """
         from ckpt_core.planning.slices import rank_to_json
 
@@ -319,6 +320,12 @@ class VllmColocateWorkerExtension:
         specs = _tensor_specs(tensors)
         rank = _slice_rank(self)
         model = self.model_runner.model
+        key = slice_key(model, self.model_config, self.vllm_config.parallel_config, specs)
+        recorded_before = getattr(self, "_ckpt_recordings", None)
+        if recorded_before is None:
+            recorded_before = self._ckpt_recordings = {}
+        if key in recorded_before:   # once per (model, layout, vLLM version): the loaders do not change
+            return recorded_before[key]
         aliases = tied_aliases(model)
         session = ReloadSession(model, self.model_config, label="model (slice recording)")
         session.begin()
@@ -327,9 +334,12 @@ class VllmColocateWorkerExtension:
                                      skip_params=reload_api().skip_load_tensors)
         finally:
             session.abort(quiet=True)
-        key = slice_key(model, self.model_config, self.vllm_config.parallel_config, specs)
-        return {"key": {"model": key.model, "layout": key.layout, "engine": key.engine}, "rank": rank,
-                "recording": rank_to_json(recorded), "whole": whole}
+        result = {"key": {"model": key.model, "layout": key.layout, "engine": key.engine}, "rank": rank,
+                  "recording": rank_to_json(recorded), "whole": whole}
+        while len(recorded_before) >= 4:
+            recorded_before.pop(next(iter(recorded_before)))
+        recorded_before[key] = result
+        return result
 
     def ckpt_use_slice_plan(self, plan: dict) -> dict:
         """Install a slice plan merged from every worker's recording (``VllmClient.slice_plan``):
