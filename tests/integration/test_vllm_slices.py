@@ -12,12 +12,15 @@ rules (docs/architecture.md, "Slices") predict from the checkpoint alone.
 
 import json
 import math
+import os
+import random
 
 import pytest
 
 from ckpt_core.checkpoint.safetensors import WIRE_DTYPES
 from ckpt_core.errors import RemoteWorkerError
-from vllm_support.fixtures import MAX_TOKENS, launch_server, ready, shared_servers, tiny_model, vllm_python  # noqa: F401
+from vllm_support.fixtures import (MAX_TOKENS, TinyModel, launch_server, ready, run_vllm_python,  # noqa: F401
+                                   shared_servers, tiny_model, vllm_python)
 from vllm_support.parity import Case, build_checkpoints, differences, push_to, tp_server_args
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1500)]
@@ -32,17 +35,17 @@ def header(path):
     return {name: (e["dtype"], tuple(e["shape"])) for name, e in doc.items()}
 
 
-def expected_bytes(weights, vocab_pad: int = 64) -> tuple[list[int], int]:
-    """Per rank, what vLLM's loaders read at TP 2 with one KV head: q/o/gate/up/down split in two,
-    k/v (weights and biases) and norms whole on both ranks, the vocabulary split by rows of the
-    padded vocabulary (each rank the padded half, less the padding). Also the whole checkpoint."""
+def expected_bytes(weights, vocab_pad: int = 64, kv_heads: int = 1) -> tuple[list[int], int]:
+    """Per rank, what vLLM's loaders read at TP 2: q/o/gate/up/down split in two, k/v (weights and
+    biases) whole on both ranks with one KV head (else split too), norms whole, the vocabulary split
+    by rows of the padded vocabulary (each rank the padded half, less the padding). Also the total."""
     per_rank, total = [0] * TP, 0
     for name, (dtype, shape) in header(weights).items():
         size = WIRE_DTYPES[dtype].itemsize
         nbytes = math.prod(shape) * size
         total += nbytes
         for r in range(TP):
-            if "k_proj" in name or "v_proj" in name or "norm" in name:
+            if ("k_proj" in name or "v_proj" in name) and kv_heads < TP or "norm" in name:
                 per_rank[r] += nbytes
             elif "embed_tokens" in name or "lm_head" in name:
                 vocab, row = shape[0], math.prod(shape[1:]) * size
@@ -54,7 +57,7 @@ def expected_bytes(weights, vocab_pad: int = 64) -> tuple[list[int], int]:
     return per_rank, total
 
 
-def sliced_equals_whole(server, model, where):
+def sliced_equals_whole(server, model, where, kv_heads: int = 1):
     """Sliced update of B, then a whole one of B: the same state; sliced A answers like HF."""
     w0, w1 = model.weights
     model.references(w0, w1)
@@ -68,7 +71,7 @@ def sliced_equals_whole(server, model, where):
     assert not differ, f"{len(differ)} tensor(s) differ between a sliced and a whole update:\n" + "\n".join(differ[:40])
     again = push_to(server, w0, "extension", TP, where, extra=("--slices",))
     assert server.complete(model.prompts, MAX_TOKENS) == model.reference(w0)
-    want, total = expected_bytes(w1)
+    want, total = expected_bytes(w1, kv_heads=kv_heads)
     got = sliced["slices"]["received_bytes"]
     print(f"{model.dir.name}: bytes received per rank {got} of {total} whole "
           f"({', '.join(f'{g / total:.3f}' for g in got)}); predicted {want}")
@@ -97,14 +100,26 @@ def test_a_plan_recorded_for_another_model_is_refused_and_nothing_changes(shared
     assert server.client.collective_rpc("ckpt_state_digests") == before
 
 
+_OURS: list = []   # servers this module started; one of ours runs at a time
+
+
+def own_server(shared_servers, python, model, where):
+    """Launch a TP 2 server for ``model`` once every other server of ours (and the session's shared
+    ones) is stopped; the caller waits for it (``ready``) and stops it."""
+    shared_servers.stop()
+    while _OURS:
+        _OURS.pop().stop()
+    server = launch_server(python, model, where, extension=True, backend="ckpt", **tp_server_args(TP))
+    _OURS.append(server)
+    return server
+
+
 @pytest.fixture(scope="module")
 def llama(shared_servers, vllm_python, tmp_path_factory):
-    """A Llama with one KV head, a vocabulary of 333 and tied embeddings, on its own TP 2 server
-    (the session's shared TP 2 server is stopped first: one server of ours at a time)."""
-    shared_servers.stop()
+    """A Llama with one KV head, a vocabulary of 333 and tied embeddings, on its own TP 2 server."""
     where = tmp_path_factory.mktemp("slices-llama")
     model = build_checkpoints(vllm_python, Case("llama", 333, tie=True, tp=TP), where / "model")
-    server = launch_server(vllm_python, model, where, extension=True, backend="ckpt", **tp_server_args(TP))
+    server = own_server(shared_servers, vllm_python, model, where)
     try:
         model.references(*model.weights)
         ready(server)
@@ -117,3 +132,32 @@ def test_llama_one_kv_head_padded_tied_vocabulary_sliced_update_equals_a_whole_o
     model, server = llama
     assert "lm_head.weight" not in header(model.weights[0])
     sliced_equals_whole(server, model, tmp_path)
+
+
+def build(python, where, family: str, vocab: int, **overrides) -> TinyModel:
+    seed = int(os.environ.get("CKPT_TEST_SEED") or random.randrange(1, 2**31 - 4))
+    print(f"{family}-v{vocab} {overrides} seed: {seed} (set CKPT_TEST_SEED={seed} to reproduce)")
+    run_vllm_python(python, "build", "--out", str(where), "--seed", str(seed), "--variants", "2", "--family", family,
+                    "--vocab", str(vocab), "--config-json", json.dumps(overrides))
+    rng = random.Random(seed)
+    return TinyModel(dir=where, seed=seed, weights=[where / "weights-0.safetensors", where / "weights-1.safetensors"],
+                     prompts=[[rng.randrange(2, vocab) for _ in range(n)] for n in (5, 17, 120)], python=python)
+
+
+@pytest.fixture(scope="module")
+def qwen2_two_kv_heads(shared_servers, vllm_python, tmp_path_factory):
+    """A Qwen2 with two KV heads (its k_proj and v_proj split between the ranks), on its own TP 2 server."""
+    where = tmp_path_factory.mktemp("slices-qwen2-kv2")
+    model = build(vllm_python, where / "model", "qwen2", 384, num_key_value_heads=2)
+    server = own_server(shared_servers, vllm_python, model, where)
+    try:
+        model.references(*model.weights)
+        ready(server)
+        yield model, server
+    finally:
+        server.stop()
+
+
+def test_qwen2_with_k_proj_split_between_the_ranks_sliced_update_equals_a_whole_one(qwen2_two_kv_heads, tmp_path):
+    model, server = qwen2_two_kv_heads
+    sliced_equals_whole(server, model, tmp_path, kv_heads=2)
