@@ -273,6 +273,27 @@ class ParameterServer(UpdateAgreement, BroadcastUpdate):
                        sum(1 for ms in metas for m in ms if m.box is None) + len(pieced), len(pieced),
                        self.world_size, time.perf_counter() - t0)
 
+    def tensor_specs(self, name: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """``{tensor: (dtype code, shape)}`` of every tensor of gathered checkpoint ``name`` (all
+        ranks' together): what an engine records a slice plan over (``VllmClient.slice_plan``)."""
+        metas = self._metas.get(name)
+        if metas is None:
+            raise ConfigError(f"call gather_metas({name!r}) before tensor_specs({name!r})")
+        return {m.name: (m.dtype, tuple(m.box[0] if m.box is not None else m.shape)) for ms in metas for m in ms}
+
+    def share_slice_plan(self, plan=None, *, src: int = 0):
+        """Collective: every rank gets rank ``src``'s slice plan (``ckpt_core.planning.slices``),
+        as JSON over the control group, checked again on each rank (``check_plan``). Rank ``src``
+        passes the plan (e.g. ``VllmClient.slice_plan``), the others nothing."""
+        from ckpt_core.planning.slices import plan_from_json, plan_to_json
+
+        self._check_open()
+        mine = plan_to_json(plan) if self.rank == src and plan is not None else None
+        doc = self._coll.all_gather_json(mine)[src]
+        if doc is None:
+            raise ConfigError(f"rank {src} shared no slice plan")
+        return plan_from_json(doc)
+
     def get_metas(self) -> dict:
         """Every gathered (or loaded) checkpoint's metas as a versioned JSON document (see
         ``ckpt_core.p2p.metas``): tensors per owner rank, and each owner's P2P store address."""
@@ -312,7 +333,7 @@ class ParameterServer(UpdateAgreement, BroadcastUpdate):
 
     # -- update ----------------------------------------------------------------
     def update(self, name: str, req_func: ReqFunc, *, ranks: list[int] | None = None,
-               timeout: float | timedelta = timedelta(minutes=10)) -> dict:
+               timeout: float | timedelta = timedelta(minutes=10), slices=None) -> dict:
         """Collective: push checkpoint ``name`` into every rank's engine worker.
 
         ``ranks=[...]``: a P2P update of those ranks' engines only, read from the owners' host
@@ -329,8 +350,15 @@ class ParameterServer(UpdateAgreement, BroadcastUpdate):
         ``UpdateTimeoutError`` if a worker stayed silent or a ``req_func`` did
         not return within ``timeout``.
         Returns timings (also kept in ``last_update``).
+
+        ``slices``: a :class:`ckpt_core.planning.slices.SlicePlan` recorded from the engine (the
+        same on every rank; ``VllmClient.slice_plan``): each engine rank then receives only what its
+        loaders read (broadcast updates with our wire; the result's ``slices`` gives the bytes
+        each engine rank received). None (the default): every rank receives every tensor whole.
         """
         self._check_open()
+        if slices is not None and (ranks or self.wire != "native"):
+            raise ConfigError("slices are supported on broadcast updates with the native wire only")
         if not self._update_lock.acquire(blocking=False):
             raise ConfigError("another update is already running on this ParameterServer")
         try:
@@ -338,7 +366,7 @@ class ParameterServer(UpdateAgreement, BroadcastUpdate):
             with gc_paused():
                 if ranks:   # P2P into those ranks, from the owners' host memory (_p2p.py)
                     return run_p2p_update(self, name, req_func, ranks, timeout)
-                return self._update(name, req_func, *self._precheck(name, req_func, timeout))
+                return self._update(name, req_func, *self._precheck(name, req_func, timeout), slices)
         except TransportError as exc:
             if getattr(exc, "groups_broken", False):
                 # A collective failed or never finished: the process groups cannot be trusted

@@ -256,6 +256,9 @@ def cmd_plan(args) -> int:
                     broadcast_gbps=args.d2d_gb_per_s, nic_gbps=args.nic_gb_per_s, device_free_gib=args.device_free_gib,
                     slots=args.slots, max_bucket_gib=args.max_bucket_gib)
     doc = predict(spec, topo, mode=args.mode)
+    if args.slices_tp:
+        doc["with_slices"] = predict(spec, topo, mode=args.mode, slices_tp=args.slices_tp,
+                                     sharded_fraction=args.sharded_fraction)
     st = doc["stages_s"]
     text = "\n".join([
         f"{doc['mode']} update of {spec.total_bytes / GiB:.2f} GiB ({spec.tensors} tensors) into "
@@ -273,6 +276,11 @@ def cmd_plan(args) -> int:
         f"({doc['staging']['device_room_bytes'] / GiB:.2f} GiB left beside the PS's buffer): staged in "
         f"{doc['staging']['where']} memory, commit (the pause) ~ {doc['staging']['commit_s']:.3f} s with the "
         "calibrated engine reload (a real vLLM's own reload adds its per-layer processing)"])
+    if args.slices_tp:
+        sl = doc["with_slices"]
+        text += (f"\n  with slices (TP {args.slices_tp}, {args.sharded_fraction:g} of the bytes sharded): "
+                 f"{sl['received_bytes_per_rank'] / GiB:.2f} GiB received per rank, update ~ {sl['update_s']:.3f} s "
+                 f"(broadcast {sl['stages_s']['broadcast']:.3f} s, reload {sl['stages_s']['reload']:.3f} s)")
     _emit(args, doc, text)
     return EXIT_OK
 
@@ -364,6 +372,12 @@ def _plan_parser(sub) -> None:
     pl.add_argument("--slots", type=COUNT, default=4)
     pl.add_argument("--max-bucket-gib", type=POSITIVE, default=8.0)
     pl.add_argument("--mode", choices=("broadcast", "p2p"), default="broadcast")
+    pl.add_argument("--slices-tp", type=COUNT, default=None,
+                    help="also predict an update where each engine rank receives only its slices, for an "
+                         "engine of this tensor-parallel size")
+    pl.add_argument("--sharded-fraction", type=float, default=0.98,
+                    help="with --slices-tp: the fraction of the bytes split over the ranks (default 0.98: a "
+                         "dense model whose KV heads are not replicated)")
 
 
 def build_parser() -> argparse.ArgumentParser:

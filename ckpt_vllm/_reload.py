@@ -73,6 +73,9 @@ class ReloadSession:
         self.seconds = {"begin": 0.0, "load": 0.0, "finish": 0.0}
         self._cold: list = []   # quant methods processing as on a cold load during this session
         self._modules: list = []   # (name, module) of the model's modules, listed at begin()
+        # (name, received tensor) -> what the loader gets: a received slice posing as the whole
+        # tensor under a slice plan (``_slices.ReplayPlan.wrap``); None: the tensor itself.
+        self.wrap = None
 
     def begin(self) -> None:
         api = reload_api()   # ConfigError naming what an unsupported vLLM lacks, before anything is touched
@@ -144,7 +147,7 @@ class ReloadSession:
             # tensor being consumed when an error comes is the one that caused it.
             for item in weights:
                 current[0] = item
-                yield item
+                yield item if self.wrap is None else (item[0], self.wrap(*item))
             current[0] = None
 
         try:
@@ -178,7 +181,10 @@ class ReloadSession:
         for _, _, info in self._pending():
             for _, args in info.loaded_weights:
                 for key, value in args.arguments.items():
-                    if (isinstance(value, torch.Tensor) and not value.is_meta
+                    detached = getattr(value, "_ckpt_detached", None)   # a received slice (_slices.py)
+                    if detached is not None:
+                        args.arguments[key] = detached(bucket_storages)
+                    elif (isinstance(value, torch.Tensor) and not value.is_meta
                             and value.untyped_storage().data_ptr() in bucket_storages):
                         args.arguments[key] = value.clone()
 

@@ -15,16 +15,20 @@ text attached), ``ConfigError`` (a route is missing: dev mode off, or no weight-
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import httpx
 
 from ckpt_core.engines.http import HttpTransport, Phases
 from ckpt_core.engines.requests import group_handles
 from ckpt_core.errors import ConfigError, RemoteWorkerError, TransportError, UpdateTimeoutError
+
+if TYPE_CHECKING:
+    from ckpt_core.planning.slices import SlicePlan
 
 __all__ = ["VllmClient", "UpdateReport", "PATHS"]
 
@@ -165,7 +169,8 @@ class VllmClient:
     def update(self, handles, *, path: str = "extension", timeout: float | None = None,
                pause: str | None = None, init_info: dict | None = None,
                start: bool = True, finish: bool = True, stage: str | None = None,
-               stage_device_bytes: int = 0, version: str | None = None, prepare: bool = False) -> UpdateReport:
+               stage_device_bytes: int = 0, version: str | None = None, prepare: bool = False,
+               slices: str | None = None) -> UpdateReport:
         """Make the server pull one update; ``handles``: ``[(device_key, zmq_handle)]`` or a dict.
 
         ``pause``: pause generation around the update ("wait" lets running requests finish,
@@ -185,7 +190,11 @@ class VllmClient:
         ``stage="v8"`` stages the update instead (:meth:`stage`, with ``prepare``); :meth:`commit`
         switches to it. ``version``: the weight version this update makes live (the workers record it; vLLM's
         ``/update_weight_version`` is set where the server has it).
+        ``slices``: the digest of a plan from :meth:`slice_plan` that the PS update routes by
+        (extension path): each worker then receives only its slices.
         """
+        if slices is not None and (path != "extension" or stage is not None):
+            raise ConfigError("slices take the extension path, unstaged")
         if stage is not None:
             if path != "extension" or pause is not None or not (start and finish):
                 raise ConfigError("a staged update takes the extension path, whole, without a pause "
@@ -211,7 +220,8 @@ class VllmClient:
                 paused = True   # a pause that failed half-way is undone too
                 phases.run("pause", self.pause, pause)
             if path == "extension":
-                rpc_kwargs = {"timeout": wait, **({"version": str(version)} if version is not None else {})}
+                rpc_kwargs = {"timeout": wait, **({"version": str(version)} if version is not None else {}),
+                              **({"slices": str(slices)} if slices is not None else {})}
                 report.workers = phases.run("update", self.collective_rpc, "update_weights_from_ipc", [handles],
                                             rpc_kwargs, timeout=wait)
             else:
@@ -237,6 +247,27 @@ class VllmClient:
         with self._lock:
             self.last_report = report
         return report
+
+    def slice_plan(self, tensors: dict) -> "SlicePlan":
+        """Record, on every worker, which part of each tensor its loaders read; merge, check
+        (``planning.slices.check_plan``: no hole, no overlap, not empty) and install the plan on
+        every worker; returns it, for ``ParameterServer.update(..., slices=plan)`` and
+        ``update(..., slices=plan.digest)``. ``tensors``: ``ParameterServer.tensor_specs(name)``.
+        Record again for another checkpoint layout, parallel layout or vLLM version."""
+        from ckpt_core.checkpoint.safetensors import WIRE_DTYPES
+        from ckpt_core.planning.slices import SliceKey, merge_ranks, plan_to_json, rank_from_json
+
+        specs = {n: [d, list(s)] for n, (d, s) in dict(tensors).items()}
+        results = self.collective_rpc("ckpt_slice_plan", [specs])
+        keys = {json.dumps(r.get("key"), sort_keys=True) for r in results}
+        if len(keys) != 1:
+            raise ConfigError(f"the workers of {self.where} recorded slice plans for different keys: {sorted(keys)}")
+        key = SliceKey(**results[0]["key"])
+        itemsized = {n: (d, tuple(s), WIRE_DTYPES[d].itemsize) for n, (d, s) in specs.items()}
+        plan = merge_ranks(key, itemsized, [rank_from_json(r["recording"]) for r in results])
+        self.collective_rpc("ckpt_use_slice_plan", [plan_to_json(plan)])
+        self.last_slice_whole = [r.get("whole", {}) for r in results]
+        return plan
 
     # -- staged updates ----------------------------------------------------------------
     def stage(self, handles, version: str, *, timeout: float | None = None, device_bytes: int = 0,

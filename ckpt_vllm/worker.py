@@ -158,6 +158,88 @@ def agree_on_handle(zmq_handles: dict[str, str], kind: str, index: int) -> str:
     return handle
 
 
+def _tensor_specs(tensors) -> dict[str, tuple[str, tuple[int, ...]]]:
+    from ckpt_core.checkpoint.safetensors import WIRE_DTYPES
+
+    if not isinstance(tensors, dict) or not tensors:
+        raise ConfigError("ckpt_slice_plan needs {name: [dtype, shape]} of the checkpoint's tensors")
+    out = {}
+    for name, spec in tensors.items():
+        if (not isinstance(spec, (list, tuple)) or len(spec) != 2 or spec[0] not in WIRE_DTYPES
+                or not all(isinstance(d, int) and d >= 0 for d in spec[1])):
+            raise ConfigError(f"ckpt_slice_plan: tensor {name!r} must be [dtype code, shape], got {spec!r}")
+        out[str(name)] = (spec[0], tuple(spec[1]))
+    return out
+
+
+def _slice_rank(worker: Any) -> int:
+    """This worker's tensor-parallel rank; slices need one pipeline stage and no drafter."""
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    pc = worker.vllm_config.parallel_config
+    if getattr(pc, "pipeline_parallel_size", 1) != 1 or drafter_target(worker) is not None:
+        raise ConfigError("slice plans need pipeline parallel size 1 and no MTP drafter: update without slices")
+    return int(get_tensor_model_parallel_rank())
+
+
+def agree_on_slices(worker: Any, zmq_handles: dict, kind: str, index: int, digest: str, stage):
+    """This worker's installed plan ``digest``, once every worker has it and is fed by the PS rank of
+    its own tensor-parallel rank (the handles come in PS-rank order): all load by it, or none."""
+    problem = None
+    replay = (getattr(worker, "_ckpt_slice_plans", None) or {}).get(str(digest))
+    key = local_device_key(kind, index)
+    position = list(zmq_handles).index(key) if isinstance(zmq_handles, dict) and key in zmq_handles else -1
+    if stage is not None:
+        problem = "a staged update cannot take slices"
+    elif replay is None:
+        problem = f"slice plan {str(digest)[:12]} is not installed on this worker (ckpt_use_slice_plan)"
+    elif position != replay.rank.rank:
+        problem = (f"the worker of tensor-parallel rank {replay.rank.rank} would receive the slices of PS rank "
+                   f"{position}: each PS rank must feed the engine rank of its number")
+    refused = refuse_together(problem, f"slice plan {str(digest)[:12]}")
+    if refused is not None:
+        raise _Refused(refused)
+    return replay
+
+
+class _Refused(Exception):
+    """Another worker raises the agreed refusal; this one returns ``refused`` to vLLM."""
+
+    def __init__(self, refused: dict):
+        super().__init__(refused["refused"])
+        self.refused = refused
+
+
+def refuse_together(problem: str | None, what: str) -> dict | None:
+    """Every worker's ``problem`` counted over the engine: None when no worker has one; else the last
+    worker raises ConfigError and the others return ``{"refused": ...}`` (their reason is logged).
+
+    Only the last worker raises because vLLM 0.32's MultiprocExecutor.collective_rpc stops reading
+    replies at the first failed worker: the replies of the workers after it stay queued and answer
+    the next call. A failure of the last worker alone leaves no reply behind.
+    """
+    failed = _count_over_workers(problem is not None)
+    if not failed:
+        return None
+    if problem is not None:
+        log.error("ckpt: this worker refuses %s: %s", what, problem)
+    message = (f"{failed} worker(s) of this engine refused {what}" +
+               (f" (this one: {problem})" if problem else " (see the server log for theirs)") + "; no worker used it")
+    if _is_last_worker():
+        raise ConfigError(message)
+    return {"refused": message}
+
+
+def _is_last_worker() -> bool:
+    try:
+        from vllm.distributed.parallel_state import get_world_group
+
+        group = get_world_group()
+    except (ImportError, AssertionError):
+        return True
+    return group.rank_in_group == group.world_size - 1
+
+
 def _count_over_workers(flag: bool) -> int:
     """How many workers of this engine raised ``flag`` (this one alone outside a vLLM world)."""
     try:
@@ -199,7 +281,7 @@ class VllmColocateWorkerExtension:
 
     def update_weights_from_ipc(self, zmq_handles: dict[str, str], timeout: float | None = None,
                                 stage: str | None = None, stage_device_bytes: int = 0,
-                                version: str | None = None) -> dict:
+                                version: str | None = None, slices: str | None = None) -> dict:
         """Receive one update from the PS rank colocated with this worker; returns its timings.
 
         ``zmq_handles`` maps device keys to handles (the PS's ``req_func`` argument as a dict);
@@ -210,21 +292,98 @@ class VllmColocateWorkerExtension:
         into a staging area (device memory up to ``stage_device_bytes``, then pinned host memory)
         while the engine keeps serving its current weights; a stage replaces one staged before.
         ``version`` names the weights an update makes live (see :meth:`ckpt_weight_versions`).
+        ``slices``: the digest of the slice plan installed with :meth:`ckpt_use_slice_plan` that the
+        PS routes this update by (this worker then receives only its slices, see ``_slices.py``).
         """
         kind, index = worker_device(self)
         handle = agree_on_handle(zmq_handles, kind, index)
+        try:
+            replay = agree_on_slices(self, zmq_handles, kind, index, slices, stage) if slices is not None else None
+        except _Refused as refused:
+            return refused.refused
         if stage is not None:
             return self._ckpt_stage(handle, kind, index, str(stage), int(stage_device_bytes),
                                     float(timeout or DEFAULT_TIMEOUT_S))
         sessions = new_sessions(self)
+        if replay is not None:
+            sessions[0].wrap = replay.wrap
         for s in sessions:
             s.begin()
         result = receive_into(sessions, self._ckpt_zmq_context(), handle, kind, index,
                               timeout=float(timeout or DEFAULT_TIMEOUT_S))
         self._ckpt_made_live(sessions[0].layout, version)
+        if replay is not None:
+            result["slices"] = {"plan": replay.digest, "rank": replay.rank.rank}
         log.info("ckpt update on %s: %d tensors, %.1f MB in %.3f s", result["device_key"], result["tensors"],
                  result["bytes"] / 1e6, result["seconds"]["total"])
         return result
+
+    def ckpt_slice_plan(self, tensors: dict) -> dict:
+        """Record which part of each checkpoint tensor this worker's loaders read (``_slices.py``).
+
+        ``tensors``: ``{name: [dtype code, shape]}`` of the checkpoint (``ParameterServer.tensor_specs``).
+        Returns ``{"key", "rank", "recording", "whole"}``: the engine's (model, layout, version) key,
+        this worker's tensor-parallel rank, its ``RankSlices`` as JSON, and why each tensor sent whole
+        is. Nothing is loaded: the live layers are put back afterwards. Recorded once per key; a
+        later call with the same key returns the same recording.
+        """
+        from ckpt_core.planning.slices import rank_to_json
+
+        from ._compat import reload_api
+        from ._slices import record, slice_key, tied_aliases
+
+        specs = _tensor_specs(tensors)
+        rank = _slice_rank(self)
+        model = self.model_runner.model
+        key = slice_key(model, self.model_config, self.vllm_config.parallel_config, specs)
+        recorded_before = getattr(self, "_ckpt_recordings", None)
+        if recorded_before is None:
+            recorded_before = self._ckpt_recordings = {}
+        if key in recorded_before:   # once per (model, layout, vLLM version): the loaders do not change
+            return recorded_before[key]
+        aliases = tied_aliases(model)
+        session = ReloadSession(model, self.model_config, label="model (slice recording)")
+        session.begin()
+        try:
+            recorded, whole = record(model, specs, self.device, rank=rank, aliases=aliases,
+                                     skip_params=reload_api().skip_load_tensors)
+        finally:
+            session.abort(quiet=True)
+        result = {"key": {"model": key.model, "layout": key.layout, "engine": key.engine}, "rank": rank,
+                  "recording": rank_to_json(recorded), "whole": whole}
+        while len(recorded_before) >= 4:
+            recorded_before.pop(next(iter(recorded_before)))
+        recorded_before[key] = result
+        return result
+
+    def ckpt_use_slice_plan(self, plan: dict) -> dict:
+        """Install a slice plan merged from every worker's recording (``VllmClient.slice_plan``):
+        checked whole (``planning.slices.check_plan``) and refused unless it was recorded for this
+        engine's model, layout and vLLM version. Returns its digest and this worker's bytes."""
+        from ckpt_core.planning.slices import plan_from_json
+
+        from ._slices import ReplayPlan, check_installed, slice_key
+
+        problem = None
+        try:
+            parsed = plan_from_json(plan)
+            rank = _slice_rank(self)
+            specs = {n: (d, tuple(s)) for n, (d, s, _) in parsed.tensors.items()}
+            check_installed(parsed.key, slice_key(self.model_runner.model, self.model_config,
+                                                  self.vllm_config.parallel_config, specs))
+        except ConfigError as exc:
+            problem = str(exc)
+        refused = refuse_together(problem, "the slice plan")
+        if refused is not None:
+            return refused
+        plans = getattr(self, "_ckpt_slice_plans", None)
+        if plans is None:
+            plans = self._ckpt_slice_plans = {}
+        plans[parsed.digest] = ReplayPlan(parsed.digest, parsed.key, parsed.rank(rank), parsed.tensors)
+        while len(plans) > 4:
+            plans.pop(next(iter(plans)))
+        return {"plan": parsed.digest, "rank": rank, "bytes": parsed.rank_bytes(rank),
+                "whole_bytes": parsed.whole_bytes()}
 
     def commit_staged_weights(self, version: str) -> dict:
         """Make the staged weights of ``version`` live, through the reload path an update takes.

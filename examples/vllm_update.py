@@ -86,6 +86,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="switch the servers to the staged --version in one short pause (after --stage, or alone)")
     ap.add_argument("--commit-pause", choices=("keep", "wait", "abort"), default="keep",
                     help="how --commit pauses generation")
+    ap.add_argument("--slices", action="store_true",
+                    help="send each engine rank only the slices its loaders read (one engine, recorded "
+                         "from it first; broadcast updates, the extension path)")
     return ap.parse_args(argv)
 
 
@@ -123,10 +126,13 @@ def check_args(args: argparse.Namespace, world_size: int) -> tuple[int, list[str
         raise ConfigError(f"--inference-parallel-size must be a positive divisor of the world size "
                           f"{world_size}, got {args.inference_parallel_size}")
     groups = world_size // ips
+    if args.slices and (groups != 1 or args.path != "extension" or args.update_method != "broadcast"):
+        raise ConfigError("--slices needs one engine, --path extension and --update-method broadcast")
     return ips, _per_group("--endpoint", args.endpoint, groups), _per_group("--uds", args.uds, groups)
 
 
-def make_req_func(client: VllmClient | None, rank: int, ips: int, args: argparse.Namespace, reports: list):
+def make_req_func(client: VllmClient | None, rank: int, ips: int, args: argparse.Namespace, reports: list,
+                  slices: str | None = None):
     """Every rank's req_func: the first rank of each group posts its group's handles to its engine."""
     def req_func(handles):
         mine = group_handles(handles, rank, ips)
@@ -135,7 +141,8 @@ def make_req_func(client: VllmClient | None, rank: int, ips: int, args: argparse
                                          version=None if args.stage else args.version,
                                          stage=args.version if args.stage else None,
                                          stage_device_bytes=int(args.stage_device_gib * (1 << 30)),
-                                         prepare=args.prepare))
+                                         prepare=args.prepare,
+                                         **({"slices": slices} if slices else {})))
     return req_func
 
 
@@ -173,8 +180,14 @@ def main(argv=None) -> int:
             t_register = prepare_checkpoint(ps, args.checkpoint_name, files=files, load_metas_file=args.load_metas_file,
                                             save_metas_file=args.save_metas_file)
             methods = update_methods(args.update_method, joining=bool(args.load_metas_file))
-            make = lambda reports: make_req_func(client, ps.rank, ips, args, reports)   # noqa: E731
-            for method, result, reports in run_updates(ps, args.checkpoint_name, methods, make, timeout=args.timeout):
+            plan = None
+            if args.slices:   # recorded from the engine by rank 0, shared with every rank
+                recorded = client.slice_plan(ps.tensor_specs(args.checkpoint_name)) if ps.rank == 0 else None
+                plan = ps.share_slice_plan(recorded)
+            make = lambda reports: make_req_func(client, ps.rank, ips, args, reports,   # noqa: E731
+                                                 plan.digest if plan else None)
+            for method, result, reports in run_updates(ps, args.checkpoint_name, methods, make, timeout=args.timeout,
+                                                       slices=plan):
                 if leader:
                     emit_json_line({"checkpoint": args.checkpoint_name, "method": method, "rank": ps.rank,
                                     "group": group, "register_and_gather_s": round(t_register, 4),

@@ -85,7 +85,7 @@ def prepare_checkpoint(ps, name: str, *, files: list[str] | None, load_metas_fil
 
 
 def run_updates(ps, name: str, methods: list[str], make_req_func: Callable[[list], Callable], *,
-                timeout: float) -> Iterator[tuple[str, dict, list]]:
+                timeout: float, slices=None) -> Iterator[tuple[str, dict, list]]:
     """Collective: run ``methods`` in order; yields ``(method, ps result, reports)`` after each.
 
     ``make_req_func(reports)`` builds that update's ``req_func``, which may append its engine's
@@ -94,5 +94,6 @@ def run_updates(ps, name: str, methods: list[str], make_req_func: Callable[[list
     for method in methods:
         reports: list = []
         ranks = list(range(ps.world_size)) if method == "p2p" else None
-        result = ps.update(name, make_req_func(reports), ranks=ranks, timeout=timeout)
+        result = ps.update(name, make_req_func(reports), ranks=ranks, timeout=timeout,
+                           **({"slices": slices} if slices is not None and ranks is None else {}))
         yield method, result, reports

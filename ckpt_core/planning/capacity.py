@@ -97,10 +97,19 @@ def h2d_default(devices_per_node: int) -> float:
     return H2D_ALONE_GBPS if devices_per_node == 1 else Topology.h2d_gbps
 
 
-def predict(model: ModelSpec, topo: Topology, *, mode: str = "broadcast", cal: Calibration = Calibration()) -> dict:
-    """Predicted seconds per stage, the update's total, and host/device memory (plain data)."""
+def predict(model: ModelSpec, topo: Topology, *, mode: str = "broadcast", cal: Calibration = Calibration(),
+            slices_tp: int | None = None, sharded_fraction: float = 0.98) -> dict:
+    """Predicted seconds per stage, the update's total, and host/device memory (plain data).
+
+    ``slices_tp``: each engine rank receives only its slices (``planning/slices.py``) of an engine
+    with that tensor-parallel size: ``sharded_fraction`` of the bytes split over it, the rest whole
+    on every rank. Only the bytes a rank receives then travel to it and go through its reload.
+    """
     if mode not in ("broadcast", "p2p"):
         raise ConfigError(f"mode must be 'broadcast' or 'p2p', got {mode!r}")
+    if slices_tp is not None and (mode != "broadcast" or slices_tp < 1 or not 0 <= sharded_fraction <= 1):
+        raise ConfigError(f"slices need a broadcast update, a tensor-parallel size >= 1 and a sharded fraction in "
+                          f"[0, 1], got {mode}, {slices_tp}, {sharded_fraction}")
     ranks = topo.ranks
     share = math.ceil(model.total_bytes / ranks)   # the registration spreads bytes evenly (largest first)
     share = max(share, model.largest_tensor)
@@ -113,8 +122,10 @@ def predict(model: ModelSpec, topo: Topology, *, mode: str = "broadcast", cal: C
     buckets = ranks * max(1, math.ceil(share / bucket))
     slots = max(1, min(slots, buckets))
     bcast_bw = topo.broadcast_gbps if topo.nodes == 1 else min(topo.broadcast_gbps, topo.nic_gbps)
-    stages = {"broadcast": 0.0 if ranks == 1 else model.total_bytes / (bcast_bw * GB),
-              "reload": model.total_bytes / (cal.reload_gbps * GB) + model.tensors * cal.per_tensor_s}
+    received = model.total_bytes if slices_tp is None else int(
+        model.total_bytes * (sharded_fraction / slices_tp + 1 - sharded_fraction))
+    stages = {"broadcast": 0.0 if ranks == 1 else received / (bcast_bw * GB),
+              "reload": received / (cal.reload_gbps * GB) + model.tensors * cal.per_tensor_s}
     if mode == "broadcast":
         stages["h2d"] = max(share / (topo.h2d_gbps * GB),
                             model.total_bytes / (topo.h2d_gbps * GB * min(slots, ranks)))
@@ -127,7 +138,8 @@ def predict(model: ModelSpec, topo: Topology, *, mode: str = "broadcast", cal: C
     update = cal.fixed_s + (stages[longest] + (total_stages - stages[longest]) / buckets if overlap else total_stages)
     return {
         "mode": mode, "ranks": ranks, "nodes": topo.nodes, "devices_per_node": topo.devices_per_node,
-        "model_bytes": model.total_bytes, "tensors": model.tensors,
+        "model_bytes": model.total_bytes, "tensors": model.tensors, "received_bytes_per_rank": received,
+        "slices": None if slices_tp is None else {"tp": slices_tp, "sharded_fraction": sharded_fraction},
         "bucket_bytes": bucket, "slots": slots, "buckets": buckets, "pipelined": overlap,
         "stages_s": {k: round(v, 6) for k, v in stages.items()}, "fixed_s": cal.fixed_s,
         "bottleneck": longest, "update_s": round(update, 6), "model_gbps": model.total_bytes / update / GB,

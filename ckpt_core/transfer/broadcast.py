@@ -17,6 +17,7 @@ from ckpt_core.checkpoint.sources import RegisteredCheckpoint
 from ckpt_core.wire.stock import open_link, wire_handles
 from ckpt_core.wire.link import Failure, PsLink
 from ckpt_core.planning.buckets import ALIGN, Plan, align_up
+from ckpt_core.planning.slices import received_bytes
 from ckpt_core.wire.protocol import encode_hello
 from ckpt_core.transfer.signals import ReqThread, StopSignal, causes as causes_of
 from ckpt_core.devices import IpcBuffer
@@ -44,10 +45,10 @@ class BroadcastUpdate:
             self.backend.empty_cache()
 
     def _update(self, name: str, req_func: ReqFunc, deadline: float, ckpt: RegisteredCheckpoint | None,
-                problem: list | None) -> dict:
+                problem: list | None, slices=None) -> dict:
         t0 = time.perf_counter()
         self._tell("update", "plan")
-        plan, slots, (plan_json, plan_digest) = self._agree_plan(name, problem)
+        plan, slots, (plan_json, plan_digest) = self._agree_plan(name, problem, slices)
         self._tell("update", "handshake", 0, len(plan.buckets))
         slot_bytes = align_up(max(plan.largest_bucket, ALIGN))
         buffer_bytes = slot_bytes * slots
@@ -106,7 +107,10 @@ class BroadcastUpdate:
             if not self.keep_device_buffers and mapped and not broken:
                 self._release_ipc()
         times["total"] = time.perf_counter() - t0
-        return self._report(name, plan, stats, times, slots=slots, device_buffer_bytes=buffer_bytes)
+        extra = {} if slices is None else {"slices": {
+            "plan": slices.digest, "received_bytes": [received_bytes(plan, r) for r in range(self.world_size)],
+            "whole_bytes": slices.whole_bytes()}}
+        return self._report(name, plan, stats, times, slots=slots, device_buffer_bytes=buffer_bytes, **extra)
 
     def _handshake(self, link: PsLink, hello: bytes | None, alloc_failed: str | None,
                    ckpt: RegisteredCheckpoint, publish) -> bool:

@@ -219,17 +219,36 @@ class Collectives:
             # spares a one-rank world the collective library's communicator setup (NCCL: ~0.3 s on
             # the first update).
             return None
+        return self._data_op(f"broadcast of {tensor.numel()} bytes from rank {src}",
+                             lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op))
+
+    def send(self, tensor: torch.Tensor, dst: int, *, async_op: bool):
+        """Point to point over the data group (a bucket of slices for one engine rank)."""
+        if self._closed:
+            raise TransportError("the process groups of this ParameterServer are closed")
+        fn = dist.isend if async_op else dist.send
+        return self._data_op(f"send of {tensor.numel()} bytes to rank {dst}",
+                             lambda: fn(tensor, dst=dst, group=self.data_group))
+
+    def recv(self, tensor: torch.Tensor, src: int, *, async_op: bool):
+        if self._closed:
+            raise TransportError("the process groups of this ParameterServer are closed")
+        fn = dist.irecv if async_op else dist.recv
+        return self._data_op(f"receive of {tensor.numel()} bytes from rank {src}",
+                             lambda: fn(tensor, src=src, group=self.data_group))
+
+    def _data_op(self, what: str, call):
         try:
-            return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+            work = call()
         except Exception as exc:  # collective libraries raise RuntimeError/DistBackendError
             text = str(exc)
             if "imed out" in text or "imeout" in text:
                 raise groups_broken(UpdateTimeoutError(
-                    f"rank {self.rank}: broadcast of {tensor.numel()} bytes from rank {src} timed out after "
-                    f"{self.timeout.total_seconds():g} s (PS_COLLECTIVE_TIMEOUT_S): a peer rank died or is "
-                    f"stuck: {text}")) from exc
-            raise groups_broken(TransportError(f"rank {self.rank}: broadcast of {tensor.numel()} bytes from "
-                                               f"rank {src} failed (a peer rank died?): {text}")) from exc
+                    f"rank {self.rank}: {what} timed out after {self.timeout.total_seconds():g} s "
+                    f"(PS_COLLECTIVE_TIMEOUT_S): a peer rank died or is stuck: {text}")) from exc
+            raise groups_broken(TransportError(f"rank {self.rank}: {what} failed (a peer rank died?): "
+                                               f"{text}")) from exc
+        return None if isinstance(work, int) else work
 
     def new_group(self, ranks: list[int]):
         """A data-backend group of ``ranks`` (global ranks); a collective of the whole world.

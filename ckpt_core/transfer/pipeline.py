@@ -23,6 +23,7 @@ import torch
 from ckpt_core.transfer.collectives import Collectives, groups_broken
 from ckpt_core.wire.link import PsLink
 from ckpt_core.planning.buckets import Plan
+from ckpt_core.planning.slices import SlicedBucket, box_extent, box_offsets
 from ckpt_core.devices import DeviceBackend, IpcBuffer
 from ckpt_core.errors import UpdateTimeoutError
 
@@ -39,19 +40,25 @@ class PipelineStats:
     awaited: int = 0     # times the host had to wait for a broadcast to complete (a slot, or the end)
 
 
+def byte_box(flat: torch.Tensor, shape, offsets, extent, itemsize: int) -> torch.Tensor:
+    """The box (``offsets``, ``extent``) of the row-major tensor of ``shape`` whose bytes are
+    ``flat`` (uint8), as a uint8 view with the last dimension scaled by the itemsize, so that
+    every dtype is moved bit-exact."""
+    k = itemsize
+    shape = list(shape) or [1]
+    shape[-1] *= k
+    box = flat[: math.prod(shape)].view(shape)
+    last = len(shape) - 1
+    for d, (o, e) in enumerate(zip(offsets, extent)):
+        box = box.narrow(d, o * (k if d == last else 1), e * (k if d == last else 1))
+    return box
+
+
 def place_strided(slot: torch.Tensor, sc) -> None:
     """Copy a strided piece, packed at ``sc.src`` of the slot, into its box of the whole tensor at
-    ``sc.dst``. Bytes are viewed as uint8 with the last dimension scaled by the itemsize, so every
-    dtype is moved bit-exact."""
-    k = sc.itemsize
-    shape, extent = list(sc.shape), list(sc.extent)
-    shape[-1] *= k
-    extent[-1] *= k
-    whole = slot[sc.dst: sc.dst + math.prod(shape)].view(shape)
-    box = whole
-    for d, (o, e) in enumerate(zip(sc.offsets, sc.extent)):
-        box = box.narrow(d, o * (k if d == len(shape) - 1 else 1), e * (k if d == len(shape) - 1 else 1))
-    box.copy_(slot[sc.src: sc.src + math.prod(extent)].view(extent))
+    ``sc.dst``."""
+    box = byte_box(slot[sc.dst:], sc.shape, sc.offsets, sc.extent, sc.itemsize)
+    box.copy_(slot[sc.src: sc.src + box.numel()].view(box.shape))
 
 
 class BroadcastPipeline:
@@ -108,6 +115,9 @@ class BroadcastPipeline:
         segments at once (all host links busy), then each segment is broadcast from its owner;
         the strided pieces, broadcast packed, are then copied into their boxes on every rank.
         """
+        if isinstance(bucket, SlicedBucket):
+            self._move_slices(bucket, dst)
+            return
         segments = bucket.segments
         if bucket.shared is None:
             if bucket.owner == self.rank:
@@ -123,6 +133,27 @@ class BroadcastPipeline:
                 work.wait()   # on a device kind this only orders the current stream after the collective
         for sc in bucket.scatters:
             place_strided(dst, sc)
+
+    def _move_slices(self, bucket: SlicedBucket, dst: torch.Tensor) -> None:
+        """A bucket of one engine rank's slices: its owner packs them (a strided host-to-device copy
+        per slice) and sends the bucket to that rank alone; every other rank skips it."""
+        if bucket.owner == self.rank:
+            with self.backend.stream_context(self.copy_stream):
+                for bc in bucket.boxes:
+                    src = byte_box(self.host[bc.base][bc.base_offset:], bc.shape, box_offsets(bc.shape, bc.box),
+                                   box_extent(bc.shape, bc.box), bc.itemsize)
+                    dst[bc.offset: bc.offset + src.numel()].view(src.shape).copy_(src, non_blocking=True)
+                    self.stats.h2d_bytes += src.numel()
+                copied = self.backend.new_event()
+                copied.record()
+            copied.wait()
+        work = None
+        if bucket.owner == self.rank and bucket.dest != self.rank:
+            work = self.coll.send(dst, bucket.dest, async_op=self.async_ops)
+        elif bucket.dest == self.rank and bucket.owner != self.rank:
+            work = self.coll.recv(dst, bucket.owner, async_op=self.async_ops)
+        if work is not None:
+            work.wait()
 
     def _stage(self, bucket, dst: torch.Tensor) -> int:
         """Owner: copy the bucket's host runs into its slot on the copy stream."""

@@ -12,6 +12,7 @@ import hashlib
 import json
 
 from ckpt_core.planning.buckets import Plan, TensorMeta, layout_sizes, plan_buckets
+from ckpt_core.planning.slices import SlicePlan, plan_sliced, rank_placements
 from ckpt_core.wire.protocol import plan_fragment
 
 PLAN_CACHE = 4      # plans kept; the least recently used goes first
@@ -20,7 +21,7 @@ PLAN_CACHE = 4      # plans kept; the least recently used goes first
 class PlanCache:
     def __init__(self, size: int = PLAN_CACHE):
         self.size = size
-        self._plans: dict[tuple[int, str], tuple[Plan, tuple[str, str]]] = {}
+        self._plans: dict[tuple, tuple[Plan, tuple[str, str]]] = {}
         self._digests: dict[str, tuple[list, str]] = {}   # checkpoint -> (the metas it digests, digest)
         self._sizes: dict[str, tuple[int, int]] = {}      # metas digest -> layout_sizes
 
@@ -44,11 +45,19 @@ class PlanCache:
     def forget(self, name: str) -> None:
         self._digests.pop(name, None)
 
-    def get(self, metas: list[list[TensorMeta]], digest: str, bucket_bytes: int) -> tuple[Plan, tuple[str, str]]:
-        """The plan of these metas at this bucket size and its wire form (JSON, digest)."""
-        key = (bucket_bytes, digest)
+    def get(self, metas: list[list[TensorMeta]], digest: str, bucket_bytes: int, *,
+            slices: SlicePlan | None = None, rank: int = 0) -> tuple[Plan, tuple[str, str]]:
+        """The plan of these metas at this bucket size and its wire form (JSON, digest).
+
+        With ``slices`` (``planning/slices.py``) each engine rank gets only its slices: the wire
+        form is then rank ``rank``'s own, and the plan is cached under the slice plan's digest too.
+        """
+        key = (bucket_bytes, digest) if slices is None else (bucket_bytes, digest, slices.digest, rank)
         if key in self._plans:
             entry = self._plans.pop(key)
+        elif slices is not None:
+            plan = plan_sliced(metas, slices, bucket_bytes)
+            entry = (plan, plan_fragment(rank_placements(plan, rank)))
         else:
             plan = plan_buckets(metas, bucket_bytes)
             entry = (plan, plan_fragment([[(p.meta.name, p.meta.dtype, p.meta.shape, p.offset) for p in b.placements]

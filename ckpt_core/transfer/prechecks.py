@@ -207,7 +207,7 @@ class UpdateAgreement:
                               f"registered there; call gather_metas({name!r}) on every rank again")
         return ckpt
 
-    def _agree_plan(self, name: str, problem: list | None) -> tuple[Plan, int, tuple[str, str]]:
+    def _agree_plan(self, name: str, problem: list | None, slices=None) -> tuple[Plan, int, tuple[str, str]]:
         """All ranks agree on (bucket size, slots) from their free memory, then plan (cached).
 
         The same exchange carries every rank's pre-check problem: if any rank has one, every
@@ -221,6 +221,7 @@ class UpdateAgreement:
                 view = {"problem": problem_of(exc)}
         # the update's identity: ranks naming two checkpoints of one layout would send a mix of both
         view.update(name=name if isinstance(name, str) else repr(name), wire=self.wire)
+        view["slices"] = None if slices is None else slices.digest
         views = self._coll.all_gather_json(view)
         raise_agreed([v.get("problem") for v in views], f"update({name!r})")
         same_kind(views, f"update({name!r})")
@@ -228,8 +229,11 @@ class UpdateAgreement:
         metas, fp = self._metas[name], view["fp"]
         if len({v["fp"] for v in views}) != 1:
             raise ConfigError(f"ranks disagree on the metas of {name!r}: call gather_metas on every rank again")
+        if len({v["slices"] for v in views}) != 1:
+            raise ConfigError(f"ranks disagree on the slice plan of update({name!r}): "
+                              f"{[v['slices'] for v in views]} (give every rank the same plan, or none)")
         size, slots = min(v["bucket"] for v in views), min(v["slots"] for v in views)
-        plan, wire = self._plans.get(metas, fp, size)
+        plan, wire = self._plans.get(metas, fp, size, slices=slices, rank=self.rank)
         return plan, max(1, min(slots, len(plan.buckets))), wire
 
     def _layout_view(self, name: str) -> dict:

@@ -1,0 +1,13 @@
+"""Routing by a slice plan on CPU: real PS processes (gloo point-to-point sends), real engine-worker
+processes. Each worker receives exactly its rows, its columns and the whole tensors, bit for bit;
+the result reports the bytes of each rank; ranks that disagree on the plan all refuse it."""
+
+import slices_world as sw
+
+
+def test_each_engine_worker_receives_exactly_its_slices_and_the_whole_tensors():
+    sw.case_each_worker_receives_its_slices("cpu")
+
+
+def test_ranks_that_disagree_on_the_plan_all_refuse_it_and_the_next_update_works():
+    sw.case_disagreeing_ranks_refuse("cpu")

