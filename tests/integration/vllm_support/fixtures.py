@@ -233,3 +233,50 @@ def broken_copy(src: Path, dst: Path, *, drop: str | tuple[str, ...] | None = No
         tensors[reshape] = (t.t() if t.shape[0] != t.shape[1] else t[:, : t.shape[1] // 2]).contiguous()
     save_file(tensors, str(dst))
     return dst
+
+
+class OneAhead:
+    """The cases of a parametrized module fixture, each prepared while the tests of the case before
+    it run: ``prepare(case)`` (build a model, boot its server, compute its references) runs in a
+    background thread as soon as the previous case is ready, so the next server boots on the core
+    that a case's tests (pushes and completions) leave idle. ``get(case)`` waits for ``case`` and
+    starts the one after it; ``close()`` waits for what is still being prepared and closes every
+    case not handed out (a handed-out case is the fixture's to close). At most two cases (two
+    servers) exist at once. The order is that of the session's selected tests (``-k`` respected:
+    nothing is prepared for a deselected case)."""
+
+    def __init__(self, request, fixture: str, prepare, close, timeout: float = 1800):
+        self._prepare, self._close, self._timeout = prepare, close, timeout
+        self._order = []
+        for item in request.session.items:
+            spec = getattr(item, "callspec", None)
+            if (item.module is request.module and spec is not None and fixture in spec.params
+                    and spec.params[fixture] not in self._order):
+                self._order.append(spec.params[fixture])
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-test-ahead")
+        self._futures: dict[int, Future] = {}
+
+    def _submit(self, index: int) -> Future:
+        if index not in self._futures:
+            self._futures[index] = self._pool.submit(self._prepare, self._order[index])
+        return self._futures[index]
+
+    def get(self, case):
+        index = self._order.index(case)
+        future = self._submit(index)
+        try:
+            prepared = future.result(timeout=self._timeout)
+        finally:
+            del self._futures[index]
+            if index + 1 < len(self._order):
+                self._submit(index + 1)   # runs once this case is ready: the pool has one thread
+        return prepared
+
+    def close(self) -> None:
+        for future in self._futures.values():
+            try:
+                self._close(future.result(timeout=self._timeout))
+            except Exception:
+                pass   # a case that failed to prepare owns nothing (its own cleanup stopped its server)
+        self._futures.clear()
+        self._pool.shutdown(wait=True)
