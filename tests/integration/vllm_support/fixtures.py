@@ -147,6 +147,12 @@ class SharedServers:
     """One server per (model, arguments) for the whole session, shared by the test modules that
     ask for the same one (a cold start costs ~40 s of the suite's 2 cores), stopped at the end.
 
+    A module that uses one declares it, ``SHARED_SERVER = ("tiny_model", {arguments})`` (the model
+    fixture's name, the arguments of ``get``): when the session first asks for a shared server,
+    every server the selected modules declare boots at once (``launch_declared``; a cold start is
+    mostly one core's work, so two boot in about the time of one), and the later modules find
+    theirs ready.
+
     A test on a shared server must not assume what an earlier module left in it: it pushes the
     weights it checks (``VllmServer.pushed`` says whether anything was pushed yet).
     """
@@ -155,13 +161,30 @@ class SharedServers:
         self.python, self.base = python, base
         self._servers: dict[tuple, VllmServer] = {}
 
-    def get(self, model: TinyModel, **kwargs) -> VllmServer:
+    def _launch(self, model: TinyModel, kwargs: dict) -> VllmServer:
+        """The server of (model, kwargs): the running or booting one, else a new one, launched."""
         key = (str(model.dir), json.dumps(kwargs, sort_keys=True, default=str))
         server = self._servers.get(key)
         if server is None or not server.alive():
             where = self.base / f"server-{len(self._servers)}"
-            server = self._servers[key] = start_server(self.python, model, where, **kwargs)
+            server = self._servers[key] = launch_server(self.python, model, where, **kwargs)
         return server
+
+    def get(self, model: TinyModel, **kwargs) -> VllmServer:
+        server = self._launch(model, kwargs)
+        if server.start_seconds is None:   # launched, not yet waited for
+            ready(server)
+        return server
+
+    def launch_declared(self, request) -> None:
+        """Launch (without waiting) the ``SHARED_SERVER`` of every module the session selected."""
+        seen = []
+        for item in request.session.items:
+            declared = getattr(item.module, "SHARED_SERVER", None)
+            if declared is not None and item.module not in seen:
+                seen.append(item.module)
+                name, kwargs = declared
+                self._launch(request.getfixturevalue(name), dict(kwargs))
 
     def stop(self) -> None:
         for server in self._servers.values():
@@ -170,9 +193,10 @@ class SharedServers:
 
 
 @pytest.fixture(scope="session")
-def shared_servers(vllm_python, tmp_path_factory):
+def shared_servers(request, vllm_python, tmp_path_factory):
     registry = SharedServers(vllm_python, tmp_path_factory.mktemp("shared-vllm"))
     try:
+        registry.launch_declared(request)
         yield registry
     finally:
         registry.stop()
