@@ -65,8 +65,10 @@ class _Engine:
         if self.kind == "cuda":
             self.torch.cuda.empty_cache()
 
-    def update(self, handles: dict) -> dict:
+    def update(self, handles: dict, stage: bool = False) -> dict:
         from ckpt_core import update_weights_from_ipc
+        if stage:
+            return self.stage(handles)
         seen: set[str] = set()
         buckets = [0]
 
@@ -93,6 +95,38 @@ class _Engine:
         update_weights_from_ipc(self.zmq_ctx, handles[self.key], self.index, run=run, post_hook=post_hook)
         return {"seconds": time.perf_counter() - t0, "buckets": buckets[0], "tensors": len(seen)}
 
+    def stage(self, handles: dict) -> dict:
+        """Receive the update into a staging area on the device (what ckpt_vllm's worker does), not
+        into the parameters; :meth:`commit` then copies it in."""
+        from ckpt_core import update_weights_from_ipc
+        from ckpt_vllm._staging import StagingArea
+
+        self.staged = StagingArea("bench", self.device, device_limit=1 << 50)
+        t0 = time.perf_counter()
+        update_weights_from_ipc(self.zmq_ctx, handles[self.key], self.index, run=self.staged.add)
+        return {"seconds": time.perf_counter() - t0, "buckets": len(self.staged.buckets),
+                "tensors": self.staged.tensors, "staged_bytes": self.staged.nbytes}
+
+    def commit(self) -> dict:
+        """Staged -> live: one batched device-to-device copy (the simulated engine has no reload step)."""
+        area = getattr(self, "staged", None)
+        if area is None:
+            raise ValueError("nothing is staged")
+        pairs = [(self.params[n], t) for bucket in area.buckets for n, t in bucket]
+        if len(pairs) != len(self.params):
+            raise ValueError(f"{len(self.params) - len(pairs)} parameters were not staged")
+        self.sync()
+        t0 = time.perf_counter()
+        self.torch._foreach_copy_([p for p, _ in pairs], [t for _, t in pairs])
+        self.sync()
+        seconds = time.perf_counter() - t0
+        nbytes = sum(t.numel() * t.element_size() for _, t in pairs)
+        area.free()
+        self.staged = None
+        if self.kind == "cuda":
+            self.torch.cuda.empty_cache()
+        return {"seconds": seconds, "bytes": nbytes, "tensors": len(pairs)}
+
     def handle(self, cmd: tuple):
         op = cmd[0]
         if op == "alloc":
@@ -104,7 +138,9 @@ class _Engine:
         if op == "free":
             return self.free()
         if op == "update":
-            return self.update(cmd[1])
+            return self.update(cmd[1], *cmd[2:])
+        if op == "commit":
+            return self.commit()
         raise ValueError(f"unknown command {op!r}")
 
 
@@ -197,12 +233,13 @@ class EngineFront:
 
     def __init__(self, addresses: list, timeout: float = 600.0):
         self.timeout = timeout
+        self.stage = False   # the next updates stage (the workers' "commit" makes them live)
         self.conns = [Client(tuple(a) if isinstance(a, list) else a, authkey=AUTH) for a in addresses]
         self.last: list = []
 
     def req_func(self, handles) -> None:
         for c in self.conns:
-            c.send(("update", dict(handles)))
+            c.send(("update", dict(handles), self.stage))
         results = []
         for i, c in enumerate(self.conns):
             if not c.poll(self.timeout):

@@ -55,6 +55,8 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None, help="JSON results")
     p.add_argument("--dir", default="/dev/shm/ckpt-vllm-bench", help="where the checkpoint is written")
     p.add_argument("--profile", default=None, help="write a cProfile of the engine's last update (text) here")
+    p.add_argument("--stage", action="store_true",
+                   help="ours: after the timed updates, stage once into device memory and time the commit")
     p.add_argument("--gpu-mem", type=float, default=0.45, help="vLLM gpu_memory_utilization")
     p.add_argument("--role", choices=("main", "engine", "ps", "cold"), default="main", help=argparse.SUPPRESS)
     p.add_argument("--impl", default="ours", help=argparse.SUPPRESS)
@@ -132,14 +134,18 @@ def run_engine(args) -> None:
     server.bind(path)
     server.listen(1)
     child = subprocess.Popen([sys.executable, __file__, "--role", "ps", "--impl", args.impl, "--sock", path,
-                              "--dir", args.dir, "--repeats", str(args.repeats)], env=child_env())
+                              "--dir", args.dir, "--repeats", str(args.repeats)] + (["--stage"] if args.stage else []),
+                             env=child_env())
     server.settimeout(600)
     conn, _ = server.accept()
     ch = Channel(conn)
-    engine_s, results = [], []
+    engine_s, results, stage_report = [], [], None
     while True:
         msg = ch.recv()
-        if "handles" in msg:
+        if "stage" in msg:
+            stage_report = stage_into(llm, msg["handles"], msg["stage"])
+            ch.send({"ok": True})
+        elif "handles" in msg:
             last = len(engine_s) == args.repeats
             prof = _profiler() if (args.profile and last) else None
             t0 = time.perf_counter()
@@ -154,6 +160,12 @@ def run_engine(args) -> None:
     report = {"impl": args.impl, "register_s": msg["register_s"], "gather_s": msg["gather_s"],
               "update_s": msg["update_s"], "engine_s": engine_s, "bytes": msg["bytes"],
               "ckpt_vllm_phases": results[-1]["seconds"] if results and results[-1] else None}
+    if stage_report is not None:
+        t0 = time.perf_counter()
+        res = llm.collective_rpc("commit_staged_weights", args=(stage_report["version"],))
+        stage_report["commit_s"] = time.perf_counter() - t0
+        stage_report["commit_phases"] = res[0]["seconds"]
+        report["stage"] = {**stage_report, "ps_stage_s": msg.get("stage_s")}
     if args.verify:
         report["kv_cache_dtype"] = str(llm.llm_engine.vllm_config.cache_config.cache_dtype)
         report["tokens"] = greedy_tokens(llm)
@@ -161,6 +173,20 @@ def run_engine(args) -> None:
     ch.send({"bye": True})
     child.wait(timeout=120)
     print("RESULT " + json.dumps(report), flush=True)
+
+
+def stage_into(llm, handles: dict, version: str) -> dict:
+    """Stage one update into device memory (the worker receives on its own thread; poll until done)."""
+    t0 = time.perf_counter()
+    llm.collective_rpc("update_weights_from_ipc", args=(handles,),
+                       kwargs={"stage": version, "stage_device_bytes": 1 << 40})
+    while True:
+        state = llm.collective_rpc("ckpt_stage_status")[0]
+        if state["state"] == "done":
+            return {"version": version, "stage_engine_s": time.perf_counter() - t0, "worker": state}
+        if state["state"] != "running":
+            raise RuntimeError(f"the stage vanished: {state}")
+        time.sleep(0.005)
 
 
 def run_ps(args) -> None:
@@ -196,8 +222,17 @@ def run_ps(args) -> None:
         s = time.perf_counter()
         ps.update("bench", req_func)
         update_s.append(time.perf_counter() - s)
+    stage_s = None
+    if args.stage and args.impl == "ours":
+        def stage_req(handles):
+            ch.send({"handles": dict(handles), "stage": "staged"})
+            ch.recv()
+        s = time.perf_counter()
+        ps.update("bench", stage_req)
+        stage_s = time.perf_counter() - s
     nbytes = sum(os.path.getsize(f) for f in files)
-    ch.send({"done": True, "register_s": t1 - t0, "gather_s": t2 - t1, "update_s": update_s, "bytes": nbytes})
+    ch.send({"done": True, "register_s": t1 - t0, "gather_s": t2 - t1, "update_s": update_s, "bytes": nbytes,
+             "stage_s": stage_s})
     ch.recv()
 
 
@@ -231,6 +266,7 @@ def run_child(args, role: str, impl: str, timeout: float = 1800) -> dict:
            "--repeats", str(args.repeats), "--gpu-mem", str(args.gpu_mem)]
     cmd += ["--verify"] if args.verify else []
     cmd += ["--profile", args.profile] if args.profile else []
+    cmd += ["--stage"] if args.stage else []
     cmd += ["--quantization", args.quantization] if args.quantization else []
     out = subprocess.run(cmd, env=child_env(), stdout=subprocess.PIPE, text=True, timeout=timeout)
     sys.stdout.write("\n".join(line for line in out.stdout.splitlines() if not line.startswith("RESULT ")) + "\n")
@@ -306,6 +342,10 @@ def format_report(report: dict) -> str:
         if r.get("ckpt_vllm_phases"):
             lines.append("  ckpt_vllm phases of the last update: " + json.dumps(
                 {k: round(v, 4) for k, v in r["ckpt_vllm_phases"].items()}))
+        st = r.get("stage")
+        if st:
+            lines.append(f"  staged: PS {st['ps_stage_s']:.3f} s while the engine could serve, then commit "
+                         f"{st['commit_s'] * 1e3:.1f} ms (worker phases {json.dumps({k: round(v, 4) for k, v in st['commit_phases'].items()})})")
     return "\n".join(lines)
 
 

@@ -249,12 +249,31 @@ class VllmClient:
         report = UpdateReport(path="stage")
         phases = Phases()
         phases.seconds = report.seconds
-        report.workers = phases.run("stage", self.collective_rpc, "update_weights_from_ipc", [dict(handles)],
-                                    {"timeout": wait, "stage": str(version), "stage_device_bytes": int(device_bytes)},
-                                    timeout=wait)
+        phases.run("start", self.collective_rpc, "update_weights_from_ipc", [dict(handles)],
+                   {"timeout": wait, "stage": str(version), "stage_device_bytes": int(device_bytes)}, timeout=wait)
+        report.workers = phases.run("stage", self._wait_staged, str(version), wait)
         with self._lock:
             self.last_report = report
         return report
+
+    def _wait_staged(self, version: str, timeout: float, poll_s: float = 0.02) -> list[dict]:
+        """Poll the workers' stage threads until every one is done; a worker's failure is raised
+        (``RemoteWorkerError``), and after ``timeout`` the stage is dropped and an ``UpdateTimeoutError`` raised."""
+        deadline = time.monotonic() + timeout
+        while True:
+            states = self.collective_rpc("ckpt_stage_status", timeout=min(timeout, 60.0))
+            if states and all(s.get("state") == "done" for s in states):
+                return states
+            lost = [i for i, s in enumerate(states) if s.get("state") == "none"]
+            if lost or not states:
+                raise RemoteWorkerError(f"{self.where}: the stage of {version!r} vanished from worker(s) {lost} "
+                                        "(dropped, or replaced by another stage)")
+            if time.monotonic() > deadline:
+                self._cleanup(exc := UpdateTimeoutError(
+                    f"{self.where} did not finish staging {version!r} within {timeout:g} s; the stage was dropped"),
+                    "drop_staged", self.drop_staged)
+                raise exc
+            time.sleep(poll_s)
 
     def commit(self, version: str, *, pause: str = "keep", timeout: float | None = None) -> UpdateReport:
         """Switch the server to the staged ``version``: pause (``keep``: running requests freeze and

@@ -10,7 +10,10 @@ every helper here is prefixed ``_ckpt_``.
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from contextlib import nullcontext as _nullcontext
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from ckpt_core import update_weights_from_ipc as _core_update_weights_from_ipc
@@ -173,6 +176,18 @@ def _count_over_workers(flag: bool) -> int:
     return int(count.item())
 
 
+@dataclass(eq=False)
+class _StageJob:
+    """A stage receiving on its own thread of the worker (see ``_ckpt_stage``)."""
+
+    area: StagingArea
+    thread: threading.Thread | None = None
+    result: dict | None = None
+    error: BaseException | None = None
+    started_at: float = 0.0
+    cancelled: bool = False
+
+
 class VllmColocateWorkerExtension:
     """Mixed into vLLM's worker by ``--worker-extension-cls ckpt_vllm.VllmColocateWorkerExtension``.
 
@@ -265,37 +280,90 @@ class VllmColocateWorkerExtension:
 
     def _ckpt_stage(self, handle: str, kind: str, index: int, version: str, device_limit: int,
                     timeout: float) -> dict:
+        """Start receiving a stage on a thread of this worker and return at once.
+
+        The RPC that starts it runs inside vLLM's engine loop, which does not step while an RPC
+        runs: receiving on a thread is what lets the engine keep generating meanwhile. The
+        requester then polls :meth:`ckpt_stage_status` (each poll is a short RPC between steps).
+        """
         import torch
 
         self._ckpt_drop_staged()   # a new stage replaces the staged one, also when it fails
-        t0 = time.perf_counter()
         device = torch.device(kind.lower(), index) if kind.lower() == "cuda" else torch.device("cpu")
-        area = StagingArea(version, device, device_limit)
+        job = _StageJob(StagingArea(version, device, device_limit))
         expected = getattr(self, "_ckpt_live_layout", None)
+        job.thread = threading.Thread(target=self._ckpt_stage_body, name=f"ckpt-stage-{version}", daemon=True,
+                                      args=(job, handle, index, expected, timeout))
+        self._ckpt_stage_job = job
+        job.thread.start()
+        return {"device_key": local_device_key(kind, index), "version": version, "state": "running"}
+
+    def _ckpt_stage_body(self, job: "_StageJob", handle: str, index: int, expected: dict | None,
+                         timeout: float) -> None:
+        import torch
+
+        area = job.area
+        job.started_at = time.time()
+        t0 = time.perf_counter()
+
+        def add(weights):
+            if job.cancelled:
+                raise ConfigError(f"the stage of {area.version!r} was dropped while it ran")
+            area.add(weights)
 
         def seal():
             area.sealed = True
 
         try:
-            _core_update_weights_from_ipc(self._ckpt_zmq_context(), handle, index, run=area.add, timeout=timeout,
-                                          on_plan=lambda tensors: area.check_plan(tensors, expected),
-                                          post_hook=seal)
-        except BaseException:
+            side = None
+            if area.device.type == "cuda":   # copies on a stream of their own: generation keeps the default one
+                torch.cuda.set_device(area.device)
+                side = torch.cuda.Stream(area.device)
+            with torch.cuda.stream(side) if side is not None else _nullcontext():
+                _core_update_weights_from_ipc(self._ckpt_zmq_context(), handle, index, run=add, timeout=timeout,
+                                              on_plan=lambda tensors: area.check_plan(tensors, expected),
+                                              post_hook=seal)
+            job.result = {"device_key": local_device_key(area.device.type, index), **area.summary(),
+                          "state": "done", "started_at": job.started_at, "finished_at": time.time(),
+                          "seconds": {"copy": area.seconds, "total": time.perf_counter() - t0}}
+            log.info("ckpt stage of %s on %s: %d tensors, %.1f MB (%.1f MB on the device) in %.3f s, "
+                     "while the engine kept serving", area.version, job.result["device_key"], area.tensors,
+                     area.nbytes / 1e6, area.device_bytes / 1e6, job.result["seconds"]["total"])
+        except BaseException as exc:   # noqa: BLE001 - handed to the requester by ckpt_stage_status
             area.free()
-            raise
-        self._ckpt_staged = area
-        result = {"device_key": local_device_key(kind, index), **area.summary(),
-                  "seconds": {"copy": area.seconds, "total": time.perf_counter() - t0}}
-        log.info("ckpt stage of %s on %s: %d tensors, %.1f MB (%.1f MB on the device) in %.3f s", version,
-                 result["device_key"], area.tensors, area.nbytes / 1e6, area.device_bytes / 1e6,
-                 result["seconds"]["total"])
-        return result
+            job.error = exc
+            log.warning("ckpt stage of %s failed: %s: %s", area.version, type(exc).__name__, exc)
 
-    def _ckpt_drop_staged(self) -> None:
-        area = getattr(self, "_ckpt_staged", None)
-        if area is not None:
-            area.free()
-        self._ckpt_staged = None
+    def ckpt_stage_status(self) -> dict:
+        """The running or finished stage: ``{"state": "running" | "done" | "none", ...}``.
+
+        A stage that failed raises its error here, once (the requester's poll reports it)."""
+        job = getattr(self, "_ckpt_stage_job", None)
+        if job is None:
+            return {"state": "none"}
+        if job.thread.is_alive():
+            area = job.area
+            return {"state": "running", "version": area.version, "tensors": area.tensors, "bytes": area.nbytes}
+        if job.error is not None:
+            self._ckpt_stage_job = None
+            raise job.error
+        return job.result
+
+    def _ckpt_drop_staged(self, join_s: float = 30.0) -> None:
+        job = getattr(self, "_ckpt_stage_job", None)
+        if job is not None:
+            job.cancelled = True
+            if job.thread.is_alive():
+                job.thread.join(join_s)
+                if job.thread.is_alive():
+                    raise ConfigError(f"the stage of {job.area.version!r} did not stop within {join_s:g} s")
+            job.area.free()
+        self._ckpt_stage_job = None
+
+    @property
+    def _ckpt_staged(self) -> StagingArea | None:
+        job = getattr(self, "_ckpt_stage_job", None)
+        return None if job is None or job.thread.is_alive() or job.error is not None else job.area
 
     def _ckpt_made_live(self, layout: dict, version: str | None) -> None:
         reset_derived_caches(self)

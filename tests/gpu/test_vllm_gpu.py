@@ -32,6 +32,7 @@ import random
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -379,12 +380,13 @@ def test_staged_in_device_and_pinned_host_memory_then_committed_equals_a_cold_lo
             name = f"stage-{version}"
             ps.register_checkpoint(name, files=[str(p.weights[index])])
             ps.gather_metas(name)
-            got = []
-            ps.update(name, lambda handles: got.extend(llm.collective_rpc(
+            started = []
+            ps.update(name, lambda handles: started.extend(llm.collective_rpc(
                 "update_weights_from_ipc", args=(dict(handles),),
                 kwargs={"timeout": 300, "stage": version, "stage_device_bytes": device_bytes})))
             ps.unregister_checkpoint(name)
-        return got[0]
+        assert started[0]["state"] == "running", started   # the worker receives on a thread of its own
+        return staged_result(llm)
 
     with new_ps() as ps:
         push(ps, llm, "a", [str(p.weights[0])])
@@ -409,6 +411,71 @@ def test_staged_in_device_and_pinned_host_memory_then_committed_equals_a_cold_lo
     assert not differences(llm.collective_rpc("ckpt_state_digests"), cold[0])
     assert llm.collective_rpc("ckpt_weight_versions")[0]["live"] == "a2"
     print(f"{case}: staged {staged['bytes']} bytes; commit {committed['seconds']}")
+    del llm
+
+
+def staged_result(llm, timeout: float = 120.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = llm.collective_rpc("ckpt_stage_status")[0]
+        if state["state"] == "done":
+            return state
+        assert state["state"] == "running", state
+        time.sleep(0.01)
+    raise AssertionError(f"the stage did not finish within {timeout:g} s")
+
+
+@pytest.mark.gpu
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_the_native_backend_path_equals_a_cold_load(prepared):
+    """vLLM's own routes (init_weight_transfer_engine, start/update/finish_weight_update) with our
+    ``ckpt`` backend, registered in this process (the engine core runs in it): A, B, A, each equal
+    to a cold load; an update split over two PS updates (one weight update) too."""
+    from safetensors.torch import load_file, save_file
+
+    from ckpt_vllm.plugin import register
+    from vllm import LLM
+
+    case = "qwen2-bf16" if "qwen2-bf16" in prepared else next(iter(prepared))
+    p = prepared[case]
+    assert register()
+    llm = LLM(model=str(p.model_dir), load_format="dummy", worker_extension_cls=EXTENSION,
+              weight_transfer_config={"backend": "ckpt"},
+              **{k: v for k, v in p.engine_kwargs.items() if v is not None})
+    llm.init_weight_transfer_engine({"init_info": {"timeout_s": 300}})
+    cold = [p.cold["digests"][str(w)] for w in p.weights]
+
+    def backend_push(ps, name, files, *, first=True, last=True):
+        ps.register_checkpoint(name, files=files)
+        try:
+            ps.gather_metas(name)
+            if first:
+                llm.start_weight_update()
+            ps.update(name, lambda handles: llm.update_weights(
+                {"update_info": {"zmq_handles": dict(handles), "check_complete": last}}))
+            if last:
+                llm.finish_weight_update()
+        finally:
+            ps.unregister_checkpoint(name)
+        llm.reset_prefix_cache()
+
+    with new_ps() as ps:
+        for step, index in enumerate([0, 1, 0]):
+            backend_push(ps, f"backend-{step}", [str(p.weights[index])])
+            differ = differences(llm.collective_rpc("ckpt_state_digests"), cold[index])
+            assert not differ, f"backend step {step}: differs from a cold load:\n" + "\n".join(differ)
+            assert _greedy(llm, p.prompts) == p.cold["tokens"][str(p.weights[index])]
+        tensors = load_file(str(p.weights[1]))
+        names = sorted(tensors)
+        parts = []
+        for i in range(2):
+            parts.append(p.weights[1].parent / f"part-{i}.safetensors")
+            save_file({n: tensors[n] for n in names[i::2]}, str(parts[-1]))
+        backend_push(ps, "backend-part-0", [str(parts[0])], last=False)
+        backend_push(ps, "backend-part-1", [str(parts[1])], first=False)
+        assert not differences(llm.collective_rpc("ckpt_state_digests"), cold[1])
+    print(f"{case}: the native backend path equals a cold load (A, B, A, and B in two PS updates)")
     del llm
 
 
