@@ -109,16 +109,29 @@ def build_tiny_model(python: str, out: Path, *, tie: bool = False) -> TinyModel:
 _BACKGROUND = ThreadPoolExecutor(max_workers=2, thread_name_prefix="vllm-test-refs")
 
 
+# The test modules import these fixtures, and pytest makes an imported fixture a fixture of that
+# module: a session-scoped one would run once per module (each module building its own tiny
+# model and booting its own "shared" servers). One instance per pytest process instead:
+_SESSION: dict[str, object] = {}
+
+
+def _once(key: str, make):
+    if key not in _SESSION:
+        _SESSION[key] = make()
+    return _SESSION[key]
+
+
 @pytest.fixture(scope="session")
 def tiny_model(vllm_python, tmp_path_factory) -> TinyModel:
     """Untied Qwen2 (lm_head has its own weight)."""
-    return build_tiny_model(vllm_python, tmp_path_factory.mktemp("tiny-qwen2"))
+    return _once("tiny_model", lambda: build_tiny_model(vllm_python, tmp_path_factory.mktemp("tiny-qwen2")))
 
 
 @pytest.fixture(scope="session")
 def tiny_tied_model(vllm_python, tmp_path_factory) -> TinyModel:
     """Qwen2 with lm_head tied to embed_tokens (the checkpoint has no lm_head.weight)."""
-    return build_tiny_model(vllm_python, tmp_path_factory.mktemp("tiny-qwen2-tied"), tie=True)
+    return _once("tiny_tied_model",
+                 lambda: build_tiny_model(vllm_python, tmp_path_factory.mktemp("tiny-qwen2-tied"), tie=True))
 
 
 def start_server(python: str, model: TinyModel, log_dir: Path, **kwargs) -> VllmServer:
@@ -194,9 +207,13 @@ class SharedServers:
 
 @pytest.fixture(scope="session")
 def shared_servers(request, vllm_python, tmp_path_factory):
-    registry = SharedServers(vllm_python, tmp_path_factory.mktemp("shared-vllm"))
-    try:
+    """The session's one ``SharedServers`` (see ``_SESSION``); every module's copy of this fixture
+    ends with the session and stops it (``stop`` is idempotent)."""
+    registry = _SESSION.get("shared_servers")
+    if registry is None:
+        registry = _SESSION["shared_servers"] = SharedServers(vllm_python, tmp_path_factory.mktemp("shared-vllm"))
         registry.launch_declared(request)
+    try:
         yield registry
     finally:
         registry.stop()
