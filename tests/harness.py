@@ -24,7 +24,45 @@ from multiprocessing.connection import Client, Listener
 import torch
 
 AUTH = b"ckpt-tests"
-CTX = mp.get_context("spawn")
+
+# Children of the worlds start from a fork server that has imported torch once (and what every
+# PS rank and engine worker imports after it): a spawned child spends ~3-5 s of a core importing
+# torch again, and the suite starts hundreds of them on CI's 2 cores. Each child still runs in
+# an interpreter that imported nothing of ours, with the sys.path of its parent (as with spawn)
+# and the environment its parent had when it was started (``_Process``: a fork server's
+# children would otherwise inherit the fork server's own). CKPT_TEST_START_METHOD=spawn
+# restores plain spawned children.
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor", "zmq", "httpx",
+           "safetensors"]
+
+
+class _Process(mp.context.ForkServerProcess):
+    """A fork-server child that runs with its parent's ``os.environ`` as of ``start()``."""
+
+    def start(self):
+        self._parent_environ = dict(os.environ)
+        super().start()
+
+    def run(self):
+        os.environ.clear()
+        os.environ.update(self._parent_environ)
+        super().run()
+
+
+class _Context(mp.context.ForkServerContext):
+    Process = _Process
+
+
+def _context():
+    method = os.environ.get("CKPT_TEST_START_METHOD", "forkserver")
+    if method != "forkserver":
+        return mp.get_context(method)
+    ctx = _Context()
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+CTX = _context()
 
 
 def pythonpath(*paths) -> str:

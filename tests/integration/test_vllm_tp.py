@@ -13,12 +13,13 @@ from vllm_support.fixtures import MAX_TOKENS, push, shared_servers, tiny_model, 
 from vllm_support.parity import tp_server_args
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
+SHARED_SERVER = ("tiny_model", {"extension": True, "backend": "ckpt", **tp_server_args(2)})   # SharedServers
 
 
 @pytest.fixture(scope="module")
 def server(shared_servers, tiny_model):
     """The session's TP=2 server (shared with test_fsdp2_example.py)."""
-    return shared_servers.get(tiny_model, extension=True, backend="ckpt", **tp_server_args(2))
+    return shared_servers.get(tiny_model, **SHARED_SERVER[1])
 
 
 @pytest.mark.parametrize("path", ["extension", "backend"])

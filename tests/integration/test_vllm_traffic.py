@@ -17,6 +17,7 @@ import pytest
 from vllm_support.fixtures import MAX_TOKENS, push, shared_servers, tiny_model, vllm_python  # noqa: F401
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1200)]
+SHARED_SERVER = ("tiny_model", {"extension": True, "backend": "ckpt"})   # vllm_support.fixtures.SharedServers
 
 PAUSES = [None, None, "keep", None, "wait", None, None, "keep", None, None]   # 10 updates per path
 
@@ -24,7 +25,7 @@ PAUSES = [None, None, "keep", None, "wait", None, None, "keep", None, None]   # 
 @pytest.fixture(scope="module")
 def server(shared_servers, tiny_model):
     # The server test_vllm_extension.py used (or a fresh one); its last test here kills it.
-    return shared_servers.get(tiny_model, extension=True, backend="ckpt")
+    return shared_servers.get(tiny_model, **SHARED_SERVER[1])
 
 
 class Traffic(threading.Thread):

@@ -109,16 +109,29 @@ def build_tiny_model(python: str, out: Path, *, tie: bool = False) -> TinyModel:
 _BACKGROUND = ThreadPoolExecutor(max_workers=2, thread_name_prefix="vllm-test-refs")
 
 
+# The test modules import these fixtures, and pytest makes an imported fixture a fixture of that
+# module: a session-scoped one would run once per module (each module building its own tiny
+# model and booting its own "shared" servers). One instance per pytest process instead:
+_SESSION: dict[str, object] = {}
+
+
+def _once(key: str, make):
+    if key not in _SESSION:
+        _SESSION[key] = make()
+    return _SESSION[key]
+
+
 @pytest.fixture(scope="session")
 def tiny_model(vllm_python, tmp_path_factory) -> TinyModel:
     """Untied Qwen2 (lm_head has its own weight)."""
-    return build_tiny_model(vllm_python, tmp_path_factory.mktemp("tiny-qwen2"))
+    return _once("tiny_model", lambda: build_tiny_model(vllm_python, tmp_path_factory.mktemp("tiny-qwen2")))
 
 
 @pytest.fixture(scope="session")
 def tiny_tied_model(vllm_python, tmp_path_factory) -> TinyModel:
     """Qwen2 with lm_head tied to embed_tokens (the checkpoint has no lm_head.weight)."""
-    return build_tiny_model(vllm_python, tmp_path_factory.mktemp("tiny-qwen2-tied"), tie=True)
+    return _once("tiny_tied_model",
+                 lambda: build_tiny_model(vllm_python, tmp_path_factory.mktemp("tiny-qwen2-tied"), tie=True))
 
 
 def start_server(python: str, model: TinyModel, log_dir: Path, **kwargs) -> VllmServer:
@@ -147,6 +160,12 @@ class SharedServers:
     """One server per (model, arguments) for the whole session, shared by the test modules that
     ask for the same one (a cold start costs ~40 s of the suite's 2 cores), stopped at the end.
 
+    A module that uses one declares it, ``SHARED_SERVER = ("tiny_model", {arguments})`` (the model
+    fixture's name, the arguments of ``get``): when the session first asks for a shared server,
+    every server the selected modules declare boots at once (``launch_declared``; a cold start is
+    mostly one core's work, so two boot in about the time of one), and the later modules find
+    theirs ready.
+
     A test on a shared server must not assume what an earlier module left in it: it pushes the
     weights it checks (``VllmServer.pushed`` says whether anything was pushed yet).
     """
@@ -155,13 +174,30 @@ class SharedServers:
         self.python, self.base = python, base
         self._servers: dict[tuple, VllmServer] = {}
 
-    def get(self, model: TinyModel, **kwargs) -> VllmServer:
+    def _launch(self, model: TinyModel, kwargs: dict) -> VllmServer:
+        """The server of (model, kwargs): the running or booting one, else a new one, launched."""
         key = (str(model.dir), json.dumps(kwargs, sort_keys=True, default=str))
         server = self._servers.get(key)
         if server is None or not server.alive():
             where = self.base / f"server-{len(self._servers)}"
-            server = self._servers[key] = start_server(self.python, model, where, **kwargs)
+            server = self._servers[key] = launch_server(self.python, model, where, **kwargs)
         return server
+
+    def get(self, model: TinyModel, **kwargs) -> VllmServer:
+        server = self._launch(model, kwargs)
+        if server.start_seconds is None:   # launched, not yet waited for
+            ready(server)
+        return server
+
+    def launch_declared(self, request) -> None:
+        """Launch (without waiting) the ``SHARED_SERVER`` of every module the session selected."""
+        seen = []
+        for item in request.session.items:
+            declared = getattr(item.module, "SHARED_SERVER", None)
+            if declared is not None and item.module not in seen:
+                seen.append(item.module)
+                name, kwargs = declared
+                self._launch(request.getfixturevalue(name), dict(kwargs))
 
     def stop(self) -> None:
         for server in self._servers.values():
@@ -170,8 +206,13 @@ class SharedServers:
 
 
 @pytest.fixture(scope="session")
-def shared_servers(vllm_python, tmp_path_factory):
-    registry = SharedServers(vllm_python, tmp_path_factory.mktemp("shared-vllm"))
+def shared_servers(request, vllm_python, tmp_path_factory):
+    """The session's one ``SharedServers`` (see ``_SESSION``); every module's copy of this fixture
+    ends with the session and stops it (``stop`` is idempotent)."""
+    registry = _SESSION.get("shared_servers")
+    if registry is None:
+        registry = _SESSION["shared_servers"] = SharedServers(vllm_python, tmp_path_factory.mktemp("shared-vllm"))
+        registry.launch_declared(request)
     try:
         yield registry
     finally:
@@ -233,3 +274,50 @@ def broken_copy(src: Path, dst: Path, *, drop: str | tuple[str, ...] | None = No
         tensors[reshape] = (t.t() if t.shape[0] != t.shape[1] else t[:, : t.shape[1] // 2]).contiguous()
     save_file(tensors, str(dst))
     return dst
+
+
+class OneAhead:
+    """The cases of a parametrized module fixture, each prepared while the tests of the case before
+    it run: ``prepare(case)`` (build a model, boot its server, compute its references) runs in a
+    background thread as soon as the previous case is ready, so the next server boots on the core
+    that a case's tests (pushes and completions) leave idle. ``get(case)`` waits for ``case`` and
+    starts the one after it; ``close()`` waits for what is still being prepared and closes every
+    case not handed out (a handed-out case is the fixture's to close). At most two cases (two
+    servers) exist at once. The order is that of the session's selected tests (``-k`` respected:
+    nothing is prepared for a deselected case)."""
+
+    def __init__(self, request, fixture: str, prepare, close, timeout: float = 1800):
+        self._prepare, self._close, self._timeout = prepare, close, timeout
+        self._order = []
+        for item in request.session.items:
+            spec = getattr(item, "callspec", None)
+            if (item.module is request.module and spec is not None and fixture in spec.params
+                    and spec.params[fixture] not in self._order):
+                self._order.append(spec.params[fixture])
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-test-ahead")
+        self._futures: dict[int, Future] = {}
+
+    def _submit(self, index: int) -> Future:
+        if index not in self._futures:
+            self._futures[index] = self._pool.submit(self._prepare, self._order[index])
+        return self._futures[index]
+
+    def get(self, case):
+        index = self._order.index(case)
+        future = self._submit(index)
+        try:
+            prepared = future.result(timeout=self._timeout)
+        finally:
+            del self._futures[index]
+            if index + 1 < len(self._order):
+                self._submit(index + 1)   # runs once this case is ready: the pool has one thread
+        return prepared
+
+    def close(self) -> None:
+        for future in self._futures.values():
+            try:
+                self._close(future.result(timeout=self._timeout))
+            except Exception:
+                pass   # a case that failed to prepare owns nothing (its own cleanup stopped its server)
+        self._futures.clear()
+        self._pool.shutdown(wait=True)
