@@ -25,6 +25,7 @@ from vllm_support.parity import Case, build_checkpoints, differences, push_to, t
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1500)]
 TP = 2
+SHARED_SERVER = ("tiny_model", {"extension": True, "backend": "ckpt", **tp_server_args(TP)})   # SharedServers
 
 
 def header(path):
@@ -104,9 +105,9 @@ _OURS: list = []   # servers this module started; one of ours runs at a time
 
 
 def own_server(shared_servers, python, model, where):
-    """Launch a TP 2 server for ``model`` once every other server of ours (and the session's shared
-    ones) is stopped; the caller waits for it (``ready``) and stops it."""
-    shared_servers.stop()
+    """Launch a TP 2 server for ``model`` once every other server of ours is stopped; the caller
+    waits for it (``ready``) and stops it. The session's shared servers keep running (idle, they
+    cost memory, not CPU): the modules after this one use them."""
     while _OURS:
         _OURS.pop().stop()
     server = launch_server(python, model, where, extension=True, backend="ckpt", **tp_server_args(TP))
