@@ -306,6 +306,13 @@ class VllmClient:
             states = self.collective_rpc("ckpt_stage_status", timeout=min(timeout, 60.0))
             if states and all(s.get("state") == "done" for s in states):
                 return states
+            failed = [(i, s) for i, s in enumerate(states) if s.get("state") == "failed"]
+            if failed:
+                self._cleanup(exc := RemoteWorkerError(
+                    f"{self.where}: the stage of {version!r} failed on worker(s) {[i for i, _ in failed]}: "
+                    f"{failed[0][1].get('error_type')}: {failed[0][1].get('error')}; nothing live changed"),
+                    "drop_staged", self.drop_staged)
+                raise exc
             lost = [i for i, s in enumerate(states) if s.get("state") == "none"]
             if lost or not states:
                 raise RemoteWorkerError(f"{self.where}: the stage of {version!r} vanished from worker(s) {lost} "

@@ -104,6 +104,8 @@ class CkptWeightTransferEngine(WeightTransferEngine[CkptInitInfo, CkptUpdateInfo
             raise ConfigError("update_weights called outside a weight update: call start_weight_update first")
         kind, index = self._device()
         handle = _w.agree_on_handle(update_info.zmq_handles, kind, index)
+        if handle is None:   # another worker lacks its handle: none loads, the last worker raised for all
+            return
         timeout = float(update_info.timeout_s or self._timeout)
         if not self._sessions:   # the first update of this session begins the reload
             model, model_config, label = self._target

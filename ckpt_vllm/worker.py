@@ -137,24 +137,22 @@ def own_handle(zmq_handles: dict[str, str], kind: str, index: int) -> str:
     return zmq_handles[key]
 
 
-def agree_on_handle(zmq_handles: dict[str, str], kind: str, index: int) -> str:
+def agree_on_handle(zmq_handles: dict[str, str], kind: str, index: int) -> str | None:
     """This worker's handle, once every worker of the engine found its own: all load, or none.
 
     Tensor-parallel workers hold slices of one model: one loading while another refuses would
     leave them on different weights. Each worker checks its handle, then the workers count the
-    failures over vLLM's world group (CPU group), before any of them touches a weight.
+    failures over vLLM's world group (CPU group), before any of them touches a weight. When any
+    worker lacks its handle, none loads: the last worker raises ConfigError and the others return
+    None (see :func:`refuse_together`: a raise on every worker leaves stale replies in vLLM's executor).
     """
     try:
         handle, problem = own_handle(zmq_handles, kind, index), None
     except ConfigError as exc:
-        handle, problem = None, exc
-    failed = _count_over_workers(problem is not None)
-    if problem is not None:
-        raise problem
-    if failed:
-        known = sorted(zmq_handles) if isinstance(zmq_handles, dict) else zmq_handles
-        raise ConfigError(f"{failed} other worker(s) of this engine have no ZeroMQ handle among {known}; "
-                          "no worker loads anything (all workers of an engine update together)")
+        handle, problem = None, str(exc)
+    known = sorted(zmq_handles) if isinstance(zmq_handles, dict) else zmq_handles
+    if refuse_together(problem, f"the update (a worker has no ZeroMQ handle among {known})") is not None:
+        return None
     return handle
 
 
@@ -297,6 +295,8 @@ class VllmColocateWorkerExtension:
         """
         kind, index = worker_device(self)
         handle = agree_on_handle(zmq_handles, kind, index)
+        if handle is None:   # another worker lacks its handle; the last worker raised for all
+            return {"refused": "a worker of this engine has no ZeroMQ handle; no worker loads anything"}
         try:
             replay = agree_on_slices(self, zmq_handles, kind, index, slices, stage) if slices is not None else None
         except _Refused as refused:
@@ -532,18 +532,19 @@ class VllmColocateWorkerExtension:
             log.warning("ckpt stage of %s failed: %s: %s", area.version, type(exc).__name__, exc)
 
     def ckpt_stage_status(self) -> dict:
-        """The running or finished stage: ``{"state": "running" | "done" | "none", ...}``.
+        """The running or finished stage: ``{"state": "running" | "done" | "failed" | "none", ...}``.
 
-        A stage that failed raises its error here, once (the requester's poll reports it)."""
+        A stage that failed is reported once (``error_type``, ``error``); the requester raises it."""
         job = getattr(self, "_ckpt_stage_job", None)
         if job is None:
             return {"state": "none"}
         if job.thread.is_alive():
             area = job.area
             return {"state": "running", "version": area.version, "tensors": area.tensors, "bytes": area.nbytes}
-        if job.error is not None:
+        if job.error is not None:   # reported, not raised: a raise on some workers leaves stale replies in vLLM
             self._ckpt_stage_job = None
-            raise job.error
+            return {"state": "failed", "version": job.area.version, "error_type": type(job.error).__name__,
+                    "error": str(job.error)}
         return job.result
 
     def _ckpt_drop_staged(self, join_s: float = 30.0) -> None:
