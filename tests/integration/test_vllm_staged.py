@@ -188,6 +188,51 @@ def test_a_prepared_stage_on_vllm_cpu_is_not_prepared_changes_nothing_live_and_c
     print(f"not prepared on vLLM-CPU: {state['reason']}")
 
 
+def test_a_request_streaming_across_the_commit_gets_old_tokens_then_new_ones(server, tiny_model):
+    """One long greedy request streams while the staged B is committed: its tokens are A's greedy
+    continuation up to some point L, and from there exactly what B gives for the prompt followed by
+    those L tokens (asked of the engine after the commit); the switch falls inside the request."""
+    import json
+
+    model = tiny_model
+    prompt, n = model.prompts[1], 150
+    push(server, [model.weights[0]], path="extension", version="x0")
+    old = server.complete([prompt], n)[0]
+    push(server, [model.weights[1]], path="extension", stage="x1")
+    got: list[int] = []
+    failures: list[str] = []
+
+    def stream():
+        body = {"model": "tiny", "prompt": [prompt], "max_tokens": n, "temperature": 0.0, "ignore_eos": True,
+                "stream": True, "return_token_ids": True, "seed": 0}
+        try:
+            with httpx.Client(base_url=server.endpoint, timeout=300.0) as http, \
+                    http.stream("POST", "/v1/completions", json=body) as resp:
+                for line in resp.iter_lines():
+                    if line.startswith("data: {"):
+                        got.extend(json.loads(line[6:])["choices"][0].get("token_ids") or [])
+        except Exception as exc:   # noqa: BLE001 - reported by the test below
+            failures.append(f"{type(exc).__name__}: {exc}")
+
+    reader = threading.Thread(target=stream, daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 120
+    while len(got) < 5 and time.monotonic() < deadline and reader.is_alive():
+        time.sleep(0.02)
+    assert 5 <= len(got) < n, f"the request did not stream across the commit ({len(got)} tokens before it)"
+    before = len(got)
+    commit = server.client.commit("x1")
+    reader.join(300)
+    assert not failures and len(got) == n, (failures, len(got))
+    same = next((i for i, (a, b) in enumerate(zip(got, old)) if a != b), n)
+    assert same >= before, f"token {same} differs from A's before the commit (it came at {before})"
+    assert same < n, "every token is A's: the commit did not reach the running request"
+    assert got[same:] == server.complete([prompt + got[:same]], n - same)[0], \
+        "after the switch the request's tokens are not B's continuation"
+    print(f"a request streamed across the commit: {before} tokens before it, A's up to {same}, B's from there "
+          f"({n} in all); commit paused {commit.seconds['paused'] * 1e3:.1f} ms")
+
+
 def test_vllm_reports_the_committed_weight_version(server, tiny_model):
     push(server, [tiny_model.weights[1]], path="extension", stage="v-17")
     server.client.commit("v-17")
