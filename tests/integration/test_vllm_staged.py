@@ -138,7 +138,7 @@ def test_the_engine_generates_while_a_worker_waits_for_its_stage(server, tiny_mo
     address = f"ipc://@ckpt-test-silent-{uuid.uuid4().hex}"
     silent.bind(address)
     try:
-        wait_s = 30.0
+        wait_s = 10.0
         t0 = time.monotonic()
         started = server.client.collective_rpc(
             "update_weights_from_ipc", [{local_device_key("cpu", 0): address}],

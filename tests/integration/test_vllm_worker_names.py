@@ -13,4 +13,6 @@ def test_the_extension_adds_its_public_methods_and_only_ckpt_prefixed_helpers():
     assert names & VLLM_WORKER_NAMES == set()
     assert {n for n in names if not n.startswith("_ckpt_")} == {"update_weights_from_ipc", "ckpt_state_digests",
                                                                     "commit_staged_weights", "drop_staged_weights",
-                                                                    "ckpt_weight_versions", "ckpt_stage_status"}
+                                                                    "ckpt_weight_versions", "ckpt_stage_status",
+                                                                    "ckpt_prepare_staged", "ckpt_slice_plan",
+                                                                    "ckpt_use_slice_plan"}
