@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ckpt_core.engines.http import HttpTransport, Phases, error_text
+from ckpt_core.engines.http import HttpTransport, Phases, cleanup_after, error_text
 from ckpt_core.errors import ConfigError, RemoteWorkerError, TransportError, UpdateTimeoutError
 
 from ._protocol import LOADER, ReplySocket, encode_command
@@ -230,11 +230,7 @@ class SglangClient:
             return results
 
     def _cleanup(self, exc: BaseException, what: str, fn: Callable[[], object]) -> None:
-        """Run a cleanup step after ``exc``; its own failure is noted on ``exc``, never raised."""
-        try:
-            fn()
-        except Exception as cleanup:   # noqa: BLE001 - the original error is the one to raise
-            exc.add_note(f"cleanup: {what} on {self.where} failed too: {type(cleanup).__name__}: {cleanup}")
+        cleanup_after(exc, what, self.where, fn)
 
     def _staged_call(self, op: str, pause: str, timeout: float | None, after=None, **fields) -> UpdateReport:
         wait = self._http.timeout if timeout is None else float(timeout)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import httpx
 
-from ckpt_core.engines.http import HttpTransport, Phases
+from ckpt_core.engines.http import HttpTransport, Phases, cleanup_after
 from ckpt_core.engines.requests import group_handles
 from ckpt_core.errors import ConfigError, RemoteWorkerError, TransportError, UpdateTimeoutError
 
@@ -385,11 +385,7 @@ class VllmClient:
         return True
 
     def _cleanup(self, exc: BaseException, what: str, fn: Callable[[], Any]) -> None:
-        """Run a cleanup step after ``exc``; its own failure is noted on ``exc``, never raised."""
-        try:
-            fn()
-        except Exception as cleanup:   # noqa: BLE001 - the original error is the one to raise
-            exc.add_note(f"cleanup: {what} on {self.where} failed too: {type(cleanup).__name__}: {cleanup}")
+        cleanup_after(exc, what, self.where, fn)
 
     def req_func(self, *, rank: int | None = None, inference_parallel_size: int | None = None,
                  **update_kwargs) -> Callable[[list[tuple[str, str]]], UpdateReport | None]:

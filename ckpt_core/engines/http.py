@@ -34,7 +34,7 @@ import httpx
 
 from ckpt_core.errors import ClosedError, ConfigError, RemoteWorkerError, TransportError, UpdateTimeoutError
 
-__all__ = ["HttpTransport", "Phases", "error_text"]
+__all__ = ["HttpTransport", "Phases", "error_text", "cleanup_after"]
 
 log = logging.getLogger("ckpt_core.http")
 
@@ -153,3 +153,11 @@ def error_text(resp: httpx.Response) -> str:
             err = err.get("message", err)
         return str(err)[:4000]
     return str(body)[:2000]
+
+
+def cleanup_after(exc: BaseException, what: str, where: str, fn) -> None:
+    """Run a cleanup step after ``exc``; its own failure is noted on ``exc``, never raised."""
+    try:
+        fn()
+    except Exception as cleanup:   # noqa: BLE001 - the original error is the one to raise
+        exc.add_note(f"cleanup: {what} on {where} failed too: {type(cleanup).__name__}: {cleanup}")

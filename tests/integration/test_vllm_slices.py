@@ -115,18 +115,24 @@ def own_server(shared_servers, python, model, where):
     return server
 
 
-@pytest.fixture(scope="module")
-def llama(shared_servers, vllm_python, tmp_path_factory):
-    """A Llama with one KV head, a vocabulary of 333 and tied embeddings, on its own TP 2 server."""
-    where = tmp_path_factory.mktemp("slices-llama")
-    model = build_checkpoints(vllm_python, Case("llama", 333, tie=True, tp=TP), where / "model")
-    server = own_server(shared_servers, vllm_python, model, where)
+def served(shared_servers, python, model, where):
+    """A module fixture's body: ``model`` on its own TP 2 server (booting while its references are
+    computed), yielded as ``(model, server)`` and stopped afterwards."""
+    server = own_server(shared_servers, python, model, where)
     try:
         model.references(*model.weights)
         ready(server)
         yield model, server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def llama(shared_servers, vllm_python, tmp_path_factory):
+    """A Llama with one KV head, a vocabulary of 333 and tied embeddings, on its own TP 2 server."""
+    where = tmp_path_factory.mktemp("slices-llama")
+    model = build_checkpoints(vllm_python, Case("llama", 333, tie=True, tp=TP), where / "model")
+    yield from served(shared_servers, vllm_python, model, where)
 
 
 def test_llama_one_kv_head_padded_tied_vocabulary_sliced_update_equals_a_whole_one(llama, tmp_path):
@@ -150,13 +156,7 @@ def qwen2_two_kv_heads(shared_servers, vllm_python, tmp_path_factory):
     """A Qwen2 with two KV heads (its k_proj and v_proj split between the ranks), on its own TP 2 server."""
     where = tmp_path_factory.mktemp("slices-qwen2-kv2")
     model = build(vllm_python, where / "model", "qwen2", 384, num_key_value_heads=2)
-    server = own_server(shared_servers, vllm_python, model, where)
-    try:
-        model.references(*model.weights)
-        ready(server)
-        yield model, server
-    finally:
-        server.stop()
+    yield from served(shared_servers, vllm_python, model, where)
 
 
 def test_qwen2_with_k_proj_split_between_the_ranks_sliced_update_equals_a_whole_one(qwen2_two_kv_heads, tmp_path):
