@@ -191,7 +191,8 @@ def test_a_prepared_stage_on_vllm_cpu_is_not_prepared_changes_nothing_live_and_c
 def test_a_request_streaming_across_the_commit_gets_old_tokens_then_new_ones(server, tiny_model):
     """One long greedy request streams while the staged B is committed: its tokens are A's greedy
     continuation up to some point L, and from there exactly what B gives for the prompt followed by
-    those L tokens (asked of the engine after the commit); the switch falls inside the request."""
+    those L tokens (asked of the engine after the commit). The request is paused (``keep``) at its
+    fifth token, so that the switch falls inside it however fast the engine generates."""
     import json
 
     model = tiny_model
@@ -211,17 +212,21 @@ def test_a_request_streaming_across_the_commit_gets_old_tokens_then_new_ones(ser
                 for line in resp.iter_lines():
                     if line.startswith("data: {"):
                         got.extend(json.loads(line[6:])["choices"][0].get("token_ids") or [])
+                        if len(got) >= 5 and not frozen.is_set():   # freeze it mid-way, whatever the speed
+                            server.client.pause("keep")
+                            frozen.set()
         except Exception as exc:   # noqa: BLE001 - reported by the test below
             failures.append(f"{type(exc).__name__}: {exc}")
+            frozen.set()
 
+    frozen = threading.Event()
     reader = threading.Thread(target=stream, daemon=True)
     reader.start()
-    deadline = time.monotonic() + 120
-    while len(got) < 5 and time.monotonic() < deadline and reader.is_alive():
-        time.sleep(0.02)
-    assert 5 <= len(got) < n, f"the request did not stream across the commit ({len(got)} tokens before it)"
+    assert frozen.wait(120) and not failures, failures
+    time.sleep(0.5)   # tokens generated before the pause still on their way
     before = len(got)
-    commit = server.client.commit("x1")
+    assert 5 <= before < n, f"the request did not stream across the commit ({before} tokens before it)"
+    commit = server.client.commit("x1")   # pauses (already paused), switches, resumes
     reader.join(300)
     assert not failures and len(got) == n, (failures, len(got))
     same = next((i for i, (a, b) in enumerate(zip(got, old)) if a != b), n)
