@@ -191,44 +191,32 @@ def test_a_prepared_stage_on_vllm_cpu_is_not_prepared_changes_nothing_live_and_c
 def test_a_request_streaming_across_the_commit_gets_old_tokens_then_new_ones(server, tiny_model):
     """One long greedy request streams while the staged B is committed: its tokens are A's greedy
     continuation up to some point L, and from there exactly what B gives for the prompt followed by
-    those L tokens (asked of the engine after the commit). The request is paused (``keep``) at its
-    fifth token, so that the switch falls inside it however fast the engine generates."""
-    import json
+    those L tokens (asked of the engine after the commit).
 
+    The tiny model can generate all its tokens before an HTTP pause lands, so the request is sent
+    while the engine is paused (``keep`` queues it) and advanced in short resume/pause pulses until
+    it has a few tokens: it is then frozen mid-way, whatever the machine's speed, and the commit
+    falls inside it."""
     model = tiny_model
     prompt, n = model.prompts[1], 150
     push(server, [model.weights[0]], path="extension", version="x0")
     old = server.complete([prompt], n)[0]
     push(server, [model.weights[1]], path="extension", stage="x1")
-    got: list[int] = []
-    failures: list[str] = []
-
-    def stream():
-        body = {"model": "tiny", "prompt": [prompt], "max_tokens": n, "temperature": 0.0, "ignore_eos": True,
-                "stream": True, "return_token_ids": True, "seed": 0}
-        try:
-            with httpx.Client(base_url=server.endpoint, timeout=300.0) as http, \
-                    http.stream("POST", "/v1/completions", json=body) as resp:
-                for line in resp.iter_lines():
-                    if line.startswith("data: {"):
-                        got.extend(json.loads(line[6:])["choices"][0].get("token_ids") or [])
-                        if len(got) >= 5 and not frozen.is_set():   # freeze it mid-way, whatever the speed
-                            server.client.pause("keep")
-                            frozen.set()
-        except Exception as exc:   # noqa: BLE001 - reported by the test below
-            failures.append(f"{type(exc).__name__}: {exc}")
-            frozen.set()
-
-    frozen = threading.Event()
-    reader = threading.Thread(target=stream, daemon=True)
-    reader.start()
-    assert frozen.wait(120) and not failures, failures
-    time.sleep(0.5)   # tokens generated before the pause still on their way
-    before = len(got)
-    assert 5 <= before < n, f"the request did not stream across the commit ({before} tokens before it)"
-    commit = server.client.commit("x1")   # pauses (already paused), switches, resumes
-    reader.join(300)
-    assert not failures and len(got) == n, (failures, len(got))
+    try:
+        for attempt in range(3):
+            server.client.pause("keep")
+            reader = TokenStream(server, prompt, n)
+            before = reader.advance_to(5)
+            if before < n:
+                break
+            server.client.resume()
+            print(f"attempt {attempt}: the request finished inside one pulse; again")
+        assert 5 <= before < n, f"the request did not stream across the commit ({before} tokens before it)"
+        commit = server.client.commit("x1")   # pauses (already paused), switches, resumes
+    finally:
+        if server.client.is_paused():   # a failure above must not leave the shared server frozen
+            server.client.resume()
+    got = reader.finish()
     same = next((i for i, (a, b) in enumerate(zip(got, old)) if a != b), n)
     assert same >= before, f"token {same} differs from A's before the commit (it came at {before})"
     assert same < n, "every token is A's: the commit did not reach the running request"
@@ -236,6 +224,47 @@ def test_a_request_streaming_across_the_commit_gets_old_tokens_then_new_ones(ser
         "after the switch the request's tokens are not B's continuation"
     print(f"a request streamed across the commit: {before} tokens before it, A's up to {same}, B's from there "
           f"({n} in all); commit paused {commit.seconds['paused'] * 1e3:.1f} ms")
+
+
+class TokenStream(threading.Thread):
+    """One streaming greedy completion whose token ids are collected as they arrive."""
+
+    def __init__(self, server, prompt, n):
+        super().__init__(daemon=True, name="token-stream")
+        self.server, self.prompt, self.n = server, prompt, n
+        self.got: list[int] = []
+        self.failures: list[str] = []
+        self.start()
+
+    def run(self):
+        import json
+        body = {"model": "tiny", "prompt": [self.prompt], "max_tokens": self.n, "temperature": 0.0,
+                "ignore_eos": True, "stream": True, "return_token_ids": True, "seed": 0}
+        try:
+            with httpx.Client(base_url=self.server.endpoint, timeout=300.0) as http, \
+                    http.stream("POST", "/v1/completions", json=body) as resp:
+                for line in resp.iter_lines():
+                    if line.startswith("data: {"):
+                        self.got.extend(json.loads(line[6:])["choices"][0].get("token_ids") or [])
+        except Exception as exc:   # noqa: BLE001 - reported by the test
+            self.failures.append(f"{type(exc).__name__}: {exc}")
+
+    def advance_to(self, k: int, timeout: float = 120.0) -> int:
+        """With the engine paused (keep): resume and pause again until ``k`` tokens have come (or
+        the request ended); returns how many came. Each pulse lasts two HTTP round trips."""
+        deadline = time.time() + timeout
+        while len(self.got) < k and self.is_alive() and time.time() < deadline:
+            self.server.client.resume()
+            self.server.client.pause("keep")
+            time.sleep(0.3)   # tokens generated before the pause still on their way
+        assert not self.failures, self.failures
+        assert len(self.got) >= k or not self.is_alive(), f"only {len(self.got)} tokens in {timeout:.0f} s"
+        return len(self.got)
+
+    def finish(self) -> list[int]:
+        self.join(300)
+        assert not self.failures and len(self.got) == self.n, (self.failures, len(self.got))
+        return self.got
 
 
 def test_vllm_reports_the_committed_weight_version(server, tiny_model):
