@@ -164,6 +164,78 @@ def test_the_engine_generates_while_a_worker_waits_for_its_stage(server, tiny_mo
         ctx.term()
 
 
+_DYING_PS = """
+import os, signal, sys
+from ckpt_core import ParameterServer
+from ckpt_vllm.client import VllmClient
+
+endpoint, uds, weights, port, kill_after, bucket_gb, wait_s = sys.argv[1:]
+client = VllmClient(endpoint, uds=uds or None, timeout=60)
+
+def progress(operation, phase, done, total):
+    if operation == "update" and phase == "transfer" and done is not None and done >= int(kill_after):
+        print(f"handed {done} of {total} buckets: the PS dies", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+with ParameterServer(rank=0, world_size=1, device="cpu", master_addr="127.0.0.1", master_port=int(port),
+                     max_bucket_gb=float(bucket_gb)) as ps:
+    ps.register_checkpoint("doomed", files=[weights])
+    ps.gather_metas("doomed")
+    ps.progress = progress
+    ps.update("doomed", client.req_func(path="extension", stage="doomed", timeout=float(wait_s)),
+              timeout=float(wait_s))
+print("the update ended: the PS was to die first", flush=True)
+"""
+
+
+def test_a_stage_failing_mid_way_leaves_the_old_weights_serving_exactly(server, tiny_model, tmp_path):
+    """The PS rank dies (SIGKILL) after handing the worker its third bucket of the stage: the
+    worker's stage thread, holding the buckets it staged, raises while it waits for the next one
+    and frees its staging area. Nothing live changed (every parameter's digest, greedy
+    output equal to Hugging Face on the old weights), a commit of the failed version is refused,
+    and the next stage and commit work."""
+    import os
+    import subprocess
+    import sys
+
+    from vllm_support.server import free_port
+
+    model = tiny_model
+    model.references(*model.weights)
+    push(server, [model.weights[0]], path="extension", version="alive")
+    live = server.client.collective_rpc("ckpt_state_digests")[0]
+    wait_s = 8.0
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
+    ps = subprocess.Popen([sys.executable, "-c", _DYING_PS, server.endpoint, str(server.uds or ""),
+                           str(model.weights[1]), str(free_port()), "3",
+                           str(STAGE_BUCKET_GB), str(wait_s)],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        out = ps.communicate(timeout=120)[0]
+    finally:
+        ps.kill()
+    assert ps.returncode == -9 and "the PS dies" in out, out
+    deadline = time.monotonic() + wait_s + 60
+    while (state := server.client.collective_rpc("ckpt_stage_status")[0])["state"] == "running":
+        assert time.monotonic() < deadline, "the worker's stage outlived its deadline"
+        time.sleep(0.2)
+    # The worker sees the PS's end of the socket close (or, failing that, its deadline pass) while
+    # it waits for the fourth bucket.
+    assert state["state"] == "failed" and state["version"] == "doomed", state
+    assert state["error_type"] in ("TransportError", "UpdateTimeoutError") and "bucket" in state["error"], state
+    assert versions(server)[0]["staged"] is None, "a failed stage left a staging area"
+    assert versions(server)[0]["live"] == "alive"
+    assert server.client.collective_rpc("ckpt_state_digests")[0] == live, "a failed stage changed live tensors"
+    assert server.complete(model.prompts, MAX_TOKENS) == model.reference(model.weights[0])
+    with pytest.raises(RemoteWorkerError, match="nothing staged"):
+        server.client.commit("doomed")
+    push(server, [model.weights[1]], path="extension", stage="after")
+    server.client.commit("after")
+    assert server.complete(model.prompts, MAX_TOKENS) == model.reference(model.weights[1])
+    print(f"{out.strip()}; the worker's stage failed with {state['error_type']}: {state['error']}; "
+          "the old weights served exactly")
+
+
 def test_a_prepared_stage_on_vllm_cpu_is_not_prepared_changes_nothing_live_and_commits_by_reload(
         server, tiny_model):
     """vLLM-CPU repacks unquantized weights into the kernel's own object when it processes a
