@@ -37,6 +37,7 @@ from typing import Iterable, Iterator
 import torch
 
 from ckpt_core.errors import CheckpointFormatError, ConfigError
+from ckpt_core.wire.staging import repeated_names
 
 from ._compat import reload_api
 
@@ -97,16 +98,11 @@ class ReloadSession:
         A layer that is complete has been processed into the live weights; a second copy of one of
         its tensors would be written straight into them.
         """
-        seen: set[str] = set()
-        twice = []
-        for name in names:
-            if name in seen or name in self.received:
-                twice.append(name)
-            seen.add(name)
+        twice = repeated_names(names, self.received)
         if twice:
             raise CheckpointFormatError(
-                f"the update of the {self.label} sends {', '.join(sorted(set(twice))[:8])} again: "
-                f"{len(set(twice))} tensor(s) already received in this weight update; nothing was loaded",
+                f"the update of the {self.label} sends {', '.join(twice[:8])} again: "
+                f"{len(twice)} tensor(s) already received in this weight update; nothing was loaded",
                 tensor=twice[0])
 
     def check_whole_layers(self, names: Iterable[str]) -> None:

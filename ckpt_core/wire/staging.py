@@ -13,15 +13,27 @@ the area.
 from __future__ import annotations
 
 import time
+from collections.abc import Container, Iterable
 from dataclasses import dataclass, field
 
 import torch
 
 from ckpt_core.errors import CheckpointFormatError
 
-__all__ = ["StagingArea"]
+__all__ = ["StagingArea", "repeated_names"]
 
 _ALIGN = 256
+
+
+def repeated_names(names: Iterable[str], earlier: Container[str] = ()) -> list[str]:
+    """The names of ``names`` that come twice, or that ``earlier`` already holds, sorted."""
+    seen: set[str] = set()
+    twice: set[str] = set()
+    for name in names:
+        if name in seen or name in earlier:
+            twice.add(name)
+        seen.add(name)
+    return sorted(twice)
 
 
 def _aligned(n: int) -> int:
@@ -53,15 +65,12 @@ class StagingArea:
 
         ``tensors``: ``(name, torch dtype, shape)`` of every tensor of the PS update.
         """
-        seen: dict[str, tuple[str, tuple]] = {}
-        twice = set()
-        for name, dtype, shape in tensors:
-            if name in seen:
-                twice.add(name)
-            seen[name] = (str(dtype).removeprefix("torch."), tuple(shape))
+        tensors = list(tensors)
+        twice = repeated_names(name for name, _, _ in tensors)
         if twice:
-            raise CheckpointFormatError(f"the staged update sends {', '.join(sorted(twice)[:8])} twice; "
-                                        "nothing was staged", tensor=sorted(twice)[0])
+            raise CheckpointFormatError(f"the staged update sends {', '.join(twice[:8])} twice; "
+                                        "nothing was staged", tensor=twice[0])
+        seen = {name: (str(dtype).removeprefix("torch."), tuple(shape)) for name, dtype, shape in tensors}
         if not expected:
             return
         missing = sorted(set(expected) - set(seen))

@@ -26,7 +26,7 @@ TORCH = "torch==2.13.0"   # what scripts/_common.sh installs into the project ve
 
 def _pip(python: Path, log: Path, *args: str, timeout: float = 600) -> None:
     with open(log, "a") as out:
-        p = subprocess.run([str(python), "-m", "pip", "install", "--no-input", *args], stdout=out,
+        p = subprocess.run([str(python), "-m", "pip", "install", "--no-input", "--no-compile", *args], stdout=out,
                            stderr=subprocess.STDOUT, timeout=timeout, env=_clean_env())
     assert p.returncode == 0, f"pip install {' '.join(args)} failed; its output ends:\n{log.read_text()[-4000:]}"
 
