@@ -34,6 +34,7 @@ def test_every_step_of_the_fsdp2_example_serves_what_transformers_computes_on_th
     assert proc.returncode == 0, proc.stderr[-6000:]
     lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
     assert [x["step"] for x in lines] == [0, 1], proc.stdout
+    tiny_model.references(*(tmp_path / "steps" / f"step-{x['step']}.safetensors" for x in lines))   # one process
     for x in lines:
         print({k: v for k, v in x.items() if k != "completions"})
         weights = tmp_path / "steps" / f"step-{x['step']}.safetensors"

@@ -19,13 +19,13 @@ from vllm_support.server import free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
-SERVERS = {"SIGTERM": 1, "SIGKILL": 1, "tp2": 2}   # one server per test (each test stops its own): its TP size
+SERVERS = {"SIGTERM": 1, "tp2": 2}   # one server per test (each test stops its own): its TP size
 
 
 @pytest.fixture(scope="module")
 def managed(vllm_python, tiny_model, tmp_path_factory):
-    """Every test's own managed server, all booted at once (a cold start is mostly one core's work:
-    three after one another cost twice the wall time). ``name -> (server, its folder)``; the PS
+    """Every test's own managed server, both booted at once (a cold start is mostly one core's work:
+    two after one another cost twice the wall time). ``name -> (server, its folder)``; the PS
     ranks' sockets are ``folder/ps-{rank}.sock``, their logs beside them."""
     servers = {}
     try:
@@ -43,8 +43,9 @@ def managed(vllm_python, tiny_model, tmp_path_factory):
             server.stop()
 
 
-@pytest.mark.parametrize("stop_with", [signal.SIGTERM, signal.SIGKILL])
-def test_the_server_runs_its_own_ps_rank_and_takes_it_down_with_it(managed, tiny_model, stop_with):
+def test_the_server_runs_its_own_ps_rank_and_takes_it_down_with_it(managed, tiny_model):
+    """SIGTERM here; SIGKILL in the TP 2 test (one server each: stopping it is the test)."""
+    stop_with = signal.SIGTERM
     server, where = managed[stop_with.name]
     sock = where / "ps-0.sock"
     ps = httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), base_url="http://ps", timeout=300)
@@ -91,7 +92,8 @@ def _shards(weights, out_dir) -> list:
 def test_tensor_parallel_2_runs_a_ps_world_of_2_driven_through_both_services(managed, tiny_model, tmp_path):
     """TP=2: each worker starts its own PS rank (a world of 2); the controller registers a shard
     on each rank's service, gathers and updates on both at once (rank 0 posts for the engine);
-    output equals the reference; SIGTERM to the server leaves neither PS rank behind."""
+    output equals the reference; SIGKILL to the server leaves neither PS rank behind (each notices
+    that its worker is gone)."""
     from concurrent.futures import ThreadPoolExecutor
     server, where = managed["tp2"]
     socks = [where / f"ps-{r}.sock" for r in range(2)]
@@ -114,7 +116,7 @@ def test_tensor_parallel_2_runs_a_ps_world_of_2_driven_through_both_services(man
         assert [g.status_code for g in got] == [200, 200], [g.text for g in got]
         assert server.complete(tiny_model.prompts, MAX_TOKENS) == tiny_model.reference(weights)
         pids = [s["pid"] for s in status]
-        os.killpg(server.proc.pid, signal.SIGTERM)
+        os.killpg(server.proc.pid, signal.SIGKILL)
         server.proc.wait(60)
         for pid, sock in zip(pids, socks):
             assert process_gone(pid), f"PS pid {pid} outlived the server"
