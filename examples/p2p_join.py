@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import sys
 import threading
 import time
@@ -34,6 +33,7 @@ import torch
 import zmq
 
 from ckpt_core import ParameterServer, split_checkpoint_files, update_weights_from_ipc
+from ckpt_core.engines.driver import emit_json_line   # one write per line: ranks share stdout
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -43,7 +43,7 @@ def serve(args: argparse.Namespace) -> int:
         ps.gather_metas(args.name)
         if ps.rank == 0:
             ps.save_metas(args.metas)   # versioned JSON: give it to the joiners (a shared file, HTTP, ...)
-            print(json.dumps({"serving": args.name, "metas": args.metas, "owners": ps.world_size}), flush=True)
+            emit_json_line({"serving": args.name, "metas": args.metas, "owners": ps.world_size})
         time.sleep(args.serve_s)        # the joiners pull while the checkpoint stays registered
     return 0
 
@@ -76,9 +76,9 @@ def join(args: argparse.Namespace) -> int:
         req_func = lambda handles: update_weights_from_ipc(   # noqa: E731  (a real engine: post to it)
             zmq.Context.instance(), dict(handles)[ps.device_uuid], 0, run=load, timeout=args.timeout)
         result = ps.update(name, req_func, ranks=list(range(ps.world_size)), timeout=args.timeout)
-        print(json.dumps({"rank": ps.rank, "checkpoint": name, "tensors": len(engine),
-                          "bytes": sum(t.numel() * t.element_size() for t in engine.values()),
-                          "digest": digest(engine), "update_s": round(result["seconds"]["total"], 4)}), flush=True)
+        emit_json_line({"rank": ps.rank, "checkpoint": name, "tensors": len(engine),
+                        "bytes": sum(t.numel() * t.element_size() for t in engine.values()),
+                        "digest": digest(engine), "update_s": round(result["seconds"]["total"], 4)})
     return 0
 
 

@@ -21,12 +21,12 @@ the cache and continues. One JSON line per step; the previous step is unregister
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
 
 from ckpt_core import ParameterServer, split_checkpoint_files
+from ckpt_core.engines.driver import emit_json_line   # one write per line: ranks share stdout
 from ckpt_core.engines.requests import group_handles
 from ckpt_sglang import SglangClient
 from ckpt_sglang.client import BUSY_MODES
@@ -68,9 +68,9 @@ def main(argv=None) -> int:
                     ps.unregister_checkpoint(previous)
                 previous = name
                 if reports:
-                    print(json.dumps({"step": name, "rank": ps.rank, "bytes": result["bytes"],
-                                      "update_s": round(result["seconds"]["total"], 4),
-                                      "engine_s": {k: round(v, 4) for k, v in reports[0].seconds.items()}}), flush=True)
+                    emit_json_line({"step": name, "rank": ps.rank, "bytes": result["bytes"],
+                                    "update_s": round(result["seconds"]["total"], 4),
+                                    "engine_s": {k: round(v, 4) for k, v in reports[0].seconds.items()}})
     finally:
         if client is not None:
             client.close()
