@@ -191,6 +191,7 @@ def _stand_by(ps, update_id: str, deadline: float) -> None:
             _agree(ps, link, NoReq(), deadline, phase, final)
     finally:
         ps._stop_signal = None
+        signal.close()
 
 
 def _fail_through(ps, exc: Exception, deadline: float):
@@ -254,6 +255,7 @@ def _run_target(ps, name, req_func, deadline, targets, group, src, plan, wire, s
         ok = True
     finally:
         ps._stop_signal = None
+        signal.close()
         link.end(ok, f"the P2P update failed on rank {ps.rank}: {sys.exc_info()[1]!r}")
         req.join(max(0.0, deadline - time.monotonic()) if ok else 2.0)
         broken = getattr(sys.exc_info()[1], "groups_broken", False)

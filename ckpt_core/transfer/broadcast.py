@@ -95,6 +95,7 @@ class BroadcastUpdate:
             ok = True
         finally:
             self._stop_signal = None
+            signal.close()
             link.end(ok, f"the update failed on rank {self.rank}: {sys.exc_info()[1]!r}")
             # On failure the error matters more than req_func's return: wait briefly only.
             left = max(0.0, deadline - time.monotonic())

@@ -60,7 +60,7 @@ class StopSignal:
                 self._set(f"rank {self.rank}: req_func raised")
             return f"req_func raised: {self.req.error.splitlines()[-1] if self.req.error else ''}"
         now = time.monotonic()
-        if now - self._last_check < STORE_CHECK_INTERVAL_S:
+        if self.store is None or now - self._last_check < STORE_CHECK_INTERVAL_S:
             return None
         self._last_check = now
         try:
@@ -74,7 +74,15 @@ class StopSignal:
         """Tell the other ranks at once, so they stop waiting for their own workers."""
         self._set(f"rank {self.rank}: {failure.message}"[:500])
 
+    def close(self) -> None:
+        """The update ended: let go of the store. A failed update's traceback keeps its frames, and
+        with them this signal, alive; holding the store there kept rank 0's rendezvous port
+        listening until ``close()`` gave up waiting for it."""
+        self.store = self.req = None
+
     def _set(self, value: str) -> None:
+        if self.store is None:
+            return
         try:
             self.store.set(self.key, value)
         except Exception as exc:  # the store going away is reported by the next collective

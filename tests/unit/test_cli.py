@@ -10,6 +10,7 @@ import torch
 
 from ckpt_core import cli
 from ckpt_core.checkpoint.safetensors import write_file
+from cli_runner import run_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -48,8 +49,7 @@ HOSTILE = ["huge header length", "truncated data", "header not json", "overlappi
 @pytest.mark.parametrize("kind", HOSTILE)
 def test_inspect_of_a_hostile_file_exits_3_with_the_typed_error_and_no_traceback(kind, tmp_path):
     path = _hostile(kind, tmp_path / "model.safetensors")
-    proc = subprocess.run([sys.executable, "-m", "ckpt_core.cli", "--json", "inspect", path], capture_output=True,
-                          text=True, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT)
+    proc = run_cli("--json", "inspect", path, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))   # a process of its own
     assert proc.returncode == cli.EXIT_FORMAT, (proc.returncode, proc.stderr)
     assert "Traceback" not in proc.stderr + proc.stdout
     err = json.loads(proc.stdout)["error"]

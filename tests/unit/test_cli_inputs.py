@@ -1,25 +1,23 @@
-"""`ckpt-engine` on plain bad input: a real subprocess each, the documented exit code, a message naming
+"""`ckpt-engine` on plain bad input: a process of its own each (tests/cli_runner.py), the documented exit code, a message naming
 the problem, and never a Python traceback. Also the surface around it: options after the subcommand,
 --version, `bench --help`, the unit-named options and their deprecated aliases."""
 
 import json
 import os
 import struct
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from ckpt_core import cli
 from ckpt_core.checkpoint.safetensors import write_file
+from cli_runner import run_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def run(*argv, cwd=None, timeout=120):
-    return subprocess.run([sys.executable, "-m", "ckpt_core.cli", *argv], capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd or ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+    return run_cli(*argv, cwd=cwd or ROOT, timeout=timeout, env=dict(os.environ, PYTHONPATH=ROOT))
 
 
 @pytest.fixture(scope="module")

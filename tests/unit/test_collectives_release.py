@@ -45,3 +45,38 @@ def test_close_destroys_gloo_groups_and_keeps_the_default_group(world):
     coll.close()
     coll.close()   # idempotent
     assert not [g for g in groups if g in dist.distributed_c10d._world.pg_map] and dist.is_initialized()
+
+
+@pytest.mark.parametrize("fails", ["req_func", "worker"])
+def test_after_a_failed_update_in_a_with_block_rank_0_stops_listening_when_it_closes(tmp_path, fails):
+    """A failed update's traceback is alive while ``__exit__`` closes the PS: its frames held the
+    update's stop signal and through it the rendezvous store, whose port stayed open (close()
+    waited 5 s for it, then gave up)."""
+    import torch
+
+    from ckpt_core import ParameterServer
+    from ckpt_core.errors import CkptError
+    from ckpt_core.ops.sockets import listening_sockets
+    from ckpt_core.checkpoint.safetensors import write_file
+
+    path = str(tmp_path / "w.safetensors")
+    write_file(path, {"w": torch.arange(64, dtype=torch.float32)})
+    port = free_port()
+
+    def req_func(handles):
+        if fails == "req_func":
+            raise RuntimeError("the engine refused the update")
+        import zmq
+        from ckpt_core.wire.worker import update_weights_from_ipc
+
+        def load(weights):
+            raise ValueError("the engine's loader failed")
+        update_weights_from_ipc(zmq.Context.instance(), handles[0][1], 0, run=load, timeout=30)
+
+    with pytest.raises(CkptError):
+        with ParameterServer(0, 1, device="cpu", master_addr="127.0.0.1", master_port=port) as ps:
+            ps.register_checkpoint("c", files=[path])
+            ps.gather_metas("c")
+            assert [s for s in listening_sockets() if s[1] == port], "rank 0 serves the store on its port"
+            ps.update("c", req_func, timeout=30)
+    assert not [s for s in listening_sockets() if s[1] == port], "the store still listens after close()"
