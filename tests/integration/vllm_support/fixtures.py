@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +18,9 @@ import pytest
 
 from ckpt_core import ParameterServer
 
-from .server import VllmServer, free_port
+from forked import Zygote, run_python
+
+from .server import REPO, VllmServer, free_port
 
 HERE = Path(__file__).resolve().parent
 TINY_MODEL = HERE / "tiny_model.py"
@@ -67,8 +68,29 @@ class TinyModel:
             self._refs.update(hf_reference(self.python, self.dir, todo, self.prompts))
 
 
+# The vLLM venv's python, forked from helpers that imported what each script needs once
+# (tests/forked.py): tiny_model.py (torch, transformers) runs dozens of times in the suite, and
+# cold_load.py (vLLM) once per parity case.
+_ZYGOTES: dict[tuple[str, str], Zygote] = {}
+_PRELOAD = {
+    "transformers": "import torch, safetensors.torch, transformers\nfrom transformers import AutoModelForCausalLM",
+    "vllm": "import torch, safetensors.torch\nfrom vllm import LLM, SamplingParams, TokensPrompt\nimport ckpt_vllm",
+}
+
+
+def zygote(python: str, kind: str, env: dict | None = None) -> Zygote:
+    """The session's fork helper of ``python`` for ``kind`` (``_PRELOAD``), started with ``env``
+    (what the forked scripts would have set before their imports)."""
+    key = (python, kind)
+    if key not in _ZYGOTES:
+        base = {**os.environ, **(env or {})}
+        base["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), base.get("PYTHONPATH")) if p)
+        _ZYGOTES[key] = Zygote(python, _PRELOAD[kind], env=base, cwd=str(REPO))
+    return _ZYGOTES[key]
+
+
 def run_vllm_python(python: str, *args: str, timeout: float = 300) -> str:
-    proc = subprocess.run([python, str(TINY_MODEL), *args], capture_output=True, text=True, timeout=timeout)
+    proc = run_python(zygote(python, "transformers"), python, [str(TINY_MODEL), *args], timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"tiny_model.py {args[0]} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return proc.stdout

@@ -17,7 +17,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .fixtures import MAX_TOKENS, TinyModel, hf_reference, run_vllm_python
+from forked import run_python
+
+from .fixtures import MAX_TOKENS, TinyModel, hf_reference, run_vllm_python, zygote
 from .fixtures import push
 from .server import REPO, free_port
 
@@ -99,9 +101,11 @@ def cold_load(python: str, model_dir: Path, weights: list[Path], tp: int = 1, *,
     env.update(tp_server_args(tp).get("env", {}))
     extra = ["--prompts", json.dumps(prompts), "--max-tokens", str(MAX_TOKENS)] if prompts else []
     extra += ["--sequential"] if prompts and sequential else []
-    proc = subprocess.run([python, str(HERE / "cold_load.py"), "--model", str(model_dir), "--tp", str(tp),
-                           "--dtype", dtype, "--weights", *map(str, weights), *extra],
-                          capture_output=True, text=True, env=env, timeout=900)
+    from .cold_load import ENV
+    helper = zygote(python, "vllm", {k: v for k, v in ENV.items() if k not in os.environ})
+    proc = run_python(helper, python, [str(HERE / "cold_load.py"), "--model", str(model_dir), "--tp", str(tp),
+                                       "--dtype", dtype, "--weights", *map(str, weights), *extra],
+                      env=env, timeout=900)
     if proc.returncode != 0:
         raise RuntimeError(f"cold_load.py failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
