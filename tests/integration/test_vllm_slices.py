@@ -38,7 +38,8 @@ def header(path):
 
 def expected_bytes(weights, vocab_pad: int = 64, kv_heads: int = 1) -> tuple[list[int], int]:
     """Per rank, what vLLM's loaders read at TP 2: q/o/gate/up/down split in two, k/v (weights and
-    biases) whole on both ranks with one KV head (else split too), norms whole, the vocabulary split
+    biases) whole on both ranks with one KV head (else split too), norms and a MoE's router whole,
+    each expert's gate/up/down split in two like a dense MLP's, the vocabulary split
     by rows of the padded vocabulary (each rank the padded half, less the padding). Also the total."""
     per_rank, total = [0] * TP, 0
     for name, (dtype, shape) in header(weights).items():
@@ -46,7 +47,8 @@ def expected_bytes(weights, vocab_pad: int = 64, kv_heads: int = 1) -> tuple[lis
         nbytes = math.prod(shape) * size
         total += nbytes
         for r in range(TP):
-            if ("k_proj" in name or "v_proj" in name) and kv_heads < TP or "norm" in name:
+            if ("k_proj" in name or "v_proj" in name) and kv_heads < TP or "norm" in name or \
+                    name.endswith("mlp.gate.weight"):   # a MoE's router: replicated
                 per_rank[r] += nbytes
             elif "embed_tokens" in name or "lm_head" in name:
                 vocab, row = shape[0], math.prod(shape[1:]) * size
@@ -58,6 +60,18 @@ def expected_bytes(weights, vocab_pad: int = 64, kv_heads: int = 1) -> tuple[lis
     return per_rank, total
 
 
+_WHOLE: dict = {}   # (server, weights) -> every worker's digests after a whole update of them
+
+
+def whole_digests(server, weights, where) -> list[dict]:
+    """Every worker's ``ckpt_state_digests`` after a whole (unsliced) update of ``weights``; the
+    server is left on ``weights``."""
+    key = (server.endpoint, str(weights))
+    push_to(server, weights, "extension", TP, where)
+    _WHOLE[key] = server.client.collective_rpc("ckpt_state_digests")
+    return _WHOLE[key]
+
+
 def sliced_equals_whole(server, model, where, kv_heads: int = 1):
     """Sliced update of B, then a whole one of B: the same state; sliced A answers like HF."""
     w0, w1 = model.weights
@@ -66,8 +80,7 @@ def sliced_equals_whole(server, model, where, kv_heads: int = 1):
     after_sliced = server.client.collective_rpc("ckpt_state_digests")
     assert server.complete(model.prompts, MAX_TOKENS) == model.reference(w1), \
         "greedy output after a sliced update differs from Hugging Face"
-    push_to(server, w1, "extension", TP, where)
-    after_whole = server.client.collective_rpc("ckpt_state_digests")
+    after_whole = whole_digests(server, w1, where)
     differ = differences(after_sliced, after_whole)
     assert not differ, f"{len(differ)} tensor(s) differ between a sliced and a whole update:\n" + "\n".join(differ[:40])
     again = push_to(server, w0, "extension", TP, where, extra=("--slices",))
@@ -86,6 +99,50 @@ def test_qwen2_sliced_update_equals_a_whole_one(shared_servers, tiny_model, tmp_
     sliced_equals_whole(server, tiny_model, tmp_path)
 
 
+def test_a_staged_sliced_update_equals_a_whole_staged_one(shared_servers, tiny_model, tmp_path):
+    """Each worker stages only its slices while the engine serves; the commit writes them through
+    the same reload path, and the engine then equals a whole staged update of the same checkpoint."""
+    server = shared_servers.get(tiny_model, extension=True, backend="ckpt", **tp_server_args(TP))
+    w0, w1 = tiny_model.weights
+    push_to(server, w0, "extension", TP, tmp_path)
+    before = server.client.collective_rpc("ckpt_state_digests")
+    staged = push_to(server, w1, "extension", TP, tmp_path, extra=("--slices", "--stage", "--version", "sl-1"))
+    assert server.client.collective_rpc("ckpt_state_digests") == before, "a stage changed live weights"
+    want, total = expected_bytes(w1)
+    versions = server.client.collective_rpc("ckpt_weight_versions")
+    print(f"staged slices: PS sent {staged['slices']['received_bytes']} of {total}; workers staged "
+          f"{[v['staged']['bytes'] for v in versions]} bytes")
+    assert staged["slices"]["received_bytes"] == want
+    assert [v["staged"]["bytes"] for v in versions] == want, "a worker staged more than its slices"
+    server.client.commit("sl-1")
+    after_sliced = server.client.collective_rpc("ckpt_state_digests")
+    assert server.complete(tiny_model.prompts, MAX_TOKENS) == tiny_model.reference(w1)
+    push_to(server, w0, "extension", TP, tmp_path)
+    push_to(server, w1, "extension", TP, tmp_path, extra=("--stage", "--version", "whole-1"))
+    server.client.commit("whole-1")
+    after_whole = server.client.collective_rpc("ckpt_state_digests")
+    differ = differences(after_sliced, after_whole)
+    assert not differ, f"{len(differ)} tensor(s) differ between a sliced and a whole staged update:\n" + \
+        "\n".join(differ[:40])
+
+
+def test_the_ckpt_backend_path_takes_slices_and_equals_a_whole_update(shared_servers, tiny_model, tmp_path):
+    """vLLM's native weight-transfer routes (``--path backend``) with a slice plan: each worker
+    receives only its slices, and the engine equals a whole update of the same checkpoint."""
+    server = shared_servers.get(tiny_model, extension=True, backend="ckpt", **tp_server_args(TP))
+    w0, w1 = tiny_model.weights
+    whole = _WHOLE.get((server.endpoint, str(w1))) or whole_digests(server, w1, tmp_path)
+    push_to(server, w0, "extension", TP, tmp_path)
+    sliced = push_to(server, w1, "backend", TP, tmp_path, extra=("--slices",))
+    differ = differences(server.client.collective_rpc("ckpt_state_digests"), whole)
+    assert not differ, f"{len(differ)} tensor(s) differ between a sliced backend update and a whole one:\n" + \
+        "\n".join(differ[:40])
+    assert server.complete(tiny_model.prompts, MAX_TOKENS) == tiny_model.reference(w1)
+    want, total = expected_bytes(w1)
+    print(f"backend path, slices: bytes received per rank {sliced['slices']['received_bytes']} of {total}")
+    assert sliced["slices"]["received_bytes"] == want
+
+
 def test_a_plan_recorded_for_another_model_is_refused_and_nothing_changes(shared_servers, tiny_model, tmp_path):
     server = shared_servers.get(tiny_model, extension=True, backend="ckpt", **tp_server_args(TP))
     push_to(server, tiny_model.weights[0], "extension", TP, tmp_path)
@@ -101,42 +158,48 @@ def test_a_plan_recorded_for_another_model_is_refused_and_nothing_changes(shared
     assert server.client.collective_rpc("ckpt_state_digests") == before
 
 
-_OURS: list = []   # servers this module started; one of ours runs at a time
+_OURS: list = []   # servers this module started and has not stopped
 
 
-def own_server(shared_servers, python, model, where):
-    """Launch a TP 2 server for ``model`` once every other server of ours is stopped; the caller
-    waits for it (``ready``) and stops it. The session's shared servers keep running (idle, they
-    cost memory, not CPU): the modules after this one use them."""
+def own_servers(python, *models_where, **server_args) -> list:
+    """Launch a TP 2 server for each ``(model, where)`` at once, once every earlier server of ours is
+    stopped; the caller waits for them (``ready``) and stops them. Booting two together costs about
+    the wall time of one (a boot waits on its workers much of the time). The session's shared
+    servers keep running (idle, they cost memory, not CPU): the modules after this one use them."""
     while _OURS:
         _OURS.pop().stop()
-    server = launch_server(python, model, where, extension=True, backend="ckpt", **tp_server_args(TP))
-    _OURS.append(server)
-    return server
+    for model, where in models_where:
+        _OURS.append(launch_server(python, model, where, extension=True, backend="ckpt",
+                                   **tp_server_args(TP), **server_args))
+    return list(_OURS)
 
 
-def served(shared_servers, python, model, where):
-    """A module fixture's body: ``model`` on its own TP 2 server (booting while its references are
-    computed), yielded as ``(model, server)`` and stopped afterwards."""
-    server = own_server(shared_servers, python, model, where)
+def served(python, *models_where):
+    """A module fixture's body: each model on its own TP 2 server (all booting at once, while their
+    references are computed), yielded as ``[(model, server), ...]`` and stopped afterwards."""
+    servers = own_servers(python, *models_where)
     try:
-        model.references(*model.weights)
-        ready(server)
-        yield model, server
+        for model, _ in models_where:
+            model.references(*model.weights)
+        ready(*servers)
+        yield [(model, server) for (model, _), server in zip(models_where, servers)]
     finally:
-        server.stop()
+        for server in servers:
+            server.stop()
 
 
 @pytest.fixture(scope="module")
-def llama(shared_servers, vllm_python, tmp_path_factory):
-    """A Llama with one KV head, a vocabulary of 333 and tied embeddings, on its own TP 2 server."""
-    where = tmp_path_factory.mktemp("slices-llama")
-    model = build_checkpoints(vllm_python, Case("llama", 333, tie=True, tp=TP), where / "model")
-    yield from served(shared_servers, vllm_python, model, where)
+def llama_and_moe(shared_servers, vllm_python, tmp_path_factory):
+    """A Llama with one KV head, a vocabulary of 333 and tied embeddings, and a Qwen3-MoE (8 experts,
+    vocabulary 333), each on its own TP 2 server; the two boot at once."""
+    where = tmp_path_factory.mktemp("slices-llama"), tmp_path_factory.mktemp("slices-moe")
+    llama = build_checkpoints(vllm_python, Case("llama", 333, tie=True, tp=TP), where[0] / "model")
+    moe = build_checkpoints(vllm_python, Case("qwen3_moe", 333, tp=TP), where[1] / "model")
+    yield from served(vllm_python, (llama, where[0]), (moe, where[1]))
 
 
-def test_llama_one_kv_head_padded_tied_vocabulary_sliced_update_equals_a_whole_one(llama, tmp_path):
-    model, server = llama
+def test_llama_one_kv_head_padded_tied_vocabulary_sliced_update_equals_a_whole_one(llama_and_moe, tmp_path):
+    model, server = llama_and_moe[0]
     assert "lm_head.weight" not in header(model.weights[0])
     sliced_equals_whole(server, model, tmp_path)
 
@@ -156,9 +219,18 @@ def qwen2_two_kv_heads(shared_servers, vllm_python, tmp_path_factory):
     """A Qwen2 with two KV heads (its k_proj and v_proj split between the ranks), on its own TP 2 server."""
     where = tmp_path_factory.mktemp("slices-qwen2-kv2")
     model = build(vllm_python, where / "model", "qwen2", 384, num_key_value_heads=2)
-    yield from served(shared_servers, vllm_python, model, where)
+    yield from served(vllm_python, (model, where))
 
 
 def test_qwen2_with_k_proj_split_between_the_ranks_sliced_update_equals_a_whole_one(qwen2_two_kv_heads, tmp_path):
-    model, server = qwen2_two_kv_heads
+    (model, server), = qwen2_two_kv_heads
     sliced_equals_whole(server, model, tmp_path, kv_heads=2)
+
+
+def test_qwen3_moe_experts_sliced_update_equals_a_whole_one(llama_and_moe, tmp_path):
+    """FusedMoE's expert loaders: each rank reads half of every expert's gate/up (rows) and down
+    (columns) projection, stacked into w13/w2 by expert id, then repacked by vLLM-CPU."""
+    model, server = llama_and_moe[1]
+    sliced = sliced_equals_whole(server, model, tmp_path)
+    experts = [n for n in header(model.weights[0]) if ".experts." in n]
+    assert len(experts) == 2 * 8 * 3
