@@ -36,11 +36,14 @@ def header(path):
     return {name: (e["dtype"], tuple(e["shape"])) for name, e in doc.items()}
 
 
-def expected_bytes(weights, vocab_pad: int = 64, kv_heads: int = 1) -> tuple[list[int], int]:
+def expected_bytes(weights, vocab_pad: int = 64, kv_heads: int = 1,
+                   experts_per_rank: int | None = None) -> tuple[list[int], int]:
     """Per rank, what vLLM's loaders read at TP 2: q/o/gate/up/down split in two, k/v (weights and
     biases) whole on both ranks with one KV head (else split too), norms and a MoE's router whole,
     each expert's gate/up/down split in two like a dense MLP's, the vocabulary split
-    by rows of the padded vocabulary (each rank the padded half, less the padding). Also the total."""
+    by rows of the padded vocabulary (each rank the padded half, less the padding); under expert
+    parallelism (``experts_per_rank``) rank r reads experts r * n .. r * n + n - 1 whole and no
+    other expert's bytes. Also the total."""
     per_rank, total = [0] * TP, 0
     for name, (dtype, shape) in header(weights).items():
         size = WIRE_DTYPES[dtype].itemsize
@@ -50,6 +53,9 @@ def expected_bytes(weights, vocab_pad: int = 64, kv_heads: int = 1) -> tuple[lis
             if ("k_proj" in name or "v_proj" in name) and kv_heads < TP or "norm" in name or \
                     name.endswith("mlp.gate.weight"):   # a MoE's router: replicated
                 per_rank[r] += nbytes
+            elif ".experts." in name and experts_per_rank:
+                expert = int(name.split(".experts.")[1].split(".")[0])
+                per_rank[r] += nbytes if expert // experts_per_rank == r else 0
             elif "embed_tokens" in name or "lm_head" in name:
                 vocab, row = shape[0], math.prod(shape[1:]) * size
                 padded = -(-vocab // vocab_pad) * vocab_pad
@@ -72,7 +78,7 @@ def whole_digests(server, weights, where) -> list[dict]:
     return _WHOLE[key]
 
 
-def sliced_equals_whole(server, model, where, kv_heads: int = 1):
+def sliced_equals_whole(server, model, where, kv_heads: int = 1, experts_per_rank: int | None = None):
     """Sliced update of B, then a whole one of B: the same state; sliced A answers like HF."""
     w0, w1 = model.weights
     model.references(w0, w1)
@@ -85,7 +91,7 @@ def sliced_equals_whole(server, model, where, kv_heads: int = 1):
     assert not differ, f"{len(differ)} tensor(s) differ between a sliced and a whole update:\n" + "\n".join(differ[:40])
     again = push_to(server, w0, "extension", TP, where, extra=("--slices",))
     assert server.complete(model.prompts, MAX_TOKENS) == model.reference(w0)
-    want, total = expected_bytes(w1, kv_heads=kv_heads)
+    want, total = expected_bytes(w1, kv_heads=kv_heads, experts_per_rank=experts_per_rank)
     got = sliced["slices"]["received_bytes"]
     print(f"{model.dir.name}: bytes received per rank {got} of {total} whole "
           f"({', '.join(f'{g / total:.3f}' for g in got)}); predicted {want}")
@@ -161,16 +167,18 @@ def test_a_plan_recorded_for_another_model_is_refused_and_nothing_changes(shared
 _OURS: list = []   # servers this module started and has not stopped
 
 
-def own_servers(python, *models_where, **server_args) -> list:
-    """Launch a TP 2 server for each ``(model, where)`` at once, once every earlier server of ours is
-    stopped; the caller waits for them (``ready``) and stops them. Booting two together costs about
-    the wall time of one (a boot waits on its workers much of the time). The session's shared
-    servers keep running (idle, they cost memory, not CPU): the modules after this one use them."""
+def own_servers(python, *models_where) -> list:
+    """Launch a TP 2 server for each ``(model, where[, extra vLLM arguments])`` at once, once every
+    earlier server of ours is stopped; the caller waits for them (``ready``) and stops them. Booting
+    two together costs less wall time than one after the other (a boot waits on its workers much of
+    the time). The session's shared servers keep running (idle, they cost memory, not CPU): the
+    modules after this one use them."""
     while _OURS:
         _OURS.pop().stop()
-    for model, where in models_where:
-        _OURS.append(launch_server(python, model, where, extension=True, backend="ckpt",
-                                   **tp_server_args(TP), **server_args))
+    for model, where, *extra in models_where:
+        args = tp_server_args(TP)
+        args["extra_args"] = args["extra_args"] + tuple(extra[0] if extra else ())
+        _OURS.append(launch_server(python, model, where, extension=True, backend="ckpt", **args))
     return list(_OURS)
 
 
@@ -179,10 +187,10 @@ def served(python, *models_where):
     references are computed), yielded as ``[(model, server), ...]`` and stopped afterwards."""
     servers = own_servers(python, *models_where)
     try:
-        for model, _ in models_where:
+        for model, *_ in models_where:
             model.references(*model.weights)
         ready(*servers)
-        yield [(model, server) for (model, _), server in zip(models_where, servers)]
+        yield [(entry[0], server) for entry, server in zip(models_where, servers)]
     finally:
         for server in servers:
             server.stop()
@@ -204,6 +212,21 @@ def test_llama_one_kv_head_padded_tied_vocabulary_sliced_update_equals_a_whole_o
     sliced_equals_whole(server, model, tmp_path)
 
 
+def test_qwen3_moe_experts_sliced_update_equals_a_whole_one(llama_and_moe, tmp_path):
+    """FusedMoE's expert loaders: each rank reads half of every expert's gate/up (rows) and down
+    (columns) projection, stacked into w13/w2 by expert id, then repacked by vLLM-CPU."""
+    model, server = llama_and_moe[1]
+    sliced = sliced_equals_whole(server, model, tmp_path)
+    plan = server.client.slice_plan(header(model.weights[0]))
+    experts = [n for n in plan.tensors if ".experts." in n]
+    assert len(experts) == 2 * 8 * 3
+    for r, rs in enumerate(plan.ranks):
+        for n in experts:
+            dim = 1 if "down_proj" in n else 0
+            assert rs.needs[n] == ((dim, r * 32, 32),), f"rank {r} reads {rs.needs[n]} of {n}"
+    assert sliced["slices"]["received_bytes"] == [plan.rank_bytes(r) for r in range(TP)]
+
+
 def build(python, where, family: str, vocab: int, **overrides) -> TinyModel:
     seed = int(os.environ.get("CKPT_TEST_SEED") or random.randrange(1, 2**31 - 4))
     print(f"{family}-v{vocab} {overrides} seed: {seed} (set CKPT_TEST_SEED={seed} to reproduce)")
@@ -215,22 +238,31 @@ def build(python, where, family: str, vocab: int, **overrides) -> TinyModel:
 
 
 @pytest.fixture(scope="module")
-def qwen2_two_kv_heads(shared_servers, vllm_python, tmp_path_factory):
-    """A Qwen2 with two KV heads (its k_proj and v_proj split between the ranks), on its own TP 2 server."""
-    where = tmp_path_factory.mktemp("slices-qwen2-kv2")
-    model = build(vllm_python, where / "model", "qwen2", 384, num_key_value_heads=2)
-    yield from served(vllm_python, (model, where))
+def qwen2_kv2_and_moe_ep(shared_servers, llama_and_moe, vllm_python, tmp_path_factory):
+    """A Qwen2 with two KV heads (its k_proj and v_proj split between the ranks), and the Qwen3-MoE
+    of ``llama_and_moe`` again under expert parallelism (``--enable-expert-parallel``: each rank
+    holds 4 of the 8 experts whole), each on its own TP 2 server; the two boot at once."""
+    where = tmp_path_factory.mktemp("slices-qwen2-kv2"), tmp_path_factory.mktemp("slices-moe-ep")
+    model = build(vllm_python, where[0] / "model", "qwen2", 384, num_key_value_heads=2)
+    moe = llama_and_moe[1][0]
+    yield from served(vllm_python, (model, where[0]), (moe, where[1], ("--enable-expert-parallel",)))
 
 
-def test_qwen2_with_k_proj_split_between_the_ranks_sliced_update_equals_a_whole_one(qwen2_two_kv_heads, tmp_path):
-    (model, server), = qwen2_two_kv_heads
+def test_qwen2_with_k_proj_split_between_the_ranks_sliced_update_equals_a_whole_one(qwen2_kv2_and_moe_ep, tmp_path):
+    model, server = qwen2_kv2_and_moe_ep[0]
     sliced_equals_whole(server, model, tmp_path, kv_heads=2)
 
 
-def test_qwen3_moe_experts_sliced_update_equals_a_whole_one(llama_and_moe, tmp_path):
-    """FusedMoE's expert loaders: each rank reads half of every expert's gate/up (rows) and down
-    (columns) projection, stacked into w13/w2 by expert id, then repacked by vLLM-CPU."""
-    model, server = llama_and_moe[1]
-    sliced = sliced_equals_whole(server, model, tmp_path)
-    experts = [n for n in header(model.weights[0]) if ".experts." in n]
-    assert len(experts) == 2 * 8 * 3
+def test_qwen3_moe_under_expert_parallelism_each_rank_receives_only_its_experts(qwen2_kv2_and_moe_ep, tmp_path):
+    """FusedMoE's loaders decline the experts another rank holds (``expert_id == -1``): the recording
+    sees them read by no loader of this rank, so each expert goes whole to the one rank that holds
+    it; attention and the vocabulary stay split by tensor parallelism."""
+    model, server = qwen2_kv2_and_moe_ep[1]
+    sliced = sliced_equals_whole(server, model, tmp_path, experts_per_rank=8 // TP)
+    plan = server.client.slice_plan(header(model.weights[0]))
+    assert "ep=True" in plan.key.layout
+    for r, rs in enumerate(plan.ranks):
+        held = {int(n.split(".experts.")[1].split(".")[0]) for n in rs.needs if ".experts." in n}
+        assert held == set(range(r * 4, r * 4 + 4)), f"rank {r} reads experts {sorted(held)}"
+        assert all(rs.needs[n] is None for n in rs.needs if ".experts." in n)
+    assert sliced["slices"]["received_bytes"] == [plan.rank_bytes(r) for r in range(TP)]
