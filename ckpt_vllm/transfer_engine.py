@@ -20,7 +20,10 @@ the whole checkpoint, so it is checked and finalized before the PS's update retu
 ``/finish_weight_update`` has nothing left to do; pass false to spread one checkpoint over
 several PS updates: the check and vLLM's deferred processing then run at ``/finish_weight_update``,
 a tensor sent twice in the session is refused, and generation must stay paused from the first
-part to the finish, since the model is half reloaded in between).
+part to the finish, since the model is half reloaded in between), and ``slices``: the digest
+of a slice plan installed with the extension's ``ckpt_use_slice_plan`` that the PS update routes
+by (each worker then receives only its slices and hands them to the reload as ``SliceTensor``s,
+see ``_slices.py``; every worker must hold it, else none loads).
 This module imports vLLM; vLLM imports it lazily when the backend is selected.
 """
 
