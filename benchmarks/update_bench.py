@@ -335,6 +335,7 @@ class Bench:
                                    (RankSlices(0, *_rank_fields(plan.ranks[t])),))) for t in range(tp)])
         dtypes = {s.name: s.dtype for s in specs}
         per_rank: dict[int, list[float]] = {}
+        breakdown: dict[int, dict] = {}
         received = [0] * tp
         for engine_ranks, part in rounds:
             mine = engine_ranks[0] if serial else self.rank   # the engine rank this PS rank's worker plays
@@ -358,12 +359,14 @@ class Bench:
             for i, t in enumerate(engine_ranks):
                 per_rank[t] = times[1:] or times
                 received[t] = info["slices"]["received_bytes"][i]
+                breakdown[t] = info["seconds"]   # this PS rank's phases of the last update
         self.ps.unregister_checkpoint(f"{case}-tp")
         best = [min(per_rank[t]) for t in range(tp)]
         out = {"tp": tp, "mode": "serial" if serial else "parallel", "whole_update_s": whole_s,
                "sliced_s": max(best), "per_rank_best_s": best, "received_bytes_per_rank": received,
                "whole_bytes": plan.whole_bytes(), "received_fraction": max(received) / plan.whole_bytes(),
-               "speedup": whole_s / max(best) if max(best) else None}
+               "speedup": whole_s / max(best) if max(best) else None,
+               "update_breakdown_slowest": breakdown[best.index(max(best))]}
         self.say(f"{case}: tp={tp} ({out['mode']}) each rank receives {out['received_fraction']:.3f} of "
                  f"{plan.whole_bytes() / GiB:.3f} GiB; sliced update {out['sliced_s']:.3f} s (slowest rank) "
                  f"against a whole update of {whole_s:.3f} s ({out['speedup']:.2f}x)")

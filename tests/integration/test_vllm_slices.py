@@ -156,6 +156,23 @@ def test_the_ckpt_backend_path_takes_slices_and_equals_a_whole_update(shared_ser
     assert sliced["slices"]["received_bytes"] == want
 
 
+def test_an_update_naming_a_plan_no_worker_holds_is_refused_on_both_paths_and_nothing_changes(
+        shared_servers, tiny_model):
+    """A digest no worker installed (``ckpt_use_slice_plan``): every worker refuses before it
+    receives anything (a ConfigError from the last worker), on the extension and the backend path."""
+    from ckpt_core import local_device_key
+    from ckpt_core.errors import CkptError
+
+    server = shared_servers.get(tiny_model, extension=True, backend="ckpt", **tp_server_args(TP))
+    before = server.client.collective_rpc("ckpt_state_digests")
+    handles = {local_device_key("cpu", i): f"ipc://@ckpt-nobody-{i}" for i in range(TP)}
+    for path in ("extension", "backend"):
+        with pytest.raises(CkptError, match="not installed on this worker"):
+            server.client.update(handles, path=path, timeout=20, slices="0" * 40)
+    assert server.client.collective_rpc("ckpt_state_digests") == before
+    assert server.complete(tiny_model.prompts[:1], 2)
+
+
 def test_a_plan_recorded_for_another_model_is_refused_and_nothing_changes(shared_servers, tiny_model, tmp_path):
     server = shared_servers.get(tiny_model, extension=True, backend="ckpt", **tp_server_args(TP))
     push_to(server, tiny_model.weights[0], "extension", TP, tmp_path)
