@@ -420,8 +420,10 @@ class SlicedBucket(Bucket):
 def plan_sliced(metas_per_rank: list[list[TensorMeta]], plan: SlicePlan, bucket_bytes: int) -> Plan:
     """Buckets that give each engine rank only what its loaders read.
 
-    A tensor some rank reads whole is broadcast whole (ordinary buckets); every other tensor goes
-    as one slice per rank that reads it, packed into buckets of one (owner, destination) pair.
+    A tensor every engine rank reads whole is broadcast whole (ordinary buckets); every other
+    tensor goes to each rank that reads it, as its slice (or whole, where that rank reads it whole:
+    an expert that one rank holds under expert parallelism), packed into buckets of one (owner,
+    destination) pair; a rank that reads nothing of a tensor receives none of it.
     PS rank r feeds engine rank r. Raises ConfigError for tensors in pieces, a checkpoint that
     differs from the one the plan was recorded for, or engine ranks that are not the PS ranks.
     """
@@ -435,7 +437,7 @@ def plan_sliced(metas_per_rank: list[list[TensorMeta]], plan: SlicePlan, bucket_
         raise ConfigError(f"tensor {first_shared[0]!r} is registered on rank {first_shared[1]} and on rank "
                           f"{first_shared[2]}")
     _same_checkpoint(metas_per_rank, plan)
-    whole = {n for rs in plan.ranks for n, b in rs.needs.items() if not b}
+    whole = {n for n in plan.tensors if all(n in rs.needs and not rs.needs[n] for rs in plan.ranks)}
     streams: list[list[Bucket]] = []
     for owner, metas in enumerate(metas_per_rank):
         ordered = delivery_order(metas)

@@ -362,3 +362,24 @@ def test_a_split_plan_tiles_every_tensor_and_each_rank_gets_its_share(tp, layout
 def test_a_split_plan_refuses_a_dimension_it_cannot_split_evenly():
     with pytest.raises(ConfigError, match="'w' of shape \\[6, 4\\] cannot be split in 4"):
         split_plan(KEY, {"w": ("F32", (6, 4), 4)}, 4, {"w": 0})
+
+
+def test_a_tensor_only_some_ranks_read_goes_to_those_ranks_only():
+    """Expert parallelism: each expert is read whole by the one rank that holds it; only what every
+    rank reads whole is broadcast, and a rank receives nothing of what it does not read."""
+    tensors = {"e0": ("F32", (4, 8), 4), "e1": ("F32", (4, 8), 4), "norm": ("F32", (8,), 4), "q": ("F32", (8, 8), 4)}
+    ranks = []
+    for r in range(2):
+        needs = {f"e{r}": None, "norm": None, "q": ((0, 4 * r, 4),)}
+        params = {f"e{r}": (4, 8), "norm": (8,), "q": (4, 8)}
+        ranks.append(RankSlices(r, needs, params, tuple(Write(p, (), p) for p in params)))
+    plan = SlicePlan(KEY, tensors, tuple(ranks))
+    check_plan(plan)
+    metas = [[meta("e0", (4, 8)), meta("norm", (8,), at=128)], [meta("e1", (4, 8)), meta("q", (8, 8), at=128)]]
+    routed = plan_sliced(metas, plan, 1 << 20)
+    broadcast = {p.meta.name for b in routed.buckets if not isinstance(b, SlicedBucket) for p in b.placements}
+    assert broadcast == {"norm"}
+    for r in range(2):
+        told = {n: shape for b in rank_placements(routed, r) for n, _, shape, _ in b}
+        assert told == {f"e{r}": (4, 8), "norm": (8,), "q": (4, 8)}
+        assert received_bytes(routed, r) == plan.rank_bytes(r) == (32 + 8 + 32) * 4
