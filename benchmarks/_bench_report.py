@@ -169,6 +169,17 @@ def format_report(result: dict) -> str:
     lines.append(_table(["case", "share GiB", "named s", "GB/s", "pool 1st s", "pool re-reg s", "GB/s",
                          "pool upd 1st/best s", "shm in-place s", "GB/s", "model GB/s", "shm upd 1st/best s",
                          "note"], rows))
+    sliced = [c for c in result["cases"] if c.get("tp")]
+    if sliced:
+        lines += ["", "slices (--tp): a simulated tensor-parallel engine, each rank receiving only its slices "
+                      "(serial: one device serves the ranks in turn; sliced s is the slowest rank's):"]
+        lines.append(_table(["case", "tp", "mode", "MiB per rank", "of whole MiB", "fraction", "sliced s", "whole s",
+                             "speedup"],
+                            [[c["case"], str(t["tp"]), t["mode"], f"{max(t['received_bytes_per_rank']) / (1 << 20):.1f}",
+                              f"{t['whole_bytes'] / (1 << 20):.1f}", f"{t['received_fraction']:.3f}",
+                              f"{t['sliced_s']:.3f}", f"{t['whole_update_s']:.3f}",
+                              "-" if t["speedup"] is None else f"{t['speedup']:.2f}x"]
+                             for c in sliced for t in [c["tp"]]]))
     targets = result.get("targets") or []
     if targets:
         lines += ["", "targets (issue 5):"]

@@ -6,6 +6,7 @@ Run one rank per device (the project root needs no install; it is put on sys.pat
     torchrun --nproc-per-node 2 benchmarks/update_bench.py --cases dense16 --free-mem-gib 2
     python -m torch.distributed.run --nproc-per-node 2 benchmarks/update_bench.py --device cpu --scale 0.01
     python benchmarks/update_bench.py --engine vllm --shape 7b --verify     # a real vLLM engine instead
+    python benchmarks/update_bench.py --tp 8 --cases dense16                 # one device, 8 simulated TP ranks
 
 ``--engine vllm`` hands every other argument to ``benchmarks/vllm_bench.py`` (a real vLLM engine
 in-process, ckpt-engine against checkpoint-engine, each compared with a cold load; its
@@ -18,6 +19,17 @@ a checkpoint of fresh random data split across ranks, registers it, gathers meta
 a warm-up update and ``--repeats`` timed ones (every one verified bit-exact by checksums
 the engine worker reports), re-registers it into the shared pool and registers it from
 /dev/shm safetensors in place. Rank 0 prints the tables and writes ``--out`` (JSON).
+
+``--tp T`` adds a sliced section per case: a simulated tensor-parallel engine of T ranks, each
+holding only its part of every tensor (column-parallel weights split by rows, row-parallel ones by
+columns, experts like an MLP, the vocabulary by rows; norms, biases of row-parallel layers and
+routers whole; the plan is ``ckpt_core.planning.slices.split_plan`` of the case's layout), updated
+with ``ParameterServer.update(..., slices=plan)`` so that each engine rank receives only its slices,
+verified bit-exact against the source's slices, and timed against the case's whole-tensor update.
+With one PS rank per device and T equal to the world size the T engine ranks receive at once;
+with one PS rank (one device) the T engine ranks are served one after another by the same PS rank
+and engine worker (each update then carries rank t's slices only), and ``sliced_s`` is the slowest
+rank's time, what each rank of a T-device engine would wait for.
 """
 
 from __future__ import annotations
@@ -70,8 +82,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also stage each case into device memory beside the parameters and time the commit "
                         "(staged -> live copy)")
     p.add_argument("--skip-shm", action="store_true", help="skip the /dev/shm in-place registration")
+    p.add_argument("--tp", type=int, default=None,
+                   help="also update a simulated engine of this many tensor-parallel ranks, each receiving only "
+                        "its slices (the world size, or any T with one rank)")
     p.add_argument("--log-level", default="WARNING", help="level of ckpt_core's logs (INFO: one line per phase)")
     args = p.parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if args.tp is not None and (args.tp < 1 or (world != 1 and args.tp != world)):
+        p.error(f"--tp must be the world size ({world}) or, with one rank, any T >= 1; got {args.tp}")
     args.cases = [c for c in args.cases.split(",") if c]
     for c in args.cases:
         if c not in CASES:
@@ -250,6 +268,7 @@ class Bench:
         record["stage"] = stage
         record["pool"] = None if self.args.skip_pool else self.pool_section(case, share)
         record["shm"] = None if self.args.skip_shm else self.shm_section(case, share, total)
+        record["tp"] = None if self.args.tp is None else self.tp_section(case, specs, share, summary["best_s"])
         self.worker.call("free")
         del share
         gc.collect()
@@ -297,6 +316,81 @@ class Bench:
                  f"(median {out['commit_median_s'] * 1e3:.1f} ms, {out['commit_gbps']:.0f} GB/s of model bytes) "
                  f"against a full update of {update_s:.3f} s")
         return out
+
+    def tp_section(self, case: str, specs, share, whole_s: float) -> dict:
+        """Each of T simulated engine ranks receives only its slices (see the module's docstring)."""
+        from ckpt_core.checkpoint.safetensors import WIRE_CODES
+        from ckpt_core.planning.slices import RankSlices, SliceKey, SlicePlan, split_plan
+
+        tp = self.args.tp
+        tensors = {s.name: (WIRE_CODES[s.dtype], tuple(s.shape), s.dtype.itemsize) for s in specs}
+        plan = split_plan(SliceKey(f"bench-{case}-{self.args.scale}", f"tp={tp}", "simulated"), tensors, tp,
+                          tp_dims(specs))
+        self.ps.register_checkpoint(f"{case}-tp", named_tensors=share.named)
+        self.ps.gather_metas(f"{case}-tp")
+        serial = self.world == 1 and tp > 1
+        # (engine ranks served by one update, the plan of that update): all at once, or one at a time
+        rounds = ([(list(range(tp)), plan)] if not serial else
+                  [([t], SlicePlan(SliceKey(plan.key.model, f"{plan.key.layout},rank={t}", "simulated"), tensors,
+                                   (RankSlices(0, *_rank_fields(plan.ranks[t])),))) for t in range(tp)])
+        dtypes = {s.name: s.dtype for s in specs}
+        per_rank: dict[int, list[float]] = {}
+        breakdown: dict[int, dict] = {}
+        received = [0] * tp
+        for engine_ranks, part in rounds:
+            mine = engine_ranks[0] if serial else self.rank   # the engine rank this PS rank's worker plays
+            index = 0 if serial else self.rank                # ... and its rank in the update's plan
+            wanted = self.slice_sums(part, share.named)[index]
+            self.worker.call("alloc", [(n, part.ranks[index].params[n], dtypes[n]) for n in tensors])
+            times = []
+            for _ in range(1 + self.args.repeats):
+                self.worker.call("zero")
+                self.barrier()
+                t0 = time.perf_counter()
+                info = self.ps.update(f"{case}-tp", self.req_func, slices=part)
+                seconds = self.gather(time.perf_counter() - t0)
+                got = self.worker.call("checksum")
+                bad = sorted(n for n in set(wanted) | set(got) if tuple(got.get(n, ())) != tuple(wanted.get(n, ())))
+                nbad = self.gather(len(bad))
+                if any(nbad):
+                    raise RuntimeError(f"sliced update of {case!r} (tp={tp}) is not bit-exact: engine rank {mine} "
+                                       f"has {len(bad)} wrong tensors, e.g. {bad[:3]}; all ranks: {nbad}")
+                times.append(max(seconds))
+            for i, t in enumerate(engine_ranks):
+                per_rank[t] = times[1:] or times
+                received[t] = info["slices"]["received_bytes"][i]
+                breakdown[t] = info["seconds"]   # this PS rank's phases of the last update
+        self.ps.unregister_checkpoint(f"{case}-tp")
+        best = [min(per_rank[t]) for t in range(tp)]
+        out = {"tp": tp, "mode": "serial" if serial else "parallel", "whole_update_s": whole_s,
+               "sliced_s": max(best), "per_rank_best_s": best, "received_bytes_per_rank": received,
+               "whole_bytes": plan.whole_bytes(), "received_fraction": max(received) / plan.whole_bytes(),
+               "speedup": whole_s / max(best) if max(best) else None,
+               "update_breakdown_slowest": breakdown[best.index(max(best))]}
+        self.say(f"{case}: tp={tp} ({out['mode']}) each rank receives {out['received_fraction']:.3f} of "
+                 f"{plan.whole_bytes() / GiB:.3f} GiB; sliced update {out['sliced_s']:.3f} s (slowest rank) "
+                 f"against a whole update of {whole_s:.3f} s ({out['speedup']:.2f}x)")
+        return out
+
+    def slice_sums(self, plan, named: dict) -> list[dict]:
+        """Per engine rank of ``plan``: the checksums of its slices of this rank's tensors, computed
+        on this device like the engine's (gathered from every PS rank)."""
+        from _bench_cases import checksums
+        mine = []
+        for rs in plan.ranks:
+            sums: dict = {}
+            names = [n for n in named if n in rs.needs]
+            for at in range(0, len(names), 256):   # a few hundred slices on the device at a time
+                part = {}
+                for n in names[at: at + 256]:
+                    v = named[n]
+                    for d, start, length in rs.needs[n] or ():
+                        v = v.narrow(d, start, length)
+                    part[n] = v.contiguous() if self.kind == "cpu" else v.to(self.device)
+                sums.update(checksums(part))
+            mine.append(sums)
+        every = self.gather(mine)
+        return [{k: v for views in every for k, v in views[r].items()} for r in range(len(plan.ranks))]
 
     def pool_section(self, case: str, share) -> dict:
         """RL steady state: the pool is allocated and pinned once, then re-filled by the next step."""
@@ -373,6 +467,21 @@ class Bench:
             self.front.close()
         self.worker.close()
         dist.destroy_process_group()
+
+
+def _rank_fields(rs) -> tuple:
+    return rs.needs, rs.params, rs.writes
+
+
+# Which dimension a tensor-parallel engine splits each tensor of the synthetic layouts along
+# (column-parallel: rows, row-parallel: columns); the others are whole on every rank.
+_ROWS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "q_proj.bias", "k_proj.bias", "v_proj.bias",
+         "gate_proj.weight", "up_proj.weight", "embed_tokens.weight", "lm_head.weight")
+_COLS = ("o_proj.weight", "down_proj.weight")
+
+
+def tp_dims(specs) -> dict:
+    return {s.name: 0 if s.name.endswith(_ROWS) else 1 if s.name.endswith(_COLS) else None for s in specs}
 
 
 def phases(seconds: dict) -> str:

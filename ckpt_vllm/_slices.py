@@ -367,6 +367,30 @@ class ReplayPlan:
         return SliceTensor(tensor, full, box, name)
 
 
+    def live_layout(self, loaded: dict) -> dict:
+        """The checkpoint layout a sliced update made live, ``{name: (dtype, shape)}`` with each
+        tensor's full shape (``loaded`` has the shapes of the slices received), and the tensors of the
+        plan this rank does not read (another rank's experts) too: what a later whole update sends."""
+        out = {n: (d, tuple(self.tensors[n][1]) if n in self.tensors else tuple(s)) for n, (d, s) in loaded.items()}
+        for n, (code, shape, _) in self.tensors.items():
+            out.setdefault(n, (str(WIRE_DTYPES[code]).removeprefix("torch."), tuple(shape)))
+        return out
+
+    def staged_layout(self, live: dict | None) -> dict | None:
+        """What a sliced stage must receive on this rank, ``{name: (dtype, shape of its slice)}``,
+        given the live layout (None: unknown, nothing to compare): the tensors it reads, each in
+        the extent of its box; a live tensor the plan does not know stays expected whole (so a
+        stage that lacks it is refused)."""
+        if not live:
+            return None
+        out = {n: (d, tuple(s)) for n, (d, s) in live.items() if n not in self.tensors}
+        for n, box in self.rank.needs.items():
+            dtype, shape = live.get(n, (str(WIRE_DTYPES[self.tensors[n][0]]).removeprefix("torch."),
+                                        tuple(self.tensors[n][1])))
+            out[n] = (dtype, box_extent(shape, box))
+        return out
+
+
 def check_installed(plan_key: SliceKey, own: SliceKey) -> None:
     if plan_key != own:
         raise ConfigError(f"the slice plan was recorded for {plan_key}, this engine is {own}: record it again")

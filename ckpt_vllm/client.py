@@ -190,16 +190,16 @@ class VllmClient:
         ``stage="v8"`` stages the update instead (:meth:`stage`, with ``prepare``); :meth:`commit`
         switches to it. ``version``: the weight version this update makes live (the workers record it; vLLM's
         ``/update_weight_version`` is set where the server has it).
-        ``slices``: the digest of a plan from :meth:`slice_plan` that the PS update routes by
-        (extension path): each worker then receives only its slices.
+        ``slices``: a plan from :meth:`slice_plan` (or its digest) that the PS update routes by
+        (either path, staged or not): each worker then receives only its slices.
         """
-        if slices is not None and (path != "extension" or stage is not None):
-            raise ConfigError("slices take the extension path, unstaged")
+        slices = getattr(slices, "digest", slices)
         if stage is not None:
             if path != "extension" or pause is not None or not (start and finish):
                 raise ConfigError("a staged update takes the extension path, whole, without a pause "
                                   "(the engine keeps serving while it stages; commit() pauses)")
-            return self.stage(handles, stage, timeout=timeout, device_bytes=stage_device_bytes, prepare=prepare)
+            return self.stage(handles, stage, timeout=timeout, device_bytes=stage_device_bytes, prepare=prepare,
+                              slices=slices)
         if path not in PATHS:
             raise ConfigError(f"path must be one of {PATHS}, got {path!r}")
         whole = start and finish
@@ -229,7 +229,8 @@ class VllmClient:
                     phases.run("init", self._post, "/init_weight_transfer_engine", {"init_info": init_info})
                 if start:
                     phases.run("start", self._post, "/start_weight_update")
-                info = {"zmq_handles": handles, "timeout_s": wait, "check_complete": whole}
+                info = {"zmq_handles": handles, "timeout_s": wait, "check_complete": whole,
+                        **({"slices": str(slices)} if slices is not None else {})}
                 phases.run("update", self._post, "/update_weights", {"update_info": info}, timeout=wait + 30.0)
                 if finish:
                     phases.run("finish", self._post, "/finish_weight_update")
@@ -271,7 +272,7 @@ class VllmClient:
 
     # -- staged updates ----------------------------------------------------------------
     def stage(self, handles, version: str, *, timeout: float | None = None, device_bytes: int = 0,
-              prepare: bool = False, prepare_step_bytes: int = 512 << 20) -> UpdateReport:
+              prepare: bool = False, prepare_step_bytes: int = 512 << 20, slices=None) -> UpdateReport:
         """Receive an update into every worker's staging area while the server keeps serving.
 
         ``device_bytes``: device memory each worker may stage into (beyond it: pinned host
@@ -282,13 +283,19 @@ class VllmClient:
         device copy. It needs as much device memory again as the model's weights until the
         commit; a model whose processing does more than fill its tensors (vLLM-CPU, quantized KV
         caches) is not prepared and its commit reloads (``report.workers``' ``prepare`` says why).
+
+        ``slices``: the plan (or its digest) the PS update routes by (:meth:`slice_plan`): each worker
+        stages only its slices, and :meth:`commit` applies them through the same reload path as a
+        sliced update (such a stage is never prepared).
         """
+        slices = getattr(slices, "digest", slices)
         wait = self.timeout if timeout is None else float(timeout)
         report = UpdateReport(path="stage")
         phases = Phases()
         phases.seconds = report.seconds
         phases.run("start", self.collective_rpc, "update_weights_from_ipc", [dict(handles)],
-                   {"timeout": wait, "stage": str(version), "stage_device_bytes": int(device_bytes)}, timeout=wait)
+                   {"timeout": wait, "stage": str(version), "stage_device_bytes": int(device_bytes),
+                    **({"slices": str(slices)} if slices is not None else {})}, timeout=wait)
         report.workers = phases.run("stage", self._wait_staged, str(version), wait)
         if prepare:
             prepared = phases.run("prepare", self._prepare_staged, str(version), int(prepare_step_bytes), wait)

@@ -20,7 +20,10 @@ the whole checkpoint, so it is checked and finalized before the PS's update retu
 ``/finish_weight_update`` has nothing left to do; pass false to spread one checkpoint over
 several PS updates: the check and vLLM's deferred processing then run at ``/finish_weight_update``,
 a tensor sent twice in the session is refused, and generation must stay paused from the first
-part to the finish, since the model is half reloaded in between).
+part to the finish, since the model is half reloaded in between), and ``slices``: the digest
+of a slice plan installed with the extension's ``ckpt_use_slice_plan`` that the PS update routes
+by (each worker then receives only its slices and hands them to the reload as ``SliceTensor``s,
+see ``_slices.py``; every worker must hold it, else none loads).
 This module imports vLLM; vLLM imports it lazily when the backend is selected.
 """
 
@@ -54,11 +57,14 @@ class CkptUpdateInfo(WeightTransferUpdateInfo):
     zmq_handles: dict[str, str] = field(default_factory=dict)
     timeout_s: float | None = None
     check_complete: bool = True
+    slices: str | None = None   # digest of an installed slice plan (``ckpt_use_slice_plan``) the PS routes by
 
     def __post_init__(self):
         if not self.zmq_handles or not all(isinstance(k, str) and isinstance(v, str)
                                            for k, v in self.zmq_handles.items()):
             raise ValueError("update_info.zmq_handles must map device keys to ZeroMQ handles (strings)")
+        if self.slices is not None and not isinstance(self.slices, str):
+            raise ValueError("update_info.slices must be the digest of an installed slice plan (a string)")
 
 
 class CkptWeightTransferEngine(WeightTransferEngine[CkptInitInfo, CkptUpdateInfo]):
@@ -106,12 +112,20 @@ class CkptWeightTransferEngine(WeightTransferEngine[CkptInitInfo, CkptUpdateInfo
         handle = _w.agree_on_handle(update_info.zmq_handles, kind, index)
         if handle is None:   # another worker lacks its handle: none loads, the last worker raised for all
             return
+        replay = None
+        if update_info.slices is not None:   # every worker holds the plan and is fed by its own PS rank, or none loads
+            try:
+                replay = _w.agree_on_slices(update_info.zmq_handles, kind, index, update_info.slices)
+            except _w._Refused:
+                return
         timeout = float(update_info.timeout_s or self._timeout)
         if not self._sessions:   # the first update of this session begins the reload
             model, model_config, label = self._target
             session = ReloadSession(model, model_config, label=label)
             session.begin()
             self._sessions = [session]
+        # each PS update of the session names its own plan (or none: whole tensors)
+        self._sessions[0].wrap = None if replay is None else replay.wrap
         # A complete update is also finalized in the core's post hook, so that a failure there
         # reaches the PS before its update() returns; /finish_weight_update then has nothing left.
         complete = update_info.check_complete

@@ -180,16 +180,20 @@ def _slice_rank(worker: Any) -> int:
     return int(get_tensor_model_parallel_rank())
 
 
-def agree_on_slices(worker: Any, zmq_handles: dict, kind: str, index: int, digest: str, stage):
+# Slice plans installed in this worker process (``ckpt_use_slice_plan``), by digest; the extension's
+# updates and the ``ckpt`` weight-transfer backend (``transfer_engine.py``) both apply them.
+_SLICE_PLANS: dict[str, Any] = {}
+
+
+def agree_on_slices(zmq_handles: dict, kind: str, index: int, digest: str):
     """This worker's installed plan ``digest``, once every worker has it and is fed by the PS rank of
-    its own tensor-parallel rank (the handles come in PS-rank order): all load by it, or none."""
+    its own tensor-parallel rank (the handles come in PS-rank order): all load (or stage) by it, or
+    none (the last worker raises ConfigError, the others raise ``_Refused``)."""
     problem = None
-    replay = (getattr(worker, "_ckpt_slice_plans", None) or {}).get(str(digest))
+    replay = _SLICE_PLANS.get(str(digest))
     key = local_device_key(kind, index)
     position = list(zmq_handles).index(key) if isinstance(zmq_handles, dict) and key in zmq_handles else -1
-    if stage is not None:
-        problem = "a staged update cannot take slices"
-    elif replay is None:
+    if replay is None:
         problem = f"slice plan {str(digest)[:12]} is not installed on this worker (ckpt_use_slice_plan)"
     elif position != replay.rank.rank:
         problem = (f"the worker of tensor-parallel rank {replay.rank.rank} would receive the slices of PS rank "
@@ -266,6 +270,7 @@ class _StageJob:
     error: BaseException | None = None
     started_at: float = 0.0
     cancelled: bool = False
+    replay: Any = None   # the slice plan it was staged by (``_slices.ReplayPlan``); the commit applies it
 
 
 class VllmColocateWorkerExtension:
@@ -298,12 +303,12 @@ class VllmColocateWorkerExtension:
         if handle is None:   # another worker lacks its handle; the last worker raised for all
             return {"refused": "a worker of this engine has no ZeroMQ handle; no worker loads anything"}
         try:
-            replay = agree_on_slices(self, zmq_handles, kind, index, slices, stage) if slices is not None else None
+            replay = agree_on_slices(zmq_handles, kind, index, slices) if slices is not None else None
         except _Refused as refused:
             return refused.refused
         if stage is not None:
             return self._ckpt_stage(handle, kind, index, str(stage), int(stage_device_bytes),
-                                    float(timeout or DEFAULT_TIMEOUT_S))
+                                    float(timeout or DEFAULT_TIMEOUT_S), replay)
         sessions = new_sessions(self)
         if replay is not None:
             sessions[0].wrap = replay.wrap
@@ -311,7 +316,7 @@ class VllmColocateWorkerExtension:
             s.begin()
         result = receive_into(sessions, self._ckpt_zmq_context(), handle, kind, index,
                               timeout=float(timeout or DEFAULT_TIMEOUT_S))
-        self._ckpt_made_live(sessions[0].layout, version)
+        self._ckpt_made_live(sessions[0].layout if replay is None else replay.live_layout(sessions[0].layout), version)
         if replay is not None:
             result["slices"] = {"plan": replay.digest, "rank": replay.rank.rank}
         log.info("ckpt update on %s: %d tensors, %.1f MB in %.3f s", result["device_key"], result["tensors"],
@@ -376,12 +381,10 @@ class VllmColocateWorkerExtension:
         refused = refuse_together(problem, "the slice plan")
         if refused is not None:
             return refused
-        plans = getattr(self, "_ckpt_slice_plans", None)
-        if plans is None:
-            plans = self._ckpt_slice_plans = {}
-        plans[parsed.digest] = ReplayPlan(parsed.digest, parsed.key, parsed.rank(rank), parsed.tensors)
-        while len(plans) > 4:
-            plans.pop(next(iter(plans)))
+        _SLICE_PLANS.pop(parsed.digest, None)
+        _SLICE_PLANS[parsed.digest] = ReplayPlan(parsed.digest, parsed.key, parsed.rank(rank), parsed.tensors)
+        while len(_SLICE_PLANS) > 4:
+            _SLICE_PLANS.pop(next(iter(_SLICE_PLANS)))
         return {"plan": parsed.digest, "rank": rank, "bytes": parsed.rank_bytes(rank),
                 "whole_bytes": parsed.whole_bytes()}
 
@@ -403,7 +406,10 @@ class VllmColocateWorkerExtension:
         job = getattr(self, "_ckpt_prepare_job", None)
         if _count_over_workers(not (job is not None and job.prepared)) == 0:
             return self._ckpt_commit_prepared(area, job, str(version), t0)
+        replay = self._ckpt_stage_job.replay   # staged by a slice plan: its slices are applied as received
         sessions = new_sessions(self)
+        if replay is not None:
+            sessions[0].wrap = replay.wrap
         for s in sessions:
             s.begin()
         try:
@@ -417,7 +423,8 @@ class VllmColocateWorkerExtension:
             except BaseException:
                 abort_sessions(sessions)
                 raise
-            self._ckpt_made_live(sessions[0].layout, str(version))
+            layout = sessions[0].layout
+            self._ckpt_made_live(layout if replay is None else replay.live_layout(layout), str(version))
         finally:
             self._ckpt_drop_staged()
         main = sessions[0]
@@ -443,6 +450,8 @@ class VllmColocateWorkerExtension:
             job = self._ckpt_prepare_job = PrepareJob(layer_groups(area.buckets))
             if drafter_target(self) is not None:
                 job.give_up("an MTP drafter loads the same checkpoint (its stage is not prepared)")
+            elif self._ckpt_stage_job.replay is not None:
+                job.give_up("it was staged by a slice plan (its commit applies the slices through the reload)")
         return {"version": area.version, **prepare_step(self.model_runner.model, self.model_config, job,
                                                         int(budget_bytes))}
 
@@ -476,7 +485,7 @@ class VllmColocateWorkerExtension:
                 "staged": None if area is None or not area.sealed else area.summary()}
 
     def _ckpt_stage(self, handle: str, kind: str, index: int, version: str, device_limit: int,
-                    timeout: float) -> dict:
+                    timeout: float, replay=None) -> dict:
         """Start receiving a stage on a thread of this worker and return at once.
 
         The RPC that starts it runs inside vLLM's engine loop, which does not step while an RPC
@@ -487,8 +496,10 @@ class VllmColocateWorkerExtension:
 
         self._ckpt_drop_staged()   # a new stage replaces the staged one, also when it fails
         device = torch.device(kind.lower(), index) if kind.lower() == "cuda" else torch.device("cpu")
-        job = _StageJob(StagingArea(version, device, device_limit))
+        job = _StageJob(StagingArea(version, device, device_limit), replay=replay)
         expected = getattr(self, "_ckpt_live_layout", None)
+        if replay is not None:   # this rank receives its slices only
+            expected = replay.staged_layout(expected)
         job.thread = threading.Thread(target=self._ckpt_stage_body, name=f"ckpt-stage-{version}", daemon=True,
                                       args=(job, handle, index, expected, timeout))
         self._ckpt_stage_job = job

@@ -27,6 +27,7 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Iterable, NamedTuple
 
 from ckpt_core.errors import CheckpointFormatError, ConfigError
@@ -79,8 +80,9 @@ class SlicePlan:
         names = {n for rs in self.ranks for n in rs.needs}
         return sum(math.prod(self.tensors[n][1]) * self.tensors[n][2] for n in names)
 
-    @property
+    @cached_property
     def digest(self) -> str:
+        """SHA-1 of the plan's JSON, computed once (the plan is immutable; every update names it)."""
         return hashlib.sha1(json.dumps(plan_to_json(self), sort_keys=True).encode()).hexdigest()
 
 
@@ -368,6 +370,33 @@ def merge_ranks(key: SliceKey, tensors: dict, ranks: Iterable[RankSlices]) -> Sl
     return plan
 
 
+def split_plan(key: SliceKey, tensors: dict, tp: int, dims: dict) -> SlicePlan:
+    """The plan of an engine whose rank r keeps the r-th of ``tp`` equal parts of each checkpoint
+    tensor along ``dims[name]`` (absent or None: the whole tensor on every rank), each in a parameter
+    of the tensor's own name: a tensor-parallel layout without fused, padded or repacked layers
+    (the update benchmark's simulated engine). ``tensors``: name -> (dtype, shape, itemsize).
+    A dimension ``tp`` does not divide is a ConfigError naming the tensor; the plan is checked."""
+    if tp < 1:
+        raise ConfigError(f"a tensor-parallel size must be >= 1, got {tp}")
+    ranks = []
+    for r in range(tp):
+        needs: dict[str, Box | None] = {}
+        params: dict[str, tuple[int, ...]] = {}
+        for name, (_, shape, _) in tensors.items():
+            d = dims.get(name)
+            box = None
+            if d is not None:
+                if not 0 <= d < len(shape) or shape[d] % tp:
+                    raise ConfigError(f"tensor {name!r} of shape {list(shape)} cannot be split in {tp} equal "
+                                      f"parts along dimension {d}")
+                n = shape[d] // tp
+                box = make_box(shape, [r * n if i == d else 0 for i in range(len(shape))],
+                               [n if i == d else x for i, x in enumerate(shape)]) or None
+            needs[name], params[name] = box, box_extent(shape, box)
+        ranks.append(RankSlices(r, needs, params, tuple(Write(n, (), n) for n in tensors)))
+    return merge_ranks(key, tensors, ranks)
+
+
 # --- routing: buckets of slices, each for one engine rank ----------------------------------------
 
 class BoxCopy(NamedTuple):
@@ -391,8 +420,10 @@ class SlicedBucket(Bucket):
 def plan_sliced(metas_per_rank: list[list[TensorMeta]], plan: SlicePlan, bucket_bytes: int) -> Plan:
     """Buckets that give each engine rank only what its loaders read.
 
-    A tensor some rank reads whole is broadcast whole (ordinary buckets); every other tensor goes
-    as one slice per rank that reads it, packed into buckets of one (owner, destination) pair.
+    A tensor every engine rank reads whole is broadcast whole (ordinary buckets); every other
+    tensor goes to each rank that reads it, as its slice (or whole, where that rank reads it whole:
+    an expert that one rank holds under expert parallelism), packed into buckets of one (owner,
+    destination) pair; a rank that reads nothing of a tensor receives none of it.
     PS rank r feeds engine rank r. Raises ConfigError for tensors in pieces, a checkpoint that
     differs from the one the plan was recorded for, or engine ranks that are not the PS ranks.
     """
@@ -406,7 +437,7 @@ def plan_sliced(metas_per_rank: list[list[TensorMeta]], plan: SlicePlan, bucket_
         raise ConfigError(f"tensor {first_shared[0]!r} is registered on rank {first_shared[1]} and on rank "
                           f"{first_shared[2]}")
     _same_checkpoint(metas_per_rank, plan)
-    whole = {n for rs in plan.ranks for n, b in rs.needs.items() if not b}
+    whole = {n for n in plan.tensors if all(n in rs.needs and not rs.needs[n] for rs in plan.ranks)}
     streams: list[list[Bucket]] = []
     for owner, metas in enumerate(metas_per_rank):
         ordered = delivery_order(metas)

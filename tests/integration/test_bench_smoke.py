@@ -17,7 +17,7 @@ def test_the_cpu_benchmark_runs_and_records_every_section(tmp_path):
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            os.path.join(ROOT, "benchmarks", "update_bench.py"), "--device", "cpu", "--scale", "0.002",
-           "--cases", "tiny,moe8", "--repeats", "1", "--host-touch-gib", "0.05", "--out", str(out)]
+           "--cases", "tiny,moe8", "--repeats", "1", "--host-touch-gib", "0.05", "--tp", "2", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "every update was verified bit-exact" in proc.stdout
@@ -32,4 +32,29 @@ def test_the_cpu_benchmark_runs_and_records_every_section(tmp_path):
         assert len(c["device_buffer_bytes_per_rank"]) == 2 and min(c["device_buffer_bytes_per_rank"]) > 0
         assert c["register_phases_rank0"]["total"] > 0
     assert result["cases"][1]["tensors"] > 5000                                # the MoE case keeps its count
+    for c in result["cases"]:   # --tp 2 on 2 ranks: both engine ranks at once, each about half of the bytes
+        tp = c["tp"]
+        assert tp["mode"] == "parallel" and tp["sliced_s"] > 0 and len(tp["received_bytes_per_rank"]) == 2
+        assert 0.5 <= tp["received_fraction"] < 0.6 and sum(tp["received_bytes_per_rank"]) < 1.2 * c["bytes"]
+    assert "slices (--tp)" in proc.stdout
     assert result["targets"] == []                                             # a cpu run claims no GPU target
+
+
+def test_the_simulated_tp_mode_serves_each_engine_rank_its_slices_from_one_rank(tmp_path):
+    """One PS rank (one device) and ``--tp 4``: the four engine ranks in turn, each receiving only
+    its slices (about a quarter of the bytes plus the replicated norms), verified bit-exact."""
+    out = tmp_path / "bench.json"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+           os.path.join(ROOT, "benchmarks", "update_bench.py"), "--device", "cpu", "--scale", "0.002",
+           "--cases", "tiny", "--repeats", "1", "--host-touch-gib", "0.01", "--skip-pool", "--skip-shm",
+           "--tp", "4", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "every update was verified bit-exact" in proc.stdout
+    (case,) = json.loads(out.read_text())["cases"]
+    tp = case["tp"]
+    assert tp["tp"] == 4 and tp["mode"] == "serial" and len(tp["per_rank_best_s"]) == 4
+    assert tp["whole_bytes"] == case["bytes"]
+    assert 0.25 <= tp["received_fraction"] < 0.3, tp
+    assert max(tp["received_bytes_per_rank"]) - min(tp["received_bytes_per_rank"]) == 0

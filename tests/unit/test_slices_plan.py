@@ -12,8 +12,8 @@ from ckpt_core.errors import CheckpointFormatError, ConfigError
 from ckpt_core.planning.buckets import TensorMeta
 from ckpt_core.planning.slices import (RankSlices, SlicedBucket, SliceKey, SlicePlan, SlicePlanCache, Write,
                                        box_extent, box_offsets, check_plan, make_box, plan_from_json, plan_sliced,
-                                       plan_to_json, rank_placements, received_bytes, require_key, view_box,
-                                       view_in_box)
+                                       plan_to_json, rank_placements, received_bytes, require_key, split_plan,
+                                       view_box, view_in_box)
 
 KEY = SliceKey("model-abc", "tp=2", "vllm-0.32.0")
 
@@ -339,3 +339,47 @@ def test_routing_refuses_a_checkpoint_the_plan_was_not_recorded_for():
         plan_sliced(metas, plan, 1 << 20)
     with pytest.raises(ConfigError, match="2 engine ranks, the parameter server 3"):
         plan_sliced(metas + [[]], plan, 1 << 20)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.sampled_from([1, 2, 4, 8]), st.lists(st.tuples(st.integers(1, 4), st.sampled_from([None, 0, 1])),
+                                              min_size=1, max_size=6))
+def test_a_split_plan_tiles_every_tensor_and_each_rank_gets_its_share(tp, layout):
+    tensors, dims = {}, {}
+    for i, (k, d) in enumerate(layout):
+        shape = (8 * k, 16) if d is not None or i % 2 else (8 * k,)
+        tensors[f"t{i}"] = ("BF16", shape, 2)
+        dims[f"t{i}"] = d
+    plan = split_plan(KEY, tensors, tp, dims)   # merge_ranks checks it
+    for name, (_, shape, _) in tensors.items():
+        got = sorted(i for rs in plan.ranks for i in box_indices(shape, rs.needs[name]))
+        copies = 1 if dims[name] is not None else tp
+        assert got == sorted(list(range(math.prod(shape))) * copies), name
+    split = sum(math.prod(s) * 2 for n, (_, s, _) in tensors.items() if dims[n] is not None)
+    assert plan.rank_bytes(0) == plan.whole_bytes() - split + split // tp
+
+
+def test_a_split_plan_refuses_a_dimension_it_cannot_split_evenly():
+    with pytest.raises(ConfigError, match="'w' of shape \\[6, 4\\] cannot be split in 4"):
+        split_plan(KEY, {"w": ("F32", (6, 4), 4)}, 4, {"w": 0})
+
+
+def test_a_tensor_only_some_ranks_read_goes_to_those_ranks_only():
+    """Expert parallelism: each expert is read whole by the one rank that holds it; only what every
+    rank reads whole is broadcast, and a rank receives nothing of what it does not read."""
+    tensors = {"e0": ("F32", (4, 8), 4), "e1": ("F32", (4, 8), 4), "norm": ("F32", (8,), 4), "q": ("F32", (8, 8), 4)}
+    ranks = []
+    for r in range(2):
+        needs = {f"e{r}": None, "norm": None, "q": ((0, 4 * r, 4),)}
+        params = {f"e{r}": (4, 8), "norm": (8,), "q": (4, 8)}
+        ranks.append(RankSlices(r, needs, params, tuple(Write(p, (), p) for p in params)))
+    plan = SlicePlan(KEY, tensors, tuple(ranks))
+    check_plan(plan)
+    metas = [[meta("e0", (4, 8)), meta("norm", (8,), at=128)], [meta("e1", (4, 8)), meta("q", (8, 8), at=128)]]
+    routed = plan_sliced(metas, plan, 1 << 20)
+    broadcast = {p.meta.name for b in routed.buckets if not isinstance(b, SlicedBucket) for p in b.placements}
+    assert broadcast == {"norm"}
+    for r in range(2):
+        told = {n: shape for b in rank_placements(routed, r) for n, _, shape, _ in b}
+        assert told == {f"e{r}": (4, 8), "norm": (8,), "q": (4, 8)}
+        assert received_bytes(routed, r) == plan.rank_bytes(r) == (32 + 8 + 32) * 4

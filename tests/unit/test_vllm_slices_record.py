@@ -151,3 +151,91 @@ def test_a_loader_op_the_recording_did_not_show_fails_the_replay():
         sliced * 2.0
     with pytest.raises(ConfigError, match="outside its recorded box"):
         torch.empty(2, 3).copy_(sliced.narrow(0, 1, 2))
+
+
+# --- experts, as FusedMoE loads them -------------------------------------------------------------
+E, I = 4, 8   # experts, intermediate size per expert (checkpoint)
+
+
+def expert_shapes():
+    out = {}
+    for e in range(E):
+        out[f"e{e}.gate"] = ("F32", (I, H))
+        out[f"e{e}.up"] = ("F32", (I, H))
+        out[f"e{e}.down"] = ("F32", (H, I))
+    return out
+
+
+class TinyExperts(torch.nn.Module):
+    """w13 [experts, 2 * I / tp, H] and w2 [experts, H, I / tp], loaded per expert id like FusedMoE's
+    ``_load_w13`` / ``_load_w2``: the checkpoint tensor narrowed on the intermediate dimension by the
+    TP rank, written into ``param.data[local expert]``. Under expert parallelism (``ep``) each rank
+    holds E / ep experts whole and declines the others (the loader returns without a copy)."""
+
+    def __init__(self, rank, *, ep=False, fill=None):
+        super().__init__()
+        self.rank, self.ep = rank, ep
+        self.tp = 1 if ep else T
+        local = E // T if ep else E
+        make = (lambda *s: torch.empty(*s, device="meta")) if fill is None else (lambda *s: torch.full(s, fill))
+        self.w13 = torch.nn.Parameter(make(local, 2 * I // self.tp, H), requires_grad=False)
+        self.w2 = torch.nn.Parameter(make(local, H, I // self.tp), requires_grad=False)
+
+    def load_weights(self, weights):
+        for name, w in weights:
+            e, part = name[1:].split(".")
+            expert = int(e) - self.rank * (E // T) if self.ep else int(e)
+            w = w.unsqueeze(0).unbind()[0]   # what MoERunner.load_weights does before the loader
+            if not 0 <= expert < self.w13.shape[0]:
+                continue                     # not local to this rank: declined, nothing read
+            n = I // self.tp
+            if part == "down":
+                self.w2.data[expert].copy_(w.narrow(1, (0 if self.ep else self.rank) * n, n))
+            else:
+                dest = self.w13.data[expert].narrow(0, 0 if part == "gate" else n, n)
+                dest.copy_(w.narrow(0, (0 if self.ep else self.rank) * n, n))
+
+
+def recorded_experts(ep):
+    ranks = [record(TinyExperts(r, ep=ep), expert_shapes(), torch.device("cpu"), rank=r)[0] for r in range(T)]
+    tensors = {n: (d, s, 4) for n, (d, s) in expert_shapes().items()}
+    return merge_ranks(SliceKey("m", f"tp=2,ep={ep}", "test"), tensors, ranks)
+
+
+@pytest.mark.parametrize("ep", [False, True])
+def test_expert_loaders_record_per_expert_slices_and_replay_bit_for_bit(ep):
+    plan = recorded_experts(ep)
+    r0, r1 = plan.ranks
+    if ep:   # each rank reads its own experts whole, and nothing of the others'
+        assert set(r0.needs) == {f"e{e}.{p}" for e in (0, 1) for p in ("gate", "up", "down")}
+        assert set(r1.needs) == {f"e{e}.{p}" for e in (2, 3) for p in ("gate", "up", "down")}
+        assert all(b is None for rs in plan.ranks for b in rs.needs.values())
+    else:    # each rank reads half of every expert: gate/up rows, down columns
+        assert r1.needs["e3.gate"] == ((0, 4, 4),) and r1.needs["e3.down"] == ((1, 4, 4),)
+        assert r0.needs["e0.up"] == ((0, 0, 4),)
+    assert plan.rank_bytes(0) == plan.rank_bytes(1) == plan.whole_bytes() // 2
+    tensors = {n: torch.randn(s) for n, (_, s) in expert_shapes().items()}
+    for r in range(T):
+        want = TinyExperts(r, ep=ep, fill=7.0)
+        want.load_weights(tensors.items())
+        got = TinyExperts(r, ep=ep, fill=7.0)
+        items = []
+        for name, box in plan.ranks[r].needs.items():
+            t = tensors[name]
+            for d, s, n in box or ():
+                t = t.narrow(d, s, n)
+            items.append((name, t.contiguous() if box is None else
+                          SliceTensor(t.contiguous(), tuple(tensors[name].shape), box, name)))
+        got.load_weights(items)
+        assert torch.equal(want.w13, got.w13) and torch.equal(want.w2, got.w2)
+
+
+def test_an_expert_read_by_no_rank_leaves_a_hole_and_the_plan_is_refused():
+    ranks = []
+    for r in range(T):
+        model = TinyExperts(r, ep=True)
+        shapes_ = {n: s for n, s in expert_shapes().items() if not n.startswith("e1.")}   # expert 1 missing
+        ranks.append(record(model, shapes_, torch.device("cpu"), rank=r)[0])
+    tensors = {n: (d, s, 4) for n, (d, s) in expert_shapes().items()}
+    with pytest.raises(CheckpointFormatError, match="w13 with a hole"):
+        merge_ranks(SliceKey("m", "tp=2,ep=True", "test"), tensors, ranks)
