@@ -215,6 +215,7 @@ class VllmClient:
         phases.seconds = report.seconds
         t0 = time.perf_counter()
         paused = False
+        open_session = path == "backend" and not start   # a weight update begun by an earlier call
         try:
             if pause is not None and start:
                 paused = True   # a pause that failed half-way is undone too
@@ -229,16 +230,21 @@ class VllmClient:
                     phases.run("init", self._post, "/init_weight_transfer_engine", {"init_info": init_info})
                 if start:
                     phases.run("start", self._post, "/start_weight_update")
+                    open_session = True
                 info = {"zmq_handles": handles, "timeout_s": wait, "check_complete": whole,
                         **({"slices": str(slices)} if slices is not None else {})}
                 phases.run("update", self._post, "/update_weights", {"update_info": info}, timeout=wait + 30.0)
                 if finish:
+                    open_session = False   # a failed finish ends the weight update itself
                     phases.run("finish", self._post, "/finish_weight_update")
             if finish:
                 phases.run("reset_prefix_cache", self.ensure_prefix_cache_reset)
                 if version is not None:
                     phases.run("weight_version", self.set_weight_version, str(version))
         except BaseException as exc:
+            if open_session:   # vLLM's workers stay "in a weight update" until a finish: end it (the
+                # failed part was aborted on every worker; nothing is left to load)
+                self._cleanup(exc, "finish_weight_update", lambda: self._post("/finish_weight_update"))
             if pause is not None or paused:
                 self._cleanup(exc, "resume", self.resume)
             raise

@@ -47,6 +47,40 @@ else
     unset CKPT_STOCK_CE
 fi
 
+# run_split PY: the whole suite as two pytest processes at once, each on its own half: the real-vLLM
+# modules that share the session's servers (and the others that start servers of their own) in
+# one, everything else in the other. Much of a server's boot and many fault tests wait rather than
+# compute, so two processes keep CI's 2 cores busier than one. Each half's output is printed
+# whole, one after the other; the exit code is the first failing half's (5 only if both
+# collected nothing).
+run_split() {
+    local py=$1 dir vllm=() ignore=() f rc_a rc_b
+    dir=$(mktemp -d "${TMPDIR:-/tmp}/ckpt-tests.XXXXXX")
+    for f in tests/integration/test_vllm_*.py tests/integration/test_fsdp2_example.py \
+             tests/integration/test_topology_vllm.py; do
+        vllm+=("$f")
+        ignore+=("--ignore=$f")
+    done
+    ckpt_log "two pytest processes: ${#vllm[@]} real-vLLM modules | the rest; outputs in $dir"
+    "$py" -m pytest -ra --durations=25 -p no:cacheprovider --basetemp="$dir/vllm" "${vllm[@]}" \
+        >"$dir/vllm.log" 2>&1 &
+    local pid_a=$!
+    "$py" -m pytest -ra --durations=25 -p no:cacheprovider --basetemp="$dir/rest" tests "${ignore[@]}" \
+        >"$dir/rest.log" 2>&1 &
+    local pid_b=$!
+    wait "$pid_a"; rc_a=$?
+    wait "$pid_b"; rc_b=$?
+    echo "=================== the real-vLLM half (exit code $rc_a) ==================="
+    cat "$dir/vllm.log"
+    echo "=================== the rest (exit code $rc_b) ==================="
+    cat "$dir/rest.log"
+    if [[ $rc_a -eq 5 && $rc_b -eq 5 ]]; then return 5; fi
+    for rc in "$rc_a" "$rc_b"; do
+        if [[ $rc -ne 0 && $rc -ne 5 ]]; then return "$rc"; fi
+    done
+    return 0
+}
+
 export PYTHONPATH="$CKPT_REPO${PYTHONPATH:+:$PYTHONPATH}"
 export NCCL_NVLS_ENABLE=0
 set +e
@@ -56,6 +90,8 @@ if [[ -n $quick ]]; then
     paths=(tests/unit)
     for a in "$@"; do [[ $a != -* && -e ${a%%::*} ]] && paths=(); done   # a test path given (not an option's value)
     "$PY" -m pytest -ra --durations=25 -m "not slow" "$@" "${paths[@]}"
+elif [[ $# -eq 0 && ${CKPT_TEST_SPLIT:-1} == 2 ]]; then
+    run_split "$PY"
 else
     "$PY" -m pytest -ra --durations=25 "$@"
 fi

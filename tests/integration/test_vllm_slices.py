@@ -157,9 +157,11 @@ def test_the_ckpt_backend_path_takes_slices_and_equals_a_whole_update(shared_ser
 
 
 def test_an_update_naming_a_plan_no_worker_holds_is_refused_on_both_paths_and_nothing_changes(
-        shared_servers, tiny_model):
+        shared_servers, tiny_model, tmp_path):
     """A digest no worker installed (``ckpt_use_slice_plan``): every worker refuses before it
-    receives anything (a ConfigError from the last worker), on the extension and the backend path."""
+    receives anything (a ConfigError from the last worker), on the extension and the backend path.
+    The refused backend update is ended on every worker: the next one starts (vLLM's workers keep
+    their "weight update active" flag until a finish; left set, it refused every later update)."""
     from ckpt_core import local_device_key
     from ckpt_core.errors import CkptError
 
@@ -171,6 +173,8 @@ def test_an_update_naming_a_plan_no_worker_holds_is_refused_on_both_paths_and_no
             server.client.update(handles, path=path, timeout=20, slices="0" * 40)
     assert server.client.collective_rpc("ckpt_state_digests") == before
     assert server.complete(tiny_model.prompts[:1], 2)
+    push_to(server, tiny_model.weights[1], "backend", TP, tmp_path)
+    assert server.complete(tiny_model.prompts, MAX_TOKENS) == tiny_model.reference(tiny_model.weights[1])
 
 
 def test_a_plan_recorded_for_another_model_is_refused_and_nothing_changes(shared_servers, tiny_model, tmp_path):

@@ -68,13 +68,11 @@ class TinyModel:
             self._refs.update(hf_reference(self.python, self.dir, todo, self.prompts))
 
 
-# The vLLM venv's python, forked from helpers that imported what each script needs once
-# (tests/forked.py): tiny_model.py (torch, transformers) runs dozens of times in the suite, and
-# cold_load.py (vLLM) once per parity case.
+# The vLLM venv's python, forked from a helper that imported what tiny_model.py needs once
+# (tests/forked.py): it runs dozens of times in the suite (builds, transformers references).
 _ZYGOTES: dict[tuple[str, str], Zygote] = {}
 _PRELOAD = {
     "transformers": "import torch, safetensors.torch, transformers\nfrom transformers import AutoModelForCausalLM",
-    "vllm": "import torch, safetensors.torch\nfrom vllm import LLM, SamplingParams, TokensPrompt\nimport ckpt_vllm",
 }
 
 

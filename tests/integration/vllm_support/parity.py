@@ -19,7 +19,7 @@ from pathlib import Path
 
 from forked import run_python
 
-from .fixtures import MAX_TOKENS, TinyModel, hf_reference, run_vllm_python, zygote
+from .fixtures import MAX_TOKENS, TinyModel, hf_reference, run_vllm_python
 from .fixtures import push
 from .server import REPO, free_port
 
@@ -101,10 +101,10 @@ def cold_load(python: str, model_dir: Path, weights: list[Path], tp: int = 1, *,
     env.update(tp_server_args(tp).get("env", {}))
     extra = ["--prompts", json.dumps(prompts), "--max-tokens", str(MAX_TOKENS)] if prompts else []
     extra += ["--sequential"] if prompts and sequential else []
-    from .cold_load import ENV
-    helper = zygote(python, "vllm", {k: v for k, v in ENV.items() if k not in os.environ})
-    proc = run_python(helper, python, [str(HERE / "cold_load.py"), "--model", str(model_dir), "--tp", str(tp),
-                                       "--dtype", dtype, "--weights", *map(str, weights), *extra],
+    # A fresh interpreter, not a fork of a helper that imported vLLM (tests/forked.py): in one suite
+    # run a forked cold load of the GPTQ model gave rotary caches a spawned server did not.
+    proc = run_python(None, python, [str(HERE / "cold_load.py"), "--model", str(model_dir), "--tp", str(tp),
+                                     "--dtype", dtype, "--weights", *map(str, weights), *extra],
                       env=env, timeout=900)
     if proc.returncode != 0:
         raise RuntimeError(f"cold_load.py failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
