@@ -112,12 +112,24 @@ def receive_into(sessions: list[ReloadSession], zmq_ctx, zmq_handle: str, kind: 
             "drafter": len(sessions) > 1, "seconds": {**main.seconds, "total": time.perf_counter() - t0}}
 
 
-def new_sessions(worker: Any) -> list[ReloadSession]:
+def new_sessions(worker: Any, replay: Any = None) -> list[ReloadSession]:
+    """The reload sessions of the model (and its MTP drafter), begun; ``replay``: the slice plan
+    (``_slices.ReplayPlan``) the model's session applies what it receives by, or None (whole tensors)."""
     sessions = [ReloadSession(worker.model_runner.model, worker.model_config, label="model")]
     draft = drafter_target(worker)
     if draft is not None:
         sessions.append(ReloadSession(draft[0], draft[1], label="MTP drafter"))
+    if replay is not None:
+        sessions[0].wrap = replay.wrap
+    for s in sessions:
+        s.begin()
     return sessions
+
+
+def live_layout(sessions: list[ReloadSession], replay: Any = None) -> dict:
+    """The checkpoint layout an update through ``sessions`` made live (full shapes under a slice plan)."""
+    layout = sessions[0].layout
+    return layout if replay is None else replay.live_layout(layout)
 
 
 def reset_derived_caches(worker: Any) -> None:
@@ -309,14 +321,10 @@ class VllmColocateWorkerExtension:
         if stage is not None:
             return self._ckpt_stage(handle, kind, index, str(stage), int(stage_device_bytes),
                                     float(timeout or DEFAULT_TIMEOUT_S), replay)
-        sessions = new_sessions(self)
-        if replay is not None:
-            sessions[0].wrap = replay.wrap
-        for s in sessions:
-            s.begin()
+        sessions = new_sessions(self, replay)
         result = receive_into(sessions, self._ckpt_zmq_context(), handle, kind, index,
                               timeout=float(timeout or DEFAULT_TIMEOUT_S))
-        self._ckpt_made_live(sessions[0].layout if replay is None else replay.live_layout(sessions[0].layout), version)
+        self._ckpt_made_live(live_layout(sessions, replay), version)
         if replay is not None:
             result["slices"] = {"plan": replay.digest, "rank": replay.rank.rank}
         log.info("ckpt update on %s: %d tensors, %.1f MB in %.3f s", result["device_key"], result["tensors"],
@@ -407,11 +415,7 @@ class VllmColocateWorkerExtension:
         if _count_over_workers(not (job is not None and job.prepared)) == 0:
             return self._ckpt_commit_prepared(area, job, str(version), t0)
         replay = self._ckpt_stage_job.replay   # staged by a slice plan: its slices are applied as received
-        sessions = new_sessions(self)
-        if replay is not None:
-            sessions[0].wrap = replay.wrap
-        for s in sessions:
-            s.begin()
+        sessions = new_sessions(self, replay)
         try:
             try:
                 for s in sessions:   # no layer half-written: refused before anything is loaded
@@ -423,8 +427,7 @@ class VllmColocateWorkerExtension:
             except BaseException:
                 abort_sessions(sessions)
                 raise
-            layout = sessions[0].layout
-            self._ckpt_made_live(layout if replay is None else replay.live_layout(layout), str(version))
+            self._ckpt_made_live(live_layout(sessions, replay), str(version))
         finally:
             self._ckpt_drop_staged()
         main = sessions[0]

@@ -8,9 +8,10 @@ import subprocess
 import sys
 
 from forked import Zygote, run_python
+from harness import pythonpath
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+_ENV = dict(os.environ, PYTHONPATH=pythonpath(ROOT))
 _CLI = Zygote(sys.executable, "import ckpt_core.cli", env=_ENV, cwd=ROOT)
 
 

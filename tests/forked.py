@@ -2,8 +2,8 @@
 imported the heavy libraries once, instead of a fresh interpreter importing them again.
 
 The suite starts hundreds of short Python processes (the CLI, tiny-model builds and transformers
-references, vLLM cold loads); each fresh one spends seconds of a core importing torch,
-transformers or vLLM before its first line of work, minutes of CI's 2 cores in all. A
+references); each fresh one spends seconds of a core importing torch or transformers before its
+first line of work, minutes of CI's 2 cores in all. A
 :class:`Zygote` is one long-lived helper (``python -c ...``) that imports ``preload`` and then,
 per run, forks a child: its own pid, stdout and stderr (files), working directory, environment,
 argv and exit code; the script runs as ``__main__`` (``python FILE`` / ``python -m MODULE``), an
@@ -11,8 +11,9 @@ uncaught exception is printed as a traceback with exit code 1. Runs may overlap 
 forks at once and reports each exit when it comes); one that outlives its timeout is killed
 (return code -9). ``CKPT_TEST_FORK_RUNS=0`` runs everything as fresh processes instead.
 
-What a fork cannot give: an interpreter that imported nothing yet (tests of import-time
-behaviour, installed console scripts) still spawn one.
+What a fork cannot give: an interpreter that imported nothing yet. Tests of import-time
+behaviour, installed console scripts and vLLM cold loads (a forked one once gave the GPTQ model
+rotary caches a spawned server did not) still spawn one.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ class Recorder:
     def abort(self): pass
 
 rec = Recorder()
-ext.new_sessions = lambda worker: [rec]   # stands in for vLLM's layerwise reload
+ext.new_sessions = lambda worker, replay=None: [rec]   # stands in for vLLM's layerwise reload (begun)
 
 class AscendWorker(ext.VllmColocateWorkerExtension):
     device = None

@@ -19,6 +19,7 @@ import pytest
 from ckpt_core import ParameterServer
 
 from forked import Zygote, run_python
+from harness import pythonpath
 
 from .server import REPO, VllmServer, free_port
 
@@ -70,25 +71,19 @@ class TinyModel:
 
 # The vLLM venv's python, forked from a helper that imported what tiny_model.py needs once
 # (tests/forked.py): it runs dozens of times in the suite (builds, transformers references).
-_ZYGOTES: dict[tuple[str, str], Zygote] = {}
-_PRELOAD = {
-    "transformers": "import torch, safetensors.torch, transformers\nfrom transformers import AutoModelForCausalLM",
-}
+_TINY_MODEL_PRELOAD = "import torch, safetensors.torch, transformers\nfrom transformers import AutoModelForCausalLM"
+_ZYGOTES: dict[str, Zygote] = {}
 
 
-def zygote(python: str, kind: str, env: dict | None = None) -> Zygote:
-    """The session's fork helper of ``python`` for ``kind`` (``_PRELOAD``), started with ``env``
-    (what the forked scripts would have set before their imports)."""
-    key = (python, kind)
-    if key not in _ZYGOTES:
-        base = {**os.environ, **(env or {})}
-        base["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), base.get("PYTHONPATH")) if p)
-        _ZYGOTES[key] = Zygote(python, _PRELOAD[kind], env=base, cwd=str(REPO))
-    return _ZYGOTES[key]
+def _tiny_model_zygote(python: str) -> Zygote:
+    if python not in _ZYGOTES:
+        _ZYGOTES[python] = Zygote(python, _TINY_MODEL_PRELOAD, env=dict(os.environ, PYTHONPATH=pythonpath(REPO)),
+                                  cwd=str(REPO))
+    return _ZYGOTES[python]
 
 
 def run_vllm_python(python: str, *args: str, timeout: float = 300) -> str:
-    proc = run_python(zygote(python, "transformers"), python, [str(TINY_MODEL), *args], timeout=timeout)
+    proc = run_python(_tiny_model_zygote(python), python, [str(TINY_MODEL), *args], timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"tiny_model.py {args[0]} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return proc.stdout

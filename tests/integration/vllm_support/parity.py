@@ -17,8 +17,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from forked import run_python
-
 from .fixtures import MAX_TOKENS, TinyModel, hf_reference, run_vllm_python
 from .fixtures import push
 from .server import REPO, free_port
@@ -103,9 +101,9 @@ def cold_load(python: str, model_dir: Path, weights: list[Path], tp: int = 1, *,
     extra += ["--sequential"] if prompts and sequential else []
     # A fresh interpreter, not a fork of a helper that imported vLLM (tests/forked.py): in one suite
     # run a forked cold load of the GPTQ model gave rotary caches a spawned server did not.
-    proc = run_python(None, python, [str(HERE / "cold_load.py"), "--model", str(model_dir), "--tp", str(tp),
-                                     "--dtype", dtype, "--weights", *map(str, weights), *extra],
-                      env=env, timeout=900)
+    proc = subprocess.run([python, str(HERE / "cold_load.py"), "--model", str(model_dir), "--tp", str(tp),
+                           "--dtype", dtype, "--weights", *map(str, weights), *extra],
+                          capture_output=True, text=True, env=env, timeout=900)
     if proc.returncode != 0:
         raise RuntimeError(f"cold_load.py failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
