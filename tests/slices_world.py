@@ -9,7 +9,7 @@ import torch
 from ckpt_core.planning.slices import RankSlices, SliceKey, SlicePlan, Write, plan_from_json, plan_to_json
 from harness import EngineFront, PsWorld, digest, make_req_func
 
-SHAPES = {"rows": (6, 4), "cols": (4, 6), "norm": (5,)}
+SHAPES = {"rows": (6, 4), "cols": (4, 6), "norm": (5,), "emb": (8, 4)}
 
 
 def tensors(seed: int) -> dict[str, torch.Tensor]:
@@ -17,22 +17,35 @@ def tensors(seed: int) -> dict[str, torch.Tensor]:
     return {n: torch.randn(s, generator=gen) for n, s in SHAPES.items()}
 
 
-def plan(world: int = 2) -> SlicePlan:
+def plan(tp: int = 2) -> SlicePlan:
+    """Engine rank t of ``tp`` (1 or 2) reads its rows of ``rows`` and ``emb``, its columns of ``cols``
+    and the whole ``norm``."""
     ranks = []
-    for r in range(world):
-        needs = {"rows": ((0, 3 * r, 3),), "cols": ((1, 3 * r, 3),), "norm": None}
-        params = {"p_rows": (3, 4), "p_cols": (4, 3), "p_norm": (5,)}
-        writes = (Write("p_rows", (), "rows"), Write("p_cols", (), "cols"), Write("p_norm", (), "norm"))
+    for r in range(tp):
+        n, e = 6 // tp, 8 // tp
+        needs = {"rows": ((0, n * r, n),) if tp > 1 else None, "cols": ((1, n * r, n),) if tp > 1 else None,
+                 "norm": None, "emb": ((0, e * r, e),) if tp > 1 else None}
+        params = {"p_rows": (n, 4), "p_cols": (4, n), "p_norm": (5,), "p_emb": (e, 4)}
+        writes = tuple(Write(f"p_{x}", (), x) for x in SHAPES)
         ranks.append(RankSlices(r, needs, params, writes))
-    return SlicePlan(SliceKey("slices-world", f"tp={world}", "test"),
+    return SlicePlan(SliceKey("slices-world", f"tp={tp}", "test"),
                      {n: ("F32", s, 4) for n, s in SHAPES.items()}, tuple(ranks))
 
 
-def want(seed: int, rank: int) -> dict[str, torch.Tensor]:
+def want(seed: int, rank: int, tp: int = 2) -> dict[str, torch.Tensor]:
     """What engine rank ``rank`` must receive: its rows, its columns, the whole norm."""
-    t = tensors(seed)
-    return {"rows": t["rows"][3 * rank: 3 * rank + 3], "cols": t["cols"][:, 3 * rank: 3 * rank + 3].contiguous(),
-            "norm": t["norm"]}
+    return slice_of(tensors(seed), plan(tp).ranks[rank])
+
+
+def slice_of(full: dict[str, torch.Tensor], rs: RankSlices) -> dict[str, torch.Tensor]:
+    """The boxes ``rs`` needs of the whole tensors ``full``, each as one contiguous tensor."""
+    out = {}
+    for name, box in rs.needs.items():
+        t = full[name]
+        for d, s, n in box or ():
+            t = t.narrow(d, s, n)
+        out[name] = t.contiguous()
+    return out
 
 
 def sliced_update(ps, rank, name, address, timeout, doc):
@@ -41,13 +54,13 @@ def sliced_update(ps, rank, name, address, timeout, doc):
     return ps.update(name, req, timeout=timeout, slices=None if doc is None else plan_from_json(doc))
 
 
-def plan_doc() -> dict:
-    return plan_to_json(plan())
+def plan_doc(tp: int = 2) -> dict:
+    return plan_to_json(plan(tp))
 
 
 def _register(world: PsWorld, t: dict) -> None:
     world.all("register", per_rank={0: ("c", {"named_tensors": {"rows": t["rows"], "norm": t["norm"]}}),
-                                    1: ("c", {"named_tensors": {"cols": t["cols"]}})})
+                                    1: ("c", {"named_tensors": {"cols": t["cols"], "emb": t["emb"]}})})
     world.all("gather", "c")
 
 
@@ -62,8 +75,8 @@ def case_each_worker_receives_its_slices(kind: str) -> None:
             for r in range(2):
                 assert got[r].ok, got[r]
                 result = got[r].value["slices"]
-                assert result["received_bytes"] == [plan().rank_bytes(0), plan().rank_bytes(1)] == [116, 116]
-                assert result["whole_bytes"] == 212
+                assert result["received_bytes"] == [plan().rank_bytes(0), plan().rank_bytes(1)] == [180, 180]
+                assert result["whole_bytes"] == 340
             for r in range(2):
                 assert front.digests(r) == {n: digest(x) for n, x in want(7, r).items()}, f"worker {r}"
     finally:
@@ -86,5 +99,70 @@ def case_disagreeing_ranks_refuse(kind: str) -> None:
             assert all(again[r].ok for r in range(2)), again
             for r in range(2):
                 assert front.digests(r) == {n: digest(x) for n, x in t.items()}
+    finally:
+        front.close()
+
+
+# The replica layout: a PS world of 4 ranks feeds 2 replicas of a 2-rank engine (PS rank p feeds
+# engine rank p % 2). Each rank owns one tensor; all but the norm are read in slices.
+OWNERS = {"rows": 0, "cols": 1, "norm": 2, "emb": 3}
+
+
+def _register_four(world: PsWorld, t: dict) -> None:
+    world.all("register", per_rank={r: ("c", {"named_tensors": {n: t[n] for n, o in OWNERS.items() if o == r}})
+                                    for r in range(4)})
+    world.all("gather", "c")
+
+
+def case_replicas_share_one_transfer(kind: str) -> None:
+    """Every worker holds exactly its engine rank's slices, bit for bit (the two replicas the same),
+    and every slice leaves its owner once: each rank sent the bytes of what it owns, once; a slice
+    for a replica group its owner is not in is sent to the group's first rank, which re-broadcasts
+    it in the group."""
+    front = EngineFront(kind, 4)
+    try:
+        with PsWorld(kind, 4) as world:
+            t = tensors(11)
+            _register_four(world, t)
+            got = world.all("call", ("slices_world", "sliced_update", ("c", front.address, 60, plan_doc())))
+            assert all(got[r].ok for r in range(4)), got
+            p = plan()
+            for r in range(4):
+                result = got[r].value["slices"]
+                assert result["received_bytes"] == [p.rank_bytes(q % 2) for q in range(4)] == [180] * 4
+                owned = sum(t[n].numel() * 4 for n, o in OWNERS.items() if o == r)
+                assert result["sent"]["bytes"] == owned, (r, result["sent"])
+            # rank 0 re-broadcasts to rank 2 the cols and emb slices of engine rank 0 (from ranks 1 and
+            # 3), rank 1 to rank 3 the rows slice of engine rank 1 (from rank 0)
+            assert [got[r].value["slices"]["sent"]["forwarded_bytes"] for r in range(4)] == \
+                [(12 + 16) * 4, 12 * 4, 0, 0]
+            # rank 0: rows to {0, 2} (broadcast), rows to rank 1 (send), two re-broadcasts; rank 1 the
+            # same with cols; rank 2: the norm to all; rank 3: emb to {1, 3} and emb to rank 0
+            assert [got[r].value["slices"]["sent"]["sends"] for r in range(4)] == [4, 3, 1, 2]
+            for q in range(4):
+                assert front.digests(q) == {n: digest(x) for n, x in want(11, q % 2).items()}, f"worker {q}"
+    finally:
+        front.close()
+
+
+def case_world_not_a_multiple_of_the_engine_refuses(kind: str) -> None:
+    """A 3-rank PS world with a 2-rank plan: a ConfigError naming both numbers on every rank, before
+    any engine is asked to load; the next (whole) update works."""
+    front = EngineFront(kind, 3)
+    try:
+        with PsWorld(kind, 3) as world:
+            t = tensors(12)
+            world.all("register", per_rank={r: ("c", {"named_tensors": {n: t[n] for n, o in OWNERS.items()
+                                                                          if o % 3 == r}}) for r in range(3)})
+            world.all("gather", "c")
+            got = world.all("call", ("slices_world", "sliced_update", ("c", front.address, 30, plan_doc())))
+            for r in range(3):
+                assert not got[r].ok and got[r].error == "ConfigError", got[r]
+                assert "2 engine ranks" in got[r].message and "3 ranks" in got[r].message, got[r].message
+            assert front.fanouts == 0
+            again = world.all("update", ("c", front.address, 30, None))
+            assert all(again[r].ok for r in range(3)), again
+            for q in range(3):
+                assert front.digests(q) == {n: digest(x) for n, x in t.items()}
     finally:
         front.close()

@@ -23,7 +23,7 @@ import torch
 from ckpt_core.transfer.collectives import Collectives, groups_broken
 from ckpt_core.wire.link import PsLink
 from ckpt_core.planning.buckets import Plan
-from ckpt_core.planning.slices import SlicedBucket, box_extent, box_offsets
+from ckpt_core.planning.slices import SlicedBucket, box_extent, box_offsets, replica_groups
 from ckpt_core.devices import DeviceBackend, IpcBuffer
 from ckpt_core.errors import UpdateTimeoutError
 
@@ -38,6 +38,10 @@ class PipelineStats:
     bytes: int = 0
     deferred: int = 0    # times a finished broadcast's notice waited because an earlier one was not done
     awaited: int = 0     # times the host had to wait for a broadcast to complete (a slot, or the end)
+    # What this rank put on the wire as a source (each send, and each broadcast it was the root of):
+    sent_bytes: int = 0       # bytes of tensors and slices it owns
+    forwarded_bytes: int = 0  # bytes of slices it re-broadcast in its replica group for an owner outside it
+    sends: int = 0            # sends and broadcasts it was the source of
 
 
 def byte_box(flat: torch.Tensor, shape, offsets, extent, itemsize: int) -> torch.Tensor:
@@ -86,6 +90,9 @@ class BroadcastPipeline:
     def run(self) -> PipelineStats:
         stats = self.stats
         t0 = time.perf_counter()
+        # the replica groups the buckets of slices are broadcast in: made once per ParameterServer,
+        # by every rank in the plan's order (a collective of the whole world the first time)
+        self.groups = {ranks: self.coll.group(ranks) for ranks in replica_groups(self.plan)}
         for i, bucket in enumerate(self.plan.buckets):
             slot = i % self.num_slots
             self._free_slot(slot)
@@ -128,18 +135,24 @@ class BroadcastPipeline:
                 self.stats.h2d_bytes += self._copy_runs(mine, dst)
         for seg in segments:
             part = dst if bucket.shared is None else dst[seg.offset: seg.offset + seg.nbytes]
-            work = self.coll.broadcast(part, seg.rank, async_op=self.async_ops)
-            if work is not None:
-                work.wait()   # on a device kind this only orders the current stream after the collective
+            if seg.rank == self.rank and self.coll.world_size > 1:
+                self._count_sent(sum(p.meta.nbytes for p in bucket.placements) if bucket.shared is None else
+                                 sum(s.nbytes for s in bucket.spans if s.rank == self.rank))
+            self._wait(self.coll.broadcast(part, seg.rank, async_op=self.async_ops))
         for sc in bucket.scatters:
             place_strided(dst, sc)
 
     def _move_slices(self, bucket: SlicedBucket, dst: torch.Tensor) -> None:
-        """A bucket of one engine rank's slices: its owner packs them (a strided host-to-device copy
-        per slice) and sends the bucket to that rank alone; every other rank skips it."""
-        if bucket.owner == self.rank:
+        """A bucket of one engine rank's slices: each part's rank packs its boxes (a strided
+        host-to-device copy per box), and each part reaches that engine rank's PS ranks (its replica
+        group) by one transfer: a broadcast in the group from the part's rank, or, when that rank is
+        outside the group, a send to the group's first rank, which broadcasts it in the group.
+        Pieces' strided intersections are then placed. Every other rank skips the bucket."""
+        owner = bucket.owner
+        mine = [bc for bc in bucket.boxes if (owner if bc.rank < 0 else bc.rank) == self.rank]
+        if mine:
             with self.backend.stream_context(self.copy_stream):
-                for bc in bucket.boxes:
+                for bc in mine:
                     src = byte_box(self.host[bc.base][bc.base_offset:], bc.shape, box_offsets(bc.shape, bc.box),
                                    box_extent(bc.shape, bc.box), bc.itemsize)
                     dst[bc.offset: bc.offset + src.numel()].view(src.shape).copy_(src, non_blocking=True)
@@ -147,13 +160,39 @@ class BroadcastPipeline:
                 copied = self.backend.new_event()
                 copied.record()
             copied.wait()
-        work = None
-        if bucket.owner == self.rank and bucket.dest != self.rank:
-            work = self.coll.send(dst, bucket.dest, async_op=self.async_ops)
-        elif bucket.dest == self.rank and bucket.owner != self.rank:
-            work = self.coll.recv(dst, bucket.owner, async_op=self.async_ops)
+        group = bucket.ranks or (bucket.dest,)
+        for part in bucket.segments:
+            self._deliver(dst[part.offset: part.offset + part.nbytes], part, group)
+        if self.rank in group:
+            for sc in bucket.scatters:
+                place_strided(dst, sc)
+
+    def _deliver(self, data: torch.Tensor, part, group: tuple[int, ...]) -> None:
+        """``part`` of a bucket of slices from its rank to every rank of ``group``, sent once."""
+        root = part.rank
+        if root not in group:
+            root = group[0]
+            if self.rank == part.rank:
+                self._count_sent(part.payload)
+                self._wait(self.coll.send(data, root, async_op=self.async_ops))
+            elif self.rank == root:
+                self._wait(self.coll.recv(data, part.rank, async_op=self.async_ops))
+        if len(group) > 1 and self.rank in group:
+            if self.rank == root:
+                self._count_sent(part.payload, forwarded=root != part.rank)
+            self._wait(self.coll.broadcast(data, root, async_op=self.async_ops, group=self.groups[group]))
+
+    def _count_sent(self, payload: int, *, forwarded: bool = False) -> None:
+        self.stats.sends += 1
+        if forwarded:
+            self.stats.forwarded_bytes += payload
+        else:
+            self.stats.sent_bytes += payload
+
+    @staticmethod
+    def _wait(work) -> None:
         if work is not None:
-            work.wait()
+            work.wait()   # on a device kind this only orders the current stream after the collective
 
     def _stage(self, bucket, dst: torch.Tensor) -> int:
         """Owner: copy the bucket's host runs into its slot on the copy stream."""

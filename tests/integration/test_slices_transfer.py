@@ -11,3 +11,11 @@ def test_each_engine_worker_receives_exactly_its_slices_and_the_whole_tensors():
 
 def test_ranks_that_disagree_on_the_plan_all_refuse_it_and_the_next_update_works():
     sw.case_disagreeing_ranks_refuse("cpu")
+
+
+def test_two_replicas_of_a_two_rank_engine_share_one_transfer_per_slice():
+    sw.case_replicas_share_one_transfer("cpu")
+
+
+def test_a_world_that_is_not_a_multiple_of_the_engine_ranks_is_refused_on_every_rank():
+    sw.case_world_not_a_multiple_of_the_engine_refuses("cpu")

@@ -12,8 +12,8 @@ from ckpt_core.errors import CheckpointFormatError, ConfigError
 from ckpt_core.planning.buckets import TensorMeta
 from ckpt_core.planning.slices import (RankSlices, SlicedBucket, SliceKey, SlicePlan, SlicePlanCache, Write,
                                        box_extent, box_offsets, check_plan, make_box, plan_from_json, plan_sliced,
-                                       plan_to_json, rank_placements, received_bytes, require_key, split_plan,
-                                       view_box, view_in_box)
+                                       plan_to_json, rank_placements, received_bytes, replica_groups, replica_ranks,
+                                       require_key, split_plan, view_box, view_in_box)
 
 KEY = SliceKey("model-abc", "tp=2", "vllm-0.32.0")
 
@@ -383,3 +383,41 @@ def test_a_tensor_only_some_ranks_read_goes_to_those_ranks_only():
         told = {n: shape for b in rank_placements(routed, r) for n, _, shape, _ in b}
         assert told == {f"e{r}": (4, 8), "norm": (8,), "q": (4, 8)}
         assert received_bytes(routed, r) == plan.rank_bytes(r) == (32 + 8 + 32) * 4
+
+
+# --- data-parallel replicas: a PS world of R x T ranks feeds R copies of a T-rank engine ----------
+
+REPLICA_TENSORS = {"rows": ("F32", (8, 16), 4), "cols": ("F32", (16, 8), 4), "norm": ("F32", (8,), 4),
+                   "emb": ("F32", (12, 4), 4)}
+REPLICA_DIMS = {"rows": 0, "cols": 1, "emb": 0}
+
+
+@pytest.mark.parametrize("R", [1, 2, 3])
+@pytest.mark.parametrize("T", [1, 2, 4])
+def test_ps_rank_p_feeds_engine_rank_p_mod_t_and_each_slice_is_one_bucket_for_all_replicas(R, T):
+    plan = split_plan(KEY, REPLICA_TENSORS, T, REPLICA_DIMS)
+    W = R * T
+    metas = [[] for _ in range(W)]
+    for i, (name, (_, shape, _)) in enumerate(REPLICA_TENSORS.items()):
+        metas[i % W].append(meta(name, shape, base=i))
+    routed = plan_sliced(metas, plan, 1 << 20)
+    groups = replica_ranks(W, T)
+    assert groups == [tuple(p for p in range(W) if p % T == t) for t in range(T)]
+    for p in range(W):
+        told = {n: shape for b in rank_placements(routed, p) for n, _, shape, _ in b}
+        rs = plan.ranks[p % T]
+        assert told == {n: box_extent(REPLICA_TENSORS[n][1], b) for n, b in rs.needs.items()}
+        assert received_bytes(routed, p) == plan.rank_bytes(p % T)
+    sliced = [b for b in routed.buckets if isinstance(b, SlicedBucket)]
+    assert all(b.ranks == groups[b.dest] for b in sliced)
+    # every slice travels in exactly one bucket, whatever the number of replicas
+    carried = sorted((p.meta.name, b.dest) for b in sliced for p in b.placements)
+    assert carried == sorted((n, t) for t in range(T) for n in REPLICA_DIMS if T > 1)
+    assert replica_groups(routed) == ([g for g in groups if any(b.ranks == g for b in sliced)] if R > 1 else [])
+
+
+def test_a_ps_world_that_is_not_a_multiple_of_the_engine_ranks_is_refused_naming_both():
+    plan = split_plan(KEY, REPLICA_TENSORS, 2, REPLICA_DIMS)
+    metas = [[meta(n, s, base=i) for i, (n, (_, s, _)) in enumerate(REPLICA_TENSORS.items())], [], []]
+    with pytest.raises(ConfigError, match="2 engine ranks, the parameter server 3 ranks.*multiple of 2"):
+        plan_sliced(metas, plan, 1 << 20)
