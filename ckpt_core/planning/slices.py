@@ -568,9 +568,10 @@ def _pack_units(dest: int, ranks: tuple[int, ...], units: list[_Unit], bucket_by
     for u in units:
         need = u.need()
         if need > bucket_bytes:
-            raise ConfigError(f"the slice of tensor {u.name!r} for engine rank {dest} ({u.nbytes} bytes"
-                              f"{f', {need - align_up(u.nbytes)} more to assemble it from pieces' if need > align_up(u.nbytes) else ''}) "
-                              f"does not fit a bucket of {bucket_bytes} bytes; raise PS_MAX_BUCKET_SIZE_GB")
+            scratch = sum(u.strided().values())
+            more = f", {scratch} more to assemble it from pieces" if scratch else ""
+            raise ConfigError(f"the slice of tensor {u.name!r} for engine rank {dest} ({u.nbytes} bytes{more}) does "
+                              f"not fit a bucket of {bucket_bytes} bytes; raise PS_MAX_BUCKET_SIZE_GB")
         if cur and used + need > bucket_bytes:
             out.append(_slices_bucket(dest, ranks, cur))
             cur, used = [], 0
