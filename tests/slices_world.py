@@ -4,9 +4,12 @@ two engine ranks' loaders would read them (``planning/slices.py``); used through
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from ckpt_core.planning.slices import RankSlices, SliceKey, SlicePlan, Write, plan_from_json, plan_to_json
+from ckpt_core.planning.slices import (RankSlices, SliceKey, SlicePlan, Write, box_extent, plan_from_json,
+                                       plan_to_json)
 from harness import EngineFront, PsWorld, digest, make_req_func
 
 SHAPES = {"rows": (6, 4), "cols": (4, 6), "norm": (5,), "emb": (8, 4)}
@@ -164,5 +167,117 @@ def case_world_not_a_multiple_of_the_engine_refuses(kind: str) -> None:
             assert all(again[r].ok for r in range(3)), again
             for q in range(3):
                 assert front.digests(q) == {n: digest(x) for n, x in t.items()}
+    finally:
+        front.close()
+
+
+# Trainer shards as the source: tensors registered in pieces (TensorShard boxes), read in slices.
+PIECED = {"w": (6, 8), "u": (10, 4), "m": (4, 6), "n": (7,), "b": (4, 4)}
+
+
+def pieced_plan(tp: int = 2) -> SlicePlan:
+    """Engine rank t of 2: columns of ``w`` (its pieces are rows: every slice crosses owners), rows
+    0-4 / 5-9 of ``u`` (pieces of rows 0-3 and 4-9: the borders do not align), rows of ``m`` (its
+    pieces are columns: each intersection is strided in the slice), the whole ``n`` (pieces, read
+    whole by every rank), rows of ``b`` (registered whole)."""
+    assert tp == 2
+    ranks = []
+    for r in range(2):
+        needs = {"w": ((1, 4 * r, 4),), "u": ((0, 5 * r, 5),), "m": ((0, 2 * r, 2),), "n": None, "b": ((0, 2 * r, 2),)}
+        params = {f"p_{n}": box_extent(PIECED[n], b) for n, b in needs.items()}
+        ranks.append(RankSlices(r, needs, params, tuple(Write(f"p_{n}", (), n) for n in needs)))
+    return SlicePlan(SliceKey("slices-pieces", "tp=2", "test"), {n: ("F32", s, 4) for n, s in PIECED.items()},
+                     tuple(ranks))
+
+
+def pieced_tensors(seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(s, generator=gen) for n, s in PIECED.items()}
+
+
+def pieced_layout(world: int) -> dict[str, list]:
+    """name -> [(rank, offsets, extent)] (one entry of offsets None: registered whole on that rank).
+    Two ranks: dim-0 halves of w, uneven rows of u, dim-1 pieces of m, uneven pieces of n. Four
+    ranks: w and u cut in four uneven row ranges (one of u's empty), m in 2 x 2 boxes."""
+    if world == 2:
+        return {"w": [(0, (0, 0), (3, 8)), (1, (3, 0), (3, 8))], "u": [(0, (0, 0), (4, 4)), (1, (4, 0), (6, 4))],
+                "m": [(0, (0, 0), (4, 2)), (1, (0, 2), (4, 4))], "n": [(0, (0,), (3,)), (1, (3,), (4,))],
+                "b": [(1, None, None)]}
+    return {"w": [(0, (0, 0), (1, 8)), (1, (1, 0), (2, 8)), (2, (3, 0), (1, 8)), (3, (4, 0), (2, 8))],
+            "u": [(3, (0, 0), (4, 4)), (0, (4, 0), (3, 4)), (1, (7, 0), (3, 4)), (2, (10, 0), (0, 4))],
+            "m": [(0, (0, 0), (2, 3)), (1, (0, 3), (2, 3)), (2, (2, 0), (2, 3)), (3, (2, 3), (2, 3))],
+            "n": [(2, (0,), (5,)), (3, (5,), (2,))], "b": [(1, None, None)]}
+
+
+def register_pieces(world: PsWorld, full: dict, layout: dict) -> dict[int, int]:
+    """Register ``layout`` (``pieced_layout``); the bytes each rank registered."""
+    from ckpt_core import TensorShard
+    spec: dict[int, dict] = {r: {} for r in range(world.size)}
+    owned = {r: 0 for r in range(world.size)}
+    for name, pieces in layout.items():
+        for rank, offsets, extent in pieces:
+            if offsets is None:
+                spec[rank][name] = full[name]
+                owned[rank] += full[name].numel() * 4
+                continue
+            local = full[name]
+            for d, (o, e) in enumerate(zip(offsets, extent)):
+                local = local.narrow(d, o, e)
+            spec[rank][name] = TensorShard(local.clone(), tuple(full[name].shape), offsets)
+            owned[rank] += local.numel() * 4
+    got = world.all("register", per_rank={r: ("c", {"named_tensors": spec[r]}) for r in range(world.size)})
+    assert all(o.ok for o in got.values()), got
+    got = world.all("gather", "c")
+    assert all(o.ok for o in got.values()), got
+    return owned
+
+
+def kept_bytes(plan: SlicePlan, layout: dict, world_size: int) -> dict[int, int]:
+    """Per rank, the bytes of its own pieces that its own engine rank reads in slices and that so
+    never leave it: with one replica (PS rank r feeds engine rank r) a slice's part owned by its own
+    PS rank is only staged; with several, every part goes to the replica group at least once."""
+    kept = {r: 0 for r in range(world_size)}
+    if world_size > len(plan.ranks):
+        return kept
+    for name, pieces in layout.items():
+        shape = plan.tensors[name][1]
+        for rank, offsets, extent in pieces:
+            box = plan.ranks[rank].needs.get(name)
+            if box is None:
+                continue   # read whole by every rank: broadcast from its owner(s)
+            offsets, extent = offsets or (0,) * len(shape), extent or shape
+            lo, hi = list(offsets), [o + e for o, e in zip(offsets, extent)]
+            for d, s, n in box:
+                lo[d], hi[d] = max(lo[d], s), min(hi[d], s + n)
+            kept[rank] += math.prod(max(0, h - l) for l, h in zip(lo, hi)) * 4
+    return kept
+
+
+def case_slices_of_trainer_shards(kind: str, world_size: int = 2) -> None:
+    """Each worker holds exactly its engine rank's slices (p % 2), bit for bit, assembled from the
+    pieces of every owner; the bytes per rank are the plan's; every rank sent what it registered,
+    once (each piece's intersections with the slices leave their owner once)."""
+    front = EngineFront(kind, world_size)
+    try:
+        with PsWorld(kind, world_size) as world:
+            full = pieced_tensors(21)
+            owned = register_pieces(world, full, pieced_layout(world_size))
+            p = pieced_plan()
+            doc = plan_to_json(p)
+            kept = kept_bytes(p, pieced_layout(world_size), world_size)
+            for seed in (21, 22):   # twice: the second update reuses the plan; fresh bytes must arrive
+                if seed == 22:
+                    full = pieced_tensors(22)
+                    assert all(o.ok for o in world.all("unregister", ("c", {})).values())
+                    register_pieces(world, full, pieced_layout(world_size))
+                got = world.all("call", ("slices_world", "sliced_update", ("c", front.address, 60, doc)))
+                assert all(got[r].ok for r in range(world_size)), got
+                for r in range(world_size):
+                    result = got[r].value["slices"]
+                    assert result["received_bytes"] == [p.rank_bytes(q % 2) for q in range(world_size)]
+                    assert result["sent"]["bytes"] == owned[r] - kept[r], (r, result["sent"], owned, kept)
+                for q in range(world_size):
+                    assert front.digests(q) == {n: digest(x) for n, x in slice_of(full, p.ranks[q % 2]).items()}, \
+                        f"worker {q}"
     finally:
         front.close()
