@@ -240,16 +240,17 @@ def kept_bytes(plan: SlicePlan, layout: dict, world_size: int) -> dict[int, int]
     if world_size > len(plan.ranks):
         return kept
     for name, pieces in layout.items():
-        shape = plan.tensors[name][1]
+        _, shape, itemsize = plan.tensors[name]
+        if all(name in rs.needs and not rs.needs[name] for rs in plan.ranks):
+            continue   # read whole by every rank: broadcast from its owner(s)
         for rank, offsets, extent in pieces:
-            box = plan.ranks[rank].needs.get(name)
-            if box is None:
-                continue   # read whole by every rank: broadcast from its owner(s)
+            if name not in plan.ranks[rank].needs:
+                continue
             offsets, extent = offsets or (0,) * len(shape), extent or shape
             lo, hi = list(offsets), [o + e for o, e in zip(offsets, extent)]
-            for d, s, n in box:
+            for d, s, n in plan.ranks[rank].needs[name] or ():
                 lo[d], hi[d] = max(lo[d], s), min(hi[d], s + n)
-            kept[rank] += math.prod(max(0, h - l) for l, h in zip(lo, hi)) * 4
+            kept[rank] += math.prod(max(0, h - l) for l, h in zip(lo, hi)) * itemsize
     return kept
 
 
@@ -281,3 +282,48 @@ def case_slices_of_trainer_shards(kind: str, world_size: int = 2) -> None:
                         f"worker {q}"
     finally:
         front.close()
+
+
+# --- a real engine: trainer shards of a safetensors checkpoint, updated by the engine's slice plan --
+
+def fsdp_rows(t: torch.Tensor, rank: int, world: int):
+    """This rank's FSDP2 shard of ``t``: its ``torch.chunk`` of the rows (the last ones smaller or
+    empty), as a TensorShard; a 0-d tensor goes whole to rank 0 (None elsewhere)."""
+    from ckpt_core import TensorShard
+    if t.dim() == 0:
+        return t.clone() if rank == 0 else None
+    chunks = torch.chunk(t, world, dim=0)
+    start = sum(c.shape[0] for c in chunks[:rank])
+    local = chunks[rank] if rank < len(chunks) else t.narrow(0, t.shape[0], 0)
+    return TensorShard(local.clone(), tuple(t.shape), (start,) + (0,) * (t.dim() - 1))
+
+
+def shards_sliced_update(ps, rank, name, weights, endpoint, timeout):
+    """Every rank registers its FSDP2-style shard of every tensor of ``weights`` (half the rows at
+    2 ranks); rank 0 records the slice plan from the vLLM server at ``endpoint``
+    (``VllmClient.slice_plan``) and shares it; the update is routed by it. Returns the update's
+    result, the plan (JSON) and the bytes this rank registered."""
+    from safetensors.torch import load_file
+
+    from ckpt_vllm import VllmClient
+    named = {}
+    for n, t in load_file(str(weights)).items():
+        shard = fsdp_rows(t, rank, ps.world_size)
+        if shard is not None:
+            named[n] = shard
+    ps.register_checkpoint(name, named_tensors=named)
+    ps.gather_metas(name)
+    client = VllmClient(endpoint, timeout=timeout) if rank == 0 else None
+    try:
+        plan = ps.share_slice_plan(client.slice_plan(ps.tensor_specs(name)) if client is not None else None)
+        req = (lambda h: client.update(h, path="extension", timeout=timeout, slices=plan.digest)) if client else \
+            (lambda h: None)
+        result = ps.update(name, req, timeout=timeout, slices=plan)
+    finally:
+        if client is not None:
+            client.close()
+    local = {n: getattr(s, "local", s) for n, s in named.items()}
+    layout = {n: [(rank, tuple(getattr(s, "offsets", (0,) * t.dim())), tuple(t.shape))] for n, (s, t) in
+              ((n, (named[n], local[n])) for n in named)}
+    return {"result": result, "plan": plan_to_json(plan), "layout": layout,
+            "registered": sum(t.numel() * t.element_size() for t in local.values())}
