@@ -353,8 +353,12 @@ class ParameterServer(UpdateAgreement, BroadcastUpdate):
 
         ``slices``: a :class:`ckpt_core.planning.slices.SlicePlan` recorded from the engine (the
         same on every rank; ``VllmClient.slice_plan``): each engine rank then receives only what its
-        loaders read (broadcast updates with our wire; the result's ``slices`` gives the bytes
-        each engine rank received). None (the default): every rank receives every tensor whole.
+        loaders read (broadcast updates with our wire). PS rank p feeds engine rank p % T of the
+        plan's T: a world of R x T ranks feeds R data-parallel replicas, which share one transfer
+        of each slice (a world that is not a multiple of T is a ConfigError). Tensors registered in
+        pieces (trainer shards) are assembled into each rank's slices from their owners' pieces.
+        The result's ``slices`` gives the bytes each PS rank's worker received and what this rank
+        sent. None (the default): every rank receives every tensor whole.
         """
         self._check_open()
         if slices is not None and (ranks or self.wire != "native"):
