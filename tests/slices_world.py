@@ -144,8 +144,22 @@ def case_replicas_share_one_transfer(kind: str) -> None:
             assert [got[r].value["slices"]["sent"]["sends"] for r in range(4)] == [4, 3, 1, 2]
             for q in range(4):
                 assert front.digests(q) == {n: digest(x) for n, x in want(11, q % 2).items()}, f"worker {q}"
+            # a second update reuses the two replica groups: made once per ParameterServer
+            assert all(o.ok for o in world.all("unregister", ("c", {})).values())
+            _register_four(world, tensors(13))
+            got = world.all("call", ("slices_world", "sliced_update", ("c", front.address, 60, plan_doc())))
+            assert all(got[r].ok for r in range(4)), got
+            for q in range(4):
+                assert front.digests(q) == {n: digest(x) for n, x in want(13, q % 2).items()}, f"worker {q}"
+            groups = world.all("call", ("slices_world", "own_groups", ()))
+            assert [groups[r].value for r in range(4)] == [[[0, 2], [1, 3]]] * 4, groups
     finally:
         front.close()
+
+
+def own_groups(ps, rank):
+    """The groups of ranks this rank's Collectives made by ``group`` (in the order made)."""
+    return [list(g) for g in ps._coll._groups_of]
 
 
 def case_world_not_a_multiple_of_the_engine_refuses(kind: str) -> None:
@@ -172,18 +186,20 @@ def case_world_not_a_multiple_of_the_engine_refuses(kind: str) -> None:
 
 
 # Trainer shards as the source: tensors registered in pieces (TensorShard boxes), read in slices.
-PIECED = {"w": (6, 8), "u": (10, 4), "m": (4, 6), "n": (7,), "b": (4, 4)}
+PIECED = {"w": (6, 8), "u": (10, 4), "m": (4, 6), "n": (7,), "n2": (5,), "b": (4, 4)}
 
 
 def pieced_plan(tp: int = 2) -> SlicePlan:
     """Engine rank t of 2: columns of ``w`` (its pieces are rows: every slice crosses owners), rows
     0-4 / 5-9 of ``u`` (pieces of rows 0-3 and 4-9: the borders do not align), rows of ``m`` (its
-    pieces are columns: each intersection is strided in the slice), the whole ``n`` (pieces, read
-    whole by every rank), rows of ``b`` (registered whole)."""
+    pieces are columns: each intersection is strided in the slice), the whole ``n`` and ``n2``
+    (pieces, read whole by every rank: one bucket, two segments per owner), rows of ``b``
+    (registered whole)."""
     assert tp == 2
     ranks = []
     for r in range(2):
-        needs = {"w": ((1, 4 * r, 4),), "u": ((0, 5 * r, 5),), "m": ((0, 2 * r, 2),), "n": None, "b": ((0, 2 * r, 2),)}
+        needs = {"w": ((1, 4 * r, 4),), "u": ((0, 5 * r, 5),), "m": ((0, 2 * r, 2),), "n": None, "n2": None,
+                 "b": ((0, 2 * r, 2),)}
         params = {f"p_{n}": box_extent(PIECED[n], b) for n, b in needs.items()}
         ranks.append(RankSlices(r, needs, params, tuple(Write(f"p_{n}", (), n) for n in needs)))
     return SlicePlan(SliceKey("slices-pieces", "tp=2", "test"), {n: ("F32", s, 4) for n, s in PIECED.items()},
@@ -202,11 +218,12 @@ def pieced_layout(world: int) -> dict[str, list]:
     if world == 2:
         return {"w": [(0, (0, 0), (3, 8)), (1, (3, 0), (3, 8))], "u": [(0, (0, 0), (4, 4)), (1, (4, 0), (6, 4))],
                 "m": [(0, (0, 0), (4, 2)), (1, (0, 2), (4, 4))], "n": [(0, (0,), (3,)), (1, (3,), (4,))],
-                "b": [(1, None, None)]}
+                "n2": [(0, (0,), (2,)), (1, (2,), (3,))], "b": [(1, None, None)]}
     return {"w": [(0, (0, 0), (1, 8)), (1, (1, 0), (2, 8)), (2, (3, 0), (1, 8)), (3, (4, 0), (2, 8))],
             "u": [(3, (0, 0), (4, 4)), (0, (4, 0), (3, 4)), (1, (7, 0), (3, 4)), (2, (10, 0), (0, 4))],
             "m": [(0, (0, 0), (2, 3)), (1, (0, 3), (2, 3)), (2, (2, 0), (2, 3)), (3, (2, 3), (2, 3))],
-            "n": [(2, (0,), (5,)), (3, (5,), (2,))], "b": [(1, None, None)]}
+            "n": [(2, (0,), (5,)), (3, (5,), (2,))], "n2": [(3, (0,), (2,)), (2, (2,), (3,))],
+            "b": [(1, None, None)]}
 
 
 def register_pieces(world: PsWorld, full: dict, layout: dict) -> dict[int, int]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import time
+from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass
 
@@ -56,6 +57,23 @@ def byte_box(flat: torch.Tensor, shape, offsets, extent, itemsize: int) -> torch
     for d, (o, e) in enumerate(zip(offsets, extent)):
         box = box.narrow(d, o * (k if d == last else 1), e * (k if d == last else 1))
     return box
+
+
+def segment_payloads(bucket) -> list[int]:
+    """Bytes of tensors (or of their pieces) in each segment of a broadcast bucket (the rest is
+    alignment and small gaps), worked out once per planned bucket (plans are cached)."""
+    cached = getattr(bucket, "_payloads", None)
+    if cached is None:
+        if bucket.shared is None:
+            cached = [sum(p.meta.nbytes for p in bucket.placements)]
+        else:
+            spans = sorted(bucket.spans, key=lambda s: s.offset)
+            starts = [s.offset for s in spans]
+            cached = [sum(s.nbytes for s in spans[bisect_left(starts, seg.offset):
+                                                   bisect_left(starts, seg.offset + seg.nbytes)] if s.rank == seg.rank)
+                      for seg in bucket.segments]
+        bucket._payloads = cached
+    return cached
 
 
 def place_strided(slot: torch.Tensor, sc) -> None:
@@ -133,11 +151,10 @@ class BroadcastPipeline:
             mine = [r for s in segments if s.rank == self.rank for r in s.runs]
             if mine:
                 self.stats.h2d_bytes += self._copy_runs(mine, dst)
-        for seg in segments:
+        for seg, payload in zip(segments, segment_payloads(bucket)):
             part = dst if bucket.shared is None else dst[seg.offset: seg.offset + seg.nbytes]
             if seg.rank == self.rank and self.coll.world_size > 1:
-                self._count_sent(sum(p.meta.nbytes for p in bucket.placements) if bucket.shared is None else
-                                 sum(s.nbytes for s in bucket.spans if s.rank == self.rank))
+                self._count_sent(payload)
             self._wait(self.coll.broadcast(part, seg.rank, async_op=self.async_ops))
         for sc in bucket.scatters:
             place_strided(dst, sc)

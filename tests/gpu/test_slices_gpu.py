@@ -33,3 +33,12 @@ def test_cuda_ranks_that_disagree_on_the_plan_all_refuse_it():
 def test_cuda_replicas_of_a_two_rank_engine_share_one_transfer_per_slice():
     need_gpus(4)
     sw.case_replicas_share_one_transfer("cuda")
+
+
+def test_cuda_trainer_shards_are_read_in_slices_across_owners():
+    sw.case_slices_of_trainer_shards("cuda", 2)
+
+
+def test_cuda_trainer_shards_on_four_ranks_feed_two_replicas():
+    need_gpus(4)
+    sw.case_slices_of_trainer_shards("cuda", 4)
