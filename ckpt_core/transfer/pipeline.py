@@ -24,6 +24,7 @@ import torch
 from ckpt_core.transfer.collectives import Collectives, groups_broken
 from ckpt_core.wire.link import PsLink
 from ckpt_core.planning.buckets import Plan
+from ckpt_core.planning.boxcopy import box_copies, copied_bytes
 from ckpt_core.planning.slices import SlicedBucket, box_extent, box_offsets, replica_groups
 from ckpt_core.devices import DeviceBackend, IpcBuffer
 from ckpt_core.errors import UpdateTimeoutError
@@ -74,6 +75,24 @@ def segment_payloads(bucket) -> list[int]:
                       for seg in bucket.segments]
         bucket._payloads = cached
     return cached
+
+
+def pitched_copies(bucket: SlicedBucket, rank: int) -> list:
+    """Rank ``rank``'s copies of a bucket of slices (the owner's, or a piece owner's part of
+    them), per host buffer (``planning/boxcopy.py``: pitched, none across a pinned piece's border),
+    worked out once per planned bucket and rank (plans are cached)."""
+    cached = getattr(bucket, "_pitched", None)
+    if cached is None:
+        cached = bucket._pitched = {}
+    if rank not in cached:
+        per_base: dict[int, list] = {}
+        for bc in bucket.boxes:
+            if (bucket.owner if bc.rank < 0 else bc.rank) == rank:
+                per_base.setdefault(bc.base, []).extend(box_copies(
+                    bc.shape, box_offsets(bc.shape, bc.box), box_extent(bc.shape, bc.box), bc.itemsize,
+                    base_offset=bc.base_offset, dst=bc.offset))
+        cached[rank] = list(per_base.items())
+    return cached[rank]
 
 
 def place_strided(slot: torch.Tensor, sc) -> None:
@@ -165,15 +184,12 @@ class BroadcastPipeline:
         group) by one transfer: a broadcast in the group from the part's rank, or, when that rank is
         outside the group, a send to the group's first rank, which broadcasts it in the group.
         Pieces' strided intersections are then placed. Every other rank skips the bucket."""
-        owner = bucket.owner
-        mine = [bc for bc in bucket.boxes if (owner if bc.rank < 0 else bc.rank) == self.rank]
+        mine = pitched_copies(bucket, self.rank)
         if mine:
             with self.backend.stream_context(self.copy_stream):
-                for bc in mine:
-                    src = byte_box(self.host[bc.base][bc.base_offset:], bc.shape, box_offsets(bc.shape, bc.box),
-                                   box_extent(bc.shape, bc.box), bc.itemsize)
-                    dst[bc.offset: bc.offset + src.numel()].view(src.shape).copy_(src, non_blocking=True)
-                    self.stats.h2d_bytes += src.numel()
+                for base, copies in mine:
+                    self.backend.copy_pitched(dst, self.host[base], copies)
+                    self.stats.h2d_bytes += copied_bytes(copies)
                 copied = self.backend.new_event()
                 copied.record()
             copied.wait()
