@@ -40,7 +40,8 @@ class PipelineStats:
     bytes: int = 0
     deferred: int = 0    # times a finished broadcast's notice waited because an earlier one was not done
     awaited: int = 0     # times the host had to wait for a broadcast to complete (a slot, or the end)
-    # What this rank put on the wire as a source (each send, and each broadcast it was the root of):
+    # What this rank was the source of (each send it issued, each broadcast it was the root of; in a
+    # world of one rank such a broadcast moves nothing):
     sent_bytes: int = 0       # bytes of tensors and slices it owns
     forwarded_bytes: int = 0  # bytes of slices it re-broadcast in its replica group for an owner outside it
     sends: int = 0            # sends and broadcasts it was the source of
@@ -172,7 +173,7 @@ class BroadcastPipeline:
                 self.stats.h2d_bytes += self._copy_runs(mine, dst)
         for seg, payload in zip(segments, segment_payloads(bucket)):
             part = dst if bucket.shared is None else dst[seg.offset: seg.offset + seg.nbytes]
-            if seg.rank == self.rank and self.coll.world_size > 1:
+            if seg.rank == self.rank:
                 self._count_sent(payload)
             self._wait(self.coll.broadcast(part, seg.rank, async_op=self.async_ops))
         for sc in bucket.scatters:
