@@ -15,6 +15,8 @@ identity; the pipeline (``p2p/pipeline.py``) carries one status byte per bucket,
 target never hands its worker a bucket whose read failed. A failed or abandoned read
 leaves its staging buffer unsettled (``Quarantine``); it is not reused or freed until
 settled. The owners may live in another world: their metas (``_metas``) say where.
+With a slice plan (``p2p/slices.py``) target i (the i-th of ``ranks``) is engine rank i: buckets
+of its slices are read by it alone and checked against its owners' box digests.
 close() in another thread stops the update on every rank, as on the broadcast path.
 """
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from harness import EngineFront, PsWorld, assert_every_rank_failed, digest, fresh_tensor, make_req_func
-from p2p_cases import OWNERS, SMALL, all_ok
+from p2p_cases import JOINERS, OWNERS, SMALL, all_ok
 
 pytest.importorskip("mooncake.engine", reason="Mooncake (the p2p extra) is not installed")
 
@@ -157,8 +157,15 @@ def test_a_rewritten_slice_is_refused_by_its_target_and_rewritten_tensors_are_ne
         front.close()
 
 
-def test_a_plan_for_other_targets_or_another_checkpoint_is_a_config_error_on_every_rank_before_a_byte_moves(world):
+def test_a_plan_for_other_targets_or_another_checkpoint_is_a_config_error_on_every_rank_before_a_byte_moves(
+        world, tmp_path):
+    """And a joining world, whose owners send no box digests, is refused alike."""
     register(world, "c", 21)
+    all_ok(world.all("call", ("p2p_cases", "save_metas", (str(tmp_path / "m.json"),)), ranks=[0]))
+    with PsWorld("cpu", 2, init=SMALL, env=JOINERS) as joiners:
+        all_ok(joiners.all("call", ("p2p_cases", "load_metas", (str(tmp_path / "m.json"),))))
+        got = call(joiners, "sliced_p2p", "c", None, 60, [0, 1], plan_doc())
+        assert_every_rank_failed(got, "ConfigError", "reads only from owners of this world")
     front = EngineFront("cpu", 2, devices=[1, 2])
     try:
         got = call(world, "sliced_p2p", "c", front.address, 60, [2], plan_doc(2))
