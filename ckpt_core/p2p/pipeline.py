@@ -41,6 +41,8 @@ class P2PSliceBucket(P2PBucket):
     that engine rank, reads it straight from ``source`` and keeps it; no other target touches it."""
     dest: int = 0
     boxes: tuple = ()    # the slices' BoxCopy entries, in the order of ``placements``
+    reads: object = None  # p2p/slices.SliceReads: how it is read
+    land_at: int = 0     # where its landing zone starts in the slot (after the slices, before the status byte)
 
 
 class NoLink:
@@ -112,7 +114,9 @@ class P2PPipeline(BroadcastPipeline):
             return why
         try:
             base = dst.data_ptr()
-            for source, runs in parts:   # each piece from the owner that holds it
+            if isinstance(bucket, P2PSliceBucket):
+                self._read_slices(bucket, dst, should_stop)
+            for source, runs in () if isinstance(bucket, P2PSliceBucket) else parts:   # each piece from its owner
                 peer: Peer = self.peers[source]
                 descs = [(base + r.offset, peer.regions[r.base][0] + r.base_offset, r.nbytes) for r in runs]
                 self.store.read(peer, source, descs, what=f"bucket {index} ({n} bytes)",
@@ -123,7 +127,8 @@ class P2PPipeline(BroadcastPipeline):
                     where = "" if bucket.spans else f" at {self.peers[parts[0][0]].address}"
                     raise TransportError(f"{MARK} of bucket {index} ({n} bytes) from {bucket.sources}{where} "
                                          f"is refused: {bad}")
-            self.read_bytes += sum(r.nbytes for _, runs in parts for r in runs)
+            self.read_bytes += (bucket.reads.nbytes if isinstance(bucket, P2PSliceBucket) else
+                                sum(r.nbytes for _, runs in parts for r in runs))
             return True
         except Exception as exc:   # ours or not: it must reach every rank through the agreement
             self.pending_read = getattr(exc, "pending", None)
@@ -140,6 +145,25 @@ class P2PPipeline(BroadcastPipeline):
             self.link._fail(message, tb=tb, timeout=not stopped and isinstance(exc, UpdateTimeoutError))
             self._report()
             return False
+
+    def _read_slices(self, bucket: P2PSliceBucket, dst, should_stop) -> None:
+        """Runs alone straight into their place; spans of runs and the holes between them into the
+        landing zone, round by round, each gathered into its slices before the next lands."""
+        peer: Peer = self.peers[bucket.source]
+        what = f"bucket {bucket.index} ({sum(p.meta.nbytes for p in bucket.placements)} bytes of slices)"
+
+        def read(runs, at: int) -> None:
+            descs = [(at + r.offset, peer.regions[r.base][0] + r.base_offset, r.nbytes) for r in runs]
+            self.store.read(peer, bucket.source, descs, what=what, deadline=self.read_deadline,
+                            should_stop=should_stop)
+        if bucket.reads.direct:
+            read(bucket.reads.direct, dst.data_ptr())
+        for spans, gathers in bucket.reads.rounds:
+            read(spans, dst.data_ptr() + bucket.land_at)
+            for g in gathers:
+                src = dst.as_strided((g.count, g.nbytes), (g.stride, 1), dst.storage_offset() + bucket.land_at + g.src)
+                dst[g.dst: g.dst + g.count * g.nbytes].view(g.count, g.nbytes).copy_(src)
+            self.backend.synchronize(self.index)   # gathered before the next round lands or the check reads it
 
     def _mismatch(self, bucket, dst, source: int) -> str | None:
         """p2p/digests.py: whole tensors against their owner's digests, pieces against each owner's,

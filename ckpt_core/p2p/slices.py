@@ -20,15 +20,23 @@ from __future__ import annotations
 import itertools
 import json
 import math
+from dataclasses import dataclass
+from typing import NamedTuple
 
 from ckpt_core.errors import ConfigError, TransportError
 from ckpt_core.p2p.digests import digests_of
-from ckpt_core.planning.buckets import CopyRun, Plan, TensorMeta, interleave, merge_runs
+from ckpt_core.planning.buckets import CopyRun, Plan, TensorMeta, align_up, interleave, merge_runs
 from ckpt_core.planning.slices import (BoxCopy, SlicePlan, SlicedBucket, box_extent, box_offsets, contiguous_strides,
                                        plan_sliced)
 from ckpt_core.transfer.pipeline import byte_box
 
 DIGEST_BATCH_BYTES = 256 << 20   # an owner packs at most this many bytes of boxes at once to digest them
+# A hole between two runs of slices shorter than this is read too, so that the runs and the hole
+# are one descriptor: on Mooncake's TCP transport a descriptor costs ~40 us, the time of ~40 KB at
+# its ~1 GB/s (benchmarks/p2p_slice_probe.py, docs/p2p.md). What such a read lands in a zone after
+# the bucket in its slot (at most LANDING_BYTES) and is gathered into the slices from there.
+GAP_BYTES = 32 << 10
+LANDING_BYTES = 64 << 20
 
 
 def box_key(box) -> str:
@@ -102,6 +110,83 @@ def bucket_runs(bucket: SlicedBucket) -> tuple[CopyRun, ...]:
     return tuple(merge_runs(r for bc in bucket.boxes for r in box_runs(bc)))
 
 
+class Gather(NamedTuple):
+    """``count`` pieces of ``nbytes``, at ``src + i * stride`` of the landing zone, copied to
+    ``dst + i * nbytes`` of the bucket (consecutive rows of one slice)."""
+    src: int
+    dst: int
+    nbytes: int
+    count: int
+    stride: int
+
+
+@dataclass(frozen=True)
+class SliceReads:
+    """How a target reads one bucket of slices: ``direct`` runs straight into their place, then each
+    round's spans (``offset``: in the landing zone) into the landing zone, gathered from there."""
+    direct: tuple[CopyRun, ...]
+    rounds: tuple[tuple[tuple[CopyRun, ...], tuple[Gather, ...]], ...]
+    landing: int           # bytes of landing zone the rounds need
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes read over the network (holes read with their neighbours included)."""
+        return sum(r.nbytes for r in self.direct) + sum(r.nbytes for spans, _ in self.rounds for r in spans)
+
+
+def _spans(runs, gap: int, cap: int) -> list[list[CopyRun]]:
+    """Consecutive runs of one host region, each after the last, with holes of at most ``gap``
+    bytes and a span of at most ``cap`` bytes, grouped."""
+    out: list[list[CopyRun]] = []
+    for r in runs:
+        cur = out[-1] if out else None
+        if cur and r.base == cur[0].base and 0 <= r.base_offset - (cur[-1].base_offset + cur[-1].nbytes) <= gap \
+                and r.base_offset + r.nbytes - cur[0].base_offset <= cap:
+            cur.append(r)
+        else:
+            out.append([r])
+    return out
+
+
+def _gathers(span: list[CopyRun], at: int) -> list[Gather]:
+    """The copies out of a span read at ``at`` of the landing zone: runs of one size, one stride
+    apart in the host and back to back in the bucket become one strided copy."""
+    out: list[Gather] = []
+    for r in span:
+        src = at + r.base_offset - span[0].base_offset
+        g = out[-1] if out else None
+        # a second piece sets the stride (any step forward), a later one must keep it
+        if g and r.nbytes == g.nbytes and r.offset == g.dst + g.count * g.nbytes and (
+                src > g.src if g.count == 1 else src == g.src + g.count * g.stride):
+            out[-1] = g._replace(count=g.count + 1, stride=src - g.src if g.count == 1 else g.stride)
+        else:
+            out.append(Gather(src, r.offset, r.nbytes, 1, r.nbytes))
+    return out
+
+
+def slice_reads(bucket: SlicedBucket, gap: int = GAP_BYTES, landing: int = LANDING_BYTES) -> SliceReads:
+    """The read plan of a bucket of slices (pure): a run alone is read straight into the bucket; runs
+    that holes of at most ``gap`` bytes separate are read as one span into the landing zone and
+    gathered (``_gathers``), in rounds of at most ``landing`` bytes."""
+    direct, rounds, spans, gathers, used = [], [], [], [], 0
+    for span in _spans(bucket_runs(bucket), gap, landing):
+        if len(span) == 1:
+            direct.append(span[0])
+            continue
+        size = span[-1].base_offset + span[-1].nbytes - span[0].base_offset
+        if used and align_up(used) + size > landing:
+            rounds.append((tuple(spans), tuple(gathers)))
+            spans, gathers, used = [], [], 0
+        at = align_up(used)
+        spans.append(CopyRun(span[0].base, span[0].base_offset, at, size))
+        gathers += _gathers(span, at)
+        used = at + size
+    if spans:
+        rounds.append((tuple(spans), tuple(gathers)))
+    need = max((s.offset + s.nbytes for spans_, _ in rounds for s in spans_), default=0)
+    return SliceReads(tuple(direct), tuple(rounds), need)
+
+
 def read_boxes(plan: SlicePlan) -> dict[str, list]:
     """Per tensor, the distinct boxes the plan's ranks read of it (a whole read is not a box)."""
     out: dict[str, list] = {}
@@ -171,8 +256,8 @@ def slices_mismatch(bucket, slot, owner_digests: dict[str, str] | None,
 
 
 def read_size(bucket) -> int:
-    """Bytes a read of this routed bucket moves over the network: its runs' bytes."""
-    return sum(r.nbytes for r in (bucket_runs(bucket) if isinstance(bucket, SlicedBucket) else bucket.copy_runs))
+    """Bytes a read of this routed bucket moves over the network (``SliceReads.nbytes``, or its runs')."""
+    return slice_reads(bucket).nbytes if isinstance(bucket, SlicedBucket) else sum(r.nbytes for r in bucket.copy_runs)
 
 
 def per_target(plan: Plan, targets: tuple[int, ...], readers: list[int]) -> tuple[list[int], list[int]]:

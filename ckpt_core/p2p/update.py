@@ -33,7 +33,7 @@ from ckpt_core.p2p import metas as _metas
 from ckpt_core.p2p.agree import first_exchange
 from ckpt_core.p2p.metas import Peer, Source
 from ckpt_core.p2p.pipeline import GroupColl, NoLink, NoReq, P2PBucket, P2PPipeline, P2PSliceBucket
-from ckpt_core.p2p.slices import bucket_runs, per_target, route
+from ckpt_core.p2p.slices import bucket_runs, per_target, route, slice_reads
 from ckpt_core.planning.slices import SlicedBucket, rank_placements
 from ckpt_core.wire.protocol import plan_fragment
 from ckpt_core.planning.nics import assign_readers
@@ -214,9 +214,12 @@ def _sliced_plan(state: P2PState, src, slices, size: int, fp: str, order: list[i
 def _p2p_sliced_bucket(b, index: int, reader: int, owner: int) -> P2PBucket:
     """A routed bucket of a sliced update as its reader moves it (``b.owner`` is 0 there, see
     ``p2p/slices.route``; ``owner`` is whose it is): a bucket of slices stays with its reader."""
-    if isinstance(b, SlicedBucket):
-        return P2PSliceBucket(owner=reader, placements=b.placements, nbytes=b.nbytes + 1, source=owner, index=index,
-                              parts=((owner, bucket_runs(b)),), dest=b.dest, boxes=b.boxes)
+    if isinstance(b, SlicedBucket):   # its slot: the slices, a landing zone for spans read with holes, the status byte
+        reads = slice_reads(b)
+        land_at = align_up(b.nbytes) if reads.landing else b.nbytes
+        return P2PSliceBucket(owner=reader, placements=b.placements, nbytes=land_at + reads.landing + 1, source=owner,
+                              index=index, parts=((owner, bucket_runs(b)),), dest=b.dest, boxes=b.boxes, reads=reads,
+                              land_at=land_at)
     return P2PBucket(owner=reader, placements=b.placements, nbytes=b.nbytes + 1, source=owner, index=index,
                      parts=((owner, b.copy_runs),))
 
