@@ -111,8 +111,9 @@ def test_each_target_receives_exactly_its_slices_and_the_whole_tensors_read_once
             assert s["received_bytes"] == [plan.rank_bytes(0), plan.rank_bytes(1)]
             assert s["whole_bytes"] == total
             assert [got[t].value["read_bytes"] for t in ranks] == s["read_bytes"], "planned != read"
-            # every byte of the checkpoint crosses the network once: each slice to its target, whole tensors once
-            assert sum(s["read_bytes"]) == total, s
+            # each byte of the checkpoint crosses the network once (each slice to its target, whole tensors to one
+            # reader), plus the holes between the rows of column slices that are read with them (p2p/slices.py)
+            assert total <= sum(s["read_bytes"]) < 1.5 * total, s
             assert got[r].value["buckets"] >= 3
         assert got[0].value["target"] is False
         assert world.all("ipc_buffer", ranks=[0])[0].value is None, "a non-target allocated a buffer"
