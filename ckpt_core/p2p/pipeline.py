@@ -101,7 +101,8 @@ class P2PPipeline(BroadcastPipeline):
 
     def _read(self, bucket: P2PBucket, dst) -> bool:
         """Read one bucket into ``dst``; whether it arrived. A failure fails the link, never raises."""
-        index, n = bucket.index, bucket.nbytes - 1
+        index = bucket.index   # a bucket's bytes (of a bucket of slices: its slices', without its landing zone)
+        n = sum(p.meta.nbytes for p in bucket.placements) if isinstance(bucket, P2PSliceBucket) else bucket.nbytes - 1
         # 0-byte tensors are placed but never read: an owner serves no region of 0 bytes
         parts = [(src, [r for r in runs if r.nbytes]) for src, runs in (bucket.parts or ((bucket.source, bucket.copy_runs),))]
         parts = [(src, runs) for src, runs in parts if runs]
