@@ -34,7 +34,8 @@ DIGEST_BATCH_BYTES = 256 << 20   # an owner packs at most this many bytes of box
 # A hole between two runs of slices shorter than this is read too, so that the runs and the hole
 # are one descriptor: on Mooncake's TCP transport a descriptor costs ~40 us, the time of ~40 KB at
 # its ~1 GB/s (benchmarks/p2p_slice_probe.py, docs/p2p.md). What such a read lands in a zone after
-# the bucket in its slot (at most LANDING_BYTES) and is gathered into the slices from there.
+# the bucket in its slot (at most LANDING_BYTES, and at most the bucket size) and is gathered into
+# the slices from there.
 GAP_BYTES = 32 << 10
 LANDING_BYTES = 64 << 20
 
@@ -255,15 +256,12 @@ def slices_mismatch(bucket, slot, owner_digests: dict[str, str] | None,
     return None
 
 
-def read_size(bucket) -> int:
-    """Bytes a read of this routed bucket moves over the network (``SliceReads.nbytes``, or its runs')."""
-    return slice_reads(bucket).nbytes if isinstance(bucket, SlicedBucket) else sum(r.nbytes for r in bucket.copy_runs)
-
-
-def per_target(plan: Plan, targets: tuple[int, ...], readers: list[int]) -> tuple[list[int], list[int]]:
-    """(bytes each target's engine receives, bytes each target reads over the network) of a routed
-    plan whose bucket ``i`` is read by ``readers[i]``."""
-    received = [sum(p.meta.nbytes for b in plan.buckets if getattr(b, "dest", t) == t for p in b.placements)
-                for t in range(len(targets))]
-    read = [sum(read_size(b) for b, rd in zip(plan.buckets, readers) if rd == r) for r in targets]
+def per_target(buckets, order: list[int]) -> tuple[list[int], list[int]]:
+    """(bytes each target's engine receives, bytes each target reads over the network) of the P2P
+    buckets of a sliced update (``owner``: the reader; ``dest``: the engine rank of a bucket of
+    slices; ``reads``: its read plan, holes read with their neighbours included)."""
+    received = [sum(p.meta.nbytes for b in buckets if getattr(b, "dest", t) == t for p in b.placements)
+                for t in range(len(order))]
+    read = [sum(b.reads.nbytes if getattr(b, "reads", None) else sum(r.nbytes for _, runs in b.parts for r in runs)
+                for b in buckets if b.owner == rank) for rank in order]
     return received, read

@@ -33,7 +33,7 @@ from ckpt_core.p2p import metas as _metas
 from ckpt_core.p2p.agree import first_exchange
 from ckpt_core.p2p.metas import Peer, Source
 from ckpt_core.p2p.pipeline import GroupColl, NoLink, NoReq, P2PBucket, P2PPipeline, P2PSliceBucket
-from ckpt_core.p2p.slices import bucket_runs, per_target, route, slice_reads
+from ckpt_core.p2p.slices import LANDING_BYTES, bucket_runs, per_target, route, slice_reads
 from ckpt_core.planning.slices import SlicedBucket, rank_placements
 from ckpt_core.wire.protocol import plan_fragment
 from ckpt_core.planning.nics import assign_readers
@@ -198,9 +198,10 @@ def _sliced_plan(state: P2PState, src, slices, size: int, fp: str, order: list[i
         readers = [order[b.dest] if isinstance(b, SlicedBucket) else -1 for b in routed.buckets]
         for i, rd in zip(whole, assign_readers([(owners[i], routed.buckets[i].nbytes) for i in whole], sorted(order))):
             readers[i] = rd
-        buckets = tuple(_p2p_sliced_bucket(b, i, rd, owners[i]) for i, (b, rd) in enumerate(zip(routed.buckets,
-                                                                                                   readers)))
-        received, read = per_target(routed, order, readers)
+        landing = min(LANDING_BYTES, size)   # a slot grows by at most the bucket size
+        buckets = tuple(_p2p_sliced_bucket(b, i, rd, owners[i], landing) for i, (b, rd) in
+                        enumerate(zip(routed.buckets, readers)))
+        received, read = per_target(buckets, order)
         figures = {"plan": slices.digest, "targets": list(order), "received_bytes": received, "read_bytes": read,
                    "whole_bytes": slices.whole_bytes()}
         wire = plan_fragment(rank_placements(routed, order.index(rank)))
@@ -211,11 +212,11 @@ def _sliced_plan(state: P2PState, src, slices, size: int, fp: str, order: list[i
     return plan, wire, dict(figures)
 
 
-def _p2p_sliced_bucket(b, index: int, reader: int, owner: int) -> P2PBucket:
+def _p2p_sliced_bucket(b, index: int, reader: int, owner: int, landing: int) -> P2PBucket:
     """A routed bucket of a sliced update as its reader moves it (``b.owner`` is 0 there, see
     ``p2p/slices.route``; ``owner`` is whose it is): a bucket of slices stays with its reader."""
     if isinstance(b, SlicedBucket):   # its slot: the slices, a landing zone for spans read with holes, the status byte
-        reads = slice_reads(b)
+        reads = slice_reads(b, landing=landing)
         land_at = align_up(b.nbytes) if reads.landing else b.nbytes
         return P2PSliceBucket(owner=reader, placements=b.placements, nbytes=land_at + reads.landing + 1, source=owner,
                               index=index, parts=((owner, bucket_runs(b)),), dest=b.dest, boxes=b.boxes, reads=reads,

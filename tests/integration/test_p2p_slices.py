@@ -94,7 +94,7 @@ def world():
 
 # ---------------------------------------------------------------- tests
 @pytest.mark.parametrize("ranks", [[1, 2], [2, 1]])
-def test_each_target_receives_exactly_its_slices_and_the_whole_tensors_read_once_over_the_network(world, ranks):
+def test_each_target_receives_exactly_its_slices_and_the_whole_tensors_and_reads_what_was_planned(world, ranks):
     """ranks [2, 1]: PS rank 2 is engine rank 0. Rank 0 (an owner, not a target) touches no engine."""
     register(world, "c", 7)
     front = EngineFront("cpu", 2, devices=[1, 2])   # front worker i is PS rank i + 1's engine
