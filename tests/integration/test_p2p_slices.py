@@ -67,10 +67,14 @@ def call(world, fn, *args, timeout=120):
     return world.all("call", ("test_p2p_slices", fn, args), timeout=timeout)
 
 
-def register(world: PsWorld, name: str, seed: int) -> None:
+def register(world: PsWorld, name: str, seed: int, size: int = 3) -> None:
+    """Owner r % size of ``size`` ranks registers OWNED[r]."""
     t = tensors(seed)
+    per_rank = {r: [] for r in range(size)}
+    for r, names in OWNED.items():
+        per_rank[r % size] += names
     world.all("register", per_rank={r: (name, {"named_tensors": {n: t[n] for n in names}})
-                                    for r, names in OWNED.items()})
+                                    for r, names in per_rank.items()})
     world.all("gather", name)
 
 
@@ -92,16 +96,16 @@ def world():
         yield w
 
 
-# ---------------------------------------------------------------- tests
-@pytest.mark.parametrize("ranks", [[1, 2], [2, 1]])
-def test_each_target_receives_exactly_its_slices_and_the_whole_tensors_and_reads_what_was_planned(world, ranks):
-    """ranks [2, 1]: PS rank 2 is engine rank 0. Rank 0 (an owner, not a target) touches no engine."""
-    register(world, "c", 7)
-    front = EngineFront("cpu", 2, devices=[1, 2])   # front worker i is PS rank i + 1's engine
+def case_sliced(kind: str, world: PsWorld, size: int, ranks: list[int]) -> dict:
+    """A sliced P2P update into ``ranks`` of a world of ``size``: each engine holds its slices and the
+    whole tensors, bit for bit; the figures add up. Returns every rank's outcome."""
+    register(world, "c", 7, size)
+    devices = sorted(ranks)
+    front = EngineFront(kind, len(ranks), devices=devices)   # front worker i is PS rank devices[i]'s engine
     try:
         got = all_ok(call(world, "sliced_p2p", "c", front.address, 60, ranks, plan_doc()))
         for engine_rank, r in enumerate(ranks):
-            assert front.digests(r - 1) == want(7, engine_rank), f"engine rank {engine_rank} (PS rank {r})"
+            assert front.digests(devices.index(r)) == want(7, engine_rank), f"engine rank {engine_rank} (PS rank {r})"
         from ckpt_core.planning.slices import plan_from_json
         plan = plan_from_json(plan_doc())
         total = sum(t.numel() * t.element_size() for t in tensors(7).values())
@@ -115,10 +119,28 @@ def test_each_target_receives_exactly_its_slices_and_the_whole_tensors_and_reads
             # reader), plus the holes between the rows of column slices that are read with them (p2p/slices.py)
             assert total <= sum(s["read_bytes"]) < 1.5 * total, s
             assert got[r].value["buckets"] >= 3
-        assert got[0].value["target"] is False
-        assert world.all("ipc_buffer", ranks=[0])[0].value is None, "a non-target allocated a buffer"
     finally:
         front.close()
+    return got
+
+
+# ---------------------------------------------------------------- tests
+@pytest.mark.parametrize("ranks", [[1, 2], [2, 1]])
+def test_each_target_receives_exactly_its_slices_and_the_whole_tensors_and_reads_what_was_planned(world, ranks):
+    """ranks [2, 1]: PS rank 2 is engine rank 0. Rank 0 (an owner, not a target) touches no engine."""
+    got = case_sliced("cpu", world, 3, ranks)
+    assert got[0].value["target"] is False
+    assert world.all("ipc_buffer", ranks=[0])[0].value is None, "a non-target allocated a buffer"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ranks", [[0, 1], [1, 0]])
+def test_on_cuda_each_target_reads_its_slices_into_its_ipc_buffer_bit_exact(ranks):
+    """The same on 2 GPUs: Mooncake reads into CUDA IPC buffers, the gathers run on the device."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 GPUs, this machine has {torch.cuda.device_count()}")
+    with PsWorld("cuda", 2, init=SMALL, env=OWNERS) as w:
+        case_sliced("cuda", w, 2, ranks)
 
 
 def test_a_rewritten_slice_is_refused_by_its_target_and_rewritten_tensors_are_never_digested(world):
