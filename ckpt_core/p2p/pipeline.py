@@ -117,11 +117,12 @@ class P2PPipeline(BroadcastPipeline):
             base = dst.data_ptr()
             if isinstance(bucket, P2PSliceBucket):
                 self._read_slices(bucket, dst, should_stop)
-            for source, runs in () if isinstance(bucket, P2PSliceBucket) else parts:   # each piece from its owner
-                peer: Peer = self.peers[source]
-                descs = [(base + r.offset, peer.regions[r.base][0] + r.base_offset, r.nbytes) for r in runs]
-                self.store.read(peer, source, descs, what=f"bucket {index} ({n} bytes)",
-                                deadline=self.read_deadline, should_stop=should_stop)
+            else:
+                for source, runs in parts:   # each piece from the owner that holds it
+                    peer: Peer = self.peers[source]
+                    descs = [(base + r.offset, peer.regions[r.base][0] + r.base_offset, r.nbytes) for r in runs]
+                    self.store.read(peer, source, descs, what=f"bucket {index} ({n} bytes)",
+                                    deadline=self.read_deadline, should_stop=should_stop)
             if parts:
                 bad = self._mismatch(bucket, dst, parts[0][0])
                 if bad:
