@@ -116,7 +116,7 @@ class CkptWeightTransferEngine(WeightTransferEngine[CkptInitInfo, CkptUpdateInfo
         if update_info.slices is not None:   # every worker holds the plan and is fed by its own PS rank, or none loads
             try:
                 replay = _w.agree_on_slices(update_info.zmq_handles, kind, index, update_info.slices)
-            except _w._Refused:
+            except _w.Refused:
                 return
         timeout = float(update_info.timeout_s or self._timeout)
         if not self._sessions:   # the first update of this session begins the reload

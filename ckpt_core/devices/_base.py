@@ -123,6 +123,13 @@ class DeviceBackend(ABC):
     def open_ipc(self, descriptor: dict[str, Any], index: int) -> tuple[torch.Tensor, Any]:
         """Map a buffer exported by ``alloc_ipc``; returns (uint8 tensor, a closer object or None)."""
 
+    def copy_pitched(self, dst: torch.Tensor, host: torch.Tensor, copies) -> None:
+        """Issue ``copies`` (``planning.boxcopy.Pitched``: rows of the flat uint8 host tensor
+        ``host``, packed into the flat uint8 device tensor ``dst``) on the current stream."""
+        for c in copies:
+            src = host.as_strided((c.height, c.width), (c.pitch or c.width, 1), host.storage_offset() + c.src)
+            dst[c.dst: c.dst + c.width * c.height].view(c.height, c.width).copy_(src, non_blocking=True)
+
     def new_stream(self, index: int):
         return NullStream()
 

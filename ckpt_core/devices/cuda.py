@@ -12,6 +12,7 @@ from a process-local table instead; the descriptor carries the exporter's pid to
 from __future__ import annotations
 
 import base64
+import ctypes
 import os
 import weakref
 from typing import Any
@@ -24,6 +25,47 @@ from ._base import DeviceBackend, HostPin, IpcBuffer
 _B64_FIELDS = ("handle", "ref_counter_handle", "event_handle")
 # handle (base64) -> the exported buffer, for workers in the exporting process; weak: the PS owns it
 _EXPORTED: "weakref.WeakValueDictionary[str, torch.Tensor]" = weakref.WeakValueDictionary()
+_MAX_PITCH = (1 << 31) - 1   # cuMemcpy2D's pitch limit (CU_DEVICE_ATTRIBUTE_MAX_PITCH on every GPU we know)
+_MEMORYTYPE_HOST, _MEMORYTYPE_DEVICE = 1, 2
+
+
+class _Memcpy2D(ctypes.Structure):
+    """The driver API's CUDA_MEMCPY2D (cuda.h)."""
+    _fields_ = [("srcXInBytes", ctypes.c_size_t), ("srcY", ctypes.c_size_t), ("srcMemoryType", ctypes.c_int),
+                ("srcHost", ctypes.c_void_p), ("srcDevice", ctypes.c_uint64), ("srcArray", ctypes.c_void_p),
+                ("srcPitch", ctypes.c_size_t), ("dstXInBytes", ctypes.c_size_t), ("dstY", ctypes.c_size_t),
+                ("dstMemoryType", ctypes.c_int), ("dstHost", ctypes.c_void_p), ("dstDevice", ctypes.c_uint64),
+                ("dstArray", ctypes.c_void_p), ("dstPitch", ctypes.c_size_t), ("WidthInBytes", ctypes.c_size_t),
+                ("Height", ctypes.c_size_t)]
+
+
+class _Driver:
+    """The few driver-API calls torch does not expose, from the driver library the CUDA runtime
+    already loaded (``libcuda.so.1``), on the calling thread's current (primary) context."""
+
+    def __init__(self):
+        lib = ctypes.CDLL("libcuda.so.1")
+        self.copy2d = lib.cuMemcpy2DAsync_v2
+        self.copy2d.argtypes, self.copy2d.restype = [ctypes.POINTER(_Memcpy2D), ctypes.c_void_p], ctypes.c_int
+        self.htod = lib.cuMemcpyHtoDAsync_v2
+        self.htod.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        self.htod.restype = ctypes.c_int
+        self._name = lib.cuGetErrorName
+        self._name.argtypes, self._name.restype = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)], ctypes.c_int
+
+    def error_name(self, err: int) -> str:
+        text = ctypes.c_char_p()
+        self._name(err, ctypes.byref(text))
+        return f"{(text.value or b'CUDA_ERROR_?').decode()} ({err})"
+
+
+_DRIVER: list[_Driver] = []
+
+
+def _driver() -> _Driver:
+    if not _DRIVER:
+        _DRIVER.append(_Driver())
+    return _DRIVER[0]
 
 
 class CudaBackend(DeviceBackend):
@@ -104,6 +146,31 @@ class CudaBackend(DeviceBackend):
         tensor = torch.empty(0, dtype=torch.uint8, device=self.device(index)).set_(
             storage, 0, (int(descriptor["nbytes"]),), (1,))
         return tensor, None
+
+    def copy_pitched(self, dst: torch.Tensor, host: torch.Tensor, copies) -> None:
+        """Every copy straight through the driver on the current stream: a run with
+        ``cuMemcpyHtoDAsync``, a block of pitched rows with ``cuMemcpy2DAsync`` (pinned rows at the
+        link's rate; torch's strided ``copy_`` gathers through a pageable temporary at a tenth of
+        it). One driver call per copy: a slice of a small tensor costs microseconds, not a view
+        and a dispatch. No copy crosses a pinned piece's border (``planning/boxcopy.py``)."""
+        drv = _driver()
+        base, out = host.data_ptr(), dst.data_ptr()
+        stream = torch.cuda.current_stream().cuda_stream
+        for c in copies:
+            if c.height == 1:
+                err = drv.htod(out + c.dst, base + c.src, c.width, stream)
+            elif c.pitch > _MAX_PITCH:
+                err = 0
+                for r in range(c.height):
+                    err = err or drv.htod(out + c.dst + r * c.width, base + c.src + r * c.pitch, c.width, stream)
+            else:
+                desc = _Memcpy2D(srcMemoryType=_MEMORYTYPE_HOST, srcHost=base + c.src, srcPitch=c.pitch,
+                                 dstMemoryType=_MEMORYTYPE_DEVICE, dstDevice=out + c.dst, dstPitch=c.width,
+                                 WidthInBytes=c.width, Height=c.height)
+                err = drv.copy2d(ctypes.byref(desc), stream)
+            if err:
+                raise TransportError(f"a host-to-device copy of {c.height} row(s) of {c.width} bytes (pitch "
+                                     f"{c.pitch}) failed: {drv.error_name(err)}")
 
     def new_stream(self, index: int):
         return torch.cuda.Stream(device=index)

@@ -23,6 +23,7 @@ import torch
 from ckpt_core.transfer.collectives import Collectives, groups_broken
 from ckpt_core.wire.link import PsLink
 from ckpt_core.planning.buckets import Plan
+from ckpt_core.planning.boxcopy import box_copies, copied_bytes
 from ckpt_core.planning.slices import SlicedBucket, box_extent, box_offsets
 from ckpt_core.devices import DeviceBackend, IpcBuffer
 from ckpt_core.errors import UpdateTimeoutError
@@ -52,6 +53,20 @@ def byte_box(flat: torch.Tensor, shape, offsets, extent, itemsize: int) -> torch
     for d, (o, e) in enumerate(zip(offsets, extent)):
         box = box.narrow(d, o * (k if d == last else 1), e * (k if d == last else 1))
     return box
+
+
+def pitched_copies(bucket: SlicedBucket) -> list:
+    """The owner's copies of a bucket of slices, per host buffer (``planning/boxcopy.py``: pitched,
+    none across a pinned piece's border), worked out once per planned bucket (plans are cached)."""
+    cached = getattr(bucket, "_pitched", None)
+    if cached is None:
+        per_base: dict[int, list] = {}
+        for bc in bucket.boxes:
+            per_base.setdefault(bc.base, []).extend(box_copies(
+                bc.shape, box_offsets(bc.shape, bc.box), box_extent(bc.shape, bc.box), bc.itemsize,
+                base_offset=bc.base_offset, dst=bc.offset))
+        cached = bucket._pitched = list(per_base.items())
+    return cached
 
 
 def place_strided(slot: torch.Tensor, sc) -> None:
@@ -139,11 +154,9 @@ class BroadcastPipeline:
         per slice) and sends the bucket to that rank alone; every other rank skips it."""
         if bucket.owner == self.rank:
             with self.backend.stream_context(self.copy_stream):
-                for bc in bucket.boxes:
-                    src = byte_box(self.host[bc.base][bc.base_offset:], bc.shape, box_offsets(bc.shape, bc.box),
-                                   box_extent(bc.shape, bc.box), bc.itemsize)
-                    dst[bc.offset: bc.offset + src.numel()].view(src.shape).copy_(src, non_blocking=True)
-                    self.stats.h2d_bytes += src.numel()
+                for base, copies in pitched_copies(bucket):
+                    self.backend.copy_pitched(dst, self.host[base], copies)
+                    self.stats.h2d_bytes += copied_bytes(copies)
                 copied = self.backend.new_event()
                 copied.record()
             copied.wait()

@@ -113,8 +113,9 @@ def test_qwen2_sliced_update_equals_a_whole_one(shared_servers, tiny_model, tmp_
 
 
 def test_a_staged_sliced_update_equals_a_whole_staged_one(shared_servers, tiny_model, tmp_path):
-    """Each worker stages only its slices while the engine serves; the commit writes them through
-    the same reload path, and the engine then equals a whole staged update of the same checkpoint."""
+    """Each worker stages only its slices while the engine serves; such a stage is not prepared (it
+    says why); the commit writes the slices through the same reload path, and the engine then
+    equals a whole staged update of the same checkpoint."""
     server = shared_servers.get(tiny_model, extension=True, backend="ckpt", **tp_server_args(TP))
     w0, w1 = tiny_model.weights
     push_to(server, w0, "extension", TP, tmp_path)
@@ -127,6 +128,11 @@ def test_a_staged_sliced_update_equals_a_whole_staged_one(shared_servers, tiny_m
           f"{[v['staged']['bytes'] for v in versions]} bytes")
     assert staged["slices"]["received_bytes"] == want
     assert [v["staged"]["bytes"] for v in versions] == want, "a worker staged more than its slices"
+    # a stage by a slice plan is never prepared: its commit applies the slices through the reload
+    prepared = server.client.collective_rpc("ckpt_prepare_staged", ["sl-1"], {"budget_bytes": 1 << 30})
+    assert [p["state"] for p in prepared] == ["not_prepared"] * TP, prepared
+    assert all("slice plan" in p["reason"] and p["bytes"] == 0 for p in prepared), prepared
+    assert server.client.collective_rpc("ckpt_state_digests") == before, "preparing changed live weights"
     server.client.commit("sl-1")
     after_sliced = server.client.collective_rpc("ckpt_state_digests")
     assert server.complete(tiny_model.prompts, MAX_TOKENS) == tiny_model.reference(w1)

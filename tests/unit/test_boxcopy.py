@@ -1,0 +1,88 @@
+"""The owner's copy of a slice (``planning/boxcopy.py``): a box of a host tensor as pitched copies,
+none crossing a pinned piece's border, issued by the CPU backend; bit-exact against torch's own
+narrowing, over random shapes, boxes, dtypes and piece sizes."""
+
+import random
+
+import pytest
+import torch
+
+from ckpt_core.devices.cpu import CpuBackend
+from ckpt_core.planning.boxcopy import box_copies, byte_dims, copied_bytes
+
+
+def _case(rng: random.Random):
+    ndim = rng.randint(1, 4)
+    shape = [rng.randint(1, 7) for _ in range(ndim)]
+    offsets, extent = [], []
+    for n in shape:
+        if rng.random() < 0.5:
+            offsets.append(0)
+            extent.append(n)
+        else:
+            a = rng.randrange(n)
+            offsets.append(a)
+            extent.append(rng.randint(1, n - a))
+    return shape, offsets, extent
+
+
+def _reference(host: torch.Tensor, base_offset: int, shape, offsets, extent, dtype) -> torch.Tensor:
+    n = 1
+    for x in shape:
+        n *= x
+    t = host[base_offset: base_offset + n * dtype.itemsize].view(dtype).view(shape)
+    for d, (o, e) in enumerate(zip(offsets, extent)):
+        t = t.narrow(d, o, e)
+    return t.contiguous().view(torch.uint8).reshape(-1)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_boxes_pack_bit_exact_and_no_copy_crosses_a_pinned_piece(seed):
+    rng = random.Random(seed)
+    backend = CpuBackend()
+    host = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8)
+    for _ in range(150):
+        dtype = rng.choice([torch.uint8, torch.bfloat16, torch.float32, torch.float64])
+        shape, offsets, extent = _case(rng)
+        chunk = rng.choice([16, 24, 64, 1 << 20])
+        base = rng.randrange(0, 4096) * dtype.itemsize
+        at = rng.randrange(0, 64)
+        copies = box_copies(shape, offsets, extent, dtype.itemsize, base_offset=base, dst=at, pin_chunk=chunk)
+        want = _reference(host, base, shape, offsets, extent, dtype)
+        assert copied_bytes(copies) == want.numel()
+        for c in copies:   # the source bytes of every copy lie inside one piece
+            first, last = c.src, c.src + (c.height - 1) * c.pitch + c.width - 1
+            assert first // chunk == last // chunk, (shape, offsets, extent, chunk, c)
+        dst = torch.zeros(at + want.numel() + 8, dtype=torch.uint8)
+        backend.copy_pitched(dst, host, copies)
+        assert torch.equal(dst[at: at + want.numel()], want), (shape, offsets, extent, dtype, chunk)
+        assert not dst[:at].any() and not dst[at + want.numel():].any()
+
+
+def test_a_column_slice_is_one_pitched_copy_and_a_row_slice_one_run():
+    # 8 rows of 6 float32; columns 3..5 of every row: 8 rows of 12 bytes, 24 bytes apart
+    assert box_copies((8, 6), (0, 3), (8, 3), 4) == [(12, 24, 12, 8, 0)]
+    # rows 4..7: one run of 96 bytes
+    assert box_copies((8, 6), (4, 0), (4, 6), 4) == [(96, 0, 96, 1, 0)]
+    # a 3-D expert tensor [experts, rows, cols], one expert's rows 2..3: one run
+    assert box_copies((4, 5, 6), (1, 2, 0), (1, 2, 6), 2) == [(84, 0, 24, 1, 0)]
+    # the columns 0..1 of two whole experts: their rows are evenly spaced, one pitched copy
+    assert box_copies((4, 5, 6), (0, 0, 0), (2, 5, 2), 2) == [(0, 12, 4, 10, 0)]
+    # ... of rows 1..2 of two experts: a pitched block per expert (the outer dimension unrolled)
+    assert box_copies((4, 5, 6), (0, 1, 0), (2, 2, 2), 2) == [(12, 12, 4, 2, 0), (72, 12, 4, 2, 8)]
+
+
+def test_dimensions_that_follow_each_other_merge_and_size_one_ones_drop():
+    assert byte_dims((2, 3, 4), (0, 0, 0), (2, 3, 4), 2) == (0, [(48, 1)])
+    assert byte_dims((2, 3, 4), (1, 0, 0), (1, 3, 4), 2) == (24, [(24, 1)])
+    assert byte_dims((2, 3, 4), (0, 1, 0), (2, 2, 4), 2) == (8, [(2, 24), (16, 1)])
+
+
+def test_a_run_longer_than_a_piece_is_cut_at_every_border():
+    copies = box_copies((100,), (0,), (100,), 1, base_offset=10, pin_chunk=32)
+    assert [(c.src, c.width) for c in copies] == [(10, 22), (32, 32), (64, 32), (96, 14)]
+    assert [c.dst for c in copies] == [0, 22, 54, 86]
+
+
+def test_an_empty_box_copies_nothing():
+    assert box_copies((4, 0), (0, 0), (4, 0), 4) == []
