@@ -17,17 +17,15 @@ them in the update's first exchange (JSON). A target checks every slice it read 
 
 from __future__ import annotations
 
-import itertools
 import json
-import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from ckpt_core.errors import ConfigError, TransportError
 from ckpt_core.p2p.digests import digests_of
+from ckpt_core.planning.boxcopy import box_copies
 from ckpt_core.planning.buckets import CopyRun, Plan, TensorMeta, align_up, interleave, merge_runs
-from ckpt_core.planning.slices import (BoxCopy, SlicePlan, SlicedBucket, box_extent, box_offsets, contiguous_strides,
-                                       plan_sliced)
+from ckpt_core.planning.slices import BoxCopy, SlicePlan, SlicedBucket, box_extent, box_offsets, plan_sliced
 from ckpt_core.transfer.pipeline import byte_box
 
 DIGEST_BATCH_BYTES = 256 << 20   # an owner packs at most this many bytes of boxes at once to digest them
@@ -38,6 +36,7 @@ DIGEST_BATCH_BYTES = 256 << 20   # an owner packs at most this many bytes of box
 # the slices from there.
 GAP_BYTES = 32 << 10
 LANDING_BYTES = 64 << 20
+NO_PIN_CHUNK = 1 << 62   # Mooncake reads host memory whatever its pinning: runs are never cut at pinned pieces
 
 
 def box_key(box) -> str:
@@ -89,21 +88,13 @@ def route(metas: list[list[TensorMeta]], plan: SlicePlan, bucket_bytes: int) -> 
 
 def box_runs(bc: BoxCopy) -> list[CopyRun]:
     """The contiguous runs of one slice in its owner's host memory, in the packed order of the
-    slice at ``bc.offset`` of the bucket. The dims inside the innermost partial dim are read
-    whole, so a slice of rows is one run and a slice of columns one run per row."""
-    shape, k = list(bc.shape), len(bc.shape) - 1
-    if not shape:
-        return [CopyRun(bc.base, bc.base_offset, bc.offset, bc.itemsize)]
-    off, ext = box_offsets(shape, bc.box), box_extent(shape, bc.box)
-    if not math.prod(ext):
-        return []
-    while k > 0 and ext[k] == shape[k]:
-        k -= 1
-    strides = [s * bc.itemsize for s in contiguous_strides(shape)]
-    run = ext[k] * strides[k]
-    outer = itertools.product(*(range(off[d], off[d] + ext[d]) for d in range(k)))
-    return merge_runs(CopyRun(bc.base, bc.base_offset + sum(i * s for i, s in zip(idx, strides)) + off[k] * strides[k],
-                              bc.offset + n * run, run) for n, idx in enumerate(outer))
+    slice at ``bc.offset`` of the bucket: the rows of its pitched copies (``planning/boxcopy.py``;
+    a read is not cut at pinned pieces). The dims inside the innermost partial dim are read whole,
+    so a slice of rows is one run and a slice of columns one run per row."""
+    copies = box_copies(bc.shape, box_offsets(bc.shape, bc.box), box_extent(bc.shape, bc.box), bc.itemsize,
+                        base_offset=bc.base_offset, dst=bc.offset, pin_chunk=NO_PIN_CHUNK)
+    return merge_runs(CopyRun(bc.base, c.src + i * c.pitch, c.dst + i * c.width, c.width)
+                      for c in copies for i in range(c.height))
 
 
 def bucket_runs(bucket: SlicedBucket) -> tuple[CopyRun, ...]:
