@@ -162,6 +162,28 @@ def test_the_ckpt_backend_path_takes_slices_and_equals_a_whole_update(shared_ser
     assert sliced["slices"]["received_bytes"] == want
 
 
+def test_a_sliced_p2p_update_equals_a_whole_one(shared_servers, tiny_model, tmp_path):
+    """A P2P update (both PS ranks own half the checkpoint and are the targets; Mooncake's TCP on
+    loopback) routed by the recorded plan: each worker reads only its slices from the owners, and
+    the engine equals a whole update of the same checkpoint byte for byte."""
+    pytest.importorskip("mooncake.engine", reason="Mooncake (the p2p extra) is not installed: "
+                        "scripts/test.sh installs mooncake-transfer-engine-non-cuda")
+    server = shared_servers.get(tiny_model, extension=True, backend="ckpt", **tp_server_args(TP))
+    w0, w1 = tiny_model.weights
+    whole = _WHOLE.get((server.endpoint, str(w1))) or whole_digests(server, w1, tmp_path)
+    push_to(server, w0, "extension", TP, tmp_path)
+    sliced = push_to(server, w1, "extension", TP, tmp_path, extra=("--slices", "--update-method", "p2p"))
+    differ = differences(server.client.collective_rpc("ckpt_state_digests"), whole)
+    assert not differ, f"{len(differ)} tensor(s) differ between a sliced P2P update and a whole one:\n" + \
+        "\n".join(differ[:40])
+    assert server.complete(tiny_model.prompts, MAX_TOKENS) == tiny_model.reference(w1)
+    want, total = expected_bytes(w1)
+    got = sliced["slices"]
+    print(f"P2P, slices: bytes received per rank {got['received_bytes']} of {total}; read over the network "
+          f"{got['read_bytes']}")
+    assert sliced["p2p"] and got["targets"] == list(range(TP)) and got["received_bytes"] == want
+
+
 def test_an_update_naming_a_plan_no_worker_holds_is_refused_on_both_paths_and_nothing_changes(
         shared_servers, tiny_model, tmp_path):
     """A digest no worker installed (``ckpt_use_slice_plan``): every worker refuses before it
