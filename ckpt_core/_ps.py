@@ -353,10 +353,14 @@ class ParameterServer(UpdateAgreement, BroadcastUpdate):
 
         ``slices``: a :class:`ckpt_core.planning.slices.SlicePlan` recorded from the engine (the
         same on every rank; ``VllmClient.slice_plan``): each engine rank then receives only what its
-        loaders read (our wire only; the result's ``slices`` gives the bytes each engine rank
-        received). With ``ranks`` (P2P), target i (the i-th of ``ranks``) is engine rank i and reads
-        its slices itself from the owners (docs/p2p.md). None (the default): every rank receives
-        every tensor whole.
+        loaders read (our wire only). Broadcast: PS rank p feeds engine rank p % T of the plan's T:
+        a world of R x T ranks feeds R data-parallel replicas, which share one transfer of each
+        slice (a world that is not a multiple of T is a ConfigError); tensors registered in pieces
+        (trainer shards) are assembled into each rank's slices from their owners' pieces. With
+        ``ranks`` (P2P), target i (the i-th of ``ranks``) is engine rank i and reads its slices
+        itself from the owners (docs/p2p.md). The result's ``slices`` gives the bytes each engine
+        rank received (and, on broadcast, what this rank sent). None (the default): every rank
+        receives every tensor whole.
         """
         self._check_open()
         if slices is not None and self.wire != "native":

@@ -110,7 +110,8 @@ class BroadcastUpdate:
         times["total"] = time.perf_counter() - t0
         extra = {} if slices is None else {"slices": {
             "plan": slices.digest, "received_bytes": [received_bytes(plan, r) for r in range(self.world_size)],
-            "whole_bytes": slices.whole_bytes()}}
+            "whole_bytes": slices.whole_bytes(),
+            "sent": {"bytes": stats.sent_bytes, "forwarded_bytes": stats.forwarded_bytes, "sends": stats.sends}}}
         return self._report(name, plan, stats, times, slots=slots, device_buffer_bytes=buffer_bytes, **extra)
 
     def _handshake(self, link: PsLink, hello: bytes | None, alloc_failed: str | None,

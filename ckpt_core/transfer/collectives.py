@@ -150,6 +150,7 @@ class Collectives:
         self.ctrl_group = self.data_group = None   # None: the default group
         self.data_backend = data_backend
         self._subgroups: list = []   # made by new_group() (e.g. P2P target groups); freed with ours
+        self._groups_of: dict[tuple[int, ...], object] = {}   # group(): one per set of ranks, kept
         self._closed = False
         try:
             if default_backend != "gloo":
@@ -260,6 +261,17 @@ class Collectives:
         self._subgroups.append(group)
         return group
 
+    def group(self, ranks) -> object:
+        """The data-backend group of exactly ``ranks`` (ascending global ranks), made by
+        :meth:`new_group` the first time it is asked for and kept (freed with the others by
+        ``close()``/``abort()``). The first call is a collective of the whole world: every rank
+        must ask for the same groups in the same order (e.g. the slices' replica groups, in the
+        order a plan first uses them)."""
+        key = tuple(ranks)
+        if key not in self._groups_of:
+            self._groups_of[key] = self.new_group(list(key))
+        return self._groups_of[key]
+
     def _call(self, fn, *args, **kwargs):
         if self._closed:
             raise TransportError("the process groups of this ParameterServer are closed")
@@ -312,6 +324,7 @@ class Collectives:
         groups = [None] if self._owns_default else self._own_groups()
         self.ctrl_group = self.data_group = None   # a destroyed group's sockets go with its last reference
         self._subgroups = []
+        self._groups_of = {}
 
         def run() -> None:
             for g in groups:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import time
+from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass
 
@@ -24,7 +25,7 @@ from ckpt_core.transfer.collectives import Collectives, groups_broken
 from ckpt_core.wire.link import PsLink
 from ckpt_core.planning.buckets import Plan
 from ckpt_core.planning.boxcopy import box_copies, copied_bytes
-from ckpt_core.planning.slices import SlicedBucket, box_extent, box_offsets
+from ckpt_core.planning.slices import SlicedBucket, box_extent, box_offsets, replica_groups
 from ckpt_core.devices import DeviceBackend, IpcBuffer
 from ckpt_core.errors import UpdateTimeoutError
 
@@ -39,6 +40,10 @@ class PipelineStats:
     bytes: int = 0
     deferred: int = 0    # times a finished broadcast's notice waited because an earlier one was not done
     awaited: int = 0     # times the host had to wait for a broadcast to complete (a slot, or the end)
+    # What this rank put on the wire as a source (each send, and each broadcast it was the root of):
+    sent_bytes: int = 0       # bytes of tensors and slices it owns
+    forwarded_bytes: int = 0  # bytes of slices it re-broadcast in its replica group for an owner outside it
+    sends: int = 0            # sends and broadcasts it was the source of
 
 
 def byte_box(flat: torch.Tensor, shape, offsets, extent, itemsize: int) -> torch.Tensor:
@@ -55,18 +60,39 @@ def byte_box(flat: torch.Tensor, shape, offsets, extent, itemsize: int) -> torch
     return box
 
 
-def pitched_copies(bucket: SlicedBucket) -> list:
-    """The owner's copies of a bucket of slices, per host buffer (``planning/boxcopy.py``: pitched,
-    none across a pinned piece's border), worked out once per planned bucket (plans are cached)."""
+def segment_payloads(bucket) -> list[int]:
+    """Bytes of tensors (or of their pieces) in each segment of a broadcast bucket (the rest is
+    alignment and small gaps), worked out once per planned bucket (plans are cached)."""
+    cached = getattr(bucket, "_payloads", None)
+    if cached is None:
+        if bucket.shared is None:
+            cached = [sum(p.meta.nbytes for p in bucket.placements)]
+        else:
+            spans = sorted(bucket.spans, key=lambda s: s.offset)
+            starts = [s.offset for s in spans]
+            cached = [sum(s.nbytes for s in spans[bisect_left(starts, seg.offset):
+                                                   bisect_left(starts, seg.offset + seg.nbytes)] if s.rank == seg.rank)
+                      for seg in bucket.segments]
+        bucket._payloads = cached
+    return cached
+
+
+def pitched_copies(bucket: SlicedBucket, rank: int) -> list:
+    """Rank ``rank``'s copies of a bucket of slices (the owner's, or a piece owner's part of
+    them), per host buffer (``planning/boxcopy.py``: pitched, none across a pinned piece's border),
+    worked out once per planned bucket and rank (plans are cached)."""
     cached = getattr(bucket, "_pitched", None)
     if cached is None:
+        cached = bucket._pitched = {}
+    if rank not in cached:
         per_base: dict[int, list] = {}
         for bc in bucket.boxes:
-            per_base.setdefault(bc.base, []).extend(box_copies(
-                bc.shape, box_offsets(bc.shape, bc.box), box_extent(bc.shape, bc.box), bc.itemsize,
-                base_offset=bc.base_offset, dst=bc.offset))
-        cached = bucket._pitched = list(per_base.items())
-    return cached
+            if (bucket.owner if bc.rank < 0 else bc.rank) == rank:
+                per_base.setdefault(bc.base, []).extend(box_copies(
+                    bc.shape, box_offsets(bc.shape, bc.box), box_extent(bc.shape, bc.box), bc.itemsize,
+                    base_offset=bc.base_offset, dst=bc.offset))
+        cached[rank] = list(per_base.items())
+    return cached[rank]
 
 
 def place_strided(slot: torch.Tensor, sc) -> None:
@@ -101,6 +127,9 @@ class BroadcastPipeline:
     def run(self) -> PipelineStats:
         stats = self.stats
         t0 = time.perf_counter()
+        # the replica groups the buckets of slices are broadcast in: made once per ParameterServer,
+        # by every rank in the plan's order (a collective of the whole world the first time)
+        self.groups = {ranks: self.coll.group(ranks) for ranks in replica_groups(self.plan)}
         for i, bucket in enumerate(self.plan.buckets):
             slot = i % self.num_slots
             self._free_slot(slot)
@@ -141,32 +170,62 @@ class BroadcastPipeline:
             mine = [r for s in segments if s.rank == self.rank for r in s.runs]
             if mine:
                 self.stats.h2d_bytes += self._copy_runs(mine, dst)
-        for seg in segments:
+        for seg, payload in zip(segments, segment_payloads(bucket)):
             part = dst if bucket.shared is None else dst[seg.offset: seg.offset + seg.nbytes]
-            work = self.coll.broadcast(part, seg.rank, async_op=self.async_ops)
-            if work is not None:
-                work.wait()   # on a device kind this only orders the current stream after the collective
+            if seg.rank == self.rank and self.coll.world_size > 1:
+                self._count_sent(payload)
+            self._wait(self.coll.broadcast(part, seg.rank, async_op=self.async_ops))
         for sc in bucket.scatters:
             place_strided(dst, sc)
 
     def _move_slices(self, bucket: SlicedBucket, dst: torch.Tensor) -> None:
-        """A bucket of one engine rank's slices: its owner packs them (a strided host-to-device copy
-        per slice) and sends the bucket to that rank alone; every other rank skips it."""
-        if bucket.owner == self.rank:
+        """A bucket of one engine rank's slices: each part's rank packs its boxes (a strided
+        host-to-device copy per box), and each part reaches that engine rank's PS ranks (its replica
+        group) by one transfer: a broadcast in the group from the part's rank, or, when that rank is
+        outside the group, a send to the group's first rank, which broadcasts it in the group.
+        Pieces' strided intersections are then placed. Every other rank skips the bucket."""
+        mine = pitched_copies(bucket, self.rank)
+        if mine:
             with self.backend.stream_context(self.copy_stream):
-                for base, copies in pitched_copies(bucket):
+                for base, copies in mine:
                     self.backend.copy_pitched(dst, self.host[base], copies)
                     self.stats.h2d_bytes += copied_bytes(copies)
                 copied = self.backend.new_event()
                 copied.record()
             copied.wait()
-        work = None
-        if bucket.owner == self.rank and bucket.dest != self.rank:
-            work = self.coll.send(dst, bucket.dest, async_op=self.async_ops)
-        elif bucket.dest == self.rank and bucket.owner != self.rank:
-            work = self.coll.recv(dst, bucket.owner, async_op=self.async_ops)
+        group = bucket.ranks or (bucket.dest,)
+        for part in bucket.segments:
+            self._deliver(dst[part.offset: part.offset + part.nbytes], part, group)
+        if self.rank in group:
+            for sc in bucket.scatters:
+                place_strided(dst, sc)
+
+    def _deliver(self, data: torch.Tensor, part, group: tuple[int, ...]) -> None:
+        """``part`` of a bucket of slices from its rank to every rank of ``group``, sent once."""
+        root = part.rank
+        if root not in group:
+            root = group[0]
+            if self.rank == part.rank:
+                self._count_sent(part.payload)
+                self._wait(self.coll.send(data, root, async_op=self.async_ops))
+            elif self.rank == root:
+                self._wait(self.coll.recv(data, part.rank, async_op=self.async_ops))
+        if len(group) > 1 and self.rank in group:
+            if self.rank == root:
+                self._count_sent(part.payload, forwarded=root != part.rank)
+            self._wait(self.coll.broadcast(data, root, async_op=self.async_ops, group=self.groups[group]))
+
+    def _count_sent(self, payload: int, *, forwarded: bool = False) -> None:
+        self.stats.sends += 1
+        if forwarded:
+            self.stats.forwarded_bytes += payload
+        else:
+            self.stats.sent_bytes += payload
+
+    @staticmethod
+    def _wait(work) -> None:
         if work is not None:
-            work.wait()
+            work.wait()   # on a device kind this only orders the current stream after the collective
 
     def _stage(self, bucket, dst: torch.Tensor) -> int:
         """Owner: copy the bucket's host runs into its slot on the copy stream."""

@@ -50,7 +50,7 @@ class PlanCache:
         """The plan of these metas at this bucket size and its wire form (JSON, digest).
 
         With ``slices`` (``planning/slices.py``) each engine rank gets only its slices: the wire
-        form is then rank ``rank``'s own, and the plan is cached under the slice plan's digest too.
+        form is then PS rank ``rank``'s own (that of engine rank ``rank % T`` of the plan's T), and the plan is cached under the slice plan's digest too.
         """
         key = (bucket_bytes, digest) if slices is None else (bucket_bytes, digest, slices.digest, rank)
         if key in self._plans:
@@ -62,7 +62,7 @@ class PlanCache:
             plan = plan_buckets(metas, bucket_bytes)
             entry = (plan, plan_fragment([[(p.meta.name, p.meta.dtype, p.meta.shape, p.offset) for p in b.placements]
                                           for b in plan.buckets]))
-            while len(self._plans) >= self.size:
-                self._plans.pop(next(iter(self._plans)))
+        while len(self._plans) >= self.size:   # sliced plans too: one per (slice plan, rank) would pile up
+            self._plans.pop(next(iter(self._plans)))
         self._plans[key] = entry     # most recently used last
         return entry

@@ -10,7 +10,8 @@ gives (``ckpt_state_digests``), greedy output equals Hugging Face transformers, 
 receives exactly 1/2 of the sharded bytes plus the replicated ones, as vLLM's loader rules
 (docs/architecture.md, "Slices") predict from the checkpoint alone. On the session's shared
 server also a sliced stage + commit (equal to a whole stage + commit) and a sliced update through
-the ``ckpt`` backend path; the MoE also under expert parallelism (weights only: vLLM-CPU cannot
+the ``ckpt`` backend path, and an update from trainer shards (each PS rank registered half the rows of
+every tensor) routed by the slice plan; the MoE also under expert parallelism (weights only: vLLM-CPU cannot
 generate with it). The module's own servers boot two at a time.
 """
 
@@ -182,6 +183,48 @@ def test_a_sliced_p2p_update_equals_a_whole_one(shared_servers, tiny_model, tmp_
     print(f"P2P, slices: bytes received per rank {got['received_bytes']} of {total}; read over the network "
           f"{got['read_bytes']}")
     assert sliced["p2p"] and got["targets"] == list(range(TP)) and got["received_bytes"] == want
+
+
+def test_trainer_shards_updated_by_the_slice_plan_equal_a_whole_update(shared_servers, tiny_model, tmp_path):
+    """Two PS ranks that each registered half the rows of every tensor (FSDP2's dim-0 shards, as
+    ``TensorShard`` boxes) update the engine by its recorded slice plan: each worker's slices are
+    assembled from both ranks' shards where they cross the shard border (every column-parallel
+    slice does), and the engine then equals a whole update of the same checkpoint, byte for byte."""
+    import slices_world as sw
+    from harness import PsWorld
+
+    from ckpt_core.planning.slices import plan_from_json
+
+    server = shared_servers.get(tiny_model, extension=True, backend="ckpt", **tp_server_args(TP))
+    w0, w1 = tiny_model.weights
+    whole = _WHOLE.get((server.endpoint, str(w1))) or whole_digests(server, w1, tmp_path)
+    push_to(server, w0, "extension", TP, tmp_path)
+    with PsWorld("cpu", TP) as world:
+        got = world.all("call", ("slices_world", "shards_sliced_update", ("shards", str(w1), server.endpoint, 300)),
+                        timeout=420)
+    assert all(got[r].ok for r in range(TP)), got
+    differ = differences(server.client.collective_rpc("ckpt_state_digests"), whole)
+    assert not differ, f"{len(differ)} tensor(s) differ between a sliced update of trainer shards and a whole " \
+        "update:\n" + "\n".join(differ[:40])
+    tiny_model.references(w1)
+    assert server.complete(tiny_model.prompts, MAX_TOKENS) == tiny_model.reference(w1)
+    want, total = expected_bytes(w1)
+    registered = [got[r].value["registered"] for r in range(TP)]
+    assert sum(registered) == total and max(registered) < total * 0.6, registered
+    plan = plan_from_json(got[0].value["plan"])
+    assert want == [plan.rank_bytes(r) for r in range(TP)]
+    layout: dict = {}
+    for r in range(TP):
+        for name, pieces in got[r].value["layout"].items():
+            layout.setdefault(name, []).extend(pieces)
+    kept = sw.kept_bytes(plan, layout, TP)
+    for r in range(TP):
+        sl = got[r].value["result"]["slices"]
+        assert sl["received_bytes"] == want and sl["whole_bytes"] == total
+        # each byte of a rank's shards goes out once, less what its own worker reads of them
+        assert sl["sent"]["bytes"] == registered[r] - kept[r] > 0, (r, sl["sent"], registered, kept)
+    print(f"trainer shards: registered per rank {registered}, received per rank {want} of {total}, sent per rank "
+          f"{[got[r].value['result']['slices']['sent']['bytes'] for r in range(TP)]}")
 
 
 def test_an_update_naming_a_plan_no_worker_holds_is_refused_on_both_paths_and_nothing_changes(

@@ -12,8 +12,8 @@ from ckpt_core.errors import CheckpointFormatError, ConfigError
 from ckpt_core.planning.buckets import TensorMeta
 from ckpt_core.planning.slices import (RankSlices, SlicedBucket, SliceKey, SlicePlan, SlicePlanCache, Write,
                                        box_extent, box_offsets, check_plan, make_box, plan_from_json, plan_sliced,
-                                       plan_to_json, rank_placements, received_bytes, require_key, split_plan,
-                                       view_box, view_in_box)
+                                       plan_to_json, rank_placements, received_bytes, replica_groups, replica_ranks,
+                                       require_key, split_plan, view_box, view_in_box)
 
 KEY = SliceKey("model-abc", "tp=2", "vllm-0.32.0")
 
@@ -383,3 +383,212 @@ def test_a_tensor_only_some_ranks_read_goes_to_those_ranks_only():
         told = {n: shape for b in rank_placements(routed, r) for n, _, shape, _ in b}
         assert told == {f"e{r}": (4, 8), "norm": (8,), "q": (4, 8)}
         assert received_bytes(routed, r) == plan.rank_bytes(r) == (32 + 8 + 32) * 4
+
+
+# --- data-parallel replicas: a PS world of R x T ranks feeds R copies of a T-rank engine ----------
+
+REPLICA_TENSORS = {"rows": ("F32", (8, 16), 4), "cols": ("F32", (16, 8), 4), "norm": ("F32", (8,), 4),
+                   "emb": ("F32", (12, 4), 4)}
+REPLICA_DIMS = {"rows": 0, "cols": 1, "emb": 0}
+
+
+@pytest.mark.parametrize("R", [1, 2, 3])
+@pytest.mark.parametrize("T", [1, 2, 4])
+def test_ps_rank_p_feeds_engine_rank_p_mod_t_and_each_slice_is_one_bucket_for_all_replicas(R, T):
+    plan = split_plan(KEY, REPLICA_TENSORS, T, REPLICA_DIMS)
+    W = R * T
+    metas = [[] for _ in range(W)]
+    for i, (name, (_, shape, _)) in enumerate(REPLICA_TENSORS.items()):
+        metas[i % W].append(meta(name, shape, base=i))
+    routed = plan_sliced(metas, plan, 1 << 20)
+    groups = replica_ranks(W, T)
+    assert groups == [tuple(p for p in range(W) if p % T == t) for t in range(T)]
+    for p in range(W):
+        told = {n: shape for b in rank_placements(routed, p) for n, _, shape, _ in b}
+        rs = plan.ranks[p % T]
+        assert told == {n: box_extent(REPLICA_TENSORS[n][1], b) for n, b in rs.needs.items()}
+        assert received_bytes(routed, p) == plan.rank_bytes(p % T)
+    sliced = [b for b in routed.buckets if isinstance(b, SlicedBucket)]
+    assert all(b.ranks == groups[b.dest] for b in sliced)
+    # every slice travels in exactly one bucket, whatever the number of replicas
+    carried = sorted((p.meta.name, b.dest) for b in sliced for p in b.placements)
+    assert carried == sorted((n, t) for t in range(T) for n in REPLICA_DIMS if T > 1)
+    assert replica_groups(routed) == ([g for g in groups if any(b.ranks == g for b in sliced)] if R > 1 else [])
+
+
+def test_a_ps_world_that_is_not_a_multiple_of_the_engine_ranks_is_refused_naming_both():
+    plan = split_plan(KEY, REPLICA_TENSORS, 2, REPLICA_DIMS)
+    metas = [[meta(n, s, base=i) for i, (n, (_, s, _)) in enumerate(REPLICA_TENSORS.items())], [], []]
+    with pytest.raises(ConfigError, match="2 engine ranks, the parameter server 3 ranks.*multiple of 2"):
+        plan_sliced(metas, plan, 1 << 20)
+
+
+# --- trainer shards as the source: a slice assembled from its intersections with the pieces -------
+
+def run_routed(routed, hosts: dict[int, dict[int, torch.Tensor]], world: int) -> dict[int, dict[str, torch.Tensor]]:
+    """Play a routed plan in one process, the way the pipeline moves it: each part's rank packs its
+    boxes (``byte_box``) into its own slot, the part's bytes reach every rank of the bucket's group
+    (copied from the part's rank's slot), strided intersections are placed (``place_strided``); then
+    what each rank's worker is told of each bucket is read out of that rank's slot."""
+    from ckpt_core.transfer.pipeline import byte_box, place_strided
+    got: dict[int, dict[str, torch.Tensor]] = {r: {} for r in range(world)}
+    for b, bucket in enumerate(routed.buckets):
+        slots = {r: torch.full((bucket.nbytes,), 0xA5, dtype=torch.uint8) for r in range(world)}
+        if isinstance(bucket, SlicedBucket):
+            for bc in bucket.boxes:
+                rank = bucket.owner if bc.rank < 0 else bc.rank
+                src = byte_box(hosts[rank][bc.base][bc.base_offset:], bc.shape, box_offsets(bc.shape, bc.box),
+                               box_extent(bc.shape, bc.box), bc.itemsize)
+                slots[rank][bc.offset: bc.offset + src.numel()].view(src.shape).copy_(src)
+            for part in bucket.segments:
+                for r in bucket.ranks:
+                    if r != part.rank:
+                        slots[r][part.offset: part.offset + part.nbytes] = slots[part.rank][part.offset: part.offset + part.nbytes]
+            for r in bucket.ranks:
+                for sc in bucket.scatters:
+                    place_strided(slots[r], sc)
+        else:   # whole tensors, also in pieces: every rank
+            for seg in bucket.segments:
+                for run in seg.runs:
+                    slots[seg.rank][run.offset: run.offset + run.nbytes] = \
+                        hosts[seg.rank][run.base][run.base_offset: run.base_offset + run.nbytes]
+                for r in range(world):
+                    slots[r][seg.offset: seg.offset + seg.nbytes] = slots[seg.rank][seg.offset: seg.offset + seg.nbytes]
+            for r in range(world):
+                for sc in bucket.scatters:
+                    place_strided(slots[r], sc)
+        for r in range(world):
+            for name, _, shape, offset in rank_placements(routed, r)[b]:
+                n = math.prod(shape) * 4
+                got[r][name] = slots[r][offset: offset + n].view(torch.float32).view(shape).clone()
+    return got
+
+
+def piece_metas(full: dict[str, torch.Tensor], layout: dict, world: int):
+    """Metas and host memory of tensors registered whole (layout[name] = rank) or in pieces
+    (layout[name] = [(rank, offsets, extent)]); each rank's host buffer 0 holds its bytes in order."""
+    metas, hosts, chunks = [[] for _ in range(world)], {}, {r: [] for r in range(world)}
+    at = [0] * world
+    for name, spec in layout.items():
+        t = full[name]
+        pieces = [(spec, None, None)] if isinstance(spec, int) else spec
+        for rank, offsets, extent in pieces:
+            local = t
+            if offsets is not None:
+                for d, (o, e) in enumerate(zip(offsets, extent)):
+                    local = local.narrow(d, o, e)
+            local = local.contiguous()
+            raw = local.reshape(-1).view(torch.uint8)
+            box = None if offsets is None else (tuple(t.shape), tuple(offsets))
+            metas[rank].append(TensorMeta(name, "F32", tuple(local.shape), raw.numel(), 4, 0, at[rank], box))
+            chunks[rank].append(raw)
+            at[rank] += raw.numel()
+    for r in range(world):
+        hosts[r] = {0: torch.cat(chunks[r]) if chunks[r] else torch.empty(0, dtype=torch.uint8)}
+    return metas, hosts
+
+
+def needs_plan(shapes: dict[str, tuple[int, ...]], needs_per_rank: list[dict]) -> SlicePlan:
+    """A plan whose engine rank t reads ``needs_per_rank[t][name]`` of each tensor into a parameter of
+    that extent (checked: the boxes must tile each tensor)."""
+    ranks = []
+    for t, needs in enumerate(needs_per_rank):
+        params = {f"p_{n}": box_extent(shapes[n], b) for n, b in needs.items()}
+        ranks.append(RankSlices(t, dict(needs), params, tuple(Write(f"p_{n}", (), n) for n in needs)))
+    plan = SlicePlan(KEY, {n: ("F32", s, 4) for n, s in shapes.items()}, tuple(ranks))
+    check_plan(plan)
+    return plan
+
+
+def expected_slices(full, plan, p):
+    rs = plan.ranks[p % len(plan.ranks)]
+    out = {}
+    for name, box in rs.needs.items():
+        t = full[name]
+        for d, s, n in box or ():
+            t = t.narrow(d, s, n)
+        out[name] = t.contiguous()
+    return out
+
+
+def row_split(n, parts):
+    """``parts`` uneven consecutive ranges covering n (the last ones may be empty, as torch.chunk does)."""
+    step = -(-n // parts)
+    return [(min(n, i * step), min(n, (i + 1) * step) - min(n, i * step)) for i in range(parts)]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_slices_of_tensors_in_pieces_arrive_bit_exact_for_any_tiling_and_any_slices(data):
+    """Random tilings (rows, columns, rows x columns, uneven, empty pieces) read by random slices
+    (rows, columns, one rank reading whole), T in 1, 2, 3 and R in 1, 2: every PS rank receives
+    exactly its engine rank's slices; every piece's bytes leave their owner once."""
+    T, R = data.draw(st.sampled_from([1, 2, 3])), data.draw(st.sampled_from([1, 2]))
+    W = T * R
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 1000)))
+    shapes, layout, needs = {}, {}, [dict() for _ in range(T)]
+    for i in range(data.draw(st.integers(1, 4))):
+        name = f"t{i}"
+        shape = (data.draw(st.integers(T, 9)), data.draw(st.integers(T, 7)))
+        shapes[name] = shape
+        cut = data.draw(st.sampled_from(["rows", "cols", "grid", "whole"]))
+        ranks = [data.draw(st.integers(0, W - 1)) for _ in range(4)]
+        if cut == "whole":
+            layout[name] = ranks[0]
+        else:
+            rows = row_split(shape[0], 2) if cut in ("rows", "grid") else [(0, shape[0])]
+            cols = row_split(shape[1], 2) if cut in ("cols", "grid") else [(0, shape[1])]
+            layout[name] = [(ranks[(i * 2 + j) % 4], (r0, c0), (rn, cn)) for i, (r0, rn) in enumerate(rows)
+                            for j, (c0, cn) in enumerate(cols)]
+        read = data.draw(st.sampled_from(["rows", "cols", "whole", "one-whole"]))
+        for t in range(T):
+            if read == "whole" or (read == "one-whole" and T == 1):
+                needs[t][name] = None
+            elif read == "one-whole":   # rank 0 reads it whole, every other rank reads rows of it
+                needs[t][name] = None if t == 0 else ((0, 0, shape[0]),)
+            else:
+                d = 0 if read == "rows" else 1
+                lo, n = row_split(shape[d], T)[t]
+                if n:
+                    needs[t][name] = ((d, lo, n),) if n < shape[d] else None
+    full = {n: torch.randn(s, generator=gen) for n, s in shapes.items()}
+    try:
+        plan = needs_plan(shapes, needs)
+    except CheckpointFormatError:
+        return   # one rank reading whole, the others a box of it: not a tiling
+    metas, hosts = piece_metas(full, layout, W)
+    routed = plan_sliced(metas, plan, 1 << 16)
+    got = run_routed(routed, hosts, W)
+    for p in range(W):
+        want = expected_slices(full, plan, p)
+        assert set(got[p]) == set(want), p
+        for name in want:
+            assert torch.equal(got[p][name].view(torch.uint8), want[name].view(torch.uint8)), (p, name)
+        assert received_bytes(routed, p) == plan.rank_bytes(p % T)
+    # each part is sent once: the parts of the buckets of slices carry every byte of the slices once
+    for b in routed.buckets:
+        if isinstance(b, SlicedBucket):
+            assert sum(part.payload for part in b.segments) == sum(pl.meta.nbytes for pl in b.placements)
+
+
+def test_dim0_pieces_read_by_dim1_slices_assemble_each_slice_from_both_owners():
+    full = {"w": torch.randn(6, 8)}
+    layout = {"w": [(0, (0, 0), (3, 8)), (1, (3, 0), (3, 8))]}
+    plan = needs_plan({"w": (6, 8)}, [{"w": ((1, 0, 4),)}, {"w": ((1, 4, 4),)}])
+    metas, hosts = piece_metas(full, layout, 2)
+    routed = plan_sliced(metas, plan, 1 << 16)
+    sliced = [b for b in routed.buckets if isinstance(b, SlicedBucket)]
+    assert len(sliced) == 2 and all(sorted(p.rank for p in b.segments) == [0, 1] for b in sliced)
+    assert all(not b.scatters for b in sliced), "rows of a column slice are runs of it: packed in place"
+    got = run_routed(routed, hosts, 2)
+    for r in range(2):
+        assert torch.equal(got[r]["w"], full["w"][:, 4 * r: 4 * r + 4])
+
+
+def test_a_slice_of_a_tensor_in_pieces_too_large_for_the_bucket_is_refused_naming_it():
+    full = {"w": torch.randn(8, 8)}
+    layout = {"w": [(0, (0, 0), (8, 4)), (1, (0, 4), (8, 4))]}   # columns: every row slice is strided in them
+    plan = needs_plan({"w": (8, 8)}, [{"w": ((0, 0, 4),)}, {"w": ((0, 4, 4),)}])
+    metas, _ = piece_metas(full, layout, 2)
+    with pytest.raises(ConfigError, match="slice of tensor 'w' for engine rank 0 \\(128 bytes, 128 more"):
+        plan_sliced(metas, plan, 200)
