@@ -18,7 +18,7 @@ from ckpt_core.p2p.metas import Peer
 from ckpt_core.p2p.slices import slices_mismatch
 from ckpt_core.p2p.store import MARK, P2PStore
 from ckpt_core.planning.buckets import Bucket
-from ckpt_core.errors import TransportError, UpdateTimeoutError
+from ckpt_core.errors import ConfigError, TransportError, UpdateTimeoutError
 
 
 @dataclass(eq=False)
@@ -65,13 +65,18 @@ class NoReq:
 
 
 class GroupColl:
-    """The pipeline's view of the collectives: broadcasts go to the target group."""
+    """The pipeline's view of the collectives: broadcasts go to the target group (of ``world_size``
+    ranks: what a reader's broadcast reaches, for the pipeline's sent-bytes count). A P2P plan has
+    no replica groups: buckets of slices are read by their target, never broadcast."""
 
-    def __init__(self, coll, group):
-        self.coll, self.group, self.timeout = coll, group, coll.timeout
+    def __init__(self, coll, group, world_size: int):
+        self.coll, self.target_group, self.timeout, self.world_size = coll, group, coll.timeout, world_size
 
     def broadcast(self, tensor, src: int, *, async_op: bool):
-        return self.coll.broadcast(tensor, src, async_op=async_op, group=self.group)
+        return self.coll.broadcast(tensor, src, async_op=async_op, group=self.target_group)
+
+    def group(self, ranks):
+        raise ConfigError(f"a P2P update has no replica groups (asked for {list(ranks)})")
 
 
 class P2PPipeline(BroadcastPipeline):

@@ -300,7 +300,7 @@ def _run_target(ps, name, req_func, deadline, targets, group, src, plan, wire, s
         pipe = P2PPipeline(store=store, peers=src.peers, should_stop=should_stop,
                            read_deadline=deadline - READ_MARGIN_S, plan=plan, rank=ps.rank, index=ps.device_index,
                            backend=ps.backend, ipc=ipc, slot_bytes=slot_bytes, num_slots=slots, host={},
-                           coll=GroupColl(ps._coll, group), link=link, copy_stream=ps._copy_stream, log=ps._log,
+                           coll=GroupColl(ps._coll, group, len(targets)), link=link, copy_stream=ps._copy_stream, log=ps._log,
                            on_failure=signal.publish, deadline=deadline,
                            box_digests=None if box_digests is None else dict(enumerate(box_digests)))
         stats = pipe.run()
