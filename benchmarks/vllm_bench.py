@@ -175,26 +175,20 @@ def run_engine(args) -> None:
     print("RESULT " + json.dumps(report), flush=True)
 
 
-def stage_into(llm, handles: dict, version: str) -> dict:
-    """Stage one update into device memory (the worker receives on its own thread; poll until done)."""
+def stage_into(llm, handles: dict, version: str, timeout: float = 600.0) -> dict:
+    """Stage one update into device memory (the worker receives on its own thread; poll until done),
+    then prepare it in kernel format, about 512 MiB of layers per call (the calls a serving engine
+    runs between steps)."""
+    from ckpt_vllm._stage_polls import llm_rpc, prepare_staged, wait_staged
+
+    rpc = llm_rpc(llm)
     t0 = time.perf_counter()
-    llm.collective_rpc("update_weights_from_ipc", args=(handles,),
-                       kwargs={"stage": version, "stage_device_bytes": 1 << 40})
-    while True:
-        state = llm.collective_rpc("ckpt_stage_status")[0]
-        if state["state"] == "done":
-            break
-        if state["state"] != "running":
-            raise RuntimeError(f"the stage vanished: {state}")
-        time.sleep(0.005)
+    rpc("update_weights_from_ipc", [handles], {"stage": version, "stage_device_bytes": 1 << 40})
+    state = wait_staged(rpc, version, timeout, where="the benchmark's engine", poll_s=0.005)[0]
     out = {"version": version, "stage_engine_s": time.perf_counter() - t0, "worker": state}
-    t1, steps = time.perf_counter(), 0
-    while True:   # kernel format, a few layers per call (the calls a serving engine runs between steps)
-        prep = llm.collective_rpc("ckpt_prepare_staged", args=(version,), kwargs={"budget_bytes": 512 << 20})[0]
-        steps += 1
-        if prep["state"] != "preparing":
-            break
-    out["prepare"] = {**prep, "calls": steps, "wall_s": time.perf_counter() - t1}
+    t1 = time.perf_counter()
+    prepared, calls = prepare_staged(rpc, version, 512 << 20, timeout, where="the benchmark's engine")
+    out["prepare"] = {**prepared[0], "calls": calls, "wall_s": time.perf_counter() - t1}
     return out
 
 

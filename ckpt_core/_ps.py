@@ -353,23 +353,25 @@ class ParameterServer(UpdateAgreement, BroadcastUpdate):
 
         ``slices``: a :class:`ckpt_core.planning.slices.SlicePlan` recorded from the engine (the
         same on every rank; ``VllmClient.slice_plan``): each engine rank then receives only what its
-        loaders read (broadcast updates with our wire). PS rank p feeds engine rank p % T of the
-        plan's T: a world of R x T ranks feeds R data-parallel replicas, which share one transfer
-        of each slice (a world that is not a multiple of T is a ConfigError). Tensors registered in
-        pieces (trainer shards) are assembled into each rank's slices from their owners' pieces.
-        The result's ``slices`` gives the bytes each PS rank's worker received and what this rank
-        sent. None (the default): every rank receives every tensor whole.
+        loaders read (our wire only). Broadcast: PS rank p feeds engine rank p % T of the plan's T:
+        a world of R x T ranks feeds R data-parallel replicas, which share one transfer of each
+        slice (a world that is not a multiple of T is a ConfigError); tensors registered in pieces
+        (trainer shards) are assembled into each rank's slices from their owners' pieces. With
+        ``ranks`` (P2P), target i (the i-th of ``ranks``) is engine rank i and reads its slices
+        itself from the owners (docs/p2p.md). The result's ``slices`` gives the bytes each engine
+        rank received (and, on broadcast, what this rank sent). None (the default): every rank
+        receives every tensor whole.
         """
         self._check_open()
-        if slices is not None and (ranks or self.wire != "native"):
-            raise ConfigError("slices are supported on broadcast updates with the native wire only")
+        if slices is not None and self.wire != "native":
+            raise ConfigError("slices are supported with the native wire only")
         if not self._update_lock.acquire(blocking=False):
             raise ConfigError("another update is already running on this ParameterServer")
         try:
             self._check_open()   # again: close() may have run between the first check and the lock
             with gc_paused():
                 if ranks:   # P2P into those ranks, from the owners' host memory (_p2p.py)
-                    return run_p2p_update(self, name, req_func, ranks, timeout)
+                    return run_p2p_update(self, name, req_func, ranks, timeout, slices)
                 return self._update(name, req_func, *self._precheck(name, req_func, timeout), slices)
         except TransportError as exc:
             if getattr(exc, "groups_broken", False):

@@ -27,6 +27,8 @@ from ckpt_core.engines.http import HttpTransport, Phases, cleanup_after
 from ckpt_core.engines.requests import group_handles
 from ckpt_core.errors import ConfigError, RemoteWorkerError, TransportError, UpdateTimeoutError
 
+from ._stage_polls import prepare_staged, wait_staged
+
 if TYPE_CHECKING:
     from ckpt_core.planning.slices import SlicePlan
 
@@ -311,42 +313,17 @@ class VllmClient:
             self.last_report = report
         return report
 
+    def _rpc(self, timeout: float):
+        return lambda method, args, kwargs: self.collective_rpc(method, args, kwargs, timeout=min(timeout, 60.0))
+
     def _wait_staged(self, version: str, timeout: float, poll_s: float = 0.02) -> list[dict]:
-        """Poll the workers' stage threads until every one is done; a worker's failure is raised
-        (``RemoteWorkerError``), and after ``timeout`` the stage is dropped and an ``UpdateTimeoutError`` raised."""
-        deadline = time.monotonic() + timeout
-        while True:
-            states = self.collective_rpc("ckpt_stage_status", timeout=min(timeout, 60.0))
-            if states and all(s.get("state") == "done" for s in states):
-                return states
-            failed = [(i, s) for i, s in enumerate(states) if s.get("state") == "failed"]
-            if failed:
-                self._cleanup(exc := RemoteWorkerError(
-                    f"{self.where}: the stage of {version!r} failed on worker(s) {[i for i, _ in failed]}: "
-                    f"{failed[0][1].get('error_type')}: {failed[0][1].get('error')}; nothing live changed"),
-                    "drop_staged", self.drop_staged)
-                raise exc
-            lost = [i for i, s in enumerate(states) if s.get("state") == "none"]
-            if lost or not states:
-                raise RemoteWorkerError(f"{self.where}: the stage of {version!r} vanished from worker(s) {lost} "
-                                        "(dropped, or replaced by another stage)")
-            if time.monotonic() > deadline:
-                self._cleanup(exc := UpdateTimeoutError(
-                    f"{self.where} did not finish staging {version!r} within {timeout:g} s; the stage was dropped"),
-                    "drop_staged", self.drop_staged)
-                raise exc
-            time.sleep(poll_s)
+        """Poll the workers' stage threads until every one is done (``_stage_polls.wait_staged``);
+        on a worker's failure or after ``timeout`` the stage is dropped and the error raised."""
+        return wait_staged(self._rpc(timeout), version, timeout, where=self.where, poll_s=poll_s,
+                           give_up=lambda exc: self._cleanup(exc, "drop_staged", self.drop_staged))
 
     def _prepare_staged(self, version: str, step_bytes: int, timeout: float) -> list[dict]:
-        deadline = time.monotonic() + timeout
-        while True:
-            states = self.collective_rpc("ckpt_prepare_staged", [version], {"budget_bytes": step_bytes},
-                                         timeout=min(timeout, 60.0))
-            if all(s.get("state") != "preparing" for s in states):
-                return states
-            if time.monotonic() > deadline:
-                raise UpdateTimeoutError(f"{self.where} did not finish preparing {version!r} within {timeout:g} s "
-                                         "(it stays staged; its commit reloads)")
+        return prepare_staged(self._rpc(timeout), version, step_bytes, timeout, where=self.where)[0]
 
     def commit(self, version: str, *, pause: str = "keep", timeout: float | None = None) -> UpdateReport:
         """Switch the server to the staged ``version``: pause (``keep``: running requests freeze and

@@ -88,7 +88,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="how --commit pauses generation")
     ap.add_argument("--slices", action="store_true",
                     help="send each engine rank only the slices its loaders read (one engine, recorded "
-                         "from it first; broadcast updates, either path, staged or not)")
+                         "from it first; broadcast and P2P updates, either path, staged or not)")
     return ap.parse_args(argv)
 
 
@@ -126,8 +126,9 @@ def check_args(args: argparse.Namespace, world_size: int) -> tuple[int, list[str
         raise ConfigError(f"--inference-parallel-size must be a positive divisor of the world size "
                           f"{world_size}, got {args.inference_parallel_size}")
     groups = world_size // ips
-    if args.slices and (groups != 1 or args.update_method != "broadcast"):
-        raise ConfigError("--slices needs one engine and --update-method broadcast")
+    if args.slices and groups != 1:
+        raise ConfigError("--slices takes one engine here (replicas of it: ParameterServer.update(..., slices=plan) "
+                          "with every engine's plan installed, docs/architecture.md, Slices)")
     return ips, _per_group("--endpoint", args.endpoint, groups), _per_group("--uds", args.uds, groups)
 
 

@@ -89,11 +89,12 @@ def run_updates(ps, name: str, methods: list[str], make_req_func: Callable[[list
     """Collective: run ``methods`` in order; yields ``(method, ps result, reports)`` after each.
 
     ``make_req_func(reports)`` builds that update's ``req_func``, which may append its engine's
-    reports to ``reports``. ``p2p`` targets every rank of the world (``ranks=[0..world)``).
+    reports to ``reports``. ``p2p`` targets every rank of the world (``ranks=[0..world)``, rank r
+    engine rank r of a slice plan). ``slices``: the plan both kinds of update route by.
     """
     for method in methods:
         reports: list = []
         ranks = list(range(ps.world_size)) if method == "p2p" else None
         result = ps.update(name, make_req_func(reports), ranks=ranks, timeout=timeout,
-                           **({"slices": slices} if slices is not None and ranks is None else {}))
+                           **({"slices": slices} if slices is not None else {}))
         yield method, result, reports

@@ -5,6 +5,10 @@ Mooncake; an owner of this world that no longer holds the checkpoint) and any di
 between ranks (the checkpoint's name, the engine wire, the metas' digest, ``ranks``, the kind
 of update) is raised on every rank alike, before a group is made or anything moves: the world
 stays usable. The checks themselves are the broadcast update's (``transfer/prechecks.py``).
+
+With a slice plan (``p2p/slices.py``) the same exchange carries the plan's digest and the order
+of ``ranks`` (target i is engine rank i: every rank must agree on both), every rank's check of
+the plan against the targets and the checkpoint, and each owner's digests of the plan's boxes.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import operator
 
 from ckpt_core.p2p.metas import Source
+from ckpt_core.p2p.slices import box_digests, check_call
 from ckpt_core.planning.buckets import choose_layout
 from ckpt_core.transfer.prechecks import IDENTITY, problem_of, raise_agreed, same_call, same_kind
 from ckpt_core.errors import CheckpointNotFoundError, ConfigError
@@ -70,24 +75,59 @@ def _view(ps, name, targets, problem) -> tuple[Source | None, dict]:
     return None, _bystander_view(ps, name)
 
 
-def first_exchange(ps, name, req_func, ranks, timeout) -> tuple[float, tuple[int, ...], Source | None, list]:
+def _order(ranks, targets) -> list[int]:
+    """``ranks`` as given: target i is engine rank i of a slice plan."""
+    order = [operator.index(r) for r in ranks]
+    if len(order) != len(targets):
+        raise ConfigError(f"ranks {order} repeat a rank: each target is one engine rank of the slice plan")
+    return order
+
+
+def _slices_view(ps, name: str, slices, ranks, targets, src: Source | None) -> dict:
+    """This rank's checks of a sliced call and, on an owner of this world, its box digests."""
+    state = ps._p2p
+    order = _order(ranks, targets)
+    if src is not None and name in state.loaded:
+        raise ConfigError(f"a sliced P2P update of {name!r} reads only from owners of this world (their digests "
+                          "of the plan's slices travel in the update's first exchange); a joining world's owners "
+                          "are not part of it: update it without slices")
+    metas = src.metas if src is not None else ps._metas.get(name)
+    if metas is not None:
+        check_call(slices, targets, metas)
+    out = {"order": order}
+    ckpt, gathered = ps._checkpoints.get(name), ps._metas.get(name)
+    if ckpt is not None and gathered is not None and gathered[ps.rank] and name in state.gathered:
+        key = (name, slices.digest)
+        if key not in state.box_digests:   # once per (checkpoint, plan); dropped on unregister
+            state.box_digests[key] = box_digests(ckpt, state.digests.get(name), slices, ps.rank)
+        out["boxes"] = state.box_digests[key]
+    return out
+
+
+def first_exchange(ps, name, req_func, ranks, timeout, slices=None) -> tuple[float, tuple[int, ...],
+                                                                              Source | None, list, list | None]:
     """Every rank's pre-checks and identity, agreed in one exchange (see the module docstring).
-    Returns (deadline, targets, source, target views)."""
+    Returns (deadline, targets, source, target views, and with ``slices``: the order of ``ranks``
+    and every owner rank's box digests)."""
     deadline, problem = ps._precheck_call(req_func, timeout)
     targets, src, extra = None, None, {}
     try:
         targets = targets_of(ranks, ps.world_size)
         src, extra = _view(ps, name, targets, problem)
+        if slices is not None and problem is None:
+            extra.update(_slices_view(ps, name, slices, ranks, targets, src))
     except Exception as exc:   # ours or not: told to every rank, nobody is left waiting in a collective
         problem = problem or problem_of(exc)
     holds = isinstance(name, str) and name in ps._checkpoints
     view = {"targets": targets and list(targets), "problem": problem, "holds": holds,
-            "name": name if isinstance(name, str) else repr(name), "wire": ps.wire, **extra}
+            "name": name if isinstance(name, str) else repr(name), "wire": ps.wire,
+            "slices": None if slices is None else getattr(slices, "digest", repr(slices)), **extra}
     views = ps._coll.all_gather_json(view)
     what = f"P2P update({name!r})"
     raise_agreed([v.get("problem") for v in views], what)
     same_kind(views, what)
     same_call(views, "P2P update", IDENTITY)
+    same_call(views, "P2P update", {"slices": "slice plan", "order": "order of ranks"})
     if len({tuple(v["targets"]) for v in views}) != 1:
         raise ConfigError(f"{what} refused: ranks disagree on the targets: {[v['targets'] for v in views]}")
     gone = sorted({r for v in views for r in v.get("owners") or () if not views[r]["holds"]})
@@ -98,4 +138,5 @@ def first_exchange(ps, name, req_func, ranks, timeout) -> tuple[float, tuple[int
         told = {r: v["fp"][:12] for r, v in enumerate(views) if "fp" in v}
         raise ConfigError(f"{what} refused: ranks disagree on the metas of {name!r} ({told}): "
                           "gather or load them again everywhere")
-    return deadline, targets, src, [views[r] for r in targets]
+    sliced = None if slices is None else (views[0]["order"], [v.get("boxes") for v in views])
+    return deadline, targets, src, [views[r] for r in targets], sliced

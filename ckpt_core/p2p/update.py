@@ -15,6 +15,8 @@ identity; the pipeline (``p2p/pipeline.py``) carries one status byte per bucket,
 target never hands its worker a bucket whose read failed. A failed or abandoned read
 leaves its staging buffer unsettled (``Quarantine``); it is not reused or freed until
 settled. The owners may live in another world: their metas (``_metas``) say where.
+With a slice plan (``p2p/slices.py``) target i (the i-th of ``ranks``) is engine rank i: buckets
+of its slices are read by it alone and checked against its owners' box digests.
 close() in another thread stops the update on every rank, as on the broadcast path.
 """
 
@@ -30,7 +32,10 @@ from ckpt_core.wire.link import Failure
 from ckpt_core.p2p import metas as _metas
 from ckpt_core.p2p.agree import first_exchange
 from ckpt_core.p2p.metas import Peer, Source
-from ckpt_core.p2p.pipeline import GroupColl, NoLink, NoReq, P2PBucket, P2PPipeline
+from ckpt_core.p2p.pipeline import GroupColl, NoLink, NoReq, P2PBucket, P2PPipeline, P2PSliceBucket
+from ckpt_core.p2p.slices import LANDING_BYTES, bucket_runs, per_target, route, slice_reads
+from ckpt_core.planning.slices import SlicedBucket, rank_placements
+from ckpt_core.wire.protocol import plan_fragment
 from ckpt_core.planning.nics import assign_readers
 from ckpt_core.p2p.store import MARK, P2PStore, open_store
 from ckpt_core.p2p.digests import tensor_digests
@@ -56,6 +61,8 @@ class P2PState:
         self.gathered: dict[str, list[Peer | None]] = {}         # checkpoint -> every owner's store
         self.loaded: dict[str, Source] = {}                       # checkpoint -> from load_metas
         self.groups: dict[tuple[int, ...], object] = {}
+        self.box_digests: dict[tuple[str, str], dict] = {}        # (checkpoint, slice plan digest) -> its box digests
+        self.sliced_plans: dict[tuple, tuple] = {}                 # p2p/slices.py routing, by what it depends on
 
     # -- the store -------------------------------------------------------------
     def ensure_store(self, *, required: bool) -> P2PStore | None:
@@ -92,6 +99,8 @@ class P2PState:
         if name in self.stamps and self.store is not None:   # first: a reader's next check fails
             self.store.clear_stamp(self.stamps.pop(name)[0])
         self.digests.pop(name, None)
+        for key in [k for k in self.box_digests if k[0] == name]:
+            del self.box_digests[key]
         for ptr, _ in self.served.pop(name, {}).values():
             if self.store is not None:
                 self.store.unregister(ptr)
@@ -146,11 +155,12 @@ class P2PState:
         return self.groups[targets]
 
 
-def run_update(ps, name: str, req_func, ranks, timeout) -> dict:
-    """Collective over the whole world; see the module docstring. Returns this rank's figures."""
+def run_update(ps, name: str, req_func, ranks, timeout, slices=None) -> dict:
+    """Collective over the whole world; see the module docstring. Returns this rank's figures.
+    ``slices``: a slice plan whose engine rank i is the i-th of ``ranks`` (``p2p/slices.py``)."""
     t0 = time.perf_counter()
     state: P2PState = ps._p2p
-    deadline, targets, src, tv = first_exchange(ps, name, req_func, ranks, timeout)
+    deadline, targets, src, tv, sliced = first_exchange(ps, name, req_func, ranks, timeout, slices)
     me = ps.rank in targets
     group = state.group(targets)
     update_id = f"{ps._run_id}-{ps._updates}"
@@ -160,14 +170,59 @@ def run_update(ps, name: str, req_func, ranks, timeout) -> dict:
         return {"name": name, "p2p": True, "target": False, "seconds": {"total": time.perf_counter() - t0}}
     try:
         size = min(v["layout"][0] for v in tv)
-        plan, wire = ps._plans.get(src.metas, tv[0]["fp"], size)
-        readers = assign_readers([(b.owner, b.nbytes) for b in plan.buckets], list(targets))
-        p2p_plan = Plan(plan.bucket_bytes, tuple(_p2p_bucket(b, i, rd) for i, (b, rd) in enumerate(zip(plan.buckets,
-                                                                                                       readers))))
-        slots = max(1, min(min(v["layout"][1] for v in tv), len(plan.buckets)))
+        figures, boxes = None, None
+        if sliced is None:
+            plan, wire = ps._plans.get(src.metas, tv[0]["fp"], size)
+            readers = assign_readers([(b.owner, b.nbytes) for b in plan.buckets], list(targets))
+            p2p_plan = Plan(plan.bucket_bytes, tuple(_p2p_bucket(b, i, rd) for i, (b, rd) in
+                                                     enumerate(zip(plan.buckets, readers))))
+        else:
+            order, boxes = sliced
+            p2p_plan, wire, figures = _sliced_plan(state, src, slices, size, tv[0]["fp"], order, ps.rank)
+        slots = max(1, min(min(v["layout"][1] for v in tv), len(p2p_plan.buckets)))
     except Exception as exc:   # ours or not: every rank learns it at the next agreement
         _fail_through(ps, exc, deadline)
-    return _run_target(ps, name, req_func, deadline, targets, group, src, p2p_plan, wire, slots, update_id, t0)
+    result = _run_target(ps, name, req_func, deadline, targets, group, src, p2p_plan, wire, slots, update_id, t0,
+                         boxes)
+    if figures is not None:
+        result["slices"] = figures
+    return result
+
+
+def _sliced_plan(state: P2PState, src, slices, size: int, fp: str, order: list[int], rank: int):
+    """(P2P plan, this target's wire form, the figures of every target) of a sliced update; cached."""
+    key = (fp, size, slices.digest, tuple(order), rank)
+    if key not in state.sliced_plans:
+        routed, owners = route(src.metas, slices, size)
+        whole = [i for i, b in enumerate(routed.buckets) if not isinstance(b, SlicedBucket)]
+        readers = [order[b.dest] if isinstance(b, SlicedBucket) else -1 for b in routed.buckets]
+        for i, rd in zip(whole, assign_readers([(owners[i], routed.buckets[i].nbytes) for i in whole], sorted(order))):
+            readers[i] = rd
+        landing = min(LANDING_BYTES, size)   # a slot grows by at most the bucket size
+        buckets = tuple(_p2p_sliced_bucket(b, i, rd, owners[i], landing) for i, (b, rd) in
+                        enumerate(zip(routed.buckets, readers)))
+        received, read = per_target(buckets, order)
+        figures = {"plan": slices.digest, "targets": list(order), "received_bytes": received, "read_bytes": read,
+                   "whole_bytes": slices.whole_bytes()}
+        wire = plan_fragment(rank_placements(routed, order.index(rank)))
+        while len(state.sliced_plans) >= 4:
+            state.sliced_plans.pop(next(iter(state.sliced_plans)))
+        state.sliced_plans[key] = (Plan(routed.bucket_bytes, buckets), wire, figures)
+    plan, wire, figures = state.sliced_plans[key]
+    return plan, wire, dict(figures)
+
+
+def _p2p_sliced_bucket(b, index: int, reader: int, owner: int, landing: int) -> P2PBucket:
+    """A routed bucket of a sliced update as its reader moves it (``b.owner`` is 0 there, see
+    ``p2p/slices.route``; ``owner`` is whose it is): a bucket of slices stays with its reader."""
+    if isinstance(b, SlicedBucket):   # its slot: the slices, a landing zone for spans read with holes, the status byte
+        reads = slice_reads(b, landing=landing)
+        land_at = align_up(b.nbytes) if reads.landing else b.nbytes
+        return P2PSliceBucket(owner=reader, placements=b.placements, nbytes=land_at + reads.landing + 1, source=owner,
+                              index=index, parts=((owner, bucket_runs(b)),), dest=b.dest, boxes=b.boxes, reads=reads,
+                              land_at=land_at)
+    return P2PBucket(owner=reader, placements=b.placements, nbytes=b.nbytes + 1, source=owner, index=index,
+                     parts=((owner, b.copy_runs),))
 
 
 def _p2p_bucket(b, index: int, reader: int) -> P2PBucket:
@@ -209,7 +264,8 @@ def _fail_through(ps, exc: Exception, deadline: float):
     raise exc
 
 
-def _run_target(ps, name, req_func, deadline, targets, group, src, plan, wire, slots, update_id, t0) -> dict:
+def _run_target(ps, name, req_func, deadline, targets, group, src, plan, wire, slots, update_id, t0,
+                box_digests=None) -> dict:
     store = ps._p2p.store
     slot_bytes = align_up(max(plan.largest_bucket, ALIGN))
     try:
@@ -244,8 +300,9 @@ def _run_target(ps, name, req_func, deadline, targets, group, src, plan, wire, s
         pipe = P2PPipeline(store=store, peers=src.peers, should_stop=should_stop,
                            read_deadline=deadline - READ_MARGIN_S, plan=plan, rank=ps.rank, index=ps.device_index,
                            backend=ps.backend, ipc=ipc, slot_bytes=slot_bytes, num_slots=slots, host={},
-                           coll=GroupColl(ps._coll, group), link=link, copy_stream=ps._copy_stream, log=ps._log,
-                           on_failure=signal.publish, deadline=deadline)
+                           coll=GroupColl(ps._coll, group, len(targets)), link=link, copy_stream=ps._copy_stream, log=ps._log,
+                           on_failure=signal.publish, deadline=deadline,
+                           box_digests=None if box_digests is None else dict(enumerate(box_digests)))
         stats = pipe.run()
         times["pipeline"] = stats.seconds
         _agree(ps, link, req, deadline, "transfer", False)

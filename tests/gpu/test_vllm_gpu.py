@@ -32,10 +32,11 @@ import random
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+
+from ckpt_vllm._stage_polls import llm_rpc, prepare_staged, wait_staged
 
 pytestmark = [pytest.mark.timeout(1800)]
 
@@ -386,7 +387,7 @@ def test_staged_in_device_and_pinned_host_memory_then_committed_equals_a_cold_lo
                 kwargs={"timeout": 300, "stage": version, "stage_device_bytes": device_bytes})))
             ps.unregister_checkpoint(name)
         assert started[0]["state"] == "running", started   # the worker receives on a thread of its own
-        return staged_result(llm)
+        return staged_result(llm, version)
 
     with new_ps() as ps:
         push(ps, llm, "a", [str(p.weights[0])])
@@ -437,14 +438,12 @@ def test_a_prepared_stage_leaves_the_live_model_alone_and_its_commit_equals_a_co
             kwargs={"timeout": 300, "stage": "b", "stage_device_bytes": 1 << 40}))
         ps.unregister_checkpoint("b")
     staged_result(llm)
-    steps = 0
-    while True:
-        state = llm.collective_rpc("ckpt_prepare_staged", args=("b",), kwargs={"budget_bytes": 1 << 20})[0]
-        steps += 1
-        if state["state"] != "preparing":
-            break
+
+    def live_unchanged(states):
         assert not differences(llm.collective_rpc("ckpt_state_digests"), cold[0]), \
-            f"preparing step {steps} changed the live model"
+            f"a preparing step changed the live model: {states[0]}"
+    states, steps = prepare_staged(llm_rpc(llm), "b", 1 << 20, 300.0, each_step=live_unchanged)
+    state = states[0]
     assert not differences(llm.collective_rpc("ckpt_state_digests"), cold[0]), "preparing changed the live model"
     assert _greedy(llm, p.prompts) == p.cold["tokens"][str(p.weights[0])]
     if case == "qwen2-bf16":
@@ -458,15 +457,8 @@ def test_a_prepared_stage_leaves_the_live_model_alone_and_its_commit_equals_a_co
     del llm
 
 
-def staged_result(llm, timeout: float = 120.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        state = llm.collective_rpc("ckpt_stage_status")[0]
-        if state["state"] == "done":
-            return state
-        assert state["state"] == "running", state
-        time.sleep(0.01)
-    raise AssertionError(f"the stage did not finish within {timeout:g} s")
+def staged_result(llm, version: str = "b", timeout: float = 120.0) -> dict:
+    return wait_staged(llm_rpc(llm), version, timeout, where="the offline engine", poll_s=0.01)[0]
 
 
 @pytest.mark.gpu

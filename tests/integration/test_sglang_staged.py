@@ -235,6 +235,24 @@ def test_a_stage_failing_mid_way_leaves_the_old_weights_serving_exactly(engine):
     e.ps.update("s1", e.client.req_func(weight_version="w1"), timeout=120)
 
 
+def test_a_slice_plan_on_the_stock_wire_is_refused_before_anything_moves(engine):
+    """SGLang's own loader receives whole tensors through the stock wire, which has no slices: an
+    update with a slice plan is a ConfigError before the engine is asked; the next update works."""
+    from ckpt_core.checkpoint.safetensors import WIRE_DTYPES
+    from ckpt_core.planning.slices import SliceKey, split_plan
+
+    e = engine
+    live = e.params()
+    specs = e.ps.tensor_specs("s2")
+    plan = split_plan(SliceKey("sglang-tiny", "tp=1", "test"),
+                      {n: (d, s, WIRE_DTYPES[d].itemsize) for n, (d, s) in specs.items()}, 1, {})
+    asked = []
+    with pytest.raises(ConfigError, match="slices are supported with the native wire only"):
+        e.ps.update("s2", asked.append, slices=plan, timeout=60)
+    assert not asked and e.params() == live and e.generate() == e.refs[1]
+    e.ps.update("s1", e.client.req_func(weight_version="w1"), timeout=120)
+
+
 def _lines(proc) -> list[dict]:
     assert proc.returncode == 0, f"launcher failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]

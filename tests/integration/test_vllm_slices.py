@@ -114,8 +114,9 @@ def test_qwen2_sliced_update_equals_a_whole_one(shared_servers, tiny_model, tmp_
 
 
 def test_a_staged_sliced_update_equals_a_whole_staged_one(shared_servers, tiny_model, tmp_path):
-    """Each worker stages only its slices while the engine serves; the commit writes them through
-    the same reload path, and the engine then equals a whole staged update of the same checkpoint."""
+    """Each worker stages only its slices while the engine serves; such a stage is not prepared (it
+    says why); the commit writes the slices through the same reload path, and the engine then
+    equals a whole staged update of the same checkpoint."""
     server = shared_servers.get(tiny_model, extension=True, backend="ckpt", **tp_server_args(TP))
     w0, w1 = tiny_model.weights
     push_to(server, w0, "extension", TP, tmp_path)
@@ -128,6 +129,11 @@ def test_a_staged_sliced_update_equals_a_whole_staged_one(shared_servers, tiny_m
           f"{[v['staged']['bytes'] for v in versions]} bytes")
     assert staged["slices"]["received_bytes"] == want
     assert [v["staged"]["bytes"] for v in versions] == want, "a worker staged more than its slices"
+    # a stage by a slice plan is never prepared: its commit applies the slices through the reload
+    prepared = server.client.collective_rpc("ckpt_prepare_staged", ["sl-1"], {"budget_bytes": 1 << 30})
+    assert [p["state"] for p in prepared] == ["not_prepared"] * TP, prepared
+    assert all("slice plan" in p["reason"] and p["bytes"] == 0 for p in prepared), prepared
+    assert server.client.collective_rpc("ckpt_state_digests") == before, "preparing changed live weights"
     server.client.commit("sl-1")
     after_sliced = server.client.collective_rpc("ckpt_state_digests")
     assert server.complete(tiny_model.prompts, MAX_TOKENS) == tiny_model.reference(w1)
@@ -155,6 +161,28 @@ def test_the_ckpt_backend_path_takes_slices_and_equals_a_whole_update(shared_ser
     want, total = expected_bytes(w1)
     print(f"backend path, slices: bytes received per rank {sliced['slices']['received_bytes']} of {total}")
     assert sliced["slices"]["received_bytes"] == want
+
+
+def test_a_sliced_p2p_update_equals_a_whole_one(shared_servers, tiny_model, tmp_path):
+    """A P2P update (both PS ranks own half the checkpoint and are the targets; Mooncake's TCP on
+    loopback) routed by the recorded plan: each worker reads only its slices from the owners, and
+    the engine equals a whole update of the same checkpoint byte for byte."""
+    pytest.importorskip("mooncake.engine", reason="Mooncake (the p2p extra) is not installed: "
+                        "scripts/test.sh installs mooncake-transfer-engine-non-cuda")
+    server = shared_servers.get(tiny_model, extension=True, backend="ckpt", **tp_server_args(TP))
+    w0, w1 = tiny_model.weights
+    whole = _WHOLE.get((server.endpoint, str(w1))) or whole_digests(server, w1, tmp_path)
+    push_to(server, w0, "extension", TP, tmp_path)
+    sliced = push_to(server, w1, "extension", TP, tmp_path, extra=("--slices", "--update-method", "p2p"))
+    differ = differences(server.client.collective_rpc("ckpt_state_digests"), whole)
+    assert not differ, f"{len(differ)} tensor(s) differ between a sliced P2P update and a whole one:\n" + \
+        "\n".join(differ[:40])
+    assert server.complete(tiny_model.prompts, MAX_TOKENS) == tiny_model.reference(w1)
+    want, total = expected_bytes(w1)
+    got = sliced["slices"]
+    print(f"P2P, slices: bytes received per rank {got['received_bytes']} of {total}; read over the network "
+          f"{got['read_bytes']}")
+    assert sliced["p2p"] and got["targets"] == list(range(TP)) and got["received_bytes"] == want
 
 
 def test_trainer_shards_updated_by_the_slice_plan_equal_a_whole_update(shared_servers, tiny_model, tmp_path):
