@@ -106,6 +106,36 @@ def case_disagreeing_ranks_refuse(kind: str) -> None:
         front.close()
 
 
+def case_file_and_shm_sources(kind: str, tmp_path) -> None:
+    """The same slices from checkpoint files: rank 0's tensors from a safetensors file on disk, rank
+    1's from one in /dev/shm registered in place; each worker holds exactly its slices, twice over."""
+    from e2e_cases import ShmDir
+
+    from ckpt_core.checkpoint.safetensors import write_file
+
+    front = EngineFront(kind, 2)
+    shm = ShmDir()
+    try:
+        with PsWorld(kind, 2) as world:
+            for seed in (21, 22):   # a second checkpoint replaces the first in the same engines
+                t = tensors(seed)
+                disk = str(tmp_path / f"rows-norm-{seed}.safetensors")
+                write_file(disk, {"rows": t["rows"], "norm": t["norm"]})
+                in_shm = shm.write(f"cols-emb-{seed}.safetensors", {"cols": t["cols"], "emb": t["emb"]})
+                name = f"f{seed}"
+                world.all("register", per_rank={0: (name, {"files": [disk]}), 1: (name, {"files": [in_shm]})})
+                world.all("gather", name)
+                got = world.all("call", ("slices_world", "sliced_update", (name, front.address, 60, plan_doc())))
+                for r in range(2):
+                    assert got[r].ok, got[r]
+                    assert got[r].value["slices"]["received_bytes"] == [plan().rank_bytes(0), plan().rank_bytes(1)]
+                for r in range(2):
+                    assert front.digests(r) == {n: digest(x) for n, x in want(seed, r).items()}, f"worker {r}"
+    finally:
+        front.close()
+        shm.close()
+
+
 # The replica layout: a PS world of 4 ranks feeds 2 replicas of a 2-rank engine (PS rank p feeds
 # engine rank p % 2). Each rank owns one tensor; all but the norm are read in slices.
 OWNERS = {"rows": 0, "cols": 1, "norm": 2, "emb": 3}

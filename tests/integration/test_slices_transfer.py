@@ -30,3 +30,7 @@ def test_trainer_shards_are_read_in_slices_across_owners_bit_exact():
 
 def test_trainer_shards_on_four_ranks_feed_two_replicas_bit_exact():
     sw.case_slices_of_trainer_shards("cpu", 4)
+
+
+def test_slices_of_a_file_on_disk_and_of_a_dev_shm_file_registered_in_place_arrive_exactly(tmp_path):
+    sw.case_file_and_shm_sources("cpu", tmp_path)
