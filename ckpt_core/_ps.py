@@ -294,16 +294,29 @@ class ParameterServer(UpdateAgreement, BroadcastUpdate):
             raise ConfigError(f"rank {src} shared no slice plan")
         return plan_from_json(doc)
 
-    def get_metas(self) -> dict:
+    def get_metas(self, *, slices=None) -> dict:
         """Every gathered (or loaded) checkpoint's metas as a versioned JSON document (see
-        ``ckpt_core.p2p.metas``): tensors per owner rank, and each owner's P2P store address."""
+        ``ckpt_core.p2p.metas``): tensors per owner rank, and each owner's P2P store address.
+
+        ``slices``: a slice plan (or a list of them) that joining worlds will update with
+        (``update(..., ranks=[...], slices=plan)``). Then a collective of this world, called on every
+        rank: each owner checks its tensors against their registration digests and digests the boxes
+        the plan reads of them, for every gathered checkpoint the plan fits, and the document (this
+        one and every later one of this rank, until gather_metas or unregister) carries them, so that
+        a joiner can check each slice it reads (docs/p2p.md, "Slices"). A problem on any rank is
+        raised on every rank and publishes nothing. Without ``slices``: local, as before."""
+        if slices is not None:
+            self._check_open()
+            with gc_paused():
+                self._p2p.publish_slices(slices)
         return self._p2p.metas_document()
 
-    def save_metas(self, path) -> None:
+    def save_metas(self, path, *, slices=None) -> None:
         """Write ``get_metas()`` to ``path`` as JSON (atomically), for readers on other hosts: refused
         (``ConfigError`` naming PS_P2P_HOST) while an owner publishes a loopback address, unless this
-        rank's PS_P2P_HOST was set to one on purpose (every world on one host)."""
-        doc = self.get_metas()
+        rank's PS_P2P_HOST was set to one on purpose (every world on one host). ``slices``: as in
+        ``get_metas``, a collective then: every rank calls it, and every rank writes ``path``."""
+        doc = self.get_metas(slices=slices)
         self.check_metas_reachable(doc)
         _metas.save(path, doc)
 

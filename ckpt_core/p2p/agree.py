@@ -9,6 +9,8 @@ stays usable. The checks themselves are the broadcast update's (``transfer/prech
 With a slice plan (``p2p/slices.py``) the same exchange carries the plan's digest and the order
 of ``ranks`` (target i is engine rank i: every rank must agree on both), every rank's check of
 the plan against the targets and the checkpoint, and each owner's digests of the plan's boxes.
+A joining world's owners send nothing: its targets take the box digests from their loaded metas
+(``slices.published_boxes``), where the owners published them (``get_metas(slices=plan)``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import operator
 
 from ckpt_core.p2p.metas import Source
-from ckpt_core.p2p.slices import box_digests, check_call
+from ckpt_core.p2p.slices import box_digests, check_call, published_boxes
 from ckpt_core.planning.buckets import choose_layout
 from ckpt_core.transfer.prechecks import IDENTITY, problem_of, raise_agreed, same_call, same_kind
 from ckpt_core.errors import CheckpointNotFoundError, ConfigError
@@ -83,17 +85,16 @@ def _order(ranks, targets) -> list[int]:
     return order
 
 
-def _slices_view(ps, name: str, slices, ranks, targets, src: Source | None) -> dict:
-    """This rank's checks of a sliced call and, on an owner of this world, its box digests."""
+def _slices_view(ps, name: str, slices, ranks, targets, src: Source | None) -> tuple[dict, list | None]:
+    """This rank's checks of a sliced call and, on an owner of this world, its box digests (in the
+    view); on a target of a joining world, the owners' published box digests (returned)."""
     state = ps._p2p
     order = _order(ranks, targets)
-    if src is not None and name in state.loaded:
-        raise ConfigError(f"a sliced P2P update of {name!r} reads only from owners of this world (their digests "
-                          "of the plan's slices travel in the update's first exchange); a joining world's owners "
-                          "are not part of it: update it without slices")
     metas = src.metas if src is not None else ps._metas.get(name)
     if metas is not None:
         check_call(slices, targets, metas)
+    if src is not None and name in state.loaded:   # owners of another world: their digests are in the metas
+        return {"order": order}, published_boxes(name, src, slices)
     out = {"order": order}
     ckpt, gathered = ps._checkpoints.get(name), ps._metas.get(name)
     if ckpt is not None and gathered is not None and gathered[ps.rank] and name in state.gathered:
@@ -101,7 +102,7 @@ def _slices_view(ps, name: str, slices, ranks, targets, src: Source | None) -> d
         if key not in state.box_digests:   # once per (checkpoint, plan); dropped on unregister
             state.box_digests[key] = box_digests(ckpt, state.digests.get(name), slices, ps.rank)
         out["boxes"] = state.box_digests[key]
-    return out
+    return out, None
 
 
 def first_exchange(ps, name, req_func, ranks, timeout, slices=None) -> tuple[float, tuple[int, ...],
@@ -110,12 +111,13 @@ def first_exchange(ps, name, req_func, ranks, timeout, slices=None) -> tuple[flo
     Returns (deadline, targets, source, target views, and with ``slices``: the order of ``ranks``
     and every owner rank's box digests)."""
     deadline, problem = ps._precheck_call(req_func, timeout)
-    targets, src, extra = None, None, {}
+    targets, src, extra, loaded_boxes = None, None, {}, None
     try:
         targets = targets_of(ranks, ps.world_size)
         src, extra = _view(ps, name, targets, problem)
         if slices is not None and problem is None:
-            extra.update(_slices_view(ps, name, slices, ranks, targets, src))
+            more, loaded_boxes = _slices_view(ps, name, slices, ranks, targets, src)
+            extra.update(more)
     except Exception as exc:   # ours or not: told to every rank, nobody is left waiting in a collective
         problem = problem or problem_of(exc)
     holds = isinstance(name, str) and name in ps._checkpoints
@@ -138,5 +140,6 @@ def first_exchange(ps, name, req_func, ranks, timeout, slices=None) -> tuple[flo
         told = {r: v["fp"][:12] for r, v in enumerate(views) if "fp" in v}
         raise ConfigError(f"{what} refused: ranks disagree on the metas of {name!r} ({told}): "
                           "gather or load them again everywhere")
-    sliced = None if slices is None else (views[0]["order"], [v.get("boxes") for v in views])
+    sliced = None if slices is None else (
+        views[0]["order"], loaded_boxes if loaded_boxes is not None else [v.get("boxes") for v in views])
     return deadline, targets, src, [views[r] for r in targets], sliced

@@ -1,15 +1,17 @@
 """The metas file: what a reader needs to pull a checkpoint from its owners, as versioned JSON.
 
 Never pickle (a pickled metas file, as the reference writes, can run code when read).
-Layout (version 1)::
+Layout (version 1; version 2 is the same plus the owners' ``"slices"``)::
 
-    {"format": "ckpt-engine/metas", "version": 1,
+    {"format": "ckpt-engine/metas", "version": 1 | 2,
      "checkpoints": {NAME: {"owners": [            # one entry per owner rank, in rank order
          {"rank": 0,
           "p2p": {"address": "10.0.0.5:15021", "host": "10.0.0.5", "nic": "mlx5_0" | null,
                   "regions": {"0": [remote_ptr, nbytes], ...},
                   "stamp": [remote_ptr, "32 hex digits"],
-                  "digests": {tensor name: "32 hex digits", ...}} | null,  # null: not served over P2P
+                  "digests": {tensor name: "32 hex digits", ...},
+                  # version 2 only: per slice plan digest, the owner's digest of each box it serves
+                  "slices": {plan digest (40 hex): {tensor name: {box key: "32 hex digits"}}}} | null,
           "tensors": [[name, dtype, shape, nbytes, itemsize, region, offset], ...]}]}}}
 
 ``parse`` validates everything a reader will dereference (types, ranges, dtype codes
@@ -17,6 +19,9 @@ against itemsizes, every tensor with bytes inside a region that the owner regist
 before anything is installed, and names what is wrong; a foreign or malformed document
 is a ``ConfigError``, never a crash. Tensor rows are checked by the one validation that
 the unversioned dicts and gathered metas go through too (``prechecks.tensor_meta``).
+
+A document carries box digests (``"slices"``, ``ParameterServer.get_metas(slices=plan)``) only
+in version 2; one without them is written as version 1, so older readers still read it.
 """
 
 from __future__ import annotations
@@ -31,8 +36,11 @@ from ckpt_core.transfer.prechecks import check_count, meta_row, tensor_meta
 from ckpt_core.errors import ConfigError
 
 FORMAT = "ckpt-engine/metas"
-VERSION = 1
+VERSION = 2              # written when an owner publishes box digests ("slices"); else VERSION_PLAIN
+VERSION_PLAIN = 1
+READS = (VERSION_PLAIN, VERSION)
 STAMP_BYTES = 16
+PLAN_DIGEST_BYTES = 20   # SlicePlan.digest: SHA-1
 
 
 @dataclass(frozen=True)
@@ -47,6 +55,9 @@ class Peer:
     stamp: tuple[int, str] | None = None
     # tensor name -> digest of its bytes at registration (SHA-256, 16 bytes; p2p/digests.py), checked by readers
     digests: dict[str, str] | None = None
+    # slice plan digest -> {tensor: {box key (p2p/slices.box_key): digest of the box's packed bytes}}: what a
+    # joining world's sliced update checks each slice against (published with get_metas(slices=plan))
+    slices: dict[str, dict[str, dict[str, str]]] | None = None
 
     def to_json(self) -> dict:
         out = {"address": self.address, "host": self.host, "nic": self.nic,
@@ -55,6 +66,8 @@ class Peer:
             out["stamp"] = [self.stamp[0], self.stamp[1]]
         if self.digests is not None:
             out["digests"] = dict(self.digests)
+        if self.slices:
+            out["slices"] = {k: {n: dict(b) for n, b in v.items()} for k, v in self.slices.items()}
         return out
 
 
@@ -67,13 +80,14 @@ class Source:
 
 def dump(metas: dict[str, list[list[TensorMeta]]], peers: dict[str, list[Peer | None]]) -> dict:
     """The versioned document of these checkpoints (plain JSON types)."""
-    out = {}
+    out, boxed = {}, False
     for name, per_rank in metas.items():
         ps = peers.get(name) or [None] * len(per_rank)
+        boxed = boxed or any(p is not None and p.slices for p in ps)
         out[name] = {"owners": [{"rank": r, "p2p": None if ps[r] is None else ps[r].to_json(),
                                  "tensors": [meta_row(m) for m in ms]}
                                 for r, ms in enumerate(per_rank)]}
-    return {"format": FORMAT, "version": VERSION, "checkpoints": out}
+    return {"format": FORMAT, "version": VERSION if boxed else VERSION_PLAIN, "checkpoints": out}
 
 
 def is_versioned(doc) -> bool:
@@ -117,7 +131,7 @@ def read(path: str | os.PathLike) -> dict:
     return doc
 
 
-def parse_peer(p, where: str) -> Peer | None:
+def parse_peer(p, where: str, version: int = VERSION) -> Peer | None:
     if p is None:
         return None
     if not isinstance(p, dict):
@@ -144,7 +158,10 @@ def parse_peer(p, where: str) -> Peer | None:
                 and len(stamp[1]) == 2 * STAMP_BYTES and all(c in "0123456789abcdef" for c in stamp[1])):
             raise ConfigError(f"metas: {where}.p2p.stamp must be [pointer, {2 * STAMP_BYTES} hex digits]")
         stamp = (check_count(stamp[0], f"{where} stamp pointer", 1), stamp[1])
-    return Peer(addr, host, nic, out, stamp, _digests(p.get("digests"), where))
+    slices = p.get("slices")
+    if slices is not None and version < VERSION:
+        raise ConfigError(f"metas: {where}.p2p.slices needs a version {VERSION} document (this one is version {version})")
+    return Peer(addr, host, nic, out, stamp, _digests(p.get("digests"), where), _box_digests(slices, where))
 
 
 def _hex(v, n: int) -> bool:
@@ -158,6 +175,52 @@ def _digests(d, where: str) -> dict[str, str] | None:
     if not isinstance(d, dict) or not all(isinstance(k, str) and _hex(v, 16) for k, v in d.items()):
         raise ConfigError(f"metas: {where}.p2p.digests must map tensor names to 32 hex digits")
     return dict(d)
+
+
+def _box_key(key) -> tuple[tuple[int, int, int], ...] | None:
+    """A box key (``p2p/slices.box_key``: JSON ``[[dim, start, length], ...]``) as a box, or None if malformed."""
+    try:
+        box = json.loads(key)
+    except ValueError:
+        return None
+    ok = isinstance(box, list) and box and all(
+        isinstance(x, list) and len(x) == 3 and all(type(v) is int and v >= 0 for v in x) and x[2] > 0 for x in box)
+    return tuple(tuple(x) for x in box) if ok else None
+
+
+def _box_digests(d, where: str) -> dict[str, dict[str, dict[str, str]]] | None:
+    """The owner's box digests per slice plan (their boxes are checked against its tensors in ``_check_boxes``)."""
+    if d is None:
+        return None
+    bad = f"metas: {where}.p2p.slices must map slice plan digests (40 hex) to {{tensor: {{box key: 32 hex digits}}}}"
+    if not isinstance(d, dict) or not d:
+        raise ConfigError(bad)
+    for plan, per_tensor in d.items():
+        if not _hex(plan, PLAN_DIGEST_BYTES) or not isinstance(per_tensor, dict):
+            raise ConfigError(f"{bad}: plan {plan!r}")
+        for name, boxes in per_tensor.items():
+            if not isinstance(name, str) or not isinstance(boxes, dict) or not boxes:
+                raise ConfigError(f"{bad}: plan {plan[:12]} tensor {name!r}")
+            for key, digest in boxes.items():
+                if not isinstance(key, str) or _box_key(key) is None or not _hex(digest, 16):
+                    raise ConfigError(f"{bad}: plan {plan[:12]} tensor {name!r} box {key!r}")
+    return {k: {n: dict(b) for n, b in v.items()} for k, v in d.items()}
+
+
+def _check_boxes(peer: Peer | None, metas: list[TensorMeta], where: str) -> None:
+    """Every published box is of a tensor this owner lists whole and lies inside it."""
+    shapes = {m.name: m.shape for m in metas if m.box is None}
+    for plan, per_tensor in ((peer and peer.slices) or {}).items():
+        for name, boxes in per_tensor.items():
+            if name not in shapes:
+                raise ConfigError(f"metas: {where}.p2p.slices of plan {plan[:12]} name tensor {name!r}, which this "
+                                  "owner does not list (whole)")
+            for key in boxes:
+                box = _box_key(key)
+                shape = shapes[name]
+                if any(d >= len(shape) or s + n > shape[d] for d, s, n in box):
+                    raise ConfigError(f"metas: {where}.p2p.slices of plan {plan[:12]}: box {key} lies outside "
+                                      f"tensor {name!r} of shape {list(shape)}")
 
 
 def _tensor(t, where: str, peer: Peer | None) -> TensorMeta:
@@ -183,8 +246,10 @@ def parse(doc) -> dict[str, Source]:
         raise ConfigError("metas are not a ckpt-engine metas document (no 'format' field)")
     if doc.get("format") != FORMAT:
         raise ConfigError(f"metas are in a foreign format {doc.get('format')!r}, expected {FORMAT!r}")
-    if doc.get("version") != VERSION:
-        raise ConfigError(f"metas version {doc.get('version')!r} is not supported (this build reads {VERSION})")
+    version = doc.get("version")
+    if type(version) is not int or version not in READS:   # JSON true and 1.0 compare equal to 1
+        raise ConfigError(f"metas version {version!r} is not supported (this build reads "
+                          f"{' and '.join(map(str, READS))})")
     cks = doc.get("checkpoints")
     if not isinstance(cks, dict):
         raise ConfigError("metas: 'checkpoints' must be an object")
@@ -198,8 +263,9 @@ def parse(doc) -> dict[str, Source]:
             where = f"checkpoint {name!r} owner {r}"
             if not isinstance(o, dict) or o.get("rank") != r or not isinstance(o.get("tensors"), list):
                 raise ConfigError(f"metas: {where} must be {{'rank': {r}, 'p2p': ..., 'tensors': [...]}}")
-            peer = parse_peer(o.get("p2p"), where)
+            peer = parse_peer(o.get("p2p"), where, version)
             ms = [_tensor(t, f"{where} tensor {i}", peer) for i, t in enumerate(o["tensors"])]
+            _check_boxes(peer, ms, where)
             for m in (m for m in ms if m.box is None):   # pieces share their name by design
                 if m.name in seen:
                     raise ConfigError(f"metas: tensor {m.name!r} of {name!r} is listed by two owners")

@@ -45,14 +45,20 @@ def box_key(box) -> str:
 
 
 def check_call(plan, targets: tuple[int, ...], metas: list[list[TensorMeta]]) -> None:
-    """Refuse, before anything moves, a sliced P2P call that cannot be right: not a plan, a plan
-    whose engine ranks are not the targets, a plan recorded for another checkpoint (a tensor of
-    another dtype or shape, or one that only the plan or only the checkpoint has), pieces."""
-    if not isinstance(plan, SlicePlan):
-        raise ConfigError(f"slices must be a SlicePlan (planning/slices.py), got {type(plan).__name__}")
+    """Refuse, before anything moves, a sliced P2P call that cannot be right: a plan whose engine
+    ranks are not the targets, and whatever :func:`check_plan` refuses."""
+    check_plan(plan, metas)
     if len(plan.ranks) != len(targets):
         raise ConfigError(f"the slice plan has {len(plan.ranks)} engine ranks but the P2P update has "
                           f"{len(targets)} target(s) {list(targets)}: target i (the i-th of ranks) is engine rank i")
+
+
+def check_plan(plan, metas: list[list[TensorMeta]]) -> None:
+    """Refuse a plan that cannot serve this checkpoint: not a plan, a plan recorded for another
+    checkpoint (a tensor of another dtype or shape, or one that only the plan or only the
+    checkpoint has), tensors registered in pieces."""
+    if not isinstance(plan, SlicePlan):
+        raise ConfigError(f"slices must be a SlicePlan (planning/slices.py), got {type(plan).__name__}")
     if any(m.box is not None for ms in metas for m in ms):
         raise ConfigError("slices of tensors registered in pieces are not supported on P2P updates: "
                           "update without slices")
@@ -66,6 +72,28 @@ def check_call(plan, targets: tuple[int, ...], metas: list[list[TensorMeta]]) ->
         raise ConfigError(f"the slice plan was recorded for another checkpoint: the plan has {only_plan[:4]} "
                           f"({len(only_plan)}) that the checkpoint lacks, the checkpoint {only_ckpt[:4]} "
                           f"({len(only_ckpt)}) that the plan lacks")
+
+
+def published_boxes(name: str, src, plan: SlicePlan) -> list[dict[str, dict[str, str]] | None]:
+    """A joining world's box digests of ``plan``, per owner, from its loaded metas (the owners
+    published them: ``get_metas(slices=plan)``). Every box the plan reads of an owner's tensors
+    must have one; else a ConfigError naming the fix, before a byte moves."""
+    wanted = read_boxes(plan)
+    out = []
+    for r, (ms, peer) in enumerate(zip(src.metas, src.peers)):
+        mine = (peer.slices or {}).get(plan.digest) if peer is not None else None
+        need = [(m.name, box_key(b)) for m in ms if m.nbytes for b in wanted.get(m.name, ())]
+        missing = [f"{n} {k}" for n, k in need if (mine or {}).get(n, {}).get(k) is None]
+        if missing:
+            had = sorted((peer.slices or {}) if peer is not None else ())
+            raise ConfigError(
+                f"a sliced P2P update of {name!r} from loaded metas needs its owners' digests of the plan's slices: "
+                f"owner rank {r} published none for slice plan {plan.digest[:12]} ({len(missing)} box(es), e.g. "
+                f"{missing[0]}; it published plans {[h[:12] for h in had]}). Save the owners' metas with that plan: "
+                "ps.save_metas(path, slices=plan) (or get_metas(slices=plan)) on every owner rank, then load_metas "
+                "them here again")
+        out.append(mine)
+    return out
 
 
 def route(metas: list[list[TensorMeta]], plan: SlicePlan, bucket_bytes: int) -> tuple[Plan, list[int]]:

@@ -26,6 +26,7 @@ import os
 import sys
 import time
 import traceback
+from dataclasses import replace
 
 from ckpt_core.wire.stock import open_link, wire_handles
 from ckpt_core.wire.link import Failure
@@ -33,7 +34,7 @@ from ckpt_core.p2p import metas as _metas
 from ckpt_core.p2p.agree import first_exchange
 from ckpt_core.p2p.metas import Peer, Source
 from ckpt_core.p2p.pipeline import GroupColl, NoLink, NoReq, P2PBucket, P2PPipeline, P2PSliceBucket
-from ckpt_core.p2p.slices import LANDING_BYTES, bucket_runs, per_target, route, slice_reads
+from ckpt_core.p2p.slices import LANDING_BYTES, box_digests, bucket_runs, check_plan, per_target, route, slice_reads
 from ckpt_core.planning.slices import SlicedBucket, rank_placements
 from ckpt_core.wire.protocol import plan_fragment
 from ckpt_core.planning.nics import assign_readers
@@ -41,6 +42,7 @@ from ckpt_core.p2p.store import MARK, P2PStore, open_store
 from ckpt_core.p2p.digests import tensor_digests
 from ckpt_core.planning.buckets import ALIGN, Plan, align_up
 from ckpt_core.wire.protocol import encode_hello
+from ckpt_core.transfer.prechecks import problem_of, raise_agreed, same_call
 from ckpt_core.transfer.signals import ReqThread, StopSignal
 from ckpt_core.errors import CkptError, ConfigError, RemoteWorkerError, TransportError
 
@@ -115,6 +117,51 @@ class P2PState:
         """Collective (after gather_metas): every rank learns every owner's store for ``name``."""
         docs = self.ps._coll.all_gather_json(self.describe(name))
         self.gathered[name] = [None if d is None else _metas.parse_peer(d, f"rank {r}") for r, d in enumerate(docs)]
+
+    def publish_slices(self, plans) -> None:
+        """Collective of the owners' world (``get_metas(slices=...)``): every owner digests the boxes
+        each plan reads of its tensors (``slices.box_digests``: after checking them against their
+        registration digests again; cached per checkpoint and plan), for every checkpoint gathered
+        here that the plan fits, and every rank records every owner's box digests in its gathered
+        stores, so the metas document it writes from now on carries them (until gather_metas or
+        unregister). A problem on any rank (a plan that fits none of them, rewritten bytes) is
+        raised on every rank alike and records nothing."""
+        ps = self.ps
+        plans = list(plans) if isinstance(plans, (list, tuple)) else [plans]
+        names = sorted(n for n in self.gathered if n in ps._metas)
+        mine, problem, fits = {}, None, {}
+        try:
+            if not plans:
+                raise ConfigError("get_metas(slices=...) needs a SlicePlan or a list of them")
+            for plan in plans:
+                why = {}
+                for name in names:
+                    try:
+                        check_plan(plan, ps._metas[name])
+                    except ConfigError as exc:
+                        why[name] = str(exc)
+                        continue
+                    fits.setdefault(plan.digest, []).append(name)
+                    ckpt = ps._checkpoints.get(name)
+                    if ckpt is None or not ps._metas[name][ps.rank]:
+                        continue   # this rank owns nothing of it
+                    key = (name, plan.digest)
+                    if key not in self.box_digests:
+                        self.box_digests[key] = box_digests(ckpt, self.digests.get(name), plan, ps.rank)
+                    mine.setdefault(name, {})[plan.digest] = self.box_digests[key]
+                if plan.digest not in fits:
+                    raise ConfigError(f"the slice plan {plan.digest[:12]} fits none of the gathered checkpoints "
+                                      f"{names}: " + "; ".join(f"{n!r}: {w}" for n, w in why.items()))
+        except Exception as exc:   # ours or not: every rank learns it, nobody waits in the exchange
+            problem = problem_of(exc)
+        views = ps._coll.all_gather_json({"problem": problem, "boxes": mine, "names": names,
+                                          "plans": [getattr(p, "digest", repr(p)) for p in plans]})
+        raise_agreed([v["problem"] for v in views], "get_metas(slices=...)")
+        same_call(views, "get_metas(slices=...)", {"names": "gathered checkpoints", "plans": "slice plans"})
+        for name in names:   # an owner with box digests serves a store (box_digests refuses one without digests)
+            self.gathered[name] = [p if p is None or not v["boxes"].get(name) else
+                                   replace(p, slices={**(p.slices or {}), **v["boxes"][name]})
+                                   for p, v in zip(self.gathered[name], views)]
 
     def metas_document(self) -> dict:
         metas = {n: s.metas for n, s in self.loaded.items()} | dict(self.ps._metas)

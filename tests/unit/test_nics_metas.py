@@ -45,7 +45,8 @@ OWNER = ["checkpoints", "ck", "owners", 0]
 
 @pytest.mark.parametrize("path, value, needle", [
     (["format"], "checkpoint-engine", "foreign format"),
-    (["version"], 2, "version 2"),
+    (["version"], 3, "version 3"),
+    (["version"], True, "version True"),
     (["checkpoints"], [], "'checkpoints' must be an object"),
     (["checkpoints", "ck", "owners"], [], "non-empty 'owners'"),
     (OWNER + ["rank"], 1, "must be {'rank': 0"),
