@@ -2,9 +2,12 @@
 transport on loopback: a 3-rank PS world whose every rank owns part of the checkpoint, two of
 its ranks targets (target i, the i-th of ``ranks``, is engine rank i), real engine workers.
 Each target's engine holds exactly its rows, its columns and the whole tensors, bit for bit;
-rewritten owner memory is refused before any engine loads it; a bad plan moves nothing."""
+rewritten owner memory is refused before any engine loads it; a bad plan moves nothing. A joining
+world pulls its slices through metas saved with the plan's box digests."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -63,8 +66,15 @@ def metas_doc(ps, rank):
     return ps.get_metas()
 
 
-def call(world, fn, *args, timeout=120):
-    return world.all("call", ("test_p2p_slices", fn, args), timeout=timeout)
+def save_sliced(ps, rank, path, doc):
+    """save_metas(path, slices=plan) on every rank (a collective: each owner digests its boxes)."""
+    from ckpt_core.planning.slices import plan_from_json
+    ps.save_metas(path, slices=plan_from_json(doc))
+    return ps.get_metas()
+
+
+def call(world, fn, *args, timeout=120, module="test_p2p_slices"):
+    return world.all("call", (module, fn, args), timeout=timeout)
 
 
 def register(world: PsWorld, name: str, seed: int, size: int = 3) -> None:
@@ -180,15 +190,8 @@ def test_a_rewritten_slice_is_refused_by_its_target_and_rewritten_tensors_are_ne
         front.close()
 
 
-def test_a_plan_for_other_targets_or_another_checkpoint_is_a_config_error_on_every_rank_before_a_byte_moves(
-        world, tmp_path):
-    """And a joining world, whose owners send no box digests, is refused alike."""
+def test_a_plan_for_other_targets_or_another_checkpoint_is_a_config_error_on_every_rank_before_a_byte_moves(world):
     register(world, "c", 21)
-    all_ok(world.all("call", ("p2p_cases", "save_metas", (str(tmp_path / "m.json"),)), ranks=[0]))
-    with PsWorld("cpu", 2, init=SMALL, env=JOINERS) as joiners:
-        all_ok(joiners.all("call", ("p2p_cases", "load_metas", (str(tmp_path / "m.json"),))))
-        got = call(joiners, "sliced_p2p", "c", None, 60, [0, 1], plan_doc())
-        assert_every_rank_failed(got, "ConfigError", "reads only from owners of this world")
     front = EngineFront("cpu", 2, devices=[1, 2])
     try:
         got = call(world, "sliced_p2p", "c", front.address, 60, [2], plan_doc(2))
@@ -201,3 +204,70 @@ def test_a_plan_for_other_targets_or_another_checkpoint_is_a_config_error_on_eve
             assert front.digests(i) == want(21, i), "the sliced update after the refused ones is bit-exact"
     finally:
         front.close()
+
+
+def test_a_joining_world_pulls_its_slices_through_metas_saved_with_the_plan_and_checks_each_against_them(
+        world, tmp_path):
+    """Owners save their metas with the plan's box digests; a separate world of 2 ranks that owns
+    nothing loads the file and each target (ranks [1, 0]: PS rank 1 is engine rank 0) pulls exactly
+    its rows, columns and whole tensors, bit for bit. Bytes rewritten in an owner's memory inside
+    engine rank 1's rows after saving are refused by that target, the engines keep their weights.
+    Metas saved without the plan refuse a sliced update on every rank before a byte moves, naming
+    the fix, and still serve an unsliced one."""
+    from exposure_cases import ForeignPeer
+    from ckpt_core.planning.slices import plan_from_json
+    for name, seed in (("a", 31), ("b", 32), ("c", 33)):
+        register(world, name, seed)
+    plain, sliced = str(tmp_path / "plain.json"), str(tmp_path / "sliced.json")
+    doc = all_ok(world.all("call", ("p2p_cases", "save_metas", (plain,)), ranks=[0]))[0].value
+    foreign = ForeignPeer()
+    try:   # c's rows rewritten before the owners digest the boxes: the owner's check refuses, nothing is saved
+        addr, ptr, n = slice_pointer(doc, "c", "rows", 1)
+        assert foreign.write(addr, ptr + 64, 16) == 0
+        got = call(world, "save_sliced", sliced, plan_doc())
+        assert_every_rank_failed(got, "TransportError", "owner rank 0", "tensor 'rows' no longer matches")
+        assert not (tmp_path / "sliced.json").exists()
+        all_ok(world.all("unregister", ("c", {})))
+        doc = all_ok(call(world, "save_sliced", sliced, plan_doc()))[0].value
+    finally:
+        foreign.close()
+    assert sorted(doc["checkpoints"]) == ["a", "b"]
+    digest_ = plan_from_json(plan_doc()).digest
+    assert doc["version"] == 2 and json.load(open(plain))["version"] == 1
+    for name in ("a", "b"):
+        owners = doc["checkpoints"][name]["owners"]
+        assert [sorted(o["p2p"]["slices"][digest_]) for o in owners] == [["rows"], ["cols"], ["experts", "last"]]
+    ranks = [1, 0]
+    with PsWorld("cpu", 2, init=SMALL, env=JOINERS) as joiners:
+        all_ok(joiners.all("call", ("p2p_cases", "load_metas", (sliced,))))
+        front = EngineFront("cpu", 2, devices=[0, 1])
+        foreign = ForeignPeer()
+        try:
+            got = all_ok(call(joiners, "sliced_p2p", "a", front.address, 60, ranks, plan_doc()))
+            for engine_rank, r in enumerate(ranks):
+                assert front.digests(r) == want(31, engine_rank), f"engine rank {engine_rank} (PS rank {r})"
+            plan = plan_from_json(plan_doc())
+            s = got[0].value["slices"]
+            assert s["targets"] == ranks and s["received_bytes"] == [plan.rank_bytes(0), plan.rank_bytes(1)]
+            assert [got[t].value["read_bytes"] for t in ranks] == s["read_bytes"], "planned != read"
+            assert sum(s["read_bytes"]) >= s["whole_bytes"]
+
+            addr, ptr, n = slice_pointer(doc, "b", "rows", 1)
+            assert foreign.write(addr, ptr + 64, 16) == 0   # inside engine rank 1's rows, on owner rank 0, after saving
+            got = call(joiners, "sliced_p2p", "b", front.address, 60, ranks, plan_doc())
+            assert_every_rank_failed(got, "TransportError", f"rank {ranks[1]}:", "the slice of tensor 'rows' does not match")
+            for engine_rank, r in enumerate(ranks):
+                assert front.digests(r) == want(31, engine_rank), "an engine loaded bytes of the tampered checkpoint"
+
+            all_ok(joiners.all("call", ("p2p_cases", "load_metas", (plain,))))
+            fanouts = front.fanouts
+            got = call(joiners, "sliced_p2p", "a", front.address, 60, ranks, plan_doc())
+            assert_every_rank_failed(got, "ConfigError", "owner rank 0 published none for slice plan",
+                                     "save_metas(path, slices=plan)")
+            assert front.fanouts == fanouts, "an engine was asked to load after the refusal"
+            all_ok(call(joiners, "p2p_update", "a", front.address, 60, [0, 1], module="p2p_cases"))
+            whole = {n: digest(t) for n, t in tensors(31).items()}
+            assert front.digests(0) == whole and front.digests(1) == whole, "the unsliced join is bit-exact"
+        finally:
+            foreign.close()
+            front.close()
