@@ -160,7 +160,8 @@ def parse_peer(p, where: str, version: int = VERSION) -> Peer | None:
         stamp = (check_count(stamp[0], f"{where} stamp pointer", 1), stamp[1])
     slices = p.get("slices")
     if slices is not None and version < VERSION:
-        raise ConfigError(f"metas: {where}.p2p.slices needs a version {VERSION} document (this one is version {version})")
+        raise ConfigError(f"metas: {where}.p2p.slices needs a version {VERSION} document "
+                          f"(this one is version {version})")
     return Peer(addr, host, nic, out, stamp, _digests(p.get("digests"), where), _box_digests(slices, where))
 
 
