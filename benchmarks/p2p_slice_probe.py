@@ -59,7 +59,8 @@ def main() -> None:
     import torch
     from ckpt_core.p2p.slices import box_runs, slice_reads
     from ckpt_core.p2p.store import P2PStore
-    from ckpt_core.planning.slices import BoxCopy, SlicedBucket, box_extent
+    from ckpt_core.planning.slices import box_extent
+    from ckpt_core.planning.slice_routes import BoxCopy, SlicedBucket
 
     log = logging.getLogger("p2p_slice_probe")
     owner = P2PStore(args.owner_host, local_rank=0, ps_devices="", nccl_ib_hca="", log=log, serving=True)

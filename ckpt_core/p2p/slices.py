@@ -1,7 +1,7 @@
 """Slices on the P2P path (``update(name, req, ranks=[...], slices=plan)``).
 
 Target ``i`` (the i-th of ``ranks``) is engine rank ``i`` of the plan. Routing is the broadcast
-path's (``planning.slices.plan_sliced``): tensors every engine rank reads whole go in ordinary
+path's (``planning.slice_routes.plan_sliced``): tensors every engine rank reads whole go in ordinary
 buckets (one reader, verified, broadcast in the target group, as an unsliced P2P update); a
 bucket of slices for engine rank ``t`` is read by target ``t`` itself, straight from the owner's
 registered host memory, as the contiguous runs of each slice's box (:func:`box_runs`: a dim-0
@@ -25,7 +25,8 @@ from ckpt_core.errors import ConfigError, TransportError
 from ckpt_core.p2p.digests import digests_of
 from ckpt_core.planning.boxcopy import box_copies
 from ckpt_core.planning.buckets import CopyRun, Plan, TensorMeta, align_up, interleave, merge_runs
-from ckpt_core.planning.slices import BoxCopy, SlicePlan, SlicedBucket, box_extent, box_offsets, plan_sliced
+from ckpt_core.planning.slices import SlicePlan, box_extent, box_offsets
+from ckpt_core.planning.slice_routes import BoxCopy, SlicedBucket, plan_sliced
 from ckpt_core.transfer.pipeline import byte_box
 
 DIGEST_BATCH_BYTES = 256 << 20   # an owner packs at most this many bytes of boxes at once to digest them

@@ -35,7 +35,7 @@ from ckpt_core.p2p.agree import first_exchange
 from ckpt_core.p2p.metas import Peer, Source
 from ckpt_core.p2p.pipeline import GroupColl, NoLink, NoReq, P2PBucket, P2PPipeline, P2PSliceBucket
 from ckpt_core.p2p.slices import LANDING_BYTES, box_digests, bucket_runs, check_plan, per_target, route, slice_reads
-from ckpt_core.planning.slices import SlicedBucket, rank_placements
+from ckpt_core.planning.slice_routes import SlicedBucket, rank_placements
 from ckpt_core.wire.protocol import plan_fragment
 from ckpt_core.planning.nics import assign_readers
 from ckpt_core.p2p.store import MARK, P2PStore, open_store

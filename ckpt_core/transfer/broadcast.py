@@ -17,7 +17,7 @@ from ckpt_core.checkpoint.sources import RegisteredCheckpoint
 from ckpt_core.wire.stock import open_link, wire_handles
 from ckpt_core.wire.link import Failure, PsLink
 from ckpt_core.planning.buckets import ALIGN, Plan, align_up
-from ckpt_core.planning.slices import received_bytes
+from ckpt_core.planning.slice_routes import received_bytes
 from ckpt_core.wire.protocol import encode_hello
 from ckpt_core.transfer.signals import ReqThread, StopSignal, causes as causes_of
 from ckpt_core.devices import IpcBuffer

@@ -25,7 +25,8 @@ from ckpt_core.transfer.collectives import Collectives, groups_broken
 from ckpt_core.wire.link import PsLink
 from ckpt_core.planning.buckets import Plan
 from ckpt_core.planning.boxcopy import box_copies, copied_bytes
-from ckpt_core.planning.slices import SlicedBucket, box_extent, box_offsets, replica_groups
+from ckpt_core.planning.slices import box_extent, box_offsets
+from ckpt_core.planning.slice_routes import SlicedBucket, replica_groups
 from ckpt_core.devices import DeviceBackend, IpcBuffer
 from ckpt_core.errors import UpdateTimeoutError
 

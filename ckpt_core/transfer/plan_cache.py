@@ -12,7 +12,8 @@ import hashlib
 import json
 
 from ckpt_core.planning.buckets import Plan, TensorMeta, layout_sizes, plan_buckets
-from ckpt_core.planning.slices import SlicePlan, plan_sliced, rank_placements
+from ckpt_core.planning.slices import SlicePlan
+from ckpt_core.planning.slice_routes import plan_sliced, rank_placements
 from ckpt_core.wire.protocol import plan_fragment
 
 PLAN_CACHE = 4      # plans kept; the least recently used goes first

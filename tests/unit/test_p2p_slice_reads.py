@@ -13,7 +13,8 @@ import torch
 from ckpt_core.errors import ConfigError
 from ckpt_core.p2p import slices as ps
 from ckpt_core.planning.buckets import TensorMeta, align_up
-from ckpt_core.planning.slices import BoxCopy, SliceKey, SlicedBucket, box_extent, box_offsets, split_plan
+from ckpt_core.planning.slices import SliceKey, box_extent, box_offsets, split_plan
+from ckpt_core.planning.slice_routes import BoxCopy, SlicedBucket
 from ckpt_core.transfer.pipeline import byte_box
 
 

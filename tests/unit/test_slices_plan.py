@@ -10,10 +10,11 @@ from hypothesis import given, settings, strategies as st
 
 from ckpt_core.errors import CheckpointFormatError, ConfigError
 from ckpt_core.planning.buckets import TensorMeta
-from ckpt_core.planning.slices import (RankSlices, SlicedBucket, SliceKey, SlicePlan, SlicePlanCache, Write,
-                                       box_extent, box_offsets, check_plan, make_box, plan_from_json, plan_sliced,
-                                       plan_to_json, rank_placements, received_bytes, replica_groups, replica_ranks,
-                                       require_key, split_plan, view_box, view_in_box)
+from ckpt_core.planning.slices import (RankSlices, SliceKey, SlicePlan, SlicePlanCache, Write, box_extent,
+                                       box_offsets, check_plan, make_box, plan_from_json, plan_to_json, require_key,
+                                       split_plan, view_box, view_in_box)
+from ckpt_core.planning.slice_routes import (SlicedBucket, plan_sliced, rank_placements, received_bytes,
+                                             replica_groups, replica_ranks)
 
 KEY = SliceKey("model-abc", "tp=2", "vllm-0.32.0")
 
