@@ -86,6 +86,15 @@ def case_each_worker_receives_its_slices(kind: str) -> None:
         front.close()
 
 
+def whole_update_works(world: PsWorld, front: EngineFront, t: dict, ranks: int) -> None:
+    """After a refused sliced update: an update of checkpoint "c" without a plan succeeds on every
+    rank and every worker then holds ``t`` whole."""
+    again = world.all("update", ("c", front.address, 30, None))
+    assert all(again[r].ok for r in range(ranks)), again
+    for r in range(ranks):
+        assert front.digests(r) == {n: digest(x) for n, x in t.items()}
+
+
 def case_disagreeing_ranks_refuse(kind: str) -> None:
     """A rank without the plan: every rank refuses before any engine is asked; the next update works."""
     front = EngineFront(kind, 2)
@@ -98,10 +107,7 @@ def case_disagreeing_ranks_refuse(kind: str) -> None:
             for r in range(2):
                 assert not got[r].ok and got[r].error == "ConfigError" and "disagree on the slice plan" in got[r].message
             assert front.fanouts == 0, "no engine was asked to load anything"
-            again = world.all("update", ("c", front.address, 30, None))
-            assert all(again[r].ok for r in range(2)), again
-            for r in range(2):
-                assert front.digests(r) == {n: digest(x) for n, x in t.items()}
+            whole_update_works(world, front, t, 2)
     finally:
         front.close()
 
@@ -207,10 +213,7 @@ def case_world_not_a_multiple_of_the_engine_refuses(kind: str) -> None:
                 assert not got[r].ok and got[r].error == "ConfigError", got[r]
                 assert "2 engine ranks" in got[r].message and "3 ranks" in got[r].message, got[r].message
             assert front.fanouts == 0
-            again = world.all("update", ("c", front.address, 30, None))
-            assert all(again[r].ok for r in range(3)), again
-            for q in range(3):
-                assert front.digests(q) == {n: digest(x) for n, x in t.items()}
+            whole_update_works(world, front, t, 3)
     finally:
         front.close()
 

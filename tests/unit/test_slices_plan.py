@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
+from slices_world import slice_of
 
 from ckpt_core.errors import CheckpointFormatError, ConfigError
 from ckpt_core.planning.buckets import TensorMeta
@@ -502,14 +503,8 @@ def needs_plan(shapes: dict[str, tuple[int, ...]], needs_per_rank: list[dict]) -
 
 
 def expected_slices(full, plan, p):
-    rs = plan.ranks[p % len(plan.ranks)]
-    out = {}
-    for name, box in rs.needs.items():
-        t = full[name]
-        for d, s, n in box or ():
-            t = t.narrow(d, s, n)
-        out[name] = t.contiguous()
-    return out
+    """What PS rank ``p``'s worker must hold: the slices of engine rank p % T."""
+    return slice_of(full, plan.ranks[p % len(plan.ranks)])
 
 
 def row_split(n, parts):
