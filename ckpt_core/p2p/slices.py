@@ -23,7 +23,6 @@ from typing import NamedTuple
 
 from ckpt_core.errors import ConfigError, TransportError
 from ckpt_core.p2p.digests import digests_of
-from ckpt_core.planning.boxcopy import box_copies
 from ckpt_core.planning.buckets import CopyRun, Plan, TensorMeta, align_up, interleave, merge_runs
 from ckpt_core.planning.slices import SlicePlan, box_extent, box_offsets
 from ckpt_core.planning.slice_routes import BoxCopy, SlicedBucket, plan_sliced
@@ -120,8 +119,7 @@ def box_runs(bc: BoxCopy) -> list[CopyRun]:
     slice at ``bc.offset`` of the bucket: the rows of its pitched copies (``planning/boxcopy.py``;
     a read is not cut at pinned pieces). The dims inside the innermost partial dim are read whole,
     so a slice of rows is one run and a slice of columns one run per row."""
-    copies = box_copies(bc.shape, box_offsets(bc.shape, bc.box), box_extent(bc.shape, bc.box), bc.itemsize,
-                        base_offset=bc.base_offset, dst=bc.offset, pin_chunk=NO_PIN_CHUNK)
+    copies = bc.copies(pin_chunk=NO_PIN_CHUNK)
     return merge_runs(CopyRun(bc.base, c.src + i * c.pitch, c.dst + i * c.width, c.width)
                       for c in copies for i in range(c.height))
 

@@ -13,8 +13,10 @@ from functools import cached_property
 from typing import NamedTuple
 
 from ckpt_core.errors import ConfigError
-from ckpt_core.planning.buckets import (MAX_GAP, SHARED, Bucket, Placement, Plan, Scatter, TensorMeta, _pack_owner,
-                                        align_up, delivery_order, first_shared_name, interleave, pack_pieced)
+from ckpt_core.planning.boxcopy import Pitched, box_copies
+from ckpt_core.planning.buckets import (MAX_GAP, PIN_CHUNK, SHARED, Bucket, Placement, Plan, Scatter, TensorMeta,
+                                        _pack_owner, align_up, delivery_order, first_shared_name, interleave,
+                                        pack_pieced)
 from ckpt_core.planning.pieces import PiecedTensor, contiguous_start, group_pieces
 from ckpt_core.planning.slices import Box, SlicePlan, box_extent, box_offsets, make_box
 
@@ -30,6 +32,12 @@ class BoxCopy(NamedTuple):
     itemsize: int
     offset: int
     rank: int = -1
+
+    def copies(self, pin_chunk: int = PIN_CHUNK) -> list[Pitched]:
+        """This copy as pitched copies of the host buffer (``planning/boxcopy.py``), none across a
+        multiple of ``pin_chunk`` of it."""
+        return box_copies(self.shape, box_offsets(self.shape, self.box), box_extent(self.shape, self.box),
+                          self.itemsize, base_offset=self.base_offset, dst=self.offset, pin_chunk=pin_chunk)
 
 
 class Part(NamedTuple):

@@ -24,8 +24,7 @@ import torch
 from ckpt_core.transfer.collectives import Collectives, groups_broken
 from ckpt_core.wire.link import PsLink
 from ckpt_core.planning.buckets import Plan
-from ckpt_core.planning.boxcopy import box_copies, copied_bytes
-from ckpt_core.planning.slices import box_extent, box_offsets
+from ckpt_core.planning.boxcopy import copied_bytes
 from ckpt_core.planning.slice_routes import SlicedBucket, replica_groups
 from ckpt_core.devices import DeviceBackend, IpcBuffer
 from ckpt_core.errors import UpdateTimeoutError
@@ -90,9 +89,7 @@ def pitched_copies(bucket: SlicedBucket, rank: int) -> list:
         per_base: dict[int, list] = {}
         for bc in bucket.boxes:
             if (bucket.owner if bc.rank < 0 else bc.rank) == rank:
-                per_base.setdefault(bc.base, []).extend(box_copies(
-                    bc.shape, box_offsets(bc.shape, bc.box), box_extent(bc.shape, bc.box), bc.itemsize,
-                    base_offset=bc.base_offset, dst=bc.offset))
+                per_base.setdefault(bc.base, []).extend(bc.copies())
         cached[rank] = list(per_base.items())
     return cached[rank]
 
