@@ -67,6 +67,9 @@ def _req_func(mode: str, rank: int, inbox, release: threading.Event):
     def req_func(handles):
         if mode == "raise1" and rank == 1:
             raise RuntimeError("injected: rank 1's req_func failed")
+        if mode == "stall1" and rank == 1:   # stuck before it reached the engine
+            release.wait(600)
+            return
         inbox.put(handles)
         if mode == "hang1" and rank == 1:
             release.wait(600)
@@ -83,7 +86,7 @@ def _update(ps, rank: int, inbox, outbox, name: str, mode: str, timeout: float) 
     except Exception as exc:
         result = ("error", type(exc).__name__, str(exc), getattr(exc, "rank", None))
     release.set()
-    puts = not (mode == "raise1" and rank == 1)
+    puts = not (mode in ("raise1", "stall1") and rank == 1)
     worker = outbox.get(timeout=WORKER_RESULT_S) if puts else None
     return result + (worker,)
 
@@ -171,22 +174,28 @@ def case_reference_scenario(kind: str, world: int, tmp_path, *, seed: int = 2026
 
 
 def case_req_func_faults_on_rank_1(kind: str) -> dict[int, list]:
-    """2 ranks. raise1: rank 1's req_func raises (rank 0's worker is mid-update); hang1: it never returns."""
+    """2 ranks. raise1: rank 1's req_func raises (rank 0's worker is mid-update); hang1: it never
+    returns; stall1: it never returns and never reached the engine (whichever wait expires first,
+    req_func is named)."""
     gen = torch.Generator().manual_seed(7)
     data = {r: {f"w{r}.{i}": fresh_tensor((64, 8), torch.bfloat16, gen) for i in range(4)} for r in range(2)}
     steps = [("register", "c", {r: {"named_tensors": d} for r, d in data.items()}), ("gather", "c", None),
              # raise1 and all end by themselves: their timeout only bounds them, generously (on a
              # loaded 2-core machine 30 s could pass before the handshake, and the deadline then
              # fails the wait for the worker before rank 1's req_func thread had raised)
-             ("update", "c", ("raise1", 120)), ("update", "c", ("hang1", HANG_TIMEOUT_S)), ("update", "c", ("all", 120))]
+             ("update", "c", ("raise1", 120)), ("update", "c", ("hang1", HANG_TIMEOUT_S)), ("update", "c", ("stall1", HANG_TIMEOUT_S)),
+             ("update", "c", ("all", 120))]
     res = run_parity_world(kind, 2, steps, init={"max_bucket_gb": 0.00002})
     for r in range(2):
-        raised, hung, after = res[r][2:5]
+        raised, hung, stalled, after = res[r][2:6]
         assert raised[:2] == ("error", "RemoteWorkerError") and raised[3] == 1, f"rank {r}: {raised}"
         assert "rank 1: req_func raised" in raised[2] and "injected: rank 1's req_func failed" in raised[2]
         assert hung[:2] == ("error", "UpdateTimeoutError"), f"rank {r}: {hung}"
         assert "[rank 1] req_func did not return within the update timeout" in hung[2], hung[2]
         assert hung[5] < HANG_TIMEOUT_S + 60, "the hang is bounded by the update timeout (generous ceiling)"
+        assert stalled[:2] == ("error", "UpdateTimeoutError"), f"rank {r}: {stalled}"
+        assert "[rank 1] req_func did not return within the update timeout" in stalled[2], stalled[2]
+        assert "never connected" in stalled[2] and "to connect" in stalled[2], stalled[2]
         assert after[0] == "ok" and len(after[2][2]) == 8, f"the next update on rank {r}: {after}"
     assert res[0][2][4][0] == "error", "rank 0's worker must leave the update rank 1 failed"
     return res

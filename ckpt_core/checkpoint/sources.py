@@ -26,7 +26,7 @@ from ckpt_core.planning.buckets import TensorMeta, align_up
 from ckpt_core.checkpoint.hf_dir import checkpoint_files
 from ckpt_core.checkpoint.safetensors import WIRE_CODES, SafetensorsHeader, read_header
 from ckpt_core.devices import DeviceBackend
-from ckpt_core.errors import CheckpointFormatError, ConfigError
+from ckpt_core.errors import ConfigError
 
 SHM_PREFIX = "/dev/shm/"
 _log = logging.getLogger("ckpt_core")

@@ -153,6 +153,12 @@ class BroadcastUpdate:
         if req.error is not None:
             failure = Failure(self.rank, self.device_uuid, "req_func raised", req.error)
         failure = failure or link.failure
+        if failure is not None and failure.timeout and req.is_alive() and not link.reached:
+            # The deadline passed before the worker connected while req_func, which brings it the
+            # handles, was still running: req_func is the cause (on a loaded host either wait may
+            # expire first; the answer must not depend on which).
+            failure = Failure(self.rank, self.device_uuid, "req_func did not return within the update timeout, "
+                              f"and the engine worker never connected ({failure.message})", timeout=True)
         if failure is None and final:
             req.join(max(0.0, deadline - time.monotonic()))
             if req.is_alive():

@@ -136,6 +136,12 @@ class PsLink:
             return False
         return bool(self.sock.poll(min(POLL_SLICE_MS, max(1, int(left * 1000))), event))
 
+    @property
+    def reached(self) -> bool:
+        """Whether the engine worker ever connected during this update."""
+        self.watch.drain()
+        return self.watch.seen
+
     def send_hello(self, fields: dict | None = None, *, frame: bytes | None = None) -> None:
         """Send the hello, from fields or as a frame already encoded (``proto.encode_hello``)."""
         self._send("hello", frame, **(fields or {}))
