@@ -14,7 +14,6 @@ import hashlib
 import multiprocessing as mp
 import os
 import signal
-import socket
 import threading
 import time
 import traceback
@@ -22,6 +21,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Client, Listener
 
 import torch
+
+from ports import free_port  # noqa: F401  (re-exported: the tests take it from here)
 
 AUTH = b"ckpt-tests"
 
@@ -90,10 +91,6 @@ def process_gone(pid: int, timeout: float = 60) -> bool:
     return False
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def digest(t: torch.Tensor) -> str:

@@ -11,14 +11,17 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import httpx
 
 from ckpt_vllm import VllmClient
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # tests/: the shared port picker
+from ports import free_port  # noqa: E402  (re-exported: the vLLM tests take it from here)
 
 REPO = Path(__file__).resolve().parents[3]
 EXTENSION = "ckpt_vllm.VllmColocateWorkerExtension"
@@ -33,10 +36,8 @@ SERVER_ENV = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+PORT_TAKEN = "Address already in use"
+LAUNCHES = 3   # a port handed to another process before the server bound it: pick another, this often
 
 
 class VllmServer:
@@ -53,7 +54,7 @@ class VllmServer:
                 "--served-model-name", "tiny", "--max-model-len", "256", "--dtype", dtype,
                 "--enforce-eager", "--distributed-executor-backend", "uni",
                 "--kv-cache-memory-bytes", str(64 << 20), "--load-format", load_format, "--seed", "0"]
-        args += ["--uds", str(uds)] if uds else ["--host", "127.0.0.1", "--port", str(self.port)]
+        args += ["--uds", str(uds)] if uds else ["--host", "127.0.0.1", "--port", "PORT"]
         if extension:
             args += ["--worker-extension-cls", EXTENSION]
         if backend:
@@ -79,8 +80,9 @@ class VllmServer:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._t0 = time.monotonic()
+        args = [str(self.port) if a == "PORT" else a for a in self.args]
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, env=env,
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env,
                                          cwd=str(self.log_path.parent), start_new_session=True)
         self.client = VllmClient(self.endpoint, uds=str(self.uds) if self.uds else None, timeout=300.0)
         return self
@@ -89,12 +91,21 @@ class VllmServer:
         """Wait until the launched server serves; on failure stop it and raise with its log tail."""
         if self.proc is None:
             raise RuntimeError("wait_ready() before launch()")
-        try:
-            self.client.wait_ready(timeout=timeout, alive=lambda: self.proc.poll() is None)
-        except Exception as exc:
-            self.stop()
-            raise RuntimeError(f"vLLM server did not come up: {exc}\n--- server log tail ---\n"
-                               f"{self.log_tail()}") from exc
+        deadline = time.monotonic() + timeout
+        for launch in range(1, LAUNCHES + 1):
+            try:
+                self.client.wait_ready(timeout=max(1.0, deadline - time.monotonic()),
+                                       alive=lambda: self.proc.poll() is None)
+                break
+            except Exception as exc:
+                self.stop()
+                if self.uds is None and launch < LAUNCHES and PORT_TAKEN in self.log_tail():
+                    self.port = free_port()
+                    self.endpoint = f"http://127.0.0.1:{self.port}"
+                    self.launch()
+                    continue
+                raise RuntimeError(f"vLLM server did not come up: {exc}\n--- server log tail ---\n"
+                                   f"{self.log_tail()}") from exc
         self.start_seconds = time.monotonic() - self._t0
         return self
 
