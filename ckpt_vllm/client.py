@@ -48,6 +48,17 @@ class UpdateReport:
     workers: list[dict] = field(default_factory=list)
 
 
+def _check_parts(path: str, start: bool, finish: bool, pause: str | None) -> None:
+    """An update's path, and whether it may be one part of a checkpoint spread over several."""
+    if path not in PATHS:
+        raise ConfigError(f"path must be one of {PATHS}, got {path!r}")
+    if not (start and finish) and path != "backend":
+        raise ConfigError("start=False / finish=False (one checkpoint over several updates) needs path='backend'")
+    if not (start and finish) and pause is None:
+        raise ConfigError("spreading a checkpoint over several updates needs a pause (pause='wait', "
+                          "'abort' or 'keep'): between the parts the model cannot serve")
+
+
 class VllmClient:
     """HTTP client of one vLLM server. Thread-safe; ``close()`` is idempotent.
 
@@ -202,52 +213,36 @@ class VllmClient:
                                   "(the engine keeps serving while it stages; commit() pauses)")
             return self.stage(handles, stage, timeout=timeout, device_bytes=stage_device_bytes, prepare=prepare,
                               slices=slices)
-        if path not in PATHS:
-            raise ConfigError(f"path must be one of {PATHS}, got {path!r}")
-        whole = start and finish
-        if not whole and path != "backend":
-            raise ConfigError("start=False / finish=False (one checkpoint over several updates) needs path='backend'")
-        if not whole and pause is None:
-            raise ConfigError("spreading a checkpoint over several updates needs a pause (pause='wait', "
-                              "'abort' or 'keep'): between the parts the model cannot serve")
+        _check_parts(path, start, finish, pause)
         handles = dict(handles)
         wait = self.timeout if timeout is None else float(timeout)
         report = UpdateReport(path=path)
         phases = Phases()
         phases.seconds = report.seconds
         t0 = time.perf_counter()
-        paused = False
-        open_session = path == "backend" and not start   # a weight update begun by an earlier call
+        # what a failure must undo: a pause (even one that failed half-way), an open weight update
+        undo = {"resume": False, "finish": path == "backend" and not start}   # begun by an earlier call
         try:
             if pause is not None and start:
-                paused = True   # a pause that failed half-way is undone too
+                undo["resume"] = True
                 phases.run("pause", self.pause, pause)
+            extra = {"slices": str(slices)} if slices is not None else {}
             if path == "extension":
-                rpc_kwargs = {"timeout": wait, **({"version": str(version)} if version is not None else {}),
-                              **({"slices": str(slices)} if slices is not None else {})}
+                rpc_kwargs = {"timeout": wait, **({"version": str(version)} if version is not None else {}), **extra}
                 report.workers = phases.run("update", self.collective_rpc, "update_weights_from_ipc", [handles],
                                             rpc_kwargs, timeout=wait)
             else:
-                if init_info is not None:
-                    phases.run("init", self._post, "/init_weight_transfer_engine", {"init_info": init_info})
-                if start:
-                    phases.run("start", self._post, "/start_weight_update")
-                    open_session = True
-                info = {"zmq_handles": handles, "timeout_s": wait, "check_complete": whole,
-                        **({"slices": str(slices)} if slices is not None else {})}
-                phases.run("update", self._post, "/update_weights", {"update_info": info}, timeout=wait + 30.0)
-                if finish:
-                    open_session = False   # a failed finish ends the weight update itself
-                    phases.run("finish", self._post, "/finish_weight_update")
+                self._backend_update(phases, undo, {"zmq_handles": handles, "timeout_s": wait, **extra},
+                                     init_info=init_info, start=start, finish=finish)
             if finish:
                 phases.run("reset_prefix_cache", self.ensure_prefix_cache_reset)
                 if version is not None:
                     phases.run("weight_version", self.set_weight_version, str(version))
         except BaseException as exc:
-            if open_session:   # vLLM's workers stay "in a weight update" until a finish: end it (the
+            if undo["finish"]:   # vLLM's workers stay "in a weight update" until a finish: end it (the
                 # failed part was aborted on every worker; nothing is left to load)
                 self._cleanup(exc, "finish_weight_update", lambda: self._post("/finish_weight_update"))
-            if pause is not None or paused:
+            if pause is not None or undo["resume"]:
                 self._cleanup(exc, "resume", self.resume)
             raise
         if pause is not None and finish:
@@ -256,6 +251,20 @@ class VllmClient:
         with self._lock:
             self.last_report = report
         return report
+
+    def _backend_update(self, phases: Phases, undo: dict, info: dict, *, init_info: dict | None,
+                        start: bool, finish: bool) -> None:
+        """The native weight-transfer routes: init, start, the update, finish (the parts this call has)."""
+        if init_info is not None:
+            phases.run("init", self._post, "/init_weight_transfer_engine", {"init_info": init_info})
+        if start:
+            phases.run("start", self._post, "/start_weight_update")
+            undo["finish"] = True
+        info["check_complete"] = start and finish
+        phases.run("update", self._post, "/update_weights", {"update_info": info}, timeout=info["timeout_s"] + 30.0)
+        if finish:
+            undo["finish"] = False   # a failed finish ends the weight update itself
+            phases.run("finish", self._post, "/finish_weight_update")
 
     def slice_plan(self, tensors: dict) -> "SlicePlan":
         """Record, on every worker, which part of each tensor its loaders read; merge, check

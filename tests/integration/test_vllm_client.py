@@ -201,3 +201,12 @@ def test_a_checkpoint_over_several_updates_needs_the_backend_and_a_pause(fake):
         "/pause", "/start_weight_update", "/update_weights", "/update_weights", "/finish_weight_update",
         "/reset_prefix_cache", "/resume"]
     assert [c[2]["update_info"]["check_complete"] for c in _Handler.calls if c[1] == "/update_weights"] == [False, False]
+
+
+def test_a_failed_later_part_ends_the_open_weight_update_and_resumes(fake):
+    fake.update({"K": "h"}, path="backend", finish=False, pause="keep")
+    _Handler.routes[("POST", "/update_weights")] = (500, {"error": {"message": "part 2 broke"}}, 0)
+    _Handler.calls.clear()
+    with pytest.raises(RemoteWorkerError, match="part 2 broke"):
+        fake.update({"K": "h"}, path="backend", start=False, finish=False, pause="keep")
+    assert [c[1].split("?")[0] for c in _Handler.calls] == ["/update_weights", "/finish_weight_update", "/resume"]
