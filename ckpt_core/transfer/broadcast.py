@@ -52,10 +52,7 @@ class BroadcastUpdate:
         self._tell("update", "handshake", 0, len(plan.buckets))
         slot_bytes = align_up(max(plan.largest_bucket, ALIGN))
         buffer_bytes = slot_bytes * slots
-        try:
-            ipc, alloc_failed = self._ensure_ipc(buffer_bytes), None
-        except CkptError as exc:   # told to every rank at the handshake's agreement, not raised alone
-            ipc, alloc_failed = None, f"cannot allocate the {buffer_bytes}-byte IPC buffer: {exc}"
+        ipc, alloc_failed = self._try_ipc(buffer_bytes)
         update_id = f"{self._run_id}-{self._updates}"
         self._updates += 1
         handles = wire_handles(self.wire, update_id, self._device_keys)
@@ -108,11 +105,22 @@ class BroadcastUpdate:
             if not self.keep_device_buffers and mapped and not broken:
                 self._release_ipc()
         times["total"] = time.perf_counter() - t0
-        extra = {} if slices is None else {"slices": {
-            "plan": slices.digest, "received_bytes": [received_bytes(plan, r) for r in range(self.world_size)],
-            "whole_bytes": slices.whole_bytes(),
-            "sent": {"bytes": stats.sent_bytes, "forwarded_bytes": stats.forwarded_bytes, "sends": stats.sends}}}
+        extra = {} if slices is None else {"slices": self._slices_report(slices, plan, stats)}
         return self._report(name, plan, stats, times, slots=slots, device_buffer_bytes=buffer_bytes, **extra)
+
+    def _try_ipc(self, buffer_bytes: int):
+        """The IPC buffer, or why it could not be allocated: told to every rank at the handshake's
+        agreement, not raised by this rank alone."""
+        try:
+            return self._ensure_ipc(buffer_bytes), None
+        except CkptError as exc:
+            return None, f"cannot allocate the {buffer_bytes}-byte IPC buffer: {exc}"
+
+    def _slices_report(self, slices, plan: Plan, stats) -> dict:
+        """A sliced update's figures: bytes each engine rank received, and what this rank sent."""
+        return {"plan": slices.digest, "received_bytes": [received_bytes(plan, r) for r in range(self.world_size)],
+                "whole_bytes": slices.whole_bytes(),
+                "sent": {"bytes": stats.sent_bytes, "forwarded_bytes": stats.forwarded_bytes, "sends": stats.sends}}
 
     def _handshake(self, link: PsLink, hello: bytes | None, alloc_failed: str | None,
                    ckpt: RegisteredCheckpoint, publish) -> bool:
