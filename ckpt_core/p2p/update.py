@@ -362,21 +362,25 @@ def _run_target(ps, name, req_func, deadline, targets, group, src, plan, wire, s
         signal.close()
         link.end(ok, f"the P2P update failed on rank {ps.rank}: {sys.exc_info()[1]!r}")
         req.join(max(0.0, deadline - time.monotonic()) if ok else 2.0)
-        broken = getattr(sys.exc_info()[1], "groups_broken", False)
-        if pipe is not None and pipe.pending_read is not None:
-            # Mooncake may still land bytes in this buffer: keep it (and its registration) until settled.
-            ps._ipc = None
-            ptr = ipc.tensor.data_ptr()
-            store.quarantine.add(pipe.pending_read, lambda: (store.unregister(ptr), ipc.close()))
-            ps._log.warning("P2P staging buffer quarantined until its failed read settles")
-        else:
-            store.unregister(ipc.tensor.data_ptr())   # registered per update: a kept buffer may be freed later
-            if not ps.keep_device_buffers and mapped and not broken:
-                ps._release_ipc()
+        _settle_buffer(ps, store, ipc, pipe, mapped, broken=getattr(sys.exc_info()[1], "groups_broken", False))
     times["total"] = time.perf_counter() - t0
     result = ps._report(name, plan, stats, times, slots=slots, device_buffer_bytes=slot_bytes * slots)
     result.update(p2p=True, target=True, read_bytes=pipe.read_bytes, bytes=plan.total_bytes)
     return result
+
+
+def _settle_buffer(ps, store, ipc, pipe, mapped: bool, *, broken: bool) -> None:
+    """After a target's update: unregister the staging buffer and free it (unless kept), or, while a
+    failed read may still land bytes in it, quarantine it with its registration until that settles."""
+    if pipe is not None and pipe.pending_read is not None:
+        ps._ipc = None
+        ptr = ipc.tensor.data_ptr()
+        store.quarantine.add(pipe.pending_read, lambda: (store.unregister(ptr), ipc.close()))
+        ps._log.warning("P2P staging buffer quarantined until its failed read settles")
+        return
+    store.unregister(ipc.tensor.data_ptr())   # registered per update: a kept buffer may be freed later
+    if not ps.keep_device_buffers and mapped and not broken:
+        ps._release_ipc()
 
 
 def _agree(ps, link, req, deadline: float, phase: str, final: bool) -> None:
