@@ -189,6 +189,30 @@ def _recorded_copies(pairs: list, problems: list):
         layerwise._copy_and_restore_kernel_tensors = original
 
 
+def _why_not_preparable(model: torch.nn.Module, api) -> str | None:
+    """Why this vLLM or model cannot have layers prepared ahead (the commit then reloads), or None."""
+    try:
+        from vllm.model_executor.model_loader.reload import layerwise
+    except ImportError as exc:
+        return f"vLLM's layerwise reload is not importable: {exc}"
+    if not callable(getattr(layerwise, "_copy_and_restore_kernel_tensors", None)):
+        return f"vLLM {api.version} has no layerwise._copy_and_restore_kernel_tensors"
+    if api.kv_cache_method is not None and any(isinstance(getattr(m, "quant_method", None), api.kv_cache_method)
+                                               for m in model.modules()):
+        return "attention layers carry a quantized KV-cache method (their scales are set when a reload ends)"
+    return None
+
+
+def _next_batch(job: PrepareJob, budget_bytes: int) -> list:
+    """The next groups of ``job``: at least one, then more while under ``budget_bytes``."""
+    batch, size = [], 0
+    while job.next + len(batch) < len(job.groups) and (not batch or size < budget_bytes):
+        group = job.groups[job.next + len(batch)]
+        batch.append(group)
+        size += sum(t.numel() * t.element_size() for _, t in group)
+    return batch
+
+
 def prepare_step(model: torch.nn.Module, model_config, job: PrepareJob, budget_bytes: int) -> dict:
     """Prepare the next layers of ``job`` (at least one group, about ``budget_bytes``); the live
     model is exactly as before when this returns."""
@@ -196,23 +220,12 @@ def prepare_step(model: torch.nn.Module, model_config, job: PrepareJob, budget_b
         return job.summary()
     t0 = time.perf_counter()
     api = reload_api()
-    try:
-        from vllm.model_executor.model_loader.reload import layerwise
-        if not callable(getattr(layerwise, "_copy_and_restore_kernel_tensors", None)):
-            job.give_up(f"vLLM {api.version} has no layerwise._copy_and_restore_kernel_tensors")
-            return job.summary()
-    except ImportError as exc:
-        job.give_up(f"vLLM's layerwise reload is not importable: {exc}")
+    why_not = _why_not_preparable(model, api)
+    if why_not:
+        job.give_up(why_not)
         return job.summary()
-    if api.kv_cache_method is not None and any(isinstance(getattr(m, "quant_method", None), api.kv_cache_method)
-                                               for m in model.modules()):
-        job.give_up("attention layers carry a quantized KV-cache method (their scales are set when a reload ends)")
-        return job.summary()
-    batch, size = [], 0
-    while job.next + len(batch) < len(job.groups) and (not batch or size < budget_bytes):
-        group = job.groups[job.next + len(batch)]
-        batch.append(group)
-        size += sum(t.numel() * t.element_size() for _, t in group)
+    from vllm.model_executor.model_loader.reload import layerwise
+    batch = _next_batch(job, budget_bytes)
     before = _state(model)
     shielded = _shield(model)   # what the reload leaves live (a layer's bias) is lent a copy meanwhile
     pairs: list = []
