@@ -54,6 +54,7 @@ import torch.distributed as dist  # noqa: E402
 from _bench_cases import CASES, GiB, build_case, free_weight_cache, materialize, split  # noqa: E402
 from _bench_ceilings import measure  # noqa: E402
 from _bench_report import check_targets, floor_seconds, format_report, summarize_updates  # noqa: E402
+from _bench_tp import tp_section  # noqa: E402
 from _bench_worker import EngineFront, EngineWorker  # noqa: E402
 
 SHM = "/dev/shm"
@@ -268,7 +269,7 @@ class Bench:
         record["stage"] = stage
         record["pool"] = None if self.args.skip_pool else self.pool_section(case, share)
         record["shm"] = None if self.args.skip_shm else self.shm_section(case, share, total)
-        record["tp"] = None if self.args.tp is None else self.tp_section(case, specs, share, summary["best_s"])
+        record["tp"] = None if self.args.tp is None else tp_section(self, case, specs, share, summary["best_s"])
         self.worker.call("free")
         del share
         gc.collect()
@@ -316,81 +317,6 @@ class Bench:
                  f"(median {out['commit_median_s'] * 1e3:.1f} ms, {out['commit_gbps']:.0f} GB/s of model bytes) "
                  f"against a full update of {update_s:.3f} s")
         return out
-
-    def tp_section(self, case: str, specs, share, whole_s: float) -> dict:
-        """Each of T simulated engine ranks receives only its slices (see the module's docstring)."""
-        from ckpt_core.checkpoint.safetensors import WIRE_CODES
-        from ckpt_core.planning.slices import RankSlices, SliceKey, SlicePlan, split_plan
-
-        tp = self.args.tp
-        tensors = {s.name: (WIRE_CODES[s.dtype], tuple(s.shape), s.dtype.itemsize) for s in specs}
-        plan = split_plan(SliceKey(f"bench-{case}-{self.args.scale}", f"tp={tp}", "simulated"), tensors, tp,
-                          tp_dims(specs))
-        self.ps.register_checkpoint(f"{case}-tp", named_tensors=share.named)
-        self.ps.gather_metas(f"{case}-tp")
-        serial = self.world == 1 and tp > 1
-        # (engine ranks served by one update, the plan of that update): all at once, or one at a time
-        rounds = ([(list(range(tp)), plan)] if not serial else
-                  [([t], SlicePlan(SliceKey(plan.key.model, f"{plan.key.layout},rank={t}", "simulated"), tensors,
-                                   (RankSlices(0, *_rank_fields(plan.ranks[t])),))) for t in range(tp)])
-        dtypes = {s.name: s.dtype for s in specs}
-        per_rank: dict[int, list[float]] = {}
-        breakdown: dict[int, dict] = {}
-        received = [0] * tp
-        for engine_ranks, part in rounds:
-            mine = engine_ranks[0] if serial else self.rank   # the engine rank this PS rank's worker plays
-            index = 0 if serial else self.rank                # ... and its rank in the update's plan
-            wanted = self.slice_sums(part, share.named)[index]
-            self.worker.call("alloc", [(n, part.ranks[index].params[n], dtypes[n]) for n in tensors])
-            times = []
-            for _ in range(1 + self.args.repeats):
-                self.worker.call("zero")
-                self.barrier()
-                t0 = time.perf_counter()
-                info = self.ps.update(f"{case}-tp", self.req_func, slices=part)
-                seconds = self.gather(time.perf_counter() - t0)
-                got = self.worker.call("checksum")
-                bad = sorted(n for n in set(wanted) | set(got) if tuple(got.get(n, ())) != tuple(wanted.get(n, ())))
-                nbad = self.gather(len(bad))
-                if any(nbad):
-                    raise RuntimeError(f"sliced update of {case!r} (tp={tp}) is not bit-exact: engine rank {mine} "
-                                       f"has {len(bad)} wrong tensors, e.g. {bad[:3]}; all ranks: {nbad}")
-                times.append(max(seconds))
-            for i, t in enumerate(engine_ranks):
-                per_rank[t] = times[1:] or times
-                received[t] = info["slices"]["received_bytes"][i]
-                breakdown[t] = info["seconds"]   # this PS rank's phases of the last update
-        self.ps.unregister_checkpoint(f"{case}-tp")
-        best = [min(per_rank[t]) for t in range(tp)]
-        out = {"tp": tp, "mode": "serial" if serial else "parallel", "whole_update_s": whole_s,
-               "sliced_s": max(best), "per_rank_best_s": best, "received_bytes_per_rank": received,
-               "whole_bytes": plan.whole_bytes(), "received_fraction": max(received) / plan.whole_bytes(),
-               "speedup": whole_s / max(best) if max(best) else None,
-               "update_breakdown_slowest": breakdown[best.index(max(best))]}
-        self.say(f"{case}: tp={tp} ({out['mode']}) each rank receives {out['received_fraction']:.3f} of "
-                 f"{plan.whole_bytes() / GiB:.3f} GiB; sliced update {out['sliced_s']:.3f} s (slowest rank) "
-                 f"against a whole update of {whole_s:.3f} s ({out['speedup']:.2f}x)")
-        return out
-
-    def slice_sums(self, plan, named: dict) -> list[dict]:
-        """Per engine rank of ``plan``: the checksums of its slices of this rank's tensors, computed
-        on this device like the engine's (gathered from every PS rank)."""
-        from _bench_cases import checksums
-        mine = []
-        for rs in plan.ranks:
-            sums: dict = {}
-            names = [n for n in named if n in rs.needs]
-            for at in range(0, len(names), 256):   # a few hundred slices on the device at a time
-                part = {}
-                for n in names[at: at + 256]:
-                    v = named[n]
-                    for d, start, length in rs.needs[n] or ():
-                        v = v.narrow(d, start, length)
-                    part[n] = v.contiguous() if self.kind == "cpu" else v.to(self.device)
-                sums.update(checksums(part))
-            mine.append(sums)
-        every = self.gather(mine)
-        return [{k: v for views in every for k, v in views[r].items()} for r in range(len(plan.ranks))]
 
     def pool_section(self, case: str, share) -> dict:
         """RL steady state: the pool is allocated and pinned once, then re-filled by the next step."""
@@ -467,21 +393,6 @@ class Bench:
             self.front.close()
         self.worker.close()
         dist.destroy_process_group()
-
-
-def _rank_fields(rs) -> tuple:
-    return rs.needs, rs.params, rs.writes
-
-
-# Which dimension a tensor-parallel engine splits each tensor of the synthetic layouts along
-# (column-parallel: rows, row-parallel: columns); the others are whole on every rank.
-_ROWS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "q_proj.bias", "k_proj.bias", "v_proj.bias",
-         "gate_proj.weight", "up_proj.weight", "embed_tokens.weight", "lm_head.weight")
-_COLS = ("o_proj.weight", "down_proj.weight")
-
-
-def tp_dims(specs) -> dict:
-    return {s.name: 0 if s.name.endswith(_ROWS) else 1 if s.name.endswith(_COLS) else None for s in specs}
 
 
 def phases(seconds: dict) -> str:
