@@ -23,6 +23,7 @@ import os
 import subprocess
 import sys
 
+from ckpt_core._cli_args import COUNT, POSITIVE, number, renamed
 from ckpt_core.errors import (CheckpointFormatError, CheckpointNotFoundError, CkptError, ConfigError, RemoteWorkerError,
                      TransportError)
 
@@ -30,48 +31,6 @@ EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_FORMAT, EXIT_CONFIG, EXIT_TRANSPORT, EX
 GiB = float(1 << 30)
 SERVE_WIRES = ("native", "stock", "stock-0.3")   # ckpt_core.wire.stock.WIRES, without importing torch here
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _number(kind, *, low: float | None = None, low_open: bool = True, high: float | None = None):
-    """An argparse ``type``: ``kind`` (int or float) that is finite and within bounds; a bad value is a usage
-    error (exit 2) naming the option, never a traceback further in (NaN and inf pass ``float()``)."""
-    def convert(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
-        if kind is float and not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
-        if low is not None and (value <= low if low_open else value < low):
-            raise argparse.ArgumentTypeError(f"{text!r} must be {'>' if low_open else '>='} {low:g}")
-        if high is not None and value > high:
-            raise argparse.ArgumentTypeError(f"{text!r} must be <= {high:g}")
-        return value
-    convert.__name__ = "positive number" if kind is float else "integer"
-    return convert
-
-
-POSITIVE = _number(float, low=0)
-COUNT = _number(int, low=1, low_open=False)
-
-
-class _Deprecated(argparse.Action):
-    """An old option name that still works, warns once on stderr, and stores into the new option."""
-
-    def __init__(self, option_strings, dest, new: str, why: str, **kw):
-        super().__init__(option_strings, dest, **kw)
-        self.new, self.why = new, why
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        print(f"ckpt-engine: warning: {option_string} is deprecated ({self.why}); use {self.new}", file=sys.stderr)
-        setattr(namespace, self.dest, values)
-
-
-def _renamed(parser, new: str, old: str, why: str, **kw) -> None:
-    """``new`` with its ``kw``; ``old`` a hidden deprecated alias of it."""
-    action = parser.add_argument(new, **kw)
-    parser.add_argument(old, dest=action.dest, action=_Deprecated, new=new, why=why, type=kw.get("type"),
-                        default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
 
 def _version() -> str:
@@ -323,16 +282,16 @@ def _serve_parser(sub) -> None:
                    help="unix socket path; {rank}/{local_rank} are filled in (default: ps-{rank}.sock in a "
                         "private per-user directory, $XDG_RUNTIME_DIR/ckpt-engine or /tmp/ckpt-engine-UID, mode 0700)")
     s.add_argument("--host", help="serve TCP on this address instead (needs a token)")
-    s.add_argument("--port", type=_number(int, low=0, low_open=False, high=65535),
+    s.add_argument("--port", type=number(int, low=0, low_open=False, high=65535),
                    help="TCP port of local rank 0; local rank i listens on PORT+i (0: any)")
     s.add_argument("--token-file", help="file holding the bearer token (else CKPT_SERVICE_TOKEN; at least "
                                         "16 characters)")
-    s.add_argument("--metrics-port", type=_number(int, low=0, low_open=False, high=65535),
+    s.add_argument("--metrics-port", type=number(int, low=0, low_open=False, high=65535),
                    help="also serve GET /metrics (only) on 127.0.0.1:PORT+local rank, for Prometheus; off by default")
     s.add_argument("--device", help="device kind (cpu, cuda, npu); default: the best available")
-    _renamed(s, "--max-bucket-gib", "--max-bucket-gb", GIB_WHY, type=POSITIVE,
+    renamed(s, "--max-bucket-gib", "--max-bucket-gb", GIB_WHY, type=POSITIVE,
              help="upper bound of one bucket, GiB (default PS_MAX_BUCKET_SIZE_GB, 8)")
-    s.add_argument("--mem-fraction", type=_number(float, low=0, high=1))
+    s.add_argument("--mem-fraction", type=number(float, low=0, high=1))
     s.add_argument("--keep-device-buffers", action="store_true")
     s.add_argument("--serve-p2p", action="store_true",
                    help="serve registered checkpoints to P2P readers (Mooncake; exposes them: docs/p2p.md)")
@@ -362,11 +321,11 @@ def _plan_parser(sub) -> None:
     pl.add_argument("--largest-mib", type=POSITIVE, help="largest tensor (default: the larger of mean and 1/16)")
     pl.add_argument("--nodes", type=COUNT, default=1)
     pl.add_argument("--devices", type=COUNT, default=8, help="devices per node (default 8)")
-    _renamed(pl, "--h2d-gb-per-s", "--h2d-gbps", GBPS_WHY, type=POSITIVE, default=None,
+    renamed(pl, "--h2d-gb-per-s", "--h2d-gbps", GBPS_WHY, type=POSITIVE, default=None,
              help="host-to-device per device, GB/s (default: measured, 49.3 with 2 H200 copying, 55.4 for one alone)")
-    _renamed(pl, "--d2d-gb-per-s", "--d2d-gbps", GBPS_WHY, type=POSITIVE, default=347.0,
+    renamed(pl, "--d2d-gb-per-s", "--d2d-gbps", GBPS_WHY, type=POSITIVE, default=347.0,
              help="intra-node broadcast, GB/s (default 347: 2xH200 NVLink)")
-    _renamed(pl, "--nic-gb-per-s", "--nic-gbps", GBPS_WHY, type=POSITIVE, default=50.0,
+    renamed(pl, "--nic-gb-per-s", "--nic-gbps", GBPS_WHY, type=POSITIVE, default=50.0,
              help="per node, all NICs together, GB/s: gigaBYTES (default 50, i.e. one 400 Gb/s NIC)")
     pl.add_argument("--device-free-gib", type=POSITIVE, default=16.0, help="free device memory per device (default 16)")
     pl.add_argument("--slots", type=COUNT, default=4)
