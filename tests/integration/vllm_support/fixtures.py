@@ -106,13 +106,18 @@ def vllm_python() -> str:
     return python
 
 
+TINY_CONFIG = {"num_key_value_heads": 2}
+
+
 def build_tiny_model(python: str, out: Path, *, tie: bool = False) -> TinyModel:
     # Fresh random weights every session (printed, to reproduce a failure with CKPT_TEST_SEED).
     seed = int(os.environ.get("CKPT_TEST_SEED") or random.randrange(1, 2**31 - 4))
     print(f"tiny model ({'tied' if tie else 'untied'} embeddings) seed: {seed} "
           f"(set CKPT_TEST_SEED={seed} to reproduce)")
+    # Two KV heads: at TP 2 each rank holds one, so k_proj/v_proj are split like q_proj (the
+    # replicated case, one KV head, has its own models in test_vllm_slices and the parity tests).
     run_vllm_python(python, "build", "--out", str(out), "--seed", str(seed), "--variants", "2",
-                    *(["--tie"] if tie else []))
+                    "--config-json", json.dumps(TINY_CONFIG), *(["--tie"] if tie else []))
     model = TinyModel(dir=out, seed=seed, weights=[out / "weights-0.safetensors", out / "weights-1.safetensors"],
                       prompts=prompts_for(seed), python=python)
     # The references are computed in the background: the first server boots meanwhile; the first
