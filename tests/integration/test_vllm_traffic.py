@@ -14,7 +14,9 @@ import threading
 import httpx
 import pytest
 
+from ckpt_core import ParameterServer
 from vllm_support.fixtures import MAX_TOKENS, push, shared_servers, tiny_model, vllm_python  # noqa: F401
+from vllm_support.server import free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1200)]
 SHARED_SERVER = ("tiny_model", {"extension": True, "backend": "ckpt"})   # vllm_support.fixtures.SharedServers
@@ -78,14 +80,21 @@ class Traffic(threading.Thread):
 def test_six_updates_under_traffic_each_give_exactly_the_new_weights(server, tiny_model, path):
     model = tiny_model
     traffic = Traffic(server, model.prompts[:2])   # the short prompts leave room for 200 new tokens
-    traffic.start()
     overlapped = 0
+    # Both weight sets registered once, before the traffic: each update then starts right as a
+    # request is generating (a PS set up per update took about as long as a whole request).
+    ps = ParameterServer(rank=0, world_size=1, device="cpu", master_addr="127.0.0.1", master_port=free_port())
     try:
+        for k, weights in enumerate(model.weights):
+            ps.register_checkpoint(f"w{k}", files=[str(weights)])
+            ps.gather_metas(f"w{k}")
+        traffic.start()
         for i, pause in enumerate(PAUSES):
             weights = model.weights[i % 2]
             assert traffic.running.wait(120), "no traffic request got to generating"
             seq = traffic.seq
-            push(server, [weights], path=path, pause=pause)
+            server.pushed = True
+            ps.update(f"w{i % 2}", server.client.req_func(path=path, pause=pause, timeout=120), timeout=120)
             overlapped += traffic.seq == seq and traffic.running.is_set()
             traffic.quiet()
             assert server.alive(), f"update {i} ({path}, pause={pause}) killed the server:\n{server.log_tail()}"
@@ -97,7 +106,9 @@ def test_six_updates_under_traffic_each_give_exactly_the_new_weights(server, tin
             traffic.resume()
     finally:
         traffic.stop.set()
-        traffic.join(130)
+        if traffic.is_alive():
+            traffic.join(130)
+        ps.close()
     print(f"{path}: {overlapped} of {len(PAUSES)} updates ran while one traffic request kept generating, "
           f"{traffic.done} traffic requests")
     assert overlapped >= len(PAUSES) // 2, "the updates were hardly under traffic: the test proves little"

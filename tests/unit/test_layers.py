@@ -20,7 +20,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[2] / "ckpt_core"  # read as text: no torch needed
 LAYERS = [
     {"errors"},
-    {"_settings"},
+    {"_settings", "_cli_args"},
     {"ops", "devices", "planning", "engines"},
     {"checkpoint"},
     {"wire"},
