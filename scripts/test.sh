@@ -51,7 +51,7 @@ fi
 
 # run_split PY: the whole suite as two pytest processes at once, each on its own half: the real-vLLM
 # modules that share the session's servers (and the others that start servers of their own), plus
-# one SGLang module to even the halves' times, in one; everything else in the other. Much of a server's boot and many fault tests wait rather than
+# two SGLang modules to even the halves' times, in one; everything else in the other. Much of a server's boot and many fault tests wait rather than
 # compute, so two processes keep CI's 2 cores busier than one. Each half's output is printed
 # whole, one after the other; the exit code is the first failing half's (5 only if both
 # collected nothing).
@@ -59,7 +59,8 @@ run_split() {
     local py=$1 dir vllm=() ignore=() f rc_a rc_b
     dir=$(mktemp -d "${TMPDIR:-/tmp}/ckpt-tests.XXXXXX")
     for f in tests/integration/test_vllm_*.py tests/integration/test_fsdp2_example.py \
-             tests/integration/test_topology_vllm.py tests/integration/test_sglang_update.py; do
+             tests/integration/test_topology_vllm.py tests/integration/test_sglang_update.py \
+             tests/integration/test_sglang_staged.py; do
         vllm+=("$f")
         ignore+=("--ignore=$f")
     done
