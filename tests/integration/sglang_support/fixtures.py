@@ -132,10 +132,18 @@ def ready_engine(root: Path, seed: int = 100):
     from ckpt_sglang import SglangClient
     python = sglang_python()
     model_dir, _ = write_checkpoint(root / "model", seed=seed)
-    eng = SglangEngine(python, model_dir, root / "engine.log")
+    for launch in range(1, 4):
+        eng = SglangEngine(python, model_dir, root / "engine.log")
+        try:
+            with SglangClient(eng.url) as client:
+                client.wait_ready(timeout=240, alive=eng.alive)
+            break
+        except Exception:
+            lost_port = "address already in use" in eng.tail().lower()
+            eng.close()
+            if not lost_port or launch == 3:   # another process was handed its port first: relaunch
+                raise
     try:
-        with SglangClient(eng.url) as client:
-            client.wait_ready(timeout=240, alive=eng.alive)
         yield eng
     finally:
         eng.close()
