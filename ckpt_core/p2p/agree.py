@@ -18,7 +18,7 @@ from __future__ import annotations
 import operator
 
 from ckpt_core.p2p.metas import Source
-from ckpt_core.p2p.slices import box_digests, check_call, published_boxes
+from ckpt_core.p2p.slices import check_call, published_boxes
 from ckpt_core.planning.buckets import choose_layout
 from ckpt_core.transfer.prechecks import IDENTITY, problem_of, raise_agreed, same_call, same_kind
 from ckpt_core.errors import CheckpointNotFoundError, ConfigError
@@ -98,10 +98,7 @@ def _slices_view(ps, name: str, slices, ranks, targets, src: Source | None) -> t
     out = {"order": order}
     ckpt, gathered = ps._checkpoints.get(name), ps._metas.get(name)
     if ckpt is not None and gathered is not None and gathered[ps.rank] and name in state.gathered:
-        key = (name, slices.digest)
-        if key not in state.box_digests:   # once per (checkpoint, plan); dropped on unregister
-            state.box_digests[key] = box_digests(ckpt, state.digests.get(name), slices, ps.rank)
-        out["boxes"] = state.box_digests[key]
+        out["boxes"] = state.boxes_of(name, slices)
     return out, None
 
 

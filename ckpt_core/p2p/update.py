@@ -142,13 +142,9 @@ class P2PState:
                         why[name] = str(exc)
                         continue
                     fits.setdefault(plan.digest, []).append(name)
-                    ckpt = ps._checkpoints.get(name)
-                    if ckpt is None or not ps._metas[name][ps.rank]:
+                    if name not in ps._checkpoints or not ps._metas[name][ps.rank]:
                         continue   # this rank owns nothing of it
-                    key = (name, plan.digest)
-                    if key not in self.box_digests:
-                        self.box_digests[key] = box_digests(ckpt, self.digests.get(name), plan, ps.rank)
-                    mine.setdefault(name, {})[plan.digest] = self.box_digests[key]
+                    mine.setdefault(name, {})[plan.digest] = self.boxes_of(name, plan)
                 if plan.digest not in fits:
                     raise ConfigError(f"the slice plan {plan.digest[:12]} fits none of the gathered checkpoints "
                                       f"{names}: " + "; ".join(f"{n!r}: {w}" for n, w in why.items()))
@@ -162,6 +158,15 @@ class P2PState:
             self.gathered[name] = [p if p is None or not v["boxes"].get(name) else
                                    replace(p, slices={**(p.slices or {}), **v["boxes"][name]})
                                    for p, v in zip(self.gathered[name], views)]
+
+    def boxes_of(self, name: str, plan) -> dict:
+        """This owner's digests of the boxes ``plan`` reads of its tensors of ``name``
+        (``slices.box_digests``: after checking them against their registration digests); computed
+        once per (checkpoint, plan), dropped on unregister."""
+        key = (name, plan.digest)
+        if key not in self.box_digests:
+            self.box_digests[key] = box_digests(self.ps._checkpoints[name], self.digests.get(name), plan, self.ps.rank)
+        return self.box_digests[key]
 
     def metas_document(self) -> dict:
         metas = {n: s.metas for n, s in self.loaded.items()} | dict(self.ps._metas)
@@ -379,8 +384,7 @@ def _settle_buffer(ps, store, ipc, pipe, mapped: bool, *, broken: bool) -> None:
         ps._log.warning("P2P staging buffer quarantined until its failed read settles")
         return
     store.unregister(ipc.tensor.data_ptr())   # registered per update: a kept buffer may be freed later
-    if not ps.keep_device_buffers and mapped and not broken:
-        ps._release_ipc()
+    ps._release_after(mapped, broken=broken)
 
 
 def _agree(ps, link, req, deadline: float, phase: str, final: bool) -> None:

@@ -97,16 +97,18 @@ class BroadcastUpdate:
             # On failure the error matters more than req_func's return: wait briefly only.
             left = max(0.0, deadline - time.monotonic())
             req.join(left if ok else min(left, REQ_GRACE_S))
-            # A buffer no worker mapped stays exported (torch frees an IPC export only once a
-            # consumer has let go of it): keep it for the next update instead of leaking it.
-            # After a broken collective it may still be the target of a stuck broadcast: it is
-            # freed by close(), once the process groups are aborted.
-            broken = getattr(sys.exc_info()[1], "groups_broken", False)
-            if not self.keep_device_buffers and mapped and not broken:
-                self._release_ipc()
+            self._release_after(mapped, broken=getattr(sys.exc_info()[1], "groups_broken", False))
         times["total"] = time.perf_counter() - t0
         extra = {} if slices is None else {"slices": self._slices_report(slices, plan, stats)}
         return self._report(name, plan, stats, times, slots=slots, device_buffer_bytes=buffer_bytes, **extra)
+
+    def _release_after(self, mapped: bool, *, broken: bool) -> None:
+        """After an update, free the IPC buffer unless it is kept (``keep_device_buffers``). A buffer
+        no worker mapped stays exported (torch frees an IPC export only once a consumer has let go
+        of it): it is kept for the next update instead of leaking it. After a broken collective it
+        may still be the target of a stuck broadcast: close() frees it, once the groups are aborted."""
+        if not self.keep_device_buffers and mapped and not broken:
+            self._release_ipc()
 
     def _try_ipc(self, buffer_bytes: int):
         """The IPC buffer, or why it could not be allocated: told to every rank at the handshake's
