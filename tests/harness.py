@@ -91,8 +91,6 @@ def process_gone(pid: int, timeout: float = 60) -> bool:
     return False
 
 
-
-
 def digest(t: torch.Tensor) -> str:
     t = t.detach().cpu().contiguous()
     return hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest() + f"|{t.dtype}|{tuple(t.shape)}"

@@ -13,6 +13,7 @@ import random
 import socket
 
 LOWEST = 10000
+LAUNCHES = 3   # a server that lost its port to another process is launched again on another, this often
 _RNG = random.SystemRandom()   # not a seeded generator: forked processes must not pick alike
 
 
@@ -39,3 +40,9 @@ def free_port() -> int:
             except OSError:
                 continue
     return _bound(0)   # an ephemeral range that starts low: the kernel's choice
+
+
+def lost_port(log: str) -> bool:
+    """Whether a server's log says another process bound its port first (vLLM: "Address already
+    in use", uvicorn: "address already in use")."""
+    return "address already in use" in log.lower()

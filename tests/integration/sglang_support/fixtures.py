@@ -21,6 +21,7 @@ import torch
 
 from ckpt_core.checkpoint.safetensors import write_file
 from harness import digest, free_port
+from ports import LAUNCHES, lost_port
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
@@ -132,16 +133,16 @@ def ready_engine(root: Path, seed: int = 100):
     from ckpt_sglang import SglangClient
     python = sglang_python()
     model_dir, _ = write_checkpoint(root / "model", seed=seed)
-    for launch in range(1, 4):
+    for launch in range(1, LAUNCHES + 1):
         eng = SglangEngine(python, model_dir, root / "engine.log")
         try:
             with SglangClient(eng.url) as client:
                 client.wait_ready(timeout=240, alive=eng.alive)
             break
         except Exception:
-            lost_port = "address already in use" in eng.tail().lower()
+            lost = lost_port(eng.tail())
             eng.close()
-            if not lost_port or launch == 3:   # another process was handed its port first: relaunch
+            if not lost or launch == LAUNCHES:   # another process was handed its port first: relaunch
                 raise
     try:
         yield eng

@@ -21,7 +21,7 @@ import httpx
 from ckpt_vllm import VllmClient
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # tests/: the shared port picker
-from ports import free_port  # noqa: E402  (re-exported: the vLLM tests take it from here)
+from ports import LAUNCHES, free_port, lost_port  # noqa: E402  (free_port re-exported: the vLLM tests take it here)
 
 REPO = Path(__file__).resolve().parents[3]
 EXTENSION = "ckpt_vllm.VllmColocateWorkerExtension"
@@ -36,10 +36,6 @@ SERVER_ENV = {
 }
 
 
-PORT_TAKEN = "Address already in use"
-LAUNCHES = 3   # a port handed to another process before the server bound it: pick another, this often
-
-
 class VllmServer:
     """One vLLM OpenAI server process. Use as a context manager; ``stop()`` is idempotent."""
 
@@ -48,13 +44,12 @@ class VllmServer:
                  dtype: str = "float32", extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None):
         self.python, self.model_dir, self.log_path = python, Path(model_dir), Path(log_path)
         self.uds = uds
-        self.port = None if uds else free_port()
-        self.endpoint = "http://localhost" if uds else f"http://127.0.0.1:{self.port}"
+        self.port = None if uds else free_port()   # picked again if another process was handed it first
         args = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                 "--served-model-name", "tiny", "--max-model-len", "256", "--dtype", dtype,
                 "--enforce-eager", "--distributed-executor-backend", "uni",
                 "--kv-cache-memory-bytes", str(64 << 20), "--load-format", load_format, "--seed", "0"]
-        args += ["--uds", str(uds)] if uds else ["--host", "127.0.0.1", "--port", "PORT"]
+        args += ["--uds", str(uds)] if uds else ["--host", "127.0.0.1"]   # the port: launch()
         if extension:
             args += ["--worker-extension-cls", EXTENSION]
         if backend:
@@ -80,7 +75,7 @@ class VllmServer:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._t0 = time.monotonic()
-        args = [str(self.port) if a == "PORT" else a for a in self.args]
+        args = self.args + ([] if self.uds else ["--port", str(self.port)])
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env,
                                          cwd=str(self.log_path.parent), start_new_session=True)
@@ -99,15 +94,18 @@ class VllmServer:
                 break
             except Exception as exc:
                 self.stop()
-                if self.uds is None and launch < LAUNCHES and PORT_TAKEN in self.log_tail():
+                if self.uds is None and launch < LAUNCHES and lost_port(self.log_tail()):
                     self.port = free_port()
-                    self.endpoint = f"http://127.0.0.1:{self.port}"
                     self.launch()
                     continue
                 raise RuntimeError(f"vLLM server did not come up: {exc}\n--- server log tail ---\n"
                                    f"{self.log_tail()}") from exc
         self.start_seconds = time.monotonic() - self._t0
         return self
+
+    @property
+    def endpoint(self) -> str:
+        return "http://localhost" if self.uds else f"http://127.0.0.1:{self.port}"
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
