@@ -6,13 +6,15 @@ how the ranks are served)."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from _bench_cases import GiB
+
 
 def tp_section(bench, case: str, specs, share, whole_s: float) -> dict:
     """Each of T simulated engine ranks receives only its slices (see the module's docstring)."""
     from ckpt_core.checkpoint.safetensors import WIRE_CODES
-    from ckpt_core.planning.slices import RankSlices, SliceKey, SlicePlan, split_plan
+    from ckpt_core.planning.slices import SliceKey, SlicePlan, split_plan
 
     tp = bench.args.tp
     tensors = {s.name: (WIRE_CODES[s.dtype], tuple(s.shape), s.dtype.itemsize) for s in specs}
@@ -24,7 +26,7 @@ def tp_section(bench, case: str, specs, share, whole_s: float) -> dict:
     # (engine ranks served by one update, the plan of that update): all at once, or one at a time
     rounds = ([(list(range(tp)), plan)] if not serial else
               [([t], SlicePlan(SliceKey(plan.key.model, f"{plan.key.layout},rank={t}", "simulated"), tensors,
-                               (RankSlices(0, *_rank_fields(plan.ranks[t])),))) for t in range(tp)])
+                               (replace(plan.ranks[t], rank=0),))) for t in range(tp)])
     dtypes = {s.name: s.dtype for s in specs}
     per_rank: dict[int, list[float]] = {}
     breakdown: dict[int, dict] = {}
@@ -60,9 +62,10 @@ def tp_section(bench, case: str, specs, share, whole_s: float) -> dict:
            "speedup": whole_s / max(best) if max(best) else None,
            "update_breakdown_slowest": breakdown[best.index(max(best))]}
     bench.say(f"{case}: tp={tp} ({out['mode']}) each rank receives {out['received_fraction']:.3f} of "
-             f"{plan.whole_bytes() / GiB:.3f} GiB; sliced update {out['sliced_s']:.3f} s (slowest rank) "
-             f"against a whole update of {whole_s:.3f} s ({out['speedup']:.2f}x)")
+              f"{plan.whole_bytes() / GiB:.3f} GiB; sliced update {out['sliced_s']:.3f} s (slowest rank) "
+              f"against a whole update of {whole_s:.3f} s ({out['speedup']:.2f}x)")
     return out
+
 
 def slice_sums(bench, plan, named: dict) -> list[dict]:
     """Per engine rank of ``plan``: the checksums of its slices of this rank's tensors, computed
@@ -83,10 +86,6 @@ def slice_sums(bench, plan, named: dict) -> list[dict]:
         mine.append(sums)
     every = bench.gather(mine)
     return [{k: v for views in every for k, v in views[r].items()} for r in range(len(plan.ranks))]
-
-
-def _rank_fields(rs) -> tuple:
-    return rs.needs, rs.params, rs.writes
 
 
 # Which dimension a tensor-parallel engine splits each tensor of the synthetic layouts along
