@@ -2,6 +2,7 @@
 real 2-rank `ckpt-engine serve` worlds (gloo) on Unix sockets, one rank SIGKILLed."""
 
 import os
+import re
 import signal
 import time
 
@@ -29,6 +30,16 @@ def _unhealthy_within(client, ceiling: float) -> tuple[float, dict]:
     raise AssertionError(f"healthz still 200 {ceiling:.0f} s after the peer died")
 
 
+def _silence_s(status: dict, killed: int) -> float:
+    """How long the survivor has heard nothing: the dead peer's beat age, or (rank 0 killed) how long its
+    rendezvous store has not answered, as the problem states it."""
+    if killed != 0:
+        return status["peers"][str(killed)]["age_s"]
+    found = re.search(r"has not answered for ([0-9.]+) s", status["problem"])
+    assert found, status["problem"]
+    return float(found.group(1))
+
+
 @pytest.mark.parametrize("killed, survivor, needle", [(1, 0, "rank(s) [1] sent no heartbeat"),
                                                       (0, 1, "rendezvous store")])
 def test_healthz_turns_unhealthy_within_the_peer_timeout_after_a_peer_rank_is_killed(tmp_path, killed, survivor,
@@ -44,9 +55,12 @@ def test_healthz_turns_unhealthy_within_the_peer_timeout_after_a_peer_rank_is_ki
         took, body = _unhealthy_within(w.clients[survivor], CEILING_S)
         print(f"healthz 503 {took:.2f} s after rank {killed} was killed (peer timeout {PEER_TIMEOUT_S} s)")
         assert body["error"]["type"] == "Unhealthy" and needle in body["error"]["message"], body
-        assert took >= PEER_TIMEOUT_S - 2 * BEAT_S - 0.5, "not before the stated timeout either"
+        # Not before the stated timeout either. Measured as the survivor's own silence figure, not as the
+        # time since the kill: on a loaded machine the killed rank's last beats can already be late
+        # before it dies (CI once saw 503 0.14 s after the kill, rightly: that peer had been silent 2 s).
         status = w.clients[survivor].get("/v1/status").json()
         assert status["healthy"] is False and needle in status["problem"]
+        assert _silence_s(status, killed) > PEER_TIMEOUT_S, status
         assert f'ckpt_healthy{{rank="{survivor}"}} 0.0' in w.clients[survivor].get("/metrics").text
     finally:
         codes = w.close()
