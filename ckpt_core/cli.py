@@ -24,6 +24,7 @@ import subprocess
 import sys
 
 from ckpt_core._cli_args import COUNT, POSITIVE, number, renamed
+from ckpt_core._cli_plan import cmd_plan, plan_parser
 from ckpt_core.errors import (CheckpointFormatError, CheckpointNotFoundError, CkptError, ConfigError, RemoteWorkerError,
                      TransportError)
 
@@ -198,52 +199,6 @@ def cmd_inspect(args) -> int:
     return EXIT_OK
 
 
-# ------------------------------------------------------------------ plan
-def cmd_plan(args) -> int:
-    from ckpt_core.planning.capacity import ModelSpec, Topology, h2d_default, predict
-    if args.model:
-        info = inspect_checkpoint(args.model, args.device_free_gib)
-        spec = ModelSpec(info["bytes"], info["tensors"], info["largest_tensor"]["bytes"])
-    elif args.size_gib and args.tensors:
-        total = int(args.size_gib * GiB)
-        largest = int(args.largest_mib * (1 << 20)) if args.largest_mib else max(total // args.tensors, total // 16)
-        spec = ModelSpec(total, args.tensors, largest)
-    else:
-        raise ConfigError("give a model directory (--model DIR) or its size and tensor count (--size-gib, --tensors)")
-    h2d = args.h2d_gb_per_s if args.h2d_gb_per_s is not None else h2d_default(args.devices)
-    topo = Topology(nodes=args.nodes, devices_per_node=args.devices, h2d_gbps=h2d,
-                    broadcast_gbps=args.d2d_gb_per_s, nic_gbps=args.nic_gb_per_s, device_free_gib=args.device_free_gib,
-                    slots=args.slots, max_bucket_gib=args.max_bucket_gib)
-    doc = predict(spec, topo, mode=args.mode)
-    if args.slices_tp:
-        doc["with_slices"] = predict(spec, topo, mode=args.mode, slices_tp=args.slices_tp,
-                                     sharded_fraction=args.sharded_fraction)
-    st = doc["stages_s"]
-    text = "\n".join([
-        f"{doc['mode']} update of {spec.total_bytes / GiB:.2f} GiB ({spec.tensors} tensors) into "
-        f"{args.nodes} node(s) x {args.devices} device(s):",
-        *[f"  {k:>9}: {v:8.3f} s" for k, v in st.items()],
-        f"  {'fixed':>9}: {doc['fixed_s']:8.3f} s",
-        f"  update ~ {doc['update_s']:.3f} s ({doc['model_gbps']:.1f} GB/s of model bytes); bottleneck: "
-        f"{doc['bottleneck']}{'' if doc['pipelined'] else ' (one slot: stages do not overlap)'}",
-        f"  {doc['buckets']} buckets of <= {doc['bucket_bytes'] / (1 << 20):.0f} MiB, {doc['slots']} slot(s)",
-        f"  memory per rank: host {doc['host_bytes_per_rank'] / GiB:.2f} GiB (pinned), device "
-        f"{doc['device_bytes_per_rank'] / GiB:.2f} GiB; per node host {doc['host_bytes_per_node'] / GiB:.2f} GiB",
-        f"  registration ~ {doc['register_s']:.2f} s per rank; calibrated on {doc['calibration']['source']}",
-        f"  staged update: {doc['staging']['bytes_per_worker'] / GiB:.2f} GiB per engine worker "
-        f"{'fits in' if doc['staging']['fits_device'] else 'does not fit in'} its device memory "
-        f"({doc['staging']['device_room_bytes'] / GiB:.2f} GiB left beside the PS's buffer): staged in "
-        f"{doc['staging']['where']} memory, commit (the pause) ~ {doc['staging']['commit_s']:.3f} s with the "
-        "calibrated engine reload (a real vLLM's own reload adds its per-layer processing)"])
-    if args.slices_tp:
-        sl = doc["with_slices"]
-        text += (f"\n  with slices (TP {args.slices_tp}, {args.sharded_fraction:g} of the bytes sharded): "
-                 f"{sl['received_bytes_per_rank'] / GiB:.2f} GiB received per rank, update ~ {sl['update_s']:.3f} s "
-                 f"(broadcast {sl['stages_s']['broadcast']:.3f} s, reload {sl['stages_s']['reload']:.3f} s)")
-    _emit(args, doc, text)
-    return EXIT_OK
-
-
 # ------------------------------------------------------------------ bench
 def cmd_bench(args, extra: list[str]) -> int:
     script = os.path.join(REPO, "benchmarks", "update_bench.py")
@@ -272,7 +227,6 @@ def _common(parser: argparse.ArgumentParser, top: bool) -> None:
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 GIB_WHY = "the value is GiB (2^30 bytes)"
-GBPS_WHY = "the value is GB/s, gigabytes per second, not Gb/s"
 
 
 def _serve_parser(sub) -> None:
@@ -312,33 +266,6 @@ def _serve_parser(sub) -> None:
                    help="managed mode: stop (as on SIGTERM) once this process (the engine worker) is gone")
 
 
-def _plan_parser(sub) -> None:
-    pl = sub.add_parser("plan", help="predict update time and memory for a model on a topology")
-    _common(pl, False)
-    pl.add_argument("--model", help="checkpoint directory or file (else --size-gib and --tensors)")
-    pl.add_argument("--size-gib", type=POSITIVE)
-    pl.add_argument("--tensors", type=COUNT)
-    pl.add_argument("--largest-mib", type=POSITIVE, help="largest tensor (default: the larger of mean and 1/16)")
-    pl.add_argument("--nodes", type=COUNT, default=1)
-    pl.add_argument("--devices", type=COUNT, default=8, help="devices per node (default 8)")
-    renamed(pl, "--h2d-gb-per-s", "--h2d-gbps", GBPS_WHY, type=POSITIVE, default=None,
-             help="host-to-device per device, GB/s (default: measured, 49.3 with 2 H200 copying, 55.4 for one alone)")
-    renamed(pl, "--d2d-gb-per-s", "--d2d-gbps", GBPS_WHY, type=POSITIVE, default=347.0,
-             help="intra-node broadcast, GB/s (default 347: 2xH200 NVLink)")
-    renamed(pl, "--nic-gb-per-s", "--nic-gbps", GBPS_WHY, type=POSITIVE, default=50.0,
-             help="per node, all NICs together, GB/s: gigaBYTES (default 50, i.e. one 400 Gb/s NIC)")
-    pl.add_argument("--device-free-gib", type=POSITIVE, default=16.0, help="free device memory per device (default 16)")
-    pl.add_argument("--slots", type=COUNT, default=4)
-    pl.add_argument("--max-bucket-gib", type=POSITIVE, default=8.0)
-    pl.add_argument("--mode", choices=("broadcast", "p2p"), default="broadcast")
-    pl.add_argument("--slices-tp", type=COUNT, default=None,
-                    help="also predict an update where each engine rank receives only its slices, for an "
-                         "engine of this tensor-parallel size")
-    pl.add_argument("--sharded-fraction", type=float, default=0.98,
-                    help="with --slices-tp: the fraction of the bytes split over the ranks (default 0.98: a "
-                         "dense model whose KV heads are not replicated)")
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ckpt-engine", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -353,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("path")
     i.add_argument("--device-mem-gib", type=POSITIVE, default=16.0, help="free device memory to plan for (default 16)")
     i.add_argument("--ranks", type=COUNT, default=1, help="parameter-server ranks sharing the checkpoint")
-    _plan_parser(sub)
+    plan_parser(sub, _common)
 
     # -h is the benchmark's: `bench --help` shows its flags (cmd_bench), not only --nproc.
     b = sub.add_parser("bench", add_help=False,

@@ -46,6 +46,7 @@ from ckpt_core.engines.driver import (UPDATE_METHODS, emit_json_line, prepare_ch
                                      update_methods)
 from ckpt_core.engines.requests import group_handles
 from ckpt_core.errors import ConfigError
+from ckpt_core.planning.slices import write_plan_file
 from ckpt_vllm import VllmClient
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -89,6 +90,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--slices", action="store_true",
                     help="send each engine rank only the slices its loaders read (one engine, recorded "
                          "from it first; broadcast and P2P updates, either path, staged or not)")
+    ap.add_argument("--save-slice-plan", metavar="FILE",
+                    help="with --slices: rank 0 writes the recorded plan there (JSON; `ckpt-engine plan "
+                         "--slices-plan FILE` predicts other topologies from it)")
     return ap.parse_args(argv)
 
 
@@ -113,6 +117,8 @@ def check_args(args: argparse.Namespace, world_size: int) -> tuple[int, list[str
     if args.stage and (args.pause is not None or args.path != "extension"):
         raise ConfigError("--stage takes the extension path and no --pause: the servers keep generating while it "
                           "stages; --commit pauses")
+    if args.save_slice_plan and not args.slices:
+        raise ConfigError("--save-slice-plan needs --slices (the plan is recorded from the engine for a sliced update)")
     if args.prepare and not args.stage:
         raise ConfigError("--prepare applies to --stage")
     commit_only = args.commit and not args.stage
@@ -163,6 +169,8 @@ def main(argv=None) -> int:
     world_size, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     ips, endpoints, socks = check_args(args, world_size)
     # A missing or empty checkpoint directory is reported now, not after waiting for the servers.
+    if args.save_slice_plan and not args.slices:
+        raise ConfigError("--save-slice-plan needs --slices (the plan is recorded from the engine for a sliced update)")
     if args.prepare and not args.stage:
         raise ConfigError("--prepare applies to --stage")
     commit_only = args.commit and not args.stage
@@ -185,6 +193,8 @@ def main(argv=None) -> int:
             if args.slices:   # recorded from the engine by rank 0, shared with every rank
                 recorded = client.slice_plan(ps.tensor_specs(args.checkpoint_name)) if ps.rank == 0 else None
                 plan = ps.share_slice_plan(recorded)
+                if args.save_slice_plan and ps.rank == 0:   # for `ckpt-engine plan --slices-plan FILE`
+                    write_plan_file(args.save_slice_plan, plan)
             make = lambda reports: make_req_func(client, ps.rank, ips, args, reports,   # noqa: E731
                                                  plan.digest if plan else None)
             for method, result, reports in run_updates(ps, args.checkpoint_name, methods, make, timeout=args.timeout,

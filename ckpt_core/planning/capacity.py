@@ -31,6 +31,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 
 from ckpt_core.planning.buckets import choose_layout
+from ckpt_core.planning.slice_estimate import SliceLoad, from_fraction
 from ckpt_core.errors import ConfigError
 
 GB = 1e9
@@ -98,19 +99,25 @@ def h2d_default(devices_per_node: int) -> float:
 
 
 def predict(model: ModelSpec, topo: Topology, *, mode: str = "broadcast", cal: Calibration = Calibration(),
-            slices_tp: int | None = None, sharded_fraction: float = 0.98) -> dict:
+            slices: SliceLoad | None = None, slices_tp: int | None = None, sharded_fraction: float = 0.98) -> dict:
     """Predicted seconds per stage, the update's total, and host/device memory (plain data).
 
-    ``slices_tp``: each engine rank receives only its slices (``planning/slices.py``) of an engine
-    with that tensor-parallel size: ``sharded_fraction`` of the bytes split over it, the rest whole
-    on every rank. Only the bytes a rank receives then travel to it and go through its reload.
+    ``slices``: each engine rank receives only its slices (``planning/slices.py``), as a
+    :class:`~ckpt_core.planning.slice_estimate.SliceLoad` says (from a recorded plan, or estimated
+    from the checkpoint); ``slices_tp`` with ``sharded_fraction`` is the coarse form of it
+    (that fraction of the bytes split over the ranks, the rest whole on every rank). A broadcast
+    update then moves and reloads only the most any rank receives; a P2P update still reads every
+    byte over the network (each target its own slices) but broadcasts in the target group only what
+    every rank reads whole.
     """
     if mode not in ("broadcast", "p2p"):
         raise ConfigError(f"mode must be 'broadcast' or 'p2p', got {mode!r}")
-    if slices_tp is not None and (mode != "broadcast" or slices_tp < 1 or not 0 <= sharded_fraction <= 1):
-        raise ConfigError(f"slices need a broadcast update, a tensor-parallel size >= 1 and a sharded fraction in "
-                          f"[0, 1], got {mode}, {slices_tp}, {sharded_fraction}")
+    if slices_tp is not None:
+        slices = from_fraction(model.total_bytes, model.tensors, slices_tp, sharded_fraction)
     ranks = topo.ranks
+    if slices is not None and mode == "broadcast" and ranks % slices.tp:
+        raise ConfigError(f"a sliced broadcast feeds engine rank p % T from PS rank p: {ranks} rank(s) are not a "
+                          f"multiple of the engine's {slices.tp}")
     share = math.ceil(model.total_bytes / ranks)   # the registration spreads bytes evenly (largest first)
     share = max(share, model.largest_tensor)
     bucket, slots = choose_layout(int(topo.device_free_gib * GiB), mem_fraction=topo.mem_fraction,
@@ -122,16 +129,17 @@ def predict(model: ModelSpec, topo: Topology, *, mode: str = "broadcast", cal: C
     buckets = ranks * max(1, math.ceil(share / bucket))
     slots = max(1, min(slots, buckets))
     bcast_bw = topo.broadcast_gbps if topo.nodes == 1 else min(topo.broadcast_gbps, topo.nic_gbps)
-    received = model.total_bytes if slices_tp is None else int(
-        model.total_bytes * (sharded_fraction / slices_tp + 1 - sharded_fraction))
+    received = model.total_bytes if slices is None else slices.most_bytes
+    reloaded = model.tensors if slices is None else max(slices.tensors)
     stages = {"broadcast": 0.0 if ranks == 1 else received / (bcast_bw * GB),
-              "reload": received / (cal.reload_gbps * GB) + model.tensors * cal.per_tensor_s}
+              "reload": received / (cal.reload_gbps * GB) + reloaded * cal.per_tensor_s}
     if mode == "broadcast":
         stages["h2d"] = max(share / (topo.h2d_gbps * GB),
                             model.total_bytes / (topo.h2d_gbps * GB * min(slots, ranks)))
     else:
         stages["p2p"] = model.total_bytes / (topo.nic_gbps * GB)
-        stages["broadcast"] = 0.0 if topo.devices_per_node == 1 else model.total_bytes / (topo.broadcast_gbps * GB)
+        local = model.total_bytes if slices is None else slices.everywhere_bytes
+        stages["broadcast"] = 0.0 if topo.devices_per_node == 1 else local / (topo.broadcast_gbps * GB)
     total_stages = sum(stages.values())
     longest = max(stages, key=stages.get)
     overlap = slots > 1
@@ -139,7 +147,7 @@ def predict(model: ModelSpec, topo: Topology, *, mode: str = "broadcast", cal: C
     return {
         "mode": mode, "ranks": ranks, "nodes": topo.nodes, "devices_per_node": topo.devices_per_node,
         "model_bytes": model.total_bytes, "tensors": model.tensors, "received_bytes_per_rank": received,
-        "slices": None if slices_tp is None else {"tp": slices_tp, "sharded_fraction": sharded_fraction},
+        "slices": None if slices is None else slices.to_json(),
         "bucket_bytes": bucket, "slots": slots, "buckets": buckets, "pipelined": overlap,
         "stages_s": {k: round(v, 6) for k, v in stages.items()}, "fixed_s": cal.fixed_s,
         "bottleneck": longest, "update_s": round(update, 6), "model_gbps": model.total_bytes / update / GB,

@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Iterable, NamedTuple
@@ -358,6 +359,25 @@ def plan_from_json(doc) -> SlicePlan:
     plan = SlicePlan(key, tensors, ranks)
     check_plan(plan)
     return plan
+
+
+def write_plan_file(path, plan: SlicePlan) -> None:
+    """The plan as a JSON file (written whole or not at all), for ``read_plan_file`` and
+    ``ckpt-engine plan --slices-plan``."""
+    tmp = f"{os.fspath(path)}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(plan_to_json(plan), f)
+    os.replace(tmp, path)
+
+
+def read_plan_file(path) -> SlicePlan:
+    """A plan written by ``write_plan_file``, parsed and checked; ConfigError when it cannot be read."""
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read the slice plan {os.fspath(path)!r}: {exc}") from exc
+    return plan_from_json(doc)
 
 
 def merge_ranks(key: SliceKey, tensors: dict, ranks: Iterable[RankSlices]) -> SlicePlan:

@@ -160,6 +160,7 @@ def test_the_driver_feeds_two_engines_each_through_its_own_unix_socket(tmp_path)
     (["--checkpoint-path", "x", "--stage", "--version", "v", "--pause", "keep"], "--stage takes the extension path"),
     (["--checkpoint-path", "x", "--stage", "--version", "v", "--path", "backend"], "--stage takes the extension path"),
     (["--checkpoint-path", "x", "--commit", "--version", "v"], "--commit without --stage moves no checkpoint"),
+    (["--checkpoint-path", "x", "--save-slice-plan", "p.json"], "--save-slice-plan needs --slices"),
 ])
 def test_stage_and_commit_flags_that_cannot_work_are_refused_before_any_wait(argv, message):
     ex = _example()

@@ -15,15 +15,18 @@ every tensor) routed by the slice plan; the MoE also under expert parallelism (w
 generate with it). The module's own servers boot two at a time.
 """
 
+import contextlib
+import io
 import json
 import math
-import random
 from pathlib import Path
 
 import pytest
 
+from ckpt_core import cli
 from ckpt_core.checkpoint.safetensors import WIRE_DTYPES
 from ckpt_core.errors import RemoteWorkerError
+from ckpt_core.planning.slice_estimate import estimate
 from vllm_support.fixtures import (MAX_TOKENS, TinyModel, launch_server, ready, run_vllm_python,  # noqa: F401
                                    shared_servers, tiny_model, vllm_python)
 from vllm_support.parity import Case, build_checkpoints, differences, push_to, tp_server_args
@@ -41,35 +44,35 @@ def header(path):
     return {name: (e["dtype"], tuple(e["shape"])) for name, e in doc.items()}
 
 
-def expected_bytes(weights, vocab_pad: int = 64, experts_per_rank: int | None = None) -> tuple[list[int], int]:
-    """Per rank, what vLLM's loaders read at TP 2: q/o/gate/up/down split in two, k/v (weights and
-    biases) whole on both ranks with one KV head (the model's config.json, beside ``weights``, says
-    how many), else split too, norms and a MoE's router whole,
-    each expert's gate/up/down split in two like a dense MLP's, the vocabulary split
-    by rows of the padded vocabulary (each rank the padded half, less the padding); under expert
-    parallelism (``experts_per_rank``) rank r reads experts r * n .. r * n + n - 1 whole and no
-    other expert's bytes. Also the total."""
-    per_rank, total = [0] * TP, 0
-    kv_heads = json.loads((Path(weights).parent / "config.json").read_text())["num_key_value_heads"]
-    for name, (dtype, shape) in header(weights).items():
-        size = WIRE_DTYPES[dtype].itemsize
-        nbytes = math.prod(shape) * size
-        total += nbytes
-        for r in range(TP):
-            if ("k_proj" in name or "v_proj" in name) and kv_heads < TP or "norm" in name or \
-                    name.endswith("mlp.gate.weight"):   # a MoE's router: replicated
-                per_rank[r] += nbytes
-            elif ".experts." in name and experts_per_rank:
-                expert = int(name.split(".experts.")[1].split(".")[0])
-                per_rank[r] += nbytes if expert // experts_per_rank == r else 0
-            elif "embed_tokens" in name or "lm_head" in name:
-                vocab, row = shape[0], math.prod(shape[1:]) * size
-                padded = -(-vocab // vocab_pad) * vocab_pad
-                lo, hi = r * padded // TP, min(vocab, (r + 1) * padded // TP)
-                per_rank[r] += max(0, hi - lo) * row
-            else:
-                per_rank[r] += nbytes // TP
-    return per_rank, total
+def expected_bytes(weights, experts_per_rank: int | None = None) -> tuple[list[int], int]:
+    """Per rank, what the capacity planner's estimate (``planning/slice_estimate.py``: vLLM's loader
+    conventions applied to the checkpoint's names, shapes and config.json) says vLLM's loaders read at
+    TP 2: q/o/gate/up/down split in two, k/v whole on both ranks with one KV head, else split too,
+    norms and a MoE's router whole, each expert split in two like a dense MLP's or, under expert
+    parallelism, whole on the one rank that holds it, the vocabulary split by rows of the padded
+    vocabulary. Also the total. The recorded plans must give exactly these figures."""
+    tensors = {n: (shape, WIRE_DTYPES[d].itemsize) for n, (d, shape) in header(weights).items()}
+    config = json.loads((Path(weights).parent / "config.json").read_text())
+    load = estimate(tensors, config, TP, ep=bool(experts_per_rank))
+    if experts_per_rank:
+        assert load.tensors[0] < len(tensors)   # each rank reads only its experts
+    return list(load.received_bytes), sum(math.prod(s) * i for s, i in tensors.values())
+
+
+def planner_agrees(weights, plan_file: Path, got: list[int], ep: bool) -> None:
+    """``ckpt-engine plan`` gives the bytes each rank received, from the plan the update recorded
+    (``--save-slice-plan``, exact) and from the checkpoint alone (the estimate)."""
+    for how in (["--slices-plan", str(plan_file)], ["--slices-tp", str(TP), *(["--slices-ep"] if ep else [])]):
+        doc = cli_json(["plan", "--model", str(weights), "--devices", str(TP), *how])
+        assert doc["with_slices"]["slices"]["received_bytes"] == got, (how, doc["with_slices"]["slices"])
+        assert doc["with_slices"]["update_s"] < doc["update_s"]
+
+
+def cli_json(argv: list[str]) -> dict:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert cli.main(["--json", *argv]) == 0, out.getvalue()
+    return json.loads(out.getvalue())
 
 
 _WHOLE: dict = {}   # (server, weights) -> every worker's digests after a whole update of them
@@ -91,7 +94,8 @@ def sliced_equals_whole(server, model, where, experts_per_rank: int | None = Non
     w0, w1 = model.weights
     if generate:
         model.references(w0, w1)
-    sliced = push_to(server, w1, "extension", TP, where, extra=("--slices",))
+    plan_file = where / f"{model.dir.name}-plan.json"
+    sliced = push_to(server, w1, "extension", TP, where, extra=("--slices", "--save-slice-plan", str(plan_file)))
     after_sliced = server.client.collective_rpc("ckpt_state_digests")
     assert not generate or server.complete(model.prompts, MAX_TOKENS) == model.reference(w1), \
         "greedy output after a sliced update differs from Hugging Face"
@@ -103,6 +107,7 @@ def sliced_equals_whole(server, model, where, experts_per_rank: int | None = Non
     print(f"{model.dir.name}: bytes received per rank {got} of {total} whole "
           f"({', '.join(f'{g / total:.3f}' for g in got)}); predicted {want}")
     assert got == want
+    planner_agrees(w1, plan_file, got, ep=bool(experts_per_rank))
     if back:
         again = push_to(server, w0, "extension", TP, where, extra=("--slices",))
         assert not generate or server.complete(model.prompts, MAX_TOKENS) == model.reference(w0)

@@ -8,6 +8,7 @@ import pytest
 from ckpt_core import cli
 from ckpt_core.errors import ConfigError
 from ckpt_core.planning.capacity import ModelSpec, Topology, predict
+from ckpt_core.planning.slice_estimate import SliceLoad
 
 GiB = 1 << 30
 MODEL = ModelSpec(16 * GiB, 344, 1 << 30)
@@ -27,10 +28,11 @@ def test_slices_cut_what_each_rank_receives_to_its_share_and_shorten_the_stages_
     assert same["received_bytes_per_rank"] == MODEL.total_bytes
 
 
-@pytest.mark.parametrize("kwargs", [{"slices_tp": 0}, {"slices_tp": 2, "sharded_fraction": 1.5},
-                                    {"slices_tp": 2, "mode": "p2p"}])
-def test_a_bad_slices_layout_is_a_config_error(kwargs):
-    with pytest.raises(ConfigError, match="slices need"):
+@pytest.mark.parametrize("kwargs, needle", [({"slices_tp": 0}, "slices need"),
+                                            ({"slices_tp": 2, "sharded_fraction": 1.5}, "slices need"),
+                                            ({"slices_tp": 3}, "not a multiple of the engine's 3")])
+def test_a_bad_slices_layout_is_a_config_error(kwargs, needle):
+    with pytest.raises(ConfigError, match=needle):
         predict(MODEL, Topology(), **kwargs)
 
 
@@ -38,7 +40,25 @@ def test_plan_with_slices_tp_predicts_both_updates(capsys):
     assert cli.main(["--json", "plan", "--size-gib", "16", "--tensors", "344", "--devices", "8",
                      "--slices-tp", "8"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["with_slices"]["slices"] == {"tp": 8, "sharded_fraction": 0.98}
+    load = doc["with_slices"]["slices"]
+    assert load["tp"] == 8 and load["source"] == "0.98 of the bytes sharded" and len(set(load["received_bytes"])) == 1
     assert doc["with_slices"]["received_bytes_per_rank"] < doc["received_bytes_per_rank"] / 5
     assert cli.main(["plan", "--size-gib", "16", "--tensors", "344", "--devices", "8", "--slices-tp", "8"]) == 0
     assert "with slices (TP 8, 0.98 of the bytes sharded): 2.28 GiB received per rank" in capsys.readouterr().out
+
+
+def test_a_sliced_p2p_update_still_reads_every_byte_but_broadcasts_only_what_every_rank_reads_whole():
+    topo = Topology(nodes=1, devices_per_node=8, device_free_gib=16)
+    whole = predict(MODEL, topo, mode="p2p")
+    sliced = predict(MODEL, topo, mode="p2p", slices_tp=8, sharded_fraction=0.9)
+    assert sliced["stages_s"]["p2p"] == whole["stages_s"]["p2p"]
+    assert sliced["stages_s"]["broadcast"] == pytest.approx(whole["stages_s"]["broadcast"] * 0.1, rel=1e-3)
+    assert sliced["stages_s"]["reload"] < whole["stages_s"]["reload"]
+
+
+def test_fewer_tensors_per_rank_under_expert_parallelism_cost_less_reload_than_the_same_bytes_in_all_tensors():
+    topo = Topology(nodes=1, devices_per_node=2, device_free_gib=16)
+    half = MODEL.total_bytes // 2
+    tp = predict(MODEL, topo, slices=SliceLoad(2, (half, half), (344, 344), 0, "test"))
+    ep = predict(MODEL, topo, slices=SliceLoad(2, (half, half), (200, 200), 0, "test", ep=True))
+    assert ep["stages_s"]["reload"] < tp["stages_s"]["reload"] and ep["stages_s"]["broadcast"] == tp["stages_s"]["broadcast"]

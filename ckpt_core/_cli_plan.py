@@ -1,0 +1,145 @@
+"""``ckpt-engine plan``: predicted update time and memory for a model on a topology, with and without
+slices (``planning/capacity.py``, ``planning/slice_estimate.py``)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from ckpt_core._cli_args import COUNT, POSITIVE, number, renamed
+from ckpt_core.errors import ConfigError
+
+GiB = float(1 << 30)
+GBPS_WHY = "the value is GB/s, gigabytes per second, not Gb/s"
+
+
+def checkpoint_shapes(path: str, files: list[str]) -> tuple[dict, dict]:
+    """name -> (shape, itemsize) of every tensor of ``files``, and the ``config.json`` beside them ({} when
+    there is none)."""
+    from ckpt_core.checkpoint.safetensors import read_header
+    tensors = {e.name: (tuple(e.shape), e.dtype.itemsize) for f in files for e in read_header(f).tensors}
+    where = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    config_path = os.path.join(where, "config.json")
+    if not os.path.exists(config_path):
+        return tensors, {}
+    try:
+        with open(config_path) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read {config_path!r}: {exc}") from exc
+    # Multimodal and some MoE configs keep the language model's numbers in text_config.
+    return tensors, ({**config, **(config.get("text_config") or {})} if isinstance(config, dict) else {})
+
+
+def slice_load(args, spec, files: list[str] | None):
+    """What each engine rank receives with slices: a recorded plan (exact), else an estimate from the
+    checkpoint (``--model``), else ``--sharded-fraction`` of the bytes split over ``--slices-tp``."""
+    from ckpt_core.planning import slice_estimate
+    from ckpt_core.planning.slices import read_plan_file
+    if args.slices_plan:
+        plan = read_plan_file(args.slices_plan)
+        if args.slices_tp and args.slices_tp != len(plan.ranks):
+            raise ConfigError(f"--slices-tp {args.slices_tp} but the plan {args.slices_plan!r} has "
+                              f"{len(plan.ranks)} engine ranks")
+        return slice_estimate.from_plan(plan)
+    if not args.slices_tp:
+        return None
+    if files is not None and args.sharded_fraction is None:
+        tensors, config = checkpoint_shapes(args.model, files)
+        return slice_estimate.estimate(tensors, config, args.slices_tp, ep=args.slices_ep)
+    if args.slices_ep:
+        raise ConfigError("--slices-ep needs the checkpoint (--model DIR: which tensors are experts, and how many)")
+    fraction = 0.98 if args.sharded_fraction is None else args.sharded_fraction
+    return slice_estimate.from_fraction(spec.total_bytes, spec.tensors, args.slices_tp, fraction)
+
+
+def cmd_plan(args) -> int:
+    from ckpt_core.cli import _emit, _files_of, inspect_checkpoint
+    from ckpt_core.planning.capacity import ModelSpec, Topology, h2d_default, predict
+    files = None
+    if args.model:
+        info = inspect_checkpoint(args.model, args.device_free_gib)
+        spec = ModelSpec(info["bytes"], info["tensors"], info["largest_tensor"]["bytes"])
+        files = _files_of(args.model)
+    elif args.size_gib and args.tensors:
+        total = int(args.size_gib * GiB)
+        largest = int(args.largest_mib * (1 << 20)) if args.largest_mib else max(total // args.tensors, total // 16)
+        spec = ModelSpec(total, args.tensors, largest)
+    else:
+        raise ConfigError("give a model directory (--model DIR) or its size and tensor count (--size-gib, --tensors)")
+    h2d = args.h2d_gb_per_s if args.h2d_gb_per_s is not None else h2d_default(args.devices)
+    topo = Topology(nodes=args.nodes, devices_per_node=args.devices, h2d_gbps=h2d,
+                    broadcast_gbps=args.d2d_gb_per_s, nic_gbps=args.nic_gb_per_s, device_free_gib=args.device_free_gib,
+                    slots=args.slots, max_bucket_gib=args.max_bucket_gib)
+    doc = predict(spec, topo, mode=args.mode)
+    load = slice_load(args, spec, files)
+    if load is not None:
+        doc["with_slices"] = predict(spec, topo, mode=args.mode, slices=load)
+    _emit(args, doc, "\n".join([_text(args, spec, doc), *_slices_text(doc, load)]))
+    return 0
+
+
+def _text(args, spec, doc: dict) -> str:
+    st = doc["stages_s"]
+    return "\n".join([
+        f"{doc['mode']} update of {spec.total_bytes / GiB:.2f} GiB ({spec.tensors} tensors) into "
+        f"{args.nodes} node(s) x {args.devices} device(s):",
+        *[f"  {k:>9}: {v:8.3f} s" for k, v in st.items()],
+        f"  {'fixed':>9}: {doc['fixed_s']:8.3f} s",
+        f"  update ~ {doc['update_s']:.3f} s ({doc['model_gbps']:.1f} GB/s of model bytes); bottleneck: "
+        f"{doc['bottleneck']}{'' if doc['pipelined'] else ' (one slot: stages do not overlap)'}",
+        f"  {doc['buckets']} buckets of <= {doc['bucket_bytes'] / (1 << 20):.0f} MiB, {doc['slots']} slot(s)",
+        f"  memory per rank: host {doc['host_bytes_per_rank'] / GiB:.2f} GiB (pinned), device "
+        f"{doc['device_bytes_per_rank'] / GiB:.2f} GiB; per node host {doc['host_bytes_per_node'] / GiB:.2f} GiB",
+        f"  registration ~ {doc['register_s']:.2f} s per rank; calibrated on {doc['calibration']['source']}",
+        f"  staged update: {doc['staging']['bytes_per_worker'] / GiB:.2f} GiB per engine worker "
+        f"{'fits in' if doc['staging']['fits_device'] else 'does not fit in'} its device memory "
+        f"({doc['staging']['device_room_bytes'] / GiB:.2f} GiB left beside the PS's buffer): staged in "
+        f"{doc['staging']['where']} memory, commit (the pause) ~ {doc['staging']['commit_s']:.3f} s with the "
+        "calibrated engine reload (a real vLLM's own reload adds its per-layer processing)"])
+
+
+def _slices_text(doc: dict, load) -> list[str]:
+    if load is None:
+        return []
+    sl = doc["with_slices"]
+    stages = ", ".join(f"{k} {v:.3f} s" for k, v in sl["stages_s"].items())
+    return [f"  with slices (TP {load.tp}{', experts by EP' if load.ep else ''}, {load.source}): "
+            f"{load.most_bytes / GiB:.2f} GiB received per rank, update ~ {sl['update_s']:.3f} s ({stages})",
+            f"    per engine rank: {', '.join(f'{b / GiB:.2f}' for b in load.received_bytes)} GiB; "
+            f"{load.everywhere_bytes / GiB:.2f} GiB read whole by every rank"]
+
+
+def plan_parser(sub, common) -> None:
+    pl = sub.add_parser("plan", help="predict update time and memory for a model on a topology")
+    common(pl, False)
+    pl.add_argument("--model", help="checkpoint directory or file (else --size-gib and --tensors)")
+    pl.add_argument("--size-gib", type=POSITIVE)
+    pl.add_argument("--tensors", type=COUNT)
+    pl.add_argument("--largest-mib", type=POSITIVE, help="largest tensor (default: the larger of mean and 1/16)")
+    pl.add_argument("--nodes", type=COUNT, default=1)
+    pl.add_argument("--devices", type=COUNT, default=8, help="devices per node (default 8)")
+    renamed(pl, "--h2d-gb-per-s", "--h2d-gbps", GBPS_WHY, type=POSITIVE, default=None,
+            help="host-to-device per device, GB/s (default: measured, 49.3 with 2 H200 copying, 55.4 for one alone)")
+    renamed(pl, "--d2d-gb-per-s", "--d2d-gbps", GBPS_WHY, type=POSITIVE, default=347.0,
+            help="intra-node broadcast, GB/s (default 347: 2xH200 NVLink)")
+    renamed(pl, "--nic-gb-per-s", "--nic-gbps", GBPS_WHY, type=POSITIVE, default=50.0,
+            help="per node, all NICs together, GB/s: gigaBYTES (default 50, i.e. one 400 Gb/s NIC)")
+    pl.add_argument("--device-free-gib", type=POSITIVE, default=16.0, help="free device memory per device (default 16)")
+    pl.add_argument("--slots", type=COUNT, default=4)
+    pl.add_argument("--max-bucket-gib", type=POSITIVE, default=8.0)
+    pl.add_argument("--mode", choices=("broadcast", "p2p"), default="broadcast")
+    pl.add_argument("--slices-tp", type=COUNT, default=None,
+                    help="also predict an update where each engine rank receives only its slices, for an "
+                         "engine of this tensor-parallel size (with --model: estimated from the checkpoint's "
+                         "names, shapes and config.json by vLLM's loader conventions)")
+    pl.add_argument("--slices-ep", action="store_true",
+                    help="with --slices-tp and --model: the experts under expert parallelism (vLLM's "
+                         "--enable-expert-parallel): each rank holds 1/T of them whole")
+    pl.add_argument("--slices-plan", metavar="FILE",
+                    help="a slice plan recorded from the engine (JSON, examples/vllm_update.py --save-slice-plan): "
+                         "exact figures per engine rank instead of an estimate")
+    pl.add_argument("--sharded-fraction", type=number(float, low=0, low_open=False, high=1), default=None,
+                    help="with --slices-tp: the fraction of the bytes split over the ranks, instead of the "
+                         "checkpoint's estimate (default without --model: 0.98, a dense model whose KV heads "
+                         "are not replicated)")
