@@ -53,14 +53,12 @@ def slice_load(args, spec, files: list[str] | None):
     return slice_estimate.from_fraction(spec.total_bytes, spec.tensors, args.slices_tp, fraction)
 
 
-def cmd_plan(args) -> int:
-    from ckpt_core.cli import _emit, _files_of, inspect_checkpoint
+def plan_report(args, info: dict | None, files: list[str] | None) -> tuple[dict, str]:
+    """The prediction of ``ckpt-engine plan`` as its JSON document and its text. ``info``: the checkpoint's
+    inspection (``cli.inspect_checkpoint``) and ``files`` its files, with ``--model``; else None."""
     from ckpt_core.planning.capacity import ModelSpec, Topology, h2d_default, predict
-    files = None
-    if args.model:
-        info = inspect_checkpoint(args.model, args.device_free_gib)
+    if info is not None:
         spec = ModelSpec(info["bytes"], info["tensors"], info["largest_tensor"]["bytes"])
-        files = _files_of(args.model)
     elif args.size_gib and args.tensors:
         total = int(args.size_gib * GiB)
         largest = int(args.largest_mib * (1 << 20)) if args.largest_mib else max(total // args.tensors, total // 16)
@@ -75,8 +73,7 @@ def cmd_plan(args) -> int:
     load = slice_load(args, spec, files)
     if load is not None:
         doc["with_slices"] = predict(spec, topo, mode=args.mode, slices=load)
-    _emit(args, doc, "\n".join([_text(args, spec, doc), *_slices_text(doc, load)]))
-    return 0
+    return doc, "\n".join([_text(args, spec, doc), *_slices_text(doc, load)])
 
 
 def _text(args, spec, doc: dict) -> str:

@@ -24,7 +24,7 @@ import subprocess
 import sys
 
 from ckpt_core._cli_args import COUNT, POSITIVE, number, renamed
-from ckpt_core._cli_plan import cmd_plan, plan_parser
+from ckpt_core._cli_plan import plan_parser, plan_report
 from ckpt_core.errors import (CheckpointFormatError, CheckpointNotFoundError, CkptError, ConfigError, RemoteWorkerError,
                      TransportError)
 
@@ -196,6 +196,13 @@ def cmd_inspect(args) -> int:
                  f"of <= {p['bucket_bytes'] / (1 << 20):.0f} MiB, {p['slots']} slot(s), device buffer "
                  f"{p['device_buffer_bytes'] / GiB:.2f} GiB")
     _emit(args, doc, "\n".join(lines))
+    return EXIT_OK
+
+
+# ------------------------------------------------------------------ plan
+def cmd_plan(args) -> int:
+    info = inspect_checkpoint(args.model, args.device_free_gib) if args.model else None
+    _emit(args, *plan_report(args, info, _files_of(args.model) if args.model else None))
     return EXIT_OK
 
 

@@ -9,7 +9,7 @@ The order, bottom to top (docs/architecture.md has the one-line purpose of each)
     transfer                                  the broadcast update
     p2p                                       the P2P path
     _ps, then __init__                        the facade and the public names
-    service, then cli                         what operators run
+    service, then _cli_plan, then cli         what operators run
 """
 
 import ast
@@ -29,6 +29,7 @@ LAYERS = [
     {"_ps"},
     {"__init__"},
     {"service"},
+    {"_cli_plan"},
     {"cli"},
 ]
 LAYER_OF = {unit: depth for depth, units in enumerate(LAYERS) for unit in units}
