@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 
 from ckpt_core._cli_args import COUNT, POSITIVE, number, renamed
 from ckpt_core.errors import ConfigError
 
 GiB = float(1 << 30)
 GBPS_WHY = "the value is GB/s, gigabytes per second, not Gb/s"
+# vLLM 0.26's layerwise reload of 15.23 GB of staged bf16 tensors in 0.122 s on one H200
+# (benchmarks/results/2026-12-01-1xH200-40ab867-vllm026-7b-stage-commit.json, commit_phases.load).
+REAL_VLLM_RELOAD_GBPS = 125.0
 
 
 def checkpoint_shapes(path: str, files: list[str]) -> tuple[dict, dict]:
@@ -56,7 +60,8 @@ def slice_load(args, spec, files: list[str] | None):
 def plan_report(args, info: dict | None, files: list[str] | None) -> tuple[dict, str]:
     """The prediction of ``ckpt-engine plan`` as its JSON document and its text. ``info``: the checkpoint's
     inspection (``cli.inspect_checkpoint``) and ``files`` its files, with ``--model``; else None."""
-    from ckpt_core.planning.capacity import ModelSpec, Topology, h2d_default, predict
+    from ckpt_core.planning.capacity import Calibration, ModelSpec, Topology, h2d_default, predict
+    cal = Calibration() if args.reload_gb_per_s is None else replace(Calibration(), reload_gbps=args.reload_gb_per_s)
     if info is not None:
         spec = ModelSpec(info["bytes"], info["tensors"], info["largest_tensor"]["bytes"])
     elif args.size_gib and args.tensors:
@@ -69,10 +74,10 @@ def plan_report(args, info: dict | None, files: list[str] | None) -> tuple[dict,
     topo = Topology(nodes=args.nodes, devices_per_node=args.devices, h2d_gbps=h2d,
                     broadcast_gbps=args.d2d_gb_per_s, nic_gbps=args.nic_gb_per_s, device_free_gib=args.device_free_gib,
                     slots=args.slots, max_bucket_gib=args.max_bucket_gib)
-    doc = predict(spec, topo, mode=args.mode)
+    doc = predict(spec, topo, mode=args.mode, cal=cal)
     load = slice_load(args, spec, files)
     if load is not None:
-        doc["with_slices"] = predict(spec, topo, mode=args.mode, slices=load)
+        doc["with_slices"] = predict(spec, topo, mode=args.mode, cal=cal, slices=load)
     return doc, "\n".join([_text(args, spec, doc), *_slices_text(doc, load)])
 
 
@@ -126,6 +131,10 @@ def plan_parser(sub, common) -> None:
     pl.add_argument("--slots", type=COUNT, default=4)
     pl.add_argument("--max-bucket-gib", type=POSITIVE, default=8.0)
     pl.add_argument("--mode", choices=("broadcast", "p2p"), default="broadcast")
+    pl.add_argument("--reload-gb-per-s", type=POSITIVE, default=None,
+                    help="the engine's reload rate per rank, GB/s (default: the calibrated device copy, 2125; a "
+                         f"real vLLM 0.26's layerwise reload measured {REAL_VLLM_RELOAD_GBPS:g} for a 7B bf16 on one "
+                         "H200: slices shorten it most)")
     pl.add_argument("--slices-tp", type=COUNT, default=None,
                     help="also predict an update where each engine rank receives only its slices, for an "
                          "engine of this tensor-parallel size (with --model: estimated from the checkpoint's "
