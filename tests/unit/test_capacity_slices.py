@@ -62,3 +62,15 @@ def test_fewer_tensors_per_rank_under_expert_parallelism_cost_less_reload_than_t
     tp = predict(MODEL, topo, slices=SliceLoad(2, (half, half), (344, 344), 0, "test"))
     ep = predict(MODEL, topo, slices=SliceLoad(2, (half, half), (200, 200), 0, "test", ep=True))
     assert ep["stages_s"]["reload"] < tp["stages_s"]["reload"] and ep["stages_s"]["broadcast"] == tp["stages_s"]["broadcast"]
+
+
+def test_a_slower_engine_reload_makes_the_whole_update_reload_bound_and_slices_shorten_it_most(capsys):
+    argv = ["--json", "plan", "--size-gib", "64", "--tensors", "700", "--devices", "8", "--slices-tp", "8"]
+    assert cli.main(argv) == 0
+    fast = json.loads(capsys.readouterr().out)
+    assert cli.main([*argv, "--reload-gb-per-s", "125"]) == 0
+    slow = json.loads(capsys.readouterr().out)
+    assert fast["bottleneck"] == "h2d" and slow["bottleneck"] == "reload"
+    assert slow["calibration"]["reload_gbps"] == 125 and fast["calibration"]["reload_gbps"] == 2125
+    gain = lambda doc: doc["update_s"] / doc["with_slices"]["update_s"]   # noqa: E731
+    assert gain(slow) > 1.2 > 1.1 > gain(fast)
