@@ -281,18 +281,24 @@ class ParameterServer(UpdateAgreement, BroadcastUpdate):
             raise ConfigError(f"call gather_metas({name!r}) before tensor_specs({name!r})")
         return {m.name: (m.dtype, tuple(m.box[0] if m.box is not None else m.shape)) for ms in metas for m in ms}
 
-    def share_slice_plan(self, plan=None, *, src: int = 0):
+    def share_slice_plan(self, plan=None, *, src: int | None = 0, error: str | None = None):
         """Collective: every rank gets rank ``src``'s slice plan (``ckpt_core.planning.slices``),
         as JSON over the control group, checked again on each rank (``check_plan``). Rank ``src``
-        passes the plan (e.g. ``VllmClient.slice_plan``), the others nothing."""
+        passes the plan (e.g. ``VllmClient.slice_plan``), the others nothing; ``src=None``: the
+        lowest rank that passed one. ``error``: why this rank has no plan; every rank raises it."""
         from ckpt_core.planning.slices import plan_from_json, plan_to_json
 
         self._check_open()
-        mine = plan_to_json(plan) if self.rank == src and plan is not None else None
-        doc = self._coll.all_gather_json(mine)[src]
-        if doc is None:
-            raise ConfigError(f"rank {src} shared no slice plan")
-        return plan_from_json(doc)
+        mine = {"error": error} if error is not None else (
+            plan_to_json(plan) if plan is not None and src in (None, self.rank) else None)
+        docs = self._coll.all_gather_json(mine)
+        failed = [f"rank {r}: {d['error']}" for r, d in enumerate(docs) if d is not None and "error" in d]
+        if failed:
+            raise ConfigError(f"no slice plan to share: {'; '.join(failed)}")
+        src = next((r for r, d in enumerate(docs) if d is not None), None) if src is None else src
+        if src is None or docs[src] is None:
+            raise ConfigError(f"rank {src} shared no slice plan" if src is not None else "no rank shared a slice plan")
+        return plan_from_json(docs[src])
 
     def get_metas(self, *, slices=None) -> dict:
         """Every gathered (or loaded) checkpoint's metas as a versioned JSON document (see

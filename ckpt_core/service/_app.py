@@ -1,7 +1,8 @@
 """The FastAPI application of one parameter-server rank.
 
 Routes (the first seven are the reference checkpoint-engine's, same paths and fields; the update
-route adds ``engine`` (``vllm``/``sglang``), ``weight_version`` and ``flush_cache``):
+route adds ``engine`` (``vllm``/``sglang``), ``weight_version``, ``flush_cache``, ``stage``/``prepare``
+and ``slices``, ``_models.UpdateRequest``):
 
 | route | does | collective |
 |---|---|---|
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import hmac
 import os
+from functools import partial
 from typing import Any, Optional
 from urllib.parse import urlsplit
 
@@ -151,7 +153,8 @@ def _check_name(name: str) -> str:
 
 
 def _req_func(body: UpdateRequest, world_size: int, wire: str, policy: ServicePolicy):
-    """The ``req_func`` of one update: post the chosen handles to ``update_url`` (if any).
+    """The ``req_func`` of one update: post the chosen handles to ``update_url`` (if any); ``plan``: the
+    slice plan the update routes by (``slices``), whose digest the engine's workers are told.
 
     ``engine="vllm"``: ``request_inference_to_update`` (``/collective_rpc``). ``engine="sglang"``:
     ``ckpt_sglang.SglangClient.update`` (``/update_weights_from_ipc``), which needs a PS speaking
@@ -171,14 +174,20 @@ def _req_func(body: UpdateRequest, world_size: int, wire: str, policy: ServicePo
         uds = policy.check_engine(body.update_url, body.uds, body.engine)
     sglang_base = _sglang_base(body.update_url) if body.engine == "sglang" and body.update_url else None
 
-    def req_func(handles):
+    def req_func(handles, plan=None):
         if body.update_url is None:
             return None
         chosen = [handles[r] for r in body.inference_group_ranks] if body.inference_group_ranks else handles
+        sliced = {"slices": plan.digest} if plan is not None else {}
         if body.stage is not None:
             with _engine_client(body.engine, body.update_url, uds, body.timeout) as client:
                 extra = {"prepare": True} if body.prepare else {}
-                client.stage(chosen, body.stage, device_bytes=int(body.stage_device_gib * (1 << 30)), **extra)
+                client.stage(chosen, body.stage, device_bytes=int(body.stage_device_gib * (1 << 30)), **extra,
+                             **sliced)
+            return None
+        if sliced:   # our worker extension's own route takes the plan's digest
+            with _engine_client(body.engine, body.update_url, uds, body.timeout) as client:
+                client.update(chosen, **sliced)
             return None
         if sglang_base is None:
             request_inference_to_update(body.update_url, dict(chosen), timeout=body.timeout, uds=uds)
@@ -187,6 +196,22 @@ def _req_func(body: UpdateRequest, world_size: int, wire: str, policy: ServicePo
         with SglangClient(sglang_base, uds=uds, timeout=body.timeout) as client:
             client.update(chosen, flush_cache=body.flush_cache, weight_version=body.weight_version)
     return req_func
+
+
+def _slice_plan(ps, name: str, body: UpdateRequest, policy: ServicePolicy):
+    """Collective, before a sliced update: the ranks whose request gives ``update_url`` record the plan
+    from that engine's workers (``VllmClient.slice_plan``: recorded once per model, layout and vLLM
+    version, then installed on the workers), and every rank gets the lowest such rank's. A rank that
+    could not record it fails every rank, naming it, before anything moves."""
+    recorded, error = None, None
+    if body.update_url is not None:
+        try:
+            uds = policy.check_engine(body.update_url, body.uds, body.engine)
+            with _engine_client(body.engine, body.update_url, uds, body.timeout) as client:
+                recorded = client.slice_plan(ps.tensor_specs(name))
+        except CkptError as exc:   # said on every rank (the others would wait in the exchange)
+            error = f"{type(exc).__name__}: {exc}"
+    return ps.share_slice_plan(recorded, src=None, error=error)
 
 
 def _vllm_base(url: str) -> str:
@@ -251,9 +276,13 @@ def _routes(app: FastAPI, state: ServiceState, ps, policy: ServicePolicy) -> Non
         _check_name(name)
         body = body if body is not None else UpdateRequest()   # every field has a default: no body is fine
         req_func = _req_func(body, ps.world_size, ps.wire, policy)
-        result = await state.run("update", name, lambda: ps.update(name, req_func, ranks=body.ranks or None,
-                                                                     timeout=body.timeout),
-                                 nbytes=_registered_bytes(ps, name), weight_version=body.weight_version)
+
+        def run():
+            plan = _slice_plan(ps, name, body, policy) if body.slices else None
+            return ps.update(name, partial(req_func, plan=plan), ranks=body.ranks or None, timeout=body.timeout,
+                             slices=plan)
+        result = await state.run("update", name, run, nbytes=_registered_bytes(ps, name),
+                                 weight_version=body.weight_version)
         return Done(result=result)
 
     @app.post("/v1/commit", response_model=Done)

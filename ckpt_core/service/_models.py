@@ -63,6 +63,12 @@ class UpdateRequest(_Strict):
                           description="vllm, with stage: also turn the staged weights into the engine's kernel "
                                       "format between engine steps, so that the commit is one device copy "
                                       "(docs/vllm.md, prepared stages)")
+    slices: bool = Field(default=False,
+                         description="vllm: each engine worker receives only what its own loaders read, by a plan "
+                                     "recorded from the engine at update_url (by the lowest rank whose request gives "
+                                     "one; recorded once per model, layout and vLLM version, installed on its workers) "
+                                     "and shared with every rank; broadcast, P2P and staged updates "
+                                     "(docs/vllm.md, each worker only its slices)")
 
     @model_validator(mode="after")
     def _sglang_fields_need_sglang(self) -> "UpdateRequest":
@@ -77,6 +83,8 @@ class UpdateRequest(_Strict):
             raise ValueError("stage_device_gib applies to a staged update (give stage)")
         if self.prepare and (self.stage is None or self.engine != "vllm"):
             raise ValueError("prepare applies to a staged update (give stage) of engine='vllm'")
+        if self.slices and self.engine != "vllm":
+            raise ValueError("slices apply to engine='vllm' (SGLang's stock wire carries whole tensors)")
         return self
 
 

@@ -242,3 +242,26 @@ def test_metrics_and_logs_say_what_each_rank_moved_when_and_which_checkpoint(wor
     assert f"phase=register checkpoint=observed outcome=ok bytes={registered} " in log, log[-3000:]
     assert _engines_hold(world, want)
     world.all("DELETE", "/v1/checkpoints/observed")
+
+
+def test_a_slice_plan_the_posting_rank_cannot_record_fails_every_rank_naming_it_and_the_next_update_works(world):
+    """``slices: true`` with an engine that cannot record a plan (this front is not vLLM): the rank
+    that asked it says why, every rank's update fails with it before anything moves (no rank waits
+    for a plan that never comes), the engines keep what they held, and a whole update then works."""
+    want = _register_and_gather(world, "sliced")
+    requests = world.front.requests
+    t0 = time.monotonic()
+    got = _update(world, "sliced", slices=True)
+    assert time.monotonic() - t0 < 30, "both ranks failed at once, not at the update's timeout"
+    assert [r.status_code for r in got] == [400, 400], [r.text for r in got]
+    for r in got:
+        err = r.json()["error"]
+        assert err["type"] == "ConfigError" and "no slice plan to share: rank 0: RemoteWorkerError" in err["message"]
+    assert world.front.requests == requests + 1, "only the recording was asked of the engine"
+    held = {k for i in range(world.size) for k in world.front.engine.digests(i)}
+    assert not held & set(want), "nothing of the failed update reached an engine"
+    assert [r.status_code for r in _update(world, "sliced")] == [200, 200]
+    assert _engines_hold(world, want)
+    world.all("DELETE", "/v1/checkpoints/sliced")
+    bad = world.clients[0].post("/v1/checkpoints/x/update", json={"slices": True, "engine": "sglang"})
+    assert bad.status_code == 422 and "slices apply to engine='vllm'" in bad.text

@@ -128,6 +128,44 @@ def test_qwen2_with_k_proj_split_between_the_ranks_sliced_update_equals_a_whole_
     assert sliced["slices"]["received_bytes"] == [plan.rank_bytes(r) for r in range(TP)]
 
 
+def test_the_http_service_sends_each_worker_its_slices_recorded_by_the_rank_that_posts(shared_servers, tiny_model,
+                                                                                      tmp_path):
+    """``ckpt-engine serve`` (two real service processes, one per worker): ``POST .../update
+    {"slices": true}`` on both ranks, only rank 1's request naming the engine. Rank 1 records the plan
+    from the engine and both route by it: each worker receives its slices, and the engine then equals
+    a whole update byte for byte and answers like Hugging Face."""
+    from safetensors.torch import load_file, save_file
+    from service_world import ServiceWorld
+
+    server = shared_servers.get(tiny_model, extension=True, backend="ckpt", **tp_server_args(TP))
+    w0, w1 = tiny_model.weights
+    tiny_model.references(w0, w1)
+    tensors = load_file(str(w1))
+    names = sorted(tensors)
+    shards = [tmp_path / f"w1-{r}.safetensors" for r in range(TP)]
+    for r, shard in enumerate(shards):
+        save_file({n: tensors[n] for n in names[r::TP]}, str(shard))
+    push_to(server, w0, "extension", TP, tmp_path)
+    world = ServiceWorld(TP, str(tmp_path))
+    try:
+        assert all(world.clients[r].post("/v1/checkpoints/w1/files", json={"files": [str(shards[r])]}).status_code
+                   == 200 for r in range(TP))
+        assert [x.status_code for x in world.all("POST", "/v1/checkpoints/w1/gather-metas")] == [200] * TP
+        bodies = [{"slices": True}, {"slices": True, "update_url": f"{server.endpoint}/collective_rpc"}]
+        done = world.all("POST", "/v1/checkpoints/w1/update", bodies=bodies)
+        assert [x.status_code for x in done] == [200] * TP, [x.text for x in done]
+        got = [x.json()["result"]["slices"]["received_bytes"] for x in done]
+        want, total = expected_bytes(w1)
+        print(f"service, slices: bytes received per rank {got[0]} of {total}")
+        assert got == [want] * TP
+        assert server.complete(tiny_model.prompts, MAX_TOKENS) == tiny_model.reference(w1)
+        after = server.client.collective_rpc("ckpt_state_digests")
+        differ = differences(after, _WHOLE.get((server.endpoint, str(w1))) or whole_digests(server, w1, tmp_path))
+        assert not differ, "\n".join(differ[:40])
+    finally:
+        assert world.close() == [0] * TP
+
+
 def test_a_staged_sliced_update_equals_a_whole_staged_one(shared_servers, tiny_model, tmp_path):
     """Each worker stages only its slices while the engine serves; such a stage is not prepared (it
     says why); the commit writes the slices through the same reload path, and the engine then
