@@ -198,6 +198,12 @@ def _req_func(body: UpdateRequest, world_size: int, wire: str, policy: ServicePo
     return req_func
 
 
+def _update(ps, name: str, body: UpdateRequest, policy: ServicePolicy, req_func) -> dict:
+    """The collective update of one request, by a slice plan shared first when it asks for ``slices``."""
+    plan = _slice_plan(ps, name, body, policy) if body.slices else None
+    return ps.update(name, partial(req_func, plan=plan), ranks=body.ranks or None, timeout=body.timeout, slices=plan)
+
+
 def _slice_plan(ps, name: str, body: UpdateRequest, policy: ServicePolicy):
     """Collective, before a sliced update: the ranks whose request gives ``update_url`` record the plan
     from that engine's workers (``VllmClient.slice_plan``: recorded once per model, layout and vLLM
@@ -276,13 +282,8 @@ def _routes(app: FastAPI, state: ServiceState, ps, policy: ServicePolicy) -> Non
         _check_name(name)
         body = body if body is not None else UpdateRequest()   # every field has a default: no body is fine
         req_func = _req_func(body, ps.world_size, ps.wire, policy)
-
-        def run():
-            plan = _slice_plan(ps, name, body, policy) if body.slices else None
-            return ps.update(name, partial(req_func, plan=plan), ranks=body.ranks or None, timeout=body.timeout,
-                             slices=plan)
-        result = await state.run("update", name, run, nbytes=_registered_bytes(ps, name),
-                                 weight_version=body.weight_version)
+        result = await state.run("update", name, lambda: _update(ps, name, body, policy, req_func),
+                                 nbytes=_registered_bytes(ps, name), weight_version=body.weight_version)
         return Done(result=result)
 
     @app.post("/v1/commit", response_model=Done)
