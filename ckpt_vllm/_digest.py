@@ -24,12 +24,19 @@ from typing import Iterator
 
 import torch
 
+from ._kernel_refs import KEPT
+
 __all__ = ["state_digests", "tensor_digest"]
 
 _PROBE_ROWS = 3
 _PROBE_SEED = 20251201
 # Runtime state, not weights: the attention layers' KV cache (it holds what requests computed).
 NOT_WEIGHTS = frozenset({"kv_cache"})
+# Attributes of kernel objects that are not weights of their own: a oneDNN handle's pointer (vLLM-CPU's
+# ``CPUDNNLGEMMHandler.handler_tensor``, an address, different in every process; the layer's probe
+# reads what the handle computes with), and the tensors an update keeps alive for that handle
+# (``_kernel_refs.KEPT``: the processed scales, whose values are the layer's live ones, digested).
+NOT_DERIVED = frozenset({"handler_tensor", KEPT})
 _MAX_DEPTH = 3   # quant_method -> moe_kernel -> fused_experts -> its tensors
 
 
@@ -93,7 +100,8 @@ def _tensors_in(path: str, value, *, depth: int, seen: set[int]) -> Iterator[tup
     elif depth < _MAX_DEPTH and hasattr(value, "__dict__") and not isinstance(value, type) \
             and type(value).__module__.startswith("vllm"):
         for attr, v in vars(value).items():
-            yield from _tensors_in(f"{path}.{attr}", v, depth=depth + 1, seen=seen)
+            if attr not in NOT_DERIVED:
+                yield from _tensors_in(f"{path}.{attr}", v, depth=depth + 1, seen=seen)
 
 
 def _probe(module: torch.nn.Module, dtype: torch.dtype | None) -> torch.Tensor | None:

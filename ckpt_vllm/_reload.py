@@ -40,6 +40,7 @@ from ckpt_core.errors import CheckpointFormatError, ConfigError
 from ckpt_core.wire.staging import repeated_names
 
 from ._compat import reload_api
+from ._kernel_refs import empty_slots, install as install_kernel_refs, restore_empty_slots
 
 __all__ = ["ReloadSession"]
 
@@ -74,6 +75,7 @@ class ReloadSession:
         self.seconds = {"begin": 0.0, "load": 0.0, "finish": 0.0}
         self._cold: list = []   # quant methods processing as on a cold load during this session
         self._modules: list = []   # (name, module) of the model's modules, listed at begin()
+        self._empty: list = []   # the layers' None-valued tensor slots at begin() (_kernel_refs.empty_slots)
         # (name, received tensor) -> what the loader gets: a received slice posing as the whole
         # tensor under a slice plan (``_slices.ReplayPlan.wrap``); None: the tensor itself.
         self.wrap = None
@@ -83,10 +85,12 @@ class ReloadSession:
         if self.active:
             raise ConfigError(f"a weight update of the {self.label} is already in progress")
         t0 = time.perf_counter()
-        api.initialize(self.model)
+        install_kernel_refs()   # oneDNN W8A8 kernels point into tensors the reload would drop (_kernel_refs.py)
         # The module tree does not change during a reload: list it once, not once per bucket
         # (named_modules() per bucket cost ~40 ms of a 7B update on the GPU, ~10 % of it).
         self._modules = list(self.model.named_modules())
+        self._empty = empty_slots(m for _, m in self._modules)   # what abort() must put back
+        api.initialize(self.model)
         self._cold = _process_as_cold_load(self.model)
         self.active = True
         self.seconds["begin"] += time.perf_counter() - t0
@@ -268,6 +272,7 @@ class ReloadSession:
                 _place_kernel_tensors(layer, info)
                 restored += 1
             info.reset()
+        restore_empty_slots(self._empty)
         if hasattr(self.model, "_original_do_torchao_reload"):
             self.model._do_torchao_reload = self.model._original_do_torchao_reload
         if not quiet:

