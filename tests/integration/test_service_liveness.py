@@ -60,7 +60,7 @@ def test_healthz_turns_unhealthy_within_the_peer_timeout_after_a_peer_rank_is_ki
         # before it dies (CI once saw 503 0.14 s after the kill, rightly: that peer had been silent 2 s).
         status = w.clients[survivor].get("/v1/status").json()
         assert status["healthy"] is False and needle in status["problem"]
-        assert _silence_s(status, killed) > PEER_TIMEOUT_S, status
+        assert _silence_s(status, killed) >= PEER_TIMEOUT_S, status   # as stated: rounded (2.04 s reads 2.0)
         assert f'ckpt_healthy{{rank="{survivor}"}} 0.0' in w.clients[survivor].get("/metrics").text
     finally:
         codes = w.close()
