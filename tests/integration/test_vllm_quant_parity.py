@@ -155,3 +155,22 @@ def test_an_update_missing_one_layers_scale_is_refused_naming_it_and_the_engine_
     # The next whole update works.
     push_to(server, model.weights[1], path, 1, tmp_path)
     assert not differences(_digests(server), model.digests[str(model.weights[1])])
+
+
+def test_recording_a_slice_plan_leaves_a_quantized_engine_exactly_as_it_was(served, tmp_path):
+    """The recording puts every layer back unprocessed (``ReloadSession.abort``): a oneDNN W8A8 layer
+    (x86 without AMX) used to lose its empty ``weight`` slot there and fail the next request."""
+    from ckpt_core.checkpoint.safetensors import DTYPE_CODES, read_header
+    from ckpt_core.errors import CkptError
+
+    model, server = served
+    push_to(server, model.weights[0], "extension", 1, tmp_path)
+    before = _digests(server)
+    specs = {e.name: (DTYPE_CODES[e.dtype], tuple(e.shape)) for e in read_header(str(model.weights[0])).tensors}
+    try:
+        plan = server.client.slice_plan(specs)
+        print(f"{model.fmt}: a slice plan of {len(plan.ranks)} rank(s) recorded")
+    except CkptError as exc:   # a plan that would leave a hole is refused (typed, naming it); nothing changed
+        print(f"{model.fmt}: no slice plan: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+    assert not differences(_digests(server), before)
+    assert _greedy(server, model.prompts) == model.tokens[str(model.weights[0])]
