@@ -200,6 +200,8 @@ def _req_func(body: UpdateRequest, world_size: int, wire: str, policy: ServicePo
 
 def _update(ps, name: str, body: UpdateRequest, policy: ServicePolicy, req_func) -> dict:
     """The collective update of one request, by a slice plan shared first when it asks for ``slices``."""
+    if body.slices and ps.wire != "native":   # every rank's service has the same wire: all refuse, none waits
+        raise ConfigError(f"slices need a parameter server speaking our own wire; this one speaks {ps.wire!r}")
     plan = _slice_plan(ps, name, body, policy) if body.slices else None
     return ps.update(name, partial(req_func, plan=plan), ranks=body.ranks or None, timeout=body.timeout, slices=plan)
 

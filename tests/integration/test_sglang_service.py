@@ -94,6 +94,9 @@ def test_a_refusing_sglang_url_is_a_typed_5xx_and_the_next_update_succeeds(engin
         err["message"] + (err.get("remote_traceback") or "")), err
     assert eng.state()["params"] == before and eng.state()["weight_version"] != "never", "nothing was loaded"
     assert service.clients[0].get("/v1/healthz").status_code == 200
+    # slices on the stock wire: refused by the service before any engine is asked (SGLang's receiver has no boxes)
+    resp = service.clients[0].post("/v1/checkpoints/refused/update", json={"slices": True})
+    assert resp.status_code == 400 and "slices need a parameter server speaking our own wire" in resp.text, resp.text
     resp = _update(service, "refused", eng.url, weight_version="after-refusal")
     assert resp.status_code == 200, resp.text
     assert not _holds(eng, want) and eng.state()["weight_version"] == "after-refusal"
