@@ -74,7 +74,13 @@ def plan_report(args, info: dict | None, files: list[str] | None) -> tuple[dict,
     topo = Topology(nodes=args.nodes, devices_per_node=args.devices, h2d_gbps=h2d,
                     broadcast_gbps=args.d2d_gb_per_s, nic_gbps=args.nic_gb_per_s, device_free_gib=args.device_free_gib,
                     slots=args.slots, max_bucket_gib=args.max_bucket_gib)
-    doc = predict(spec, topo, mode=args.mode, cal=cal)
+    try:
+        doc = predict(spec, topo, mode=args.mode, cal=cal)
+    except ConfigError as exc:
+        if info is None and not args.largest_mib:   # the size was guessed, not given
+            raise ConfigError(f"{exc}; that largest tensor is a guess (1/16 of the model): give --largest-mib "
+                              "(e.g. the embedding's size), or --model DIR") from exc
+        raise
     load = slice_load(args, spec, files)
     if load is not None:
         doc["with_slices"] = predict(spec, topo, mode=args.mode, cal=cal, slices=load)
@@ -106,8 +112,10 @@ def _slices_text(doc: dict, load) -> list[str]:
         return []
     sl = doc["with_slices"]
     stages = ", ".join(f"{k} {v:.3f} s" for k, v in sl["stages_s"].items())
+    st = sl["staging"]
     return [f"  with slices (TP {load.tp}{', experts by EP' if load.ep else ''}, {load.source}): "
-            f"{load.most_bytes / GiB:.2f} GiB received per rank, update ~ {sl['update_s']:.3f} s ({stages})",
+            f"{load.most_bytes / GiB:.2f} GiB received per rank, update ~ {sl['update_s']:.3f} s ({stages}); "
+            f"staged in {st['where']} memory, commit ~ {st['commit_s']:.3f} s",
             f"    per engine rank: {', '.join(f'{b / GiB:.2f}' for b in load.received_bytes)} GiB; "
             f"{load.everywhere_bytes / GiB:.2f} GiB read whole by every rank"]
 

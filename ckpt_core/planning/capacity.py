@@ -154,20 +154,23 @@ def predict(model: ModelSpec, topo: Topology, *, mode: str = "broadcast", cal: C
         "register_s": round(share / (cal.register_gbps * GB), 3),
         "host_bytes_per_rank": share, "host_bytes_per_node": share * topo.devices_per_node,
         "device_bytes_per_rank": bucket * slots,
-        "staging": staging(model, topo, bucket * slots, stages["reload"]),
+        "staging": staging(model, topo, bucket * slots, stages["reload"], received),
         "calibration": asdict(cal), "topology": asdict(topo),
     }
 
 
-def staging(model: ModelSpec, topo: Topology, ps_device_bytes: int, reload_s: float) -> dict:
+def staging(model: ModelSpec, topo: Topology, ps_device_bytes: int, reload_s: float,
+            staged_bytes: int | None = None) -> dict:
     """A staged update (stage while generating, commit under a pause): every engine worker holds a
-    whole copy of the checkpoint until the commit. It fits in device memory when that copy and the
-    PS's IPC buffer fit in ``mem_fraction`` of the free device memory; else it goes to pinned host
-    memory on the engine's side, and the commit adds a host-to-device pass of every byte."""
+    whole copy of the checkpoint (with slices: of its slices, ``staged_bytes``) until the commit. It
+    fits in device memory when that copy and the PS's IPC buffer fit in ``mem_fraction`` of the
+    free device memory; else it goes to pinned host memory on the engine's side, and the commit
+    adds a host-to-device pass of every staged byte."""
+    staged = model.total_bytes if staged_bytes is None else staged_bytes
     room = int(topo.device_free_gib * GiB * topo.mem_fraction) - ps_device_bytes
-    fits = model.total_bytes <= room
-    commit = reload_s + (0.0 if fits else model.total_bytes / (topo.h2d_gbps * GB))
-    return {"bytes_per_worker": model.total_bytes, "device_room_bytes": max(room, 0), "fits_device": fits,
+    fits = staged <= room
+    commit = reload_s + (0.0 if fits else staged / (topo.h2d_gbps * GB))
+    return {"bytes_per_worker": staged, "device_room_bytes": max(room, 0), "fits_device": fits,
             "where": "device" if fits else "pinned host", "commit_s": round(commit, 6)}
 
 

@@ -74,3 +74,12 @@ def test_a_slower_engine_reload_makes_the_whole_update_reload_bound_and_slices_s
     assert slow["calibration"]["reload_gbps"] == 125 and fast["calibration"]["reload_gbps"] == 2125
     gain = lambda doc: doc["update_s"] / doc["with_slices"]["update_s"]   # noqa: E731
     assert gain(slow) > 1.2 > 1.1 > gain(fast)
+
+
+def test_a_sliced_stage_holds_only_each_workers_slices_and_may_then_fit_in_device_memory():
+    topo = Topology(nodes=1, devices_per_node=8, device_free_gib=10)
+    whole = predict(MODEL, topo)["staging"]
+    sliced = predict(MODEL, topo, slices_tp=8, sharded_fraction=0.98)["staging"]
+    assert whole["bytes_per_worker"] == MODEL.total_bytes and not whole["fits_device"]
+    assert sliced["bytes_per_worker"] == int(MODEL.total_bytes * (0.98 / 8 + 0.02)) and sliced["fits_device"]
+    assert sliced["commit_s"] < whole["commit_s"]

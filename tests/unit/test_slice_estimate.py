@@ -127,3 +127,10 @@ def test_a_bad_slices_request_to_plan_is_a_config_error_naming_it(argv, needle, 
     argv = [{"PLAN": str(tmp_path / "plan.json"), "BAD": str(tmp_path / "bad.json")}.get(a, a) for a in argv]
     assert cli.main(["--json", "plan", "--devices", "4", *argv]) == cli.EXIT_CONFIG
     assert needle in json.loads(capsys.readouterr().out)["error"]["message"]
+
+
+def test_a_guessed_largest_tensor_that_does_not_fit_says_to_give_it(capsys):
+    assert cli.main(["--json", "plan", "--size-gib", "438", "--tensors", "36945", "--devices", "8"]) == cli.EXIT_CONFIG
+    assert "is a guess (1/16 of the model): give --largest-mib" in json.loads(capsys.readouterr().out)["error"]["message"]
+    assert cli.main(["--json", "plan", "--size-gib", "438", "--tensors", "36945", "--largest-mib", "1187",
+                     "--devices", "8"]) == 0
