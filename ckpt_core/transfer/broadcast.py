@@ -153,9 +153,18 @@ class BroadcastUpdate:
                   **layout, "h2d_bytes": stats.h2d_bytes, "waits": {"deferred": stats.deferred, "awaited": stats.awaited},
                   "seconds": times, "gbps": plan.total_bytes / times["total"] / 1e9}
         self.last_update = result
-        self._log.info("updated %r: %.3f GiB in %d buckets, %.3f s (%.1f GB/s); pipeline %.3f s", name,
-                       plan.total_bytes / GiB, len(plan.buckets), times["total"], result["gbps"], stats.seconds)
+        self._log.info("updated %r: %.3f GiB in %d buckets, %.3f s (%.1f GB/s); pipeline %.3f s%s", name,
+                       plan.total_bytes / GiB, len(plan.buckets), times["total"], result["gbps"], stats.seconds,
+                       self._slices_line(layout.get("slices")))
         return result
+
+    def _slices_line(self, report: dict | None) -> str:
+        """With slices: what this rank's engine rank received of a whole update, for the one log line."""
+        if not report:
+            return ""
+        got, whole = report["received_bytes"][self.rank], report["whole_bytes"]
+        return (f"; slices {report['plan'][:12]}: this rank's worker received {got / GiB:.3f} of {whole / GiB:.3f} GiB "
+                f"({got / max(whole, 1):.3f})")
 
     def _agree(self, link: PsLink, req: ReqThread, deadline: float, *, phase: str, final: bool) -> None:
         """All ranks exchange their status; if any failed, every rank aborts its worker and raises."""
