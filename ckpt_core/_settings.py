@@ -57,6 +57,9 @@ ENV_VARS: dict[str, tuple[str, str, str]] = {
                             "this rank only is logged and shown in /v1/status after this long"),
     "CKPT_ENGINE_SERVE_MASTER": ("str", "127.0.0.1:29555", "managed mode: `host:port` where the managed PS ranks "
                                  "of one engine meet"),
+    "CKPT_SLICES": ("bool", "1", "0 turns sliced updates off where a driver asks for them (the service's "
+                    "`slices`, `examples/vllm_update.py --slices`): they update whole tensors instead and say so "
+                    "once in the log"),
 }
 
 
@@ -166,6 +169,11 @@ def _explicit_bool(what: str, value) -> bool:
     if not isinstance(value, bool):
         raise ConfigError(f"{what} must be True or False, got {value!r}")
     return value
+
+
+def slices_enabled() -> bool:
+    """CKPT_SLICES, read at each use: the operator's switch that turns sliced updates off."""
+    return _bool("CKPT_SLICES", True)
 
 
 def gc_pause_enabled() -> bool:

@@ -43,7 +43,7 @@ import time
 
 from ckpt_core import ParameterServer, split_checkpoint_files
 from ckpt_core.engines.driver import (UPDATE_METHODS, emit_json_line, prepare_checkpoint, run_updates, serves_p2p,
-                                     update_methods)
+                                     slices_wanted, update_methods)
 from ckpt_core.engines.requests import group_handles
 from ckpt_core.errors import ConfigError
 from ckpt_core.planning.slices import write_plan_file
@@ -168,11 +168,9 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     world_size, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     ips, endpoints, socks = check_args(args, world_size)
+    if not slices_wanted(args.slices, logging.getLogger("vllm_update")):   # the operator's switch wins over --slices
+        args.slices, args.save_slice_plan = False, None
     # A missing or empty checkpoint directory is reported now, not after waiting for the servers.
-    if args.save_slice_plan and not args.slices:
-        raise ConfigError("--save-slice-plan needs --slices (the plan is recorded from the engine for a sliced update)")
-    if args.prepare and not args.stage:
-        raise ConfigError("--prepare applies to --stage")
     commit_only = args.commit and not args.stage
     files = None if args.load_metas_file or commit_only else split_checkpoint_files(args.checkpoint_path, rank,
                                                                                       world_size)

@@ -46,6 +46,17 @@ def emit_json_line(obj, **dumps_kwargs) -> None:
         data = data[os.write(fd, data):]
 
 
+def slices_wanted(asked: bool, log=None) -> bool:
+    """Whether a driver asked for sliced updates gets them: not when the operator turned slices off
+    (``CKPT_SLICES=0``), which ``log`` (a logger) is then told once."""
+    from ckpt_core._settings import slices_enabled
+    if asked and not slices_enabled():
+        if log is not None:
+            log.warning("sliced updates were asked for, but CKPT_SLICES=0 turns them off: whole tensors")
+        return False
+    return asked
+
+
 def update_methods(update_method: str, joining: bool) -> list[str]:
     """The updates to run, in order: ``["p2p"]`` for a joiner, else ``update_method`` expanded."""
     if update_method not in UPDATE_METHODS:

@@ -40,9 +40,11 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ckpt_core.ops import metrics as _metrics
+from ckpt_core.engines.driver import slices_wanted
 from ckpt_core.engines.requests import request_inference_to_update
 from ckpt_core.errors import CkptError, ConfigError
 from ckpt_core._settings import MIN_TOKEN_CHARS
+from ckpt_core.ops.log import rank_logger
 from ._policy import ServicePolicy
 from ._models import MAX_DETAILS, NAME_PATTERN, CommitRequest, Done, ErrorBody, RegisterRequest, Status, UpdateRequest
 from ._state import Busy, ServiceState, clip, error_fields, status_of
@@ -198,8 +200,18 @@ def _req_func(body: UpdateRequest, world_size: int, wire: str, policy: ServicePo
     return req_func
 
 
+_SLICES_OFF_SAID: list = []   # the CKPT_SLICES=0 warning, once per process
+
+
 def _update(ps, name: str, body: UpdateRequest, policy: ServicePolicy, req_func) -> dict:
-    """The collective update of one request, by a slice plan shared first when it asks for ``slices``."""
+    """The collective update of one request, by a slice plan shared first when it asks for ``slices``
+    (and the operator did not turn slices off, ``CKPT_SLICES=0``: then whole, said once)."""
+    if body.slices and not slices_wanted(True):
+        if not _SLICES_OFF_SAID:
+            _SLICES_OFF_SAID.append(True)
+            rank_logger(f"service rank {ps.rank}/{ps.world_size}").warning(
+                "phase=update checkpoint=%s slices were asked for, but CKPT_SLICES=0 turns them off: whole tensors", name)
+        body = body.model_copy(update={"slices": False})
     if body.slices and ps.wire != "native":   # every rank's service has the same wire: all refuse, none waits
         raise ConfigError(f"slices need a parameter server speaking our own wire; this one speaks {ps.wire!r}")
     plan = _slice_plan(ps, name, body, policy) if body.slices else None

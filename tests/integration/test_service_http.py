@@ -265,3 +265,24 @@ def test_a_slice_plan_the_posting_rank_cannot_record_fails_every_rank_naming_it_
     world.all("DELETE", "/v1/checkpoints/sliced")
     bad = world.clients[0].post("/v1/checkpoints/x/update", json={"slices": True, "engine": "sglang"})
     assert bad.status_code == 422 and "slices apply to engine='vllm'" in bad.text
+
+
+def test_the_operators_ckpt_slices_0_turns_a_sliced_request_into_a_whole_update_said_once(tmp_path):
+    """``CKPT_SLICES=0`` on the service: a request for slices updates whole tensors (the engine here
+    could not even record a plan), its result carries no slice figures, and the log says why, once."""
+    w = ServiceWorld(2, str(tmp_path), env={"CKPT_SLICES": "0"})
+    front = HttpEngineFront(2)
+    w.front, w.gen = front, torch.Generator().manual_seed(1602)
+    try:
+        for step in ("off-1", "off-2"):
+            want = _register_and_gather(w, step)
+            got = _update(w, step, slices=True)
+            assert [r.status_code for r in got] == [200, 200], [r.text for r in got]
+            assert all("slices" not in r.json()["result"] for r in got)
+            assert _engines_hold(w, want)
+    finally:
+        front.close()
+        assert w.close() == [0, 0]
+    for log in w.logs:
+        with open(log) as f:
+            assert f.read().count("slices were asked for, but CKPT_SLICES=0 turns them off") == 1

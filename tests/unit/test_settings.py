@@ -86,3 +86,22 @@ def test_an_infinite_update_timeout_means_no_deadline_and_does_not_overflow(valu
 
 def test_a_finite_update_timeout_is_kept():
     assert update_seconds(timedelta(minutes=2)) == 120.0 and update_seconds(3) == 3.0
+
+
+@pytest.mark.parametrize("raw, asked, given", [("", True, True), ("1", True, True), ("0", True, False),
+                                               ("0", False, False), ("off", True, False)])
+def test_ckpt_slices_0_turns_a_drivers_request_for_slices_off_and_says_so(monkeypatch, caplog, raw, asked, given):
+    import logging
+
+    from ckpt_core.engines.driver import slices_wanted
+    monkeypatch.setenv("CKPT_SLICES", raw)
+    with caplog.at_level(logging.WARNING):
+        assert slices_wanted(asked, logging.getLogger("t")) is given
+    assert ("CKPT_SLICES=0 turns them off" in caplog.text) == (asked and not given)
+
+
+def test_a_ckpt_slices_that_is_no_bool_is_a_config_error(monkeypatch):
+    from ckpt_core.engines.driver import slices_wanted
+    monkeypatch.setenv("CKPT_SLICES", "maybe")
+    with pytest.raises(ConfigError, match="CKPT_SLICES='maybe' is not a valid bool"):
+        slices_wanted(True)
