@@ -36,23 +36,30 @@ KEPT = "_ckpt_pointed_tensors"   # on the oneDNN handle: the tensors its raw poi
 _LAYERWISE = "vllm.model_executor.model_loader.reload.layerwise"
 _COPY = "_copy_and_restore_kernel_tensors"
 _MAX_DEPTH = 3   # layer -> quant_method -> scheme -> kernel
+_VLLM = "vllm."   # the module prefix of the objects looked into (tests give theirs one)
 _warned: list[str] = []
 
 
 def pointer_kernels(layer: torch.nn.Module):
     """The kernel objects under ``layer`` (its quant method, scheme, ...) that hold a oneDNN handle
-    and name the layer tensors they were built from (``layer_param_names``)."""
+    and name the layer tensors they were built from (``layer_param_names``). Only vLLM's own objects
+    are looked into (not classes, modules or functions they may hold), a few levels deep."""
     seen, todo = set(), [(layer, 0)]
     while todo:
         obj, depth = todo.pop()
         for value in vars(obj).values():
-            if id(value) in seen or isinstance(value, (torch.nn.Module, torch.Tensor)) or not hasattr(value, "__dict__"):
+            if id(value) in seen or not _vllm_object(value):
                 continue
             seen.add(id(value))
             if getattr(value, "dnnl_handler", None) is not None and getattr(value, "layer_param_names", None):
                 yield value
             elif depth + 1 < _MAX_DEPTH:
                 todo.append((value, depth + 1))
+
+
+def _vllm_object(value) -> bool:
+    return (hasattr(value, "__dict__") and not isinstance(value, (type, torch.nn.Module, torch.Tensor))
+            and not callable(value) and type(value).__module__.startswith(_VLLM))
 
 
 def keep_pointed_tensors(layer: torch.nn.Module) -> int:
@@ -107,8 +114,9 @@ def install(module=None) -> bool:
     if original is None:
         if not _warned:
             _warned.append(_COPY)
-            log.warning("vLLM's layerwise reload has no %s.%s: oneDNN W8A8 kernels are not re-checked", _LAYERWISE,
-                        _COPY)
+            # Only vLLM-CPU's oneDNN W8A8 kernel (x86 without AMX) needs the wrap; say it, quietly.
+            log.info("vLLM's layerwise reload has no %s.%s to wrap: tensors a oneDNN W8A8 handle points to are not "
+                     "kept", _LAYERWISE, _COPY)
         return False
     if getattr(original, "_ckpt_keeps_pointed_tensors", False):
         return True

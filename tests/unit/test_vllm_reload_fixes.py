@@ -14,14 +14,22 @@ import torch
 from ckpt_vllm._reload_fixes import KEPT, empty_slots, install, keep_pointed_tensors, restore_empty_slots
 
 
+class Obj:
+    """A plain object of vLLM's (the walk looks only into objects of modules under ``vllm.``)."""
+    __module__ = "vllm.model_executor.fake"
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
 def _w8a8_layer():
     layer = torch.nn.Module()
     layer.register_parameter("weight", None)   # prepacked into the handle, released
     layer.weight_scale = torch.nn.Parameter(torch.rand(6, 1), requires_grad=False)
     layer.azp_adj = torch.nn.Parameter(torch.rand(1, 6), requires_grad=False)
-    kernel = SimpleNamespace(dnnl_handler=SimpleNamespace(n=6), layer_param_names=(
+    kernel = Obj(dnnl_handler=Obj(n=6), layer_param_names=(
         "weight", "weight_scale", "input_scale", "input_zero_point", "azp_adj"))
-    layer.scheme = SimpleNamespace(kernel=kernel)
+    layer.scheme = Obj(kernel=kernel, kernel_class=type(kernel), helper=len)   # a class and a function: not entered
     return layer, kernel
 
 
@@ -34,7 +42,7 @@ def test_the_tensors_a_handle_points_to_live_as_long_as_the_handle_after_the_lay
     layer.weight_scale = torch.nn.Parameter(torch.rand(6, 1), requires_grad=False)   # the reload's restore
     gc.collect()
     assert processed() is not None, "the processed scales the handle reads were freed"
-    kernel.dnnl_handler = SimpleNamespace(n=6)   # the next processing builds a new handle
+    kernel.dnnl_handler = Obj(n=6)   # the next processing builds a new handle
     del held
     gc.collect()
     assert processed() is None, "the kept tensors go with their handle"
@@ -42,8 +50,11 @@ def test_the_tensors_a_handle_points_to_live_as_long_as_the_handle_after_the_lay
 
 def test_layers_without_a_onednn_handle_keep_nothing():
     plain = torch.nn.Linear(4, 4)
-    plain.quant_method = SimpleNamespace(kernel=SimpleNamespace(dnnl_handler=None, layer_param_names=("weight",)))
+    plain.quant_method = Obj(kernel=Obj(dnnl_handler=None, layer_param_names=("weight",)))
     assert keep_pointed_tensors(plain) == 0
+    other = torch.nn.Linear(4, 4)   # an object outside vLLM is not looked into
+    other.quant_method = SimpleNamespace(kernel=Obj(dnnl_handler=Obj(n=4), layer_param_names=("weight",)))
+    assert keep_pointed_tensors(other) == 0
 
 
 def test_an_empty_weight_slot_a_layer_put_back_lost_is_registered_again():
