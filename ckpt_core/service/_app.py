@@ -40,10 +40,9 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ckpt_core.ops import metrics as _metrics
-from ckpt_core.engines.driver import slices_wanted
 from ckpt_core.engines.requests import request_inference_to_update
 from ckpt_core.errors import CkptError, ConfigError
-from ckpt_core._settings import MIN_TOKEN_CHARS
+from ckpt_core._settings import MIN_TOKEN_CHARS, slices_enabled
 from ckpt_core.ops.log import rank_logger
 from ._policy import ServicePolicy
 from ._models import MAX_DETAILS, NAME_PATTERN, CommitRequest, Done, ErrorBody, RegisterRequest, Status, UpdateRequest
@@ -206,7 +205,7 @@ _SLICES_OFF_SAID: list = []   # the CKPT_SLICES=0 warning, once per process
 def _update(ps, name: str, body: UpdateRequest, policy: ServicePolicy, req_func) -> dict:
     """The collective update of one request, by a slice plan shared first when it asks for ``slices``
     (and the operator did not turn slices off, ``CKPT_SLICES=0``: then whole, said once)."""
-    if body.slices and not slices_wanted(True):
+    if body.slices and not slices_enabled():
         if not _SLICES_OFF_SAID:
             _SLICES_OFF_SAID.append(True)
             rank_logger(f"service rank {ps.rank}/{ps.world_size}").warning(
