@@ -21,6 +21,7 @@ from ckpt_core.p2p import metas as _metas
 from ckpt_core.p2p.update import P2PState, run_update as run_p2p_update
 from ckpt_core.planning.buckets import TensorMeta, first_shared_name
 from ckpt_core.transfer.plan_cache import PlanCache
+from ckpt_core.transfer.share_plan import SharedPlans, share_plan
 from ckpt_core.planning.pieces import group_pieces
 from ckpt_core.transfer.prechecks import (UpdateAgreement, meta_row, parse_metas, problem_of, raise_agreed, same_call,
                                           tensor_meta)
@@ -90,6 +91,7 @@ class ParameterServer(UpdateAgreement, BroadcastUpdate):
         self._checkpoints: dict[str, RegisteredCheckpoint] = {}
         self._metas: dict[str, list[list[TensorMeta]]] = {}
         self._plans = PlanCache()   # shared by checkpoints of one layout
+        self._shared_plans = SharedPlans()   # slice plans shared before: the next share sends a digest only
         self._pool: SharedPool | None = None
         self._ipc: IpcBuffer | None = None
         self._copy_stream = self.backend.new_stream(self.device_index)
@@ -283,22 +285,12 @@ class ParameterServer(UpdateAgreement, BroadcastUpdate):
 
     def share_slice_plan(self, plan=None, *, src: int | None = 0, error: str | None = None):
         """Collective: every rank gets rank ``src``'s slice plan (``ckpt_core.planning.slices``),
-        as JSON over the control group, checked again on each rank (``check_plan``). Rank ``src``
-        passes the plan (e.g. ``VllmClient.slice_plan``), the others nothing; ``src=None``: the
-        lowest rank that passed one. ``error``: why this rank has no plan; every rank raises it."""
-        from ckpt_core.planning.slices import plan_from_json, plan_to_json
-
+        as JSON over the control group, checked again on each rank (``check_plan``), or by digest
+        alone when every rank shared it before (``transfer/share_plan.py``). Rank ``src`` passes
+        the plan (e.g. ``VllmClient.slice_plan``), the others nothing; ``src=None``: the lowest
+        rank that passed one. ``error``: why this rank has no plan; every rank raises it."""
         self._check_open()
-        mine = {"error": error} if error is not None else (
-            plan_to_json(plan) if plan is not None and src in (None, self.rank) else None)
-        docs = self._coll.all_gather_json(mine)
-        failed = [f"rank {r}: {d['error']}" for r, d in enumerate(docs) if d is not None and "error" in d]
-        if failed:
-            raise ConfigError(f"no slice plan to share: {'; '.join(failed)}")
-        src = next((r for r, d in enumerate(docs) if d is not None), None) if src is None else src
-        if src is None or docs[src] is None:
-            raise ConfigError(f"rank {src} shared no slice plan" if src is not None else "no rank shared a slice plan")
-        return plan_from_json(docs[src])
+        return share_plan(self._coll, self.rank, plan, src=src, error=error, known=self._shared_plans)
 
     def get_metas(self, *, slices=None) -> dict:
         """Every gathered (or loaded) checkpoint's metas as a versioned JSON document (see

@@ -266,15 +266,21 @@ class VllmClient:
             undo["finish"] = False   # a failed finish ends the weight update itself
             phases.run("finish", self._post, "/finish_weight_update")
 
-    def slice_plan(self, tensors: dict) -> "SlicePlan":
+    def slice_plan(self, tensors: dict, *, reuse=None) -> "SlicePlan":
         """Record, on every worker, which part of each tensor its loaders read; merge, check
         (``planning.slices.check_plan``: no hole, no overlap, not empty) and install the plan on
         every worker; returns it, for ``ParameterServer.update(..., slices=plan)`` and
         ``update(..., slices=plan.digest)``. ``tensors``: ``ParameterServer.tensor_specs(name)``.
-        Record again for another checkpoint layout, parallel layout or vLLM version."""
+        Record again for another checkpoint layout, parallel layout or vLLM version.
+
+        ``reuse``: a plan this engine was given before; returned as it is, without recording or
+        installing anything, when it is of these tensors and every worker still holds it (a plan
+        of a large model is tens of MB of JSON, seconds to merge, check and install)."""
         from ckpt_core.checkpoint.safetensors import WIRE_DTYPES
         from ckpt_core.planning.slices import SliceKey, merge_ranks, plan_to_json, rank_from_json
 
+        if reuse is not None and self._still_holds(reuse, tensors):
+            return reuse
         specs = {n: [d, list(s)] for n, (d, s) in dict(tensors).items()}
         results = self.collective_rpc("ckpt_slice_plan", [specs])
         keys = {json.dumps(r.get("key"), sort_keys=True) for r in results}
@@ -286,6 +292,11 @@ class VllmClient:
         self.collective_rpc("ckpt_use_slice_plan", [plan_to_json(plan)])
         self.last_slice_whole = [r.get("whole", {}) for r in results]
         return plan
+
+    def _still_holds(self, plan, tensors: dict) -> bool:
+        same = {n: (d, tuple(s)) for n, (d, s) in dict(tensors).items()} == {
+            n: (d, tuple(s)) for n, (d, s, _) in plan.tensors.items()}
+        return same and all(self.collective_rpc("ckpt_holds_slice_plan", [plan.digest]))
 
     # -- staged updates ----------------------------------------------------------------
     def stage(self, handles, version: str, *, timeout: float | None = None, device_bytes: int = 0,

@@ -190,6 +190,10 @@ class VllmColocateWorkerExtension(StagedWeights):
         return {"plan": parsed.digest, "rank": rank, "bytes": parsed.rank_bytes(rank),
                 "whole_bytes": parsed.whole_bytes()}
 
+    def ckpt_holds_slice_plan(self, digest: str) -> bool:
+        """Whether this worker holds the slice plan of that digest (installed, not evicted since)."""
+        return str(digest) in _SLICE_PLANS
+
     def _ckpt_made_live(self, layout: dict, version: str | None) -> None:
         reset_derived_caches(self)
         self._ckpt_live_layout = dict(layout)

@@ -200,6 +200,7 @@ def _req_func(body: UpdateRequest, world_size: int, wire: str, policy: ServicePo
 
 
 _SLICES_OFF_SAID: list = []   # the CKPT_SLICES=0 warning, once per process
+_ENGINE_PLANS: dict = {}   # update_url -> the slice plan its workers were last given (VllmClient.slice_plan(reuse=))
 
 
 def _update(ps, name: str, body: UpdateRequest, policy: ServicePolicy, req_func) -> dict:
@@ -227,7 +228,9 @@ def _slice_plan(ps, name: str, body: UpdateRequest, policy: ServicePolicy):
         try:
             uds = policy.check_engine(body.update_url, body.uds, body.engine)
             with _engine_client(body.engine, body.update_url, uds, body.timeout) as client:
-                recorded = client.slice_plan(ps.tensor_specs(name))
+                # The engine's plan of the last update is kept while its workers hold it (no re-recording).
+                recorded = _ENGINE_PLANS[body.update_url] = client.slice_plan(
+                    ps.tensor_specs(name), reuse=_ENGINE_PLANS.get(body.update_url))
         except CkptError as exc:   # said on every rank (the others would wait in the exchange)
             error = f"{type(exc).__name__}: {exc}"
     return ps.share_slice_plan(recorded, src=None, error=error)

@@ -15,4 +15,4 @@ def test_the_extension_adds_its_public_methods_and_only_ckpt_prefixed_helpers():
                                                                     "commit_staged_weights", "drop_staged_weights",
                                                                     "ckpt_weight_versions", "ckpt_stage_status",
                                                                     "ckpt_prepare_staged", "ckpt_slice_plan",
-                                                                    "ckpt_use_slice_plan"}
+                                                                    "ckpt_use_slice_plan", "ckpt_holds_slice_plan"}

@@ -84,3 +84,4 @@ def test_the_copy_step_is_wrapped_once_and_keeps_the_pointed_tensors_before_it_r
     wrapped(layer, None)
     assert calls == [True]
     assert install(SimpleNamespace()) is False   # a vLLM without that step: nothing to wrap
+
