@@ -17,25 +17,22 @@ GBPS_WHY = "the value is GB/s, gigabytes per second, not Gb/s"
 REAL_VLLM_RELOAD_GBPS = 125.0
 
 
-def checkpoint_shapes(path: str, files: list[str]) -> tuple[dict, dict]:
-    """name -> (shape, itemsize) of every tensor of ``files``, and the ``config.json`` beside them ({} when
-    there is none)."""
-    from ckpt_core.checkpoint.safetensors import read_header
-    tensors = {e.name: (tuple(e.shape), e.dtype.itemsize) for f in files for e in read_header(f).tensors}
+def model_config(path: str) -> dict:
+    """The ``config.json`` beside a checkpoint ({} when there is none)."""
     where = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
     config_path = os.path.join(where, "config.json")
     if not os.path.exists(config_path):
-        return tensors, {}
+        return {}
     try:
         with open(config_path) as f:
             config = json.load(f)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"cannot read {config_path!r}: {exc}") from exc
     # Multimodal and some MoE configs keep the language model's numbers in text_config.
-    return tensors, ({**config, **(config.get("text_config") or {})} if isinstance(config, dict) else {})
+    return {**config, **(config.get("text_config") or {})} if isinstance(config, dict) else {}
 
 
-def slice_load(args, spec, files: list[str] | None):
+def slice_load(args, spec, tensors: list[tuple] | None):
     """What each engine rank receives with slices: a recorded plan (exact), else an estimate from the
     checkpoint (``--model``), else ``--sharded-fraction`` of the bytes split over ``--slices-tp``."""
     from ckpt_core.planning import slice_estimate
@@ -48,22 +45,22 @@ def slice_load(args, spec, files: list[str] | None):
         return slice_estimate.from_plan(plan)
     if not args.slices_tp:
         return None
-    if files is not None and args.sharded_fraction is None:
-        tensors, config = checkpoint_shapes(args.model, files)
-        return slice_estimate.estimate(tensors, config, args.slices_tp, ep=args.slices_ep)
+    if tensors is not None and args.sharded_fraction is None:
+        shapes = {t[0]: (t[2], t[5]) for t in tensors}
+        return slice_estimate.estimate(shapes, model_config(args.model), args.slices_tp, ep=args.slices_ep)
     if args.slices_ep:
         raise ConfigError("--slices-ep needs the checkpoint (--model DIR: which tensors are experts, and how many)")
     fraction = 0.98 if args.sharded_fraction is None else args.sharded_fraction
     return slice_estimate.from_fraction(spec.total_bytes, spec.tensors, args.slices_tp, fraction)
 
 
-def plan_report(args, info: dict | None, files: list[str] | None) -> tuple[dict, str]:
-    """The prediction of ``ckpt-engine plan`` as its JSON document and its text. ``info``: the checkpoint's
-    inspection (``cli.inspect_checkpoint``) and ``files`` its files, with ``--model``; else None."""
+def plan_report(args, tensors: list[tuple] | None) -> tuple[dict, str]:
+    """The prediction of ``ckpt-engine plan`` as its JSON document and its text. ``tensors``: the
+    checkpoint's (``cli.checkpoint_tensors``) with ``--model``; else None."""
     from ckpt_core.planning.capacity import Calibration, ModelSpec, Topology, h2d_default, predict
     cal = Calibration() if args.reload_gb_per_s is None else replace(Calibration(), reload_gbps=args.reload_gb_per_s)
-    if info is not None:
-        spec = ModelSpec(info["bytes"], info["tensors"], info["largest_tensor"]["bytes"])
+    if tensors is not None:
+        spec = ModelSpec(sum(t[3] for t in tensors), len(tensors), max((t[3] for t in tensors), default=0))
     elif args.size_gib and args.tensors:
         total = int(args.size_gib * GiB)
         largest = int(args.largest_mib * (1 << 20)) if args.largest_mib else max(total // args.tensors, total // 16)
@@ -77,11 +74,11 @@ def plan_report(args, info: dict | None, files: list[str] | None) -> tuple[dict,
     try:
         doc = predict(spec, topo, mode=args.mode, cal=cal)
     except ConfigError as exc:
-        if info is None and not args.largest_mib:   # the size was guessed, not given
+        if tensors is None and not args.largest_mib:   # the size was guessed, not given
             raise ConfigError(f"{exc}; that largest tensor is a guess (1/16 of the model): give --largest-mib "
                               "(e.g. the embedding's size), or --model DIR") from exc
         raise
-    load = slice_load(args, spec, files)
+    load = slice_load(args, spec, tensors)
     if load is not None:
         doc["with_slices"] = predict(spec, topo, mode=args.mode, cal=cal, slices=load)
     return doc, "\n".join([_text(args, spec, doc), *_slices_text(doc, load)])

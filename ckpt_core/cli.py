@@ -138,44 +138,53 @@ def _files_of(path: str) -> list[str]:
     return [path]
 
 
-def inspect_checkpoint(path: str, device_mem_gib: float, ranks: int = 1) -> dict:
-    """Tensors, dtypes and sizes of a safetensors file or HF directory, validated, with a bucket plan."""
-    from ckpt_core.planning.buckets import TensorMeta, choose_layout, plan_buckets
+def checkpoint_tensors(path: str) -> tuple[list[str], list[tuple]]:
+    """The files of a safetensors file or HF directory and ``(name, dtype, shape, nbytes, file,
+    itemsize)`` of every tensor in them, headers and index validated, each name once."""
     from ckpt_core.checkpoint.hf_dir import INDEX_NAME, check_index, read_index
     from ckpt_core.checkpoint.safetensors import read_header
-    from ckpt_core._settings import load_settings
 
-    if not (isinstance(ranks, int) and ranks >= 1):
-        raise ConfigError(f"ranks must be an integer >= 1, got {ranks!r}")
-    if not (isinstance(device_mem_gib, (int, float)) and math.isfinite(device_mem_gib) and device_mem_gib > 0):
-        raise ConfigError(f"device_mem_gib must be a finite number > 0, got {device_mem_gib!r}")
-    files, tensors, dtypes, headers = _files_of(path), [], {}, []
+    files, tensors, headers = _files_of(path), [], []
     for f in files:
         try:
             header = read_header(f)
         except OSError as exc:
             raise ConfigError(f"cannot read {f!r}: {exc}") from exc
         headers.append(header)
-        for e in header.tensors:
-            dtype = str(e.dtype).removeprefix("torch.")
-            tensors.append((e.name, dtype, tuple(e.shape), e.nbytes, f))
-            d = dtypes.setdefault(dtype, {"tensors": 0, "bytes": 0})
-            d["tensors"] += 1
-            d["bytes"] += e.nbytes
+        tensors += [(e.name, str(e.dtype).removeprefix("torch."), tuple(e.shape), e.nbytes, f, e.dtype.itemsize)
+                    for e in header.tensors]
     if os.path.isdir(path) and os.path.lexists(os.path.join(path, INDEX_NAME)):
         check_index(read_index(path), headers, os.path.join(path, INDEX_NAME))
     names = [t[0] for t in tensors]
     if len(set(names)) != len(names):
         dup = sorted({n for n in names if names.count(n) > 1})[:5]
         raise CheckpointFormatError(f"tensor names appear in more than one file: {dup}", path=path)
+    return files, tensors
+
+
+def inspect_checkpoint(path: str, device_mem_gib: float, ranks: int = 1) -> dict:
+    """Tensors, dtypes and sizes of a safetensors file or HF directory, validated, with a bucket plan."""
+    from ckpt_core.planning.buckets import TensorMeta, choose_layout, plan_buckets
+    from ckpt_core._settings import load_settings
+
+    if not (isinstance(ranks, int) and ranks >= 1):
+        raise ConfigError(f"ranks must be an integer >= 1, got {ranks!r}")
+    if not (isinstance(device_mem_gib, (int, float)) and math.isfinite(device_mem_gib) and device_mem_gib > 0):
+        raise ConfigError(f"device_mem_gib must be a finite number > 0, got {device_mem_gib!r}")
+    files, tensors = checkpoint_tensors(path)
+    dtypes: dict = {}
+    for _, dtype, _, nbytes, _, _ in tensors:
+        d = dtypes.setdefault(dtype, {"tensors": 0, "bytes": 0})
+        d["tensors"] += 1
+        d["bytes"] += nbytes
     total = sum(t[3] for t in tensors)
-    largest = max(tensors, key=lambda t: t[3], default=("-", "", (), 0, ""))
+    largest = max(tensors, key=lambda t: t[3], default=("-", "", (), 0, "", 0))
     settings = load_settings(rank=0, world_size=1)
     bucket, slots = choose_layout(int(device_mem_gib * GiB), mem_fraction=settings.mem_fraction,
                                   max_slots=settings.num_slots, max_bucket_bytes=settings.max_bucket_bytes,
                                   largest_tensor=largest[3], largest_owner_total=max(1, -(-total // ranks)))
     metas = [[] for _ in range(ranks)]
-    for i, (name, dtype, shape, nbytes, _) in enumerate(sorted(tensors, key=lambda t: -t[3])):
+    for i, (name, dtype, shape, nbytes, _, _) in enumerate(sorted(tensors, key=lambda t: -t[3])):
         r = min(range(ranks), key=lambda k: sum(m.nbytes for m in metas[k])) if ranks > 1 else 0
         metas[r].append(TensorMeta(name, dtype, shape, nbytes, 1, 0, sum(m.nbytes for m in metas[r])))
     plan = plan_buckets(metas, bucket) if tensors else None
@@ -201,8 +210,7 @@ def cmd_inspect(args) -> int:
 
 # ------------------------------------------------------------------ plan
 def cmd_plan(args) -> int:
-    info = inspect_checkpoint(args.model, args.device_free_gib) if args.model else None
-    _emit(args, *plan_report(args, info, _files_of(args.model) if args.model else None))
+    _emit(args, *plan_report(args, checkpoint_tensors(args.model)[1] if args.model else None))
     return EXIT_OK
 
 

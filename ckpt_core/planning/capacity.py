@@ -31,7 +31,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 
 from ckpt_core.planning.buckets import choose_layout
-from ckpt_core.planning.slice_estimate import SliceLoad, from_fraction
+from ckpt_core.planning.slice_estimate import SliceLoad
 from ckpt_core.errors import ConfigError
 
 GB = 1e9
@@ -99,21 +99,19 @@ def h2d_default(devices_per_node: int) -> float:
 
 
 def predict(model: ModelSpec, topo: Topology, *, mode: str = "broadcast", cal: Calibration = Calibration(),
-            slices: SliceLoad | None = None, slices_tp: int | None = None, sharded_fraction: float = 0.98) -> dict:
+            slices: SliceLoad | None = None) -> dict:
     """Predicted seconds per stage, the update's total, and host/device memory (plain data).
 
     ``slices``: each engine rank receives only its slices (``planning/slices.py``), as a
     :class:`~ckpt_core.planning.slice_estimate.SliceLoad` says (from a recorded plan, or estimated
-    from the checkpoint); ``slices_tp`` with ``sharded_fraction`` is the coarse form of it
-    (that fraction of the bytes split over the ranks, the rest whole on every rank). A broadcast
+    from the checkpoint, or ``slice_estimate.from_fraction``: a fraction of the bytes split over the
+    ranks, the rest whole on every rank). A broadcast
     update then moves and reloads only the most any rank receives; a P2P update still reads every
     byte over the network (each target its own slices) but broadcasts in the target group only what
     every rank reads whole.
     """
     if mode not in ("broadcast", "p2p"):
         raise ConfigError(f"mode must be 'broadcast' or 'p2p', got {mode!r}")
-    if slices_tp is not None:
-        slices = from_fraction(model.total_bytes, model.tensors, slices_tp, sharded_fraction)
     ranks = topo.ranks
     if slices is not None and mode == "broadcast" and ranks % slices.tp:
         raise ConfigError(f"a sliced broadcast feeds engine rank p % T from PS rank p: {ranks} rank(s) are not a "

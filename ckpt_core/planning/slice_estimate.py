@@ -101,7 +101,7 @@ def _rank_bytes(name: str, shape: tuple[int, ...], itemsize: int, rank: int, tp:
     """Bytes of one tensor that engine rank ``rank`` reads, or None when it reads none of it."""
     nbytes = math.prod(shape) * itemsize
     expert = _EXPERT.search(name)
-    if "norm" in name or (name.endswith("gate.weight") and not expert and "gate_proj" not in name):
+    if "norm" in name or (name.endswith("gate.weight") and not expert):
         return nbytes
     if expert and experts_per_rank:
         return nbytes if int(expert.group(1)) // experts_per_rank == rank else None

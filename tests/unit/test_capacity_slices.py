@@ -8,32 +8,35 @@ import pytest
 from ckpt_core import cli
 from ckpt_core.errors import ConfigError
 from ckpt_core.planning.capacity import ModelSpec, Topology, predict
-from ckpt_core.planning.slice_estimate import SliceLoad
+from ckpt_core.planning.slice_estimate import SliceLoad, from_fraction
 
 GiB = 1 << 30
 MODEL = ModelSpec(16 * GiB, 344, 1 << 30)
 
 
+def fraction(tp: int, sharded: float = 0.98) -> SliceLoad:
+    return from_fraction(MODEL.total_bytes, MODEL.tensors, tp, sharded)
+
+
 def test_slices_cut_what_each_rank_receives_to_its_share_and_shorten_the_stages_that_move_it():
     topo = Topology(nodes=1, devices_per_node=8, device_free_gib=16)
     whole = predict(MODEL, topo)
-    sliced = predict(MODEL, topo, slices_tp=8, sharded_fraction=0.98)
+    sliced = predict(MODEL, topo, slices=fraction(8, 0.98))
     assert whole["received_bytes_per_rank"] == MODEL.total_bytes and whole["slices"] is None
     assert sliced["received_bytes_per_rank"] == int(MODEL.total_bytes * (0.98 / 8 + 0.02))
     assert sliced["stages_s"]["broadcast"] < whole["stages_s"]["broadcast"] / 5
     assert sliced["stages_s"]["reload"] < whole["stages_s"]["reload"]
     assert sliced["stages_s"]["h2d"] == whole["stages_s"]["h2d"]   # every byte still leaves host memory once
     assert sliced["update_s"] <= whole["update_s"]
-    same = predict(MODEL, topo, slices_tp=1)
+    same = predict(MODEL, topo, slices=fraction(1))
     assert same["received_bytes_per_rank"] == MODEL.total_bytes
 
 
-@pytest.mark.parametrize("kwargs, needle", [({"slices_tp": 0}, "slices need"),
-                                            ({"slices_tp": 2, "sharded_fraction": 1.5}, "slices need"),
-                                            ({"slices_tp": 3}, "not a multiple of the engine's 3")])
-def test_a_bad_slices_layout_is_a_config_error(kwargs, needle):
+@pytest.mark.parametrize("tp, sharded, needle", [(0, 0.98, "slices need"), (2, 1.5, "slices need"),
+                                                 (3, 0.98, "not a multiple of the engine's 3")])
+def test_a_bad_slices_layout_is_a_config_error(tp, sharded, needle):
     with pytest.raises(ConfigError, match=needle):
-        predict(MODEL, Topology(), **kwargs)
+        predict(MODEL, Topology(), slices=fraction(tp, sharded))
 
 
 def test_plan_with_slices_tp_predicts_both_updates(capsys):
@@ -50,7 +53,7 @@ def test_plan_with_slices_tp_predicts_both_updates(capsys):
 def test_a_sliced_p2p_update_still_reads_every_byte_but_broadcasts_only_what_every_rank_reads_whole():
     topo = Topology(nodes=1, devices_per_node=8, device_free_gib=16)
     whole = predict(MODEL, topo, mode="p2p")
-    sliced = predict(MODEL, topo, mode="p2p", slices_tp=8, sharded_fraction=0.9)
+    sliced = predict(MODEL, topo, mode="p2p", slices=fraction(8, 0.9))
     assert sliced["stages_s"]["p2p"] == whole["stages_s"]["p2p"]
     assert sliced["stages_s"]["broadcast"] == pytest.approx(whole["stages_s"]["broadcast"] * 0.1, rel=1e-3)
     assert sliced["stages_s"]["reload"] < whole["stages_s"]["reload"]
@@ -79,7 +82,7 @@ def test_a_slower_engine_reload_makes_the_whole_update_reload_bound_and_slices_s
 def test_a_sliced_stage_holds_only_each_workers_slices_and_may_then_fit_in_device_memory():
     topo = Topology(nodes=1, devices_per_node=8, device_free_gib=10)
     whole = predict(MODEL, topo)["staging"]
-    sliced = predict(MODEL, topo, slices_tp=8, sharded_fraction=0.98)["staging"]
+    sliced = predict(MODEL, topo, slices=fraction(8, 0.98))["staging"]
     assert whole["bytes_per_worker"] == MODEL.total_bytes and not whole["fits_device"]
     assert sliced["bytes_per_worker"] == int(MODEL.total_bytes * (0.98 / 8 + 0.02)) and sliced["fits_device"]
     assert sliced["commit_s"] < whole["commit_s"]
