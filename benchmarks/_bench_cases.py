@@ -106,6 +106,9 @@ CASES = {
     "dense40": lambda s: _dense(40 * GiB, s, **_DENSE),
     # many small experts: ~5,200 tensors of ~1.3 MB, plus fp32 routers
     "moe8": lambda s: _moe(8 * GiB, s, h=2048, inter=320, vocab=151936, kv=512, experts=40),
+    # ~19,000 tensors: 128 small experts per layer (the per-tensor cost of a Qwen3-30B-A3B-like layout at
+    # scale; issue 38), plus fp32 routers
+    "moe128": lambda s: _moe(16 * GiB, s, h=2048, inter=192, vocab=151936, kv=512, experts=128),
     # fixed cost: a 2-layer model of ~64 MiB
     "tiny": lambda s: _dense(64 * MiB, s, h=1024, inter=2048, vocab=8192, kv=256),
 }

@@ -31,6 +31,26 @@ def summarize_updates(updates: list[dict]) -> dict:
     return {"best_s": times[best], "median_s": statistics.median(times), "all_s": times, "best_index": best}
 
 
+def per_tensor_costs(update: dict, tensors: int, floor_s: float) -> dict:
+    """Microseconds per tensor of one update (``Bench.update_once``'s record): above the byte floor
+    (everything that is not moving bytes: ours, the simulated engine's, fixed costs), the PS's own
+    CPU time (its update thread, slowest rank), and in the engine worker our receive loop's CPU
+    time (outside ``run()``) and the simulated engine's (inside it), slowest worker."""
+    us = 1e6 / max(tensors, 1)
+    engine = update.get("engine") or []   # rank 0 only; the gathered record has them all
+    ours = [e["cpu_s"] - e["engine_cpu_s"] for e in engine if "cpu_s" in e]
+    theirs = [e["engine_cpu_s"] for e in engine if "cpu_s" in e]
+    return {"tensors": tensors, "above_floor_us": max(update["seconds"] - floor_s, 0.0) * us,
+            "ps_us": max(update["ps_cpu_s"]) * us,
+            "worker_us": max(ours) * us if ours else None, "engine_us": max(theirs) * us if theirs else None}
+
+
+def per_tensor_line(c: dict) -> str:
+    fmt = lambda x: "-" if x is None else f"{x:.2f}"
+    return (f"{fmt(c['above_floor_us'])} us above the floor; ours: PS {fmt(c['ps_us'])} us, worker "
+            f"{fmt(c['worker_us'])} us (CPU); simulated engine {fmt(c['engine_us'])} us")
+
+
 # Targets of issue 5 on a 2-GPU host (2 ranks), and the one-GPU one: (label, world, case, metric, op, bound).
 TARGETS = [
     ("update, dense 16 GiB", 2, "dense16", "update_s", "<=", 0.25),
@@ -130,6 +150,7 @@ def format_report(result: dict) -> str:
     lines = [
         f"ckpt-engine update benchmark: {meta['world_size']} rank(s), {meta['device']} "
         f"({meta.get('device_name', '')}), torch {meta['torch']}, scale {meta['scale']}, repeats {meta['repeats']}"
+        + f", simulated engine copies {'per dtype (foreach)' if meta.get('engine_copy') == 'foreach' else 'per tensor'}"
         + (f", free device memory limited to {meta['free_mem_gib']} GiB" if meta.get("free_mem_gib") is not None else ""),
         "ceilings: H2D GB/s per rank (all copying) " + ", ".join(f"{x:.1f}" for x in ceil["h2d_gbps"])
         + f"; broadcast GB/s {'-' if bc is None else f'{bc:.1f}'}",
@@ -180,6 +201,17 @@ def format_report(result: dict) -> str:
                               f"{t['sliced_s']:.3f}", f"{t['whole_update_s']:.3f}",
                               "-" if t["speedup"] is None else f"{t['speedup']:.2f}x"]
                              for c in sliced for t in [c["tp"]]]))
+    costs = [(c["case"], label, pt) for c in result["cases"]
+             for label, pt in (("whole", c.get("per_tensor")), ("sliced", (c.get("tp") or {}).get("per_tensor")))
+             if pt]
+    if costs:
+        lines += ["", "per-tensor cost, us per tensor (above the floor: the update's time less its byte floor; ours: "
+                      "CPU time of the PS's update thread and of our receive loop in the engine worker, outside its "
+                      "run(); engine: the simulated engine's run()):"]
+        fmt = lambda x: "-" if x is None else f"{x:.2f}"
+        lines.append(_table(["case", "update", "tensors", "above floor", "ours: PS", "ours: worker", "engine"],
+                            [[case, label, str(pt["tensors"]), fmt(pt["above_floor_us"]), fmt(pt["ps_us"]),
+                              fmt(pt["worker_us"]), fmt(pt["engine_us"])] for case, label, pt in costs]))
     targets = result.get("targets") or []
     if targets:
         lines += ["", "targets (issue 5):"]

@@ -9,9 +9,10 @@ import time
 from dataclasses import replace
 
 from _bench_cases import GiB
+from _bench_report import per_tensor_costs, per_tensor_line
 
 
-def tp_section(bench, case: str, specs, share, whole_s: float) -> dict:
+def tp_section(bench, case: str, specs, share, whole_s: float, whole_floor_s: float = 0.0) -> dict:
     """Each of T simulated engine ranks receives only its slices (see the module's docstring)."""
     from ckpt_core.checkpoint.safetensors import WIRE_CODES
     from ckpt_core.planning.slices import SliceKey, SlicePlan, split_plan
@@ -31,29 +32,40 @@ def tp_section(bench, case: str, specs, share, whole_s: float) -> dict:
     per_rank: dict[int, list[float]] = {}
     breakdown: dict[int, dict] = {}
     received = [0] * tp
+    last: dict[int, dict] = {}   # per round (its first engine rank): its last update, for the per-tensor costs
     for engine_ranks, part in rounds:
         mine = engine_ranks[0] if serial else bench.rank   # the engine rank this PS rank's worker plays
         index = 0 if serial else bench.rank                # ... and its rank in the update's plan
         wanted = slice_sums(bench, part, share.named)[index]
         bench.worker.call("alloc", [(n, part.ranks[index].params[n], dtypes[n]) for n in tensors])
+        bench.worker.call("slices", (part.digest, index))   # the worker refuses slices routed for another rank
         times = []
-        for _ in range(1 + bench.args.repeats):
+        # one more update of the first round with --profile, not timed: cProfile slows what it watches
+        profiled = bench.args.profile is not None and engine_ranks[0] == 0
+        for i in range(1 + bench.args.repeats + profiled):
             bench.worker.call("zero")
             bench.barrier()
-            t0 = time.perf_counter()
-            info = bench.ps.update(f"{case}-tp", bench.req_func, slices=part)
-            seconds = bench.gather(time.perf_counter() - t0)
+            with bench.profiling(f"{case}-tp{tp}" if i > bench.args.repeats else None):
+                t0, c0 = time.perf_counter(), time.thread_time()
+                info = bench.ps.update(f"{case}-tp", bench.req_func, slices=part)
+                seconds, cpu = bench.gather(time.perf_counter() - t0), bench.gather(time.thread_time() - c0)
             got = bench.worker.call("checksum")
             bad = sorted(n for n in set(wanted) | set(got) if tuple(got.get(n, ())) != tuple(wanted.get(n, ())))
             nbad = bench.gather(len(bad))
             if any(nbad):
                 raise RuntimeError(f"sliced update of {case!r} (tp={tp}) is not bit-exact: engine rank {mine} "
                                    f"has {len(bad)} wrong tensors, e.g. {bad[:3]}; all ranks: {nbad}")
+            if i > bench.args.repeats:
+                continue
             times.append(max(seconds))
+            timed = info
+            last[engine_ranks[0]] = {"seconds": max(seconds), "ps_cpu_s": cpu,
+                                     "engine": bench.front.last if bench.front is not None else None}
         for i, t in enumerate(engine_ranks):
             per_rank[t] = times[1:] or times
-            received[t] = info["slices"]["received_bytes"][i]
-            breakdown[t] = info["seconds"]   # this PS rank's phases of the last update
+            received[t] = timed["slices"]["received_bytes"][i]
+            breakdown[t] = timed["seconds"]   # this PS rank's phases of the last timed update
+    bench.worker.call("slices", None)
     bench.ps.unregister_checkpoint(f"{case}-tp")
     best = [min(per_rank[t]) for t in range(tp)]
     out = {"tp": tp, "mode": "serial" if serial else "parallel", "whole_update_s": whole_s,
@@ -61,9 +73,14 @@ def tp_section(bench, case: str, specs, share, whole_s: float) -> dict:
            "whole_bytes": plan.whole_bytes(), "received_fraction": max(received) / plan.whole_bytes(),
            "speedup": whole_s / max(best) if max(best) else None,
            "update_breakdown_slowest": breakdown[best.index(max(best))]}
+    floor = whole_floor_s * out["received_fraction"]   # the bytes one engine rank receives, at the whole update's rates
+    rounds_costs = [per_tensor_costs(u, len(specs), floor) for u in last.values()]
+    out["per_tensor"] = {k: max((c[k] for c in rounds_costs if c[k] is not None), default=None)
+                         for k in rounds_costs[0]}   # the costliest round's figure of each
     bench.say(f"{case}: tp={tp} ({out['mode']}) each rank receives {out['received_fraction']:.3f} of "
               f"{plan.whole_bytes() / GiB:.3f} GiB; sliced update {out['sliced_s']:.3f} s (slowest rank) "
-              f"against a whole update of {whole_s:.3f} s ({out['speedup']:.2f}x)")
+              f"against a whole update of {whole_s:.3f} s ({out['speedup']:.2f}x); per tensor "
+              f"{per_tensor_line(out['per_tensor'])}")
     return out
 
 

@@ -37,6 +37,10 @@ class _Engine:
         self.key = local_device_key(kind, index)
         self.zmq_ctx = zmq.Context()
         self.params: dict = {}
+        self.slices = None   # (plan digest, engine rank) this worker loads by, as a vLLM worker does; None: whole
+        # how run() copies a bucket into the parameters: "tensor" (one copy_ each, as engines' loaders do) or
+        # "foreach" (torch._foreach_copy_ per dtype: an engine that batches, so our own per-tensor cost shows)
+        self.copy_mode = "tensor"
 
     def sync(self) -> None:
         if self.kind == "cuda":
@@ -65,15 +69,23 @@ class _Engine:
         if self.kind == "cuda":
             self.torch.cuda.empty_cache()
 
-    def update(self, handles: dict, stage: bool = False) -> dict:
-        from ckpt_core import update_weights_from_ipc
+    def update(self, handles: dict, stage: bool = False, profile: str | None = None) -> dict:
+        from _bench_profile import profiled
         if stage:
             return self.stage(handles)
+        with profiled(profile):
+            return self._update(handles)
+
+    def _update(self, handles: dict) -> dict:
+        from ckpt_core import update_weights_from_ipc
         seen: set[str] = set()
         buckets = [0]
+        engine_cpu = [0.0]   # this thread's CPU time inside run(): the engine's own work, not ours
 
         def run(weights) -> None:
+            c0 = time.thread_time()
             buckets[0] += 1
+            batched: dict = {}   # --engine-copy foreach: dtype -> (parameters, received)
             for name, t in weights:
                 p = self.params.get(name)
                 if p is None:
@@ -82,8 +94,16 @@ class _Engine:
                     raise ValueError(f"received tensor {name!r} twice in one update")
                 if p.shape != t.shape or p.dtype != t.dtype:
                     raise ValueError(f"{name}: received {t.dtype}{tuple(t.shape)}, parameter is {p.dtype}{tuple(p.shape)}")
-                p.copy_(t)
+                if self.copy_mode == "foreach":
+                    dst, src = batched.setdefault(p.dtype, ([], []))
+                    dst.append(p)
+                    src.append(t)
+                else:
+                    p.copy_(t)
                 seen.add(name)
+            for dst, src in batched.values():   # one list per dtype: a mixed list takes torch's per-tensor route
+                self.torch._foreach_copy_(dst, src)
+            engine_cpu[0] += time.thread_time() - c0
 
         def post_hook() -> None:
             if len(seen) != len(self.params):
@@ -91,9 +111,12 @@ class _Engine:
                 raise ValueError(f"{len(missing)} parameters were not updated, e.g. {missing[:3]}")
             self.sync()
 
-        t0 = time.perf_counter()
-        update_weights_from_ipc(self.zmq_ctx, handles[self.key], self.index, run=run, post_hook=post_hook)
-        return {"seconds": time.perf_counter() - t0, "buckets": buckets[0], "tensors": len(seen)}
+        t0, c0 = time.perf_counter(), time.thread_time()
+        update_weights_from_ipc(self.zmq_ctx, handles[self.key], self.index, run=run, post_hook=post_hook,
+                                slices=self.slices)
+        # CPU seconds of this thread: the whole call (the receive loop, ours) and inside run() (the engine's)
+        return {"seconds": time.perf_counter() - t0, "buckets": buckets[0], "tensors": len(seen),
+                "cpu_s": time.thread_time() - c0, "engine_cpu_s": engine_cpu[0]}
 
     def stage(self, handles: dict) -> dict:
         """Receive the update into a staging area on the device (what ckpt_vllm's worker does), not
@@ -103,7 +126,7 @@ class _Engine:
 
         self.staged = StagingArea("bench", self.device, device_limit=1 << 50)
         t0 = time.perf_counter()
-        update_weights_from_ipc(self.zmq_ctx, handles[self.key], self.index, run=self.staged.add)
+        update_weights_from_ipc(self.zmq_ctx, handles[self.key], self.index, run=self.staged.add, slices=self.slices)
         return {"seconds": time.perf_counter() - t0, "buckets": len(self.staged.buckets),
                 "tensors": self.staged.tensors, "staged_bytes": self.staged.nbytes}
 
@@ -147,6 +170,12 @@ class _Engine:
             return self.update(cmd[1], *cmd[2:])
         if op == "commit":
             return self.commit()
+        if op == "slices":
+            self.slices = cmd[1]
+            return None
+        if op == "copy_mode":
+            self.copy_mode = cmd[1]
+            return None
         raise ValueError(f"unknown command {op!r}")
 
 
@@ -240,12 +269,13 @@ class EngineFront:
     def __init__(self, addresses: list, timeout: float = 600.0):
         self.timeout = timeout
         self.stage = False   # the next updates stage (the workers' "commit" makes them live)
+        self.profile = None  # a path prefix: the workers cProfile the next update into <prefix>-w<i>
         self.conns = [Client(tuple(a) if isinstance(a, list) else a, authkey=AUTH) for a in addresses]
         self.last: list = []
 
     def req_func(self, handles) -> None:
-        for c in self.conns:
-            c.send(("update", dict(handles), self.stage))
+        for i, c in enumerate(self.conns):
+            c.send(("update", dict(handles), self.stage, None if self.profile is None else f"{self.profile}-w{i}"))
         results = []
         for i, c in enumerate(self.conns):
             if not c.poll(self.timeout):

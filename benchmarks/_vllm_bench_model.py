@@ -26,6 +26,13 @@ SHAPES = {
                                    num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
                                    num_experts=8, num_experts_per_tok=2, vocab_size=2048, decoder_sparse_step=1,
                                    max_position_embeddings=512, tie_word_embeddings=False)),
+    # Many tensors (issue 38): a Qwen3-MoE layout with 128 experts in each of 12 layers, 4,719 tensors
+    # (4,608 of them experts' projections), 2.3 GiB in bf16.
+    "moe4k": ("Qwen3MoeConfig", dict(architectures=["Qwen3MoeForCausalLM"], hidden_size=1024, intermediate_size=2048,
+                                     moe_intermediate_size=256, num_hidden_layers=12, num_attention_heads=16,
+                                     num_key_value_heads=4, head_dim=64, num_experts=128, num_experts_per_tok=8,
+                                     vocab_size=8192, decoder_sparse_step=1, max_position_embeddings=512,
+                                     tie_word_embeddings=False)),
 }
 MARKER = ".ckpt-bench-shape"
 

@@ -41,6 +41,7 @@ import os
 import secrets
 import sys
 import time
+from contextlib import contextmanager
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -53,7 +54,9 @@ import torch.distributed as dist  # noqa: E402
 
 from _bench_cases import CASES, GiB, build_case, free_weight_cache, materialize, split  # noqa: E402
 from _bench_ceilings import measure  # noqa: E402
-from _bench_report import check_targets, floor_seconds, format_report, summarize_updates  # noqa: E402
+from _bench_report import (check_targets, floor_seconds, format_report, per_tensor_costs, per_tensor_line,  # noqa: E402
+                           summarize_updates)
+from _bench_profile import profiled  # noqa: E402
 from _bench_tp import tp_section  # noqa: E402
 from _bench_worker import EngineFront, EngineWorker  # noqa: E402
 
@@ -86,6 +89,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=None,
                    help="also update a simulated engine of this many tensor-parallel ranks, each receiving only "
                         "its slices (the world size, or any T with one rank)")
+    p.add_argument("--engine-copy", choices=("tensor", "foreach"), default="tensor",
+                   help="how the simulated engine copies a bucket into its parameters: one copy_ per tensor "
+                        "(as engines' loaders do; default) or one torch._foreach_copy_ per dtype (an engine that "
+                        "batches: what is left per tensor is ours)")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="cProfile one more update of each case after the timed ones (and of engine rank 0's sliced "
+                        "ones with --tp) on every PS rank and in every engine worker, into DIR (.prof and "
+                        "top-entries .txt); the timed updates run unprofiled")
     p.add_argument("--log-level", default="WARNING", help="level of ckpt_core's logs (INFO: one line per phase)")
     args = p.parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -135,6 +146,7 @@ class Bench:
         self.front = EngineFront(addresses) if self.rank == 0 else None
         self.barrier()
         self.worker.wait_connected()
+        self.worker.call("copy_mode", args.engine_copy)
         # The benchmark owns the default group; the ParameterServer borrows it (as under an RL trainer).
         self.ps = ParameterServer(device=self.kind, keep_device_buffers=args.keep_device_buffers)
         self.sums: dict = {}
@@ -168,6 +180,23 @@ class Bench:
         per_rank = self.gather(time.perf_counter() - t0)
         return {"s": max(per_rank), "per_rank": per_rank}
 
+    @contextmanager
+    def profiling(self, label: str | None):
+        """With ``--profile``: cProfile what runs inside on this rank (``<label>-ps-r<rank>``) and
+        the update it starts in every engine worker (``<label>-w<i>``)."""
+        if label is None or self.args.profile is None:
+            yield
+            return
+        prefix = os.path.join(self.args.profile, label)
+        if self.front is not None:
+            self.front.profile = prefix
+        try:
+            with profiled(f"{prefix}-ps-r{self.rank}"):
+                yield
+        finally:
+            if self.front is not None:
+                self.front.profile = None
+
     def req_func(self, handles) -> None:
         if self.front is not None:
             self.front.req_func(handles)
@@ -193,19 +222,21 @@ class Bench:
         return torch.empty(n, dtype=torch.uint8, device=self.device) if n > 0 else None
 
     # -- one update, verified ----------------------------------------------------
-    def update_once(self, name: str) -> dict:
+    def update_once(self, name: str, profile: str | None = None) -> dict:
         self.worker.call("zero")   # so that a missed tensor cannot pass for a received one
         self.barrier()
         base = self._mem_mark()
-        t0 = time.perf_counter()
-        info = self.ps.update(name, self.req_func)
-        seconds = time.perf_counter() - t0
+        with self.profiling(profile):
+            t0, c0 = time.perf_counter(), time.thread_time()
+            info = self.ps.update(name, self.req_func)
+            seconds, cpu = time.perf_counter() - t0, time.thread_time() - c0
         peak = self._mem_peak(base)
         got = self.worker.call("checksum")
         bad = [n for n, s in self.sums.items() if tuple(got.get(n, ())) != tuple(s)]
         bad += sorted(set(got) - set(self.sums))
         engine = self.front.last if self.front is not None else None
-        views = self.gather({"seconds": seconds, "peak": peak, "bad": bad[:5], "nbad": len(bad), "ps": info})
+        views = self.gather({"seconds": seconds, "peak": peak, "bad": bad[:5], "nbad": len(bad), "ps": info,
+                             "cpu": cpu})
         failed = [(r, v) for r, v in enumerate(views) if v["nbad"]]
         if failed:
             detail = "; ".join(f"rank {r}'s engine: {v['nbad']} tensors differ, e.g. {v['bad']}" for r, v in failed)
@@ -213,7 +244,7 @@ class Bench:
             raise RuntimeError(f"update of {name!r} is not bit-exact: {detail}")
         return {"seconds": max(v["seconds"] for v in views), "per_rank_s": [v["seconds"] for v in views],
                 "peak_extra_device_bytes": [v["peak"] for v in views], "ps": [v["ps"] for v in views],
-                "engine": engine}
+                "ps_cpu_s": [v["cpu"] for v in views], "engine": engine}
 
     # -- a case ----------------------------------------------------------------------
     def run_case(self, case: str) -> dict:
@@ -238,6 +269,8 @@ class Bench:
         filler = self._squeeze_device()
         try:
             updates = [self.update_once(case) for _ in range(1 + self.args.repeats)]
+            if self.args.profile:   # one more, not timed: cProfile slows what it watches
+                self.update_once(case, profile=f"{case}-whole")
         finally:
             del filler
             if self.kind == "cuda":
@@ -264,12 +297,15 @@ class Bench:
             "floor": floor_seconds(share_bytes, self.ceilings["h2d_gbps"], self.ceilings["broadcast_gbps"]),
             "updates": updates,
         }
+        record["per_tensor"] = per_tensor_costs(best, len(specs), record["floor"]["seconds"])
         self.say(f"{case}: update best {summary['best_s']:.3f} s, median {summary['median_s']:.3f} s "
-                 f"({total / summary['best_s'] / 1e9:.1f} GB/s), floor {record['floor']['seconds']:.3f} s")
+                 f"({total / summary['best_s'] / 1e9:.1f} GB/s), floor {record['floor']['seconds']:.3f} s; "
+                 f"per tensor {per_tensor_line(record['per_tensor'])}")
         record["stage"] = stage
         record["pool"] = None if self.args.skip_pool else self.pool_section(case, share)
         record["shm"] = None if self.args.skip_shm else self.shm_section(case, share, total)
-        record["tp"] = None if self.args.tp is None else tp_section(self, case, specs, share, summary["best_s"])
+        record["tp"] = None if self.args.tp is None else tp_section(self, case, specs, share, summary["best_s"],
+                                                                      record["floor"]["seconds"])
         self.worker.call("free")
         del share
         gc.collect()
@@ -373,6 +409,7 @@ class Bench:
         m = {"world_size": self.world, "device": self.kind, "torch": torch.__version__, "python": sys.version.split()[0],
              "scale": self.args.scale, "repeats": self.args.repeats, "free_mem_gib": self.args.free_mem_gib,
              "keep_device_buffers": self.args.keep_device_buffers, "cases": self.args.cases,
+             "engine_copy": self.args.engine_copy,
              "env": {k: os.environ[k] for k in sorted(os.environ) if k.startswith(("PS_", "NCCL_"))}}
         if self.kind == "cuda":
             m["device_name"] = torch.cuda.get_device_name(self.local)

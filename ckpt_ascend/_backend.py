@@ -133,7 +133,7 @@ class NpuBackend(DeviceBackend):
 
     # -- the IPC buffer ---------------------------------------------------------
     def alloc_ipc(self, nbytes: int, index: int, name: str) -> IpcBuffer:
-        from torch.multiprocessing.reductions import reduce_tensor   # torch_npu replaces it on import
+        from torch.multiprocessing.reductions import reduce_tensor  # torch_npu replaces it on import
 
         _torch_npu()
         try:

@@ -7,7 +7,7 @@ import json
 import os
 from dataclasses import replace
 
-from ckpt_core._cli_args import COUNT, POSITIVE, number, renamed
+from ckpt_core._cli_args import GIB, MAX_DEVICES, MAX_NODES, MAX_SLOTS, MAX_TENSORS, MIB, RATE, count, number, renamed
 from ckpt_core.errors import ConfigError
 
 GiB = float(1 << 30)
@@ -36,7 +36,7 @@ def slice_load(args, spec, tensors: list[tuple] | None):
     """What each engine rank receives with slices: a recorded plan (exact), else an estimate from the
     checkpoint (``--model``), else ``--sharded-fraction`` of the bytes split over ``--slices-tp``."""
     from ckpt_core.planning import slice_estimate
-    from ckpt_core.planning.slices import read_plan_file
+    from ckpt_core.planning.slice_json import read_plan_file
     if args.slices_plan:
         plan = read_plan_file(args.slices_plan)
         if args.slices_tp and args.slices_tp != len(plan.ranks):
@@ -121,26 +121,26 @@ def plan_parser(sub, common) -> None:
     pl = sub.add_parser("plan", help="predict update time and memory for a model on a topology")
     common(pl, False)
     pl.add_argument("--model", help="checkpoint directory or file (else --size-gib and --tensors)")
-    pl.add_argument("--size-gib", type=POSITIVE)
-    pl.add_argument("--tensors", type=COUNT)
-    pl.add_argument("--largest-mib", type=POSITIVE, help="largest tensor (default: the larger of mean and 1/16)")
-    pl.add_argument("--nodes", type=COUNT, default=1)
-    pl.add_argument("--devices", type=COUNT, default=8, help="devices per node (default 8)")
-    renamed(pl, "--h2d-gb-per-s", "--h2d-gbps", GBPS_WHY, type=POSITIVE, default=None,
+    pl.add_argument("--size-gib", type=GIB)
+    pl.add_argument("--tensors", type=count(MAX_TENSORS, "far more than any checkpoint holds"))
+    pl.add_argument("--largest-mib", type=MIB, help="largest tensor (default: the larger of mean and 1/16)")
+    pl.add_argument("--nodes", type=count(MAX_NODES), default=1)
+    pl.add_argument("--devices", type=count(MAX_DEVICES), default=8, help="devices per node (default 8)")
+    renamed(pl, "--h2d-gb-per-s", "--h2d-gbps", GBPS_WHY, type=RATE, default=None,
             help="host-to-device per device, GB/s (default: measured, 49.3 with 2 H200 copying, 55.4 for one alone)")
-    renamed(pl, "--d2d-gb-per-s", "--d2d-gbps", GBPS_WHY, type=POSITIVE, default=347.0,
+    renamed(pl, "--d2d-gb-per-s", "--d2d-gbps", GBPS_WHY, type=RATE, default=347.0,
             help="intra-node broadcast, GB/s (default 347: 2xH200 NVLink)")
-    renamed(pl, "--nic-gb-per-s", "--nic-gbps", GBPS_WHY, type=POSITIVE, default=50.0,
+    renamed(pl, "--nic-gb-per-s", "--nic-gbps", GBPS_WHY, type=RATE, default=50.0,
             help="per node, all NICs together, GB/s: gigaBYTES (default 50, i.e. one 400 Gb/s NIC)")
-    pl.add_argument("--device-free-gib", type=POSITIVE, default=16.0, help="free device memory per device (default 16)")
-    pl.add_argument("--slots", type=COUNT, default=4)
-    pl.add_argument("--max-bucket-gib", type=POSITIVE, default=8.0)
+    pl.add_argument("--device-free-gib", type=GIB, default=16.0, help="free device memory per device (default 16)")
+    pl.add_argument("--slots", type=count(MAX_SLOTS), default=4)
+    pl.add_argument("--max-bucket-gib", type=GIB, default=8.0)
     pl.add_argument("--mode", choices=("broadcast", "p2p"), default="broadcast")
-    pl.add_argument("--reload-gb-per-s", type=POSITIVE, default=None,
+    pl.add_argument("--reload-gb-per-s", type=RATE, default=None,
                     help="the engine's reload rate per rank, GB/s (default: the calibrated device copy, 2125; a "
                          f"real vLLM 0.26's layerwise reload measured {REAL_VLLM_RELOAD_GBPS:g} for a 7B bf16 on one "
                          "H200: slices shorten it most)")
-    pl.add_argument("--slices-tp", type=COUNT, default=None,
+    pl.add_argument("--slices-tp", type=count(MAX_DEVICES), default=None,
                     help="also predict an update where each engine rank receives only its slices, for an "
                          "engine of this tensor-parallel size (with --model: estimated from the checkpoint's "
                          "names, shapes and config.json by vLLM's loader conventions)")

@@ -5,37 +5,49 @@ from __future__ import annotations
 import secrets
 import threading
 import time
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Callable
 
-import zmq
-
-from ckpt_core.checkpoint.sources import RegisteredCheckpoint, build_checkpoint
-from ckpt_core.transfer.collectives import ABORT_WAIT_S, Collectives
-from ckpt_core.wire.stock import check_wire
-from ckpt_core.wire.link import Failure
-from ckpt_core.ops.gc import gc_paused
+from ckpt_core._settings import load_settings, p2p_env
 from ckpt_core.checkpoint.host import SharedPool
+from ckpt_core.checkpoint.sources import build_checkpoint
+from ckpt_core.delta.versions import DeltaVersions, companion, run_delta_update
+from ckpt_core.devices import default_kind, get_backend
+from ckpt_core.errors import CheckpointNotFoundError, ClosedError, ConfigError, TransportError
+from ckpt_core.ops.gc import gc_paused
 from ckpt_core.ops.log import rank_logger
 from ckpt_core.p2p import metas as _metas
-from ckpt_core.p2p.update import P2PState, run_update as run_p2p_update
-from ckpt_core.planning.buckets import TensorMeta, first_shared_name
-from ckpt_core.transfer.plan_cache import PlanCache
-from ckpt_core.transfer.share_plan import SharedPlans, share_plan
-from ckpt_core.planning.pieces import group_pieces
-from ckpt_core.transfer.prechecks import (UpdateAgreement, meta_row, parse_metas, problem_of, raise_agreed, same_call,
-                                          tensor_meta)
-from ckpt_core._settings import load_settings, p2p_env
+from ckpt_core.p2p.state import P2PState
+from ckpt_core.p2p.update import run_update as run_p2p_update
 from ckpt_core.planning.nics import is_loopback, loopback_owners
-from ckpt_core.transfer.broadcast import BroadcastUpdate, ReqFunc
-from ckpt_core.devices import IpcBuffer, default_kind, get_backend
-from ckpt_core.errors import CheckpointFormatError, CheckpointNotFoundError, ClosedError, ConfigError, TransportError
+from ckpt_core.transfer.agree import gather_metas
+from ckpt_core.transfer.broadcast import ReqFunc
+from ckpt_core.transfer.broadcast import run_update as run_broadcast_update
+from ckpt_core.transfer.collectives import ABORT_WAIT_S, Collectives
+from ckpt_core.transfer.context import Catalog, UpdateContext
+from ckpt_core.transfer.prechecks import parse_metas
+from ckpt_core.transfer.share_plan import SharedPlans, share_plan
+from ckpt_core.wire.stock import check_wire
 
 CLOSE_GRACE_S = 5.0  # close(): how much longer than a collective a running update may take to stop
 GiB = float(1 << 30)
 
 
-class ParameterServer(UpdateAgreement, BroadcastUpdate):
+class _OnContext:
+    """A public attribute of the facade that lives on its UpdateContext: one value, which the flows read."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, ps, owner=None):
+        return self if ps is None else getattr(ps._ctx, self.name)
+
+    def __set__(self, ps, value) -> None:
+        setattr(ps._ctx, self.name, value)
+
+
+class ParameterServer:
     """One parameter-server rank, beside one engine worker (one device).
 
     Example (run under ``torchrun --nproc-per-node N``)::
@@ -53,7 +65,15 @@ class ParameterServer(UpdateAgreement, BroadcastUpdate):
     (other ranks' ``update(..., ranks=[...])``, joining worlds). Mooncake then exposes their host
     memory, readable and writable, to whoever reaches its ports (docs/p2p.md); off, nothing is
     registered with Mooncake and no P2P port opens unless this rank itself reads P2P.
+
+    A facade: it owns the collectives, the :class:`Catalog` (checkpoints, metas, plans), one
+    :class:`UpdateContext` (``transfer/context.py``) and the P2P state, and hands them to the
+    broadcast flow (``transfer/broadcast.py``) and the P2P flow (``p2p/update.py``).
     """
+
+    wire = _OnContext()                  # "stock"/"stock-0.3": engine workers run stock checkpoint-engine
+    keep_device_buffers = _OnContext()   # keep the IPC buffer between updates
+    last_update = _OnContext()           # the latest update's figures on this rank (None: none yet)
 
     def __init__(self, rank: int | None = None, world_size: int | None = None, *, device: str | None = None,
                  auto_pg: bool = True, mem_fraction: float | None = None, master_addr: str | None = None,
@@ -72,37 +92,36 @@ class ParameterServer(UpdateAgreement, BroadcastUpdate):
         self.device_index = self.settings.local_rank if gpu_count is None else self.rank % gpu_count
         self.backend.set_device(self.device_index)
         self.device_uuid = self.backend.device_key(self.device_index)
-        self.keep_device_buffers = keep_device_buffers
-        self.wire = check_wire(wire)   # "stock"/"stock-0.3": engine workers run stock checkpoint-engine
+        wire = check_wire(wire)
         self._log = rank_logger(f"ps rank {self.rank}/{self.world_size} {self.backend.kind}:{self.device_index}")
         self._coll = Collectives(self.settings, self.backend.collective_backend, auto_pg=auto_pg)
+        self._catalog = Catalog()   # registered checkpoints, gathered or loaded metas, plans per layout
+        ctx = None
         try:
             peers = self._coll.all_gather_json({"key": self.device_uuid, "token": secrets.token_hex(6)})
-            self._run_id = peers[0]["token"]
-            self._device_keys = [p["key"] for p in peers]
-            if len(set(self._device_keys)) != self.world_size:
-                raise ConfigError(f"two ranks share a device key: {self._device_keys}; set LOCAL_RANK per rank")
-            self._p2p = P2PState(self)   # Mooncake store (serving: now; reading: when first needed), target groups
+            device_keys = [p["key"] for p in peers]
+            if len(set(device_keys)) != self.world_size:
+                raise ConfigError(f"two ranks share a device key: {device_keys}; set LOCAL_RANK per rank")
+            ctx = UpdateContext(settings=self.settings, backend=self.backend, device_index=self.device_index,
+                                device_key=self.device_uuid, device_keys=device_keys, run_id=peers[0]["token"],
+                                coll=self._coll, wire=wire, keep_device_buffers=keep_device_buffers,
+                                log=self._log, tell=self._tell)
+            # Mooncake store (serving: now; reading: when first needed), target groups
+            self._p2p = P2PState(ctx, self._catalog)
             if self.settings.serve_p2p:   # asked for: a store that cannot start is this constructor's error
                 self._p2p.ensure_store(required=True)
         except BaseException:
+            if ctx is not None:
+                ctx.close()
             self._coll.close()   # a constructor that fails leaves no process group behind
             raise
-        self._checkpoints: dict[str, RegisteredCheckpoint] = {}
-        self._metas: dict[str, list[list[TensorMeta]]] = {}
-        self._plans = PlanCache()   # shared by checkpoints of one layout
+        self._ctx = ctx
+        self.deltas = DeltaVersions(self.rank, self.world_size)   # versions registered with a base (docs/deltas.md)
         self._shared_plans = SharedPlans()   # slice plans shared before: the next share sends a digest only
         self._pool: SharedPool | None = None
-        self._ipc: IpcBuffer | None = None
-        self._copy_stream = self.backend.new_stream(self.device_index)
-        self._zmq = zmq.Context()
         self._update_lock = threading.Lock()
-        self._updates = 0
         self._closed = False
-        self._closing: str | None = None   # set by close() while an update runs: the update stops
-        self._stop_signal = None           # the running update's StopSignal: close() tells every rank at once
         self._broken: str | None = None
-        self.last_update: dict | None = None
         self.last_register: dict | None = None   # the latest registration's phases (seconds)
         # Optional progress(operation, phase, done, total): the service's status, progress bars.
         # Called on the thread doing the work; whatever it raises is logged, never propagated.
@@ -128,10 +147,7 @@ class ParameterServer(UpdateAgreement, BroadcastUpdate):
         if self._closed:
             return
         self._closed = True
-        self._closing = f"close() was called on rank {self.rank} during the update"
-        signal = self._stop_signal
-        if signal is not None:   # peers stop waiting at once, even while this rank sits in a collective
-            signal.publish(Failure(self.rank, self.device_uuid, self._closing))
+        self._ctx.stop(f"close() was called on rank {self.rank} during the update")   # tells every rank at once
         wait = self.settings.collective_timeout_s + CLOSE_GRACE_S
         if not self._update_lock.acquire(timeout=wait):
             self._coll.abort()
@@ -145,13 +161,12 @@ class ParameterServer(UpdateAgreement, BroadcastUpdate):
 
     def _free(self) -> None:
         self._p2p.close()   # first: waits (bounded) for unsettled P2P reads before their buffers go
-        for ckpt in self._checkpoints.values():
+        for ckpt in self._catalog.checkpoints.values():
             ckpt.release()
-        self._checkpoints.clear()
+        self._catalog.checkpoints.clear()
         if self._pool is not None:
             self._pool.close()
-        self._release_ipc()
-        self._zmq.term()
+        self._ctx.close()   # the IPC buffer, the ZeroMQ context
         self._coll.close()
 
     def init_process_group(self, *, timeout=None) -> None:
@@ -172,19 +187,23 @@ class ParameterServer(UpdateAgreement, BroadcastUpdate):
         self.close()
 
     # -- checkpoints -----------------------------------------------------------
-    def register_checkpoint(self, name: str, *, files=None, named_tensors=None, use_shared_memory_pool: bool = False,
-                            use_inplace_pin_memory: bool = True, unlink_inplace_files: bool = False) -> None:
-        """Load this rank's share of checkpoint ``name`` into host memory (local; no collective).
+    def register_checkpoint(self, checkpoint_name: str, *, files=None, named_tensors=None,
+                            use_shared_memory_pool: bool = False, use_inplace_pin_memory: bool = True,
+                            unlink_inplace_files: bool = False, base: str | None = None) -> None:
+        """Load this rank's share of checkpoint ``checkpoint_name`` into host memory (local; no collective).
 
         ``files``: safetensors paths (validated before anything is read); files under
         /dev/shm are mapped and pinned in place when ``use_inplace_pin_memory`` (and
         deleted only if ``unlink_inplace_files``). ``named_tensors``: name -> tensor,
         copied. ``use_shared_memory_pool``: copy into one reusable pinned pool (RL loops).
+        ``base``: a checkpoint registered earlier on this rank that this one is the next version of:
+        its delta is encoded too, for ``update(name, ..., delta=True)`` (docs/deltas.md).
         """
         self._check_open()
+        name = checkpoint_name   # the reference's spelling outside, a short one inside
         if not isinstance(name, str) or not name:
             raise ConfigError(f"checkpoint name must be a non-empty string, got {name!r}")
-        if name in self._checkpoints:
+        if name in self._catalog.checkpoints:
             raise ConfigError(f"checkpoint {name!r} is already registered on rank {self.rank}; unregister it first")
         pool = None
         if use_shared_memory_pool:
@@ -197,7 +216,15 @@ class ParameterServer(UpdateAgreement, BroadcastUpdate):
                                     pool=pool, inplace=use_inplace_pin_memory,
                                     unlink_inplace_files=unlink_inplace_files,
                                     progress=lambda phase, done, total: self._tell("register", phase, done, total))
-        self._checkpoints[name] = ckpt
+        if base is not None:   # the delta against base, as a companion checkpoint (delta/versions.py)
+            try:
+                payloads = self.deltas.encode(name, ckpt, base, self._catalog.checkpoints.get(base))
+                self._catalog.checkpoints[companion(name)] = build_checkpoint(companion(name), self.backend,
+                                                                              named_tensors=payloads)
+            except BaseException:
+                ckpt.release()
+                raise
+        self._catalog.checkpoints[name] = ckpt
         self._p2p.on_register(name, ckpt)   # P2P readers may pull its regions (serve_p2p only)
         dt = time.perf_counter() - t0
         self.last_register = {"name": name, "bytes": ckpt.nbytes, "seconds": dict(ckpt.seconds, total=dt)}
@@ -206,24 +233,28 @@ class ParameterServer(UpdateAgreement, BroadcastUpdate):
                        ckpt.nbytes / GiB, dt, ckpt.nbytes / max(dt, 1e-9) / 1e9,
                        ", ".join(f"{k} {v:.3f} s" for k, v in ckpt.seconds.items() if v >= 0.0005))
 
-    def unregister_checkpoint(self, name: str, *, force: bool = False) -> None:
-        """Free checkpoint ``name``. With ``force``, also free the shared pool's memory if it held it."""
+    def unregister_checkpoint(self, checkpoint_name: str, force: bool = False) -> None:
+        """Free checkpoint ``checkpoint_name``. With ``force``, also free the shared pool's memory if it
+        held it (positional, as in the reference: ``unregister_checkpoint("a", True)``)."""
         self._check_open()
-        if name not in self._checkpoints:
-            raise CheckpointNotFoundError(f"checkpoint {name!r} is not registered on rank {self.rank}")
+        if checkpoint_name not in self._catalog.checkpoints:
+            raise CheckpointNotFoundError(f"checkpoint {checkpoint_name!r} is not registered on rank {self.rank}")
         if not self._update_lock.acquire(blocking=False):   # held while we free: no update can start
-            raise ConfigError(f"cannot unregister {name!r} while an update is running")
+            raise ConfigError(f"cannot unregister {checkpoint_name!r} while an update is running")
         try:
-            self._unregister(name, force)
+            self._unregister(checkpoint_name, force)
         finally:
             self._update_lock.release()
 
     def _unregister(self, name: str, force: bool) -> None:
-        ckpt = self._checkpoints.pop(name)
+        ckpt = self._catalog.checkpoints.pop(name)
+        if companion(name) in self._catalog.checkpoints:   # its delta goes with it
+            self.deltas.forget(name)
+            self._unregister(companion(name), False)
         self._p2p.on_unregister(name)
         ckpt.release()
-        self._metas.pop(name, None)
-        self._plans.forget(name)
+        self._catalog.metas.pop(name, None)
+        self._catalog.plans.forget(name)
         if force and ckpt.pool is not None and self._pool is not None:
             self._pool.close()
             self._pool = None
@@ -236,49 +267,45 @@ class ParameterServer(UpdateAgreement, BroadcastUpdate):
                 self._log.exception("progress callback failed (ignored)")
 
     def checkpoints(self) -> list[str]:
-        return sorted(self._checkpoints)
+        return sorted(self._catalog.checkpoints)
+
+    # -- what an operator's status reads (the service's /v1/status and /metrics) --------------------
+    def gathered(self) -> list[str]:
+        """Checkpoints whose metas every rank has (gathered or loaded)."""
+        return sorted(self._catalog.metas)
+
+    def registered_bytes(self, name: str | None = None) -> int | None:
+        """Host bytes of checkpoint ``name`` on this rank (None: of every checkpoint; an unknown name: None)."""
+        ckpts = self._catalog.checkpoints
+        if name is not None:
+            return ckpts[name].nbytes if name in ckpts else None
+        return sum(c.nbytes for c in ckpts.values())
+
+    def health_problem(self) -> str | None:
+        """Why this PS cannot update any more (closed, or its process groups broke), or None."""
+        if self._closed:
+            return "this parameter server is closed"
+        if self._broken:
+            return f"process groups broke in an earlier update ({self._broken}); restart this world"
+        return None
+
+    def pool_bytes(self) -> int:
+        """Bytes of the shared pinned pool (``use_shared_memory_pool``), 0 when there is none yet."""
+        region = None if self._pool is None else self._pool.region
+        return 0 if region is None else region.nbytes
 
     # -- metas -----------------------------------------------------------------
-    def gather_metas(self, name: str) -> None:
-        """Collective: every rank learns every rank's tensors of ``name``. All ranks must call it."""
+    def gather_metas(self, checkpoint_name: str) -> None:
+        """Collective: every rank learns every rank's tensors of ``checkpoint_name``. All ranks must call it."""
         self._check_open()
         with gc_paused():
-            self._gather_metas(name)
-            self._p2p.gather(name)   # every owner's P2P store address and regions
-
-    def _gather_metas(self, name: str) -> None:
-        t0 = time.perf_counter()
-        ckpt = mine = problem = None
-        if isinstance(name, str):   # a local problem goes into the exchange: no rank is left waiting
-            ckpt = self._checkpoints.get(name)
-            mine = None if ckpt is None else [meta_row(m) for m in ckpt.metas]
-        else:
-            problem = problem_of(ConfigError(f"checkpoint name must be a string, got {name!r}"))
-        # the name travels too: ranks gathering two checkpoints would each install a mix of both
-        gathered = self._coll.all_gather_json({"metas": mine, "problem": problem,
-                                               "name": name if isinstance(name, str) else repr(name)})
-        raise_agreed([g["problem"] for g in gathered], f"gather_metas({name!r})")
-        same_call(gathered, "gather_metas", {"name": "checkpoint"})
-        gathered = [g["metas"] for g in gathered]
-        missing = [r for r, g in enumerate(gathered) if g is None]
-        if missing:
-            raise CheckpointNotFoundError(f"checkpoint {name!r} is not registered on rank(s) {missing}")
-        metas = [ckpt.metas if r == self.rank else
-                 [tensor_meta(*row, where=f"rank {r}'s metas of {name!r}") for row in g]   # as load_metas does
-                 for r, g in enumerate(gathered)]
-        shared = first_shared_name(metas)
-        if shared:
-            raise CheckpointFormatError(f"tensor is registered on rank {shared[1]} and rank {shared[2]}", tensor=shared[0])
-        pieced = group_pieces(metas)   # pieces must tile their tensors: the same verdict on every rank
-        self._metas[name] = metas
-        self._log.info("gathered metas of %r: %d tensors (%d of them in pieces) on %d ranks in %.3f s", name,
-                       sum(1 for ms in metas for m in ms if m.box is None) + len(pieced), len(pieced),
-                       self.world_size, time.perf_counter() - t0)
+            gather_metas(self._ctx, self._catalog, checkpoint_name)
+            self._p2p.gather(checkpoint_name)   # every owner's P2P store address and regions
 
     def tensor_specs(self, name: str) -> dict[str, tuple[str, tuple[int, ...]]]:
         """``{tensor: (dtype code, shape)}`` of every tensor of gathered checkpoint ``name`` (all
         ranks' together): what an engine records a slice plan over (``VllmClient.slice_plan``)."""
-        metas = self._metas.get(name)
+        metas = self._catalog.metas.get(name)
         if metas is None:
             raise ConfigError(f"call gather_metas({name!r}) before tensor_specs({name!r})")
         return {m.name: (m.dtype, tuple(m.box[0] if m.box is not None else m.shape)) for ms in metas for m in ms}
@@ -288,9 +315,11 @@ class ParameterServer(UpdateAgreement, BroadcastUpdate):
         as JSON over the control group, checked again on each rank (``check_plan``), or by digest
         alone when every rank shared it before (``transfer/share_plan.py``). Rank ``src`` passes
         the plan (e.g. ``VllmClient.slice_plan``), the others nothing; ``src=None``: the lowest
-        rank that passed one. ``error``: why this rank has no plan; every rank raises it."""
+        rank that passed one. ``error``: why this rank has no plan; every rank raises it, as it
+        raises a ``plan`` that is not a ``SlicePlan`` (ConfigError on every rank, the world intact)."""
         self._check_open()
-        return share_plan(self._coll, self.rank, plan, src=src, error=error, known=self._shared_plans)
+        with self._collective():
+            return share_plan(self._coll, self.rank, plan, src=src, error=error, known=self._shared_plans)
 
     def get_metas(self, *, slices=None) -> dict:
         """Every gathered (or loaded) checkpoint's metas as a versioned JSON document (see
@@ -340,15 +369,15 @@ class ParameterServer(UpdateAgreement, BroadcastUpdate):
         sources, legacy = self._p2p.parse(metas)       # versioned/path -> validated; legacy dicts pass through
         broadcast = parse_metas(legacy, self.world_size)
         self._p2p.loaded.update(sources)                # installed only once everything was validated
-        self._metas.update(broadcast)
+        self._catalog.metas.update(broadcast)
 
     # -- update ----------------------------------------------------------------
-    def update(self, name: str, req_func: ReqFunc, *, ranks: list[int] | None = None,
-               timeout: float | timedelta = timedelta(minutes=10), slices=None) -> dict:
-        """Collective: push checkpoint ``name`` into every rank's engine worker.
+    def update(self, checkpoint_name: str, req_func: ReqFunc, *, ranks: list[int] | None = None,
+               timeout: float | timedelta = timedelta(minutes=10), slices=None, delta=False) -> dict:
+        """Collective: push checkpoint ``checkpoint_name`` into every rank's engine worker.
 
         ``ranks=[...]``: a P2P update of those ranks' engines only, read from the owners' host
-        memory (``_p2p.py``, docs/p2p.md); still called on every rank, ``req_func`` runs on
+        memory (``p2p/update.py``, docs/p2p.md); still called on every rank, ``req_func`` runs on
         those ranks only (with the handles of all ranks, in rank order).
 
         ``req_func(handles)`` runs in a thread on every rank with ``handles`` =
@@ -368,32 +397,70 @@ class ParameterServer(UpdateAgreement, BroadcastUpdate):
         a world of R x T ranks feeds R data-parallel replicas, which share one transfer of each
         slice (a world that is not a multiple of T is a ConfigError); tensors registered in pieces
         (trainer shards) are assembled into each rank's slices from their owners' pieces. With
-        ``ranks`` (P2P), target i (the i-th of ``ranks``) is engine rank i and reads its slices
-        itself from the owners (docs/p2p.md). The result's ``slices`` gives the bytes each engine
+        ``ranks`` (P2P), the targets in rank order are engine ranks 0, 1, ... (whatever order
+        ``ranks`` lists them in) and each reads its slices itself from the owners (docs/p2p.md).
+        Either way each worker is told the plan's digest and its engine rank, and refuses slices
+        routed for another rank or plan. The result's ``slices`` gives the bytes each engine
         rank received (and, on broadcast, what this rank sent). None (the default): every rank
         receives every tensor whole.
+
+        ``delta``: True sends only what changed since the version's base (registered with
+        ``base=``), which the engines must hold (else ``DeltaBaseError`` on every rank, nothing
+        written); ``"fallback"``: a refused delta becomes a full update (docs/deltas.md).
         """
         self._check_open()
-        if slices is not None and self.wire != "native":
-            raise ConfigError("slices are supported with the native wire only")
         if not self._update_lock.acquire(blocking=False):
             raise ConfigError("another update is already running on this ParameterServer")
         try:
             self._check_open()   # again: close() may have run between the first check and the lock
             with gc_paused():
-                if ranks:   # P2P into those ranks, from the owners' host memory (_p2p.py)
-                    return run_p2p_update(self, name, req_func, ranks, timeout, slices)
-                return self._update(name, req_func, *self._precheck(name, req_func, timeout), slices)
+                if delta and (ranks or slices is not None or self.wire != "native"):
+                    raise ConfigError("delta updates are broadcast updates of whole tensors on our wire for now: "
+                                      "no ranks=, slices= or stock wire (docs/deltas.md)")
+                if delta:
+                    return run_delta_update(
+                        self.deltas, checkpoint_name, req_func, delta,
+                        gather=lambda n: gather_metas(self._ctx, self._catalog, n),
+                        update=lambda n, rf: run_broadcast_update(self._ctx, self._catalog, n, rf, timeout, None))
+                self.deltas.made_live(None)   # until it succeeds, the engines hold a mix (a P2P join too)
+                if ranks:   # P2P into those ranks, from the owners' host memory (p2p/update.py)
+                    return run_p2p_update(self._ctx, self._p2p, checkpoint_name, req_func, ranks, timeout, slices)
+                result = run_broadcast_update(self._ctx, self._catalog, checkpoint_name, req_func, timeout, slices)
+                self.deltas.made_live(checkpoint_name)
+                return result
         except TransportError as exc:
-            if getattr(exc, "groups_broken", False):
-                # A collective failed or never finished: the process groups cannot be trusted
-                # again, and a device buffer may still be the target of a stuck collective.
-                self._broken = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
-                self._coll.abort()
-                if self._coll.abort_finished is False:
-                    self._log.warning("aborting the process groups did not finish within %.0f s; this rank "
-                                      "cannot update again: close() it and start a new ParameterServer",
-                                      ABORT_WAIT_S)
+            self._groups_broke(exc)
             raise
         finally:
             self._update_lock.release()
+
+    # -- collectives of the facade ---------------------------------------------
+    def all_gather_json(self, obj) -> list:
+        """Collective: every rank's ``obj`` (JSON), in rank order, over the control group: what a
+        caller that drives every rank (the HTTP service) agrees on before it starts a collective,
+        so that what one rank would refuse is refused on every rank. Bounded by
+        ``PS_COLLECTIVE_TIMEOUT_S``; one that fails leaves this rank's groups broken (TransportError)."""
+        self._check_open()
+        with self._collective():
+            return self._coll.all_gather_json(obj)
+
+    @contextmanager
+    def _collective(self):
+        """Around a collective of this facade: one that failed or never finished marks the groups broken."""
+        try:
+            yield
+        except TransportError as exc:
+            self._groups_broke(exc)
+            raise
+
+    def _groups_broke(self, exc: TransportError) -> None:
+        """After ``exc``: if a collective failed or never finished (``groups_broken``), the process
+        groups cannot be trusted again, and a device buffer may still be the target of a stuck
+        collective: abort them, and refuse every later call (``_check_open``)."""
+        if not getattr(exc, "groups_broken", False):
+            return
+        self._broken = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+        self._coll.abort()
+        if self._coll.abort_finished is False:
+            self._log.warning("aborting the process groups did not finish within %.0f s; this rank "
+                              "cannot update again: close() it and start a new ParameterServer", ABORT_WAIT_S)

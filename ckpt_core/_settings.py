@@ -45,6 +45,8 @@ ENV_VARS: dict[str, tuple[str, str, str]] = {
                      "`ParameterServer(serve_p2p=True)`); off: no checkpoint memory is registered with Mooncake"),
     "CKPT_TEST_CPU_EVENT_DELAY_S": ("float", "0", "tests only: `cpu` device events report done this long after "
                                     "they were recorded, so the pipeline's waits and deferrals run on CPU"),
+    "CKPT_TEST_DELTA_DROP_ONE": ("bool", "0", "tests only: an engine worker applying a delta drops one changed "
+                                 "element (the mutation check: the post-apply digest check must fail the update)"),
     "CKPT_SERVICE_TOKEN": ("str", "", "bearer token of `ckpt-engine serve` on TCP (else `--token-file`)"),
     "CKPT_ENGINE_SERVE": ("str", "", "managed mode: `uds:PATH` (`{rank}` filled in); each engine worker starts "
                           "its PS rank serving there (docs/operations.md)"),
@@ -61,6 +63,14 @@ ENV_VARS: dict[str, tuple[str, str, str]] = {
                     "`slices`, `examples/vllm_update.py --slices`): they update whole tensors instead and say so "
                     "once in the log"),
 }
+
+
+# Upper bounds of the numeric settings: far above any real use, below what would overflow a conversion
+# (int(GiB * 2**30), timedelta(seconds=...), time.sleep) or start a loop, list or thread per unit.
+MAX_BUCKET_GB = float(1 << 20)   # 1 PiB
+MAX_NUM_SLOTS = 1 << 10          # the command line's --slots has the same bound
+MAX_FAULT_THREADS = 1 << 10
+MAX_SETTING_S = 1e8              # ~3 years: a timeout, beat or interval longer than this is a typo
 
 
 def _get(name: str, conv, default):
@@ -98,26 +108,29 @@ class Settings:
             raise ConfigError(f"mem_fraction (PS_MEM_FRACTION) must be in (0, 1], got {self.mem_fraction}")
         if self.max_bucket_bytes < 1024:
             raise ConfigError(f"the bucket size bound must be >= 1 KiB, got {self.max_bucket_bytes} bytes")
-        if self.num_slots < 1:
-            raise ConfigError(f"PS_NUM_SLOTS must be >= 1, got {self.num_slots}")
+        if not 1 <= self.num_slots <= MAX_NUM_SLOTS:
+            raise ConfigError(f"PS_NUM_SLOTS must be in 1..{MAX_NUM_SLOTS}, got {self.num_slots}")
         if not 1 <= self.master_port <= 65535:
             raise ConfigError(f"master_port must be in 1..65535, got {self.master_port}")
-        _finite_positive("PS_COLLECTIVE_TIMEOUT_S", self.collective_timeout_s)
+        _finite_positive("PS_COLLECTIVE_TIMEOUT_S", self.collective_timeout_s, MAX_SETTING_S)
 
 
-def _finite_positive(what: str, value: float) -> float:
-    """``value`` if it is a finite number > 0; else a ConfigError naming ``what`` (NaN and inf included:
-    they would surface later as a misleading rendezvous error or a raw ValueError/OverflowError)."""
+def _finite_positive(what: str, value: float, high: float | None = None) -> float:
+    """``value`` if it is a finite number > 0 (and <= ``high``); else a ConfigError naming ``what`` (NaN,
+    inf and huge values included: they would surface later as a misleading rendezvous error or a raw
+    ValueError/OverflowError)."""
     if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
         raise ConfigError(f"{what} must be a finite number > 0, got {value!r}")
+    if high is not None and value > high:
+        raise ConfigError(f"{what} must be <= {high:g}, got {value!r}")
     return value
 
 
 def _seconds_or_zero(name: str, default: float) -> float:
     """Environment variable ``name`` as a finite number >= 0 (else a ConfigError naming it)."""
     value = _get(name, float, default)
-    if not (math.isfinite(value) and value >= 0):
-        raise ConfigError(f"{name} must be a finite number >= 0, got {value!r}")
+    if not (math.isfinite(value) and 0 <= value <= MAX_SETTING_S):
+        raise ConfigError(f"{name} must be a finite number in [0, {MAX_SETTING_S:g}], got {value!r}")
     return value
 
 
@@ -145,9 +158,10 @@ def load_settings(*, rank=None, world_size=None, master_addr=None, master_port=N
     rank = _get("RANK", int, 0) if rank is None else int(rank)
     world_size = _get("WORLD_SIZE", int, 1) if world_size is None else int(world_size)
     if max_bucket_gb is None:
-        bucket_gb = _finite_positive("PS_MAX_BUCKET_SIZE_GB", _get("PS_MAX_BUCKET_SIZE_GB", float, 8.0))
+        bucket_gb = _finite_positive("PS_MAX_BUCKET_SIZE_GB", _get("PS_MAX_BUCKET_SIZE_GB", float, 8.0),
+                                     MAX_BUCKET_GB)
     else:
-        bucket_gb = _finite_positive("max_bucket_gb", _number("max_bucket_gb", max_bucket_gb))
+        bucket_gb = _finite_positive("max_bucket_gb", _number("max_bucket_gb", max_bucket_gb), MAX_BUCKET_GB)
     rdma = _get("PS_P2P_STORE_RDMA_DEVICES", str, "") or _get("NCCL_IB_HCA", str, "")
     return Settings(
         rank=rank,
@@ -189,8 +203,8 @@ def gc_pause_enabled() -> bool:
 def fault_threads() -> int:
     """PS_FAULT_THREADS, read at each registration."""
     n = _get("PS_FAULT_THREADS", int, 4)
-    if n < 1:
-        raise ConfigError(f"PS_FAULT_THREADS must be >= 1, got {n}")
+    if not 1 <= n <= MAX_FAULT_THREADS:
+        raise ConfigError(f"PS_FAULT_THREADS must be in 1..{MAX_FAULT_THREADS}, got {n}")
     return n
 
 
@@ -223,6 +237,11 @@ def cpu_event_delay_s() -> float:
     return _seconds_or_zero("CKPT_TEST_CPU_EVENT_DELAY_S", 0.0)
 
 
+def delta_drop_one() -> bool:
+    """CKPT_TEST_DELTA_DROP_ONE (tests only), read at each delta apply."""
+    return _get("CKPT_TEST_DELTA_DROP_ONE", str, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
 MIN_TOKEN_CHARS = 16   # a bearer token shorter than this is guessable; `openssl rand -hex 16` gives 32
 
 
@@ -238,8 +257,8 @@ def progress_log_s() -> float:
 
 def liveness() -> tuple[float, float]:
     """(CKPT_HEARTBEAT_S, CKPT_PEER_TIMEOUT_S), the second at least twice the first."""
-    beat = _finite_positive("CKPT_HEARTBEAT_S", _get("CKPT_HEARTBEAT_S", float, 1.0))
-    timeout = _finite_positive("CKPT_PEER_TIMEOUT_S", _get("CKPT_PEER_TIMEOUT_S", float, 10.0))
+    beat = _finite_positive("CKPT_HEARTBEAT_S", _get("CKPT_HEARTBEAT_S", float, 1.0), MAX_SETTING_S)
+    timeout = _finite_positive("CKPT_PEER_TIMEOUT_S", _get("CKPT_PEER_TIMEOUT_S", float, 10.0), MAX_SETTING_S)
     if timeout < 2 * beat:
         raise ConfigError(f"CKPT_PEER_TIMEOUT_S ({timeout:g}) must be at least twice CKPT_HEARTBEAT_S ({beat:g})")
     return beat, timeout

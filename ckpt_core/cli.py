@@ -17,16 +17,24 @@ Exit codes (also with ``--json``, whose error form is ``{"error": {"type", "mess
 from __future__ import annotations
 
 import argparse
+import heapq
 import json
 import math
 import os
 import subprocess
 import sys
+from typing import Any
 
-from ckpt_core._cli_args import COUNT, POSITIVE, number, renamed
+from ckpt_core._cli_args import COUNT, GIB, MAX_GIB, PID, PORT, nproc, number, renamed
 from ckpt_core._cli_plan import plan_parser, plan_report
-from ckpt_core.errors import (CheckpointFormatError, CheckpointNotFoundError, CkptError, ConfigError, RemoteWorkerError,
-                     TransportError)
+from ckpt_core.errors import (
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    CkptError,
+    ConfigError,
+    RemoteWorkerError,
+    TransportError,
+)
 
 EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_FORMAT, EXIT_CONFIG, EXIT_TRANSPORT, EXIT_OTHER = 0, 1, 2, 3, 4, 5, 6
 GiB = float(1 << 30)
@@ -76,6 +84,15 @@ def socket_template(template: str | None) -> str:
     return template
 
 
+def _check_port_offsets(args) -> None:
+    """Local rank i listens on PORT+i: that must still be a port (checked before any memory is taken)."""
+    from ckpt_core._settings import load_settings
+    local = load_settings().local_rank   # the device index the ParameterServer takes (no gpu_count here)
+    for option, port in (("--port", args.port), ("--metrics-port", args.metrics_port)):
+        if port and port + local > 65535:
+            raise ConfigError(f"{option} {port}: local rank {local} would listen on {port + local}, past 65535")
+
+
 def cmd_serve(args) -> int:
     from ckpt_core import ParameterServer
     from ckpt_core._settings import liveness, progress_log_s, service_token
@@ -83,7 +100,7 @@ def cmd_serve(args) -> int:
     from ckpt_core.service._policy import ServicePolicy
 
     if args.parent_pid is not None:   # managed mode: never outlive the engine worker that started us
-        from ckpt_core.service._managed import watch_parent
+        from ckpt_core.engines.managed import watch_parent
         watch_parent(args.parent_pid)
 
     token = None
@@ -97,6 +114,7 @@ def cmd_serve(args) -> int:
     tcp = args.host is not None or args.port is not None
     uds = None if tcp else socket_template(args.uds)   # before any memory is taken, like the policy
     liveness(), progress_log_s()                         # and the settings read later
+    _check_port_offsets(args)
     policy = ServicePolicy.build(args.allow_dir, args.engine_url, args.engine_uds)
     ps = ParameterServer(device=args.device, max_bucket_gb=args.max_bucket_gib, mem_fraction=args.mem_fraction,
                          keep_device_buffers=args.keep_device_buffers, wire=args.wire,
@@ -109,12 +127,13 @@ def cmd_serve(args) -> int:
             ps.progress = bar   # one bar per host: torchrun ranks share the terminal
         else:   # production logs: a line when an operation starts, then one every CKPT_PROGRESS_LOG_S
             ps.progress = LogProgress(f"ps rank {ps.rank}/{ps.world_size}", every_s=0 if bar.enabled else None)
-        metrics_port = None if args.metrics_port is None else args.metrics_port + (ps.device_index if args.metrics_port else 0)
+        metrics_port = (None if args.metrics_port is None
+                        else args.metrics_port + (ps.device_index if args.metrics_port else 0))
         common = dict(token=token, log_level=args.uvicorn_log_level, policy=policy, metrics_port=metrics_port)
         if tcp:
             port = None if args.port is None else args.port + (ps.device_index if args.port else 0)
             idle = serve(ps, host=args.host or "127.0.0.1", port=port, **common)
-        else:
+        elif uds is not None:
             idle = serve(ps, uds=uds.format(rank=ps.rank, local_rank=ps.device_index), **common)
     finally:
         if not idle and sys.exc_info()[0] is None:
@@ -164,13 +183,14 @@ def checkpoint_tensors(path: str) -> tuple[list[str], list[tuple]]:
 
 def inspect_checkpoint(path: str, device_mem_gib: float, ranks: int = 1) -> dict:
     """Tensors, dtypes and sizes of a safetensors file or HF directory, validated, with a bucket plan."""
-    from ckpt_core.planning.buckets import TensorMeta, choose_layout, plan_buckets
     from ckpt_core._settings import load_settings
+    from ckpt_core.planning.buckets import choose_layout, plan_buckets
 
     if not (isinstance(ranks, int) and ranks >= 1):
         raise ConfigError(f"ranks must be an integer >= 1, got {ranks!r}")
-    if not (isinstance(device_mem_gib, (int, float)) and math.isfinite(device_mem_gib) and device_mem_gib > 0):
-        raise ConfigError(f"device_mem_gib must be a finite number > 0, got {device_mem_gib!r}")
+    if not (isinstance(device_mem_gib, (int, float)) and math.isfinite(device_mem_gib)
+            and 0 < device_mem_gib <= MAX_GIB):
+        raise ConfigError(f"device_mem_gib must be a finite number in (0, {MAX_GIB:.0f}], got {device_mem_gib!r}")
     files, tensors = checkpoint_tensors(path)
     dtypes: dict = {}
     for _, dtype, _, nbytes, _, _ in tensors:
@@ -183,25 +203,38 @@ def inspect_checkpoint(path: str, device_mem_gib: float, ranks: int = 1) -> dict
     bucket, slots = choose_layout(int(device_mem_gib * GiB), mem_fraction=settings.mem_fraction,
                                   max_slots=settings.num_slots, max_bucket_bytes=settings.max_bucket_bytes,
                                   largest_tensor=largest[3], largest_owner_total=max(1, -(-total // ranks)))
-    metas = [[] for _ in range(ranks)]
-    for i, (name, dtype, shape, nbytes, _, _) in enumerate(sorted(tensors, key=lambda t: -t[3])):
-        r = min(range(ranks), key=lambda k: sum(m.nbytes for m in metas[k])) if ranks > 1 else 0
-        metas[r].append(TensorMeta(name, dtype, shape, nbytes, 1, 0, sum(m.nbytes for m in metas[r])))
-    plan = plan_buckets(metas, bucket) if tensors else None
+    plan = plan_buckets(_spread(tensors, ranks), bucket) if tensors else None
     return {"path": path, "files": files, "valid": True, "tensors": len(tensors), "bytes": total,
             "dtypes": dtypes, "largest_tensor": {"name": largest[0], "bytes": largest[3], "shape": list(largest[2])},
             "plan": {"device_mem_gib": device_mem_gib, "ranks": ranks, "bucket_bytes": bucket, "slots": slots,
                      "buckets": len(plan.buckets) if plan else 0, "device_buffer_bytes": bucket * slots}}
 
 
+def _spread(tensors: list[tuple], ranks: int) -> list[list]:
+    """Each tensor, largest first, to the rank holding the fewest bytes so far (the lowest on a tie),
+    as registration would spread them. Ranks beyond the tensors' count would hold nothing: no list is
+    made for them (``--ranks`` may be a million)."""
+    from ckpt_core.planning.buckets import TensorMeta
+    metas: list[list] = [[] for _ in range(min(ranks, len(tensors)))]
+    held = [(0, r) for r in range(len(metas))]   # a heap of (bytes so far, rank)
+    for name, dtype, shape, nbytes, _, _ in sorted(tensors, key=lambda t: -t[3]):
+        offset, r = heapq.heappop(held)
+        metas[r].append(TensorMeta(name, dtype, shape, nbytes, 1, 0, offset))
+        heapq.heappush(held, (offset + nbytes, r))
+    return metas
+
+
 def cmd_inspect(args) -> int:
     doc = inspect_checkpoint(args.path, args.device_mem_gib, args.ranks)
     p = doc["plan"]
-    lines = [f"{doc['path']}: valid, {doc['tensors']} tensors, {doc['bytes'] / GiB:.3f} GiB in {len(doc['files'])} file(s)"]
-    lines += [f"  {k:>6}: {v['tensors']:6d} tensors {v['bytes'] / GiB:10.3f} GiB" for k, v in sorted(doc["dtypes"].items())]
+    lines = [f"{doc['path']}: valid, {doc['tensors']} tensors, {doc['bytes'] / GiB:.3f} GiB in "
+             f"{len(doc['files'])} file(s)"]
+    lines += [f"  {k:>6}: {v['tensors']:6d} tensors {v['bytes'] / GiB:10.3f} GiB"
+              for k, v in sorted(doc["dtypes"].items())]
     lt = doc["largest_tensor"]
     lines.append(f"  largest tensor {lt['name']} {lt['shape']} {lt['bytes'] / (1 << 20):.1f} MiB")
-    lines.append(f"  plan for {p['device_mem_gib']:g} GiB free device memory, {p['ranks']} rank(s): {p['buckets']} buckets "
+    lines.append(f"  plan for {p['device_mem_gib']:g} GiB free device memory, {p['ranks']} rank(s): "
+                 f"{p['buckets']} buckets "
                  f"of <= {p['bucket_bytes'] / (1 << 20):.0f} MiB, {p['slots']} slot(s), device buffer "
                  f"{p['device_buffer_bytes'] / GiB:.2f} GiB")
     _emit(args, doc, "\n".join(lines))
@@ -232,7 +265,7 @@ def cmd_bench(args, extra: list[str]) -> int:
 # ------------------------------------------------------------------ main
 def _common(parser: argparse.ArgumentParser, top: bool) -> None:
     """``--json`` and ``--log-level``, accepted before and after the subcommand (after wins)."""
-    default = {} if top else {"default": argparse.SUPPRESS}
+    default: dict[str, Any] = {} if top else {"default": argparse.SUPPRESS}
     parser.add_argument("--json", action="store_true", help="machine-readable output (and errors) on stdout",
                         **({"default": False} if top else default))
     parser.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, metavar="LEVEL",
@@ -251,14 +284,14 @@ def _serve_parser(sub) -> None:
                    help="unix socket path; {rank}/{local_rank} are filled in (default: ps-{rank}.sock in a "
                         "private per-user directory, $XDG_RUNTIME_DIR/ckpt-engine or /tmp/ckpt-engine-UID, mode 0700)")
     s.add_argument("--host", help="serve TCP on this address instead (needs a token)")
-    s.add_argument("--port", type=number(int, low=0, low_open=False, high=65535),
+    s.add_argument("--port", type=PORT,
                    help="TCP port of local rank 0; local rank i listens on PORT+i (0: any)")
     s.add_argument("--token-file", help="file holding the bearer token (else CKPT_SERVICE_TOKEN; at least "
                                         "16 characters)")
-    s.add_argument("--metrics-port", type=number(int, low=0, low_open=False, high=65535),
+    s.add_argument("--metrics-port", type=PORT,
                    help="also serve GET /metrics (only) on 127.0.0.1:PORT+local rank, for Prometheus; off by default")
     s.add_argument("--device", help="device kind (cpu, cuda, npu); default: the best available")
-    renamed(s, "--max-bucket-gib", "--max-bucket-gb", GIB_WHY, type=POSITIVE,
+    renamed(s, "--max-bucket-gib", "--max-bucket-gb", GIB_WHY, type=GIB,
              help="upper bound of one bucket, GiB (default PS_MAX_BUCKET_SIZE_GB, 8)")
     s.add_argument("--mem-fraction", type=number(float, low=0, high=1))
     s.add_argument("--keep-device-buffers", action="store_true")
@@ -277,7 +310,7 @@ def _serve_parser(sub) -> None:
                    help="an engine's Unix socket that an update's uds may name; repeatable. Default: none")
     s.add_argument("--uvicorn-log-level", default="warning",
                    choices=("critical", "error", "warning", "info", "debug", "trace"))
-    s.add_argument("--parent-pid", type=COUNT,
+    s.add_argument("--parent-pid", type=PID,
                    help="managed mode: stop (as on SIGTERM) once this process (the engine worker) is gone")
 
 
@@ -293,15 +326,16 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", help="validate a safetensors file or HF directory and show its bucket plan")
     _common(i, False)
     i.add_argument("path")
-    i.add_argument("--device-mem-gib", type=POSITIVE, default=16.0, help="free device memory to plan for (default 16)")
+    i.add_argument("--device-mem-gib", type=GIB, default=16.0, help="free device memory to plan for (default 16)")
     i.add_argument("--ranks", type=COUNT, default=1, help="parameter-server ranks sharing the checkpoint")
     plan_parser(sub, _common)
 
     # -h is the benchmark's: `bench --help` shows its flags (cmd_bench), not only --nproc.
     b = sub.add_parser("bench", add_help=False,
-                       help="run benchmarks/update_bench.py under torchrun (other flags pass through; --help lists them)")
+                       help="run benchmarks/update_bench.py under torchrun "
+                            "(other flags pass through; --help lists them)")
     b.add_argument("-h", "--help", action="store_true", help="show the benchmark's flags and exit")
-    b.add_argument("--nproc", type=COUNT, default=1, help="ranks (devices) to run (default 1)")
+    b.add_argument("--nproc", type=nproc(), default=1, help="ranks (devices) to run (default 1; at most the CPU count)")
     return p
 
 

@@ -19,6 +19,7 @@ __all__ = [
     "UpdateTimeoutError",
     "ProtocolError",
     "RemoteWorkerError",
+    "DeltaBaseError",
     "ClosedError",
 ]
 
@@ -55,6 +56,8 @@ class CheckpointNotFoundError(CkptError, KeyError, RuntimeError):
 class TransportError(CkptError, RuntimeError):
     """Moving bytes failed: a collective, an IPC buffer, a socket, a peer went away."""
 
+    pending: object = None   # a transfer still in flight when it was raised (a P2P read's future), or None
+
 
 class UpdateTimeoutError(TransportError, TimeoutError):
     """A wait ran past its deadline. The message names what was awaited."""
@@ -80,6 +83,11 @@ class RemoteWorkerError(CkptError, RuntimeError):
         self.rank = rank
         self.device_key = device_key
         self.remote_traceback = remote_traceback
+
+
+class DeltaBaseError(ConfigError):
+    """A delta update whose base is not the version the engines hold (a skipped or replayed
+    version, a restarted engine), or whose base is not registered: refused before anything is written."""
 
 
 class ClosedError(CkptError, RuntimeError):

@@ -13,6 +13,6 @@ Importing this package does not import SGLang (the requester runs in the trainer
 
 from __future__ import annotations
 
-from .client import SglangClient, UpdateReport
+from .client import BUSY_MODES, COMMIT_PAUSE_MODES, PAUSE_MODES, SglangClient, UpdateReport
 
-__all__ = ["SglangClient", "UpdateReport"]
+__all__ = ["SglangClient", "UpdateReport", "BUSY_MODES", "PAUSE_MODES", "COMMIT_PAUSE_MODES"]

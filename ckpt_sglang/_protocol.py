@@ -9,13 +9,16 @@ its own:
 
 1. The client binds a ZeroMQ PULL socket (``ipc://@ckpt-sglang-reply-<id>``: same host, as the
    IPC buffers of an update are) and posts ``/update_weights_from_tensor`` whose one named tensor
-   is ``COMMAND_TENSOR``: the UTF-8 bytes of a JSON command (``encode_command``), one copy per
-   tensor-parallel rank of the server.
+   is ``COMMAND_TENSOR``: the UTF-8 bytes of a JSON command (``encode_command``: the op, its
+   fields, the server's ``tp_size`` and the client's ``timeout``), one copy per tensor-parallel
+   rank of the server.
 2. The loader on every rank decodes it (``decode_command``: format, version, op and fields
-   checked), does the op, and PUSHes one JSON reply (``reply``) with its TP rank: ``ok``, the
-   op's ``result`` or an ``error`` and its type. Nothing else is ever sent back.
-3. The client collects one reply per rank (``collect_replies``) within its timeout; a rank that
-   does not answer is an ``UpdateTimeoutError`` naming the op.
+   checked), agrees with the other TP ranks (``_agree.py``, over SGLang's own TP group: every
+   rank reaches the same outcome), does the op, and PUSHes one JSON reply (``reply``) with its TP
+   rank: ``ok``, the op's ``result`` or an ``error`` and its type. Nothing else is ever sent back.
+3. The client collects one reply per rank (``ReplySocket.collect``) within its timeout; a rank
+   that does not answer is an ``UpdateTimeoutError`` naming the op, two replies from one rank a
+   ``ProtocolError``.
 
 SGLang unpickles the ``serialized_named_tensors`` it is given (its ``SafeUnpickler``, torch
 types only). So the client *encodes* one pickle here: a list of one ``(str, uint8 tensor)``
@@ -33,12 +36,13 @@ from typing import Any
 
 from ckpt_core.errors import ConfigError, ProtocolError, RemoteWorkerError, UpdateTimeoutError
 
-__all__ = ["LOADER", "COMMAND_TENSOR", "OPS", "encode_command", "decode_command", "ReplySocket"]
+__all__ = ["LOADER", "PROBE_LOADER", "COMMAND_TENSOR", "OPS", "encode_command", "decode_command", "ReplySocket"]
 
 LOADER = "ckpt_sglang.staging.load"     # what --custom-weight-loader must name
+PROBE_LOADER = "ckpt_sglang.probe.load"   # reads the model (state digests); named beside LOADER
 COMMAND_TENSOR = "ckpt_sglang.command"
 FORMAT, VERSION = "ckpt-sglang/command", 1
-OPS = ("stage", "commit", "drop", "state")
+OPS = ("stage", "commit", "drop", "state", "digests")   # the last one: PROBE_LOADER's
 MAX_REPLY = 1 << 20
 
 
@@ -48,7 +52,8 @@ def encode_command(op: str, reply: str, tp_size: int, **fields: Any) -> list[str
 
     if op not in OPS:
         raise ConfigError(f"unknown op {op!r}; one of {OPS}")
-    body = json.dumps({"format": FORMAT, "version": VERSION, "op": op, "reply": reply, **fields}).encode()
+    body = json.dumps({"format": FORMAT, "version": VERSION, "op": op, "reply": reply, "tp_size": int(tp_size),
+                       **fields}).encode()
     tensor = torch.frombuffer(bytearray(body), dtype=torch.uint8).clone()
     payload = base64.b64encode(pickle.dumps([(COMMAND_TENSOR, tensor)])).decode()
     return [payload] * int(tp_size)
@@ -70,6 +75,16 @@ def decode_command(named_tensors) -> dict:
     if cmd.get("op") not in OPS or not isinstance(cmd.get("reply"), str):
         raise ProtocolError(f"bad command: op {cmd.get('op')!r}, reply {cmd.get('reply')!r}")
     return cmd
+
+
+def loader_tp_rank() -> int:
+    """Loader side: this scheduler's TP rank, as its replies name it."""
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        return int(get_parallel().tp_rank)
+    except Exception:   # noqa: BLE001 - outside a published SGLang context: one rank
+        return 0
 
 
 def reply(ctx, address: str, message: dict, timeout_s: float = 10.0) -> None:
@@ -118,6 +133,9 @@ class ReplySocket:
                 rank = int(msg["tp_rank"])
             except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
                 raise ProtocolError(f"{where}: {op}: a reply that is not ours ({exc})") from exc
+            if rank in got:   # e.g. a loader that could not find its TP group answers as rank 0 everywhere
+                raise ProtocolError(f"{where}: {op}: TP rank {rank} answered twice (last: {msg.get('error_type')}: "
+                                    f"{msg.get('error')})")
             got[rank] = msg
         failed = [m for _, m in sorted(got.items()) if not m.get("ok")]
         if failed:

@@ -10,8 +10,14 @@ every worker of the engine pull from its PS rank. Routes used:
 - ``POST /pause_generation`` ``{"mode"}``, ``POST /continue_generation``, ``POST /flush_cache``.
 - Staged updates (``stage``/``commit``/``drop_staged``/``weight_versions``; the server started
   with ``--custom-weight-loader ckpt_sglang.staging.load``, see ``ckpt_sglang/staging.py``):
-  ``GET /server_info``, ``POST /begin_weight_update``, ``/update_weights_from_tensor``
-  (``load_format`` = that loader), ``/end_weight_update``, ``/update_weight_version``.
+  ``GET /server_info``, ``/update_weights_from_tensor`` (``load_format`` = that loader),
+  ``/update_weight_version``. ``state_digests``: the same route with ``ckpt_sglang.probe.load``.
+- ``POST /begin_weight_update`` .. ``/end_weight_update``: every call of ours that loads weights
+  (the IPC update included) runs inside SGLang's weight-update session where the server has one;
+  a server without the route (0.5.17) is remembered and loads as before (``_server.py``).
+- Before loading, a model SGLang cannot reload in place (FP8 per tensor, ...) is refused with
+  ``ConfigError``, nothing posted (``_server.reload_problem``); ``req_func(...).precheck`` lets
+  ``ParameterServer.update`` refuse it on every rank before anything moves.
 
 With ``flush_cache`` and requests in flight, SGLang loads the weights and then answers 400
 ("the cache was not flushed"): the weights are in, only the KV cache of the old weights is
@@ -23,15 +29,15 @@ Errors are ckpt_core's (``ckpt_core.engines.http``): ``UpdateTimeoutError``, ``T
 
 from __future__ import annotations
 
-import threading
 import time
-from dataclasses import dataclass, field
 from typing import Callable
 
-from ckpt_core.engines.http import HttpTransport, Phases, cleanup_after, error_text
-from ckpt_core.errors import ConfigError, RemoteWorkerError, TransportError, UpdateTimeoutError
+from ckpt_core.engines.base import Requester, UpdateReport
+from ckpt_core.engines.http import Phases, error_text
+from ckpt_core.errors import ConfigError, RemoteWorkerError
 
-from ._protocol import LOADER, ReplySocket, encode_command
+from ._protocol import LOADER, PROBE_LOADER, ReplySocket, encode_command
+from ._server import ServerFeatures
 
 __all__ = ["SglangClient", "UpdateReport", "PAUSE_MODES", "BUSY_MODES", "COMMIT_PAUSE_MODES"]
 
@@ -41,17 +47,9 @@ COMMIT_PAUSE_MODES = ("retract", "in_place")   # no request is dropped
 CACHE_NOT_FLUSHED = "cache was not flushed"   # SGLang's 400 text when requests were still running
 
 
-@dataclass
-class UpdateReport:
-    """Requester-side seconds per phase; ``busy``: the cache flush had to wait for a pause."""
-    seconds: dict[str, float] = field(default_factory=dict)
-    message: str = ""
-    busy: bool = False
-    workers: list = field(default_factory=list)   # staged ops: each TP rank's answer
-
-
-class SglangClient:
-    """HTTP client of one SGLang server. Thread-safe; ``close()`` is idempotent.
+class SglangClient(Requester):
+    """HTTP client of one SGLang server (an :class:`~ckpt_core.engines.base.EngineClient`). Thread-safe;
+    ``close()`` is idempotent.
 
     Example::
 
@@ -62,62 +60,29 @@ class SglangClient:
             ps.update("step-7", client.req_func(weight_version="7"))
     """
 
+    # ``/model_info`` answers as soon as the HTTP server runs, also while a server started with
+    # ``--checkpoint-engine-wait-weights-before-ready`` waits for its first weights (``/health`` is 503 then).
+    READY_ROUTE = "/model_info"
+
     def __init__(self, endpoint: str = "http://localhost:19730", *, uds: str | None = None,
                  timeout: float = 600.0, connect_timeout: float = 10.0):
-        self._http = HttpTransport(endpoint, uds=uds, timeout=timeout, connect_timeout=connect_timeout)
-        self._lock = threading.Lock()
-        self.last_report: UpdateReport | None = None
-        self._tp_size: int | None = None
-
-    @property
-    def where(self) -> str:
-        return self._http.where
-
-    def close(self) -> None:
-        self._http.close()
+        super().__init__(endpoint, uds=uds, timeout=timeout, connect_timeout=connect_timeout)
+        self.server = ServerFeatures(self.http)
 
     def __enter__(self) -> "SglangClient":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def not_served(self, path: str) -> str:
+        return "is this an SGLang server?"
 
-    def _post(self, path: str, body: dict | None = None, *, timeout: float | None = None) -> dict:
-        resp = self._http.request("POST", path, json=body, timeout=timeout)
-        if resp.status_code == 404:
-            raise ConfigError(f"{path} is not served by {self.where} (HTTP 404): is this an SGLang server?")
-        self._http.raise_for_status(resp)
+    def _post(self, path: str, body: dict | None = None, *, timeout: float | None = None, **kw) -> dict:
+        """POST ``body``; the answer as a dict (a text answer as ``{"message": text}``)."""
+        resp = self._request("POST", path, json=body, timeout=timeout, **kw)
         try:
             reply = resp.json()
         except ValueError:
             return {"message": resp.text}
         return reply if isinstance(reply, dict) else {"message": str(reply)}
-
-    # -- readiness ---------------------------------------------------------------------
-    def wait_ready(self, timeout: float = 300.0, interval: float = 0.5,
-                   alive: Callable[[], bool] | None = None) -> float:
-        """Poll ``GET /model_info`` until it answers 200; returns the seconds waited.
-
-        ``/model_info`` answers as soon as the HTTP server runs, also while a server started
-        with ``--checkpoint-engine-wait-weights-before-ready`` waits for its first weights
-        (``/health`` is 503 then). ``alive()`` (e.g. "the server process runs") ends the wait early.
-        """
-        t0 = time.monotonic()
-        last = "no answer yet"
-        while True:
-            try:
-                resp = self._http.request("GET", "/model_info", timeout=min(5.0, timeout))
-                if resp.status_code == 200:
-                    return time.monotonic() - t0
-                last = f"HTTP {resp.status_code}: {error_text(resp)[:200]}"
-            except (TransportError, UpdateTimeoutError) as exc:
-                last = str(exc)
-            if alive is not None and not alive():
-                raise TransportError(f"{self.where} went away while waiting for it to be ready ({last})")
-            if time.monotonic() - t0 > timeout:
-                raise UpdateTimeoutError(f"{self.where} was not ready within {timeout:g} s (GET /model_info; "
-                                         f"last: {last})")
-            time.sleep(interval)
 
     # -- calls -------------------------------------------------------------------------
     def pause(self, mode: str = "retract") -> None:
@@ -152,15 +117,16 @@ class SglangClient:
             raise ConfigError(f"busy must be one of {BUSY_MODES}, got {busy!r}")
         if pause is not None and pause not in PAUSE_MODES:
             raise ConfigError(f"pause mode must be one of {PAUSE_MODES}, got {pause!r}")
-        wait = self._http.timeout if timeout is None else float(timeout)
+        wait = self.http.timeout if timeout is None else float(timeout)
         body = {"zmq_handles": dict(handles), "flush_cache": flush_cache, "weight_version": weight_version}
+        self.server.check_reloadable()   # before anything is posted
         phases, report = Phases(), UpdateReport()
         t0 = time.perf_counter()
         if pause is not None:
             phases.run("pause", self.pause, pause)
         try:
-            resp = phases.run("update", self._http.request, "POST", "/update_weights_from_ipc", json=body,
-                              timeout=wait)
+            resp = self._in_session(phases, "all", lambda: phases.run(
+                "update", self.http.request, "POST", "/update_weights_from_ipc", json=body, timeout=wait))
             if resp.status_code == 404:
                 raise ConfigError(f"/update_weights_from_ipc is not served by {self.where} (HTTP 404)")
             report.message = error_text(resp)
@@ -168,14 +134,12 @@ class SglangClient:
                 report.busy = True
                 self._flush_while_paused(phases, busy if pause is None else None)
             else:
-                self._http.raise_for_status(resp)
+                self.http.raise_for_status(resp)
         finally:
             if pause is not None:
                 phases.run("resume", self.resume)
         report.seconds = dict(phases.seconds, total=time.perf_counter() - t0)
-        with self._lock:
-            self.last_report = report
-        return report
+        return self._record(report)
 
     def _flush_while_paused(self, phases: Phases, mode: str | None) -> None:
         """The weights are in; requests in flight kept SGLang from flushing the old weights' cache."""
@@ -191,54 +155,73 @@ class SglangClient:
         finally:
             phases.run("resume", self.resume)
 
+    def _in_session(self, phases: Phases, selector: str, load: Callable[[], object]):
+        """``load()`` inside SGLang's weight-update session where the server has one (the session
+        is closed also when ``load`` fails: its end post-processes whatever was loaded)."""
+        if self.server.sessions is False:   # known: this server has none
+            return load()
+        opened = phases.run("begin", self.server.begin, selector)
+        try:
+            out = load()
+        except BaseException as exc:
+            if opened:
+                self._cleanup(exc, "end_weight_update", self.server.end)
+            raise
+        if opened:
+            phases.run("end", self.server.end)
+        return out
+
     def req_func(self, **update_kwargs) -> Callable[[list[tuple[str, str]]], UpdateReport]:
-        """A ``req_func`` posting every handle it is given; keyword arguments go to :meth:`update`."""
-        return lambda handles: self.update(handles, **update_kwargs)
+        """A ``req_func`` posting every handle it is given; keyword arguments go to :meth:`update`.
+
+        It carries ``precheck`` (:meth:`check_reloadable`): ``ParameterServer.update`` asks it before
+        anything moves, so a model SGLang cannot reload is refused on every rank at once."""
+        def req_func(handles):
+            return self.update(handles, **update_kwargs)
+        req_func.precheck = self.check_reloadable
+        return req_func
+
+    def check_reloadable(self) -> None:
+        """``ConfigError`` when SGLang cannot load a checkpoint into this server's live model
+        (``ckpt_sglang._server.reload_problem``: FP8 per tensor and other formats whose
+        post-processing replaces the weight); nothing is posted."""
+        self.server.check_reloadable()
+
+    def precheck(self) -> None:
+        """The :class:`~ckpt_core.engines.base.EngineClient` precheck: :meth:`check_reloadable`."""
+        self.check_reloadable()
 
     # -- staged updates (ckpt_sglang/staging.py runs inside the server) ---------------------
     def staging_ranks(self) -> int:
         """The server's TP size, once it is known to run our loader (``GET /server_info``)."""
-        if self._tp_size is None:
-            resp = self._http.request("GET", "/server_info", timeout=30.0)
-            self._http.raise_for_status(resp)
-            info = resp.json()
-            if LOADER not in (info.get("custom_weight_loader") or []):
-                # an unknown load_format would end SGLang's scheduler: never send one
-                raise ConfigError(f"{self.where} was not started with --custom-weight-loader {LOADER} (it has "
-                                  f"{info.get('custom_weight_loader')}): staged updates need it")
-            if int(info.get("dp_size") or 1) != 1:
-                raise ConfigError(f"{self.where} has dp_size {info.get('dp_size')}: SGLang's weight routes need 1")
-            self._tp_size = int(info.get("tp_size") or 1)
-        return self._tp_size
+        return self.server.require_loader(LOADER, "staged updates")
 
-    def _session_op(self, phases: Phases, op: str, pause: str, timeout: float, ranks: int, **fields) -> list:
-        """Pause, open SGLang's weight-update session, run ``op`` in our loader on every TP rank,
-        close the session; returns each rank's result. The caller resumes (also on failure)."""
+    def _session_op(self, phases: Phases, op: str, pause: str, timeout: float, ranks: int,
+                    loader: str = LOADER, **fields) -> list:
+        """Pause, run ``op`` in our loader on every TP rank (inside SGLang's weight-update session
+        where the server has one); returns each rank's result. The caller resumes (also on failure)."""
         if pause is not None:
             phases.run("pause", self.pause, pause)
         with ReplySocket() as replies:
-            phases.run("begin", self._post, "/begin_weight_update", {"selector": "target"})
-            try:
-                body = {"serialized_named_tensors": encode_command(op, replies.address, ranks, **fields),
-                        "load_format": LOADER, "flush_cache": False, "selector": "target"}
+            def call():
+                body = {"serialized_named_tensors": encode_command(op, replies.address, ranks, timeout=timeout,
+                                                                   **fields),
+                        "load_format": loader, "flush_cache": False, "selector": "target"}
                 phases.run(op, self._post, "/update_weights_from_tensor", body, timeout=timeout)
-                results = phases.run(f"{op}_replies", replies.collect, op, ranks, timeout, self.where)
-            except BaseException as exc:
-                self._cleanup(exc, "end_weight_update", lambda: self._post("/end_weight_update", {}))
-                raise
-            phases.run("end", self._post, "/end_weight_update", {})
-            return results
+                return phases.run(f"{op}_replies", replies.collect, op, ranks, timeout, self.where)
+            return self._in_session(phases, "target", call)
 
-    def _cleanup(self, exc: BaseException, what: str, fn: Callable[[], object]) -> None:
-        cleanup_after(exc, what, self.where, fn)
-
-    def _staged_call(self, op: str, pause: str, timeout: float | None, after=None, **fields) -> UpdateReport:
-        wait = self._http.timeout if timeout is None else float(timeout)
-        ranks = self.staging_ranks()   # refused before anything is posted
+    def _staged_call(self, op: str, pause: str, timeout: float | None, after=None, loader: str = LOADER,
+                     **fields) -> UpdateReport:
+        wait = self.http.timeout if timeout is None else float(timeout)
+        # refused before anything is posted
+        ranks = self.server.require_loader(loader, "staged updates" if loader == LOADER else "state digests")
+        if op in ("stage", "commit"):  # the commit loads what the stage received
+            self.server.check_reloadable()
         phases, report = Phases(), UpdateReport()
         t0 = time.perf_counter()
         try:
-            report.workers = self._session_op(phases, op, pause, wait, ranks, **fields)
+            report.workers = self._session_op(phases, op, pause, wait, ranks, loader, **fields)
             if after is not None:
                 after(phases)
         except BaseException as exc:
@@ -249,9 +232,7 @@ class SglangClient:
             phases.run("resume", self.resume)
         report.seconds = dict(phases.seconds, paused=time.perf_counter() - t0)
         report.seconds["total"] = report.seconds["paused"]
-        with self._lock:
-            self.last_report = report
-        return report
+        return self._record(report)
 
     def stage(self, handles, version: str, *, timeout: float | None = None, device_bytes: int = 0,
               pause: str | None = "in_place") -> UpdateReport:
@@ -266,7 +247,7 @@ class SglangClient:
         does not pack in place (``begin_weight_update`` then changes nothing; unquantized
         models on GPU), else generation could run on unpacked weights until the session ends.
         """
-        wait = self._http.timeout if timeout is None else float(timeout)
+        wait = self.http.timeout if timeout is None else float(timeout)
         if pause not in (None, "in_place", "retract"):
             raise ConfigError(f"a stage opens its session under pause None, 'in_place' or 'retract', got {pause!r}")
         return self._staged_call("stage", pause, timeout, weights=str(version), handles=dict(handles),
@@ -302,9 +283,18 @@ class SglangClient:
         reported = self.model_info().get("weight_version")
         return [dict(w, sglang_weight_version=reported) for w in self._staged_call("state", "in_place", None).workers]
 
+    def state_digests(self, mode: str = "sha256", timeout: float | None = None) -> list[dict]:
+        """Per TP rank, ``{name: [dtype, shape, digest]}`` of every parameter and buffer of SGLang's
+        model, read in the scheduler process (the server started with ``--custom-weight-loader
+        ckpt_sglang.probe.load``). ``mode``: ``sha256`` of the bytes (copied to the host), or
+        ``sums``: two 64-bit sums computed on the device (fast; equal bytes give equal sums, moved
+        or changed bytes change them). Under an ``in_place`` pause of a few milliseconds (and SGLang's
+        session where it has one, as every loader call needs)."""
+        return self._staged_call("digests", "in_place", timeout, loader=PROBE_LOADER, mode=str(mode)).workers
+
     def model_info(self) -> dict:
-        resp = self._http.request("GET", "/model_info", timeout=30.0)
-        self._http.raise_for_status(resp)
+        resp = self.http.request("GET", "/model_info", timeout=30.0)
+        self.http.raise_for_status(resp)
         return resp.json()
 
     def set_weight_version(self, version: str) -> None:

@@ -22,6 +22,15 @@ how commands arrive and replies leave.
 
 A staged checkpoint must cover the layout of the last commit of this process (same names, dtypes
 and shapes), checked per bucket as it arrives and as a whole at the commit.
+
+The TP ranks of the server agree before any of them changes anything (``_agree.py``: an
+all-gather of each rank's status over SGLang's own TP CPU group, inside the call every rank runs):
+a stage one rank refuses (no handle for its device) is refused on every rank, and drops what every
+rank had staged; a stage still receiving anywhere refuses the op everywhere and changes nothing; a
+commit runs only when every rank holds the same complete stage of that version, and a commit some
+rank cannot run changes no live weight on any rank (a stage the ranks do not all hold alike, or an
+incomplete one, is dropped on every rank); a ``load_weights`` failing on one rank at the commit is
+reported by every rank. Every rank answers each call with the same outcome.
 """
 
 from __future__ import annotations
@@ -38,12 +47,14 @@ import torch
 from ckpt_core.errors import CheckpointFormatError, ConfigError
 from ckpt_core.wire.staging import StagingArea
 
+from ._agree import BUSY, FAILED, MALFORMED, OK, REFUSED, TpGroup, refusal, sglang_tp_group
 from ._protocol import decode_command, reply
 
 __all__ = ["load", "EngineStaging"]
 
 log = logging.getLogger("ckpt_sglang.staging")
 REPLY_TIMEOUT_S = 10.0
+AGREE_TIMEOUT_S = 60.0   # when a command carries no timeout of its own
 
 
 def _device_of(model) -> tuple[torch.device, str, int]:
@@ -55,13 +66,10 @@ def _device_of(model) -> tuple[torch.device, str, int]:
     return param.device, ext.get_device_uuid(), ext.get_device_id()
 
 
-def _tp_rank() -> int:
-    try:
-        from sglang.srt.runtime_context import get_parallel
-
-        return int(get_parallel().tp_rank)
-    except Exception:   # noqa: BLE001 - outside a published SGLang context: one rank
-        return 0
+def _agree_s(cmd: dict) -> float:
+    """How long a rank waits for the others at an agreement: half the client's wait for the replies,
+    so that a rank that never arrives is reported before the client gives up."""
+    return max(1.0, 0.5 * float(cmd.get("timeout", 2 * AGREE_TIMEOUT_S)))
 
 
 class EngineStaging:
@@ -88,18 +96,27 @@ class EngineStaging:
         return ctx
 
     # -- ops (each returns its result or raises; load() turns that into the reply) ----------
-    def stage(self, model, cmd: dict) -> dict:
+    def stage(self, model, cmd: dict, group: TpGroup = TpGroup()) -> dict:
         version, handles = str(cmd["weights"]), cmd.get("handles")
         timeout = float(cmd.get("receive_timeout", 600.0))
         device, key, device_id = _device_of(model)
-        if not isinstance(handles, dict) or key not in handles:
-            raise ConfigError(f"no ZeroMQ handle for this rank's device {key}; the parameter server sent "
-                              f"handles for {sorted(handles) if isinstance(handles, dict) else handles}")
-        with self._lock:
+        with self._lock:   # held through the agreement: a receiver finishing meanwhile waits for it
+            code, why = OK, ""
             if self.receiving is not None and self.receiving[1].is_alive():
-                raise ConfigError(f"version {self.receiving[0]!r} is still being staged; a new stage waits "
-                                  "for its update to end")
-            self._free_locked()   # a new stage replaces the staged one, also when it fails
+                code, why = BUSY, (f"version {self.receiving[0]!r} is still being staged "
+                                   "(a new stage waits for its update to end)")
+            elif not isinstance(handles, dict) or key not in handles:
+                sent = sorted(handles) if isinstance(handles, dict) else handles
+                code, why = REFUSED, (f"no ZeroMQ handle for the device {key} "
+                                      f"(the parameter server sent handles for {sent})")
+            statuses = group.gather(code, why, f"the stage of {version!r}", _agree_s(cmd))
+            busy = any(c == BUSY for c, _ in statuses)
+            refused = refusal(statuses, f"cannot stage version {version!r}: ", "; nothing was changed on any TP rank"
+                              if busy else "; nothing is staged on any TP rank now (a stage replaces what was staged)")
+            if not busy:
+                self._free_locked()   # a new stage replaces the staged one, also when it fails
+            if refused is not None:
+                raise refused
             area = StagingArea(version, device, int(cmd.get("device_bytes", 0)))
             area.layout = {}   # {name: (dtype, shape)} of what was staged, set when sealed
             thread = threading.Thread(target=self._receive, args=(area, handles[key], device_id, timeout),
@@ -155,63 +172,91 @@ class EngineStaging:
             else:
                 loop(ctx, handle, device_id, run=run, post_hook=seal)
         except BaseException as exc:   # noqa: BLE001 - reported to the PS by the stock loop; kept for state
-            area.free()
-            with self._lock:
-                self.last_stage_error = (first_error or [f"{type(exc).__name__}: {exc}"])[0]
-                self.receiving = None
-                if self.area is area:
-                    self.area = None
-            log.warning("ckpt stage of %s failed: %s", area.version, self.last_stage_error)
+            self._receive_failed(area, (first_error or [f"{type(exc).__name__}: {exc}"])[0])
             return
         finally:
             ctx.destroy(linger=0)
         log.info("ckpt stage of %s: %d tensors, %.1f MB (%.1f MB on the device) in %.3f s", area.version,
                  area.tensors, area.nbytes / 1e6, area.device_bytes / 1e6, time.perf_counter() - t0)
 
-    def commit(self, model, cmd: dict) -> dict:
-        version = str(cmd["weights"])
+    def _receive_failed(self, area: StagingArea, error: str) -> None:
+        with self._lock:
+            self.last_stage_error = error
+            if self.receiving is not None and self.receiving[1] is threading.current_thread():
+                self.receiving = None
+            # failing after its seal (its last reply to the PS): a commit may be loading it already
+            owned = self.area is area or not area.sealed
+            if self.area is area:
+                self.area = None
+        if owned:
+            area.free()
+        log.warning("ckpt stage of %s failed: %s", area.version, error)
+
+    def _commit_status(self, version: str) -> tuple[int, str]:
+        """This rank's answer to "can version ``version`` be committed?" (under the lock)."""
+        area = self.area
+        if self.receiving is not None:
+            return BUSY, f"version {self.receiving[0]!r} is still being staged"
+        if area is None or area.version != version:
+            return REFUSED, "nothing is staged" if area is None else f"version {area.version!r} is staged"
+        missing = sorted(set(self.layout) - set(area.layout)) if self.layout is not None else []
+        if missing:
+            return MALFORMED, (f"it lacks {', '.join(missing[:8])} ({len(missing)} of the last commit's tensors)")
+        return OK, ""
+
+    def commit(self, model, cmd: dict, group: TpGroup = TpGroup()) -> dict:
+        version, wait = str(cmd["weights"]), _agree_s(cmd)
         t0 = time.perf_counter()
         with self._lock:
-            area = self.area
-            if self.receiving is not None:
-                raise ConfigError(f"cannot commit version {version!r}: version {self.receiving[0]!r} is still "
-                                  "being staged; nothing was committed")
-            if area is None or area.version != version:
-                staged = "nothing" if area is None else f"version {area.version!r}"
-                raise ConfigError(f"cannot commit version {version!r}: {staged} is staged; nothing was committed")
-            missing = sorted(set(self.layout) - set(area.layout)) if self.layout is not None else []
-            if missing:
-                self._free_locked()
-                raise CheckpointFormatError(f"cannot commit version {version!r}: it lacks {', '.join(missing[:8])} "
-                                            f"({len(missing)} of the last commit's tensors); nothing was "
-                                            "committed and the staged version was dropped", tensor=missing[0])
-            self.area = None
+            statuses = group.gather(*self._commit_status(version), f"the commit of {version!r}", wait)
+            codes = {c for c, _ in statuses}
+            # a stage the ranks do not all hold alike (it failed on some), or an incomplete one, can never
+            # be committed as a whole: dropped on every rank; one still receiving anywhere changes nothing
+            drop = BUSY not in codes and (MALFORMED in codes or len(set(statuses)) > 1)
+            refused = refusal(statuses, f"cannot commit version {version!r}: ", "; nothing was committed on any TP "
+                              "rank" + (", and what was staged was dropped on every TP rank" if drop else ""))
+            if refused is not None:
+                if drop:
+                    self._free_locked()
+                raise refused
+            area, self.area = self.area, None
+        error = None
         try:
             for bucket in area.buckets:   # SGLang's own loader: the fusing a cold load does
                 model.load_weights(bucket)
             if area.device.type == "cuda":
                 torch.cuda.synchronize(area.device)
-        except BaseException as exc:
-            area.free()
-            raise RuntimeError(f"SGLang's load_weights failed while committing {version!r} ({exc}); the model may "
-                               "hold a mix of both versions: push a full update") from exc
-        with self._lock:
-            self.layout = dict(area.layout)
-            self.live_version, self.live_since = version, time.time()
+        except Exception as exc:   # noqa: BLE001 - every rank reports it, below
+            error = exc
+            log.error("ckpt commit of %s: SGLang's load_weights failed:\n%s", version, traceback.format_exc())
         summary = area.summary()
         area.free()
+        statuses = group.gather(FAILED if error else OK, f"{type(error).__name__}: {error}" if error else "",
+                                f"the end of the commit of {version!r}", wait)
+        failed = refusal(statuses, f"SGLang's load_weights failed while committing {version!r}: ",
+                         "; the model may hold a mix of both versions: push a full update")
+        with self._lock:
+            self.layout = dict(area.layout)
+            self.live_version, self.live_since = (version if failed is None else None), time.time()
+        if failed is not None:
+            raise failed from error
         return {**summary, "sealed": True, "seconds": {"load": time.perf_counter() - t0}}
 
-    def drop(self, model, cmd: dict) -> dict | None:
+    def drop(self, model, cmd: dict, group: TpGroup = TpGroup()) -> dict | None:
         with self._lock:
+            code, why = OK, ""
             if self.receiving is not None:
-                raise ConfigError(f"version {self.receiving[0]!r} is still being staged; its update must end "
-                                  "(or fail) before the area can be dropped")
-            area = self.area
+                code, why = BUSY, (f"version {self.receiving[0]!r} is still being staged (its update must end or "
+                                   "fail first)")
+            refused = refusal(group.gather(code, why, "dropping the staged version", _agree_s(cmd)),
+                              "cannot drop the staged version: ", "; nothing was dropped on any TP rank")
+            if refused is not None:
+                raise refused
+            summary = None if self.area is None else self.area.summary()
             self._free_locked()
-        return None if area is None else area.summary()
+        return summary
 
-    def state(self, model, cmd: dict) -> dict:
+    def state(self, model, cmd: dict, group: TpGroup = TpGroup()) -> dict:
         with self._lock:
             return {"live": self.live_version, "live_since": self.live_since,
                     "staged": None if self.area is None else self.area.summary(),
@@ -269,9 +314,14 @@ def load(model, named_tensors) -> None:
         log.error("ckpt_sglang.staging.load was called with something that is not our command:\n%s",
                   traceback.format_exc())
         return
-    message = {"tp_rank": _tp_rank(), "op": cmd["op"], "ok": True}
+    group = sglang_tp_group()
+    message = {"tp_rank": group.rank, "op": cmd["op"], "ok": True}
     try:
-        message["result"] = getattr(_ENGINE, cmd["op"])(model, cmd)
+        if int(cmd.get("tp_size", group.size)) != group.size:
+            raise ConfigError(f"the server has tp_size {cmd['tp_size']}, but this loader found a TP group of "
+                              f"{group.size} (sglang.srt.distributed.parallel_state.get_tp_group): its ranks could "
+                              "not agree, so nothing was done")
+        message["result"] = getattr(_ENGINE, cmd["op"])(model, cmd, group)
     except Exception as exc:   # noqa: BLE001 - travels to the client
         message.update(ok=False, error=str(exc), error_type=type(exc).__name__, traceback=traceback.format_exc())
     try:

@@ -32,15 +32,23 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
 
 from ckpt_core import ParameterServer, split_checkpoint_files
-from ckpt_core.wire.stock import WIRES
-from ckpt_core.engines.driver import (UPDATE_METHODS, emit_json_line, prepare_checkpoint, run_updates, serves_p2p,
-                                     update_methods)
+from ckpt_core.engines import GIB_OR_NONE, MAX_DEVICES, SECONDS, TIMEOUT, count
+from ckpt_core.engines.driver import (
+    UPDATE_METHODS,
+    emit_json_line,
+    prepare_checkpoint,
+    run_updates,
+    serves_p2p,
+    update_methods,
+)
 from ckpt_core.errors import CkptError, ConfigError
+from ckpt_core.wire.stock import WIRES
 
 from .client import BUSY_MODES, COMMIT_PAUSE_MODES, PAUSE_MODES, SglangClient
 
@@ -54,10 +62,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--save-metas-file", default=None, help="rank 0 writes the gathered metas here (JSON)")
     ap.add_argument("--load-metas-file", default=None,
                     help="join: register nothing, load these metas and pull the checkpoint from its owners (P2P)")
-    ap.add_argument("--sleep-time", type=float, default=0,
+    ap.add_argument("--sleep-time", type=SECONDS, default=0,
                     help="seconds to keep the checkpoint registered after the updates (owners serving joiners)")
     ap.add_argument("--endpoint", default="http://localhost:19730", help="the SGLang server of this host")
-    ap.add_argument("--inference-parallel-size", type=int, default=8, help="devices of one SGLang server")
+    ap.add_argument("--inference-parallel-size", type=count(MAX_DEVICES), default=8,
+                    help="devices of one SGLang server")
     ap.add_argument("--checkpoint-name", default="my-checkpoint-iter-0")
     ap.add_argument("--update-method", choices=UPDATE_METHODS, default="broadcast",
                     help="p2p: pull from the owners' host memory (Mooncake, the p2p extra); all: broadcast, then p2p")
@@ -69,8 +78,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="stock worker generation embedded in the server: 'stock' (checkpoint-engine >= 0.4), "
                          "'stock-0.3' (0.2.1-0.3.4)")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: the best available)")
-    ap.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole update")
-    ap.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for the server")
+    ap.add_argument("--timeout", type=TIMEOUT, default=600.0, help="seconds for the whole update")
+    ap.add_argument("--ready-timeout", type=TIMEOUT, default=300.0, help="seconds to wait for the server")
     ap.add_argument("--pause", choices=PAUSE_MODES, default=None, help="pause generation around the update")
     ap.add_argument("--busy", choices=BUSY_MODES, default="retract",
                     help="requests in flight kept the cache from being flushed: pause this way, flush, "
@@ -78,7 +87,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--stage", action="store_true",
                     help="stage the checkpoint as --weight-version while the servers keep generating "
                          "(needs --custom-weight-loader ckpt_sglang.staging.load on the server)")
-    ap.add_argument("--stage-device-gib", type=float, default=0.0,
+    ap.add_argument("--stage-device-gib", type=GIB_OR_NONE, default=0.0,
                     help="with --stage: device memory each server rank may stage into (beyond it: pinned host memory)")
     ap.add_argument("--commit", action="store_true",
                     help="switch the servers to the staged --weight-version in one short pause (after --stage, "
@@ -107,7 +116,9 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
 
 def make_req_func(client: SglangClient | None, rank: int, n: int, args: argparse.Namespace, reports: list):
     """The reference's req_func contract: it runs on every rank; the first rank of each group of ``n``
-    posts that group's handles to its own server, the others return at once."""
+    posts that group's handles to its own server, the others return at once. That rank's
+    ``precheck`` asks its server whether its model can be reloaded at all, so a refusal (FP8 per
+    tensor, ...) is one ``ConfigError`` on every rank before anything moves."""
     def req_func(handles):
         if client is None:
             return None
@@ -120,12 +131,27 @@ def make_req_func(client: SglangClient | None, rank: int, n: int, args: argparse
             reports.append(client.update(mine, weight_version=args.weight_version, timeout=args.timeout,
                                          pause=args.pause, busy=args.busy))
         return reports[-1]
+    if client is not None:
+        req_func.precheck = client.check_reloadable
     return req_func
 
 
 def torchrun_command(argv: list[str], nproc: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
             "--module", "ckpt_sglang.update", *argv]
+
+
+def run_torchrun(cmd: list[str]) -> int:
+    """torchrun in a child process; a SIGTERM to this launcher is passed on to it (torchrun passes it
+    to its ranks), so stopping the launcher stops its ranks: an owner sleeping ``--sleep-time``
+    with its checkpoint registered would otherwise live on, orphaned. (Ctrl-C reaches the whole
+    foreground process group by itself.)"""
+    proc = subprocess.Popen(cmd)
+    previous = signal.signal(signal.SIGTERM, lambda signum, _frame: proc.send_signal(signum))
+    try:
+        return proc.wait()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def run(args: argparse.Namespace) -> None:
@@ -173,24 +199,37 @@ def commit(client: SglangClient | None, rank: int, args: argparse.Namespace) -> 
                        default=str)
 
 
+def say_error(line: str) -> None:
+    """One line to stderr in one write: the ranks share the stream and run unbuffered (torchrun's
+    ``python -u``), where ``print`` writes the text and the newline apart and two ranks' lines merge."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     try:   # refuse bad flags before starting processes (under torchrun: world size = the group's size)
         check_args(args, int(os.environ.get("WORLD_SIZE", args.inference_parallel_size)))
     except ConfigError as exc:
-        print(f"ckpt_sglang.update: ConfigError: {exc}", file=sys.stderr, flush=True)
+        say_error(f"ckpt_sglang.update: ConfigError: {exc}")
         return 2
     if os.environ.get("RANK") is None:
         # Like SGLang's launcher: one process per device of the server, on this host.
+        cpus = os.cpu_count() or 1
+        if args.inference_parallel_size > cpus:
+            print(f"ckpt_sglang.update: ConfigError: --inference-parallel-size {args.inference_parallel_size} "
+                  f"would start that many processes on this host of {cpus} CPUs (run it under torchrun "
+                  "yourself to spread the ranks over hosts)", file=sys.stderr, flush=True)
+            return 2
         cmd = torchrun_command(argv, args.inference_parallel_size)
         print("running: " + " ".join(cmd), file=sys.stderr, flush=True)
-        return subprocess.run(cmd, check=False).returncode
+        return run_torchrun(cmd)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         run(args)
     except CkptError as exc:
-        print(f"ckpt_sglang.update: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        say_error(f"ckpt_sglang.update: {type(exc).__name__}: {exc}")
         return 2 if isinstance(exc, ConfigError) else 1
     return 0
 

@@ -2,10 +2,10 @@
 
 Layerwise reload (``vllm.model_executor.model_loader.reload``) is where the releases differ:
 
-| need | 0.26 - 0.2x | later |
-|---|---|---|
-| is a layer processed only at the end (attention)? | ``isinstance(layer, (Attention, MLAAttention))`` | ``layers.attention.is_deferred_attention_layer`` |
-| tensors no weight loader ever fills | ``reload.meta.SKIP_TENSORS`` | ``reload.meta.SKIP_LOAD_TENSORS`` |
+- is a layer processed only at the end (attention)? 0.26 - 0.2x:
+  ``isinstance(layer, (Attention, MLAAttention))``; later: ``layers.attention.is_deferred_attention_layer``.
+- tensors no weight loader ever fills: 0.26 - 0.2x: ``reload.meta.SKIP_TENSORS``; later:
+  ``reload.meta.SKIP_LOAD_TENSORS``.
 
 Optional: ``layers.quantization.kv_cache.BaseKVCacheMethod`` (the attention layers' q/k/v scale
 method of quantized models); without it those scales are left as vLLM's reload leaves them.
@@ -65,7 +65,8 @@ def detect(import_module: Callable[[str], Any] = _import) -> ReloadApi:
     types = import_module(f"{_RELOAD}.types")
     missing = [] if reload is not None else [_RELOAD]
     attrs = {"initialize": (reload, "initialize_layerwise_reload"), "finalize": (reload, "finalize_layerwise_reload"),
-             "layerwise_info": (layerwise, "LAYERWISE_INFO"), "place_kernel_tensors": (layerwise, "_place_kernel_tensors")}
+             "layerwise_info": (layerwise, "LAYERWISE_INFO"),
+             "place_kernel_tensors": (layerwise, "_place_kernel_tensors")}
     found = {}
     for key, (module, name) in attrs.items():
         if module is None or not hasattr(module, name):

@@ -16,6 +16,14 @@ stage is *not prepared*: the commit then takes the full reload as before. So doe
 attention layers carry a quantized KV-cache method (their scales are set at the reload's end),
 and a layer that vLLM defers to the end of a reload. On vLLM-CPU unquantized layers repack their
 weights into the kernel's own object during processing, so stages there are never prepared.
+
+A prepared commit runs the checks every other path runs, before anything is made live, against
+the engine's own layers (not against the layout of an earlier update, which a worker's first stage
+does not have): the whole-layer check of the stage's names (the first step), then per step every
+layer that received part of its tensors (a fused ``qkv_proj`` without ``k``: its processing would
+read uninitialized memory for the missing part), and after the last step every layer that received
+nothing at all (it would keep its old weights). Any of them makes the stage *refused*: its commit
+raises ``CheckpointFormatError`` naming what is missing and changes nothing.
 """
 
 from __future__ import annotations
@@ -28,8 +36,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ckpt_core.errors import CheckpointFormatError
+
 from ._compat import reload_api
-from ._reload import ReloadSession
+from ._reload import ReloadSession, _checkpoint_names, _loadable_params, _missing_in_layer
 
 __all__ = ["PrepareJob", "prepare_step", "commit_prepared"]
 
@@ -51,24 +61,31 @@ class PrepareJob:
     seconds: float = 0.0
     steps: int = 0
     not_prepared: str | None = None   # why the commit will reload instead
+    refused: str | None = None        # why the commit is refused: the stage is incomplete
 
     @property
     def done(self) -> bool:
-        return self.not_prepared is not None or self.next >= len(self.groups)
+        return self.not_prepared is not None or self.refused is not None or self.next >= len(self.groups)
 
     @property
     def prepared(self) -> bool:
-        return self.not_prepared is None and self.next >= len(self.groups)
+        return self.not_prepared is None and self.refused is None and self.next >= len(self.groups)
 
     def summary(self) -> dict:
-        return {"state": "prepared" if self.prepared else ("not_prepared" if self.not_prepared else "preparing"),
-                "reason": self.not_prepared, "layers": self.next, "of": len(self.groups), "steps": self.steps,
-                "bytes": self.prepared_bytes, "seconds": self.seconds}
+        state = ("refused" if self.refused else "prepared" if self.prepared else
+                 "not_prepared" if self.not_prepared else "preparing")
+        return {"state": state, "reason": self.refused or self.not_prepared, "layers": self.next,
+                "of": len(self.groups), "steps": self.steps, "bytes": self.prepared_bytes, "seconds": self.seconds}
 
     def give_up(self, reason: str) -> None:
         self.not_prepared = reason
         self.pairs.clear()
         log.info("staged weights not prepared (the commit reloads them): %s", reason)
+
+    def refuse(self, reason: str) -> None:
+        self.refused = reason
+        self.pairs.clear()
+        log.error("staged weights refused (their commit will be refused): %s", reason)
 
 
 def layer_groups(buckets) -> list[list[tuple[str, torch.Tensor]]]:
@@ -147,14 +164,18 @@ def _shield(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, bool, to
 
 def _unshield(shielded: list, pairs: list) -> list:
     """Put the live tensors back; a recorded pair that names a copy names its live tensor instead,
-    and a copy the reload left in place (written by its loader, processed) becomes a pair."""
+    and a copy the reload left in place and a loader wrote becomes a pair.
+
+    A copy no loader wrote still holds the live value: it makes no pair. (It once did, and a later
+    step's pair then copied the old value back over what an earlier step had prepared: after a
+    prepared commit in several steps the q/k/v biases of a Qwen2 were the old ones.)"""
     live_of = {id(copy): live for _, _, _, live, copy in shielded}
     out = [(live_of.get(id(dst), dst), src) for dst, src in pairs]
     have = {id(dst) for dst, _ in out}
     for m, name, is_param, live, copy in shielded:
         table = m._parameters if is_param else m._buffers
         now = table.get(name)
-        if now is copy and id(live) not in have:
+        if now is copy and id(live) not in have and not torch.equal(copy.detach(), live.detach()):
             out.append((live, copy.detach()))
         table[name] = live
     return out
@@ -205,12 +226,77 @@ def _why_not_preparable(model: torch.nn.Module, api) -> str | None:
 
 def _next_batch(job: PrepareJob, budget_bytes: int) -> list:
     """The next groups of ``job``: at least one, then more while under ``budget_bytes``."""
-    batch, size = [], 0
+    batch: list = []
+    size = 0
     while job.next + len(batch) < len(job.groups) and (not batch or size < budget_bytes):
         group = job.groups[job.next + len(batch)]
         batch.append(group)
         size += sum(t.numel() * t.element_size() for _, t in group)
     return batch
+
+
+def _load_batch(model: torch.nn.Module, model_config, job: PrepareJob, batch: list, api) -> tuple[list, str | None]:
+    """Load ``batch`` in a reload session of ``model`` and process every layer it completes (vLLM's
+    final copy recorded, :func:`_recorded_copies`); the session then ends, every layer not processed
+    back on its live tensors. Returns the layers a reload processes only at its end, and why the
+    stage is refused (None if it is not): at the first step the whole-layer check of every name of
+    the stage (``ReloadSession.check_whole_layers``, as a plain commit runs it), then any layer of
+    the batch that received part of its tensors (processing it would read uninitialized memory)."""
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    session = ReloadSession(model, model_config, label="model (preparing a stage)")
+    left: list[str] = []
+    missing: list[str] = []
+    session.begin()
+    try:
+        if job.steps == 0:
+            try:
+                session.check_whole_layers(name for group in job.groups for name, _ in group)
+            except CheckpointFormatError as exc:
+                return left, str(exc)
+        for group in batch:
+            session.load(group)
+        for qname, layer, info in list(session._pending()):
+            if not info.loaded_weights:
+                continue
+            if api.is_deferred_attention(layer) or not 0 < info.load_numel < info.load_numel_total:
+                left.append(qname)
+            elif absent := _missing_in_layer(model, qname, layer, info):
+                missing += absent
+            else:   # padded rows (a vocabulary rounded up to 64) never complete: the end of a reload processes it
+                layerwise._layerwise_process(layer, info)
+    finally:
+        session.abort(quiet=True)   # every layer not processed gets its live tensors back
+    return left, _incomplete(missing, "received part of their tensors")
+
+
+def _incomplete(missing: list[str], how: str) -> str | None:
+    if not missing:
+        return None
+    return (f"the staged weights of the model are incomplete: nothing arrived for {', '.join(missing[:8])}"
+            f"{' ...' if len(missing) > 8 else ''} ({len(missing)} missing; their layers {how}); "
+            f"nothing was committed (tensor {missing[0]!r})")
+
+
+def _never_loaded(model: torch.nn.Module, model_config, job: PrepareJob) -> str | None:
+    """After the last step: the parameters of every layer that must receive some (those a reload's
+    end checks, ``ReloadSession.check_complete``) whose live tensor no step prepared, from the
+    engine's own layers; a tied layer whose parameters another layer prepared is complete."""
+    api = reload_api()
+    written = {id(live) for live, _ in job.pairs}
+    session = ReloadSession(model, model_config, label="model (checking a prepared stage)")
+    missing: list[str] = []
+    session.begin()
+    try:
+        for qname, layer, info in list(session._pending()):
+            if not info.restore_metadata[0] or api.is_deferred_attention(layer) or not info.load_numel_total:
+                continue   # buffers only (rotary caches) or attention scales: nothing required
+            kernel = info.kernel_tensors[0] if info.kernel_tensors else {}
+            missing += [_checkpoint_names(model, qname, name, None) for name in _loadable_params(layer, info)
+                        if id(kernel.get(name)) not in written]
+    finally:
+        session.abort(quiet=True)
+    return _incomplete(missing, "received none")
 
 
 def prepare_step(model: torch.nn.Module, model_config, job: PrepareJob, budget_bytes: int) -> dict:
@@ -224,30 +310,16 @@ def prepare_step(model: torch.nn.Module, model_config, job: PrepareJob, budget_b
     if why_not:
         job.give_up(why_not)
         return job.summary()
-    from vllm.model_executor.model_loader.reload import layerwise
     batch = _next_batch(job, budget_bytes)
     before = _state(model)
     shielded = _shield(model)   # what the reload leaves live (a layer's bias) is lent a copy meanwhile
     pairs: list = []
     problems: list[str] = []
-    session = ReloadSession(model, model_config, label="model (preparing a stage)")
-    left: list[str] = []
-    failure = None
+    left: list = []
+    refused, failure = None, None
     try:
         with torch.no_grad(), _recorded_copies(pairs, problems):
-            session.begin()
-            try:
-                for group in batch:
-                    session.load(group)
-                for qname, layer, info in list(session._pending()):
-                    if not info.loaded_weights:
-                        continue
-                    if api.is_deferred_attention(layer) or not 0 < info.load_numel < info.load_numel_total:
-                        left.append(qname)
-                    else:   # padded rows (a vocabulary rounded up to 64) never complete: the end of a reload processes it
-                        layerwise._layerwise_process(layer, info)
-            finally:
-                session.abort(quiet=True)   # every layer not processed gets its live tensors back
+            left, refused = _load_batch(model, model_config, job, batch, api)
     except Exception as exc:   # noqa: BLE001 - the commit reloads instead; the error is the reason
         failure = f"{type(exc).__name__}: {exc}"
     pairs = _unshield(shielded, pairs)
@@ -255,6 +327,9 @@ def prepare_step(model: torch.nn.Module, model_config, job: PrepareJob, budget_b
     changed = _changes(before, after)
     if changed or failure:
         _put_back(before, after)
+    if refused:
+        job.refuse(refused)
+    elif changed or failure:
         job.give_up(failure or "processing a layer changed more than its tensors: " + "; ".join(changed[:3]))
     elif problems:
         job.give_up(problems[0])
@@ -264,6 +339,8 @@ def prepare_step(model: torch.nn.Module, model_config, job: PrepareJob, budget_b
         job.pairs += pairs
         job.prepared_bytes += sum(new.numel() * new.element_size() for _, new in pairs)
         job.next += len(batch)
+        if job.next >= len(job.groups) and (refused := _never_loaded(model, model_config, job)):
+            job.refuse(refused)
     devices = {new.device for _, new in pairs if new.device.type == "cuda"}
     for d in devices:   # this step's work is done when it returns (the commit then times its copy alone)
         torch.cuda.synchronize(d)

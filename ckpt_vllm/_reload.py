@@ -40,8 +40,8 @@ from ckpt_core.errors import CheckpointFormatError, ConfigError
 from ckpt_core.wire.staging import repeated_names
 
 from ._compat import reload_api
-from ._reload_fixes import (empty_slots, install as install_kernel_refs, process_as_cold_load, restore_empty_slots,
-                            restore_processing)
+from ._reload_fixes import empty_slots, process_as_cold_load, restore_empty_slots, restore_processing
+from ._reload_fixes import install as install_kernel_refs
 
 __all__ = ["ReloadSession"]
 

@@ -4,13 +4,15 @@ an engine agrees on before any of them touches a weight."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import Any, Callable
 
+from ckpt_core import errors as _errors
 from ckpt_core import update_weights_from_ipc as _core_update_weights_from_ipc
 from ckpt_core.devices import default_kind, get_backend, local_device_key
-from ckpt_core.errors import ConfigError
+from ckpt_core.errors import ConfigError, RemoteWorkerError
 
 from ._reload import ReloadSession
 
@@ -70,12 +72,14 @@ def abort_sessions(sessions: list[ReloadSession]) -> None:
 
 
 def receive_into(sessions: list[ReloadSession], zmq_ctx, zmq_handle: str, kind: str, index: int, *,
-                 timeout: float, finalize: bool = True) -> dict:
+                 timeout: float, finalize: bool = True, replay: Any = None) -> dict:
     """Run one PS update into begun reload ``sessions`` (the model, and the MTP drafter if any).
 
     With ``finalize``, the completeness check and vLLM's deferred processing run in the core's
     post hook, so the PS learns of a failure before its ``update`` returns. On any failure every
     session is aborted (unprocessed layers keep their old weights) and the error is raised.
+    ``replay``: the slice plan the sessions apply (``_slices.ReplayPlan``): the PS must route this
+    worker's own engine rank of it (whole tensors when None), else nothing is loaded.
     """
     t0 = time.perf_counter()
 
@@ -91,7 +95,8 @@ def receive_into(sessions: list[ReloadSession], zmq_ctx, zmq_handle: str, kind: 
 
     try:
         _core_update_weights_from_ipc(zmq_ctx, zmq_handle, index, run=run, timeout=timeout, on_plan=on_plan,
-                                      post_hook=(lambda: finish_sessions(sessions)) if finalize else None)
+                                      post_hook=(lambda: finish_sessions(sessions)) if finalize else None,
+                                      slices=None if replay is None else replay.route)
     except BaseException:
         abort_sessions(sessions)
         raise
@@ -184,25 +189,25 @@ def refuse_together(problem: str | None, what: str) -> dict | None:
     return {"refused": message}
 
 
-def is_last_worker() -> bool:
+def _world_group():
+    """vLLM's world group of this engine's workers, or None outside a vLLM world."""
     try:
         from vllm.distributed.parallel_state import get_world_group
 
-        group = get_world_group()
+        return get_world_group()
     except (ImportError, AssertionError):
-        return True
-    return group.rank_in_group == group.world_size - 1
+        return None
+
+
+def is_last_worker() -> bool:
+    group = _world_group()
+    return group is None or group.rank_in_group == group.world_size - 1
 
 
 def count_over_workers(flag: bool) -> int:
     """How many workers of this engine raised ``flag`` (this one alone outside a vLLM world)."""
-    try:
-        from vllm.distributed.parallel_state import get_world_group
-
-        group = get_world_group()
-    except (ImportError, AssertionError):
-        return int(flag)
-    if group.world_size <= 1:
+    group = _world_group()
+    if group is None or group.world_size <= 1:
         return int(flag)
     import torch
     import torch.distributed as dist
@@ -210,3 +215,82 @@ def count_over_workers(flag: bool) -> int:
     count = torch.tensor([int(flag)], dtype=torch.int64)
     dist.all_reduce(count, group=group.cpu_group)
     return int(count.item())
+
+
+_NOTE_BYTES = 8192   # one worker's failure as it travels to the others: "Type\nmessage", UTF-8, cut to fit
+
+
+def gather_failures(error: BaseException | None) -> list[tuple[int, str, str]]:
+    """``(worker, error type, message)`` of every worker of this engine whose call failed, in
+    worker order; every worker calls it once per call, failed or not (one all-gather of a fixed
+    size over vLLM's CPU group: plain bytes, no pickle)."""
+    note = None if error is None else (type(error).__name__, str(error))
+    group = _world_group()
+    if group is None or group.world_size <= 1:
+        return [] if note is None else [(0, *note)]
+    import torch
+    import torch.distributed as dist
+
+    mine = torch.zeros(_NOTE_BYTES, dtype=torch.uint8)
+    if note is not None:
+        data = b"\x01" + f"{note[0]}\n{note[1]}".encode("utf-8", "replace")[:_NOTE_BYTES - 1]
+        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    notes = [torch.empty_like(mine) for _ in range(group.world_size)]
+    dist.all_gather(notes, mine, group=group.cpu_group)
+    out = []
+    for worker, t in enumerate(notes):
+        raw = t.numpy().tobytes().rstrip(b"\x00")
+        if raw[:1] == b"\x01":
+            kind, _, message = raw[1:].decode("utf-8", "replace").partition("\n")
+            out.append((worker, kind, message))
+    return out
+
+
+def _error_class(name: str) -> type[Exception]:
+    cls = getattr(_errors, name, None)
+    return cls if isinstance(cls, type) and issubclass(cls, _errors.CkptError) else RemoteWorkerError
+
+
+def answer_together(what: str, call: Callable[[], Any]) -> Any:
+    """Run ``call()`` on this worker, then answer alike on every worker of the engine.
+
+    vLLM 0.32's ``MultiprocExecutor.collective_rpc`` reads the workers' replies in order and stops
+    at the first failed one: the replies after it stay queued and answer the *next* call, so from
+    then on every call reads the replies of the one before. So a failure on any worker (a refusal
+    every worker raises, or one worker's own) is answered by all in the same call: every worker
+    learns of every failure (:func:`gather_failures`), the last worker raises the first failing
+    worker's error (its own exception when that is its own, else one of the same ckpt_core type,
+    or ``RemoteWorkerError``), and the others return ``{"refused": message, "error_type": ...}``.
+    With no failure every worker returns its result.
+    """
+    try:
+        result, error = call(), None
+    except Exception as exc:   # noqa: BLE001 - answered below, by the last worker, for every worker
+        result, error = None, exc
+    failures = gather_failures(error)
+    if not failures:
+        return result
+    group = _world_group()
+    if group is None or group.world_size <= 1:
+        raise error
+    first, kind, message = failures[0]
+    failed = [w for w, _, _ in failures]
+    if not is_last_worker():
+        if error is not None:   # vLLM logs the traceback of the worker that raises only
+            log.error("ckpt: %s failed on this worker; the last worker raises it for all", what, exc_info=error)
+        return {"refused": f"{message} (worker {first}; worker(s) {failed} of {group.world_size} failed {what})",
+                "error_type": kind}
+    if failed == [group.rank_in_group]:   # this worker's own failure alone: raised as it is
+        raise error
+    raise _error_class(kind)(f"{message} (worker {first}; worker(s) {failed} of {group.world_size} failed "
+                             f"{what})") from error
+
+
+def answered_together(what: str) -> Callable:
+    """Decorate an RPC method of the worker extension with :func:`answer_together`."""
+    def decorate(method: Callable) -> Callable:
+        @functools.wraps(method)
+        def answered(self, *args, **kwargs):
+            return answer_together(what, lambda: method(self, *args, **kwargs))
+        return answered
+    return decorate

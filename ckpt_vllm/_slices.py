@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import torch
@@ -34,7 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ckpt_core.checkpoint.safetensors import WIRE_DTYPES
 from ckpt_core.errors import CheckpointFormatError, ConfigError
-from ckpt_core.planning.slices import (Box, RankSlices, SliceKey, Write, box_extent, view_box, view_in_box)
+from ckpt_core.planning.slices import Box, RankSlices, SliceKey, Write, box_extent, view_box, view_in_box
 
 __all__ = ["record", "SliceTensor", "slice_key", "ReplayPlan"]
 
@@ -193,7 +194,8 @@ def tied_aliases(model: torch.nn.Module) -> set[str]:
 
 
 def record(model: torch.nn.Module, tensors: dict[str, tuple[str, tuple[int, ...]]], device, *, rank: int,
-           skip_params: frozenset = frozenset(), aliases: set[str] = frozenset()) -> tuple[RankSlices, dict[str, str]]:
+           skip_params: frozenset = frozenset(), aliases: AbstractSet[str] = frozenset()
+           ) -> tuple[RankSlices, dict[str, str]]:
     """This worker's recording: its ``RankSlices`` and, per name sent whole, why.
 
     Call with the model's layers in checkpoint format on the meta device (``ReloadSession.begin``)
@@ -307,7 +309,8 @@ class SliceTensor(torch.Tensor):
         self = torch.Tensor._make_wrapper_subclass(cls, geometry.shape, strides=geometry.stride(),
                                                    storage_offset=geometry.storage_offset(),
                                                    dtype=data.dtype, device=data.device)
-        self.data_, self.full_shape, self.box, self.ckpt_name, self.geometry = data, tuple(full_shape), box, name, geometry
+        self.data_, self.full_shape, self.box = data, tuple(full_shape), box
+        self.ckpt_name, self.geometry = name, geometry
         return self
 
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -353,6 +356,12 @@ class ReplayPlan:
 
     def __init__(self, digest: str, key: SliceKey, rank: RankSlices, tensors: dict):
         self.digest, self.key, self.rank, self.tensors = digest, key, rank, tensors
+
+    @property
+    def route(self) -> tuple[str, int]:
+        """(plan digest, this worker's engine rank): what the PS must say it routed to this worker
+        (``update_weights_from_ipc(..., slices=)``), else the update is refused before any load."""
+        return self.digest, self.rank.rank
 
     def wrap(self, name: str, tensor: torch.Tensor) -> Any:
         full = tuple(self.tensors[name][1]) if name in self.tensors else None

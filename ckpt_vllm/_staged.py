@@ -17,11 +17,19 @@ from typing import Any
 
 from ckpt_core import update_weights_from_ipc as _core_update_weights_from_ipc
 from ckpt_core.devices import local_device_key
-from ckpt_core.errors import ConfigError
+from ckpt_core.errors import CheckpointFormatError, ConfigError
 from ckpt_core.wire.staging import StagingArea
 
-from ._sessions import (abort_sessions, count_over_workers, drafter_target, finish_sessions, live_layout,
-                        new_sessions, worker_device)
+from ._sessions import (
+    abort_sessions,
+    answered_together,
+    count_over_workers,
+    drafter_target,
+    finish_sessions,
+    live_layout,
+    new_sessions,
+    worker_device,
+)
 
 log = logging.getLogger("ckpt_vllm")
 
@@ -42,13 +50,17 @@ class _StageJob:
 class StagedWeights:
     """The staging RPCs of the worker extension (see the module's docstring)."""
 
+    @answered_together("the commit")
     def commit_staged_weights(self, version: str) -> dict:
         """Make the staged weights of ``version`` live, through the reload path an update takes.
 
         Run it while generation is paused (``VllmClient.commit`` pauses with ``mode=keep``). Every
         worker of the engine must hold ``version`` staged, else none commits. The staging area is
         freed afterwards, also when the commit fails (the engine then serves its previous weights
-        for every layer not yet processed, as after a failed update).
+        for every layer not yet processed, as after a failed update). A prepared stage that its
+        preparation found incomplete (``ckpt_prepare_staged``'s state ``refused``) is refused on
+        every worker before anything is made live. A refusal or failure is answered by every
+        worker in the same call (``_sessions.answer_together``).
         """
         t0 = time.perf_counter()
         area = getattr(self, "_ckpt_staged", None)
@@ -58,6 +70,12 @@ class StagedWeights:
             raise ConfigError(f"cannot commit version {str(version)!r}: this worker has {staged} staged, or "
                               "another worker of the engine lacks it; nothing was committed")
         job = getattr(self, "_ckpt_prepare_job", None)
+        refused = job.refused if job is not None else None
+        if count_over_workers(refused is not None):
+            self._ckpt_drop_staged()
+            raise CheckpointFormatError(f"cannot commit version {str(version)!r}: "
+                                        f"{refused or 'another worker of the engine found its stage incomplete'}; "
+                                        "the stage was dropped and the engine serves its current weights")
         if count_over_workers(not (job is not None and job.prepared)) == 0:
             return self._ckpt_commit_prepared(area, job, str(version), t0)
         replay = self._ckpt_stage_job.replay   # staged by a slice plan: its slices are applied as received
@@ -84,10 +102,12 @@ class StagedWeights:
                  result["tensors"], result["bytes"] / 1e6, result["seconds"]["total"])
         return result
 
+    @answered_together("preparing the stage")
     def ckpt_prepare_staged(self, version: str, budget_bytes: int = 512 << 20) -> dict:
         """Turn the next layers of the staged ``version`` into kernel format (about ``budget_bytes``
         per call; call until the state is no longer ``preparing``), so that the commit is one device
-        copy. The live model is unchanged when this returns; see :mod:`ckpt_vllm._prepare`."""
+        copy. The live model is unchanged when this returns; see :mod:`ckpt_vllm._prepare`. The
+        state ``refused`` (with its ``reason``): the stage is incomplete and its commit will be refused."""
         from ._prepare import PrepareJob, layer_groups, prepare_step
 
         area = getattr(self, "_ckpt_staged", None)
@@ -121,6 +141,7 @@ class StagedWeights:
                  job.prepared_bytes / 1e6, seconds["copy"] * 1e3)
         return result
 
+    @answered_together("dropping the stage")
     def drop_staged_weights(self) -> dict | None:
         """Free the staging area; returns what it held (None if nothing was staged)."""
         area = getattr(self, "_ckpt_staged", None)
@@ -130,7 +151,8 @@ class StagedWeights:
     def ckpt_weight_versions(self) -> dict:
         """``{"live": version or None, "live_since": unix time, "staged": {...} or None}``."""
         area = getattr(self, "_ckpt_staged", None)
-        return {"live": getattr(self, "_ckpt_live_version", None), "live_since": getattr(self, "_ckpt_live_since", None),
+        return {"live": getattr(self, "_ckpt_live_version", None),
+                "live_since": getattr(self, "_ckpt_live_since", None),
                 "staged": None if area is None or not area.sealed else area.summary()}
 
     def _ckpt_stage(self, handle: str, kind: str, index: int, version: str, device_limit: int,
@@ -179,7 +201,7 @@ class StagedWeights:
             with torch.cuda.stream(side) if side is not None else _nullcontext():
                 _core_update_weights_from_ipc(self._ckpt_zmq_context(), handle, index, run=add, timeout=timeout,
                                               on_plan=lambda tensors: area.check_plan(tensors, expected),
-                                              post_hook=seal)
+                                              post_hook=seal, slices=None if job.replay is None else job.replay.route)
             job.result = {"device_key": local_device_key(area.device.type, index), **area.summary(),
                           "state": "done", "started_at": job.started_at, "finished_at": time.time(),
                           "seconds": {"copy": area.seconds, "total": time.perf_counter() - t0}}

@@ -16,16 +16,13 @@ text attached), ``ConfigError`` (a route is missing: dev mode off, or no weight-
 from __future__ import annotations
 
 import json
-import threading
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
-import httpx
-
-from ckpt_core.engines.http import HttpTransport, Phases, cleanup_after
+from ckpt_core.engines.base import Requester, UpdateReport
+from ckpt_core.engines.http import Phases
 from ckpt_core.engines.requests import group_handles
-from ckpt_core.errors import ConfigError, RemoteWorkerError, TransportError, UpdateTimeoutError
+from ckpt_core.errors import ConfigError, RemoteWorkerError, TransportError
 
 from ._stage_polls import prepare_staged, wait_staged
 
@@ -36,16 +33,10 @@ __all__ = ["VllmClient", "UpdateReport", "PATHS"]
 
 PATHS = ("extension", "backend")
 PAUSE_MODES = ("abort", "wait", "keep")
-
-
-@dataclass
-class UpdateReport:
-    """What one update cost on the engine side. ``seconds``: per phase, as the requester saw it;
-    ``workers``: what each worker reported (extension path only)."""
-
-    path: str
-    seconds: dict[str, float] = field(default_factory=dict)
-    workers: list[dict] = field(default_factory=list)
+# vLLM's executor stops reading the workers' replies at its deadline and leaves them to answer the
+# next call: its deadline must outlast the workers' own (a worker whose PS gave the update up before
+# it connected waits out its timeout, and every worker answers together, at the slowest one).
+EXECUTOR_MARGIN_S = 60.0
 
 
 def _check_parts(path: str, start: bool, finish: bool, pause: str | None) -> None:
@@ -59,8 +50,9 @@ def _check_parts(path: str, start: bool, finish: bool, pause: str | None) -> Non
                           "'abort' or 'keep'): between the parts the model cannot serve")
 
 
-class VllmClient:
-    """HTTP client of one vLLM server. Thread-safe; ``close()`` is idempotent.
+class VllmClient(Requester):
+    """HTTP client of one vLLM server (an :class:`~ckpt_core.engines.base.EngineClient`). Thread-safe;
+    ``close()`` is idempotent.
 
     Example::
 
@@ -70,38 +62,18 @@ class VllmClient:
             print(client.last_report)
     """
 
+    READY_ROUTE = "/health"
+
     def __init__(self, endpoint: str = "http://127.0.0.1:8000", *, uds: str | None = None,
                  timeout: float = 600.0, connect_timeout: float = 10.0):
-        self.http = HttpTransport(endpoint, uds=uds, timeout=timeout, connect_timeout=connect_timeout)
-        self.endpoint, self.uds = self.http.endpoint, uds
-        self.timeout, self.connect_timeout = self.http.timeout, self.http.connect_timeout
-        self._lock = threading.Lock()
-        self.last_report: UpdateReport | None = None
-
-    @property
-    def where(self) -> str:
-        return self.http.where
-
-    def close(self) -> None:
-        self.http.close()
+        super().__init__(endpoint, uds=uds, timeout=timeout, connect_timeout=connect_timeout)
 
     def __enter__(self) -> "VllmClient":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    # -- plumbing ----------------------------------------------------------------
-    def _request(self, method: str, path: str, *, timeout: float | None = None, **kw) -> httpx.Response:
-        resp = self.http.request(method, path, timeout=timeout, **kw)
-        if resp.status_code == 404:
-            raise ConfigError(f"{path} is not served by {self.where} (HTTP 404): start vLLM with "
-                              f"VLLM_SERVER_DEV_MODE=1{'' if path == '/collective_rpc' else ' and a weight-transfer config'}")
-        return self.http.raise_for_status(resp)
-
-    def _post(self, path: str, body: dict | None = None, *, timeout: float | None = None, **kw) -> Any:
-        resp = self._request("POST", path, json=body, timeout=timeout, **kw)
-        return resp.json() if resp.content else None
+    def not_served(self, path: str) -> str:
+        extra = "" if path == "/collective_rpc" else " and a weight-transfer config"
+        return f"start vLLM with VLLM_SERVER_DEV_MODE=1{extra}"
 
     # -- readiness -----------------------------------------------------------------
     def healthy(self, timeout: float = 5.0) -> bool:
@@ -111,34 +83,24 @@ class VllmClient:
         except (TransportError, RemoteWorkerError, ConfigError):
             return False
 
-    def wait_ready(self, timeout: float = 300.0, interval: float = 0.5,
-                   alive: Callable[[], bool] | None = None) -> float:
-        """Poll ``/health`` until the server answers 200; returns the seconds waited.
-
-        ``alive()`` (e.g. "the server process has not exited") stops the wait early.
-        """
-        t0 = time.monotonic()
-        last = "no answer yet"
-        while True:
-            try:
-                if self._request("GET", "/health", timeout=min(5.0, timeout)).status_code == 200:
-                    return time.monotonic() - t0
-            except (TransportError, RemoteWorkerError, UpdateTimeoutError, ConfigError) as exc:
-                last = str(exc)
-            if alive is not None and not alive():
-                raise TransportError(f"{self.where} went away while waiting for it to be ready ({last})")
-            if time.monotonic() - t0 > timeout:
-                raise UpdateTimeoutError(f"{self.where} was not ready within {timeout:.0f} s (last: {last})")
-            time.sleep(interval)
-
     # -- calls -------------------------------------------------------------------
     def collective_rpc(self, method: str, args: list | tuple = (), kwargs: dict | None = None,
                        timeout: float | None = None) -> list:
-        """Call ``method`` on every worker; returns one result per worker."""
+        """Call ``method`` on every worker; returns one result per worker.
+
+        A call that failed or was refused on any worker is answered by every worker in the same
+        call (the last one raises, vLLM answers an error: ``RemoteWorkerError``; the others return
+        ``{"refused": ...}``, ``ckpt_vllm._sessions.answer_together``). Replies marked refused
+        without an error (an executor that reads every reply before raising) raise the same error."""
         wait = self.timeout if timeout is None else float(timeout)
         body = {"method": method, "args": list(args), "kwargs": kwargs or {}, "timeout": wait}
         reply = self._post("/collective_rpc", body, timeout=wait + 30.0)  # the server times out first
-        return (reply or {}).get("results", [])
+        results = (reply or {}).get("results", [])
+        refused = [(i, r) for i, r in enumerate(results) if isinstance(r, dict) and "refused" in r]
+        if refused:
+            raise RemoteWorkerError(f"{self.where}: {method} was refused by worker(s) {[i for i, _ in refused]}: "
+                                    f"{refused[0][1].get('error_type', 'error')}: {refused[0][1]['refused']}")
+        return results
 
     def reset_prefix_cache(self, *, running: bool = False) -> bool:
         """Drop cached KV blocks; False when vLLM refused (blocks still held). ``running``: also
@@ -230,7 +192,7 @@ class VllmClient:
             if path == "extension":
                 rpc_kwargs = {"timeout": wait, **({"version": str(version)} if version is not None else {}), **extra}
                 report.workers = phases.run("update", self.collective_rpc, "update_weights_from_ipc", [handles],
-                                            rpc_kwargs, timeout=wait)
+                                            rpc_kwargs, timeout=wait + EXECUTOR_MARGIN_S)
             else:
                 self._backend_update(phases, undo, {"zmq_handles": handles, "timeout_s": wait, **extra},
                                      init_info=init_info, start=start, finish=finish)
@@ -248,9 +210,7 @@ class VllmClient:
         if pause is not None and finish:
             phases.run("resume", self.resume)
         report.seconds["total"] = time.perf_counter() - t0
-        with self._lock:
-            self.last_report = report
-        return report
+        return self._record(report)
 
     def _backend_update(self, phases: Phases, undo: dict, info: dict, *, init_info: dict | None,
                         start: bool, finish: bool) -> None:
@@ -261,7 +221,11 @@ class VllmClient:
             phases.run("start", self._post, "/start_weight_update")
             undo["finish"] = True
         info["check_complete"] = start and finish
-        phases.run("update", self._post, "/update_weights", {"update_info": info}, timeout=info["timeout_s"] + 30.0)
+        try:
+            phases.run("update", self._post, "/update_weights", {"update_info": info}, timeout=info["timeout_s"] + 30.0)
+        except RemoteWorkerError:
+            undo["finish"] = False   # the workers answered: each ended vLLM's weight update (transfer_engine.py)
+            raise
         if finish:
             undo["finish"] = False   # a failed finish ends the weight update itself
             phases.run("finish", self._post, "/finish_weight_update")
@@ -329,9 +293,7 @@ class VllmClient:
             prepared = phases.run("prepare", self._prepare_staged, str(version), int(prepare_step_bytes), wait)
             for worker, state in zip(report.workers, prepared):
                 worker["prepare"] = state
-        with self._lock:
-            self.last_report = report
-        return report
+        return self._record(report)
 
     def _rpc(self, timeout: float):
         return lambda method, args, kwargs: self.collective_rpc(method, args, kwargs, timeout=min(timeout, 60.0))
@@ -373,9 +335,7 @@ class VllmClient:
         phases.run("resume", self.resume)
         report.seconds["paused"] = time.perf_counter() - t0
         report.seconds["total"] = report.seconds["paused"]
-        with self._lock:
-            self.last_report = report
-        return report
+        return self._record(report)
 
     def drop_staged(self) -> list:
         """Free every worker's staging area; returns what each held (None where nothing was)."""
@@ -393,9 +353,6 @@ class VllmClient:
         except ConfigError:
             return False
         return True
-
-    def _cleanup(self, exc: BaseException, what: str, fn: Callable[[], Any]) -> None:
-        cleanup_after(exc, what, self.where, fn)
 
     def req_func(self, *, rank: int | None = None, inference_parallel_size: int | None = None,
                  **update_kwargs) -> Callable[[list[tuple[str, str]]], UpdateReport | None]:

@@ -12,8 +12,10 @@ vLLM's own routes drive an update from our parameter server:
 The reload begins inside ``/update_weights`` (not at ``/start``): the engine keeps running steps
 between the calls, and a layer on the meta device would kill it. Any failure of
 ``/update_weights`` (its parsing included) aborts the session: layers not yet processed get their
-old weights back. A failed ``/finish_weight_update`` also ends vLLM's session, so the next
-``/start_weight_update`` is accepted.
+old weights back. A failed ``/update_weights`` or ``/finish_weight_update`` ends vLLM's session on
+every worker, so the next ``/start_weight_update`` is accepted (no ``/finish_weight_update`` is due
+after a failed ``/update_weights``). A failure on any worker is answered by every worker in the same
+call (``_sessions.answer_together``: the last one raises it), so vLLM's next call reads its own replies.
 
 ``update_info`` may add ``timeout_s`` and ``check_complete`` (default true: the update carries
 the whole checkpoint, so it is checked and finalized before the PS's update returns, and
@@ -34,13 +36,13 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
-                                                   WeightTransferUpdateInfo)
+from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
 from ckpt_core.errors import ConfigError
 
 from . import worker as _w
 from ._reload import ReloadSession
+from ._sessions import answer_together
 
 __all__ = ["CkptInitInfo", "CkptUpdateInfo", "CkptWeightTransferEngine"]
 
@@ -98,12 +100,21 @@ class CkptWeightTransferEngine(WeightTransferEngine[CkptInitInfo, CkptUpdateInfo
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class ends with torch.accelerator.synchronize(), which raises on CPU;
         # the core's receive loop already synchronizes the device after every bucket.
-        # Any failure, parsing included, aborts the session: the old weights keep serving.
+        # Any failure, parsing included, aborts the session: the old weights keep serving. A failure
+        # on any worker is raised by the last worker alone (answer_together: vLLM's executor stops
+        # reading replies at the first failed worker, and the rest would answer the next call), and
+        # every worker ends vLLM's weight update alike, as vLLM 0.32 does on the worker that raises:
+        # the next /start_weight_update is accepted everywhere, and no /finish_weight_update is due.
         try:
-            self.receive_weights(self.parse_update_info(update_info))
+            answer = answer_together("the update (/update_weights)",
+                                     lambda: self.receive_weights(self.parse_update_info(update_info)))
         except BaseException:
             self._abort()
+            _end_worker_session(self)
             raise
+        if isinstance(answer, dict) and "refused" in answer:
+            self._abort()
+            _end_worker_session(self)
 
     def receive_weights(self, update_info: CkptUpdateInfo) -> None:
         if self._sessions is None:
@@ -129,11 +140,20 @@ class CkptWeightTransferEngine(WeightTransferEngine[CkptInitInfo, CkptUpdateInfo
         # A complete update is also finalized in the core's post hook, so that a failure there
         # reaches the PS before its update() returns; /finish_weight_update then has nothing left.
         complete = update_info.check_complete
-        _w.receive_into(self._sessions, self._context(), handle, kind, index, timeout=timeout, finalize=complete)
+        _w.receive_into(self._sessions, self._context(), handle, kind, index, timeout=timeout, finalize=complete,
+                        replay=replay)
         if complete:
             self._sessions = None
 
     def finish_weight_update(self) -> None:
+        # Answered alike by every worker (see update_weights); a failure ends vLLM's weight update on each.
+        try:
+            answer_together("the end of the update (/finish_weight_update)", self._finish)
+        except BaseException:
+            _end_worker_session(self)
+            raise
+
+    def _finish(self) -> None:
         sessions, self._sessions = self._sessions, None
         if not sessions:
             return
@@ -141,7 +161,6 @@ class CkptWeightTransferEngine(WeightTransferEngine[CkptInitInfo, CkptUpdateInfo
             _w.finish_sessions(sessions)
         except BaseException:
             _w.abort_sessions(sessions)
-            _end_worker_session(self)
             raise
 
     def _abort(self) -> None:
@@ -161,14 +180,17 @@ class CkptWeightTransferEngine(WeightTransferEngine[CkptInitInfo, CkptUpdateInfo
     @staticmethod
     def trainer_send_weights(iterator, trainer_args) -> None:
         """Abstract in vLLM 0.26 - 0.27's base class (the class would not instantiate there without
-        it); the sending side of this backend is ckpt-engine's ParameterServer, not vLLM's trainer API."""
-        raise ConfigError("the ckpt backend's weights are sent by ckpt_core.ParameterServer.update(...) "
-                          "with ckpt_vllm.VllmClient.req_func(path='backend'), not trainer_send_weights")
+        it); the sending side of this backend is ckpt-engine's ParameterServer, driven by
+        :mod:`ckpt_vllm.trainer` (vLLM's trainer API) or ``VllmClient.req_func(path='backend')``."""
+        raise ConfigError("the ckpt backend's weights are sent by ckpt_vllm.trainer.CkptTrainerWeightTransferEngine "
+                          "(vLLM's trainer API; docs/frameworks.md) or by ckpt_core.ParameterServer.update(...) with "
+                          "ckpt_vllm.VllmClient.req_func(path='backend'), not trainer_send_weights")
 
     def _start_managed_ps(self):
         """With CKPT_ENGINE_SERVE=uds:PATH, this worker's PS rank runs as our child (stopped by shutdown)."""
-        from ckpt_core.service._managed import start_from_env
         from vllm.distributed.parallel_state import get_world_group
+
+        from ckpt_core.engines.managed import start_from_env
 
         group = get_world_group()
         kind, index = self._device()
@@ -191,11 +213,12 @@ class CkptWeightTransferEngine(WeightTransferEngine[CkptInitInfo, CkptUpdateInfo
 
 
 def _end_worker_session(engine: CkptWeightTransferEngine) -> None:
-    """After a failed finish, clear the calling vLLM worker's "update active" flag.
+    """After a failed update or finish, clear the calling vLLM worker's "update active" flag.
 
-    vLLM 0.32's worker clears it only when finish succeeds, so every later /start_weight_update
-    would be refused until someone posted /finish_weight_update again. The worker is the caller
-    (``Worker.finish_weight_update``); it is found on the stack, by its engine.
+    vLLM 0.32's worker clears it only when finish succeeds, or on the worker whose update raised, so
+    every later /start_weight_update would be refused on the others until someone posted
+    /finish_weight_update again. The worker is the caller (``Worker.update_weights`` or
+    ``Worker.finish_weight_update``); it is found on the stack, by its engine.
     """
     frame = sys._getframe(1)
     while frame is not None:
@@ -203,8 +226,10 @@ def _end_worker_session(engine: CkptWeightTransferEngine) -> None:
         if owner is not engine and getattr(owner, "weight_transfer_engine", None) is engine:
             if hasattr(owner, "_weight_update_active"):
                 owner._weight_update_active = False
-            engine.reset_weight_update_target()
+            reset = getattr(engine, "reset_weight_update_target", None)
+            if callable(reset):
+                reset()
             return
         frame = frame.f_back
-    log.warning("a failed /finish_weight_update: the vLLM worker was not found on the stack; "
+    log.warning("a failed weight update: the vLLM worker was not found on the stack; "
                 "post /finish_weight_update once more before the next update")

@@ -16,14 +16,27 @@ import logging
 import time
 from typing import Any
 
-from ckpt_core.wire.worker import DEFAULT_TIMEOUT_S
 from ckpt_core.devices import local_device_key
 from ckpt_core.errors import ConfigError
+from ckpt_core.ops.cache import BoundedCache
+from ckpt_core.wire.worker import DEFAULT_TIMEOUT_S
 
 from ._reload import ReloadSession
-from ._sessions import (Refused, abort_sessions, agree_on_handle, device_kind_index, drafter_target,  # noqa: F401
-                        finish_sessions, live_layout, new_sessions, receive_into, refuse_together,
-                        reset_derived_caches, worker_device)
+from ._sessions import (  # noqa: F401
+    Refused,
+    abort_sessions,
+    agree_on_handle,
+    answered_together,
+    device_kind_index,
+    drafter_target,
+    finish_sessions,
+    live_layout,
+    new_sessions,
+    receive_into,
+    refuse_together,
+    reset_derived_caches,
+    worker_device,
+)
 from ._staged import StagedWeights
 
 __all__ = ["VllmColocateWorkerExtension", "worker_device", "drafter_target", "receive_into", "agree_on_handle"]
@@ -57,13 +70,14 @@ def _slice_rank(worker: Any) -> int:
 
 # Slice plans installed in this worker process (``ckpt_use_slice_plan``), by digest; the extension's
 # updates and the ``ckpt`` weight-transfer backend (``transfer_engine.py``) both apply them.
-_SLICE_PLANS: dict[str, Any] = {}
+_SLICE_PLANS: BoundedCache[str, Any] = BoundedCache(4)
 
 
 def agree_on_slices(zmq_handles: dict, kind: str, index: int, digest: str):
     """This worker's installed plan ``digest``, once every worker has it and is fed by the PS rank of
     its own tensor-parallel rank (the handles come in PS-rank order): all load (or stage) by it, or
-    none (the last worker raises ConfigError, the others raise ``Refused``)."""
+    none (the last worker raises ConfigError, the others raise ``Refused``). The position is what the
+    poster says; the receive loop then checks what the PS says it routed (``ReplayPlan.route``)."""
     problem = None
     replay = _SLICE_PLANS.get(str(digest))
     key = local_device_key(kind, index)
@@ -88,9 +102,10 @@ class VllmColocateWorkerExtension(StagedWeights):
                               "args": [{"CPU-<machine>-0": "ipc://@ckpt-..."}]}
     """
 
+    @answered_together("the update")
     def update_weights_from_ipc(self, zmq_handles: dict[str, str], timeout: float | None = None,
                                 stage: str | None = None, stage_device_bytes: int = 0,
-                                version: str | None = None, slices: str | None = None) -> dict:
+                                version: str | None = None, slices: str | None = None, deltas: bool = False) -> dict:
         """Receive one update from the PS rank colocated with this worker; returns its timings.
 
         ``zmq_handles`` maps device keys to handles (the PS's ``req_func`` argument as a dict);
@@ -103,6 +118,13 @@ class VllmColocateWorkerExtension(StagedWeights):
         ``version`` names the weights an update makes live (see :meth:`ckpt_weight_versions`).
         ``slices``: the digest of the slice plan installed with :meth:`ckpt_use_slice_plan` that the
         PS routes this update by (this worker then receives only its slices, see ``_slices.py``).
+        ``deltas=True``: this update may be a delta (``ParameterServer.update(..., delta=True)``) of
+        the ``version`` this worker holds, and a full one is kept in host memory as the next delta's
+        base (``_delta.py``, docs/deltas.md); needs ``version``. Not with ``stage`` or ``slices``.
+
+        Every RPC of this extension that can fail answers alike on every worker: the last worker
+        raises the first failing worker's error, the others return ``{"refused": ...}``
+        (``_sessions.answer_together``), so vLLM's next call reads its own replies.
         """
         kind, index = worker_device(self)
         handle = agree_on_handle(zmq_handles, kind, index)
@@ -112,12 +134,25 @@ class VllmColocateWorkerExtension(StagedWeights):
             replay = agree_on_slices(zmq_handles, kind, index, slices) if slices is not None else None
         except Refused as refused:
             return refused.refused
+        if deltas:
+            from ._delta import receive_with_deltas
+
+            if stage is not None or replay is not None or not version:
+                raise ConfigError("deltas=True needs version= and takes neither stage= nor slices= yet "
+                                  "(docs/deltas.md)")
+            sessions = new_sessions(self)
+            result = receive_with_deltas(self, sessions, self._ckpt_zmq_context(), handle, index,
+                                         timeout=float(timeout or DEFAULT_TIMEOUT_S), version=version)
+            self._ckpt_made_live(live_layout(sessions), version)
+            return dict(result, device_key=local_device_key(kind, index))
+        if getattr(self, "_ckpt_delta_rx", None) is not None:
+            self._ckpt_delta_rx.held = None   # weights from another path: no delta applies to them any more
         if stage is not None:
             return self._ckpt_stage(handle, kind, index, str(stage), int(stage_device_bytes),
                                     float(timeout or DEFAULT_TIMEOUT_S), replay)
         sessions = new_sessions(self, replay)
         result = receive_into(sessions, self._ckpt_zmq_context(), handle, kind, index,
-                              timeout=float(timeout or DEFAULT_TIMEOUT_S))
+                              timeout=float(timeout or DEFAULT_TIMEOUT_S), replay=replay)
         self._ckpt_made_live(live_layout(sessions, replay), version)
         if replay is not None:
             result["slices"] = {"plan": replay.digest, "rank": replay.rank.rank}
@@ -125,6 +160,7 @@ class VllmColocateWorkerExtension(StagedWeights):
                  result["bytes"] / 1e6, result["seconds"]["total"])
         return result
 
+    @answered_together("recording the slice plan")
     def ckpt_slice_plan(self, tensors: dict) -> dict:
         """Record which part of each checkpoint tensor this worker's loaders read (``_slices.py``).
 
@@ -145,9 +181,9 @@ class VllmColocateWorkerExtension(StagedWeights):
         key = slice_key(model, self.model_config, self.vllm_config.parallel_config, specs)
         recorded_before = getattr(self, "_ckpt_recordings", None)
         if recorded_before is None:
-            recorded_before = self._ckpt_recordings = {}
+            recorded_before = self._ckpt_recordings = BoundedCache(4)
         if key in recorded_before:   # once per (model, layout, vLLM version): the loaders do not change
-            return recorded_before[key]
+            return recorded_before.get(key)
         aliases = tied_aliases(model)
         session = ReloadSession(model, self.model_config, label="model (slice recording)")
         session.begin()
@@ -158,11 +194,9 @@ class VllmColocateWorkerExtension(StagedWeights):
             session.abort(quiet=True)
         result = {"key": {"model": key.model, "layout": key.layout, "engine": key.engine}, "rank": rank,
                   "recording": rank_to_json(recorded), "whole": whole}
-        while len(recorded_before) >= 4:
-            recorded_before.pop(next(iter(recorded_before)))
-        recorded_before[key] = result
-        return result
+        return recorded_before.put(key, result)
 
+    @answered_together("installing the slice plan")
     def ckpt_use_slice_plan(self, plan: dict) -> dict:
         """Install a slice plan merged from every worker's recording (``VllmClient.slice_plan``):
         checked whole (``planning.slices.check_plan``) and refused unless it was recorded for this
@@ -178,15 +212,12 @@ class VllmColocateWorkerExtension(StagedWeights):
             specs = {n: (d, tuple(s)) for n, (d, s, _) in parsed.tensors.items()}
             check_installed(parsed.key, slice_key(self.model_runner.model, self.model_config,
                                                   self.vllm_config.parallel_config, specs))
-        except ConfigError as exc:
-            problem = str(exc)
+        except Exception as exc:   # noqa: BLE001 - a malformed plan: every worker reaches the agreement below
+            problem = str(exc) if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}"
         refused = refuse_together(problem, "the slice plan")
         if refused is not None:
             return refused
-        _SLICE_PLANS.pop(parsed.digest, None)
-        _SLICE_PLANS[parsed.digest] = ReplayPlan(parsed.digest, parsed.key, parsed.rank(rank), parsed.tensors)
-        while len(_SLICE_PLANS) > 4:
-            _SLICE_PLANS.pop(next(iter(_SLICE_PLANS)))
+        _SLICE_PLANS.put(parsed.digest, ReplayPlan(parsed.digest, parsed.key, parsed.rank(rank), parsed.tensors))
         return {"plan": parsed.digest, "rank": rank, "bytes": parsed.rank_bytes(rank),
                 "whole_bytes": parsed.whole_bytes()}
 

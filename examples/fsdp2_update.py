@@ -32,32 +32,33 @@ import time
 import torch
 import torch.distributed as dist
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+from ckpt_core import ParameterServer
+from ckpt_core.engines import MAX_DEVICES, TIMEOUT, count, emit_json_line, number
+from ckpt_vllm import VllmClient
 
-from ckpt_core import ParameterServer  # noqa: E402
-from ckpt_core.engines.driver import emit_json_line  # noqa: E402
-from ckpt_vllm import VllmClient  # noqa: E402
+# Bounds of the toy training loop's numbers: far above what it is for, low enough to fail fast.
+MAX_STEPS, MAX_BATCH, MAX_SEQ, MAX_NEW_TOKENS = 10**6, 1 << 16, 1 << 20, 1 << 16
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-dir", required=True, help="a Hugging Face model directory (its config.json)")
     ap.add_argument("--load-weights", action="store_true", help="start from its weights, not a fresh init")
     ap.add_argument("--endpoint", default="http://127.0.0.1:8000",
                     help="vLLM server URL; comma-separated, one per group of --inference-parallel-size ranks")
-    ap.add_argument("--inference-parallel-size", type=int, default=None, help="workers of one server (default: world)")
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--lr", type=float, default=1e-2)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=32)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--inference-parallel-size", type=count(MAX_DEVICES), default=None,
+                    help="workers of one server (default: world)")
+    ap.add_argument("--steps", type=count(MAX_STEPS), default=3, help="training steps, one update after each")
+    ap.add_argument("--lr", type=number(float, low=0, high=1e3), default=1e-2, help="AdamW learning rate")
+    ap.add_argument("--batch", type=count(MAX_BATCH), default=4, help="sequences per rank and step")
+    ap.add_argument("--seq", type=count(MAX_SEQ), default=32, help="tokens per sequence")
+    ap.add_argument("--seed", type=number(int, low=0, low_open=False, high=2**32 - 1), default=0,
+                    help="seed of the initial weights and the random batches")
     ap.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available")
-    ap.add_argument("--timeout", type=float, default=600.0, help="seconds for one update")
+    ap.add_argument("--timeout", type=TIMEOUT, default=600.0, help="seconds for one update")
     ap.add_argument("--dump-dir", default=None, help="write step-K.safetensors (the gathered model) here")
     ap.add_argument("--prompts", default=None, help="JSON token-id prompts: greedy completions after each update")
-    ap.add_argument("--max-tokens", type=int, default=12)
+    ap.add_argument("--max-tokens", type=count(MAX_NEW_TOKENS), default=12, help="tokens of each completion")
     args = ap.parse_args(argv)
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     return args

@@ -33,7 +33,7 @@ import torch
 import zmq
 
 from ckpt_core import ParameterServer, split_checkpoint_files, update_weights_from_ipc
-from ckpt_core.engines.driver import emit_json_line   # one write per line: ranks share stdout
+from ckpt_core.engines import SECONDS, TIMEOUT, emit_json_line   # emit: one write per line, ranks share stdout
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -83,18 +83,18 @@ def join(args: argparse.Namespace) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="role", required=True)
     s = sub.add_parser("serve", help="owners: register a checkpoint, write its metas, serve it over P2P")
     s.add_argument("--checkpoint-path", required=True, help="directory of safetensors files")
     s.add_argument("--name", default="current", help="checkpoint name (default %(default)s)")
-    s.add_argument("--serve-s", type=float, default=600.0, help="seconds to keep serving")
+    s.add_argument("--serve-s", type=SECONDS, default=600.0, help="seconds to keep serving")
     j = sub.add_parser("join", help="joiners: pull the checkpoint described by the metas")
     j.add_argument("--name", default=None, help="checkpoint name (default: the only one in the metas)")
     for p in (s, j):
         p.add_argument("--metas", required=True, help="metas file the owners write and the joiners read")
         p.add_argument("--device", default=None, help="cpu or cuda (default: the best available)")
-        p.add_argument("--timeout", type=float, default=300.0, help="seconds for the update")
+        p.add_argument("--timeout", type=TIMEOUT, default=300.0, help="seconds for the update")
     args = ap.parse_args(argv)
     return serve(args) if args.role == "serve" else join(args)
 

@@ -26,22 +26,20 @@ import os
 import sys
 
 from ckpt_core import ParameterServer, split_checkpoint_files
-from ckpt_core.engines.driver import emit_json_line   # one write per line: ranks share stdout
-from ckpt_core.engines.requests import group_handles
-from ckpt_sglang import SglangClient
-from ckpt_sglang.client import BUSY_MODES
+from ckpt_core.engines import MAX_DEVICES, TIMEOUT, count, emit_json_line, group_handles   # emit: ranks share stdout
+from ckpt_sglang import BUSY_MODES, SglangClient
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoints", nargs="+", help="checkpoint directories, one per step, in order")
     ap.add_argument("--endpoint", default="http://localhost:19730", help="this group's SGLang server")
-    ap.add_argument("--inference-parallel-size", type=int, default=None, help="ranks per server (default: all)")
+    ap.add_argument("--inference-parallel-size", type=count(MAX_DEVICES), default=None, help="ranks per server (default: all)")
     ap.add_argument("--wire", default="stock", choices=("stock", "stock-0.3"))
     ap.add_argument("--busy", default="retract", choices=BUSY_MODES,
                     help="requests in flight: pause generation this way, flush, continue; fail: fail the update")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: the best available)")
-    ap.add_argument("--timeout", type=float, default=300.0, help="seconds for each update")
+    ap.add_argument("--timeout", type=TIMEOUT, default=300.0, help="seconds for each update")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -62,6 +60,8 @@ def main(argv=None) -> int:
                     mine = group_handles(handles, ps.rank, ips)   # None on every rank but a group's first
                     if mine is not None:
                         reports.append(client.update(mine, weight_version=name, busy=args.busy))
+                if client is not None:   # a model SGLang cannot reload: refused on every rank before anything moves
+                    req_func.precheck = client.check_reloadable
 
                 result = ps.update(name, req_func, timeout=args.timeout)
                 if previous is not None:

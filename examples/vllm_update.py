@@ -41,22 +41,21 @@ import os
 import sys
 import time
 
-from ckpt_core import ParameterServer, split_checkpoint_files
-from ckpt_core.engines.driver import (UPDATE_METHODS, emit_json_line, prepare_checkpoint, run_updates, serves_p2p,
-                                     slices_wanted, update_methods)
-from ckpt_core.engines.requests import group_handles
-from ckpt_core.errors import ConfigError
-from ckpt_core.planning.slices import write_plan_file
+from ckpt_core import ConfigError, ParameterServer, split_checkpoint_files
+from ckpt_core.engines import (GIB_OR_NONE, MAX_DEVICES, SECONDS, TIMEOUT, UPDATE_METHODS, count, emit_json_line,
+                               group_handles, prepare_checkpoint, run_updates, serves_p2p, slices_wanted, update_methods)
+from ckpt_core.planning import write_plan_file
 from ckpt_vllm import VllmClient
 
+
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint-path", help="directory of safetensors files (an HF checkpoint)")
     ap.add_argument("--checkpoint-name", default="my-checkpoint-iter-0")
     ap.add_argument("--update-method", choices=UPDATE_METHODS, default="broadcast",
                     help="broadcast from every rank's share; p2p: every rank pulls from the owners' host "
                          "memory (Mooncake, the p2p extra); all: broadcast, then p2p")
-    ap.add_argument("--inference-parallel-size", type=int, default=None,
+    ap.add_argument("--inference-parallel-size", type=count(MAX_DEVICES), default=None,
                     help="devices of one engine (default: the world size)")
     ap.add_argument("--endpoint", default="http://localhost:19730",
                     help="vLLM server URL: one for every group, or comma-separated, one per group")
@@ -65,14 +64,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--save-metas-file", default=None, help="rank 0 writes the gathered metas here (JSON)")
     ap.add_argument("--load-metas-file", default=None,
                     help="join: register nothing, load these metas and pull the checkpoint from its owners (P2P)")
-    ap.add_argument("--sleep-time", type=float, default=0.0,
+    ap.add_argument("--sleep-time", type=SECONDS, default=0.0,
                     help="seconds to keep the checkpoint registered after the update (owners serving joiners)")
     # ckpt-engine additions
     ap.add_argument("--path", choices=("extension", "backend"), default="extension",
                     help="worker extension (/collective_rpc) or the ckpt weight-transfer backend")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: the best available)")
-    ap.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole update")
-    ap.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for the servers")
+    ap.add_argument("--timeout", type=TIMEOUT, default=600.0, help="seconds for the whole update")
+    ap.add_argument("--ready-timeout", type=TIMEOUT, default=300.0, help="seconds to wait for the servers")
     ap.add_argument("--pause", choices=("abort", "wait", "keep"), default=None,
                     help="pause generation around the update (default: keep serving)")
     ap.add_argument("--version", default=None, help="the weight version the update makes live (with --stage: stages)")
@@ -81,7 +80,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--prepare", action="store_true",
                     help="with --stage: also turn the staged weights into kernel format between engine steps "
                          "(the commit is then one device copy where the model allows; docs/vllm.md)")
-    ap.add_argument("--stage-device-gib", type=float, default=0.0,
+    ap.add_argument("--stage-device-gib", type=GIB_OR_NONE, default=0.0,
                     help="with --stage: device memory each worker may stage into (beyond it: pinned host memory)")
     ap.add_argument("--commit", action="store_true",
                     help="switch the servers to the staged --version in one short pause (after --stage, or alone)")

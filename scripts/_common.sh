@@ -18,6 +18,8 @@ CKPT_PROJECT_REQS=(
 CKPT_PROJECT_REQS+=("mooncake-transfer-engine-non-cuda==0.3.13.post1")
 
 ckpt_log() { echo "[$(basename "$0")] $*" >&2; }
+# ckpt_cache_key LINE...: 12 hex digits naming a cached environment by what it installs (each line of it)
+ckpt_cache_key() { printf '%s\n' "$@" | sha256sum | cut -c1-12; }
 
 # ckpt_quiet LOG CMD...: run CMD with its output appended to LOG (installers are chatty); on
 # failure say which command failed, name LOG and show its last lines.
@@ -84,7 +86,7 @@ ensure_project_venv() {
     local base=${CKPT_BASE_PYTHON:-python3}
     local pyver key venv
     pyver=$("$base" -c 'import sys; print(sys.version.split()[0])')
-    key=$(printf '%s\n' "${CKPT_PROJECT_REQS[@]}" "python: $pyver" | sha256sum | cut -c1-12)
+    key=$(ckpt_cache_key "${CKPT_PROJECT_REQS[@]}" "python: $pyver")
     venv=${CKPT_PROJECT_VENV:-$CKPT_CACHE/project-$key}
     ckpt_cached_venv "$venv" "$base" 1200 _install_project_reqs || return 1
     echo "$venv/bin/python"
@@ -100,4 +102,38 @@ ensure_p2p_system_libs() {
     else
         ckpt_log "libibverbs.so.1 is missing and cannot be installed here: the P2P tests will be skipped"
     fi
+}
+
+# ensure_lint_venv: the linters' own small virtualenv (ruff and mypy at pinned versions, nothing of
+# the project's: mypy reads torch, vLLM, ... as untyped, see [tool.mypy] in pyproject.toml), cached
+# like the project venv, keyed by the pins and the python version; prints its python on stdout.
+CKPT_LINT_REQS=("ruff==0.8.4" "mypy==1.13.0")
+CKPT_LINT_PACKAGES=(ckpt_core ckpt_vllm ckpt_sglang ckpt_verl ckpt_ascend)
+
+_install_lint_reqs() {
+    ckpt_log "building the lint virtualenv $(dirname "$(dirname "$1")") (${CKPT_LINT_REQS[*]})"
+    ckpt_quiet "$CKPT_INSTALL_LOG" "$1" -m pip install "${CKPT_LINT_REQS[@]}" || return 1
+    ckpt_quiet "$CKPT_INSTALL_LOG" "$1" -m ruff --version || return 1
+    ckpt_quiet "$CKPT_INSTALL_LOG" "$1" -m mypy --version
+}
+
+ensure_lint_venv() {
+    local base=${CKPT_BASE_PYTHON:-python3}
+    local pyver key venv
+    pyver=$("$base" -c 'import sys; print(sys.version.split()[0])')
+    key=$(ckpt_cache_key "${CKPT_LINT_REQS[@]}" "python: $pyver")
+    venv=${CKPT_LINT_VENV:-$CKPT_CACHE/lint-$key}
+    ckpt_cached_venv "$venv" "$base" 600 _install_lint_reqs || return 1
+    echo "$venv/bin/python"
+}
+
+# run_lint PY: ruff, then mypy, over the packages (settings: pyproject.toml). Prints each tool's
+# output; returns 1 if either found something. mypy's cache lives in the checkout (.mypy_cache).
+run_lint() {
+    local py=$1 rc=0
+    ckpt_log "ruff check ${CKPT_LINT_PACKAGES[*]}"
+    "$py" -m ruff check --no-cache "${CKPT_LINT_PACKAGES[@]}" || rc=1
+    ckpt_log "mypy ${CKPT_LINT_PACKAGES[*]}"
+    "$py" -m mypy "${CKPT_LINT_PACKAGES[@]}" || rc=1
+    return $rc
 }

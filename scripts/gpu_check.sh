@@ -18,6 +18,12 @@
 #                    each of LIST, e.g. 7b,tiny:fp8,moe,7b@fp8-block (SHAPE[:QUANTIZATION][@FORMAT]), with
 #                    --verify; bf16 checkpoints also with checkpoint-engine where it is importable
 #                    (vllm-SHAPE[-Q][-FORMAT].json)
+# --sglang-bench LIST also run benchmarks/sglang_bench.py (a real SGLang server; needs SGLang and
+#                    checkpoint-engine importable, e.g. PYTHONPATH=/tmp/ssite from ../shared/gpu_sglang)
+#                    for each shape of LIST (7b, tiny): ours against checkpoint-engine, each checked
+#                    equal to a cold load, the H2D floor, the staged commit's pause (sglang-SHAPE.json)
+# --sglang-tests     also run tests/gpu/test_sglang_gpu.py on its own (sglang-gpu-tests.log/.xml and
+#                    sglang-gpu-CASE.json per model); the GPU tests step runs it too when SGLang imports
 # --skip-tests / --skip-bench
 # --python PY        interpreter (default python3)
 # --step-timeout S   kill a step that runs longer than S seconds (needs coreutils timeout)
@@ -40,6 +46,8 @@ SKIP_TESTS=0
 SKIP_BENCH=0
 STEP_TIMEOUT=""
 VLLM_BENCH=""
+SGLANG_BENCH=""
+SGLANG_TESTS=0
 BENCH_EXTRA=()
 
 die() { echo "gpu_check: $*" >&2; exit 2; }
@@ -56,6 +64,8 @@ while [[ $# -gt 0 ]]; do
     --lowmem) need_arg "$@"; LOWMEM="$2"; shift 2 ;;
     --single) SINGLE=1; shift ;;
     --vllm-bench) need_arg "$@"; VLLM_BENCH="$2"; shift 2 ;;
+    --sglang-bench) need_arg "$@"; SGLANG_BENCH="$2"; shift 2 ;;
+    --sglang-tests) SGLANG_TESTS=1; shift ;;
     --skip-tests) SKIP_TESTS=1; shift ;;
     --skip-bench) SKIP_BENCH=1; shift ;;
     --python) need_arg "$@"; PY="$2"; shift 2 ;;
@@ -167,7 +177,8 @@ run_step() {  # run_step NAME LOGFILE CMD... ; tees output, records the outcome
   "$PY" - <<'EOF'
 import importlib, sys
 print("python", sys.version.split()[0])
-for mod in ("torch", "zmq", "safetensors", "pytest", "httpx", "pydantic", "fastapi"):
+for mod in ("torch", "zmq", "safetensors", "pytest", "httpx", "pydantic", "fastapi", "vllm", "sglang",
+            "checkpoint_engine"):   # the last three: README's tested versions (scripts/tested_versions.py)
     try:
         m = importlib.import_module(mod)
         print(mod, getattr(m, "__version__", "?"), getattr(m, "__file__", ""))
@@ -245,6 +256,25 @@ if [[ -n "$VLLM_BENCH" ]]; then
         --out "$OUT/$stem.json" || FAILED=1
     done
   fi
+fi
+
+# ---------------------------------------------------------------- real SGLang server
+sglang_ok() {  # sglang_ok WHAT: SGLang and the stock worker it imports are importable
+  if "$PY" -c "import sglang, checkpoint_engine.worker" >/dev/null 2>&1; then return 0; fi
+  note "$1: SKIPPED, sglang or checkpoint_engine is not importable (see ../shared/gpu_sglang: PYTHONPATH=/tmp/ssite)"
+  FAILED=1
+  return 1
+}
+if [[ $SGLANG_TESTS == 1 ]] && sglang_ok "sglang gpu tests"; then
+  run_step "sglang gpu tests" "$OUT/sglang-gpu-tests.log" "$PY" -m pytest tests/gpu/test_sglang_gpu.py -q -rA \
+    --junitxml "$OUT/sglang-gpu-tests.xml" -p no:cacheprovider || FAILED=1
+fi
+if [[ -n "$SGLANG_BENCH" ]] && sglang_ok "sglang benchmark"; then
+  IFS=, read -r -a sshapes <<<"$SGLANG_BENCH"
+  for shape in "${sshapes[@]}"; do
+    run_step "sglang benchmark $shape" "$OUT/sglang-$shape.log" "$PY" benchmarks/sglang_bench.py --shape "$shape" \
+      ${REPEATS:+--repeats "$REPEATS"} --out "$OUT" || FAILED=1
+  done
 fi
 
 echo "---- summary (also in $SUMMARY)"

@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
-"""Draw the README's plot and print its table of figures, both from benchmarks/results/*.json.
+"""Draw the README's plot and print its tables of figures, all from benchmarks/results/*.json.
 
-    python3 scripts/plot_results.py            # writes docs/img/update-time.svg
-    python3 scripts/plot_results.py --table    # prints the README's markdown table
-    python3 scripts/plot_results.py --summary  # a few lines of the headline figures (scripts/demo.sh)
-    python3 scripts/plot_results.py --check    # exits 1 if the committed SVG or README table is stale
+    python3 scripts/plot_results.py             # writes docs/img/update-time.svg
+    python3 scripts/plot_results.py --headline  # prints the README's small table (no run names)
+    python3 scripts/plot_results.py --table     # prints docs/verification.md's table (every case, its run)
+    python3 scripts/plot_results.py --summary   # a few lines of the headline figures (scripts/demo.sh)
+    python3 scripts/plot_results.py --check     # exits 1 if the committed SVG or either table is stale
 
 Only the standard library: the SVG is written by hand, so no plotting package is needed. Every
 number comes from a recorded run named below; nothing is typed in here except which runs to show.
@@ -22,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 SVG = ROOT / "docs" / "img" / "update-time.svg"
 README = ROOT / "README.md"
+VERIFICATION = ROOT / "docs" / "verification.md"
 GiB = float(1 << 30)
 
 # The runs shown: one H200 with the benchmark's simulated engine (the transfer), and one H200
@@ -72,6 +74,20 @@ def table(d: dict) -> str:
                 f"{CASE_LABEL[p['case']]} bf16, {p['gib']:.2f} GiB, {p['tensors']} tensors"
             rows.append(f"| {hw} | simulated engine | {what} | {p['first']:.3f} / "
                         f"**{p['best']:.3f} s** | not recorded | {p['floor']:.3f} s | `{Path(p['file']).stem}` |")
+    return "\n".join(rows) + "\n"
+
+
+def headline(d: dict) -> str:
+    """The README's table: the largest case of each run shown, best of 3, without the runs' names."""
+    rows = ["| hardware | engine | checkpoint | ckpt-engine | checkpoint-engine 0.4.2 | floor (H2D alone) |",
+            "|---|---|---|---|---|---|"]
+    o, r = d["vllm_ours"], d["vllm_ref"]
+    rows.append(f"| 1x H200 | real vLLM 0.26.0 | {o['gib']:.2f} GiB bf16 (7B-shaped) | **{o['best']:.3f} s** "
+                f"({o['gib'] * GiB / o['best'] / 1e9:.1f} GB/s) | {r['best']:.3f} s | {o['floor']:.3f} s |")
+    for hw, key in (("1x H200", "sim1"), ("2x H200", "sim2")):
+        p = max(d[key], key=lambda p: p["gib"])
+        rows.append(f"| {hw} | simulated engine | {p['gib']:.2f} GiB bf16 | **{p['best']:.3f} s** "
+                    f"({p['gib'] * GiB / p['best'] / 1e9:.1f} GB/s) | not run | {p['floor']:.3f} s |")
     return "\n".join(rows) + "\n"
 
 
@@ -146,20 +162,23 @@ def svg(d: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--table", action="store_true", help="print the README's table instead of writing the SVG")
+    ap.add_argument("--table", action="store_true", help="print docs/verification.md's table instead of writing the SVG")
+    ap.add_argument("--headline", action="store_true", help="print the README's small table")
     ap.add_argument("--summary", action="store_true", help="print a few lines of the headline figures")
-    ap.add_argument("--check", action="store_true", help="fail if the committed SVG or the README's table is stale")
+    ap.add_argument("--check", action="store_true", help="fail if the committed SVG or a table is stale")
     ap.add_argument("--out", type=Path, default=SVG, help=f"where the SVG goes (default {SVG.relative_to(ROOT)})")
     args = ap.parse_args(argv)
     d = collect()
-    if args.table or args.summary:
-        sys.stdout.write(table(d) if args.table else summary(d))
+    if args.table or args.summary or args.headline:
+        sys.stdout.write(table(d) if args.table else headline(d) if args.headline else summary(d))
         return 0
     if args.check:
         stale = [what for what, ok in (("docs/img/update-time.svg", SVG.exists() and SVG.read_text() == svg(d)),
-                                       ("README.md's table", table(d) in README.read_text())) if not ok]
+                                       ("README.md's table (--headline)", headline(d) in README.read_text()),
+                                       ("docs/verification.md's table (--table)", table(d) in VERIFICATION.read_text()))
+                 if not ok]
         for what in stale:
-            print(f"stale: {what} (run python3 scripts/plot_results.py, and --table for the README)", file=sys.stderr)
+            print(f"stale: {what} (run python3 scripts/plot_results.py and paste its tables)", file=sys.stderr)
         return 1 if stale else 0
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(svg(d))

@@ -27,7 +27,7 @@ PURE=(
 )
 
 pyver=$("$BASE_PY" -c 'import sys; print(sys.version.split()[0], sys.implementation.cache_tag)')
-key=$(printf '%s\n' "${TORCH[@]}" "${NO_DEPS[@]}" "${PURE[@]}" "python: $pyver" | sha256sum | cut -c1-12)
+key=$(ckpt_cache_key "${TORCH[@]}" "${NO_DEPS[@]}" "${PURE[@]}" "python: $pyver")
 VENV=${CKPT_SGLANG_VENV:-$CKPT_CACHE/sglang-$key}
 
 install_sglang() {

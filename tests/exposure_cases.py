@@ -13,7 +13,7 @@ def memory_view(ps, rank, name):
     """What a foreign peer would aim at: this rank's store address, the host regions of checkpoint
     ``name``, what the store registered, and the sockets this process listens on."""
     st = ps._p2p.store
-    regions = [(r.tensor.data_ptr(), r.nbytes) for r in ps._checkpoints[name].regions.values() if r.nbytes]
+    regions = [(r.tensor.data_ptr(), r.nbytes) for r in ps._catalog.checkpoints[name].regions.values() if r.nbytes]
     return {"address": None if st is None else st.address, "regions": regions,
             "registered": [] if st is None else sorted(st.registered.items()), "listening": listening_sockets()}
 

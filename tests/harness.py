@@ -139,6 +139,9 @@ class SimEngine:
         if cmd[0] == "behavior":
             self.behavior = cmd[1]
             return None
+        if cmd[0] == "slices":   # (plan digest, engine rank) this worker loads by from now on; None: whole tensors
+            self.behavior = dict(self.behavior, slices=cmd[1])
+            return None
         this = dict(self.behavior, **(cmd[2] if len(cmd) > 2 and cmd[2] else {}))  # for this update only
         return self.update(cmd[1], this)
 
@@ -149,7 +152,7 @@ class SimEngine:
             raise RuntimeError("worker did not connect (injected)")
         run, post_hook, on_plan, buckets = self.callbacks(this)
         update_weights_from_ipc(self.ctx, handles[self.key], self.index, run=run, post_hook=post_hook,
-                                timeout=this.get("timeout", 60), on_plan=on_plan)
+                                timeout=this.get("timeout", 60), on_plan=on_plan, slices=this.get("slices"))
         self.updates += 1
         return {"buckets": buckets[0]}
 
@@ -218,8 +221,12 @@ class EngineFront:
     """Listens like an engine's HTTP API; fans an update request out to every worker."""
 
     def __init__(self, kind: str, world: int, behavior: dict | None = None, devices: list[int] | None = None,
-                 *, uds: str | None = None, env: dict | None = None, engine_cls=None):
+                 *, uds: str | None = None, env: dict | None = None, engine_cls=None,
+                 slices: tuple[str, list[int]] | None = None):
         # uds: listen on that Unix socket only (an engine that only its own host can reach)
+        # slices: (plan digest, engine rank of each worker): worker i loads by that plan as that engine rank,
+        # like a vLLM worker of that tensor-parallel rank (it refuses an update routed otherwise)
+        self.slices = slices
         self.listener = Listener(uds, family="AF_UNIX", authkey=AUTH) if uds else Listener(("127.0.0.1", 0), authkey=AUTH)
         self.engine_cls = engine_cls
         self.address = self.listener.address
@@ -257,7 +264,8 @@ class EngineFront:
 
     def _spawn(self, i: int):
         parent, child = CTX.Pipe()
-        p = CTX.Process(target=worker_main, args=(self.kind, self.devices[i], child, dict(self.behavior), self.env,
+        behavior = dict(self.behavior, **({"slices": (self.slices[0], self.slices[1][i])} if self.slices else {}))
+        p = CTX.Process(target=worker_main, args=(self.kind, self.devices[i], child, behavior, self.env,
                                                   self.engine_cls), daemon=True)
         p.start()
         child.close()   # so that recv() on parent sees EOF when the worker dies
@@ -323,6 +331,12 @@ class EngineFront:
 
     def set_behavior(self, i: int, behavior: dict) -> None:
         self.call(i, "behavior", behavior)
+
+    def expect_slices(self, slices: tuple[str, list[int]] | None) -> None:
+        """From now on worker i loads by plan ``slices[0]`` as engine rank ``slices[1][i]`` (None: whole tensors)."""
+        self.slices = slices
+        for i in range(len(self.conns)):
+            self.call(i, "slices", None if slices is None else (slices[0], slices[1][i]))
 
     def close(self) -> None:
         for i, p in enumerate(self.procs):
@@ -539,9 +553,9 @@ def _ps_command(ps, rank: int, cmd: str, arg):
     if cmd == "close":
         return ps.close()
     if cmd == "ipc_prefix":       # /dev/shm name prefix of this world's IPC buffers (cpu kind)
-        return f"ckpt-{ps._run_id}-"
+        return f"ckpt-{ps._ctx.run_id}-"
     if cmd == "ipc_buffer":       # the IPC buffer this rank holds between updates (None: released)
-        return None if ps._ipc is None else dict(ps._ipc.descriptor)
+        return None if ps._ctx.ipc is None else dict(ps._ctx.ipc.descriptor)
     if cmd == "call":             # run fn(ps, rank, *args) from a test helper module (module, fn, args)
         import importlib
         module, fn, args = arg
@@ -828,3 +842,19 @@ def report_case(case: str, outcome: str, seconds: float | None) -> None:
     if path:
         with open(path, "a") as f:
             f.write(line + "\n")
+
+
+# --- test-only helpers that used to live in product modules (issue 34 item 6) ---
+
+def hello_fields(device_kind: str, buffer: dict, slot_bytes: int, num_slots: int,
+                 buckets: list[list[tuple[str, str, tuple[int, ...], int]]]) -> dict:
+    """A hello's fields with its plan inline (``buckets``), for ``protocol.encode("hello", ...)``: the
+    PS sends the plan as a second frame (``plan_fragment``); tests build small ones by hand."""
+    return {"device_kind": device_kind, "buffer": buffer, "slot_bytes": slot_bytes,
+            "num_slots": num_slots, "buckets": [[[n, d, list(s), o] for n, d, s, o in b] for b in buckets]}
+
+
+def digest_of(view) -> str:
+    """The P2P digest of one uint8 tensor's bytes (``ckpt_core.p2p.digests.digests_of`` of one view)."""
+    from ckpt_core.p2p.digests import digests_of
+    return digests_of([view])[0]

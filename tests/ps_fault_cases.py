@@ -225,3 +225,20 @@ def close_a_rank_mid_update(kind: str, front: EngineFront, marks, world: int = 2
         report_case(f"close() on rank {victim} mid-update ({kind}, {world} ranks)",
                     f"RemoteWorkerError [rank {victim}] close() on every rank; "
                     "freed after the update left", None)
+
+
+def update_refused_by_precheck(ps, rank, name, address, timeout, refuse_on):
+    """An update whose req_func on rank ``refuse_on`` carries a ``precheck`` that refuses (as
+    ``SglangClient.req_func`` does for a model its server cannot reload); rank 0 posts to the engines."""
+    from ckpt_core.errors import ConfigError
+    from harness import make_req_func
+
+    inner = make_req_func(address) if rank == 0 else (lambda h: None)
+
+    def req_func(handles):
+        return inner(handles)
+    if rank == refuse_on:
+        def precheck():
+            raise ConfigError("this engine cannot load the checkpoint in place (injected)")
+        req_func.precheck = precheck
+    return ps.update(name, req_func, timeout=timeout)

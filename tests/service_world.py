@@ -72,8 +72,9 @@ class ServiceWorld:
     """W service processes on Unix sockets under ``tmp``; ``clients[r]`` talks to rank r."""
 
     def __init__(self, size: int, tmp: str, *, extra: list[str] = (), env: dict | None = None, device: str = "cpu",
-                 allow_dirs: tuple[str, ...] | None = None):
-        """``allow_dirs``: the ``--allow-dir`` of every rank (default: ``tmp``, where the tests write files)."""
+                 allow_dirs: tuple[str, ...] | None = None, rank_env: dict[int, dict] | None = None):
+        """``allow_dirs``: the ``--allow-dir`` of every rank (default: ``tmp``, where the tests write files).
+        ``env``: added to every rank's environment; ``rank_env``: to some ranks' only (rank -> variables)."""
         self.size, self.tmp = size, tmp
         allow = [a for d in (allow_dirs if allow_dirs is not None else (tmp,)) for a in ("--allow-dir", d)]
         port = free_port()
@@ -81,7 +82,8 @@ class ServiceWorld:
         self.logs = [os.path.join(tmp, f"ps-{r}.log") for r in range(size)]
         self.procs = [start_serve(["--device", device, "--uds", os.path.join(tmp, "ps-{rank}.sock"), *allow, *extra],
                                   {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(size),
-                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **(env or {})},
+                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **(env or {}),
+                                   **(rank_env or {}).get(r, {})},
                                   self.logs[r]) for r in range(size)]
         self.clients = [httpx.Client(transport=httpx.HTTPTransport(uds=s), base_url="http://ps", timeout=120)
                         for s in self.socks]
@@ -110,18 +112,26 @@ class ServiceWorld:
 
 class HttpEngineFront:
     """The harness's engine workers behind ``POST /collective_rpc`` and ``/reset_prefix_cache`` (a
-    real HTTP server, answering like vLLM's)."""
+    real HTTP server, answering like vLLM's), and ``GET /health``. ``reset_route=False``: an engine
+    without ``/reset_prefix_cache`` (404, as FastAPI answers a route it does not have). ``paths``:
+    every request's method and path, in order."""
 
-    def __init__(self, world: int, kind: str = "cpu"):
+    def __init__(self, world: int, kind: str = "cpu", *, reset_route: bool = True):
         self.engine = EngineFront(kind, world)
         self.requests = 0
+        self.paths: list[str] = []
         front = self
 
         class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                front.paths.append(f"GET {self.path}")
+                self._answer(200 if self.path == "/health" else 404, b"{}")
+
             def do_POST(self):
+                front.paths.append(f"POST {self.path}")
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
                 if self.path.startswith("/reset_prefix_cache"):   # asked after every update, like vLLM's
-                    return self._answer(200, b"{}")
+                    return self._answer(200, b"{}") if reset_route else self._answer(404, b'{"detail":"Not Found"}')
                 front.requests += 1
                 try:
                     make_req_func(front.engine.address)(list(body["args"][0].items()))

@@ -129,7 +129,7 @@ def trainer_main(rank: int, world: int, port: int, tp: int, steps: int, address,
             results.append({"want": want, "registered": ps.last_register["bytes"], "local": local_bytes(state),
                             "placements": {n: [f"{type(p).__name__}({getattr(p, 'dim', '')})" for p in t.placements]
                                            for n, t in state.items()},
-                            "plans": len(ps._plans._plans), "buckets": res["buckets"], "bytes": res["bytes"]})
+                            "plans": len(ps._catalog.plans._plans), "buckets": res["buckets"], "bytes": res["bytes"]})
         ps.close()
         dist.destroy_process_group()
     except Exception:

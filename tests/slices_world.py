@@ -70,7 +70,7 @@ def _register(world: PsWorld, t: dict) -> None:
 def case_each_worker_receives_its_slices(kind: str) -> None:
     """Each worker holds exactly its rows, its columns and the whole norm; the result says how many
     bytes each rank received."""
-    front = EngineFront(kind, 2)
+    front = EngineFront(kind, 2, slices=(plan().digest, [0, 1]))
     try:
         with PsWorld(kind, 2) as world:
             _register(world, tensors(7))
@@ -119,7 +119,7 @@ def case_file_and_shm_sources(kind: str, tmp_path) -> None:
 
     from ckpt_core.checkpoint.safetensors import write_file
 
-    front = EngineFront(kind, 2)
+    front = EngineFront(kind, 2, slices=(plan().digest, [0, 1]))
     shm = ShmDir()
     try:
         with PsWorld(kind, 2) as world:
@@ -158,7 +158,7 @@ def case_replicas_share_one_transfer(kind: str) -> None:
     and every slice leaves its owner once: each rank sent the bytes of what it owns, once; a slice
     for a replica group its owner is not in is sent to the group's first rank, which re-broadcasts
     it in the group."""
-    front = EngineFront(kind, 4)
+    front = EngineFront(kind, 4, slices=(plan().digest, [0, 1, 0, 1]))
     try:
         with PsWorld(kind, 4) as world:
             t = tensors(11)
@@ -308,7 +308,7 @@ def case_slices_of_trainer_shards(kind: str, world_size: int = 2) -> None:
     """Each worker holds exactly its engine rank's slices (p % 2), bit for bit, assembled from the
     pieces of every owner; the bytes per rank are the plan's; every rank sent what it registered,
     once (each piece's intersections with the slices leave their owner once)."""
-    front = EngineFront(kind, world_size)
+    front = EngineFront(kind, world_size, slices=(pieced_plan().digest, [q % 2 for q in range(world_size)]))
     try:
         with PsWorld(kind, world_size) as world:
             full = pieced_tensors(21)

@@ -15,9 +15,9 @@ from typing import Callable
 
 import torch
 
-from ckpt_core.ops.log import rank_logger
 from ckpt_core.checkpoint.safetensors import SafetensorsHeader
 from ckpt_core.errors import CheckpointFormatError
+from ckpt_core.ops.log import rank_logger
 
 COMPARE_CHUNK = 64 << 20   # bytes compared at a time: a duplicate embedding need not be held twice
 NAMED = "named_tensors"

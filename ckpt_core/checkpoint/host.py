@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import mmap
 import os
 import threading
@@ -20,10 +21,10 @@ from typing import Callable
 
 import torch
 
-from ckpt_core.planning.buckets import PIN_CHUNK, align_up
 from ckpt_core._settings import fault_threads
 from ckpt_core.devices import DeviceBackend, HostPin
 from ckpt_core.errors import CheckpointFormatError, ConfigError
+from ckpt_core.planning.buckets import PIN_CHUNK, align_up
 
 COPY_CHUNK = 256 << 20
 COPY_THREADS = max(1, min(8, (os.cpu_count() or 2)))
@@ -43,7 +44,7 @@ class HostRegion:
 
     def release(self) -> None:
         self.pin.release()
-        self.tensor = None  # type: ignore[assignment]
+        self.tensor = None
         fn, self.closer = self.closer, None
         if fn is not None:
             fn()
@@ -96,19 +97,19 @@ def _pieces(region: HostRegion, dst: torch.Tensor):
         a += n
 
 
-assert PIN_CHUNK % COPY_CHUNK == 0, "pieces cut at COPY_CHUNK multiples stay inside one pinned range"
+assert PIN_CHUNK % COPY_CHUNK == 0, "pieces cut at COPY_CHUNK multiples stay inside one pinned range"  # noqa: S101 - our own constants
 
 
 def copy_jobs(region: HostRegion, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[Job]:
     """Copy ``src -> dst`` pairs (``dst`` views of the region), in pieces that each stay inside one
     pinned range of the region (see :func:`_pieces`)."""
-    return [(start, start + d.numel(), lambda d=d, s=src[a: a + d.numel()]: d.copy_(s))
+    return [(start, start + d.numel(), functools.partial(d.copy_, src[a: a + d.numel()]))
             for dst, src in pairs for a, d, start in _pieces(region, dst)]
 
 
 def read_jobs(region: HostRegion, reads: list[tuple[str, int, torch.Tensor]]) -> list[Job]:
     """Fill views of the region from ``(path, file_offset, dst)``; short reads are errors."""
-    return [(start, start + d.numel(), lambda p=path, o=off + a, d=d: _read_into(p, o, d))
+    return [(start, start + d.numel(), functools.partial(_read_into, path, off + a, d))
             for path, off, dst in reads for a, d, start in _pieces(region, dst)]
 
 
@@ -156,7 +157,7 @@ def populate_jobs(region: HostRegion, *, write: bool = True) -> list[Job]:
                 raise CheckpointFormatError(f"cannot fault in {n} bytes of host memory: {os.strerror(err)}")
 
     step = COPY_CHUNK
-    return [(a, min(a + step, size), lambda a=a: one(a, min(step, size - a))) for a in range(0, size, step)]
+    return [(a, min(a + step, size), functools.partial(one, a, min(step, size - a))) for a in range(0, size, step)]
 
 
 def fill_and_pin(backend: DeviceBackend, region: HostRegion, jobs: list[Job], threads: int | None = None) -> None:
@@ -184,7 +185,11 @@ def fill_and_pin(backend: DeviceBackend, region: HostRegion, jobs: list[Job], th
             for p in pins:
                 p.release()
             raise
-    region.pin = HostPin(lambda: [p.release() for p in pins])
+    def release_all() -> None:
+        for p in pins:
+            p.release()
+
+    region.pin = HostPin(release_all)
 
 
 def populate_and_pin(backend: DeviceBackend, region: HostRegion, *, write: bool = True,

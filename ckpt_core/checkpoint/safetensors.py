@@ -26,13 +26,15 @@ import os
 import struct
 import warnings
 from dataclasses import dataclass
+from typing import IO
 
 import torch
 
 from ckpt_core.errors import CheckpointFormatError
 
 __all__ = [
-    "DTYPES", "DTYPE_CODES", "WIRE_DTYPES", "WIRE_CODES", "UNSUPPORTED_CODES", "MAX_HEADER_BYTES", "TensorEntry", "SafetensorsHeader",
+    "DTYPES", "DTYPE_CODES", "WIRE_DTYPES", "WIRE_CODES", "UNSUPPORTED_CODES", "MAX_HEADER_BYTES", "TensorEntry",
+    "SafetensorsHeader",
     "read_header", "parse_header_bytes", "map_tensors", "read_tensors", "write_file",
 ]
 
@@ -191,7 +193,8 @@ def _check_layout(entries: list[TensorEntry], data_offset: int, data_size: int, 
     """The safetensors package's rule (0.4 - 0.8): the tensors, sorted by offsets, tile the data area
     exactly, from its first byte to its last: no overlap, no gap, nothing after the last tensor.
     ``entries`` sorted by (start, end); a zero-length tensor sits where the previous one ended."""
-    at, prev = data_offset, None
+    at = data_offset
+    prev: TensorEntry | None = None
     for e in entries:
         if e.start != at:
             what = (f"overlap tensor {prev.name!r} at [{prev.start - data_offset}, {prev.end - data_offset})"
@@ -279,7 +282,7 @@ def _read_into(f, offset: int, buf, path: str, tensor: str | None = None) -> Non
         got += k
 
 
-def _open_checked(path: str, header: SafetensorsHeader | None, mode: str):
+def _open_checked(path: str, header: SafetensorsHeader | None, mode: str) -> tuple[SafetensorsHeader, IO[bytes]]:
     """Open ``path`` and make sure it still has the size its header was read at."""
     header = header if header is not None else read_header(path)
     f = open(path, mode, buffering=0)

@@ -19,14 +19,24 @@ from dataclasses import dataclass, field
 import torch
 
 from ckpt_core.checkpoint.duplicates import dedupe
-from ckpt_core.checkpoint.shards import TensorShard, boxes_of, is_pieced
-from ckpt_core.checkpoint.host import (HostRegion, SharedPool, copy_jobs, counted, file_writable, map_file_region, new_region,
-                    populate_and_pin, read_jobs, run_jobs)
-from ckpt_core.planning.buckets import TensorMeta, align_up
 from ckpt_core.checkpoint.hf_dir import checkpoint_files
+from ckpt_core.checkpoint.host import (
+    HostRegion,
+    SharedPool,
+    copy_jobs,
+    counted,
+    file_writable,
+    map_file_region,
+    new_region,
+    populate_and_pin,
+    read_jobs,
+    run_jobs,
+)
 from ckpt_core.checkpoint.safetensors import WIRE_CODES, SafetensorsHeader, read_header
+from ckpt_core.checkpoint.shards import TensorShard, boxes_of, is_pieced
 from ckpt_core.devices import DeviceBackend
 from ckpt_core.errors import ConfigError
+from ckpt_core.planning.buckets import TensorMeta, align_up
 
 SHM_PREFIX = "/dev/shm/"
 _log = logging.getLogger("ckpt_core")
@@ -112,18 +122,18 @@ def build_checkpoint(name: str, backend: DeviceBackend, *, files=None,
     named = [(n, t) for n, t in named if not is_pieced(t)]
     headers = [_read_header(p) for p in files]          # validates every file before any allocation
     skip, named = dedupe(headers, named)               # duplicate names: identical once, differing raise
-    named = named + pieces                             # pieces: this rank's boxes (their tiling: gather_metas)
+    entries: list[tuple] = [*named, *pieces]   # (name, tensor), then this rank's pieces (tiling: gather_metas)
     headers = [_without(h, {n for i, n in skip if i == k}) for k, h in enumerate(headers)]
     eligible, placed, writable = _in_place_files(backend, headers, inplace)
     copied = [h for h in headers if all(h is not p for p in placed)]
 
-    layout, total = _layout(copied, named)
+    layout, total = _layout(copied, entries)
     clock.lap("validate")
     ids = itertools.count()
     regions: dict[int, HostRegion] = {}
     metas: list[TensorMeta] = []
     try:
-        if copied or named:
+        if copied or entries:
             # A share of 0-byte tensors only (total == 0) is still part of the checkpoint: its
             # tensors get metas in an empty region, so they reach the engine like any other.
             rid = next(ids)
@@ -137,10 +147,10 @@ def build_checkpoint(name: str, backend: DeviceBackend, *, files=None,
                 # dense16 5.3 s against 2.0 s + 0.35 s.) The pool is pinned already.
                 populate_and_pin(backend, region, on_bytes=_reporter(progress, "populate and pin", total))
                 clock.lap("populate and pin")
-            jobs = _fill_jobs(region, copied, named, layout)
+            jobs = _fill_jobs(region, copied, entries, layout)
             run_jobs(counted(jobs, _reporter(progress, "fill", sum(end - start for start, end, _ in jobs))))
             clock.lap("fill")
-            metas += _metas_copied(rid, copied, named, layout)
+            metas += _metas_copied(rid, copied, entries, layout)
         for h in placed:
             rid = next(ids)
             regions[rid] = map_file_region(backend, rid, h.path, writable=writable[h.path], lap=clock.lap,

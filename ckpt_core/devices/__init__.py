@@ -14,6 +14,7 @@ from importlib.metadata import entry_points
 from typing import Callable
 
 from ckpt_core.errors import ConfigError
+
 from ._base import DeviceBackend, HostPin, IpcBuffer, NullEvent, NullStream
 
 __all__ = [

@@ -64,7 +64,7 @@ class IpcBuffer:
 
     def close(self) -> None:
         fn, self._close = self._close, None
-        self.tensor = None  # type: ignore[assignment]
+        self.tensor = None
         if fn is not None:
             fn()
 
@@ -125,10 +125,11 @@ class DeviceBackend(ABC):
 
     def copy_pitched(self, dst: torch.Tensor, host: torch.Tensor, copies) -> None:
         """Issue ``copies`` (``planning.boxcopy.Pitched``: rows of the flat uint8 host tensor
-        ``host``, packed into the flat uint8 device tensor ``dst``) on the current stream."""
+        ``host``, placed into the flat uint8 device tensor ``dst``) on the current stream."""
         for c in copies:
             src = host.as_strided((c.height, c.width), (c.pitch or c.width, 1), host.storage_offset() + c.src)
-            dst[c.dst: c.dst + c.width * c.height].view(c.height, c.width).copy_(src, non_blocking=True)
+            dst.as_strided((c.height, c.width), (c.dpitch or c.width, 1),
+                           dst.storage_offset() + c.dst).copy_(src, non_blocking=True)
 
     def new_stream(self, index: int):
         return NullStream()

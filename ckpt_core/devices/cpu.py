@@ -16,6 +16,7 @@ import torch
 
 from ckpt_core._settings import cpu_event_delay_s, cpu_visible_devices
 from ckpt_core.errors import ConfigError, TransportError
+
 from ._base import DeviceBackend, IpcBuffer, NullEvent
 
 SHM_DIR = "/dev/shm"
@@ -37,7 +38,7 @@ class _Mapping:
     """Owns one mmap; closing drops it (tensors that view it must be gone first)."""
 
     def __init__(self, mm: mmap.mmap):
-        self.mm = mm
+        self.mm: mmap.mmap | None = mm
 
     def close(self) -> None:
         mm, self.mm = self.mm, None
@@ -55,7 +56,8 @@ class LateEvent:
     for real on CPU (the work itself is synchronous here, so the data is there already)."""
 
     def __init__(self, delay: float):
-        self.delay, self.done_at = delay, None
+        self.delay = delay
+        self.done_at: float | None = None
 
     def record(self, stream=None) -> None:
         self.done_at = time.monotonic() + self.delay

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ckpt_core.errors import TransportError
+
 from ._base import DeviceBackend, HostPin, IpcBuffer
 
 _B64_FIELDS = ("handle", "ref_counter_handle", "event_handle")
@@ -157,20 +158,21 @@ class CudaBackend(DeviceBackend):
         base, out = host.data_ptr(), dst.data_ptr()
         stream = torch.cuda.current_stream().cuda_stream
         for c in copies:
+            dpitch = c.dpitch or c.width   # 0: rows back to back
             if c.height == 1:
                 err = drv.htod(out + c.dst, base + c.src, c.width, stream)
-            elif c.pitch > _MAX_PITCH:
+            elif c.pitch > _MAX_PITCH or dpitch > _MAX_PITCH:
                 err = 0
                 for r in range(c.height):
-                    err = err or drv.htod(out + c.dst + r * c.width, base + c.src + r * c.pitch, c.width, stream)
+                    err = err or drv.htod(out + c.dst + r * dpitch, base + c.src + r * c.pitch, c.width, stream)
             else:
                 desc = _Memcpy2D(srcMemoryType=_MEMORYTYPE_HOST, srcHost=base + c.src, srcPitch=c.pitch,
-                                 dstMemoryType=_MEMORYTYPE_DEVICE, dstDevice=out + c.dst, dstPitch=c.width,
+                                 dstMemoryType=_MEMORYTYPE_DEVICE, dstDevice=out + c.dst, dstPitch=dpitch,
                                  WidthInBytes=c.width, Height=c.height)
                 err = drv.copy2d(ctypes.byref(desc), stream)
             if err:
                 raise TransportError(f"a host-to-device copy of {c.height} row(s) of {c.width} bytes (pitch "
-                                     f"{c.pitch}) failed: {drv.error_name(err)}")
+                                     f"{c.pitch}, destination pitch {dpitch}) failed: {drv.error_name(err)}")
 
     def new_stream(self, index: int):
         return torch.cuda.Stream(device=index)

@@ -1,1 +1,1 @@
-"""Operations: logs with rank and phase, the GC pause, Prometheus metrics, terminal progress."""
+"""Operations: logs with rank and phase, the GC pause, Prometheus metrics, terminal progress, the bounded cache."""

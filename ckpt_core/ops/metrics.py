@@ -19,6 +19,9 @@ Exported series (all carry the label ``rank``):
 - ``ckpt_registered_bytes``: host bytes of the checkpoints registered on this rank now
 - ``ckpt_healthy``: 1 while ``/v1/healthz`` answers 200, else 0
 - ``ckpt_operation_running``: 1 while a long operation runs
+- ``ckpt_requests_refused_total{status, error}``: every 4xx answer of the service, whatever refused it
+  (the bearer token 401, the policy 403, validation 422, a route's own 4xx): refusals outside a long
+  operation (401, 422 of a body) are counted here only
 """
 
 from __future__ import annotations
@@ -57,12 +60,15 @@ class Metrics:
                                  ["rank", "phase"], registry=reg)
         self.running = _prom.Gauge("ckpt_operation_running", "1 while a long operation runs", ["rank"], registry=reg)
         self.last_success = _prom.Gauge("ckpt_last_success_timestamp_seconds",
-                                        "Unix time of the last successful operation", ["rank", "operation"], registry=reg)
+                                        "Unix time of the last successful operation", ["rank", "operation"],
+                                        registry=reg)
         self.info = _prom.Gauge("ckpt_checkpoint_info", "1 for the checkpoint (and weight version) of the last "
                                 "successful update", ["rank", "checkpoint", "weight_version"], registry=reg)
         self.registered = _prom.Gauge("ckpt_registered_bytes", "Host bytes of the checkpoints registered on this rank",
                                       ["rank"], registry=reg)
         self.healthy = _prom.Gauge("ckpt_healthy", "1 while /v1/healthz answers 200, else 0", ["rank"], registry=reg)
+        self.refused = _prom.Counter("ckpt_requests_refused", "4xx answers of the service by status and error type",
+                                     ["rank", "status", "error"], registry=reg)
 
     def sample_with(self, registered, healthy) -> None:
         """Callables read at each scrape (states, not events): ``registered() -> bytes``, ``healthy() -> bool``."""
@@ -94,6 +100,9 @@ class Metrics:
             self.failures.labels(self.rank, operation, error).inc()
         self.seconds.labels(self.rank, operation).observe(seconds)
         self.running.labels(self.rank).set(0)
+
+    def refused_request(self, status: int, error: str) -> None:
+        self.refused.labels(self.rank, str(status), error).inc()
 
     def render(self) -> bytes:
         return _prom.generate_latest(self.registry)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from typing import Any
 
 try:
     from tqdm import tqdm as _tqdm
@@ -27,8 +28,8 @@ class TerminalProgress:
         self.stream = stream if stream is not None else sys.stderr
         self.enabled = _tqdm is not None and (force or bool(getattr(self.stream, "isatty", lambda: False)()))
         self.label = label
-        self._bar = None
-        self._key = None   # what the open bar counts: ("update",) or ("register", phase)
+        self._bar: Any = None   # a tqdm bar while one is open
+        self._key: tuple[str, ...] | None = None   # what the open bar counts: ("update",) or ("register", phase)
         self._lock = threading.Lock()
 
     def __call__(self, operation: str, phase: str, done: int | None, total: int | None) -> None:
@@ -79,7 +80,7 @@ class LogProgress:
         self.log = rank_logger(who)
         self.every_s = progress_log_s() if every_s is None else every_s
         self.describe, self.clock = describe, clock
-        self._op = None       # the operation whose start was logged
+        self._op: str | None = None       # the operation whose start was logged
         self._t0 = self._last = 0.0
         self._lock = threading.Lock()
 

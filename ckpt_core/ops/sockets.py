@@ -11,7 +11,7 @@ __all__ = ["listening_sockets"]
 
 
 def _inodes(pid) -> set[int]:
-    out = set()
+    out: set[int] = set()
     try:
         fds = os.listdir(f"/proc/{pid}/fd")
     except OSError:

@@ -6,8 +6,8 @@ between ranks (the checkpoint's name, the engine wire, the metas' digest, ``rank
 of update) is raised on every rank alike, before a group is made or anything moves: the world
 stays usable. The checks themselves are the broadcast update's (``transfer/prechecks.py``).
 
-With a slice plan (``p2p/slices.py``) the same exchange carries the plan's digest and the order
-of ``ranks`` (target i is engine rank i: every rank must agree on both), every rank's check of
+With a slice plan (``p2p/slices.py``) the same exchange carries the plan's digest (every rank must
+agree on it; the targets, in rank order, are its engine ranks 0, 1, ...), every rank's check of
 the plan against the targets and the checkpoint, and each owner's digests of the plan's boxes.
 A joining world's owners send nothing: its targets take the box digests from their loaded metas
 (``slices.published_boxes``), where the owners published them (``get_metas(slices=plan)``).
@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import operator
 
+from ckpt_core.errors import CheckpointNotFoundError, ConfigError
 from ckpt_core.p2p.metas import Source
 from ckpt_core.p2p.slices import check_call, published_boxes
-from ckpt_core.planning.buckets import choose_layout
+from ckpt_core.p2p.state import P2PState
+from ckpt_core.transfer.context import Catalog, UpdateContext
 from ckpt_core.transfer.prechecks import IDENTITY, problem_of, raise_agreed, same_call, same_kind
-from ckpt_core.errors import CheckpointNotFoundError, ConfigError
 
 
 def targets_of(ranks, world_size: int) -> tuple[int, ...]:
@@ -34,14 +35,13 @@ def targets_of(ranks, world_size: int) -> tuple[int, ...]:
     return out
 
 
-def _metas_digest(ps, name: str, src: Source) -> str:
-    return ps._plans.digest(f"p2p:{name}", src.metas)
+def _metas_digest(catalog: Catalog, name: str, src: Source) -> str:
+    return catalog.plans.digest(f"p2p:{name}", src.metas)
 
 
-def _target_view(ps, name: str) -> tuple[Source, dict]:
+def _target_view(ctx: UpdateContext, state: P2PState, name: str) -> tuple[Source, dict]:
     """A target's own checks and what it tells the others: its metas digest, the (bucket size,
     slots) its free memory allows, and, for metas gathered in this world, the owner ranks."""
-    state = ps._p2p
     src = state.source(name)
     state.ensure_store(required=True)
     state.store.quarantine.reap()
@@ -51,82 +51,70 @@ def _target_view(ps, name: str) -> tuple[Source, dict]:
         raise ConfigError(f"owner rank(s) {missing} of {name!r} do not serve it over P2P (start the owners with "
                           "serve_p2p=True or PS_P2P_SERVE=1; Mooncake installed there?)")
     metas = src.metas
-    free = ps.backend.mem_get_info(ps.device_index)[0] + (ps._ipc.nbytes if ps._ipc else 0)
-    fp = _metas_digest(ps, name, src)
-    largest, owner_total = ps._plans.sizes(metas, fp)   # a tensor in pieces counts whole; once per layout
-    layout = choose_layout(
-        free, mem_fraction=ps.settings.mem_fraction, max_slots=ps.settings.num_slots,
-        max_bucket_bytes=ps.settings.max_bucket_bytes, largest_tensor=largest, largest_owner_total=owner_total)
+    fp = _metas_digest(state.catalog, name, src)
+    layout = ctx.layout(state.catalog.plans.sizes(metas, fp))   # a tensor in pieces counts whole; once per layout
     owners = None if name in state.loaded else [r for r, ms in enumerate(metas) if ms]
     return src, {"fp": fp, "layout": layout, "owners": owners}
 
 
-def _bystander_view(ps, name: str) -> dict:
+def _bystander_view(state: P2PState, name: str) -> dict:
     """A rank outside ``ranks`` that knows the checkpoint's metas tells their digest too."""
     try:
-        return {"fp": _metas_digest(ps, name, ps._p2p.source(name))}
+        return {"fp": _metas_digest(state.catalog, name, state.source(name))}
     except ConfigError:
         return {}
 
 
-def _view(ps, name, targets, problem) -> tuple[Source | None, dict]:
+def _view(ctx: UpdateContext, state: P2PState, name, targets, problem) -> tuple[Source | None, dict]:
     if not isinstance(name, str):
         raise ConfigError(f"checkpoint name must be a string, got {name!r}")
-    if problem is None and ps.rank in targets:
-        return _target_view(ps, name)
-    return None, _bystander_view(ps, name)
+    if problem is None and ctx.rank in targets:
+        return _target_view(ctx, state, name)
+    return None, _bystander_view(state, name)
 
 
-def _order(ranks, targets) -> list[int]:
-    """``ranks`` as given: target i is engine rank i of a slice plan."""
-    order = [operator.index(r) for r in ranks]
-    if len(order) != len(targets):
-        raise ConfigError(f"ranks {order} repeat a rank: each target is one engine rank of the slice plan")
-    return order
-
-
-def _slices_view(ps, name: str, slices, ranks, targets, src: Source | None) -> tuple[dict, list | None]:
+def _slices_view(ctx: UpdateContext, state: P2PState, name: str, slices, targets,
+                 src: Source | None) -> tuple[dict, list | None]:
     """This rank's checks of a sliced call and, on an owner of this world, its box digests (in the
     view); on a target of a joining world, the owners' published box digests (returned)."""
-    state = ps._p2p
-    order = _order(ranks, targets)
-    metas = src.metas if src is not None else ps._metas.get(name)
+    catalog = state.catalog
+    metas = src.metas if src is not None else catalog.metas.get(name)
     if metas is not None:
         check_call(slices, targets, metas)
     if src is not None and name in state.loaded:   # owners of another world: their digests are in the metas
-        return {"order": order}, published_boxes(name, src, slices)
-    out = {"order": order}
-    ckpt, gathered = ps._checkpoints.get(name), ps._metas.get(name)
-    if ckpt is not None and gathered is not None and gathered[ps.rank] and name in state.gathered:
+        return {}, published_boxes(name, src, slices)
+    out = {}
+    ckpt, gathered = catalog.checkpoints.get(name), catalog.metas.get(name)
+    if ckpt is not None and gathered is not None and gathered[ctx.rank] and name in state.gathered:
         out["boxes"] = state.boxes_of(name, slices)
     return out, None
 
 
-def first_exchange(ps, name, req_func, ranks, timeout, slices=None) -> tuple[float, tuple[int, ...],
-                                                                              Source | None, list, list | None]:
+def first_exchange(ctx: UpdateContext, state: P2PState, name, req_func, ranks, timeout,
+                   slices=None) -> tuple[float, tuple[int, ...], Source | None, list, list | None]:
     """Every rank's pre-checks and identity, agreed in one exchange (see the module docstring).
-    Returns (deadline, targets, source, target views, and with ``slices``: the order of ``ranks``
-    and every owner rank's box digests)."""
-    deadline, problem = ps._precheck_call(req_func, timeout)
+    Returns (deadline, targets (in rank order), source, target views, and with ``slices``: every
+    owner rank's box digests)."""
+    deadline, problem = ctx.precheck_call(req_func, timeout, slices)   # a non-plan, or slices on the stock wire
     targets, src, extra, loaded_boxes = None, None, {}, None
     try:
-        targets = targets_of(ranks, ps.world_size)
-        src, extra = _view(ps, name, targets, problem)
+        targets = targets_of(ranks, ctx.world_size)
+        src, extra = _view(ctx, state, name, targets, problem)
         if slices is not None and problem is None:
-            more, loaded_boxes = _slices_view(ps, name, slices, ranks, targets, src)
+            more, loaded_boxes = _slices_view(ctx, state, name, slices, targets, src)
             extra.update(more)
     except Exception as exc:   # ours or not: told to every rank, nobody is left waiting in a collective
         problem = problem or problem_of(exc)
-    holds = isinstance(name, str) and name in ps._checkpoints
+    holds = isinstance(name, str) and name in state.catalog.checkpoints
     view = {"targets": targets and list(targets), "problem": problem, "holds": holds,
-            "name": name if isinstance(name, str) else repr(name), "wire": ps.wire,
+            "name": name if isinstance(name, str) else repr(name), "wire": ctx.wire,
             "slices": None if slices is None else getattr(slices, "digest", repr(slices)), **extra}
-    views = ps._coll.all_gather_json(view)
+    views = ctx.coll.all_gather_json(view)
     what = f"P2P update({name!r})"
     raise_agreed([v.get("problem") for v in views], what)
     same_kind(views, what)
     same_call(views, "P2P update", IDENTITY)
-    same_call(views, "P2P update", {"slices": "slice plan", "order": "order of ranks"})
+    same_call(views, "P2P update", {"slices": "slice plan"})
     if len({tuple(v["targets"]) for v in views}) != 1:
         raise ConfigError(f"{what} refused: ranks disagree on the targets: {[v['targets'] for v in views]}")
     gone = sorted({r for v in views for r in v.get("owners") or () if not views[r]["holds"]})
@@ -138,5 +126,5 @@ def first_exchange(ps, name, req_func, ranks, timeout, slices=None) -> tuple[flo
         raise ConfigError(f"{what} refused: ranks disagree on the metas of {name!r} ({told}): "
                           "gather or load them again everywhere")
     sliced = None if slices is None else (
-        views[0]["order"], loaded_boxes if loaded_boxes is not None else [v.get("boxes") for v in views])
+        loaded_boxes if loaded_boxes is not None else [v.get("boxes") for v in views])
     return deadline, targets, src, [views[r] for r in targets], sliced

@@ -63,7 +63,7 @@ def digests_of(views) -> list[str]:
 
 
 def digest_of(view) -> str:
-    """The digest of one uint8 tensor's bytes."""
+    """The digest of one uint8 tensor's bytes (the delta payloads' and engine checks', ckpt_core.delta)."""
     return digests_of([view])[0]
 
 

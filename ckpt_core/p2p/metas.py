@@ -29,11 +29,12 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from typing import Any
 
+from ckpt_core.errors import ConfigError
 from ckpt_core.planning.buckets import TensorMeta
 from ckpt_core.planning.pieces import group_pieces
 from ckpt_core.transfer.prechecks import check_count, meta_row, tensor_meta
-from ckpt_core.errors import ConfigError
 
 FORMAT = "ckpt-engine/metas"
 VERSION = 2              # written when an owner publishes box digests ("slices"); else VERSION_PLAIN
@@ -60,7 +61,7 @@ class Peer:
     slices: dict[str, dict[str, dict[str, str]]] | None = None
 
     def to_json(self) -> dict:
-        out = {"address": self.address, "host": self.host, "nic": self.nic,
+        out: dict[str, Any] = {"address": self.address, "host": self.host, "nic": self.nic,
                "regions": {str(k): [p, n] for k, (p, n) in sorted(self.regions.items())}}
         if self.stamp is not None:
             out["stamp"] = [self.stamp[0], self.stamp[1]]
@@ -84,7 +85,7 @@ def dump(metas: dict[str, list[list[TensorMeta]]], peers: dict[str, list[Peer | 
     for name, per_rank in metas.items():
         ps = peers.get(name) or [None] * len(per_rank)
         boxed = boxed or any(p is not None and p.slices for p in ps)
-        out[name] = {"owners": [{"rank": r, "p2p": None if ps[r] is None else ps[r].to_json(),
+        out[name] = {"owners": [{"rank": r, "p2p": None if (p := ps[r]) is None else p.to_json(),
                                  "tensors": [meta_row(m) for m in ms]}
                                 for r, ms in enumerate(per_rank)]}
     return {"format": FORMAT, "version": VERSION if boxed else VERSION_PLAIN, "checkpoints": out}
@@ -217,9 +218,9 @@ def _check_boxes(peer: Peer | None, metas: list[TensorMeta], where: str) -> None
                 raise ConfigError(f"metas: {where}.p2p.slices of plan {plan[:12]} name tensor {name!r}, which this "
                                   "owner does not list (whole)")
             for key in boxes:
-                box = _box_key(key)
+                box = _box_key(key)   # checked when the document was read: never None here
                 shape = shapes[name]
-                if any(d >= len(shape) or s + n > shape[d] for d, s, n in box):
+                if box is None or any(d >= len(shape) or s + n > shape[d] for d, s, n in box):
                     raise ConfigError(f"metas: {where}.p2p.slices of plan {plan[:12]}: box {key} lies outside "
                                       f"tensor {name!r} of shape {list(shape)}")
 

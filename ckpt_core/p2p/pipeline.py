@@ -12,13 +12,13 @@ from __future__ import annotations
 import traceback
 from dataclasses import dataclass
 
-from ckpt_core.transfer.pipeline import BroadcastPipeline
+from ckpt_core.errors import ConfigError, TransportError, UpdateTimeoutError
 from ckpt_core.p2p.digests import bucket_mismatch, pieces_mismatch
 from ckpt_core.p2p.metas import Peer
 from ckpt_core.p2p.slices import slices_mismatch
 from ckpt_core.p2p.store import MARK, P2PStore
 from ckpt_core.planning.buckets import Bucket
-from ckpt_core.errors import ConfigError, TransportError, UpdateTimeoutError
+from ckpt_core.transfer.pipeline import BroadcastPipeline
 
 
 @dataclass(eq=False)
@@ -109,7 +109,8 @@ class P2PPipeline(BroadcastPipeline):
         index = bucket.index   # a bucket's bytes (of a bucket of slices: its slices', without its landing zone)
         n = sum(p.meta.nbytes for p in bucket.placements) if isinstance(bucket, P2PSliceBucket) else bucket.nbytes - 1
         # 0-byte tensors are placed but never read: an owner serves no region of 0 bytes
-        parts = [(src, [r for r in runs if r.nbytes]) for src, runs in (bucket.parts or ((bucket.source, bucket.copy_runs),))]
+        parts = [(src, [r for r in runs if r.nbytes])
+                 for src, runs in (bucket.parts or ((bucket.source, bucket.copy_runs),))]
         parts = [(src, runs) for src, runs in parts if runs]
         stopped: list[str] = []
 

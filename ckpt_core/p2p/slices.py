@@ -1,6 +1,8 @@
 """Slices on the P2P path (``update(name, req, ranks=[...], slices=plan)``).
 
-Target ``i`` (the i-th of ``ranks``) is engine rank ``i`` of the plan. Routing is the broadcast
+The targets in rank order are engine ranks 0, 1, ... of the plan (``ranks=[1, 0]`` is ``[0, 1]``:
+PS rank 0 feeds engine rank 0, as on the broadcast path, where PS rank p feeds p % T; the hello
+tells each worker its engine rank, which it checks). Routing is the broadcast
 path's (``planning.slice_routes.plan_sliced``): tensors every engine rank reads whole go in ordinary
 buckets (one reader, verified, broadcast in the target group, as an unsliced P2P update); a
 bucket of slices for engine rank ``t`` is read by target ``t`` itself, straight from the owner's
@@ -24,8 +26,8 @@ from typing import NamedTuple
 from ckpt_core.errors import ConfigError, TransportError
 from ckpt_core.p2p.digests import digests_of
 from ckpt_core.planning.buckets import CopyRun, Plan, TensorMeta, align_up, interleave, merge_runs
-from ckpt_core.planning.slices import SlicePlan, box_extent, box_offsets
 from ckpt_core.planning.slice_routes import BoxCopy, SlicedBucket, plan_sliced
+from ckpt_core.planning.slices import SlicePlan, box_extent, box_offsets, require_plan
 from ckpt_core.transfer.pipeline import byte_box
 
 DIGEST_BATCH_BYTES = 256 << 20   # an owner packs at most this many bytes of boxes at once to digest them
@@ -50,15 +52,14 @@ def check_call(plan, targets: tuple[int, ...], metas: list[list[TensorMeta]]) ->
     check_plan(plan, metas)
     if len(plan.ranks) != len(targets):
         raise ConfigError(f"the slice plan has {len(plan.ranks)} engine ranks but the P2P update has "
-                          f"{len(targets)} target(s) {list(targets)}: target i (the i-th of ranks) is engine rank i")
+                          f"{len(targets)} target(s) {list(targets)}: the targets in rank order are its engine ranks")
 
 
 def check_plan(plan, metas: list[list[TensorMeta]]) -> None:
     """Refuse a plan that cannot serve this checkpoint: not a plan, a plan recorded for another
     checkpoint (a tensor of another dtype or shape, or one that only the plan or only the
     checkpoint has), tensors registered in pieces."""
-    if not isinstance(plan, SlicePlan):
-        raise ConfigError(f"slices must be a SlicePlan (planning/slices.py), got {type(plan).__name__}")
+    require_plan(plan)
     if any(m.box is not None for ms in metas for m in ms):
         raise ConfigError("slices of tensors registered in pieces are not supported on P2P updates: "
                           "update without slices")
@@ -108,7 +109,7 @@ def route(metas: list[list[TensorMeta]], plan: SlicePlan, bucket_bytes: int) -> 
     for owner, mine in enumerate(metas):
         if mine:
             part = plan_sliced([list(mine)] + [[] for _ in plan.ranks[1:]], plan, bucket_bytes)
-            assert all(b.owner == 0 for b in part.buckets), "plan_sliced routed a tensor from an empty owner"
+            assert all(b.owner == 0 for b in part.buckets), "plan_sliced routed a tensor from an empty owner"  # noqa: S101 - plan_sliced's invariant, not input
             streams.append([(owner, b) for b in part.buckets])
     pairs = interleave(streams)
     return Plan(bucket_bytes, tuple(b for _, b in pairs)), [o for o, _ in pairs]
@@ -135,7 +136,7 @@ class Gather(NamedTuple):
     src: int
     dst: int
     nbytes: int
-    count: int
+    count: int  # type: ignore[assignment]  # a field named count shadows tuple.count, as intended
     stride: int
 
 
@@ -187,7 +188,11 @@ def slice_reads(bucket: SlicedBucket, gap: int = GAP_BYTES, landing: int = LANDI
     """The read plan of a bucket of slices (pure): a run alone is read straight into the bucket; runs
     that holes of at most ``gap`` bytes separate are read as one span into the landing zone and
     gathered (``_gathers``), in rounds of at most ``landing`` bytes."""
-    direct, rounds, spans, gathers, used = [], [], [], [], 0
+    direct: list[CopyRun] = []
+    rounds: list[tuple[tuple[CopyRun, ...], tuple[Gather, ...]]] = []
+    spans: list[CopyRun] = []
+    gathers: list[Gather] = []
+    used = 0
     for span in _spans(bucket_runs(bucket), gap, landing):
         if len(span) == 1:
             direct.append(span[0])

@@ -22,11 +22,11 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
-from ckpt_core.p2p.metas import STAMP_BYTES, Peer
-from ckpt_core.planning.nics import choose_p2p_host, nic_for_rank, select_rdma_devices
-from ckpt_core.ops.sockets import listening_sockets
 from ckpt_core._settings import p2p_env
 from ckpt_core.errors import ConfigError, TransportError, UpdateTimeoutError
+from ckpt_core.ops.sockets import listening_sockets
+from ckpt_core.p2p.metas import STAMP_BYTES, Peer
+from ckpt_core.planning.nics import choose_p2p_host, nic_for_rank, select_rdma_devices
 
 MAX_DESCRIPTORS = 1024      # Mooncake: keep one batch at or below this many descriptors
 PIECE_BYTES = 64 << 20      # large runs are cut so that a batch spreads over Mooncake's slices
@@ -55,14 +55,6 @@ def import_mooncake():
     return TransferEngine
 
 
-def mooncake_available() -> bool:
-    try:
-        import_mooncake()
-        return True
-    except ConfigError:
-        return False
-
-
 _UNSETTLED: list = []   # engines closed while a read may still land: kept alive (and their ports open) until exit
 
 
@@ -85,12 +77,12 @@ def store_host(explicit: str, master_addr: str, master_port: int) -> str:
     return choose_p2p_host("", _route_source(master_addr, master_port), _route_source("8.8.8.8", 53))
 
 
-def open_store(ps, *, serving: bool) -> "P2PStore":
-    """The store of a ParameterServer, from its settings and the P2P environment variables."""
+def open_store(settings, backend, device_index: int, log, *, serving: bool) -> "P2PStore":
+    """The store of a ParameterServer rank, from its settings and the P2P environment variables."""
     env = p2p_env()
-    return P2PStore(store_host(env["host"], ps.settings.master_addr, ps.settings.master_port),
-                    local_rank=ps.device_index, ps_devices=env["ps_devices"], nccl_ib_hca=env["nccl_ib_hca"],
-                    log=ps._log, transport=getattr(ps.backend, "p2p_transport", None), rdma=env["rdma"],
+    return P2PStore(store_host(env["host"], settings.master_addr, settings.master_port),
+                    local_rank=device_index, ps_devices=env["ps_devices"], nccl_ib_hca=env["nccl_ib_hca"],
+                    log=log, transport=getattr(backend, "p2p_transport", None), rdma=env["rdma"],
                     serving=serving)
 
 
@@ -163,7 +155,7 @@ class P2PStore:
         self.address = f"{host}:{self.engine.get_rpc_port()}"
         self.registered: dict[int, int] = {}        # pointer -> nbytes
         self.quarantine = Quarantine()
-        import torch   # stamps of served checkpoints, and where a reader fetches an owner's stamp into
+        import torch  # stamps of served checkpoints, and where a reader fetches an owner's stamp into
         self._stamps = torch.zeros(STAMP_SLOTS * STAMP_BYTES, dtype=torch.uint8)
         self._scratch = torch.zeros(STAMP_BYTES, dtype=torch.uint8)
         self._free_slots = list(range(STAMP_SLOTS)) if serving else []
@@ -179,7 +171,8 @@ class P2PStore:
 
     def log_exposure(self) -> None:
         """Say once, when serving starts, who can reach the served memory (Mooncake cannot fence it)."""
-        ports = ", ".join(f"[{a}]:{p}" if ":" in a else f"{a}:{p}" for a, p in self.ports) or "two ports in MC_MIN_RPC_PORT..MC_MAX_RPC_PORT"
+        ports = (", ".join(f"[{a}]:{p}" if ":" in a else f"{a}:{p}" for a, p in self.ports)
+                 or "two ports in MC_MIN_RPC_PORT..MC_MAX_RPC_PORT")
         self.log.warning("P2P serving is on: every checkpoint registered from now on can be READ AND WRITTEN by any "
                          "process that reaches this store's Mooncake ports (%s; Mooncake listens on every interface "
                          "and has no read-only registration or peer authentication, whatever PS_P2P_HOST=%s says). "

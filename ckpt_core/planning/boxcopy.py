@@ -22,12 +22,14 @@ from ckpt_core.planning.buckets import PIN_CHUNK
 
 class Pitched(NamedTuple):
     """``height`` rows of ``width`` bytes, the first at byte ``src`` of the host buffer and the next
-    each ``pitch`` bytes further, packed at byte ``dst`` of the destination (rows back to back)."""
+    each ``pitch`` bytes further, placed from byte ``dst`` of the destination, each row ``dpitch``
+    bytes after the one before (0: back to back, as ``box_copies`` packs a box)."""
     src: int
     pitch: int
     width: int
     height: int
     dst: int
+    dpitch: int = 0
 
 
 def byte_dims(shape, offsets, extent, itemsize: int) -> tuple[int, list[tuple[int, int]]]:
@@ -99,3 +101,79 @@ def _cut(src: int, pitch: int, width: int, height: int, dst: int, chunk: int) ->
 
 def copied_bytes(copies: list[Pitched]) -> int:
     return sum(c.width * c.height for c in copies)
+
+
+LOOKAHEAD = 4   # runs tried as the second of a progression (one layer's gate and up slices alternate)
+
+
+def merge_copies(copies: list[Pitched], pin_chunk: int = PIN_CHUNK) -> list[Pitched]:
+    """The same bytes to the same places in fewer copies (each device copy is a driver call).
+
+    Runs (one row) that continue each other in the source and the destination become one run; runs
+    of one width whose source and destination advance by constant steps (one expert's slice after
+    another's: a layer of many experts is a handful of copies) become one copy of evenly spaced
+    rows with a destination pitch. Blocks of rows stay as they are. No merged copy's source crosses
+    a multiple of ``pin_chunk`` (a pinned piece's border). The copies' destinations are disjoint,
+    so their order does not matter; they come back in destination order.
+    """
+    blocks = [c for c in copies if c.height != 1]
+    runs = _join_runs(sorted((c for c in copies if c.height == 1), key=lambda c: c.dst), pin_chunk)
+    return sorted(blocks + _progressions(runs, pin_chunk), key=lambda c: c.dst)
+
+
+def _join_runs(runs: list[Pitched], chunk: int) -> list[Pitched]:
+    out: list[Pitched] = []
+    for r in runs:
+        if out:
+            a = out[-1]
+            if (a.src + a.width == r.src and a.dst + a.width == r.dst
+                    and a.src // chunk == (r.src + r.width - 1) // chunk):
+                out[-1] = Pitched(a.src, 0, a.width + r.width, 1, a.dst)
+                continue
+        out.append(r)
+    return out
+
+
+def _progressions(runs: list[Pitched], chunk: int) -> list[Pitched]:
+    """Runs of one width at constant source and destination steps, as single pitched copies: from
+    each run not yet taken, the longest progression through one of the next few runs of its width."""
+    by_width: dict[int, list[Pitched]] = {}
+    for r in runs:
+        by_width.setdefault(r.width, []).append(r)
+    out: list[Pitched] = []
+    for width, group in by_width.items():
+        at = {(r.src, r.dst): i for i, r in enumerate(group)}   # already in destination order
+        used = [False] * len(group)
+        for i, a in enumerate(group):
+            if used[i]:
+                continue
+            used[i] = True
+            best: list[int] = []
+            following = [j for j in range(i + 1, len(group)) if not used[j]][:LOOKAHEAD]
+            for j in following:
+                chain = _chain(a, group[j].src - a.src, group[j].dst - a.dst, at, used, chunk)
+                if len(chain) > len(best):
+                    best = chain
+            if not best:
+                out.append(a)
+                continue
+            for j in best:
+                used[j] = True
+            b = group[best[0]]
+            out.append(Pitched(a.src, b.src - a.src, width, 1 + len(best), a.dst, b.dst - a.dst))
+    return out
+
+
+def _chain(a: Pitched, step: int, dstep: int, at: dict, used: list[bool], chunk: int) -> list[int]:
+    """The runs (their indices) after ``a`` at ``step`` bytes of source and ``dstep`` of destination
+    each, while they exist, are free and stay in ``a``'s pinned piece; rows may not overlap."""
+    if step < a.width or dstep < a.width:
+        return []
+    out: list[int] = []
+    k = 1
+    while True:
+        j = at.get((a.src + k * step, a.dst + k * dstep))
+        if j is None or used[j] or (a.src + k * step + a.width - 1) // chunk != a.src // chunk:
+            return out
+        out.append(j)
+        k += 1

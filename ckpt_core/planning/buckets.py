@@ -14,12 +14,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 from ckpt_core.errors import ConfigError
-from ckpt_core.planning.pieces import PiecedTensor, group_pieces, piece_key
+from ckpt_core.planning.pieces import Piece, PiecedTensor, group_pieces, piece_key
 
 ALIGN = 256          # offset alignment of a tensor placed on its own in a bucket
+_T = TypeVar("_T")
 PIN_CHUNK = 512 << 20   # host regions are pinned in pieces of this size, at offsets that are multiples of it
 MAX_GAP = 4096       # largest hole between neighbours that we copy rather than close
 
@@ -137,7 +138,7 @@ class Bucket:
 
     def runs(self) -> list[CopyRun]:
         """Merge placements whose host and bucket positions advance together (one owner's bucket)."""
-        assert self.shared is None, "a bucket of pieces is staged by segments"
+        assert self.shared is None, "a bucket of pieces is staged by segments"  # noqa: S101 - the callers' own branch
         return merge_runs(CopyRun(p.meta.base, p.meta.base_offset, p.offset, p.meta.nbytes) for p in self.placements)
 
     @cached_property
@@ -151,15 +152,26 @@ class Bucket:
     def owners(self) -> list[int]:
         return sorted({s.rank for s in self.segments})
 
+    @cached_property
+    def payload(self) -> int:
+        """Bytes of the tensors in the bucket (the rest is alignment and gaps), summed once per
+        planned bucket (plans are cached; every update reports them)."""
+        return sum(p.meta.nbytes for p in self.placements)
+
+    def reaches(self, rank: int) -> bool:
+        """Whether PS rank ``rank`` (its worker) receives this bucket: every rank, unless it holds one
+        engine rank's slices (``slice_routes.SlicedBucket``)."""
+        return True
+
 
 @dataclass(frozen=True)
 class Plan:
     bucket_bytes: int
     buckets: tuple[Bucket, ...]
 
-    @property
+    @cached_property
     def total_bytes(self) -> int:
-        return sum(p.meta.nbytes for b in self.buckets for p in b.placements)
+        return sum(b.payload for b in self.buckets)
 
     @property
     def largest_bucket(self) -> int:
@@ -222,9 +234,9 @@ def _pack_owner(owner: int, metas: list[TensorMeta], bucket_bytes: int) -> list[
     return buckets
 
 
-def interleave(per_owner: list[list[Bucket]]) -> list[Bucket]:
+def interleave(per_owner: list[list[_T]]) -> list[_T]:
     """Round-robin over owners so that all ranks copy host-to-device at the same time."""
-    out: list[Bucket] = []
+    out: list[_T] = []
     depth = max((len(b) for b in per_owner), default=0)
     for i in range(depth):
         out.extend(b[i] for b in per_owner if i < len(b))
@@ -296,7 +308,9 @@ def pack_pieced(tensors: list[PiecedTensor], bucket_bytes: int) -> list[Bucket]:
 
 
 def _pieced_bucket(tensors: list[PiecedTensor]) -> Bucket:
-    placements, direct, strided, spans = [], [], {}, []
+    placements, spans = [], []
+    direct: list[tuple[int, int, TensorMeta]] = []                      # (rank, bucket offset, meta)
+    strided: dict[int, list[tuple[PiecedTensor, Piece, int]]] = {}      # rank -> (tensor, piece, its place)
     pos = 0
     for t in tensors:
         at = align_up(pos)
@@ -362,8 +376,9 @@ def choose_layout(free_bytes: int, *, mem_fraction: float, max_slots: int, max_b
     want = min(max(min(per_owner, MAX_AUTO_BUCKET), MIN_BUCKET), max_bucket_bytes,
                align_up(max(largest_owner_total, 1)))
     want = align_up(max(want, largest_tensor))   # the cap yields to a tensor that needs more
-    for slots in range(max(max_slots, 1), 0, -1):
-        size = min(want, budget // slots) // ALIGN * ALIGN
-        if size >= max(largest_tensor, 1):
-            return size, slots
+    # The most slots whose share of the budget, rounded down to ALIGN, still holds the largest
+    # tensor (a closed form: a loop down from max_slots would run for ever on PS_NUM_SLOTS=10**11).
+    slots = min(max(max_slots, 1), budget // align_up(max(largest_tensor, 1)))
+    if slots >= 1:
+        return min(want, budget // slots) // ALIGN * ALIGN, slots
     return max(min(want, budget) // ALIGN * ALIGN, ALIGN), 1

@@ -30,9 +30,9 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 
+from ckpt_core.errors import ConfigError
 from ckpt_core.planning.buckets import choose_layout
 from ckpt_core.planning.slice_estimate import SliceLoad
-from ckpt_core.errors import ConfigError
 
 GB = 1e9
 GiB = float(1 << 30)
@@ -139,7 +139,7 @@ def predict(model: ModelSpec, topo: Topology, *, mode: str = "broadcast", cal: C
         local = model.total_bytes if slices is None else slices.everywhere_bytes
         stages["broadcast"] = 0.0 if topo.devices_per_node == 1 else local / (topo.broadcast_gbps * GB)
     total_stages = sum(stages.values())
-    longest = max(stages, key=stages.get)
+    longest = max(stages, key=stages.__getitem__)
     overlap = slots > 1
     update = cal.fixed_s + (stages[longest] + (total_stages - stages[longest]) / buckets if overlap else total_stages)
     return {

@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from ckpt_core.errors import CheckpointFormatError
+
+if TYPE_CHECKING:   # buckets.py imports this module
+    from ckpt_core.planning.buckets import TensorMeta
 
 
 class Piece(NamedTuple):
     rank: int
-    meta: object                 # the owner's TensorMeta (its ``shape`` is the box's extent)
+    meta: TensorMeta             # the owner's (its ``shape`` is the box's extent; its ``box`` is set)
     offsets: tuple[int, ...]
     start: int | None            # ``contiguous_start`` of the box: None for a strided piece
 
@@ -96,16 +99,16 @@ def group_pieces(metas_per_rank: list[list]) -> list[PiecedTensor]:
 
 def _check_tiling(name: str, pieces: list[Piece]) -> PiecedTensor:
     first = pieces[0]
-    shape, dtype = first.meta.box[0], first.meta.dtype
+    shape, dtype = _box(first)[0], first.meta.dtype
     ndim = len(shape)
     live = []
     for p in pieces:
         if p.meta.dtype != dtype:
             raise CheckpointFormatError(f"pieces disagree on the dtype: {dtype} on rank {first.rank}, "
                                         f"{p.meta.dtype} on rank {p.rank}", tensor=name)
-        if p.meta.box[0] != shape:
+        if _box(p)[0] != shape:
             raise CheckpointFormatError(f"pieces disagree on the global shape: {list(shape)} on rank {first.rank}, "
-                                        f"{list(p.meta.box[0])} on rank {p.rank}", tensor=name)
+                                        f"{list(_box(p)[0])} on rank {p.rank}", tensor=name)
         ext = p.meta.shape
         if len(p.offsets) != ndim or len(ext) != ndim or not all(
                 0 <= p.offsets[d] and p.offsets[d] + ext[d] <= shape[d] for d in range(ndim)):
@@ -114,9 +117,11 @@ def _check_tiling(name: str, pieces: list[Piece]) -> PiecedTensor:
         if p.meta.nbytes:
             live.append(Piece(p.rank, p.meta, p.offsets, contiguous_start(shape, p.offsets, ext)))
     total = math.prod(shape)
-    if all(p.start is not None for p in live):   # runs of the flat tensor (rows): a 1-D check suffices
-        live.sort(key=lambda p: p.start)
-        _runs_tile(name, live, shape, [p.rank for p in pieces])
+    runs = [(p.start, p) for p in live if p.start is not None]
+    if len(runs) == len(live):   # runs of the flat tensor (rows): a 1-D check suffices
+        runs.sort(key=lambda r: r[0])
+        live = [p for _, p in runs]
+        _runs_tile(name, runs, shape, [p.rank for p in pieces])
     else:
         live.sort(key=lambda p: p.offsets)
         _no_overlap(name, live)
@@ -129,16 +134,16 @@ def _check_tiling(name: str, pieces: list[Piece]) -> PiecedTensor:
     return PiecedTensor(name, dtype, shape, first.meta.itemsize, tuple(live), scratch)
 
 
-def _runs_tile(name: str, live: list[Piece], shape, ranks: list[int]) -> None:
-    """Contiguous pieces sorted by their first element: each must start where the previous ended
-    (an overlap names both ranks; a gap is reported by the caller's element count)."""
+def _runs_tile(name: str, runs: list[tuple[int, Piece]], shape, ranks: list[int]) -> None:
+    """Contiguous pieces (first element, piece) sorted by their first element: each must start where the
+    previous ended (an overlap names both ranks; a gap is reported by the caller's element count)."""
     end, prev = 0, None
-    for p in live:
-        if p.start < end:
+    for start, p in runs:
+        if prev is not None and start < end:   # the first starts at >= 0 = end
             raise CheckpointFormatError(
                 f"the pieces of rank {prev.rank} (offsets {list(prev.offsets)}, extent {list(prev.shape)}) and rank "
                 f"{p.rank} (offsets {list(p.offsets)}, extent {list(p.shape)}) overlap", tensor=name)
-        end, prev = p.start + math.prod(p.shape), p
+        end, prev = start + math.prod(p.shape), p
 
 
 def _no_overlap(name: str, live: list[Piece]) -> None:
@@ -153,3 +158,11 @@ def _no_overlap(name: str, live: list[Piece]) -> None:
                     f"the pieces of rank {a.rank} (offsets {list(a.offsets)}, extent {list(a.shape)}) and rank "
                     f"{p.rank} (offsets {list(p.offsets)}, extent {list(p.shape)}) overlap", tensor=name)
         active.append(p)
+
+
+def _box(p: Piece) -> tuple:
+    """The piece's (global shape, offsets): set on every meta that group_pieces hands out as a piece."""
+    box = p.meta.box
+    if box is None:
+        raise CheckpointFormatError(f"rank {p.rank}'s piece has no box (global shape, offsets)", tensor=p.meta.name)
+    return box

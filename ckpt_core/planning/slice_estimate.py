@@ -124,7 +124,8 @@ def estimate(tensors: dict, config: dict, tp: int, *, ep: bool = False) -> Slice
     if ep:
         count = _experts(config)
         if not count or count % tp:
-            raise ConfigError(f"expert parallelism over {tp} ranks needs an expert count ({'/'.join(_EXPERT_COUNT_KEYS)} "
+            raise ConfigError(f"expert parallelism over {tp} ranks needs an expert count "
+                              f"({'/'.join(_EXPERT_COUNT_KEYS)} "
                               f"in config.json) divisible by {tp}, got {count}")
         experts_per_rank = count // tp
     received, counts = [0] * tp, [0] * tp

@@ -14,9 +14,22 @@ from typing import NamedTuple
 
 from ckpt_core.errors import ConfigError
 from ckpt_core.planning.boxcopy import Pitched, box_copies
-from ckpt_core.planning.buckets import (MAX_GAP, PIN_CHUNK, SHARED, Bucket, Placement, Plan, Scatter, TensorMeta,
-                                        _pack_owner, align_up, delivery_order, first_shared_name, interleave,
-                                        pack_pieced)
+from ckpt_core.planning.buckets import (
+    MAX_GAP,
+    PIN_CHUNK,
+    SHARED,
+    Bucket,
+    Placement,
+    Plan,
+    Scatter,
+    TensorMeta,
+    _pack_owner,
+    align_up,
+    delivery_order,
+    first_shared_name,
+    interleave,
+    pack_pieced,
+)
 from ckpt_core.planning.pieces import PiecedTensor, contiguous_start, group_pieces
 from ckpt_core.planning.slices import Box, SlicePlan, box_extent, box_offsets, make_box
 
@@ -60,8 +73,11 @@ class SlicedBucket(Bucket):
     ranks: tuple[int, ...] = ()
     parts: tuple[Part, ...] = ()
 
+    # A sliced bucket's segments are Parts: rank, offset and nbytes as a Segment's, then the payload
+    # (its bytes without gaps) where a Segment has its copy runs; the paths that read runs take
+    # SlicedBuckets apart (transfer/pipeline.py, p2p/update.py).
     @cached_property
-    def segments(self) -> tuple[Part, ...]:
+    def segments(self) -> tuple[Part, ...]:  # type: ignore[override]
         return self.parts or (Part(self.owner, 0, self.nbytes, self.nbytes),)
 
     def reaches(self, rank: int) -> bool:
@@ -179,11 +195,11 @@ def _pieced_unit(t: PiecedTensor, box: Box | None) -> _Unit:
     for p in t.pieces:
         lo = tuple(max(a, b) for a, b in zip(off, p.offsets))
         hi = tuple(min(a + n, b + k) for a, n, b, k in zip(off, ext, p.offsets, p.shape))
-        if any(h <= l for l, h in zip(lo, hi)):
+        if any(h <= a for a, h in zip(lo, hi)):
             continue
         copies.append(_Copy(p.rank, p.meta.base, p.meta.base_offset, tuple(p.shape),
-                            tuple(l - o for l, o in zip(lo, p.offsets)), tuple(l - o for l, o in zip(lo, off)),
-                            tuple(h - l for l, h in zip(lo, hi))))
+                            tuple(a - o for a, o in zip(lo, p.offsets)), tuple(a - o for a, o in zip(lo, off)),
+                            tuple(h - a for a, h in zip(lo, hi))))
     return _Unit(t.name, t.dtype, ext, t.itemsize, tuple(copies))
 
 
@@ -213,7 +229,9 @@ def _slices_bucket(dest: int, ranks: tuple[int, ...], units: list[_Unit]) -> Sli
     """Slices at aligned offsets; a copy that is one run of its slice is packed straight into place,
     a strided one after the slices (each rank's together), placed on arrival. Each rank's runs
     with nothing of another rank between them are one part."""
-    placements, direct, strided = [], [], {}
+    placements = []
+    direct: list[tuple[int, _Copy, _Unit]] = []               # (bucket offset, copy, unit)
+    strided: dict[int, list[tuple[_Copy, _Unit, int]]] = {}   # rank -> (copy, unit, its place)
     pos = 0
     for u in units:
         at = align_up(pos)
@@ -225,7 +243,8 @@ def _slices_bucket(dest: int, ranks: tuple[int, ...], units: list[_Unit]) -> Sli
             else:
                 direct.append((at + start * u.itemsize, c, u))
         pos = at + u.nbytes
-    boxes, scatters, runs = [], [], []   # runs: [rank, start, end, payload]
+    boxes, scatters = [], []
+    runs: list[list[int]] = []   # [rank, start, end, payload]
     for at, c, u in sorted(direct, key=lambda d: d[0]):
         n = math.prod(c.extent) * u.itemsize
         boxes.append(_box_copy(c, u, at))
@@ -250,20 +269,17 @@ def _box_copy(c: _Copy, u: _Unit, offset: int) -> BoxCopy:
     return BoxCopy(c.base, c.base_offset, c.shape, make_box(c.shape, c.offsets, c.extent), u.itemsize, offset, c.rank)
 
 
-def _reaches(bucket: Bucket, rank: int) -> bool:
-    return not isinstance(bucket, SlicedBucket) or bucket.reaches(rank)
-
-
 def rank_placements(plan: Plan, rank: int) -> list[list[tuple[str, str, tuple[int, ...], int]]]:
     """What PS rank ``rank``'s worker is told of each bucket: its engine rank's slices and the whole
     tensors (a bucket of slices for another engine rank: nothing; it is not even in this rank's buffer)."""
     return [[(p.meta.name, p.meta.dtype, p.meta.shape, p.offset) for p in b.placements]
-            if _reaches(b, rank) else [] for b in plan.buckets]
+            if b.reaches(rank) else [] for b in plan.buckets]
 
 
 def received_bytes(plan: Plan, rank: int) -> int:
-    """Bytes of tensors and slices PS rank ``rank`` (its worker) receives under ``plan``."""
-    return sum(p.meta.nbytes for b in plan.buckets if _reaches(b, rank) for p in b.placements)
+    """Bytes of tensors and slices PS rank ``rank`` (its worker) receives under ``plan`` (per bucket:
+    each bucket's payload is summed once per plan)."""
+    return sum(b.payload for b in plan.buckets if b.reaches(rank))
 
 
 def replica_groups(plan: Plan) -> list[tuple[int, ...]]:

@@ -15,10 +15,11 @@ result is plain data:
 :func:`check_plan` refuses, before anything moves, a plan that leaves a byte of a live parameter
 unwritten or writes it twice (per rank), reads outside a tensor, leaves a byte of a checkpoint
 tensor that some rank reads unread by every rank (a slice shifted by one row), or moves nothing.
-Plans are cached by :class:`SliceKey` (model fingerprint, parallel layout, engine version):
-:meth:`SlicePlanCache.get` never hands out a plan recorded for another key.
+A plan carries the :class:`SliceKey` it was recorded for (model fingerprint, parallel layout, engine
+version): an engine refuses a plan recorded for another key (``ckpt_vllm._slices.check_installed``).
 
-Routing by a plan (the buckets each engine rank receives) is ``planning/slice_routes.py``.
+Routing by a plan (the buckets each engine rank receives) is ``planning/slice_routes.py``; reading
+a plan's JSON back (checked field by field) is ``planning/slice_json.py``.
 
 No torch, no I/O.
 """
@@ -28,7 +29,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Iterable, NamedTuple
@@ -78,6 +78,11 @@ class SlicePlan:
 
     def whole_bytes(self) -> int:
         """Bytes one rank receives without slices: every tensor some rank needs, whole."""
+        return self._whole_bytes
+
+    @cached_property
+    def _whole_bytes(self) -> int:
+        """Once per plan: every sliced update reports it."""
         names = {n for rs in self.ranks for n in rs.needs}
         return sum(math.prod(self.tensors[n][1]) * self.tensors[n][2] for n in names)
 
@@ -127,7 +132,7 @@ def _view_dims(shape, size, stride, offset: int):
     cs = contiguous_strides(shape)
     ext = [1] * n
     seen = [False] * n
-    dim_of = []
+    dim_of: list[int | None] = []
     for s, st in zip(size, stride):
         if s == 1:
             dim_of.append(None)
@@ -271,35 +276,7 @@ def _check_sources(plan: SlicePlan) -> None:
                                         tensor=name)
 
 
-class SlicePlanCache:
-    """Plans by key; a plan recorded for another model, layout or engine version is never returned."""
-
-    def __init__(self, size: int = 4):
-        self.size = size
-        self._plans: dict[SliceKey, SlicePlan] = {}
-
-    def put(self, plan: SlicePlan) -> SlicePlan:
-        check_plan(plan)
-        self._plans.pop(plan.key, None)
-        while len(self._plans) >= self.size:
-            self._plans.pop(next(iter(self._plans)))
-        self._plans[plan.key] = plan
-        return plan
-
-    def get(self, key: SliceKey) -> SlicePlan | None:
-        plan = self._plans.get(key)
-        assert plan is None or plan.key == key
-        return plan
-
-
-def require_key(plan: SlicePlan, key: SliceKey) -> SlicePlan:
-    """``plan`` if it was recorded for ``key``, else ConfigError naming both (never reused elsewhere)."""
-    if plan.key != key:
-        raise ConfigError(f"the slice plan was recorded for {plan.key}, not for {key}: record it again")
-    return plan
-
-
-# --- the plan as JSON (it travels from the engine's workers to every PS rank) ---------------------
+# --- the plan as JSON (it travels from the engine's workers to every PS rank; read back: slice_json.py) --
 
 def plan_to_json(plan: SlicePlan) -> dict:
     return {"version": PLAN_VERSION,
@@ -315,69 +292,19 @@ def rank_to_json(rs: RankSlices) -> dict:
             "writes": [[w.param, [list(x) for x in w.region], w.source] for w in rs.writes]}
 
 
-def _ints(value, what: str, n: int | None = None) -> tuple[int, ...]:
-    if not isinstance(value, list) or (n is not None and len(value) != n) or not all(
-            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
-        raise ConfigError(f"slice plan: {what} must be a list of {n or 'some'} non-negative integers, got {value!r}")
-    return tuple(value)
-
-
-def _box(value, what: str) -> Box:
-    if not isinstance(value, list):
-        raise ConfigError(f"slice plan: {what} must be a list of [dim, start, length], got {value!r}")
-    return tuple(_ints(x, what, 3) for x in value)
-
-
-def rank_from_json(doc) -> RankSlices:
-    if not isinstance(doc, dict) or not {"rank", "needs", "params", "writes"} <= set(doc):
-        raise ConfigError(f"slice plan: a rank's entry needs rank, needs, params and writes, got {str(doc)[:200]}")
-    needs = {str(n): None if b is None else _box(b, f"the box of {n}") for n, b in doc["needs"].items()}
-    params = {str(p): _ints(s, f"the shape of {p}") for p, s in doc["params"].items()}
-    writes = []
-    for w in doc["writes"]:
-        if not isinstance(w, list) or len(w) != 3 or not isinstance(w[0], str) or not (
-                w[2] is None or isinstance(w[2], str)):
-            raise ConfigError(f"slice plan: a write must be [param, region, source], got {w!r}")
-        writes.append(Write(w[0], _box(w[1], f"the region of {w[0]}"), w[2]))
-    return RankSlices(int(doc["rank"]), needs, params, tuple(writes))
-
-
-def plan_from_json(doc) -> SlicePlan:
-    """Parse and validate (``check_plan``) a plan document; ConfigError for a malformed one."""
-    if not isinstance(doc, dict) or doc.get("version") != PLAN_VERSION:
-        raise ConfigError(f"slice plan: expected version {PLAN_VERSION}, got {str(doc)[:200]}")
-    k = doc.get("key") or {}
-    key = SliceKey(str(k.get("model")), str(k.get("layout")), str(k.get("engine")))
-    tensors = {}
-    for n, t in (doc.get("tensors") or {}).items():
-        if not isinstance(t, list) or len(t) != 3 or not isinstance(t[0], str):
-            raise ConfigError(f"slice plan: tensor {n!r} must be [dtype, shape, itemsize], got {t!r}")
-        tensors[str(n)] = (t[0], _ints(t[1], f"the shape of {n}"), int(t[2]))
-    ranks = tuple(rank_from_json(r) for r in doc.get("ranks") or [])
-    if [r.rank for r in ranks] != list(range(len(ranks))):
-        raise ConfigError(f"slice plan: ranks must be listed 0..n-1 in order, got {[r.rank for r in ranks]}")
-    plan = SlicePlan(key, tensors, ranks)
-    check_plan(plan)
-    return plan
-
-
-def write_plan_file(path, plan: SlicePlan) -> None:
-    """The plan as a JSON file (written whole or not at all), for ``read_plan_file`` and
-    ``ckpt-engine plan --slices-plan``."""
-    tmp = f"{os.fspath(path)}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(plan_to_json(plan), f)
-    os.replace(tmp, path)
-
-
-def read_plan_file(path) -> SlicePlan:
-    """A plan written by ``write_plan_file``, parsed and checked; ConfigError when it cannot be read."""
-    try:
-        with open(path) as f:
-            doc = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot read the slice plan {os.fspath(path)!r}: {exc}") from exc
-    return plan_from_json(doc)
+def require_plan(plan, what: str = "slices") -> SlicePlan:
+    """``plan`` if it is a :class:`SlicePlan`, else the ConfigError every entry that takes one raises
+    (``update(slices=)``, broadcast and P2P, ``share_slice_plan``), before any exchange: a plan's digest
+    or its JSON is not one."""
+    if isinstance(plan, SlicePlan):
+        return plan
+    hint = ""
+    if isinstance(plan, str):
+        hint = " (a plan's digest is what an engine client's update(slices=) takes, not the parameter server's)"
+    elif isinstance(plan, dict):
+        hint = " (the plan's JSON: parse it with plan_from_json first)"
+    raise ConfigError(f"{what} must be a SlicePlan (ckpt_core.planning.slices, e.g. VllmClient.slice_plan(...)), "
+                      f"got {type(plan).__name__}{hint}")
 
 
 def merge_ranks(key: SliceKey, tensors: dict, ranks: Iterable[RankSlices]) -> SlicePlan:
@@ -415,3 +342,15 @@ def split_plan(key: SliceKey, tensors: dict, tp: int, dims: dict) -> SlicePlan:
             needs[name], params[name] = box, box_extent(shape, box)
         ranks.append(RankSlices(r, needs, params, tuple(Write(n, (), n) for n in tensors)))
     return merge_ranks(key, tensors, ranks)
+
+
+_JSON_READERS = ("plan_from_json", "rank_from_json", "read_plan_file", "write_plan_file")
+
+
+def __getattr__(name: str):
+    """The JSON readers live in ``slice_json.py`` (which imports this module); their old names here
+    still work, resolved on first use so that neither module needs the other half-imported."""
+    if name in _JSON_READERS:
+        from ckpt_core.planning import slice_json
+        return getattr(slice_json, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

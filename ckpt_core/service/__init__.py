@@ -11,6 +11,7 @@ try:
     from ._app import create_app, status_of
     from ._runner import bind_unix, serve
 except ImportError as _exc:   # the optional dependencies are missing
-    raise ConfigError(f"the HTTP service needs the 'server' extra (pip install 'ckpt-engine[server]'): {_exc}") from _exc
+    raise ConfigError(f"the HTTP service needs the 'server' extra (pip install 'ckpt-engine[server]'): {_exc}"
+                      ) from _exc
 
 __all__ = ["create_app", "serve", "bind_unix", "status_of"]

@@ -1,15 +1,16 @@
 """The FastAPI application of one parameter-server rank.
 
 Routes (the first seven are the reference checkpoint-engine's, same paths and fields; the update
-route adds ``engine`` (``vllm``/``sglang``), ``weight_version``, ``flush_cache``, ``stage``/``prepare``
-and ``slices``, ``_models.UpdateRequest``):
+route adds ``engine`` (a name of the ``ckpt_core.engines`` group: ``vllm``, ``sglang``), its options
+(``weight_version``, ``flush_cache``, ``prepare``, ``slices``: each engine takes and validates its own),
+``weight_version`` and ``stage``, ``_models.UpdateRequest``):
 
 | route | does | collective |
 |---|---|---|
 | ``POST /v1/checkpoints/{name}/files`` | ``register_checkpoint(name, files=...)`` | no |
 | ``DELETE /v1/checkpoints/{name}`` | ``unregister_checkpoint(name)`` | no |
 | ``POST /v1/checkpoints/{name}/gather-metas`` | ``gather_metas(name)`` | yes: post to every rank |
-| ``POST /v1/checkpoints/{name}/update`` | ``update(name, ...)`` | yes: post to every rank |
+| ``POST /v1/checkpoints/{name}/update`` | ``update(name, ...)`` (``_update.py``) | yes: post to every rank |
 | ``GET /v1/healthz`` | 200 while the rank can work, 503 once closed or broken | |
 | ``GET /v1/metas``, ``POST /v1/metas`` | ``get_metas()``, ``load_metas(...)`` | no |
 | ``GET /v1/status`` | checkpoints, the running operation and its phase, last results | |
@@ -21,6 +22,8 @@ in size (``_state.clip``), unknown routes and methods included (404 ``NotFound``
 allow-lists, ``_policy.py``), ``ConfigError`` 400, ``CheckpointNotFoundError`` 404, a second long
 operation 409, ``CheckpointFormatError`` 422, request validation 422, ``RemoteWorkerError`` 502,
 ``ClosedError`` 503, ``UpdateTimeoutError`` 504, any other error 500 (its class in ``type``).
+A collective route's refusals, a body that does not validate included, are agreed by every rank
+before any collective (``_agree.py``): every rank answers the same error, once every rank was asked.
 
 No ``/docs`` page: FastAPI's loads its scripts from a public CDN, which air-gapped clusters cannot
 reach; ``/openapi.json`` is the schema.
@@ -29,26 +32,26 @@ reach; ``/openapi.json`` is the schema.
 from __future__ import annotations
 
 import hmac
+import json
 import os
-from functools import partial
 from typing import Any, Optional
-from urllib.parse import urlsplit
 
 from fastapi import Body, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ckpt_core.ops import metrics as _metrics
-from ckpt_core.engines.requests import request_inference_to_update
+from ckpt_core._settings import MIN_TOKEN_CHARS
 from ckpt_core.errors import CkptError, ConfigError
-from ckpt_core._settings import MIN_TOKEN_CHARS, slices_enabled
-from ckpt_core.ops.log import rank_logger
-from ._policy import ServicePolicy
-from ._models import MAX_DETAILS, NAME_PATTERN, CommitRequest, Done, ErrorBody, RegisterRequest, Status, UpdateRequest
-from ._state import Busy, ServiceState, clip, error_fields, status_of
+from ckpt_core.ops import metrics as _metrics
 
-SGLANG_ROUTE = "/update_weights_from_ipc"
+from ._agree import agree, refusal
+from ._models import MAX_DETAILS, CommitRequest, Done, ErrorBody, RegisterRequest, Status, UpdateRequest
+from ._policy import ServicePolicy
+from ._state import Busy, ServiceState, clip, error_fields, status_of
+from ._update import check_name, run_commit, run_update
+
+UPDATE_ROUTE = "/v1/checkpoints/{name}/update"
 _ERRORS = {code: {"model": ErrorBody} for code in (400, 401, 403, 404, 405, 409, 422, 500, 502, 503, 504)}
 _HTTP_TYPES = {404: "NotFound", 405: "MethodNotAllowed", 413: "PayloadTooLarge"}
 
@@ -81,16 +84,18 @@ def create_app(ps, *, token: str | None = None, metrics=None, policy: ServicePol
         if chained is not None:
             chained(operation, phase, done, total)
     ps.progress = progress
-    _install_errors(app)
+    _install_errors(app, state, ps)
     if token is not None:
         _install_auth(app, token)
+    _install_refusal_log(app, state)   # added last: outermost, so it sees the 401s of the token check too
     _routes(app, state, ps, policy if policy is not None else ServicePolicy())
     return app
 
 
-def _install_errors(app: FastAPI) -> None:
+def _install_errors(app: FastAPI, state: ServiceState, ps) -> None:
     @app.exception_handler(CkptError)
     async def on_ckpt_error(request: Request, exc: CkptError):
+        request.state.ckpt_logged = getattr(exc, "ckpt_logged", False)   # a long operation's log line said it
         return JSONResponse({"error": error_fields(exc)}, status_code=status_of(exc))
 
     @app.exception_handler(Busy)
@@ -104,7 +109,11 @@ def _install_errors(app: FastAPI) -> None:
                     "type": str(e.get("type", ""))[:100]} for e in errors[:MAX_DETAILS]]
         where = "; ".join(f"{'.'.join(map(str, d['loc']))}: {d['msg']}" for d in details[:5])
         more = f" (and {len(errors) - MAX_DETAILS} more)" if len(errors) > MAX_DETAILS else ""
-        return _error(422, "ValidationError", f"invalid request: {where}{more}", details=details)
+        message = f"invalid request: {where}{more}"
+        if getattr(request.scope.get("route"), "path", None) == UPDATE_ROUTE:
+            request.state.ckpt_logged = True   # the agreement's operation logs the refusal
+            return await _agreed_refusal(state, ps, request.path_params.get("name", ""), message, details)
+        return _error(422, "ValidationError", message, details=details)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http(request: Request, exc: StarletteHTTPException):
@@ -121,6 +130,44 @@ def _install_errors(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def on_other(request: Request, exc: Exception):
         return JSONResponse({"error": error_fields(exc)}, status_code=500)
+
+
+async def _agreed_refusal(state: ServiceState, ps, name: str, message: str, details: list) -> JSONResponse:
+    """An update whose body does not validate here: a collective route, so the other ranks, asked too,
+    must not wait for this one. It takes part in the update's agreement with its refusal
+    (``_agree.py``), and every rank answers the same error (422 ``ValidationError`` unless a lower rank
+    refused otherwise); this rank's answer keeps its field errors."""
+    try:
+        await state.run("update", name, lambda: agree(ps, "update", name, ["ValidationError", message]))
+    except Busy as exc:
+        return _error(409, "Conflict", str(exc))
+    except Exception as exc:   # the agreed refusal (always: this rank's own is in it)
+        return JSONResponse({"error": dict(error_fields(exc), details=details)}, status_code=status_of(exc))
+    raise AssertionError("an agreement carrying this rank's refusal returned")
+
+
+def _install_refusal_log(app: FastAPI, state: ServiceState) -> None:
+    """Every 4xx answer is counted (``ckpt_requests_refused_total``) and logged at WARNING with the
+    method, route, status, error type and message: the token check (401), the policy (403), validation
+    (422) refuse before any long operation runs, so nothing else would say so. A refusal a long
+    operation already logged (its ``phase=... outcome=rejected`` line) is counted, not logged twice."""
+    @app.middleware("http")
+    async def refusals(request: Request, call_next):
+        resp = await call_next(request)
+        if not 400 <= resp.status_code < 500:
+            return resp
+        body = b"".join([chunk async for chunk in resp.body_iterator])   # our error bodies are bounded
+        try:
+            err = json.loads(body)["error"]
+            kind, message = str(err.get("type", "HTTPError")), str(err.get("message", ""))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            kind, message = "HTTPError", body[:200].decode(errors="replace")
+        if state.metrics is not None:
+            state.metrics.refused_request(resp.status_code, kind)
+        if not getattr(request.state, "ckpt_logged", False):
+            state.log.warning("refused %s %s status=%d error=%s: %s", request.method, request.url.path[:200],
+                              resp.status_code, kind, clip(message.splitlines()[0] if message else "", 500))
+        return Response(body, status_code=resp.status_code, headers=dict(resp.headers), media_type=resp.media_type)
 
 
 def check_token(token: str | None) -> None:
@@ -146,133 +193,10 @@ def _install_auth(app: FastAPI, token: str) -> None:
         return await call_next(request)
 
 
-def _check_name(name: str) -> str:
-    import re
-    if not re.fullmatch(NAME_PATTERN, name):
-        raise ConfigError(f"checkpoint name {name[:80]!r} is not allowed (1-256 characters, no '/' or control characters)")
-    return name
-
-
-def _req_func(body: UpdateRequest, world_size: int, wire: str, policy: ServicePolicy):
-    """The ``req_func`` of one update: post the chosen handles to ``update_url`` (if any); ``plan``: the
-    slice plan the update routes by (``slices``), whose digest the engine's workers are told.
-
-    ``engine="vllm"``: ``request_inference_to_update`` (``/collective_rpc``). ``engine="sglang"``:
-    ``ckpt_sglang.SglangClient.update`` (``/update_weights_from_ipc``), which needs a PS speaking
-    the stock wire (SGLang embeds the stock worker): refused up front on a native-wire service.
-    """
-    bad = [r for r in body.inference_group_ranks if not 0 <= r < world_size]
-    if bad:
-        raise ConfigError(f"inference_group_ranks {bad} are outside this world of {world_size} ranks")
-    if body.engine == "sglang" and wire == "native":
-        raise ConfigError("engine='sglang' needs a parameter server speaking the stock wire (SGLang embeds the "
-                          "stock checkpoint-engine worker): start the service with `ckpt-engine serve --wire stock` "
-                          "(`--wire stock-0.3` for checkpoint-engine 0.2.1 - 0.3.4 in the server)")
-    if body.uds is not None and body.update_url is None:
-        raise ConfigError("uds is the socket to reach update_url by: give update_url too")
-    uds = None
-    if body.update_url is not None:   # before anything is posted: only to engines the operator allowed
-        uds = policy.check_engine(body.update_url, body.uds, body.engine)
-    sglang_base = _sglang_base(body.update_url) if body.engine == "sglang" and body.update_url else None
-
-    def req_func(handles, plan=None):
-        if body.update_url is None:
-            return None
-        chosen = [handles[r] for r in body.inference_group_ranks] if body.inference_group_ranks else handles
-        sliced = {"slices": plan.digest} if plan is not None else {}
-        if body.stage is not None:
-            with _engine_client(body.engine, body.update_url, uds, body.timeout) as client:
-                extra = {"prepare": True} if body.prepare else {}
-                client.stage(chosen, body.stage, device_bytes=int(body.stage_device_gib * (1 << 30)), **extra,
-                             **sliced)
-            return None
-        if sliced:   # our worker extension's own route takes the plan's digest
-            with _engine_client(body.engine, body.update_url, uds, body.timeout) as client:
-                client.update(chosen, **sliced)
-            return None
-        if sglang_base is None:
-            request_inference_to_update(body.update_url, dict(chosen), timeout=body.timeout, uds=uds)
-            return None
-        from ckpt_sglang import SglangClient
-        with SglangClient(sglang_base, uds=uds, timeout=body.timeout) as client:
-            client.update(chosen, flush_cache=body.flush_cache, weight_version=body.weight_version)
-    return req_func
-
-
-_SLICES_OFF_SAID: list = []   # the CKPT_SLICES=0 warning, once per process
-_ENGINE_PLANS: dict = {}   # update_url -> the slice plan its workers were last given (VllmClient.slice_plan(reuse=))
-
-
-def _update(ps, name: str, body: UpdateRequest, policy: ServicePolicy, req_func) -> dict:
-    """The collective update of one request, by a slice plan shared first when it asks for ``slices``
-    (and the operator did not turn slices off, ``CKPT_SLICES=0``: then whole, said once)."""
-    if body.slices and not slices_enabled():
-        if not _SLICES_OFF_SAID:
-            _SLICES_OFF_SAID.append(True)
-            rank_logger(f"service rank {ps.rank}/{ps.world_size}").warning(
-                "phase=update checkpoint=%s slices were asked for, but CKPT_SLICES=0 turns them off: whole tensors", name)
-        body = body.model_copy(update={"slices": False})
-    if body.slices and ps.wire != "native":   # every rank's service has the same wire: all refuse, none waits
-        raise ConfigError(f"slices need a parameter server speaking our own wire; this one speaks {ps.wire!r}")
-    plan = _slice_plan(ps, name, body, policy) if body.slices else None
-    return ps.update(name, partial(req_func, plan=plan), ranks=body.ranks or None, timeout=body.timeout, slices=plan)
-
-
-def _slice_plan(ps, name: str, body: UpdateRequest, policy: ServicePolicy):
-    """Collective, before a sliced update: the ranks whose request gives ``update_url`` record the plan
-    from that engine's workers (``VllmClient.slice_plan``: recorded once per model, layout and vLLM
-    version, then installed on the workers), and every rank gets the lowest such rank's. A rank that
-    could not record it fails every rank, naming it, before anything moves."""
-    recorded, error = None, None
-    if body.update_url is not None:
-        try:
-            uds = policy.check_engine(body.update_url, body.uds, body.engine)
-            with _engine_client(body.engine, body.update_url, uds, body.timeout) as client:
-                # The engine's plan of the last update is kept while its workers hold it (no re-recording).
-                recorded = _ENGINE_PLANS[body.update_url] = client.slice_plan(
-                    ps.tensor_specs(name), reuse=_ENGINE_PLANS.get(body.update_url))
-        except CkptError as exc:   # said on every rank (the others would wait in the exchange)
-            error = f"{type(exc).__name__}: {exc}"
-    return ps.share_slice_plan(recorded, src=None, error=error)
-
-
-def _vllm_base(url: str) -> str:
-    """``http://host:port`` of a vLLM ``/collective_rpc`` URL (the policy checked its path)."""
-    parts = urlsplit(url)
-    return f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/').removesuffix('/collective_rpc')}"
-
-
-def _engine_client(engine: str, update_url: str, uds: str | None, timeout: float):
-    """The requester of a staged update's engine (``update_url`` already checked by the policy)."""
-    if engine == "sglang":
-        from ckpt_sglang import SglangClient
-        return SglangClient(_sglang_base(update_url), uds=uds, timeout=timeout)
-    from ckpt_vllm.client import VllmClient
-    return VllmClient(_vllm_base(update_url), uds=uds, timeout=timeout)
-
-
-def _commit(body, policy: ServicePolicy) -> dict:
-    """``POST /v1/commit``: the engine's staged version made live (see ``CommitRequest``)."""
-    uds = policy.check_engine(body.update_url, body.uds, body.engine)
-    with _engine_client(body.engine, body.update_url, uds, body.timeout) as client:
-        report = client.commit(body.version, pause=body.pause, timeout=body.timeout)
-    return {"version": body.version, "seconds": report.seconds, "workers": report.workers}
-
-
-def _sglang_base(url: str) -> str:
-    """The SGLang server's base URL from ``update_url`` (``http://host:port``, optionally with its route)."""
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.netloc or parts.query or parts.fragment:
-        raise ConfigError(f"update_url for engine='sglang' must be the server's URL (http://host:port), "
-                          f"got {url[:200]!r}")
-    path = parts.path.rstrip("/").removesuffix(SGLANG_ROUTE)
-    return f"{parts.scheme}://{parts.netloc}{path}"
-
-
 def _routes(app: FastAPI, state: ServiceState, ps, policy: ServicePolicy) -> None:
     @app.post("/v1/checkpoints/{name}/files", response_model=Done)
     async def register_files(name: str, body: RegisterRequest):
-        _check_name(name)
+        check_name(name)
         files = policy.check_files(body.files)   # before any file is opened: 403 outside --allow-dir
 
         def register():
@@ -289,22 +213,22 @@ def _routes(app: FastAPI, state: ServiceState, ps, policy: ServicePolicy) -> Non
 
     @app.post("/v1/checkpoints/{name}/gather-metas", response_model=Done)
     async def gather_metas(name: str):
-        _check_name(name)
-        await state.run("gather", name, lambda: ps.gather_metas(name))
+        def gather():   # a bad name is agreed like any refusal (_agree.py); ranks asked for another operation too
+            agree(ps, "gather", name, refusal(check_name, name))
+            ps.gather_metas(name)
+        await state.run("gather", name, gather)
         return Done()
 
-    @app.post("/v1/checkpoints/{name}/update", response_model=Done)
+    @app.post(UPDATE_ROUTE, response_model=Done)
     async def update(name: str, body: Optional[UpdateRequest] = Body(default=None)):
-        _check_name(name)
         body = body if body is not None else UpdateRequest()   # every field has a default: no body is fine
-        req_func = _req_func(body, ps.world_size, ps.wire, policy)
-        result = await state.run("update", name, lambda: _update(ps, name, body, policy, req_func),
+        result = await state.run("update", name, lambda: run_update(ps, name, body, policy),
                                  nbytes=_registered_bytes(ps, name), weight_version=body.weight_version)
         return Done(result=result)
 
     @app.post("/v1/commit", response_model=Done)
-    async def commit(body: CommitRequest):
-        result = await state.run("commit", body.version, lambda: _commit(body, policy), weight_version=body.version)
+    async def commit(body: CommitRequest):   # not collective: sent to one rank per engine, nothing to agree on
+        result = await state.run("commit", body.version, lambda: run_commit(body, policy), weight_version=body.version)
         return Done(result=result)
 
     @app.get("/v1/healthz")
@@ -328,7 +252,7 @@ def _routes(app: FastAPI, state: ServiceState, ps, policy: ServicePolicy) -> Non
     @app.get("/v1/status", response_model=Status)
     async def status():
         return Status(rank=ps.rank, world_size=ps.world_size, pid=os.getpid(), device_key=ps.device_uuid, wire=ps.wire,
-                      checkpoints=ps.checkpoints(), gathered=sorted(getattr(ps, "_metas", {})),
+                      checkpoints=ps.checkpoints(), gathered=ps.gathered(),
                       running=state.snapshot(),
                       updates=state.updates, failures=state.failures, last_update=ps.last_update,
                       last_register=ps.last_register, last_error=state.last_error,
@@ -345,11 +269,11 @@ def _routes(app: FastAPI, state: ServiceState, ps, policy: ServicePolicy) -> Non
 
 
 def _health_problem(state: ServiceState, ps) -> str | None:
-    if state.closed or getattr(ps, "_closed", False):
+    if state.closed:
         return "this parameter server is closed"
-    broken = getattr(ps, "_broken", None)
-    if broken:
-        return clip(f"process groups broke in an earlier update ({broken}); restart this world")
+    problem = ps.health_problem()
+    if problem:
+        return clip(problem)
     if state.liveness is not None:
         return state.liveness.problem()   # a peer rank (or the rendezvous store) went silent
     return None
@@ -357,10 +281,7 @@ def _health_problem(state: ServiceState, ps) -> str | None:
 
 def _registered_bytes(ps, name: str | None = None) -> int | None:
     """Host bytes of checkpoint ``name`` (None: all of them) registered on this rank."""
-    ckpts = getattr(ps, "_checkpoints", {})
-    if name is not None:
-        return ckpts[name].nbytes if name in ckpts else None
-    return sum(c.nbytes for c in ckpts.values())
+    return ps.registered_bytes(name)
 
 
 def _file_bytes(files: list[str]) -> int | None:
@@ -385,7 +306,6 @@ def _check_host_memory(ps, files: list[str], body: RegisterRequest) -> None:
         except OSError:
             continue   # the registration names it (400)
         needed += header.file_size - header.data_offset
-    pool = getattr(getattr(ps, "_pool", None), "region", None) if body.use_shared_memory_pool else None
-    if pool is not None and pool.nbytes >= needed:
+    if body.use_shared_memory_pool and ps.pool_bytes() >= needed:
         return
     check_host_memory(needed, host_memory_available(), what=f"registering {len(files)} file(s) on rank {ps.rank}")

@@ -24,6 +24,7 @@ import time
 from datetime import timedelta
 
 from ckpt_core.ops.log import rank_logger
+
 from ._state import COLLECTIVE
 
 KEY = "ckpt/live/{rank}"
@@ -39,7 +40,7 @@ class Liveness:
         self.log = rank_logger(f"service rank {rank}/{world_size}")
         self._host, self._port = host, port
         self._store = None
-        self._store_error = None
+        self._store_error: str | None = None
         # A short store timeout: an op must fail (and be retried) rather than block the thread for long.
         self._store_timeout_s = max(0.5, min(5.0, timeout_s / 2))
         now = clock()

@@ -7,9 +7,11 @@ silently ignored option. Field names of the update request are the reference's
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Optional
+from typing import Annotated, Any, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from ckpt_core.engines.registry import DEFAULT_ENGINE, available_engines, get_engine
 
 MAX_TIMEOUT_S = 7 * 24 * 3600.0   # one week: anything longer is a typo, not a plan
 NAME_PATTERN = r"^[^/\x00-\x1f]{1,256}$"
@@ -30,25 +32,44 @@ class RegisterRequest(_Strict):
     use_inplace_pin_memory: bool = True
 
 
+def _engine_name(name: str) -> str:
+    get_engine(name)   # a ConfigError (a ValueError: 422) naming the known engines
+    return name
+
+
+def _engine_schema(schema: dict) -> None:
+    """The engines this service knows, the default first (names only: no engine is imported)."""
+    schema["enum"] = [DEFAULT_ENGINE, *(e for e in available_engines() if e != DEFAULT_ENGINE)]
+
+
+ENGINE_FIELD = dict(min_length=1, max_length=64, json_schema_extra=_engine_schema,
+                    description="the kind of engine behind update_url (entry-point group ckpt_core.engines)")
+# Request fields that are engine options: each engine's kind says which it takes (EngineKind.options)
+# and validates them. An option left at its default asks for nothing. Other engines' options travel
+# in `options` (an engine of the ckpt_core.engines group validates its own).
+ENGINE_OPTIONS = ("weight_version", "flush_cache", "prepare", "slices")
+MAX_OPTIONS = 64
+
+
 class UpdateRequest(_Strict):
     """``POST /v1/checkpoints/{name}/update``; every rank's service must receive one (collective).
 
     ``update_url`` (optional): where the handles of ``inference_group_ranks`` (all ranks when
-    empty) are posted, over the Unix socket ``uds`` when given. ``engine="vllm"`` (default, the
-    reference's behaviour): ``update_url`` is the engine's ``/collective_rpc`` URL.
-    ``engine="sglang"``: ``update_url`` is the SGLang server's base URL (``http://host:port``;
-    a trailing ``/update_weights_from_ipc`` is accepted), which gets ``POST
-    /update_weights_from_ipc`` with ``weight_version`` and ``flush_cache``; the service's PS must
-    speak the stock wire (``ckpt-engine serve --wire stock``). ``weight_version`` and
-    ``flush_cache`` are refused (422) with ``engine="vllm"``. ``timeout`` bounds the whole
-    update, that request included.
+    empty) are posted, over the Unix socket ``uds`` when given; ``engine`` names the engine behind
+    it (``ckpt_core.engines``), which validates the options it takes. ``engine="vllm"`` (default,
+    the reference's behaviour): ``update_url`` is the engine's ``/collective_rpc`` URL; options
+    ``prepare``, ``slices``. ``engine="sglang"``: ``update_url`` is the SGLang server's base URL
+    (``http://host:port``; a trailing ``/update_weights_from_ipc`` is accepted), which gets ``POST
+    /update_weights_from_ipc``; options ``weight_version`` and ``flush_cache``; the service's PS
+    must speak the stock wire (``ckpt-engine serve --wire stock``). An option the engine does not
+    take is refused (422). ``timeout`` bounds the whole update, that request included.
     """
     ranks: list[int] = Field(default_factory=list, description="P2P target ranks; empty: broadcast to all")
     update_url: Optional[str] = Field(default=None, min_length=1, max_length=4096)
     inference_group_ranks: list[int] = Field(default_factory=list)
     timeout: float = Field(default=300.0, gt=0, le=MAX_TIMEOUT_S, description="seconds")
     uds: Optional[str] = Field(default=None, min_length=1, max_length=107)
-    engine: Literal["vllm", "sglang"] = Field(default="vllm", description="the kind of engine behind update_url")
+    engine: str = Field(default=DEFAULT_ENGINE, **ENGINE_FIELD)
     weight_version: Optional[str] = Field(default=None, max_length=256,
                                           description="sglang only: the version SGLang reports after the update")
     flush_cache: bool = Field(default=True, description="sglang only: flush SGLang's KV cache after the update")
@@ -69,26 +90,34 @@ class UpdateRequest(_Strict):
                                      "one; recorded once per model, layout and vLLM version, installed on its workers) "
                                      "and shared with every rank; broadcast, P2P and staged updates "
                                      "(docs/vllm.md, each worker only its slices)")
+    options: dict[Annotated[str, Field(min_length=1, max_length=64)], Any] = Field(
+        default_factory=dict, max_length=MAX_OPTIONS,
+        description="options of the engine beyond the fields above (an engine of the ckpt_core.engines group "
+                    "validates its own: one it does not take is a 422 naming it)")
+
+    @field_validator("engine")
+    @classmethod
+    def _known_engine(cls, name: str) -> str:
+        return _engine_name(name)
+
+    def engine_options(self) -> dict:
+        """The engine options this request sets: the option fields given something other than their
+        default, and ``options``."""
+        given = {k: getattr(self, k) for k in ENGINE_OPTIONS
+                 if k in self.model_fields_set and getattr(self, k) != type(self).model_fields[k].default}
+        fields = sorted(set(self.options) & set(type(self).model_fields))
+        if fields:
+            raise ValueError(f"{', '.join(fields)} in options: give them as fields of the request")
+        return {**given, **self.options}
 
     @model_validator(mode="after")
-    def _sglang_fields_need_sglang(self) -> "UpdateRequest":
-        given = sorted({"weight_version", "flush_cache"} & self.model_fields_set)
-        if self.engine != "sglang" and given:
-            raise ValueError(f"{' and '.join(given)} apply to engine='sglang' only")
+    def _options_of_the_engine(self) -> "UpdateRequest":
         if self.stage is not None and self.update_url is None:
             raise ValueError("stage needs an update_url (vllm: the engine's /collective_rpc; sglang: the server's URL)")
-        if self.stage is not None and "weight_version" in self.model_fields_set:
-            raise ValueError("a staged update's version is stage; POST /v1/commit sets it live")
         if "stage_device_gib" in self.model_fields_set and self.stage is None:
             raise ValueError("stage_device_gib applies to a staged update (give stage)")
-        if self.prepare and (self.stage is None or self.engine != "vllm"):
-            raise ValueError("prepare applies to a staged update (give stage) of engine='vllm'")
-        if self.slices and self.engine != "vllm":
-            raise ValueError("slices apply to engine='vllm' (SGLang's stock wire carries whole tensors)")
+        get_engine(self.engine).check_options(self.engine_options(), staged=self.stage is not None)
         return self
-
-
-COMMIT_PAUSES = {"vllm": ("keep", "wait", "abort"), "sglang": ("retract", "in_place")}
 
 
 class CommitRequest(_Strict):
@@ -96,26 +125,32 @@ class CommitRequest(_Strict):
 
     Pauses generation, loads the staged tensors on every worker of that engine through its own
     loader, resets what the old weights computed (vLLM's prefix cache; SGLang's cache with
-    ``retract``), sets the engine's weight version, resumes. ``pause``: vLLM ``keep`` (default:
-    running requests freeze and continue on the new weights), ``wait``, ``abort``; SGLang
-    ``retract`` (default: back to the queue, recomputed) or ``in_place``. Not collective: send it
-    to one rank's service per engine.
+    ``retract``), sets the engine's weight version, resumes. ``pause``: one of the engine's
+    (``EngineKind.commit_pauses``, the first the default): vLLM ``keep`` (default: running requests
+    freeze and continue on the new weights), ``wait``, ``abort``; SGLang ``retract`` (default: back
+    to the queue, recomputed) or ``in_place``. Not collective: send it to one rank's service per engine.
     """
     update_url: str = Field(min_length=1, max_length=4096,
                             description="vllm: the engine's /collective_rpc URL; sglang: the server's URL")
     uds: Optional[str] = Field(default=None, min_length=1, max_length=107)
-    engine: Literal["vllm", "sglang"] = "vllm"
+    engine: str = Field(default=DEFAULT_ENGINE, **ENGINE_FIELD)
     version: str = Field(min_length=1, max_length=256)
-    pause: Optional[Literal["keep", "wait", "abort", "retract", "in_place"]] = None
+    pause: Optional[str] = Field(default=None, min_length=1, max_length=64,
+                                 description="how the engine pauses for the commit (default: its first)")
     timeout: float = Field(default=300.0, gt=0, le=MAX_TIMEOUT_S, description="seconds")
+
+    @field_validator("engine")
+    @classmethod
+    def _known_engine(cls, name: str) -> str:
+        return _engine_name(name)
 
     @model_validator(mode="after")
     def _pause_of_the_engine(self) -> "CommitRequest":
+        pauses = get_engine(self.engine).commit_pauses
         if self.pause is None:
-            self.pause = COMMIT_PAUSES[self.engine][0]
-        elif self.pause not in COMMIT_PAUSES[self.engine]:
-            raise ValueError(f"pause {self.pause!r}: a {self.engine} commit pauses with one of "
-                             f"{COMMIT_PAUSES[self.engine]}")
+            self.pause = pauses[0]
+        elif self.pause not in pauses:
+            raise ValueError(f"pause {self.pause!r}: a {self.engine} commit pauses with one of {pauses}")
         return self
 
 

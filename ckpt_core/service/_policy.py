@@ -10,9 +10,9 @@ allow-lists, so that driving it grants no more than the operator meant (docs/ope
   repeatable). Default: none, i.e. the service reads no files until the operator names a
   directory. A refused path is :class:`Forbidden` (403) naming the rule, checked before the file
   is opened, so the answer says nothing about the file (not even whether it exists).
-- **engine endpoints** (``update_url``, ``uds`` of the update route): the URL's path must be the
-  engine route the service posts to (vLLM ``/collective_rpc``; SGLang the server's base URL,
-  optionally with ``/update_weights_from_ipc``), below the path of an allowed base URL with the
+- **engine endpoints** (``update_url``, ``uds`` of the update route): the URL's path must be a
+  route of the named engine (``EngineKind.routes``: vLLM ``/collective_rpc``; SGLang the server's
+  base URL, optionally with ``/update_weights_from_ipc``), below the path of an allowed base URL with the
   same scheme, host and port (``--engine-url``, repeatable). Default: http/https on a loopback
   host, any port. ``uds`` must be one of ``--engine-uds`` (resolved; default: none).
 """
@@ -24,11 +24,11 @@ import os
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from ckpt_core.engines.registry import get_engine
 from ckpt_core.errors import ConfigError
 
 __all__ = ["Forbidden", "ServicePolicy"]
 
-ENGINE_ROUTES = {"vllm": ("/collective_rpc",), "sglang": ("", "/update_weights_from_ipc")}
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
@@ -113,9 +113,10 @@ class ServicePolicy:
     # -- engine endpoints ------------------------------------------------------------------------
     def check_engine(self, update_url: str, uds: str | None, engine: str) -> str | None:
         """:class:`Forbidden` unless the update may post to ``update_url`` (over ``uds``); returns the
-        resolved socket path to connect to (the one checked, not a name that may be re-pointed later)."""
+        resolved socket path to connect to (the one checked, not a name that may be re-pointed later).
+        ``engine``: the engine's name; its routes are the paths ``update_url`` may have."""
         target = _origin(update_url, "update_url")
-        routes = ENGINE_ROUTES[engine]
+        routes = get_engine(engine).routes
         if uds is not None:
             real = os.path.realpath(uds) if os.path.isabs(uds) else None
             if real is None or real not in self.engine_uds:

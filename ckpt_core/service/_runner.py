@@ -123,6 +123,7 @@ def serve(ps, *, uds: str | None = None, host: str | None = None, port: int | No
             serve(ps, uds=f"/run/ckpt/ps-{ps.rank}.sock")
     """
     import uvicorn
+
     from ._app import check_token, create_app
     _Server = _server_class()
 

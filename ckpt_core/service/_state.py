@@ -15,9 +15,18 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
-from ckpt_core.errors import (CheckpointFormatError, CheckpointNotFoundError, CkptError, ClosedError, ConfigError,
-                              RemoteWorkerError, UpdateTimeoutError)
+from ckpt_core.errors import (
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    CkptError,
+    ClosedError,
+    ConfigError,
+    RemoteWorkerError,
+    UpdateTimeoutError,
+)
 from ckpt_core.ops.log import rank_logger
+
+from ._agree import ValidationError
 from ._policy import Forbidden
 
 # Bounds of what an answer (and /v1/status, which keeps the last error) may carry: a request naming
@@ -26,9 +35,10 @@ MAX_MESSAGE_CHARS = 2000
 MAX_TRACEBACK_CHARS = 8000
 _TRACEBACK_MARK = "\n--- remote traceback ---\n"   # how RemoteWorkerError appends it to its message
 
-# Most specific first: UpdateTimeoutError is a TransportError, Forbidden a ConfigError, ConfigError a ValueError.
+# Most specific first: UpdateTimeoutError is a TransportError, Forbidden and ValidationError (an agreed 422,
+# _agree.py) ConfigErrors, ConfigError a ValueError.
 _STATUS = ((UpdateTimeoutError, 504), (RemoteWorkerError, 502), (ClosedError, 503), (CheckpointNotFoundError, 404),
-           (CheckpointFormatError, 422), (Forbidden, 403), (ConfigError, 400))
+           (CheckpointFormatError, 422), (Forbidden, 403), (ValidationError, 422), (ConfigError, 400))
 COLLECTIVE = ("gather", "update")   # operations every rank's service must be asked for
 
 
@@ -159,9 +169,14 @@ class ServiceState:
                                    status=status_of(exc), at_unix=time.time())
         if self.metrics is not None:
             self.metrics.failed(operation, type(exc).__name__, seconds, rejected=rejected)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         (self.log.warning if rejected else self.log.error)(
-            "phase=%s checkpoint=%s outcome=%s error=%s seconds=%.3f", operation, checkpoint,
-            "rejected" if rejected else "error", type(exc).__name__, seconds)
+            "phase=%s checkpoint=%s outcome=%s error=%s seconds=%.3f: %s", operation, checkpoint,
+            "rejected" if rejected else "error", type(exc).__name__, seconds, clip(first, 500))
+        try:
+            exc.ckpt_logged = True   # the route's error answer need not be logged again (_app.py)
+        except AttributeError:
+            pass
 
     def _record(self, operation: str, checkpoint: str | None, result: Any, seconds: float) -> None:
         if operation == "register":   # register_checkpoint returns nothing: its figures are in last_register

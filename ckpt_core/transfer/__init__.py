@@ -1,1 +1,1 @@
-"""The broadcast update: process groups, pre-checks and agreement, stop signals, plan cache, the pipeline."""
+"""The broadcast update: process groups, the update context, agreement, stop signals, plan cache, the pipeline."""

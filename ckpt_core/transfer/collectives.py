@@ -8,8 +8,8 @@ data goes over the device kind's backend.
 
 from __future__ import annotations
 
-import json
 import gc
+import json
 import logging
 import os
 import socket
@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 
 from ckpt_core._settings import Settings
-from ckpt_core.planning.nics import is_loopback
 from ckpt_core.errors import ConfigError, TransportError, UpdateTimeoutError
 from ckpt_core.ops.sockets import listening_sockets
+from ckpt_core.planning.nics import is_loopback
 
 
 def store_bind_address(master_addr: str, world_size: int, local_world_size: int | None) -> str | None:
@@ -121,7 +121,7 @@ def nccl_error_defaults() -> None:
 
 def groups_broken(exc: Exception) -> Exception:
     """Mark an error after which the process groups cannot be used again."""
-    exc.groups_broken = True
+    exc.groups_broken = True  # type: ignore[attr-defined]  # a mark read with getattr(exc, ..., False)
     return exc
 
 
@@ -329,7 +329,7 @@ class Collectives:
         def run() -> None:
             for g in groups:
                 try:
-                    dist.destroy_process_group(g) if graceful else abort(g)
+                    dist.destroy_process_group(g) if graceful or abort is None else abort(g)   # None: graceful
                 except Exception:  # torn down by the backend's own error handling, or no abort in it
                     if not graceful:
                         try:   # a backend without abort (e.g. a device plugin's) is destroyed instead

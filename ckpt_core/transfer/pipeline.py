@@ -21,13 +21,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ckpt_core.transfer.collectives import Collectives, groups_broken
-from ckpt_core.wire.link import PsLink
-from ckpt_core.planning.buckets import Plan
-from ckpt_core.planning.boxcopy import copied_bytes
-from ckpt_core.planning.slice_routes import SlicedBucket, replica_groups
 from ckpt_core.devices import DeviceBackend, IpcBuffer
 from ckpt_core.errors import UpdateTimeoutError
+from ckpt_core.planning.boxcopy import copied_bytes, merge_copies
+from ckpt_core.planning.buckets import Plan
+from ckpt_core.planning.slice_routes import SlicedBucket, replica_groups
+from ckpt_core.transfer.collectives import Collectives, groups_broken
+from ckpt_core.wire.link import PsLink
 
 AWAIT_SLICE_S = 0.0002   # polling step while the host must wait for the device
 
@@ -67,7 +67,7 @@ def segment_payloads(bucket) -> list[int]:
     cached = getattr(bucket, "_payloads", None)
     if cached is None:
         if bucket.shared is None:
-            cached = [sum(p.meta.nbytes for p in bucket.placements)]
+            cached = [bucket.payload]
         else:
             spans = sorted(bucket.spans, key=lambda s: s.offset)
             starts = [s.offset for s in spans]
@@ -80,17 +80,18 @@ def segment_payloads(bucket) -> list[int]:
 
 def pitched_copies(bucket: SlicedBucket, rank: int) -> list:
     """Rank ``rank``'s copies of a bucket of slices (the owner's, or a piece owner's part of
-    them), per host buffer (``planning/boxcopy.py``: pitched, none across a pinned piece's border),
-    worked out once per planned bucket and rank (plans are cached)."""
+    them), per host buffer (``planning/boxcopy.py``: pitched, none across a pinned piece's border,
+    merged where runs continue each other or follow at constant steps: one copy for a layer's
+    experts' slices of one kind), worked out once per planned bucket and rank (plans are cached)."""
     cached = getattr(bucket, "_pitched", None)
     if cached is None:
-        cached = bucket._pitched = {}
+        cached = bucket._pitched = {}  # type: ignore[attr-defined]  # a memo on the planned bucket
     if rank not in cached:
         per_base: dict[int, list] = {}
         for bc in bucket.boxes:
             if (bucket.owner if bc.rank < 0 else bc.rank) == rank:
                 per_base.setdefault(bc.base, []).extend(bc.copies())
-        cached[rank] = list(per_base.items())
+        cached[rank] = [(base, merge_copies(copies)) for base, copies in per_base.items()]
     return cached[rank]
 
 

@@ -12,15 +12,12 @@ stays usable.
 from __future__ import annotations
 
 import math
-import time
 
 from ckpt_core import errors
-from ckpt_core._settings import update_seconds
-from ckpt_core.checkpoint.sources import RegisteredCheckpoint
-from ckpt_core.planning.pieces import group_pieces
-from ckpt_core.planning.buckets import Plan, TensorMeta, choose_layout, first_shared_name
 from ckpt_core.checkpoint.safetensors import WIRE_DTYPES
-from ckpt_core.errors import CheckpointNotFoundError, CkptError, ConfigError
+from ckpt_core.errors import CkptError, ConfigError
+from ckpt_core.planning.buckets import TensorMeta, first_shared_name
+from ckpt_core.planning.pieces import group_pieces
 
 Problem = list   # [error class name, message], JSON on the wire
 IDENTITY = {"name": "checkpoint", "wire": "engine wire"}   # what every rank of one update must share
@@ -34,16 +31,32 @@ def problem_of(exc: Exception) -> Problem:
     return ["CkptError", f"{type(exc).__name__}: {exc}"]
 
 
-def raise_agreed(problems: list[Problem | None], what: str) -> None:
+def req_precheck(req_func) -> Problem | None:
+    """The engine's own refusal, asked before anything moves: a ``req_func`` may carry a
+    ``precheck()`` (e.g. ``SglangClient.req_func``: a model SGLang cannot reload in place), which
+    raises a ``CkptError`` to refuse the update. Its problem travels in the first exchange like any
+    other, so every rank raises it and no engine is asked to load anything."""
+    check = getattr(req_func, "precheck", None)
+    if check is None:
+        return None
+    try:
+        check()
+    except Exception as exc:   # ours or not: told to every rank as a typed error
+        return problem_of(exc)
+    return None
+
+
+def raise_agreed(problems: list[Problem | None], what: str, kinds: dict[str, type] | None = None) -> None:
     """Raise, on every rank alike, the problems the ranks reported in one exchange (none: return).
 
-    The error class is the lowest failing rank's; the message lists every rank's own message.
+    The error class is the lowest failing rank's (one of ``ckpt_core.errors``, or of ``kinds``: a
+    caller's own subclasses, e.g. the service's ``Forbidden``); the message lists every rank's own message.
     """
     failed = [(r, p) for r, p in enumerate(problems) if p]
     if not failed:
         return
     first = failed[0][1]
-    cls = getattr(errors, str(first[0]), None)
+    cls = (kinds or {}).get(str(first[0])) or getattr(errors, str(first[0]), None)
     if not (isinstance(cls, type) and issubclass(cls, CkptError)) or cls is errors.RemoteWorkerError:
         cls = ConfigError
     text = "; ".join(dict.fromkeys(str(p[1]) for _, p in failed))   # same text once, rank order kept
@@ -150,101 +163,3 @@ def meta_row(m: TensorMeta) -> list:
     """A tensor's metas as one JSON row (``tensor_meta(*row)`` reads it back)."""
     row = [m.name, m.dtype, list(m.shape), m.nbytes, m.itemsize, m.base, m.base_offset]
     return row if m.box is None else row + [[list(m.box[0]), list(m.box[1])]]
-
-
-class UpdateAgreement:
-    """The ParameterServer's first exchange of an update: every rank's pre-checks and layout.
-
-    A mixin of :class:`ParameterServer` (it uses its settings, backend, metas, checkpoints,
-    plan cache and collectives), kept here with the rest of the pre-check machinery.
-    """
-
-    def _precheck(self, name, req_func, timeout) -> tuple[float, RegisteredCheckpoint | None, list | None]:
-        """This rank's own checks of a broadcast update (no collective): (deadline, checkpoint, problem).
-
-        The problem is not raised here but sent in the first exchange, so that every rank
-        raises it (``_agree_plan``) and none is left waiting in a collective.
-        """
-        deadline, problem = self._precheck_call(req_func, timeout)
-        if problem is not None:
-            return deadline, None, problem
-        try:
-            return deadline, self._own_share(name), None
-        except CkptError as exc:
-            return deadline, None, problem_of(exc)
-
-    def _precheck_call(self, req_func, timeout) -> tuple[float, list | None]:
-        """The checks every update makes, broadcast or P2P: (deadline, problem), nothing raised.
-
-        With a bad ``timeout`` the deadline is ``PS_COLLECTIVE_TIMEOUT_S`` away: long enough
-        for the first exchange, which tells every rank the problem.
-        """
-        try:
-            deadline = time.monotonic() + update_seconds(timeout)
-        except ConfigError as exc:
-            return time.monotonic() + self.settings.collective_timeout_s, problem_of(exc)
-        if not callable(req_func):
-            return deadline, problem_of(ConfigError(f"req_func must be callable, got {type(req_func).__name__}"))
-        return deadline, None
-
-    def _own_share(self, name) -> RegisteredCheckpoint:
-        """The checkpoint this rank sends from; a rank that loaded metas giving it nothing gets an empty one."""
-        if not isinstance(name, str):
-            raise ConfigError(f"checkpoint name must be a string, got {name!r}")
-        ckpt, metas = self._checkpoints.get(name), self._metas.get(name)
-        if metas is None:
-            if ckpt is None:
-                raise CheckpointNotFoundError(f"checkpoint {name!r} is not registered on rank {self.rank}")
-            raise ConfigError(f"call gather_metas({name!r}) on every rank before update({name!r})")
-        mine = metas[self.rank]
-        if ckpt is None:
-            if mine:
-                raise CheckpointNotFoundError(f"checkpoint {name!r} is not registered on rank {self.rank}, "
-                                              f"whose metas list {len(mine)} tensors for it")
-            return RegisteredCheckpoint(name, [], {})
-        if mine is not ckpt.metas and list(mine) != list(ckpt.metas):
-            raise ConfigError(f"the metas of {name!r} for rank {self.rank} do not describe the checkpoint "
-                              f"registered there; call gather_metas({name!r}) on every rank again")
-        return ckpt
-
-    def _agree_plan(self, name: str, problem: list | None, slices=None) -> tuple[Plan, int, tuple[str, str]]:
-        """All ranks agree on (bucket size, slots) from their free memory, then plan (cached).
-
-        The same exchange carries every rank's pre-check problem: if any rank has one, every
-        rank raises it. Returns the plan, the slots to use and the plan's wire form (JSON, digest).
-        """
-        view = {"problem": problem}
-        if problem is None:
-            try:
-                view = self._layout_view(name)
-            except Exception as exc:   # ours or not: told to every rank, none is left waiting
-                view = {"problem": problem_of(exc)}
-        # the update's identity: ranks naming two checkpoints of one layout would send a mix of both
-        view.update(name=name if isinstance(name, str) else repr(name), wire=self.wire)
-        view["slices"] = None if slices is None else slices.digest
-        views = self._coll.all_gather_json(view)
-        raise_agreed([v.get("problem") for v in views], f"update({name!r})")
-        same_kind(views, f"update({name!r})")
-        same_call(views, "update", IDENTITY)
-        metas, fp = self._metas[name], view["fp"]
-        if len({v["fp"] for v in views}) != 1:
-            raise ConfigError(f"ranks disagree on the metas of {name!r}: call gather_metas on every rank again")
-        if len({v["slices"] for v in views}) != 1:
-            raise ConfigError(f"ranks disagree on the slice plan of update({name!r}): "
-                              f"{[v['slices'] for v in views]} (give every rank the same plan, or none)")
-        size, slots = min(v["bucket"] for v in views), min(v["slots"] for v in views)
-        plan, wire = self._plans.get(metas, fp, size, slices=slices, rank=self.rank)
-        return plan, max(1, min(slots, len(plan.buckets))), wire
-
-    def _layout_view(self, name: str) -> dict:
-        """This rank's metas digest and the (bucket size, slots) its free memory allows."""
-        metas = self._metas[name]
-        free = self.backend.mem_get_info(self.device_index)[0] + (self._ipc.nbytes if self._ipc else 0)
-        digest = self._plans.digest(name, metas)
-        largest, owner_total = self._plans.sizes(metas, digest)
-        size, slots = choose_layout(
-            free, mem_fraction=self.settings.mem_fraction, max_slots=self.settings.num_slots,
-            max_bucket_bytes=self.settings.max_bucket_bytes, largest_tensor=largest, largest_owner_total=owner_total)
-        return {"fp": digest, "bucket": size, "slots": slots}
-
-

@@ -30,12 +30,26 @@ def causes(failed: list[Failure]) -> list[Failure]:
             or [f for f in failed if f.message.startswith("req_func")] or failed)
 
 
+def req_func_failure(rank: int, device_key: str, error: str) -> Failure:
+    """The failure of a ``req_func`` that raised: its message names the cause (the exception's last
+    line: which URL, which error), not only that it raised; the whole traceback rides along."""
+    return Failure(rank, device_key, f"req_func raised: {last_line(error)}", error)
+
+
+def last_line(tb: str | None) -> str:
+    """The exception line of a formatted traceback (``ConnectError: [Errno 111] Connection refused``),
+    at most 600 characters."""
+    lines = [x for x in (tb or "").strip().splitlines() if x.strip()]
+    return lines[-1].strip()[:600] if lines else "(no traceback)"
+
+
 class ReqThread(threading.Thread):
     """Runs req_func and keeps its traceback text; daemon so a stuck engine never blocks exit."""
 
     def __init__(self, fn: Callable, handles):
         super().__init__(name="ckpt-req-func", daemon=True)
-        self.fn, self.handles, self.error = fn, handles, None
+        self.fn, self.handles = fn, handles
+        self.error: str | None = None
 
     def run(self) -> None:
         try:
@@ -57,8 +71,8 @@ class StopSignal:
         if self.req is not None and self.req.error is not None:
             if not self._req_published:   # once: every poll would be a store round trip
                 self._req_published = True
-                self._set(f"rank {self.rank}: req_func raised")
-            return f"req_func raised: {self.req.error.splitlines()[-1] if self.req.error else ''}"
+                self._set(f"rank {self.rank}: req_func raised: {last_line(self.req.error)}"[:500])
+            return f"req_func raised: {last_line(self.req.error)}"
         now = time.monotonic()
         if self.store is None or now - self._last_check < STORE_CHECK_INTERVAL_S:
             return None

@@ -8,8 +8,8 @@ from typing import Callable
 
 import zmq
 
-from ckpt_core.wire import protocol as proto
 from ckpt_core.errors import ProtocolError
+from ckpt_core.wire import protocol as proto
 
 POLL_SLICE_MS = 50
 # Close with a short linger so that a last frame (abort, finished, error) still reaches
@@ -79,7 +79,7 @@ class PsLink:
     The first problem (worker error, silence past the deadline, bad frame) is
     kept in ``failure`` and the link goes quiet: later sends and waits are
     no-ops, so the caller can finish the collectives and report once.
-    Subclasses speaking another wire (``_compat.StockLink``) change the socket type and frame limit.
+    Subclasses speaking another wire (``stock.StockLink``) change the socket type and frame limit.
     """
 
     SOCKET_TYPE = zmq.PAIR
@@ -89,7 +89,7 @@ class PsLink:
                  deadline: float, should_stop: Callable[[], str | None]):
         self.update_id, self.rank, self.device_key = update_id, rank, device_key
         self.deadline, self.should_stop = deadline, should_stop
-        self.failure = None
+        self.failure: Failure | None = None
         self.aborted = False   # send_abort ran: it tells the worker once per update
         self.sock = ctx.socket(self.SOCKET_TYPE)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -99,7 +99,7 @@ class PsLink:
         self._done_upto = -1
 
     # -- sending ---------------------------------------------------------------
-    def _send(self, kind: str, frame: bytes | None = None, **fields) -> None:
+    def _send(self, kind: str, frame: bytes | tuple[bytes, ...] | None = None, **fields) -> None:
         # A bound PAIR socket blocks on send until its peer connects: wait for
         # writability in slices, so a worker that never connects is a timeout.
         if kind == "hello":
@@ -108,8 +108,11 @@ class PsLink:
             what = f"engine worker {self.device_key} to take the {kind} message"
         while self.failure is None:
             if self._wait(zmq.POLLOUT, what):
-                self.sock.send(frame if frame is not None else proto.encode(kind, self.update_id, **fields),
-                               zmq.NOBLOCK)
+                if isinstance(frame, tuple):   # one message of several frames (a hello and its plan)
+                    self.sock.send_multipart(frame, zmq.NOBLOCK)
+                else:
+                    self.sock.send(frame if frame is not None else proto.encode(kind, self.update_id, **fields),
+                                   zmq.NOBLOCK)
                 return
 
     def _wait(self, event: int, what: str) -> bool:
@@ -142,8 +145,8 @@ class PsLink:
         self.watch.drain()
         return self.watch.seen
 
-    def send_hello(self, fields: dict | None = None, *, frame: bytes | None = None) -> None:
-        """Send the hello, from fields or as a frame already encoded (``proto.encode_hello``)."""
+    def send_hello(self, fields: dict | None = None, *, frame: bytes | tuple[bytes, ...] | None = None) -> None:
+        """Send the hello, from fields or as the frames already encoded (``proto.encode_hello``)."""
         self._send("hello", frame, **(fields or {}))
 
     def send_bucket(self, index: int, slot: int) -> None:

@@ -40,6 +40,43 @@ def _aligned(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
+_MAX_GAP = 4096   # largest hole between two tensors of one run (copied along rather than split)
+
+
+@dataclass
+class _Run:
+    """Tensors of a bucket that lie together in one buffer: ``source`` (uint8) spans them, from the
+    first one's start rounded down to ``_ALIGN`` (so each keeps its alignment in the copy; torch keeps
+    a tensor's offset in its storage a multiple of its item size); None for one tensor copied on its
+    own (empty, or not contiguous)."""
+    source: torch.Tensor | None
+    members: list[tuple[int, torch.Tensor]]   # (index in the bucket, tensor)
+    nbytes: int
+
+
+def _runs(weights: list[tuple[str, torch.Tensor]]) -> list[_Run]:
+    """The bucket's tensors in runs of neighbours in one storage (in order, at most ``_MAX_GAP`` bytes
+    apart): a run is one copy where it took one per tensor (thousands per bucket on an MoE model)."""
+    spans: list[list] = []   # [storage or None, first byte, end byte, members]
+    for i, (_, t) in enumerate(weights):
+        n = t.numel() * t.element_size()
+        storage = t.untyped_storage() if n and t.is_contiguous() else None
+        start = t.data_ptr() - storage.data_ptr() if storage is not None else 0
+        if storage is None:
+            spans.append([None, 0, n, [(i, t)]])
+            continue
+        last = spans[-1] if spans else None
+        if (last is not None and last[0] is not None and last[0].data_ptr() == storage.data_ptr()
+                and 0 <= start - last[2] <= _MAX_GAP):
+            last[2] = start + n
+            last[3].append((i, t))
+        else:
+            spans.append([storage, start - start % _ALIGN, start + n, [(i, t)]])
+    return [_Run(None if st is None else
+                 torch.empty(0, dtype=torch.uint8, device=members[0][1].device).set_(st, a, (b - a,)), members, b - a)
+            for st, a, b, members in spans]
+
+
 @dataclass
 class StagingArea:
     """The staged tensors of one version, bucket by bucket, in buffers this worker owns."""
@@ -91,9 +128,11 @@ class StagingArea:
             "staged and the engine serves its current weights", tensor=first)
 
     def add(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        """Copy one bucket (views into the PS's IPC buffer, reused after this returns) into the area."""
+        """Copy one bucket (views into the PS's IPC buffer, reused after this returns) into the area:
+        one copy per run of tensors that lie together in the buffer (``_runs``), then a view per tensor."""
         t0 = time.perf_counter()
-        total = sum(_aligned(t.numel() * t.element_size()) for _, t in weights)
+        runs = _runs(weights)
+        total = sum(_aligned(r.nbytes) for r in runs)
         on_device = self.device.type != "cpu" and self.device_bytes + total <= self.device_limit
         if on_device:
             buf = torch.empty(total, dtype=torch.uint8, device=self.device)
@@ -101,13 +140,25 @@ class StagingArea:
         else:
             buf = torch.empty(total, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
             self.host_bytes += total
-        staged, offset = [], 0
-        for name, t in weights:
-            n = t.numel() * t.element_size()
-            view = buf[offset:offset + n].view(t.dtype).view(t.shape) if n else torch.empty(t.shape, dtype=t.dtype)
-            view.copy_(t, non_blocking=True)
-            staged.append((name, view))
-            offset += _aligned(n)
+        typed: dict[torch.dtype, torch.Tensor] = {}   # the area's buffer as each dtype (total is 256-aligned)
+        staged: list = [None] * len(weights)
+        offset = 0
+        for r in runs:
+            if r.source is None:   # one tensor on its own
+                (i, t), = r.members
+                n = r.nbytes
+                view = buf[offset:offset + n].view(t.dtype).view(t.shape) if n else torch.empty(t.shape, dtype=t.dtype)
+                view.copy_(t, non_blocking=True)
+                staged[i] = (weights[i][0], view)
+            else:
+                buf[offset:offset + r.nbytes].copy_(r.source, non_blocking=True)
+                for i, t in r.members:
+                    as_dtype = typed.get(t.dtype)
+                    if as_dtype is None:
+                        as_dtype = typed[t.dtype] = buf.view(t.dtype)
+                    at = offset + t.data_ptr() - r.source.data_ptr()
+                    staged[i] = (weights[i][0], as_dtype.as_strided(t.shape, t.stride(), at // t.element_size()))
+            offset += _aligned(r.nbytes)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()   # the PS reuses its buffer for the next bucket
         self.buckets.append(staged)

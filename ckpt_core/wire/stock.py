@@ -55,11 +55,11 @@ from typing import Any
 import torch
 import zmq
 
-from ckpt_core.wire.link import PsLink
-from ckpt_core.planning.buckets import Bucket
 from ckpt_core.checkpoint.safetensors import DTYPES
 from ckpt_core.devices import IpcBuffer, get_backend
-from ckpt_core.errors import ConfigError, ProtocolError
+from ckpt_core.errors import ConfigError, ProtocolError, TransportError
+from ckpt_core.planning.buckets import Bucket
+from ckpt_core.wire.link import PsLink
 
 _log = logging.getLogger(__name__)
 __all__ = ["WIRES", "check_wire", "wire_handles", "open_link", "decode_reply", "open_shared_buffer"]
@@ -94,8 +94,13 @@ def open_link(wire: str, ctx: zmq.Context, handle: str, update_id: str, *, bucke
     if wire == "native":
         return PsLink(ctx, handle, update_id, **link_kw)
     # ipc is None when this rank could not allocate it: the update then fails before any hello
+    def hello() -> bytes:
+        if ipc is None:   # never sent: the update failed before its hello
+            raise TransportError("this rank has no IPC buffer to describe in a hello")
+        return buffer_frame(device_kind, ipc)
+
     return StockLink(ctx, handle, update_id, finals=WIRES[wire], buckets=buckets, slot_bytes=slot_bytes,
-                     hello=lambda: buffer_frame(device_kind, ipc), **link_kw)
+                     hello=hello, **link_kw)
 
 
 # -- encoding (the only pickles we make; we never load one) ------------------------------------
@@ -129,9 +134,15 @@ def buffer_frame(device_kind: str, ipc: IpcBuffer) -> bytes:
 
 
 def bucket_frame(bucket: Bucket, base: int) -> bytes:
-    """One bucket's tensors as the stock worker reads them: absolute offsets in the buffer."""
-    return pickle.dumps([{"name": p.meta.name, "dtype": DTYPES[p.meta.dtype], "shape": torch.Size(p.meta.shape),
-                          "offset": base + p.offset} for p in bucket.placements], protocol=PICKLE_PROTOCOL)
+    """One bucket's tensors as the stock worker reads them: absolute offsets in the buffer. Made
+    once per planned bucket and slot offset (plans are cached): a per-tensor dict, size and pickle
+    on every update cost microseconds per tensor."""
+    frames = bucket.__dict__.setdefault("_stock_frames", {})
+    if base not in frames:
+        frames[base] = pickle.dumps([{"name": p.meta.name, "dtype": DTYPES[p.meta.dtype],
+                                      "shape": torch.Size(p.meta.shape), "offset": base + p.offset}
+                                     for p in bucket.placements], protocol=PICKLE_PROTOCOL)
+    return frames[base]
 
 
 def abort_frame(reason: str) -> bytes:
@@ -181,17 +192,17 @@ class StockLink(PsLink):
 
     def _request(self, kind: str, frame: bytes, what: str, index: int = -1) -> None:
         if self._owed is not None:
-            self._take_reply()
+            self._take_reply(self._owed)
         if self.failure is None:
             self._send(kind, frame)
             if self.failure is None:
                 self._owed = (what, index)
                 self._sent_handle = True
 
-    def _take_reply(self) -> None:
-        """Read the answer owed to the last request. If the wait ends first (stop, deadline, lost
-        worker), the answer stays owed: ``send_abort`` must know that the turn is still the worker's."""
-        what, index = self._owed
+    def _take_reply(self, owed: tuple[str, int]) -> None:
+        """Read the answer owed to the last request (``owed``: ``self._owed``). If the wait ends first (stop,
+        deadline, lost worker), the answer stays owed: ``send_abort`` must know that the turn is still the worker's."""
+        what, index = owed
         while self.failure is None:
             if not self._wait(zmq.POLLIN, f"the engine worker's answer to {what}"):
                 continue
@@ -208,14 +219,14 @@ class StockLink(PsLink):
                 self._done_upto = index
             return
 
-    def send_hello(self, fields: dict | None = None, *, frame: bytes | None = None) -> None:
+    def send_hello(self, fields: dict | None = None, *, frame: bytes | tuple[bytes, ...] | None = None) -> None:
         """Send the buffer handle. The native hello (plan, descriptor) has no stock equivalent and is
         ignored: a stock worker learns the buffer from the handle and the tensors bucket by bucket."""
         self._request("hello", self._hello(), "the buffer handle")
 
     def wait_ready(self) -> bool:
         if self._owed is not None:
-            self._take_reply()
+            self._take_reply(self._owed)
         return self.failure is None
 
     def send_bucket(self, index: int, slot: int) -> None:
@@ -223,8 +234,8 @@ class StockLink(PsLink):
 
     def wait_done(self, index: int) -> None:
         while self.failure is None and self._done_upto < index:
-            assert self._owed is not None and self._owed[1] >= index, f"bucket {index} was never sent"
-            self._take_reply()
+            assert self._owed is not None and self._owed[1] >= index, f"bucket {index} was never sent"  # noqa: S101 - our send order, not a peer's input
+            self._take_reply(self._owed)
 
     def send_end(self, keep_buffer: bool) -> None:
         """Stock workers always unmap; ``keep_buffer`` only keeps the PS's own buffer."""
@@ -234,7 +245,7 @@ class StockLink(PsLink):
 
     def wait_finished(self) -> None:
         if self._owed is not None:
-            self._take_reply()
+            self._take_reply(self._owed)
 
     def send_abort(self, reason: str) -> None:
         """End the stock worker's call, whatever its state (module docstring); once per update.

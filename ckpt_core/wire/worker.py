@@ -7,23 +7,31 @@ the model, and an optional ``post_hook`` run once after the last bucket.
 
 from __future__ import annotations
 
+import operator
 import sys
 import threading
 import time
 import traceback
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
 import zmq
 
-from ckpt_core.wire import protocol as proto
-from ckpt_core.wire.link import CLOSE_LINGER_MS, PeerWatch
-from ckpt_core.ops.gc import gc_paused
-from ckpt_core.ops.log import rank_logger
 from ckpt_core._settings import update_seconds
 from ckpt_core.checkpoint.safetensors import WIRE_DTYPES
 from ckpt_core.devices import get_backend
-from ckpt_core.errors import CkptError, ProtocolError, RemoteWorkerError, TransportError, UpdateTimeoutError
+from ckpt_core.errors import (
+    CkptError,
+    ConfigError,
+    ProtocolError,
+    RemoteWorkerError,
+    TransportError,
+    UpdateTimeoutError,
+)
+from ckpt_core.ops.gc import gc_paused
+from ckpt_core.ops.log import rank_logger
+from ckpt_core.wire import protocol as proto
+from ckpt_core.wire.link import CLOSE_LINGER_MS, PeerWatch
 
 __all__ = ["update_weights_from_ipc"]
 
@@ -75,20 +83,24 @@ class _Link:
     went away (process killed, update given up) is an error at once, not a long silence."""
 
     def __init__(self, sock: zmq.Socket, deadline: float):
-        self.sock, self.deadline, self.update = sock, deadline, None
+        self.sock, self.deadline = sock, deadline
+        self.update: str | None = None
         self.watch = PeerWatch(sock, sticky=True)
         self.poller = zmq.Poller()
         self.poller.register(sock, zmq.POLLIN)
         self.poller.register(self.watch.mon, zmq.POLLIN)
         self.reported = False   # an error frame went to the PS already
         self.last_frame = b""
+        self.rest: list[bytes] = []   # the frames after the last message's first (a hello's plan)
 
     def recv(self, expect: tuple[str, ...]) -> dict:
         waiting = f"waiting for {'/'.join(expect)}"
         while True:
             if self.sock.poll(0):
-                self.last_frame = self.sock.recv()
+                parts = self.sock.recv_multipart()
+                self.last_frame, self.rest = parts[0], parts[1:]
                 msg = proto.decode(self.last_frame, expect=expect, update=self.update)
+                proto.check_parts(msg, self.rest)
                 if msg["kind"] == "bucket" and self.watch.lost:
                     return self._last_word(expect, waiting)   # the PS is gone: its notices are void
                 return msg
@@ -104,7 +116,7 @@ class _Link:
     def _last_word(self, expect: tuple[str, ...], waiting: str) -> dict:
         """The PS left with bucket notices still queued: find its abort behind them, or report the loss."""
         while self.sock.poll(0):
-            msg = proto.decode(self.sock.recv(), expect=expect, update=self.update)
+            msg = proto.decode(self.sock.recv_multipart()[0], expect=expect, update=self.update)
             if msg["kind"] == "abort":
                 return msg
         raise TransportError(f"the parameter server closed the connection ({waiting}); the bucket "
@@ -131,19 +143,50 @@ class _Link:
         self.sock.close(linger=CLOSE_LINGER_MS)
 
 
-def _views(buf: torch.Tensor, base: int, tensors: Iterable[proto.WireTensor]) -> list[tuple[str, torch.Tensor]]:
-    out = []
-    for t in tensors:
-        raw = buf[base + t.offset: base + t.offset + t.nbytes]
-        out.append((t.name, raw.view(WIRE_DTYPES[t.dtype]).view(t.shape)))
-    return out
+class _Views:
+    """Each bucket's tensors as views of the mapped buffer, one ``as_strided`` call per tensor.
+
+    The buffer is viewed as each dtype once per update; a tensor is then that typed view at its
+    element offset with its row-major strides (worked out once per plan, ``proto.WireTensor``).
+    Slicing the bytes and viewing them as dtype and shape cost three calls per tensor, which on a
+    model of thousands of experts' tensors was the receive loop's largest cost. A bucket whose slot
+    or buffer is not aligned to one of its dtypes' item size takes that per-byte route.
+    """
+
+    def __init__(self, buf: torch.Tensor):
+        self.buf = buf
+        self._typed: dict[str, torch.Tensor | None] = {}
+
+    def _as(self, code: str) -> torch.Tensor | None:
+        """The whole buffer as dtype ``code`` (None if its start is not aligned to the item size)."""
+        if code not in self._typed:
+            dtype = WIRE_DTYPES[code]
+            k = dtype.itemsize
+            ok = self.buf.storage_offset() % k == 0
+            self._typed[code] = self.buf[: self.buf.numel() // k * k].view(dtype) if ok else None
+        return self._typed[code]
+
+    def bucket(self, base: int, tensors: tuple[proto.WireTensor, ...]) -> list[tuple[str, torch.Tensor]]:
+        """``(name, view)`` of every tensor of a bucket whose slot starts at byte ``base``."""
+        make, first = {}, {}   # dtype -> the typed buffer's as_strided, the element where the slot starts
+        for code in {t.dtype for t in tensors}:
+            typed = self._as(code)
+            if typed is None or base % WIRE_DTYPES[code].itemsize:
+                return self._by_bytes(base, tensors)
+            make[code], first[code] = typed.as_strided, typed.storage_offset() + base // WIRE_DTYPES[code].itemsize
+        return [(t.name, make[t.dtype](t.shape, t.strides, first[t.dtype] + t.element)) for t in tensors]
+
+    def _by_bytes(self, base: int, tensors) -> list[tuple[str, torch.Tensor]]:
+        """A slot not aligned to some dtype's item size: each tensor's bytes, viewed as dtype and shape."""
+        return [(t.name, self.buf[base + t.offset: base + t.offset + t.nbytes].view(WIRE_DTYPES[t.dtype]).view(t.shape))
+                for t in tensors]
 
 
 def update_weights_from_ipc(zmq_ctx: zmq.Context, zmq_handle: str, device_id: int, *, run: RunFn,
                             post_hook: Callable[[], Any] | None = None,
                             timeout: float = DEFAULT_TIMEOUT_S,
                             on_plan: Callable[[list[tuple[str, torch.dtype, tuple[int, ...]]]], Any] | None = None,
-                            ) -> None:
+                            slices: tuple[str, int] | None = None) -> None:
     """Receive one update from the colocated parameter-server rank.
 
     Connects to ``zmq_handle``, maps the PS rank's IPC buffer on device
@@ -151,8 +194,12 @@ def update_weights_from_ipc(zmq_ctx: zmq.Context, zmq_handle: str, device_id: in
     list of ``(name, tensor)`` viewing the shared buffer (valid only during the
     call: copy what you keep). ``post_hook()`` runs once after every bucket of
     every rank arrived. ``on_plan(tensors)``, if given, sees every ``(name, dtype,
-    shape)`` of the update before any bucket is loaded; if it raises (a missing or
+    shape)`` of the update (a tuple, made once per plan) before any bucket is loaded; if it raises (a missing or
     misshapen tensor, say), the update fails on every rank and nothing is loaded.
+    ``slices``: ``(slice plan digest, engine rank)`` when this worker loads by a slice plan: the
+    update must be routed to exactly that engine rank of that plan (the PS says so in its hello),
+    else it is refused with ConfigError on every rank before anything is mapped or loaded; None
+    (the default): whole tensors, and an update of slices is refused.
     Raises :class:`RemoteWorkerError` when the PS aborts the
     update, ``UpdateTimeoutError`` when it goes silent, and re-raises the first
     exception of ``run`` or ``post_hook``.
@@ -164,11 +211,24 @@ def update_weights_from_ipc(zmq_ctx: zmq.Context, zmq_handle: str, device_id: in
     """
     timeout = update_seconds(timeout)   # NaN or <= 0: ConfigError; inf: no deadline (clamped)
     with gc_paused():
-        _receive_update(zmq_ctx, zmq_handle, device_id, run, post_hook, timeout, on_plan)
+        _receive_update(zmq_ctx, zmq_handle, device_id, run, post_hook, timeout, on_plan, _own_route(slices))
+
+
+def _own_route(slices) -> tuple[str, int] | None:
+    """``slices`` as (plan digest, engine rank); ConfigError for anything else but None."""
+    if slices is None:
+        return None
+    try:
+        digest, rank = slices
+        if isinstance(digest, str) and digest and operator.index(rank) >= 0:
+            return digest, operator.index(rank)
+    except (TypeError, ValueError):
+        pass
+    raise ConfigError(f"slices must be (slice plan digest, engine rank) or None, got {slices!r:.80}")
 
 
 def _receive_update(zmq_ctx: zmq.Context, zmq_handle: str, device_id: int, run: RunFn, post_hook, timeout: float,
-                    on_plan) -> None:
+                    on_plan, slices) -> None:
     log = rank_logger(f"worker dev {device_id}")
     sock = zmq_ctx.socket(zmq.PAIR)
     sock.setsockopt(zmq.LINGER, 0)
@@ -179,7 +239,7 @@ def _receive_update(zmq_ctx: zmq.Context, zmq_handle: str, device_id: int, run: 
     keep = False
     try:
         sock.connect(zmq_handle)
-        hello, key, buf, backend = _handshake(link, device_id, on_plan)
+        hello, key, buf, backend = _handshake(link, device_id, on_plan, slices)
         t0 = time.perf_counter()
         failure = _receive_buckets(link, hello, buf, backend, device_id, run)
         if failure is not None:
@@ -218,16 +278,17 @@ def _receive_update(zmq_ctx: zmq.Context, zmq_handle: str, device_id: int, run: 
 
 def _clear_frames(exc: BaseException) -> None:
     seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        traceback.clear_frames(exc.__traceback__)
-        exc = exc.__cause__ or exc.__context__
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        traceback.clear_frames(cur.__traceback__)
+        cur = cur.__cause__ or cur.__context__
 
 
-def _handshake(link: _Link, device_id: int, on_plan=None):
+def _handshake(link: _Link, device_id: int, on_plan=None, slices=None):
     try:
         raw = link.recv(("hello",))
-        hello = proto.parse_hello(raw)
+        hello = proto.parse_hello(raw, link.rest[0] if link.rest else None)
     except ProtocolError as exc:
         # A frame we cannot trust: answer (under its update id if it has one, so that a PS of
         # another protocol version sees why) and leave without touching anything.
@@ -235,9 +296,13 @@ def _handshake(link: _Link, device_id: int, on_plan=None):
         link.report(-1, f"ProtocolError: {exc}")
         raise
     link.update = hello.update
+    problem = _route_problem(hello.slices, slices)
+    if problem is not None:   # another engine rank's slices (or plan) must never reach this worker's loaders
+        link.report(-1, f"ConfigError: {problem}")
+        raise ConfigError(problem)
     try:
         if on_plan is not None:   # the engine may refuse the checkpoint before any weight is touched
-            on_plan([(t.name, WIRE_DTYPES[t.dtype], t.shape) for b in hello.buckets for t in b])
+            on_plan(hello.listing)   # made once per plan
         backend = get_backend(hello.device_kind)
         backend.set_device(device_id)
         key, buf = _map(hello.device_kind, hello.buffer, device_id)
@@ -248,11 +313,33 @@ def _handshake(link: _Link, device_id: int, on_plan=None):
     return hello, key, buf, backend
 
 
+def _route_problem(sent: tuple[str, int] | None, mine: tuple[str, int] | None) -> str | None:
+    """Why the buckets the PS routed (``sent``: slice plan digest and engine rank, or None: whole
+    tensors) are not this worker's (``mine``), or None when they are."""
+    if sent == mine:
+        return None
+    if mine is None:
+        assert sent is not None  # noqa: S101 - sent != mine (type narrowing)
+        return (f"the parameter server sends the slices of engine rank {sent[1]} of slice plan {sent[0][:12]}; "
+                "this worker was told of no slice plan (it loads whole tensors)")
+    assert mine is not None  # noqa: S101 - type narrowing: returned above when None
+    if sent is None:
+        return (f"this worker loads by slice plan {mine[0][:12]} as engine rank {mine[1]}; the parameter server "
+                "sends whole tensors (it was given no slice plan, or another one)")
+    if sent[0] != mine[0]:
+        return (f"this worker loads by slice plan {mine[0][:12]}; the parameter server routes the update by slice "
+                f"plan {sent[0][:12]}: give both the same plan")
+    return (f"this worker is engine rank {mine[1]} of slice plan {mine[0][:12]}, but its parameter-server rank "
+            f"sends the slices of engine rank {sent[1]}: each engine rank must sit beside the PS rank that "
+            "routes its slices (docs/architecture.md, Slices)")
+
+
 def _receive_buckets(link: _Link, hello: proto.Hello, buf, backend, device_id: int, run: RunFn):
     """Run every bucket; on the first failure answer ``error`` and wait for the PS's abort.
 
     Returns the exception to raise (None on success, leaving ``end`` to be read).
     """
+    views = _Views(buf)
     for expected in range(len(hello.buckets)):
         msg = link.recv(("bucket", "abort"))
         if msg["kind"] == "abort":
@@ -261,7 +348,7 @@ def _receive_buckets(link: _Link, hello: proto.Hello, buf, backend, device_id: i
             index, slot = proto.parse_bucket(msg, hello)
             if index != expected:
                 raise ProtocolError(f"bucket {index} arrived where bucket {expected} was due")
-            run(_views(buf, slot * hello.slot_bytes, hello.buckets[index]))
+            run(views.bucket(slot * hello.slot_bytes, hello.buckets[index]))
             backend.synchronize(device_id)
         except Exception as exc:  # the engine's loader failed, or the frame was bad
             link.report(expected, traceback.format_exc())

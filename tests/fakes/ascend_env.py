@@ -36,7 +36,7 @@ def install_project(dest: Path) -> Path:
     dest.mkdir(parents=True, exist_ok=True)
     src = dest.parent / (dest.name + "-src")
     src.mkdir(exist_ok=True)
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "LICENSE"):   # LICENSE: pyproject's license-files
         shutil.copy(ROOT / name, src / name)
     for pkg in ("ckpt_core", "ckpt_vllm", "ckpt_sglang", "ckpt_ascend"):
         shutil.copytree(ROOT / pkg, src / pkg, ignore=shutil.ignore_patterns("__pycache__"), dirs_exist_ok=True)

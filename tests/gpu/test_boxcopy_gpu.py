@@ -106,3 +106,43 @@ def test_a_column_slice_of_pinned_memory_copies_at_the_links_rate():
     finally:
         for p in pins:
             p.release()
+
+
+def test_merged_copies_of_a_layer_of_experts_pack_bit_exact_and_their_rates_are_printed():
+    """Engine rank 1 of 8's slices of moe8's layer of 40 experts (320 x 2048 bf16), from host memory
+    pinned in 64 MiB pieces: the merged copies (the gate rows of all experts as one pitched copy with
+    a destination pitch, likewise the up rows) put the same bytes in the same places as the unmerged
+    ones; times of both, and of the down slices' 80-byte rows alone, printed (not asserted)."""
+    from boxcopy_cases import experts_layer
+    from ckpt_core.devices.cpu import CpuBackend
+    from ckpt_core.planning.boxcopy import merge_copies
+
+    backend = CudaBackend()
+    torch.cuda.set_device(0)
+    chunk = 64 << 20   # the layer spans three pieces: a progression stops at a border
+    copies, host_bytes, size = experts_layer(40, 320, 2048, t=1, tp=8, dst=0, pin_chunk=chunk)
+    merged = merge_copies(copies, pin_chunk=chunk)
+    assert len(merged) < len(copies) // 2 and any(c.dpitch for c in merged)
+    host, pins = _pinned(backend, -(-host_bytes // chunk) * chunk, chunk)
+    try:
+        want = torch.zeros(size, dtype=torch.uint8)
+        CpuBackend().copy_pitched(want, host, copies)
+        narrow = [c for c in copies if c.height > 1]
+        times = {}
+        for what, chosen in (("unmerged", copies), ("merged", merged), ("down slices only", narrow)):
+            dst = torch.zeros(size, dtype=torch.uint8, device="cuda")
+            best = None
+            for _ in range(3):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                backend.copy_pitched(dst, host, chosen)
+                torch.cuda.synchronize()
+                best = min(best or 1e9, time.perf_counter() - t0)
+            times[what] = (best, copied_bytes(chosen), len(chosen))
+            if chosen is not narrow:
+                assert torch.equal(dst.cpu(), want), what
+        print("a layer of 40 experts, rank 1 of 8: " + ", ".join(
+            f"{k} {n} copies {t * 1e3:.2f} ms ({b / t / 1e9:.1f} GB/s)" for k, (t, b, n) in times.items()))
+    finally:
+        for p in pins:
+            p.release()

@@ -461,6 +461,72 @@ def staged_result(llm, version: str = "b", timeout: float = 120.0) -> dict:
     return wait_staged(llm_rpc(llm), version, timeout, where="the offline engine", poll_s=0.01)[0]
 
 
+def stage_file(llm, file: Path, version: str) -> dict:
+    """Stage ``file`` as ``version`` (wholly in device memory) through a one-rank CUDA PS; the stage's result."""
+    with new_ps() as ps:
+        ps.register_checkpoint(version, files=[str(file)])
+        ps.gather_metas(version)
+        ps.update(version, lambda handles: llm.collective_rpc(
+            "update_weights_from_ipc", args=(dict(handles),),
+            kwargs={"timeout": 300, "stage": version, "stage_device_bytes": 1 << 40}))
+    return staged_result(llm, version)
+
+
+@pytest.mark.gpu
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_a_prepared_commit_of_an_incomplete_stage_is_refused_and_the_next_complete_one_equals_a_cold_load(
+        prepared, tmp_path):
+    """Issue 33, item 3. An engine cold-loaded from A (no update yet: its first stage has no live
+    layout to be checked against) stages B without k_proj (fused qkv_proj half-written), then B
+    without a whole layer (down_proj), each prepared one layer group per call: the preparation
+    says ``refused`` naming the tensor, the commit raises CheckpointFormatError, and the engine
+    still equals the cold load of A byte for byte (and answers like it). Then B, complete and
+    prepared over several calls, commits prepared and equals a cold load of B (the q/k/v biases
+    of the layers prepared first included)."""
+    from safetensors.torch import load_file, save_file
+    from vllm import LLM
+
+    case = "qwen2-bf16"
+    if case not in prepared:
+        pytest.skip(f"{case} is not among CKPT_GPU_VLLM_CASES")
+    p = prepared[case]
+    cold = [p.cold["digests"][str(w)] for w in p.weights]
+    tokens_a = p.cold["tokens"][str(p.weights[0])]
+    spec = importlib.util.spec_from_file_location("cold_load", SUPPORT / "cold_load.py")
+    cold_load = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cold_load)
+    llm = LLM(model=str(cold_load.checkpoint_dir(p.model_dir, p.weights[0], tmp_path)), load_format="auto",
+              worker_extension_cls=EXTENSION, **{k: v for k, v in p.engine_kwargs.items() if v is not None})
+    assert not differences(llm.collective_rpc("ckpt_state_digests"), cold[0]), "the engine did not start as A"
+    tensors = load_file(str(p.weights[1]))
+    for version, drop in (("without-k", "model.layers.0.self_attn.k_proj.weight"),
+                          ("without-down", "model.layers.1.mlp.down_proj.weight")):
+        broken = tmp_path / f"{version}.safetensors"
+        save_file({n: t for n, t in tensors.items() if n != drop}, str(broken))
+        stage_file(llm, broken, version)   # accepted: a first stage has no layout to be compared with
+        states, steps = prepare_staged(llm_rpc(llm), version, 1, 300.0)
+        assert states[0]["state"] == "refused" and drop in states[0]["reason"], states[0]
+        with pytest.raises(Exception) as refused:   # CheckpointFormatError, as the offline engine passes it on
+            llm.collective_rpc("commit_staged_weights", args=(version,))
+        assert f"cannot commit version {version!r}" in str(refused.value) and drop in str(refused.value), refused.value
+        differ = differences(llm.collective_rpc("ckpt_state_digests"), cold[0])
+        assert not differ, "a refused prepared commit changed the engine:\n" + "\n".join(differ)
+        assert _greedy(llm, p.prompts) == tokens_a
+        assert llm.collective_rpc("ckpt_weight_versions")[0]["staged"] is None, "the refused stage was kept"
+        print(f"{version}: refused after {steps} preparing call(s): {states[0]['reason']}")
+    stage_file(llm, p.weights[1], "b")
+    states, steps = prepare_staged(llm_rpc(llm), "b", 1, 300.0)
+    assert states[0]["state"] == "prepared" and steps > 2, (states[0], steps)
+    committed = llm.collective_rpc("commit_staged_weights", args=("b",))[0]
+    llm.reset_prefix_cache()
+    assert committed.get("path") == "prepared", committed
+    differ = differences(llm.collective_rpc("ckpt_state_digests"), cold[1])
+    assert not differ, "a prepared commit over several calls differs from a cold load of B:\n" + "\n".join(differ)
+    assert _greedy(llm, p.prompts) == p.cold["tokens"][str(p.weights[1])]
+    del llm
+
+
 @pytest.mark.gpu
 @pytest.mark.vllm
 @pytest.mark.slow

@@ -17,7 +17,8 @@ def test_the_cpu_benchmark_runs_and_records_every_section(tmp_path):
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            os.path.join(ROOT, "benchmarks", "update_bench.py"), "--device", "cpu", "--scale", "0.002",
-           "--cases", "tiny,moe8", "--repeats", "1", "--host-touch-gib", "0.05", "--tp", "2", "--out", str(out)]
+           "--cases", "tiny,moe8", "--repeats", "1", "--host-touch-gib", "0.05", "--tp", "2", "--out", str(out),
+           "--profile", str(tmp_path / "prof")]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "every update was verified bit-exact" in proc.stdout
@@ -37,6 +38,13 @@ def test_the_cpu_benchmark_runs_and_records_every_section(tmp_path):
         assert tp["mode"] == "parallel" and tp["sliced_s"] > 0 and len(tp["received_bytes_per_rank"]) == 2
         assert 0.5 <= tp["received_fraction"] < 0.6 and sum(tp["received_bytes_per_rank"]) < 1.2 * c["bytes"]
     assert "slices (--tp)" in proc.stdout
+    for c in result["cases"]:   # per-tensor costs (issue 38): whole and sliced, ours and the engine's
+        for pt in (c["per_tensor"], c["tp"]["per_tensor"]):
+            assert pt["tensors"] == c["tensors"] and pt["ps_us"] > 0 and pt["worker_us"] > 0 and pt["engine_us"] > 0
+    assert "per-tensor cost, us per tensor" in proc.stdout
+    profiles = {p.name for p in (tmp_path / "prof").iterdir()}   # one more, untimed update profiled per case
+    for stem in ("moe8-whole-ps-r0", "moe8-whole-ps-r1", "moe8-whole-w0", "moe8-whole-w1", "moe8-tp2-ps-r0", "moe8-tp2-w1"):
+        assert {stem + ".prof", stem + ".txt"} <= profiles, (stem, sorted(profiles))
     assert result["targets"] == []                                             # a cpu run claims no GPU target
 
 

@@ -36,9 +36,10 @@ def _clean_env() -> dict:
 
 
 def _copy_sources(dst: Path) -> Path:
-    """pyproject.toml, README.md and the packages it lists: what a source distribution holds."""
+    """pyproject.toml, README.md, the license file, the manifest and the packages pyproject lists: what a
+    source distribution holds of them."""
     dst.mkdir()
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "LICENSE", "MANIFEST.in", "CHANGELOG.md"):
         shutil.copy(ROOT / name, dst / name)
     include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
     for pkg in sorted({p.rstrip("*") for p in include}):

@@ -94,6 +94,22 @@ def test_a_non_positive_timeout_is_a_config_error(world):
     ckpts.drop(name)
 
 
+@pytest.mark.parametrize("refuse_on", [0, 1], ids=["the-posting-rank", "another-rank"])
+def test_a_req_funcs_precheck_refuses_the_update_on_every_rank_before_any_engine_is_asked(world, refuse_on):
+    """An engine adapter's refusal (``req_func.precheck()``: SGLang cannot reload FP8 per tensor) is
+    asked before the update's first exchange: one ConfigError on every rank, no engine posted to,
+    the world usable."""
+    ps, front, ckpts = world
+    name, _ = ckpts.new("prechecked")
+    posted = len(front.requests)
+    got = ps.all("call", ("ps_fault_cases", "update_refused_by_precheck", (name, front.address, 30, refuse_on)))
+    dt = assert_all(got, "ConfigError", f"refused on rank(s) [{refuse_on}]", "cannot load the checkpoint in place")
+    assert len(front.requests) == posted, "refused before anything moved: no engine was asked"
+    report_case("req_func.precheck refuses", "ConfigError naming the rank, every rank, no engine asked", dt)
+    ckpts.drop(name)
+    assert_world_still_delivers(ps, front, ckpts)
+
+
 def test_a_second_update_while_one_runs_is_a_config_error_and_the_first_completes(world):
     ps, front, ckpts = world
     name, want = ckpts.new("concurrent")

@@ -22,13 +22,13 @@ import zmq
 
 from ckpt_core.wire import protocol as proto
 from ckpt_core import local_device_key
-from harness import AUTH, EngineFront, FreshCheckpoints, PickleBomb, PsWorld, report_case
+from harness import AUTH, EngineFront, FreshCheckpoints, PickleBomb, PsWorld, hello_fields, report_case
 
 SLOT = 4096
 
 
 def _hello(**over) -> dict:
-    fields = proto.hello_fields("cpu", {"kind": "cpu", "path": f"/dev/shm/ckpt-foreign-{uuid.uuid4().hex}",
+    fields = hello_fields("cpu", {"kind": "cpu", "path": f"/dev/shm/ckpt-foreign-{uuid.uuid4().hex}",
                                         "nbytes": SLOT}, SLOT, 1, [[("w", "F32", (16,), 0)]])
     fields.update(over)
     return fields

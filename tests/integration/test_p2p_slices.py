@@ -1,7 +1,9 @@
 """Sliced P2P updates (``update(name, req, ranks=[...], slices=plan)``) over Mooncake's real TCP
 transport on loopback: a 3-rank PS world whose every rank owns part of the checkpoint, two of
-its ranks targets (target i, the i-th of ``ranks``, is engine rank i), real engine workers.
-Each target's engine holds exactly its rows, its columns and the whole tensors, bit for bit;
+its ranks targets (the targets in rank order are engine ranks 0, 1, whatever the order of
+``ranks``), real engine workers, each told its engine rank of the plan as a vLLM worker knows its
+tensor-parallel rank. Each target's engine holds exactly its rows, its columns and the whole
+tensors, bit for bit; a worker of another engine rank or plan refuses, and so does every rank;
 rewritten owner memory is refused before any engine loads it; a bad plan moves nothing. A joining
 world pulls its slices through metas saved with the plan's box digests."""
 
@@ -12,7 +14,8 @@ import json
 import pytest
 import torch
 
-from harness import EngineFront, PsWorld, assert_every_rank_failed, digest, fresh_tensor, make_req_func
+from harness import (EngineFront, PsWorld, assert_every_rank_failed, assert_healthy_workers_aborted, digest,
+                     fresh_tensor, make_req_func)
 from p2p_cases import JOINERS, OWNERS, SMALL, all_ok
 
 pytest.importorskip("mooncake.engine", reason="Mooncake (the p2p extra) is not installed")
@@ -106,25 +109,31 @@ def world():
         yield w
 
 
+def digest_of(doc: dict) -> str:
+    from ckpt_core.planning.slices import plan_from_json
+    return plan_from_json(doc).digest
+
+
 def case_sliced(kind: str, world: PsWorld, size: int, ranks: list[int]) -> dict:
     """A sliced P2P update into ``ranks`` of a world of ``size``: each engine holds its slices and the
     whole tensors, bit for bit; the figures add up. Returns every rank's outcome."""
     register(world, "c", 7, size)
-    devices = sorted(ranks)
-    front = EngineFront(kind, len(ranks), devices=devices)   # front worker i is PS rank devices[i]'s engine
+    targets = sorted(ranks)   # engine rank i is the i-th target in rank order, whatever the order of ranks
+    # front worker i is PS rank targets[i]'s engine, of engine rank i (it refuses the slices of another)
+    front = EngineFront(kind, len(ranks), devices=targets, slices=(digest_of(plan_doc()), [0, 1]))
     try:
         got = all_ok(call(world, "sliced_p2p", "c", front.address, 60, ranks, plan_doc()))
-        for engine_rank, r in enumerate(ranks):
-            assert front.digests(devices.index(r)) == want(7, engine_rank), f"engine rank {engine_rank} (PS rank {r})"
+        for engine_rank, r in enumerate(targets):
+            assert front.digests(engine_rank) == want(7, engine_rank), f"engine rank {engine_rank} (PS rank {r})"
         from ckpt_core.planning.slices import plan_from_json
         plan = plan_from_json(plan_doc())
         total = sum(t.numel() * t.element_size() for t in tensors(7).values())
         for r in ranks:
             s = got[r].value["slices"]
-            assert s["targets"] == ranks and s["plan"] == plan.digest
+            assert s["targets"] == targets and s["plan"] == plan.digest
             assert s["received_bytes"] == [plan.rank_bytes(0), plan.rank_bytes(1)]
             assert s["whole_bytes"] == total
-            assert [got[t].value["read_bytes"] for t in ranks] == s["read_bytes"], "planned != read"
+            assert [got[t].value["read_bytes"] for t in targets] == s["read_bytes"], "planned != read"
             # each byte of the checkpoint crosses the network once (each slice to its target, whole tensors to one
             # reader), plus the holes between the rows of column slices that are read with them (p2p/slices.py)
             assert total <= sum(s["read_bytes"]) < 1.5 * total, s
@@ -137,7 +146,8 @@ def case_sliced(kind: str, world: PsWorld, size: int, ranks: list[int]) -> dict:
 # ---------------------------------------------------------------- tests
 @pytest.mark.parametrize("ranks", [[1, 2], [2, 1]])
 def test_each_target_receives_exactly_its_slices_and_the_whole_tensors_and_reads_what_was_planned(world, ranks):
-    """ranks [2, 1]: PS rank 2 is engine rank 0. Rank 0 (an owner, not a target) touches no engine."""
+    """ranks [2, 1] is the update [1, 2]: PS rank 1 is engine rank 0 either way (before, [2, 1] sent engine
+    rank 0's slices to PS rank 2's worker). Rank 0 (an owner, not a target) touches no engine."""
     got = case_sliced("cpu", world, 3, ranks)
     assert got[0].value["target"] is False
     assert world.all("ipc_buffer", ranks=[0])[0].value is None, "a non-target allocated a buffer"
@@ -161,7 +171,7 @@ def test_a_rewritten_slice_is_refused_by_its_target_and_rewritten_tensors_are_ne
     for name, seed in (("a", 11), ("b", 12), ("c", 13), ("d", 14)):
         register(world, name, seed)
     doc = all_ok(call(world, "metas_doc"))[0].value
-    front = EngineFront("cpu", 2, devices=[1, 2])
+    front = EngineFront("cpu", 2, devices=[1, 2], slices=(digest_of(plan_doc()), [0, 1]))
     foreign = ForeignPeer()
     try:
         for name in ("a", "b"):   # a's box digests are taken (and cached) on its owners; engines hold b
@@ -190,9 +200,46 @@ def test_a_rewritten_slice_is_refused_by_its_target_and_rewritten_tensors_are_ne
         front.close()
 
 
+def test_a_worker_of_another_engine_rank_or_plan_refuses_the_slices_on_every_rank_and_keeps_its_weights(world):
+    """The hello of a sliced update names the plan and the engine rank the PS routed to that worker. Workers
+    whose engine ranks are the other way round (an engine whose rank 0 sits beside PS rank 2), a worker
+    told another plan, and workers loading whole tensors each refuse it before loading anything (a
+    ConfigError naming both sides), every rank raises, the engines keep their weights; so does a whole
+    update into workers that expect slices. Then the right update is bit-exact. Before the fix the
+    swapped engines loaded each other's rows and every rank reported success."""
+    register(world, "c", 41)
+    register(world, "d", 42)
+    plan = digest_of(plan_doc())
+    front = EngineFront("cpu", 2, devices=[1, 2], slices=(plan, [0, 1]))
+    try:
+        all_ok(call(world, "sliced_p2p", "c", front.address, 60, [1, 2], plan_doc()))
+        before = {i: want(41, i) for i in range(2)}
+        # both workers refuse [1, 0]: a rank raises whichever refusal reaches it first
+        refusals = [((plan, [1, 0]), "sliced", (0, 1), "but its parameter-server rank sends the slices of engine rank"),
+                    ((plan, [0, 0]), "sliced", (1,), "the slices of engine rank 1"),
+                    (("0" * 40, [0, 1]), "sliced", (0, 1), "routes the update by slice plan " + plan[:12]),
+                    (None, "sliced", (0, 1), "told of no slice plan"),
+                    ((plan, [0, 1]), "whole", (0, 1), "the parameter server sends whole tensors")]
+        for told, how, failing, needle in refusals:
+            front.expect_slices(told)
+            since = front.fanouts
+            got = (call(world, "sliced_p2p", "d", front.address, 60, [2, 1], plan_doc()) if how == "sliced" else
+                   call(world, "p2p_update", "d", front.address, 60, [1, 2], module="p2p_cases"))
+            assert_every_rank_failed(got, "RemoteWorkerError", "ConfigError", needle)
+            # the refusing workers raised ConfigError, the others RemoteWorkerError (aborted); none loaded
+            assert_healthy_workers_aborted(front, since, before, failing=failing)
+            assert all("ConfigError" in front.worker_outcomes(since)[i][1] for i in failing), front.last_results
+        front.expect_slices((plan, [0, 1]))
+        all_ok(call(world, "sliced_p2p", "d", front.address, 60, [2, 1], plan_doc()))
+        for i in range(2):
+            assert front.digests(i) == want(42, i), "the sliced update after the refused ones is bit-exact"
+    finally:
+        front.close()
+
+
 def test_a_plan_for_other_targets_or_another_checkpoint_is_a_config_error_on_every_rank_before_a_byte_moves(world):
     register(world, "c", 21)
-    front = EngineFront("cpu", 2, devices=[1, 2])
+    front = EngineFront("cpu", 2, devices=[1, 2], slices=(digest_of(plan_doc()), [0, 1]))
     try:
         got = call(world, "sliced_p2p", "c", front.address, 60, [2], plan_doc(2))
         assert_every_rank_failed(got, "ConfigError", "2 engine ranks but the P2P update has 1 target(s)")
@@ -209,7 +256,7 @@ def test_a_plan_for_other_targets_or_another_checkpoint_is_a_config_error_on_eve
 def test_a_joining_world_pulls_its_slices_through_metas_saved_with_the_plan_and_checks_each_against_them(
         world, tmp_path):
     """Owners save their metas with the plan's box digests; a separate world of 2 ranks that owns
-    nothing loads the file and each target (ranks [1, 0]: PS rank 1 is engine rank 0) pulls exactly
+    nothing loads the file and each target (ranks [1, 0]: PS rank 0 is engine rank 0) pulls exactly
     its rows, columns and whole tensors, bit for bit. Bytes rewritten in an owner's memory inside
     engine rank 1's rows after saving are refused by that target, the engines keep their weights.
     Metas saved without the plan refuse a sliced update on every rank before a byte moves, naming
@@ -240,24 +287,24 @@ def test_a_joining_world_pulls_its_slices_through_metas_saved_with_the_plan_and_
     ranks = [1, 0]
     with PsWorld("cpu", 2, init=SMALL, env=JOINERS) as joiners:
         all_ok(joiners.all("call", ("p2p_cases", "load_metas", (sliced,))))
-        front = EngineFront("cpu", 2, devices=[0, 1])
+        front = EngineFront("cpu", 2, devices=[0, 1], slices=(digest_, [0, 1]))
         foreign = ForeignPeer()
         try:
             got = all_ok(call(joiners, "sliced_p2p", "a", front.address, 60, ranks, plan_doc()))
-            for engine_rank, r in enumerate(ranks):
-                assert front.digests(r) == want(31, engine_rank), f"engine rank {engine_rank} (PS rank {r})"
+            for r in range(2):
+                assert front.digests(r) == want(31, r), f"engine rank {r} (PS rank {r})"
             plan = plan_from_json(plan_doc())
             s = got[0].value["slices"]
-            assert s["targets"] == ranks and s["received_bytes"] == [plan.rank_bytes(0), plan.rank_bytes(1)]
-            assert [got[t].value["read_bytes"] for t in ranks] == s["read_bytes"], "planned != read"
+            assert s["targets"] == [0, 1] and s["received_bytes"] == [plan.rank_bytes(0), plan.rank_bytes(1)]
+            assert [got[t].value["read_bytes"] for t in (0, 1)] == s["read_bytes"], "planned != read"
             assert sum(s["read_bytes"]) >= s["whole_bytes"]
 
             addr, ptr, n = slice_pointer(doc, "b", "rows", 1)
             assert foreign.write(addr, ptr + 64, 16) == 0   # inside engine rank 1's rows, on owner rank 0, after saving
             got = call(joiners, "sliced_p2p", "b", front.address, 60, ranks, plan_doc())
-            assert_every_rank_failed(got, "TransportError", f"rank {ranks[1]}:", "the slice of tensor 'rows' does not match")
-            for engine_rank, r in enumerate(ranks):
-                assert front.digests(r) == want(31, engine_rank), "an engine loaded bytes of the tampered checkpoint"
+            assert_every_rank_failed(got, "TransportError", "rank 1:", "the slice of tensor 'rows' does not match")
+            for r in range(2):
+                assert front.digests(r) == want(31, r), "an engine loaded bytes of the tampered checkpoint"
 
             all_ok(joiners.all("call", ("p2p_cases", "load_metas", (plain,))))
             fanouts = front.fanouts
@@ -265,6 +312,7 @@ def test_a_joining_world_pulls_its_slices_through_metas_saved_with_the_plan_and_
             assert_every_rank_failed(got, "ConfigError", "owner rank 0 published none for slice plan",
                                      "save_metas(path, slices=plan)")
             assert front.fanouts == fanouts, "an engine was asked to load after the refusal"
+            front.expect_slices(None)   # the engines load whole tensors from now on
             all_ok(call(joiners, "p2p_update", "a", front.address, 60, [0, 1], module="p2p_cases"))
             whole = {n: digest(t) for n, t in tensors(31).items()}
             assert front.digests(0) == whole and front.digests(1) == whole, "the unsliced join is bit-exact"

@@ -146,4 +146,22 @@ def test_a_req_func_failure_is_published_under_its_own_rank():
     store = Store()
     signal = StopSignal(store, "abort", 3, req, logging.getLogger("test"))
     assert "req_func raised" in signal.should_stop() and "no engine here" in signal.should_stop()
-    assert store == {"abort": "rank 3: req_func raised"}
+    assert store == {"abort": "rank 3: req_func raised: RuntimeError: no engine here"}
+
+
+def test_an_update_to_a_dead_engine_says_which_url_and_why_in_its_message():
+    """The error names the URL and the cause ("connection refused"), not only that req_func
+    raised; the traceback stays in remote_traceback."""
+    from harness import free_port
+    from ckpt_core import ParameterServer, RemoteWorkerError, request_inference_to_update
+
+    url = f"http://127.0.0.1:{free_port()}/collective_rpc"   # nothing listens there
+    with ParameterServer(rank=0, world_size=1, device="cpu", master_addr="127.0.0.1", master_port=free_port()) as ps:
+        ps.register_checkpoint("c", named_tensors={"w": torch.randn(64)})
+        ps.gather_metas("c")
+        with pytest.raises(RemoteWorkerError) as info:
+            ps.update("c", lambda handles: request_inference_to_update(url, dict(handles), timeout=10), timeout=30)
+    message = str(info.value).split("--- remote traceback ---")[0]
+    assert url.removesuffix("/collective_rpc") in message and "POST /collective_rpc" in message, message
+    assert "ConnectError" in message and "refused" in message.lower(), message
+    assert info.value.remote_traceback and "Traceback" in info.value.remote_traceback

@@ -136,10 +136,13 @@ def test_health_and_status_answer_during_a_slow_update_and_a_second_update_is_a_
     ("/v1/metas", {"c": [[{"name": 1}]]}, 400, "ConfigError", "format"),
 ])
 def test_bad_requests_are_4xx_with_a_json_body_naming_the_problem(world, route, body, code, kind, needle):
-    resp = world.clients[0].post(route, json=body)
-    assert resp.status_code == code, resp.text
-    err = resp.json()["error"]
-    assert err["type"] == kind and needle in err["message"], err
+    # the update is collective: its refusal is agreed by every rank, each asked (test_service_agree.py)
+    got = world.all("POST", route, [body] * world.size) if route.endswith("/update") else \
+        [world.clients[0].post(route, json=body)]
+    for resp in got:
+        assert resp.status_code == code, resp.text
+        err = resp.json()["error"]
+        assert err["type"] == kind and needle in err["message"], err
 
 
 def test_a_missing_file_inside_the_allowed_directory_is_a_400_naming_it(world):
@@ -170,9 +173,9 @@ def test_misuse_of_a_registered_checkpoint_is_a_400(world):
     _register_and_gather(world, "misuse")
     try:
         for body, needle in (({"inference_group_ranks": [5]}, "outside this world"),):
-            resp = world.clients[0].post("/v1/checkpoints/misuse/update", json=body)
-            assert resp.status_code == 400 and resp.json()["error"]["type"] == "ConfigError", resp.text
-            assert needle in resp.json()["error"]["message"]
+            for resp in world.all("POST", "/v1/checkpoints/misuse/update", [body] * world.size):
+                assert resp.status_code == 400 and resp.json()["error"]["type"] == "ConfigError", resp.text
+                assert needle in resp.json()["error"]["message"]
     finally:
         world.all("DELETE", "/v1/checkpoints/misuse")
 
@@ -263,8 +266,8 @@ def test_a_slice_plan_the_posting_rank_cannot_record_fails_every_rank_naming_it_
     assert [r.status_code for r in _update(world, "sliced")] == [200, 200]
     assert _engines_hold(world, want)
     world.all("DELETE", "/v1/checkpoints/sliced")
-    bad = world.clients[0].post("/v1/checkpoints/x/update", json={"slices": True, "engine": "sglang"})
-    assert bad.status_code == 422 and "slices apply to engine='vllm'" in bad.text
+    for bad in world.all("POST", "/v1/checkpoints/x/update", [{"slices": True, "engine": "sglang"}] * world.size):
+        assert bad.status_code == 422 and "slices does not apply to engine='sglang'" in bad.text
 
 
 def test_the_operators_ckpt_slices_0_turns_a_sliced_request_into_a_whole_update_said_once(tmp_path):
@@ -286,3 +289,40 @@ def test_the_operators_ckpt_slices_0_turns_a_sliced_request_into_a_whole_update_
     for log in w.logs:
         with open(log) as f:
             assert f.read().count("slices were asked for, but CKPT_SLICES=0 turns them off") == 1
+
+
+def _documented_metas() -> dict:
+    """The JSON example under docs/operations.md's "The metas document"."""
+    import json
+    import re
+    text = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "operations.md")).read()
+    section = text[text.index("### The metas document"):]
+    return json.loads(re.search(r"```json\n(.*?)```", section, re.S).group(1))
+
+
+def _shape(value):
+    """Keys and types, not values: a dict's keys (a checkpoint name stands for any), a list of alike
+    items as one, a row of unlike items item by item."""
+    if isinstance(value, dict):
+        return {k: _shape(v) for k, v in value.items()}
+    if isinstance(value, list):
+        shapes = [_shape(v) for v in value]
+        return ["list of", shapes[0]] if shapes and all(s == shapes[0] for s in shapes) else shapes
+    return type(value).__name__
+
+
+def test_get_v1_metas_serves_the_document_operations_md_shows_and_post_takes_it_back(world):
+    documented = _documented_metas()
+    _register_and_gather(world, "metas-doc")
+    served = world.clients[0].get("/v1/metas").json()
+    try:
+        assert served["checkpoints"]["metas-doc"]["owners"][1]["rank"] == 1, "every owner rank is listed"
+        doc_ckpt = next(iter(documented["checkpoints"].values()))
+        assert _shape({**documented, "checkpoints": None}) == _shape({**served, "checkpoints": None})
+        assert _shape(doc_ckpt) == _shape(served["checkpoints"]["metas-doc"]), (doc_ckpt, served)
+        got = world.all("POST", "/v1/metas", [served] * world.size)
+        assert [r.status_code for r in got] == [200, 200], [r.text for r in got]
+        bad = world.clients[0].post("/v1/metas", json={**served, "format": "someone-else/metas"})
+        assert bad.status_code == 400 and bad.json()["error"]["type"] == "ConfigError", bad.text
+    finally:
+        world.all("DELETE", "/v1/checkpoints/metas-doc")

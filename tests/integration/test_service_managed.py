@@ -19,12 +19,12 @@ from harness import FAULT_DTYPES, free_port, fresh_tensor, process_gone, want_di
 from service_world import ROOT, HttpEngineFront, wait_healthy  # noqa: E402
 from ckpt_core.checkpoint.safetensors import write_file  # noqa: E402
 from ckpt_core.errors import ConfigError  # noqa: E402
-from ckpt_core.service._managed import parse_serve_spec  # noqa: E402
+from ckpt_core.engines.managed import parse_serve_spec  # noqa: E402
 
 # A stand-in for an engine worker's lifecycle hooks: start the PS child, report its pid, stop it on SIGTERM.
 WORKER = r"""
 import json, signal, sys, time
-from ckpt_core.service._managed import start_managed
+from ckpt_core.engines.managed import start_managed
 rank, world, port, spec, log = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
 m = start_managed(spec, rank=rank, world_size=world, local_rank=rank, device="cpu", master_port=port,
                   extra_args=["--keep-device-buffers", "--max-bucket-gib", "0.00005"], log_path=log)

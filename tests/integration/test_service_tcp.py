@@ -90,3 +90,54 @@ def test_the_bearer_scheme_is_case_insensitive_and_the_token_is_not(tmp_path):
     finally:
         client.close()
         assert stop(proc) == 0, open(log).read()[-3000:]
+
+
+def test_every_refusal_of_the_token_policy_and_validation_is_logged_and_counted(tmp_path):
+    """401 (token), 403 (a file outside --allow-dir), 422 (a malformed body) refuse before any long
+    operation runs: each is a WARNING line naming the route, status, type and message, and is counted
+    in ckpt_requests_refused_total{status, error}."""
+    port = free_port()
+    log = str(tmp_path / "serve.log")
+    proc = start_serve(["--device", "cpu", "--host", "127.0.0.1", "--port", str(port), "--allow-dir", str(tmp_path)],
+                       _single_rank_env(CKPT_SERVICE_TOKEN=TOKEN), log)
+    right = httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
+    try:
+        wait_healthy(right, proc, log)
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/status", timeout=60).status_code == 401
+        assert right.post("/v1/checkpoints/x/files", json={"files": ["/etc/passwd"]}).status_code == 403
+        assert right.post("/v1/checkpoints/x/files", json={"files": "not a list"}).status_code == 422
+        metrics = right.get("/metrics").text
+        for status, error in (("401", "Unauthorized"), ("403", "Forbidden"), ("422", "ValidationError")):
+            line = f'ckpt_requests_refused_total{{error="{error}",rank="0",status="{status}"}} 1.0'
+            assert line in metrics, (line, [m for m in metrics.splitlines() if "refused" in m])
+    finally:
+        right.close()
+        assert stop(proc) == 0, open(log).read()[-3000:]
+    text = open(log).read()
+    assert "refused GET /v1/status status=401 error=Unauthorized: missing or wrong bearer token" in text, text[-3000:]
+    assert "refused POST /v1/checkpoints/x/files status=403 error=Forbidden: file '/etc/passwd'" in text, text[-3000:]
+    assert "refused POST /v1/checkpoints/x/files status=422 error=ValidationError: invalid request" in text
+    assert text.count("status=403") == 1, "each refusal is logged once"
+
+
+def test_a_token_given_also_guards_the_unix_socket(tmp_path):
+    """docs/operations.md: a token (CKPT_SERVICE_TOKEN or --token-file) guards every route on the Unix
+    socket too, not only on TCP; the socket stays 0600 as well."""
+    sock = str(tmp_path / "ps.sock")
+    log = str(tmp_path / "serve.log")
+    proc = start_serve(["--device", "cpu", "--uds", sock], _single_rank_env(CKPT_SERVICE_TOKEN=TOKEN), log)
+    right = httpx.Client(transport=httpx.HTTPTransport(uds=sock), base_url="http://ps",
+                         headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
+    try:
+        wait_healthy(right, proc, log)
+        with httpx.Client(transport=httpx.HTTPTransport(uds=sock), base_url="http://ps", timeout=60) as anon:
+            for path in ("/v1/healthz", "/v1/status", "/v1/metas"):
+                resp = anon.get(path)
+                assert resp.status_code == 401 and resp.json()["error"]["type"] == "Unauthorized", (path, resp.text)
+            assert anon.post("/v1/checkpoints/x/files", json={"files": ["/etc/passwd"]}).status_code == 401
+        assert right.get("/v1/status").status_code == 200
+        assert oct(os.stat(sock).st_mode & 0o777) == "0o600"
+    finally:
+        right.close()
+        assert stop(proc) == 0, open(log).read()[-3000:]
+    assert "bearer token required" in open(log).read(), "the start line says the socket needs the token"

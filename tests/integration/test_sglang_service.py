@@ -10,6 +10,7 @@ stood in on CPU). Every SGLang parameter is compared bit for bit with the pushed
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import threading
@@ -89,8 +90,9 @@ def test_a_refusing_sglang_url_is_a_typed_5xx_and_the_next_update_succeeds(engin
     resp = _update(service, "refused", f"http://127.0.0.1:{free_port()}", weight_version="never")
     assert resp.status_code == 502, resp.text
     err = resp.json()["error"]
-    # the remote text (naming the route) is in remote_traceback, the message says where it failed
-    assert err["type"] == "RemoteWorkerError" and "/update_weights_from_ipc" in (
+    # the remote text (naming the route: the update's first call, which opens SGLang's weight-update
+    # session) is in remote_traceback, the message says where it failed
+    assert err["type"] == "RemoteWorkerError" and "/begin_weight_update" in (
         err["message"] + (err.get("remote_traceback") or "")), err
     assert eng.state()["params"] == before and eng.state()["weight_version"] != "never", "nothing was loaded"
     assert service.clients[0].get("/v1/healthz").status_code == 200
@@ -101,6 +103,33 @@ def test_a_refusing_sglang_url_is_a_typed_5xx_and_the_next_update_succeeds(engin
     assert resp.status_code == 200, resp.text
     assert not _holds(eng, want) and eng.state()["weight_version"] == "after-refusal"
     assert service.clients[0].delete("/v1/checkpoints/refused").status_code == 200
+
+
+def test_a_model_sglang_cannot_reload_is_a_400_config_error_and_nothing_is_loaded(engine, service):
+    """The service's SGLang update carries the client's precheck: a served model of FP8 per tensor
+    (its config.json, read where /model_info says) is refused before anything moves, as a 400
+    ConfigError naming the rank, the server keeps its weights, and the next update works."""
+    eng, root = engine
+    config = root / "model" / "config.json"
+    saved = config.read_text()
+    ckpt, want = write_checkpoint(root / "svc-fp8", seed=15)
+    _register(service, "fp8", ckpt)
+    before = eng.state()["params"]
+    try:
+        config.write_text(json.dumps({**json.loads(saved), "quantization_config": {
+            "quant_method": "fp8", "activation_scheme": "dynamic"}}))
+        resp = _update(service, "fp8", eng.url, weight_version="never")
+    finally:
+        config.write_text(saved)
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["type"] == "ConfigError" and "refused on rank(s) [0]" in err["message"] \
+        and "FP8 per tensor" in err["message"], err
+    assert eng.state()["params"] == before and eng.state()["weight_version"] != "never", "nothing was loaded"
+    resp = _update(service, "fp8", eng.url, weight_version="after-fp8-refusal")
+    assert resp.status_code == 200, resp.text
+    assert not _holds(eng, want) and eng.state()["weight_version"] == "after-fp8-refusal"
+    assert service.clients[0].delete("/v1/checkpoints/fp8").status_code == 200
 
 
 class _UnixToTcp:

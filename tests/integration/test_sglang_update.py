@@ -10,10 +10,13 @@ what is stood in on CPU. Every parameter is compared bit for bit with the pushed
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
+from ckpt_core import ParameterServer
 from ckpt_sglang import SglangClient
+from harness import free_port
 from sglang_support.fixtures import (SglangEngine, ready_engine, run_launcher, sglang_python, start_launcher,
                                      wait_for, write_checkpoint)
 
@@ -39,6 +42,37 @@ def _figures(proc) -> dict:
     assert proc.returncode == 0 and lines, \
         f"launcher failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return json.loads(lines[-1])
+
+
+def test_every_launcher_update_runs_inside_sglangs_weight_update_session(engine):
+    """SGLang 0.5.23 opens /begin_weight_update .. /end_weight_update around a load (begin restores
+    in-place-packed weights, end post-processes them); its IPC route does not open one itself."""
+    eng, root = engine
+    ckpt, want = write_checkpoint(root / "session", seed=21)
+    seen = len(eng.state()["events"])
+    figures = _figures(_launch(eng.url, ckpt, "--weight-version", "in-session"))
+    state = eng.state()
+    assert state["events"][seen:] == ["begin", "ipc (in session)", "end (in session)"], state["events"][seen:]
+    assert not state["session_open"], "the session was closed"
+    assert not [n for n in want if state["params"][n] != want[n]] and state["weight_version"] == "in-session"
+    assert list(figures["engine"][0]["seconds"])[:3] == ["begin", "update", "end"]
+
+
+def test_state_digests_read_every_parameter_in_sglangs_process(engine):
+    """``ckpt_sglang.probe.load`` (a custom weight loader, called by SGLang's own
+    /update_weights_from_tensor inside its session) digests what SGLang's model holds: the same
+    bytes the engine reports itself, for every parameter, in both modes; nothing is loaded."""
+    eng, _root = engine
+    before = eng.state()
+    with SglangClient(eng.url, timeout=60) as client:
+        digests = client.state_digests()[0]["digests"]
+        sums = client.state_digests("sums")[0]["digests"]
+    after = eng.state()
+    assert after["params"] == before["params"], "reading the digests changed the model"
+    assert {n: d.split("|")[0] for n, d in after["params"].items()} == {n: d[2] for n, d in digests.items()
+                                                                       if n in after["params"]}
+    assert set(digests) == set(sums) >= set(after["params"]) and all(sums[n][:2] == digests[n][:2] for n in sums)
+    assert after["events"][len(before["events"]):] == ["begin", "tensor (in session)", "end (in session)"] * 2
 
 
 def test_launcher_updates_every_sglang_parameter_and_a_second_update_switches(engine):
@@ -69,8 +103,10 @@ def test_requests_in_flight_are_paused_flushed_and_continued(engine):
     state = eng.state()
     assert all(state["params"][n] == want[n] for n in want)
     assert figures["engine"][0]["busy"] is True
-    assert list(figures["engine"][0]["seconds"])[:4] == ["update", "pause", "flush_cache", "resume"]
+    # SGLang 0.5.23 has weight-update sessions: the load runs in one, the cache is flushed after its end
+    assert list(figures["engine"][0]["seconds"])[:6] == ["begin", "update", "end", "pause", "flush_cache", "resume"]
     assert state["paused"] is None, "generation was continued"
+    assert state["events"][-3:] == ["begin", "ipc (in session)", "end (in session)"] and not state["session_open"]
 
 
 def test_busy_fail_reports_sglangs_answer(engine):
@@ -103,6 +139,34 @@ def test_an_error_in_sglangs_loader_reaches_the_ps_as_remote_worker_error(engine
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "RemoteWorkerError" in proc.stderr and "rank 0" in proc.stderr, proc.stderr[-3000:]
     assert eng.state()["params"] == before, "a failed update changed parameters"
+    assert not eng.state()["session_open"], "the failed load's session was closed"
+
+
+def test_a_model_sglang_cannot_reload_is_refused_on_every_rank_before_anything_is_posted(engine):
+    """FP8 per tensor: SGLang's post-processing replaces each weight by its transpose, so no reload
+    can equal a cold load. The launcher's first rank reads the served model's config.json; the
+    refusal is one ConfigError on both ranks, nothing reaches SGLang, and the next update works."""
+    eng, root = engine
+    config = root / "model" / "config.json"   # the served model's (the server read it at start)
+    saved = config.read_text()
+    ckpt, want = write_checkpoint(root / "fp8-refused", seed=22)
+    before = eng.state()
+    try:
+        config.write_text(json.dumps({**json.loads(saved), "quantization_config": {
+            "quant_method": "fp8", "activation_scheme": "dynamic"}}))
+        proc = run_launcher("--checkpoint-path", str(ckpt), "--endpoint", eng.url, "--inference-parallel-size", "2",
+                            "--device", "cpu", "--timeout", "120", "--ready-timeout", "60", env=SMALL_BUCKETS)
+    finally:
+        config.write_text(saved)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-3000:]   # torchrun's code for failed ranks
+    refused = [line for line in proc.stderr.splitlines() if "ckpt_sglang.update: ConfigError" in line]
+    assert len(refused) == 2 and all("refused on rank(s) [0]" in x and "FP8 per tensor" in x for x in refused), \
+        proc.stderr[-3000:]
+    after = eng.state()
+    assert after["params"] == before["params"] and after["events"] == before["events"], "SGLang was asked to load"
+    figures = _figures(_launch(eng.url, ckpt, "--weight-version", "after-refusal"))
+    assert figures["engine"][0]["seconds"]["update"] > 0
+    assert not [n for n in want if eng.state()["params"][n] != want[n]]
 
 
 def test_a_launcher_without_checkpoint_or_metas_is_refused_before_starting_ranks():
@@ -157,9 +221,24 @@ def test_owners_update_all_and_a_joiner_launcher_pulls_into_its_own_server_throu
         assert owners.poll() is None, "the owners stayed up (--sleep-time) while the joiner read"
     finally:
         if owners is not None and owners.poll() is None:
-            owners.terminate()   # it would sleep on; torchrun passes SIGTERM on to its rank
+            owners.terminate()   # it would sleep on; the launcher passes SIGTERM to torchrun, torchrun to its rank
             owners.wait(60)
         joiner.close()
+    wait_for(lambda: not _processes_naming(str(metas)), "the owners' torchrun and rank ended with their launcher",
+             timeout=60)
+
+
+def _processes_naming(text: str) -> list[int]:
+    """Pids of processes whose command line contains ``text`` (Linux /proc)."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if text.encode() in f.read():
+                    pids.append(int(pid))
+        except OSError:
+            pass
+    return pids
 
 
 def test_a_joiner_with_a_foreign_metas_file_is_a_config_error_and_its_server_keeps_its_weights(engine, tmp_path):
@@ -172,3 +251,32 @@ def test_a_joiner_with_a_foreign_metas_file_is_a_config_error_and_its_server_kee
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-3000:]   # torchrun's code for a failed rank
     assert "ConfigError" in proc.stderr and "foreign.json" in proc.stderr, proc.stderr[-3000:]
     assert eng.state()["params"] == before
+
+
+def test_a_server_without_sessions_is_updated_as_before(tmp_path_factory):
+    """SGLang 0.5.17 has no /begin_weight_update: the launcher's update learns that from the 404 and
+    loads without a session, exactly (the engine's route table as 0.5.17's, its managers 0.5.23's)."""
+    root = tmp_path_factory.mktemp("sglang-no-sessions")
+    with ready_engine(root, extra=("--without-sessions",)) as eng:
+        for step, seed in enumerate((31, 32)):
+            ckpt, want = write_checkpoint(root / f"step-{seed}", seed=seed)
+            figures = _figures(_launch(eng.url, ckpt, "--weight-version", f"plain-{step}"))
+            state = eng.state()
+            assert not [n for n in want if state["params"][n] != want[n]] and state["weight_version"] == f"plain-{step}"
+        assert state["events"] == ["ipc", "ipc"], state["events"]
+        assert "end" not in figures["engine"][0]["seconds"], figures["engine"][0]["seconds"]
+        # the staged path and the state digests, as the GPU test runs them on 0.5.17: no session either
+        ckpt, want = write_checkpoint(root / "staged", seed=33)
+        with ParameterServer(rank=0, world_size=1, device="cpu", wire="stock", master_addr="127.0.0.1",
+                             master_port=free_port()) as ps, SglangClient(eng.url, timeout=120) as client:
+            ps.register_checkpoint("s33", files=sorted(str(p) for p in ckpt.glob("*.safetensors")))
+            ps.gather_metas("s33")
+            ps.update("s33", client.req_func(stage="staged-33"), timeout=120)
+            assert eng.state()["params"] == state["params"], "a stage changed the live model"
+            committed = client.commit("staged-33", timeout=120)
+            digests = client.state_digests()[0]["digests"]
+        state = eng.state()
+        assert not [n for n in want if state["params"][n] != want[n]] and state["weight_version"] == "staged-33"
+        assert all(digests[n][2] == state["params"][n].split("|")[0] for n in want)
+        assert state["events"][2:] == ["tensor"] * 3, state["events"]   # stage, commit, digests
+        assert client.server.sessions is False and "begin" not in committed.seconds, committed.seconds

@@ -55,11 +55,18 @@ def test_endpoints_and_sockets_are_one_for_all_groups_or_one_per_group():
         ex.check_args(args, 2)
 
 
-@pytest.mark.parametrize("ips", ["0", "-1", "3"])
-def test_an_inference_parallel_size_that_is_not_a_positive_divisor_is_an_error(ips):
+def test_an_inference_parallel_size_that_is_not_a_divisor_of_the_world_is_an_error():
     ex = _example()
     with pytest.raises(ConfigError, match="--inference-parallel-size must be a positive divisor"):
-        ex.check_args(ex.parse_args(["--checkpoint-path", "x", "--inference-parallel-size", ips]), 4)
+        ex.check_args(ex.parse_args(["--checkpoint-path", "x", "--inference-parallel-size", "3"]), 4)
+
+
+@pytest.mark.parametrize("ips", ["0", "-1", "1e3", "99999999999999999999"])
+def test_an_inference_parallel_size_out_of_bounds_is_a_usage_error_naming_the_option(ips, capsys):
+    ex = _example()
+    with pytest.raises(SystemExit) as exc:
+        ex.parse_args(["--checkpoint-path", "x", "--inference-parallel-size", ips])
+    assert exc.value.code == 2 and "--inference-parallel-size" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("state", ["missing", "empty"])

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from ckpt_core.devices.cpu import CpuBackend
-from ckpt_core.planning.boxcopy import box_copies, byte_dims, copied_bytes
+from boxcopy_cases import experts_layer
+from ckpt_core.planning.boxcopy import box_copies, byte_dims, copied_bytes, merge_copies
 
 
 def _case(rng: random.Random):
@@ -61,15 +62,15 @@ def test_random_boxes_pack_bit_exact_and_no_copy_crosses_a_pinned_piece(seed):
 
 def test_a_column_slice_is_one_pitched_copy_and_a_row_slice_one_run():
     # 8 rows of 6 float32; columns 3..5 of every row: 8 rows of 12 bytes, 24 bytes apart
-    assert box_copies((8, 6), (0, 3), (8, 3), 4) == [(12, 24, 12, 8, 0)]
+    assert box_copies((8, 6), (0, 3), (8, 3), 4) == [(12, 24, 12, 8, 0, 0)]
     # rows 4..7: one run of 96 bytes
-    assert box_copies((8, 6), (4, 0), (4, 6), 4) == [(96, 0, 96, 1, 0)]
+    assert box_copies((8, 6), (4, 0), (4, 6), 4) == [(96, 0, 96, 1, 0, 0)]
     # a 3-D expert tensor [experts, rows, cols], one expert's rows 2..3: one run
-    assert box_copies((4, 5, 6), (1, 2, 0), (1, 2, 6), 2) == [(84, 0, 24, 1, 0)]
+    assert box_copies((4, 5, 6), (1, 2, 0), (1, 2, 6), 2) == [(84, 0, 24, 1, 0, 0)]
     # the columns 0..1 of two whole experts: their rows are evenly spaced, one pitched copy
-    assert box_copies((4, 5, 6), (0, 0, 0), (2, 5, 2), 2) == [(0, 12, 4, 10, 0)]
+    assert box_copies((4, 5, 6), (0, 0, 0), (2, 5, 2), 2) == [(0, 12, 4, 10, 0, 0)]
     # ... of rows 1..2 of two experts: a pitched block per expert (the outer dimension unrolled)
-    assert box_copies((4, 5, 6), (0, 1, 0), (2, 2, 2), 2) == [(12, 12, 4, 2, 0), (72, 12, 4, 2, 8)]
+    assert box_copies((4, 5, 6), (0, 1, 0), (2, 2, 2), 2) == [(12, 12, 4, 2, 0, 0), (72, 12, 4, 2, 8, 0)]
 
 
 def test_dimensions_that_follow_each_other_merge_and_size_one_ones_drop():
@@ -86,3 +87,49 @@ def test_a_run_longer_than_a_piece_is_cut_at_every_border():
 
 def test_an_empty_box_copies_nothing():
     assert box_copies((4, 0), (0, 0), (4, 0), 4) == []
+
+
+# ------------------------------------------------------------------ merged copies (issue 38)
+def _apply(copies, host: torch.Tensor, size: int) -> torch.Tensor:
+    dst = torch.zeros(size, dtype=torch.uint8)
+    CpuBackend().copy_pitched(dst, host, copies)
+    return dst
+
+
+def test_a_layer_of_experts_slices_is_one_copy_per_kind_of_contiguous_slice_plus_the_strided_ones():
+    """Engine rank 1's slices of 16 experts: their gate rows follow each other at one step in host and
+    bucket, so do the up rows; the down columns are a pitched block each. 48 copies become 18."""
+    copies, host_bytes, size = experts_layer(16, 64, 48, t=1, tp=4)
+    merged = merge_copies(copies)
+    assert len(copies) == 48 and len(merged) == 2 + 16
+    assert sorted(c.height for c in merged if c.dpitch) == [16, 16]
+    host = torch.randint(0, 256, (host_bytes,), dtype=torch.uint8)
+    assert torch.equal(_apply(merged, host, size), _apply(copies, host, size))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_merged_copies_put_the_same_bytes_in_the_same_places_and_none_crosses_a_pinned_piece(seed):
+    """Random boxes of tensors that lie back to back in host memory (the same kind of box often
+    again, as experts repeat), packed one after another with or without gaps: merged, the same
+    bytes land in the same places, from no more copies, none across a piece of pinned memory."""
+    rng = random.Random(seed)
+    chunk = rng.choice([24, 64, 1 << 20])
+    copies, dst, host_at, box = [], 0, 0, None
+    for _ in range(60):
+        if box is None or rng.random() < 0.5:
+            box = (rng.choice([1, 2, 4]), *_case(rng))
+        itemsize, shape, offsets, extent = box
+        mine = box_copies(shape, offsets, extent, itemsize, base_offset=host_at, dst=dst, pin_chunk=chunk)
+        copies += mine
+        dst += copied_bytes(mine) + rng.choice([0, 0, 4, 256])
+        n = itemsize
+        for x in shape:
+            n *= x
+        host_at += n + rng.choice([0, 0, 8])
+    merged = merge_copies(copies, pin_chunk=chunk)
+    assert len(merged) <= len(copies) and copied_bytes(merged) == copied_bytes(copies)
+    for c in merged:
+        first, last = c.src, c.src + (c.height - 1) * c.pitch + c.width - 1
+        assert first // chunk == last // chunk, (chunk, c)
+    host = torch.randint(0, 256, (host_at + 64,), dtype=torch.uint8)
+    assert torch.equal(_apply(merged, host, dst + 64), _apply(copies, host, dst + 64))

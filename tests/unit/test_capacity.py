@@ -19,7 +19,7 @@ def _run(name: str) -> dict:
 
 def test_the_default_calibration_is_what_the_recorded_2xh200_run_gives():
     fitted = calibrate(_run("2026-11-30-2xH200-7b50b1f-all-cases.json"))
-    assert fitted == Calibration(), "update the defaults in _capacity.py when the reference run changes"
+    assert fitted == Calibration(), "update the defaults in planning/capacity.py when the reference run changes"
     topo = topology_of(_run("2026-11-30-2xH200-7b50b1f-all-cases.json"))
     assert round(topo.h2d_gbps, 1) == Topology.h2d_gbps and round(topo.broadcast_gbps) == Topology.broadcast_gbps
 

@@ -71,6 +71,14 @@ def test_a_socket_template_with_an_unknown_field_is_a_config_error_before_anythi
     assert proc.returncode == cli.EXIT_CONFIG and "Traceback" not in proc.stderr, proc.stderr[-2000:]
 
 
+@pytest.mark.parametrize("option", ["--port", "--metrics-port"])
+def test_a_port_that_local_rank_1_would_push_past_65535_is_refused_before_anything_starts(option):
+    proc = run_cli("serve", "--device", "cpu", "--host", "127.0.0.1", option, "65535", timeout=120,
+                   env=dict(os.environ, PYTHONPATH=ROOT, LOCAL_RANK="1", RANK="1", WORLD_SIZE="2"))
+    assert proc.returncode == cli.EXIT_CONFIG, proc.stderr[-2000:]
+    assert f"{option} 65535" in proc.stderr and "65536" in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_a_deeply_nested_header_is_a_format_error_exit_3(deep):
     proc = run("--json", "inspect", deep)
     assert proc.returncode == cli.EXIT_FORMAT, proc.stderr[-2000:]
@@ -94,6 +102,26 @@ def test_version_prints_the_package_version():
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
         version = tomllib.load(f)["project"]["version"]
     assert proc.stdout.strip() == f"ckpt-engine {version}"
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["--version"], ["serve", "--help"], ["inspect", "--help"],
+                                  ["plan", "--help"]], ids=" ".join)
+def test_help_and_version_do_not_import_torch(argv, tmp_path):
+    """A fresh interpreter whose torch cannot be imported (a package of that name that raises comes
+    first on the path): --help and --version still answer, so they never pay torch's seconds."""
+    import subprocess
+    import sys
+    import time
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("raise ImportError('ckpt-engine imported torch')\n")
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}")
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "ckpt_core.cli", *argv], capture_output=True, text=True, env=env,
+                          cwd=str(tmp_path), timeout=60)
+    took = time.perf_counter() - t0
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "usage: ckpt-engine" in proc.stdout or proc.stdout.startswith("ckpt-engine "), proc.stdout[:500]
+    assert took < 5, f"{argv} took {took:.2f} s (a ceiling for a loaded machine; ~0.3 s measured on 2 busy cores)"
 
 
 def test_bench_help_lists_the_benchmarks_own_flags():

@@ -50,6 +50,9 @@ def test_a_bucket_frame_carries_absolute_offsets_torch_dtypes_and_sizes():
     items = pickle.loads(bucket_frame(bucket, base=4096))
     assert items == [{"name": "a", "dtype": torch.bfloat16, "shape": torch.Size([2, 3]), "offset": 4096},
                      {"name": "b", "dtype": torch.float32, "shape": torch.Size([4]), "offset": 4352}]
+    # made once per planned bucket and slot (plans are cached), not per update: no per-tensor pickling
+    assert bucket_frame(bucket, base=4096) is bucket_frame(bucket, base=4096)
+    assert pickle.loads(bucket_frame(bucket, base=0))[1]["offset"] == 256
 
 
 def test_the_abort_frame_is_a_runtime_error_carrying_the_reason():
@@ -58,5 +61,9 @@ def test_the_abort_frame_is_a_runtime_error_carrying_the_reason():
     assert any(isinstance(arg, str) and "rank 1: boom" in arg for _, arg in ops)
 
 
-def test_ckpt_sglang_exports_its_requester_only():
-    assert ckpt_sglang.__all__ == ["SglangClient", "UpdateReport"]
+def test_ckpt_sglang_exports_its_requester_and_its_mode_names_only():
+    """The package's public names: the requester, its report, and the mode names a driver's
+    argparse offers (examples/sglang_update.py); nothing of the wire or the launcher."""
+    assert ckpt_sglang.__all__ == ["SglangClient", "UpdateReport", "BUSY_MODES", "PAUSE_MODES",
+                                   "COMMIT_PAUSE_MODES"]
+    assert all(isinstance(getattr(ckpt_sglang, n), tuple) for n in ckpt_sglang.__all__[2:])

@@ -229,3 +229,39 @@ def test_a_single_dtype_file_keeps_its_host_order():
     assert [m.name for m in delivery_order(metas)] == names
     (bucket,) = plan_buckets([metas], 1 << 20).buckets
     assert len(bucket.runs()) == 1
+
+
+def _layout_by_trying_every_slot_count(free, *, mem_fraction, max_slots, max_bucket_bytes, largest_tensor,
+                                       largest_owner_total):
+    """choose_layout as it was written first: from the most slots down, the first whose share holds
+    the largest tensor (the definition the closed form must keep)."""
+    from ckpt_core.planning.buckets import MAX_AUTO_BUCKET, MIN_BUCKET, TARGET_BUCKETS_PER_OWNER
+    budget = int(max(free, 0) * mem_fraction)
+    per_owner = -(-max(largest_owner_total, 1) // TARGET_BUCKETS_PER_OWNER)
+    want = min(max(min(per_owner, MAX_AUTO_BUCKET), MIN_BUCKET), max_bucket_bytes,
+               align_up(max(largest_owner_total, 1)))
+    want = align_up(max(want, largest_tensor))
+    for slots in range(max(max_slots, 1), 0, -1):
+        size = min(want, budget // slots) // ALIGN * ALIGN
+        if size >= max(largest_tensor, 1):
+            return size, slots
+    return max(min(want, budget) // ALIGN * ALIGN, ALIGN), 1
+
+
+def test_the_layout_is_the_most_slots_that_hold_the_largest_tensor_found_without_trying_each():
+    import random
+    rng = random.Random()
+    for _ in range(3000):
+        kw = dict(mem_fraction=rng.choice([1, 0.9, 0.5, 0.01]), max_slots=rng.choice([0, 1, 2, 4, rng.randrange(64)]),
+                  max_bucket_bytes=rng.choice([1024, GiB, rng.randrange(1, 1 << 34)]),
+                  largest_tensor=rng.choice([0, 1, ALIGN - 1, ALIGN, ALIGN + 1, rng.randrange(1 << 34)]),
+                  largest_owner_total=rng.choice([0, 1, rng.randrange(1 << 40)]))
+        free = rng.choice([0, -5, rng.randrange(1 << 20), rng.randrange(1 << 40)])
+        assert choose_layout(free, **kw) == _layout_by_trying_every_slot_count(free, **kw), (free, kw)
+
+
+@pytest.mark.timeout(30)
+def test_a_huge_slot_bound_answers_at_once():
+    """PS_NUM_SLOTS / --slots of 10**11 looped once per slot count (a hang). As many slots as the
+    budget holds of the largest tensor: 0.9 x 16 GiB // 1 MiB of them, 1 MiB each."""
+    assert layout(16 * GiB, 4 * GiB, 1 * MiB, slots=10 ** 11) == (1 * MiB, int(16 * GiB * 0.9) // MiB)

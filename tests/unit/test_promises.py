@@ -5,6 +5,7 @@ request_inference_to_update against a real HTTP server."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import threading
@@ -112,13 +113,16 @@ def test_an_index_naming_a_missing_file_is_a_format_error(tmp_path):
 # -- request_inference_to_update against a real HTTP server -------------------------------------------
 class _Engine(BaseHTTPRequestHandler):
     status = 200
+    reset = (200, b"{}")   # the answer to POST /reset_prefix_cache
     bodies: list = []
 
     def do_POST(self):  # noqa: N802 (http.server's naming)
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"null")
         type(self).bodies.append((self.path, body))
-        text = b"{}" if self.status == 200 else b"Traceback: engine exploded"
-        self.send_response(self.status)
+        status, text = (self.status, b"{}" if self.status == 200 else b"Traceback: engine exploded")
+        if self.path.startswith("/reset_prefix_cache"):
+            status, text = self.reset
+        self.send_response(status)
         self.send_header("Content-Length", str(len(text)))
         self.end_headers()
         self.wfile.write(text)
@@ -129,7 +133,7 @@ class _Engine(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def engine():
-    _Engine.bodies, _Engine.status = [], 200
+    _Engine.bodies, _Engine.status, _Engine.reset = [], 200, (200, b"{}")
     server = HTTPServer(("127.0.0.1", 0), _Engine)
     t = threading.Thread(target=server.serve_forever, daemon=True)
     t.start()
@@ -143,8 +147,43 @@ def test_request_inference_to_update_posts_the_handles_to_collective_rpc(engine)
     _, url = engine
     handles = {"CPU-x-0": "ipc://@ckpt-a-0", "CPU-x-1": "ipc://@ckpt-a-1"}
     request_inference_to_update(url, handles, timeout=30, reset_prefix_cache=False)
+    # vLLM's executor deadline outlasts the workers' own (600 s by default): replies it stops reading
+    # at its deadline would answer the next call (issue 33, item 4)
     assert _Engine.bodies == [("/collective_rpc", {"method": "update_weights_from_ipc", "args": [handles],
-                                                   "timeout": 30})]
+                                                   "timeout": 660.0})]
+
+
+@pytest.mark.parametrize("status", [404, 405])
+def test_an_engine_without_a_prefix_cache_route_gets_a_warning_once_not_a_failed_update(engine, status, caplog):
+    """The weights were loaded by /collective_rpc: a missing reset route must not fail the update
+    (it did: RemoteWorkerError after the engine held the new weights)."""
+    from ckpt_core import request_inference_to_update
+    _, url = engine
+    _Engine.reset = (status, b'{"detail": "Not Found"}')
+    with caplog.at_level(logging.DEBUG, logger="ckpt_core"):
+        for _ in range(2):
+            request_inference_to_update(url, {"k": "h"}, timeout=30)
+    assert [p for p, _ in _Engine.bodies] == ["/collective_rpc", "/reset_prefix_cache?reset_running_requests=true"] * 2
+    said = [r for r in caplog.records if "/reset_prefix_cache" in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.WARNING, logging.DEBUG], "one warning per engine, then debug"
+    assert f"HTTP {status}" in said[0].getMessage() and url.rsplit("/", 1)[0] in said[0].getMessage()
+
+
+@pytest.mark.parametrize("reset, error", [
+    ((200, b'{"success": false}'), "refused to reset its prefix cache"),   # it answered and refused
+    ((500, b"Traceback: reset exploded"), "HTTP 500"),
+    ((200, b"not json"), None),    # a 2xx without a verdict (was a raw JSONDecodeError)
+    ((200, b"[]"), None),          # (was an AttributeError)
+])
+def test_a_reset_the_engine_answered_is_read_and_a_refusal_is_a_typed_error(engine, reset, error):
+    from ckpt_core import request_inference_to_update
+    _, url = engine
+    _Engine.reset = reset
+    if error is None:
+        request_inference_to_update(url, {"k": "h"}, timeout=30)
+    else:
+        with pytest.raises(RemoteWorkerError, match=error):
+            request_inference_to_update(url, {"k": "h"}, timeout=30)
 
 
 def test_request_inference_to_update_turns_an_engine_error_and_no_engine_into_typed_errors(engine):

@@ -9,6 +9,7 @@ import pytest
 
 from ckpt_core.wire import protocol as proto
 from ckpt_core.errors import ProtocolError
+from harness import hello_fields
 
 UPDATE = "run-7"
 SLOT = 4096
@@ -19,7 +20,7 @@ def frame(**fields) -> bytes:
 
 
 def hello_msg(**over) -> dict:
-    fields = proto.hello_fields("cpu", {"kind": "cpu", "path": "/dev/shm/ckpt-x", "nbytes": 2 * SLOT}, SLOT, 2,
+    fields = hello_fields("cpu", {"kind": "cpu", "path": "/dev/shm/ckpt-x", "nbytes": 2 * SLOT}, SLOT, 2,
                                 [[("a", "BF16", (4, 8), 0), ("b", "F32", (3,), 64)], [("c", "F8_E4M3", (), 0)]])
     msg = json.loads(proto.encode("hello", UPDATE, **fields))
     msg.update(over)
@@ -44,6 +45,20 @@ def test_a_hello_round_trips_into_a_validated_plan():
     assert h.buckets[0] == (proto.WireTensor("a", "BF16", (4, 8), 0, 64), proto.WireTensor("b", "F32", (3,), 64, 12))
     assert h.buckets[1] == (proto.WireTensor("c", "F8_E4M3", (), 0, 1),)
     assert proto.parse_bucket({"index": 1, "slot": 1}, h) == (1, 1)
+
+
+def test_a_hello_names_whose_slices_it_carries_also_when_its_plan_was_cached():
+    """The slice plan and engine rank a PS routed travel outside the buckets' wire plan: a cached plan
+    (same digest) never lends a hello another update's routing."""
+    args = dict(device_kind="cpu", buffer={"kind": "cpu", "path": "/dev/shm/x", "nbytes": SLOT}, slot_bytes=SLOT,
+                num_slots=1, plan_json='[[["a","F32",[4],0]]]', plan_digest="plan-cache-slices")
+    def parsed(routed):
+        head, plan = proto.encode_hello(UPDATE, **args, slices=routed)
+        return proto.parse_hello(proto.decode(head, expect=("hello",)), plan)
+
+    hellos = [parsed(routed) for routed in (("ab" * 20, 1), ("ab" * 20, 0), None)]
+    assert [h.slices for h in hellos] == [("ab" * 20, 1), ("ab" * 20, 0), None]
+    assert hellos[0].buckets == hellos[2].buckets == (((proto.WireTensor("a", "F32", (4,), 0, 16)),),)
 
 
 def test_decode_without_an_update_id_accepts_any_update():
@@ -129,6 +144,15 @@ def test_decode_refuses_a_frame_over_the_size_limit(monkeypatch):
     ({"buckets": [[["a", "F32", [1], SLOT]]]}, "outside a slot"),
     ({"buckets": [[["a", "F32", [1 << 62, 1 << 62], 0]]]}, "outside a slot"),
     ({"buckets": [[["a", "F32", [1], 2]]]}, "not aligned"),
+    ({"slices": "ab12"}, "hello.slices"),
+    ({"slices": {"plan": "ab12"}}, "hello.slices"),
+    ({"slices": {"plan": "", "rank": 0}}, "hello.slices"),
+    ({"slices": {"plan": "a" * 129, "rank": 0}}, "hello.slices"),
+    ({"slices": {"plan": 7, "rank": 0}}, "hello.slices"),
+    ({"slices": {"plan": "ab12", "rank": -1}}, "hello.slices"),
+    ({"slices": {"plan": "ab12", "rank": True}}, "hello.slices"),
+    ({"slices": {"plan": "ab12", "rank": 1.0}}, "hello.slices"),
+    ({"slices": {"plan": "ab12", "rank": 0, "more": 1}}, "hello.slices"),
 ])
 def test_parse_hello_refuses(over, words):
     with pytest.raises(ProtocolError, match=words):

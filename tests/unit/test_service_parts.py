@@ -115,7 +115,10 @@ def test_the_progress_log_can_keep_to_start_lines_only(caplog):
     ({"stage_device_gib": 1}, "stage_device_gib applies to a staged update"),
     ({"prepare": True}, "prepare applies to a staged update"),
     ({"prepare": True, "stage": "v1", "update_url": "http://127.0.0.1:1/", "engine": "sglang"},
-     "prepare applies to a staged update"),
+     "prepare does not apply to engine='sglang'"),
+    ({"engine": "sglang", "update_url": "http://127.0.0.1:1", "stage": "v8", "flush_cache": False},
+     "flush_cache applies to a whole update"),
+    ({"engine": "trtllm"}, "unknown engine 'trtllm'; known engines: .*'sglang', 'vllm'"),
 ])
 def test_a_staged_update_request_that_cannot_work_is_refused(body, message):
     from pydantic import ValidationError

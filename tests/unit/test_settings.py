@@ -9,10 +9,10 @@ from datetime import timedelta
 import pytest
 
 from ckpt_core._settings import NO_DEADLINE_S, update_seconds
-from ckpt_core._settings import ENV_VARS, fault_threads, gc_pause_enabled, load_settings
+from ckpt_core._settings import ENV_VARS, fault_threads, gc_pause_enabled, liveness, load_settings, progress_log_s
 from ckpt_core.errors import ConfigError
 
-EXTRA = ("PS_PAUSE_GC", "PS_FAULT_THREADS")
+EXTRA = ("PS_PAUSE_GC", "PS_FAULT_THREADS", "CKPT_HEARTBEAT_S", "CKPT_PEER_TIMEOUT_S", "CKPT_PROGRESS_LOG_S")
 
 
 @pytest.fixture
@@ -58,6 +58,27 @@ def test_a_timeout_or_size_that_is_not_finite_and_positive_is_a_config_error_nam
     clean_env.setenv(var, value)
     with pytest.raises(ConfigError, match=var):
         load_settings()
+
+
+@pytest.mark.parametrize("var, value, reader", [
+    ("PS_MAX_BUCKET_SIZE_GB", "1e300", load_settings),   # was int(inf): a raw OverflowError
+    ("PS_COLLECTIVE_TIMEOUT_S", "1e300", load_settings),  # was timedelta(seconds=1e300): OverflowError later
+    ("PS_NUM_SLOTS", "100000000000", load_settings),      # choose_layout looped once per slot
+    ("PS_FAULT_THREADS", "1000000000", fault_threads),     # a thread each
+    ("CKPT_HEARTBEAT_S", "1e300", liveness),               # time.sleep(1e300): OverflowError
+    ("CKPT_PROGRESS_LOG_S", "1e300", progress_log_s),
+])
+def test_a_huge_setting_is_a_config_error_naming_it_and_its_bound(clean_env, var, value, reader):
+    clean_env.setenv(var, value)
+    with pytest.raises(ConfigError, match=f"{var} must be") as info:
+        reader()
+    assert "<=" in str(info.value) or ".." in str(info.value) or "]" in str(info.value), str(info.value)
+
+
+def test_the_command_lines_slot_and_seconds_bounds_are_the_settings_ones():
+    from ckpt_core._cli_args import MAX_SECONDS, MAX_SLOTS
+    from ckpt_core._settings import MAX_NUM_SLOTS, MAX_SETTING_S
+    assert (MAX_SLOTS, MAX_SECONDS) == (MAX_NUM_SLOTS, MAX_SETTING_S)
 
 
 @pytest.mark.parametrize("value", ["nan", "inf", "0", "1.5"])

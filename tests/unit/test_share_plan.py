@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from ckpt_core.errors import ConfigError
-from ckpt_core.planning.slices import SliceKey, split_plan
+from ckpt_core.planning.slices import SliceKey, plan_to_json, split_plan
 from ckpt_core.transfer.share_plan import SharedPlans, share_plan
 
 TENSORS = {"q.weight": ("F32", (8, 4), 4), "norm.weight": ("F32", (4,), 4)}
@@ -104,3 +104,37 @@ def test_the_cache_keeps_the_last_plans_by_digest(size):
     for p in plans:
         cache.put(p)
     assert [cache.get(p.digest) is p for p in plans] == [i >= 4 - size for i in range(4)]
+
+
+@pytest.mark.parametrize("args, needle", [
+    (({"plan": "json"}, {}), "must be a SlicePlan"),            # the plan's JSON on rank 0
+    (({"plan": "digest"}, {}), "digest is what an engine client"),
+    (({}, {"plan": "json"}), "must be a SlicePlan"),            # a non-plan on a rank that is not the source
+    (({"src": 1}, {"src": 0}), "the same src"),                  # the ranks name different sources
+    (({"src": 5}, {"src": 5}), "world of 2"),
+    (({"src": "0"}, {"src": "0"}), "src must be None or a rank number"),
+    (({"error": ValueError("no loader")}, {}), "rank 0: ValueError: no loader"),   # not a str
+])
+def test_what_one_rank_passes_wrong_fails_every_rank_after_one_exchange(args, needle):
+    """Nothing is raised before the first exchange (a peer would wait in it): every rank raises the
+    same ConfigError after it, and no second exchange starts."""
+    world, plan = World(2), _plan()
+    forms = {"json": plan_to_json(plan), "digest": plan.digest}
+
+    def call(r, kw):
+        kw = dict({"src": 0, "error": None}, **kw)
+        mine = forms.get(kw.pop("plan", None), plan if r == 0 else None)
+        return lambda c: share_plan(c, r, mine, known=SharedPlans(), **kw)
+    got = world.run([call(r, args[r]) for r in range(2)])
+    assert all(isinstance(e, ConfigError) and needle in str(e) for e in got), got
+    assert len(world.rounds) == 1, "one exchange, then every rank stopped"
+
+
+def test_a_rank_in_another_collective_fails_the_share_and_is_not_waited_for():
+    """Rank 1 runs another first exchange (an update's view) while rank 0 shares a plan: rank 0 raises a
+    ConfigError naming rank 1 after that one exchange, instead of waiting for a second one."""
+    world, plan = World(2), _plan()
+    got = world.run([lambda c: share_plan(c, 0, plan, src=0, error=None, known=SharedPlans()),
+                     lambda c: c.all_gather_json({"problem": None, "name": "step-1", "wire": "native"})])
+    assert isinstance(got[0], ConfigError) and "rank(s) [1] are in another collective" in str(got[0]), got[0]
+    assert len(world.rounds) == 1

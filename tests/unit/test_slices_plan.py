@@ -11,8 +11,8 @@ from slices_world import slice_of
 
 from ckpt_core.errors import CheckpointFormatError, ConfigError
 from ckpt_core.planning.buckets import TensorMeta
-from ckpt_core.planning.slices import (RankSlices, SliceKey, SlicePlan, SlicePlanCache, Write, box_extent,
-                                       box_offsets, check_plan, make_box, plan_from_json, plan_to_json, require_key,
+from ckpt_core.planning.slices import (RankSlices, SliceKey, SlicePlan, Write, box_extent,
+                                       box_offsets, check_plan, make_box, plan_from_json, plan_to_json,
                                        split_plan, view_box, view_in_box)
 from ckpt_core.planning.slice_routes import (SlicedBucket, plan_sliced, rank_placements, received_bytes,
                                              replica_groups, replica_ranks)
@@ -240,16 +240,15 @@ def test_the_json_form_round_trips_and_a_malformed_one_is_a_config_error():
 
 
 def test_a_plan_is_only_ever_used_under_the_key_it_was_recorded_for():
+    from ckpt_vllm._slices import check_installed   # what a vLLM worker checks when a plan is installed
+
     plan = tp_plan(2, nh=4, nkv=2, hd=32, H=64, inter=64, vocab=100)
-    cache = SlicePlanCache()
-    cache.put(plan)
-    assert cache.get(KEY) is plan
+    assert plan.key == KEY and plan_from_json(plan_to_json(plan)).key == KEY
     for other in (SliceKey("model-other", KEY.layout, KEY.engine), SliceKey(KEY.model, "tp=4", KEY.engine),
                   SliceKey(KEY.model, KEY.layout, "vllm-0.33.0")):
-        assert cache.get(other) is None
         with pytest.raises(ConfigError, match="recorded for"):
-            require_key(plan, other)
-    assert require_key(plan, KEY) is plan
+            check_installed(plan.key, other)
+    check_installed(plan.key, KEY)
 
 
 def test_random_boxes_tile_only_when_they_partition_the_parameter():

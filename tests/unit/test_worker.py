@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import pickle
 import threading
 import time
@@ -22,8 +23,8 @@ from ckpt_core.wire import protocol as proto
 from ckpt_core.wire import worker as _worker
 from ckpt_core import update_weights_from_ipc
 from ckpt_core.devices.cpu import CpuBackend
-from ckpt_core.errors import ProtocolError, RemoteWorkerError, TransportError, UpdateTimeoutError
-from harness import PickleBomb
+from ckpt_core.errors import ConfigError, ProtocolError, RemoteWorkerError, TransportError, UpdateTimeoutError
+from harness import PickleBomb, hello_fields
 
 SLOT = 4096
 UPDATE = "fake-update"
@@ -50,7 +51,7 @@ class FakePs:
                 self.ipc.tensor[slot * SLOT + off: slot * SLOT + off + raw.numel()] = raw
 
     def hello(self, **over) -> dict:
-        fields = proto.hello_fields("cpu", self.ipc.descriptor, SLOT, 2, self.plan)
+        fields = hello_fields("cpu", self.ipc.descriptor, SLOT, 2, self.plan)
         fields.update(over)
         return fields
 
@@ -77,7 +78,7 @@ class FakePs:
 class Worker:
     """update_weights_from_ipc in a thread; records run() calls and the outcome."""
 
-    def __init__(self, handle: str, *, timeout: float = 10.0, run=None, post_hook=None):
+    def __init__(self, handle: str, *, timeout: float = 10.0, run=None, post_hook=None, slices=None, on_plan=None):
         self.calls: list[dict[str, torch.Tensor]] = []
         self.error: BaseException | None = None
         self.hooked = 0
@@ -95,7 +96,8 @@ class Worker:
 
         def main():
             try:
-                update_weights_from_ipc(zmq.Context.instance(), handle, 0, run=run_fn, post_hook=post, timeout=timeout)
+                update_weights_from_ipc(zmq.Context.instance(), handle, 0, run=run_fn, post_hook=post, timeout=timeout,
+                                        slices=slices, on_plan=on_plan)
             except BaseException as exc:
                 self.error = exc
 
@@ -138,6 +140,49 @@ def test_a_genuine_update_loads_every_tensor_bit_exact_and_runs_the_post_hook_on
     assert set(got) == set(ps.tensors)
     for n, t in ps.tensors.items():
         assert got[n].dtype == t.dtype and torch.equal(got[n].view(torch.uint8), t.view(torch.uint8)), n
+
+
+PLAN = "5e" * 20
+
+
+@pytest.mark.parametrize("mine, sent, words", [
+    ((PLAN, 0), {"plan": PLAN, "rank": 1}, "engine rank 0 of slice plan 5e5e5e5e5e5e, but .* engine rank 1"),
+    ((PLAN, 1), {"plan": "77" * 20, "rank": 1}, "routes the update by slice plan 777777777777"),
+    ((PLAN, 1), None, "sends whole tensors"),
+    (None, {"plan": PLAN, "rank": 0}, "told of no slice plan"),
+])
+def test_a_worker_refuses_slices_routed_for_another_engine_rank_or_plan_before_mapping_anything(ps, mine, sent,
+                                                                                                 words):
+    """The hello names the slice plan and the engine rank the PS routed to this worker; a worker that is
+    another rank of that plan, or loads by another plan (or none), answers a ConfigError, maps nothing
+    and loads nothing."""
+    w = Worker(ps.handle, slices=mine)
+    ps.send("hello", **ps.hello(**({} if sent is None else {"slices": sent})))
+    answer = ps.recv()
+    assert answer["kind"] == "error" and answer["traceback"].startswith("ConfigError: ")
+    w.join()
+    assert isinstance(w.error, ConfigError) and w.calls == []
+    assert re.search(words, str(w.error)), w.error
+    assert not [k for k in _worker._mapped if ps.ipc.descriptor["path"] in k], "the buffer was mapped"
+
+
+@pytest.mark.parametrize("bad", ["ab", ("ab",), ("", 0), ("ab", -1), (3, 0), ("ab", 1.5), ("ab", 0, 1)])
+def test_a_malformed_slices_argument_is_a_config_error_before_connecting(bad):
+    with pytest.raises(ConfigError, match="slices must be"):
+        update_weights_from_ipc(zmq.Context.instance(), "ipc://@ckpt-nobody", 0, run=lambda w: None, slices=bad)
+
+
+def test_a_worker_loads_the_slices_of_its_own_engine_rank_of_its_plan(ps):
+    w = Worker(ps.handle, slices=(PLAN, 1))
+    ps.send("hello", **ps.hello(slices={"plan": PLAN, "rank": 1}))
+    assert ps.recv()["kind"] == "ready"
+    for i in range(2):
+        ps.send("bucket", index=i, slot=i)
+        assert ps.recv()["kind"] == "done"
+    ps.send("end", keep_buffer=False)
+    assert ps.recv()["kind"] == "finished"
+    w.join()
+    assert w.error is None and len(w.calls) == 2
 
 
 def test_a_kept_buffer_stays_mapped_for_the_next_update_until_released(ps):

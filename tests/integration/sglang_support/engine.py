@@ -17,12 +17,27 @@ sets with ``POST /ckpt_test/busy``), SGLang's CPU device key (its CPU platform a
 machine arch; our PS keys CPU ranks ``CPU-<machine id>-<index>``), the stock DeviceManager
 (``stock_cpu_device.py``) and ``vllm._custom_ops`` (imported by SGLang's rotary embedding).
 ``GET /ckpt_test/digests`` reports a digest of every parameter (and the weight version, the
-pause mode and how many cache flushes were asked for).
+pause mode and how many cache flushes were asked for); ``GET /ckpt_test/cold_digests`` those of a
+cold load of a checkpoint directory into a fresh model (``probes.py``).
+
+Tensor parallelism (``--tp-size N``, one process per ``--tp-rank``; ``fixtures.SglangEngine``
+starts them): every rank builds SGLang's own gloo groups and its shard of the model, rank 0 serves
+HTTP and broadcasts each scheduler call to the others as SGLang's scheduler does (``tp.py``); the
+digests then come per rank (``"ranks"``).
 
 Staged updates: the server args name ``--custom-weight-loader ckpt_sglang.staging.load``, and
 SGLang's own ``begin_weight_update``/``update_weights_from_tensor``/``end_weight_update``/
 ``update_weight_version`` methods run on the stand-in, into the real managers and
-``WeightUpdater`` (which imports and calls our loader by that name).
+``WeightUpdater`` (which imports and calls our loader by that name). ``ckpt_sglang.probe.load`` is
+named too (``SglangClient.state_digests``).
+
+Weight-update sessions (``sessions.py``): ``events`` in ``/ckpt_test/digests`` lists the weight
+calls the scheduler received, in order, each marked when it came inside a weight-update session
+(rank 0's; every rank's in ``rank_events``; ``session_open``: a session is open on some rank).
+``--without-sessions`` drops SGLang's ``/begin_weight_update`` and ``/end_weight_update`` routes:
+the route table of SGLang 0.5.17 (whose IPC route loads without a session, as 0.5.23's does), and
+its tensor route, which loads (our loaders included) without asking for a session and runs no
+post-processing, on every TP rank.
 
 Generation is stood in too (SGLang's forward needs its CPU kernels): ``DecoderStandIn`` is the
 scheduler's loop, one greedy decode step per running request at a time, under the lock that the
@@ -37,7 +52,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import os
 import sys
 import threading
@@ -53,27 +67,27 @@ def _stub_vllm_ops() -> None:
     sys.modules.setdefault("vllm._custom_ops", ops)
 
 
-def digest(t) -> str:   # same format as tests/harness.py's digest
-    t = t.detach().cpu().contiguous()
-    return hashlib.sha256(t.reshape(-1).view(__import__("torch").uint8).numpy().tobytes()).hexdigest() \
-        + f"|{t.dtype}|{tuple(t.shape)}"
-
-
-def build_model(model_dir: str, port: int):
-    """SGLang's runtime context, a gloo world of 1, and its Qwen2ForCausalLM (random init)."""
+def build_model(model_dir: str, port: int, tp_size: int = 1, tp_rank: int = 0):
+    """SGLang's runtime context, its gloo world of ``tp_size`` (TP group included), and this rank's
+    shard of its Qwen2ForCausalLM (random init)."""
     _stub_vllm_ops()
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.distributed import init_distributed_environment, initialize_model_parallel
     from sglang.srt.models.qwen2 import Qwen2ForCausalLM
+    from sglang.srt.runtime_context import SpawnRanks
     from sglang.srt.server_args import ServerArgs
     from sglang.test.parallel_groups import publish
+    from sglang_support.tp import cpu_model_parallel
 
     server_args = ServerArgs(model_path=model_dir, device="cpu", skip_tokenizer_init=True, dtype="float32",
                              load_format="dummy", checkpoint_engine_wait_weights_before_ready=True,
-                             custom_weight_loader=["ckpt_sglang.staging.load"])
-    publish(server_args, role="scheduler")
-    init_distributed_environment(backend="gloo", world_size=1, rank=0, local_rank=0,
-                                 distributed_init_method=f"tcp://127.0.0.1:{port + 1}")
+                             custom_weight_loader=["ckpt_sglang.staging.load", "ckpt_sglang.probe.load"],
+                             tp_size=tp_size)
+    publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=tp_rank))
+    init_distributed_environment(backend="gloo", world_size=tp_size, rank=tp_rank, local_rank=tp_rank,
+                                 distributed_init_method=f"tcp://127.0.0.1:{port + 1}",
+                                 timeout=3600)   # ranks 1.. wait in a broadcast for rank 0's next call
+    cpu_model_parallel()
     initialize_model_parallel(backend="gloo")
     model_config = ModelConfig.from_server_args(server_args)
     model = Qwen2ForCausalLM(model_config.hf_config)
@@ -89,6 +103,7 @@ class SchedulerStandIn:
         self.weight_updater = None   # the model runner's real WeightUpdater, set by main()
         self.lock = threading.RLock()   # one scheduler thread: decode steps and weight calls alternate
         self.decoder = None             # DecoderStandIn, set by main()
+        self.events: list[str] = []     # weight calls received: "ipc", "begin", "tensor (in session)", ...
 
     @property
     def running(self) -> int:   # requests a test declared busy, plus the decoder's running ones
@@ -185,17 +200,14 @@ class DecoderStandIn:
                         req["done"].set()
 
 
-def make_manager(server_args, model_config, scheduler: SchedulerStandIn):
+def make_manager(server_args, model_config, scheduler: SchedulerStandIn, fanout):
+    """The tokenizer manager stand-in of rank 0; ``fanout`` (``tp.FanOut``) runs each scheduler call
+    on every TP rank."""
     from sglang.srt.managers.io_struct import (ContinueGenerationReqInput, FlushCacheReqOutput,
                                                PauseGenerationReqInput, UpdateWeightVersionReqOutput)
-    from sglang.srt.managers.scheduler_components.weight_updater import SchedulerWeightUpdaterManager
     from sglang.srt.managers.tokenizer_control_mixin import TokenizerControlMixin
     from sglang.srt.managers.tokenizer_manager import TokenizerManager
     from sglang.srt.utils.aio_rwlock import RWLock
-
-    updater = SchedulerWeightUpdaterManager(tp_worker=scheduler, draft_worker=None, memory_saver_adapter=None,
-                                            flush_cache=scheduler.flush_cache, is_fully_idle=scheduler.is_fully_idle,
-                                            scheduler=scheduler)
 
     class ManagerStandIn:
         """Plays TokenizerManager for the routes used; the methods below are SGLang's own."""
@@ -228,23 +240,20 @@ def make_manager(server_args, model_config, scheduler: SchedulerStandIn):
         async def get_internal_state(self):
             return [{}]
 
-        async def _on_scheduler(self, fn, *args):   # between decode steps, as SGLang's scheduler runs it
-            def call():
-                with scheduler.lock:
-                    return fn(*args)
-            return [await asyncio.to_thread(call)]
+        async def _on_scheduler(self, name, obj):   # between decode steps, as SGLang's scheduler runs it
+            return [await on_scheduler(scheduler, fanout, name, obj)]
 
         async def update_weights_from_ipc_communicator(self, obj):
-            return await self._on_scheduler(updater.update_weights_from_ipc, obj)
+            return await self._on_scheduler("update_weights_from_ipc", obj)
 
         async def update_weights_from_tensor_communicator(self, obj):
-            return await self._on_scheduler(updater.update_weights_from_tensor, obj)
+            return await self._on_scheduler("update_weights_from_tensor", obj)
 
         async def begin_weight_update_communicator(self, obj):
-            return await self._on_scheduler(updater.begin_weight_update, obj)
+            return await self._on_scheduler("begin_weight_update", obj)
 
         async def end_weight_update_communicator(self, obj):
-            return await self._on_scheduler(updater.end_weight_update, obj)
+            return await self._on_scheduler("end_weight_update", obj)
 
         async def update_weight_version_communicator(self, obj):
             scheduler.record_weight_version_change(obj.new_version)
@@ -262,67 +271,98 @@ def make_manager(server_args, model_config, scheduler: SchedulerStandIn):
     return ManagerStandIn()
 
 
+async def on_scheduler(scheduler: SchedulerStandIn, fanout, name: str, obj=None):
+    """Run scheduler call ``name`` on every TP rank, in the scheduler's turn (between decode steps)."""
+    def call():
+        with scheduler.lock:
+            return fanout.call(name, obj)
+    return await asyncio.to_thread(call)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--tp-size", type=int, default=1)
+    ap.add_argument("--tp-rank", type=int, default=0)
+    ap.add_argument("--without-sessions", action="store_true",
+                    help="drop /begin_weight_update and /end_weight_update: the route table of SGLang 0.5.17")
     args = ap.parse_args()
-    server_args, model_config, model = build_model(args.model_dir, args.port)
+    server_args, model_config, model = build_model(args.model_dir, args.port, args.tp_size, args.tp_rank)
 
     import checkpoint_engine.worker as stock
-    import uvicorn
-    from fastapi import Body, HTTPException, Query
     from sglang.srt.checkpoint_engine.checkpoint_engine_worker import SGLangCheckpointEngineWorkerExtensionImpl
-    from sglang.srt.entrypoints import http_server
     from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
 
     from ckpt_core import local_device_key
+    from sglang_support.probes import probe_calls
+    from sglang_support.sessions import scheduler_calls
+    from sglang_support.tp import FanOut
     import stock_cpu_device as cpu_device
 
     cpu_device.install(stock)
-    SGLangCheckpointEngineWorkerExtensionImpl.get_device_uuid = lambda self: local_device_key("cpu", 0)
+    SGLangCheckpointEngineWorkerExtensionImpl.get_device_uuid = lambda self: local_device_key("cpu", args.tp_rank)
     scheduler = SchedulerStandIn(model)
     scheduler.weight_updater = WeightUpdater(
-        tp_rank=0, device="cpu", gpu_id=0, model_config=model_config,
+        tp_rank=args.tp_rank, device="cpu", gpu_id=0, model_config=model_config,
         custom_weight_loaders=server_args.custom_weight_loader,
         get_model=lambda: model, update_model_fields=lambda *a, **k: None, recapture_cuda_graph=lambda: None,
         get_model_runner=lambda: scheduler)
-    manager = make_manager(server_args, model_config, scheduler)
+    fanout = FanOut({**scheduler_calls(scheduler, args.without_sessions),
+                     **probe_calls(model, model_config, args.tp_rank)})
+    if args.tp_rank > 0:   # a scheduler of another TP rank: it runs what rank 0 broadcasts
+        print(f"engine pid {os.getpid()}: TP rank {args.tp_rank} of {args.tp_size}", flush=True)
+        fanout.serve()
+    serve_http(args, server_args, model_config, scheduler, fanout)
+
+
+def serve_http(args, server_args, model_config, scheduler: SchedulerStandIn, fanout) -> None:
+    """Rank 0: SGLang's HTTP app over the tokenizer-manager stand-in, and the test routes."""
+    import uvicorn
+    from fastapi import Body, HTTPException, Query
+    from sglang.srt.entrypoints import http_server
+
+    manager = make_manager(server_args, model_config, scheduler, fanout)
     http_server.set_global_state(http_server._GlobalState(tokenizer_manager=manager, template_manager=None,
                                                           scheduler_info={}))
     app = http_server.app
+    if args.without_sessions:
+        gone = ("/begin_weight_update", "/end_weight_update")
+        app.router.routes[:] = [r for r in app.router.routes if getattr(r, "path", None) not in gone]
 
     @app.get("/ckpt_test/digests")
     async def digests():
-        return {"params": {n: digest(p) for n, p in model.named_parameters()},
-                "weight_version": scheduler.weight_version, "paused": scheduler.paused,
-                "flushes": scheduler.flushes}
+        ranks = await on_scheduler(scheduler, fanout, "ckpt_test_digests")
+        calls = await on_scheduler(scheduler, fanout, "ckpt_test_weight_calls")
+        return {"params": ranks[0], "ranks": ranks, "weight_version": scheduler.weight_version,
+                "paused": scheduler.paused, "flushes": scheduler.flushes, "events": calls[0]["events"],
+                "rank_events": [c["events"] for c in calls], "session_open": any(c["session_open"] for c in calls)}
+
+    @app.get("/ckpt_test/cold_digests")
+    async def cold_digests(model_dir: str = Query(...)):
+        """Every rank's parameters after a cold load of ``model_dir`` into a fresh shard of the model."""
+        return {"ranks": await on_scheduler(scheduler, fanout, "ckpt_test_cold_digests", model_dir)}
 
     @app.post("/ckpt_test/busy")
     async def busy(n: int = Query(0)):
         scheduler.busy = n
         return {"running": n}
 
-    scheduler.decoder = DecoderStandIn(scheduler, args.model_dir)
+    if args.tp_size == 1:   # its steps run Hugging Face's Qwen2 on the whole (unsharded) parameters
+        scheduler.decoder = DecoderStandIn(scheduler, args.model_dir)
 
     @app.post("/ckpt_test/next_stage")
-    async def next_stage(fail_after: int = Query(-1), slow_s: float = Query(0.0)):
-        """The next stage's receiver raises after staging ``fail_after`` buckets (a worker failing
-        mid-way), and/or takes ``slow_s`` longer per bucket (a big checkpoint's transfer, which
-        outlasts the pause that opens the stage; the tiny one here would not)."""
-        import ckpt_sglang.staging as staging
-        real = staging.StagingArea
+    async def next_stage(fail_after: int = Query(-1), slow_s: float = Query(0.0), fail_seal: bool = Query(False),
+                         rank: int = Query(-1)):
+        """See ``probes.probe_calls``' ``next_stage``."""
+        arg = {"fail_after": fail_after, "slow_s": slow_s, "fail_seal": fail_seal, "rank": rank}
+        await on_scheduler(scheduler, fanout, "ckpt_test_next_stage", arg)
+        return arg
 
-        class TestArea(real):
-            def add(self, weights):
-                staging.StagingArea = real   # one stage only
-                if 0 <= fail_after <= len(self.buckets):
-                    raise RuntimeError(f"injected failure after {fail_after} staged bucket(s)")
-                time.sleep(slow_s)
-                super().add(weights)
-
-        staging.StagingArea = TestArea
-        return {"fail_after": fail_after, "slow_s": slow_s}
+    @app.post("/ckpt_test/next_commit")
+    async def next_commit(fail_rank: int = Query(...)):
+        """See ``probes.probe_calls``' ``next_commit``."""
+        return (await on_scheduler(scheduler, fanout, "ckpt_test_next_commit", {"fail_rank": fail_rank}))[fail_rank]
 
     @app.post("/ckpt_test/generate")
     async def generate(body: dict = Body(...)):

@@ -91,20 +91,37 @@ def write_checkpoint(root: Path, seed: int, shards: int = 2) -> tuple[Path, dict
 
 
 class SglangEngine:
-    """The engine process (``engine.py``) and an HTTP client of its test routes."""
+    """The engine process (``engine.py``; one per TP rank with ``tp_size``) and an HTTP client of its
+    test routes. Rank r > 0 logs to ``log`` with ``.rank<r>`` appended. ``extra``: arguments of
+    ``engine.py`` given to every rank (``--without-sessions``)."""
 
-    def __init__(self, python: str, model_dir: Path, log: Path):
+    def __init__(self, python: str, model_dir: Path, log: Path, tp_size: int = 1, extra: tuple[str, ...] = ()):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         paths = (REPO, REPO / "tests", REPO / "tests" / "integration")
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(str(p) for p in paths))
         self.log = log
-        self._out = open(log, "w")
-        self.proc = subprocess.Popen([python, "-m", "sglang_support.engine", "--model-dir", str(model_dir),
-                                      "--port", str(self.port)], stdout=self._out, stderr=subprocess.STDOUT, env=env)
+        self._outs = [open(log if r == 0 else f"{log}.rank{r}", "w") for r in range(tp_size)]
+        self._out = self._outs[0]
+        self.procs = [subprocess.Popen([python, "-m", "sglang_support.engine", "--model-dir", str(model_dir),
+                                        "--port", str(self.port), "--tp-size", str(tp_size), "--tp-rank", str(r),
+                                        *extra],
+                                       stdout=out, stderr=subprocess.STDOUT, env=env)
+                      for r, out in enumerate(self._outs)]
+        self.proc = self.procs[0]
 
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        return all(p.poll() is None for p in self.procs)
+
+    def rank_params(self) -> list[dict[str, str]]:
+        """Every TP rank's parameter digests, in rank order."""
+        return self.state()["ranks"]
+
+    def cold_params(self, model_dir: Path) -> list[dict[str, str]]:
+        """Every TP rank's parameter digests after a cold load of ``model_dir`` into a fresh model."""
+        resp = httpx.get(f"{self.url}/ckpt_test/cold_digests", params={"model_dir": str(model_dir)}, timeout=120)
+        resp.raise_for_status()
+        return resp.json()["ranks"]
 
     def state(self) -> dict:
         return httpx.get(f"{self.url}/ckpt_test/digests", timeout=30).json()
@@ -117,24 +134,28 @@ class SglangEngine:
         return self.log.read_text()[-n:]
 
     def close(self) -> None:
-        if self.alive():
-            self.proc.terminate()
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs:
             try:
-                self.proc.wait(20)
+                proc.wait(20)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self._out.close()
+                proc.kill()
+                proc.wait(10)
+        for out in self._outs:
+            out.close()
 
 
 @contextmanager
-def ready_engine(root: Path, seed: int = 100):
-    """An engine on a fresh model directory under ``root`` (weights of ``seed``), ready to update."""
+def ready_engine(root: Path, seed: int = 100, tp_size: int = 1, extra: tuple[str, ...] = ()):
+    """An engine on a fresh model directory under ``root`` (weights of ``seed``), ready to update;
+    ``extra``: arguments of ``engine.py`` (``--without-sessions``)."""
     from ckpt_sglang import SglangClient
     python = sglang_python()
     model_dir, _ = write_checkpoint(root / "model", seed=seed)
     for launch in range(1, LAUNCHES + 1):
-        eng = SglangEngine(python, model_dir, root / "engine.log")
+        eng = SglangEngine(python, model_dir, root / "engine.log", tp_size, extra)
         try:
             with SglangClient(eng.url) as client:
                 client.wait_ready(timeout=240, alive=eng.alive)

@@ -130,7 +130,8 @@ def completions(server, model: TinyModel) -> list[list[int]]:
     return server.complete(model.prompts, MAX_TOKENS)
 
 
-def push_to(server, weights: Path, path: str, tp: int, where: Path, extra: tuple[str, ...] = ()) -> dict:
+def push_to(server, weights: Path, path: str, tp: int, where: Path, extra: tuple[str, ...] = (),
+            timeout: float = 300) -> dict:
     """Push ``weights`` into ``server`` with one PS rank per worker; the leader's PS result.
 
     TP 1: one PS rank in this process (``fixtures.push``). TP > 1: ``tp`` PS ranks under torchrun
@@ -149,7 +150,7 @@ def push_to(server, weights: Path, path: str, tp: int, where: Path, extra: tuple
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(tp),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(REPO / "examples" / "vllm_update.py"),
            "--checkpoint-path", str(ckpt), "--checkpoint-name", ckpt.name, "--inference-parallel-size", str(tp),
-           "--endpoint", server.endpoint, "--path", path, "--device", "cpu", "--timeout", "300", *extra]
+           "--endpoint", server.endpoint, "--path", path, "--device", "cpu", "--timeout", str(timeout), *extra]
     run = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=600)
     if run.returncode != 0:
         raise RuntimeError(f"vllm_update.py failed ({run.returncode}):\n{run.stderr[-6000:]}\n{server.log_tail(30)}")

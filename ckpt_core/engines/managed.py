@@ -1,4 +1,5 @@
-"""A parameter-server rank started by an engine worker (managed mode, engine-agnostic).
+"""A parameter-server rank started by an engine worker (managed mode, engine-agnostic). Public: it
+serves engine adapters (``ckpt_vllm``'s weight-transfer backend calls :func:`start_from_env`).
 
 An engine adapter calls :func:`start_managed` (or :func:`start_from_env`) from the worker's
 start-up hook and ``ManagedParameterServer.stop()`` from its shutdown hook; the RL controller
@@ -24,7 +25,7 @@ import sys
 import threading
 import time
 
-from ckpt_core.errors import ConfigError, UpdateTimeoutError
+from ckpt_core.errors import ConfigError
 from ckpt_core.ops.log import rank_logger
 
 WATCH_S = 0.5
@@ -77,7 +78,8 @@ def _parse_spec(spec: str) -> tuple[str, list[str]]:
     for opt in options:
         key, sep, value = opt.partition("=")
         if key not in SPEC_OPTIONS or not sep or not value:
-            raise ConfigError(f"managed serving spec option {opt!r} is not one of {', '.join(k + '=...' for k in SPEC_OPTIONS)}")
+            raise ConfigError(f"managed serving spec option {opt!r} is not one of "
+                              f"{', '.join(k + '=...' for k in SPEC_OPTIONS)}")
         extra += [f"--{key}", value]
     return path, extra
 
@@ -162,15 +164,3 @@ def start_from_env(*, rank: int, world_size: int, local_rank: int, device: str) 
     log = parse_serve_spec(spec).format(rank=rank, local_rank=local_rank) + ".log"
     return start_managed(spec, rank=rank, world_size=world_size, local_rank=local_rank, device=device,
                          master_addr=host, master_port=port, log_path=log)
-
-
-def wait_socket(path: str, managed: ManagedParameterServer, timeout: float) -> None:
-    """Wait until the service's socket exists (or fail naming why)."""
-    deadline = time.monotonic() + timeout
-    while not os.path.exists(path):
-        if not managed.alive():
-            raise ConfigError(f"the managed parameter server (pid {managed.pid}) exited before serving on {path}"
-                              + (f"; see {managed.log_path}" if managed.log_path else ""))
-        if time.monotonic() > deadline:
-            raise UpdateTimeoutError(f"the managed parameter server did not create {path} within {timeout} s")
-        time.sleep(0.05)

@@ -1,0 +1,253 @@
+"""The engine side of delta updates, engine-agnostic: one worker's held version, applying a delta
+in place, checking it, undoing it.
+
+An engine adapter keeps one :class:`DeltaReceiver` per worker and wraps each update's callbacks::
+
+    receiver = DeltaReceiver(live=lambda name: params.get(name))       # tensors held verbatim
+    with receiver.update(run=engine_run, on_plan=engine_on_plan, version="step-7") as cb:
+        update_weights_from_ipc(ctx, handle, device, run=cb.run, on_plan=cb.on_plan, post_hook=cb.post_hook)
+
+A full update (no delta manifest in the plan) goes to the engine's own callbacks and, once it
+succeeded, the worker holds ``version``. A delta (``versions.py``: payloads named
+``ckpt.delta:<tensor>``, one manifest per PS rank naming ``[base, version, rank, world]``):
+
+- ``on_plan``: refused with ``DeltaBaseError`` unless every PS rank's manifest is there, they agree,
+  and their base is the version this worker holds (before anything is mapped or written; the PS
+  raises it on every rank);
+- ``run``: each payload is decoded and checked whole (CRC, positions); where ``live(name)`` gives
+  the tensor holding the checkpoint's bytes verbatim, the changed elements are scattered into it
+  (the previous values kept for an undo); otherwise the full new tensor is rebuilt from the held
+  checkpoint-format copy (``keep``) and handed to ``reload`` (the engine's own reload path) with
+  the other changed tensors of the bucket. Either way the digest of the result (the live tensor
+  itself, or what the reload is given) must equal the version's, before the bucket reports done;
+- any failure on any rank aborts the update on every worker (the PS's agreement), and leaving the
+  ``with`` block by an exception undoes every write of this delta (scatters restored, rebuilt
+  tensors reloaded from their base copy): the worker holds its base, byte for byte.
+
+With ``defer_reload`` the rebuilt tensors are reloaded once, in the post hook, after every rank
+checked every bucket (``DeltaReceiver``).
+
+What is not covered yet: a post hook that fails after another worker finished (that one keeps the
+new version), and engines whose reload cannot take the base copy back on undo.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from typing import Callable
+
+import torch
+
+from ckpt_core._settings import delta_drop_one
+from ckpt_core.delta.encode import Decoded, apply_decoded, bytes_of, decode, undo_decoded
+from ckpt_core.delta.versions import MANIFEST, PAYLOAD, parse_manifest_name
+from ckpt_core.errors import CheckpointFormatError, DeltaBaseError
+from ckpt_core.p2p.digests import digest_of
+
+Weights = list[tuple[str, torch.Tensor]]
+
+
+def delta_of_plan(listing) -> tuple[str, str] | None:
+    """``(base, version)`` when a plan's ``(name, dtype, shape)`` listing is a delta, None for a full
+    update; ``DeltaBaseError``/``CheckpointFormatError`` when its manifests are incomplete or disagree."""
+    names = [n for n, _, _ in listing]
+    manifests = [parse_manifest_name(n) for n in names if n.startswith(MANIFEST)]
+    if not manifests:
+        if any(n.startswith(PAYLOAD) for n in names):
+            raise CheckpointFormatError("the update carries delta payloads but no delta manifest")
+        return None
+    if any(m is None for m in manifests):
+        raise CheckpointFormatError("a delta manifest's name is malformed")
+    pairs = {(b, v, w) for b, v, _, w in manifests}
+    if len(pairs) != 1:
+        raise DeltaBaseError(f"the PS ranks' delta manifests disagree: {sorted(pairs)[:4]}")
+    base, version, world = pairs.pop()
+    ranks = sorted(r for _, _, r, _ in manifests)
+    if ranks != list(range(world)):
+        raise DeltaBaseError(f"the delta of {version!r} has manifests of PS ranks {ranks}, expected 0..{world - 1}")
+    stray = [n for n in names if not n.startswith(PAYLOAD) and not n.startswith(MANIFEST)]
+    if stray:
+        raise CheckpointFormatError(f"a delta update also carries whole tensors {stray[:4]}")
+    return base, version
+
+
+class DeltaReceiver:
+    """One engine worker's delta state.
+
+    ``live(name)``: the live tensor that holds checkpoint tensor ``name``'s bytes verbatim
+    (contiguous, the checkpoint's dtype and shape), or None where the engine derives its weights
+    (fused, repacked, quantized). ``reload(weights)``: hands full checkpoint-format tensors to the
+    engine's own reload path; needed for tensors ``live`` does not give. Those tensors need a
+    checkpoint-format copy of the held version: the adapter gives it with :meth:`keep` (e.g. from
+    its full updates' ``run``). ``held``: the version this worker holds (None: unknown).
+
+    ``defer_reload``: rebuilt tensors go to ``reload`` once, in the post hook (after every PS rank
+    agreed that every bucket arrived and was checked), not per bucket: an engine whose reload
+    cannot be undone (vLLM's layerwise reload) then loads nothing of a delta that fails anywhere.
+    ``complete``: that one reload also gets every kept tensor the delta did not change, for engines
+    that need whole layers or a whole checkpoint per reload (vLLM's fused modules).
+    """
+
+    def __init__(self, live: Callable[[str], torch.Tensor | None], *, reload: Callable[[Weights], object] | None = None,
+                 held: str | None = None, defer_reload: bool = False, complete: bool = False):
+        self.live, self.reload, self.held = live, reload, held
+        self.defer_reload, self.complete = defer_reload, complete
+        self.kept: dict[str, torch.Tensor] = {}
+        self.last: dict = {}
+
+    def keep(self, name: str, tensor: torch.Tensor) -> None:
+        """Keep a host copy of checkpoint tensor ``name`` of the version being made live (for deltas
+        of tensors the engine derives)."""
+        self.kept[name] = tensor.detach().to("cpu", copy=True)
+
+    @contextmanager
+    def update(self, *, run: Callable[[Weights], object], on_plan=None, post_hook=None, version: str | None = None):
+        """The callbacks of one update (``cb.run``, ``cb.on_plan``, ``cb.post_hook``); see the module doc."""
+        tx = _Update(self, run, on_plan, post_hook)
+        try:
+            yield tx
+        except BaseException:
+            tx.undo()
+            raise
+        tx.commit(version)
+
+
+class _Update:
+    def __init__(self, rx: DeltaReceiver, run, on_plan, post_hook):
+        self.rx, self.engine_run, self.engine_on_plan, self.engine_post_hook = rx, run, on_plan, post_hook
+        self.delta: tuple[str, str] | None = None
+        self.undo_log: list[tuple] = []
+        self.rebuilt: dict[str, torch.Tensor] = {}   # tensor -> its new full bytes handed to reload
+        self.figures = {"scattered": 0, "reloaded": 0, "elements": 0, "payload_bytes": 0, "apply_s": 0.0,
+                        "verify_s": 0.0}
+        self.dropped = False
+        self.ran = False   # a bucket reached run(): something may have been written
+        self.deferred_ran = False   # the deferred reload started: the engine's own abort is what undoes it
+
+    # -- the update's callbacks --------------------------------------------------
+    def on_plan(self, listing) -> None:
+        self.delta = delta_of_plan(listing)
+        if self.delta is None:
+            if self.engine_on_plan is not None:
+                self.engine_on_plan(listing)
+            return
+        base, version = self.delta
+        if self.rx.held != base:
+            raise DeltaBaseError(f"this worker holds {self.rx.held!r}, not the base {base!r} of the delta of "
+                                 f"{version!r}: nothing was written (update it whole)")
+
+    def run(self, weights: Weights):
+        self.ran = True
+        if self.delta is None:
+            return self.engine_run(weights)
+        return self._apply(weights)
+
+    def post_hook(self):
+        if self.delta is not None and self.rx.defer_reload:
+            weights = list(self.rebuilt.items())
+            if self.rx.complete:
+                weights += [(n, t) for n, t in self.rx.kept.items() if n not in self.rebuilt]
+            if weights:
+                self.deferred_ran = True
+                self.rx.reload(weights)
+        if self.engine_post_hook is not None:
+            return self.engine_post_hook()
+        return None
+
+    # -- delta ------------------------------------------------------------------------
+    def _apply(self, weights: Weights) -> None:
+        t0 = time.perf_counter()
+        checks: list[tuple[str, torch.Tensor, str]] = []
+        reloads: Weights = []
+        for wire_name, payload in weights:
+            if wire_name.startswith(MANIFEST):
+                continue
+            name = wire_name[len(PAYLOAD):]
+            d = self._maybe_drop(decode(payload, name))
+            self.figures["payload_bytes"] += payload.numel()
+            self.figures["elements"] += d.count
+            target = self.rx.live(name)
+            if target is not None:
+                self._scatter(name, target, d)
+                checks.append((name, target, d.digest))
+            else:
+                new = self._rebuild(name, d)
+                reloads.append((name, new))
+                checks.append((name, new, d.digest))
+        t1 = time.perf_counter()
+        self.figures["apply_s"] += t1 - t0
+        self._verify(checks)   # before the engine's reload: a wrong tensor is never loaded
+        self.figures["verify_s"] += time.perf_counter() - t1
+        if reloads:
+            if self.rx.reload is None:
+                raise CheckpointFormatError(f"the engine derives {reloads[0][0]!r} and gave no reload path")
+            self.rebuilt.update(reloads)
+            self.figures["reloaded"] += len(reloads)
+            if not self.rx.defer_reload:
+                self.rx.reload(reloads)
+
+    def _scatter(self, name: str, target: torch.Tensor, d: Decoded) -> None:
+        if target.dtype != d.dtype or tuple(target.shape) != d.shape or not target.is_contiguous():
+            raise CheckpointFormatError(f"the live tensor is {target.dtype} {list(target.shape)}, the delta "
+                                        f"{d.dtype} {list(d.shape)}", tensor=name)
+        saved = target.clone() if d.positions is None else None
+        old = apply_decoded(target, d)
+        self.undo_log.append((target, d, old, saved))
+        self.figures["scattered"] += 1
+
+    def _rebuild(self, name: str, d: Decoded) -> torch.Tensor:
+        base = self.rx.kept.get(name)
+        if d.positions is None:
+            new = torch.empty(d.shape, dtype=d.dtype)
+        elif base is None or base.dtype != d.dtype or tuple(base.shape) != d.shape:
+            raise CheckpointFormatError("the engine derives this tensor and this worker kept no copy of its base "
+                                        "in checkpoint format", tensor=name)
+        else:
+            new = base.clone()
+        apply_decoded(new, d)
+        return new
+
+    def _verify(self, checks) -> None:
+        for name, tensor, want in checks:
+            got = digest_of(bytes_of(tensor.contiguous()))
+            if got != want:
+                raise CheckpointFormatError(f"after the delta's apply the tensor's bytes do not match the version's "
+                                            f"digest ({got} != {want}); the update is undone", tensor=name)
+
+    def _maybe_drop(self, d: Decoded) -> Decoded:
+        """CKPT_TEST_DELTA_DROP_ONE (tests only): the first scattered delta loses one changed element."""
+        if self.dropped or d.positions is None or d.count == 0 or not delta_drop_one():
+            return d
+        self.dropped = True
+        return Decoded(d.encoding, d.dtype, d.shape, d.count - 1, d.digest, d.positions[:-1], d.values[:-1])
+
+    # -- end --------------------------------------------------------------------------
+    def undo(self) -> None:
+        """Put back every write of this delta (a full update: the worker's version is unknown)."""
+        if not self.ran:
+            return   # refused before any bucket: nothing was written, the worker holds what it held
+        if self.deferred_ran:
+            self.rx.held = None   # the engine's reload failed part-way: its own abort decides what it holds
+        if self.delta is None:
+            self.rx.held = None
+            return
+        for target, d, old, saved in reversed(self.undo_log):
+            if saved is not None:
+                target.copy_(saved)
+            else:
+                undo_decoded(target, d, old)
+        self.undo_log.clear()
+        if self.rebuilt and self.rx.reload is not None and not self.rx.defer_reload:
+            self.rx.reload([(n, self.rx.kept[n]) for n in self.rebuilt if n in self.rx.kept])
+        self.rebuilt.clear()
+
+    def commit(self, version: str | None) -> None:
+        if self.delta is None:
+            self.rx.held = version
+            self.rx.last = {"delta": False}
+            return
+        for name, new in self.rebuilt.items():
+            self.rx.kept[name] = new
+        self.rx.held = self.delta[1]
+        self.rx.last = dict(self.figures, delta=True, base=self.delta[0], version=self.delta[1])

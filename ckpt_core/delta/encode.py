@@ -1,0 +1,336 @@
+"""One tensor's delta: which elements changed (exact bytes), encoded compactly, decoded with checks.
+
+A payload is a uint8 tensor::
+
+    b"CKD1" | u32 header length | header (JSON, padded to 8 bytes) | body
+
+The header names the encoding, the tensor's dtype code and shape, the number of changed
+elements, the digest of the *new* tensor's full bytes (``p2p.digests``: what the engine checks
+after the apply), the body's length and its CRC-32 (a corrupted payload is refused before
+anything is written). Bodies, each section 8-byte aligned:
+
+- ``whole``: the new tensor's bytes (the tensor is new, reshaped, or its delta is not smaller);
+- ``idx``: ``count`` positions (int32, or int64 from 2**31 elements) then the changed values;
+- ``gap16``: the first position, then the gap to each next one, as uint16, then the values (only
+  where every gap fits: 4 bytes per changed bf16 element instead of ``idx``'s 6);
+- ``bitmap``: one bit per element (element ``8i+j`` is bit ``j`` of byte ``i``) then the values;
+- ``runs``: ``r`` run starts then ``r`` run lengths (index width as ``idx``) then the values.
+
+``encode_tensor`` measures the five sizes from the change mask and keeps the smallest. Elements are
+compared as integers of their item size, so a NaN that keeps its bits is unchanged and -0.0 vs
++0.0 is a change: never a tolerance.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+from ckpt_core.checkpoint.safetensors import WIRE_CODES, WIRE_DTYPES
+from ckpt_core.errors import CheckpointFormatError
+from ckpt_core.p2p.digests import digest_of
+
+MAGIC = b"CKD1"
+ENCODINGS = ("whole", "idx", "gap16", "bitmap", "runs")
+MAX_GAP16 = 0xFFFF
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_MAX_HEADER = 1 << 16
+
+
+def _align8(n: int) -> int:
+    return (n + 7) & ~7
+
+
+def as_words(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's elements as integers of its item size, flat: shape ``[numel]`` for
+    item sizes 1/2/4/8, ``[numel, k]`` int64 words for larger items (complex128)."""
+    flat = t.reshape(-1)
+    size = t.element_size()
+    if size in _INT_OF_SIZE:
+        return flat.view(_INT_OF_SIZE[size])
+    return flat.view(torch.uint8).view(torch.int64).view(-1, size // 8)
+
+
+def bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a flat uint8 view (a 0-d tensor included)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def changed_mask(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """Bool ``[numel]``: where the bytes of ``new`` and ``old`` (same dtype and shape) differ."""
+    a, b = as_words(new), as_words(old)
+    ne = a != b
+    return ne if ne.dim() == 1 else ne.any(dim=1)
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Bytes of each encoding's body for one change mask (``whole`` included)."""
+    whole: int
+    idx: int
+    gap16: int
+    bitmap: int
+    runs: int
+
+    def best(self) -> str:
+        # ties go to the simpler encoding (the order of ENCODINGS)
+        return min(ENCODINGS, key=lambda e: (getattr(self, e), ENCODINGS.index(e)))
+
+
+def index_width(numel: int) -> int:
+    return 4 if numel < 2 ** 31 else 8
+
+
+def measure(numel: int, itemsize: int, count: int, runs: int, max_gap: int = 0) -> Sizes:
+    """Body bytes of each encoding; ``gap16`` only where every gap between changed positions (and
+    the first position) fits in 16 bits (``max_gap``), else it cannot be chosen."""
+    w = index_width(numel)
+    values = _align8(count * itemsize)
+    gap16 = _align8(count * 2) + values if max_gap <= MAX_GAP16 else 1 << 62
+    return Sizes(whole=_align8(numel * itemsize), idx=_align8(count * w) + values, gap16=gap16,
+                 bitmap=_align8((numel + 7) // 8) + values, runs=2 * _align8(runs * w) + values)
+
+
+def run_bounds(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(starts, lengths) int64 of the runs of consecutive values in strictly increasing ``positions``."""
+    breaks = torch.nonzero(torch.diff(positions) != 1).reshape(-1) + 1
+    first = torch.cat([breaks.new_zeros(1), breaks])
+    last = torch.cat([breaks, breaks.new_full((1,), positions.numel())])
+    return positions[first], last - first
+
+
+def _gaps(positions: torch.Tensor) -> torch.Tensor:
+    """The first position, then the distance from each changed position to the next (int64)."""
+    return torch.diff(positions, prepend=positions.new_zeros(1))
+
+
+def _max_gap(positions: torch.Tensor) -> int:
+    return int(_gaps(positions).max()) if positions.numel() else 0
+
+
+def _count_runs(positions: torch.Tensor) -> int:
+    """Runs of consecutive positions in a strictly increasing int64 tensor."""
+    if positions.numel() == 0:
+        return 0
+    return 1 + int(torch.count_nonzero(torch.diff(positions) != 1))
+
+
+def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """One bit per element, little-endian in each byte (numpy's packbits: 20x torch's arithmetic here)."""
+    import numpy as np
+
+    return torch.from_numpy(np.packbits(mask.cpu().numpy(), bitorder="little"))
+
+
+def _unpack_bits(bits: torch.Tensor, numel: int) -> torch.Tensor:
+    if bits.device.type == "cpu":
+        import numpy as np
+
+        return torch.from_numpy(np.unpackbits(bits.numpy(), count=numel, bitorder="little").view(np.bool_))
+    shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
+    return ((bits.unsqueeze(1) >> shifts) & 1).reshape(-1)[:numel].bool()
+
+
+def _section(t: torch.Tensor) -> bytes:
+    raw = bytes_of(t.contiguous()).numpy().tobytes() if t.numel() else b""
+    return raw + b"\0" * (_align8(len(raw)) - len(raw))
+
+
+def _payload(header: dict, body: bytes) -> torch.Tensor:
+    header = dict(header, body=len(body), crc=zlib.crc32(body))
+    text = json.dumps(header, separators=(",", ":")).encode()
+    head = MAGIC + struct.pack("<I", len(text)) + text
+    head += b" " * (_align8(len(head)) - len(head))
+    if not (head or body):
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(head + body), dtype=torch.uint8)
+
+
+def encode_tensor(new: torch.Tensor, old: torch.Tensor | None, *, digest: str | None = None,
+                  force: str | None = None) -> tuple[torch.Tensor | None, dict]:
+    """The payload that turns ``old`` into ``new`` (CPU tensors), or None when nothing changed.
+
+    ``old`` None, or of another dtype or shape: the payload is ``whole``. Returns
+    ``(payload or None, info)`` with ``info = {"encoding", "count", "numel", "bytes"}`` (bytes of
+    the payload, 0 when unchanged). ``force``: one encoding, for tests and the benchmark.
+    """
+    new = new.detach().contiguous()
+    code = WIRE_CODES.get(new.dtype)
+    if code is None:
+        raise CheckpointFormatError(f"dtype {new.dtype} has no wire code")
+    numel, size = new.numel(), new.element_size()
+    header = {"dtype": code, "shape": list(new.shape)}
+    whole = old is None or old.dtype != new.dtype or tuple(old.shape) != tuple(new.shape)
+    if whole:
+        mask, positions, count, runs = None, None, numel, 1
+    else:
+        mask = changed_mask(new, old.detach().contiguous())
+        positions = torch.nonzero(mask).reshape(-1)
+        count = positions.numel()
+        if count == 0:
+            return None, {"encoding": None, "count": 0, "numel": numel, "bytes": 0}
+        runs = _count_runs(positions)
+    max_gap = 0 if whole else _max_gap(positions)
+    sizes = measure(numel, size, count, runs, max_gap)
+    enc = "whole" if whole else (force or sizes.best())
+    digest = digest if digest is not None else digest_of(bytes_of(new))
+    if enc == "whole":
+        body = _section(new)
+    else:
+        idx_dtype = torch.int32 if index_width(numel) == 4 else torch.int64
+        values = _section(as_words(new)[positions])
+        if enc == "idx":
+            body = _section(positions.to(idx_dtype)) + values
+        elif enc == "gap16":
+            if max_gap > MAX_GAP16:
+                raise ValueError("gap16 needs every gap below 2**16")
+            body = _section(_gaps(positions).to(torch.int32).to(torch.uint16)) + values
+        elif enc == "bitmap":
+            body = _section(_pack_bits(mask)) + values
+        elif enc == "runs":
+            starts, lengths = run_bounds(positions)
+            body = _section(starts.to(idx_dtype)) + _section(lengths.to(idx_dtype)) + values
+        else:
+            raise ValueError(f"unknown encoding {enc!r}")
+    payload = _payload(dict(header, enc=enc, count=numel if enc == "whole" else count,
+                            runs=runs if enc == "runs" else 0, digest=digest), body)
+    return payload, {"encoding": enc, "count": count, "numel": numel, "bytes": payload.numel()}
+
+
+@dataclass
+class Decoded:
+    """A checked payload: what to write where. ``positions`` None means ``whole``."""
+    encoding: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    count: int
+    digest: str
+    positions: torch.Tensor | None   # int64 [count], strictly increasing, in range
+    values: torch.Tensor             # the changed elements (whole: every element), as as_words() of dtype
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def _bad(name: str, why: str) -> CheckpointFormatError:
+    return CheckpointFormatError(f"delta payload refused: {why}", tensor=name)
+
+
+def read_header(payload: torch.Tensor, name: str = "?") -> tuple[dict, int]:
+    """The header of a payload and where its body starts; ``CheckpointFormatError`` if malformed."""
+    raw = payload.reshape(-1)
+    if raw.dtype != torch.uint8 or raw.numel() < 8:
+        raise _bad(name, "not a uint8 payload of at least 8 bytes")
+    head = bytes(raw[:8].cpu().numpy())
+    if head[:4] != MAGIC:
+        raise _bad(name, f"bad magic {head[:4]!r}")
+    (n,) = struct.unpack("<I", head[4:8])
+    if n > _MAX_HEADER or 8 + n > raw.numel():
+        raise _bad(name, f"header length {n} out of range")
+    try:
+        header = json.loads(bytes(raw[8: 8 + n].cpu().numpy()))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise _bad(name, f"header is not JSON ({exc})") from exc
+    return header, _align8(8 + n)
+
+
+def decode(payload: torch.Tensor, name: str = "?") -> Decoded:
+    """Check a payload whole (header fields, sizes, CRC-32 of the body, positions strictly
+    increasing and in range) before anything is written; ``CheckpointFormatError`` naming the
+    tensor otherwise."""
+    header, start = read_header(payload, name)
+    try:
+        enc, code, shape = header["enc"], header["dtype"], tuple(int(d) for d in header["shape"])
+        count, runs, digest = int(header["count"]), int(header["runs"]), str(header["digest"])
+        body_len, crc = int(header["body"]), int(header["crc"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise _bad(name, f"header field missing or malformed ({exc!r})") from exc
+    if enc not in ENCODINGS or code not in WIRE_DTYPES or any(d < 0 for d in shape):
+        raise _bad(name, f"unknown encoding {enc!r}, dtype {code!r} or shape {list(shape)}")
+    raw = payload.reshape(-1)
+    if start + body_len != raw.numel():
+        raise _bad(name, f"body of {raw.numel() - start} bytes, header says {body_len}")
+    body = raw[start:]
+    host = body if body.device.type == "cpu" else body.cpu()
+    if zlib.crc32(memoryview(host.numpy())) != crc:
+        raise _bad(name, "CRC-32 of the body does not match (corrupted in transit or in memory)")
+    dtype = WIRE_DTYPES[code]
+    size = torch.empty(0, dtype=dtype).element_size()
+    numel = 1
+    for d in shape:
+        numel *= d
+    if not 0 <= count <= numel or (enc == "whole" and count != numel):
+        raise _bad(name, f"count {count} out of range for {numel} elements")
+    sizes = measure(numel, size, count, runs)
+    if getattr(sizes, enc) != body_len:
+        raise _bad(name, f"{enc} body of {body_len} bytes, {getattr(sizes, enc)} expected")
+    values_at = body_len - _align8(count * size)
+    values = _words(body[values_at: values_at + count * size], dtype, count)
+    positions = None if enc == "whole" else _positions(enc, body[:values_at], numel, count, runs, name)
+    return Decoded(enc, dtype, shape, count, digest, positions, values)
+
+
+def _words(raw: torch.Tensor, dtype: torch.dtype, count: int) -> torch.Tensor:
+    typed = torch.empty((count,), dtype=dtype, device=raw.device)
+    bytes_of(typed).copy_(raw)   # a copy: aligned whatever the payload's offset, and ours to keep
+    return as_words(typed)
+
+
+def _ints(raw: torch.Tensor, n: int, width: int) -> torch.Tensor:
+    out = torch.empty(n, dtype=torch.int32 if width == 4 else torch.int64, device=raw.device)
+    bytes_of(out).copy_(raw[: n * width])
+    return out.to(torch.int64)
+
+
+def _positions(enc: str, raw: torch.Tensor, numel: int, count: int, runs: int, name: str) -> torch.Tensor:
+    w = index_width(numel)
+    if enc == "idx":
+        pos = _ints(raw, count, w)
+    elif enc == "gap16":
+        gaps = torch.empty(count, dtype=torch.uint16, device=raw.device)
+        bytes_of(gaps).copy_(raw[: count * 2])
+        pos = torch.cumsum(gaps.to(torch.int64), 0)
+    elif enc == "bitmap":
+        mask = _unpack_bits(raw[: (numel + 7) // 8], numel)
+        pos = torch.nonzero(mask).reshape(-1)
+        if pos.numel() != count:
+            raise _bad(name, f"bitmap marks {pos.numel()} elements, header says {count}")
+    else:
+        starts, lengths = _ints(raw, runs, w), _ints(raw[_align8(runs * w):], runs, w)
+        if runs and (bool((lengths <= 0).any()) or int(lengths.sum()) != count):
+            raise _bad(name, "run lengths do not add up to the count")
+        pos = torch.repeat_interleave(starts, lengths) + (torch.arange(count, device=raw.device)
+                                                          - torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths,
+                                                                                    lengths))
+    if pos.numel() != count:
+        raise _bad(name, f"{pos.numel()} positions, header says {count}")
+    if count and (int(pos[0]) < 0 or int(pos[-1]) >= numel or (count > 1 and bool((pos[1:] <= pos[:-1]).any()))):
+        raise _bad(name, "positions out of range or not strictly increasing")
+    return pos
+
+
+def apply_decoded(target: torch.Tensor, d: Decoded) -> torch.Tensor | None:
+    """Write a decoded delta into ``target`` (contiguous, its dtype and shape) in place; returns
+    the previous values at the written positions (for an undo), or None for ``whole`` (the caller
+    keeps a copy if it needs to undo)."""
+    words = as_words(target)
+    if d.positions is None:
+        words.copy_(d.values.to(words.device).view_as(words))
+        return None
+    pos = d.positions.to(words.device)
+    old = words[pos].clone()
+    words[pos] = d.values.to(words.device)
+    return old
+
+
+def undo_decoded(target: torch.Tensor, d: Decoded, old: torch.Tensor) -> None:
+    """Put back what ``apply_decoded`` returned (``old``) at the delta's positions."""
+    as_words(target)[d.positions.to(target.device)] = old

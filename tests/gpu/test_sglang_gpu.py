@@ -1,0 +1,248 @@
+"""A real SGLang server on a GPU: after every update, every parameter and buffer equals a cold load.
+
+Per model (bf16 Qwen2, bf16 Qwen3-MoE, FP8 block 128x128 Qwen2; tiny, random, built here) a server
+starts with dummy weights and ``--checkpoint-engine-wait-weights-before-ready``, and is updated by
+every path of ours, alternating checkpoints A and B:
+
+1. ``python -m ckpt_sglang.update`` (A): the server's first weights; /health turns 200 after it;
+2. the references: B, then A through SGLang's own file loader (``/update_weights_from_disk``);
+3. the stock-wire IPC update (``ParameterServer(wire="stock")`` + ``SglangClient``, SGLang's
+   ``/update_weights_from_ipc``): B, A, B;
+4. staged updates committed (``--custom-weight-loader ckpt_sglang.staging.load``): A staged wholly in
+   device memory (the live model must not change while it is staged), committed; B staged half in
+   device memory and half in pinned host memory, committed;
+5. a true cold start on A (started in the background at step 1): equal to the reference of A.
+
+After each update the digests of every parameter and buffer, read in SGLang's scheduler by our
+loader ``ckpt_sglang.probe`` (SHA-256 of the bytes), must equal the reference's, and greedy tokens
+too. bf16 Qwen2 also joins the cold server by P2P (Mooncake) when Mooncake's CUDA build is there.
+FP8 per tensor: SGLang's post-processing transposes and replaces each weight, so every path of ours
+must refuse the update before anything is written (the server keeps its cold-loaded weights).
+
+Needs CUDA and SGLang with checkpoint-engine importable (e.g. the recipe of
+../shared/gpu_sglang: ``PYTHONPATH=/tmp/ssite:$PWD``); skipped without them, with the reason.
+One model at a time: ``-k qwen2_bf16``, ``-k qwen3_moe``, ``-k fp8_block``, ``-k fp8_tensor``
+(about 3 minutes each; the first server start also builds SGLang's KV-cache kernel, ~90 s).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import time
+
+import pytest
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+def _requirements() -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    for module, why in (("sglang", "SGLang (e.g. 0.5.17 installed with --target /tmp/ssite, ../shared/gpu_sglang)"),
+                        ("checkpoint_engine", "checkpoint-engine 0.4.2 in SGLang's environment (its IPC route "
+                                              "imports checkpoint_engine.worker)")):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"needs {why} importable")
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory):
+    """One case's servers at a time (a new case closes the previous one's)."""
+    _requirements()
+    from sglang_gpu_cases import Case
+
+    live: dict = {}
+
+    def get(name: str):
+        if name not in live:
+            for other in list(live):
+                live.pop(other).close()
+            live[name] = Case(name, tmp_path_factory.mktemp(name))
+        return live[name]
+
+    yield get
+    for case in live.values():
+        case.close()
+
+
+def _updates_equal_a_cold_load(case) -> None:
+    from ckpt_sglang import SglangClient
+    from sglang_gpu_cases import figures, launcher, new_ps
+
+    dummy = case.start_dummy()
+    assert dummy.health() == 503, "a server waiting for its first weights must not report healthy"
+    case.start_cold(0)   # in the background: a true cold start on A, checked last
+
+    # 1. our launcher gives the waiting server its first weights
+    t0 = time.monotonic()
+    lines = figures(launcher("--checkpoint-path", str(case.ckpts[0]), "--inference-parallel-size", "1",
+                             "--endpoint", dummy.url, "--device", "cuda", "--weight-version", "A-launcher",
+                             "--timeout", "300", "--ready-timeout", "120"))
+    case.record["launcher"] = {"wall_s": time.monotonic() - t0, "ps": lines[-1]["ps"]["seconds"],
+                               "engine": lines[-1]["engine"][0]["seconds"]}
+    case.record["healthy_after_s"] = dummy.wait_healthy(60)
+    launched = dummy.digests()
+
+    # 2. the references: SGLang's own file loader, in the same server
+    case.take_references()
+    assert not case_differences(launched, case.refs[0]), "the launcher's update differs from a cold load of A"
+    case.record["steps"].append({"step": "launcher, wait-weights-before-ready", "holds": "A"})
+
+    size = case.ckpts[1].joinpath("model.safetensors").stat().st_size
+    # buckets of a quarter of the checkpoint: every update spans several, through the PS's ring
+    with new_ps(max_bucket_gb=size / 4 / 2**30) as ps, SglangClient(dummy.url, timeout=300) as client:
+        for i in range(2):
+            ps.register_checkpoint(f"ckpt-{i}", files=case.files(i))
+            ps.gather_metas(f"ckpt-{i}")
+        # 3. the stock-wire IPC update: B, A, B
+        ipc = []
+        for step, index in enumerate((1, 0, 1)):
+            result = ps.update(f"ckpt-{index}", client.req_func(weight_version=f"ipc-{step}"), timeout=300)
+            ipc.append({"ps_s": result["seconds"]["total"], "engine": client.last_report.seconds})
+            case.check(dummy, index, f"IPC update {step + 1} ({'AB'[index]})")
+        case.record["ipc"] = ipc
+        case.record["sessions"] = client.server.sessions   # None/False: SGLang 0.5.17 has none
+        # 4. staged, then committed: A wholly on the device, B half on the device, half in pinned host memory
+        for index, device_bytes in ((0, 1 << 40), (1, size // 2)):
+            ps.update(f"ckpt-{index}", client.req_func(stage=f"staged-{index}", stage_device_bytes=device_bytes),
+                      timeout=300)
+            case.check(dummy, 1 - index, f"staged {'AB'[index]} (not committed yet)")
+            report = client.commit(f"staged-{index}", timeout=300)
+            case.record.setdefault("commits", []).append({"paused_s": report.seconds["paused"],
+                                                          "workers": report.workers})
+            staged = report.workers[0]
+            assert staged["device_bytes"] > 0 and (staged["host_bytes"] > 0) == (index == 1), staged
+            case.check(dummy, index, f"staged {'AB'[index]}, committed")
+            assert client.model_info()["weight_version"] == f"staged-{index}"
+
+    # 5. the true cold start on A equals the reference taken through SGLang's file loader
+    cold = case.wait_cold()
+    case.check(cold, 0, "cold start on A (validates the reference)")
+
+
+def case_differences(got: dict, ref: dict) -> list[str]:
+    from _sglang_server import differences
+    return differences(got, ref["digests"])
+
+
+def test_qwen2_bf16_every_update_path_equals_a_cold_load(cases):
+    _updates_equal_a_cold_load(cases("qwen2-bf16"))
+
+
+def test_qwen2_bf16_p2p_into_a_joining_server_equals_a_cold_load(cases, tmp_path):
+    """Owners (``--update-method all --save-metas-file --sleep-time``) feed the dummy server B by
+    broadcast, then P2P (it held A: loaded from disk first); a joiner launcher (``--load-metas-file``)
+    pulls B over Mooncake (TCP, host 127.0.0.2 to 127.0.0.3) into the cold server, which held A."""
+    try:
+        import mooncake.engine  # noqa: F401
+    except ImportError as exc:
+        pytest.skip(f"P2P needs Mooncake's CUDA build (mooncake-transfer-engine-cuda13): {exc}")
+    from sglang_gpu_cases import figures, launcher, start_launcher
+
+    case = cases("qwen2-bf16")
+    if case.dummy is None:   # run alone (-k p2p): the servers and references first
+        case.start_dummy()
+        case.start_cold(0)
+        figures(launcher("--checkpoint-path", str(case.ckpts[0]), "--inference-parallel-size", "1",
+                         "--endpoint", case.dummy.url, "--device", "cuda", "--timeout", "300"))
+        case.take_references()
+    cold = case.cold if case.record.get("cold_start_s") else case.wait_cold()
+    case.check(cold, 0, "the joiner before it joins (A)", tokens=False)
+    case.dummy.load_from_disk(case.ckpts[0])   # the owners' server holds A, so their update of B shows
+    metas, out = tmp_path / "metas.json", tmp_path / "owners.out"
+    owners = start_launcher("--checkpoint-path", str(case.ckpts[1]), "--endpoint", case.dummy.url,
+                            "--inference-parallel-size", "1", "--device", "cuda", "--timeout", "300",
+                            "--update-method", "all", "--save-metas-file", str(metas), "--sleep-time", "300",
+                            "--checkpoint-name", "p2p-B", "--weight-version", "B-owners", out=out,
+                            env={"PS_P2P_HOST": "127.0.0.2", "NCCL_IB_DISABLE": "1"})
+    try:
+        deadline = time.monotonic() + 240
+        while len([x for x in out.read_text().splitlines() if x.startswith("{")]) < 2:
+            assert owners.poll() is None, f"owners exited {owners.returncode}: {(tmp_path / 'owners.out.err').read_text()[-4000:]}"
+            assert time.monotonic() < deadline, "the owners' broadcast and P2P updates did not end within 240 s"
+            time.sleep(0.5)
+        owner_lines = [json.loads(x) for x in out.read_text().splitlines() if x.startswith("{")]
+        assert [x["method"] for x in owner_lines] == ["broadcast", "p2p"]
+        case.check(case.dummy, 1, "owners: broadcast then P2P (B)")
+        t0 = time.monotonic()
+        joined = figures(launcher("--load-metas-file", str(metas), "--checkpoint-name", "p2p-B", "--endpoint",
+                                  cold.url, "--inference-parallel-size", "1", "--device", "cuda", "--timeout", "300",
+                                  "--weight-version", "B-joined", env={"PS_P2P_HOST": "127.0.0.3",
+                                                                       "NCCL_IB_DISABLE": "1"}))
+        case.record["p2p_join"] = {"wall_s": time.monotonic() - t0, "ps": joined[-1]["ps"]}
+        assert joined[-1]["method"] == "p2p"
+        case.check(cold, 1, "joiner pulled B by P2P")
+    finally:
+        if owners.poll() is None:   # its own process group: the launcher, torchrun and the rank
+            os.killpg(owners.pid, signal.SIGTERM)
+            owners.wait(60)
+
+
+def test_qwen3_moe_every_update_path_equals_a_cold_load(cases):
+    _updates_equal_a_cold_load(cases("qwen3_moe-bf16"))
+
+
+def test_qwen2_fp8_block_every_update_path_equals_a_cold_load(cases):
+    _updates_equal_a_cold_load(cases("qwen2-fp8-block"))
+
+
+def test_qwen2_fp8_tensor_is_refused_by_every_path_before_anything_is_written(cases):
+    """FP8 per tensor: a server cold-started on A; the launcher, the IPC update and a stage of B are
+    each refused with ConfigError before anything is posted; the server still holds exactly A. Then,
+    for the record (printed, not asserted), what SGLang itself does when A is pushed into it anyway."""
+    from ckpt_core.errors import ConfigError
+    from ckpt_sglang import SglangClient
+    from sglang_gpu_cases import launcher, new_ps
+
+    case = cases("qwen2-fp8-tensor")
+    cold = case.start_cold(0)
+    case.wait_cold()
+    held, tokens = cold.digests(), cold.generate(case.prompts, 12)
+    proc = launcher("--checkpoint-path", str(case.ckpts[1]), "--inference-parallel-size", "1", "--endpoint",
+                    cold.url, "--device", "cuda", "--timeout", "300")
+    assert proc.returncode != 0 and "ConfigError" in proc.stderr and "FP8 per tensor" in proc.stderr, \
+        proc.stderr[-4000:]
+    with new_ps() as ps, SglangClient(cold.url, timeout=300) as client:
+        ps.register_checkpoint("B", files=case.files(1))
+        ps.gather_metas("B")
+        for how, req in (("IPC update", client.req_func(weight_version="never")),
+                         ("stage", client.req_func(stage="never"))):
+            with pytest.raises(ConfigError, match="FP8 per tensor"):
+                ps.update("B", req, timeout=120)
+            case.record["steps"].append({"step": f"{how} refused", "holds": "A"})
+        assert not case_differences(cold.digests(), {"digests": held}), "a refused update changed the server"
+        assert cold.generate(case.prompts, 12) == tokens
+    case.record["unrefused_reload_of_the_same_checkpoint"] = _reload_anyway(case, cold, held)
+
+
+def _reload_anyway(case, cold, held: dict) -> dict:
+    """What the refusal prevents, for the record (printed, not asserted): SGLang's own IPC route
+    asked to load A into a server that holds A, with no precheck in the way."""
+    from ckpt_sglang import SglangClient
+    from sglang_gpu_cases import new_ps
+
+    out: dict = {}
+    try:
+        with new_ps() as ps, SglangClient(cold.url, timeout=300) as client:
+            ps.register_checkpoint("A", files=case.files(0))
+            ps.gather_metas("A")
+
+            def post_anyway(handles):
+                resp = client.http.request("POST", "/update_weights_from_ipc", json={"zmq_handles": dict(handles)},
+                                            timeout=300)
+                out.update(status=resp.status_code, answer=resp.text[:300])
+            try:
+                ps.update("A", post_anyway, timeout=120)
+                out["ps"] = "ok"
+            except Exception as exc:   # noqa: BLE001 - recorded
+                out["ps"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        out["tensors_changed"] = len(case_differences(cold.digests(), {"digests": held}))
+    except Exception as exc:   # noqa: BLE001 - recorded
+        out["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    print(f"SGLANG-FP8-TENSOR | without the refusal, reloading the checkpoint it holds: {out}", flush=True)
+    return out

@@ -1,0 +1,17 @@
+"""Commands a ``harness.PsWorld`` rank runs for the SGLang tests (``world.all("call", ("sglang_support.ps_calls",
+fn, args))``): the PS update whose ``req_func`` posts to the SGLang server from rank 0, as a
+launcher's first rank of an inference group does (every rank's ``req_func`` runs; the others return)."""
+
+from __future__ import annotations
+
+
+def update(ps, rank: int, name: str, url: str, timeout: float, stage: str | None = None,
+           weight_version: str | None = None) -> dict:
+    """A plain update (``weight_version``) or a stage (``stage``) of checkpoint ``name`` into the server at ``url``."""
+    from ckpt_sglang import SglangClient
+
+    if rank != 0:
+        return ps.update(name, lambda handles: None, timeout=timeout)
+    with SglangClient(url, timeout=timeout) as client:
+        kwargs = {"stage": stage} if stage is not None else {"weight_version": weight_version}
+        return ps.update(name, client.req_func(**kwargs), timeout=timeout)

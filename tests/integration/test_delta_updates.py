@@ -1,0 +1,211 @@
+"""Delta updates end to end: real PS processes (2 ranks, gloo) and real engine-worker processes.
+
+A small model trains with AdamW between versions; A goes whole, then B, C, D go as deltas of their
+predecessor, each leaving every engine worker bit-exact with the full version (digests of every
+tensor, scattered in place or rebuilt and reloaded where the engine derives its weights). A delta
+of a base the engines do not hold, a corrupted payload, and an apply that drops one changed element
+are each refused on every rank with the engines left on their base byte for byte, and the next
+update works.
+"""
+
+import pytest
+import torch
+
+from delta_world import DeltaEngine
+from harness import EngineFront, PsWorld, want_digests
+
+pytestmark = pytest.mark.timeout(600)
+
+WORLD = 2
+DERIVED = ("r1.mlp.weight", "r0.fp8.weight")   # the engine keeps these in its own layout: reloaded, not scattered
+
+
+class Trainer:
+    """fp32 master weights, AdamW; each version is the bf16/fp32/fp8 snapshot an engine is sent."""
+
+    def __init__(self, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        self.p = {
+            "r0.embed.weight": torch.randn(96, 32, generator=g) * 0.02,
+            "r0.attn.weight": torch.randn(32, 32, generator=g) * 0.02,
+            "r0.norm.weight": torch.ones(32),
+            "r0.fp8.weight": torch.randn(16, 32, generator=g) * 0.5,
+            "r1.mlp.weight": torch.randn(64, 32, generator=g) * 0.02,
+            "r1.down.weight": torch.randn(32, 64, generator=g) * 0.02,
+            "r1.lm_head.weight": torch.randn(96, 32, generator=g) * 0.02,
+        }
+        for t in self.p.values():
+            t.requires_grad_(True)
+        self.opt = torch.optim.AdamW(list(self.p.values()), lr=1e-4)
+        self.g = g
+
+    def step(self, lr: float) -> None:
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        p = self.p
+        ids = torch.randint(0, 96, (8,), generator=self.g)
+        x = p["r0.embed.weight"][ids] * p["r0.norm.weight"]
+        x = x + torch.tanh(x @ p["r0.attn.weight"].T) + 0.1 * (x[:, :32] @ p["r0.fp8.weight"].T).sum(-1, keepdim=True)
+        x = x + (torch.relu(x @ p["r1.mlp.weight"].T) @ p["r1.down.weight"].T)
+        loss = torch.nn.functional.cross_entropy(x @ p["r1.lm_head.weight"].T, torch.roll(ids, 1))
+        self.opt.zero_grad()
+        loss.backward()
+        self.opt.step()
+
+    def version(self) -> dict[int, dict[str, torch.Tensor]]:
+        def cast(n, t):
+            t = t.detach()
+            if "fp8" in n:
+                return t.to(torch.float8_e4m3fn)
+            return t.clone() if "norm" in n else t.to(torch.bfloat16)
+        return {r: {n: cast(n, t) for n, t in self.p.items() if n.startswith(f"r{r}.")} for r in range(WORLD)}
+
+
+def _all_ok(got):
+    assert all(o.ok for o in got.values()), got
+    return got
+
+
+def _register(world, name, tensors, base=None):
+    extra = {} if base is None else {"base": base}
+    _all_ok(world.all("register", per_rank={r: (name, {"named_tensors": tensors[r], **extra}) for r in range(WORLD)}))
+    _all_ok(world.all("gather", name))
+
+
+def _delta(world, front, name, mode=True, behaviors=None, timeout=60):
+    return world.all("call", ("delta_world", "delta_update", (name, front.address, timeout, behaviors, mode)),
+                     timeout=timeout + 60)
+
+
+def _engines(front):
+    return [front.digests(i) for i in range(WORLD)]
+
+
+def _want(tensors):
+    return want_digests(*tensors.values())
+
+
+def _changed_fraction(a, b) -> float:
+    from ckpt_core.delta.encode import changed_mask
+    n = sum(int(changed_mask(b[r][k], a[r][k]).sum()) for r in a for k in a[r])
+    return n / sum(t.numel() for r in a for t in a[r].values())
+
+
+@pytest.fixture(params=["per-bucket", "deferred"])
+def world_and_front(request):
+    """Derived tensors reloaded per bucket (undone by reloading their base), or once in the post hook
+    with every kept tensor (as vLLM's extension does: nothing is loaded before every rank checked)."""
+    world = PsWorld("cpu", WORLD)
+    front = EngineFront("cpu", WORLD, behavior={"derived": DERIVED, "defer": request.param == "deferred"},
+                        engine_cls=DeltaEngine)
+    try:
+        yield world, front
+    finally:
+        front.close()
+        world.close()
+
+
+def test_a_chain_of_deltas_leaves_every_engine_equal_to_the_full_version(world_and_front):
+    world, front = world_and_front
+    trainer = Trainer(seed=39)
+    versions = {"A": trainer.version()}
+    _register(world, "A", versions["A"])
+    got = _all_ok(world.update("A", front, behaviors={i: {"version": "A"} for i in range(WORLD)}))
+    assert all(d == _want(versions["A"]) for d in _engines(front))
+
+    prev = "A"
+    for name, lr in (("B", 1e-5), ("C", 1e-4), ("D", 1e-6)):   # real optimizer steps between versions
+        trainer.step(lr)
+        versions[name] = trainer.version()
+        density = _changed_fraction(versions[prev], versions[name])
+        assert 0 < density < 1, (name, density)
+        _register(world, name, versions[name], base=prev)
+        got = _all_ok(_delta(world, front, name))
+        for r, o in got.items():
+            fig = o.value["delta"]
+            assert fig["base"] == prev and fig["payload_bytes"] < fig["full_bytes"], (name, r, fig)
+        # every engine holds exactly the full version: scattered tensors and rebuilt-and-reloaded ones
+        engines = _engines(front)
+        for i in range(WORLD):
+            assert engines[i] == _want(versions[name]), f"worker {i} differs from {name} after its delta"
+        outcomes = front.worker_outcomes(front.fanouts - 1)
+        for status, result in outcomes:
+            assert status == "ok" and result["delta"] and result["version"] == name and result["base"] == prev, result
+            assert result["reloaded"] >= 1 and result["scattered"] >= 1, result   # both paths ran
+        assert all(front.call(i, "held")[1] == name for i in range(WORLD))
+        prev = name
+
+
+def test_refusals_leave_the_engines_on_their_base(world_and_front):
+    world, front = world_and_front
+    trainer = Trainer(seed=7)
+    v = {"A": trainer.version()}
+    _register(world, "A", v["A"])
+    _all_ok(world.update("A", front, behaviors={i: {"version": "A"} for i in range(WORLD)}))
+    for name, base in (("B", "A"), ("C", "B"), ("D", "C")):
+        trainer.step(1e-4)
+        v[name] = trainer.version()
+        _register(world, name, v[name], base=base)
+
+    # a skipped version: the engines hold A, C's delta applies to B. Refused on every rank by the PS's
+    # first exchange, before anything moves.
+    before = _engines(front)
+    fanouts = front.fanouts
+    got = _delta(world, front, "C")
+    for r, o in got.items():
+        assert not o.ok and o.error == "DeltaBaseError" and "'B'" in o.message, (r, o)
+    assert front.fanouts == fanouts and _engines(front) == before   # no engine was even asked
+
+    # a restarted engine worker holds nothing: B's delta is refused by that worker in its handshake,
+    # raised as DeltaBaseError on every PS rank; the other worker, which held A, keeps A byte for byte
+    front.kill(1)
+    front.restart(1)
+    got = _delta(world, front, "B")
+    for r, o in got.items():
+        assert not o.ok and o.error == "DeltaBaseError" and "does not hold its base" in o.message, (r, o)
+    assert front.digests(0) == before[0] and front.digests(1) == {}
+    # with fallback the same call becomes a full update of B: every engine holds B
+    got = _all_ok(_delta(world, front, "B", mode="fallback", behaviors={i: {"version": "B"} for i in range(WORLD)}))
+    assert all("fallback" in o.value["delta"] for o in got.values())
+    assert all(d == _want(v["B"]) for d in _engines(front))
+
+    # a corrupted payload (rank 1's copy of one tensor's delta): refused when its bucket is decoded; the
+    # worker that already applied rank 0's bucket undoes it; both keep B byte for byte
+    hit = world.all("call", ("delta_world", "corrupt_payload", ("C", "r1.down.weight")))
+    assert [hit[r].value for r in range(WORLD)] == [False, True]
+    got = _delta(world, front, "C")
+    for r, o in got.items():
+        assert not o.ok and o.error == "RemoteWorkerError" and "CRC-32" in o.message, (r, o)
+    assert all(d == _want(v["B"]) for d in _engines(front))
+    assert all(front.call(i, "held")[1] == "B" for i in range(WORLD))
+
+    # the mutation check: an apply that drops one changed element fails the post-apply digest check
+    _all_ok(world.all("unregister", ("C", {})))
+    _register(world, "C", v["C"], base="B")
+    drop = {i: {"env": {"CKPT_TEST_DELTA_DROP_ONE": "1"}} for i in range(WORLD)}
+    got = _delta(world, front, "C", behaviors=drop)
+    for r, o in got.items():
+        assert not o.ok and o.error == "RemoteWorkerError" and "do not match the version's digest" in o.message, (r, o)
+    assert all(d == _want(v["B"]) for d in _engines(front))
+
+    # and the next deltas work: C, then D
+    for name in ("C", "D"):
+        _all_ok(_delta(world, front, name))
+        assert all(d == _want(v[name]) for d in _engines(front))
+
+
+def test_a_version_without_a_base_is_refused_as_a_delta_on_every_rank(world_and_front):
+    world, front = world_and_front
+    trainer = Trainer(seed=3)
+    _register(world, "A", trainer.version())
+    got = _delta(world, front, "A")
+    for r, o in got.items():
+        assert not o.ok and o.error == "DeltaBaseError" and "not registered with a base" in o.message, (r, o)
+    got = world.all("register", per_rank={r: ("B", {"named_tensors": trainer.version()[r], "base": "Z"})
+                                          for r in range(WORLD)})
+    for r, o in got.items():
+        assert not o.ok and o.error == "DeltaBaseError" and "'Z'" in o.message, (r, o)
+    _register(world, "B", trainer.version(), base="A")
+    got = world.all("call", ("delta_world", "delta_update_p2p", ("B",)))
+    for r, o in got.items():
+        assert not o.ok and o.error == "ConfigError" and "broadcast updates" in o.message, (r, o)

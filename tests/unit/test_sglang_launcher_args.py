@@ -1,0 +1,40 @@
+"""`python -m ckpt_sglang.update` on plain bad input, as `ckpt-engine` (tests/unit/test_cli_fuzz.py): every
+number bounded and checked by argparse (exit 2 naming the flag), and the torchrun re-exec never starts
+more processes than the host has CPUs (`--inference-parallel-size 100000` started 100000)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ckpt_sglang import update
+
+BASE = ["--checkpoint-path", "/nonexistent"]
+
+
+@pytest.mark.parametrize("flag, value", [
+    ("--inference-parallel-size", "100000"), ("--inference-parallel-size", "0"), ("--timeout", "nan"),
+    ("--timeout", "1e308"), ("--ready-timeout", "-1"), ("--sleep-time", "inf"), ("--sleep-time", "1e300"),
+    ("--stage-device-gib", "1e308"), ("--stage-device-gib", "-1"), ("--timeout", "0"),
+])
+def test_a_number_out_of_bounds_is_a_usage_error_naming_the_flag(flag, value, capsys):
+    with pytest.raises(SystemExit) as info:
+        update.parse_args([*BASE, flag, value])
+    assert info.value.code == 2 and flag in capsys.readouterr().err
+
+
+def test_numbers_within_bounds_are_taken():
+    args = update.parse_args([*BASE, "--inference-parallel-size", "4", "--timeout", "1e7", "--sleep-time", "0",
+                              "--stage-device-gib", "0"])
+    assert (args.inference_parallel_size, args.timeout, args.sleep_time, args.stage_device_gib) == (4, 1e7, 0, 0)
+
+
+def test_the_torchrun_re_exec_starts_no_more_processes_than_cpus(monkeypatch, capsys):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(update.os, "cpu_count", lambda: 2)
+    started = []
+    # the seam that starts torchrun (a child process that SIGTERM reaches): nothing is started here
+    monkeypatch.setattr(update, "run_torchrun", lambda cmd: started.append(cmd) or 0)
+    assert update.main([*BASE, "--inference-parallel-size", "4"]) == 2
+    assert started == [] and "--inference-parallel-size 4" in capsys.readouterr().err
+    assert update.main([*BASE, "--inference-parallel-size", "2"]) == 0 and len(started) == 1
+    assert "--nproc-per-node=2" in started[0]

@@ -1,0 +1,112 @@
+"""The TP ranks of an SGLang server agree before a staged op changes anything (ckpt_sglang/_agree.py):
+two real processes run ``ckpt_sglang.staging.EngineStaging``'s ops over a real gloo group, as two
+scheduler processes of one server do over SGLang's TP CPU group. The whole chain through SGLang at
+TP 2 is tests/integration/test_sglang_staged_tp.py."""
+
+from __future__ import annotations
+
+import base64
+import multiprocessing as mp
+import pickle
+import threading
+import time
+
+import pytest
+import torch
+
+from ckpt_core.errors import ConfigError, RemoteWorkerError
+from ckpt_sglang._agree import BUSY, OK, REFUSED, refusal
+from ckpt_sglang._protocol import ReplySocket, encode_command
+from harness import free_port
+
+
+def _rank(rank: int, port: int, out) -> None:
+    import torch.distributed as dist
+
+    from ckpt_core.wire.staging import StagingArea
+    from ckpt_sglang._agree import TpGroup
+    from ckpt_sglang.staging import EngineStaging
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    group, engine = TpGroup(rank, 2, dist.group.WORLD), EngineStaging()
+
+    def outcome(case, fn, *args):
+        t0 = time.monotonic()
+        try:
+            fn(*args)
+            out.put((rank, case, "ok", "", time.monotonic() - t0))
+        except Exception as exc:   # noqa: BLE001 - reported to the test
+            out.put((rank, case, type(exc).__name__, str(exc), time.monotonic() - t0))
+
+    # 1. rank 1 still receives a stage (its update has not ended): a drop is refused on both ranks, and
+    #    rank 0 keeps what it staged
+    stop = threading.Event()
+    if rank == 0:
+        engine.area = StagingArea("v4", torch.device("cpu"))
+        engine.area.sealed = True
+    else:
+        receiver = threading.Thread(target=stop.wait, daemon=True)
+        receiver.start()
+        engine.receiving = ("v5", receiver)
+    outcome("drop", engine.drop, None, {"timeout": 30}, group)
+    out.put((rank, "kept", None if engine.area is None else engine.area.version, "", 0.0))
+    stop.set()
+    dist.barrier()
+    # 2. rank 1 reaches the commit long after rank 0 (hung): rank 0 gives up after half the op's timeout,
+    #    having changed nothing; when rank 1 arrives the gather completes and the group goes on
+    if rank == 1:
+        time.sleep(6)
+    outcome("late" if rank else "alone", engine.commit, None, {"weights": "v4", "timeout": 4}, group)
+    out.put((rank, "kept after", None if engine.area is None else engine.area.version, "", 0.0))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_a_drop_one_rank_cannot_do_is_refused_on_every_rank_and_a_missing_rank_is_a_timeout():
+    ctx = mp.get_context("spawn")
+    out, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_rank, args=(r, port, out), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = {}
+    try:
+        for _ in range(8):
+            rank, case, kind, text, seconds = out.get(timeout=120)
+            got[rank, case] = (kind, text, seconds)
+    finally:
+        for p in procs:
+            p.join(60)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    (k0, t0, _), (k1, t1, _) = got[0, "drop"], got[1, "drop"]
+    assert k0 == k1 == "ConfigError" and t0 == t1, "every rank answers the same refusal"
+    assert t0 == ("cannot drop the staged version: version 'v5' is still being staged (its update must end or fail "
+                  "first) on TP rank 1 (of 2); nothing was dropped on any TP rank")
+    assert got[0, "kept"][0] == "v4", "a refused drop dropped rank 0's stage"
+    kind, text, seconds = got[0, "alone"]
+    assert kind == "UpdateTimeoutError" and "did not reach the commit of 'v4' within 2 s" in text, got[0, "alone"]
+    assert 1.5 < seconds < 30, seconds
+    assert got[0, "kept after"][0] == "v4", "a commit that timed out changed rank 0's stage"
+    assert got[1, "late"][0] == "ConfigError", got[1, "late"]   # rank 1 holds nothing: its own refusal
+
+
+def test_one_text_for_every_rank_names_the_ranks_by_reason_and_takes_the_first_objectors_type():
+    statuses = [(OK, ""), (REFUSED, "nothing is staged"), (BUSY, "version 'a' is still being staged"),
+                (REFUSED, "nothing is staged")]
+    err = refusal(statuses, "cannot commit version 'b': ", "; nothing was committed on any TP rank")
+    assert isinstance(err, ConfigError) and str(err) == (
+        "cannot commit version 'b': nothing is staged on TP ranks 1, 3; version 'a' is still being staged on TP "
+        "rank 2 (of 4); nothing was committed on any TP rank")
+    assert refusal([(OK, "")] * 3, "x", "y") is None
+    assert str(refusal([(REFUSED, "nothing is staged")], "cannot commit version 'b': ", "; nothing was committed")) \
+        == "cannot commit version 'b': nothing is staged; nothing was committed"
+
+
+def test_a_loader_that_finds_fewer_tp_ranks_than_the_server_has_refuses_instead_of_acting_alone():
+    """Outside SGLang the loader finds a TP group of one; a command for a TP-2 server is refused, not run."""
+    import ckpt_sglang.staging as staging
+
+    with ReplySocket() as replies:
+        payload = encode_command("drop", replies.address, 2, timeout=5)[0]
+        staging.load(None, pickle.loads(base64.b64decode(payload)))
+        with pytest.raises(RemoteWorkerError, match="the server has tp_size 2, but this loader found a TP group of 1"):
+            replies.collect("drop", 1, 10, "srv")
