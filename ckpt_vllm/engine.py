@@ -3,7 +3,8 @@
 The service (``ckpt-engine serve``) and the drivers name the engine ``vllm`` and get
 :class:`VllmEngine`: an ``update_url`` is the server's ``/collective_rpc`` URL; a request may add
 ``prepare`` (a staged update turned into the kernel format before its commit) and ``slices``
-(each worker only what its loaders read, by a plan :meth:`VllmClient.slice_plan` records); a
+(each worker only what its loaders read, by a plan :meth:`VllmClient.slice_plan` records) and
+``deltas`` (the workers keep the version as the base of later deltas, docs/deltas.md); a
 commit pauses ``keep`` (default), ``wait`` or ``abort``.
 """
 
@@ -48,12 +49,14 @@ class VllmEngine:
     name = "vllm"
     routes = (ROUTE,)
     commit_pauses = ("keep", "wait", "abort")
-    options = ("prepare", "slices")
+    options = ("prepare", "slices", "deltas")
 
     def check_options(self, given: Mapping[str, Any], *, staged: bool) -> None:
         check_option_names(self, given)
         if given.get("prepare") and not staged:
             raise ConfigError("prepare applies to a staged update (give stage)")
+        if given.get("deltas") and staged:
+            raise ConfigError("deltas: staged updates do not take deltas yet (docs/deltas.md)")
 
     def check_wire(self, wire: str) -> None:
         """Any: our worker extension speaks the native wire, the stock worker (checkpoint-engine's

@@ -13,6 +13,11 @@ Exported series (all carry the label ``rank``):
 - ``ckpt_operation_seconds{operation}``: histogram of durations
 - ``ckpt_update_bytes_total``: bytes THIS rank moved in successful updates (its own share, copied from
   its host memory and broadcast); a sum over ranks is the model bytes, once per update
+- ``ckpt_updates_by_kind_total{kind}``: successful updates, ``full``, ``delta`` (only what changed since
+  the version's base, docs/deltas.md) or ``fallback`` (a delta refused, then the full version sent)
+- ``ckpt_delta_payload_bytes_total``: bytes of THIS rank's delta payloads in successful delta updates,
+  and ``ckpt_delta_full_bytes_total``: what the same versions' full updates would have moved from
+  this rank; their ratio is what deltas save
 - ``ckpt_last_update_phase_seconds{phase}``: per-phase timings of the last successful update
 - ``ckpt_last_success_timestamp_seconds{operation}``: unix time of the last success of each operation
 - ``ckpt_checkpoint_info{checkpoint, weight_version}``: 1 for the checkpoint of the last successful update
@@ -56,6 +61,12 @@ class Metrics:
         self.update_bytes = _prom.Counter("ckpt_update_bytes", "Bytes this rank moved in successful updates (its "
                                           "own share: a sum over ranks counts each model byte once)",
                                           ["rank"], registry=reg)
+        self.kinds = _prom.Counter("ckpt_updates_by_kind", "Successful updates: full, delta or fallback",
+                                   ["rank", "kind"], registry=reg)
+        self.delta_payload = _prom.Counter("ckpt_delta_payload_bytes", "Bytes of this rank's delta payloads in "
+                                           "successful delta updates", ["rank"], registry=reg)
+        self.delta_full = _prom.Counter("ckpt_delta_full_bytes", "Bytes the same versions' full updates would have "
+                                        "moved from this rank", ["rank"], registry=reg)
         self.phase = _prom.Gauge("ckpt_last_update_phase_seconds", "Phases of the last successful update",
                                  ["rank", "phase"], registry=reg)
         self.running = _prom.Gauge("ckpt_operation_running", "1 while a long operation runs", ["rank"], registry=reg)
@@ -88,11 +99,23 @@ class Metrics:
             # h2d_bytes: what this rank staged from its own host memory (its share); a P2P update's
             # figures have no share, and a rank that received only moved nothing of its own.
             self.update_bytes.labels(self.rank).inc(update.get("h2d_bytes") or 0)
+            self._count_kind(update.get("delta"))
             for phase, value in (update.get("seconds") or {}).items():
                 if isinstance(value, (int, float)):
                     self.phase.labels(self.rank, phase).set(value)
             self.info.clear()
             self.info.labels(self.rank, str(update.get("name", "")), weight_version or "").set(1)
+
+    def _count_kind(self, delta) -> None:
+        """The kind of a successful update from its ``delta`` figures (absent: a full update)."""
+        if not isinstance(delta, dict):
+            self.kinds.labels(self.rank, "full").inc()
+        elif "fallback" in delta:
+            self.kinds.labels(self.rank, "fallback").inc()
+        else:
+            self.kinds.labels(self.rank, "delta").inc()
+            self.delta_payload.labels(self.rank).inc(int(delta.get("payload_bytes") or 0))
+            self.delta_full.labels(self.rank).inc(int(delta.get("full_bytes") or 0))
 
     def failed(self, operation: str, error: str, seconds: float, *, rejected: bool = False) -> None:
         self.ops.labels(self.rank, operation, "rejected" if rejected else "error").inc()

@@ -202,7 +202,7 @@ def _routes(app: FastAPI, state: ServiceState, ps, policy: ServicePolicy) -> Non
         def register():
             _check_host_memory(ps, files, body)   # before any memory is taken: 400 naming both sizes
             ps.register_checkpoint(name, files=files, use_shared_memory_pool=body.use_shared_memory_pool,
-                                   use_inplace_pin_memory=body.use_inplace_pin_memory)
+                                   use_inplace_pin_memory=body.use_inplace_pin_memory, base=body.base)
         await state.run("register", name, register, nbytes=_file_bytes(files))
         return Done(result=ps.last_register)
 

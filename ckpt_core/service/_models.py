@@ -7,7 +7,7 @@ silently ignored option. Field names of the update request are the reference's
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -30,6 +30,10 @@ class RegisterRequest(_Strict):
         min_length=1, max_length=MAX_FILES, description="safetensors files of this rank's share")
     use_shared_memory_pool: bool = False
     use_inplace_pin_memory: bool = True
+    base: Optional[str] = Field(default=None, min_length=1, max_length=256, pattern=NAME_PATTERN,
+                                description="a checkpoint registered before (the version the engines hold): this "
+                                            "version's delta against it is encoded too, for updates with delta "
+                                            "(docs/deltas.md)")
 
 
 def _engine_name(name: str) -> str:
@@ -47,7 +51,7 @@ ENGINE_FIELD = dict(min_length=1, max_length=64, json_schema_extra=_engine_schem
 # Request fields that are engine options: each engine's kind says which it takes (EngineKind.options)
 # and validates them. An option left at its default asks for nothing. Other engines' options travel
 # in `options` (an engine of the ckpt_core.engines group validates its own).
-ENGINE_OPTIONS = ("weight_version", "flush_cache", "prepare", "slices")
+ENGINE_OPTIONS = ("weight_version", "flush_cache", "prepare", "slices", "deltas")
 MAX_OPTIONS = 64
 
 
@@ -90,6 +94,14 @@ class UpdateRequest(_Strict):
                                      "one; recorded once per model, layout and vLLM version, installed on its workers) "
                                      "and shared with every rank; broadcast, P2P and staged updates "
                                      "(docs/vllm.md, each worker only its slices)")
+    delta: Union[bool, Literal["fallback"]] = Field(
+        default=False, description="send only what changed since the version's base (registered with base; "
+                                   "docs/deltas.md): true, or \"fallback\" (a refused delta becomes a full update); "
+                                   "vllm: implies deltas")
+    deltas: bool = Field(default=False,
+                         description="vllm: the engine's workers keep this version as the base of later deltas "
+                                     "(a host copy per worker; give it on the full update before the first delta; "
+                                     "implied by delta)")
     options: dict[Annotated[str, Field(min_length=1, max_length=64)], Any] = Field(
         default_factory=dict, max_length=MAX_OPTIONS,
         description="options of the engine beyond the fields above (an engine of the ckpt_core.engines group "

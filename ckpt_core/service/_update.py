@@ -31,7 +31,7 @@ def check_name(name: str) -> str:
     return name
 
 
-def _req_func(body: UpdateRequest, world_size: int, wire: str, policy: ServicePolicy):
+def _req_func(body: UpdateRequest, world_size: int, wire: str, policy: ServicePolicy, name: str = ""):
     """``(req_func, client)`` of one update: ``req_func`` posts the chosen handles to ``update_url`` (if
     any) through ``client``, the client of ``body.engine`` (``ckpt_core.engines``; None without
     ``update_url``), with the engine options the request set, and closes it (the PS may stop waiting for
@@ -52,6 +52,12 @@ def _req_func(body: UpdateRequest, world_size: int, wire: str, policy: ServicePo
         return (lambda handles, plan=None: None), None
     uds = policy.check_engine(body.update_url, body.uds, body.engine)   # before anything is posted
     options = {k: v for k, v in body.engine_options().items() if k != "slices"}   # slices: the plan's digest
+    if body.delta and body.stage is not None:
+        raise ConfigError("delta with stage: staged updates do not take deltas yet (docs/deltas.md)")
+    if body.delta and "deltas" in kind.options:   # the workers apply the delta and keep it as the next base
+        options["deltas"] = True
+    if options.get("deltas"):   # a delta names its base by the version the workers hold
+        options["version"] = name
     engine = kind.client(body.update_url, uds=uds, timeout=body.timeout)
 
     def req_func(handles, plan=None):
@@ -86,7 +92,7 @@ def run_update(ps, name: str, body: UpdateRequest, policy: ServicePolicy) -> dic
     try:
         try:
             check_name(name)
-            req_func, engine = _req_func(body, ps.world_size, ps.wire, policy)
+            req_func, engine = _req_func(body, ps.world_size, ps.wire, policy, name)
             off = bool(body.slices) and not slices_enabled()   # a bad CKPT_SLICES is this rank's refusal too
             slices = _sliced(ps, name, body)
         except Exception as exc:   # ours or not: told to every rank in the agreement, none is left waiting
@@ -95,7 +101,7 @@ def run_update(ps, name: str, body: UpdateRequest, policy: ServicePolicy) -> dic
         plan = _slice_plan(ps, name, body, engine) if slices else None
         req = partial(req_func, plan=plan)
         req.precheck = getattr(req_func, "precheck", None)
-        return ps.update(name, req, ranks=body.ranks or None, timeout=body.timeout, slices=plan)
+        return ps.update(name, req, ranks=body.ranks or None, timeout=body.timeout, slices=plan, delta=body.delta)
     finally:
         if engine is not None and not req_func.ran:
             engine.close()

@@ -8,6 +8,11 @@ checks the version's digests and reloads through the layerwise reload). After ea
 parameter, buffer and derived kernel tensor (``ckpt_state_digests``) equals a cold load of that
 version. A replayed delta (the engine holds C, the delta of C applies to B) is refused on the PS
 with ``DeltaBaseError`` and the engine still equals C.
+
+Then the same server through the service (``ckpt-engine serve``, a real process): A registered and
+updated whole with ``deltas``, B registered with ``base`` and updated with ``delta``, both equal to a
+cold load; C's delta after the engine went back to A is refused (400 ``DeltaBaseError``, the engine
+unchanged), then sent with ``delta: "fallback"``; ``/metrics`` counts each kind and the delta bytes.
 """
 
 import pytest
@@ -75,5 +80,61 @@ def test_deltas_into_vllm_equal_a_cold_load(vllm_python, tmp_path):
             with pytest.raises(DeltaBaseError, match="'B'"):
                 ps.update("C", req("C"), timeout=300, delta=True)
             assert not differences(server.client.collective_rpc("ckpt_state_digests"), cold[str(files[2])])
+        _through_the_service(server, files, cold, tmp_path)
     finally:
         server.stop()
+
+
+def _through_the_service(server, files, cold, tmp_path) -> None:
+    from service_world import ServiceWorld
+
+    url = f"{server.endpoint}/collective_rpc"
+    world = ServiceWorld(1, str(tmp_path), allow_dirs=(str(tmp_path),))
+    svc = world.clients[0]
+
+    def holds(path, what: str) -> None:
+        differ = differences(server.client.collective_rpc("ckpt_state_digests"), cold[str(path)])
+        assert not differ, f"{what}: {len(differ)} tensor(s) differ from a cold load:\n" + "\n".join(differ[:20])
+
+    def register(name: str, path, base=None) -> None:
+        body = {"files": [str(path)], **({"base": base} if base else {})}
+        for route, b in ((f"/v1/checkpoints/{name}/files", body), (f"/v1/checkpoints/{name}/gather-metas", None)):
+            resp = svc.post(route, json=b) if b is not None else svc.post(route)
+            assert resp.status_code == 200, resp.text[:800]
+
+    def update(name: str, **body):
+        return svc.post(f"/v1/checkpoints/{name}/update", json={"update_url": url, "timeout": 300, **body}, timeout=400)
+
+    try:
+        register("sA", files[0])
+        register("sB", files[1], base="sA")
+        register("sC", files[2], base="sB")
+        resp = update("sB", delta=True)   # the engine holds C from above, not sA: refused before a byte moves
+        assert resp.status_code == 400 and resp.json()["error"]["type"] == "DeltaBaseError", resp.text[:800]
+        holds(files[2], "after the refused delta of sB")
+        assert update("sA", deltas=True).status_code == 200
+        holds(files[0], "after sA whole")
+        resp = update("sB", delta=True)
+        assert resp.status_code == 200, resp.text[:800]
+        fig = resp.json()["result"]["delta"]
+        assert fig["base"] == "sA" and 0 < fig["payload_bytes"] < fig["full_bytes"], fig
+        holds(files[1], "after the delta of sB")
+        assert update("sA", deltas=True).status_code == 200   # back to A: sC's base sB is not what it holds
+        resp = update("sC", delta=True)
+        assert resp.status_code == 400 and resp.json()["error"]["type"] == "DeltaBaseError", resp.text[:800]
+        assert "sB" in resp.json()["error"]["message"]
+        holds(files[0], "after the refused delta of sC")
+        resp = update("sC", delta="fallback")
+        assert resp.status_code == 200, resp.text[:800]
+        assert "fallback" in resp.json()["result"]["delta"], resp.json()["result"]
+        holds(files[2], "after sC's fallback")
+        metrics = svc.get("/metrics")
+        if metrics.status_code == 501:   # prometheus-client is an extra
+            return
+        text = metrics.text
+        for kind, n in (("full", 2), ("delta", 1), ("fallback", 1)):
+            assert f'ckpt_updates_by_kind_total{{kind="{kind}",rank="0"}} {n}.0' in text, text[-3000:]
+        assert f'ckpt_delta_payload_bytes_total{{rank="0"}} {float(fig["payload_bytes"])}' in text
+        assert f'ckpt_delta_full_bytes_total{{rank="0"}} {float(fig["full_bytes"])}' in text
+    finally:
+        assert world.close() == [0]

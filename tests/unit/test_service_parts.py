@@ -119,6 +119,10 @@ def test_the_progress_log_can_keep_to_start_lines_only(caplog):
     ({"engine": "sglang", "update_url": "http://127.0.0.1:1", "stage": "v8", "flush_cache": False},
      "flush_cache applies to a whole update"),
     ({"engine": "trtllm"}, "unknown engine 'trtllm'; known engines: .*'sglang', 'vllm'"),
+    ({"deltas": True, "stage": "v1", "update_url": "http://127.0.0.1:1/collective_rpc"},
+     "staged updates do not take deltas yet"),
+    ({"deltas": True, "engine": "sglang", "update_url": "http://127.0.0.1:1"}, "deltas does not apply to engine='sglang'"),
+    ({"delta": "sometimes"}, "delta"),
 ])
 def test_a_staged_update_request_that_cannot_work_is_refused(body, message):
     from pydantic import ValidationError
@@ -141,3 +145,52 @@ def test_a_commit_pauses_the_way_its_engine_can():
     for engine, pause in (("sglang", "keep"), ("vllm", "retract")):
         with pytest.raises(ValidationError, match=f"a {engine} commit pauses with one of"):
             CommitRequest(update_url=url, version="v", engine=engine, pause=pause)
+
+
+def test_a_delta_request_reaches_the_ps_and_tells_the_vllm_workers_its_version():
+    from pydantic import ValidationError
+
+    from ckpt_core.service._models import RegisterRequest, UpdateRequest
+    from ckpt_core.service._policy import ServicePolicy
+    from ckpt_core.service._update import _req_func
+
+    assert RegisterRequest(files=["/x.safetensors"], base="step-7").base == "step-7"
+    with pytest.raises(ValidationError, match="base"):
+        RegisterRequest(files=["/x.safetensors"], base="a/b")
+    assert UpdateRequest(delta="fallback").delta == "fallback" and UpdateRequest(delta=True).delta is True
+    url = "http://127.0.0.1:9/collective_rpc"
+    for body, want in ((UpdateRequest(update_url=url, delta=True), {"deltas": True, "version": "step-8"}),
+                       (UpdateRequest(update_url=url, deltas=True), {"deltas": True, "version": "step-8"}),
+                       (UpdateRequest(update_url=url), {})):
+        req_func, client = _req_func(body, 1, "native", ServicePolicy(), "step-8")
+        seen = []
+        client.update = lambda handles, **options: seen.append(options)
+        req_func([("dev0", "ipc://h0")])
+        assert seen == [want]
+    with pytest.raises(ConfigError, match="staged updates do not take deltas"):
+        _req_func(UpdateRequest(update_url=url, delta=True, stage="v8"), 1, "native", ServicePolicy(), "v8")
+
+
+def test_the_vllm_client_refuses_deltas_without_a_version_before_posting():
+    from ckpt_vllm import VllmClient
+
+    with VllmClient("http://127.0.0.1:9") as client:   # nothing listens: a refusal must come first
+        for kwargs in ({}, {"version": "v2", "path": "backend"}, {"version": "v2", "stage": "v2"}):
+            with pytest.raises(ConfigError, match="deltas needs version="):
+                client.update([("dev0", "ipc://h0")], deltas=True, **kwargs)
+
+
+def test_metrics_count_updates_by_kind_and_the_bytes_deltas_save():
+    pytest.importorskip("prometheus_client")
+    from ckpt_core.ops.metrics import Metrics
+
+    m = Metrics(3)
+    m.succeeded("update", 0.1, 100, {"name": "A", "h2d_bytes": 1000})
+    m.succeeded("update", 0.1, 100, {"name": "B", "h2d_bytes": 40, "delta": {"base": "A", "payload_bytes": 40,
+                                                                            "full_bytes": 1000}})
+    m.succeeded("update", 0.1, 100, {"name": "C", "h2d_bytes": 1000, "delta": {"fallback": "not its base"}})
+    text = m.render().decode()
+    for kind in ("full", "delta", "fallback"):
+        assert f'ckpt_updates_by_kind_total{{kind="{kind}",rank="3"}} 1.0' in text
+    assert 'ckpt_delta_payload_bytes_total{rank="3"} 40.0' in text
+    assert 'ckpt_delta_full_bytes_total{rank="3"} 1000.0' in text
