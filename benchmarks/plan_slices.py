@@ -95,7 +95,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     topo = Topology(nodes=1, devices_per_node=args.tp, device_free_gib=args.device_free_gib)
     doc = {"kind": "prediction (capacity planner; no GPU ran)", "topology": {"nodes": 1, "devices": args.tp},
-           "engines": {k: {"reload_gbps": c.reload_gbps} for k, c in ENGINES.items()},
+           "engines": {k: {"reload_gbps": c.reload_gbps, "per_tensor_s": c.per_tensor_s} for k, c in ENGINES.items()},
+           "calibration_source": Calibration().source,
            "cases": [case(n, a, args.tp, topo) for n, a in ARCHS.items()]}
     for c in doc["cases"]:
         fractions = ", ".join(f"{k} {v['received_fraction']:.3f}" for k, v in c["layouts"].items())
@@ -104,7 +105,8 @@ def main(argv=None) -> int:
             e = c[engine]
             row = [f"whole {e['whole']['update_s']:.3f} s ({e['whole']['bottleneck']})"]
             row += [f"{k} {e[k]['update_s']:.3f} s ({e[k]['bottleneck']}, x{e[k]['speedup']})" for k in c["layouts"]]
-            print(f"  {engine:>5} reload ({ENGINES[engine].reload_gbps:g} GB/s): " + "; ".join(row))
+            print(f"  {engine:>5} reload ({ENGINES[engine].reload_gbps:g} GB/s, "
+                  f"{ENGINES[engine].per_tensor_s * 1e6:.1f} us/tensor): " + "; ".join(row))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(doc, f, indent=1)

@@ -40,12 +40,16 @@ GiB = float(1 << 30)
 
 @dataclass(frozen=True)
 class Calibration:
-    """Costs that no ceiling measures; fitted on a benchmark run."""
+    """Costs that no ceiling measures; fitted on benchmark runs (``calibrate``, ``fit_per_tensor``)."""
     fixed_s: float = 0.0102          # per update: plan, handshake, agreements (tiny case)
-    per_tensor_s: float = 2.92e-05   # engine-side cost per tensor (MoE case)
+    # engine-side cost per tensor, overlapped with the other stages: our worker (~4 us) and the
+    # benchmark's simulated engine (~13 us, its copy into parameters), fitted on moe128 (19,162
+    # tensors) after issue 38's per-tensor work; it was 29.2 us on the run of 2026-11-30
+    per_tensor_s: float = 1.71e-05
     reload_gbps: float = 2125.0      # device-to-device copy into parameters (half the D2D read+write rate)
     register_gbps: float = 3.95      # one rank's registration (copy into pinned memory), GB/s of its share
-    source: str = "benchmarks/results/2026-11-30-2xH200-7b50b1f-all-cases.json"
+    source: str = ("benchmarks/results/2026-11-30-2xH200-7b50b1f-all-cases.json; per tensor: "
+                   "benchmarks/results/2026-12-03-1xH200-9c57654-pertensor-moe-bench.log")
 
 
 @dataclass(frozen=True)
@@ -176,7 +180,7 @@ def calibrate(run: dict, *, base: Calibration = Calibration()) -> Calibration:
     """Fit ``fixed_s``, ``per_tensor_s`` and ``register_gbps`` on a benchmark JSON (update_bench.py).
 
     ``fixed_s`` comes from the smallest case, ``per_tensor_s`` from the case with the most
-    tensors (its reload stage is what is left once the other stages are accounted for).
+    tensors (:func:`fit_per_tensor`: the cost that makes the prediction equal its measured update).
     """
     cases = run.get("cases") or []
     if not cases:
@@ -185,13 +189,31 @@ def calibrate(run: dict, *, base: Calibration = Calibration()) -> Calibration:
     tiny = min(cases, key=lambda c: c["bytes"])
     fixed = max(0.0, tiny["update"]["best_s"] - predict(_spec(tiny), topo, cal=replace(base, fixed_s=0.0))["update_s"])
     many = max(cases, key=lambda c: c["tensors"])
-    pred = predict(_spec(many), topo, cal=replace(base, fixed_s=fixed, per_tensor_s=0.0))
-    others = sum(v for k, v in pred["stages_s"].items() if k != "reload")
-    reload_s = many["update"]["best_s"] - fixed - others / pred["buckets"]
-    per_tensor = max(0.0, reload_s - many["bytes"] / (base.reload_gbps * GB)) / many["tensors"]
+    per_tensor = fit_per_tensor(_spec(many), topo, many["update"]["best_s"], replace(base, fixed_s=fixed))
     reg = [max(c["share_bytes"]) / c["register_s"] for c in cases if c.get("register_s") and c["bytes"] > 1 << 30]
     return replace(base, fixed_s=round(fixed, 4), per_tensor_s=float(f"{per_tensor:.3g}"),
                    register_gbps=round(min(reg) / GB, 2) if reg else base.register_gbps)
+
+
+def fit_per_tensor(model: ModelSpec, topo: Topology, measured_s: float, cal: Calibration = Calibration()) -> float:
+    """The engine-side cost per tensor with which :func:`predict` gives ``measured_s`` for ``model`` on
+    ``topo`` (bisection: the prediction grows with it). It sits in the reload stage, which overlaps
+    the others bucket by bucket, so it shows in the update only once the reload is the longest stage;
+    0 when the prediction without it already reaches ``measured_s``."""
+    def at(per_tensor: float) -> float:
+        return predict(model, topo, cal=replace(cal, per_tensor_s=per_tensor))["update_s"]
+
+    if at(0.0) >= measured_s:
+        return 0.0
+    low, high = 0.0, 1e-6
+    while at(high) < measured_s:
+        low, high = high, high * 2
+        if high > 1.0:
+            raise ConfigError(f"no per-tensor cost gives {measured_s} s for {model.tensors} tensors")
+    for _ in range(60):
+        mid = (low + high) / 2
+        low, high = (mid, high) if at(mid) < measured_s else (low, mid)
+    return (low + high) / 2
 
 
 def topology_of(run: dict) -> Topology:

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_core.planning.capacity import Calibration, ModelSpec, Topology, calibrate, predict, topology_of
+from ckpt_core.planning.capacity import (Calibration, ModelSpec, Topology, calibrate, fit_per_tensor, predict,
+                                        topology_of)
 from ckpt_core.errors import ConfigError
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
@@ -17,9 +18,38 @@ def _run(name: str) -> dict:
     return json.loads((RESULTS / name).read_text())
 
 
-def test_the_default_calibration_is_what_the_recorded_2xh200_run_gives():
-    fitted = calibrate(_run("2026-11-30-2xH200-7b50b1f-all-cases.json"))
-    assert fitted == Calibration(), "update the defaults in planning/capacity.py when the reference run changes"
+PER_TENSOR_LOG = "2026-12-03-1xH200-9c57654-pertensor-moe-bench.log"
+BEFORE_38 = 2.92e-05   # the per-tensor cost of the runs of 2026-11-30 (our worker's, before issue 38)
+
+
+def _log_cases(name: str) -> tuple[float, dict]:
+    """The H2D ceiling and, per whole case, (bytes, tensors, best update s) of an update_bench.py log."""
+    import re
+    text = (RESULTS / name).read_text()
+    h2d = float(re.search(r"ceilings: H2D \[([0-9.]+)\]", text).group(1))
+    sizes = {m[0]: (int(float(m[2]) * GiB), int(m[1])) for m in re.findall(r"\] (\w+): (\d+) tensors, ([0-9.]+) GiB", text)}
+    best = {m[0]: float(m[1]) for m in re.findall(r"\] (\w+): update best ([0-9.]+) s", text)}
+    return h2d, {k: (*sizes[k], best[k]) for k in best}
+
+
+def test_the_default_calibration_is_what_the_recorded_runs_give():
+    cal = Calibration()
+    fitted = calibrate(_run("2026-11-30-2xH200-7b50b1f-all-cases.json"), base=replace(cal, per_tensor_s=BEFORE_38))
+    assert (fitted.fixed_s, fitted.register_gbps, fitted.reload_gbps) == (cal.fixed_s, cal.register_gbps,
+                                                                          cal.reload_gbps), \
+        "update the defaults in planning/capacity.py when the reference run changes"
+    assert fitted.per_tensor_s == BEFORE_38   # that run's engine side, before issue 38's per-tensor work
+    # the per-tensor cost: the case with the most tensors of the latest per-tensor run (1 H200)
+    h2d, cases = _log_cases(PER_TENSOR_LOG)
+    topo = Topology(devices_per_node=1, h2d_gbps=h2d)
+    many = max(cases, key=lambda k: cases[k][1])
+    size, tensors, best = cases[many]
+    assert many == "moe128" and tensors == 19162
+    assert float(f"{fit_per_tensor(ModelSpec(size, tensors, size // 16), topo, best):.3g}") == cal.per_tensor_s
+    assert PER_TENSOR_LOG in cal.source
+    for case, (size, tensors, best) in cases.items():   # and it predicts every case of that run
+        got = predict(ModelSpec(size, tensors, size // 16), topo)["update_s"]
+        assert abs(got / best - 1) < 0.05, (case, got, best)
     topo = topology_of(_run("2026-11-30-2xH200-7b50b1f-all-cases.json"))
     assert round(topo.h2d_gbps, 1) == Topology.h2d_gbps and round(topo.broadcast_gbps) == Topology.broadcast_gbps
 
@@ -29,8 +59,9 @@ def test_the_default_calibration_is_what_the_recorded_2xh200_run_gives():
 def test_predictions_are_within_25_percent_of_every_recorded_case(run):
     doc = _run(run)
     topo = topology_of(doc)
+    cal = replace(Calibration(), per_tensor_s=BEFORE_38)   # these runs measured the code of their day
     for case in doc["cases"]:
-        got = predict(ModelSpec(case["bytes"], case["tensors"], case["bytes"] // 16), topo)
+        got = predict(ModelSpec(case["bytes"], case["tensors"], case["bytes"] // 16), topo, cal=cal)
         measured = case["update"]["best_s"]
         assert abs(got["update_s"] / measured - 1) < 0.25, (run, case["case"], got["update_s"], measured)
 
