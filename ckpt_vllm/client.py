@@ -39,6 +39,20 @@ PAUSE_MODES = ("abort", "wait", "keep")
 EXECUTOR_MARGIN_S = 60.0
 
 
+def _check_update(path: str, start: bool, finish: bool, pause: str | None, stage: str | None,
+                  version: str | None, deltas: bool) -> None:
+    """What :meth:`VllmClient.update` refuses before anything is posted."""
+    if deltas and (version is None or path != "extension" or stage is not None):
+        raise ConfigError("deltas needs version= (a delta names its base by it), the extension path and no "
+                          "stage (docs/deltas.md)")
+    if stage is not None:
+        if path != "extension" or pause is not None or not (start and finish):
+            raise ConfigError("a staged update takes the extension path, whole, without a pause "
+                              "(the engine keeps serving while it stages; commit() pauses)")
+        return
+    _check_parts(path, start, finish, pause)
+
+
 def _check_parts(path: str, start: bool, finish: bool, pause: str | None) -> None:
     """An update's path, and whether it may be one part of a checkpoint spread over several."""
     if path not in PATHS:
@@ -172,16 +186,10 @@ class VllmClient(Requester):
         the first delta too (docs/deltas.md). Extension path, not staged.
         """
         slices = getattr(slices, "digest", slices)
-        if deltas and (version is None or path != "extension" or stage is not None):
-            raise ConfigError("deltas needs version= (a delta names its base by it), the extension path and no "
-                              "stage (docs/deltas.md)")
+        _check_update(path, start, finish, pause, stage, version, deltas)
         if stage is not None:
-            if path != "extension" or pause is not None or not (start and finish):
-                raise ConfigError("a staged update takes the extension path, whole, without a pause "
-                                  "(the engine keeps serving while it stages; commit() pauses)")
             return self.stage(handles, stage, timeout=timeout, device_bytes=stage_device_bytes, prepare=prepare,
                               slices=slices)
-        _check_parts(path, start, finish, pause)
         handles = dict(handles)
         wait = self.timeout if timeout is None else float(timeout)
         report = UpdateReport(path=path)
@@ -194,13 +202,11 @@ class VllmClient(Requester):
             if pause is not None and start:
                 undo["resume"] = True
                 phases.run("pause", self.pause, pause)
-            extra: dict = {"slices": str(slices)} if slices is not None else {}
-            if deltas:
-                extra["deltas"] = True
+            extra = {**({"slices": str(slices)} if slices is not None else {}), **({"deltas": True} if deltas else {})}
             if path == "extension":
-                rpc_kwargs = {"timeout": wait, **({"version": str(version)} if version is not None else {}), **extra}
+                named = {"version": str(version)} if version is not None else {}
                 report.workers = phases.run("update", self.collective_rpc, "update_weights_from_ipc", [handles],
-                                            rpc_kwargs, timeout=wait + EXECUTOR_MARGIN_S)
+                                            {"timeout": wait, **named, **extra}, timeout=wait + EXECUTOR_MARGIN_S)
             else:
                 self._backend_update(phases, undo, {"zmq_handles": handles, "timeout_s": wait, **extra},
                                      init_info=init_info, start=start, finish=finish)
