@@ -12,18 +12,16 @@ from typing import Callable
 from ckpt_core._settings import load_settings, p2p_env
 from ckpt_core.checkpoint.host import SharedPool
 from ckpt_core.checkpoint.sources import build_checkpoint
-from ckpt_core.delta.versions import DeltaVersions, companion, run_delta_update
+from ckpt_core.delta.dispatch import Updates
+from ckpt_core.delta.versions import DeltaVersions, companion
 from ckpt_core.devices import default_kind, get_backend
 from ckpt_core.errors import CheckpointNotFoundError, ClosedError, ConfigError, TransportError
 from ckpt_core.ops.gc import gc_paused
 from ckpt_core.ops.log import rank_logger
 from ckpt_core.p2p import metas as _metas
 from ckpt_core.p2p.state import P2PState
-from ckpt_core.p2p.update import run_update as run_p2p_update
 from ckpt_core.planning.nics import is_loopback, loopback_owners
-from ckpt_core.transfer.agree import gather_metas
 from ckpt_core.transfer.broadcast import ReqFunc
-from ckpt_core.transfer.broadcast import run_update as run_broadcast_update
 from ckpt_core.transfer.collectives import ABORT_WAIT_S, Collectives
 from ckpt_core.transfer.context import Catalog, UpdateContext
 from ckpt_core.transfer.prechecks import parse_metas
@@ -117,6 +115,7 @@ class ParameterServer:
             raise
         self._ctx = ctx
         self.deltas = DeltaVersions(self.rank, self.world_size)   # versions registered with a base (docs/deltas.md)
+        self._updates = Updates(ctx, self._catalog, self._p2p, self.deltas)   # which transfer an update becomes
         self._shared_plans = SharedPlans()   # slice plans shared before: the next share sends a digest only
         self._pool: SharedPool | None = None
         self._update_lock = threading.Lock()
@@ -216,11 +215,9 @@ class ParameterServer:
                                     pool=pool, inplace=use_inplace_pin_memory,
                                     unlink_inplace_files=unlink_inplace_files,
                                     progress=lambda phase, done, total: self._tell("register", phase, done, total))
-        if base is not None:   # the delta against base, as a companion checkpoint (delta/versions.py)
+        if base is not None:   # the delta against base, as a companion checkpoint (delta/dispatch.py)
             try:
-                payloads = self.deltas.encode(name, ckpt, base, self._catalog.checkpoints.get(base))
-                self._catalog.checkpoints[companion(name)] = build_checkpoint(companion(name), self.backend,
-                                                                              named_tensors=payloads)
+                self._updates.add_delta(name, ckpt, base)
             except BaseException:
                 ckpt.release()
                 raise
@@ -299,8 +296,7 @@ class ParameterServer:
         """Collective: every rank learns every rank's tensors of ``checkpoint_name``. All ranks must call it."""
         self._check_open()
         with gc_paused():
-            gather_metas(self._ctx, self._catalog, checkpoint_name)
-            self._p2p.gather(checkpoint_name)   # every owner's P2P store address and regions
+            self._updates.gather(checkpoint_name)   # and every owner's P2P store, and the version's delta
 
     def tensor_specs(self, name: str) -> dict[str, tuple[str, tuple[int, ...]]]:
         """``{tensor: (dtype code, shape)}`` of every tensor of gathered checkpoint ``name`` (all
@@ -413,21 +409,9 @@ class ParameterServer:
             raise ConfigError("another update is already running on this ParameterServer")
         try:
             self._check_open()   # again: close() may have run between the first check and the lock
-            with gc_paused():
-                if delta and (ranks or slices is not None or self.wire != "native"):
-                    raise ConfigError("delta updates are broadcast updates of whole tensors on our wire for now: "
-                                      "no ranks=, slices= or stock wire (docs/deltas.md)")
-                if delta:
-                    return run_delta_update(
-                        self.deltas, checkpoint_name, req_func, delta,
-                        gather=lambda n: gather_metas(self._ctx, self._catalog, n),
-                        update=lambda n, rf: run_broadcast_update(self._ctx, self._catalog, n, rf, timeout, None))
-                self.deltas.made_live(None)   # until it succeeds, the engines hold a mix (a P2P join too)
-                if ranks:   # P2P into those ranks, from the owners' host memory (p2p/update.py)
-                    return run_p2p_update(self._ctx, self._p2p, checkpoint_name, req_func, ranks, timeout, slices)
-                result = run_broadcast_update(self._ctx, self._catalog, checkpoint_name, req_func, timeout, slices)
-                self.deltas.made_live(checkpoint_name)
-                return result
+            with gc_paused():   # broadcast, P2P, or a delta of either (delta/dispatch.py)
+                return self._updates.run(checkpoint_name, req_func, ranks=ranks, timeout=timeout, slices=slices,
+                                         delta=delta)
         except TransportError as exc:
             self._groups_broke(exc)
             raise
