@@ -20,8 +20,14 @@ engines hold that base. Anything missing or disagreeing is one ``DeltaBaseError`
 from __future__ import annotations
 
 from ckpt_core.checkpoint.sources import RegisteredCheckpoint, build_checkpoint
-from ckpt_core.delta.versions import (DeltaVersions, advice, base_of_manifests, companion, run_delta_update,
-                                      with_precheck)
+from ckpt_core.delta.versions import (
+    DeltaVersions,
+    advice,
+    base_of_manifests,
+    companion,
+    run_delta_update,
+    with_precheck,
+)
 from ckpt_core.errors import CheckpointNotFoundError, ConfigError, DeltaBaseError
 from ckpt_core.p2p.agree import targets_of
 from ckpt_core.p2p.state import P2PState

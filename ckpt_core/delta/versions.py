@@ -29,12 +29,13 @@ from typing import Callable
 import torch
 
 from ckpt_core.delta.encode import encode_tensor
-from ckpt_core.errors import CheckpointNotFoundError, ConfigError, DeltaBaseError, RemoteWorkerError
+from ckpt_core.errors import ConfigError, DeltaBaseError, RemoteWorkerError
 
 SUFFIX = "@delta"
 PAYLOAD = "ckpt.delta:"              # + tensor name
 MANIFEST = "ckpt.delta.manifest:"    # + JSON [base, version, rank, world]
 DELTA_MODES = (True, "fallback")
+ReqFunc = Callable[[list[tuple[str, str]]], object]   # transfer/broadcast.ReqFunc
 
 
 def companion(name: str) -> str:
@@ -178,7 +179,7 @@ def worker_refusal(message: str) -> str:
     return next((ln.strip() for ln in lines if "DeltaBaseError:" in ln), lines[0] if lines else "")
 
 
-def with_precheck(req_func, check: Callable[[], None]):
+def with_precheck(req_func: ReqFunc, check: Callable[[], None]) -> ReqFunc:
     """``req_func`` with a ``precheck`` that runs ``check`` and then the caller's own, if any."""
     own = getattr(req_func, "precheck", None)
 
@@ -187,7 +188,7 @@ def with_precheck(req_func, check: Callable[[], None]):
         if own is not None:
             own()
 
-    def wrapped(handles):
+    def wrapped(handles: list[tuple[str, str]]) -> object:
         return req_func(handles)
 
     setattr(wrapped, "precheck", precheck)   # read by prechecks.req_precheck in the update's first exchange
@@ -198,8 +199,8 @@ def refused_by_worker(exc: RemoteWorkerError) -> bool:
     return "DeltaBaseError" in str(exc)
 
 
-def run_delta_update(state: DeltaVersions, name: str, req_func, mode, *, prepare: Callable[[], str],
-                     update: Callable[[str, object], dict], bases: Callable[[], dict[str, str]],
+def run_delta_update(state: DeltaVersions, name: str, req_func: ReqFunc, mode, *, prepare: Callable[[], str],
+                     update: Callable[[str, ReqFunc], dict], bases: Callable[[], dict[str, str]],
                      affects_engine: bool = True) -> dict:
     """A delta update of version ``name`` (``ParameterServer.update(..., delta=mode)``), broadcast or P2P.
 

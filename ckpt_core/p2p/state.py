@@ -105,7 +105,9 @@ class P2PState:
         catalog = self.catalog
         plans = list(plans) if isinstance(plans, (list, tuple)) else [plans]
         names = sorted(n for n in self.gathered if n in catalog.metas)
-        mine, problem, fits = {}, None, {}
+        mine: dict[str, dict[str, dict]] = {}   # checkpoint -> plan digest -> this owner's box digests
+        fits: dict[str, list[str]] = {}         # plan digest -> the checkpoints it fits
+        problem = None
         try:
             if not plans:
                 raise ConfigError("get_metas(slices=...) needs a SlicePlan or a list of them")

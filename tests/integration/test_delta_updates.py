@@ -9,7 +9,6 @@ update works.
 """
 
 import pytest
-import torch
 
 from delta_world import DERIVED, DeltaEngine, Trainer
 from harness import EngineFront, PsWorld, want_digests
