@@ -47,13 +47,34 @@ class Updates:
         self.ctx, self.catalog, self.p2p, self.versions = ctx, catalog, p2p, versions
 
     # -- registration ------------------------------------------------------------
-    def add_delta(self, name: str, ckpt: RegisteredCheckpoint, base: str) -> None:
-        """Encode ``name``'s delta against ``base`` (this rank's share) as the companion checkpoint,
-        served to P2P readers like any other (``serve_p2p`` only)."""
-        payloads = self.versions.encode(name, ckpt, base, self.catalog.checkpoints.get(base))
-        comp = build_checkpoint(companion(name), self.ctx.backend, named_tensors=payloads)
-        self.catalog.checkpoints[companion(name)] = comp
-        self.p2p.on_register(companion(name), comp)
+    def add(self, name: str, ckpt: RegisteredCheckpoint, base: str | None) -> None:
+        """Install registered checkpoint ``name`` in the catalog, served to P2P readers (``serve_p2p`` only);
+        with ``base``, first its delta against ``base`` (this rank's share) as the companion checkpoint
+        ``name@delta``, served alike. A delta that cannot be encoded releases ``ckpt`` and installs nothing."""
+        if base is not None:
+            try:
+                payloads = self.versions.encode(name, ckpt, base, self.catalog.checkpoints.get(base))
+                comp = build_checkpoint(companion(name), self.ctx.backend, named_tensors=payloads)
+            except BaseException:
+                ckpt.release()
+                raise
+            self.catalog.checkpoints[companion(name)] = comp
+            self.p2p.on_register(companion(name), comp)
+        self.catalog.checkpoints[name] = ckpt
+        self.p2p.on_register(name, ckpt)
+
+    def remove(self, name: str) -> RegisteredCheckpoint:
+        """Uninstall and release checkpoint ``name`` (and its delta, if any): its P2P service first (a
+        reader's next stamp check fails), then its memory, metas and plans. Returns it (released)."""
+        ckpt = self.catalog.checkpoints.pop(name)
+        if companion(name) in self.catalog.checkpoints:   # its delta goes with it
+            self.versions.forget(name)
+            self.remove(companion(name))
+        self.p2p.on_unregister(name)
+        ckpt.release()
+        self.catalog.metas.pop(name, None)
+        self.catalog.plans.forget(name)
+        return ckpt
 
     def gather(self, name: str) -> None:
         """Collective (``gather_metas``): ``name``'s metas and owners' stores, and its delta's when every
