@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from ckpt_core.checkpoint.sources import RegisteredCheckpoint, build_checkpoint
 from ckpt_core.delta.versions import (
+    DELTA_MODES,
     DeltaVersions,
     advice,
     base_of_manifests,
@@ -157,8 +158,11 @@ class Updates:
                 delta_bytes, version_bytes = self._sizes(name)
                 result["delta"] = {"delta_bytes": delta_bytes, "version_bytes": version_bytes}
             return result
-        return run_delta_update(self.versions, name, req_func, mode, prepare=lambda: agree_p2p_delta(self, name, ranks),
-                                update=update, bases=self.known_bases, affects_engine=self._reaches_me(ranks))
+        if mode not in DELTA_MODES:   # refused in the agreement: every rank raises, none waits in it
+            agree_p2p_delta(self, name, ranks, mode)
+        return run_delta_update(self.versions, name, req_func, mode,
+                                prepare=lambda: agree_p2p_delta(self, name, ranks, mode), update=update,
+                                bases=self.known_bases, affects_engine=self._reaches_me(ranks))
 
     def _sizes(self, name: str) -> tuple[int, int | None]:
         """Bytes of ``name``'s delta and of the whole version (None: this rank knows no metas of it), every owner's."""
@@ -168,13 +172,15 @@ class Updates:
         return total(companion(name)) or 0, total(name)
 
 
-def _delta_view(u: Updates, name, ranks) -> dict:
+def _delta_view(u: Updates, name, ranks, mode) -> dict:
     """This rank's side of a P2P delta's agreement (see the module docstring)."""
     comp = companion(name) if isinstance(name, str) else None
     view: dict[str, object] = {"delta": name if isinstance(name, str) else repr(name), "problem": None}
     try:
         if comp is None:
             raise ConfigError(f"checkpoint name must be a string, got {name!r}")
+        if mode not in DELTA_MODES:
+            raise ConfigError(f"delta must be False, True or 'fallback', got {mode!r}")
         target = u.ctx.rank in targets_of(ranks, u.ctx.world_size)
         loaded = u.p2p.loaded.get(comp)
         base = u.versions.bases.get(name)
@@ -187,11 +193,11 @@ def _delta_view(u: Updates, name, ranks) -> dict:
     return view
 
 
-def agree_p2p_delta(u: Updates, name: str, ranks) -> str:
+def agree_p2p_delta(u: Updates, name: str, ranks, mode=True) -> str:
     """Collective over the world, before a P2P delta moves anything: the delta's base, agreed; the
     companion's metas gathered in this world when every rank registered it. Raises the same error
     on every rank (``DeltaBaseError`` for a missing or mismatched delta or base)."""
-    views = u.ctx.coll.all_gather_json(_delta_view(u, name, ranks))
+    views = u.ctx.coll.all_gather_json(_delta_view(u, name, ranks, mode))
     what = f"P2P delta update({name!r})"
     raise_agreed([v.get("problem") for v in views], what)
     same_call(views, "P2P delta update", {"delta": "version"})

@@ -129,6 +129,10 @@ def test_a_rank_without_the_delta_or_ranks_disagreeing_on_its_base_refuse_it_on_
             _register(world, "Y", v["X"], base="A", ranks=[0])
             _register(world, "Y", v["X"], base="B", ranks=[1])
             _refused(_p2p(world, front, "Y", [1]), "DeltaBaseError", "ranks disagree on the base", "rank 0 'A'")
+            # one rank passes a bad mode: ConfigError on every rank, in the agreement (nobody waits for it)
+            bad = {r: ("delta_world", "p2p_delta_update", ("B", front.address, 30, [1], {0: {"version": "B"}},
+                                                           True if r == 0 else "bogus")) for r in range(WORLD)}
+            _refused(world.all("call", per_rank=bad, timeout=120), "ConfigError", "delta must be False, True or")
             assert front.fanouts == fanouts and _engines(front, 1) == before, "an engine was asked or changed"
             # the world is intact: B's delta works, and X with "fallback" goes whole
             _ok(world.all("gather", "X"))
