@@ -143,13 +143,14 @@ class Updates:
         except ConfigError:
             return True
 
-    def _gather_delta(self, name: str) -> str:
-        """A broadcast delta's preparation: the companion's metas gathered from every rank."""
+    def _gather_delta(self, name: str) -> str | None:
+        """A broadcast delta's preparation: the companion's metas gathered from every rank. Returns this
+        rank's base (None: none; its precheck refuses it in the update's first exchange, on every rank)."""
         try:
             gather_metas(self.ctx, self.catalog, companion(name))
         except CheckpointNotFoundError as exc:
             raise DeltaBaseError(f"{name!r} was not registered with a base on every rank ({exc})") from exc
-        return self.versions.bases[name]
+        return self.versions.bases.get(name)
 
     def _p2p_delta(self, name: str, req_func: ReqFunc, ranks, timeout, mode) -> dict:
         def update(checkpoint: str, rf) -> dict:

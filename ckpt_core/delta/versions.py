@@ -199,7 +199,7 @@ def refused_by_worker(exc: RemoteWorkerError) -> bool:
     return "DeltaBaseError" in str(exc)
 
 
-def run_delta_update(state: DeltaVersions, name: str, req_func: ReqFunc, mode, *, prepare: Callable[[], str],
+def run_delta_update(state: DeltaVersions, name: str, req_func: ReqFunc, mode, *, prepare: Callable[[], str | None],
                      update: Callable[[str, ReqFunc], dict], bases: Callable[[], dict[str, str]],
                      affects_engine: bool = True) -> dict:
     """A delta update of version ``name`` (``ParameterServer.update(..., delta=mode)``), broadcast or P2P.
