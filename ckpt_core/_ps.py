@@ -2,30 +2,26 @@
 
 from __future__ import annotations
 
-import secrets
 import threading
 import time
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Callable
 
-from ckpt_core._settings import load_settings, p2p_env
+from ckpt_core._settings import load_settings
 from ckpt_core.checkpoint.host import SharedPool
 from ckpt_core.checkpoint.sources import build_checkpoint
-from ckpt_core.delta.versions import DeltaVersions, companion, run_delta_update
+from ckpt_core.delta.dispatch import Updates
+from ckpt_core.delta.versions import DeltaVersions
 from ckpt_core.devices import default_kind, get_backend
 from ckpt_core.errors import CheckpointNotFoundError, ClosedError, ConfigError, TransportError
 from ckpt_core.ops.gc import gc_paused
 from ckpt_core.ops.log import rank_logger
 from ckpt_core.p2p import metas as _metas
-from ckpt_core.p2p.state import P2PState
-from ckpt_core.p2p.update import run_update as run_p2p_update
-from ckpt_core.planning.nics import is_loopback, loopback_owners
-from ckpt_core.transfer.agree import gather_metas
+from ckpt_core.p2p.state import P2PState, check_reachable
 from ckpt_core.transfer.broadcast import ReqFunc
-from ckpt_core.transfer.broadcast import run_update as run_broadcast_update
 from ckpt_core.transfer.collectives import ABORT_WAIT_S, Collectives
-from ckpt_core.transfer.context import Catalog, UpdateContext
+from ckpt_core.transfer.context import Catalog, UpdateContext, agree_device_keys
 from ckpt_core.transfer.prechecks import parse_metas
 from ckpt_core.transfer.share_plan import SharedPlans, share_plan
 from ckpt_core.wire.stock import check_wire
@@ -58,17 +54,17 @@ class ParameterServer:
         # req_func runs on every rank; here one engine of N devices, reached by rank 0 only
         ps.update("step-7", lambda handles: ps.rank == 0 and request_inference_to_update(url, dict(handles)))
 
-    ``gpu_count`` (the reference's keyword): devices per host; when given, this
-    rank's device index is ``rank % gpu_count`` instead of ``LOCAL_RANK``.
+    ``gpu_count`` (the reference's keyword): devices per host; when given, this rank's device index is
+    ``rank % gpu_count`` instead of ``LOCAL_RANK``.
 
-    ``serve_p2p`` (default ``PS_P2P_SERVE``, off): serve registered checkpoints to P2P readers
-    (other ranks' ``update(..., ranks=[...])``, joining worlds). Mooncake then exposes their host
-    memory, readable and writable, to whoever reaches its ports (docs/p2p.md); off, nothing is
-    registered with Mooncake and no P2P port opens unless this rank itself reads P2P.
+    ``serve_p2p`` (default ``PS_P2P_SERVE``, off): serve registered checkpoints to P2P readers (other ranks'
+    ``update(..., ranks=[...])``, joining worlds). Mooncake then exposes their host memory, readable and
+    writable, to whoever reaches its ports (docs/p2p.md); off, nothing is registered with Mooncake and no P2P
+    port opens unless this rank itself reads P2P.
 
     A facade: it owns the collectives, the :class:`Catalog` (checkpoints, metas, plans), one
-    :class:`UpdateContext` (``transfer/context.py``) and the P2P state, and hands them to the
-    broadcast flow (``transfer/broadcast.py``) and the P2P flow (``p2p/update.py``).
+    :class:`UpdateContext` (``transfer/context.py``), the P2P state and the delta versions, and hands them to
+    the update flows (``delta/dispatch.py``: broadcast, P2P, or a delta of either).
     """
 
     wire = _OnContext()                  # "stock"/"stock-0.3": engine workers run stock checkpoint-engine
@@ -98,12 +94,9 @@ class ParameterServer:
         self._catalog = Catalog()   # registered checkpoints, gathered or loaded metas, plans per layout
         ctx = None
         try:
-            peers = self._coll.all_gather_json({"key": self.device_uuid, "token": secrets.token_hex(6)})
-            device_keys = [p["key"] for p in peers]
-            if len(set(device_keys)) != self.world_size:
-                raise ConfigError(f"two ranks share a device key: {device_keys}; set LOCAL_RANK per rank")
+            device_keys, run_id = agree_device_keys(self._coll, self.device_uuid)
             ctx = UpdateContext(settings=self.settings, backend=self.backend, device_index=self.device_index,
-                                device_key=self.device_uuid, device_keys=device_keys, run_id=peers[0]["token"],
+                                device_key=self.device_uuid, device_keys=device_keys, run_id=run_id,
                                 coll=self._coll, wire=wire, keep_device_buffers=keep_device_buffers,
                                 log=self._log, tell=self._tell)
             # Mooncake store (serving: now; reading: when first needed), target groups
@@ -117,14 +110,15 @@ class ParameterServer:
             raise
         self._ctx = ctx
         self.deltas = DeltaVersions(self.rank, self.world_size)   # versions registered with a base (docs/deltas.md)
+        self._flows = Updates(ctx, self._catalog, self._p2p, self.deltas)   # which transfer an update becomes
         self._shared_plans = SharedPlans()   # slice plans shared before: the next share sends a digest only
         self._pool: SharedPool | None = None
         self._update_lock = threading.Lock()
         self._closed = False
         self._broken: str | None = None
         self.last_register: dict | None = None   # the latest registration's phases (seconds)
-        # Optional progress(operation, phase, done, total): the service's status, progress bars.
-        # Called on the thread doing the work; whatever it raises is logged, never propagated.
+        # Optional progress(operation, phase, done, total): the service's status, progress bars. Called on the
+        # thread doing the work; whatever it raises is logged, never propagated.
         self.progress: Callable[[str, str, int | None, int | None], None] | None = None
         self._log.info("ready: device key %s, %s collectives", self.device_uuid, self.backend.collective_backend)
 
@@ -139,11 +133,10 @@ class ParameterServer:
     def close(self) -> None:
         """Free host memory, device buffers, sockets and the process groups it created. Idempotent.
 
-        An update running in another thread is stopped first (every rank's ``update`` raises
-        ``RemoteWorkerError`` naming this rank; the engine workers abort) and nothing is freed
-        under it. close() waits for it up to ``PS_COLLECTIVE_TIMEOUT_S`` + a grace; if it still
-        runs, the process groups are aborted and the memory is left to the process's exit.
-        """
+        An update running in another thread is stopped first (every rank's ``update`` raises ``RemoteWorkerError``
+        naming this rank; the engine workers abort) and nothing is freed under it. close() waits for it up to
+        ``PS_COLLECTIVE_TIMEOUT_S`` + a grace; if it still runs, the process groups are aborted and the memory is
+        left to the process's exit."""
         if self._closed:
             return
         self._closed = True
@@ -161,9 +154,7 @@ class ParameterServer:
 
     def _free(self) -> None:
         self._p2p.close()   # first: waits (bounded) for unsettled P2P reads before their buffers go
-        for ckpt in self._catalog.checkpoints.values():
-            ckpt.release()
-        self._catalog.checkpoints.clear()
+        self._catalog.release()
         if self._pool is not None:
             self._pool.close()
         self._ctx.close()   # the IPC buffer, the ZeroMQ context
@@ -192,11 +183,10 @@ class ParameterServer:
                             unlink_inplace_files: bool = False, base: str | None = None) -> None:
         """Load this rank's share of checkpoint ``checkpoint_name`` into host memory (local; no collective).
 
-        ``files``: safetensors paths (validated before anything is read); files under
-        /dev/shm are mapped and pinned in place when ``use_inplace_pin_memory`` (and
-        deleted only if ``unlink_inplace_files``). ``named_tensors``: name -> tensor,
-        copied. ``use_shared_memory_pool``: copy into one reusable pinned pool (RL loops).
-        ``base``: a checkpoint registered earlier on this rank that this one is the next version of:
+        ``files``: safetensors paths (validated before anything is read); files under /dev/shm are mapped and
+        pinned in place when ``use_inplace_pin_memory`` (and deleted only if ``unlink_inplace_files``).
+        ``named_tensors``: name -> tensor, copied. ``use_shared_memory_pool``: copy into one reusable pinned pool
+        (RL loops). ``base``: a checkpoint registered earlier on this rank that this one is the next version of:
         its delta is encoded too, for ``update(name, ..., delta=True)`` (docs/deltas.md).
         """
         self._check_open()
@@ -216,16 +206,7 @@ class ParameterServer:
                                     pool=pool, inplace=use_inplace_pin_memory,
                                     unlink_inplace_files=unlink_inplace_files,
                                     progress=lambda phase, done, total: self._tell("register", phase, done, total))
-        if base is not None:   # the delta against base, as a companion checkpoint (delta/versions.py)
-            try:
-                payloads = self.deltas.encode(name, ckpt, base, self._catalog.checkpoints.get(base))
-                self._catalog.checkpoints[companion(name)] = build_checkpoint(companion(name), self.backend,
-                                                                              named_tensors=payloads)
-            except BaseException:
-                ckpt.release()
-                raise
-        self._catalog.checkpoints[name] = ckpt
-        self._p2p.on_register(name, ckpt)   # P2P readers may pull its regions (serve_p2p only)
+        self._flows.add(name, ckpt, base)   # and its delta against base; served to P2P readers (serve_p2p only)
         dt = time.perf_counter() - t0
         self.last_register = {"name": name, "bytes": ckpt.nbytes, "seconds": dict(ckpt.seconds, total=dt)}
         self._tell("register", "done", ckpt.nbytes, ckpt.nbytes)
@@ -247,14 +228,7 @@ class ParameterServer:
             self._update_lock.release()
 
     def _unregister(self, name: str, force: bool) -> None:
-        ckpt = self._catalog.checkpoints.pop(name)
-        if companion(name) in self._catalog.checkpoints:   # its delta goes with it
-            self.deltas.forget(name)
-            self._unregister(companion(name), False)
-        self._p2p.on_unregister(name)
-        ckpt.release()
-        self._catalog.metas.pop(name, None)
-        self._catalog.plans.forget(name)
+        ckpt = self._flows.remove(name)   # with its delta, its metas, plans and P2P service
         if force and ckpt.pool is not None and self._pool is not None:
             self._pool.close()
             self._pool = None
@@ -276,10 +250,7 @@ class ParameterServer:
 
     def registered_bytes(self, name: str | None = None) -> int | None:
         """Host bytes of checkpoint ``name`` on this rank (None: of every checkpoint; an unknown name: None)."""
-        ckpts = self._catalog.checkpoints
-        if name is not None:
-            return ckpts[name].nbytes if name in ckpts else None
-        return sum(c.nbytes for c in ckpts.values())
+        return self._catalog.registered_bytes(name)
 
     def health_problem(self) -> str | None:
         """Why this PS cannot update any more (closed, or its process groups broke), or None."""
@@ -299,39 +270,32 @@ class ParameterServer:
         """Collective: every rank learns every rank's tensors of ``checkpoint_name``. All ranks must call it."""
         self._check_open()
         with gc_paused():
-            gather_metas(self._ctx, self._catalog, checkpoint_name)
-            self._p2p.gather(checkpoint_name)   # every owner's P2P store address and regions
+            self._flows.gather(checkpoint_name)   # and every owner's P2P store, and the version's delta
 
     def tensor_specs(self, name: str) -> dict[str, tuple[str, tuple[int, ...]]]:
         """``{tensor: (dtype code, shape)}`` of every tensor of gathered checkpoint ``name`` (all
         ranks' together): what an engine records a slice plan over (``VllmClient.slice_plan``)."""
-        metas = self._catalog.metas.get(name)
-        if metas is None:
-            raise ConfigError(f"call gather_metas({name!r}) before tensor_specs({name!r})")
-        return {m.name: (m.dtype, tuple(m.box[0] if m.box is not None else m.shape)) for ms in metas for m in ms}
+        return self._catalog.tensor_specs(name)
 
     def share_slice_plan(self, plan=None, *, src: int | None = 0, error: str | None = None):
-        """Collective: every rank gets rank ``src``'s slice plan (``ckpt_core.planning.slices``),
-        as JSON over the control group, checked again on each rank (``check_plan``), or by digest
-        alone when every rank shared it before (``transfer/share_plan.py``). Rank ``src`` passes
-        the plan (e.g. ``VllmClient.slice_plan``), the others nothing; ``src=None``: the lowest
-        rank that passed one. ``error``: why this rank has no plan; every rank raises it, as it
-        raises a ``plan`` that is not a ``SlicePlan`` (ConfigError on every rank, the world intact)."""
+        """Collective: every rank gets rank ``src``'s slice plan (``ckpt_core.planning.slices``) as JSON over
+        the control group, checked again on each rank, or by digest alone when every rank shared it before
+        (``transfer/share_plan.py``). Rank ``src`` passes the plan (e.g. ``VllmClient.slice_plan``), the others
+        nothing; ``src=None``: the lowest rank that passed one. ``error``: why this rank has no plan; every rank
+        raises it, as it raises a ``plan`` that is not a ``SlicePlan`` (ConfigError, the world intact)."""
         self._check_open()
         with self._collective():
             return share_plan(self._coll, self.rank, plan, src=src, error=error, known=self._shared_plans)
 
     def get_metas(self, *, slices=None) -> dict:
-        """Every gathered (or loaded) checkpoint's metas as a versioned JSON document (see
-        ``ckpt_core.p2p.metas``): tensors per owner rank, and each owner's P2P store address.
+        """Every gathered (or loaded) checkpoint's metas as a versioned JSON document (``ckpt_core.p2p.metas``):
+        tensors per owner rank, and each owner's P2P store address (and a version's delta, gathered with it).
 
-        ``slices``: a slice plan (or a list of them) that joining worlds will update with
-        (``update(..., ranks=[...], slices=plan)``). Then a collective of this world, called on every
-        rank: each owner checks its tensors against their registration digests and digests the boxes
-        the plan reads of them, for every gathered checkpoint the plan fits, and the document (this
-        one and every later one of this rank, until gather_metas or unregister) carries them, so that
-        a joiner can check each slice it reads (docs/p2p.md, "Slices"). A problem on any rank is
-        raised on every rank and publishes nothing. Without ``slices``: local, as before."""
+        ``slices``: a slice plan (or a list) that joining worlds will update with. Then a collective of this
+        world (every rank calls it): each owner checks its tensors against their registration digests and
+        digests the boxes the plan reads of them, for every gathered checkpoint the plan fits; this document and
+        every later one of this rank (until gather_metas or unregister) carry them, so that a joiner checks each
+        slice it reads (docs/p2p.md, "Slices"). A problem on any rank is raised on every rank, publishing nothing."""
         if slices is not None:
             self._check_open()
             with gc_paused():
@@ -339,32 +303,22 @@ class ParameterServer:
         return self._p2p.metas_document()
 
     def save_metas(self, path, *, slices=None) -> None:
-        """Write ``get_metas()`` to ``path`` as JSON (atomically), for readers on other hosts: refused
-        (``ConfigError`` naming PS_P2P_HOST) while an owner publishes a loopback address, unless this
-        rank's PS_P2P_HOST was set to one on purpose (every world on one host). ``slices``: as in
-        ``get_metas``, a collective then: every rank calls it, and every rank writes ``path``."""
+        """Write ``get_metas()`` to ``path`` as JSON (atomically), for readers on other hosts: refused (``ConfigError``
+        naming PS_P2P_HOST) while an owner publishes a loopback address, unless this rank's PS_P2P_HOST was set to
+        one on purpose. ``slices``: as in ``get_metas``, a collective then: every rank calls it and writes ``path``."""
         doc = self.get_metas(slices=slices)
         self.check_metas_reachable(doc)
         _metas.save(path, doc)
 
     def check_metas_reachable(self, doc: dict | None = None) -> None:
         """``save_metas``' check alone; every rank can run it (same document, same verdict)."""
-        bad = loopback_owners(self.get_metas() if doc is None else doc)
-        if bad and not is_loopback(p2p_env()["host"]):
-            shown = ", ".join(f"{n!r} owner rank {r} at {a}" for n, r, a in bad[:4])
-            raise ConfigError(f"saving metas refused: {shown} publish a loopback address, which a joiner on "
-                              "another host would read from its own loopback; set PS_P2P_HOST to an address other "
-                              "hosts reach (or to a loopback address on purpose when every world runs on this host)")
+        check_reachable(self.get_metas() if doc is None else doc)
 
     def load_metas(self, metas) -> None:
-        """Install metas from ``get_metas()``/``save_metas()`` (a dict or a file path), e.g. in a
-        separate world whose ranks own nothing and pull with ``update(..., ranks=[...])``.
-
-        All or nothing: the whole document is validated before anything is installed; on a
-        ``ConfigError`` nothing changed. Metas of a world of this size also serve broadcast
-        updates (a rank whose loaded metas give it no tensors takes part without registering
-        anything); any size serves P2P updates.
-        """
+        """Install metas from ``get_metas()``/``save_metas()`` (a dict or a file path), e.g. in a separate world
+        whose ranks own nothing and pull with ``update(..., ranks=[...])``. All or nothing: the whole document is
+        validated before anything is installed (a ``ConfigError``: nothing changed). Metas of a world of this size
+        also serve broadcast updates (a rank they give no tensors takes part without registering anything)."""
         self._check_open()
         sources, legacy = self._p2p.parse(metas)       # versioned/path -> validated; legacy dicts pass through
         broadcast = parse_metas(legacy, self.world_size)
@@ -377,57 +331,37 @@ class ParameterServer:
         """Collective: push checkpoint ``checkpoint_name`` into every rank's engine worker.
 
         ``ranks=[...]``: a P2P update of those ranks' engines only, read from the owners' host
-        memory (``p2p/update.py``, docs/p2p.md); still called on every rank, ``req_func`` runs on
-        those ranks only (with the handles of all ranks, in rank order).
+        memory (docs/p2p.md); still called on every rank, ``req_func`` runs on those ranks only.
 
-        ``req_func(handles)`` runs in a thread on every rank with ``handles`` =
-        ``[(device_uuid, zmq_handle)]`` of all ranks, in rank order (the
-        reference's contract); between them, the calls must make every engine
-        worker call ``update_weights_from_ipc``; typically the first rank of each
-        inference group posts its group's handles to its own engine and the
-        others return. Raises ``RemoteWorkerError`` (naming the rank and carrying
-        the traceback) if any engine worker or any rank's ``req_func`` failed,
-        ``UpdateTimeoutError`` if a worker stayed silent or a ``req_func`` did
-        not return within ``timeout``.
-        Returns timings (also kept in ``last_update``).
+        ``req_func(handles)`` runs in a thread on every rank with ``handles`` = ``[(device_uuid, zmq_handle)]``
+        of all ranks, in rank order (the reference's contract); between them, the calls must make every engine
+        worker call ``update_weights_from_ipc``; typically the first rank of each inference group posts its
+        group's handles to its own engine and the others return. Raises ``RemoteWorkerError`` (naming the rank
+        and carrying the traceback) if any engine worker or any rank's ``req_func`` failed, ``UpdateTimeoutError``
+        if a worker stayed silent or a ``req_func`` did not return within ``timeout``. Returns timings (also
+        kept in ``last_update``).
 
-        ``slices``: a :class:`ckpt_core.planning.slices.SlicePlan` recorded from the engine (the
-        same on every rank; ``VllmClient.slice_plan``): each engine rank then receives only what its
-        loaders read (our wire only). Broadcast: PS rank p feeds engine rank p % T of the plan's T:
-        a world of R x T ranks feeds R data-parallel replicas, which share one transfer of each
-        slice (a world that is not a multiple of T is a ConfigError); tensors registered in pieces
-        (trainer shards) are assembled into each rank's slices from their owners' pieces. With
-        ``ranks`` (P2P), the targets in rank order are engine ranks 0, 1, ... (whatever order
-        ``ranks`` lists them in) and each reads its slices itself from the owners (docs/p2p.md).
-        Either way each worker is told the plan's digest and its engine rank, and refuses slices
-        routed for another rank or plan. The result's ``slices`` gives the bytes each engine
-        rank received (and, on broadcast, what this rank sent). None (the default): every rank
-        receives every tensor whole.
+        ``slices``: a :class:`ckpt_core.planning.slices.SlicePlan` recorded from the engine (the same on every
+        rank; ``VllmClient.slice_plan``): each engine rank then receives only what its loaders read (our wire
+        only). Broadcast: PS rank p feeds engine rank p % T of the plan's T (a world of R x T ranks feeds R
+        data-parallel replicas, one transfer of each slice; tensors in pieces are assembled from their owners).
+        With ``ranks`` (P2P), the targets in rank order are engine ranks 0, 1, ..., each reading its own slices
+        (docs/p2p.md). Each worker refuses slices routed for another rank or plan. The result's ``slices``
+        gives the bytes each engine rank received. None (the default): every tensor whole.
 
-        ``delta``: True sends only what changed since the version's base (registered with
-        ``base=``), which the engines must hold (else ``DeltaBaseError`` on every rank, nothing
-        written); ``"fallback"``: a refused delta becomes a full update (docs/deltas.md).
+        ``delta``: True sends (or, with ``ranks``, has the targets read) only what changed since the
+        version's base (registered with ``base=``), which the engines must hold (else
+        ``DeltaBaseError`` on every rank, nothing written); ``"fallback"``: a refused delta becomes
+        a full update (``delta/dispatch.py``, docs/deltas.md).
         """
         self._check_open()
         if not self._update_lock.acquire(blocking=False):
             raise ConfigError("another update is already running on this ParameterServer")
         try:
             self._check_open()   # again: close() may have run between the first check and the lock
-            with gc_paused():
-                if delta and (ranks or slices is not None or self.wire != "native"):
-                    raise ConfigError("delta updates are broadcast updates of whole tensors on our wire for now: "
-                                      "no ranks=, slices= or stock wire (docs/deltas.md)")
-                if delta:
-                    return run_delta_update(
-                        self.deltas, checkpoint_name, req_func, delta,
-                        gather=lambda n: gather_metas(self._ctx, self._catalog, n),
-                        update=lambda n, rf: run_broadcast_update(self._ctx, self._catalog, n, rf, timeout, None))
-                self.deltas.made_live(None)   # until it succeeds, the engines hold a mix (a P2P join too)
-                if ranks:   # P2P into those ranks, from the owners' host memory (p2p/update.py)
-                    return run_p2p_update(self._ctx, self._p2p, checkpoint_name, req_func, ranks, timeout, slices)
-                result = run_broadcast_update(self._ctx, self._catalog, checkpoint_name, req_func, timeout, slices)
-                self.deltas.made_live(checkpoint_name)
-                return result
+            with gc_paused():   # broadcast, P2P, or a delta of either (delta/dispatch.py)
+                return self._flows.run(checkpoint_name, req_func, ranks=ranks, timeout=timeout, slices=slices,
+                                         delta=delta)
         except TransportError as exc:
             self._groups_broke(exc)
             raise
@@ -436,10 +370,10 @@ class ParameterServer:
 
     # -- collectives of the facade ---------------------------------------------
     def all_gather_json(self, obj) -> list:
-        """Collective: every rank's ``obj`` (JSON), in rank order, over the control group: what a
-        caller that drives every rank (the HTTP service) agrees on before it starts a collective,
-        so that what one rank would refuse is refused on every rank. Bounded by
-        ``PS_COLLECTIVE_TIMEOUT_S``; one that fails leaves this rank's groups broken (TransportError)."""
+        """Collective: every rank's ``obj`` (JSON), in rank order, over the control group: what a caller that drives
+        every rank (the HTTP service) agrees on before it starts a collective, so that what one rank would refuse
+        is refused on every rank. Bounded by ``PS_COLLECTIVE_TIMEOUT_S``; a failure breaks the groups
+        (TransportError)."""
         self._check_open()
         with self._collective():
             return self._coll.all_gather_json(obj)
@@ -454,9 +388,9 @@ class ParameterServer:
             raise
 
     def _groups_broke(self, exc: TransportError) -> None:
-        """After ``exc``: if a collective failed or never finished (``groups_broken``), the process
-        groups cannot be trusted again, and a device buffer may still be the target of a stuck
-        collective: abort them, and refuse every later call (``_check_open``)."""
+        """After ``exc``: if a collective failed or never finished (``groups_broken``), the process groups cannot be
+        trusted again, and a device buffer may still be the target of a stuck collective: abort them, and refuse
+        every later call (``_check_open``)."""
         if not getattr(exc, "groups_broken", False):
             return
         self._broken = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"

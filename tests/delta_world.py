@@ -15,6 +15,50 @@ import torch
 
 from harness import SimEngine, digest, make_req_func
 
+DERIVED = ("r1.mlp.weight", "r0.fp8.weight")   # the engine keeps these in its own layout: reloaded, not scattered
+
+
+class Trainer:
+    """fp32 master weights, AdamW; each version is the bf16/fp32/fp8 snapshot an engine is sent."""
+
+    def __init__(self, seed: int, world: int = 2):
+        self.world = world
+        g = torch.Generator().manual_seed(seed)
+        self.p = {
+            "r0.embed.weight": torch.randn(96, 32, generator=g) * 0.02,
+            "r0.attn.weight": torch.randn(32, 32, generator=g) * 0.02,
+            "r0.norm.weight": torch.ones(32),
+            "r0.fp8.weight": torch.randn(16, 32, generator=g) * 0.5,
+            "r1.mlp.weight": torch.randn(64, 32, generator=g) * 0.02,
+            "r1.down.weight": torch.randn(32, 64, generator=g) * 0.02,
+            "r1.lm_head.weight": torch.randn(96, 32, generator=g) * 0.02,
+        }
+        for t in self.p.values():
+            t.requires_grad_(True)
+        self.opt = torch.optim.AdamW(list(self.p.values()), lr=1e-4)
+        self.g = g
+
+    def step(self, lr: float) -> None:
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        p = self.p
+        ids = torch.randint(0, 96, (8,), generator=self.g)
+        x = p["r0.embed.weight"][ids] * p["r0.norm.weight"]
+        x = x + torch.tanh(x @ p["r0.attn.weight"].T) + 0.1 * (x[:, :32] @ p["r0.fp8.weight"].T).sum(-1, keepdim=True)
+        x = x + (torch.relu(x @ p["r1.mlp.weight"].T) @ p["r1.down.weight"].T)
+        loss = torch.nn.functional.cross_entropy(x @ p["r1.lm_head.weight"].T, torch.roll(ids, 1))
+        self.opt.zero_grad()
+        loss.backward()
+        self.opt.step()
+
+    def version(self) -> dict[int, dict[str, torch.Tensor]]:
+        def cast(n, t):
+            t = t.detach()
+            if "fp8" in n:
+                return t.to(torch.float8_e4m3fn)
+            return t.clone() if "norm" in n else t.to(torch.bfloat16)
+        return {r: {n: cast(n, t) for n, t in self.p.items() if n.startswith(f"r{r}.")} for r in range(self.world)}
+
 
 class DeltaEngine(SimEngine):
     def __init__(self, kind, index, behavior):
@@ -99,6 +143,22 @@ def delta_figures(ps, rank, name):
     return dict(ps.deltas.figures.get(name, {}))
 
 
-def delta_update_p2p(ps, rank, name):
-    """A delta into a subset of ranks: refused (broadcast only for now)."""
-    return ps.update(name, lambda h: None, ranks=[0], delta=True, timeout=30)
+def delta_update_sliced(ps, rank, name):
+    """A delta with a slice plan: refused (whole tensors only for now)."""
+    return ps.update(name, lambda h: None, slices=object(), delta=True, timeout=30)
+
+
+def p2p_delta_update(ps, rank, name, address, timeout, ranks, behaviors, mode):
+    """``ps.update(name, ..., ranks=ranks, delta=mode)``; the first target posts to the engine front."""
+    req = make_req_func(address, behaviors) if rank == min(ranks) else (lambda h: None)
+    return ps.update(name, req, ranks=ranks, timeout=timeout, delta=mode)
+
+
+def save_metas(ps, rank, path):
+    if rank == 0:
+        ps.save_metas(path)
+    return sorted(ps.get_metas()["checkpoints"])
+
+
+def engines_hold(ps, rank):
+    return ps.deltas.engines_hold

@@ -52,12 +52,13 @@ def delta_of_plan(listing) -> tuple[str, str] | None:
     """``(base, version)`` when a plan's ``(name, dtype, shape)`` listing is a delta, None for a full
     update; ``DeltaBaseError``/``CheckpointFormatError`` when its manifests are incomplete or disagree."""
     names = [n for n, _, _ in listing]
-    manifests = [parse_manifest_name(n) for n in names if n.startswith(MANIFEST)]
-    if not manifests:
+    parsed = [parse_manifest_name(n) for n in names if n.startswith(MANIFEST)]
+    if not parsed:
         if any(n.startswith(PAYLOAD) for n in names):
             raise CheckpointFormatError("the update carries delta payloads but no delta manifest")
         return None
-    if any(m is None for m in manifests):
+    manifests = [m for m in parsed if m is not None]
+    if len(manifests) != len(parsed):
         raise CheckpointFormatError("a delta manifest's name is malformed")
     pairs = {(b, v, w) for b, v, _, w in manifests}
     if len(pairs) != 1:

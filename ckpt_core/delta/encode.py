@@ -164,21 +164,22 @@ def encode_tensor(new: torch.Tensor, old: torch.Tensor | None, *, digest: str | 
         raise CheckpointFormatError(f"dtype {new.dtype} has no wire code")
     numel, size = new.numel(), new.element_size()
     header = {"dtype": code, "shape": list(new.shape)}
-    whole = old is None or old.dtype != new.dtype or tuple(old.shape) != tuple(new.shape)
-    if whole:
-        mask, positions, count, runs = None, None, numel, 1
-    else:
+    positions: torch.Tensor | None = None   # None: whole (new, reshaped or retyped)
+    mask = torch.zeros(0, dtype=torch.bool)
+    count, runs = numel, 1
+    if old is not None and old.dtype == new.dtype and tuple(old.shape) == tuple(new.shape):
         mask = changed_mask(new, old.detach().contiguous())
         positions = torch.nonzero(mask).reshape(-1)
         count = positions.numel()
         if count == 0:
             return None, {"encoding": None, "count": 0, "numel": numel, "bytes": 0}
         runs = _count_runs(positions)
-    max_gap = 0 if whole else _max_gap(positions)
+    whole = positions is None
+    max_gap = 0 if positions is None else _max_gap(positions)
     sizes = measure(numel, size, count, runs, max_gap)
     enc = "whole" if whole else (force or sizes.best())
     digest = digest if digest is not None else digest_of(bytes_of(new))
-    if enc == "whole":
+    if enc == "whole" or positions is None:
         body = _section(new)
     else:
         idx_dtype = torch.int32 if index_width(numel) == 4 else torch.int64
@@ -333,4 +334,5 @@ def apply_decoded(target: torch.Tensor, d: Decoded) -> torch.Tensor | None:
 
 def undo_decoded(target: torch.Tensor, d: Decoded, old: torch.Tensor) -> None:
     """Put back what ``apply_decoded`` returned (``old``) at the delta's positions."""
+    assert d.positions is not None  # noqa: S101 - type narrowing: a whole tensor's undo restores a saved copy
     as_words(target)[d.positions.to(target.device)] = old

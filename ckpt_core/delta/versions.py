@@ -22,18 +22,20 @@ delta, of which base, from every rank.
 from __future__ import annotations
 
 import json
+import re
 import time
 from typing import Callable
 
 import torch
 
 from ckpt_core.delta.encode import encode_tensor
-from ckpt_core.errors import CheckpointNotFoundError, ConfigError, DeltaBaseError, RemoteWorkerError
+from ckpt_core.errors import ConfigError, DeltaBaseError, RemoteWorkerError
 
 SUFFIX = "@delta"
 PAYLOAD = "ckpt.delta:"              # + tensor name
 MANIFEST = "ckpt.delta.manifest:"    # + JSON [base, version, rank, world]
 DELTA_MODES = (True, "fallback")
+ReqFunc = Callable[[list[tuple[str, str]]], object]   # transfer/broadcast.ReqFunc
 
 
 def companion(name: str) -> str:
@@ -65,7 +67,7 @@ class DeltaVersions:
     def __init__(self, rank: int, world: int):
         self.rank, self.world = rank, world
         self.bases: dict[str, str] = {}
-        self.figures: dict[str, dict] = {}
+        self.figures: dict[str, dict[str, object]] = {}
         self.engines_hold: str | None = None
 
     # -- registration ------------------------------------------------------------
@@ -82,24 +84,25 @@ class DeltaVersions:
                               "a delta cannot remove tensors from an engine: register it without a base")
         t0 = time.perf_counter()
         out: dict[str, torch.Tensor] = {}
-        fig = {"tensors": len(ckpt.metas), "changed_tensors": 0, "changed_elements": 0, "elements": 0,
-               "payload_bytes": 0, "full_bytes": 0, "encodings": {}}
+        counts = {"changed_tensors": 0, "changed_elements": 0, "elements": 0, "payload_bytes": 0, "full_bytes": 0}
+        encodings: dict[str, int] = {}
         for m in ckpt.metas:
             new = ckpt.host_tensor(m)
             prev = base_ckpt.host_tensor(old[m.name]) if m.name in old else None
             payload, info = encode_tensor(new, prev)
-            fig["elements"] += info["numel"]
-            fig["full_bytes"] += m.nbytes
+            counts["elements"] += info["numel"]
+            counts["full_bytes"] += m.nbytes
             if payload is None:
                 continue
             out[PAYLOAD + m.name] = payload
-            fig["changed_tensors"] += 1
-            fig["changed_elements"] += info["count"]
-            fig["payload_bytes"] += info["bytes"]
-            fig["encodings"][info["encoding"]] = fig["encodings"].get(info["encoding"], 0) + 1
+            counts["changed_tensors"] += 1
+            counts["changed_elements"] += info["count"]
+            counts["payload_bytes"] += info["bytes"]
+            encodings[info["encoding"]] = encodings.get(info["encoding"], 0) + 1
         out[manifest_name(base, name, self.rank, self.world)] = torch.frombuffer(
             bytearray(json.dumps({"changed": sorted(out)}).encode()), dtype=torch.uint8)
-        fig["encode_s"] = time.perf_counter() - t0
+        fig: dict[str, object] = {"tensors": len(ckpt.metas), **counts, "encodings": encodings,
+                                  "encode_s": time.perf_counter() - t0}
         self.bases[name] = base
         self.figures[name] = fig
         return out
@@ -109,70 +112,129 @@ class DeltaVersions:
         self.figures.pop(name, None)
 
     # -- update ------------------------------------------------------------------
-    def precheck(self, name: str) -> None:
-        """This rank's refusal of a delta update of ``name`` (raised into the update's first exchange)."""
-        base = self.bases.get(name)
+    def precheck(self, name: str, holds: str | None = None, bases: dict[str, str] | None = None) -> None:
+        """This rank's refusal of a delta update of ``name`` into engines that hold ``holds`` (default:
+        what this rank last made live); ``bases``: every delta this rank knows, for the advice."""
+        base = (bases or self.bases).get(name)
+        holds = self.engines_hold if holds is None else holds
         if base is None:
             raise DeltaBaseError(f"{name!r} was not registered with a base on rank {self.rank}: update it whole")
-        if self.engines_hold is not None and self.engines_hold != base:
+        if holds is not None and holds != base:
             raise DeltaBaseError(f"the delta of {name!r} applies to {base!r}, but rank {self.rank} last made "
-                                 f"{self.engines_hold!r} live in its engines")
+                                 f"{holds!r} live in its engines; {advice(bases or self.bases, name, holds)}")
 
     def made_live(self, name: str | None) -> None:
         self.engines_hold = name
 
 
-def _with_precheck(req_func, check: Callable[[], None]):
+def base_of_manifests(names, name: str) -> str | None:
+    """The base that the delta manifests among tensor ``names`` of ``name``'s companion agree on
+    (what a rank that only loaded the owners' metas learns of a delta); None if they name none.
+    ``DeltaBaseError`` when they disagree, name another version, or a PS rank's manifest is missing."""
+    found = [m for m in (parse_manifest_name(n) for n in names) if m is not None]
+    if not found:
+        return None
+    pairs = {(b, v, w) for b, v, _, w in found}
+    if len(pairs) != 1:
+        raise DeltaBaseError(f"the owners' delta manifests of {name!r} disagree: {sorted(pairs)[:4]}")
+    base, version, world = pairs.pop()
+    ranks = sorted(r for _, _, r, _ in found)
+    if version != name or ranks != list(range(world)):
+        raise DeltaBaseError(f"the delta registered as {companion(name)!r} is of {version!r}, with the manifests "
+                             f"of PS ranks {ranks} of {world}: register it again on every owner")
+    return base
+
+
+def chain_to(bases: dict[str, str], name: str) -> list[str]:
+    """The versions from the oldest known base to ``name`` along registered deltas (``bases``:
+    version -> base), oldest first: ``["A", "B", "C"]`` when B has base A and C base B."""
+    chain = [name]
+    while chain[-1] in bases and bases[chain[-1]] not in chain:
+        chain.append(bases[chain[-1]])
+    return chain[::-1]
+
+
+def advice(bases: dict[str, str], name: str, held: str | None) -> str:
+    """What would bring an engine that holds ``held`` (None: nothing, or unknown) to ``name``."""
+    chain = chain_to(bases, name)
+    whole = f"update {name!r} whole (delta=False; delta='fallback' does so when a delta is refused)"
+    if held in chain[:-2]:
+        steps = chain[chain.index(held) + 1:]
+        return (f"registered deltas lead from {held!r} to {name!r} ({' -> '.join(chain)}): apply them in order, "
+                f"{', then '.join(repr(v) for v in steps)} (delta=True each), or {whole}")
+    if len(chain) < 2:
+        return whole
+    return f"{whole}, or bring it to one of {chain[:-1]} first: the registered deltas run {' -> '.join(chain)}"
+
+
+def worker_holds(message: str) -> str | None:
+    """The version an engine worker said it holds when it refused a delta (``apply._Update.on_plan``)."""
+    found = re.search(r"this worker holds (None|'[^']*')", message)
+    return None if found is None or found.group(1) == "None" else found.group(1)[1:-1]
+
+
+def worker_refusal(message: str) -> str:
+    """The line of a worker's refusal (its ``DeltaBaseError``) in a remote failure's text, else its first line."""
+    lines = message.splitlines()
+    return next((ln.strip() for ln in lines if "DeltaBaseError:" in ln), lines[0] if lines else "")
+
+
+def with_precheck(req_func: ReqFunc, check: Callable[[], None]) -> ReqFunc:
     """``req_func`` with a ``precheck`` that runs ``check`` and then the caller's own, if any."""
     own = getattr(req_func, "precheck", None)
 
-    def wrapped(handles):
-        return req_func(handles)
-
-    def precheck():
+    def precheck() -> None:
         check()
         if own is not None:
             own()
 
-    wrapped.precheck = precheck
+    def wrapped(handles: list[tuple[str, str]]) -> object:
+        return req_func(handles)
+
+    setattr(wrapped, "precheck", precheck)   # read by prechecks.req_precheck in the update's first exchange
     return wrapped
 
 
-def _refused_by_worker(exc: RemoteWorkerError) -> bool:
+def refused_by_worker(exc: RemoteWorkerError) -> bool:
     return "DeltaBaseError" in str(exc)
 
 
-def run_delta_update(state: DeltaVersions, name: str, req_func, mode, *, gather: Callable[[str], None],
-                     update: Callable[[str, object], dict]) -> dict:
-    """A delta update of version ``name`` (``ParameterServer.update(..., delta=mode)``).
+def run_delta_update(state: DeltaVersions, name: str, req_func: ReqFunc, mode, *, prepare: Callable[[], str | None],
+                     update: Callable[[str, ReqFunc], dict], bases: Callable[[], dict[str, str]],
+                     affects_engine: bool = True) -> dict:
+    """A delta update of version ``name`` (``ParameterServer.update(..., delta=mode)``), broadcast or P2P.
 
-    ``gather(checkpoint)`` gathers a checkpoint's metas and ``update(checkpoint, req_func)`` runs a
-    broadcast update of it (both collectives: the facade hands them in). ``mode``: True, or
+    ``prepare()`` makes the companion's metas known on every rank and returns the delta's base,
+    refusing (``DeltaBaseError`` on every rank alike) what it can before anything moves;
+    ``update(checkpoint, req_func)`` runs the transfer of a checkpoint (both collectives: the
+    caller hands them in); ``bases()`` the deltas this rank knows (version -> base), for the
+    advice a refusal carries. ``affects_engine``: this rank's engine takes part (False on a rank
+    outside a P2P update's ``ranks``, whose engine keeps what it held). ``mode``: True, or
     ``"fallback"`` (a refused delta becomes a full update of ``name``). The result is the update's,
-    with ``delta`` = this rank's encoding figures (or ``{"fallback": reason}``)."""
+    with ``delta`` = this rank's figures (or ``{"fallback": reason}``)."""
     if mode not in DELTA_MODES:
         raise ConfigError(f"delta must be False, True or 'fallback', got {mode!r}")
+    live = state.made_live if affects_engine else (lambda _name: None)
+    base = None
     try:
         try:
-            gather(companion(name))
-        except CheckpointNotFoundError as exc:
-            raise DeltaBaseError(f"{name!r} was not registered with a base on every rank ({exc})") from exc
-        try:
-            result = update(companion(name), _with_precheck(req_func, lambda: state.precheck(name)))
+            base = prepare()
+            result = update(companion(name), req_func)
         except RemoteWorkerError as exc:
-            if not _refused_by_worker(exc):
+            if not refused_by_worker(exc):
                 raise   # the apply failed: every worker undid it, the engines hold the base still
-            state.made_live(None)   # the engines hold something else than this PS thought
+            live(None)   # the engines hold something else than this PS thought
             raise DeltaBaseError(f"an engine worker refused the delta of {name!r}: it does not hold its base "
-                                 f"{state.bases.get(name)!r} ({str(exc).splitlines()[0]})") from exc
+                                 f"{base!r} ({worker_refusal(str(exc))}); "
+                                 f"{advice(bases(), name, worker_holds(str(exc)))}") from exc
     except DeltaBaseError as exc:
         if mode != "fallback":
             raise
-        state.made_live(None)   # until the full update succeeds, the engines hold a mix
+        live(None)   # until the full update succeeds, the engines hold a mix
         result = update(name, req_func)
-        state.made_live(name)
+        live(name)
         result["delta"] = {"fallback": str(exc)}
         return result
-    state.made_live(name)
-    result["delta"] = dict(state.figures.get(name, {}), base=state.bases.get(name))
+    live(name)
+    result["delta"] = {**state.figures.get(name, {}), **result.get("delta", {}), "base": base}
     return result

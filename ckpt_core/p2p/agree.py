@@ -43,8 +43,9 @@ def _target_view(ctx: UpdateContext, state: P2PState, name: str) -> tuple[Source
     """A target's own checks and what it tells the others: its metas digest, the (bucket size,
     slots) its free memory allows, and, for metas gathered in this world, the owner ranks."""
     src = state.source(name)
-    state.ensure_store(required=True)
-    state.store.quarantine.reap()
+    store = state.ensure_store(required=True)
+    assert store is not None  # noqa: S101 - type narrowing: ensure_store(required=True) raises without one
+    store.quarantine.reap()
     # an owner whose share is only 0-byte tensors is never read from: it needs no store
     missing = [r for r, p in enumerate(src.peers) if p is None and any(m.nbytes for m in src.metas[r])]
     if missing:
@@ -96,7 +97,9 @@ def first_exchange(ctx: UpdateContext, state: P2PState, name, req_func, ranks, t
     Returns (deadline, targets (in rank order), source, target views, and with ``slices``: every
     owner rank's box digests)."""
     deadline, problem = ctx.precheck_call(req_func, timeout, slices)   # a non-plan, or slices on the stock wire
-    targets, src, extra, loaded_boxes = None, None, {}, None
+    targets: tuple[int, ...] | None = None
+    src, loaded_boxes = None, None
+    extra: dict = {}
     try:
         targets = targets_of(ranks, ctx.world_size)
         src, extra = _view(ctx, state, name, targets, problem)
@@ -112,6 +115,7 @@ def first_exchange(ctx: UpdateContext, state: P2PState, name, req_func, ranks, t
     views = ctx.coll.all_gather_json(view)
     what = f"P2P update({name!r})"
     raise_agreed([v.get("problem") for v in views], what)
+    assert targets is not None  # noqa: S101 - type narrowing: bad ranks= were a problem, raised above
     same_kind(views, what)
     same_call(views, "P2P update", IDENTITY)
     same_call(views, "P2P update", {"slices": "slice plan"})

@@ -15,10 +15,11 @@ from dataclasses import dataclass
 from ckpt_core.errors import ConfigError, TransportError, UpdateTimeoutError
 from ckpt_core.p2p.digests import bucket_mismatch, pieces_mismatch
 from ckpt_core.p2p.metas import Peer
-from ckpt_core.p2p.slices import slices_mismatch
+from ckpt_core.p2p.slices import SliceReads, slices_mismatch
 from ckpt_core.p2p.store import MARK, P2PStore
 from ckpt_core.planning.buckets import Bucket
 from ckpt_core.transfer.pipeline import BroadcastPipeline
+from ckpt_core.wire.link import Failure
 
 
 @dataclass(eq=False)
@@ -41,13 +42,13 @@ class P2PSliceBucket(P2PBucket):
     that engine rank, reads it straight from ``source`` and keeps it; no other target touches it."""
     dest: int = 0
     boxes: tuple = ()    # the slices' BoxCopy entries, in the order of ``placements``
-    reads: object = None  # p2p/slices.SliceReads: how it is read
+    reads: SliceReads = SliceReads((), (), 0)  # how it is read (p2p/slices.slice_reads)
     land_at: int = 0     # where its landing zone starts in the slot (after the slices, before the status byte)
 
 
 class NoLink:
     """A rank outside ``ranks`` has no worker to talk to; its own failure (close()) still travels."""
-    failure = None
+    failure: Failure | None = None
 
     def send_abort(self, reason: str) -> None:
         pass
@@ -184,6 +185,7 @@ class P2PPipeline(BroadcastPipeline):
 
     def _notify(self, index: int, slot: int, event, issued: float) -> None:
         bucket = self.plan.buckets[index]
+        assert isinstance(bucket, P2PBucket)  # noqa: S101 - type narrowing: a P2P plan's buckets
         self._await(event, f"the broadcast of bucket {index} from rank {bucket.owner}", issued)
         at = slot * self.slot_bytes + bucket.nbytes - 1
         theirs = isinstance(bucket, P2PSliceBucket) and bucket.owner != self.rank   # nothing of it is here

@@ -10,16 +10,29 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 
+from ckpt_core._settings import p2p_env
 from ckpt_core.errors import CkptError, ConfigError, TransportError
 from ckpt_core.p2p import metas as _metas
 from ckpt_core.p2p.digests import tensor_digests
 from ckpt_core.p2p.metas import Peer, Source
 from ckpt_core.p2p.slices import box_digests, check_plan
 from ckpt_core.p2p.store import P2PStore, open_store
+from ckpt_core.planning.nics import is_loopback, loopback_owners
 from ckpt_core.transfer.context import Catalog, UpdateContext
 from ckpt_core.transfer.prechecks import problem_of, raise_agreed, same_call
 
 SETTLE_AT_CLOSE_S = 10.0
+
+
+def check_reachable(doc: dict) -> None:
+    """``save_metas``' check: no owner in ``doc`` publishes a loopback address, unless this rank's
+    PS_P2P_HOST was set to one on purpose (every world on one host). ``ConfigError`` otherwise."""
+    bad = loopback_owners(doc)
+    if bad and not is_loopback(p2p_env()["host"]):
+        shown = ", ".join(f"{n!r} owner rank {r} at {a}" for n, r, a in bad[:4])
+        raise ConfigError(f"saving metas refused: {shown} publish a loopback address, which a joiner on "
+                          "another host would read from its own loopback; set PS_P2P_HOST to an address other "
+                          "hosts reach (or to a loopback address on purpose when every world runs on this host)")
 
 
 class P2PState:
@@ -105,7 +118,9 @@ class P2PState:
         catalog = self.catalog
         plans = list(plans) if isinstance(plans, (list, tuple)) else [plans]
         names = sorted(n for n in self.gathered if n in catalog.metas)
-        mine, problem, fits = {}, None, {}
+        mine: dict[str, dict[str, dict]] = {}   # checkpoint -> plan digest -> this owner's box digests
+        fits: dict[str, list[str]] = {}         # plan digest -> the checkpoints it fits
+        problem = None
         try:
             if not plans:
                 raise ConfigError("get_metas(slices=...) needs a SlicePlan or a list of them")

@@ -27,6 +27,7 @@ from __future__ import annotations
 import sys
 import time
 import traceback
+from typing import NoReturn
 
 from ckpt_core.errors import CkptError, RemoteWorkerError, TransportError
 from ckpt_core.p2p.agree import first_exchange
@@ -39,7 +40,7 @@ from ckpt_core.planning.nics import assign_readers
 from ckpt_core.planning.slice_routes import SlicedBucket, rank_placements
 from ckpt_core.transfer.context import UpdateContext
 from ckpt_core.transfer.signals import ReqThread
-from ckpt_core.wire.link import Failure
+from ckpt_core.wire.link import Failure, PsLink
 from ckpt_core.wire.protocol import encode_hello, plan_fragment
 from ckpt_core.wire.stock import open_link, wire_handles
 
@@ -57,6 +58,7 @@ def run_update(ctx: UpdateContext, state: P2PState, name: str, req_func, ranks, 
     if not me:
         _stand_by(ctx, update_id, deadline)
         return {"name": name, "p2p": True, "target": False, "seconds": {"total": time.perf_counter() - t0}}
+    assert src is not None and state.store is not None  # noqa: S101 - type narrowing: a target's first exchange
     try:
         size = min(v["layout"][0] for v in tv)
         figures, boxes, routed = None, None, None
@@ -137,7 +139,7 @@ def _stand_by(ctx: UpdateContext, update_id: str, deadline: float) -> None:
         ctx.disarm(signal)
 
 
-def _fail_through(ctx: UpdateContext, exc: Exception, deadline: float):
+def _fail_through(ctx: UpdateContext, exc: Exception, deadline: float) -> NoReturn:
     """A target failed before its first status exchange: tell every rank there (so nobody waits
     for it until the collective timeout), then raise the error here: its own if it is one of
     ours (it says more), else the agreed one, as on the other ranks."""
@@ -167,7 +169,10 @@ def _run_target(ctx: UpdateContext, store: P2PStore, name, req_func, deadline, t
     req = ReqThread(req_func, handles)
     signal = ctx.stop_signal(update_id, req)
     # close() in another thread stops this rank's waits (its worker's and its reads) as on the broadcast path
-    should_stop = lambda: ctx.closing_stop(link) or signal.should_stop()   # noqa: E731
+    link: PsLink
+
+    def should_stop() -> str | None:
+        return ctx.closing_stop(link) or signal.should_stop()
     link = open_link(ctx.wire, ctx.zmq, handles[ctx.rank][1], update_id, rank=ctx.rank, device_key=ctx.device_key,
                      deadline=deadline, should_stop=should_stop, buckets=plan.buckets,
                      slot_bytes=slot_bytes, ipc=ipc, device_kind=ctx.backend.kind)

@@ -12,6 +12,7 @@ report, the release of the buffer. Nothing outside this module writes its fields
 
 from __future__ import annotations
 
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -43,6 +44,35 @@ class Catalog:
     checkpoints: dict[str, RegisteredCheckpoint] = field(default_factory=dict)
     metas: dict[str, list[list[TensorMeta]]] = field(default_factory=dict)
     plans: PlanCache = field(default_factory=PlanCache)   # shared by checkpoints of one layout
+
+    def release(self) -> None:
+        """Free every registered checkpoint's host memory and forget them (the facade's close())."""
+        for ckpt in self.checkpoints.values():
+            ckpt.release()
+        self.checkpoints.clear()
+
+    def registered_bytes(self, name: str | None = None) -> int | None:
+        """Host bytes of registered checkpoint ``name`` (None: of every one; an unknown name: None)."""
+        if name is not None:
+            return self.checkpoints[name].nbytes if name in self.checkpoints else None
+        return sum(c.nbytes for c in self.checkpoints.values())
+
+    def tensor_specs(self, name: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """``{tensor: (dtype code, shape)}`` of every tensor of gathered checkpoint ``name`` (all ranks')."""
+        metas = self.metas.get(name)
+        if metas is None:
+            raise ConfigError(f"call gather_metas({name!r}) before tensor_specs({name!r})")
+        return {m.name: (m.dtype, tuple(m.box[0] if m.box is not None else m.shape)) for ms in metas for m in ms}
+
+
+def agree_device_keys(coll: Collectives, key: str) -> tuple[list[str], str]:
+    """Collective at construction: every rank's device key, in rank order (distinct, or ``ConfigError``),
+    and the world's run id (rank 0's random token: it names IPC buffers and update ids)."""
+    peers = coll.all_gather_json({"key": key, "token": secrets.token_hex(6)})
+    keys = [p["key"] for p in peers]
+    if len(set(keys)) != len(keys):
+        raise ConfigError(f"two ranks share a device key: {keys}; set LOCAL_RANK per rank")
+    return keys, peers[0]["token"]
 
 
 class UpdateContext:

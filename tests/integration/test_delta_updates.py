@@ -9,56 +9,13 @@ update works.
 """
 
 import pytest
-import torch
 
-from delta_world import DeltaEngine
+from delta_world import DERIVED, DeltaEngine, Trainer
 from harness import EngineFront, PsWorld, want_digests
 
 pytestmark = pytest.mark.timeout(600)
 
 WORLD = 2
-DERIVED = ("r1.mlp.weight", "r0.fp8.weight")   # the engine keeps these in its own layout: reloaded, not scattered
-
-
-class Trainer:
-    """fp32 master weights, AdamW; each version is the bf16/fp32/fp8 snapshot an engine is sent."""
-
-    def __init__(self, seed: int):
-        g = torch.Generator().manual_seed(seed)
-        self.p = {
-            "r0.embed.weight": torch.randn(96, 32, generator=g) * 0.02,
-            "r0.attn.weight": torch.randn(32, 32, generator=g) * 0.02,
-            "r0.norm.weight": torch.ones(32),
-            "r0.fp8.weight": torch.randn(16, 32, generator=g) * 0.5,
-            "r1.mlp.weight": torch.randn(64, 32, generator=g) * 0.02,
-            "r1.down.weight": torch.randn(32, 64, generator=g) * 0.02,
-            "r1.lm_head.weight": torch.randn(96, 32, generator=g) * 0.02,
-        }
-        for t in self.p.values():
-            t.requires_grad_(True)
-        self.opt = torch.optim.AdamW(list(self.p.values()), lr=1e-4)
-        self.g = g
-
-    def step(self, lr: float) -> None:
-        for group in self.opt.param_groups:
-            group["lr"] = lr
-        p = self.p
-        ids = torch.randint(0, 96, (8,), generator=self.g)
-        x = p["r0.embed.weight"][ids] * p["r0.norm.weight"]
-        x = x + torch.tanh(x @ p["r0.attn.weight"].T) + 0.1 * (x[:, :32] @ p["r0.fp8.weight"].T).sum(-1, keepdim=True)
-        x = x + (torch.relu(x @ p["r1.mlp.weight"].T) @ p["r1.down.weight"].T)
-        loss = torch.nn.functional.cross_entropy(x @ p["r1.lm_head.weight"].T, torch.roll(ids, 1))
-        self.opt.zero_grad()
-        loss.backward()
-        self.opt.step()
-
-    def version(self) -> dict[int, dict[str, torch.Tensor]]:
-        def cast(n, t):
-            t = t.detach()
-            if "fp8" in n:
-                return t.to(torch.float8_e4m3fn)
-            return t.clone() if "norm" in n else t.to(torch.bfloat16)
-        return {r: {n: cast(n, t) for n, t in self.p.items() if n.startswith(f"r{r}.")} for r in range(WORLD)}
 
 
 def _all_ok(got):
@@ -206,6 +163,6 @@ def test_a_version_without_a_base_is_refused_as_a_delta_on_every_rank(world_and_
     for r, o in got.items():
         assert not o.ok and o.error == "DeltaBaseError" and "'Z'" in o.message, (r, o)
     _register(world, "B", trainer.version(), base="A")
-    got = world.all("call", ("delta_world", "delta_update_p2p", ("B",)))
+    got = world.all("call", ("delta_world", "delta_update_sliced", ("B",)))
     for r, o in got.items():
-        assert not o.ok and o.error == "ConfigError" and "broadcast updates" in o.message, (r, o)
+        assert not o.ok and o.error == "ConfigError" and "whole tensors on our wire" in o.message, (r, o)

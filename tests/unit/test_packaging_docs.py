@@ -57,8 +57,11 @@ def test_the_no_deps_install_lists_every_dependency_but_torch():
 
 
 def test_the_changelog_names_the_current_version_first():
-    first = re.search(r"^## (\S+)", (ROOT / "CHANGELOG.md").read_text(), re.M)
-    assert first and first.group(1) == PYPROJECT["project"]["version"]
+    """First the changes not released yet (an optional "Unreleased" section), then the current version."""
+    heads = re.findall(r"^## (\S+)", (ROOT / "CHANGELOG.md").read_text(), re.M)
+    released = heads[1:] if heads[:1] == ["Unreleased"] else heads
+    assert released and released[0] == PYPROJECT["project"]["version"], heads[:3]
+    assert "Unreleased" not in released
 
 
 def test_the_license_file_is_the_declared_license_and_every_package_is_typed():

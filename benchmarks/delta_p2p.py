@@ -1,0 +1,173 @@
+"""Bytes a joining world reads over the network for a P2P delta, against the full checkpoint (issue 39).
+
+A Qwen2-shaped model (``delta_density.Qwen2Like``, 15 M parameters by default) trains with AdamW on
+float32 master weights; each step's bf16 snapshot is a version. An owner world (2 PS processes,
+Mooncake TCP on 127.0.0.2, ``serve_p2p``) registers version 0 whole and every later version with
+the previous one as its base, gathers each and saves its metas; a joining world (2 PS processes on
+127.0.0.3, 2 engine-worker processes holding live tensors: ``tests/delta_world.DeltaEngine``) loads
+them, pulls version 0 whole over P2P, then each later version as a P2P delta, and last the final
+version whole again (the comparison). After every update each engine's tensors are checked
+against the version's digests (bit-exact). Recorded per update: the elements changed, the bytes
+the joiners read over the network (the sum of their ``read_bytes``), the version's bytes, and the
+update's wall seconds (2 loaded CPU cores: an upper bound).
+
+    python benchmarks/delta_p2p.py --out benchmarks/results/2026-12-03-cpu-delta-p2p.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]   # the tests' worlds and engine
+
+from delta_density import Qwen2Like, bf16_state  # noqa: E402
+from delta_world import DeltaEngine  # noqa: E402
+from harness import EngineFront, PsWorld, want_digests  # noqa: E402
+from p2p_cases import JOINERS, OWNERS  # noqa: E402
+
+from ckpt_core.delta.encode import changed_mask  # noqa: E402
+
+WORLD = 2
+
+
+def versions(args) -> list[dict[int, dict[str, torch.Tensor]]]:
+    """Version k: the bf16 weights after k AdamW steps, split over the owner ranks (tensor i on rank i % 2)."""
+    torch.manual_seed(args.seed)
+    model = Qwen2Like(args.vocab, args.hidden, args.inter, args.layers, args.heads, args.kv_heads)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    out = []
+    for step in range(args.steps + 1):
+        if step:
+            ids = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)
+            loss = F.cross_entropy(model(ids[:, :-1]).reshape(-1, args.vocab), ids[:, 1:].reshape(-1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        state = bf16_state(model)
+        out.append({r: {n: t for i, (n, t) in enumerate(state.items()) if i % WORLD == r} for r in range(WORLD)})
+    return out
+
+
+def _ok(got: dict) -> dict:
+    bad = {r: o for r, o in got.items() if not o.ok}
+    if bad:
+        raise RuntimeError(f"a rank failed: {bad}")
+    return got
+
+
+def _changed(a: dict, b: dict) -> tuple[int, int]:
+    n = sum(int(changed_mask(b[r][k], a[r][k]).sum()) for r in a for k in a[r])
+    return n, sum(t.numel() for r in a for t in a[r].values())
+
+
+def run(args) -> dict:
+    vs = versions(args)
+    names = [f"v{k}" for k in range(len(vs))]
+    full = sum(t.numel() * t.element_size() for share in vs[0].values() for t in share.values())
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp, PsWorld("cpu", WORLD, env=OWNERS) as owners, \
+            PsWorld("cpu", WORLD, env=JOINERS) as joiners:
+        front = EngineFront("cpu", WORLD, engine_cls=DeltaEngine)
+        try:
+            t0 = time.perf_counter()
+            for k, name in enumerate(names):
+                extra = {} if k == 0 else {"base": names[k - 1]}
+                _ok(owners.all("register", per_rank={r: (name, {"named_tensors": vs[k][r], **extra})
+                                                     for r in range(WORLD)}, timeout=600))
+                _ok(owners.all("gather", name))
+            register_s = time.perf_counter() - t0
+            path = str(Path(tmp) / "metas.json")
+            _ok(owners.all("call", ("delta_world", "save_metas", (path,))))
+            _ok(joiners.all("load_metas", path))
+            plan = [(names[0], False)] + [(n, True) for n in names[1:]] + [(names[-1], False)]
+            for i, (name, mode) in enumerate(plan):
+                k = names.index(name)
+                per = {w: {"version": name} for w in range(WORLD)}
+                t1 = time.perf_counter()
+                got = _ok(joiners.all("call", ("delta_world", "p2p_delta_update",
+                                               (name, front.address, 300, list(range(WORLD)), per, mode)), timeout=600))
+                wall = time.perf_counter() - t1
+                want = want_digests(*vs[k].values())
+                exact = all(front.digests(w) == want for w in range(WORLD))
+                if not exact:
+                    raise RuntimeError(f"an engine is not bit-exact with {name} after its update")
+                read = sum(got[r].value["read_bytes"] for r in range(WORLD))
+                row = {"update": name, "delta": mode, "read_bytes": read, "version_bytes": full,
+                       "read_fraction": read / full, "seconds": wall, "bit_exact": exact}
+                if mode:
+                    fig = got[0].value["delta"]
+                    changed, total = _changed(vs[k - 1], vs[k])
+                    row.update(base=fig["base"], delta_bytes=fig["delta_bytes"], changed_fraction=changed / total)
+                rows.append(row)
+                print(f"{i}: {name} {'delta of ' + row['base'] if mode else 'whole'}: read {read / 1e6:.3f} MB of "
+                      f"{full / 1e6:.3f} MB ({row['read_fraction']:.2%})"
+                      + (f", {row['changed_fraction']:.2%} of the elements changed" if mode else "")
+                      + f", {wall:.2f} s, bit-exact", flush=True)
+        finally:
+            front.close()
+    deltas = [r for r in rows if r["delta"]]
+    return {"date": args.date, "machine": "cpu", "cpu": platform.processor() or platform.machine(),
+            "threads": torch.get_num_threads(), "torch": torch.__version__, "transport": "Mooncake TCP, loopback "
+            "(owners 127.0.0.2, joiners 127.0.0.3)", "owners": WORLD, "joiners": WORLD, "lr": args.lr,
+            "model": {k: getattr(args, k) for k in ("vocab", "hidden", "inter", "layers", "heads", "kv_heads")},
+            "params": sum(t.numel() for share in vs[0].values() for t in share.values()), "register_s": register_s,
+            "updates": rows, "delta_read_fraction_max": max(r["read_fraction"] for r in deltas),
+            "delta_read_fraction_mean": sum(r["read_fraction"] for r in deltas) / len(deltas)}
+
+
+def summary(res: dict) -> str:
+    lines = [f"P2P deltas over {res['transport']}: {res['params'] / 1e6:.1f} M parameters (bf16, "
+             f"{res['updates'][0]['version_bytes'] / 1e6:.1f} MB), AdamW lr {res['lr']:g}, {res['owners']} owners, "
+             f"{res['joiners']} joiners with live engines; every update checked bit-exact on every engine",
+             "| update | kind | elements changed | read over the network | of the version | seconds |",
+             "|---|---|---|---|---|---|"]
+    for r in res["updates"]:
+        kind = f"delta of {r['base']}" if r["delta"] else "whole"
+        changed = f"{r['changed_fraction']:.2%}" if r["delta"] else "-"
+        lines.append(f"| {r['update']} | {kind} | {changed} | {r['read_bytes'] / 1e6:.3f} MB | "
+                     f"{r['read_fraction']:.2%} | {r['seconds']:.2f} |")
+    lines.append(f"deltas read {res['delta_read_fraction_mean']:.2%} of the version's bytes on average, "
+                 f"{res['delta_read_fraction_max']:.2%} at most (goal: <= 12 %)")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--lr", type=float, default=1e-6, help="1e-6: the ~2 %% density measured in docs/deltas.md")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--inter", type=int, default=1408)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", dest="kv_heads", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--date", default=time.strftime("%Y-%m-%d"))
+    ap.add_argument("--out", type=Path, default=None, help="write the figures as JSON here (and a .txt summary beside)")
+    args = ap.parse_args(argv)
+    if not 1 <= args.steps <= 100 or not 0 < args.lr < 1:
+        ap.error("--steps must be in [1, 100] and --lr in (0, 1)")
+    res = run(args)
+    text = summary(res)
+    print(text)
+    if args.out is not None:
+        args.out.write_text(json.dumps(res, indent=1) + "\n")
+        args.out.with_suffix(".txt").write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
