@@ -23,27 +23,12 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import (
-    TYPE_CHECKING,
-    Any,
-    Callable,
-    Generic,
-    Mapping,
-    Optional,
-    Protocol,
-    Self,
-    TypeGuard,
-    TypeVar,
-    runtime_checkable,
-)
+from typing import Any, Callable, Generic, Mapping, Optional, Protocol, Self, TypeGuard, TypeVar, runtime_checkable
 
 import httpx
 
 from ckpt_core.engines.http import HttpTransport, cleanup_after, error_text
 from ckpt_core.errors import ConfigError, TransportError, UpdateTimeoutError
-
-if TYPE_CHECKING:
-    from ckpt_core.planning.slices import SlicePlan
 
 __all__ = ["UpdateReport", "EngineClient", "EngineKind", "Requester", "Prechecked", "check_option_names",
            "supports_slices"]
@@ -98,9 +83,11 @@ class EngineClient(Protocol):
 
 
 class SlicingClient(EngineClient, Protocol):
-    """An :class:`EngineClient` whose engine's workers record what their loaders read (:func:`supports_slices`)."""
+    """An :class:`EngineClient` whose engine's workers record what their loaders read (:func:`supports_slices`).
+    ``slice_plan`` returns a ``planning.slices.SlicePlan`` (``reuse``: the one it returned before), which
+    this seam only passes on: typed ``object`` here, since the engine seam imports no other leaf."""
 
-    def slice_plan(self, tensors: dict, *, reuse: SlicePlan | None = None) -> SlicePlan: ...
+    def slice_plan(self, tensors: dict, *, reuse: object = None) -> object: ...
 
 
 class EngineKind(Protocol):
