@@ -115,9 +115,10 @@ class ReplySocket:
         self.address = f"ipc://@ckpt-sglang-reply-{uuid.uuid4().hex}"
         self._sock.bind(self.address)
 
-    def collect(self, op: str, ranks: int, timeout_s: float, where: str) -> list[dict]:
-        """One reply per TP rank, in rank order; a failing rank raises ``RemoteWorkerError`` (the
-        loader's error type and message, all failing ranks named)."""
+    def collect(self, op: str, ranks: int, timeout_s: float, where: str) -> list[dict | None]:
+        """Each TP rank's result, in rank order (an op's dict, or None: ``drop`` with nothing staged);
+        a failing rank raises ``RemoteWorkerError`` (the loader's error type and message, all failing
+        ranks named)."""
         import time
 
         got: dict[int, dict] = {}

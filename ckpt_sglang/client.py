@@ -32,7 +32,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from ckpt_core.engines.base import Requester, UpdateReport
+from ckpt_core.engines.base import Prechecked, Requester, UpdateReport
 from ckpt_core.engines.http import Phases, error_text
 from ckpt_core.errors import ConfigError, RemoteWorkerError
 
@@ -171,15 +171,14 @@ class SglangClient(Requester):
             phases.run("end", self.server.end)
         return out
 
-    def req_func(self, **update_kwargs) -> Callable[[list[tuple[str, str]]], UpdateReport]:
+    def req_func(self, **update_kwargs) -> Prechecked[UpdateReport]:
         """A ``req_func`` posting every handle it is given; keyword arguments go to :meth:`update`.
 
         It carries ``precheck`` (:meth:`check_reloadable`): ``ParameterServer.update`` asks it before
         anything moves, so a model SGLang cannot reload is refused on every rank at once."""
         def req_func(handles):
             return self.update(handles, **update_kwargs)
-        req_func.precheck = self.check_reloadable
-        return req_func
+        return Prechecked(req_func, self.check_reloadable)
 
     def check_reloadable(self) -> None:
         """``ConfigError`` when SGLang cannot load a checkpoint into this server's live model
@@ -196,7 +195,7 @@ class SglangClient(Requester):
         """The server's TP size, once it is known to run our loader (``GET /server_info``)."""
         return self.server.require_loader(LOADER, "staged updates")
 
-    def _session_op(self, phases: Phases, op: str, pause: str, timeout: float, ranks: int,
+    def _session_op(self, phases: Phases, op: str, pause: str | None, timeout: float, ranks: int,
                     loader: str = LOADER, **fields) -> list:
         """Pause, run ``op`` in our loader on every TP rank (inside SGLang's weight-update session
         where the server has one); returns each rank's result. The caller resumes (also on failure)."""
@@ -211,7 +210,7 @@ class SglangClient(Requester):
                 return phases.run(f"{op}_replies", replies.collect, op, ranks, timeout, self.where)
             return self._in_session(phases, "target", call)
 
-    def _staged_call(self, op: str, pause: str, timeout: float | None, after=None, loader: str = LOADER,
+    def _staged_call(self, op: str, pause: str | None, timeout: float | None, after=None, loader: str = LOADER,
                      **fields) -> UpdateReport:
         wait = self.http.timeout if timeout is None else float(timeout)
         # refused before anything is posted

@@ -35,9 +35,9 @@ class SglangEngine:
     """The :class:`~ckpt_core.engines.base.EngineKind` of SGLang."""
 
     name = "sglang"
-    routes = ("", ROUTE)
-    commit_pauses = COMMIT_PAUSE_MODES
-    options = ("weight_version", "flush_cache")
+    routes: tuple[str, ...] = ("", ROUTE)
+    commit_pauses: tuple[str, ...] = COMMIT_PAUSE_MODES
+    options: tuple[str, ...] = ("weight_version", "flush_cache")
 
     def check_options(self, given: Mapping[str, Any], *, staged: bool) -> None:
         check_option_names(self, given)

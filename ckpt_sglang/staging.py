@@ -41,6 +41,7 @@ import threading
 import time
 import traceback
 import types
+from dataclasses import dataclass, field
 
 import torch
 
@@ -72,14 +73,24 @@ def _agree_s(cmd: dict) -> float:
     return max(1.0, 0.5 * float(cmd.get("timeout", 2 * AGREE_TIMEOUT_S)))
 
 
+Layout = dict[str, tuple[str, tuple]]   # {name: (dtype, shape)}
+
+
+@dataclass
+class SglangStagingArea(StagingArea):
+    """A staging area and the layout of what it staged (set when sealed)."""
+
+    layout: Layout = field(default_factory=dict)
+
+
 class EngineStaging:
     """One scheduler process's staged area, receiver thread and live version (thread-safe)."""
 
     def __init__(self):
         self._lock = threading.Lock()
-        self.area: StagingArea | None = None
+        self.area: SglangStagingArea | None = None
         self.receiving: tuple[str, threading.Thread] | None = None
-        self.layout: dict[str, tuple[str, tuple]] | None = None   # of the last commit
+        self.layout: Layout | None = None   # of the last commit
         self.live_version: str | None = None
         self.live_since: float | None = None
         self.last_stage_error: str | None = None
@@ -117,8 +128,9 @@ class EngineStaging:
                 self._free_locked()   # a new stage replaces the staged one, also when it fails
             if refused is not None:
                 raise refused
-            area = StagingArea(version, device, int(cmd.get("device_bytes", 0)))
-            area.layout = {}   # {name: (dtype, shape)} of what was staged, set when sealed
+            if not isinstance(handles, dict):   # refused above, on every rank
+                raise ConfigError(f"cannot stage version {version!r}: the parameter server sent no handles")
+            area = SglangStagingArea(version, device, int(cmd.get("device_bytes", 0)))
             thread = threading.Thread(target=self._receive, args=(area, handles[key], device_id, timeout),
                                       name=f"ckpt-stage-{version}", daemon=True)
             self.receiving = (version, thread)
@@ -126,9 +138,10 @@ class EngineStaging:
         thread.start()
         return {"device_key": key, "version": version, "receiving": True}
 
-    def _receive(self, area: StagingArea, handle: str, device_id, timeout: float) -> None:
+    def _receive(self, area: SglangStagingArea, handle: str, device_id, timeout: float) -> None:
         loop = _stock_loop()
-        expected, seen = self.layout, {}
+        expected = self.layout
+        seen: Layout = {}
 
         first_error: list[str] = []
 
@@ -179,7 +192,7 @@ class EngineStaging:
         log.info("ckpt stage of %s: %d tensors, %.1f MB (%.1f MB on the device) in %.3f s", area.version,
                  area.tensors, area.nbytes / 1e6, area.device_bytes / 1e6, time.perf_counter() - t0)
 
-    def _receive_failed(self, area: StagingArea, error: str) -> None:
+    def _receive_failed(self, area: SglangStagingArea, error: str) -> None:
         with self._lock:
             self.last_stage_error = error
             if self.receiving is not None and self.receiving[1] is threading.current_thread():
@@ -220,6 +233,8 @@ class EngineStaging:
                     self._free_locked()
                 raise refused
             area, self.area = self.area, None
+            if area is None:   # _commit_status refused it above, on every rank
+                raise ConfigError(f"cannot commit version {version!r}: nothing is staged")
         error = None
         try:
             for bucket in area.buckets:   # SGLang's own loader: the fusing a cold load does

@@ -39,6 +39,7 @@ import time
 
 from ckpt_core import ParameterServer, split_checkpoint_files
 from ckpt_core.engines import GIB_OR_NONE, MAX_DEVICES, SECONDS, TIMEOUT, count
+from ckpt_core.engines.base import Prechecked
 from ckpt_core.engines.driver import (
     UPDATE_METHODS,
     emit_json_line,
@@ -131,9 +132,7 @@ def make_req_func(client: SglangClient | None, rank: int, n: int, args: argparse
             reports.append(client.update(mine, weight_version=args.weight_version, timeout=args.timeout,
                                          pause=args.pause, busy=args.busy))
         return reports[-1]
-    if client is not None:
-        req_func.precheck = client.check_reloadable
-    return req_func
+    return req_func if client is None else Prechecked(req_func, client.check_reloadable)
 
 
 def torchrun_command(argv: list[str], nproc: int) -> list[str]:

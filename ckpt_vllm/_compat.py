@@ -22,16 +22,42 @@ from __future__ import annotations
 import functools
 import importlib
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from ckpt_core.errors import ConfigError
 
-__all__ = ["ReloadApi", "reload_api", "detect", "SUPPORTED"]
+if TYPE_CHECKING:
+    from inspect import BoundArguments
+
+    import torch
+
+__all__ = ["LayerInfo", "ReloadApi", "reload_api", "detect", "SUPPORTED"]
 
 SUPPORTED = "vLLM 0.26 - 0.33"
 _RELOAD = "vllm.model_executor.model_loader.reload"
 _INFO_FIELDS = ("restore_metadata", "load_numel", "load_numel_total", "loaded_weights", "kernel_tensors")
 _INFO_METHODS = ("can_load", "reset")
+
+
+class LayerInfo(Protocol):
+    """vLLM's ``LayerReloadingInfo`` (``reload.types``) of one layer, as ckpt_vllm reads it
+    (``_INFO_FIELDS``, ``_INFO_METHODS``: checked present by :func:`detect`).
+
+    ``restore_metadata``, ``kernel_tensors``: (parameters, buffers) by name, in checkpoint format
+    and the live (kernel) ones; ``load_numel_total`` is set (not None) once the layer ``can_load()``;
+    ``loaded_weights``: the buffered ``(parameter name, weight loader arguments)`` of each tensor
+    received.
+    """
+
+    restore_metadata: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]
+    load_numel: int
+    load_numel_total: int | None
+    loaded_weights: list[tuple[str, BoundArguments]]
+    kernel_tensors: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] | None
+
+    def can_load(self) -> bool: ...
+
+    def reset(self) -> None: ...
 
 
 @dataclass(frozen=True)

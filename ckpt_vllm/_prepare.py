@@ -39,7 +39,7 @@ import torch
 from ckpt_core.errors import CheckpointFormatError
 
 from ._compat import reload_api
-from ._reload import ReloadSession, _checkpoint_names, _loadable_params, _missing_in_layer
+from ._reload import ReloadSession, _checkpoint_names, _loadable_params, _missing_in_layer, numel_total
 
 __all__ = ["PrepareJob", "prepare_step", "commit_prepared"]
 
@@ -98,9 +98,14 @@ def layer_groups(buckets) -> list[list[tuple[str, torch.Tensor]]]:
     return list(groups.values())
 
 
-def _state(model: torch.nn.Module) -> dict:
-    """Everything processing may change besides the tensors vLLM copies back, by identity."""
-    out = {}
+# (kind, qualified name) -> (module or quant method, its attributes, its parameters, its buffers)
+_State = dict[tuple[str, str], tuple[object, dict[str, object], dict | None, dict | None]]
+
+
+def _state(model: torch.nn.Module) -> _State:
+    """Everything processing may change besides the tensors vLLM copies back, by identity
+    (a quant method has no parameters or buffers of its own: None)."""
+    out: _State = {}
     for qname, m in model.named_modules():
         out[("module", qname)] = (m, {k: v for k, v in vars(m).items() if k not in _OWN_STATE | _RELOAD_MARKS},
                                   dict(m._parameters), dict(m._buffers))
@@ -259,7 +264,7 @@ def _load_batch(model: torch.nn.Module, model_config, job: PrepareJob, batch: li
         for qname, layer, info in list(session._pending()):
             if not info.loaded_weights:
                 continue
-            if api.is_deferred_attention(layer) or not 0 < info.load_numel < info.load_numel_total:
+            if api.is_deferred_attention(layer) or not 0 < info.load_numel < numel_total(info):
                 left.append(qname)
             elif absent := _missing_in_layer(model, qname, layer, info):
                 missing += absent

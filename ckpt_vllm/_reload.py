@@ -32,14 +32,14 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import nullcontext
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
 from ckpt_core.errors import CheckpointFormatError, ConfigError
 from ckpt_core.wire.staging import repeated_names
 
-from ._compat import reload_api
+from ._compat import LayerInfo, reload_api
 from ._reload_fixes import empty_slots, process_as_cold_load, restore_empty_slots, restore_processing
 from ._reload_fixes import install as install_kernel_refs
 
@@ -79,7 +79,7 @@ class ReloadSession:
         self._empty: list = []   # the layers' None-valued tensor slots at begin() (_reload_fixes.empty_slots)
         # (name, received tensor) -> what the loader gets: a received slice posing as the whole
         # tensor under a slice plan (``_slices.ReplayPlan.wrap``); None: the tensor itself.
-        self.wrap = None
+        self.wrap: Callable[[str, torch.Tensor], object] | None = None
 
     def begin(self) -> None:
         api = reload_api()   # ConfigError naming what an unsupported vLLM lacks, before anything is touched
@@ -170,10 +170,10 @@ class ReloadSession:
         self.bytes += sum(t.numel() * t.element_size() for _, t in weights)
         self.seconds["load"] += time.perf_counter() - t0
 
-    def _pending(self) -> Iterable[tuple[str, torch.nn.Module, object]]:
+    def _pending(self) -> Iterator[tuple[str, torch.nn.Module, LayerInfo]]:
         layerwise_info = reload_api().layerwise_info
         for qname, layer in self._modules:
-            info = layerwise_info.get(layer)
+            info: LayerInfo | None = layerwise_info.get(layer)
             if info is not None and info.can_load():
                 yield qname, layer, info
 
@@ -319,7 +319,14 @@ def _default_attention_scales(layer: torch.nn.Module, model_config) -> None:
         layer.process_weights_after_loading(model_config.dtype)
 
 
-def _missing_in_layer(model: torch.nn.Module, qname: str, layer: torch.nn.Module, info) -> list[str]:
+def numel_total(info: LayerInfo) -> int:
+    """The elements a pending layer (``can_load()``) receives in all; vLLM sets it before that."""
+    if info.load_numel_total is None:
+        raise ConfigError("vLLM's reload lists a layer as loadable whose load_numel_total is not set")
+    return info.load_numel_total
+
+
+def _missing_in_layer(model: torch.nn.Module, qname: str, layer: torch.nn.Module, info: LayerInfo) -> list[str]:
     """Names of what a pending layer lacks; checkpoint names where vLLM's mapping tells them."""
     received: dict[str, set] = {}
     for pname, args in info.loaded_weights:
@@ -342,12 +349,13 @@ def _missing_in_layer(model: torch.nn.Module, qname: str, layer: torch.nn.Module
     if not missing and (fused or any(hasattr(p, "weight_loader_numel") for p in layer.parameters(recurse=False))):
         # Fused linear layers have no padding, and fused MoE excludes its padding from the count:
         # any shortfall is a missing part (an expert, a bias shard, a slice) that named no parameter.
-        if info.load_numel < info.load_numel_total:
+        if info.load_numel < numel_total(info):
             missing.append(f"{qname} ({info.load_numel} of {info.load_numel_total} elements)")
     return missing
 
 
-def _required_names(model: torch.nn.Module, qname: str, layer: torch.nn.Module, info) -> dict[str, list[str]]:
+def _required_names(model: torch.nn.Module, qname: str, layer: torch.nn.Module,
+                    info: LayerInfo) -> dict[str, list[str]]:
     """Checkpoint names a layer reads, per parameter: ``{fused name: [one name per part]}``
     (``qkv_proj.weight_scale`` -> q/k/v_proj.weight_scale; an unfused parameter is its own part)."""
     n_parts = len(getattr(layer, "output_sizes", ()) or ())
@@ -358,7 +366,7 @@ def _required_names(model: torch.nn.Module, qname: str, layer: torch.nn.Module, 
     return out
 
 
-def _loadable_params(layer: torch.nn.Module, info) -> list[str]:
+def _loadable_params(layer: torch.nn.Module, info: LayerInfo) -> list[str]:
     """Every parameter the layer must receive: the restore metadata lists only what vLLM put back
     on the meta device, and leaves out parameters it keeps live through the reload (``bias``)."""
     SKIP_LOAD_TENSORS = reload_api().skip_load_tensors

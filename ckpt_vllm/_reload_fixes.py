@@ -126,7 +126,7 @@ def install(module=None) -> bool:
         keep_pointed_tensors(layer)
         return original(layer, info)
 
-    copy_and_restore._ckpt_keeps_pointed_tensors = True
+    setattr(copy_and_restore, "_ckpt_keeps_pointed_tensors", True)   # a mark on vLLM's function: wrapped once
     setattr(layerwise, _COPY, copy_and_restore)
     return True
 

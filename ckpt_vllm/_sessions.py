@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from ckpt_core import errors as _errors
 from ckpt_core import update_weights_from_ipc as _core_update_weights_from_ipc
@@ -16,7 +16,39 @@ from ckpt_core.errors import ConfigError, RemoteWorkerError
 
 from ._reload import ReloadSession
 
+if TYPE_CHECKING:
+    import torch
+    import zmq
+    from vllm.config import ModelConfig, VllmConfig
+
 log = logging.getLogger("ckpt_vllm")
+
+
+class ModelRunner(Protocol):
+    """vLLM's model runner of a worker, as ckpt_vllm reads it (its drafter and ``reset_*`` caches
+    are looked up by name: not every runner has them)."""
+
+    model: torch.nn.Module
+
+
+class VllmWorker(Protocol):
+    """The fields of vLLM's worker (``vllm.v1.worker``'s GPU and CPU workers, vllm-ascend's) that
+    ckpt_vllm reads: vLLM mixes the worker extension into it (``--worker-extension-cls``)."""
+
+    model_runner: ModelRunner
+    model_config: ModelConfig
+    vllm_config: VllmConfig
+    device: torch.device | None   # vllm-ascend's may be unset: worker_device() sets it
+    local_rank: int
+
+
+class ExtensionWorker(VllmWorker, Protocol):
+    """A vLLM worker with :class:`ckpt_vllm.VllmColocateWorkerExtension` mixed in, as the extension's
+    mixins (``_staged.StagedWeights``) see it: vLLM's fields and what the extension itself defines."""
+
+    def _ckpt_made_live(self, layout: dict, version: str | None) -> None: ...
+
+    def _ckpt_zmq_context(self) -> zmq.Context: ...
 
 
 def device_kind_index(device, local_rank: Callable[[], int]) -> tuple[str, int]:
@@ -30,7 +62,7 @@ def device_kind_index(device, local_rank: Callable[[], int]) -> tuple[str, int]:
     return device.type, int(device.index)
 
 
-def worker_device(worker: Any) -> tuple[str, int]:
+def worker_device(worker: VllmWorker) -> tuple[str, int]:
     """(device kind, index) of a vLLM worker (see ``device_kind_index``).
 
     vllm-ascend's worker may leave ``device`` unset; it is then set to the worker's local rank
@@ -41,7 +73,7 @@ def worker_device(worker: Any) -> tuple[str, int]:
     return device_kind_index(worker.device, lambda: worker.local_rank)
 
 
-def drafter_target(worker: Any):
+def drafter_target(worker: VllmWorker) -> tuple[torch.nn.Module, ModelConfig] | None:
     """(draft model, its model config) when the drafter shares the target's checkpoint (MTP), else None.
 
     A drafter with a checkpoint of its own (EAGLE, a separate draft model) must not receive the
@@ -105,7 +137,7 @@ def receive_into(sessions: list[ReloadSession], zmq_ctx, zmq_handle: str, kind: 
             "drafter": len(sessions) > 1, "seconds": {**main.seconds, "total": time.perf_counter() - t0}}
 
 
-def new_sessions(worker: Any, replay: Any = None) -> list[ReloadSession]:
+def new_sessions(worker: VllmWorker, replay: Any = None) -> list[ReloadSession]:
     """The reload sessions of the model (and its MTP drafter), begun; ``replay``: the slice plan
     (``_slices.ReplayPlan``) the model's session applies what it receives by, or None (whole tensors)."""
     sessions = [ReloadSession(worker.model_runner.model, worker.model_config, label="model")]
@@ -125,7 +157,7 @@ def live_layout(sessions: list[ReloadSession], replay: Any = None) -> dict:
     return layout if replay is None else replay.live_layout(layout)
 
 
-def reset_derived_caches(worker: Any) -> None:
+def reset_derived_caches(worker: VllmWorker) -> None:
     """Drop worker-side state computed from the old weights (vLLM's own reload does the same)."""
     for name in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
         fn = getattr(worker.model_runner, name, None)
@@ -251,6 +283,13 @@ def _error_class(name: str) -> type[Exception]:
     return cls if isinstance(cls, type) and issubclass(cls, _errors.CkptError) else RemoteWorkerError
 
 
+def _own(error: Exception | None, what: str) -> Exception:
+    """This worker's own error, which :func:`gather_failures` listed: never None (else a bug, said)."""
+    if error is None:
+        raise RemoteWorkerError(f"{what}: a failure was listed for this worker, which raised nothing")
+    return error
+
+
 def answer_together(what: str, call: Callable[[], Any]) -> Any:
     """Run ``call()`` on this worker, then answer alike on every worker of the engine.
 
@@ -272,7 +311,7 @@ def answer_together(what: str, call: Callable[[], Any]) -> Any:
         return result
     group = _world_group()
     if group is None or group.world_size <= 1:
-        raise error
+        raise _own(error, what)
     first, kind, message = failures[0]
     failed = [w for w, _, _ in failures]
     if not is_last_worker():
@@ -281,7 +320,7 @@ def answer_together(what: str, call: Callable[[], Any]) -> Any:
         return {"refused": f"{message} (worker {first}; worker(s) {failed} of {group.world_size} failed {what})",
                 "error_type": kind}
     if failed == [group.rank_in_group]:   # this worker's own failure alone: raised as it is
-        raise error
+        raise _own(error, what)
     raise _error_class(kind)(f"{message} (worker {first}; worker(s) {failed} of {group.world_size} failed "
                              f"{what})") from error
 

@@ -289,7 +289,8 @@ def slice_key(model: torch.nn.Module, model_config, parallel_config, tensors: di
     import vllm
 
     hf = getattr(model_config, "hf_config", None)
-    config = hf.to_json_string(use_diff=False) if hasattr(hf, "to_json_string") else repr(hf)
+    to_json = getattr(hf, "to_json_string", None)   # transformers' PretrainedConfig
+    config = to_json(use_diff=False) if to_json is not None else repr(hf)
     params = sorted((n, list(p.shape), str(p.dtype)) for n, p in model.named_parameters())
     text = json.dumps([type(model).__name__, config, sorted((n, d, list(s)) for n, (d, s) in tensors.items()),
                        params, str(getattr(model_config, "dtype", ""))], sort_keys=True)

@@ -3,7 +3,8 @@ engine keeps generating, prepare them in kernel format between steps, commit the
 
 ``StagedWeights`` is a mixin of :class:`ckpt_vllm.VllmColocateWorkerExtension` (vLLM mixes the
 extension, and so these methods, into its worker: every name is prefixed ``ckpt_``/``_ckpt_`` or is
-one of the documented RPCs). It uses the extension's ``_ckpt_made_live`` and ``_ckpt_zmq_context``.
+one of the documented RPCs). It uses the extension's ``_ckpt_made_live`` and ``_ckpt_zmq_context``
+and vLLM's worker fields (``_sessions.ExtensionWorker`` says which).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import threading
 import time
 from contextlib import nullcontext as _nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckpt_core import update_weights_from_ipc as _core_update_weights_from_ipc
 from ckpt_core.devices import local_device_key
@@ -31,6 +32,12 @@ from ._sessions import (
     worker_device,
 )
 
+if TYPE_CHECKING:
+    from ._prepare import PrepareJob
+    from ._sessions import ExtensionWorker as _Worker
+else:
+    _Worker = object   # at run time the worker is vLLM's: the mixin adds no base class of its own
+
 log = logging.getLogger("ckpt_vllm")
 
 
@@ -47,8 +54,13 @@ class _StageJob:
     replay: Any = None   # the slice plan it was staged by (``_slices.ReplayPlan``); the commit applies it
 
 
-class StagedWeights:
+class StagedWeights(_Worker):
     """The staging RPCs of the worker extension (see the module's docstring)."""
+
+    # Set by the RPCs below, unset until the first (hence read with getattr); declared only: a class
+    # attribute would be an attribute of vLLM's worker class too, which vLLM refuses on a name clash.
+    _ckpt_stage_job: _StageJob | None
+    _ckpt_prepare_job: PrepareJob | None
 
     @answered_together("the commit")
     def commit_staged_weights(self, version: str) -> dict:
@@ -63,12 +75,14 @@ class StagedWeights:
         worker in the same call (``_sessions.answer_together``).
         """
         t0 = time.perf_counter()
-        area = getattr(self, "_ckpt_staged", None)
+        stage = _staged_job(self)
+        area = None if stage is None else stage.area
         ok = area is not None and area.sealed and area.version == str(version)
-        if count_over_workers(not ok):
+        if count_over_workers(not ok) or stage is None:   # (None: not ok here, so counted above)
             staged = "nothing" if area is None or not area.sealed else f"version {area.version!r}"
             raise ConfigError(f"cannot commit version {str(version)!r}: this worker has {staged} staged, or "
                               "another worker of the engine lacks it; nothing was committed")
+        area = stage.area
         job = getattr(self, "_ckpt_prepare_job", None)
         refused = job.refused if job is not None else None
         if count_over_workers(refused is not None):
@@ -78,7 +92,7 @@ class StagedWeights:
                                         "the stage was dropped and the engine serves its current weights")
         if count_over_workers(not (job is not None and job.prepared)) == 0:
             return self._ckpt_commit_prepared(area, job, str(version), t0)
-        replay = self._ckpt_stage_job.replay   # staged by a slice plan: its slices are applied as received
+        replay = stage.replay   # staged by a slice plan: its slices are applied as received
         sessions = new_sessions(self, replay)
         try:
             try:
@@ -94,13 +108,11 @@ class StagedWeights:
             self._ckpt_made_live(live_layout(sessions, replay), str(version))
         finally:
             self._ckpt_drop_staged()
-        main = sessions[0]
-        result = {"device_key": local_device_key(*worker_device(self)), "version": str(version),
-                  "tensors": main.tensors, "bytes": main.bytes,
-                  "seconds": {**main.seconds, "total": time.perf_counter() - t0}}
-        log.info("ckpt commit of %s on %s: %d tensors, %.1f MB in %.3f s", version, result["device_key"],
-                 result["tensors"], result["bytes"] / 1e6, result["seconds"]["total"])
-        return result
+        main, device_key, total = sessions[0], local_device_key(*worker_device(self)), time.perf_counter() - t0
+        log.info("ckpt commit of %s on %s: %d tensors, %.1f MB in %.3f s", version, device_key,
+                 main.tensors, main.bytes / 1e6, total)
+        return {"device_key": device_key, "version": str(version), "tensors": main.tensors, "bytes": main.bytes,
+                "seconds": {**main.seconds, "total": total}}
 
     @answered_together("preparing the stage")
     def ckpt_prepare_staged(self, version: str, budget_bytes: int = 512 << 20) -> dict:
@@ -110,16 +122,17 @@ class StagedWeights:
         state ``refused`` (with its ``reason``): the stage is incomplete and its commit will be refused."""
         from ._prepare import PrepareJob, layer_groups, prepare_step
 
-        area = getattr(self, "_ckpt_staged", None)
-        if area is None or not area.sealed or area.version != str(version):
-            staged = "nothing" if area is None or not area.sealed else f"version {area.version!r}"
+        stage = _staged_job(self)
+        if stage is None or not stage.area.sealed or stage.area.version != str(version):
+            staged = "nothing" if stage is None or not stage.area.sealed else f"version {stage.area.version!r}"
             raise ConfigError(f"cannot prepare version {str(version)!r}: this worker has {staged} staged")
+        area = stage.area
         job = getattr(self, "_ckpt_prepare_job", None)
         if job is None:
             job = self._ckpt_prepare_job = PrepareJob(layer_groups(area.buckets))
             if drafter_target(self) is not None:
                 job.give_up("an MTP drafter loads the same checkpoint (its stage is not prepared)")
-            elif self._ckpt_stage_job.replay is not None:
+            elif stage.replay is not None:
                 job.give_up("it was staged by a slice plan (its commit applies the slices through the reload)")
         return {"version": area.version, **prepare_step(self.model_runner.model, self.model_config, job,
                                                         int(budget_bytes))}
@@ -243,5 +256,11 @@ class StagedWeights:
 
     @property
     def _ckpt_staged(self) -> StagingArea | None:
-        job = getattr(self, "_ckpt_stage_job", None)
-        return None if job is None or job.thread.is_alive() or job.error is not None else job.area
+        job = _staged_job(self)
+        return None if job is None else job.area
+
+
+def _staged_job(worker: StagedWeights) -> _StageJob | None:
+    """``worker``'s stage whose area is staged (received whole, not failed), or None."""
+    job = getattr(worker, "_ckpt_stage_job", None)
+    return None if job is None or job.thread.is_alive() or job.error is not None else job

@@ -82,9 +82,6 @@ class VllmClient(Requester):
                  timeout: float = 600.0, connect_timeout: float = 10.0):
         super().__init__(endpoint, uds=uds, timeout=timeout, connect_timeout=connect_timeout)
 
-    def __enter__(self) -> "VllmClient":
-        return self
-
     def not_served(self, path: str) -> str:
         extra = "" if path == "/collective_rpc" else " and a weight-transfer config"
         return f"start vLLM with VLLM_SERVER_DEV_MODE=1{extra}"

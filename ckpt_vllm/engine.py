@@ -47,9 +47,9 @@ class VllmEngine:
     """The :class:`~ckpt_core.engines.base.EngineKind` of vLLM."""
 
     name = "vllm"
-    routes = (ROUTE,)
-    commit_pauses = ("keep", "wait", "abort")
-    options = ("prepare", "slices", "deltas")
+    routes: tuple[str, ...] = (ROUTE,)
+    commit_pauses: tuple[str, ...] = ("keep", "wait", "abort")
+    options: tuple[str, ...] = ("prepare", "slices", "deltas")
 
     def check_options(self, given: Mapping[str, Any], *, staged: bool) -> None:
         check_option_names(self, given)

@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import sys
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any
 
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
@@ -220,10 +221,10 @@ def _end_worker_session(engine: CkptWeightTransferEngine) -> None:
     /finish_weight_update again. The worker is the caller (``Worker.update_weights`` or
     ``Worker.finish_weight_update``); it is found on the stack, by its engine.
     """
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         owner = frame.f_locals.get("self")
-        if owner is not engine and getattr(owner, "weight_transfer_engine", None) is engine:
+        if owner is not None and owner is not engine and getattr(owner, "weight_transfer_engine", None) is engine:
             if hasattr(owner, "_weight_update_active"):
                 owner._weight_update_active = False
             reset = getattr(engine, "reset_weight_update_target", None)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckpt_core.devices import local_device_key
 from ckpt_core.errors import ConfigError
@@ -38,6 +38,11 @@ from ._sessions import (  # noqa: F401
     worker_device,
 )
 from ._staged import StagedWeights
+
+if TYPE_CHECKING:
+    import zmq
+
+    from ckpt_core.planning.slices import SliceKey
 
 __all__ = ["VllmColocateWorkerExtension", "worker_device", "drafter_target", "receive_into", "agree_on_handle"]
 
@@ -102,6 +107,13 @@ class VllmColocateWorkerExtension(StagedWeights):
                               "args": [{"CPU-<machine>-0": "ipc://@ckpt-..."}]}
     """
 
+    # This worker's own state, set by the RPCs below (declared only, see StagedWeights)
+    _ckpt_live_layout: dict
+    _ckpt_live_version: str | None
+    _ckpt_live_since: float
+    _ckpt_recordings: BoundedCache[SliceKey, dict]   # ckpt_slice_plan's results by the engine's key
+    _ckpt_zmq_ctx: zmq.Context
+
     @answered_together("the update")
     def update_weights_from_ipc(self, zmq_handles: dict[str, str], timeout: float | None = None,
                                 stage: str | None = None, stage_device_bytes: int = 0,
@@ -145,8 +157,9 @@ class VllmColocateWorkerExtension(StagedWeights):
                                          timeout=float(timeout or DEFAULT_TIMEOUT_S), version=version)
             self._ckpt_made_live(live_layout(sessions), version)
             return dict(result, device_key=local_device_key(kind, index))
-        if getattr(self, "_ckpt_delta_rx", None) is not None:
-            self._ckpt_delta_rx.held = None   # weights from another path: no delta applies to them any more
+        delta_rx = getattr(self, "_ckpt_delta_rx", None)   # _delta.receive_with_deltas's
+        if delta_rx is not None:
+            delta_rx.held = None   # weights from another path: no delta applies to them any more
         if stage is not None:
             return self._ckpt_stage(handle, kind, index, str(stage), int(stage_device_bytes),
                                     float(timeout or DEFAULT_TIMEOUT_S), replay)
@@ -179,11 +192,12 @@ class VllmColocateWorkerExtension(StagedWeights):
         rank = _slice_rank(self)
         model = self.model_runner.model
         key = slice_key(model, self.model_config, self.vllm_config.parallel_config, specs)
-        recorded_before = getattr(self, "_ckpt_recordings", None)
+        recorded_before: BoundedCache[SliceKey, dict] | None = getattr(self, "_ckpt_recordings", None)
         if recorded_before is None:
             recorded_before = self._ckpt_recordings = BoundedCache(4)
-        if key in recorded_before:   # once per (model, layout, vLLM version): the loaders do not change
-            return recorded_before.get(key)
+        cached = recorded_before.get(key)
+        if cached is not None:   # once per (model, layout, vLLM version): the loaders do not change
+            return cached
         aliases = tied_aliases(model)
         session = ReloadSession(model, self.model_config, label="model (slice recording)")
         session.begin()

@@ -13,7 +13,7 @@ An engine package (``ckpt_vllm``, ``ckpt_sglang``, a third party's) plugs in wit
 :class:`Requester` holds the HTTP plumbing every client repeats (one transport, ``where``,
 ``close`` and the context manager, a 404 read as a route the server does not serve, JSON posts,
 readiness polling, the last report); a client adds its routes. :class:`UpdateReport` is what
-every engine call returns.
+every engine call returns. :class:`Prechecked` is a ``req_func`` that carries its engine's ``precheck``.
 
 Nothing here imports an engine: the core finds them by name, never by import.
 """
@@ -23,14 +23,17 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional, Protocol, runtime_checkable
+from typing import Any, Callable, Generic, Mapping, Optional, Protocol, Self, TypeGuard, TypeVar, runtime_checkable
 
 import httpx
 
 from ckpt_core.engines.http import HttpTransport, cleanup_after, error_text
 from ckpt_core.errors import ConfigError, TransportError, UpdateTimeoutError
 
-__all__ = ["UpdateReport", "EngineClient", "EngineKind", "Requester", "check_option_names", "supports_slices"]
+__all__ = ["UpdateReport", "EngineClient", "EngineKind", "Requester", "Prechecked", "check_option_names",
+           "supports_slices"]
+
+R = TypeVar("R")
 
 
 @dataclass
@@ -59,16 +62,32 @@ class EngineClient(Protocol):
     common ones. Optional methods: ``slice_plan(tensors, *, reuse=None) -> SlicePlan`` (engines
     whose workers record what their loaders read, for sliced updates) and ``precheck()`` (a
     ``CkptError`` when the engine cannot take the update at all, asked before anything moves).
+    A client is its own context manager: leaving it closes it.
+
+    ``stage`` takes ``timeout`` and ``device_bytes`` beside its engine's options. Written
+    ``*args: Any, **options: Any``, the options are whatever keywords the engine's client declares
+    (mypy reads that tail as "any further parameters"): its :class:`EngineKind` validates them.
     """
 
-    def update(self, handles, **options) -> Optional[UpdateReport]: ...
+    def update(self, handles, *args: Any, **options: Any) -> Optional[UpdateReport]: ...
 
-    def stage(self, handles, version: str, *, timeout: float | None = None, device_bytes: int = 0,
-              **options) -> UpdateReport: ...
+    def stage(self, handles, version: str, *args: Any, **options: Any) -> UpdateReport: ...
 
     def commit(self, version: str, *, pause: str, timeout: float | None = None) -> UpdateReport: ...
 
     def close(self) -> None: ...
+
+    def __enter__(self) -> Self: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+
+class SlicingClient(EngineClient, Protocol):
+    """An :class:`EngineClient` whose engine's workers record what their loaders read (:func:`supports_slices`).
+    ``slice_plan`` returns a ``planning.slices.SlicePlan`` (``reuse``: the one it returned before), which
+    this seam only passes on: typed ``object`` here, since the engine seam imports no other leaf."""
+
+    def slice_plan(self, tensors: dict, *, reuse: object = None) -> object: ...
 
 
 class EngineKind(Protocol):
@@ -103,7 +122,19 @@ def check_option_names(kind: EngineKind, given: Mapping[str, Any]) -> None:
                           f"engine={kind.name!r} (its options: {', '.join(kind.options) or 'none'})")
 
 
-def supports_slices(client: EngineClient) -> bool:
+class Prechecked(Generic[R]):
+    """A ``req_func`` (``fn``) that carries its engine's ``precheck`` (None: it has none), which
+    ``ParameterServer.update`` asks on every rank before anything moves: a ``CkptError`` it raises
+    refuses the update on every rank at once (``transfer/prechecks.req_precheck``)."""
+
+    def __init__(self, fn: Callable[[list[tuple[str, str]]], R], precheck: Callable[[], object] | None) -> None:
+        self.fn, self.precheck = fn, precheck
+
+    def __call__(self, handles: list[tuple[str, str]]) -> R:
+        return self.fn(handles)
+
+
+def supports_slices(client: EngineClient) -> TypeGuard[SlicingClient]:
     """Whether ``client``'s engine records slice plans (``slice_plan``)."""
     return callable(getattr(client, "slice_plan", None))
 
@@ -133,7 +164,7 @@ class Requester:
     def close(self) -> None:
         self.http.close()
 
-    def __enter__(self):
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -173,9 +173,9 @@ class ServiceState:
         (self.log.warning if rejected else self.log.error)(
             "phase=%s checkpoint=%s outcome=%s error=%s seconds=%.3f: %s", operation, checkpoint,
             "rejected" if rejected else "error", type(exc).__name__, seconds, clip(first, 500))
-        try:
-            exc.ckpt_logged = True   # the route's error answer need not be logged again (_app.py)
-        except AttributeError:
+        try:   # a mark on any exception, ours or not: the route's error answer need not be logged again (_app.py)
+            setattr(exc, "ckpt_logged", True)
+        except AttributeError:   # one that takes no attributes (__slots__) is logged twice
             pass
 
     def _record(self, operation: str, checkpoint: str | None, result: Any, seconds: float) -> None:

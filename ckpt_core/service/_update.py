@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import re
 from functools import partial
+from typing import TYPE_CHECKING, Any, Callable
 
 from ckpt_core._settings import slices_enabled
-from ckpt_core.engines.base import supports_slices
+from ckpt_core.engines.base import EngineClient, Prechecked, supports_slices
 from ckpt_core.engines.registry import get_engine
 from ckpt_core.errors import ConfigError
 from ckpt_core.ops.log import rank_logger
@@ -23,6 +24,9 @@ from ._agree import agree
 from ._models import NAME_PATTERN, UpdateRequest
 from ._policy import ServicePolicy
 
+if TYPE_CHECKING:
+    from ckpt_core.planning.slices import SlicePlan
+
 
 def check_name(name: str) -> str:
     if not re.fullmatch(NAME_PATTERN, name):
@@ -31,16 +35,36 @@ def check_name(name: str) -> str:
     return name
 
 
-def _req_func(body: UpdateRequest, world_size: int, wire: str, policy: ServicePolicy, name: str = ""):
-    """``(req_func, client)`` of one update: ``req_func`` posts the chosen handles to ``update_url`` (if
-    any) through ``client``, the client of ``body.engine`` (``ckpt_core.engines``; None without
-    ``update_url``), with the engine options the request set, and closes it (the PS may stop waiting for
-    its thread: the client is closed there, after its last request); when ``req_func`` never ran
-    (``req_func.ran`` false) the caller closes it. ``plan``: the
-    slice plan the update routes by (``slices``), whose digest the engine's workers are told. It
-    carries the client's ``precheck`` where the engine has one (asked on every rank before anything
-    moves). A wire the engine's workers do not speak is refused up front.
-    """
+class _EngineRequest:
+    """The ``req_func`` of one update that gives ``update_url``: posts the chosen handles through
+    ``engine`` (the client of ``body.engine``, ``ckpt_core.engines``) with the engine ``options`` the
+    request set, and closes it (the PS may stop waiting for its thread: the client is closed there,
+    after its last request); when it never ran (``ran`` false) the caller closes it. ``plan``: the
+    slice plan the update routes by (``slices``), whose digest the engine's workers are told.
+    ``precheck``: the client's, where the engine has one (asked on every rank before anything moves)."""
+
+    def __init__(self, body: UpdateRequest, engine: EngineClient, options: dict[str, Any]) -> None:
+        self.body, self.engine, self.options = body, engine, options
+        self.ran = False
+        self.precheck: Callable[[], object] | None = getattr(engine, "precheck", None)
+
+    def __call__(self, handles: list[tuple[str, str]], plan: SlicePlan | None = None) -> None:
+        self.ran = True
+        body = self.body
+        chosen = [handles[r] for r in body.inference_group_ranks] if body.inference_group_ranks else handles
+        sliced = {"slices": plan.digest} if plan is not None else {}
+        with self.engine:
+            if body.stage is not None:
+                self.engine.stage(chosen, body.stage, device_bytes=int(body.stage_device_gib * (1 << 30)),
+                                  **self.options, **sliced)
+            else:
+                self.engine.update(chosen, **self.options, **sliced)
+
+
+def _engine_request(body: UpdateRequest, world_size: int, wire: str, policy: ServicePolicy,
+                    name: str = "") -> _EngineRequest | None:
+    """This rank's checks of the request's engine, then its :class:`_EngineRequest` (None: the request
+    gives no ``update_url``, nothing is posted). A wire the engine's workers do not speak is refused up front."""
     bad = [r for r in body.inference_group_ranks if not 0 <= r < world_size]
     if bad:
         raise ConfigError(f"inference_group_ranks {bad} are outside this world of {world_size} ranks")
@@ -49,7 +73,7 @@ def _req_func(body: UpdateRequest, world_size: int, wire: str, policy: ServicePo
     if body.uds is not None and body.update_url is None:
         raise ConfigError("uds is the socket to reach update_url by: give update_url too")
     if body.update_url is None:
-        return (lambda handles, plan=None: None), None
+        return None
     uds = policy.check_engine(body.update_url, body.uds, body.engine)   # before anything is posted
     options = {k: v for k, v in body.engine_options().items() if k != "slices"}   # slices: the plan's digest
     if body.delta and body.stage is not None:
@@ -58,25 +82,11 @@ def _req_func(body: UpdateRequest, world_size: int, wire: str, policy: ServicePo
         options["deltas"] = True
     if options.get("deltas"):   # a delta names its base by the version the workers hold
         options["version"] = name
-    engine = kind.client(body.update_url, uds=uds, timeout=body.timeout)
+    return _EngineRequest(body, kind.client(body.update_url, uds=uds, timeout=body.timeout), options)
 
-    def req_func(handles, plan=None):
-        req_func.ran = True
-        chosen = [handles[r] for r in body.inference_group_ranks] if body.inference_group_ranks else handles
-        sliced = {"slices": plan.digest} if plan is not None else {}
-        with engine:
-            if body.stage is not None:
-                engine.stage(chosen, body.stage, device_bytes=int(body.stage_device_gib * (1 << 30)), **options,
-                             **sliced)
-            else:
-                engine.update(chosen, **options, **sliced)
-        return None
 
-    req_func.ran = False
-
-    # asked by ps.update before anything moves: a refusal reaches every rank
-    req_func.precheck = getattr(engine, "precheck", None)
-    return req_func, engine
+def _post_nothing(handles: list[tuple[str, str]]) -> None:
+    """The ``req_func`` of an update without ``update_url``."""
 
 
 _SLICES_OFF_SAID: list = []   # the CKPT_SLICES=0 warning, once per process
@@ -88,23 +98,24 @@ def run_update(ps, name: str, body: UpdateRequest, policy: ServicePolicy) -> dic
     agreed with every rank before any collective (``_agree.agree``); then the slice plan shared first
     when the request asks for ``slices`` (and the operator did not turn them off, ``CKPT_SLICES=0``:
     then whole, said once); then the parameter server's update."""
-    req_func, engine, slices, off, problem = None, None, None, False, None
+    request: _EngineRequest | None = None
+    slices, off, problem = None, False, None
     try:
         try:
             check_name(name)
-            req_func, engine = _req_func(body, ps.world_size, ps.wire, policy, name)
+            request = _engine_request(body, ps.world_size, ps.wire, policy, name)
             off = bool(body.slices) and not slices_enabled()   # a bad CKPT_SLICES is this rank's refusal too
             slices = _sliced(ps, name, body)
         except Exception as exc:   # ours or not: told to every rank in the agreement, none is left waiting
             problem = problem_of(exc)
         agree(ps, "update", name, problem, slices=slices, slices_off=off)
-        plan = _slice_plan(ps, name, body, engine) if slices else None
-        req = partial(req_func, plan=plan)
-        req.precheck = getattr(req_func, "precheck", None)
+        plan = _slice_plan(ps, name, body, None if request is None else request.engine) if slices else None
+        # asked by ps.update before anything moves: a refusal reaches every rank
+        req = _post_nothing if request is None else Prechecked(partial(request, plan=plan), request.precheck)
         return ps.update(name, req, ranks=body.ranks or None, timeout=body.timeout, slices=plan, delta=body.delta)
     finally:
-        if engine is not None and not req_func.ran:
-            engine.close()
+        if request is not None and not request.ran:
+            request.engine.close()
 
 
 def _sliced(ps, name: str, body: UpdateRequest) -> bool:
@@ -121,7 +132,7 @@ def _sliced(ps, name: str, body: UpdateRequest) -> bool:
     return bool(body.slices)
 
 
-def _slice_plan(ps, name: str, body: UpdateRequest, engine):
+def _slice_plan(ps, name: str, body: UpdateRequest, engine: EngineClient | None):
     """Collective, before a sliced update: the ranks whose request gives ``update_url`` record the plan
     from that engine's workers (its client's ``slice_plan``, e.g. ``VllmClient.slice_plan``: recorded
     once per model, layout and engine version, then installed on the workers), and every rank gets the

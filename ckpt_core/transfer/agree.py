@@ -12,6 +12,7 @@ counterpart is ``p2p/agree.py``.
 from __future__ import annotations
 
 import time
+from typing import TypedDict
 
 from ckpt_core.checkpoint.sources import RegisteredCheckpoint
 from ckpt_core.errors import CheckpointFormatError, CheckpointNotFoundError, CkptError, ConfigError
@@ -19,7 +20,28 @@ from ckpt_core.planning.buckets import Plan, first_shared_name
 from ckpt_core.planning.pieces import group_pieces
 from ckpt_core.planning.slices import SlicePlan
 from ckpt_core.transfer.context import Catalog, UpdateContext
-from ckpt_core.transfer.prechecks import IDENTITY, meta_row, problem_of, raise_agreed, same_call, same_kind, tensor_meta
+from ckpt_core.transfer.prechecks import (
+    IDENTITY,
+    Problem,
+    meta_row,
+    problem_of,
+    raise_agreed,
+    same_call,
+    same_kind,
+    tensor_meta,
+)
+
+
+class LayoutView(TypedDict, total=False):
+    """One rank's view in the update's first exchange: its problem, or its metas digest and the
+    (bucket size, slots) its free memory allows; then the update's identity and slice plan."""
+    problem: Problem | None
+    fp: str
+    bucket: int
+    slots: int
+    name: str
+    wire: str
+    slices: str | None
 
 
 def precheck(ctx: UpdateContext, catalog: Catalog, name, req_func, timeout,
@@ -66,14 +88,14 @@ def agree_plan(ctx: UpdateContext, catalog: Catalog, name: str, problem: list | 
     The same exchange carries every rank's pre-check problem: if any rank has one, every
     rank raises it. Returns the plan, the slots to use and the plan's wire form (JSON, digest).
     """
-    view = {"problem": problem}
+    view: LayoutView = {"problem": problem}
     if problem is None:
         try:
             view = layout_view(ctx, catalog, name)
         except Exception as exc:   # ours or not: told to every rank, none is left waiting
             view = {"problem": problem_of(exc)}
     # the update's identity: ranks naming two checkpoints of one layout would send a mix of both
-    view.update(name=name if isinstance(name, str) else repr(name), wire=ctx.wire)
+    view["name"], view["wire"] = name if isinstance(name, str) else repr(name), ctx.wire
     view["slices"] = slices.digest if isinstance(slices, SlicePlan) else None   # not a plan: a problem above
     views = ctx.coll.all_gather_json(view)
     raise_agreed([v.get("problem") for v in views], f"update({name!r})")
@@ -90,7 +112,7 @@ def agree_plan(ctx: UpdateContext, catalog: Catalog, name: str, problem: list | 
     return plan, max(1, min(slots, len(plan.buckets))), wire
 
 
-def layout_view(ctx: UpdateContext, catalog: Catalog, name: str) -> dict:
+def layout_view(ctx: UpdateContext, catalog: Catalog, name: str) -> LayoutView:
     """This rank's metas digest and the (bucket size, slots) its free memory allows."""
     metas = catalog.metas[name]
     digest = catalog.plans.digest(name, metas)
@@ -116,7 +138,7 @@ def gather_metas(ctx: UpdateContext, catalog: Catalog, name) -> None:
     same_call(gathered, "gather_metas", {"name": "checkpoint"})
     gathered = [g["metas"] for g in gathered]
     missing = [r for r, g in enumerate(gathered) if g is None]
-    if missing:
+    if missing or ckpt is None:   # this rank's own share is None only when it is missing too
         raise CheckpointNotFoundError(f"checkpoint {name!r} is not registered on rank(s) {missing}")
     metas = [ckpt.metas if r == ctx.rank else
              [tensor_meta(*row, where=f"rank {r}'s metas of {name!r}") for row in g]   # as load_metas does

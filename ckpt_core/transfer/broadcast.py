@@ -13,12 +13,14 @@ import time
 from typing import Callable
 
 from ckpt_core.checkpoint.sources import RegisteredCheckpoint
+from ckpt_core.errors import CheckpointNotFoundError, TransportError
 from ckpt_core.planning.buckets import ALIGN, Plan, align_up
 from ckpt_core.planning.slice_routes import received_bytes
 from ckpt_core.transfer.agree import agree_plan, precheck
 from ckpt_core.transfer.context import Catalog, UpdateContext
 from ckpt_core.transfer.pipeline import BroadcastPipeline
 from ckpt_core.transfer.signals import ReqThread
+from ckpt_core.wire.link import PsLink
 from ckpt_core.wire.protocol import encode_hello
 from ckpt_core.wire.stock import open_link, wire_handles
 
@@ -37,6 +39,8 @@ def _update(ctx: UpdateContext, catalog: Catalog, name: str, req_func: ReqFunc, 
     t0 = time.perf_counter()
     ctx.tell("update", "plan")
     plan, slots, (plan_json, plan_digest) = agree_plan(ctx, catalog, name, problem, slices)
+    if ckpt is None:   # precheck's problem: agree_plan raised it on every rank
+        raise CheckpointNotFoundError(f"checkpoint {name!r} is not registered on rank {ctx.rank}")
     ctx.tell("update", "handshake", 0, len(plan.buckets))
     slot_bytes = align_up(max(plan.largest_bucket, ALIGN))
     buffer_bytes = slot_bytes * slots
@@ -48,7 +52,7 @@ def _update(ctx: UpdateContext, catalog: Catalog, name: str, req_func: ReqFunc, 
     signal = ctx.stop_signal(update_id, req)
     should_stop, publish = signal.should_stop, signal.publish
 
-    link = open_link(ctx.wire, ctx.zmq, handles[ctx.rank][1], update_id, rank=ctx.rank,
+    link: PsLink = open_link(ctx.wire, ctx.zmq, handles[ctx.rank][1], update_id, rank=ctx.rank,
                      device_key=ctx.device_key, deadline=deadline,
                      should_stop=lambda: ctx.closing_stop(link) or should_stop(),
                      buckets=plan.buckets, slot_bytes=slot_bytes, ipc=ipc, device_kind=ctx.backend.kind)
@@ -59,12 +63,14 @@ def _update(ctx: UpdateContext, catalog: Catalog, name: str, req_func: ReqFunc, 
         req.start()
         # whose slices these are (PS rank p feeds engine rank p % T, slice_routes.replica_ranks): the worker checks
         routed = None if slices is None else (slices.digest, ctx.rank % len(slices.ranks))
-        hello = None if alloc_failed else encode_hello(
+        hello = None if ipc is None else encode_hello(   # None: alloc_failed says why
             update_id, device_kind=ctx.backend.kind, buffer=ipc.descriptor, slot_bytes=slot_bytes,
             num_slots=slots, plan_json=plan_json, plan_digest=plan_digest, slices=routed)
         mapped = ctx.handshake(link, hello, publish, alloc_failed=alloc_failed, ckpt=ckpt)
         ctx.agree(link, req, deadline, phase="handshake", final=False)
         times["handshake"] = time.perf_counter() - t0 - times["plan"]
+        if ipc is None:   # the handshake failed the link: its agreement raised on every rank
+            raise TransportError(f"rank {ctx.rank}: {alloc_failed}")
         host = {rid: region.tensor for rid, region in ckpt.regions.items()}
         stats = BroadcastPipeline(plan=plan, rank=ctx.rank, index=ctx.device_index, backend=ctx.backend,
                                   ipc=ipc, slot_bytes=slot_bytes, num_slots=slots, host=host, coll=ctx.coll,

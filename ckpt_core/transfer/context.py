@@ -145,8 +145,9 @@ class UpdateContext:
         if self._ipc is not None and self._ipc.nbytes >= nbytes:
             return self._ipc
         self.release_ipc()
-        self._ipc = self.backend.alloc_ipc(nbytes, self.device_index, f"{self.run_id}-{self.rank}-{self._updates}")
-        return self._ipc
+        ipc: IpcBuffer = self.backend.alloc_ipc(nbytes, self.device_index, f"{self.run_id}-{self.rank}-{self._updates}")
+        self._ipc = ipc
+        return ipc
 
     def try_ipc(self, buffer_bytes: int) -> tuple[IpcBuffer | None, str | None]:
         """The IPC buffer, or why it could not be allocated: told to every rank at the handshake's

@@ -12,6 +12,7 @@ stays usable.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 from ckpt_core import errors
 from ckpt_core.checkpoint.safetensors import WIRE_DTYPES
@@ -46,7 +47,7 @@ def req_precheck(req_func) -> Problem | None:
     return None
 
 
-def raise_agreed(problems: list[Problem | None], what: str, kinds: dict[str, type] | None = None) -> None:
+def raise_agreed(problems: list[Problem | None], what: str, kinds: Mapping[str, type] | None = None) -> None:
     """Raise, on every rank alike, the problems the ranks reported in one exchange (none: return).
 
     The error class is the lowest failing rank's (one of ``ckpt_core.errors``, or of ``kinds``: a
@@ -117,7 +118,9 @@ def _meta(m: dict) -> TensorMeta:
     keys = ("name", "dtype", "shape", "nbytes", "itemsize", "base", "base_offset")
     if set(m) - {"box"} != set(keys):
         raise ValueError(f"tensor entry {m!r} needs exactly the fields {list(keys)} (and 'box' for a piece)")
-    return tensor_meta(*(m[k] for k in keys), m.get("box"), where=f"tensor entry {m.get('name')!r}")
+    name, dtype, shape, nbytes, itemsize, base, offset = (m[k] for k in keys)
+    return tensor_meta(name, dtype, shape, nbytes, itemsize, base, offset, m.get("box"),
+                       where=f"tensor entry {name!r}")
 
 
 def check_count(v, what: str, lo: int = 0) -> int:

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import logging
 import pickle
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import zmq
@@ -88,7 +88,7 @@ def wire_handles(wire: str, update_id: str, device_keys: list[str]) -> list[tupl
     return [(k, f"ipc://@checkpoint-engine-{k}-{update_id}.sock") for k in device_keys]
 
 
-def open_link(wire: str, ctx: zmq.Context, handle: str, update_id: str, *, buckets: list[Bucket],
+def open_link(wire: str, ctx: zmq.Context, handle: str, update_id: str, *, buckets: Sequence[Bucket],
               slot_bytes: int, ipc: IpcBuffer | None, device_kind: str, **link_kw) -> PsLink:
     """The PS end of one update's socket for ``wire`` (``link_kw``: ``PsLink``'s keywords)."""
     if wire == "native":
@@ -182,7 +182,7 @@ class StockLink(PsLink):
     SOCKET_TYPE = zmq.REQ
     MAX_FRAME_BYTES = MAX_REPLY_BYTES
 
-    def __init__(self, ctx: zmq.Context, handle: str, update_id: str, *, finals: int, buckets: list[Bucket],
+    def __init__(self, ctx: zmq.Context, handle: str, update_id: str, *, finals: int, buckets: Sequence[Bucket],
                  slot_bytes: int, hello, **link_kw):
         super().__init__(ctx, handle, update_id, **link_kw)
         self.finals, self.buckets, self.slot_bytes = finals, buckets, slot_bytes

@@ -137,12 +137,13 @@ def test_a_third_party_engines_own_options_reach_its_client_and_others_are_refus
     pytest.importorskip("fastapi")
     from ckpt_core.service._models import UpdateRequest
     from ckpt_core.service._policy import ServicePolicy
-    from ckpt_core.service._update import _req_func
+    from ckpt_core.service._update import _engine_request
 
     engines.register_engine("fake", FakeEngine)
     url = "http://127.0.0.1:9/load"
     body = UpdateRequest(engine="fake", update_url=url, options={"speed": 3})
-    req_func, client = _req_func(body, 1, "native", ServicePolicy())
+    req_func = _engine_request(body, 1, "native", ServicePolicy())
+    client = req_func.engine
     seen = []
     client.update = lambda handles, **options: seen.append((handles, options))
     assert req_func([("dev0", "ipc://h0")]) is None and seen == [([("dev0", "ipc://h0")], {"speed": 3})]

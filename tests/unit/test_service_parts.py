@@ -152,7 +152,7 @@ def test_a_delta_request_reaches_the_ps_and_tells_the_vllm_workers_its_version()
 
     from ckpt_core.service._models import RegisterRequest, UpdateRequest
     from ckpt_core.service._policy import ServicePolicy
-    from ckpt_core.service._update import _req_func
+    from ckpt_core.service._update import _engine_request
 
     assert RegisterRequest(files=["/x.safetensors"], base="step-7").base == "step-7"
     with pytest.raises(ValidationError, match="base"):
@@ -162,13 +162,13 @@ def test_a_delta_request_reaches_the_ps_and_tells_the_vllm_workers_its_version()
     for body, want in ((UpdateRequest(update_url=url, delta=True), {"deltas": True, "version": "step-8"}),
                        (UpdateRequest(update_url=url, deltas=True), {"deltas": True, "version": "step-8"}),
                        (UpdateRequest(update_url=url), {})):
-        req_func, client = _req_func(body, 1, "native", ServicePolicy(), "step-8")
+        request = _engine_request(body, 1, "native", ServicePolicy(), "step-8")
         seen = []
-        client.update = lambda handles, **options: seen.append(options)
-        req_func([("dev0", "ipc://h0")])
+        request.engine.update = lambda handles, **options: seen.append(options)
+        request([("dev0", "ipc://h0")])
         assert seen == [want]
     with pytest.raises(ConfigError, match="staged updates do not take deltas"):
-        _req_func(UpdateRequest(update_url=url, delta=True, stage="v8"), 1, "native", ServicePolicy(), "v8")
+        _engine_request(UpdateRequest(update_url=url, delta=True, stage="v8"), 1, "native", ServicePolicy(), "v8")
 
 
 def test_the_vllm_client_refuses_deltas_without_a_version_before_posting():

@@ -23,9 +23,8 @@ from harness import free_port
 def _rank(rank: int, port: int, out) -> None:
     import torch.distributed as dist
 
-    from ckpt_core.wire.staging import StagingArea
     from ckpt_sglang._agree import TpGroup
-    from ckpt_sglang.staging import EngineStaging
+    from ckpt_sglang.staging import EngineStaging, SglangStagingArea
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     group, engine = TpGroup(rank, 2, dist.group.WORLD), EngineStaging()
@@ -42,7 +41,7 @@ def _rank(rank: int, port: int, out) -> None:
     #    rank 0 keeps what it staged
     stop = threading.Event()
     if rank == 0:
-        engine.area = StagingArea("v4", torch.device("cpu"))
+        engine.area = SglangStagingArea("v4", torch.device("cpu"))
         engine.area.sealed = True
     else:
         receiver = threading.Thread(target=stop.wait, daemon=True)

@@ -62,14 +62,14 @@ def _next_stage(arg: dict, tp_rank: int):
     ``slow_s`` longer per bucket (a big checkpoint's transfer, which outlasts the pause that opens
     the stage; the tiny one here would not)."""
     import ckpt_sglang.staging as staging
-    real = staging.StagingArea
+    real = staging.SglangStagingArea
     if arg["rank"] not in (-1, tp_rank):
         return None
     fail_after, slow_s, fail_seal = arg["fail_after"], arg["slow_s"], arg["fail_seal"]
 
     class TestArea(real):
         def add(self, weights):
-            staging.StagingArea = real   # one stage only
+            staging.SglangStagingArea = real   # one stage only
             if 0 <= fail_after <= len(self.buckets):
                 raise RuntimeError(f"injected failure after {fail_after} staged bucket(s)")
             time.sleep(slow_s)
@@ -85,5 +85,5 @@ def _next_stage(arg: dict, tp_rank: int):
                 raise RuntimeError(f"injected failure on TP rank {tp_rank} as the stage was sealed")
             self.__dict__["_sealed"] = value
 
-    staging.StagingArea = TestArea
+    staging.SglangStagingArea = TestArea
     return arg
