@@ -245,20 +245,33 @@ class CkptTrainerWeightTransferEngine(_EngineBase):
         label = f"{self.info.version_prefix}-p2p" if self.info.p2p_services is not None else version
         name = f"{label}@{mine.layout if mine is not None else 'unreadable'}"
         self._register(name, None if mine is None else mine.tensors, local)
+        failed = True
         try:
             _check_covered(self.ps.tensor_specs(name), mine.expected)
             if self.info.p2p_services is not None:
                 self.last_result = self._pulled(name, version)
-                return self.last_result
-            plan = self._share_plan(name) if self.info.slices else None
-            self.last_result = self._update(name, version, plan, commit)
-            self._staged = None if commit or not self.info.stage else version
+            else:
+                plan = self._share_plan(name) if self.info.slices else None
+                self.last_result = self._update(name, version, plan, commit)
+                self._staged = None if commit or not self.info.stage else version
+            failed = False
         finally:
-            if name in self.ps.checkpoints():
-                self.ps.unregister_checkpoint(name)
+            self._drop(name, failed)
         log.info("trainer rank %d: weight version %s sent (%.3f s)", self.ps.rank, version,
                  self.last_result["seconds"]["total"])
         return self.last_result
+
+    def _drop(self, name: str, failed: bool) -> None:
+        """Unregister the round's checkpoint. After a failed round a failure here (a PS whose groups broke
+        with the round) is logged only: the round's own error is the one every rank raises."""
+        try:
+            if name in self.ps.checkpoints():
+                self.ps.unregister_checkpoint(name)
+        except CkptError as exc:
+            if not failed:
+                raise
+            log.warning("trainer rank %d: after the failed round, %s could not be unregistered: %s", self.ps.rank,
+                        name, exc)
 
     def _pulled(self, name: str, version: str) -> dict:
         """A P2P round: the sender has the engine's PS world pull ``name``; every rank gets the outcome."""
@@ -272,8 +285,7 @@ class CkptTrainerWeightTransferEngine(_EngineBase):
                     http.set_weight_version(version)
                 return result
         result = agree_outcome(self.ps, run)
-        log.info("trainer rank %d: weight version %s pulled by the engine's PS world (%.3f s)", self.ps.rank,
-                 version, float(result.get("seconds", {}).get("pull", 0.0)))
+        result.setdefault("seconds", {}).setdefault("total", result["seconds"].get("pull", 0.0))
         return result
 
     def _update(self, name: str, version: str, plan, commit: bool) -> dict:

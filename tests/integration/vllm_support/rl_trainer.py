@@ -189,10 +189,13 @@ def main(argv: list[str] | None = None) -> None:
         elif phase == "kill-owner":
             steps += 1
             train_step(model, optimizer, steps, args.seed, model.config.vocab_size)
-            kill_owner(engine, rank, args.kill_wait)
-            line = {"phase": phase, **failing_round(engine, engine.client, rank)}
+            file = args.out / f"step-{steps}.safetensors"
             if rank == 0:
-                line["digests"] = inspect.collective_rpc("ckpt_state_digests")
+                save_file({n: p.detach().clone().contiguous() for n, p in model.named_parameters()}, str(file))
+            kill_owner(engine, rank, args.kill_wait)
+            line = {"phase": phase, "step": steps, **failing_round(engine, engine.client, rank)}
+            if rank == 0:
+                line.update(file=str(file), digests=inspect.collective_rpc("ckpt_state_digests"))
                 print(json.dumps(line), flush=True)
             print(f"rank {rank}: {phase}: {line.get('error')} in {line['seconds']:.2f} s", file=sys.stderr, flush=True)
             engine.shutdown()   # the world lost rank 1: no more rounds, no group teardown (it would wait for it)
