@@ -247,7 +247,7 @@ class CkptTrainerWeightTransferEngine(_EngineBase):
         self._register(name, None if mine is None else mine.tensors, local)
         failed = True
         try:
-            _check_covered(self.ps.tensor_specs(name), mine.expected)
+            _check_covered(self.ps.tensor_specs(name), None if mine is None else mine.expected)
             if self.info.p2p_services is not None:
                 self.last_result = self._pulled(name, version)
             else:
