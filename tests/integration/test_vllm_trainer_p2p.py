@@ -127,7 +127,8 @@ def test_trainer_ranks_on_another_host_are_pulled_by_the_engines_ps_world_and_ea
     # A new trainer world (one rank, other weights) into the same engine and PS world: the next round works.
     again, _ = run_trainers(vllm_python, tiny_model, server, services, token, shim, tmp_path / "b", ["send"],
                             ranks=1, seed=tiny_model.seed + 1)
-    steps.append(again[0])
+    renamed = Path(again[0]["file"]).rename(tmp_path / "b" / "world-b-step-1.safetensors")   # the cold load's
+    steps.append({**again[0], "file": str(renamed)})   # folders are named by file stem: a/step-1 is taken
     files = [Path(s["file"]) for s in steps]
     cold = cold_load(vllm_python, tiny_model.dir, [*files, Path(killed["file"])])["digests"]
     tiny_model.references(*files)
