@@ -10,7 +10,9 @@ pulls the bytes from their host memory. After every step every parameter, buffer
 tensor of the engine equals a cold load of the trainer's weights, and greedy output equals Hugging
 Face's. Then trainer rank 1 is SIGKILLed after publishing its metas, before the engine's PS world read
 from it: the sender gets the engine side's typed error within the round's timeout, every tensor of the
-engine is the last step's or the failed round's (no bucket that was not read is loaded), and a new trainer world's round into the same engine (and PS world) works.
+engine is the last step's or the failed round's (no bucket that was not read is loaded), and a new
+trainer world's round into the same engine (and PS world) works. A second test feeds a TP 2 engine,
+whose PS world of two ranks pulls each round (both are targets).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from vllm_support.fixtures import launch_server, ready, tiny_model, vllm_python  # noqa: F401
-from vllm_support.parity import ALLOWED_TO_DIFFER, cold_load, differences
+from vllm_support.parity import ALLOWED_TO_DIFFER, cold_load, differences, tp_server_args
 from vllm_support.server import REPO, free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1200)]
@@ -47,23 +49,32 @@ def mooncake_shim(out: Path) -> str:
     return str(out)
 
 
-@pytest.fixture(scope="module")
-def engine(vllm_python, tiny_model, tmp_path_factory):
-    """The server with its managed PS rank serving on TCP: (server, services, token, shim)."""
-    where = tmp_path_factory.mktemp("p2p-engine")
+def start_engine(python: str, model, where: Path, tp: int = 1):
+    """A server (TP ``tp``) whose managed PS ranks serve on TCP: (server, services, token, shim)."""
     shim = mooncake_shim(where / "shim")
     token, port = secrets.token_hex(16), free_port()
+    extra = tp_server_args(tp)
     env = {"CKPT_ENGINE_SERVE": f"tcp:127.0.0.1:{port},log={where}/ps-{{rank}}.log",
            "CKPT_ENGINE_SERVE_MASTER": f"127.0.0.1:{free_port()}", "CKPT_SERVICE_TOKEN": token,
-           "PYTHONPATH": shim}
-    server = launch_server(vllm_python, tiny_model, where, extension=True, backend="ckpt", env=env)
+           "PYTHONPATH": shim, **extra.pop("env", {})}
+    server = launch_server(python, model, where, extension=True, backend="ckpt", env=env, **extra)
     try:
         ready(server)
-        services = [f"http://127.0.0.1:{port}"]
+        services = [f"http://127.0.0.1:{port + r}" for r in range(tp)]   # local rank i on PORT + i
         _wait_healthy(services, token, where / "ps-0.log")
-        yield server, services, token, shim
-    finally:
+    except BaseException:
         server.stop()
+        raise
+    return server, services, token, shim
+
+
+@pytest.fixture(scope="module")
+def engine(vllm_python, tiny_model, tmp_path_factory):
+    server = start_engine(vllm_python, tiny_model, tmp_path_factory.mktemp("p2p-engine"))
+    try:
+        yield server
+    finally:
+        server[0].stop()
 
 
 def _wait_healthy(services: list[str], token: str, log: Path, timeout: float = 120.0) -> None:
@@ -146,6 +157,29 @@ def test_trainer_ranks_on_another_host_are_pulled_by_the_engines_ps_world_and_ea
         assert step["result"]["bytes"] == file.stat().st_size - _header_bytes(file)
     assert len({json.dumps(s["digests"], sort_keys=True) for s in steps}) == 4, "each step changed the weights"
     print("send_weights seconds per step:", [round(s["seconds"], 3) for s in steps])
+
+
+def test_one_trainer_rank_feeds_a_tp2_engine_whose_two_ps_ranks_pull_and_each_step_equals_a_tp2_cold_load(
+        tiny_model, vllm_python, tmp_path):
+    # The engine's PS world has two ranks (one per worker), both targets of the P2P update: one reads each
+    # bucket from the trainer's store, both broadcast it to their workers.
+    server, services, token, shim = start_engine(vllm_python, tiny_model, tmp_path / "engine", tp=2)
+    try:
+        steps, _ = run_trainers(vllm_python, tiny_model, server, services, token, shim, tmp_path / "a",
+                                ["send", "send"], ranks=1, seed=tiny_model.seed + 2)
+        files = [Path(s["file"]) for s in steps]
+        cold = cold_load(vllm_python, tiny_model.dir, files, 2)["digests"]
+        tiny_model.references(*files)
+        for step, file in zip(steps, files):
+            differ = differences(step["digests"], cold[str(file)])
+            assert len(step["digests"]) == 2 and not differ, \
+                f"after {file.name}, {len(differ)} tensor(s) differ from a TP 2 cold load:\n" + "\n".join(differ[:40])
+            assert step["tokens"] == tiny_model.reference(file), f"greedy output after {file} differs from HF"
+        assert steps[0]["digests"] != steps[1]["digests"]
+        status = [_get(s, token, "/v1/status") for s in services]
+        assert [(st["rank"], st["world_size"]) for st in status] == [(0, 2), (1, 2)], status
+    finally:
+        server.stop()
 
 
 def _get(service: str, token: str, path: str) -> dict:
