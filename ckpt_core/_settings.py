@@ -48,8 +48,9 @@ ENV_VARS: dict[str, tuple[str, str, str]] = {
     "CKPT_TEST_DELTA_DROP_ONE": ("bool", "0", "tests only: an engine worker applying a delta drops one changed "
                                  "element (the mutation check: the post-apply digest check must fail the update)"),
     "CKPT_SERVICE_TOKEN": ("str", "", "bearer token of `ckpt-engine serve` on TCP (else `--token-file`)"),
-    "CKPT_ENGINE_SERVE": ("str", "", "managed mode: `uds:PATH` (`{rank}` filled in); each engine worker starts "
-                          "its PS rank serving there (docs/operations.md)"),
+    "CKPT_ENGINE_SERVE": ("str", "", "managed mode: `uds:PATH` (`{rank}` filled in) or `tcp:HOST:PORT` (local "
+                          "rank i on PORT+i; needs CKPT_SERVICE_TOKEN); each engine worker starts its PS rank "
+                          "serving there (docs/operations.md)"),
     "CKPT_PROGRESS_LOG_S": ("float", "10", "`ckpt-engine serve` with stderr not a terminal: log a progress line "
                             "of a running register/update this often, seconds (0: only the start and end lines)"),
     "CKPT_HEARTBEAT_S": ("float", "1", "`ckpt-engine serve`: each rank's service beats in the rendezvous store "

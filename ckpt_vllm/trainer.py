@@ -29,6 +29,13 @@ with the weight version, and a prefix-cache reset. A failure anywhere, the sende
 included, reaches every rank as the same typed error (``ckpt_core.errors``) within
 ``timeout_s``; the PS world stays usable and the next round starts clean.
 
+Trainer ranks whose devices are not the engine's (another host, or other devices of the engine's
+host): ``p2p_services`` names the services of the PS ranks the engine's workers started themselves
+(managed mode, ``CKPT_ENGINE_SERVE``). The trainer ranks then only own the weights
+(``ParameterServer(serve_p2p=True)``, no engine beside them); rank 0 hands their metas to the
+engine's PS world, which pulls them over Mooncake (``update(..., ranks=[...])``) into the engine,
+and the typed outcome reaches every trainer rank (``_trainer_p2p.py``).
+
 Options (``CkptTrainerInitInfo``): ``stage`` (the transfer lands in each worker's staging area
 while the engine keeps generating; one short pause commits it), ``slices`` (each engine worker
 receives only what its loaders read). Both need our worker extension on the server
@@ -51,6 +58,7 @@ from typing import ClassVar
 from ckpt_core import ParameterServer
 from ckpt_core.errors import CheckpointFormatError, CkptError, ClosedError, ConfigError
 
+from ._trainer_p2p import EnginePull, agree_outcome, check_services
 from ._trainer_sender import Sender, endpoint_of, own_http
 from ._trainer_source import round_tensors
 from .plugin import BACKEND_NAME, register_trainer
@@ -94,6 +102,10 @@ class CkptTrainerInitInfo(_InitBase):
     ``replicated``: named plain tensors are the same on every rank (else each rank holds its
     own); ``version_prefix``: round k makes weight version ``f"{version_prefix}-{k}"`` live;
     ``device``/``master_addr``/``master_port``/``max_bucket_gb``: the ParameterServer's.
+    ``p2p_services``: the engine's managed PS services (``CKPT_ENGINE_SERVE``), rank 0 first (Unix socket
+    paths or ``http(s)://host:port``): the trainer ranks are P2P owners and the engine's PS world pulls;
+    ``service_token``: their bearer token (default ``CKPT_SERVICE_TOKEN``); ``p2p_update_url``: the
+    engine's ``/collective_rpc`` as the managed PS reaches it (default: ``engine_url``/``base_url``'s).
     """
 
     backend: ClassVar[str] = BACKEND_NAME
@@ -110,6 +122,9 @@ class CkptTrainerInitInfo(_InitBase):
     master_addr: str | None = None
     master_port: int | None = None
     max_bucket_gb: float | None = None
+    p2p_services: list[str] | str | None = None
+    service_token: str | None = None
+    p2p_update_url: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.rank, int) or self.rank < 0:
@@ -122,6 +137,10 @@ class CkptTrainerInitInfo(_InitBase):
             raise ConfigError(f"commit_pause must be 'keep', 'wait' or 'abort', got {self.commit_pause!r}")
         if not isinstance(self.version_prefix, str) or not self.version_prefix or "@" in self.version_prefix:
             raise ConfigError(f"version_prefix must be a non-empty string without '@', got {self.version_prefix!r}")
+        if self.p2p_services is not None:
+            self.p2p_services = check_services(self.p2p_services)
+            if self.stage or self.slices:
+                raise ConfigError("p2p_services (the engine's PS world pulls) does not take stage or slices yet")
 
 
 _BASE_TAKES_CONFIG = "config" in inspect.signature(_EngineBase.__init__).parameters
@@ -132,7 +151,8 @@ class CkptTrainerWeightTransferEngine(_EngineBase):
 
     init_info_cls = CkptTrainerInitInfo
 
-    def __init__(self, *, client, source, info: CkptTrainerInitInfo, ps: ParameterServer, config=None) -> None:
+    def __init__(self, *, client, source, info: CkptTrainerInitInfo, ps: ParameterServer, config=None,
+                 pull: EnginePull | None = None) -> None:
         # vLLM 0.26's base takes the backend's config first; 0.28's takes none
         base = {"config": config} if _BASE_TAKES_CONFIG else {}
         super().__init__(client=client, source=source, is_sender=info.is_sender, **base)
@@ -142,6 +162,7 @@ class CkptTrainerWeightTransferEngine(_EngineBase):
         self._plan = None                  # the slice plan of the last round (reused while the engine holds it)
         self._staged: str | None = None    # the version stage_weights left for commit_weights
         self._sender = Sender(info) if info.is_sender else None
+        self._pull = pull   # p2p_services, on the sender: the engine's PS world pulls (None otherwise)
         self._closed = False
 
     @classmethod
@@ -160,14 +181,29 @@ class CkptTrainerWeightTransferEngine(_EngineBase):
                 and own_http(client) is None):
             raise ConfigError("stage and slices need the server's HTTP address: set engine_url (or use a client "
                               "with a base_url, like vLLM's HTTPVLLMWeightSyncClient)")
+        p2p = init_info.p2p_services is not None
+        update_url = _p2p_update_url(init_info, client) if p2p else None
         import torch.distributed as dist
 
         joined = dist.is_available() and dist.is_initialized()
         world = init_info.world_size or (dist.get_world_size() if joined else 1)
+        # P2P: owners only (no engine beside them): the engine's PS world reads their host memory
         ps = ParameterServer(rank=init_info.rank, world_size=world, device=init_info.device, auto_pg=not joined,
                              master_addr=init_info.master_addr, master_port=init_info.master_port,
-                             max_bucket_gb=init_info.max_bucket_gb)
-        return cls(client=client, source=source, info=init_info, ps=ps, config=config)
+                             max_bucket_gb=init_info.max_bucket_gb, serve_p2p=True if p2p else None)
+        pull = None
+        try:
+            if p2p and init_info.is_sender:
+                from ckpt_core._settings import service_token
+
+                pull = EnginePull(list(init_info.p2p_services or ()), str(update_url),
+                                  token=init_info.service_token or service_token(), timeout_s=init_info.timeout_s)
+            return cls(client=client, source=source, info=init_info, ps=ps, config=config, pull=pull)
+        except BaseException:
+            if pull is not None:
+                pull.close()
+            ps.close()
+            raise
 
     def send_weights(self, weights=None) -> dict:
         """One round on every trainer rank: the engine then serves exactly ``weights`` (default:
@@ -205,19 +241,52 @@ class CkptTrainerWeightTransferEngine(_EngineBase):
         except Exception as exc:   # noqa: BLE001 - raised by _register, once every rank learnt of it
             mine, local = None, exc
         # gather_metas agrees on the name: on the ranks' layouts too (an unreadable source: nobody's)
-        name = f"{version}@{mine.layout if mine is not None else 'unreadable'}"
+        # (P2P: one name per layout, so the engine's PS world replaces the metas it loaded last round)
+        label = f"{self.info.version_prefix}-p2p" if self.info.p2p_services is not None else version
+        name = f"{label}@{mine.layout if mine is not None else 'unreadable'}"
         self._register(name, None if mine is None else mine.tensors, local)
+        failed = True
         try:
-            _check_covered(self.ps.tensor_specs(name), mine.expected)
-            plan = self._share_plan(name) if self.info.slices else None
-            self.last_result = self._update(name, version, plan, commit)
-            self._staged = None if commit or not self.info.stage else version
+            _check_covered(self.ps.tensor_specs(name), None if mine is None else mine.expected)
+            if self.info.p2p_services is not None:
+                self.last_result = self._pulled(name, version)
+            else:
+                plan = self._share_plan(name) if self.info.slices else None
+                self.last_result = self._update(name, version, plan, commit)
+                self._staged = None if commit or not self.info.stage else version
+            failed = False
         finally:
-            if name in self.ps.checkpoints():
-                self.ps.unregister_checkpoint(name)
+            self._drop(name, failed)
         log.info("trainer rank %d: weight version %s sent (%.3f s)", self.ps.rank, version,
                  self.last_result["seconds"]["total"])
         return self.last_result
+
+    def _drop(self, name: str, failed: bool) -> None:
+        """Unregister the round's checkpoint. After a failed round a failure here (a PS whose groups broke
+        with the round) is logged only: the round's own error is the one every rank raises."""
+        try:
+            if name in self.ps.checkpoints():
+                self.ps.unregister_checkpoint(name)
+        except CkptError as exc:
+            if not failed:
+                raise
+            log.warning("trainer rank %d: after the failed round, %s could not be unregistered: %s", self.ps.rank,
+                        name, exc)
+
+    def _pulled(self, name: str, version: str) -> dict:
+        """A P2P round: the sender has the engine's PS world pull ``name``; every rank gets the outcome."""
+        pull, sender, client = self._pull, self._sender, self.client
+        run = None
+        if pull is not None and sender is not None:
+            def run() -> dict:
+                result = pull.pull(self.ps.get_metas(), name)
+                http = sender.http(client)
+                if http is not None:   # vLLM's own weight version (a server without the route: skipped)
+                    http.set_weight_version(version)
+                return result
+        result = agree_outcome(self.ps, run)
+        result.setdefault("seconds", {}).setdefault("total", result["seconds"].get("pull", 0.0))
+        return result
 
     def _update(self, name: str, version: str, plan, commit: bool) -> dict:
         """The PS update; inside it (in a thread of the PS) the sender posts vLLM's routes."""
@@ -273,8 +342,21 @@ class CkptTrainerWeightTransferEngine(_EngineBase):
         try:
             if self._sender is not None:
                 self._sender.close()
+            if self._pull is not None:
+                self._pull.close()
         finally:
             self.ps.close()
+
+
+def _p2p_update_url(info: CkptTrainerInitInfo, client) -> str:
+    """The engine's ``/collective_rpc`` that the managed PS rank 0 posts the handles to."""
+    if info.p2p_update_url:
+        return info.p2p_update_url
+    base = endpoint_of(info, client)
+    if not base:
+        raise ConfigError("p2p_services needs the engine's URL as its managed PS reaches it: set p2p_update_url "
+                          "(e.g. http://127.0.0.1:8000/collective_rpc), engine_url, or use a client with a base_url")
+    return base.rstrip("/") + "/collective_rpc"
 
 
 def _check_covered(specs: dict, expected: list[str] | None) -> None:

@@ -58,36 +58,56 @@ def watch_parent(parent_pid: int, on_gone=lambda: os.kill(os.getpid(), signal.SI
     return t
 
 
-SPEC_OPTIONS = ("allow-dir", "engine-url", "engine-uds")   # ckpt-engine serve's allow-list flags
+SPEC_OPTIONS = ("allow-dir", "engine-url", "engine-uds")   # ckpt-engine serve's allow-lists (repeatable)
+LOG_OPTION = "log"   # log=PATH: where the PS logs ({rank} filled in); default PATH.log of a uds, none for tcp
 
 
 def parse_serve_spec(spec: str) -> str:
-    """``uds:PATH[,OPTION=VALUE...]`` (PATH may hold ``{rank}``) -> PATH; anything else is a ``ConfigError``."""
+    """``uds:PATH[,OPTION=VALUE...]`` (PATH may hold ``{rank}``) -> PATH; ``tcp:HOST:PORT[,...]`` ->
+    ``HOST:PORT``; anything else is a ``ConfigError``."""
     return _parse_spec(spec)[0]
 
 
 def _parse_spec(spec: str) -> tuple[str, list[str]]:
-    """(PATH, extra ``serve`` arguments): options are the allow-lists of ``ckpt-engine serve``
-    (``allow-dir=DIR``, ``engine-url=URL``, ``engine-uds=PATH``, each repeatable), comma-separated."""
+    """(where, ``serve`` arguments). ``uds:PATH``: a Unix socket (``--uds``); ``tcp:HOST:PORT``: TCP on HOST,
+    local rank i on PORT + i (``--host``/``--port``; the service then needs a bearer token,
+    ``CKPT_SERVICE_TOKEN`` in the engine's environment, which its PS ranks inherit). Options are the
+    allow-lists of ``ckpt-engine serve`` (``allow-dir=DIR``, ``engine-url=URL``, ``engine-uds=PATH``, each
+    repeatable), comma-separated."""
     head, *options = spec.split(",")
-    kind, sep, path = head.partition(":")
-    if kind != "uds" or not sep or not path:
+    kind, sep, where = head.partition(":")
+    host, colon, port = where.rpartition(":")
+    if kind == "uds" and sep and where:
+        args = ["--uds", where]
+    elif kind == "tcp" and colon and host and port.isdigit() and 0 < int(port) < 65536:
+        args = ["--host", host.strip("[]"), "--port", port]
+    else:
         raise ConfigError(f"managed serving spec must be 'uds:PATH[,allow-dir=DIR,...]' "
-                          f"(e.g. uds:/run/ckpt/ps-{{rank}}.sock,allow-dir=/ckpt), got {spec!r}")
-    extra = []
+                          f"(e.g. uds:/run/ckpt/ps-{{rank}}.sock,allow-dir=/ckpt) or 'tcp:HOST:PORT[,...]' (a bearer "
+                          f"token in CKPT_SERVICE_TOKEN), got {spec!r}")
     for opt in options:
         key, sep, value = opt.partition("=")
+        if key == LOG_OPTION and value:
+            continue   # read by log_path_of
         if key not in SPEC_OPTIONS or not sep or not value:
             raise ConfigError(f"managed serving spec option {opt!r} is not one of "
-                              f"{', '.join(k + '=...' for k in SPEC_OPTIONS)}")
-        extra += [f"--{key}", value]
-    return path, extra
+                              f"{', '.join(k + '=...' for k in (*SPEC_OPTIONS, LOG_OPTION))}")
+        args += [f"--{key}", value]
+    return where, args
+
+
+def log_path_of(spec: str, rank: int, local_rank: int) -> str | None:
+    """Where the PS of ``spec`` logs: its ``log=PATH`` option, else ``PATH.log`` of a Unix socket, else none."""
+    where, args = _parse_spec(spec)
+    given = [v for k, _, v in (o.partition("=") for o in spec.split(",")[1:]) if k == LOG_OPTION]
+    path = given[-1] if given else (where + ".log" if args[0] == "--uds" else None)
+    return None if path is None else path.format(rank=rank, local_rank=local_rank)
 
 
 class ManagedParameterServer:
     """A PS process started by :func:`start_managed`; ``stop()`` is idempotent."""
 
-    def __init__(self, pid: int, uds: str, rank: int, log_path: str | None):
+    def __init__(self, pid: int, uds: str | None, rank: int, log_path: str | None):
         self.pid, self.uds, self.rank, self.log_path = pid, uds, rank, log_path
         self._born = _start_time(pid)
         self._log = rank_logger(f"managed ps rank {rank}")
@@ -114,7 +134,7 @@ class ManagedParameterServer:
             if self.alive() and sig == signal.SIGTERM:
                 self._log.warning("phase=stop pid %d ignored SIGTERM for %.0f s: SIGKILL", self.pid, timeout)
                 clean = False
-        if not clean and os.path.lexists(self.uds):
+        if not clean and self.uds is not None and os.path.lexists(self.uds):
             os.unlink(self.uds)   # a killed service could not remove it
         return clean
 
@@ -122,20 +142,24 @@ class ManagedParameterServer:
 def start_managed(spec: str, *, rank: int, world_size: int, local_rank: int, device: str,
                   master_addr: str = "127.0.0.1", master_port: int = 29555, extra_args: list[str] | tuple = (),
                   log_path: str | None = None) -> ManagedParameterServer:
-    """Start this worker's PS rank serving on the socket of ``spec`` (``uds:PATH[,allow-dir=DIR,...]``:
-    the options are ``ckpt-engine serve``'s allow-lists); returns at once.
+    """Start this worker's PS rank serving where ``spec`` says (``uds:PATH[,allow-dir=DIR,...]`` or
+    ``tcp:HOST:PORT[,...]``: the options are ``ckpt-engine serve``'s allow-lists); returns at once.
 
     ``rank``/``world_size``: the PS world (one rank per engine worker; every worker of the engine
     starts one; they meet at ``master_addr:master_port``). ``device``: the worker's device kind,
     ``local_rank`` its index. Poll the service's ``/v1/healthz`` for readiness.
     """
-    path, options = _parse_spec(spec)
-    uds = path.format(rank=rank, local_rank=local_rank)
+    where, args = _parse_spec(spec)
+    uds: str | None = None
+    if args[0] == "--uds":
+        args[1] = uds = where.format(rank=rank, local_rank=local_rank)
+    host, _, port = where.rpartition(":")
+    shown = uds if uds is not None else f"{host}:{int(port) + local_rank} (TCP)"   # local rank i: PORT + i
     env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank),
                MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
                PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
-    argv = [sys.executable, "-m", "ckpt_core.cli", "serve", "--device", device, "--uds", uds,
-            "--parent-pid", str(os.getpid()), *options, *extra_args]
+    argv = [sys.executable, "-m", "ckpt_core.cli", "serve", "--device", device,
+            "--parent-pid", str(os.getpid()), *args, *extra_args]
     # The intermediate starts the PS in a new session, prints its pid and exits: the PS is then
     # nobody's descendant here, so a process-tree kill of the engine cannot reach it.
     launcher = ("import json, subprocess, sys\n"
@@ -149,18 +173,18 @@ def start_managed(spec: str, *, rank: int, world_size: int, local_rank: int, dev
     if proc.returncode != 0 or not proc.stdout.strip().isdigit():
         raise ConfigError(f"could not start the managed parameter server: {proc.stderr.strip()[-2000:]}")
     pid = int(proc.stdout.strip())
-    rank_logger(f"managed ps rank {rank}").info("phase=start pid %d serving on %s (world %d, %s:%d)", pid, uds,
+    rank_logger(f"managed ps rank {rank}").info("phase=start pid %d serving on %s (world %d, %s:%d)", pid, shown,
                                                 world_size, device, local_rank)
     return ManagedParameterServer(pid, uds, rank, log_path)
 
 
 def start_from_env(*, rank: int, world_size: int, local_rank: int, device: str) -> ManagedParameterServer | None:
-    """:func:`start_managed` as ``CKPT_ENGINE_SERVE`` asks (None when unset); the PS logs to PATH.log."""
+    """:func:`start_managed` as ``CKPT_ENGINE_SERVE`` asks (None when unset); the PS logs to ``log=PATH``
+    of the spec, else to PATH.log of a Unix socket."""
     from ckpt_core._settings import engine_serve
     asked = engine_serve()
     if asked is None:
         return None
     spec, host, port = asked
-    log = parse_serve_spec(spec).format(rank=rank, local_rank=local_rank) + ".log"
     return start_managed(spec, rank=rank, world_size=world_size, local_rank=local_rank, device=device,
-                         master_addr=host, master_port=port, log_path=log)
+                         master_addr=host, master_port=port, log_path=log_path_of(spec, rank, local_rank))

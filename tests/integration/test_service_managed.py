@@ -19,7 +19,7 @@ from harness import FAULT_DTYPES, free_port, fresh_tensor, process_gone, want_di
 from service_world import ROOT, HttpEngineFront, wait_healthy  # noqa: E402
 from ckpt_core.checkpoint.safetensors import write_file  # noqa: E402
 from ckpt_core.errors import ConfigError  # noqa: E402
-from ckpt_core.engines.managed import parse_serve_spec  # noqa: E402
+from ckpt_core.engines.managed import log_path_of, parse_serve_spec  # noqa: E402
 
 # A stand-in for an engine worker's lifecycle hooks: start the PS child, report its pid, stop it on SIGTERM.
 WORKER = r"""
@@ -55,10 +55,14 @@ def _buffers_of(pid: int) -> list[str]:
     return [n for n in os.listdir("/dev/shm") if n.startswith("ckpt-") and f"-p{pid}n" in n]
 
 
-def test_the_serving_spec_must_be_a_unix_socket():
+def test_the_serving_spec_is_a_unix_socket_or_a_tcp_address():
     assert parse_serve_spec("uds:/run/ps-{rank}.sock") == "/run/ps-{rank}.sock"
-    for bad in ("tcp:0.0.0.0:80", "uds:", "/run/x.sock"):
-        with pytest.raises(ConfigError, match="uds:PATH"):
+    assert parse_serve_spec("tcp:0.0.0.0:19730,allow-dir=/ckpt,log=/var/log/ps-{rank}.log") == "0.0.0.0:19730"
+    assert log_path_of("uds:/run/ps-{rank}.sock", 1, 1) == "/run/ps-1.sock.log"
+    assert log_path_of("tcp:10.0.0.5:19730,log=/var/log/ps-{rank}.log", 3, 3) == "/var/log/ps-3.log"
+    assert log_path_of("tcp:10.0.0.5:19730", 0, 0) is None
+    for bad in ("tcp:0.0.0.0", "tcp:0.0.0.0:http", "tcp::80", "uds:", "/run/x.sock", "uds:/x,color=red"):
+        with pytest.raises(ConfigError, match="uds:PATH|tcp:HOST:PORT|not one of"):
             parse_serve_spec(bad)
 
 

@@ -16,6 +16,13 @@ shut down; one trainer process serves both modes). ``silent``: a send with a cli
 accepts connections and never answers; ``dead``: one whose server is gone (nothing listens). Rank
 0 prints one JSON line per phase: ``{"phase", "file", "digests", "tokens", "seconds", "result"}`` or
 ``{"phase", "error", "message", "seconds"}``; every rank prints the error type it saw.
+
+``--p2p-services JSON`` (a list of the engine's managed PS services): the trainer ranks are P2P
+owners and the engine's PS world pulls (``CkptTrainerInitInfo(p2p_services=...)``; the bearer token
+from ``CKPT_SERVICE_TOKEN``). Its fault phase ``kill-owner`` trains a step and sends it while rank
+1 SIGKILLs itself once it has published its metas (the sender waits ``--kill-wait`` seconds before
+the pull, so that the engine's PS world reads from an owner that is gone); rank 0 then reports its
+error and the engine's digests, and the trainer stops (its world has lost a rank).
 """
 
 from __future__ import annotations
@@ -97,6 +104,22 @@ def failing_round(engine, client, rank: int) -> dict:
         engine.client = real
 
 
+def kill_owner(engine, rank: int, wait_s: float) -> None:
+    """The next round's rank 1 dies by SIGKILL right after it published its metas (at the round's outcome
+    exchange); the sender waits ``wait_s`` before the engine's PS world pulls, so it reads from a dead owner."""
+    import signal
+
+    if rank == 1:
+        engine.ps.all_gather_json = lambda obj: os.kill(os.getpid(), signal.SIGKILL)
+    elif rank == 0:
+        pull = engine._pull.pull
+
+        def late_pull(doc, name):
+            time.sleep(wait_s)
+            return pull(doc, name)
+        engine._pull.pull = late_pull
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, required=True)
@@ -108,6 +131,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--slices", action="store_true", help="CkptTrainerInitInfo(slices=True): each worker its slices")
+    ap.add_argument("--p2p-services", type=json.loads, default=None,
+                    help="JSON list: the engine's managed PS services; the trainer ranks are P2P owners")
+    ap.add_argument("--kill-wait", type=float, default=2.0, help="kill-owner: the sender waits this long first")
     args = ap.parse_args(argv)
 
     import torch
@@ -128,7 +154,8 @@ def main(argv: list[str] | None = None) -> None:
     def trainer_engine(stage: bool, port: int | None = None):
         return WeightTransferTrainerFactory.trainer_init(
             CkptTrainerInitInfo(rank=rank, world_size=world, timeout_s=args.timeout, stage=stage, slices=args.slices,
-                                version_prefix="staged" if stage else "step", master_port=port),
+                                version_prefix="staged" if stage else "step", master_port=port,
+                                p2p_services=args.p2p_services),
             client=HTTPVLLMWeightSyncClient(args.url), source=ModuleSource(model))
 
     engine, staged = trainer_engine(False), False
@@ -159,6 +186,20 @@ def main(argv: list[str] | None = None) -> None:
             sock.close()   # the request still waiting in the sender's thread ends now
         elif phase == "dead":
             line = {"phase": phase, **failing_round(engine, HTTPVLLMWeightSyncClient(dead_url()), rank)}
+        elif phase == "kill-owner":
+            steps += 1
+            train_step(model, optimizer, steps, args.seed, model.config.vocab_size)
+            file = args.out / f"step-{steps}.safetensors"
+            if rank == 0:
+                save_file({n: p.detach().clone().contiguous() for n, p in model.named_parameters()}, str(file))
+            kill_owner(engine, rank, args.kill_wait)
+            line = {"phase": phase, "step": steps, **failing_round(engine, engine.client, rank)}
+            if rank == 0:
+                line.update(file=str(file), digests=inspect.collective_rpc("ckpt_state_digests"))
+                print(json.dumps(line), flush=True)
+            print(f"rank {rank}: {phase}: {line.get('error')} in {line['seconds']:.2f} s", file=sys.stderr, flush=True)
+            engine.shutdown()   # the world lost rank 1: no more rounds, no group teardown (it would wait for it)
+            return
         else:
             raise SystemExit(f"unknown phase {phase!r}")
         print(f"rank {rank}: {phase}: {line.get('error') or 'ok'} in {line['seconds']:.2f} s", file=sys.stderr,
