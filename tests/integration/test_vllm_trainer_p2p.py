@@ -159,6 +159,9 @@ def test_trainer_ranks_on_another_host_are_pulled_by_the_engines_ps_world_and_ea
     print("send_weights seconds per step:", [round(s["seconds"], 3) for s in steps])
 
 
+@pytest.mark.skipif(os.environ.get("CKPT_VLLM_PARITY") != "all",
+                    reason="a second TP 2 server for the suite's time budget: the extended real-vLLM set "
+                           "(CKPT_VLLM_PARITY=all) runs it")
 def test_one_trainer_rank_feeds_a_tp2_engine_whose_two_ps_ranks_pull_and_each_step_equals_a_tp2_cold_load(
         tiny_model, vllm_python, tmp_path):
     # The engine's PS world has two ranks (one per worker), both targets of the P2P update: one reads each
