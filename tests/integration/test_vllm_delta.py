@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ckpt_core import DeltaBaseError, ParameterServer
-from ports import free_port
+from support.ports import free_port
 from vllm_support.fixtures import launch_server, ready, vllm_python  # noqa: F401
 from vllm_support.parity import Case, build_checkpoints, cold_load, differences
 
