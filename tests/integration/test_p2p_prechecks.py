@@ -36,8 +36,8 @@ def world():
 
 def p2p_each(w, per_rank: dict) -> dict:
     """Every rank calls update(..., ranks=...) with its own arguments (name, address, timeout, ranks[, req])."""
-    return w.collect(w.send("call", per_rank={r: ("support.p2p_cases", "p2p_update_as", a) for r, a in per_rank.items()}),
-                     timeout=120)
+    calls = {r: ("support.p2p_cases", "p2p_update_as", a) for r, a in per_rank.items()}
+    return w.collect(w.send("call", per_rank=calls), timeout=120)
 
 
 def assert_refused_at_once(got: dict, error: str, *needles: str) -> None:

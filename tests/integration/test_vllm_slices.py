@@ -257,7 +257,7 @@ def test_trainer_shards_updated_by_the_slice_plan_equal_a_whole_update(shared_se
     whole = _WHOLE.get((server.endpoint, str(w1))) or whole_digests(server, w1, tmp_path)
     push_to(server, w0, "extension", TP, tmp_path)
     with PsWorld("cpu", TP) as world:
-        got = world.all("call", ("support.slices_world", "shards_sliced_update", ("shards", str(w1), server.endpoint, 300)),
+        got = world.all("call", (sw.__name__, "shards_sliced_update", ("shards", str(w1), server.endpoint, 300)),
                         timeout=420)
     assert all(got[r].ok for r in range(TP)), got
     differ = differences(server.client.collective_rpc("ckpt_state_digests"), whole)

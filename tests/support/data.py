@@ -9,8 +9,10 @@ import torch
 
 
 def digest(t: torch.Tensor) -> str:
+    """SHA-256 of the tensor's bytes, with its dtype and shape: equal only for bit-identical tensors."""
     t = t.detach().cpu().contiguous()
-    return hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest() + f"|{t.dtype}|{tuple(t.shape)}"
+    sha = hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+    return f"{sha}|{t.dtype}|{tuple(t.shape)}"
 
 
 FAULT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)

@@ -156,7 +156,8 @@ class EngineFront:
         # slices: (plan digest, engine rank of each worker): worker i loads by that plan as that engine rank,
         # like a vLLM worker of that tensor-parallel rank (it refuses an update routed otherwise)
         self.slices = slices
-        self.listener = Listener(uds, family="AF_UNIX", authkey=AUTH) if uds else Listener(("127.0.0.1", 0), authkey=AUTH)
+        self.listener = (Listener(uds, family="AF_UNIX", authkey=AUTH) if uds
+                         else Listener(("127.0.0.1", 0), authkey=AUTH))
         self.engine_cls = engine_cls
         self.address = self.listener.address
         self.env = dict(env or {})

@@ -18,7 +18,7 @@ SMALL = {"max_bucket_gb": 0.00005}   # ~52 KiB buckets: every update spans many 
 
 def call(world, fn, *args, ranks=None, timeout=120):
     """Run ``fn(ps, rank, *args)`` of this module in the PS processes of ``world``."""
-    return world.all("call", ("support.p2p_cases", fn, args), ranks=ranks, timeout=timeout)
+    return world.all("call", (__name__, fn, args), ranks=ranks, timeout=timeout)
 
 
 def all_ok(got):

@@ -113,10 +113,10 @@ class ServiceWorld:
 
 
 class HttpEngineFront:
-    """The simulated engine workers (``support.engine.EngineFront``) behind ``POST /collective_rpc`` and ``/reset_prefix_cache`` (a
-    real HTTP server, answering like vLLM's), and ``GET /health``. ``reset_route=False``: an engine
-    without ``/reset_prefix_cache`` (404, as FastAPI answers a route it does not have). ``paths``:
-    every request's method and path, in order."""
+    """The simulated engine workers (``support.engine.EngineFront``) behind ``POST /collective_rpc``
+    and ``/reset_prefix_cache`` (a real HTTP server, answering like vLLM's), and ``GET /health``.
+    ``reset_route=False``: an engine without ``/reset_prefix_cache`` (404, as FastAPI answers a
+    route it does not have). ``paths``: every request's method and path, in order."""
 
     def __init__(self, world: int, kind: str = "cpu", *, reset_route: bool = True):
         self.engine = EngineFront(kind, world)

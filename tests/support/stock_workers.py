@@ -61,7 +61,8 @@ def load_stock_worker(folder: str, kind: str = "cpu"):
 
 
 class StockSimEngine(SimEngine):
-    """A simulated engine (``support.engine.SimEngine``) whose update is the stock worker's loop; ``behavior["stock_dir"]`` picks the release."""
+    """A simulated engine (``support.engine.SimEngine``) whose update is the stock worker's loop;
+    ``behavior["stock_dir"]`` picks the release."""
 
     def __init__(self, kind: str, index: int, behavior: dict):
         super().__init__(kind, index, behavior)

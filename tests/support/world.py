@@ -297,7 +297,8 @@ class PsWorld:
     def collect(self, ranks=None, timeout: float = 60) -> dict[int, Outcome]:
         return self._collect(range(self.size) if ranks is None else ranks, timeout)
 
-    def all(self, cmd: str, arg=None, *, ranks=None, per_rank: dict | None = None, timeout: float = 60) -> dict[int, Outcome]:
+    def all(self, cmd: str, arg=None, *, ranks=None, per_rank: dict | None = None,
+            timeout: float = 60) -> dict[int, Outcome]:
         """Run one command on the given ranks (all by default) and wait for their answers."""
         return self.collect(self.send(cmd, arg, ranks=ranks, per_rank=per_rank), timeout)
 
