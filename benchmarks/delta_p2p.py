@@ -31,9 +31,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]   # the tests' worlds and engine
 
 from delta_density import Qwen2Like, bf16_state  # noqa: E402
-from delta_world import DeltaEngine  # noqa: E402
-from harness import EngineFront, PsWorld, want_digests  # noqa: E402
-from p2p_cases import JOINERS, OWNERS  # noqa: E402
+from support.delta_world import DeltaEngine  # noqa: E402
+from support.data import want_digests  # noqa: E402
+from support.engine import EngineFront  # noqa: E402
+from support.world import PsWorld  # noqa: E402
+from support.p2p_cases import JOINERS, OWNERS  # noqa: E402
 
 from ckpt_core.delta.encode import changed_mask  # noqa: E402
 
@@ -88,14 +90,14 @@ def run(args) -> dict:
                 _ok(owners.all("gather", name))
             register_s = time.perf_counter() - t0
             path = str(Path(tmp) / "metas.json")
-            _ok(owners.all("call", ("delta_world", "save_metas", (path,))))
+            _ok(owners.all("call", ("support.delta_world", "save_metas", (path,))))
             _ok(joiners.all("load_metas", path))
             plan = [(names[0], False)] + [(n, True) for n in names[1:]] + [(names[-1], False)]
             for i, (name, mode) in enumerate(plan):
                 k = names.index(name)
                 per = {w: {"version": name} for w in range(WORLD)}
                 t1 = time.perf_counter()
-                got = _ok(joiners.all("call", ("delta_world", "p2p_delta_update",
+                got = _ok(joiners.all("call", ("support.delta_world", "p2p_delta_update",
                                                (name, front.address, 300, list(range(WORLD)), per, mode)), timeout=600))
                 wall = time.perf_counter() - t1
                 want = want_digests(*vs[k].values())

@@ -97,7 +97,7 @@ def _share_rank(rank: int, world: int, port: int, plan_path: str, q) -> None:
 
 
 def share(plan_path: Path, world: int, repeats: int) -> dict:
-    from ports import free_port
+    from support.ports import free_port
 
     ctx = mp.get_context("spawn")
     best: dict[str, float] = {}

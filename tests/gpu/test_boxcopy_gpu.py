@@ -113,7 +113,7 @@ def test_merged_copies_of_a_layer_of_experts_pack_bit_exact_and_their_rates_are_
     pinned in 64 MiB pieces: the merged copies (the gate rows of all experts as one pitched copy with
     a destination pitch, likewise the up rows) put the same bytes in the same places as the unmerged
     ones; times of both, and of the down slices' 80-byte rows alone, printed (not asserted)."""
-    from boxcopy_cases import experts_layer
+    from support.boxcopy_cases import experts_layer
     from ckpt_core.devices.cpu import CpuBackend
     from ckpt_core.planning.boxcopy import merge_copies
 

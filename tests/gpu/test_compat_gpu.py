@@ -12,8 +12,10 @@ import time
 import pytest
 import torch
 
-from harness import EngineFront, FreshCheckpoints, PsWorld, assert_every_rank_failed
-from stock_workers import StockSimEngine, stock_dirs
+from support.asserts import assert_every_rank_failed
+from support.engine import EngineFront
+from support.world import FreshCheckpoints, PsWorld
+from support.stock_workers import StockSimEngine, stock_dirs
 
 pytestmark = pytest.mark.gpu
 

@@ -8,8 +8,8 @@ the dead update, and a new PS world then updates the same engine processes bit-e
 import pytest
 import torch
 
-import ps_fault_cases as ps_faults   # the CPU cases, run here with kind="cuda"
-from harness import EngineFront
+from support import ps_fault_cases as ps_faults  # the CPU cases, run here with kind="cuda"
+from support.engine import EngineFront
 
 pytestmark = pytest.mark.gpu
 

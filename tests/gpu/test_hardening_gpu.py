@@ -5,8 +5,8 @@ group (defect 5). Same cases as the CPU tests (ps_fault_cases), run with kind="c
 import pytest
 import torch
 
-import ps_fault_cases as cases
-from harness import EngineFront
+from support import ps_fault_cases as cases
+from support.engine import EngineFront
 
 pytestmark = pytest.mark.gpu
 
@@ -45,9 +45,9 @@ def test_a_read_only_shm_file_on_cuda_is_copied_into_pinned_memory_and_unlinked_
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     import os
-    from e2e_cases import ShmDir
-    from harness import digest, fresh_tensors
-    from inplace_cases import register_as_unprivileged, write_owned
+    from support.e2e_cases import ShmDir
+    from support.data import digest, fresh_tensors
+    from support.inplace_cases import register_as_unprivileged, write_owned
     shm = ShmDir()
     os.chmod(shm.path, 0o777)   # the unprivileged child deletes files in it
     try:

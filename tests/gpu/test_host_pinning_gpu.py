@@ -64,7 +64,7 @@ def test_registration_on_cuda_reports_pinning_and_copy_progress_in_bytes():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     from ckpt_core import ParameterServer
-    from harness import free_port
+    from support.ports import free_port
     calls = []
     with ParameterServer(0, 1, device="cuda", master_addr="127.0.0.1", master_port=free_port()) as ps:
         ps.progress = lambda *a: calls.append(a)

@@ -28,14 +28,14 @@ def need(n: int) -> None:
 @pytest.mark.parametrize("world", [1, 2])
 def test_p2p_into_every_subset_of_cuda_targets_is_bit_exact(world):
     need(world)
-    import p2p_cases as cases
+    from support import p2p_cases as cases
     cases.case_every_subset("cuda", world)
 
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_a_joiner_world_on_cuda_pulls_through_saved_metas(world, tmp_path):
     need(world)   # world 1: owner and joiner are two processes (two worlds) on the same GPU
-    import p2p_cases as cases
+    from support import p2p_cases as cases
     cases.case_joiner_world("cuda", world, tmp_path)
 
 
@@ -44,9 +44,9 @@ def test_p2p_target_groups_under_nccl_are_freed_by_close_and_abort(mode, monkeyp
     """Issue 14 defect 5's sibling on NCCL: 10 ParameterServers in a trainer's default group, each
     after a P2P update into rank 1's GPU, leave no group, fd or communicator memory behind."""
     need(2)
-    from harness import EngineFront
-    from p2p_cases import OWNERS
-    from ps_fault_cases import assert_census_clean, group_census
+    from support.engine import EngineFront
+    from support.p2p_cases import OWNERS
+    from support.ps_fault_cases import assert_census_clean, group_census
     for key, value in OWNERS.items():
         monkeypatch.setenv(key, value)
     front = EngineFront("cuda", 1, devices=[1])
@@ -74,7 +74,7 @@ def test_the_p2p_benchmark_into_gpu_memory_against_a_plain_mooncake_read(tmp_pat
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = os.path.join(os.environ.get("CKPT_BENCH_OUT", str(tmp_path)), "p2p_gpu.json")
     gib = os.environ.get("CKPT_P2P_BENCH_GIB", "1")
-    from harness import pythonpath
+    from support.procs import pythonpath
     env = {**os.environ, "PYTHONPATH": pythonpath(root), "NCCL_IB_DISABLE": "1", "NCCL_NVLS_ENABLE": "0"}
     cmd = [sys.executable, os.path.join(root, "benchmarks", "p2p_bench.py"), "--device", "cuda",
            "--gib", gib, "--readers", n, "--owners", n, "--repeats", "3", "--out", str(out)]

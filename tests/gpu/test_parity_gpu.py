@@ -4,7 +4,7 @@ own worker process (NCCL broadcast, CUDA IPC buffers, pinned host memory, /dev/s
 import pytest
 import torch
 
-import parity_cases as cases
+from support import parity_cases as cases
 
 pytestmark = pytest.mark.gpu
 

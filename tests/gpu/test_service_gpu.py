@@ -8,8 +8,8 @@ import torch
 
 pytestmark = pytest.mark.gpu
 pytest.importorskip("fastapi")
-from harness import FAULT_DTYPES, fresh_tensor, want_digests  # noqa: E402
-from service_world import HttpEngineFront, ServiceWorld  # noqa: E402
+from support.data import FAULT_DTYPES, fresh_tensor, want_digests  # noqa: E402
+from support.service_world import HttpEngineFront, ServiceWorld  # noqa: E402
 from ckpt_core.checkpoint.safetensors import write_file  # noqa: E402
 
 

@@ -16,8 +16,8 @@ import types
 import pytest
 import torch
 
-from harness import free_port
-from stock_workers import stock_dirs
+from support.ports import free_port
+from support.stock_workers import stock_dirs
 
 pytestmark = pytest.mark.gpu
 

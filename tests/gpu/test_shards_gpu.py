@@ -10,8 +10,8 @@ and ``redistribute`` are patched to raise). Skipped without CUDA (tests/conftest
 import pytest
 import torch
 
-from harness import EngineFront
-from shards_world import run_trainers
+from support.engine import EngineFront
+from support.shards_world import run_trainers
 
 pytestmark = pytest.mark.gpu
 

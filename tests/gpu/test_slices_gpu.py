@@ -5,7 +5,7 @@ then a broadcast in the replica group)."""
 import pytest
 import torch
 
-import slices_world as sw
+from support import slices_world as sw
 
 pytestmark = pytest.mark.gpu
 

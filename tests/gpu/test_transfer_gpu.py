@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-import e2e_cases as cases
+from support import e2e_cases as cases
 
 pytestmark = pytest.mark.gpu
 
@@ -54,7 +54,8 @@ def test_the_ipc_descriptor_is_plain_json_and_close_is_idempotent():
 def test_device_and_host_memory_stay_flat_over_many_updates_and_failures():
     """60 updates with a failing one in the middle: free device memory and PS RSS end where they began."""
     need(2)
-    from harness import EngineFront, run_ps_world
+    from support.engine import EngineFront
+    from support.world import run_ps_world
     gen = torch.Generator().manual_seed(21)
     front = EngineFront("cuda", 2)
     try:

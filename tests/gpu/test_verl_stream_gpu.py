@@ -97,7 +97,7 @@ def test_a_rollout_on_cuda_reads_the_trainers_cuda_weights_bit_exact_through_the
         import mooncake.engine  # noqa: F401
     except ImportError as exc:
         pytest.skip(f"Mooncake's CUDA build (mooncake-transfer-engine-cuda13) is not installed: {exc}")
-    from ports import free_port
+    from support.ports import free_port
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     trainer = ctx.Process(target=_trainer, args=(free_port(), q, 7))

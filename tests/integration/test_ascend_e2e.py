@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-import e2e_cases as cases
+from support import e2e_cases as cases
 from fakes import npu_board
 from fakes.ascend_env import FAKES, board_env, installed  # noqa: F401 - a fixture
 

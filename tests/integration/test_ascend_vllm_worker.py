@@ -13,7 +13,8 @@ from multiprocessing.connection import Listener
 
 import pytest
 
-from harness import AUTH, FreshCheckpoints, PsWorld
+from support.engine import AUTH
+from support.world import FreshCheckpoints, PsWorld
 from fakes.ascend_env import FAKES, ROOT, board_env, installed, run_py
 
 WORKER = r"""

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from readme_code import ROOT, run_quickstart
+from support.readme_code import ROOT, run_quickstart
 
 TORCH = "torch==2.13.0"   # what scripts/_common.sh installs into the project venv
 

@@ -20,8 +20,11 @@ import pytest
 import zmq
 
 from ckpt_core.wire.stock import MAX_REPLY_BYTES
-from harness import AUTH, EngineFront, FreshCheckpoints, PickleBomb, PsWorld, assert_every_rank_failed
-from stock_workers import StockSimEngine, stock_dirs
+from support.asserts import assert_every_rank_failed
+from support.engine import AUTH, EngineFront
+from support.wire import PickleBomb
+from support.world import FreshCheckpoints, PsWorld
+from support.stock_workers import StockSimEngine, stock_dirs
 
 
 def _globals(frame: bytes) -> list[str]:

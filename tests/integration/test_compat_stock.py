@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import pytest
 
-from harness import EngineFront, FreshCheckpoints, PsWorld, assert_every_rank_failed
-from stock_workers import StockSimEngine, stock_params, wire_of
+from support.asserts import assert_every_rank_failed
+from support.engine import EngineFront
+from support.world import FreshCheckpoints, PsWorld
+from support.stock_workers import StockSimEngine, stock_params, wire_of
 
 SMALL_BUCKETS = {"PS_MAX_BUCKET_SIZE_GB": str(40_000 / (1 << 30)), "PS_NUM_SLOTS": "2"}
 

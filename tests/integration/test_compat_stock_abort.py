@@ -19,8 +19,10 @@ import time
 
 import pytest
 
-from harness import EngineFront, FreshCheckpoints, PsWorld, assert_every_rank_failed
-from stock_workers import StockSimEngine, stock_params, wire_of
+from support.asserts import assert_every_rank_failed
+from support.engine import EngineFront
+from support.world import FreshCheckpoints, PsWorld
+from support.stock_workers import StockSimEngine, stock_params, wire_of
 
 SMALL_BUCKETS = {"PS_MAX_BUCKET_SIZE_GB": str(40_000 / (1 << 30)), "PS_NUM_SLOTS": "2"}
 WORKER_RETURN_CEILING_S = 60   # generous: the promise is "returns", not a duration
@@ -65,7 +67,7 @@ def _replace_workers(front: EngineFront, since: int) -> None:
 
 
 def _inject(world: PsWorld, fn: str, *args) -> None:
-    got = world.all("call", ("stock_abort_cases", fn, (*args,)), ranks=[1])
+    got = world.all("call", ("support.stock_abort_cases", fn, (*args,)), ranks=[1])
     assert got[1].ok, got
 
 

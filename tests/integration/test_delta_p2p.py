@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import pytest
 
-from delta_world import DERIVED, DeltaEngine, Trainer
-from harness import EngineFront, PsWorld, want_digests
-from p2p_cases import JOINERS, OWNERS, SMALL
+from support.delta_world import DERIVED, DeltaEngine, Trainer
+from support.data import want_digests
+from support.engine import EngineFront
+from support.world import PsWorld
+from support.p2p_cases import JOINERS, OWNERS, SMALL
 
 pytest.importorskip("mooncake.engine", reason="Mooncake (the p2p extra) is not installed: "
                     "scripts/test.sh installs mooncake-transfer-engine-non-cuda and libibverbs1")
@@ -51,7 +53,7 @@ def _p2p(world, front, name, targets, mode=True, versions=None, behaviors=None, 
     per = {i: {"version": name} for i in range(len(targets))}
     for i, extra in (behaviors or {}).items():
         per[i] = dict(per[i], **extra)
-    return world.all("call", ("delta_world", "p2p_delta_update", (name, front.address, timeout, targets, per, mode)),
+    return world.all("call", ("support.delta_world", "p2p_delta_update", (name, front.address, timeout, targets, per, mode)),
                      timeout=timeout + 90)
 
 
@@ -100,7 +102,7 @@ def test_p2p_deltas_inside_one_world_are_bit_exact_and_read_only_the_payloads():
                 [(status, result)] = front.worker_outcomes(front.fanouts - 1)
                 assert status == "ok" and result["delta"] and result["version"] == name and result["base"] == prev
                 assert result["reloaded"] >= 1 and result["scattered"] >= 1, result   # both apply paths ran
-                held = _ok(world.all("call", ("delta_world", "engines_hold", ())))
+                held = _ok(world.all("call", ("support.delta_world", "engines_hold", ())))
                 assert held[1].value == name and held[0].value is None, held   # rank 0's engine was not updated
                 prev = name
         finally:
@@ -130,7 +132,7 @@ def test_a_rank_without_the_delta_or_ranks_disagreeing_on_its_base_refuse_it_on_
             _register(world, "Y", v["X"], base="B", ranks=[1])
             _refused(_p2p(world, front, "Y", [1]), "DeltaBaseError", "ranks disagree on the base", "rank 0 'A'")
             # one rank passes a bad mode: ConfigError on every rank, in the agreement (nobody waits for it)
-            bad = {r: ("delta_world", "p2p_delta_update", ("B", front.address, 30, [1], {0: {"version": "B"}},
+            bad = {r: ("support.delta_world", "p2p_delta_update", ("B", front.address, 30, [1], {0: {"version": "B"}},
                                                            True if r == 0 else "bogus")) for r in range(WORLD)}
             _refused(world.all("call", per_rank=bad, timeout=120), "ConfigError", "delta must be False, True or")
             assert front.fanouts == fanouts and _engines(front, 1) == before, "an engine was asked or changed"
@@ -147,7 +149,7 @@ def test_a_rank_without_the_delta_or_ranks_disagreeing_on_its_base_refuse_it_on_
 
 
 def _joiners_load(owners, joiners, path):
-    names = _ok(owners.all("call", ("delta_world", "save_metas", (path,))))[0].value
+    names = _ok(owners.all("call", ("support.delta_world", "save_metas", (path,))))[0].value
     _ok(joiners.all("load_metas", path))
     return names
 
@@ -200,7 +202,7 @@ def test_a_joining_world_takes_p2p_deltas_and_refusals_leave_its_engines_on_thei
 
             # a corrupted payload in an owner's host memory: the reader's digest check refuses the bucket before
             # any engine loads it; the engines keep C byte for byte
-            hit = _ok(owners.all("call", ("delta_world", "corrupt_payload", ("D", "r1.down.weight"))))
+            hit = _ok(owners.all("call", ("support.delta_world", "corrupt_payload", ("D", "r1.down.weight"))))
             assert [hit[r].value for r in range(WORLD)] == [False, True]
             _refused(_p2p(joiners, front, "D", targets), "TransportError", "does not match the digest")
             assert _engines(front, WORLD) == [_want(v["C"])] * WORLD

@@ -10,8 +10,10 @@ update works.
 
 import pytest
 
-from delta_world import DERIVED, DeltaEngine, Trainer
-from harness import EngineFront, PsWorld, want_digests
+from support.data import want_digests
+from support.delta_world import DERIVED, DeltaEngine, Trainer
+from support.engine import EngineFront
+from support.world import PsWorld
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -30,7 +32,7 @@ def _register(world, name, tensors, base=None):
 
 
 def _delta(world, front, name, mode=True, behaviors=None, timeout=60):
-    return world.all("call", ("delta_world", "delta_update", (name, front.address, timeout, behaviors, mode)),
+    return world.all("call", ("support.delta_world", "delta_update", (name, front.address, timeout, behaviors, mode)),
                      timeout=timeout + 60)
 
 
@@ -128,7 +130,7 @@ def test_refusals_leave_the_engines_on_their_base(world_and_front):
 
     # a corrupted payload (rank 1's copy of one tensor's delta): refused when its bucket is decoded; the
     # worker that already applied rank 0's bucket undoes it; both keep B byte for byte
-    hit = world.all("call", ("delta_world", "corrupt_payload", ("C", "r1.down.weight")))
+    hit = world.all("call", ("support.delta_world", "corrupt_payload", ("C", "r1.down.weight")))
     assert [hit[r].value for r in range(WORLD)] == [False, True]
     got = _delta(world, front, "C")
     for r, o in got.items():
@@ -163,6 +165,6 @@ def test_a_version_without_a_base_is_refused_as_a_delta_on_every_rank(world_and_
     for r, o in got.items():
         assert not o.ok and o.error == "DeltaBaseError" and "'Z'" in o.message, (r, o)
     _register(world, "B", trainer.version(), base="A")
-    got = world.all("call", ("delta_world", "delta_update_sliced", ("B",)))
+    got = world.all("call", ("support.delta_world", "delta_update_sliced", ("B",)))
     for r, o in got.items():
         assert not o.ok and o.error == "ConfigError" and "whole tensors on our wire" in o.message, (r, o)

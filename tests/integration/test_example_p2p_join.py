@@ -17,7 +17,8 @@ import torch
 
 pytest.importorskip("mooncake.engine", reason="Mooncake (the p2p extra) is not installed: "
                     "scripts/test.sh installs mooncake-transfer-engine-non-cuda and libibverbs1")
-from harness import FAULT_DTYPES, free_port, fresh_tensor  # noqa: E402
+from support.data import FAULT_DTYPES, fresh_tensor  # noqa: E402
+from support.ports import free_port  # noqa: E402
 from ckpt_core.checkpoint.safetensors import write_file  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]

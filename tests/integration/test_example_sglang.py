@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import free_port
+from support.ports import free_port
 from sglang_support.fixtures import ready_engine, write_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -15,8 +15,10 @@ import time
 
 import pytest
 
-from harness import EngineFront, FreshCheckpoints, PsWorld, assert_healthy_workers_aborted, report_case
-from harness import assert_every_rank_failed as harness_assert_failed
+from support.asserts import assert_every_rank_failed as every_rank_failed
+from support.asserts import assert_healthy_workers_aborted, report_case
+from support.engine import EngineFront
+from support.world import FreshCheckpoints, PsWorld
 
 BUCKET_BYTES = 16 << 10          # small buckets: every checkpoint spans several
 TIMEOUT_S = 3.0                  # the update timeout of the failing updates
@@ -55,8 +57,8 @@ def failed_update(ps, front, name, behaviors, *, timeout=TIMEOUT_S, aborts_healt
 
 
 def assert_every_rank_failed(got, error: str, *needles: str) -> str:
-    """harness.assert_every_rank_failed; returns rank 0's message."""
-    return harness_assert_failed(got, error, *needles)[0].message
+    """support.asserts.assert_every_rank_failed; returns rank 0's message."""
+    return every_rank_failed(got, error, *needles)[0].message
 
 
 def assert_retry_delivers(ps, front, ckpts, name, want) -> None:

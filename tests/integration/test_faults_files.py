@@ -20,7 +20,10 @@ import pytest
 import torch
 
 from ckpt_core.checkpoint.safetensors import write_file
-from harness import EngineFront, PsWorld, fresh_tensors, report_case, want_digests
+from support.asserts import report_case
+from support.data import fresh_tensors, want_digests
+from support.engine import EngineFront
+from support.world import PsWorld
 
 MiB = 1 << 20
 

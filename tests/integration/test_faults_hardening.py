@@ -12,7 +12,10 @@ from datetime import timedelta
 import pytest
 import torch
 
-from harness import EngineFront, FreshCheckpoints, PsWorld, assert_every_rank_failed, fresh_tensors, want_digests
+from support.asserts import assert_every_rank_failed
+from support.data import fresh_tensors, want_digests
+from support.engine import EngineFront
+from support.world import FreshCheckpoints, PsWorld
 from ckpt_core.checkpoint.safetensors import write_file
 
 INIT = {"max_bucket_gb": (16 << 10) / (1 << 30)}
@@ -130,7 +133,7 @@ def test_a_rank_that_holds_no_data_updates_with_metas_it_loaded(world):
 
 # -- defect 4: close() and unregister_checkpoint() racing an update ---------------------------------
 def test_unregistering_the_checkpoint_being_updated_is_refused_and_the_update_delivers(world, tmp_path):
-    from ps_fault_cases import act_mid_update
+    from support.ps_fault_cases import act_mid_update
     ps, front, ckpts = world
     name, want = ckpts.new("busy")
     got = act_mid_update(ps, front, name, tmp_path, 1, "unregister")
@@ -144,7 +147,7 @@ def test_unregistering_the_checkpoint_being_updated_is_refused_and_the_update_de
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_close_during_an_update_stops_it_on_every_rank_with_a_typed_error_then_frees(world, tmp_path):
-    from ps_fault_cases import close_a_rank_mid_update
+    from support.ps_fault_cases import close_a_rank_mid_update
     front = EngineFront("cpu", world)
     try:
         close_a_rank_mid_update("cpu", front, tmp_path, world)
@@ -234,5 +237,5 @@ def test_a_named_tensor_of_a_dtype_we_cannot_carry_is_called_unsupported(world):
 # -- defect 5: close()/abort() free the groups the PS created in the caller's default group ------------
 @pytest.mark.parametrize("mode", ["close", "abort"])
 def test_parameter_servers_in_a_trainers_default_group_leave_no_process_groups_or_fds_behind(mode):
-    from ps_fault_cases import assert_census_clean, group_census
+    from support.ps_fault_cases import assert_census_clean, group_census
     assert_census_clean(group_census("cpu", 10, mode))

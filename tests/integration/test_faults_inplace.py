@@ -14,9 +14,9 @@ import os
 import pytest
 import torch
 
-from e2e_cases import ShmDir
-from harness import digest, fresh_tensors
-from inplace_cases import register_as_unprivileged, write_owned
+from support.e2e_cases import ShmDir
+from support.data import digest, fresh_tensors
+from support.inplace_cases import register_as_unprivileged, write_owned
 
 
 @pytest.fixture

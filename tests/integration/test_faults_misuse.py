@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness import EngineFront, FreshCheckpoints, PsWorld, assert_every_rank_failed, report_case
+from support.asserts import assert_every_rank_failed, report_case
+from support.engine import EngineFront
+from support.world import FreshCheckpoints, PsWorld
 
 INIT = {"max_bucket_gb": (16 << 10) / (1 << 30)}
 
@@ -23,7 +25,7 @@ def world():
 
 
 def assert_all(got, error: str, *needles: str) -> float:
-    """harness.assert_every_rank_failed; returns the slowest rank's seconds."""
+    """support.asserts.assert_every_rank_failed; returns the slowest rank's seconds."""
     return max(o.seconds for o in assert_every_rank_failed(got, error, *needles).values())
 
 
@@ -102,7 +104,7 @@ def test_a_req_funcs_precheck_refuses_the_update_on_every_rank_before_any_engine
     ps, front, ckpts = world
     name, _ = ckpts.new("prechecked")
     posted = len(front.requests)
-    got = ps.all("call", ("ps_fault_cases", "update_refused_by_precheck", (name, front.address, 30, refuse_on)))
+    got = ps.all("call", ("support.ps_fault_cases", "update_refused_by_precheck", (name, front.address, 30, refuse_on)))
     dt = assert_all(got, "ConfigError", f"refused on rank(s) [{refuse_on}]", "cannot load the checkpoint in place")
     assert len(front.requests) == posted, "refused before anything moved: no engine was asked"
     report_case("req_func.precheck refuses", "ConfigError naming the rank, every rank, no engine asked", dt)

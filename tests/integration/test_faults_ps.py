@@ -7,9 +7,11 @@ import os
 
 import pytest
 
-from harness import EngineFront, FreshCheckpoints, PsWorld, report_case
-from ps_fault_cases import (ENV, INIT, assert_engines_left_and_a_new_world_delivers, freeze_a_ps_rank_mid_update,
-                            ipc_prefix, kill_a_ps_rank_mid_update)
+from support.asserts import report_case
+from support.engine import EngineFront
+from support.world import FreshCheckpoints, PsWorld
+from support.ps_fault_cases import (ENV, INIT, assert_engines_left_and_a_new_world_delivers,
+                                    freeze_a_ps_rank_mid_update, ipc_prefix, kill_a_ps_rank_mid_update)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,10 @@ import math
 import os
 import time
 
-from harness import EngineFront, FreshCheckpoints, PsWorld, process_footprint, report_case, shm_footprint
+from support.asserts import report_case
+from support.engine import EngineFront
+from support.procs import process_footprint, shm_footprint
+from support.world import FreshCheckpoints, PsWorld
 
 MiB = 1 << 20
 UPDATES = 200

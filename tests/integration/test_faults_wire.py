@@ -22,7 +22,10 @@ import zmq
 
 from ckpt_core.wire import protocol as proto
 from ckpt_core import local_device_key
-from harness import AUTH, EngineFront, FreshCheckpoints, PickleBomb, PsWorld, hello_fields, report_case
+from support.asserts import report_case
+from support.engine import AUTH, EngineFront
+from support.wire import PickleBomb, hello_fields
+from support.world import FreshCheckpoints, PsWorld
 
 SLOT = 4096
 

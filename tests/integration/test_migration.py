@@ -22,13 +22,15 @@ import torch
 import zmq
 
 import ckpt_core
-from harness import digest, free_port, fresh_tensor, pythonpath, want_digests
-from service_world import HttpEngineFront
-from stock_workers import stock_params
+from support.data import digest, fresh_tensor, want_digests
+from support.ports import free_port
+from support.procs import pythonpath
+from support.service_world import HttpEngineFront
+from support.stock_workers import stock_params
 from ckpt_core.checkpoint.safetensors import write_file
 
 ROOT = Path(__file__).resolve().parents[2]
-DRIVER = ROOT / "tests" / "reference_driver.py"
+DRIVER = ROOT / "tests" / "support" / "reference_driver.py"
 P = inspect.Parameter
 
 _SIGNATURES = r"""

@@ -8,9 +8,12 @@ import os
 import pytest
 import torch
 
-import p2p_cases as cases
-from harness import EngineFront, FreshCheckpoints, PsWorld, assert_every_rank_failed, pythonpath
-from p2p_cases import JOINERS, OWNERS, SMALL, all_ok, call, owners_with
+from support import p2p_cases as cases
+from support.asserts import assert_every_rank_failed
+from support.engine import EngineFront
+from support.procs import pythonpath
+from support.world import FreshCheckpoints, PsWorld
+from support.p2p_cases import JOINERS, OWNERS, SMALL, all_ok, call, owners_with
 
 mooncake = pytest.importorskip("mooncake.engine", reason="Mooncake (the p2p extra) is not installed: "
                                "scripts/test.sh installs mooncake-transfer-engine-non-cuda and libibverbs1")
@@ -62,7 +65,7 @@ def joined_after_one_update(tmp_path, joiners_env=JOINERS):
 def test_an_owner_killed_mid_transfer_fails_every_target_naming_it_and_engines_keep_their_weights(tmp_path):
     with joined_after_one_update(tmp_path) as (owners, joiners, front, [(first, want), (second, _)]):
         slow = {i: {"sleep_s": 0.3, "mark_dir": str(tmp_path)} for i in range(2)}
-        joiners.send("call", ("p2p_cases", "p2p_update", (second, front.address, 60, [0, 1], slow)))
+        joiners.send("call", ("support.p2p_cases", "p2p_update", (second, front.address, 60, [0, 1], slow)))
         import time
         t0 = time.monotonic()
         while not os.path.exists(tmp_path / "w0-b1"):
@@ -127,7 +130,7 @@ def test_without_mooncake_broadcast_works_and_p2p_is_a_config_error_naming_the_e
 
 
 def test_twenty_alternating_broadcast_and_p2p_updates_keep_memory_flat():
-    from harness import process_footprint, shm_footprint
+    from support.procs import process_footprint, shm_footprint
     with PsWorld("cpu", 2, init=SMALL, env=OWNERS) as w:
         ck = FreshCheckpoints(w, seed=99, per_rank=8)
         name, want = ck.new()
@@ -222,7 +225,8 @@ def test_the_example_driver_broadcasts_then_p2p_and_a_joiner_world_pulls_through
     import sys
     import threading
     import time
-    from harness import free_port, fresh_tensor, want_digests
+    from support.data import fresh_tensor, want_digests
+    from support.ports import free_port
     from ckpt_core.checkpoint.safetensors import write_file
     from test_topology_example import EXAMPLE, ROOT, _EngineHttp, _UnixHttp
     gen = torch.Generator().manual_seed(7)
@@ -287,7 +291,7 @@ def test_the_example_driver_broadcasts_then_p2p_and_a_joiner_world_pulls_through
 def test_p2p_target_groups_in_a_trainers_default_group_are_freed_by_close_and_abort(mode, monkeypatch):
     """Issue 14 defect 5's sibling: each P2P update makes a target group; 10 ParameterServers in a
     default group the caller owns, each after a P2P update, must leave no group or fd behind."""
-    from ps_fault_cases import assert_census_clean, group_census
+    from support.ps_fault_cases import assert_census_clean, group_census
     for key, value in OWNERS.items():
         monkeypatch.setenv(key, value)   # inherited by the census processes
     front = EngineFront("cpu", 1, devices=[1])

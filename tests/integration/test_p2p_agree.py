@@ -19,8 +19,11 @@ import os
 import pytest
 import torch
 
-from harness import EngineFront, FreshCheckpoints, PsWorld, assert_every_rank_failed, fresh_tensors, want_digests
-from p2p_cases import JOINERS, OWNERS, SMALL, all_ok, call
+from support.asserts import assert_every_rank_failed
+from support.data import fresh_tensors, want_digests
+from support.engine import EngineFront
+from support.world import FreshCheckpoints, PsWorld
+from support.p2p_cases import JOINERS, OWNERS, SMALL, all_ok, call
 
 pytest.importorskip("mooncake.engine", reason="Mooncake (the p2p extra) is not installed: "
                     "scripts/test.sh installs mooncake-transfer-engine-non-cuda and libibverbs1")
@@ -132,7 +135,7 @@ def test_a_local_failure_inside_a_targets_read_fails_every_rank_through_the_agre
 @pytest.mark.parametrize("who", ["target", "bystander"])
 def test_close_during_a_p2p_update_stops_it_on_every_rank_naming_close_then_frees(who, tmp_path):
     """``target``: ranks=[0, 1], rank 1 closed; ``bystander``: ranks=[1], rank 0 (outside) closed."""
-    from ps_fault_cases import act_mid_update
+    from support.ps_fault_cases import act_mid_update
     ranks, victim = ([0, 1], 1) if who == "target" else ([1], 0)
     front = EngineFront("cpu", len(ranks), devices=ranks)
     try:
@@ -213,7 +216,7 @@ def test_ranks_naming_two_checkpoints_of_one_layout_are_refused_on_every_rank_be
     posted = len(front.requests)
     got = _each(w, "update", {0: (s1, front.address, 30, None), 1: (s2, front.address, 30, None)})
     assert_every_rank_failed(got, "ConfigError", "disagree on the checkpoint", repr(s1), repr(s2))
-    got = _each(w, "call", {r: ("p2p_cases", "p2p_update", (n, front.address, 30, [0, 1]))
+    got = _each(w, "call", {r: ("support.p2p_cases", "p2p_update", (n, front.address, 30, [0, 1]))
                             for r, n in enumerate((s1, s2))})
     assert_every_rank_failed(got, "ConfigError", "disagree on the checkpoint", repr(s1), repr(s2))
     assert_prompt(got)

@@ -10,9 +10,12 @@ import sys
 
 import pytest
 
-from exposure_cases import ForeignPeer
-from harness import EngineFront, FreshCheckpoints, PsWorld, assert_every_rank_failed, pythonpath
-from p2p_cases import JOINERS, OWNERS, SMALL, all_ok, call, owners_with
+from support.exposure_cases import ForeignPeer
+from support.asserts import assert_every_rank_failed
+from support.engine import EngineFront
+from support.procs import pythonpath
+from support.world import FreshCheckpoints, PsWorld
+from support.p2p_cases import JOINERS, OWNERS, SMALL, all_ok, call, owners_with
 
 pytest.importorskip("mooncake.engine", reason="Mooncake (the p2p extra) is not installed")
 
@@ -21,7 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def xcall(world, fn, *args, ranks=None, timeout=120):
-    return world.all("call", ("exposure_cases", fn, args), ranks=ranks, timeout=timeout)
+    return world.all("call", ("support.exposure_cases", fn, args), ranks=ranks, timeout=timeout)
 
 
 def test_a_ps_that_did_not_opt_in_registers_nothing_and_a_foreign_peer_can_neither_read_nor_write_it(tmp_path):

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import pytest
 
-from harness import EngineFront, FreshCheckpoints, PsWorld, assert_every_rank_failed
-from p2p_cases import OWNERS, SMALL, all_ok, call
+from support.asserts import assert_every_rank_failed
+from support.engine import EngineFront
+from support.world import FreshCheckpoints, PsWorld
+from support.p2p_cases import OWNERS, SMALL, all_ok, call
 
 pytest.importorskip("mooncake.engine", reason="Mooncake (the p2p extra) is not installed: "
                     "scripts/test.sh installs mooncake-transfer-engine-non-cuda and libibverbs1")
@@ -34,8 +36,8 @@ def world():
 
 def p2p_each(w, per_rank: dict) -> dict:
     """Every rank calls update(..., ranks=...) with its own arguments (name, address, timeout, ranks[, req])."""
-    return w.collect(w.send("call", per_rank={r: ("p2p_cases", "p2p_update_as", a) for r, a in per_rank.items()}),
-                     timeout=120)
+    calls = {r: ("support.p2p_cases", "p2p_update_as", a) for r, a in per_rank.items()}
+    return w.collect(w.send("call", per_rank=calls), timeout=120)
 
 
 def assert_refused_at_once(got: dict, error: str, *needles: str) -> None:

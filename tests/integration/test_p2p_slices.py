@@ -14,9 +14,11 @@ import json
 import pytest
 import torch
 
-from harness import (EngineFront, PsWorld, assert_every_rank_failed, assert_healthy_workers_aborted, digest,
-                     fresh_tensor, make_req_func)
-from p2p_cases import JOINERS, OWNERS, SMALL, all_ok
+from support.asserts import assert_every_rank_failed, assert_healthy_workers_aborted
+from support.data import digest, fresh_tensor
+from support.engine import EngineFront, make_req_func
+from support.world import PsWorld
+from support.p2p_cases import JOINERS, OWNERS, SMALL, all_ok
 
 pytest.importorskip("mooncake.engine", reason="Mooncake (the p2p extra) is not installed")
 
@@ -167,7 +169,7 @@ def test_a_rewritten_slice_is_refused_by_its_target_and_rewritten_tensors_are_ne
     """Bytes inside engine rank 1's rows rewritten after the owners digested the plan's boxes: that
     target refuses its bucket; rewritten before: the owner's check against the registration digest
     refuses. Both fail every rank before any engine loads; the next sliced update is bit-exact."""
-    from exposure_cases import ForeignPeer
+    from support.exposure_cases import ForeignPeer
     for name, seed in (("a", 11), ("b", 12), ("c", 13), ("d", 14)):
         register(world, name, seed)
     doc = all_ok(call(world, "metas_doc"))[0].value
@@ -224,7 +226,7 @@ def test_a_worker_of_another_engine_rank_or_plan_refuses_the_slices_on_every_ran
             front.expect_slices(told)
             since = front.fanouts
             got = (call(world, "sliced_p2p", "d", front.address, 60, [2, 1], plan_doc()) if how == "sliced" else
-                   call(world, "p2p_update", "d", front.address, 60, [1, 2], module="p2p_cases"))
+                   call(world, "p2p_update", "d", front.address, 60, [1, 2], module="support.p2p_cases"))
             assert_every_rank_failed(got, "RemoteWorkerError", "ConfigError", needle)
             # the refusing workers raised ConfigError, the others RemoteWorkerError (aborted); none loaded
             assert_healthy_workers_aborted(front, since, before, failing=failing)
@@ -261,12 +263,12 @@ def test_a_joining_world_pulls_its_slices_through_metas_saved_with_the_plan_and_
     engine rank 1's rows after saving are refused by that target, the engines keep their weights.
     Metas saved without the plan refuse a sliced update on every rank before a byte moves, naming
     the fix, and still serve an unsliced one."""
-    from exposure_cases import ForeignPeer
+    from support.exposure_cases import ForeignPeer
     from ckpt_core.planning.slices import plan_from_json
     for name, seed in (("a", 31), ("b", 32), ("c", 33)):
         register(world, name, seed)
     plain, sliced = str(tmp_path / "plain.json"), str(tmp_path / "sliced.json")
-    doc = all_ok(world.all("call", ("p2p_cases", "save_metas", (plain,)), ranks=[0]))[0].value
+    doc = all_ok(world.all("call", ("support.p2p_cases", "save_metas", (plain,)), ranks=[0]))[0].value
     foreign = ForeignPeer()
     try:   # c's rows rewritten before the owners digest the boxes: the owner's check refuses, nothing is saved
         addr, ptr, n = slice_pointer(doc, "c", "rows", 1)
@@ -286,7 +288,7 @@ def test_a_joining_world_pulls_its_slices_through_metas_saved_with_the_plan_and_
         assert [sorted(o["p2p"]["slices"][digest_]) for o in owners] == [["rows"], ["cols"], ["experts", "last"]]
     ranks = [1, 0]
     with PsWorld("cpu", 2, init=SMALL, env=JOINERS) as joiners:
-        all_ok(joiners.all("call", ("p2p_cases", "load_metas", (sliced,))))
+        all_ok(joiners.all("call", ("support.p2p_cases", "load_metas", (sliced,))))
         front = EngineFront("cpu", 2, devices=[0, 1], slices=(digest_, [0, 1]))
         foreign = ForeignPeer()
         try:
@@ -306,14 +308,14 @@ def test_a_joining_world_pulls_its_slices_through_metas_saved_with_the_plan_and_
             for r in range(2):
                 assert front.digests(r) == want(31, r), "an engine loaded bytes of the tampered checkpoint"
 
-            all_ok(joiners.all("call", ("p2p_cases", "load_metas", (plain,))))
+            all_ok(joiners.all("call", ("support.p2p_cases", "load_metas", (plain,))))
             fanouts = front.fanouts
             got = call(joiners, "sliced_p2p", "a", front.address, 60, ranks, plan_doc())
             assert_every_rank_failed(got, "ConfigError", "owner rank 0 published none for slice plan",
                                      "save_metas(path, slices=plan)")
             assert front.fanouts == fanouts, "an engine was asked to load after the refusal"
             front.expect_slices(None)   # the engines load whole tensors from now on
-            all_ok(call(joiners, "p2p_update", "a", front.address, 60, [0, 1], module="p2p_cases"))
+            all_ok(call(joiners, "p2p_update", "a", front.address, 60, [0, 1], module="support.p2p_cases"))
             whole = {n: digest(t) for n, t in tensors(31).items()}
             assert front.digests(0) == whole and front.digests(1) == whole, "the unsliced join is bit-exact"
         finally:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from readme_code import ROOT, run_quickstart
+from support.readme_code import ROOT, run_quickstart
 
 VERSION_BOUND_S = 5.0   # a generous ceiling for `ckpt-engine --version` (~0.4 s here on 2 busy cores)
 PACKAGES = ("ckpt_core", "ckpt_vllm", "ckpt_sglang", "ckpt_ascend")

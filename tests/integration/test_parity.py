@@ -8,8 +8,8 @@ import logging
 import pytest
 import torch
 
-import parity_cases as cases
-from harness import fresh_tensor
+from support import parity_cases as cases
+from support.data import fresh_tensor
 from ckpt_core import CheckpointFormatError
 from ckpt_core.checkpoint.sources import build_checkpoint
 from ckpt_core.checkpoint.safetensors import write_file
@@ -100,7 +100,8 @@ def test_reference_keywords_metas_round_trip_and_empty_ranks_broadcast():
 
     import zmq
 
-    from harness import FAULT_DTYPES, digest, free_port
+    from support.data import FAULT_DTYPES, digest
+    from support.ports import free_port
     from ckpt_core import ConfigError, ParameterServer, update_weights_from_ipc
 
     gen = torch.Generator().manual_seed(3)
@@ -152,7 +153,7 @@ def test_a_req_func_failure_is_published_under_its_own_rank():
 def test_an_update_to_a_dead_engine_says_which_url_and_why_in_its_message():
     """The error names the URL and the cause ("connection refused"), not only that req_func
     raised; the traceback stays in remote_traceback."""
-    from harness import free_port
+    from support.ports import free_port
     from ckpt_core import ParameterServer, RemoteWorkerError, request_inference_to_update
 
     url = f"http://127.0.0.1:{free_port()}/collective_rpc"   # nothing listens there

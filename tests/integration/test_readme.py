@@ -8,8 +8,8 @@ import re
 import subprocess
 import sys
 
-from harness import free_port
-from readme_code import README, ROOT, quickstart, run_quickstart
+from support.ports import free_port
+from support.readme_code import README, ROOT, quickstart, run_quickstart
 
 
 def test_the_quickstart_runs_as_written_and_the_engine_ends_with_the_new_weights(tmp_path):

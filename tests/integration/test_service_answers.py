@@ -10,8 +10,9 @@ import pytest
 import torch
 
 pytest.importorskip("fastapi")
-from harness import FAULT_DTYPES, free_port, fresh_tensor  # noqa: E402
-from service_world import ServiceWorld  # noqa: E402
+from support.data import FAULT_DTYPES, fresh_tensor  # noqa: E402
+from support.ports import free_port  # noqa: E402
+from support.service_world import ServiceWorld  # noqa: E402
 from ckpt_core.checkpoint.safetensors import write_file  # noqa: E402
 from ckpt_core.planning.capacity import host_memory_available  # noqa: E402
 

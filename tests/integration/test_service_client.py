@@ -11,9 +11,9 @@ import pytest
 import torch
 
 pytest.importorskip("fastapi")
-from harness import FAULT_DTYPES, fresh_tensor, want_digests  # noqa: E402
-from service_world import HttpEngineFront  # noqa: E402
-from service_world import ServiceWorld as Processes  # noqa: E402
+from support.data import FAULT_DTYPES, fresh_tensor, want_digests  # noqa: E402
+from support.service_world import HttpEngineFront  # noqa: E402
+from support.service_world import ServiceWorld as Processes  # noqa: E402
 
 from ckpt_core import CheckpointNotFoundError, ClosedError, ConfigError, TransportError  # noqa: E402
 from ckpt_core.checkpoint.safetensors import write_file  # noqa: E402

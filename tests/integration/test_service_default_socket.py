@@ -7,8 +7,8 @@ import httpx
 import pytest
 
 pytest.importorskip("fastapi")
-from harness import free_port  # noqa: E402
-from service_world import start_serve, stop, wait_healthy  # noqa: E402
+from support.ports import free_port  # noqa: E402
+from support.service_world import start_serve, stop, wait_healthy  # noqa: E402
 
 
 def test_the_default_socket_is_in_a_0700_directory_of_this_user(tmp_path):

@@ -13,7 +13,7 @@ pytest.importorskip("fastapi")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from schemathesis.generation.modes import GenerationMode  # noqa: E402
 
-from harness import free_port  # noqa: E402
+from support.ports import free_port  # noqa: E402
 from ckpt_core import ParameterServer  # noqa: E402
 from ckpt_core.service import create_app  # noqa: E402
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 pytest.importorskip("fastapi")
-from harness import FAULT_DTYPES, fresh_tensor, want_digests  # noqa: E402
-from service_world import HttpEngineFront, ServiceWorld  # noqa: E402
+from support.data import FAULT_DTYPES, fresh_tensor, want_digests  # noqa: E402
+from support.service_world import HttpEngineFront, ServiceWorld  # noqa: E402
 from ckpt_core.checkpoint.safetensors import write_file  # noqa: E402
 
 BUCKET_GB = "0.00005"   # ~52 KiB buckets: every update has several, so a slow engine is slow per bucket

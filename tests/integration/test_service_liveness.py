@@ -9,7 +9,7 @@ import time
 import pytest
 
 pytest.importorskip("fastapi")
-from service_world import ServiceWorld  # noqa: E402
+from support.service_world import ServiceWorld  # noqa: E402
 
 BEAT_S, PEER_TIMEOUT_S = 0.2, 2.0
 CEILING_S = PEER_TIMEOUT_S + 8.0   # generous: the promise is "within the peer timeout", not seconds

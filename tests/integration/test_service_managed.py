@@ -15,8 +15,10 @@ import pytest
 import torch
 
 pytest.importorskip("fastapi")
-from harness import FAULT_DTYPES, free_port, fresh_tensor, process_gone, want_digests  # noqa: E402
-from service_world import ROOT, HttpEngineFront, wait_healthy  # noqa: E402
+from support.data import FAULT_DTYPES, fresh_tensor, want_digests  # noqa: E402
+from support.ports import free_port  # noqa: E402
+from support.procs import process_gone  # noqa: E402
+from support.service_world import ROOT, HttpEngineFront, wait_healthy  # noqa: E402
 from ckpt_core.checkpoint.safetensors import write_file  # noqa: E402
 from ckpt_core.errors import ConfigError  # noqa: E402
 from ckpt_core.engines.managed import log_path_of, parse_serve_spec  # noqa: E402

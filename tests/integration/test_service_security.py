@@ -19,8 +19,8 @@ import pytest
 import torch
 
 pytest.importorskip("fastapi")
-from harness import FAULT_DTYPES, fresh_tensor  # noqa: E402
-from service_world import ServiceWorld  # noqa: E402
+from support.data import FAULT_DTYPES, fresh_tensor  # noqa: E402
+from support.service_world import ServiceWorld  # noqa: E402
 from ckpt_core.checkpoint.safetensors import write_file  # noqa: E402
 
 SECRET = b"root:*:20000:0:99999:7:::\n"   # what /etc/shadow starts with; its first 8 bytes as a u64 were echoed

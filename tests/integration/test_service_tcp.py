@@ -8,8 +8,8 @@ import httpx
 import pytest
 
 pytest.importorskip("fastapi")
-from harness import free_port  # noqa: E402
-from service_world import ROOT, start_serve, stop, wait_healthy  # noqa: E402
+from support.ports import free_port  # noqa: E402
+from support.service_world import ROOT, start_serve, stop, wait_healthy  # noqa: E402
 
 TOKEN = "s3cret-token-for-tests"
 

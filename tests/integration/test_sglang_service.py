@@ -18,8 +18,8 @@ import threading
 import pytest
 
 pytest.importorskip("fastapi")
-from harness import free_port  # noqa: E402
-from service_world import ServiceWorld  # noqa: E402
+from support.ports import free_port  # noqa: E402
+from support.service_world import ServiceWorld  # noqa: E402
 from sglang_support.fixtures import ready_engine, write_checkpoint  # noqa: E402
 
 BUCKET_GB = str(100_000 / (1 << 30))   # ~100 KiB buckets: the 0.4 MB model travels in several, over 2 slots

@@ -27,7 +27,8 @@ import torch
 from ckpt_core import ParameterServer
 from ckpt_core.errors import ConfigError, RemoteWorkerError
 from ckpt_sglang import SglangClient
-from harness import free_port
+from support.ports import free_port
+from support.traffic import Traffic
 from sglang_support.fixtures import REPO, ready_engine, run_launcher, sglang_python, write_checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -99,44 +100,15 @@ def engine(tmp_path_factory):
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
 
 
-class Traffic(threading.Thread):
-    """Long requests back to back through the engine's decode loop; keeps each token's time (taken
-    by the engine: a request spans the stage, so the tokens do not depend on this process, where
-    the PS runs, submitting the next one)."""
-
-    def __init__(self, engine: Engine):
-        super().__init__(daemon=True, name="traffic")
-        self.engine, self.stop, self.times, self.failures = engine, threading.Event(), [], []
-
-    def run(self):
-        while not self.stop.is_set():
-            try:
-                self.times += self.engine.request(PROMPTS[0], 64)["times"]
-            except Exception as exc:   # noqa: BLE001 - reported by the test
-                self.failures.append(f"{type(exc).__name__}: {exc}")
-
-    def between(self, t0: float, t1: float) -> int:
-        return sum(t0 <= t <= t1 for t in list(self.times))
-
-    def __enter__(self):
-        self.start()
-        deadline = time.time() + 60
-        while not self.times and time.time() < deadline:
-            time.sleep(0.05)
-        assert self.times, "the decode loop never produced a token"
-        return self
-
-    def __exit__(self, *exc):
-        self.stop.set()
-        self.join(120)
-
-
 def test_a_stage_under_traffic_changes_nothing_live_then_commit_switches_in_a_short_pause(engine):
     e = engine
     assert e.generate() == e.refs[1]
     live = e.params()
     httpx.post(f"{e.eng.url}/ckpt_test/next_stage", params={"slow_s": 0.1}, timeout=30).raise_for_status()
-    with Traffic(e) as traffic:
+    # long requests back to back through the engine's decode loop; each token's time is the engine's
+    # (a request spans the stage: its tokens do not depend on this process, where the PS runs)
+    with Traffic(lambda on_token: [on_token(t) for t in e.request(PROMPTS[0], 64)["times"]],
+                 first_token_s=60, join_s=120) as traffic:
         t0 = time.time()
         result = e.stage(2, "w2")
         t1 = time.time()
@@ -149,7 +121,7 @@ def test_a_stage_under_traffic_changes_nothing_live_then_commit_switches_in_a_sh
         assert staged["staged"]["tensors"] == 27 and staged["sglang_weight_version"] == "w1"
         commit = e.client.commit("w2")
         assert not traffic.failures, traffic.failures
-    during, idle = traffic.between(t0 + opened, t1), traffic.between(t1, t1 + 0.5)
+    during, idle = traffic.tokens_between(t0 + opened, t1), traffic.tokens_between(t1, t1 + 0.5)
     want = e.ckpts[2][1]
     assert {n: e.params()[n] for n in want} == want, "after the commit SGLang's parameters equal step 2"
     assert e.generate() == e.refs[2], "greedy output after the commit equals transformers on step 2"
@@ -282,7 +254,7 @@ def test_the_service_stages_and_commits_into_sglang(engine, tmp_path):
     """A controller over HTTP only: ``update`` with ``stage`` on a ``--wire stock`` service, then
     ``POST /v1/commit`` with ``engine: "sglang"``; a commit of another version is a 502 that changes nothing."""
     pytest.importorskip("fastapi")
-    from service_world import ServiceWorld
+    from support.service_world import ServiceWorld
 
     e = engine
     ckpt, want = e.ckpts[2]

@@ -18,7 +18,7 @@ import pytest
 
 from ckpt_core.errors import RemoteWorkerError
 from ckpt_sglang import SglangClient
-from harness import PsWorld
+from support.world import PsWorld
 from sglang_support.fixtures import ready_engine, write_checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

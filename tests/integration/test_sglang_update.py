@@ -16,7 +16,7 @@ import pytest
 
 from ckpt_core import ParameterServer
 from ckpt_sglang import SglangClient
-from harness import free_port
+from support.ports import free_port
 from sglang_support.fixtures import (SglangEngine, ready_engine, run_launcher, sglang_python, start_launcher,
                                      wait_for, write_checkpoint)
 

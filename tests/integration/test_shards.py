@@ -3,8 +3,8 @@ engine-worker processes, the PS inside each trainer process."""
 
 import pytest
 
-from harness import EngineFront
-from shards_world import run_trainers
+from support.engine import EngineFront
+from support.shards_world import run_trainers
 
 
 def _check_world(res: dict, front: EngineFront, world: int, steps: int) -> list:

@@ -5,7 +5,9 @@ import torch
 
 from ckpt_core import TensorShard
 from ckpt_core.checkpoint.safetensors import write_file
-from harness import EngineFront, PsWorld, digest, fresh_tensor
+from support.data import digest, fresh_tensor
+from support.engine import EngineFront
+from support.world import PsWorld
 
 WORLD = 3
 
@@ -128,13 +130,13 @@ def test_bad_tilings_and_dtype_or_shape_disagreements_fail_gather_on_every_rank_
 
 def test_a_partial_dtensor_is_a_config_error_that_says_to_reduce_and_registers_nothing():
     with PsWorld("cpu", 2) as world:
-        got = world.all("call", ("shards_world", "register_dtensor", ("p", "partial")))
+        got = world.all("call", ("support.shards_world", "register_dtensor", ("p", "partial")))
         for r, o in got.items():
             assert o.ok and not o.value["ok"], o
             assert o.value["error"] == "ConfigError" and "Partial" in o.value["message"]
             assert "reduce first" in o.value["message"] and o.value["checkpoints"] == []
         # a Replicate DTensor is kept by one rank only: stored and sent once
-        got = world.all("call", ("shards_world", "register_dtensor", ("r", "replicate")))
+        got = world.all("call", ("support.shards_world", "register_dtensor", ("r", "replicate")))
         assert got[0].value["ok"] and got[1].value["ok"]
         assert got[0].value["bytes"] == 3 * 4 * 4 + 2 * 4 and got[1].value["bytes"] == 0
         assert all(o.ok for o in world.all("gather", "r").values())

@@ -5,8 +5,10 @@ import pytest
 import torch
 
 from ckpt_core import TensorShard
-from harness import EngineFront, PsWorld, digest, fresh_tensor
-from p2p_cases import JOINERS, OWNERS, SMALL, all_ok, call
+from support.data import digest, fresh_tensor
+from support.engine import EngineFront
+from support.world import PsWorld
+from support.p2p_cases import JOINERS, OWNERS, SMALL, all_ok, call
 
 pytest.importorskip("mooncake.engine", reason="Mooncake (the p2p extra) is not installed: "
                     "scripts/test.sh installs mooncake-transfer-engine-non-cuda and libibverbs1")

@@ -2,19 +2,21 @@
 client's ``update(slices=)`` takes, or the plan's JSON), to ``update(slices=)`` or to
 ``share_slice_plan``: every rank refuses it with a ConfigError at once (none waits for the rank that
 refused, nothing reaches an engine), the world stays usable and the next sliced update is bit-exact.
-Real PS processes (gloo) and engine-worker processes (tests/harness.py), the slices of
-tests/slices_world.py."""
+Real PS processes (gloo) and engine-worker processes (tests/support/), the slices of
+tests/support/slices_world.py."""
 
 import itertools
 
 import pytest
 
-import slices_world as sw
-from harness import EngineFront, PsWorld, digest
+from support import slices_world as sw
+from support.data import digest
+from support.engine import EngineFront
+from support.world import PsWorld
 
 COLLECTIVE_S = 15   # PS_COLLECTIVE_TIMEOUT_S here: a rank left waiting in an exchange shows within it
 UPDATE_S = 10       # the updates' timeout: every rank must have answered well within it
-CASES = "plan_refusal_cases"
+CASES = "support.plan_refusal_cases"
 
 
 @pytest.fixture(scope="module")

@@ -3,8 +3,11 @@ processes. Each worker receives exactly its rows, its columns and the whole tens
 the result reports the bytes of each rank; ranks that disagree on the plan all refuse it; a worker
 handed the slices of another engine rank or plan refuses them, and so does every rank."""
 
-import slices_world as sw
-from harness import EngineFront, PsWorld, assert_every_rank_failed, assert_healthy_workers_aborted, digest
+from support import slices_world as sw
+from support.asserts import assert_every_rank_failed, assert_healthy_workers_aborted
+from support.data import digest
+from support.engine import EngineFront
+from support.world import PsWorld
 
 
 def test_each_engine_worker_receives_exactly_its_slices_and_the_whole_tensors():
@@ -49,7 +52,7 @@ def test_a_worker_beside_the_ps_rank_of_another_engine_rank_refuses_its_slices_a
     try:
         with PsWorld("cpu", 4) as world:
             sw._register_four(world, sw.tensors(51))
-            first = world.all("call", ("slices_world", "sliced_update", ("c", front.address, 60, sw.plan_doc())))
+            first = world.all("call", (sw.__name__, "sliced_update", ("c", front.address, 60, sw.plan_doc())))
             assert all(first[r].ok for r in range(4)), first
             before = {q: {n: digest(x) for n, x in sw.want(51, q % 2).items()} for q in range(4)}
             assert all(o.ok for o in world.all("unregister", ("c", {})).values())
@@ -58,7 +61,7 @@ def test_a_worker_beside_the_ps_rank_of_another_engine_rank_refuses_its_slices_a
                                           ([0, 1, 0, 1], (0, 1, 2, 3), "routes the update by slice plan")):
                 front.expect_slices((plan if failing == (2, 3) else "e" * 40, told))
                 since = front.fanouts
-                got = world.all("call", ("slices_world", "sliced_update", ("c", front.address, 60, sw.plan_doc())))
+                got = world.all("call", (sw.__name__, "sliced_update", ("c", front.address, 60, sw.plan_doc())))
                 assert_every_rank_failed(got, "RemoteWorkerError", "ConfigError", needle)
                 assert_healthy_workers_aborted(front, since, before, failing=failing)
                 # a refusing worker says ConfigError; one whose PS already knew of another's refusal when it
@@ -68,7 +71,7 @@ def test_a_worker_beside_the_ps_rank_of_another_engine_rank_refuses_its_slices_a
                         in outcomes[q][1] for q in failing]
                 assert all(said) and any("ConfigError" in outcomes[q][1] for q in failing), front.last_results
             front.expect_slices((plan, [0, 1, 0, 1]))
-            again = world.all("call", ("slices_world", "sliced_update", ("c", front.address, 60, sw.plan_doc())))
+            again = world.all("call", (sw.__name__, "sliced_update", ("c", front.address, 60, sw.plan_doc())))
             assert all(again[r].ok for r in range(4)), again
             for q in range(4):
                 assert front.digests(q) == {n: digest(x) for n, x in sw.want(52, q % 2).items()}, f"worker {q}"

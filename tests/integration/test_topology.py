@@ -8,7 +8,8 @@ import uuid
 
 import pytest
 
-from harness import EngineFront, FreshCheckpoints, PsWorld
+from support.engine import EngineFront
+from support.world import FreshCheckpoints, PsWorld
 from ckpt_core import ConfigError, local_device_key
 
 IPS = 2   # devices per engine instance

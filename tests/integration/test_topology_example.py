@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import EngineFront, free_port, fresh_tensor, make_req_func, want_digests
+from support.data import fresh_tensor, want_digests
+from support.engine import EngineFront, make_req_func
+from support.ports import free_port
 from ckpt_core import CheckpointFormatError, ConfigError, local_device_key
 from ckpt_core.engines.requests import group_handles
 from ckpt_core.checkpoint.safetensors import write_file

@@ -1,7 +1,7 @@
 """The trainer side of the ``ckpt`` vLLM backend on two trainer ranks, in real processes, on CPU.
 
 Two trainer processes (each a PS rank, gloo) drive ``ckpt_vllm.trainer`` through vLLM's client
-protocol into two real engine-worker processes (tests/harness.py's ``EngineFront``: the core's
+protocol into two real engine-worker processes (``support.engine.EngineFront``: the core's
 receive loop, as vLLM's ``/update_weights`` runs it). Every round's weights are fresh; after each
 the workers hold them bit for bit. What one rank or the sender's requests get wrong fails every
 rank alike, before or during the update, and the next round works.
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from harness import EngineFront
-from trainer_ranks import SHAPES, run_trainer_world, want, weights_of
+from support.engine import EngineFront
+from support.trainer_ranks import SHAPES, run_trainer_world, want, weights_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

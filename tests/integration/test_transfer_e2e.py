@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-import e2e_cases as cases
+from support import e2e_cases as cases
 from ckpt_core import split_checkpoint_files
 from ckpt_core.checkpoint.safetensors import write_file
 
@@ -48,7 +48,8 @@ def test_hf_directory_is_split_across_ranks_exactly_once(tmp_path):
 
 
 def test_a_req_func_failing_after_the_workers_finished_still_fails_the_update():
-    from harness import EngineFront, run_ps_world
+    from support.engine import EngineFront
+    from support.world import run_ps_world
     import torch
     front = EngineFront("cpu", 2)
     try:
@@ -66,7 +67,8 @@ def test_a_req_func_failing_after_the_workers_finished_still_fails_the_update():
 
 def test_an_engine_refusing_the_plan_fails_the_update_before_any_weight_is_loaded():
     """on_plan sees the whole update first: a missing tensor stops it with nothing loaded anywhere."""
-    from harness import EngineFront, run_ps_world
+    from support.engine import EngineFront
+    from support.world import run_ps_world
     import torch
     front = EngineFront("cpu", 2)
     try:
@@ -85,7 +87,8 @@ def test_an_engine_refusing_the_plan_fails_the_update_before_any_weight_is_loade
 def test_a_slow_worker_with_more_buckets_than_slots_gets_every_bucket_intact():
     """The ring's reuse guard: with 2 slots and many buckets, a slot is refilled only once the
     worker is done with the bucket it held (the workers dwell in every bucket before reading it)."""
-    from harness import EngineFront, FreshCheckpoints, PsWorld
+    from support.engine import EngineFront
+    from support.world import FreshCheckpoints, PsWorld
     front = EngineFront("cpu", 2, behavior={"sleep_s": 0.05})
     try:
         with PsWorld("cpu", 2, init={"max_bucket_gb": (16 << 10) / (1 << 30)}, env={"PS_NUM_SLOTS": "2"}) as ps:
@@ -100,14 +103,15 @@ def test_a_slow_worker_with_more_buckets_than_slots_gets_every_bucket_intact():
 
 
 def _late_event_world(env: dict):
-    from harness import PsWorld
+    from support.world import PsWorld
     return PsWorld("cpu", 2, init={"max_bucket_gb": (16 << 10) / (1 << 30)}, env=env)
 
 
 def test_device_events_that_complete_later_run_the_pipelines_waits_for_real():
     """CKPT_TEST_CPU_EVENT_DELAY_S: cpu events report done later, as a GPU's do, so the pipeline
     defers notices and waits for slots for real; every bucket still arrives intact."""
-    from harness import EngineFront, FreshCheckpoints
+    from support.engine import EngineFront
+    from support.world import FreshCheckpoints
     front = EngineFront("cpu", 2)
     try:
         with _late_event_world({"CKPT_TEST_CPU_EVENT_DELAY_S": "0.02", "PS_NUM_SLOTS": "2"}) as ps:
@@ -124,7 +128,9 @@ def test_device_events_that_complete_later_run_the_pipelines_waits_for_real():
 
 
 def test_a_broadcast_that_never_completes_in_time_fails_every_rank_naming_the_collective_timeout():
-    from harness import EngineFront, FreshCheckpoints, assert_every_rank_failed
+    from support.asserts import assert_every_rank_failed
+    from support.engine import EngineFront
+    from support.world import FreshCheckpoints
     front = EngineFront("cpu", 2)
     try:
         # 15 s: the collective timeout also bounds the world's rendezvous, slow on a loaded machine
@@ -142,7 +148,9 @@ def test_shm_files_registered_without_inplace_pinning_are_copied(tmp_path):
     """use_inplace_pin_memory=False: a /dev/shm file is copied at registration, so rewriting it
     afterwards changes nothing that is pushed."""
     import torch
-    from harness import EngineFront, PsWorld, fresh_tensors, want_digests
+    from support.data import fresh_tensors, want_digests
+    from support.engine import EngineFront
+    from support.world import PsWorld
     gen = torch.Generator().manual_seed(21)
     shm = cases.ShmDir()
     front = EngineFront("cpu", 2)
@@ -168,7 +176,7 @@ def test_shm_files_registered_without_inplace_pinning_are_copied(tmp_path):
 
 def test_unregister_with_force_frees_the_shared_pool_and_without_it_keeps_it():
     import torch
-    from harness import PsWorld
+    from support.world import PsWorld
     with PsWorld("cpu", 1) as ps:
         pooled = {"named_tensors": {"w": torch.randn(1 << 18)}, "use_shared_memory_pool": True}
         assert ps.all("register", ("a", pooled))[0].ok
@@ -181,7 +189,8 @@ def test_unregister_with_force_frees_the_shared_pool_and_without_it_keeps_it():
 
 
 def test_the_gc_is_paused_during_an_update_on_the_ps_and_in_the_worker_and_resumed_after():
-    from harness import EngineFront, FreshCheckpoints, PsWorld
+    from support.engine import EngineFront
+    from support.world import FreshCheckpoints, PsWorld
     front = EngineFront("cpu", 2)
     try:
         with PsWorld("cpu", 2, init={"max_bucket_gb": (16 << 10) / (1 << 30)}) as ps:

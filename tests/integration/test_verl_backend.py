@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from harness import report_case
+from support.asserts import report_case
 from verl_support.world import VerlWorld, wait_for
 
 pytest.importorskip("mooncake.engine", reason="ckpt's verl backend reads over Mooncake (the p2p extra)")

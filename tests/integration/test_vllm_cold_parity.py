@@ -18,8 +18,9 @@ import os
 
 import pytest
 
-from vllm_support.fixtures import OneAhead, launch_server, ready, vllm_python  # noqa: F401
-from vllm_support.parity import Case, build_checkpoints, completions, differences, push_to, references, tp_server_args
+from vllm_support.fixtures import launch_server, ready, vllm_python  # noqa: F401
+from vllm_support.parity import (Case, build_checkpoints, completions, differences, push_to, references,
+                                 served_one_ahead, tp_server_args)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1500)]
 
@@ -52,23 +53,12 @@ def _prepare(python: str, case: Case, where):
     return model, server
 
 
-@pytest.fixture(scope="module")
-def cases(request, vllm_python, tmp_path_factory):
-    """Each case is prepared while the tests of the one before it run (``OneAhead``)."""
-    ahead = OneAhead(request, "served", lambda case: _prepare(vllm_python, case, tmp_path_factory.mktemp(case.id)),
-                     lambda prepared: prepared[1].stop())
-    yield ahead
-    ahead.close()
+def _preparer(vllm_python, tmp_path_factory):
+    return lambda case: _prepare(vllm_python, case, tmp_path_factory.mktemp(case.id))
 
 
-@pytest.fixture(scope="module", params=CASES, ids=lambda c: c.id)
-def served(request, cases):
-    model, server = cases.get(request.param)
-    print(f"{model.case.id} seed: {model.model.seed} (set CKPT_TEST_SEED={model.model.seed} to reproduce)")
-    try:
-        yield model, server
-    finally:
-        server.stop()
+# Each case is prepared while the tests of the one before it run; ``served`` is one case's (model, server).
+cases, served = served_one_ahead(_preparer, CASES, ids=lambda c: c.id)
 
 
 def test_a_dummy_start_is_seen_to_differ_from_a_cold_load(served):

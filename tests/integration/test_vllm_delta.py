@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from ckpt_core import DeltaBaseError, ParameterServer
-from ports import free_port
+from support.ports import free_port
 from vllm_support.fixtures import launch_server, ready, vllm_python  # noqa: F401
 from vllm_support.parity import Case, build_checkpoints, cold_load, differences
 
@@ -86,7 +86,7 @@ def test_deltas_into_vllm_equal_a_cold_load(vllm_python, tmp_path):
 
 
 def _through_the_service(server, files, cold, tmp_path) -> None:
-    from service_world import ServiceWorld
+    from support.service_world import ServiceWorld
 
     url = f"{server.endpoint}/collective_rpc"
     world = ServiceWorld(1, str(tmp_path), allow_dirs=(str(tmp_path),))

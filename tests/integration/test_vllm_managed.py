@@ -11,8 +11,8 @@ import time
 import httpx
 import pytest
 
-from harness import process_gone
-from service_world import wait_healthy
+from support.procs import process_gone
+from support.service_world import wait_healthy
 from vllm_support.fixtures import MAX_TOKENS, launch_server, ready, tiny_model, vllm_python  # noqa: F401
 from vllm_support.parity import tp_server_args
 from vllm_support.server import free_port

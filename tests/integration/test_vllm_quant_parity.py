@@ -28,9 +28,9 @@ import pytest
 from ckpt_core.errors import RemoteWorkerError
 from vllm_support import quant_model
 from vllm_support.can_serve import served_here
-from vllm_support.fixtures import (MAX_TOKENS, OneAhead, broken_copy, launch_server, prompts_for, ready,  # noqa: F401
+from vllm_support.fixtures import (MAX_TOKENS, broken_copy, launch_server, prompts_for, ready,  # noqa: F401
                                    run_vllm_python, vllm_python)
-from vllm_support.parity import cold_load, differences, push_to
+from vllm_support.parity import cold_load, differences, push_to, served_one_ahead
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -58,6 +58,10 @@ class Quantized:
     def __init__(self, fmt, model_dir, weights, prompts, cold=None, seed=None):
         self.fmt, self.dir, self.weights, self.prompts, self.seed = fmt, model_dir, weights, prompts, seed
         self.digests, self.tokens = (cold or {}).get("digests", {}), (cold or {}).get("tokens", {})
+
+    @property
+    def id(self) -> str:
+        return self.fmt
 
 
 def _prepare(vllm_python: str, fmt: str, where, unserved: dict):
@@ -90,28 +94,14 @@ def _prepare(vllm_python: str, fmt: str, where, unserved: dict):
     return model, server
 
 
-@pytest.fixture(scope="module")
-def cases(request, vllm_python, tmp_path_factory):
-    """Each format is prepared while the tests of the one before it run (``OneAhead``)."""
-    unserved: dict[str, str | None] = {}
-    ahead = OneAhead(request, "served",
-                     lambda fmt: _prepare(vllm_python, fmt, tmp_path_factory.mktemp(fmt), unserved),
-                     lambda prepared: isinstance(prepared, tuple) and prepared[1].stop())
-    yield ahead
-    ahead.close()
+def _preparer(vllm_python, tmp_path_factory):
+    unserved: dict[str, str | None] = {}   # the module's formats, in the order they are prepared
+    return lambda fmt: _prepare(vllm_python, fmt, tmp_path_factory.mktemp(fmt), unserved)
 
 
-@pytest.fixture(scope="module", params=sorted(CASES), ids=str)
-def served(request, cases):
-    prepared = cases.get(request.param)
-    if isinstance(prepared, str):
-        pytest.skip(prepared)
-    model, server = prepared
-    print(f"{model.fmt} seed: {model.seed} (set CKPT_TEST_SEED={model.seed} to reproduce)")
-    try:
-        yield model, server
-    finally:
-        server.stop()
+# Each format is prepared while the tests of the one before it run; ``served`` is one format's (model, server),
+# or skipped with the reason it does not run here.
+cases, served = served_one_ahead(_preparer, sorted(CASES), ids=str)
 
 
 def _digests(server):

@@ -33,7 +33,7 @@ def _shards(weights, where, tag: str) -> list[str]:
 
 def test_service_ranks_that_disagree_on_slices_refuse_alike_and_the_next_sliced_update_is_exact(
         shared_servers, tiny_model, tmp_path):
-    from service_world import ServiceWorld
+    from support.service_world import ServiceWorld
 
     server = shared_servers.get(tiny_model, **SHARED_SERVER[1])
     w0, w1 = tiny_model.weights

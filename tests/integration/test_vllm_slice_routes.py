@@ -16,8 +16,8 @@ import threading
 
 import pytest
 
-from harness import PsWorld
-from p2p_cases import OWNERS
+from support.world import PsWorld
+from support.p2p_cases import OWNERS
 from vllm_support.fixtures import MAX_TOKENS, shared_servers, tiny_model, vllm_python  # noqa: F401
 from vllm_support.parity import differences, push_to, tp_server_args
 

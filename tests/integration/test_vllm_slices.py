@@ -135,7 +135,7 @@ def test_the_http_service_sends_each_worker_its_slices_recorded_by_the_rank_that
     from the engine and both route by it: each worker receives its slices, and the engine then equals
     a whole update byte for byte and answers like Hugging Face."""
     from safetensors.torch import load_file, save_file
-    from service_world import ServiceWorld
+    from support.service_world import ServiceWorld
 
     server = shared_servers.get(tiny_model, extension=True, backend="ckpt", **tp_server_args(TP))
     w0, w1 = tiny_model.weights
@@ -247,8 +247,8 @@ def test_trainer_shards_updated_by_the_slice_plan_equal_a_whole_update(shared_se
     ``TensorShard`` boxes) update the engine by its recorded slice plan: each worker's slices are
     assembled from both ranks' shards where they cross the shard border (every column-parallel
     slice does), and the engine then equals a whole update of the same checkpoint, byte for byte."""
-    import slices_world as sw
-    from harness import PsWorld
+    from support import slices_world as sw
+    from support.world import PsWorld
 
     from ckpt_core.planning.slices import plan_from_json
 
@@ -257,7 +257,7 @@ def test_trainer_shards_updated_by_the_slice_plan_equal_a_whole_update(shared_se
     whole = _WHOLE.get((server.endpoint, str(w1))) or whole_digests(server, w1, tmp_path)
     push_to(server, w0, "extension", TP, tmp_path)
     with PsWorld("cpu", TP) as world:
-        got = world.all("call", ("slices_world", "shards_sliced_update", ("shards", str(w1), server.endpoint, 300)),
+        got = world.all("call", (sw.__name__, "shards_sliced_update", ("shards", str(w1), server.endpoint, 300)),
                         timeout=420)
     assert all(got[r].ok for r in range(TP)), got
     differ = differences(server.client.collective_rpc("ckpt_state_digests"), whole)

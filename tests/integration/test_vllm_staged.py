@@ -17,6 +17,7 @@ import pytest
 
 from ckpt_core.devices import local_device_key
 from ckpt_core.errors import RemoteWorkerError
+from support.traffic import Traffic
 from vllm_support.fixtures import (MAX_TOKENS, broken_copy, push, shared_servers, tiny_model,  # noqa: F401
                                    vllm_python)
 
@@ -36,48 +37,6 @@ def server(shared_servers, tiny_model):
     srv.client.drop_staged()
 
 
-class Stream(threading.Thread):
-    """Streams long completions back to back and records when each token chunk arrived."""
-
-    def __init__(self, server, prompt):
-        super().__init__(daemon=True, name="stream")
-        self.server, self.prompt = server, prompt
-        self.stop = threading.Event()
-        self.stamps: list[float] = []
-        self.failures: list[str] = []
-
-    def run(self):
-        body = {"model": "tiny", "prompt": [self.prompt], "max_tokens": 150, "temperature": 0.0,
-                "ignore_eos": True, "stream": True}
-        with httpx.Client(base_url=self.server.endpoint, timeout=120.0) as http:
-            while not self.stop.is_set():
-                try:
-                    with http.stream("POST", "/v1/completions", json=body) as resp:
-                        if resp.status_code != 200:
-                            self.failures.append(f"HTTP {resp.status_code}")
-                            continue
-                        for line in resp.iter_lines():
-                            if line.startswith("data: {"):
-                                self.stamps.append(time.time())
-                except httpx.HTTPError as exc:
-                    self.failures.append(f"{type(exc).__name__}: {exc}")
-
-    def tokens_between(self, t0: float, t1: float) -> int:
-        return sum(t0 <= s <= t1 for s in list(self.stamps))
-
-    def __enter__(self):
-        self.start()
-        deadline = time.time() + 120
-        while not self.stamps and time.time() < deadline:
-            time.sleep(0.05)
-        assert self.stamps, "the stream never produced a token"
-        return self
-
-    def __exit__(self, *exc):
-        self.stop.set()
-        self.join(130)
-
-
 def versions(server):
     return server.client.weight_versions()
 
@@ -86,7 +45,7 @@ def test_a_stage_under_traffic_changes_nothing_live_then_commit_switches_in_a_sh
     model = tiny_model
     model.references(*model.weights)
     assert server.complete(model.prompts, MAX_TOKENS) == model.reference(model.weights[0])
-    with Stream(server, model.prompts[0]) as stream:
+    with Traffic(lambda on_token: server.stream([model.prompts[0]], 150, on_token)) as stream:
         t0 = time.time()
         # small buckets: many round trips, so that the worker's window holds several decode steps
         result = push(server, [model.weights[1]], path="extension", stage="w1", max_bucket_gb=STAGE_BUCKET_GB)
@@ -406,7 +365,7 @@ def test_the_service_stages_and_commits_into_a_real_vllm(server, tiny_model, tmp
     """``ckpt-engine serve``: ``POST .../update {"stage": v}`` then ``POST /v1/commit``."""
     import shutil
 
-    from service_world import ServiceWorld
+    from support.service_world import ServiceWorld
 
     model = tiny_model
     push(server, [model.weights[0]], path="extension", version="s0")
@@ -443,7 +402,7 @@ def test_the_example_driver_stages_then_commits_and_a_commit_alone_of_nothing_fa
     import subprocess
     import sys
 
-    from harness import free_port
+    from support.ports import free_port
     from vllm_support.server import REPO
 
     model = tiny_model

@@ -9,12 +9,10 @@ shows there), and the server must still answer. Before the fixes, the backend pa
 entries in use ("Failed to reset prefix cache").
 """
 
-import threading
-
-import httpx
 import pytest
 
 from ckpt_core import ParameterServer
+from support.traffic import Traffic
 from vllm_support.fixtures import MAX_TOKENS, push, shared_servers, tiny_model, vllm_python  # noqa: F401
 from vllm_support.server import free_port
 
@@ -30,56 +28,11 @@ def server(shared_servers, tiny_model):
     return shared_servers.get(tiny_model, **SHARED_SERVER[1])
 
 
-class Traffic(threading.Thread):
-    """Streams long completions back to back until stopped; ``quiet()`` holds it between requests.
-
-    ``running`` is set while a request is generating (its first tokens arrived), ``seq`` numbers
-    the requests: an update that starts and ends during the same ``seq`` ran under traffic.
-    """
-
-    def __init__(self, server, prompts):
-        super().__init__(daemon=True, name="traffic")
-        self.server, self.prompts = server, prompts
-        self.stop, self.hold, self.idle, self.running = (threading.Event() for _ in range(4))
-        self.seq, self.done, self.failures = 0, 0, []
-
-    def run(self):
-        body = {"model": "tiny", "prompt": self.prompts, "max_tokens": 200, "temperature": 0.0,
-                "ignore_eos": True, "stream": True}
-        with httpx.Client(base_url=self.server.endpoint, timeout=120.0) as http:
-            while not self.stop.is_set():
-                if self.hold.is_set():
-                    self.idle.set()
-                    self.stop.wait(0.05)
-                    continue
-                self.idle.clear()
-                self.seq += 1
-                try:
-                    with http.stream("POST", "/v1/completions", json=body) as resp:
-                        if resp.status_code != 200:
-                            self.failures.append(f"HTTP {resp.status_code}: {resp.read()[:300]!r}")
-                            continue
-                        for line in resp.iter_lines():
-                            if line.startswith("data: {"):
-                                self.running.set()
-                    self.done += 1
-                except httpx.HTTPError as exc:
-                    self.failures.append(f"{type(exc).__name__}: {exc}")
-                finally:
-                    self.running.clear()
-
-    def quiet(self):
-        self.hold.set()
-        assert self.idle.wait(120), "the traffic's last request did not finish"
-
-    def resume(self):
-        self.hold.clear()
-
-
 @pytest.mark.parametrize("path", ["extension", "backend"])
 def test_six_updates_under_traffic_each_give_exactly_the_new_weights(server, tiny_model, path):
     model = tiny_model
-    traffic = Traffic(server, model.prompts[:2])   # the short prompts leave room for 200 new tokens
+    # the short prompts leave room for 200 new tokens
+    traffic = Traffic(lambda on_token: server.stream(model.prompts[:2], 200, on_token))
     overlapped = 0
     # Both weight sets registered once, before the traffic: each update then starts right as a
     # request is generating (a PS set up per update took about as long as a whole request).

@@ -38,7 +38,7 @@ def server(shared_servers, tiny_model):
 def run_trainer(python: str, model, server, out, phases: list[str], *, ranks: int = 1, extra=(),
                 timeout_s: float = TIMEOUT_S) -> list[dict]:
     """rl_trainer.py on ``ranks`` trainer ranks (torchrun for more than one); rank 0's JSON lines."""
-    from ports import free_port
+    from support.ports import free_port
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}

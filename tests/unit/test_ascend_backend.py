@@ -16,7 +16,7 @@ import torch
 
 from ckpt_ascend import NpuBackend
 from fakes.ascend_env import FAKES, ROOT, board_env, installed, run_py
-from harness import pythonpath
+from support.procs import pythonpath
 
 
 DISCOVER = """

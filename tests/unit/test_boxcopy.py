@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ckpt_core.devices.cpu import CpuBackend
-from boxcopy_cases import experts_layer
+from support.boxcopy_cases import experts_layer
 from ckpt_core.planning.boxcopy import box_copies, byte_dims, copied_bytes, merge_copies
 
 

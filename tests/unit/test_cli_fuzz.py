@@ -26,8 +26,8 @@ import torch
 
 from ckpt_core import cli
 from ckpt_core.checkpoint.safetensors import write_file
-from forked import Zygote, run_python
-from harness import pythonpath
+from support.forked import Zygote, run_python
+from support.procs import pythonpath
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SEED = int(os.environ.get("CKPT_FUZZ_SEED") or time.time_ns() % 2**32)

@@ -11,7 +11,7 @@ import torch
 
 from ckpt_core import cli
 from ckpt_core.checkpoint.safetensors import write_file
-from cli_runner import run_cli
+from support.cli_runner import run_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

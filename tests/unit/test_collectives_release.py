@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from ckpt_core.transfer.collectives import Collectives
 from ckpt_core._settings import load_settings
-from harness import free_port
+from support.ports import free_port
 
 
 @pytest.fixture

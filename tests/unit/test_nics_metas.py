@@ -74,7 +74,7 @@ def test_a_malformed_document_is_a_config_error_naming_the_fault(path, value, ne
 
 def test_a_pickled_or_non_json_or_unversioned_file_is_refused_without_unpickling(tmp_path):
     marker = tmp_path / "unpickled"
-    from harness import PickleBomb
+    from support.wire import PickleBomb
     (tmp_path / "p.pkl").write_bytes(pickle.dumps(PickleBomb(str(marker))))
     with pytest.raises(ConfigError, match="pickled"):
         _metas.read(tmp_path / "p.pkl")

@@ -12,7 +12,7 @@ from ckpt_core.p2p.metas import Peer
 from ckpt_core.p2p.pipeline import P2PBucket, P2PPipeline
 from ckpt_core.planning.buckets import Placement, Plan, TensorMeta
 from ckpt_core.errors import TransportError
-from harness import digest_of
+from ckpt_core.p2p.digests import digest_of
 
 
 class Link:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ckpt_core.p2p import digests
-from harness import digest_of
+from ckpt_core.p2p.digests import digest_of
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from ckpt_core.checkpoint.host import SharedPool
 from ckpt_core.checkpoint.safetensors import write_file
 from ckpt_core.devices import get_backend
 from ckpt_core.errors import CheckpointFormatError, ConfigError, RemoteWorkerError, TransportError
-from harness import pythonpath
+from support.procs import pythonpath
 
 
 # -- NCCL error-handling defaults ------------------------------------------------------------------

@@ -9,7 +9,7 @@ import pytest
 
 from ckpt_core.wire import protocol as proto
 from ckpt_core.errors import ProtocolError
-from harness import hello_fields
+from support.wire import hello_fields
 
 UPDATE = "run-7"
 SLOT = 4096

@@ -6,7 +6,7 @@ import pytest
 
 from ckpt_core.wire import protocol as proto
 from ckpt_core.errors import ProtocolError
-from harness import hello_fields
+from support.wire import hello_fields
 
 BUCKETS = [[("a", "BF16", (4, 4), 0), ("b", "F32", (3,), 256)], [("c", "F8_E4M3", (10,), 0)]]
 

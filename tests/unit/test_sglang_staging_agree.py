@@ -17,7 +17,7 @@ import torch
 from ckpt_core.errors import ConfigError, RemoteWorkerError
 from ckpt_sglang._agree import BUSY, OK, REFUSED, refusal
 from ckpt_sglang._protocol import ReplySocket, encode_command
-from harness import free_port
+from support.ports import free_port
 
 
 def _rank(rank: int, port: int, out) -> None:

@@ -12,7 +12,7 @@ import pytest
 from ckpt_core import cli
 from ckpt_core.errors import ConfigError
 from ckpt_core.planning.slices import SliceKey, SlicePlan, plan_to_json, read_plan_file, split_plan
-from cli_runner import run_cli
+from support.cli_runner import run_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TENSORS = {"q.weight": ("BF16", (8, 4), 2), "o.weight": ("BF16", (4, 8), 2), "norm.weight": ("F32", (4,), 4)}

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
-from slices_world import slice_of
+from support.slices_world import slice_of
 
 from ckpt_core.errors import CheckpointFormatError, ConfigError
 from ckpt_core.planning.buckets import TensorMeta

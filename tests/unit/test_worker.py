@@ -24,7 +24,7 @@ from ckpt_core.wire import worker as _worker
 from ckpt_core import update_weights_from_ipc
 from ckpt_core.devices.cpu import CpuBackend
 from ckpt_core.errors import ConfigError, ProtocolError, RemoteWorkerError, TransportError, UpdateTimeoutError
-from harness import PickleBomb, hello_fields
+from support.wire import PickleBomb, hello_fields
 
 SLOT = 4096
 UPDATE = "fake-update"

@@ -15,7 +15,7 @@ SGLang's real ``SchedulerWeightUpdaterManager``, model-runner ``WeightUpdater`` 
 ``load_weights``. What is stood in: the request queue (a count of "requests in flight" a test
 sets with ``POST /ckpt_test/busy``), SGLang's CPU device key (its CPU platform answers the
 machine arch; our PS keys CPU ranks ``CPU-<machine id>-<index>``), the stock DeviceManager
-(``stock_cpu_device.py``) and ``vllm._custom_ops`` (imported by SGLang's rotary embedding).
+(``tests/support/stock_cpu_device.py``) and ``vllm._custom_ops`` (imported by SGLang's rotary embedding).
 ``GET /ckpt_test/digests`` reports a digest of every parameter (and the weight version, the
 pause mode and how many cache flushes were asked for); ``GET /ckpt_test/cold_digests`` those of a
 cold load of a checkpoint directory into a fresh model (``probes.py``).
@@ -298,7 +298,7 @@ def main() -> None:
     from sglang_support.probes import probe_calls
     from sglang_support.sessions import scheduler_calls
     from sglang_support.tp import FanOut
-    import stock_cpu_device as cpu_device
+    from support import stock_cpu_device as cpu_device
 
     cpu_device.install(stock)
     SGLangCheckpointEngineWorkerExtensionImpl.get_device_uuid = lambda self: local_device_key("cpu", args.tp_rank)

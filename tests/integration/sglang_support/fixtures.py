@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from ckpt_core.checkpoint.safetensors import write_file
-from harness import digest, free_port
-from ports import LAUNCHES, lost_port
+from support.data import digest
+from support.ports import LAUNCHES, free_port, lost_port
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]

@@ -9,7 +9,7 @@ import os
 import time
 
 
-def digest(t) -> str:   # same format as tests/harness.py's digest
+def digest(t) -> str:   # same format as tests/support/data.py's digest
     t = t.detach().cpu().contiguous()
     return hashlib.sha256(t.reshape(-1).view(__import__("torch").uint8).numpy().tobytes()).hexdigest() \
         + f"|{t.dtype}|{tuple(t.shape)}"

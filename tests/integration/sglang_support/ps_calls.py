@@ -1,4 +1,4 @@
-"""Commands a ``harness.PsWorld`` rank runs for the SGLang tests (``world.all("call", ("sglang_support.ps_calls",
+"""Commands a ``support.world.PsWorld`` rank runs for the SGLang tests (``world.all("call", ("sglang_support.ps_calls",
 fn, args))``): the PS update whose ``req_func`` posts to the SGLang server from rank 0, as a
 launcher's first rank of an inference group does (every rank's ``req_func`` runs; the others return)."""
 

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from ports import free_port
+from support.ports import free_port
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]

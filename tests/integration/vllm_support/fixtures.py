@@ -18,8 +18,8 @@ import pytest
 
 from ckpt_core import ParameterServer
 
-from forked import Zygote, run_python
-from harness import pythonpath
+from support.forked import Zygote, run_python
+from support.procs import pythonpath
 
 from .server import REPO, VllmServer, free_port
 

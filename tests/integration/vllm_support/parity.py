@@ -17,8 +17,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .fixtures import MAX_TOKENS, TinyModel, hf_reference, run_vllm_python
-from .fixtures import push
+import pytest
+
+from .fixtures import MAX_TOKENS, OneAhead, TinyModel, hf_reference, push, run_vllm_python
 from .server import REPO, free_port
 
 HERE = Path(__file__).resolve().parent
@@ -48,6 +49,46 @@ class ParityModel:
     case: Case
     model: TinyModel
     cold: dict[str, list[dict]] = field(default_factory=dict)   # weights file -> per-rank digests
+
+    @property
+    def id(self) -> str:
+        return self.case.id
+
+    @property
+    def seed(self) -> int:
+        return self.model.seed
+
+
+def served_one_ahead(preparer, params, ids):
+    """The two module fixtures of a parity module, ``cases, served = served_one_ahead(...)``.
+
+    ``cases``: every case of ``params`` prepared while the tests of the one before it run
+    (``OneAhead``); ``preparer(vllm_python, tmp_path_factory)`` returns ``prepare(case)``, which
+    gives ``(model, server)`` (the server booted; ``model.id`` and ``model.seed`` name it) or a
+    string, the reason the case does not run here. ``served``: one case's ``(model, server)``,
+    parametrized by ``params`` (``ids``); a case prepared as a string is skipped with that reason,
+    and its server is stopped after the case's tests.
+    """
+    @pytest.fixture(scope="module")
+    def cases(request, vllm_python, tmp_path_factory):
+        ahead = OneAhead(request, "served", preparer(vllm_python, tmp_path_factory),
+                         lambda prepared: isinstance(prepared, tuple) and prepared[1].stop())
+        yield ahead
+        ahead.close()
+
+    @pytest.fixture(scope="module", params=params, ids=ids)
+    def served(request, cases):
+        prepared = cases.get(request.param)
+        if isinstance(prepared, str):
+            pytest.skip(prepared)
+        model, server = prepared
+        print(f"{model.id} seed: {model.seed} (set CKPT_TEST_SEED={model.seed} to reproduce)")
+        try:
+            yield model, server
+        finally:
+            server.stop()
+
+    return cases, served
 
 
 def tp_server_args(tp: int) -> dict:

@@ -20,8 +20,9 @@ import httpx
 
 from ckpt_vllm import VllmClient
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # tests/: the shared port picker
-from ports import LAUNCHES, free_port, lost_port  # noqa: E402  (free_port re-exported: the vLLM tests take it here)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # tests/: the shared port picker (tests/support/ports.py)
+# free_port is re-exported: the vLLM tests take it here
+from support.ports import LAUNCHES, free_port, lost_port  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[3]
 EXTENSION = "ckpt_vllm.VllmColocateWorkerExtension"
@@ -138,6 +139,20 @@ class VllmServer:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return "(no log)"
+
+    def stream(self, prompts: list[list[int]], max_tokens: int, on_token) -> None:
+        """One streamed greedy completion of ``prompts`` (EOS ignored); ``on_token(time.time())`` as
+        each token chunk arrives. A status other than 200 raises (``support.traffic.Traffic``'s request)."""
+        transport = httpx.HTTPTransport(uds=str(self.uds)) if self.uds else None
+        body = {"model": "tiny", "prompt": prompts, "max_tokens": max_tokens, "temperature": 0.0,
+                "ignore_eos": True, "stream": True}
+        with httpx.Client(base_url=self.endpoint, transport=transport, timeout=120.0) as http, \
+                http.stream("POST", "/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                raise RuntimeError(f"HTTP {resp.status_code}: {resp.read()[:300]!r}")
+            for line in resp.iter_lines():
+                if line.startswith("data: {"):
+                    on_token(time.time())
 
     def complete(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         """Greedy completions (token ids) of token-id prompts, EOS ignored like the HF reference."""

@@ -17,9 +17,12 @@ import traceback
 
 import torch
 
-from e2e_cases import ShmDir
-from harness import CTX, FAULT_DTYPES, collect_world, digest, fresh_tensor, free_port, queue_worker_main
 from ckpt_core.checkpoint.safetensors import write_file
+from support.data import FAULT_DTYPES, digest, fresh_tensor
+from support.e2e_cases import ShmDir
+from support.engine import queue_worker_main
+from support.ports import free_port
+from support.procs import CTX, collect_world
 
 WORKER_RESULT_S = 120.0   # generous: how long a PS rank waits for its worker's report
 HANG_TIMEOUT_S = 10.0     # the update timeout that must bound a req_func that never returns

@@ -1,5 +1,5 @@
 """`ckpt-engine` run as a process of its own, as `python -m ckpt_core.cli ARGS` would run it, forked
-from a helper that imported the CLI (and torch) once (tests/forked.py): the CLI tests start dozens."""
+from a helper that imported the CLI (and torch) once (tests/support/forked.py): the CLI tests start dozens."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import os
 import subprocess
 import sys
 
-from forked import Zygote, run_python
-from harness import pythonpath
+from support.forked import Zygote, run_python
+from support.procs import pythonpath
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the project
 _ENV = dict(os.environ, PYTHONPATH=pythonpath(ROOT))
 # The CLI itself imports torch only in the subcommands that need it: the helper imports it (and the
 # parameter server) up front, so that forked runs of inspect/plan/serve do not each import it again.

@@ -1,12 +1,12 @@
-"""What the PS ranks of ``test_slices_refusals.py`` run (through the harness's ``call`` command): a
+"""What the PS ranks of ``test_slices_refusals.py`` run (through ``PsWorld``'s ``call`` command): a
 sliced update, or a share of a slice plan, where a rank may pass something that is not a plan (its
 digest, which an engine client's ``update(slices=)`` takes, or its JSON)."""
 
 from __future__ import annotations
 
-import slices_world as sw
 from ckpt_core.planning.slices import plan_to_json
-from harness import make_req_func
+from support import slices_world as sw
+from support.engine import make_req_func
 
 TP = 2
 

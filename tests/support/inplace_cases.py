@@ -13,8 +13,8 @@ import os
 import subprocess
 import sys
 
-from e2e_cases import ShmDir
-from harness import pythonpath
+from support.e2e_cases import ShmDir
+from support.procs import pythonpath
 
 NOBODY = 65534
 CHILD = r"""
@@ -23,7 +23,7 @@ import torch
 from ckpt_core.checkpoint.sources import build_checkpoint
 from ckpt_core.devices import get_backend
 from ckpt_core.errors import CkptError
-from harness import digest
+from support.data import digest
 files, unlink, kind = json.loads(sys.argv[1]), sys.argv[2] == "1", sys.argv[3]
 backend = get_backend(kind)
 if kind == "cuda":
@@ -48,8 +48,8 @@ print("RESULT " + json.dumps(out))
 
 
 def register_as_unprivileged(files: list[str], *, unlink: bool, kind: str = "cpu") -> dict:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the project (this file is in tests/)
-    env = dict(os.environ, PYTHONPATH=pythonpath(root, os.path.join(root, "tests")))
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # this file is in tests/support/
+    env = dict(os.environ, PYTHONPATH=pythonpath(os.path.dirname(tests), tests))
     proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(files), "1" if unlink else "0", kind],
                           capture_output=True, text=True, timeout=120, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]

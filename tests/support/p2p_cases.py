@@ -1,5 +1,5 @@
 """P2P test cases shared by the CPU and GPU tests, and the PS-side steps they run inside PS
-processes (through the harness's ``call`` command)."""
+processes (through ``PsWorld``'s ``call`` command)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import itertools
 import json
 import sys
 
-from harness import EngineFront, FreshCheckpoints, PsWorld, make_req_func
+from support.engine import EngineFront, make_req_func
+from support.world import FreshCheckpoints, PsWorld
 
 # simulated host A (TCP on loopback), serving its checkpoints over P2P (opt-in)
 OWNERS = {"PS_P2P_HOST": "127.0.0.2", "NCCL_IB_DISABLE": "1", "PS_P2P_SERVE": "1"}
@@ -17,7 +18,7 @@ SMALL = {"max_bucket_gb": 0.00005}   # ~52 KiB buckets: every update spans many 
 
 def call(world, fn, *args, ranks=None, timeout=120):
     """Run ``fn(ps, rank, *args)`` of this module in the PS processes of ``world``."""
-    return world.all("call", ("p2p_cases", fn, args), ranks=ranks, timeout=timeout)
+    return world.all("call", (__name__, fn, args), ranks=ranks, timeout=timeout)
 
 
 def all_ok(got):

@@ -1,5 +1,5 @@
 """A slice plan for the CPU routing tests: tensors split by rows, by columns, and read whole, as
-two engine ranks' loaders would read them (``planning/slices.py``); used through the harness's
+two engine ranks' loaders would read them (``planning/slices.py``); used through ``PsWorld``'s
 ``call`` command inside each PS process."""
 
 from __future__ import annotations
@@ -8,9 +8,10 @@ import math
 
 import torch
 
-from ckpt_core.planning.slices import (RankSlices, SliceKey, SlicePlan, Write, box_extent, plan_from_json,
-                                       plan_to_json)
-from harness import EngineFront, PsWorld, digest, make_req_func
+from ckpt_core.planning.slices import RankSlices, SliceKey, SlicePlan, Write, box_extent, plan_from_json, plan_to_json
+from support.data import digest
+from support.engine import EngineFront, make_req_func
+from support.world import PsWorld
 
 SHAPES = {"rows": (6, 4), "cols": (4, 6), "norm": (5,), "emb": (8, 4)}
 
@@ -74,7 +75,7 @@ def case_each_worker_receives_its_slices(kind: str) -> None:
     try:
         with PsWorld(kind, 2) as world:
             _register(world, tensors(7))
-            got = world.all("call", ("slices_world", "sliced_update", ("c", front.address, 60, plan_doc())))
+            got = world.all("call", (__name__, "sliced_update", ("c", front.address, 60, plan_doc())))
             for r in range(2):
                 assert got[r].ok, got[r]
                 result = got[r].value["slices"]
@@ -102,8 +103,8 @@ def case_disagreeing_ranks_refuse(kind: str) -> None:
         with PsWorld(kind, 2) as world:
             t = tensors(8)
             _register(world, t)
-            got = world.all("call", per_rank={0: ("slices_world", "sliced_update", ("c", front.address, 30, plan_doc())),
-                                              1: ("slices_world", "sliced_update", ("c", front.address, 30, None))})
+            got = world.all("call", per_rank={0: (__name__, "sliced_update", ("c", front.address, 30, plan_doc())),
+                                              1: (__name__, "sliced_update", ("c", front.address, 30, None))})
             for r in range(2):
                 assert not got[r].ok and got[r].error == "ConfigError" and "disagree on the slice plan" in got[r].message
             assert front.fanouts == 0, "no engine was asked to load anything"
@@ -115,9 +116,8 @@ def case_disagreeing_ranks_refuse(kind: str) -> None:
 def case_file_and_shm_sources(kind: str, tmp_path) -> None:
     """The same slices from checkpoint files: rank 0's tensors from a safetensors file on disk, rank
     1's from one in /dev/shm registered in place; each worker holds exactly its slices, twice over."""
-    from e2e_cases import ShmDir
-
     from ckpt_core.checkpoint.safetensors import write_file
+    from support.e2e_cases import ShmDir
 
     front = EngineFront(kind, 2, slices=(plan().digest, [0, 1]))
     shm = ShmDir()
@@ -131,7 +131,7 @@ def case_file_and_shm_sources(kind: str, tmp_path) -> None:
                 name = f"f{seed}"
                 world.all("register", per_rank={0: (name, {"files": [disk]}), 1: (name, {"files": [in_shm]})})
                 world.all("gather", name)
-                got = world.all("call", ("slices_world", "sliced_update", (name, front.address, 60, plan_doc())))
+                got = world.all("call", (__name__, "sliced_update", (name, front.address, 60, plan_doc())))
                 for r in range(2):
                     assert got[r].ok, got[r]
                     assert got[r].value["slices"]["received_bytes"] == [plan().rank_bytes(0), plan().rank_bytes(1)]
@@ -163,7 +163,7 @@ def case_replicas_share_one_transfer(kind: str) -> None:
         with PsWorld(kind, 4) as world:
             t = tensors(11)
             _register_four(world, t)
-            got = world.all("call", ("slices_world", "sliced_update", ("c", front.address, 60, plan_doc())))
+            got = world.all("call", (__name__, "sliced_update", ("c", front.address, 60, plan_doc())))
             assert all(got[r].ok for r in range(4)), got
             p = plan()
             for r in range(4):
@@ -183,11 +183,11 @@ def case_replicas_share_one_transfer(kind: str) -> None:
             # a second update reuses the two replica groups: made once per ParameterServer
             assert all(o.ok for o in world.all("unregister", ("c", {})).values())
             _register_four(world, tensors(13))
-            got = world.all("call", ("slices_world", "sliced_update", ("c", front.address, 60, plan_doc())))
+            got = world.all("call", (__name__, "sliced_update", ("c", front.address, 60, plan_doc())))
             assert all(got[r].ok for r in range(4)), got
             for q in range(4):
                 assert front.digests(q) == {n: digest(x) for n, x in want(13, q % 2).items()}, f"worker {q}"
-            groups = world.all("call", ("slices_world", "own_groups", ()))
+            groups = world.all("call", (__name__, "own_groups", ()))
             assert [groups[r].value for r in range(4)] == [[[0, 2], [1, 3]]] * 4, groups
     finally:
         front.close()
@@ -208,7 +208,7 @@ def case_world_not_a_multiple_of_the_engine_refuses(kind: str) -> None:
             world.all("register", per_rank={r: ("c", {"named_tensors": {n: t[n] for n, o in OWNERS.items()
                                                                           if o % 3 == r}}) for r in range(3)})
             world.all("gather", "c")
-            got = world.all("call", ("slices_world", "sliced_update", ("c", front.address, 30, plan_doc())))
+            got = world.all("call", (__name__, "sliced_update", ("c", front.address, 30, plan_doc())))
             for r in range(3):
                 assert not got[r].ok and got[r].error == "ConfigError", got[r]
                 assert "2 engine ranks" in got[r].message and "3 ranks" in got[r].message, got[r].message
@@ -321,7 +321,7 @@ def case_slices_of_trainer_shards(kind: str, world_size: int = 2) -> None:
                     full = pieced_tensors(22)
                     assert all(o.ok for o in world.all("unregister", ("c", {})).values())
                     register_pieces(world, full, pieced_layout(world_size))
-                got = world.all("call", ("slices_world", "sliced_update", ("c", front.address, 60, doc)))
+                got = world.all("call", (__name__, "sliced_update", ("c", front.address, 60, doc)))
                 assert all(got[r].ok for r in range(world_size)), got
                 for r in range(world_size):
                     result = got[r].value["slices"]

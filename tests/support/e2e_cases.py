@@ -8,9 +8,13 @@ import uuid
 
 import torch
 
-from harness import FAULT_DTYPES as DTYPES, EngineFront, assert_healthy_workers_aborted, fresh_tensor as fresh
-from harness import run_ps_world, want_digests
 from ckpt_core.checkpoint.safetensors import write_file
+from support.asserts import assert_healthy_workers_aborted
+from support.data import FAULT_DTYPES as DTYPES
+from support.data import fresh_tensor as fresh
+from support.data import want_digests
+from support.engine import EngineFront
+from support.world import run_ps_world
 
 
 def tensors(prefix: str, n: int, gen, *, min_elems=1, max_elems=5000) -> dict[str, torch.Tensor]:

@@ -5,7 +5,7 @@
 ``sys.path`` and calls that release's ``checkpoint_engine.worker.update_weights_from_ipc``.
 
 The one stand-in is the stock worker's DeviceManager, which refuses a machine without a GPU or
-NPU (``stock_cpu_device.py``); everything else is the stock code.
+NPU (``support/stock_cpu_device.py``); everything else is the stock code.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import sys
 
 import pytest
 
-from harness import SimEngine
-import stock_cpu_device as cpu_device
+from support import stock_cpu_device as cpu_device
+from support.engine import SimEngine
 
 STOCK_ENV = "CKPT_STOCK_CE"
 # stock release -> the wire our PS must speak to it
@@ -61,7 +61,8 @@ def load_stock_worker(folder: str, kind: str = "cpu"):
 
 
 class StockSimEngine(SimEngine):
-    """A harness engine whose update is the stock worker's loop; ``behavior["stock_dir"]`` picks the release."""
+    """A simulated engine (``support.engine.SimEngine``) whose update is the stock worker's loop;
+    ``behavior["stock_dir"]`` picks the release."""
 
     def __init__(self, kind: str, index: int, behavior: dict):
         super().__init__(kind, index, behavior)

@@ -2,8 +2,9 @@
 
 ``ServiceWorld`` starts the console script's code (``python -m ckpt_core.cli serve``) in W
 processes forming one CPU (gloo) world, each on its own Unix socket, and hands out httpx
-clients bound to those sockets. ``HttpEngineFront`` puts the harness's engine workers behind a
-real HTTP ``/collective_rpc`` route, so the service's ``update_url`` path is exercised as with vLLM.
+clients bound to those sockets. ``HttpEngineFront`` puts the simulated engine workers
+(``support.engine``) behind a real HTTP ``/collective_rpc`` route, so the service's ``update_url``
+path is exercised as with vLLM.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 
-from harness import EngineFront, free_port, make_req_func
+from support.engine import EngineFront, make_req_func
+from support.ports import free_port
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the project
 
 
 def start_serve(args: list[str], env: dict, log_path: str) -> subprocess.Popen:
@@ -111,10 +113,10 @@ class ServiceWorld:
 
 
 class HttpEngineFront:
-    """The harness's engine workers behind ``POST /collective_rpc`` and ``/reset_prefix_cache`` (a
-    real HTTP server, answering like vLLM's), and ``GET /health``. ``reset_route=False``: an engine
-    without ``/reset_prefix_cache`` (404, as FastAPI answers a route it does not have). ``paths``:
-    every request's method and path, in order."""
+    """The simulated engine workers (``support.engine.EngineFront``) behind ``POST /collective_rpc``
+    and ``/reset_prefix_cache`` (a real HTTP server, answering like vLLM's), and ``GET /health``.
+    ``reset_route=False``: an engine without ``/reset_prefix_cache`` (404, as FastAPI answers a
+    route it does not have). ``paths``: every request's method and path, in order."""
 
     def __init__(self, world: int, kind: str = "cpu", *, reset_route: bool = True):
         self.engine = EngineFront(kind, world)

@@ -1,10 +1,10 @@
 """Delta updates in real worlds: an engine worker that holds live tensors (``DeltaEngine``) and the
-PS-side helpers the harness runs through its ``call`` command.
+PS-side helpers a ``PsWorld`` runs through its ``call`` command.
 
 ``DeltaEngine`` keeps every tensor it loads. Tensors named in ``behavior["derived"]`` it keeps in a
 derived form (float32, as an engine that repacks or upcasts would), so they cannot be scattered
 into: a delta reaches them through the rebuild-and-reload path. Its ``digests`` are of the
-checkpoint-format bytes it holds (derived ones cast back), comparable with ``harness.want_digests``.
+checkpoint-format bytes it holds (derived ones cast back), comparable with ``support.data.want_digests``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import os
 
 import torch
 
-from harness import SimEngine, digest, make_req_func
+from support.data import digest
+from support.engine import SimEngine, make_req_func
 
 DERIVED = ("r1.mlp.weight", "r0.fp8.weight")   # the engine keeps these in its own layout: reloaded, not scattered
 

@@ -1,4 +1,4 @@
-"""Steps run inside PS processes (the harness's ``call`` command) for the P2P exposure and
+"""Steps run inside PS processes (``PsWorld``'s ``call`` command) for the P2P exposure and
 lifecycle tests, and the foreign Mooncake peer that tries to read and write a PS's memory."""
 
 from __future__ import annotations
@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from ckpt_core.ops.sockets import listening_sockets
-from harness import fresh_tensors, make_req_func, want_digests
+from support.data import fresh_tensors, want_digests
+from support.engine import make_req_func
 
 
 def memory_view(ps, rank, name):

@@ -16,7 +16,10 @@ import traceback
 
 import torch
 
-from harness import CTX, collect_world, digest, free_port, make_req_func
+from support.data import digest
+from support.engine import make_req_func
+from support.ports import free_port
+from support.procs import CTX, collect_world
 
 VOCAB, HIDDEN, INNER = 37, 24, 42   # 37 rows over 2 or 3 ranks, 42 over (2 x 2): never all even
 

@@ -12,7 +12,9 @@ import os
 import signal
 import time
 
-from harness import EngineFront, FreshCheckpoints, PsWorld, report_case
+from support.asserts import report_case
+from support.engine import EngineFront
+from support.world import FreshCheckpoints, PsWorld
 
 BUCKET_BYTES = 16 << 10
 COLLECTIVE_TIMEOUT_S = 4.0
@@ -147,7 +149,8 @@ def _group_census_main(rank: int, world: int, port: int, kind: str, n: int, mode
 def p2p_update_once(ps, rank: int, address: str) -> None:
     """Register fresh random tensors, gather, and P2P-update the engine worker of rank 1 from every rank."""
     import torch
-    from harness import make_req_func
+
+    from support.engine import make_req_func
     gen = torch.Generator().manual_seed(rank)
     ps.register_checkpoint("census", named_tensors={f"r{rank}.w{i}": torch.randn(4096, generator=gen)
                                                     for i in range(4)})
@@ -170,7 +173,8 @@ def group_census(kind: str, n: int, mode: str, world: int = 2, p2p: str | None =
     """Each rank's process-group count and open fds before and after ``n`` ParameterServers were
     created in (and closed or aborted out of) a default group the caller initialised; with ``p2p``
     (an engine front serving rank 1's worker), each did a P2P update into rank 1 first."""
-    from harness import CTX, free_port
+    from support.ports import free_port
+    from support.procs import CTX
     port, q = free_port(), CTX.Queue()
     procs = [CTX.Process(target=_group_census_main, args=(r, world, port, kind, n, mode, q, p2p), daemon=True)
              for r in range(world)]
@@ -231,7 +235,7 @@ def update_refused_by_precheck(ps, rank, name, address, timeout, refuse_on):
     """An update whose req_func on rank ``refuse_on`` carries a ``precheck`` that refuses (as
     ``SglangClient.req_func`` does for a model its server cannot reload); rank 0 posts to the engines."""
     from ckpt_core.errors import ConfigError
-    from harness import make_req_func
+    from support.engine import make_req_func
 
     inner = make_req_func(address) if rank == 0 else (lambda h: None)
 

@@ -1,10 +1,10 @@
-"""Trainer ranks driving ``ckpt_vllm.trainer`` in real processes, into the harness's simulated engine.
+"""Trainer ranks driving ``ckpt_vllm.trainer`` in real processes, into the simulated engine (``support.engine``).
 
 Each rank process builds ``CkptTrainerWeightTransferEngine.trainer_init(CkptTrainerInitInfo(...),
 client=FakeSyncClient(...), source=...)`` (vLLM's trainer factory needs vLLM, which the project
 venv lacks; tests/integration/test_vllm_trainer_api.py drives the real one) and runs a list of
 rounds. ``FakeSyncClient`` speaks vLLM's four-method ``VLLMWeightSyncClient`` protocol; its
-``update_weights`` hands the ZeroMQ handles to the harness's ``EngineFront`` (real engine-worker
+``update_weights`` hands the ZeroMQ handles to ``support.engine.EngineFront`` (real engine-worker
 processes running the core's receive loop), which is what a vLLM server's ``/update_weights``
 makes its workers do. Rounds: ``("send", spec)``; the outcome of each goes back to the test.
 """
@@ -19,7 +19,10 @@ from pathlib import Path
 
 import torch
 
-from harness import CTX, collect_world, digest, fresh_tensors, free_port, make_req_func
+from support.data import digest, fresh_tensors
+from support.engine import make_req_func
+from support.ports import free_port
+from support.procs import CTX, collect_world
 
 SHAPES = {f"model.layers.{i}.{part}.weight": ((24, 16), torch.float32) for i in range(3) for part in ("q", "k", "mlp")}
 SHAPES.update({"model.embed_tokens.weight": ((40, 16), torch.bfloat16), "model.norm.weight": ((16,), torch.float32)})
@@ -62,7 +65,7 @@ class OldSyncClient(FakeSyncClient):
 
 
 # A stand-in for vLLM 0.26's trainer API (its factory's earlier form, its base class taking a config)
-FAKE_VLLM026 = Path(__file__).resolve().parent / "fakes" / "vllm026"
+FAKE_VLLM026 = Path(__file__).resolve().parents[1] / "fakes" / "vllm026"
 
 
 def _trainer_engine(info, client, vllm026: bool):
@@ -70,8 +73,9 @@ def _trainer_engine(info, client, vllm026: bool):
         from ckpt_vllm.trainer import CkptTrainerWeightTransferEngine
 
         return CkptTrainerWeightTransferEngine.trainer_init(info, client=client)
-    from ckpt_vllm.plugin import register_trainer
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from ckpt_vllm.plugin import register_trainer
 
     assert register_trainer(), "the ckpt trainer engine did not register with vLLM 0.26's factory"
     return WeightTransferTrainerFactory.trainer_init("ckpt", None, info, client=client, source=None)

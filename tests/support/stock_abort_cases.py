@@ -1,4 +1,4 @@
-"""Faults injected into a PS rank process (through the harness's ``call`` command) to end an update
+"""Faults injected into a PS rank process (through ``PsWorld``'s ``call`` command) to end an update
 at a chosen state of the stock worker's handshake (tests/integration/test_compat_stock_abort.py)."""
 
 from __future__ import annotations

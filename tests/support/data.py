@@ -1,0 +1,35 @@
+"""Test data: fresh random tensors (never zeros: a transfer that moves nothing must not pass) in
+every dtype the transfers carry, and the digests an engine must hold after an update."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+
+def digest(t: torch.Tensor) -> str:
+    """SHA-256 of the tensor's bytes, with its dtype and shape: equal only for bit-identical tensors."""
+    t = t.detach().cpu().contiguous()
+    sha = hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+    return f"{sha}|{t.dtype}|{tuple(t.shape)}"
+
+
+FAULT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
+
+
+def fresh_tensor(shape, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """Random data (never zeros: a transfer that moves nothing must not pass) in any dtype, float8 included."""
+    x = torch.randn(shape, generator=gen) * 3
+    x[x == 0] = 1.0
+    return x.to(dtype)
+
+
+def fresh_tensors(names_shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], gen: torch.Generator) -> dict:
+    """``fresh_tensor`` for fixed names."""
+    return {name: fresh_tensor(shape, dtype, gen) for name, (shape, dtype) in names_shapes.items()}
+
+
+def want_digests(*groups: dict[str, torch.Tensor]) -> dict[str, str]:
+    """{tensor name: digest} of every tensor of the groups: what the engines must hold afterwards."""
+    return {n: digest(t) for g in groups for n, t in g.items()}

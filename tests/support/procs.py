@@ -1,0 +1,132 @@
+"""The tests' child processes: how the worlds start them (a fork server that imported torch once),
+the PYTHONPATH a child interpreter gets, collecting what a world of rank processes reports, and what
+a process holds (memory, descriptors, threads, /dev/shm buffers)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+
+# Children of the worlds start from a fork server that has imported torch once (and what every
+# PS rank and engine worker imports after it): a spawned child spends ~3-5 s of a core importing
+# torch again, and the suite starts hundreds of them on CI's 2 cores. Each child still runs in
+# an interpreter that imported nothing of ours, with the sys.path of its parent (as with spawn)
+# and the environment its parent had when it was started (``_Process``: a fork server's
+# children would otherwise inherit the fork server's own). CKPT_TEST_START_METHOD=spawn
+# restores plain spawned children.
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor", "zmq", "httpx",
+           "safetensors"]
+
+
+class _Process(mp.context.ForkServerProcess):
+    """A fork-server child that runs with its parent's ``os.environ`` as of ``start()``."""
+
+    def start(self):
+        self._parent_environ = dict(os.environ)
+        super().start()
+
+    def run(self):
+        os.environ.clear()
+        os.environ.update(self._parent_environ)
+        super().run()
+
+
+class _Context(mp.context.ForkServerContext):
+    Process = _Process
+
+
+def _context():
+    method = os.environ.get("CKPT_TEST_START_METHOD", "forkserver")
+    if method != "forkserver":
+        return mp.get_context(method)
+    ctx = _Context()
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+CTX = _context()
+
+
+def pythonpath(*paths) -> str:
+    """PYTHONPATH for a child interpreter: ``paths`` first, then the caller's own (an air-gapped
+    host puts its wheels there; a child that loses them cannot import zmq or Mooncake)."""
+    parts = [str(p) for p in paths] + [os.environ.get("PYTHONPATH", "")]
+    return os.pathsep.join(p for p in parts if p)
+
+
+def process_gone(pid: int, timeout: float = 60) -> bool:
+    """Whether ``pid`` exits (or is left a zombie) within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        try:   # a zombie of a dead parent is reaped by init; a stopped one would still show here
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split(") ")[1].startswith("Z"):
+                    return True
+        except OSError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def collect_world(procs: list, q, what: str, timeout: float, join_s: float = 5) -> dict[int, list]:
+    """Start ``procs`` (one per rank; each puts ``(rank, result)`` on ``q``) and return every rank's
+    result, failing with ``what`` named when they do not finish within ``timeout`` or all die silently."""
+    for p in procs:
+        p.start()
+    out: dict[int, list] = {}
+    start = time.monotonic()
+    deadline = start + timeout
+    try:
+        while len(out) < len(procs):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{what} did not finish within {timeout} s; finished ranks {sorted(out)}")
+            try:
+                rank, res = q.get(timeout=min(left, 1.0))
+                out[rank] = res
+            except Exception:
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in out]
+                # A rank's last put may still be in flight for a moment after it exits.
+                if dead and time.monotonic() > start + 5 and all(not p.is_alive() for p in procs) and q.empty():
+                    raise RuntimeError(f"PS ranks {dead} died without reporting")
+    finally:
+        for p in procs:
+            p.join(join_s)
+            if p.is_alive():
+                p.kill()
+    return out
+
+
+def _proc_status(pid: int | str = "self") -> dict[str, int]:
+    """The leading number of each field of /proc/PID/status that has one (VmRSS in kB, Threads, ...)."""
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            first = rest.split()[:1]
+            if first and first[0].isdigit():
+                out[key] = int(first[0])
+    return out
+
+
+def rss_bytes(pid: int | str = "self") -> int:
+    return _proc_status(pid).get("VmRSS", 0) * 1024
+
+
+def process_footprint(pid: int) -> dict[str, int]:
+    """Resident memory, open descriptors and threads of a process (Linux /proc)."""
+    status = _proc_status(pid)
+    return {"rss": status.get("VmRSS", 0) * 1024, "fds": len(os.listdir(f"/proc/{pid}/fd")),
+            "threads": status.get("Threads", 0)}
+
+
+def shm_footprint() -> dict[str, int]:
+    """/dev/shm bytes in use and the number of ckpt-engine IPC buffers in it."""
+    st = os.statvfs("/dev/shm")
+    buffers = [n for n in os.listdir("/dev/shm") if n.startswith("ckpt-") and os.path.isfile(f"/dev/shm/{n}")]
+    return {"used": (st.f_blocks - st.f_bfree) * st.f_frsize, "ipc_buffers": len(buffers)}
