@@ -1,6 +1,6 @@
-"""The suite's own layout: pytest imports test files by their basename (rootdir-relative ``rootdir``
-mode is not used), so two test files of one name in different folders fail the collection of the
-whole suite with "import file mismatch"."""
+"""The suite's own layout: pytest imports test files by their basename (its default import mode;
+the test folders are not packages), so two test files of one name in different folders fail the
+collection of the whole suite with "import file mismatch"."""
 
 from collections import defaultdict
 from pathlib import Path
