@@ -187,9 +187,18 @@ class VllmClient(Requester):
         if stage is not None:
             return self.stage(handles, stage, timeout=timeout, device_bytes=stage_device_bytes, prepare=prepare,
                               slices=slices)
-        handles = dict(handles)
         wait = self.timeout if timeout is None else float(timeout)
         report = UpdateReport(path=path)
+        extra = {**({"slices": str(slices)} if slices is not None else {}), **({"deltas": True} if deltas else {})}
+        self._update_phases(report, dict(handles), wait, extra, pause=pause, init_info=init_info, start=start,
+                            finish=finish, version=version)
+        return self._record(report)
+
+    def _update_phases(self, report: UpdateReport, handles: dict, wait: float, extra: dict, *, pause: str | None,
+                       init_info: dict | None, start: bool, finish: bool, version: str | None) -> None:
+        """:meth:`update`'s phases into ``report``: pause, load (either path), prefix cache, version,
+        resume; on failure, what was begun is undone and the error raised."""
+        path = report.path
         phases = Phases()
         phases.seconds = report.seconds
         t0 = time.perf_counter()
@@ -199,7 +208,6 @@ class VllmClient(Requester):
             if pause is not None and start:
                 undo["resume"] = True
                 phases.run("pause", self.pause, pause)
-            extra = {**({"slices": str(slices)} if slices is not None else {}), **({"deltas": True} if deltas else {})}
             if path == "extension":
                 named = {"version": str(version)} if version is not None else {}
                 report.workers = phases.run("update", self.collective_rpc, "update_weights_from_ipc", [handles],
@@ -221,7 +229,6 @@ class VllmClient(Requester):
         if pause is not None and finish:
             phases.run("resume", self.resume)
         report.seconds["total"] = time.perf_counter() - t0
-        return self._record(report)
 
     def _backend_update(self, phases: Phases, undo: dict, info: dict, *, init_info: dict | None,
                         start: bool, finish: bool) -> None:

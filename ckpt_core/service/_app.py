@@ -88,7 +88,8 @@ def create_app(ps, *, token: str | None = None, metrics=None, policy: ServicePol
     if token is not None:
         _install_auth(app, token)
     _install_refusal_log(app, state)   # added last: outermost, so it sees the 401s of the token check too
-    _routes(app, state, ps, policy if policy is not None else ServicePolicy())
+    _checkpoint_routes(app, state, ps, policy if policy is not None else ServicePolicy())
+    _state_routes(app, state, ps)
     return app
 
 
@@ -193,7 +194,8 @@ def _install_auth(app: FastAPI, token: str) -> None:
         return await call_next(request)
 
 
-def _routes(app: FastAPI, state: ServiceState, ps, policy: ServicePolicy) -> None:
+def _checkpoint_routes(app: FastAPI, state: ServiceState, ps, policy: ServicePolicy) -> None:
+    """The operations: register, unregister, gather, update, commit, load metas."""
     @app.post("/v1/checkpoints/{name}/files", response_model=Done)
     async def register_files(name: str, body: RegisterRequest):
         check_name(name)
@@ -231,6 +233,15 @@ def _routes(app: FastAPI, state: ServiceState, ps, policy: ServicePolicy) -> Non
         result = await state.run("commit", body.version, lambda: run_commit(body, policy), weight_version=body.version)
         return Done(result=result)
 
+    @app.post("/v1/metas", response_model=Done)
+    async def load_metas(metas: dict[str, Any]):
+        """Install a document from ``GET /v1/metas``; the PS validates it whole (400 when malformed)."""
+        await state.run("load_metas", None, lambda: ps.load_metas(metas))
+        return Done()
+
+
+def _state_routes(app: FastAPI, state: ServiceState, ps) -> None:
+    """What a rank holds and how it is: health, metas, status, metrics."""
     @app.get("/v1/healthz")
     async def healthz():
         problem = _health_problem(state, ps)
@@ -242,12 +253,6 @@ def _routes(app: FastAPI, state: ServiceState, ps, policy: ServicePolicy) -> Non
     async def get_metas():
         """The versioned metas document of ``ParameterServer.get_metas()`` (see ckpt_core.p2p.metas)."""
         return ps.get_metas()
-
-    @app.post("/v1/metas", response_model=Done)
-    async def load_metas(metas: dict[str, Any]):
-        """Install a document from ``GET /v1/metas``; the PS validates it whole (400 when malformed)."""
-        await state.run("load_metas", None, lambda: ps.load_metas(metas))
-        return Done()
 
     @app.get("/v1/status", response_model=Status)
     async def status():

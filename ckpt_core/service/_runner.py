@@ -102,6 +102,23 @@ def _server_class():
     return _Server
 
 
+def _check_where(uds: str | None, host: str | None, port: int | None, token: str | None, check_token) -> None:
+    if (uds is None) == (host is None and port is None):
+        raise ConfigError("serve on either a unix socket (uds=...) or TCP (host=..., port=...), not both or neither")
+    if uds is None and not token:
+        raise ConfigError("TCP serving requires a bearer token (--token-file or CKPT_SERVICE_TOKEN)")
+    if token is not None:
+        check_token(token)
+
+
+def _log_serving(log, where: str, token: str | None, policy) -> None:
+    log.info("phase=serve listening on %s (%s)", where, "bearer token required" if token else "unix socket, mode 0600")
+    if policy is not None:
+        log.info("phase=serve reads files under %s; posts to engines %s%s", list(policy.allow_dirs) or "no directory",
+                 list(policy.engine_urls) or "on loopback hosts",
+                 f" and over the sockets {list(policy.engine_uds)}" if policy.engine_uds else "")
+
+
 def serve(ps, *, uds: str | None = None, host: str | None = None, port: int | None = None,
           token: str | None = None, log_level: str = "warning", policy=None, metrics_port: int | None = None) -> bool:
     """Serve ``ps`` until SIGINT/SIGTERM; then close the socket (and remove the socket file).
@@ -127,12 +144,7 @@ def serve(ps, *, uds: str | None = None, host: str | None = None, port: int | No
     from ._app import check_token, create_app
     _Server = _server_class()
 
-    if (uds is None) == (host is None and port is None):
-        raise ConfigError("serve on either a unix socket (uds=...) or TCP (host=..., port=...), not both or neither")
-    if uds is None and not token:
-        raise ConfigError("TCP serving requires a bearer token (--token-file or CKPT_SERVICE_TOKEN)")
-    if token is not None:
-        check_token(token)
+    _check_where(uds, host, port, token, check_token)
     log = rank_logger(f"service rank {ps.rank}/{ps.world_size}")
     app = create_app(ps, token=token, policy=policy)
     state = app.state.service
@@ -145,11 +157,7 @@ def serve(ps, *, uds: str | None = None, host: str | None = None, port: int | No
     where = uds if uds is not None else "%s:%d" % sock.getsockname()[:2]
     config = uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=5)
     server = _Server(config)
-    log.info("phase=serve listening on %s (%s)", where, "bearer token required" if token else "unix socket, mode 0600")
-    if policy is not None:
-        log.info("phase=serve reads files under %s; posts to engines %s%s", list(policy.allow_dirs) or "no directory",
-                 list(policy.engine_urls) or "on loopback hosts",
-                 f" and over the sockets {list(policy.engine_uds)}" if policy.engine_uds else "")
+    _log_serving(log, where, token, policy)
     idle = False
     try:
         server.run(sockets=[sock])
