@@ -177,6 +177,7 @@ def main() -> int:
         f"{doc['share_first_s']:.3f} s",
         f"share again (digest only): {doc['share_again_s'] * 1e3:.2f} ms",
     ]
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out + ".json").write_text(json.dumps(doc, indent=1) + "\n")
     Path(args.out + ".txt").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
