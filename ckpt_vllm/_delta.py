@@ -20,8 +20,12 @@ tensors. A failure on any rank undoes the scatters on every worker; nothing was 
 agreement. Where the map cannot place a tensor (or an MTP drafter shares the checkpoint), every
 delta reloads the whole model from a full host copy, as the first slice did.
 
-Not yet: staged and sliced deltas; scattering into a sharded tensor (tensor parallel: the version's
-digest is of the whole tensor, a rank holds a box of it).
+Staged deltas (``stage=..., deltas=True``): the payloads are staged while the engine generates
+(refused at once unless the worker holds their base) and applied in the commit's pause the same way
+(:func:`commit_staged_delta`).
+
+Not yet: sliced deltas; scattering into a sharded tensor (tensor parallel: the version's digest is of
+the whole tensor, a rank holds a box of it).
 """
 
 from __future__ import annotations
@@ -31,12 +35,12 @@ import time
 from typing import Any
 
 from ckpt_core import update_weights_from_ipc as _core_update_weights_from_ipc
-from ckpt_core.delta.apply import DeltaReceiver, Weights
-from ckpt_core.errors import CkptError, ConfigError
+from ckpt_core.delta.apply import DeltaReceiver, Weights, delta_of_plan
+from ckpt_core.errors import CkptError, ConfigError, DeltaBaseError
 
 from ._delta_map import DeltaMap, build_map
 from ._reload import ReloadSession
-from ._sessions import abort_sessions, drafter_target, finish_sessions, new_sessions
+from ._sessions import abort_sessions, count_over_workers, drafter_target, finish_sessions, new_sessions
 
 log = logging.getLogger("ckpt_vllm")
 
@@ -90,9 +94,11 @@ def _map_of(worker: Any, kept: dict) -> DeltaMap:
         return DeltaMap(whole="an MTP drafter shares the checkpoint")
     try:
         return build_map(worker.model_runner.model, worker.model_config, worker.device, kept)
-    except CkptError as exc:   # a model the recording cannot follow: deltas still apply, whole
-        log.warning("ckpt deltas: every delta reloads the whole model: %s", exc)
-        return DeltaMap(whole=str(exc))
+    except Exception as exc:   # noqa: BLE001 - the update is live already: deltas still apply, whole
+        why = str(exc) if isinstance(exc, CkptError) else f"mapping failed: {type(exc).__name__}: {exc}"
+        log.warning("ckpt deltas: every delta reloads the whole model: %s", why,
+                    exc_info=not isinstance(exc, CkptError))
+        return DeltaMap(whole=why)
 
 
 def receive_with_deltas(worker: Any, zmq_ctx, zmq_handle: str, index: int, *, timeout: float,
@@ -151,3 +157,49 @@ def receive_with_deltas(worker: Any, zmq_ctx, zmq_handle: str, index: int, *, ti
         tensors = figures.get("scattered", 0) + figures.get("reload_tensors", 0)
         nbytes = figures.get("payload_bytes", 0)
     return {"tensors": tensors, "bytes": nbytes, "held": rx.held, "delta": figures}, sessions
+
+
+def check_staged_plan(worker: Any, tensors) -> tuple[str, str] | None:
+    """A stage's plan (``deltas=True``): ``(base, version)`` when it is a delta of the version this
+    worker holds; ``DeltaBaseError`` when it is a delta of another one (nothing staged); None for a
+    full update (staged as usual)."""
+    delta = delta_of_plan(tensors)
+    if delta is not None and receiver_of(worker).held != delta[0]:
+        raise DeltaBaseError(f"this worker holds {receiver_of(worker).held!r}, not the base {delta[0]!r} of the "
+                             f"staged delta of {delta[1]!r}: nothing was staged")
+    return delta
+
+
+def commit_staged_delta(worker: Any, buckets: list[Weights], version: str) -> dict:
+    """Apply a staged delta (``stage=..., deltas=True``) in the commit's pause, as an update applies
+    one: scatters and rebuilt tensors checked on every worker, then agreed over the engine's workers
+    (a failure on any worker undoes every scatter on all of them), then the changed layers reloaded."""
+    rx = receiver_of(worker)
+    m: DeltaMap = getattr(worker, "_ckpt_delta_map", None) or DeltaMap(whole="no full update mapped it yet")
+    listing = [(n, t.dtype, tuple(t.shape)) for bucket in buckets for n, t in bucket]
+    delta = delta_of_plan(listing)
+    failed = count_over_workers(delta is None or rx.held != delta[0])
+    if failed:
+        raise DeltaBaseError(f"cannot commit the staged delta of {version!r}: {failed} worker(s) of the engine do not "
+                             f"hold its base (this one holds {rx.held!r}); nothing was written")
+    _use_map(rx, m)
+    reloads = _Reloads(worker, m)
+    rx.reload = reloads
+    try:
+        with rx.update(run=lambda weights: None, version=version) as cb:
+            cb.on_plan(listing)
+            problem: BaseException | None = None
+            try:
+                for bucket in buckets:
+                    cb.run(bucket)
+            except Exception as exc:   # noqa: BLE001 - agreed below: every worker undoes its scatters
+                problem = exc
+            if count_over_workers(problem is not None):
+                raise problem or ConfigError("another worker of the engine failed to apply the staged delta; "
+                                             "every worker undid it")
+            cb.post_hook()
+    finally:
+        rx.reload = None
+    figures = dict(rx.last, **reloads.figures)
+    return {"tensors": figures.get("scattered", 0) + figures.get("reload_tensors", 0),
+            "bytes": figures.get("payload_bytes", 0), "held": rx.held, "delta": figures}

@@ -264,7 +264,8 @@ class VllmClient(Requester):
 
     # -- staged updates ----------------------------------------------------------------
     def stage(self, handles, version: str, *, timeout: float | None = None, device_bytes: int = 0,
-              prepare: bool = False, prepare_step_bytes: int = 512 << 20, slices=None) -> UpdateReport:
+              prepare: bool = False, prepare_step_bytes: int = 512 << 20, slices=None,
+              deltas: bool = False) -> UpdateReport:
         """Receive an update into every worker's staging area while the server keeps serving.
 
         ``device_bytes``: device memory each worker may stage into (beyond it: pinned host
@@ -279,6 +280,10 @@ class VllmClient(Requester):
         ``slices``: the plan (or its digest) the PS update routes by (:meth:`slice_plan`): each worker
         stages only its slices, and :meth:`commit` applies them through the same reload path as a
         sliced update (such a stage is never prepared).
+
+        ``deltas``: the PS update may be a delta (``ParameterServer.update(..., delta=True)``) of the
+        version the workers hold: its payloads are staged, and :meth:`commit` applies them as an
+        update applies a delta (docs/deltas.md); such a stage is never prepared.
         """
         slices = getattr(slices, "digest", slices)
         wait = self.timeout if timeout is None else float(timeout)
@@ -287,7 +292,8 @@ class VllmClient(Requester):
         phases.seconds = report.seconds
         phases.run("start", self.collective_rpc, "update_weights_from_ipc", [dict(handles)],
                    {"timeout": wait, "stage": str(version), "stage_device_bytes": int(device_bytes),
-                    **({"slices": str(slices)} if slices is not None else {})}, timeout=wait)
+                    **({"slices": str(slices)} if slices is not None else {}),
+                    **({"deltas": True, "version": str(version)} if deltas else {})}, timeout=wait)
         report.workers = phases.run("stage", self._wait_staged, str(version), wait)
         if prepare:
             prepared = phases.run("prepare", self._prepare_staged, str(version), int(prepare_step_bytes), wait)

@@ -120,7 +120,8 @@ class VllmColocateWorkerExtension(StagedWeights):
         PS routes this update by (this worker then receives only its slices, see ``_slices.py``).
         ``deltas=True``: this update may be a delta (``ParameterServer.update(..., delta=True)``) of
         the ``version`` this worker holds, and a full one is kept in host memory as the next delta's
-        base (``_delta.py``, docs/deltas.md); needs ``version``. Not with ``stage`` or ``slices``.
+        base (``_delta.py``, docs/deltas.md); needs ``version``. With ``stage`` a delta is staged and
+        applied by :meth:`commit_staged_weights`. Not with ``slices``.
 
         Every RPC of this extension that can fail answers alike on every worker: the last worker
         raises the first failing worker's error, the others return ``{"refused": ...}``
@@ -134,12 +135,14 @@ class VllmColocateWorkerExtension(StagedWeights):
             replay = agree_on_slices(zmq_handles, kind, index, slices) if slices is not None else None
         except Refused as refused:
             return refused.refused
+        if deltas and stage is not None and replay is None:   # a staged delta: applied by the commit
+            return self._ckpt_stage(handle, kind, index, str(stage), int(stage_device_bytes),
+                                    float(timeout or DEFAULT_TIMEOUT_S), None, deltas=True)
         if deltas:
             from ._delta import receive_with_deltas
 
-            if stage is not None or replay is not None or not version:
-                raise ConfigError("deltas=True needs version= and takes neither stage= nor slices= yet "
-                                  "(docs/deltas.md)")
+            if replay is not None or not version:
+                raise ConfigError("deltas=True needs version= and does not take slices= yet (docs/deltas.md)")
             result, sessions = receive_with_deltas(self, self._ckpt_zmq_context(), handle, index,
                                                    timeout=float(timeout or DEFAULT_TIMEOUT_S), version=version)
             # a delta leaves the checkpoint layout as it was

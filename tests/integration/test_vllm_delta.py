@@ -5,7 +5,8 @@ For each model (a Qwen2 with biases, vocab 384; a Llama with its lm_head tied to
 embedding; a Qwen3-MoE) one server starts on dummy weights and receives A whole with ``deltas=True``,
 then B, C, D as deltas of their predecessor. The versions are real AdamW steps on float32 masters,
 snapshotted in bf16: B trains every tensor; C only layer 0's attention (a frozen rest, as when some
-modules train); D only the norms and the embedding, at a rate that moves them. After every delta
+modules train); D only the norms and the embedding, at a rate that moves them (on the Qwen2 D is
+staged while the engine serves and applied by the commit). After every delta
 every parameter, buffer, derived kernel tensor and kernel probe of the worker
 (``ckpt_state_digests``) equals a cold load of that version, and greedy output equals Hugging Face
 transformers. The worker's figures show where the delta went: the norms' changed elements were
@@ -124,9 +125,17 @@ def test_each_delta_costs_what_changed_and_equals_a_cold_load(vllm_python, tmp_p
                 server.pushed = True
                 replies: list = []
                 t0 = time.perf_counter()
-                result = ps.update(name, _req(server, name, replies), timeout=300, delta=bool(i))
+                if staged := case.family == "qwen2" and name == "D":   # staged while serving, applied by the commit
+                    result = ps.update(name, lambda handles: server.client.stage(handles, "D", deltas=True),
+                                       timeout=300, delta=True)
+                    assert not differences(server.client.collective_rpc("ckpt_state_digests"), cold[str(files[2])]), \
+                        "staging the delta changed the live engine"
+                    replies.append(server.client.commit("D").workers)
+                else:
+                    result = ps.update(name, _req(server, name, replies), timeout=300, delta=bool(i))
                 seconds = time.perf_counter() - t0
                 fig = replies[0][0]["delta"]
+                assert not staged or replies[0][0]["path"] == "delta"
                 if i == 0:
                     print(f"{case.id} A (full, {seconds:.2f} s): map {fig['map']}")
                 else:
