@@ -99,12 +99,12 @@ class ReloadSession:
         if layers is None:
             api.initialize(self.model)
         else:
-            modules = dict(self.model.named_modules())
+            modules = dict(self.model.named_modules(remove_duplicate=False))   # a layer may have two names
             unknown = [q for q in layers if q not in modules]
             if unknown:
                 raise ConfigError(f"the {self.label} has no layer {unknown[0]!r} to reload")
-            for qname in layers:
-                _initialize_layer(api, modules[qname])
+            for layer in {id(modules[q]): modules[q] for q in layers}.values():
+                _initialize_layer(api, layer)
         self._initialized = list((q, layer) for q, layer, _ in self._pending())
         self._cold = process_as_cold_load(self.model)
         self.active = True
