@@ -163,7 +163,8 @@ def test_each_delta_costs_what_changed_and_equals_a_cold_load(vllm_python, tmp_p
 
 def test_a_delta_that_fails_its_digest_check_leaves_the_engine_on_its_base(vllm_python, tmp_path):
     """CKPT_TEST_DELTA_DROP_ONE: the worker drops one changed element of the first tensor it applies;
-    the digest check after the apply refuses the delta; scatters are undone, nothing was reloaded."""
+    the digest check after the apply refuses the delta; scatters are undone, nothing was reloaded.
+    The same delta staged is refused by its commit, and the engine is still on A."""
     case = Case("qwen2", 384)
     model = build_checkpoints(vllm_python, case, tmp_path / "model")
     server = launch_server(vllm_python, model, tmp_path, extension=True, env={"CKPT_TEST_DELTA_DROP_ONE": "1"})
@@ -182,6 +183,13 @@ def test_a_delta_that_fails_its_digest_check_leaves_the_engine_on_its_base(vllm_
                 ps.update("B", _req(server, "B", []), timeout=300, delta=True)
             differ = differences(server.client.collective_rpc("ckpt_state_digests"), cold[str(files[0])])
             assert not differ, "a refused delta changed the engine:\n" + "\n".join(differ[:20])
+            # staged, the same delta is checked in the commit's pause, refused there, and undone
+            ps.update("B", lambda handles: server.client.stage(handles, "B", deltas=True), timeout=300, delta=True)
+            with pytest.raises(CkptError, match="do not match the version's digest"):
+                server.client.commit("B")
+            differ = differences(server.client.collective_rpc("ckpt_state_digests"), cold[str(files[0])])
+            assert not differ, "a refused staged delta changed the engine:\n" + "\n".join(differ[:20])
+            assert server.client.weight_versions()[0]["live"] == "A"
     finally:
         server.stop()
 
