@@ -145,7 +145,7 @@ class VllmClient(Requester):
                pause: str | None = None, init_info: dict | None = None,
                start: bool = True, finish: bool = True, stage: str | None = None,
                stage_device_bytes: int = 0, version: str | None = None, prepare: bool = False,
-               slices: str | None = None) -> UpdateReport:
+               slices: str | None = None, deltas: bool = False) -> UpdateReport:
         """Make the server pull one update; ``handles``: ``[(device_key, zmq_handle)]`` or a dict.
 
         ``pause``: pause generation around the update ("wait" lets running requests finish,
@@ -167,14 +167,19 @@ class VllmClient(Requester):
         ``/update_weight_version`` is set where the server has it).
         ``slices``: a plan from :meth:`slice_plan` (or its digest) that the PS update routes by
         (either path, staged or not): each worker then receives only its slices.
+        ``deltas``: the PS update may be a delta of the version the workers hold
+        (``ParameterServer.update(..., delta=True)``; a full one is kept as the next delta's base):
+        extension path, with ``version`` (or ``stage``); docs/deltas.md.
         """
         slices = getattr(slices, "digest", slices)
+        if deltas and (path != "extension" or (version is None and stage is None)):
+            raise ConfigError("deltas=True takes the extension path and needs version= (a delta names its base by it)")
         if stage is not None:
             if path != "extension" or pause is not None or not (start and finish):
                 raise ConfigError("a staged update takes the extension path, whole, without a pause "
                                   "(the engine keeps serving while it stages; commit() pauses)")
             return self.stage(handles, stage, timeout=timeout, device_bytes=stage_device_bytes, prepare=prepare,
-                              slices=slices)
+                              slices=slices, deltas=deltas)
         _check_parts(path, start, finish, pause)
         handles = dict(handles)
         wait = self.timeout if timeout is None else float(timeout)
@@ -188,7 +193,9 @@ class VllmClient(Requester):
             if pause is not None and start:
                 undo["resume"] = True
                 phases.run("pause", self.pause, pause)
-            extra = {"slices": str(slices)} if slices is not None else {}
+            extra: dict = {"slices": str(slices)} if slices is not None else {}
+            if deltas:
+                extra["deltas"] = True
             if path == "extension":
                 rpc_kwargs = {"timeout": wait, **({"version": str(version)} if version is not None else {}), **extra}
                 report.workers = phases.run("update", self.collective_rpc, "update_weights_from_ipc", [handles],

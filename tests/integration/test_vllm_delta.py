@@ -78,9 +78,10 @@ def _layer(name: str) -> str:
 
 
 def _req(server, version: str, replies: list):
+    """The PS's req_func: the client's update with deltas=True (it resets the prefix cache after it);
+    the workers' replies go to ``replies``."""
     def req(handles):
-        replies.append(server.client.collective_rpc("update_weights_from_ipc", [dict(handles)],
-                                                    {"deltas": True, "version": version, "timeout": 300}))
+        replies.append(server.client.update(handles, version=version, deltas=True, timeout=300).workers)
     return req
 
 

@@ -7,7 +7,7 @@ Run under torchrun (``--nproc-per-node`` = the server's tensor-parallel size), i
 Each PS rank registers its share of every version (the tensors dealt round-robin by name), each
 after the first against the one before (``base=``), and pushes them in order with
 ``update(..., delta=i > 0)``; rank 0 posts every worker's handle to the server
-(``update_weights_from_ipc`` with ``deltas=True``). After each version rank 0 prints one JSON line:
+(``VllmClient.update(..., deltas=True)``). After each version rank 0 prints one JSON line:
 ``{"version", "ps": its result, "engine": the workers' replies, "digests": ckpt_state_digests,
 "tokens": greedy completions of the prompts}``.
 """
@@ -46,8 +46,7 @@ def main() -> None:
 
             def req(handles, name=name, replies=replies):
                 if rank == 0:
-                    replies.append(client.collective_rpc("update_weights_from_ipc", [dict(handles)],
-                                                         {"deltas": True, "version": name, "timeout": 300}))
+                    replies.append(client.update(handles, version=name, deltas=True, timeout=300).workers)
 
             result = ps.update(name, req, timeout=300, delta=bool(i))
             if rank == 0:
