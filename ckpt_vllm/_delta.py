@@ -1,29 +1,48 @@
-"""Delta updates into a live vLLM model (issue 39, first slice; docs/deltas.md).
+"""Delta updates into a live vLLM model (issue 39; docs/deltas.md).
 
-vLLM derives its weights from the checkpoint's (fused qkv and gate_up, vLLM-CPU's repacked linears,
-quantized kernels), so no live tensor is taken to hold a checkpoint tensor verbatim here: every
-delta is rebuilt on the worker into full checkpoint tensors, from a host copy of the version it
-holds (kept by the updates called with ``deltas=True``) plus the delta's changed elements, checked
-against the version's digests, and loaded through the same layerwise reload as a full update
-(``ReloadSession``), once every PS rank agreed that every bucket arrived and was checked
-(``DeltaReceiver(defer_reload=True)``). The reload gets the unchanged kept tensors too
-(``complete=True``): vLLM's fused modules must receive all their parts in one reload. So the wire
-carries the delta, and the engine ends exactly as after a full update of the new version.
+A full update with ``deltas=True`` loads as usual, then maps where each checkpoint tensor lives in
+the engine (``_delta_map.build_map``: the loading recorded, the live layers inspected, the bytes
+checked). A delta is then applied in time proportional to what changed:
 
-Not yet: scattering into live tensors that hold the checkpoint's bytes (the slice recording knows
-which do), reloading only the changed layers, staged and sliced deltas.
+- tensors whose live region holds the checkpoint's bytes verbatim (norms; on a GPU, bf16 linear
+  layers and embeddings) get their changed elements scattered straight into the live tensor, then
+  digest-checked (``DeltaReceiver``); they are not reloaded;
+- tensors of layers vLLM derives (vLLM-CPU's prepacked linears, MoE kernels, quantized layers, a tied
+  lm_head) are rebuilt in checkpoint format from the held version's bytes plus the delta, checked
+  against the version's digests, and only the layers holding a changed tensor are reloaded, whole,
+  through vLLM's layerwise reload of those layers alone (``ReloadSession.begin(layers=...)``), once
+  every PS rank agreed that every bucket arrived and was checked (``defer_reload``). Layers holding
+  no changed tensor are not touched.
+
+The held version's bytes of a reloaded tensor come from the engine where a verbatim copy stays live
+(an embedding vLLM-CPU also prepacks), else from a host copy kept per worker of exactly those
+tensors. A failure on any rank undoes the scatters on every worker; nothing was reloaded before the
+agreement. Where the map cannot place a tensor (or an MTP drafter shares the checkpoint), every
+delta reloads the whole model from a full host copy, as the first slice did.
+
+Staged deltas (``stage=..., deltas=True``): the payloads are staged while the engine generates
+(refused at once unless the worker holds their base) and applied in the commit's pause the same way
+(:func:`commit_staged_delta`).
+
+Not yet: sliced deltas; scattering into a sharded tensor (tensor parallel: the version's digest is of
+the whole tensor, a rank holds a box of it).
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
 
 from ckpt_core import update_weights_from_ipc as _core_update_weights_from_ipc
-from ckpt_core.delta.apply import DeltaReceiver
-from ckpt_core.errors import ConfigError
+from ckpt_core.delta.apply import DeltaReceiver, Weights, delta_of_plan
+from ckpt_core.errors import CkptError, ConfigError, DeltaBaseError
 
+from ._delta_map import DeltaMap, build_map
 from ._reload import ReloadSession
-from ._sessions import abort_sessions, finish_sessions
+from ._sessions import abort_sessions, count_over_workers, drafter_target, finish_sessions, new_sessions
+
+log = logging.getLogger("ckpt_vllm")
 
 
 def receiver_of(worker: Any) -> DeltaReceiver:
@@ -34,31 +53,81 @@ def receiver_of(worker: Any) -> DeltaReceiver:
     return rx
 
 
-def receive_with_deltas(worker: Any, sessions: list[ReloadSession], zmq_ctx, zmq_handle: str, index: int, *,
-                        timeout: float, version: str | None) -> dict:
-    """One update into begun reload ``sessions`` that may be a delta; a full one is kept (host copy)
-    for the next delta. ``version`` names what a full update makes live (required)."""
+def _use_map(rx: DeltaReceiver, m: DeltaMap) -> None:
+    rx.live = m.live
+    rx.base = None if m.whole else m.base
+    rx.complete = True if m.whole else m.companions
+
+
+class _Reloads:
+    """The delta's reload of the changed layers (or of the whole model when the map is whole)."""
+
+    def __init__(self, worker: Any, m: DeltaMap):
+        self.worker, self.map = worker, m
+        self.figures: dict = {"reloaded_layers": [], "reload_tensors": 0, "reload_s": 0.0}
+
+    def __call__(self, weights: Weights) -> None:
+        t0 = time.perf_counter()
+        names = [n for n, _ in weights]
+        if self.map.whole:
+            sessions = new_sessions(self.worker)
+            layers = ["<whole model>"]
+        else:
+            layers = self.map.layers(names)
+            sessions = [ReloadSession(self.worker.model_runner.model, self.worker.model_config, label="model (delta)")]
+        try:
+            if not self.map.whole:
+                sessions[0].begin(layers)
+            for s in sessions:
+                s.load(weights)
+            finish_sessions(sessions)
+        except BaseException:
+            abort_sessions(sessions)
+            raise
+        self.figures["reloaded_layers"] += layers
+        self.figures["reload_tensors"] += len(weights)
+        self.figures["reload_s"] += time.perf_counter() - t0
+
+
+def _map_of(worker: Any, kept: dict) -> DeltaMap:
+    if drafter_target(worker) is not None:
+        return DeltaMap(whole="an MTP drafter shares the checkpoint")
+    try:
+        return build_map(worker.model_runner.model, worker.model_config, worker.device, kept)
+    except Exception as exc:   # noqa: BLE001 - the update is live already: deltas still apply, whole
+        why = str(exc) if isinstance(exc, CkptError) else f"mapping failed: {type(exc).__name__}: {exc}"
+        log.warning("ckpt deltas: every delta reloads the whole model: %s", why,
+                    exc_info=not isinstance(exc, CkptError))
+        return DeltaMap(whole=why)
+
+
+def receive_with_deltas(worker: Any, zmq_ctx, zmq_handle: str, index: int, *, timeout: float,
+                        version: str | None) -> tuple[dict, list[ReloadSession]]:
+    """One update that may be a delta; a full one is mapped and kept for the next delta. ``version``
+    names what a full update makes live (required). Returns the result and the full update's reload
+    sessions (none for a delta)."""
     if not isinstance(version, str) or not version:
-        abort_sessions(sessions)
         raise ConfigError("an update with deltas=True needs version=: a later delta names its base by it")
     rx = receiver_of(worker)
+    m: DeltaMap = getattr(worker, "_ckpt_delta_map", None) or DeltaMap(whole="no full update mapped it yet")
+    _use_map(rx, m)
+    reloads = _Reloads(worker, m)
     kept: dict = {}
-
-    def load(weights):
-        for s in sessions:
-            s.load(weights)
+    sessions: list[ReloadSession] = []   # begun by a full update's plan; a delta touches no layer before its reload
 
     def run(weights):   # a full update: loaded, and kept for the next delta
-        load(weights)
+        for s in sessions:
+            s.load(weights)
         for name, t in weights:
             kept[name] = t.detach().to("cpu", copy=True)
 
     def on_plan(tensors):
+        sessions.extend(new_sessions(worker))
         for s in sessions:
             s.check_plan(name for name, _, _ in tensors)
             s.check_whole_layers(name for name, _, _ in tensors)
 
-    rx.reload = load
+    rx.reload = reloads
     try:
         with rx.update(run=run, on_plan=on_plan, post_hook=lambda: finish_sessions(sessions), version=version) as cb:
             _core_update_weights_from_ipc(zmq_ctx, zmq_handle, index, run=cb.run, on_plan=cb.on_plan,
@@ -68,7 +137,69 @@ def receive_with_deltas(worker: Any, sessions: list[ReloadSession], zmq_ctx, zmq
         raise
     finally:
         rx.reload = None
+    figures = dict(rx.last)
     if kept:   # a full update: its tensors are the next delta's base
-        rx.kept = kept
-    main = sessions[0]
-    return {"tensors": main.tensors, "bytes": main.bytes, "held": rx.held, "delta": dict(rx.last)}
+        t0 = time.perf_counter()
+        m = worker._ckpt_delta_map = _map_of(worker, kept)
+        rx.kept = {n: t for n, t in kept.items() if m.keeps(n)}
+        figures["map"] = dict(m.figures(), kept=len(rx.kept), kept_bytes=sum(t.nbytes for t in rx.kept.values()),
+                              map_s=time.perf_counter() - t0)
+        log.info("ckpt deltas: %s", figures["map"])
+    elif figures.get("delta"):
+        figures.update(reloads.figures)
+        log.info("ckpt delta %s -> %s: %d tensors scattered, %d layers reloaded (%d tensors) in %.3f s",
+                 figures.get("base"), figures.get("version"), figures.get("scattered", 0),
+                 len(reloads.figures["reloaded_layers"]), reloads.figures["reload_tensors"],
+                 reloads.figures["reload_s"])
+    if sessions:
+        tensors, nbytes = sessions[0].tensors, sessions[0].bytes
+    else:   # a delta: the tensors it scattered or reloaded, the payload bytes it received
+        tensors = figures.get("scattered", 0) + figures.get("reload_tensors", 0)
+        nbytes = figures.get("payload_bytes", 0)
+    return {"tensors": tensors, "bytes": nbytes, "held": rx.held, "delta": figures}, sessions
+
+
+def check_staged_plan(worker: Any, tensors) -> tuple[str, str] | None:
+    """A stage's plan (``deltas=True``): ``(base, version)`` when it is a delta of the version this
+    worker holds; ``DeltaBaseError`` when it is a delta of another one (nothing staged); None for a
+    full update (staged as usual)."""
+    delta = delta_of_plan(tensors)
+    if delta is not None and receiver_of(worker).held != delta[0]:
+        raise DeltaBaseError(f"this worker holds {receiver_of(worker).held!r}, not the base {delta[0]!r} of the "
+                             f"staged delta of {delta[1]!r}: nothing was staged")
+    return delta
+
+
+def commit_staged_delta(worker: Any, buckets: list[Weights], version: str) -> dict:
+    """Apply a staged delta (``stage=..., deltas=True``) in the commit's pause, as an update applies
+    one: scatters and rebuilt tensors checked on every worker, then agreed over the engine's workers
+    (a failure on any worker undoes every scatter on all of them), then the changed layers reloaded."""
+    rx = receiver_of(worker)
+    m: DeltaMap = getattr(worker, "_ckpt_delta_map", None) or DeltaMap(whole="no full update mapped it yet")
+    listing = [(n, t.dtype, tuple(t.shape)) for bucket in buckets for n, t in bucket]
+    delta = delta_of_plan(listing)
+    failed = count_over_workers(delta is None or rx.held != delta[0])
+    if failed:
+        raise DeltaBaseError(f"cannot commit the staged delta of {version!r}: {failed} worker(s) of the engine do not "
+                             f"hold its base (this one holds {rx.held!r}); nothing was written")
+    _use_map(rx, m)
+    reloads = _Reloads(worker, m)
+    rx.reload = reloads
+    try:
+        with rx.update(run=lambda weights: None, version=version) as cb:
+            cb.on_plan(listing)
+            problem: BaseException | None = None
+            try:
+                for bucket in buckets:
+                    cb.run(bucket)
+            except Exception as exc:   # noqa: BLE001 - agreed below: every worker undoes its scatters
+                problem = exc
+            if count_over_workers(problem is not None):
+                raise problem or ConfigError("another worker of the engine failed to apply the staged delta; "
+                                             "every worker undid it")
+            cb.post_hook()
+    finally:
+        rx.reload = None
+    figures = dict(rx.last, **reloads.figures)
+    return {"tensors": figures.get("scattered", 0) + figures.get("reload_tensors", 0),
+            "bytes": figures.get("payload_bytes", 0), "held": rx.held, "delta": figures}

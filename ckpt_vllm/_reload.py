@@ -80,8 +80,13 @@ class ReloadSession:
         # (name, received tensor) -> what the loader gets: a received slice posing as the whole
         # tensor under a slice plan (``_slices.ReplayPlan.wrap``); None: the tensor itself.
         self.wrap: Callable[[str, torch.Tensor], object] | None = None
+        self.processed: list[str] = []   # layers vLLM processed in this session (received weights, or tied)
+        self._initialized: list[tuple[str, torch.nn.Module]] = []
 
-    def begin(self) -> None:
+    def begin(self, layers: Iterable[str] | None = None) -> None:
+        """Put the model's layers in reload mode; ``layers``: only these (module names, e.g. the layers
+        a delta changed): the others are not touched and keep serving, and completeness is then
+        checked over these alone."""
         api = reload_api()   # ConfigError naming what an unsupported vLLM lacks, before anything is touched
         if self.active:
             raise ConfigError(f"a weight update of the {self.label} is already in progress")
@@ -91,7 +96,16 @@ class ReloadSession:
         # (named_modules() per bucket cost ~40 ms of a 7B update on the GPU, ~10 % of it).
         self._modules = list(self.model.named_modules())
         self._empty = empty_slots(m for _, m in self._modules)   # what abort() must put back
-        api.initialize(self.model)
+        if layers is None:
+            api.initialize(self.model)
+        else:
+            modules = dict(self.model.named_modules(remove_duplicate=False))   # a layer may have two names
+            unknown = [q for q in layers if q not in modules]
+            if unknown:
+                raise ConfigError(f"the {self.label} has no layer {unknown[0]!r} to reload")
+            for layer in {id(modules[q]): modules[q] for q in layers}.values():
+                _initialize_layer(api, layer)
+        self._initialized = list((q, layer) for q, layer, _ in self._pending())
         self._cold = process_as_cold_load(self.model)
         self.active = True
         self.seconds["begin"] += time.perf_counter() - t0
@@ -163,12 +177,22 @@ class ReloadSession:
                 f"vLLM rejected the tensor for the {self.label} (shape {list(tensor.shape)}, "
                 f"{str(tensor.dtype).removeprefix('torch.')}): {type(exc).__name__}: {exc}",
                 tensor=name) from exc
+        self._note_processed()
         self._detach_pending({t.untyped_storage().data_ptr() for _, t in weights})
         self.received.update(name for name, _ in weights)
         self.layout.update((name, (str(t.dtype).removeprefix("torch."), tuple(t.shape))) for name, t in weights)
         self.tensors += len(weights)
         self.bytes += sum(t.numel() * t.element_size() for _, t in weights)
         self.seconds["load"] += time.perf_counter() - t0
+
+    def _note_processed(self) -> None:
+        """Note the layers that received weights (processed already, or buffering them)."""
+        info_of = reload_api().layerwise_info
+        done = set(self.processed)
+        for qname, layer in self._initialized:
+            info = info_of.get(layer)
+            if qname not in done and (info is None or not info.can_load() or info.loaded_weights):
+                self.processed.append(qname)
 
     def _pending(self) -> Iterator[tuple[str, torch.nn.Module, LayerInfo]]:
         layerwise_info = reload_api().layerwise_info
@@ -239,8 +263,11 @@ class ReloadSession:
         finally:
             restore_processing(self._cold)
         self.active = False
+        names = {id(layer): q for q, layer in self._initialized}
         for layer in tied:
             _reprocess_tied(layer)
+            if names.get(id(layer)) not in self.processed:
+                self.processed.append(names.get(id(layer), type(layer).__name__))
         for layer in unscaled:
             _default_attention_scales(layer, self.model_config)
         self.seconds["finish"] += time.perf_counter() - t0
@@ -279,6 +306,16 @@ class ReloadSession:
         if not quiet:
             log.warning("weight update of the %s aborted: %d layers kept their previous weights, "
                         "layers already processed hold the new ones", self.label, restored)
+
+
+def _initialize_layer(api, layer: torch.nn.Module) -> None:
+    """vLLM's ``initialize_layerwise_reload`` on one layer (it walks the module it is given and its
+    children, and marks that module's torchao flag, which a layer does not use: taken off again)."""
+    had = {k: layer.__dict__[k] for k in ("_original_do_torchao_reload", "_do_torchao_reload") if k in layer.__dict__}
+    api.initialize(layer)
+    for k in ("_original_do_torchao_reload", "_do_torchao_reload"):
+        layer.__dict__.pop(k, None)
+    layer.__dict__.update(had)
 
 
 def _reprocess_tied(layer: torch.nn.Module) -> None:

@@ -125,6 +125,9 @@ class _Recorder(TorchDispatchMode):
         self.whole: dict[str, str] = {}       # checkpoint name -> why it goes whole
         self.spoiled: dict[str, str] = {}     # parameter -> why its writes cannot be described
         self.touched: set[str] = set()        # checkpoint names a loader applied any op to
+        # per entry of ``writes``: the box of the checkpoint tensor that write read (None: not one box,
+        # read through an op that is not a pure view, or the engine's own write); ``_delta_map.py`` reads it
+        self.write_reads: list[Box | None] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -166,12 +169,15 @@ class _Recorder(TorchDispatchMode):
         if src is None and name is not None:   # fill_ through a lazy argument, or similar
             self.whole.setdefault(name, "its loader writes it with an op other than copy_")
             return
+        read = None
         if src is not None:
             if src.tainted:
                 self.whole.setdefault(src.ckpt_name, "its loader reads it through an op that is not a pure view")
             else:
-                self.reads.setdefault(src.ckpt_name, set()).add(view_box(src.full, *_geometry(src.geometry)))
+                read = view_box(src.full, *_geometry(src.geometry))
+                self.reads.setdefault(src.ckpt_name, set()).add(read)
         self.writes.append(Write(pname, region, None if src is None else src.ckpt_name))
+        self.write_reads.append(read)
 
     def unsupported(self, name: str, func) -> None:
         if name not in self.whole:
@@ -202,6 +208,16 @@ def record(model: torch.nn.Module, tensors: dict[str, tuple[str, tuple[int, ...]
     and put them back afterwards (``ReloadSession.abort``). ``aliases``: :func:`tied_aliases`,
     taken before; ``skip_params``: parameter names no loader fills.
     """
+    rec, shapes = record_loading(model, tensors, device, skip_params=skip_params, aliases=aliases)
+    return _rank_slices(rec, shapes, rank), dict(rec.whole)
+
+
+def record_loading(model: torch.nn.Module, tensors: dict[str, tuple[str, tuple[int, ...]]], device, *,
+                   skip_params: frozenset = frozenset(), aliases: AbstractSet[str] = frozenset()
+                   ) -> tuple["_Recorder", dict[str, tuple[int, ...]]]:
+    """What the model's loaders did with each checkpoint tensor, raw (the recorder: its ``writes``,
+    ``write_reads``, ``whole``, ``spoiled``), and the shapes of the parameters recorded. Same
+    conditions as :func:`record`."""
     params: dict[int, tuple[str, tuple[int, ...]]] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     for pname, p in model.named_parameters():
@@ -232,7 +248,7 @@ def record(model: torch.nn.Module, tensors: dict[str, tuple[str, tuple[int, ...]
     for name in tensors:   # consumed without any op we see (kept, assigned): fail closed
         if name not in rec.touched:
             rec.whole.setdefault(name, "no loader applied an op to it that the recording sees")
-    return _rank_slices(rec, shapes, rank), dict(rec.whole)
+    return rec, shapes
 
 
 def _own_loaders(model: torch.nn.Module) -> list:

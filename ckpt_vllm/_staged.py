@@ -33,6 +33,8 @@ from ._sessions import (
 )
 
 if TYPE_CHECKING:
+    from ckpt_core.delta.apply import DeltaReceiver
+
     from ._prepare import PrepareJob
     from ._sessions import ExtensionWorker as _Worker
 else:
@@ -52,6 +54,8 @@ class _StageJob:
     started_at: float = 0.0
     cancelled: bool = False
     replay: Any = None   # the slice plan it was staged by (``_slices.ReplayPlan``); the commit applies it
+    deltas: bool = False   # staged with deltas=True: it may be a delta of the held version (``_delta.py``)
+    delta: tuple[str, str] | None = None   # (base, version) of the staged delta, set by its plan
 
 
 class StagedWeights(_Worker):
@@ -61,6 +65,7 @@ class StagedWeights(_Worker):
     # attribute would be an attribute of vLLM's worker class too, which vLLM refuses on a name clash.
     _ckpt_stage_job: _StageJob | None
     _ckpt_prepare_job: PrepareJob | None
+    _ckpt_delta_rx: DeltaReceiver | None   # the held version deltas apply to (``_delta.py``)
 
     @answered_together("the commit")
     def commit_staged_weights(self, version: str) -> dict:
@@ -90,6 +95,11 @@ class StagedWeights(_Worker):
             raise CheckpointFormatError(f"cannot commit version {str(version)!r}: "
                                         f"{refused or 'another worker of the engine found its stage incomplete'}; "
                                         "the stage was dropped and the engine serves its current weights")
+        if count_over_workers(stage.delta is not None):
+            return self._ckpt_commit_delta(area, str(version), t0)
+        delta_rx = getattr(self, "_ckpt_delta_rx", None)
+        if delta_rx is not None:
+            delta_rx.held = None   # whole weights from a stage: no delta applies to them any more
         if count_over_workers(not (job is not None and job.prepared)) == 0:
             return self._ckpt_commit_prepared(area, job, str(version), t0)
         replay = stage.replay   # staged by a slice plan: its slices are applied as received
@@ -134,8 +144,22 @@ class StagedWeights(_Worker):
                 job.give_up("an MTP drafter loads the same checkpoint (its stage is not prepared)")
             elif stage.replay is not None:
                 job.give_up("it was staged by a slice plan (its commit applies the slices through the reload)")
+            elif stage.deltas:
+                job.give_up("it was staged with deltas=True (its commit applies the delta)")
         return {"version": area.version, **prepare_step(self.model_runner.model, self.model_config, job,
                                                         int(budget_bytes))}
+
+    def _ckpt_commit_delta(self, area: StagingArea, version: str, t0: float) -> dict:
+        from ._delta import commit_staged_delta
+
+        try:
+            result = commit_staged_delta(self, area.buckets, version)
+            self._ckpt_made_live(getattr(self, "_ckpt_live_layout", {}), version)
+        finally:
+            self._ckpt_drop_staged()
+        result.update(device_key=local_device_key(*worker_device(self)), version=version, path="delta",
+                      seconds={"total": time.perf_counter() - t0})
+        return result
 
     def _ckpt_commit_prepared(self, area: StagingArea, job, version: str, t0: float) -> dict:
         from ._prepare import commit_prepared
@@ -169,7 +193,7 @@ class StagedWeights(_Worker):
                 "staged": None if area is None or not area.sealed else area.summary()}
 
     def _ckpt_stage(self, handle: str, kind: str, index: int, version: str, device_limit: int,
-                    timeout: float, replay=None) -> dict:
+                    timeout: float, replay=None, deltas: bool = False) -> dict:
         """Start receiving a stage on a thread of this worker and return at once.
 
         The RPC that starts it runs inside vLLM's engine loop, which does not step while an RPC
@@ -180,7 +204,7 @@ class StagedWeights(_Worker):
 
         self._ckpt_drop_staged()   # a new stage replaces the staged one, also when it fails
         device = torch.device(kind.lower(), index) if kind.lower() == "cuda" else torch.device("cpu")
-        job = _StageJob(StagingArea(version, device, device_limit), replay=replay)
+        job = _StageJob(StagingArea(version, device, device_limit), replay=replay, deltas=deltas)
         expected = getattr(self, "_ckpt_live_layout", None)
         if replay is not None:   # this rank receives its slices only
             expected = replay.staged_layout(expected)
@@ -213,7 +237,7 @@ class StagedWeights(_Worker):
                 side = torch.cuda.Stream(area.device)
             with torch.cuda.stream(side) if side is not None else _nullcontext():
                 _core_update_weights_from_ipc(self._ckpt_zmq_context(), handle, index, run=add, timeout=timeout,
-                                              on_plan=lambda tensors: area.check_plan(tensors, expected),
+                                              on_plan=lambda tensors: self._ckpt_stage_plan(job, tensors, expected),
                                               post_hook=seal, slices=None if job.replay is None else job.replay.route)
             job.result = {"device_key": local_device_key(area.device.type, index), **area.summary(),
                           "state": "done", "started_at": job.started_at, "finished_at": time.time(),
@@ -225,6 +249,15 @@ class StagedWeights(_Worker):
             area.free()
             job.error = exc
             log.warning("ckpt stage of %s failed: %s: %s", area.version, type(exc).__name__, exc)
+
+    def _ckpt_stage_plan(self, job: "_StageJob", tensors, expected: dict | None) -> None:
+        tensors = list(tensors)
+        if job.deltas:
+            from ._delta import check_staged_plan
+
+            job.delta = check_staged_plan(self, tensors)
+        # a delta's payloads are not the live layout: its names and its base are checked instead
+        job.area.check_plan(tensors, None if job.delta is not None else expected)
 
     def ckpt_stage_status(self) -> dict:
         """The running or finished stage: ``{"state": "running" | "done" | "failed" | "none", ...}``.

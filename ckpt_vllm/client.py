@@ -42,9 +42,9 @@ EXECUTOR_MARGIN_S = 60.0
 def _check_update(path: str, start: bool, finish: bool, pause: str | None, stage: str | None,
                   version: str | None, deltas: bool) -> None:
     """What :meth:`VllmClient.update` refuses before anything is posted."""
-    if deltas and (version is None or path != "extension" or stage is not None):
-        raise ConfigError("deltas needs version= (a delta names its base by it), the extension path and no "
-                          "stage (docs/deltas.md)")
+    if deltas and (path != "extension" or (version is None and stage is None)):
+        raise ConfigError("deltas=True takes the extension path and needs version= (a delta names its base by "
+                          "it; a staged one, stage=): docs/deltas.md")
     if stage is not None:
         if path != "extension" or pause is not None or not (start and finish):
             raise ConfigError("a staged update takes the extension path, whole, without a pause "
@@ -178,15 +178,15 @@ class VllmClient(Requester):
         ``/update_weight_version`` is set where the server has it).
         ``slices``: a plan from :meth:`slice_plan` (or its digest) that the PS update routes by
         (either path, staged or not): each worker then receives only its slices.
-        ``deltas``: the workers take a delta update (``ParameterServer.update(..., delta=True)``) and
-        keep this ``version`` (required) as the base of the next one; give it on the full update before
-        the first delta too (docs/deltas.md). Extension path, not staged.
+        ``deltas``: the PS update may be a delta of the version the workers hold
+        (``ParameterServer.update(..., delta=True)``; a full one is kept as the next delta's base):
+        extension path, with ``version`` (or ``stage``); docs/deltas.md.
         """
         slices = getattr(slices, "digest", slices)
         _check_update(path, start, finish, pause, stage, version, deltas)
         if stage is not None:
             return self.stage(handles, stage, timeout=timeout, device_bytes=stage_device_bytes, prepare=prepare,
-                              slices=slices)
+                              slices=slices, deltas=deltas)
         wait = self.timeout if timeout is None else float(timeout)
         report = UpdateReport(path=path)
         extra = {**({"slices": str(slices)} if slices is not None else {}), **({"deltas": True} if deltas else {})}
@@ -282,7 +282,8 @@ class VllmClient(Requester):
 
     # -- staged updates ----------------------------------------------------------------
     def stage(self, handles, version: str, *, timeout: float | None = None, device_bytes: int = 0,
-              prepare: bool = False, prepare_step_bytes: int = 512 << 20, slices=None) -> UpdateReport:
+              prepare: bool = False, prepare_step_bytes: int = 512 << 20, slices=None,
+              deltas: bool = False) -> UpdateReport:
         """Receive an update into every worker's staging area while the server keeps serving.
 
         ``device_bytes``: device memory each worker may stage into (beyond it: pinned host
@@ -297,6 +298,10 @@ class VllmClient(Requester):
         ``slices``: the plan (or its digest) the PS update routes by (:meth:`slice_plan`): each worker
         stages only its slices, and :meth:`commit` applies them through the same reload path as a
         sliced update (such a stage is never prepared).
+
+        ``deltas``: the PS update may be a delta (``ParameterServer.update(..., delta=True)``) of the
+        version the workers hold: its payloads are staged, and :meth:`commit` applies them as an
+        update applies a delta (docs/deltas.md); such a stage is never prepared.
         """
         slices = getattr(slices, "digest", slices)
         wait = self.timeout if timeout is None else float(timeout)
@@ -305,7 +310,8 @@ class VllmClient(Requester):
         phases.seconds = report.seconds
         phases.run("start", self.collective_rpc, "update_weights_from_ipc", [dict(handles)],
                    {"timeout": wait, "stage": str(version), "stage_device_bytes": int(device_bytes),
-                    **({"slices": str(slices)} if slices is not None else {})}, timeout=wait)
+                    **({"slices": str(slices)} if slices is not None else {}),
+                    **({"deltas": True, "version": str(version)} if deltas else {})}, timeout=wait)
         report.workers = phases.run("stage", self._wait_staged, str(version), wait)
         if prepare:
             prepared = phases.run("prepare", self._prepare_staged, str(version), int(prepare_step_bytes), wait)

@@ -132,7 +132,8 @@ class VllmColocateWorkerExtension(StagedWeights):
         PS routes this update by (this worker then receives only its slices, see ``_slices.py``).
         ``deltas=True``: this update may be a delta (``ParameterServer.update(..., delta=True)``) of
         the ``version`` this worker holds, and a full one is kept in host memory as the next delta's
-        base (``_delta.py``, docs/deltas.md); needs ``version``. Not with ``stage`` or ``slices``.
+        base (``_delta.py``, docs/deltas.md); needs ``version``. With ``stage`` a delta is staged and
+        applied by :meth:`commit_staged_weights`. Not with ``slices``.
 
         Every RPC of this extension that can fail answers alike on every worker: the last worker
         raises the first failing worker's error, the others return ``{"refused": ...}``
@@ -146,17 +147,13 @@ class VllmColocateWorkerExtension(StagedWeights):
             replay = agree_on_slices(zmq_handles, kind, index, slices) if slices is not None else None
         except Refused as refused:
             return refused.refused
+        if deltas and stage is not None and replay is None:   # a staged delta: applied by the commit
+            return self._ckpt_stage(handle, kind, index, str(stage), int(stage_device_bytes),
+                                    float(timeout or DEFAULT_TIMEOUT_S), None, deltas=True)
         if deltas:
-            from ._delta import receive_with_deltas
-
-            if stage is not None or replay is not None or not version:
-                raise ConfigError("deltas=True needs version= and takes neither stage= nor slices= yet "
-                                  "(docs/deltas.md)")
-            sessions = new_sessions(self)
-            result = receive_with_deltas(self, sessions, self._ckpt_zmq_context(), handle, index,
-                                         timeout=float(timeout or DEFAULT_TIMEOUT_S), version=version)
-            self._ckpt_made_live(live_layout(sessions), version)
-            return dict(result, device_key=local_device_key(kind, index))
+            if replay is not None or not version:
+                raise ConfigError("deltas=True needs version= and does not take slices= yet (docs/deltas.md)")
+            return self._ckpt_update_deltas(handle, kind, index, float(timeout or DEFAULT_TIMEOUT_S), version)
         delta_rx = getattr(self, "_ckpt_delta_rx", None)   # _delta.receive_with_deltas's
         if delta_rx is not None:
             delta_rx.held = None   # weights from another path: no delta applies to them any more
@@ -172,6 +169,16 @@ class VllmColocateWorkerExtension(StagedWeights):
         log.info("ckpt update on %s: %d tensors, %.1f MB in %.3f s", result["device_key"], result["tensors"],
                  result["bytes"] / 1e6, result["seconds"]["total"])
         return result
+
+    def _ckpt_update_deltas(self, handle: str, kind: str, index: int, timeout: float, version: str) -> dict:
+        """An update with ``deltas=True``: a full one (kept as the next delta's base) or a delta (``_delta.py``)."""
+        from ._delta import receive_with_deltas
+
+        result, sessions = receive_with_deltas(self, self._ckpt_zmq_context(), handle, index, timeout=timeout,
+                                               version=version)
+        # a delta leaves the checkpoint layout as it was
+        self._ckpt_made_live(live_layout(sessions) if sessions else getattr(self, "_ckpt_live_layout", {}), version)
+        return dict(result, device_key=local_device_key(kind, index))
 
     @answered_together("recording the slice plan")
     def ckpt_slice_plan(self, tensors: dict) -> dict:

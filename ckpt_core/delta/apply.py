@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -46,6 +46,22 @@ from ckpt_core.errors import CheckpointFormatError, DeltaBaseError
 from ckpt_core.p2p.digests import digest_of
 
 Weights = list[tuple[str, torch.Tensor]]
+# (checkpoint dtype, live dtype) a scatter may cast between: exact both ways, so the live tensor cast
+# back holds the checkpoint's bytes (an engine serving a bf16 checkpoint in float32).
+WIDENING = frozenset({(torch.bfloat16, torch.float32), (torch.float16, torch.float32)})
+
+
+def apply_widened(target: torch.Tensor, d: Decoded) -> torch.Tensor | None:
+    """``apply_decoded`` into a tensor of a wider dtype (``WIDENING``): the changed values cast up."""
+    flat = target.reshape(-1)
+    values = d.values.view(d.dtype).to(target.dtype)
+    if d.positions is None:
+        flat.copy_(values)
+        return None
+    pos = d.positions.to(flat.device)
+    old = flat[pos].clone()
+    flat[pos] = values.to(flat.device)
+    return old
 
 
 def delta_of_plan(listing) -> tuple[str, str] | None:
@@ -87,15 +103,31 @@ class DeltaReceiver:
     agreed that every bucket arrived and was checked), not per bucket: an engine whose reload
     cannot be undone (vLLM's layerwise reload) then loads nothing of a delta that fails anywhere.
     ``complete``: that one reload also gets every kept tensor the delta did not change, for engines
-    that need whole layers or a whole checkpoint per reload (vLLM's fused modules).
+    that need whole layers or a whole checkpoint per reload; or a callable that, given the names the
+    delta rebuilt, names the unchanged tensors that must come with them (vLLM: the other tensors of
+    the layers the changed ones load into, ``ckpt_vllm._delta_map``).
+
+    ``live(name)`` may give a tensor of a wider float dtype than the checkpoint's (bf16 or fp16 held
+    as float32: the cast is exact both ways), written with the cast and checked cast back.
+    ``base(name)``: where no copy is kept, a tensor holding the held version's bytes of ``name``
+    (a live tensor the engine derives its kernels from but keeps verbatim), read before the rebuild.
     """
 
     def __init__(self, live: Callable[[str], torch.Tensor | None], *, reload: Callable[[Weights], object] | None = None,
-                 held: str | None = None, defer_reload: bool = False, complete: bool = False):
+                 held: str | None = None, defer_reload: bool = False,
+                 complete: bool | Callable[[list[str]], list[str]] = False,
+                 base: Callable[[str], torch.Tensor | None] | None = None):
         self.live, self.reload, self.held = live, reload, held
-        self.defer_reload, self.complete = defer_reload, complete
+        self.defer_reload, self.complete, self.base = defer_reload, complete, base
         self.kept: dict[str, torch.Tensor] = {}
         self.last: dict = {}
+
+    def base_of(self, name: str) -> torch.Tensor | None:
+        """The held version's checkpoint-format bytes of ``name``: the kept copy, else ``base(name)``."""
+        t = self.kept.get(name)
+        if t is None and self.base is not None:
+            t = self.base(name)
+        return t
 
     def keep(self, name: str, tensor: torch.Tensor) -> None:
         """Keep a host copy of checkpoint tensor ``name`` of the version being made live (for deltas
@@ -120,8 +152,8 @@ class _Update:
         self.delta: tuple[str, str] | None = None
         self.undo_log: list[tuple] = []
         self.rebuilt: dict[str, torch.Tensor] = {}   # tensor -> its new full bytes handed to reload
-        self.figures = {"scattered": 0, "reloaded": 0, "elements": 0, "payload_bytes": 0, "apply_s": 0.0,
-                        "verify_s": 0.0}
+        self.figures: dict[str, Any] = {"scattered": 0, "reloaded": 0, "elements": 0, "payload_bytes": 0,
+                                        "apply_s": 0.0, "verify_s": 0.0, "scattered_tensors": []}
         self.dropped = False
         self.ran = False   # a bucket reached run(): something may have been written
         self.deferred_ran = False   # the deferred reload started: the engine's own abort is what undoes it
@@ -146,9 +178,7 @@ class _Update:
 
     def post_hook(self):
         if self.delta is not None and self.rx.defer_reload:
-            weights = list(self.rebuilt.items())
-            if self.rx.complete:
-                weights += [(n, t) for n, t in self.rx.kept.items() if n not in self.rebuilt]
+            weights = list(self.rebuilt.items()) + self._unchanged_companions()
             if weights:
                 self.deferred_ran = True
                 self.rx.reload(weights)
@@ -156,10 +186,28 @@ class _Update:
             return self.engine_post_hook()
         return None
 
+    def _unchanged_companions(self) -> Weights:
+        """The unchanged tensors the engine's reload needs with the rebuilt ones (``complete``)."""
+        complete = self.rx.complete
+        if not complete or not self.rebuilt:
+            return []
+        if not callable(complete):
+            return [(n, t) for n, t in self.rx.kept.items() if n not in self.rebuilt]
+        out = []
+        for n in complete(list(self.rebuilt)):
+            if n in self.rebuilt:
+                continue
+            t = self.rx.base_of(n)
+            if t is None:
+                raise CheckpointFormatError("the engine reloads this unchanged tensor with a changed one and this "
+                                            "worker holds no copy of it", tensor=n)
+            out.append((n, t))
+        return out
+
     # -- delta ------------------------------------------------------------------------
     def _apply(self, weights: Weights) -> None:
         t0 = time.perf_counter()
-        checks: list[tuple[str, torch.Tensor, str]] = []
+        checks: list[tuple[str, torch.Tensor, str, torch.dtype]] = []
         reloads: Weights = []
         for wire_name, payload in weights:
             if wire_name.startswith(MANIFEST):
@@ -171,11 +219,11 @@ class _Update:
             target = self.rx.live(name)
             if target is not None:
                 self._scatter(name, target, d)
-                checks.append((name, target, d.digest))
+                checks.append((name, target, d.digest, d.dtype))
             else:
                 new = self._rebuild(name, d)
                 reloads.append((name, new))
-                checks.append((name, new, d.digest))
+                checks.append((name, new, d.digest, d.dtype))
         t1 = time.perf_counter()
         self.figures["apply_s"] += t1 - t0
         self._verify(checks)   # before the engine's reload: a wrong tensor is never loaded
@@ -189,16 +237,19 @@ class _Update:
                 self.rx.reload(reloads)
 
     def _scatter(self, name: str, target: torch.Tensor, d: Decoded) -> None:
-        if target.dtype != d.dtype or tuple(target.shape) != d.shape or not target.is_contiguous():
+        widened = target.dtype != d.dtype
+        if ((widened and (d.dtype, target.dtype) not in WIDENING) or tuple(target.shape) != d.shape
+                or not target.is_contiguous()):
             raise CheckpointFormatError(f"the live tensor is {target.dtype} {list(target.shape)}, the delta "
                                         f"{d.dtype} {list(d.shape)}", tensor=name)
         saved = target.clone() if d.positions is None else None
-        old = apply_decoded(target, d)
+        old = apply_widened(target, d) if widened else apply_decoded(target, d)
         self.undo_log.append((target, d, old, saved))
         self.figures["scattered"] += 1
+        self.figures["scattered_tensors"].append(name)
 
     def _rebuild(self, name: str, d: Decoded) -> torch.Tensor:
-        base = self.rx.kept.get(name)
+        base = self.rx.base_of(name)
         if d.positions is None:
             new = torch.empty(d.shape, dtype=d.dtype)
         elif base is None or base.dtype != d.dtype or tuple(base.shape) != d.shape:
@@ -210,8 +261,9 @@ class _Update:
         return new
 
     def _verify(self, checks) -> None:
-        for name, tensor, want in checks:
-            got = digest_of(bytes_of(tensor.contiguous()))
+        for name, tensor, want, dtype in checks:
+            held = tensor if tensor.dtype == dtype else tensor.to(dtype)   # a widened live tensor: cast back, exact
+            got = digest_of(bytes_of(held.contiguous()))
             if got != want:
                 raise CheckpointFormatError(f"after the delta's apply the tensor's bytes do not match the version's "
                                             f"digest ({got} != {want}); the update is undone", tensor=name)
@@ -236,6 +288,8 @@ class _Update:
         for target, d, old, saved in reversed(self.undo_log):
             if saved is not None:
                 target.copy_(saved)
+            elif target.dtype != d.dtype:
+                target.reshape(-1)[d.positions.to(target.device)] = old
             else:
                 undo_decoded(target, d, old)
         self.undo_log.clear()
@@ -249,6 +303,7 @@ class _Update:
             self.rx.last = {"delta": False}
             return
         for name, new in self.rebuilt.items():
-            self.rx.kept[name] = new
+            if name in self.rx.kept or self.rx.base is None:   # a tensor read from the engine (base) is not copied
+                self.rx.kept[name] = new
         self.rx.held = self.delta[1]
         self.rx.last = dict(self.figures, delta=True, base=self.delta[0], version=self.delta[1])

@@ -104,3 +104,53 @@ def test_the_ps_refuses_what_it_knows_is_not_held():
     state.made_live("C")
     with pytest.raises(DeltaBaseError, match="last made 'C' live"):
         state.precheck("B")
+
+
+def test_a_widened_live_tensor_takes_the_delta_cast_up_and_a_failure_puts_it_back():
+    """An engine serving a bf16 checkpoint in float32: the scatter casts up (exact), the digest is
+    checked cast back; an abort restores the float32 values."""
+    gen = torch.Generator().manual_seed(2)
+    base = {"n": torch.randn(4, 16, generator=gen).to(torch.bfloat16)}
+    new = {"n": base["n"].clone()}
+    new["n"].view(torch.int16)[1, 3] ^= 9
+    new["n"].view(torch.int16)[2, 0] ^= 3
+    live = {"n": base["n"].float()}
+    rx = DeltaReceiver(live=live.get, held="A")
+    weights = _delta_weights(base, new, ["n"])
+    with pytest.raises(RuntimeError, match="another rank"):
+        _drive(rx, weights, fail=True)
+    assert torch.equal(live["n"], base["n"].float()) and rx.held == "A"
+    _drive(rx, weights)
+    assert torch.equal(live["n"], new["n"].float()) and rx.last["scattered_tensors"] == ["n"]
+
+
+def test_a_narrowing_live_tensor_is_refused():
+    base = {"n": torch.randn(8)}
+    new = {"n": base["n"] + 1}
+    live = {"n": base["n"].to(torch.bfloat16)}
+    rx = DeltaReceiver(live=live.get, held="A")
+    with pytest.raises(CheckpointFormatError, match="live tensor is torch.bfloat16"):
+        _drive(rx, _delta_weights(base, new, ["n"]))
+    assert rx.held == "A"
+
+
+def test_the_deferred_reload_gets_the_changed_tensors_with_their_companions_read_from_the_engine():
+    """``complete`` as a callable names the unchanged tensors that reload with the changed ones;
+    their bytes come from ``base`` (the engine's verbatim copy) where nothing is kept; the kept copy
+    is updated only for the tensors it held."""
+    gen = torch.Generator().manual_seed(3)
+    base = {n: torch.randn(6, generator=gen).to(torch.bfloat16) for n in ("q", "k", "v", "o")}
+    new = {n: t.clone() for n, t in base.items()}
+    new["q"].view(torch.int16)[0] ^= 1
+    engine = {"q": base["q"].clone(), "k": base["k"].clone()}   # readable back from the engine
+    reloaded: list = []
+    rx = DeltaReceiver(live=lambda n: None, reload=lambda ws: reloaded.append(dict(ws)), held="A",
+                       defer_reload=True, complete=lambda names: ["q", "k", "v"] if "q" in names else [],
+                       base=lambda n: engine.get(n))
+    rx.keep("v", base["v"])
+    rx.keep("o", base["o"])
+    _drive(rx, _delta_weights(base, new, ["q", "k", "v", "o"]))
+    assert len(reloaded) == 1 and sorted(reloaded[0]) == ["k", "q", "v"]   # not o: another layer
+    assert torch.equal(reloaded[0]["q"].view(torch.int16), new["q"].view(torch.int16))
+    assert torch.equal(reloaded[0]["k"], base["k"]) and torch.equal(reloaded[0]["v"], base["v"])
+    assert sorted(rx.kept) == ["o", "v"] and rx.held == "B"

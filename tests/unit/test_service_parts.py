@@ -175,8 +175,8 @@ def test_the_vllm_client_refuses_deltas_without_a_version_before_posting():
     from ckpt_vllm import VllmClient
 
     with VllmClient("http://127.0.0.1:9") as client:   # nothing listens: a refusal must come first
-        for kwargs in ({}, {"version": "v2", "path": "backend"}, {"version": "v2", "stage": "v2"}):
-            with pytest.raises(ConfigError, match="deltas needs version="):
+        for kwargs in ({}, {"version": "v2", "path": "backend"}):
+            with pytest.raises(ConfigError, match="deltas=True takes the extension path and needs version="):
                 client.update([("dev0", "ipc://h0")], deltas=True, **kwargs)
 
 

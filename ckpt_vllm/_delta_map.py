@@ -1,0 +1,244 @@
+"""Where a delta of each checkpoint tensor goes in a live vLLM model: scattered in place, or with
+the layers it loads into, reloaded (issue 39; docs/deltas.md).
+
+Built once per full update with ``deltas=True`` (:func:`build_map`), from two things the engine
+shows us, never from names or model families:
+
+- its loading, recorded (``_slices.record_loading``: the model's own ``load_weights`` over
+  zero-storage tensors): which parameter region each checkpoint tensor is copied into, and which box
+  of it was read, through pure views only;
+- its live layers after that load: a layer is *verbatim* when post-load processing kept every
+  parameter as the checkpoint-format one (same names, shapes, dtypes, strides: nothing repacked or
+  dropped) and derived nothing (no tensor, closure or kernel handle beside its parameters: vLLM-CPU's
+  ``cpu_linear`` prepack, an MoE kernel's layout, a quantized kernel), and every checkpoint tensor
+  it reads arrives whole, in one write, into one region, in the checkpoint's dtype (or widened from
+  bf16/fp16 to float32, exact both ways).
+
+Checkpoint tensors and the layers they load into form groups (a fused ``qkv_proj`` and its three
+sources; a tied ``lm_head`` and the embedding whose parameter it shares; a layer and the layers
+nested in it). A group whose layers are all verbatim is *scattered*: each of its tensors gets its
+live region, where the bytes were checked equal to the checkpoint's after the load (a mismatch
+sends the group to the reload). Any other group is *reloaded* whole through vLLM's layerwise reload
+of its layers alone (``ReloadSession.begin(layers=...)``); its tensors need the held version's
+bytes: read back from a verbatim live region where the layer keeps one (an embedding vLLM-CPU also
+prepacks), else from the host copy the worker keeps (``kept``).
+
+A checkpoint tensor the recording cannot place (read through an op that is not a view, written into
+no parameter) makes the map *whole*: every delta then reloads the whole model from the kept copy
+(the first slice's behaviour), and says why.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ckpt_core.checkpoint.safetensors import DTYPE_CODES
+from ckpt_core.delta.apply import WIDENING
+from ckpt_core.delta.encode import bytes_of
+from ckpt_core.planning.slices import Box, box_extent
+
+from ._digest import _derived
+from ._reload_fixes import pointer_kernels
+
+__all__ = ["DeltaMap", "build_map", "verbatim_layer"]
+
+log = logging.getLogger("ckpt_vllm")
+
+
+@dataclass
+class DeltaMap:
+    """One worker's map; see the module doc."""
+
+    scatter: dict[str, torch.Tensor] = field(default_factory=dict)   # name -> its live region
+    groups: list[tuple[tuple[str, ...], tuple[str, ...]]] = field(default_factory=list)   # (layers, names) reloaded
+    group_of: dict[str, int] = field(default_factory=dict)            # name -> index in groups
+    readable: dict[str, tuple[torch.Tensor, torch.dtype]] = field(default_factory=dict)   # name -> (live region
+    # holding its bytes, the checkpoint's dtype)
+    whole: str | None = None   # why every delta reloads the whole model (None: the map places everything)
+    why: dict[str, str] = field(default_factory=dict)                 # name -> why it is reloaded, not scattered
+
+    def live(self, name: str) -> torch.Tensor | None:
+        return None if self.whole else self.scatter.get(name)
+
+    def base(self, name: str) -> torch.Tensor | None:
+        """The held version's bytes of ``name`` read back from the engine (a host copy), or None."""
+        found = self.readable.get(name)
+        return None if found is None else found[0].to("cpu", found[1], copy=True)
+
+    def companions(self, changed: list[str]) -> list[str]:
+        """Every tensor of the groups the ``changed`` tensors belong to (what their reload needs)."""
+        seen = sorted({self.group_of[n] for n in changed if n in self.group_of})
+        return [n for g in seen for n in self.groups[g][1]]
+
+    def layers(self, names: list[str]) -> list[str]:
+        """The layers (module names) a reload of ``names`` processes."""
+        seen = sorted({self.group_of[n] for n in names if n in self.group_of})
+        return [layer for g in seen for layer in self.groups[g][0]]
+
+    def keeps(self, name: str) -> bool:
+        """Whether the worker must keep a host copy of ``name`` (reloaded, not readable from the engine)."""
+        return bool(self.whole) or (name not in self.scatter and name not in self.readable)
+
+    def figures(self) -> dict:
+        return {"scatterable": len(self.scatter), "groups": len(self.groups), "readable": len(self.readable),
+                "whole": self.whole}
+
+
+def _owner(pname: str) -> str:
+    return pname.rpartition(".")[0]
+
+
+def _region(t: torch.Tensor, box: Box) -> torch.Tensor:
+    for d, start, n in box or ():
+        t = t.narrow(d, start, n)
+    return t
+
+
+def verbatim_layer(module: torch.nn.Module, meta: dict[str, torch.Tensor], live: dict[str, torch.Tensor]) -> str | None:
+    """None when ``module`` reads its parameters as loaded (see the module doc), else why not.
+    ``meta``: its checkpoint-format parameters (on the meta device, during a reload session);
+    ``live``: its parameters after the load."""
+    method = getattr(module, "quant_method", None)
+    if method is not None and not type(method).__name__.startswith("Unquantized"):
+        return f"quantization method {type(method).__name__}"
+    if set(meta) != set(live):
+        return f"its parameters after processing ({sorted(live)}) are not the loaded ones ({sorted(meta)})"
+    for n, m in meta.items():
+        t = live[n]
+        if (tuple(m.shape), tuple(m.stride()), m.dtype) != (tuple(t.shape), tuple(t.stride()), t.dtype):
+            return f"processing changed {n} ({list(m.shape)} {m.dtype} -> {list(t.shape)} {t.dtype})"
+    own = set(module._parameters) | set(module._buffers)
+    derived = [n for n, _ in _derived(module, own)]
+    if derived:
+        return f"it derives {derived[:3]} from its parameters"
+    functions = [k for k, v in vars(module).items() if not k.startswith("_") and callable(v)
+                 and not isinstance(v, (torch.nn.Module, type))]
+    if functions:
+        return f"it computes through {functions[:3]}, which may hold a processed copy"
+    if any(True for _ in pointer_kernels(module)):
+        return "a kernel handle holds a processed copy of its weights"
+    return None
+
+
+def build_map(model: torch.nn.Module, model_config: Any, device, kept: dict[str, torch.Tensor]) -> DeltaMap:
+    """Record the model's loading of the ``kept`` checkpoint (the version just loaded, host copies)
+    and decide, per tensor, scatter or reload (see the module doc). Nothing is loaded: the live layers
+    are put back after the recording."""
+    from ._compat import reload_api
+    from ._reload import ReloadSession
+    from ._slices import record_loading, tied_aliases
+
+    specs = {n: (DTYPE_CODES[t.dtype], tuple(t.shape)) for n, t in kept.items()}
+    owners: dict[str, dict[str, torch.Tensor]] = {}   # layer -> its live parameters
+    by_id: dict[int, set[str]] = {}                    # a live parameter -> the layers holding it
+    modules = dict(model.named_modules(remove_duplicate=False))
+    for qname, module in modules.items():
+        params = {n: p for n, p in module._parameters.items() if p is not None}
+        if params:
+            owners[qname] = params
+            for p in params.values():
+                by_id.setdefault(id(p), set()).add(qname)
+    aliases = tied_aliases(model)
+    session = ReloadSession(model, model_config, label="model (delta map)")
+    session.begin()
+    try:
+        meta = {q: {n: p for n, p in modules[q]._parameters.items() if p is not None} for q in owners}
+        rec, _ = record_loading(model, specs, device, skip_params=reload_api().skip_load_tensors, aliases=aliases)
+    finally:
+        session.abort(quiet=True)
+    return _decide(modules, owners, by_id, meta, rec, kept)
+
+
+def _decide(modules, owners, by_id, meta, rec, kept) -> DeltaMap:
+    out = DeltaMap()
+    writes: dict[str, list] = {}    # name -> [(param, region, read box)]
+    for w, read in zip(rec.writes, rec.write_reads):
+        if w.source is not None:
+            writes.setdefault(w.source, []).append((w.param, w.region, read))
+    unplaced = [n for n in kept if n not in writes]
+    if unplaced:
+        out.whole = f"the recording places no write of {unplaced[:3]} ({len(unplaced)} tensors)"
+        log.warning("ckpt deltas: every delta reloads the whole model: %s", out.whole)
+        return out
+    # Groups: union-find over checkpoint names and layers.
+    parent: dict[str, str] = {}
+
+    def find(x: str) -> str:
+        while parent.setdefault(x, x) != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    def union(a: str, b: str) -> None:
+        parent[find(a)] = find(b)
+
+    for name, ws in writes.items():
+        for pname, _, _ in ws:
+            union("t:" + name, "l:" + _owner(pname))
+    for layers in by_id.values():   # tied: layers sharing a parameter
+        first = sorted(layers)[0]
+        for layer in layers:
+            union("l:" + first, "l:" + layer)
+    for layer in owners:   # a layer nested in another one is initialized with it
+        for up in owners:
+            if up and layer.startswith(up + ".") and up != layer:
+                union("l:" + up, "l:" + layer)
+    members: dict[str, tuple[list[str], list[str]]] = {}
+    for node in list(parent):
+        layers_, names = members.setdefault(find(node), ([], []))
+        (layers_ if node.startswith("l:") else names).append(node[2:])
+    why_layer = {q: verbatim_layer(modules[q], meta.get(q, {}), owners[q]) for q in owners}
+    for layers_, names in members.values():
+        if not names:
+            continue
+        reasons = _group_reasons(sorted(layers_), sorted(names), writes, why_layer, owners, kept)
+        if not reasons:
+            for n in names:
+                (pname, region, _), = writes[n]
+                layer, _, leaf = pname.rpartition(".")
+                out.scatter[n] = _region(owners[layer][leaf].detach(), region)
+            continue
+        index = len(out.groups)
+        out.groups.append((tuple(sorted(layers_)), tuple(sorted(names))))
+        for n in names:
+            out.group_of[n] = index
+            out.why[n] = reasons[0]
+            region = _verbatim_region(n, writes[n], owners, kept)
+            if region is not None:
+                out.readable[n] = (region, kept[n].dtype)
+    return out
+
+
+def _group_reasons(layers, names, writes, why_layer, owners, kept) -> list[str]:
+    reasons = [f"{q}: {why_layer[q]}" for q in layers if q in why_layer and why_layer[q]]
+    for n in names:
+        if not reasons and _verbatim_region(n, writes[n], owners, kept) is None:
+            reasons.append(f"{n} does not arrive whole, once, in its dtype and byte for byte in one region")
+    return reasons
+
+
+def _verbatim_region(name, ws, owners, kept) -> torch.Tensor | None:
+    """The live region holding checkpoint tensor ``name``'s bytes as loaded (cast back where widened,
+    checked equal to the kept copy), when it is written once, whole, into one box; else None."""
+    if len(ws) != 1:
+        return None
+    pname, region, read = ws[0]
+    src = kept[name]
+    layer, _, leaf = pname.rpartition(".")
+    live = owners.get(layer, {}).get(leaf)
+    if live is None or read is None or box_extent(src.shape, read) != tuple(src.shape):
+        return None
+    if live.dtype != src.dtype and (src.dtype, live.dtype) not in WIDENING:
+        return None
+    try:
+        view = _region(live.detach(), region)
+    except (RuntimeError, IndexError):
+        return None
+    if tuple(view.shape) != tuple(src.shape) or not view.is_contiguous() or view.device.type == "meta":
+        return None
+    held = view if view.dtype == src.dtype else view.to(src.dtype)
+    return view if torch.equal(bytes_of(held.contiguous().cpu()), bytes_of(src.contiguous())) else None

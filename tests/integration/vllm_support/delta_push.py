@@ -1,0 +1,66 @@
+"""Push a chain of versions into one vLLM server as deltas, with one PS rank per engine worker.
+
+Run under torchrun (``--nproc-per-node`` = the server's tensor-parallel size), in the project venv:
+
+    delta_push.py --endpoint URL --prompts JSON --max-tokens N FILE [FILE ...]
+
+Each PS rank registers its share of every version (the tensors dealt round-robin by name), each
+after the first against the one before (``base=``), and pushes them in order with
+``update(..., delta=i > 0)``; rank 0 posts every worker's handle to the server
+(``VllmClient.update(..., deltas=True)``). After each version rank 0 prints one JSON line:
+``{"version", "ps": its result, "engine": the workers' replies, "digests": ckpt_state_digests,
+"tokens": greedy completions of the prompts}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import httpx
+from safetensors.torch import load_file
+
+from ckpt_core import ParameterServer
+from ckpt_vllm import VllmClient
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--endpoint", required=True)
+    ap.add_argument("--prompts", type=json.loads, required=True)
+    ap.add_argument("--max-tokens", type=int, required=True)
+    ap.add_argument("files", nargs="+")
+    args = ap.parse_args()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    client = VllmClient(args.endpoint, timeout=300)
+    with ParameterServer(device="cpu") as ps:
+        for i, path in enumerate(args.files):
+            name = f"v{i}"
+            tensors = load_file(path)
+            ps.register_checkpoint(name, named_tensors={n: tensors[n] for n in sorted(tensors)[rank::world]},
+                                   base=f"v{i - 1}" if i else None)
+            ps.gather_metas(name)
+            replies: list = []
+
+            def req(handles, name=name, replies=replies):
+                if rank == 0:
+                    replies.append(client.update(handles, version=name, deltas=True, timeout=300).workers)
+
+            result = ps.update(name, req, timeout=300, delta=bool(i))
+            if rank == 0:
+                with httpx.Client(base_url=args.endpoint, timeout=120.0) as http:
+                    resp = http.post("/v1/completions", json={
+                        "model": "tiny", "prompt": args.prompts, "max_tokens": args.max_tokens, "temperature": 0.0,
+                        "ignore_eos": True, "return_token_ids": True, "seed": 0})
+                resp.raise_for_status()
+                tokens = [c["token_ids"] for c in sorted(resp.json()["choices"], key=lambda c: c["index"])]
+                line = {"version": name, "ps": result, "engine": replies[0],
+                        "digests": client.collective_rpc("ckpt_state_digests"), "tokens": tokens}
+                sys.stdout.write(json.dumps(line, default=str) + "\n")
+                sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
