@@ -248,10 +248,8 @@ def summary(results: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--lrs", type=float, nargs="*", default=[1e-6, 1e-5, 1e-4])
-    ap.add_argument("--steps", type=int, default=8)
+def model_arguments(ap: argparse.ArgumentParser) -> None:
+    """The model's shape, the batch, the seed and the date (shared with ``delta_p2p.py``)."""
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--inter", type=int, default=1408)
@@ -260,9 +258,16 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-heads", dest="kv_heads", type=int, default=2)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--wd", type=float, default=0.01)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--date", default=time.strftime("%Y-%m-%d"))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--lrs", type=float, nargs="*", default=[1e-6, 1e-5, 1e-4])
+    ap.add_argument("--steps", type=int, default=8)
+    model_arguments(ap)
+    ap.add_argument("--wd", type=float, default=0.01)
     ap.add_argument("--codec-densities", type=float, nargs="*", default=[0.001, 0.005, 0.015, 0.03, 0.1, 0.3, 0.6],
                     help="also time the encoding of one bf16 tensor at these densities")
     ap.add_argument("--codec-mib", type=int, default=64, help="that tensor's size, MiB")

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]   # the tests' worlds and engine
 
-from delta_density import Qwen2Like, bf16_state  # noqa: E402
+from delta_density import Qwen2Like, bf16_state, model_arguments  # noqa: E402
 from support.delta_world import DeltaEngine  # noqa: E402
 from support.data import want_digests  # noqa: E402
 from support.engine import EngineFront  # noqa: E402
@@ -148,16 +148,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lr", type=float, default=1e-6, help="1e-6: the ~2 %% density measured in docs/deltas.md")
     ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=4096)
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--inter", type=int, default=1408)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--kv-heads", dest="kv_heads", type=int, default=2)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--date", default=time.strftime("%Y-%m-%d"))
+    model_arguments(ap)
     ap.add_argument("--out", type=Path, default=None, help="write the figures as JSON here (and a .txt summary beside)")
     args = ap.parse_args(argv)
     if not 1 <= args.steps <= 100 or not 0 < args.lr < 1:
