@@ -39,7 +39,8 @@ import torch
 from ckpt_core.errors import CheckpointFormatError
 
 from ._compat import reload_api
-from ._reload import ReloadSession, _checkpoint_names, _loadable_params, _missing_in_layer, numel_total
+from ._layer_names import checkpoint_names, loadable_params, missing_in_layer, numel_total
+from ._reload import ReloadSession
 
 __all__ = ["PrepareJob", "prepare_step", "commit_prepared"]
 
@@ -266,7 +267,7 @@ def _load_batch(model: torch.nn.Module, model_config, job: PrepareJob, batch: li
                 continue
             if api.is_deferred_attention(layer) or not 0 < info.load_numel < numel_total(info):
                 left.append(qname)
-            elif absent := _missing_in_layer(model, qname, layer, info):
+            elif absent := missing_in_layer(model, qname, layer, info):
                 missing += absent
             else:   # padded rows (a vocabulary rounded up to 64) never complete: the end of a reload processes it
                 layerwise._layerwise_process(layer, info)
@@ -297,7 +298,7 @@ def _never_loaded(model: torch.nn.Module, model_config, job: PrepareJob) -> str 
             if not info.restore_metadata[0] or api.is_deferred_attention(layer) or not info.load_numel_total:
                 continue   # buffers only (rotary caches) or attention scales: nothing required
             kernel = info.kernel_tensors[0] if info.kernel_tensors else {}
-            missing += [_checkpoint_names(model, qname, name, None) for name in _loadable_params(layer, info)
+            missing += [checkpoint_names(model, qname, name, None) for name in loadable_params(layer, info)
                         if id(kernel.get(name)) not in written]
     finally:
         session.abort(quiet=True)

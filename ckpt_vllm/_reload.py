@@ -40,13 +40,13 @@ from ckpt_core.errors import CheckpointFormatError, ConfigError
 from ckpt_core.wire.staging import repeated_names
 
 from ._compat import LayerInfo, reload_api
+from ._layer_names import missing_in_layer, required_names
 from ._reload_fixes import empty_slots, process_as_cold_load, restore_empty_slots, restore_processing
 from ._reload_fixes import install as install_kernel_refs
 
 __all__ = ["ReloadSession"]
 
 log = logging.getLogger("ckpt_vllm")
-_QKV_SHARDS = ("q", "k", "v")
 _SCALE_BUFFERS = ("_q_scale", "_k_scale", "_v_scale", "_prob_scale")   # an attention layer's, 1.0 at init
 
 
@@ -137,7 +137,7 @@ class ReloadSession:
         have = set(names) | self.received
         missing: list[str] = []
         for qname, layer, info in self._pending():
-            wanted = _required_names(self.model, qname, layer, info)
+            wanted = required_names(self.model, qname, layer, info)
             if any(n in have for parts in wanted.values() for n in parts):
                 for fused, parts in wanted.items():
                     absent = [n for n in parts if n not in have]
@@ -238,7 +238,7 @@ class ReloadSession:
             if kernel and not info.loaded_weights and all(id(p) in done_param_ids for p in kernel.values()):
                 tied.append(layer)
                 continue
-            missing += _missing_in_layer(self.model, qname, layer, info)
+            missing += missing_in_layer(self.model, qname, layer, info)
         return tied, missing
 
     def check_complete(self) -> None:
@@ -354,71 +354,3 @@ def _default_attention_scales(layer: torch.nn.Module, model_config) -> None:
         method.create_weights(layer)
         method.process_weights_after_loading(layer)
         layer.process_weights_after_loading(model_config.dtype)
-
-
-def numel_total(info: LayerInfo) -> int:
-    """The elements a pending layer (``can_load()``) receives in all; vLLM sets it before that."""
-    if info.load_numel_total is None:
-        raise ConfigError("vLLM's reload lists a layer as loadable whose load_numel_total is not set")
-    return info.load_numel_total
-
-
-def _missing_in_layer(model: torch.nn.Module, qname: str, layer: torch.nn.Module, info: LayerInfo) -> list[str]:
-    """Names of what a pending layer lacks; checkpoint names where vLLM's mapping tells them."""
-    received: dict[str, set] = {}
-    for pname, args in info.loaded_weights:
-        sid = args.arguments.get("loaded_shard_id")
-        received.setdefault(pname, set()).add(tuple(sid) if isinstance(sid, list) else sid)
-    missing = []
-    for pname in _loadable_params(layer, info):
-        shards = received.get(pname)
-        if not shards:
-            missing.append(_checkpoint_names(model, qname, pname, None))
-            continue
-        n_parts = len(getattr(layer, "output_sizes", ()) or ())
-        if None in shards or n_parts <= 1:
-            continue
-        got: set = set()
-        for s in shards:  # "q"/"k"/"v", an int, or a tuple of ints (several parts at once)
-            got.update(s if isinstance(s, (tuple, list)) else [_QKV_SHARDS.index(s) if s in _QKV_SHARDS else s])
-        missing += [_checkpoint_names(model, qname, pname, i) for i in range(n_parts) if i not in got]
-    fused = len(getattr(layer, "output_sizes", ()) or ()) > 1
-    if not missing and (fused or any(hasattr(p, "weight_loader_numel") for p in layer.parameters(recurse=False))):
-        # Fused linear layers have no padding, and fused MoE excludes its padding from the count:
-        # any shortfall is a missing part (an expert, a bias shard, a slice) that named no parameter.
-        if info.load_numel < numel_total(info):
-            missing.append(f"{qname} ({info.load_numel} of {info.load_numel_total} elements)")
-    return missing
-
-
-def _required_names(model: torch.nn.Module, qname: str, layer: torch.nn.Module,
-                    info: LayerInfo) -> dict[str, list[str]]:
-    """Checkpoint names a layer reads, per parameter: ``{fused name: [one name per part]}``
-    (``qkv_proj.weight_scale`` -> q/k/v_proj.weight_scale; an unfused parameter is its own part)."""
-    n_parts = len(getattr(layer, "output_sizes", ()) or ())
-    out = {}
-    for pname in _loadable_params(layer, info):
-        fused = _checkpoint_names(model, qname, pname, None)
-        out[fused] = [_checkpoint_names(model, qname, pname, i) for i in range(n_parts)] if n_parts > 1 else [fused]
-    return out
-
-
-def _loadable_params(layer: torch.nn.Module, info: LayerInfo) -> list[str]:
-    """Every parameter the layer must receive: the restore metadata lists only what vLLM put back
-    on the meta device, and leaves out parameters it keeps live through the reload (``bias``)."""
-    SKIP_LOAD_TENSORS = reload_api().skip_load_tensors
-    names = list(info.restore_metadata[0])
-    names += [n for n, p in layer._parameters.items()
-              if p is not None and n not in names and n not in SKIP_LOAD_TENSORS]
-    return names
-
-
-def _checkpoint_names(model: torch.nn.Module, qname: str, pname: str, part: int | None) -> str:
-    """``model.layers.0.self_attn.qkv_proj`` + part 1 -> ``model.layers.0.self_attn.k_proj.weight``."""
-    prefix, _, leaf = qname.rpartition(".")
-    packed = getattr(model, "packed_modules_mapping", {}) or {}
-    if part is not None and leaf in packed and part < len(packed[leaf]):
-        leaf = packed[leaf][part]
-    elif part is not None:
-        leaf = f"{leaf}[part {part}]"
-    return ".".join(x for x in (prefix, leaf, pname) if x)
