@@ -35,9 +35,17 @@ import httpx
 
 from ckpt_core import errors
 
-__all__ = ["ServiceWorld"]
+__all__ = ["ServiceWorld", "env_token"]
 
 _REFUSALS = {"ValidationError", "Unauthorized", "Forbidden", "Conflict", "NotFound", "PayloadTooLarge"}
+
+
+def env_token() -> str | None:
+    """The bearer token the services of this host were started with, as their environment gives it
+    (``CKPT_SERVICE_TOKEN``; None when unset or empty): for a ``ServiceWorld`` in the same environment."""
+    from ckpt_core._settings import service_token
+
+    return service_token()
 
 
 def _client(endpoint: str, token: str | None, timeout: float) -> httpx.Client:

@@ -194,10 +194,10 @@ class CkptTrainerWeightTransferEngine(_EngineBase):
         pull = None
         try:
             if p2p and init_info.is_sender:
-                from ckpt_core._settings import service_token
+                from ckpt_core.client import env_token
 
                 pull = EnginePull(list(init_info.p2p_services or ()), str(update_url),
-                                  token=init_info.service_token or service_token(), timeout_s=init_info.timeout_s)
+                                  token=init_info.service_token or env_token(), timeout_s=init_info.timeout_s)
             return cls(client=client, source=source, info=init_info, ps=ps, config=config, pull=pull)
         except BaseException:
             if pull is not None:

@@ -54,7 +54,7 @@ def test_the_names_drivers_and_examples_import_are_pinned():
         "MAX_RANKS", "EngineKind", "EngineClient", "UpdateReport", "Requester", "get_engine", "available_engines",
         "register_engine"])
     assert sorted(ckpt_core.planning.__all__) == ["SlicePlan", "read_plan_file", "write_plan_file"]
-    assert ckpt_core.client.__all__ == ["ServiceWorld"]
+    assert ckpt_core.client.__all__ == ["ServiceWorld", "env_token"]
     assert sorted(ckpt_vllm.__all__) == ["UpdateReport", "VllmClient", "VllmColocateWorkerExtension"]
     assert sorted(ckpt_sglang.__all__) == ["BUSY_MODES", "COMMIT_PAUSE_MODES", "PAUSE_MODES", "SglangClient",
                                            "UpdateReport"]
