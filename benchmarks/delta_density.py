@@ -248,6 +248,14 @@ def summary(results: dict) -> str:
     return "\n".join(lines)
 
 
+def report(results: dict, text: str, out) -> None:
+    """Print ``text``; with ``out`` (a path), write ``results`` there as JSON and ``text`` beside it (.txt)."""
+    print(text)
+    if out is not None:
+        out.write_text(json.dumps(results, indent=1) + "\n")
+        out.with_suffix(".txt").write_text(text + "\n")
+
+
 def model_arguments(ap: argparse.ArgumentParser) -> None:
     """The model's shape, the batch, the seed and the date (shared with ``delta_p2p.py``)."""
     ap.add_argument("--vocab", type=int, default=4096)
@@ -280,11 +288,7 @@ def main(argv=None) -> int:
     results = run(args) if args.lrs else {"date": args.date, "machine": "cpu", "runs": {}}
     if args.codec_densities:
         results["codec"] = codec_table(args.codec_densities, args.codec_mib << 19)
-    text = summary(results)
-    print(text)
-    if args.out is not None:
-        args.out.write_text(json.dumps(results, indent=1) + "\n")
-        args.out.with_suffix(".txt").write_text(text + "\n")
+    report(results, summary(results), args.out)
     return 0
 
 

@@ -17,7 +17,6 @@ update's wall seconds (2 loaded CPU cores: an upper bound).
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import tempfile
@@ -30,7 +29,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]   # the tests' worlds and engine
 
-from delta_density import Qwen2Like, bf16_state, model_arguments  # noqa: E402
+from delta_density import Qwen2Like, bf16_state, model_arguments, report  # noqa: E402
 from support.delta_world import DeltaEngine  # noqa: E402
 from support.data import want_digests  # noqa: E402
 from support.engine import EngineFront  # noqa: E402
@@ -154,11 +153,7 @@ def main(argv=None) -> int:
     if not 1 <= args.steps <= 100 or not 0 < args.lr < 1:
         ap.error("--steps must be in [1, 100] and --lr in (0, 1)")
     res = run(args)
-    text = summary(res)
-    print(text)
-    if args.out is not None:
-        args.out.write_text(json.dumps(res, indent=1) + "\n")
-        args.out.with_suffix(".txt").write_text(text + "\n")
+    report(res, summary(res), args.out)
     return 0
 
 

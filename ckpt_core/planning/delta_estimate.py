@@ -73,7 +73,7 @@ def predict_delta(full: dict, density: float, *, item_bytes: int = 2,
     """A delta update beside the full one that ``capacity.predict`` gave (``full``): the payload
     moves through the same stages (host-to-device, broadcast or the network) at their rates, the
     engine applies it and checks the changed tensors' digests. Plain data."""
-    if not 0 <= density <= 1 or (isinstance(density, float) and math.isnan(density)):
+    if not 0 <= density <= 1:   # NaN too: every comparison with it is false
         raise ConfigError(f"--delta-density is a fraction of the elements in [0, 1], got {density!r}")
     model_bytes, tensors, ranks = full["model_bytes"], full["tensors"], full["ranks"]
     per_tensor = model_bytes / tensors / item_bytes
