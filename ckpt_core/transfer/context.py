@@ -94,6 +94,7 @@ class UpdateContext:
         self.last_update: dict | None = None
         self._ipc: IpcBuffer | None = None
         self._updates = 0
+        self._called = time.monotonic()   # when this rank's update() began (precheck_call)
         self._closing: str | None = None   # set by stop() (close() in another thread): the update stops
         self._signal: StopSignal | None = None   # the running update's: stop() tells every rank at once
 
@@ -190,6 +191,7 @@ class UpdateContext:
         for the first exchange, which tells every rank the problem. ``slices`` must be a
         ``SlicePlan`` (not its digest or JSON) and needs our own wire.
         """
+        self._called = time.monotonic()
         try:
             deadline = time.monotonic() + update_seconds(timeout)
         except ConfigError as exc:
@@ -244,6 +246,8 @@ class UpdateContext:
             # expire first; the answer must not depend on which).
             failure = Failure(self.rank, self.device_key, "req_func did not return within the update timeout, "
                               f"and the engine worker never connected ({failure.message})", timeout=True)
+        if failure is not None and failure.timeout and failure.rank == self.rank and isinstance(link, PsLink):
+            failure = self._late_note(failure, link, deadline)
         if failure is None and final:
             req.join(max(0.0, deadline - time.monotonic()))
             if req.is_alive():
@@ -267,6 +271,17 @@ class UpdateContext:
                                      f"failed during {phase}: {reason}")
         raise RemoteWorkerError(f"update failed during {phase}: {reason}", rank=first.rank,
                                 device_key=first.device_key, remote_traceback=first.traceback or None)
+
+    def _late_note(self, failure: Failure, link: PsLink, deadline: float) -> Failure:
+        """A wait for this rank's worker that timed out, when the timeout was mostly spent before the
+        handshake began (planning, or waiting for the other ranks to call update): say so, since
+        the cause is then a rank that came late, not this rank's engine."""
+        before, budget = link.opened - self._called, deadline - self._called
+        if before <= max(1.0, 0.25 * budget):
+            return failure
+        note = (f" (this rank had spent {before:.1f} s of its {budget:.1f} s update timeout before the handshake "
+                "began, in the first exchange: another rank called update() late, or planning was slow)")
+        return Failure(failure.rank, failure.device_key, failure.message + note, failure.traceback, timeout=True)
 
     def report(self, name: str, plan: Plan, stats, times: dict, **layout) -> dict:
         """The update's figures: logged once, kept in ``last_update``, returned."""

@@ -89,6 +89,7 @@ class PsLink:
                  deadline: float, should_stop: Callable[[], str | None]):
         self.update_id, self.rank, self.device_key = update_id, rank, device_key
         self.deadline, self.should_stop = deadline, should_stop
+        self.opened = time.monotonic()   # when the handshake's wait began: a timeout's note says how late
         self.failure: Failure | None = None
         self.aborted = False   # send_abort ran: it tells the worker once per update
         self.sock = ctx.socket(self.SOCKET_TYPE)

@@ -28,6 +28,7 @@ WORKER_RESULT_S = 120.0   # generous: how long a PS rank waits for its worker's 
 HANG_TIMEOUT_S = 10.0     # the update timeout that must bound a req_func that never returns
 STALL_TIMEOUT_S = 30.0    # stall1's: rank 0's worker, whose req_func returns, must connect within it even on a
                           # loaded 2-core host (at 10 s it sometimes did not: rank 0 timed out too, first)
+LATE_TIMEOUT_S, LATE_S = 5.0, 9.0   # late1: rank 1 calls update LATE_S after rank 0, whose timeout is shorter
 
 
 # ---------------------------------------------------------------- data
@@ -84,6 +85,10 @@ def _req_func(mode: str, rank: int, inbox, release: threading.Event):
 def _update(ps, rank: int, inbox, outbox, name: str, mode: str, timeout: float) -> tuple:
     if mode == "fail0" and rank == 0:
         inbox.put({"fail_bucket": 1})
+    if mode == "late1" and rank == 0:   # its worker connects after the PS gave up: it need not wait long
+        inbox.put({"timeout": 10})
+    if mode == "late1" and rank == 1:
+        time.sleep(LATE_S)
     release = threading.Event()
     try:
         info = ps.update(name, _req_func(mode, rank, inbox, release), timeout=timeout)
@@ -96,8 +101,10 @@ def _update(ps, rank: int, inbox, outbox, name: str, mode: str, timeout: float) 
     return result + (worker,)
 
 
-def parity_ps_main(rank: int, world: int, port: int, kind: str, steps: list, init: dict, out) -> None:
-    """One PS rank with its own engine worker process; runs ``steps``, reports each outcome."""
+def parity_ps_main(rank: int, world: int, port: int, kind: str, steps: list, init: dict, out, barrier) -> None:
+    """One PS rank with its own engine worker process; runs ``steps``, reports each outcome. The
+    ranks start each update together (``barrier``): a rank still collecting its worker's answer to
+    the last update must not spend the next one's timeout of the others (late1 does that on purpose)."""
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     from ckpt_core import ParameterServer
     inbox, outbox = CTX.Queue(), CTX.Queue()
@@ -109,6 +116,8 @@ def parity_ps_main(rank: int, world: int, port: int, kind: str, steps: list, ini
         assert ready[0] == "ready", ready
         with ParameterServer(rank, world, device=kind, master_addr="127.0.0.1", master_port=port, **init) as ps:
             for step, name, arg in steps:
+                if step == "update":
+                    barrier.wait(WORKER_RESULT_S + 60)
                 t0 = time.monotonic()
                 if step == "register":
                     ps.register_checkpoint(name, **arg[rank])
@@ -132,8 +141,8 @@ def parity_ps_main(rank: int, world: int, port: int, kind: str, steps: list, ini
 def run_parity_world(kind: str, world: int, steps: list, *, init: dict | None = None,
                      timeout: float = 300) -> dict[int, list]:
     """``world`` PS rank processes (not daemons: each starts its own worker) running ``steps``."""
-    port, q = free_port(), CTX.Queue()
-    procs = [CTX.Process(target=parity_ps_main, args=(r, world, port, kind, steps, dict(init or {}), q))
+    port, q, barrier = free_port(), CTX.Queue(), CTX.Barrier(world)
+    procs = [CTX.Process(target=parity_ps_main, args=(r, world, port, kind, steps, dict(init or {}), q, barrier))
              for r in range(world)]
     return collect_world(procs, q, "parity world", timeout, join_s=10)
 
@@ -181,18 +190,20 @@ def case_reference_scenario(kind: str, world: int, tmp_path, *, seed: int = 2026
 def case_req_func_faults_on_rank_1(kind: str) -> dict[int, list]:
     """2 ranks. raise1: rank 1's req_func raises (rank 0's worker is mid-update); hang1: it never
     returns; stall1: it never returns and never reached the engine (whichever wait expires first,
-    req_func is named)."""
+    req_func is named); late1: rank 1 calls update after rank 0's timeout passed (rank 0's worker
+    is named, with the note that its time went before the handshake)."""
     gen = torch.Generator().manual_seed(7)
     data = {r: {f"w{r}.{i}": fresh_tensor((64, 8), torch.bfloat16, gen) for i in range(4)} for r in range(2)}
     steps = [("register", "c", {r: {"named_tensors": d} for r, d in data.items()}), ("gather", "c", None),
              # raise1 and all end by themselves: their timeout only bounds them, generously (on a
              # loaded 2-core machine 30 s could pass before the handshake, and the deadline then
              # fails the wait for the worker before rank 1's req_func thread had raised)
-             ("update", "c", ("raise1", 120)), ("update", "c", ("hang1", HANG_TIMEOUT_S)), ("update", "c", ("stall1", STALL_TIMEOUT_S)),
-             ("update", "c", ("all", 120))]
+             ("update", "c", ("raise1", 120)), ("update", "c", ("hang1", HANG_TIMEOUT_S)),
+             ("update", "c", ("stall1", STALL_TIMEOUT_S)), ("update", "c", ("all", 120)),
+             ("update", "c", ("late1", LATE_TIMEOUT_S)), ("update", "c", ("all", 120))]
     res = run_parity_world(kind, 2, steps, init={"max_bucket_gb": 0.00002})
     for r in range(2):
-        raised, hung, stalled, after = res[r][2:6]
+        raised, hung, stalled, after, late, again = res[r][2:8]
         assert raised[:2] == ("error", "RemoteWorkerError") and raised[3] == 1, f"rank {r}: {raised}"
         assert "rank 1: req_func raised" in raised[2] and "injected: rank 1's req_func failed" in raised[2]
         assert hung[:2] == ("error", "UpdateTimeoutError"), f"rank {r}: {hung}"
@@ -202,5 +213,9 @@ def case_req_func_faults_on_rank_1(kind: str) -> dict[int, list]:
         assert "[rank 1] req_func did not return within the update timeout" in stalled[2], stalled[2]
         assert "never connected" in stalled[2] and "to connect" in stalled[2], stalled[2]
         assert after[0] == "ok" and len(after[2][2]) == 8, f"the next update on rank {r}: {after}"
+        assert late[:2] == ("error", "UpdateTimeoutError"), f"rank {r}: {late}"
+        assert late[2].startswith("[rank 0] timed out waiting for"), late[2]
+        assert "before the handshake" in late[2] and "another rank called update() late" in late[2], late[2]
+        assert again[0] == "ok" and len(again[2][2]) == 8, f"the update after late1 on rank {r}: {again}"
     assert res[0][2][4][0] == "error", "rank 0's worker must leave the update rank 1 failed"
     return res
