@@ -41,7 +41,13 @@ from ckpt_core.wire.staging import repeated_names
 
 from ._compat import LayerInfo, reload_api
 from ._layer_names import missing_in_layer, required_names
-from ._reload_fixes import empty_slots, process_as_cold_load, restore_empty_slots, restore_processing
+from ._reload_fixes import (
+    empty_slots,
+    process_as_cold_load,
+    quiet_buffer_accounting,
+    restore_empty_slots,
+    restore_processing,
+)
 from ._reload_fixes import install as install_kernel_refs
 
 __all__ = ["ReloadSession"]
@@ -166,7 +172,7 @@ class ReloadSession:
             current[0] = None
 
         try:
-            with _mtp_check_disabled():
+            with _mtp_check_disabled(), quiet_buffer_accounting():
                 self.model.load_weights(tracked())
         except Exception as exc:
             if current[0] is None:

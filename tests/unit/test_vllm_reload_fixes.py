@@ -11,7 +11,10 @@ from types import SimpleNamespace
 
 import torch
 
-from ckpt_vllm._reload_fixes import KEPT, empty_slots, install, keep_pointed_tensors, restore_empty_slots
+import pytest
+
+from ckpt_vllm._reload_fixes import (KEPT, empty_slots, install, keep_pointed_tensors, quiet_buffer_accounting,
+                                    restore_empty_slots)
 
 
 class Obj:
@@ -85,3 +88,41 @@ def test_the_copy_step_is_wrapped_once_and_keeps_the_pointed_tensors_before_it_r
     assert calls == [True]
     assert install(SimpleNamespace()) is False   # a vLLM without that step: nothing to wrap
 
+
+
+def _layerwise_like():
+    """A module shaped like vLLM 0.26's layerwise reload: its loader looks ``has_device_tensors`` up
+    at call time and, while two layers buffer, sums every buffered weight's bytes for a warning."""
+    mod = SimpleNamespace(sums=0, buffered=[[1] * 300, [1] * 300])
+
+    def has_device_tensors(bound_args):
+        return True
+
+    def loader(n_weights):
+        for _ in range(n_weights):
+            if mod.has_device_tensors(None) and len(mod.buffered) >= 2:
+                mod.sums += sum(len(b) for b in mod.buffered)   # the quadratic part
+    mod.has_device_tensors, mod.loader = has_device_tensors, loader
+    return mod, has_device_tensors
+
+
+def test_the_buffer_warning_sums_nothing_while_our_buckets_load_and_comes_back_after():
+    mod, original = _layerwise_like()
+    mod.loader(10)
+    assert mod.sums == 6000                      # what vLLM 0.26 does per weight
+    mod.sums = 0
+    with quiet_buffer_accounting(mod) as quieted:
+        assert quieted
+        mod.loader(10)
+    assert mod.sums == 0
+    assert mod.has_device_tensors is original    # restored
+    with pytest.raises(RuntimeError), quiet_buffer_accounting(mod):
+        raise RuntimeError("a bucket vLLM rejected")
+    assert mod.has_device_tensors is original    # restored on failure too
+
+
+def test_a_vllm_without_the_device_check_is_left_alone():
+    mod = SimpleNamespace()
+    with quiet_buffer_accounting(mod) as quieted:
+        assert not quieted
+    assert not hasattr(mod, "has_device_tensors")
