@@ -62,3 +62,22 @@ def test_the_stock_loop_collects_only_the_young_generation(monkeypatch):
     assert _stock_loop.stock_loop()(None, "h", 0, run=None) == "h" and calls == [0]
     worker.update_weights_from_ipc(None, "h", 0, run=None)
     assert calls == [0, 2], "the stock module itself was changed"
+
+
+def test_the_stage_probe_runs_on_the_cpu_and_records_its_three_cases(tmp_path):
+    """benchmarks/sglang_stage_probe.py (no timing asserted: the figures belong to the probe)."""
+    import json
+    import os
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "probe.json"
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "sglang_stage_probe.py"), "--tasks", "10",
+                           "--remote-ms", "0.2", "--out", str(out)], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=str(root)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["spinning"], r["tasks"]) for r in rows] == [(False, 10), (True, 10), (True, 10)]
+    assert rows[2]["switch_interval_ms"] == pytest.approx(SWITCH_INTERVAL_S * 1e3) and rows[1]["spinner_iterations"] > 0
+    assert sys.getswitchinterval() > 0 and "faster beside the spinner" in proc.stdout
