@@ -395,7 +395,9 @@ def test_a_direct_load_that_fails_is_reported_and_the_next_one_repairs_it(engine
                         timeout=20)
     e.stage(2, "in-the-way")
     with pytest.raises(RemoteWorkerError, match="version 'in-the-way' is staged \\(commit or drop it first\\)"):
-        e.ps.update("s2", e.client.req_func(weight_version="n2", via="loader"), timeout=60)
+        e.client.update({"GPU-nobody": "ipc://@ckpt-test-nobody-serves-this"}, weight_version="n2", via="loader",
+                        timeout=20)
+    assert e.client.weight_versions()[0]["staged"]["version"] == "in-the-way", "a refused load dropped the stage"
     e.client.drop_staged()
     assert e.params() == live and e.client.model_info()["weight_version"] == "w1"
     httpx.post(f"{e.eng.url}/ckpt_test/next_commit", params={"fail_rank": 0}, timeout=30).raise_for_status()

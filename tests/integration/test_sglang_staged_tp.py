@@ -110,6 +110,11 @@ def test_a_tp2_server_without_sessions_loads_on_every_rank_as_sglang_0_5_17_does
             assert state["rank_events"] == [["ipc", "tensor", "tensor", "tensor"]] * TP, state["rank_events"]
             assert not state["session_open"] and t.client.server.sessions is False
             assert _same_bytes(digests, state["ranks"])
+            # a direct load there: outside any session, post-processed by our loader as 0.5.17's IPC route does
+            t._ok(t.ps_update(1, weight_version="direct", via="loader"))
+            state = eng.state()
+            assert state["ranks"] == t.cold[1] and [s["live"] for s in t.states()] == ["direct"] * TP
+            assert [events[4:] for events in state["rank_events"]] == [["tensor"]] * TP, state["rank_events"]
         finally:
             t.close()
 
