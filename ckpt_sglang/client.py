@@ -29,17 +29,20 @@ Errors are ckpt_core's (``ckpt_core.engines.http``): ``UpdateTimeoutError``, ``T
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Callable
 
 from ckpt_core.engines.base import Prechecked, Requester, UpdateReport
 from ckpt_core.engines.http import Phases, error_text
-from ckpt_core.errors import ConfigError, RemoteWorkerError
+from ckpt_core.errors import CkptError, ConfigError, RemoteWorkerError
 
 from ._protocol import LOADER, PROBE_LOADER, ReplySocket, encode_command
 from ._server import ServerFeatures
 
 __all__ = ["SglangClient", "UpdateReport", "PAUSE_MODES", "BUSY_MODES", "COMMIT_PAUSE_MODES", "VIA"]
+
+log = logging.getLogger("ckpt_sglang.client")
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 BUSY_MODES = ("retract", "abort", "fail")
@@ -152,9 +155,14 @@ class SglangClient(Requester):
         if via == "loader":
             self.server.require_loader(LOADER, "direct loads (via='loader')")
             return "loader"
-        if via == "ipc" or not self.server.has_loader(LOADER) or self.server.awaiting_first_weights():
+        if via == "ipc":
             return "ipc"
-        return "loader"
+        try:
+            direct = self.server.has_loader(LOADER) and not self.server.awaiting_first_weights()
+        except CkptError as exc:   # /server_info unreadable: the IPC post then fails (or works) as it would
+            log.debug("%s: cannot tell whether it runs %s (%s): the IPC route", self.where, LOADER, exc)
+            return "ipc"
+        return "loader" if direct else "ipc"
 
     def _ipc(self, phases: Phases, report: UpdateReport, handles: dict, flush_cache: bool,
              weight_version: str | None, wait: float, busy: str, pause: str | None) -> None:
