@@ -12,6 +12,9 @@ every worker of the engine pull from its PS rank. Routes used:
   with ``--custom-weight-loader ckpt_sglang.staging.load``, see ``ckpt_sglang/staging.py``):
   ``GET /server_info``, ``/update_weights_from_tensor`` (``load_format`` = that loader),
   ``/update_weight_version``. ``state_digests``: the same route with ``ckpt_sglang.probe.load``.
+- Direct updates (``update(..., via="loader")``; ``via=None`` takes them where the server runs our
+  loader and has its first weights): the same tensor route, our loader's ``load`` op receiving the
+  update straight into SGLang's ``load_weights``; then ``/flush_cache`` and ``/update_weight_version``.
 - ``POST /begin_weight_update`` .. ``/end_weight_update``: every call of ours that loads weights
   (the IPC update included) runs inside SGLang's weight-update session where the server has one;
   a server without the route (0.5.17) is remembered and loads as before (``_server.py``).
