@@ -1,8 +1,10 @@
 """The child processes of benchmarks/sglang_bench.py: one parameter server each, talking to the
 SGLang server itself (HTTP), and the H2D floor.
 
-- ``ours``: ``ckpt_core.ParameterServer(wire="stock")`` with ``SglangClient.req_func`` (the IPC
-  update our launcher makes), a first update and ``--repeats`` more;
+- ``ours``: ``ckpt_core.ParameterServer(wire="stock")`` with ``SglangClient.req_func(via="ipc")``
+  (SGLang's ``/update_weights_from_ipc``), a first update and ``--repeats`` more;
+- ``ours-loader``: the same PS and updates through our loader (``via="loader"``: the ``load`` op of
+  ``ckpt_sglang.staging.load``, the stock worker loop straight into SGLang's ``load_weights``);
 - ``reference``: checkpoint-engine 0.4.2's ``ParameterServer`` with the ``req_func`` of SGLang's
   own launcher (``sglang.srt.checkpoint_engine.update.req_inference``: ``/update_weights_from_ipc``,
   ``flush_cache``), the same updates;
@@ -29,9 +31,11 @@ def _files(directory: str) -> list[str]:
     return sorted(os.path.join(directory, f) for f in os.listdir(directory) if f.endswith(".safetensors"))
 
 
-def run_ours(url: str, directory: str, repeats: int) -> dict:
+def run_ours(url: str, directory: str, repeats: int, via: str = "ipc") -> dict:
     from ckpt_core import ParameterServer
     from ckpt_sglang import SglangClient
+
+    impl = "ours" if via == "ipc" else f"ours, {via}"
 
     files = _files(directory)
     with ParameterServer(rank=0, world_size=1, device="cuda", wire="stock") as ps, \
@@ -41,17 +45,19 @@ def run_ours(url: str, directory: str, repeats: int) -> dict:
         t1 = time.perf_counter()
         ps.gather_metas("bench")
         t2 = time.perf_counter()
-        say(f"ours: registered {len(files)} files in {t1 - t0:.2f} s, metas {t2 - t1:.2f} s")
+        say(f"{impl}: registered {len(files)} files in {t1 - t0:.2f} s, metas {t2 - t1:.2f} s")
         updates, phases, engine = [], [], []
         for i in range(1 + repeats):
             s = time.perf_counter()
-            result = ps.update("bench", client.req_func(weight_version=f"ours-{i}"), timeout=900)
+            result = ps.update("bench", client.req_func(weight_version=f"ours-{via}-{i}", via=via), timeout=900)
             updates.append(time.perf_counter() - s)
             phases.append(result["seconds"])
             engine.append(client.last_report.seconds)
-            say(f"ours: update {i}: {updates[-1]:.3f} s (PS {result['seconds']}, engine's HTTP call "
+            if client.last_report.path != via:
+                raise RuntimeError(f"{impl}: the update went through {client.last_report.path!r}")
+            say(f"{impl}: update {i}: {updates[-1]:.3f} s (PS {result['seconds']}, engine's HTTP call "
                 f"{client.last_report.seconds.get('update', 0):.3f} s)")
-        return {"impl": "ours", "register_s": t1 - t0, "gather_s": t2 - t1, "update_s": updates,
+        return {"impl": impl, "register_s": t1 - t0, "gather_s": t2 - t1, "update_s": updates,
                 "ps_seconds": phases, "engine_seconds": engine, "buckets": result["buckets"],
                 "bucket_bytes": result["bucket_bytes"], "sessions": client.server.sessions}
 
@@ -131,6 +137,8 @@ def child_main(role: str, url: str, directory: str, repeats: int, nbytes: int) -
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(name)s %(levelname)s %(message)s")
     if role == "ours":
         out = run_ours(url, directory, repeats)
+    elif role == "ours-loader":
+        out = run_ours(url, directory, repeats, via="loader")
     elif role == "reference":
         out = run_reference(url, directory, repeats)
     elif role == "stage":

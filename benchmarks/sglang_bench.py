@@ -1,7 +1,7 @@
 """Weight updates into a real SGLang server on one GPU: ckpt-engine against checkpoint-engine,
 each checked equal to a cold load.
 
-    python benchmarks/sglang_bench.py --out DIR [--shape 7b] [--repeats 3] [--impls ours,reference]
+    python benchmarks/sglang_bench.py --out DIR [--shape 7b] [--repeats 3] [--impls ours,ours-loader,reference]
 
 A Qwen2-7B-shaped bf16 checkpoint of fresh random data is written to ``--dir`` (/dev/shm; reused
 when present). One SGLang server (``benchmarks/_sglang_server.py``: the recipe's flags, dummy
@@ -12,8 +12,9 @@ weights, our two loaders) then takes, in turn:
    mode ``sums``) and greedy tokens;
 2. per implementation, after SGLang's weight checker scrambles every weight (so an update that
    does nothing cannot pass): a first update and ``--repeats`` more by a parameter server in a child
-   process (``ours``: ckpt-engine, stock wire; ``reference``: checkpoint-engine 0.4.2 with SGLang's
-   launcher's ``req_func``), then digests and tokens against the reference;
+   process (``ours``: ckpt-engine, stock wire, SGLang's IPC route; ``ours-loader``: the same through
+   our loader's direct ``load``, the row "ours, loader"; ``reference``: checkpoint-engine 0.4.2 with
+   SGLang's launcher's ``req_func``), then digests and tokens against the reference;
 3. ours staged into the server's device memory while it serves, then committed: the pause;
 4. each launcher once, as users run it (``python -m sglang.srt.checkpoint_engine.update``, then
    ``python -m ckpt_sglang.update``): wall time, checked the same way.
@@ -50,7 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="directory for the JSON results and logs (created)")
     p.add_argument("--shape", default="7b", help="checkpoint shape of benchmarks/_vllm_bench_model.py (7b, tiny)")
     p.add_argument("--dir", default=None, help="where the checkpoint is written (default /dev/shm/ckpt-sglang-bench-SHAPE)")
-    p.add_argument("--impls", default="ours,reference", help="comma-separated: ours, reference")
+    p.add_argument("--impls", default="ours,ours-loader,reference",
+                   help="comma-separated: ours (SGLang's IPC route), ours-loader (our loader's direct load), reference")
     p.add_argument("--repeats", type=int, default=3, help="timed updates after the first, per implementation")
     p.add_argument("--no-stage", action="store_true", help="skip the staged update and its commit")
     p.add_argument("--no-launchers", action="store_true", help="skip the two launcher runs")
@@ -208,8 +210,9 @@ def format_report(report: dict) -> str:
         eq = r.get("vs_cold_load") or {}
         lines.append(f"| {r['impl']} | {r['update_s'][0]:.3f} s | {b:.3f} s | {size / b / 1e9:.1f} | "
                      f"{b / floor_s:.2f} | {'yes' if eq.get('equal') else 'NO'} ({eq.get('tensors')} tensors) |")
-    if "ours" in best and "reference" in best:
-        lines.append(f"ours is {best['reference'] / best['ours']:.2f}x faster than the reference (best updates)")
+    for impl in ("ours", "ours, loader"):
+        if impl in best and "reference" in best:
+            lines.append(f"{impl} is {best['reference'] / best[impl]:.2f}x faster than the reference (best updates)")
     ours = next((r for r in report["runs"] if r.get("impl") == "ours" and "error" not in r), None)
     if ours:
         i = min(range(1, len(ours["update_s"])) or [0], key=lambda k: ours["update_s"][k])
@@ -228,8 +231,15 @@ def format_report(report: dict) -> str:
     return "\n".join(lines)
 
 
+IMPLS = ("ours", "ours-loader", "reference")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    unknown = [s for s in args.impls.split(",") if s and s not in IMPLS]
+    if unknown:
+        print(f"sglang_bench.py: unknown --impls {unknown}; choose from {', '.join(IMPLS)}", file=sys.stderr)
+        return 2
     if args.role == "main":
         return run_main(args)
     from _sglang_bench_roles import child_main

@@ -42,7 +42,7 @@ LOADER = "ckpt_sglang.staging.load"     # what --custom-weight-loader must name
 PROBE_LOADER = "ckpt_sglang.probe.load"   # reads the model (state digests); named beside LOADER
 COMMAND_TENSOR = "ckpt_sglang.command"
 FORMAT, VERSION = "ckpt-sglang/command", 1
-OPS = ("stage", "commit", "drop", "state", "digests")   # the last one: PROBE_LOADER's
+OPS = ("stage", "commit", "load", "drop", "state", "digests")   # the last one: PROBE_LOADER's
 MAX_REPLY = 1 << 20
 
 

@@ -77,6 +77,7 @@ class ServerFeatures:
         self._info: dict | None = None
         self.sessions: bool | None = None   # None: not asked yet
         self._reload: tuple[str, str | None] | None = None   # (model_path, problem) last checked
+        self._first_weights = False   # an IPC update of ours succeeded here
 
     def info(self) -> dict:
         """``GET /server_info`` (the server's arguments), read once."""
@@ -96,6 +97,33 @@ class ServerFeatures:
         if int(info.get("dp_size") or 1) != 1:
             raise ConfigError(f"{self._http.where} has dp_size {info.get('dp_size')}: SGLang's weight routes need 1")
         return int(info.get("tp_size") or 1)
+
+    def has_loader(self, loader: str) -> bool:
+        """Whether the server runs ``loader`` and our loader's ops can reach it (dp_size 1)."""
+        info = self.info()
+        return loader in (info.get("custom_weight_loader") or []) and int(info.get("dp_size") or 1) == 1
+
+    def awaiting_first_weights(self) -> bool:
+        """Whether the server may still wait for its first weights: started with
+        ``--checkpoint-engine-wait-weights-before-ready``, no IPC update of ours succeeded on it yet
+        (only a successful ``/update_weights_from_ipc`` sets SGLang's ``initial_weights_loaded``), and
+        ``GET /health`` is not 200 (such a server stays "starting", 503, until its first weights came).
+        Once known loaded, kept."""
+        if self._first_weights or not self.info().get("checkpoint_engine_wait_weights_before_ready"):
+            return False
+        try:
+            healthy = self._http.request("GET", "/health", timeout=60.0).status_code == 200
+        except CkptError as exc:
+            log.debug("%s: GET /health failed (%s): taken as still waiting for its first weights",
+                      self._http.where, exc)
+            healthy = False
+        if healthy:
+            self.first_weights_loaded()
+        return not healthy
+
+    def first_weights_loaded(self) -> None:
+        """An IPC update succeeded: the server has its first weights."""
+        self._first_weights = True
 
     # -- weight-update sessions ----------------------------------------------------------
     def begin(self, selector: str, timeout: float = 60.0) -> bool:

@@ -12,6 +12,9 @@ every worker of the engine pull from its PS rank. Routes used:
   with ``--custom-weight-loader ckpt_sglang.staging.load``, see ``ckpt_sglang/staging.py``):
   ``GET /server_info``, ``/update_weights_from_tensor`` (``load_format`` = that loader),
   ``/update_weight_version``. ``state_digests``: the same route with ``ckpt_sglang.probe.load``.
+- Direct updates (``update(..., via="loader")``; ``via=None`` takes them where the server runs our
+  loader and has its first weights): the same tensor route, our loader's ``load`` op receiving the
+  update straight into SGLang's ``load_weights``; then ``/flush_cache`` and ``/update_weight_version``.
 - ``POST /begin_weight_update`` .. ``/end_weight_update``: every call of ours that loads weights
   (the IPC update included) runs inside SGLang's weight-update session where the server has one;
   a server without the route (0.5.17) is remembered and loads as before (``_server.py``).
@@ -29,21 +32,25 @@ Errors are ckpt_core's (``ckpt_core.engines.http``): ``UpdateTimeoutError``, ``T
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Callable
 
 from ckpt_core.engines.base import Prechecked, Requester, UpdateReport
 from ckpt_core.engines.http import Phases, error_text
-from ckpt_core.errors import ConfigError, RemoteWorkerError
+from ckpt_core.errors import CkptError, ConfigError, RemoteWorkerError
 
 from ._protocol import LOADER, PROBE_LOADER, ReplySocket, encode_command
 from ._server import ServerFeatures
 
-__all__ = ["SglangClient", "UpdateReport", "PAUSE_MODES", "BUSY_MODES", "COMMIT_PAUSE_MODES"]
+__all__ = ["SglangClient", "UpdateReport", "PAUSE_MODES", "BUSY_MODES", "COMMIT_PAUSE_MODES", "VIA"]
+
+log = logging.getLogger("ckpt_sglang.client")
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 BUSY_MODES = ("retract", "abort", "fail")
 COMMIT_PAUSE_MODES = ("retract", "in_place")   # no request is dropped
+VIA = ("loader", "ipc", None)   # SglangClient.update's routes; None: chosen per server
 CACHE_NOT_FLUSHED = "cache was not flushed"   # SGLang's 400 text when requests were still running
 
 
@@ -99,8 +106,15 @@ class SglangClient(Requester):
     def update(self, handles, *, flush_cache: bool = True, weight_version: str | None = None,
                timeout: float | None = None, pause: str | None = None, busy: str = "retract",
                stage: str | None = None, stage_device_bytes: int = 0,
-               stage_pause: str | None = "in_place") -> UpdateReport:
+               stage_pause: str | None = "in_place", via: str | None = None) -> UpdateReport:
         """Make the server pull one update; ``handles``: ``[(device_key, zmq_handle)]`` or a dict.
+
+        ``via``: ``"loader"`` loads through our loader (``ckpt_sglang.staging.load``, its ``load``
+        op: the stock worker loop straight into SGLang's ``load_weights``, with a lowered switch
+        interval while it receives); ``"ipc"`` through SGLang's ``/update_weights_from_ipc``;
+        None: ``"loader"`` where the server runs our loader, except while it waits for its first
+        weights (``--checkpoint-engine-wait-weights-before-ready``: only a successful IPC update
+        marks them loaded), i.e. until this client's first IPC update succeeded there.
 
         ``pause``: pause generation (``PAUSE_MODES``) around the update; None keeps serving.
         ``busy``: what to do when the weights went in but the cache could not be flushed
@@ -117,29 +131,79 @@ class SglangClient(Requester):
             raise ConfigError(f"busy must be one of {BUSY_MODES}, got {busy!r}")
         if pause is not None and pause not in PAUSE_MODES:
             raise ConfigError(f"pause mode must be one of {PAUSE_MODES}, got {pause!r}")
+        route = self.route(via)
         wait = self.http.timeout if timeout is None else float(timeout)
-        body = {"zmq_handles": dict(handles), "flush_cache": flush_cache, "weight_version": weight_version}
         self.server.check_reloadable()   # before anything is posted
-        phases, report = Phases(), UpdateReport()
+        phases, report = Phases(), UpdateReport(path=route)
         t0 = time.perf_counter()
         if pause is not None:
             phases.run("pause", self.pause, pause)
         try:
-            resp = self._in_session(phases, "all", lambda: phases.run(
-                "update", self.http.request, "POST", "/update_weights_from_ipc", json=body, timeout=wait))
-            if resp.status_code == 404:
-                raise ConfigError(f"/update_weights_from_ipc is not served by {self.where} (HTTP 404)")
-            report.message = error_text(resp)
-            if resp.status_code == 400 and CACHE_NOT_FLUSHED in report.message and busy != "fail":
-                report.busy = True
-                self._flush_while_paused(phases, busy if pause is None else None)
+            if route == "loader":
+                self._load(phases, report, dict(handles), weight_version, wait)
+                if flush_cache:
+                    self._flush(phases, report, busy, pause)
             else:
-                self.http.raise_for_status(resp)
+                self._ipc(phases, report, dict(handles), flush_cache, weight_version, wait, busy, pause)
         finally:
             if pause is not None:
                 phases.run("resume", self.resume)
         report.seconds = dict(phases.seconds, total=time.perf_counter() - t0)
         return self._record(report)
+
+    def route(self, via: str | None = None) -> str:
+        """The route :meth:`update` takes for ``via`` (``"loader"`` or ``"ipc"``; see there)."""
+        if via not in VIA:
+            raise ConfigError(f"via must be one of {VIA}, got {via!r}")
+        if via == "loader":
+            self.server.require_loader(LOADER, "direct loads (via='loader')")
+            return "loader"
+        if via == "ipc":
+            return "ipc"
+        try:
+            direct = self.server.has_loader(LOADER) and not self.server.awaiting_first_weights()
+        except CkptError as exc:   # /server_info unreadable: the IPC post then fails (or works) as it would
+            log.debug("%s: cannot tell whether it runs %s (%s): the IPC route", self.where, LOADER, exc)
+            return "ipc"
+        return "loader" if direct else "ipc"
+
+    def _ipc(self, phases: Phases, report: UpdateReport, handles: dict, flush_cache: bool,
+             weight_version: str | None, wait: float, busy: str, pause: str | None) -> None:
+        body = {"zmq_handles": handles, "flush_cache": flush_cache, "weight_version": weight_version}
+        resp = self._in_session(phases, "all", lambda: phases.run(
+            "update", self.http.request, "POST", "/update_weights_from_ipc", json=body, timeout=wait))
+        if resp.status_code == 404:
+            raise ConfigError(f"/update_weights_from_ipc is not served by {self.where} (HTTP 404)")
+        report.message = error_text(resp)
+        if resp.status_code == 400 and CACHE_NOT_FLUSHED in report.message and busy != "fail":
+            report.busy = True
+            self._flush_while_paused(phases, busy if pause is None else None)
+        else:
+            self.http.raise_for_status(resp)
+            self.server.first_weights_loaded()
+
+    def _load(self, phases: Phases, report: UpdateReport, handles: dict, weight_version: str | None,
+              wait: float) -> None:
+        """Our loader's ``load`` op on every TP rank (in SGLang's session where it has one); then
+        SGLang's ``weight_version`` (after the load: SGLang's tensor route would set it even when
+        our loader reports a failure)."""
+        ranks = self.server.require_loader(LOADER, "direct loads (via='loader')")
+        report.workers = self._session_op(phases, "load", None, wait, ranks, phase="update",
+                                          weights=weight_version, handles=handles, receive_timeout=wait)
+        report.message = f"loaded through {LOADER} on {ranks} TP rank(s)"
+        if weight_version is not None:
+            phases.run("weight_version", self.set_weight_version, str(weight_version))
+
+    def _flush(self, phases: Phases, report: UpdateReport, busy: str, pause: str | None) -> None:
+        """Flush the old weights' cache after a direct load; requests in flight are handled as
+        :meth:`update`'s ``busy`` says (as SGLang's IPC route's 400 is)."""
+        try:
+            phases.run("flush_cache", self.flush_cache)
+        except RemoteWorkerError:
+            if busy == "fail" or pause is not None:
+                raise
+            report.busy = True
+            self._flush_while_paused(phases, busy)
 
     def _flush_while_paused(self, phases: Phases, mode: str | None) -> None:
         """The weights are in; requests in flight kept SGLang from flushing the old weights' cache."""
@@ -196,18 +260,20 @@ class SglangClient(Requester):
         return self.server.require_loader(LOADER, "staged updates")
 
     def _session_op(self, phases: Phases, op: str, pause: str | None, timeout: float, ranks: int,
-                    loader: str = LOADER, **fields) -> list:
+                    loader: str = LOADER, phase: str | None = None, **fields) -> list:
         """Pause, run ``op`` in our loader on every TP rank (inside SGLang's weight-update session
-        where the server has one); returns each rank's result. The caller resumes (also on failure)."""
+        where the server has one: the command says whether it runs in one); returns each rank's
+        result. The caller resumes (also on failure). ``phase``: the phases' name (default ``op``)."""
         if pause is not None:
             phases.run("pause", self.pause, pause)
+        phase = phase or op
         with ReplySocket() as replies:
             def call():
                 body = {"serialized_named_tensors": encode_command(op, replies.address, ranks, timeout=timeout,
-                                                                   **fields),
+                                                                   session=self.server.sessions is True, **fields),
                         "load_format": loader, "flush_cache": False, "selector": "target"}
-                phases.run(op, self._post, "/update_weights_from_tensor", body, timeout=timeout)
-                return phases.run(f"{op}_replies", replies.collect, op, ranks, timeout, self.where)
+                phases.run(phase, self._post, "/update_weights_from_tensor", body, timeout=timeout)
+                return phases.run(f"{phase}_replies", replies.collect, op, ranks, timeout, self.where)
             return self._in_session(phases, "target", call)
 
     def _staged_call(self, op: str, pause: str | None, timeout: float | None, after=None, loader: str = LOADER,

@@ -18,6 +18,11 @@ how commands arrive and replies leave.
   ``model.load_weights`` (fusing q/k/v and gate/up as in a cold load), then free the area. The
   session's end runs SGLang's post-load processing; the client then flushes the cache, sets
   SGLang's ``weight_version`` and continues.
+- ``load``: a direct update (``SglangClient.update(via="loader")``): in this call, the same stock
+  loop feeds each bucket straight into ``model.load_weights`` (no staging area), then, outside a
+  weight-update session (0.5.17), the post-load processing SGLang's IPC route runs; inside one
+  (0.5.23) the session's end does it. The stage's and the load's receiving run with a lowered
+  switch interval (``_stock_loop.py``).
 - ``drop``: free the area. ``state``: live version (since when), what is staged or receiving.
 
 A staged checkpoint must cover the layout of the last commit of this process (same names, dtypes
@@ -30,17 +35,17 @@ rank had staged; a stage still receiving anywhere refuses the op everywhere and 
 commit runs only when every rank holds the same complete stage of that version, and a commit some
 rank cannot run changes no live weight on any rank (a stage the ranks do not all hold alike, or an
 incomplete one, is dropped on every rank); a ``load_weights`` failing on one rank at the commit is
-reported by every rank. Every rank answers each call with the same outcome.
+reported by every rank. A load runs only when every rank has a handle for its device and nothing
+staged or receiving; its failure on one rank (the PS then aborts every rank's loop) is reported by
+every rank, and no rank reports a live version after it. Every rank answers each call with the same outcome.
 """
 
 from __future__ import annotations
 
-import gc
 import logging
 import threading
 import time
 import traceback
-import types
 from dataclasses import dataclass, field
 
 import torch
@@ -50,6 +55,7 @@ from ckpt_core.wire.staging import StagingArea
 
 from ._agree import BUSY, FAILED, MALFORMED, OK, REFUSED, TpGroup, refusal, sglang_tp_group
 from ._protocol import decode_command, reply
+from ._stock_loop import run_stock_loop
 
 __all__ = ["load", "EngineStaging"]
 
@@ -95,17 +101,6 @@ class EngineStaging:
         self.live_since: float | None = None
         self.last_stage_error: str | None = None
 
-    @staticmethod
-    def _receiver_context(timeout_s: float):
-        import zmq
-
-        ctx = zmq.Context()
-        # the stock worker loop has no deadline of its own: its socket inherits these
-        ctx.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
-        ctx.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
-        ctx.setsockopt(zmq.LINGER, 0)
-        return ctx
-
     # -- ops (each returns its result or raises; load() turns that into the reply) ----------
     def stage(self, model, cmd: dict, group: TpGroup = TpGroup()) -> dict:
         version, handles = str(cmd["weights"]), cmd.get("handles")
@@ -139,7 +134,6 @@ class EngineStaging:
         return {"device_key": key, "version": version, "receiving": True}
 
     def _receive(self, area: SglangStagingArea, handle: str, device_id, timeout: float) -> None:
-        loop = _stock_loop()
         expected = self.layout
         seen: Layout = {}
 
@@ -175,20 +169,11 @@ class EngineStaging:
                 self.area, self.receiving = area, None
 
         t0 = time.perf_counter()
-        ctx = self._receiver_context(timeout)
-        stream = torch.cuda.Stream(area.device) if area.device.type == "cuda" else None
         try:
-            if stream is not None:
-                torch.cuda.set_device(area.device)
-                with torch.cuda.stream(stream):   # off the stream generation runs on
-                    loop(ctx, handle, device_id, run=run, post_hook=seal)
-            else:
-                loop(ctx, handle, device_id, run=run, post_hook=seal)
+            run_stock_loop(handle, area.device, device_id, timeout, run=run, post_hook=seal)
         except BaseException as exc:   # noqa: BLE001 - reported to the PS by the stock loop; kept for state
             self._receive_failed(area, (first_error or [f"{type(exc).__name__}: {exc}"])[0])
             return
-        finally:
-            ctx.destroy(linger=0)
         log.info("ckpt stage of %s: %d tensors, %.1f MB (%.1f MB on the device) in %.3f s", area.version,
                  area.tensors, area.nbytes / 1e6, area.device_bytes / 1e6, time.perf_counter() - t0)
 
@@ -257,6 +242,67 @@ class EngineStaging:
             raise failed from error
         return {**summary, "sealed": True, "seconds": {"load": time.perf_counter() - t0}}
 
+    def load(self, model, cmd: dict, group: TpGroup = TpGroup()) -> dict:
+        """A direct update: the stock loop feeds each bucket straight into SGLang's ``load_weights``
+        (no staging area), in this call (the scheduler's turn, as SGLang's IPC route runs it)."""
+        version, handles = cmd.get("weights"), cmd.get("handles")
+        what, wait = f"the load of {version!r}" if version else "the load", _agree_s(cmd)
+        device, key, device_id = _device_of(model)
+        with self._lock:
+            code, why = OK, ""
+            if self.receiving is not None and self.receiving[1].is_alive():
+                code, why = BUSY, f"version {self.receiving[0]!r} is still being staged"
+            elif self.area is not None:
+                code, why = REFUSED, f"version {self.area.version!r} is staged (commit or drop it first)"
+            elif not isinstance(handles, dict) or key not in handles:
+                sent = sorted(handles) if isinstance(handles, dict) else handles
+                code, why = REFUSED, (f"no ZeroMQ handle for the device {key} "
+                                      f"(the parameter server sent handles for {sent})")
+            refused = refusal(group.gather(code, why, what, wait), f"cannot run {what}: ",
+                              "; nothing was changed on any TP rank")
+            if refused is not None:
+                raise refused
+        if not isinstance(handles, dict):   # refused above, on every rank
+            raise ConfigError(f"cannot run {what}: the parameter server sent no handles")
+        t0, seen, first_error = time.perf_counter(), {}, []
+        tensors, nbytes = [0], [0]
+
+        def run(weights):
+            try:
+                for name, t in weights:
+                    seen[name] = (str(t.dtype).removeprefix("torch."), tuple(t.shape))
+                    tensors[0] += 1
+                    nbytes[0] += t.numel() * t.element_size()
+                model.load_weights(weights)   # SGLang's own loader: the fusing a cold load does
+            except Exception as exc:   # the stock loop sends its traceback to the PS, which aborts
+                first_error.append(f"{type(exc).__name__}: {exc}")
+                log.error("ckpt load: SGLang's load_weights failed:\n%s", traceback.format_exc())
+                raise
+
+        error = None
+        try:
+            run_stock_loop(handles[key], device, device_id, float(cmd.get("receive_timeout", 600.0)), run=run,
+                           side_stream=False)
+            if not cmd.get("session"):   # a session's end post-processes (0.5.23); 0.5.17's IPC route here
+                _post_load(model, device)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        except BaseException as exc:   # noqa: BLE001 - every rank reports it, below
+            error = (first_error or [f"{type(exc).__name__}: {exc}"])[0]
+        statuses = group.gather(FAILED if error else OK, error or "", f"the end of {what}", wait)
+        failed = refusal(statuses, f"{what} failed: ", "; the model may hold a mix of both versions: push a full "
+                         "update")
+        with self._lock:
+            if failed is None:
+                self.layout = dict(seen)
+            self.live_version = None if failed is not None or version is None else str(version)
+            self.live_since = time.time()
+        if failed is not None:
+            raise failed
+        seconds = time.perf_counter() - t0
+        log.info("ckpt load of %s: %d tensors, %.1f MB in %.3f s", version, tensors[0], nbytes[0] / 1e6, seconds)
+        return {"version": version, "tensors": tensors[0], "bytes": nbytes[0], "seconds": {"load": seconds}}
+
     def drop(self, model, cmd: dict, group: TpGroup = TpGroup()) -> dict | None:
         with self._lock:
             code, why = OK, ""
@@ -284,33 +330,23 @@ class EngineStaging:
         self.area = None
 
 
-class _YoungGc:
-    """``gc`` as the stock loop sees it here: ``collect()`` collects the youngest generation only.
+def _post_load(model, device: torch.device) -> None:
+    """What SGLang 0.5.17's IPC route runs after loading: each quantized module's
+    ``process_weights_after_loading``, then the model's ``post_load_weights``. Raises (the load is
+    then reported failed on every rank)."""
+    from contextlib import nullcontext
 
-    The stock loop runs two full collections per update. In a scheduler process with torch
-    imported one takes 0.1-0.5 s holding the GIL, and the scheduler cannot step meanwhile: a stage
-    would stall generation twice. What those collections are for (dropping the views of the IPC
-    buffer) is young garbage.
-    """
-
-    @staticmethod
-    def collect(generation: int = 0) -> int:
-        return gc.collect(0)
-
-    def __getattr__(self, name):
-        return getattr(gc, name)
-
-
-def _stock_loop():
-    """The stock checkpoint-engine worker loop (``checkpoint_engine.worker.update_weights_from_ipc``,
-    the one SGLang's ``/update_weights_from_ipc`` runs), unchanged but for the ``gc`` it calls."""
-    import checkpoint_engine.worker as stock
-
-    fn = stock.update_weights_from_ipc
-    loop = types.FunctionType(fn.__code__, {**fn.__globals__, "gc": _YoungGc()}, fn.__name__, fn.__defaults__,
-                              fn.__closure__)
-    loop.__kwdefaults__ = fn.__kwdefaults__
-    return loop
+    try:
+        from sglang.srt.model_loader.loader import device_loading_context
+    except ImportError:   # pragma: no cover - moved in a later release
+        device_loading_context = None
+    for _, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None and hasattr(method, "process_weights_after_loading"):
+            with device_loading_context(module, device) if device_loading_context else nullcontext():
+                method.process_weights_after_loading(module)
+    if hasattr(model, "post_load_weights"):
+        model.post_load_weights()
 
 
 _ENGINE = EngineStaging()

@@ -25,6 +25,11 @@ Staged (the server started with ``--custom-weight-loader ckpt_sglang.staging.loa
 they keep generating; ``--commit`` then switches each server to it in one short pause (rank 0
 prints a JSON line with ``"method": "commit"`` and the pause). ``--commit --weight-version v8``
 without ``--checkpoint-path`` only commits what an earlier ``--stage`` left staged.
+
+Direct (``--via loader``, or ``--via auto`` where the server runs our loader): a plain update loads
+through our loader's ``load`` op instead of SGLang's IPC route (docs/sglang.md); a server started
+with ``--checkpoint-engine-wait-weights-before-ready`` still gets its first weights through the IPC
+route under ``auto``.
 """
 
 from __future__ import annotations
@@ -85,6 +90,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--busy", choices=BUSY_MODES, default="retract",
                     help="requests in flight kept the cache from being flushed: pause this way, flush, "
                          "continue ('fail': raise)")
+    ap.add_argument("--via", choices=("auto", "loader", "ipc"), default="auto",
+                    help="how a plain update loads: 'loader' through our loader (--custom-weight-loader "
+                         "ckpt_sglang.staging.load on the server), 'ipc' through SGLang's /update_weights_from_ipc; "
+                         "'auto': the loader where the server runs it, except for a server's first weights")
     ap.add_argument("--stage", action="store_true",
                     help="stage the checkpoint as --weight-version while the servers keep generating "
                          "(needs --custom-weight-loader ckpt_sglang.staging.load on the server)")
@@ -102,6 +111,8 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
     """Refuse what cannot work before any process group or server is touched."""
     if (args.stage or args.commit) and not args.weight_version:
         raise ConfigError("--stage and --commit need --weight-version (the version staged and committed)")
+    if (args.stage or args.commit) and args.via != "auto":
+        raise ConfigError("--via chooses how a plain update loads: --stage and --commit always use our loader")
     if args.stage and args.pause is not None:
         raise ConfigError("--stage takes no --pause: the servers keep generating while it stages; --commit pauses")
     commit_only = args.commit and not args.stage
@@ -130,7 +141,8 @@ def make_req_func(client: SglangClient | None, rank: int, n: int, args: argparse
                                         device_bytes=int(args.stage_device_gib * (1 << 30))))
         else:
             reports.append(client.update(mine, weight_version=args.weight_version, timeout=args.timeout,
-                                         pause=args.pause, busy=args.busy))
+                                         pause=args.pause, busy=args.busy,
+                                         via=None if args.via == "auto" else args.via))
         return reports[-1]
     return req_func if client is None else Prechecked(req_func, client.check_reloadable)
 

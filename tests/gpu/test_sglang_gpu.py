@@ -7,7 +7,9 @@ every path of ours, alternating checkpoints A and B:
 1. ``python -m ckpt_sglang.update`` (A): the server's first weights; /health turns 200 after it;
 2. the references: B, then A through SGLang's own file loader (``/update_weights_from_disk``);
 3. the stock-wire IPC update (``ParameterServer(wire="stock")`` + ``SglangClient``, SGLang's
-   ``/update_weights_from_ipc``): B, A, B;
+   ``/update_weights_from_ipc``): B, A, B; then the direct update through our loader
+   (``via="loader"``: the same stock wire into the ``load`` op of ``ckpt_sglang.staging.load``,
+   SGLang's ``load_weights``, post-processing as SGLang's IPC route runs it on 0.5.17): A, B, A;
 4. staged updates committed (``--custom-weight-loader ckpt_sglang.staging.load``): A staged wholly in
    device memory (the live model must not change while it is staged), committed; B staged half in
    device memory and half in pinned host memory, committed;
@@ -99,14 +101,30 @@ def _updates_equal_a_cold_load(case) -> None:
         for i in range(2):
             ps.register_checkpoint(f"ckpt-{i}", files=case.files(i))
             ps.gather_metas(f"ckpt-{i}")
+        # the first weights went in (the launcher's IPC update): /health is 200, so auto takes our loader
+        assert client.route() == "loader", "a server holding its first weights and our loader: auto is the loader"
         # 3. the stock-wire IPC update: B, A, B
         ipc = []
         for step, index in enumerate((1, 0, 1)):
-            result = ps.update(f"ckpt-{index}", client.req_func(weight_version=f"ipc-{step}"), timeout=300)
+            result = ps.update(f"ckpt-{index}", client.req_func(weight_version=f"ipc-{step}", via="ipc"),
+                               timeout=300)
+            assert client.last_report.path == "ipc"
             ipc.append({"ps_s": result["seconds"]["total"], "engine": client.last_report.seconds})
             case.check(dummy, index, f"IPC update {step + 1} ({'AB'[index]})")
         case.record["ipc"] = ipc
         case.record["sessions"] = client.server.sessions   # None/False: SGLang 0.5.17 has none
+        # 3b. the direct update through our loader (its load op: the stock loop into load_weights): A, B, A
+        direct = []
+        for step, index in enumerate((0, 1, 0)):
+            result = ps.update(f"ckpt-{index}", client.req_func(weight_version=f"loader-{step}", via="loader"),
+                               timeout=300)
+            assert client.last_report.path == "loader" and client.last_report.workers[0]["version"] == f"loader-{step}"
+            direct.append({"ps_s": result["seconds"]["total"], "engine": client.last_report.seconds,
+                           "load_s": client.last_report.workers[0]["seconds"]["load"]})
+            case.check(dummy, index, f"direct load through our loader {step + 1} ({'AB'[index]})")
+            assert client.model_info()["weight_version"] == f"loader-{step}"
+            assert [w["live"] for w in client.weight_versions()] == [f"loader-{step}"]
+        case.record["loader"] = direct
         # 4. staged, then committed: A wholly on the device, B half on the device, half in pinned host memory
         for index, device_bytes in ((0, 1 << 40), (1, size // 2)):
             ps.update(f"ckpt-{index}", client.req_func(stage=f"staged-{index}", stage_device_bytes=device_bytes),
@@ -192,7 +210,7 @@ def test_qwen2_fp8_block_every_update_path_equals_a_cold_load(cases):
 
 
 def test_qwen2_fp8_tensor_is_refused_by_every_path_before_anything_is_written(cases):
-    """FP8 per tensor: a server cold-started on A; the launcher, the IPC update and a stage of B are
+    """FP8 per tensor: a server cold-started on A; the launcher, the IPC update, a direct load and a stage of B are
     each refused with ConfigError before anything is posted; the server still holds exactly A. Then,
     for the record (printed, not asserted), what SGLang itself does when A is pushed into it anyway."""
     from ckpt_core.errors import ConfigError
@@ -210,7 +228,8 @@ def test_qwen2_fp8_tensor_is_refused_by_every_path_before_anything_is_written(ca
     with new_ps() as ps, SglangClient(cold.url, timeout=300) as client:
         ps.register_checkpoint("B", files=case.files(1))
         ps.gather_metas("B")
-        for how, req in (("IPC update", client.req_func(weight_version="never")),
+        for how, req in (("IPC update", client.req_func(weight_version="never", via="ipc")),
+                         ("direct load", client.req_func(weight_version="never", via="loader")),
                          ("stage", client.req_func(stage="never"))):
             with pytest.raises(ConfigError, match="FP8 per tensor"):
                 ps.update("B", req, timeout=120)

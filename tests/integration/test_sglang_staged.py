@@ -354,3 +354,59 @@ def test_an_in_place_commit_switches_without_a_flush(engine):
     assert "flush_cache" not in report.seconds and e.eng.state()["flushes"] == flushes
     assert e.generate() == e.refs[2] and e.client.model_info()["weight_version"] == "ip2"
     e.ps.update("s1", e.client.req_func(weight_version="w1"), timeout=120)
+
+
+def test_a_direct_load_a_b_a_through_our_loader_equals_a_cold_load(engine):
+    """``via="loader"``: the stock loop in our loader's ``load`` op feeds SGLang's ``load_weights``
+    inside SGLang's session (its end post-processes), no staging area; A, B, A each equal a cold
+    load of that checkpoint, and greedy output equals transformers on it. A client that has seen
+    the server's first weights picks the loader by itself; a fresh one, facing a server started with
+    ``--checkpoint-engine-wait-weights-before-ready`` whose ``/health`` is not 200, keeps the IPC route."""
+    e = engine
+    assert e.client.route() == "loader", "the first weights went in: auto picks our loader"
+    with SglangClient(e.eng.url, timeout=30) as fresh:
+        assert fresh.route() == "ipc" and fresh.route("loader") == "loader"
+        with pytest.raises(ConfigError, match="via must be one of"):
+            fresh.route("tensor")
+    for seed, version in ((2, "d2"), (3, "d3"), (2, "d2b")):
+        ckpt, want = e.ckpts[seed]
+        seen = len(e.eng.state()["events"])
+        e.ps.update(f"s{seed}", e.client.req_func(weight_version=version), timeout=120)
+        report = e.client.last_report
+        assert report.path == "loader" and list(report.seconds)[:4] == ["begin", "update", "update_replies", "end"]
+        assert report.workers[0]["version"] == version and report.workers[0]["tensors"] == 27
+        state = e.eng.state()
+        assert state["events"][seen:] == ["begin", "tensor (in session)", "end (in session)"], state["events"][seen:]
+        assert e.eng.rank_params() == e.eng.cold_params(ckpt), f"{version} differs from a cold load"
+        assert {n: e.params()[n] for n in want} == want
+        assert e.generate() == e.refs[seed] and e.client.model_info()["weight_version"] == version
+        assert e.client.weight_versions()[0]["live"] == version
+    e.ps.update("s1", e.client.req_func(weight_version="w1", via="ipc"), timeout=120)
+    assert e.client.last_report.path == "ipc" and e.generate() == e.refs[1]
+
+
+def test_a_direct_load_that_fails_is_reported_and_the_next_one_repairs_it(engine):
+    """No handle for the device, a stage in the way, or SGLang's load_weights raising mid-way: each is
+    an error naming its cause; nothing half-applied is reported live; the next load works."""
+    e = engine
+    live = e.params()
+    with pytest.raises(RemoteWorkerError, match="cannot run the load of 'n1': no ZeroMQ handle for the device"):
+        e.client.update({"GPU-nobody": "ipc://@ckpt-test-nobody-serves-this"}, weight_version="n1", via="loader",
+                        timeout=20)
+    e.stage(2, "in-the-way")
+    with pytest.raises(RemoteWorkerError, match="version 'in-the-way' is staged \\(commit or drop it first\\)"):
+        e.client.update({"GPU-nobody": "ipc://@ckpt-test-nobody-serves-this"}, weight_version="n2", via="loader",
+                        timeout=20)
+    assert e.client.weight_versions()[0]["staged"]["version"] == "in-the-way", "a refused load dropped the stage"
+    e.client.drop_staged()
+    assert e.params() == live and e.client.model_info()["weight_version"] == "w1"
+    httpx.post(f"{e.eng.url}/ckpt_test/next_commit", params={"fail_rank": 0}, timeout=30).raise_for_status()
+    with pytest.raises(Exception, match="injected load_weights failure on TP rank 0") as failed:
+        e.ps.update("s2", e.client.req_func(weight_version="n3", via="loader"), timeout=60)
+    assert e.params() != live, "the failure came mid-way: a bucket was loaded"
+    assert e.client.model_info()["weight_version"] == "w1", f"a failed load set a weight version ({failed.value})"
+    assert e.client.weight_versions()[0]["live"] is None, "a failed load is reported live"
+    with pytest.raises(ConfigError, match="via must be one of"):
+        e.client.update({}, via="disk")
+    e.ps.update("s1", e.client.req_func(weight_version="w1", via="loader"), timeout=120)
+    assert e.params() == live and e.generate() == e.refs[1] and e.client.weight_versions()[0]["live"] == "w1"

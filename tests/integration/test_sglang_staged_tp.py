@@ -51,7 +51,7 @@ class Tp2:
 
     def ps_update(self, seed: int, **kwargs) -> dict:
         """Every PS rank's outcome of an update of step ``seed`` (rank 0 posts to the server)."""
-        args = (f"s{seed}", self.eng.url, 60, kwargs.get("stage"), kwargs.get("weight_version"))
+        args = (f"s{seed}", self.eng.url, 60, kwargs.get("stage"), kwargs.get("weight_version"), kwargs.get("via"))
         return self.world.all("call", ("sglang_support.ps_calls", "update", args), timeout=120)
 
     def stage(self, seed: int, version: str) -> None:
@@ -110,6 +110,11 @@ def test_a_tp2_server_without_sessions_loads_on_every_rank_as_sglang_0_5_17_does
             assert state["rank_events"] == [["ipc", "tensor", "tensor", "tensor"]] * TP, state["rank_events"]
             assert not state["session_open"] and t.client.server.sessions is False
             assert _same_bytes(digests, state["ranks"])
+            # a direct load there: outside any session, post-processed by our loader as 0.5.17's IPC route does
+            t._ok(t.ps_update(1, weight_version="direct", via="loader"))
+            state = eng.state()
+            assert state["ranks"] == t.cold[1] and [s["live"] for s in t.states()] == ["direct"] * TP
+            assert [events[4:] for events in state["rank_events"]] == [["tensor"]] * TP, state["rank_events"]
         finally:
             t.close()
 
@@ -206,3 +211,35 @@ def test_a_load_weights_failure_on_one_rank_at_the_commit_is_reported_by_every_r
     t.client.commit("v13")
     assert t.params() == t.cold[2] and [s["live"] for s in t.states()] == ["v13", "v13"]
     assert t.eng.alive(), "a scheduler process of the engine ended"
+
+
+def test_a_direct_tp2_load_through_our_loader_equals_a_cold_load_and_a_failure_is_reported_by_every_rank(tp2):
+    """``via="loader"`` at TP 2: every rank's loader agrees, loads its own shard through SGLang's
+    ``load_weights`` inside its session; A, B, A each equal a cold load on every rank. A load one rank
+    cannot run (no handle for its device) is refused on both, nothing changed; ``load_weights``
+    raising on rank 1 mid-way fails the update on every PS rank, both TP ranks report it and none
+    reports a live version; the next load repairs it."""
+    t = tp2
+    seen = [len(events) for events in t.eng.state()["rank_events"]]
+    for seed, version in ((1, "d1"), (2, "d2"), (1, "d1b")):
+        t._ok(t.ps_update(seed, weight_version=version, via="loader"))
+        assert t.params() == t.cold[seed], f"{version}: a rank differs from a cold load of its shard"
+        assert [s["live"] for s in t.states()] == [version] * TP
+        assert t.client.model_info()["weight_version"] == version
+    state = t.eng.state()
+    assert [events[n:] for events, n in zip(state["rank_events"], seen)][0][:3] == IN_SESSION
+    before = t.params()
+    with pytest.raises(RemoteWorkerError) as refused:
+        t.client.update({t.world.device_uuids[0]: "ipc://@ckpt-test-nobody-serves-this"}, via="loader", timeout=20)
+    assert refused.match(f"{BOTH}: ConfigError: cannot run the load: no ZeroMQ handle for the device "
+                         f"{t.world.device_uuids[1]}")
+    assert refused.match("on TP rank 1 \\(of 2\\); nothing was changed on any TP rank")
+    assert t.params() == before
+    httpx.post(f"{t.eng.url}/ckpt_test/next_commit", params={"fail_rank": 1}, timeout=30).raise_for_status()
+    failed = t.ps_update(2, weight_version="bad", via="loader")
+    assert all(not o.ok and "injected load_weights failure on TP rank 1" in o.message for o in failed.values()), failed
+    assert [s["live"] for s in t.states()] == [None] * TP, "a rank claims a version live after a failed load"
+    assert t.client.model_info()["weight_version"] == "d1b", "a failed load set a weight version"
+    assert t.eng.alive(), "a scheduler process of the engine ended"
+    t._ok(t.ps_update(2, weight_version="d2b", via="loader"))
+    assert t.params() == t.cold[2] and [s["live"] for s in t.states()] == ["d2b"] * TP

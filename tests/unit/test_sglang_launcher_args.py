@@ -38,3 +38,35 @@ def test_the_torchrun_re_exec_starts_no_more_processes_than_cpus(monkeypatch, ca
     assert started == [] and "--inference-parallel-size 4" in capsys.readouterr().err
     assert update.main([*BASE, "--inference-parallel-size", "2"]) == 0 and len(started) == 1
     assert "--nproc-per-node=2" in started[0]
+
+
+def test_via_chooses_how_a_plain_update_loads_and_is_refused_with_stage_or_commit(monkeypatch, capsys):
+    from ckpt_core.errors import ConfigError
+
+    assert update.parse_args(BASE).via == "auto" and update.parse_args([*BASE, "--via", "loader"]).via == "loader"
+    with pytest.raises(SystemExit) as info:
+        update.parse_args([*BASE, "--via", "disk"])
+    assert info.value.code == 2 and "--via" in capsys.readouterr().err
+    update.check_args(update.parse_args([*BASE, "--via", "ipc", "--inference-parallel-size", "1"]), 1)
+    for extra in (["--stage", "--weight-version", "v"], ["--commit", "--weight-version", "v"]):
+        with pytest.raises(ConfigError, match="--via chooses how a plain update loads"):
+            update.check_args(update.parse_args([*BASE, "--via", "loader", *extra]), 1)
+
+
+def test_the_launcher_passes_via_to_the_client_none_for_auto():
+    class Client:
+        def __init__(self):
+            self.calls = []
+
+        def update(self, handles, **kwargs):
+            self.calls.append(kwargs["via"])
+            return kwargs["via"]
+
+        def check_reloadable(self):
+            pass
+
+    for via, sent in (("auto", None), ("loader", "loader"), ("ipc", "ipc")):
+        client, reports = Client(), []
+        req = update.make_req_func(client, 0, 1, update.parse_args([*BASE, "--via", via]), reports)
+        req([("GPU-0", "ipc://@x")])
+        assert client.calls == [sent] and reports == [sent]

@@ -55,6 +55,8 @@ class _Sglang(http.server.BaseHTTPRequestHandler):
     /update_weights_from_ipc answers; ``model_path``: what /model_info says."""
     calls: list = []
     sessions, ipc, model_path = True, 200, "/nonexistent"
+    info: dict = {}   # merged into /server_info's answer
+    health = 200
 
     def _answer(self, status: int, body: dict) -> None:
         data = json.dumps(body).encode()
@@ -69,7 +71,10 @@ class _Sglang(http.server.BaseHTTPRequestHandler):
         if self.path == "/model_info":
             return self._answer(200, {"model_path": type(self).model_path})
         if self.path == "/server_info":
-            return self._answer(200, {"custom_weight_loader": [], "tp_size": 1, "dp_size": 1, "quantization": None})
+            return self._answer(200, {"custom_weight_loader": [], "tp_size": 1, "dp_size": 1, "quantization": None,
+                                      **type(self).info})
+        if self.path == "/health":
+            return self._answer(type(self).health, {})
         self._answer(404, {"detail": "Not Found"})
 
     def do_POST(self):
@@ -87,6 +92,7 @@ class _Sglang(http.server.BaseHTTPRequestHandler):
 @pytest.fixture
 def server():
     _Sglang.calls, _Sglang.sessions, _Sglang.ipc, _Sglang.model_path = [], True, 200, "/nonexistent"
+    _Sglang.info, _Sglang.health = {}, 200
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Sglang)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
@@ -137,3 +143,43 @@ def test_a_model_sglang_cannot_reload_is_refused_before_anything_is_posted(serve
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", "quantization_config": FP8_BLOCK}))
     with SglangClient(server, timeout=10) as client:
         client.req_func().precheck()   # block FP8 reloads
+
+
+LOADER = {"custom_weight_loader": ["ckpt_sglang.staging.load"]}
+WAITS = {"checkpoint_engine_wait_weights_before_ready": True}
+
+
+@pytest.mark.parametrize("info, health, want", [
+    ({}, 200, "ipc"),                                  # no loader of ours
+    (LOADER, 200, "loader"),
+    ({**LOADER, "dp_size": 2}, 200, "ipc"),            # SGLang's tensor route needs dp_size 1
+    ({**LOADER, **WAITS}, 503, "ipc"),                 # still waiting for its first weights
+    ({**LOADER, **WAITS}, 200, "loader"),              # /health 200: the first weights came
+], ids=["no-loader", "loader", "dp2", "waiting", "served"])
+def test_auto_takes_our_loader_where_the_server_runs_it_and_has_its_first_weights(server, info, health, want):
+    _Sglang.info, _Sglang.health = info, health
+    with SglangClient(server, timeout=10) as client:
+        assert client.route() == want and client.route("ipc") == "ipc"
+
+
+def test_after_its_first_ipc_update_a_waiting_server_is_updated_through_our_loader(server):
+    _Sglang.info, _Sglang.health = {**LOADER, **WAITS}, 503
+    with SglangClient(server, timeout=10) as client:
+        assert client.route() == "ipc"
+        report = client.update({"GPU-0": "ipc://@x"})
+        assert report.path == "ipc" and client.route() == "loader", "a successful IPC update marks the first weights"
+    assert _posts() == ["/begin_weight_update", "/update_weights_from_ipc", "/end_weight_update"]
+
+
+def test_via_is_checked_and_loader_needs_our_loader_on_the_server(server):
+    with SglangClient(server, timeout=10) as client:
+        with pytest.raises(ConfigError, match="via must be one of"):
+            client.update({"GPU-0": "ipc://@x"}, via="tensor")
+        with pytest.raises(ConfigError, match="was not started with --custom-weight-loader ckpt_sglang.staging.load"):
+            client.update({"GPU-0": "ipc://@x"}, via="loader")
+    assert _posts() == [], "a refused route posted something"
+
+
+def test_auto_takes_the_ipc_route_when_the_server_info_cannot_be_read(server):
+    with SglangClient("http://127.0.0.1:9", timeout=5) as client:
+        assert client.route() == "ipc"

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 
 def update(ps, rank: int, name: str, url: str, timeout: float, stage: str | None = None,
-           weight_version: str | None = None) -> dict:
-    """A plain update (``weight_version``) or a stage (``stage``) of checkpoint ``name`` into the server at ``url``."""
+           weight_version: str | None = None, via: str | None = None) -> dict:
+    """A plain update (``weight_version``, through ``via``) or a stage (``stage``) of checkpoint ``name``
+    into the server at ``url``."""
     from ckpt_sglang import SglangClient
 
     if rank != 0:
         return ps.update(name, lambda handles: None, timeout=timeout)
     with SglangClient(url, timeout=timeout) as client:
-        kwargs = {"stage": stage} if stage is not None else {"weight_version": weight_version}
+        kwargs = {"stage": stage} if stage is not None else {"weight_version": weight_version, "via": via}
         return ps.update(name, client.req_func(**kwargs), timeout=timeout)

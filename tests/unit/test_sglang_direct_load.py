@@ -1,0 +1,101 @@
+"""Our loader's ``load`` op (``ckpt_sglang.staging.EngineStaging.load``) on one rank, with the stock
+loop and SGLang's model stood in: what it loads, when it post-processes (only outside a weight-update
+session: 0.5.23's session end does it there), and that a failure leaves no version live. The whole
+chain through SGLang's real app and loader, at TP 1 and 2: tests/integration/test_sglang_staged*.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ckpt_sglang import staging
+from ckpt_sglang.staging import EngineStaging
+
+KEY = "GPU-test"
+
+
+class QuantMethod:
+    def __init__(self, calls):
+        self.calls = calls
+
+    def process_weights_after_loading(self, module):
+        self.calls.append(("process", module.name))
+
+
+class Model(torch.nn.Module):
+    """Two quantized linears; records what SGLang's loader and post-processing were asked to do."""
+
+    def __init__(self, fail_at: int = -1):
+        super().__init__()
+        self.calls: list = []
+        self.fail_at = fail_at
+        for name in ("a", "b"):
+            layer = torch.nn.Linear(2, 2)
+            layer.name, layer.quant_method = name, QuantMethod(self.calls)
+            setattr(self, name, layer)
+
+    def load_weights(self, weights):
+        names = [n for n, _ in weights]
+        if len([c for c in self.calls if c[0] == "load"]) == self.fail_at:
+            raise RuntimeError("injected load_weights failure")
+        self.calls.append(("load", names))
+
+    def post_load_weights(self):
+        self.calls.append(("post_load_weights",))
+
+
+BUCKETS = [[("w1", torch.randn(3, 2))], [("w2", torch.randn(4)), ("w3", torch.randn(2, 2))]]
+
+
+@pytest.fixture
+def loop(monkeypatch):
+    """The stock loop stood in: it hands ``run`` each bucket (a failure aborts, as the PS then does)."""
+    seen = {}
+
+    def fake_loop(handle, device, device_id, timeout_s, *, run, post_hook=None, side_stream=True):
+        seen.update(handle=handle, side_stream=side_stream)
+        for bucket in BUCKETS:
+            run(bucket)
+        if post_hook is not None:
+            post_hook()
+
+    monkeypatch.setattr(staging, "run_stock_loop", fake_loop)
+    monkeypatch.setattr(staging, "_device_of", lambda model: (torch.device("cpu"), KEY, 0))
+    return seen
+
+
+@pytest.mark.parametrize("session", [False, True])
+def test_a_load_feeds_each_bucket_to_load_weights_and_post_processes_only_outside_a_session(loop, session):
+    engine, model = EngineStaging(), Model()
+    out = engine.load(model, {"weights": "v1", "handles": {KEY: "ipc://@h"}, "session": session})
+    loads = [c for c in model.calls if c[0] == "load"]
+    assert loads == [("load", ["w1"]), ("load", ["w2", "w3"])] and loop == {"handle": "ipc://@h", "side_stream": False}
+    post = [c for c in model.calls if c[0] != "load"]
+    assert post == ([] if session else [("process", "a"), ("process", "b"), ("post_load_weights",)])
+    assert model.calls[:2] == loads, "post-processing ran before the last bucket"
+    assert out["tensors"] == 3 and out["bytes"] == (6 + 4 + 4) * 4 and out["version"] == "v1"
+    assert engine.state(model, {})["live"] == "v1" and engine.layout == {"w1": ("float32", (3, 2)),
+                                                                         "w2": ("float32", (4,)),
+                                                                         "w3": ("float32", (2, 2))}
+
+
+def test_a_load_weights_failure_mid_way_is_the_loads_error_and_nothing_is_live(loop):
+    engine, model = EngineStaging(), Model(fail_at=1)
+    engine.load(Model(), {"weights": "v1", "handles": {KEY: "h"}})
+    with pytest.raises(Exception, match="the load of 'v2' failed: RuntimeError: injected load_weights failure") as info:
+        engine.load(model, {"weights": "v2", "handles": {KEY: "h"}})
+    assert type(info.value).__name__ == "RemoteWorkerError"
+    assert [c[0] for c in model.calls] == ["load"], "post-processing ran after a failed load"
+    assert engine.state(model, {})["live"] is None, "a failed load left a version live"
+
+
+def test_a_load_without_a_handle_for_this_device_or_with_a_stage_in_the_way_changes_nothing(loop):
+    from ckpt_core.errors import ConfigError
+
+    engine, model = EngineStaging(), Model()
+    with pytest.raises(ConfigError, match="cannot run the load of 'v1': no ZeroMQ handle for the device GPU-test"):
+        engine.load(model, {"weights": "v1", "handles": {"GPU-other": "h"}})
+    engine.area = staging.SglangStagingArea("s1", torch.device("cpu"), 0)
+    with pytest.raises(ConfigError, match="version 's1' is staged \\(commit or drop it first\\)"):
+        engine.load(model, {"weights": "v1", "handles": {KEY: "h"}})
+    assert model.calls == [] and engine.area is not None and engine.state(model, {})["live"] is None
