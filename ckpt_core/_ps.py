@@ -9,12 +9,13 @@ from datetime import timedelta
 from typing import Callable
 
 from ckpt_core._settings import load_settings
+from ckpt_core.checkpoint.device import build_device_checkpoint, refuse_device_resident
 from ckpt_core.checkpoint.host import SharedPool
 from ckpt_core.checkpoint.sources import build_checkpoint
 from ckpt_core.delta.dispatch import Updates
 from ckpt_core.delta.versions import DeltaVersions
 from ckpt_core.devices import default_kind, get_backend
-from ckpt_core.errors import CheckpointNotFoundError, ClosedError, ConfigError, TransportError
+from ckpt_core.errors import CheckpointNotFoundError, ClosedError, ConfigError, DeviceResidentError, TransportError
 from ckpt_core.ops.gc import gc_paused
 from ckpt_core.ops.log import rank_logger
 from ckpt_core.p2p import metas as _metas
@@ -28,6 +29,15 @@ from ckpt_core.wire.stock import check_wire
 
 CLOSE_GRACE_S = 5.0  # close(): how much longer than a collective a running update may take to stop
 GiB = float(1 << 30)
+
+
+def _check_on_device_call(files, use_shared_memory_pool: bool, base: str | None) -> None:
+    """``register_checkpoint(on_device=True)``'s refusals of the other options (nothing is kept)."""
+    asked = [k for k, v in (("files", files), ("use_shared_memory_pool", use_shared_memory_pool), ("base", base))
+             if v]
+    if asked:
+        raise DeviceResidentError(f"on_device=True registers named_tensors in place on this rank's device; "
+                                  f"{', '.join(asked)} need(s) host memory: register those without on_device")
 
 
 class _OnContext:
@@ -180,7 +190,8 @@ class ParameterServer:
     # -- checkpoints -----------------------------------------------------------
     def register_checkpoint(self, checkpoint_name: str, *, files=None, named_tensors=None,
                             use_shared_memory_pool: bool = False, use_inplace_pin_memory: bool = True,
-                            unlink_inplace_files: bool = False, base: str | None = None) -> None:
+                            unlink_inplace_files: bool = False, base: str | None = None,
+                            on_device: bool = False) -> None:
         """Load this rank's share of checkpoint ``checkpoint_name`` into host memory (local; no collective).
 
         ``files``: safetensors paths (validated before anything is read); files under /dev/shm are mapped and
@@ -188,6 +199,15 @@ class ParameterServer:
         ``named_tensors``: name -> tensor, copied. ``use_shared_memory_pool``: copy into one reusable pinned pool
         (RL loops). ``base``: a checkpoint registered earlier on this rank that this one is the next version of:
         its delta is encoded too, for ``update(name, ..., delta=True)`` (docs/deltas.md).
+
+        ``on_device``: keep ``named_tensors`` where they lie instead, on this rank's own device (a trainer's
+        weights beside the engine): no host copy, no pinning, no pool; each update copies them device-to-device
+        into the IPC buffer (``checkpoint/device.py``). The update reads them in place: what the caller writes
+        into them before an update is what it sends, and the caller must not modify them until that update()
+        returns (their producing work must be ordered before update() on the calling thread's current stream,
+        or synchronized). Each tensor (a piece's local view) must lie on this rank's device and be contiguous,
+        and ``files``, ``use_shared_memory_pool`` and ``base`` are refused (``DeviceResidentError``, nothing
+        kept); such a checkpoint is never served to P2P readers, and P2P updates of it are refused on every rank.
         """
         self._check_open()
         name = checkpoint_name   # the reference's spelling outside, a short one inside
@@ -195,20 +215,28 @@ class ParameterServer:
             raise ConfigError(f"checkpoint name must be a non-empty string, got {name!r}")
         if name in self._catalog.checkpoints:
             raise ConfigError(f"checkpoint {name!r} is already registered on rank {self.rank}; unregister it first")
+        if base is not None:   # a delta is encoded from host bytes (delta/versions.py)
+            refuse_device_resident(self._catalog.checkpoints.get(base), base, f"a delta of {name!r} against it",
+                                   self.rank)
         pool = None
-        if use_shared_memory_pool:
+        if use_shared_memory_pool and not on_device:
             self._pool = self._pool or SharedPool(self.backend)
             pool = self._pool
         t0 = time.perf_counter()
         self._tell("register", "validate")
         with gc_paused():
-            ckpt = build_checkpoint(name, self.backend, files=files, named_tensors=named_tensors,
-                                    pool=pool, inplace=use_inplace_pin_memory,
-                                    unlink_inplace_files=unlink_inplace_files,
-                                    progress=lambda phase, done, total: self._tell("register", phase, done, total))
+            if on_device:
+                _check_on_device_call(files, use_shared_memory_pool, base)
+                ckpt = build_device_checkpoint(name, self.backend, self.device_index, named_tensors)
+            else:
+                ckpt = build_checkpoint(name, self.backend, files=files, named_tensors=named_tensors,
+                                        pool=pool, inplace=use_inplace_pin_memory,
+                                        unlink_inplace_files=unlink_inplace_files,
+                                        progress=lambda phase, done, total: self._tell("register", phase, done, total))
         self._flows.add(name, ckpt, base)   # and its delta against base; served to P2P readers (serve_p2p only)
         dt = time.perf_counter() - t0
-        self.last_register = {"name": name, "bytes": ckpt.nbytes, "seconds": dict(ckpt.seconds, total=dt)}
+        self.last_register = {"name": name, "bytes": ckpt.nbytes, "seconds": dict(ckpt.seconds, total=dt),
+                              "on_device": ckpt.on_device}
         self._tell("register", "done", ckpt.nbytes, ckpt.nbytes)
         self._log.info("registered %r: %d tensors, %.3f GiB in %.3f s (%.2f GB/s; %s)", name, len(ckpt.metas),
                        ckpt.nbytes / GiB, dt, ckpt.nbytes / max(dt, 1e-9) / 1e9,
@@ -249,7 +277,8 @@ class ParameterServer:
         return sorted(self._catalog.metas)
 
     def registered_bytes(self, name: str | None = None) -> int | None:
-        """Host bytes of checkpoint ``name`` on this rank (None: of every checkpoint; an unknown name: None)."""
+        """Host bytes of checkpoint ``name`` on this rank (None: of every checkpoint; an unknown name: None).
+        A device-resident checkpoint (``on_device``) holds none."""
         return self._catalog.registered_bytes(name)
 
     def health_problem(self) -> str | None:

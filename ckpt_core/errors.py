@@ -20,6 +20,7 @@ __all__ = [
     "ProtocolError",
     "RemoteWorkerError",
     "DeltaBaseError",
+    "DeviceResidentError",
     "ClosedError",
 ]
 
@@ -88,6 +89,12 @@ class RemoteWorkerError(CkptError, RuntimeError):
 class DeltaBaseError(ConfigError):
     """A delta update whose base is not the version the engines hold (a skipped or replayed
     version, a restarted engine), or whose base is not registered: refused before anything is written."""
+
+
+class DeviceResidentError(ConfigError):
+    """A checkpoint registered on the device (``on_device=True``) asked for what needs host bytes (a
+    delta, P2P serving or pulls), or tensors that cannot be registered in place (another device,
+    not contiguous): refused before anything is kept or moved."""
 
 
 class ClosedError(CkptError, RuntimeError):

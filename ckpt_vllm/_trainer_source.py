@@ -32,7 +32,7 @@ import torch
 from ckpt_core import TensorShard
 from ckpt_core.errors import ConfigError
 
-__all__ = ["RoundTensors", "round_tensors", "is_weight_source"]
+__all__ = ["RoundTensors", "round_tensors", "is_weight_source", "device_resident"]
 
 
 @dataclass
@@ -129,3 +129,16 @@ def _is_dtensor(value: Any) -> bool:
     except ImportError:   # torch without DTensor: nothing can be one
         return False
     return isinstance(value, DTensor)
+
+
+def device_resident(tensors: Mapping[str, Any], device: torch.device) -> bool:
+    """Whether every tensor of a share (each piece's local tensor) is a contiguous tensor on ``device``,
+    a device other than the CPU: what ``CkptTrainerInitInfo(on_device=None)`` registers in place. An
+    empty share: False."""
+    if device.type == "cpu" or not tensors:
+        return False
+    for value in tensors.values():
+        local = value.local if isinstance(value, TensorShard) else value.to_local() if _is_dtensor(value) else value
+        if not isinstance(local, torch.Tensor) or local.device != device or not local.is_contiguous():
+            return False
+    return True

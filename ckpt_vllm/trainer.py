@@ -21,7 +21,9 @@ What runs where: every trainer rank is one parameter-server (PS) rank, in the tr
 PS rank r feeds engine worker r, so the trainer has as many ranks as the engine has workers (one
 vLLM server; several, with slices: R x T ranks for R replicas). Each round every rank registers
 its share of the weights (``_trainer_source.py``: tensor i of a replicated source on rank i %
-world; FSDP/TP shards as pieces, not gathered) into a reused pinned host pool, the ranks gather
+world; FSDP/TP shards as pieces, not gathered) into a reused pinned host pool, or, where the share
+already lies on the PS's device (``on_device``, auto by default), in place on the device: the update then
+copies it device-to-device into the engine's buffers, the bytes never leave the GPU; the ranks gather
 metas, and one ``ParameterServer.update`` moves them; inside it rank 0 (the sender) posts vLLM's
 routes through ``client``: ``/init_weight_transfer_engine`` (first round), ``/start_weight_update``,
 ``/update_weights`` (the engine workers then read the PS's buffers), ``/finish_weight_update``
@@ -56,11 +58,11 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from ckpt_core import ParameterServer
-from ckpt_core.errors import CheckpointFormatError, CkptError, ClosedError, ConfigError
+from ckpt_core.errors import CheckpointFormatError, CkptError, ClosedError, ConfigError, DeviceResidentError
 
 from ._trainer_p2p import EnginePull, agree_outcome, check_services
 from ._trainer_sender import Sender, endpoint_of, own_http
-from ._trainer_source import round_tensors
+from ._trainer_source import device_resident, round_tensors
 from .plugin import BACKEND_NAME, register_trainer
 
 __all__ = ["CkptTrainerInitInfo", "CkptTrainerWeightTransferEngine", "HAS_TRAINER_FACTORY"]
@@ -106,6 +108,13 @@ class CkptTrainerInitInfo(_InitBase):
     paths or ``http(s)://host:port``): the trainer ranks are P2P owners and the engine's PS world pulls;
     ``service_token``: their bearer token (default ``CKPT_SERVICE_TOKEN``); ``p2p_update_url``: the
     engine's ``/collective_rpc`` as the managed PS reaches it (default: ``engine_url``/``base_url``'s).
+    ``on_device``: register each round's share where it lies on the PS's device (``register_checkpoint(...,
+    on_device=True)``: no copy to host, the update copies device-to-device into the engine's buffers; the
+    trainer must not modify its weights until ``send_weights`` returns); False: copy it into the pinned host
+    pool; None (auto): on when every tensor of this rank's share (each piece's local tensor) is a contiguous
+    device tensor (not the CPU) on the PS's device and no ``p2p_services`` are used. Each rank decides for its
+    own share; a rank that cannot register its share (True with a tensor elsewhere) fails the round on every
+    rank alike.
     """
 
     backend: ClassVar[str] = BACKEND_NAME
@@ -125,6 +134,7 @@ class CkptTrainerInitInfo(_InitBase):
     p2p_services: list[str] | str | None = None
     service_token: str | None = None
     p2p_update_url: str | None = None
+    on_device: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.rank, int) or self.rank < 0:
@@ -137,10 +147,15 @@ class CkptTrainerInitInfo(_InitBase):
             raise ConfigError(f"commit_pause must be 'keep', 'wait' or 'abort', got {self.commit_pause!r}")
         if not isinstance(self.version_prefix, str) or not self.version_prefix or "@" in self.version_prefix:
             raise ConfigError(f"version_prefix must be a non-empty string without '@', got {self.version_prefix!r}")
+        if self.on_device is not None and not isinstance(self.on_device, bool):
+            raise ConfigError(f"on_device must be True, False or None (auto), got {self.on_device!r}")
         if self.p2p_services is not None:
             self.p2p_services = check_services(self.p2p_services)
             if self.stage or self.slices:
                 raise ConfigError("p2p_services (the engine's PS world pulls) does not take stage or slices yet")
+            if self.on_device:
+                raise DeviceResidentError("on_device=True cannot go with p2p_services: the engine's PS world pulls "
+                                          "over Mooncake from the trainer ranks' host memory")
 
 
 _BASE_TAKES_CONFIG = "config" in inspect.signature(_EngineBase.__init__).parameters
@@ -307,7 +322,9 @@ class CkptTrainerWeightTransferEngine(_EngineBase):
         (its checkpoint is missing, or its name differs): nobody is left waiting."""
         if local is None:
             try:
-                self.ps.register_checkpoint(name, named_tensors=tensors, use_shared_memory_pool=True)
+                on_device = self._on_device(tensors or {})
+                self.ps.register_checkpoint(name, named_tensors=tensors, use_shared_memory_pool=not on_device,
+                                            on_device=on_device)
             except Exception as exc:   # noqa: BLE001 - raised below, after every rank learnt of it
                 local = exc
         try:
@@ -323,6 +340,14 @@ class CkptTrainerWeightTransferEngine(_EngineBase):
             raise
         if local is not None:   # never expected: the gather cannot succeed without this rank's checkpoint
             raise local
+
+    def _on_device(self, tensors: dict) -> bool:
+        """Whether this round's share is registered on the device (``on_device``; None: auto)."""
+        if self.info.on_device is not None:
+            return self.info.on_device
+        if self.info.p2p_services is not None:
+            return False
+        return device_resident(tensors, self.ps.backend.device(self.ps.device_index))
 
     def _share_plan(self, name: str):
         plan, error = None, None

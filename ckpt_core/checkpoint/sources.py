@@ -50,9 +50,12 @@ class RegisteredCheckpoint:
     pool: SharedPool | None = None
     nbytes: int = field(default=0)
     seconds: dict[str, float] = field(default_factory=dict)   # registration phases, for logs and benchmarks
+    # registered on the device (``checkpoint/device.py``): each region views one of the caller's device tensors
+    on_device: bool = False
 
     def host_tensor(self, meta: TensorMeta) -> torch.Tensor:
         """A typed view of one tensor's host bytes (for checks and the P2P path)."""
+        assert not self.on_device, "callers refuse device-resident checkpoints first"  # noqa: S101 - our invariant
         raw = self.regions[meta.base].tensor[meta.base_offset: meta.base_offset + meta.nbytes]
         if meta.base_offset % max(meta.itemsize, 1):   # in-place file data need not be aligned: a copy
             raw = raw.clone()

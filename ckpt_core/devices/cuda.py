@@ -153,7 +153,12 @@ class CudaBackend(DeviceBackend):
         ``cuMemcpyHtoDAsync``, a block of pitched rows with ``cuMemcpy2DAsync`` (pinned rows at the
         link's rate; torch's strided ``copy_`` gathers through a pageable temporary at a tenth of
         it). One driver call per copy: a slice of a small tensor costs microseconds, not a view
-        and a dispatch. No copy crosses a pinned piece's border (``planning/boxcopy.py``)."""
+        and a dispatch. No copy crosses a pinned piece's border (``planning/boxcopy.py``). A source on the
+        device (a checkpoint registered ``on_device``) takes the base class's strided ``copy_`` instead: a
+        device-to-device copy kernel per box, on the current stream."""
+        if host.is_cuda:   # a device-resident checkpoint (on_device): device-to-device copies through torch
+            super().copy_pitched(dst, host, copies)
+            return
         drv = _driver()
         base, out = host.data_ptr(), dst.data_ptr()
         stream = torch.cuda.current_stream().cuda_stream

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import operator
 
+from ckpt_core.checkpoint.device import refuse_device_resident
 from ckpt_core.errors import CheckpointNotFoundError, ConfigError
 from ckpt_core.p2p.metas import Source
 from ckpt_core.p2p.slices import check_call, published_boxes
@@ -50,7 +51,8 @@ def _target_view(ctx: UpdateContext, state: P2PState, name: str) -> tuple[Source
     missing = [r for r, p in enumerate(src.peers) if p is None and any(m.nbytes for m in src.metas[r])]
     if missing:
         raise ConfigError(f"owner rank(s) {missing} of {name!r} do not serve it over P2P (start the owners with "
-                          "serve_p2p=True or PS_P2P_SERVE=1; Mooncake installed there?)")
+                          "serve_p2p=True or PS_P2P_SERVE=1; Mooncake installed there? registered without "
+                          "on_device=True?)")
     metas = src.metas
     fp = _metas_digest(state.catalog, name, src)
     layout = ctx.layout(state.catalog.plans.sizes(metas, fp))   # a tensor in pieces counts whole; once per layout
@@ -102,6 +104,9 @@ def first_exchange(ctx: UpdateContext, state: P2PState, name, req_func, ranks, t
     extra: dict = {}
     try:
         targets = targets_of(ranks, ctx.world_size)
+        if isinstance(name, str):   # an owner here: its readers would read its host memory
+            refuse_device_resident(state.catalog.checkpoints.get(name), name, "a P2P update (Mooncake reads the "
+                                   "owners' host memory)", ctx.rank)
         src, extra = _view(ctx, state, name, targets, problem)
         if slices is not None and problem is None:
             more, loaded_boxes = _slices_view(ctx, state, name, slices, targets, src)

@@ -11,6 +11,7 @@ import os
 from dataclasses import replace
 
 from ckpt_core._settings import p2p_env
+from ckpt_core.checkpoint.device import refuse_device_resident
 from ckpt_core.errors import CkptError, ConfigError, TransportError
 from ckpt_core.p2p import metas as _metas
 from ckpt_core.p2p.digests import tensor_digests
@@ -72,6 +73,9 @@ class P2PState:
         """Serve a newly registered checkpoint's host regions (only with serve_p2p: its store exists)."""
         store = self.store if self.ctx.settings.serve_p2p else None
         if store is None:
+            return
+        if ckpt.on_device:   # Mooncake reads host memory: a P2P update of it is refused (p2p/agree.py)
+            self.ctx.log.info("checkpoint %r is registered on the device: not served to P2P readers", name)
             return
         regions = {rid: (r.tensor.data_ptr(), r.nbytes) for rid, r in ckpt.regions.items() if r.nbytes > 0}
         try:
@@ -135,6 +139,8 @@ class P2PState:
                     fits.setdefault(plan.digest, []).append(name)
                     if name not in catalog.checkpoints or not catalog.metas[name][self.ctx.rank]:
                         continue   # this rank owns nothing of it
+                    refuse_device_resident(catalog.checkpoints[name], name, "publishing slices to P2P readers",
+                                           self.ctx.rank)
                     mine.setdefault(name, {})[plan.digest] = self.boxes_of(name, plan)
                 if plan.digest not in fits:
                     raise ConfigError(f"the slice plan {plan.digest[:12]} fits none of the gathered checkpoints "

@@ -72,6 +72,8 @@ def _update(ctx: UpdateContext, catalog: Catalog, name: str, req_func: ReqFunc, 
         if ipc is None:   # the handshake failed the link: its agreement raised on every rank
             raise TransportError(f"rank {ctx.rank}: {alloc_failed}")
         host = {rid: region.tensor for rid, region in ckpt.regions.items()}
+        if ckpt.on_device:
+            _after_caller(ctx)
         stats = BroadcastPipeline(plan=plan, rank=ctx.rank, index=ctx.device_index, backend=ctx.backend,
                                   ipc=ipc, slot_bytes=slot_bytes, num_slots=slots, host=host, coll=ctx.coll,
                                   link=link, copy_stream=ctx.copy_stream, log=ctx.log,
@@ -94,6 +96,16 @@ def _update(ctx: UpdateContext, catalog: Catalog, name: str, req_func: ReqFunc, 
     times["total"] = time.perf_counter() - t0
     extra = {} if slices is None else {"slices": _slices_report(slices, plan, stats, ctx.world_size)}
     return ctx.report(name, plan, stats, times, slots=slots, device_buffer_bytes=buffer_bytes, **extra)
+
+
+def _after_caller(ctx: UpdateContext) -> None:
+    """A device-resident checkpoint (``on_device``) is read in place on the copy stream: that stream first
+    waits for the work the caller queued on its current stream (the trainer's last writes into its
+    tensors), without blocking the host."""
+    queued = ctx.backend.new_event()
+    queued.record()   # on the calling thread's current stream
+    with ctx.backend.stream_context(ctx.copy_stream):
+        queued.wait()   # the copy stream waits for it
 
 
 def _slices_report(slices, plan: Plan, stats, world_size: int) -> dict:

@@ -52,10 +52,13 @@ class Catalog:
         self.checkpoints.clear()
 
     def registered_bytes(self, name: str | None = None) -> int | None:
-        """Host bytes of registered checkpoint ``name`` (None: of every one; an unknown name: None)."""
+        """Host bytes of registered checkpoint ``name`` (None: of every one; an unknown name: None); a
+        device-resident one (``on_device``) holds none."""
+        def host(c: RegisteredCheckpoint) -> int:
+            return 0 if c.on_device else c.nbytes
         if name is not None:
-            return self.checkpoints[name].nbytes if name in self.checkpoints else None
-        return sum(c.nbytes for c in self.checkpoints.values())
+            return host(self.checkpoints[name]) if name in self.checkpoints else None
+        return sum(host(c) for c in self.checkpoints.values())
 
     def tensor_specs(self, name: str) -> dict[str, tuple[str, tuple[int, ...]]]:
         """``{tensor: (dtype code, shape)}`` of every tensor of gathered checkpoint ``name`` (all ranks')."""
