@@ -108,3 +108,27 @@ def test_vllm_026s_factory_form_and_versionless_client_send_rounds_bit_exact(fro
     assert got[0][-1]["calls"] == ["init_weight_transfer_engine", "start_weight_update", "update_weights",
                                    "finish_weight_update", "start_weight_update", "update_weights",
                                    "finish_weight_update"]
+
+
+def test_on_device_rounds_register_the_trainers_tensors_in_place_and_arrive_bit_exact(front):
+    """``on_device=True`` (the cpu device stands in for the GPU): each rank's share is registered where
+    it lies, no pinned pool, and every round arrives whole; auto (None) keeps CPU weights in the pool."""
+    got = run_trainer_world(2, front.address, [("send", {"seed": 71}), ("send", {"seed": 72})],
+                            info={"on_device": True})
+    assert all(r[i]["ok"] and r[i]["on_device"] for r in got.values() for i in (0, 1)), got
+    _holds(front, 72)
+    got = run_trainer_world(2, front.address, [("send", {"seed": 73})])
+    assert all(r[0]["ok"] and r[0]["on_device"] is False for r in got.values()), got
+    _holds(front, 73)
+
+
+def test_on_device_with_one_ranks_strided_tensor_fails_every_rank_alike_and_the_next_round_works(front):
+    got = run_trainer_world(2, front.address, [("send", {"seed": 81, "strided_on_rank": 1}), ("send", {"seed": 82})],
+                            info={"on_device": True})
+    errors = {(r[0]["ok"], r[0].get("error")) for r in got.values()}
+    assert errors == {(False, "CheckpointNotFoundError")}, got   # the same type on both ranks
+    assert "not registered on rank(s) [1]" in got[0][0]["message"]
+    assert "DeviceResidentError" in got[1][0]["message"] and "not contiguous" in got[1][0]["message"], got[1][0]
+    assert front.fanouts == 1, "the failed round reached no engine (the next one did)"
+    assert all(r[1]["ok"] for r in got.values()), got
+    _holds(front, 82)

@@ -111,6 +111,9 @@ def _source(spec: dict, rank: int):
     bad = spec.get("bad_on_rank")
     if bad == rank:   # this rank's source hands over something that is no tensor, where it registers
         tensors = dict(tensors, **{sorted(tensors)[rank]: "not a tensor"})   # (round robin over sorted names)
+    if spec.get("strided_on_rank") == rank:   # the same values, not contiguous, where this rank registers
+        name = sorted(tensors)[rank]
+        tensors = dict(tensors, **{name: tensors[name].t().contiguous().t()})
     kind = spec.get("kind", "named")
     if kind == "named":
         return tensors
@@ -119,7 +122,7 @@ def _source(spec: dict, rank: int):
 
 
 def trainer_rank_main(rank: int, world: int, port: int, address, rounds: list, out, timeout_s: float,
-                      vllm026: bool = False) -> None:
+                      vllm026: bool = False, info_kwargs: dict | None = None) -> None:
     os.environ["LOCAL_RANK"] = str(rank)
     if vllm026:
         sys.path.insert(0, str(FAKE_VLLM026))
@@ -129,7 +132,7 @@ def trainer_rank_main(rank: int, world: int, port: int, address, rounds: list, o
     try:
         client = (OldSyncClient if vllm026 else FakeSyncClient)(address)
         info = CkptTrainerInitInfo(rank=rank, world_size=world, device="cpu", master_addr="127.0.0.1",
-                                   master_port=port, timeout_s=timeout_s)
+                                   master_port=port, timeout_s=timeout_s, **(info_kwargs or {}))
         engine = _trainer_engine(info, client, vllm026)
         for step, spec in rounds:
             client.fail = spec.get("client_fails") if rank == 0 else None
@@ -137,7 +140,8 @@ def trainer_rank_main(rank: int, world: int, port: int, address, rounds: list, o
             try:
                 result = engine.send_weights(_source(spec, rank))
                 results.append({"ok": True, "bytes": result["bytes"], "name": result["name"],
-                                "registered": engine.ps.last_register["bytes"], "seconds": time.monotonic() - t0})
+                                "registered": engine.ps.last_register["bytes"], "seconds": time.monotonic() - t0,
+                                "on_device": engine.ps.last_register["on_device"]})
             except Exception as exc:   # noqa: BLE001 - the test checks every rank's type and message
                 results.append({"ok": False, "error": type(exc).__name__, "message": str(exc),
                                 "seconds": time.monotonic() - t0})
@@ -149,12 +153,13 @@ def trainer_rank_main(rank: int, world: int, port: int, address, rounds: list, o
 
 
 def run_trainer_world(world: int, address, rounds: list, *, timeout_s: float = 30, timeout: float = 180,
-                      vllm026: bool = False) -> dict:
+                      vllm026: bool = False, info: dict | None = None) -> dict:
     """Every rank's results: one per round, then ``{"calls", "bases"}`` (the engine's classes); ``vllm026``:
-    the ranks meet vLLM 0.26's trainer API (tests/fakes/vllm026) and its version-less client."""
+    the ranks meet vLLM 0.26's trainer API (tests/fakes/vllm026) and its version-less client; ``info``: more
+    ``CkptTrainerInitInfo`` fields (e.g. ``on_device``)."""
     port = free_port()
     q = CTX.Queue()
-    procs = [CTX.Process(target=trainer_rank_main, args=(r, world, port, address, rounds, q, timeout_s, vllm026),
+    procs = [CTX.Process(target=trainer_rank_main, args=(r, world, port, address, rounds, q, timeout_s, vllm026, info),
                          daemon=True) for r in range(world)]
     got = collect_world(procs, q, "trainer world", timeout)
     for rank, results in got.items():

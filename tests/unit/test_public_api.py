@@ -10,7 +10,7 @@ def test_exported_names_are_pinned():
         "ParameterServer", "update_weights_from_ipc", "request_inference_to_update", "split_checkpoint_files",
         "local_device_key", "CkptError", "ConfigError", "CheckpointFormatError", "CheckpointNotFoundError",
         "TransportError", "UpdateTimeoutError", "ProtocolError", "RemoteWorkerError", "ClosedError", "__version__",
-        "TensorShard", "DeltaBaseError",
+        "TensorShard", "DeltaBaseError", "DeviceResidentError",
     ])
 
 
@@ -36,7 +36,8 @@ def test_engine_side_entry_point_signature():
 
 def test_every_error_is_a_ckpt_error():
     for name in ("ConfigError", "CheckpointFormatError", "CheckpointNotFoundError", "TransportError",
-                 "UpdateTimeoutError", "ProtocolError", "RemoteWorkerError", "ClosedError", "DeltaBaseError"):
+                 "UpdateTimeoutError", "ProtocolError", "RemoteWorkerError", "ClosedError", "DeltaBaseError",
+                 "DeviceResidentError"):
         assert issubclass(getattr(ckpt_core, name), ckpt_core.CkptError)
 
 

@@ -135,3 +135,25 @@ def test_a_clients_failure_becomes_one_of_ckpt_engines_errors(exc, kind, text):
 
     got = translated("update_weights", "http://h:1", exc)
     assert type(got) is kind and text in str(got)
+
+
+def test_auto_on_device_takes_a_share_only_when_every_tensor_lies_contiguous_on_the_ps_device():
+    from ckpt_vllm._trainer_source import device_resident
+    dev = torch.device("meta")   # a device other than the CPU, present without a GPU
+    on = {"a": torch.empty(3, 4, device=dev), "b": TensorShard(torch.empty(2, 4, device=dev), (4, 4), (2, 0))}
+    assert device_resident(on, dev)
+    assert not device_resident({}, dev), "an empty share stays in the pool"
+    assert not device_resident(dict(on, c=torch.empty(4, 3, device=dev).t()), dev), "not contiguous"
+    assert not device_resident(dict(on, c=torch.zeros(3)), dev), "one tensor on the host"
+    assert not device_resident(fresh(), torch.device("cpu")), "the cpu kind keeps its weights in the pool"
+
+
+def test_on_device_must_be_a_bool_or_none_and_refuses_p2p_services():
+    from ckpt_core.errors import DeviceResidentError
+    from ckpt_vllm.trainer import CkptTrainerInitInfo
+    assert CkptTrainerInitInfo(rank=0).on_device is None
+    with pytest.raises(ConfigError, match="on_device"):
+        CkptTrainerInitInfo(rank=0, on_device="yes")
+    with pytest.raises(DeviceResidentError, match="p2p_services"):
+        CkptTrainerInitInfo(rank=0, on_device=True, p2p_services="http://h:1")
+    assert CkptTrainerInitInfo(rank=0, on_device=False, p2p_services="http://h:1").on_device is False
