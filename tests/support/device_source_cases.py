@@ -51,6 +51,7 @@ def _report(ps, name: str) -> dict:
     sources = [*held["tensors"].values(), held["piece"]]
     ptrs = sorted(r.tensor.data_ptr() for r in ckpt.regions.values() if r.tensor.numel())
     return {"same_storage": ptrs == sorted(t.data_ptr() for t in sources if t.numel()),
+            "devices": sorted({r.tensor.device.type for r in ckpt.regions.values()}),
             "on_device": ckpt.on_device, "no_pool": ckpt.pool is None, "pool_bytes": ps.pool_bytes(),
             "registered_bytes": ps.registered_bytes(name), "last_register": ps.last_register,
             "digests": {n: digest(t) for n, t in held["tensors"].items()}, "piece": held["piece"].cpu().clone()}
@@ -81,6 +82,17 @@ def register_bad(ps, rank: int, name: str, how: str | None) -> None:
 def p2p_update(ps, rank: int, name: str, ranks: list[int]) -> dict:
     """A P2P update of ``name`` into ``ranks`` (nobody posts: it must be refused before anything moves)."""
     return ps.update(name, lambda handles: None, ranks=ranks, timeout=30)
+
+
+def register_slices(ps, rank: int, name: str, seed: int) -> bool:
+    """``support.slices_world``'s tensors (rank 0: rows and norm, rank 1: cols and emb) made on this rank's
+    device and registered there in place, for a sliced update (strided boxes copied from the device)."""
+    from support.slices_world import tensors
+    device = ps.backend.device(ps.device_index)
+    mine = {n: t.to(device) for n, t in tensors(seed).items() if n in {0: ("rows", "norm"), 1: ("cols", "emb")}[rank]}
+    ps.register_checkpoint(name, named_tensors=mine, on_device=True)
+    HELD[name] = {"tensors": mine}
+    return ps._catalog.checkpoints[name].on_device
 
 
 def shared_digest(pieces: list[torch.Tensor]) -> str:
