@@ -134,5 +134,10 @@ def test_a_sliced_update_copies_each_workers_boxes_from_the_device_resident_tens
             assert all(o.ok for o in got.values()), got
             for r in range(2):
                 assert front.digests(r) == {n: digest(x) for n, x in want(7, r).items()}, f"worker {r}"
+            # box digests for P2P joiners are taken from host bytes: refused on every rank alike
+            refused = _call(ps, "get_metas_sliced", plan_doc())
+            assert_every_rank_failed(refused, "DeviceResidentError", "publishing slices to P2P readers")
+            got = ps.all("call", ("support.slices_world", "sliced_update", ("s", front.address, 60, plan_doc())))
+            assert all(o.ok for o in got.values()), got
     finally:
         front.close()

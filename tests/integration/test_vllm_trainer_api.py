@@ -82,6 +82,15 @@ def test_plain_failing_and_staged_rounds_of_one_trainer_each_equal_a_cold_load_a
     print("send_weights seconds per step:", [round(s["seconds"], 3) for s in steps])
 
 
+def test_rounds_registered_on_device_equal_a_cold_load_and_hf(server, tiny_model, vllm_python, tmp_path):
+    """``on_device=True``: the trainer's parameters are registered in place (the cpu device stands in for
+    the GPU; auto keeps CPU weights in the pool) and read by the update; each round equals a cold load."""
+    steps = run_trainer(vllm_python, tiny_model, server, tmp_path, ["send", "send"], extra=["--on-device"])
+    assert [s["on_device"] for s in steps] == [True, True], steps
+    assert steps[0]["digests"] != steps[1]["digests"]
+    _equal_cold_loads_and_hf(vllm_python, tiny_model, steps, tmp_path)
+
+
 def _equal_cold_loads_and_hf(python, model, steps, out, tp: int = 1) -> None:
     files = [out / f"step-{s['step']}.safetensors" for s in steps]
     cold = cold_load(python, model.dir, files, tp)["digests"]

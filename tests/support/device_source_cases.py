@@ -95,6 +95,12 @@ def register_slices(ps, rank: int, name: str, seed: int) -> bool:
     return ps._catalog.checkpoints[name].on_device
 
 
+def get_metas_sliced(ps, rank: int, doc: dict) -> dict:
+    """``get_metas(slices=plan)``: a collective of the owners' world (box digests for joiners)."""
+    from ckpt_core.planning.slices import plan_from_json
+    return ps.get_metas(slices=plan_from_json(doc))
+
+
 def shared_digest(pieces: list[torch.Tensor]) -> str:
     """The digest the engines must hold for ``shared.w``: every rank's piece, in rank order."""
     return digest(torch.cat(pieces))

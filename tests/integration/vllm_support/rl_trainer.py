@@ -4,7 +4,7 @@ Runs under the vLLM venv's python (one process, or every rank under torchrun wit
 the trainer made itself, as an FSDP/DDP trainer does), with this repo first on PYTHONPATH:
 
     python rl_trainer.py --model DIR --weights FILE --url URL --out DIR --prompts JSON
-                         --phases send,silent,dead,send,stage,stage [--timeout 20] [--seed N] [--slices]
+                         --phases send,silent,dead,send,stage,stage [--timeout 20] [--seed N] [--slices] [--on-device]
     python -m torch.distributed.run --nproc-per-node 2 rl_trainer.py ...      (two trainer ranks)
 
 Each ``send`` phase trains one step (AdamW on random tokens, the same on every rank), saves the
@@ -131,6 +131,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--slices", action="store_true", help="CkptTrainerInitInfo(slices=True): each worker its slices")
+    ap.add_argument("--on-device", action="store_true",
+                    help="CkptTrainerInitInfo(on_device=True): the parameters registered in place (the cpu device)")
     ap.add_argument("--p2p-services", type=json.loads, default=None,
                     help="JSON list: the engine's managed PS services; the trainer ranks are P2P owners")
     ap.add_argument("--kill-wait", type=float, default=2.0, help="kill-owner: the sender waits this long first")
@@ -155,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
         return WeightTransferTrainerFactory.trainer_init(
             CkptTrainerInitInfo(rank=rank, world_size=world, timeout_s=args.timeout, stage=stage, slices=args.slices,
                                 version_prefix="staged" if stage else "step", master_port=port,
-                                p2p_services=args.p2p_services),
+                                p2p_services=args.p2p_services, on_device=True if args.on_device else None),
             client=HTTPVLLMWeightSyncClient(args.url), source=ModuleSource(model))
 
     engine, staged = trainer_engine(False), False
@@ -176,7 +178,8 @@ def main(argv: list[str] | None = None) -> None:
             result = engine.send_weights()
             line = {"phase": phase, "step": steps, "loss": loss, "seconds": time.monotonic() - t0,
                     "result": {"bytes": result["bytes"], "name": result["name"],
-                               "received_bytes": result.get("slices", {}).get("received_bytes")}}
+                               "received_bytes": result.get("slices", {}).get("received_bytes")},
+                    "on_device": engine.ps.last_register["on_device"]}
             if rank == 0:
                 line.update(file=str(file), digests=inspect.collective_rpc("ckpt_state_digests"),
                             tokens=greedy(args.url, args.prompts), versions=inspect.weight_versions())
