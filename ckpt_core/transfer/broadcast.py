@@ -87,6 +87,8 @@ def _update(ctx: UpdateContext, catalog: Catalog, name: str, req_func: ReqFunc, 
         ctx.agree(link, req, deadline, phase="post-hook", final=True)
         ok = True
     finally:
+        if ckpt.on_device and not ok:   # reads still queued on the copy stream come before the caller's next writes
+            _after_copies(ctx)
         ctx.disarm(signal)
         link.end(ok, f"the update failed on rank {ctx.rank}: {sys.exc_info()[1]!r}")
         # On failure the error matters more than req_func's return: wait briefly only.
@@ -106,6 +108,16 @@ def _after_caller(ctx: UpdateContext) -> None:
     queued.record()   # on the calling thread's current stream
     with ctx.backend.stream_context(ctx.copy_stream):
         queued.wait()   # the copy stream waits for it
+
+
+def _after_copies(ctx: UpdateContext) -> None:
+    """After a failed update of a device-resident checkpoint: the caller's current stream waits for the
+    copies still queued on the copy stream (a successful one synchronized the device already), so that
+    the caller's next writes into its tensors cannot overtake our reads of them."""
+    with ctx.backend.stream_context(ctx.copy_stream):
+        copied = ctx.backend.new_event()
+        copied.record()   # on the copy stream
+    copied.wait()   # the calling thread's current stream waits for it
 
 
 def _slices_report(slices, plan: Plan, stats, world_size: int) -> dict:

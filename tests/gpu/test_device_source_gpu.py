@@ -37,7 +37,7 @@ def test_cuda_tensors_registered_on_device_update_the_gpu_worker_bit_exact_witho
     need(world)
     front = EngineFront("cuda", world)
     try:
-        with PsWorld("cuda", world, init={"max_bucket_gb": (64 << 10) / (1 << 30)}) as ps:
+        with PsWorld("cuda", world, init={"max_bucket_gb": (8 << 10) / (1 << 30)}) as ps:
             reg = ps.all("call", (CASES, "register", ("dev", 1)))
             assert all(o.ok for o in reg.values()), reg
             for r, o in reg.items():   # the regions are the caller's CUDA storage: nothing on the host
@@ -55,6 +55,14 @@ def test_cuda_tensors_registered_on_device_update_the_gpu_worker_bit_exact_witho
             assert all(o.ok for o in got.values()), got
             for i in range(world):
                 assert front.digests(i) == _want(again), f"engine worker {i} missed the in-place rewrite"
+            failed = ps.update("dev", front, 120, {0: {"fail_bucket": 1}})   # every rank fails, engines keep theirs
+            assert all(not o.ok and o.error == "RemoteWorkerError" for o in failed.values()), failed
+            third = ps.all("call", (CASES, "rewrite", ("dev", 3)))   # ordered after the failed update's reads
+            assert all(o.ok for o in third.values()), third
+            got = ps.update("dev", front, 120)
+            assert all(o.ok for o in got.values()), got
+            for i in range(world):
+                assert front.digests(i) == _want(third), f"engine worker {i}"
     finally:
         front.close()
 

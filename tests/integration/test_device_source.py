@@ -68,6 +68,11 @@ def test_updates_read_the_callers_tensors_in_place_bit_exact_and_see_each_rewrit
             assert all(o.ok for o in got.values()), got
             _holds(front, _want(again))
 
+        # an engine failing mid-update fails every rank; the engines keep what they held; the next one works
+        failed = ps.update("dev", front, 60, {1: {"fail_bucket": 1}})
+        assert_every_rank_failed(failed, "RemoteWorkerError", "injected engine failure at bucket 1")
+        _holds(front, _want(again))
+
         # P2P readers read the owners' host memory: refused on every rank in the first exchange
         refused = _call(ps, "p2p_update", "dev", [1])
         assert_every_rank_failed(refused, "DeviceResidentError", "registered on the device", "P2P update",
