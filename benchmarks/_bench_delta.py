@@ -145,7 +145,6 @@ def delta_section(bench, case: str, share, full_update_s: float) -> dict:
     exact = _bit_exact(bench, nxt)
     ps.unregister_checkpoint(prev)
     elements = sum(t.numel() for t in share.named.values())
-    del nxt
     return summarize(case, density, rounds, exact, full_update_s, bench.gather(elements))
 
 

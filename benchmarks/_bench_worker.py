@@ -75,7 +75,8 @@ class _Engine:
         if self.kind == "cuda":
             self.torch.cuda.empty_cache()
 
-    def update(self, handles: dict, stage: bool = False, profile: str | None = None, version: str | None = None) -> dict:
+    def update(self, handles: dict, stage: bool = False, profile: str | None = None,
+               version: str | None = None) -> dict:
         from _bench_profile import profiled
         if stage:
             self.rx.held = None   # staged updates bypass the receiver: what they make live is not tracked
@@ -100,7 +101,8 @@ class _Engine:
                 if name in seen:
                     raise ValueError(f"received tensor {name!r} twice in one update")
                 if p.shape != t.shape or p.dtype != t.dtype:
-                    raise ValueError(f"{name}: received {t.dtype}{tuple(t.shape)}, parameter is {p.dtype}{tuple(p.shape)}")
+                    raise ValueError(f"{name}: received {t.dtype}{tuple(t.shape)}, "
+                                     f"parameter is {p.dtype}{tuple(p.shape)}")
                 if self.copy_mode == "foreach":
                     dst, src = batched.setdefault(p.dtype, ([], []))
                     dst.append(p)
@@ -113,7 +115,7 @@ class _Engine:
             engine_cpu[0] += time.thread_time() - c0
 
         def post_hook() -> None:
-            if tx.delta is not None:   # a delta: the receiver applied and checked it; only changed tensors came
+            if tx.delta is not None:   # a delta: the receiver applied and checked it (changed tensors only)
                 self.sync()
                 return
             if len(seen) != len(self.params):
