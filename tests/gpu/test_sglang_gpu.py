@@ -113,9 +113,10 @@ def _updates_equal_a_cold_load(case) -> None:
             case.check(dummy, index, f"IPC update {step + 1} ({'AB'[index]})")
         case.record["ipc"] = ipc
         case.record["sessions"] = client.server.sessions   # None/False: SGLang 0.5.17 has none
-        # 3b. the direct update through our loader (its load op: the stock loop into load_weights): A, B, A
+        # 3b. the direct update through our loader (its load op: the stock loop into load_weights): A, B, A, B
+        # (ending on B, which the staged steps below expect live before they stage A)
         direct = []
-        for step, index in enumerate((0, 1, 0)):
+        for step, index in enumerate((0, 1, 0, 1)):
             result = ps.update(f"ckpt-{index}", client.req_func(weight_version=f"loader-{step}", via="loader"),
                                timeout=300)
             assert client.last_report.path == "loader" and client.last_report.workers[0]["version"] == f"loader-{step}"
