@@ -9,7 +9,7 @@ every path of ours, alternating checkpoints A and B:
 3. the stock-wire IPC update (``ParameterServer(wire="stock")`` + ``SglangClient``, SGLang's
    ``/update_weights_from_ipc``): B, A, B; then the direct update through our loader
    (``via="loader"``: the same stock wire into the ``load`` op of ``ckpt_sglang.staging.load``,
-   SGLang's ``load_weights``, post-processing as SGLang's IPC route runs it on 0.5.17): A, B, A;
+   SGLang's ``load_weights``, post-processing as SGLang's IPC route runs it on 0.5.17): A, B, A, B;
 4. staged updates committed (``--custom-weight-loader ckpt_sglang.staging.load``): A staged wholly in
    device memory (the live model must not change while it is staged), committed; B staged half in
    device memory and half in pinned host memory, committed;
