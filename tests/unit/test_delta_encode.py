@@ -7,8 +7,8 @@ import torch
 from ckpt_core.checkpoint.safetensors import WIRE_DTYPES
 from ckpt_core.delta.encode import (ENCODINGS, apply_decoded, bytes_of, changed_mask, decode, encode_tensor,
                                     undo_decoded)
-from ckpt_core.errors import CheckpointFormatError
 from ckpt_core.delta.lin64 import lin64
+from ckpt_core.errors import CheckpointFormatError
 
 DTYPES = sorted({dt for dt in WIRE_DTYPES.values()}, key=str)
 
