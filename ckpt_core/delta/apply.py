@@ -42,7 +42,7 @@ import torch
 
 from ckpt_core._settings import delta_drop_one
 from ckpt_core.delta.encode import Decoded, apply_decoded, decode, undo_decoded
-from ckpt_core.delta.lin64 import lin64
+from ckpt_core.delta.lin64 import lin64_many
 from ckpt_core.delta.versions import MANIFEST, PAYLOAD, parse_manifest_name
 from ckpt_core.errors import CheckpointFormatError, DeltaBaseError
 
@@ -262,9 +262,11 @@ class _Update:
         return new
 
     def _verify(self, checks) -> None:
-        for name, tensor, want, dtype in checks:
-            held = tensor if tensor.dtype == dtype else tensor.to(dtype)   # a widened live tensor: cast back, exact
-            got = lin64(held)   # on the tensor's own device: no copy to the host
+        # a widened live tensor is cast back (exact), one at a time (a generator: each cast is freed once
+        # its digest is queued); each digest runs on its tensor's own device, no copy to the host, and a
+        # device's results are read back together
+        held = (tensor if tensor.dtype == dtype else tensor.to(dtype) for _, tensor, _, dtype in checks)
+        for (name, _, want, _), got in zip(checks, lin64_many(held)):
             if got != want:
                 raise CheckpointFormatError(f"after the delta's apply the tensor's bytes do not match the version's "
                                             f"digest ({got} != {want}); the update is undone", tensor=name)

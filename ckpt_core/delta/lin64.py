@@ -119,16 +119,33 @@ def lin64(t: torch.Tensor, *, engine: str | None = None) -> str:
     ``engine``: ``"numpy"`` (CPU tensors only: the default there) or ``"torch"`` (the default on
     any other device; on the CPU for tests). ``CheckpointFormatError`` for a non-contiguous tensor.
     """
-    words, width = words_of(t)
-    n = words.numel()
-    engine = engine or ("numpy" if words.device.type == "cpu" else "torch")
-    if engine == "numpy":
-        body = _sum_numpy(words)
-    elif engine == "torch":
-        body = _sum_torch(words)
-    else:
-        raise ValueError(f"unknown lin64 engine {engine!r}")
-    return _fmt(body + mix_int((n << 4) | width))
+    return lin64_many([t], engine=engine)[0]
+
+
+def lin64_many(tensors, *, engine: str | None = None) -> list[str]:
+    """``lin64`` of each tensor, each on its own device; the device sums are read back together,
+    one host synchronisation per device rather than one per tensor (a delta's bucket of small
+    tensors on a GPU). ``tensors`` may be a generator: each is let go once its digest is queued."""
+    sums: list[int] = []
+    tails: list[int] = []
+    pending: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}   # device -> (index, its 0-d sum there)
+    for i, t in enumerate(tensors):
+        words, width = words_of(t)
+        tails.append(mix_int((words.numel() << 4) | width))
+        kind = engine or ("numpy" if words.device.type == "cpu" else "torch")
+        if kind == "numpy":
+            sums.append(_sum_numpy(words))
+        elif kind == "torch":
+            sums.append(0)
+            pending.setdefault(words.device, []).append((i, _sum_torch(words)))
+        else:
+            raise ValueError(f"unknown lin64 engine {kind!r}")
+        del t, words   # a cast copy the caller made for this digest is freed now (the kernels are queued)
+    for group in pending.values():
+        values = torch.stack([total for _, total in group]).tolist()   # one sync per device
+        for (i, _), value in zip(group, values):
+            sums[i] = value
+    return [_fmt(body + tail) for body, tail in zip(sums, tails)]
 
 
 def is_lin64(digest: object) -> bool:
@@ -139,8 +156,9 @@ def is_lin64(digest: object) -> bool:
 
 
 # -- torch: any device -----------------------------------------------------------------------
-def _sum_torch(words: torch.Tensor) -> int:
-    """``sum_i word_i * c_i`` mod 2**64 with torch ops on the words' device; one host sync at the end."""
+def _sum_torch(words: torch.Tensor) -> torch.Tensor:
+    """``sum_i word_i * c_i`` mod 2**64 with torch ops on the words' device: a 0-d int64 tensor
+    there (not read back: ``lin64_many`` reads a device's sums together)."""
     device = words.device
     a = _a(device)
     n = words.numel()
@@ -155,7 +173,7 @@ def _sum_torch(words: torch.Tensor) -> int:
         if tail:
             inner_tail = (chunk[rows * ROW:] * a[:tail]).sum()
             total += inner_tail * _coefficients(first_row + rows, 1, SEED_B, device)[0]
-    return int(total.item()) & _MASK
+    return total
 
 
 # -- numpy: the host ------------------------------------------------------------------------
@@ -211,4 +229,4 @@ def lin64_reference(t: torch.Tensor) -> str:
     return _fmt(total + mix_int((words.numel() << 4) | width))
 
 
-__all__ = ["PREFIX", "ROW", "CHUNK", "lin64", "is_lin64", "lin64_reference", "words_of", "mix_int"]
+__all__ = ["PREFIX", "ROW", "CHUNK", "lin64", "lin64_many", "is_lin64", "lin64_reference", "words_of", "mix_int"]

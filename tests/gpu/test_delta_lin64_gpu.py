@@ -11,7 +11,7 @@ import torch
 import ckpt_core.delta.lin64 as lin
 from ckpt_core.delta.apply import DeltaReceiver
 from ckpt_core.delta.encode import encode_tensor
-from ckpt_core.delta.lin64 import CHUNK, ROW, lin64
+from ckpt_core.delta.lin64 import CHUNK, ROW, lin64, lin64_many
 from ckpt_core.delta.versions import PAYLOAD, manifest_name
 from ckpt_core.errors import CheckpointFormatError
 
@@ -40,6 +40,12 @@ def test_the_gpu_digest_equals_the_host_digest(dtype):
         assert lin64(host.cuda()) == lin64(host), (dtype, n)
     small = _random(ROW + 3, dtype, 1)
     assert lin64(small.cuda()) == lin.lin64_reference(small)
+
+
+def test_many_digests_on_the_gpu_and_the_host_read_back_together():
+    host = [_random(n, torch.bfloat16, n) for n in (3, ROW + 1, CHUNK + 7)]
+    mixed = [host[0], host[1].cuda(), host[2].cuda()]
+    assert lin64_many(mixed) == [lin64(t) for t in host]
 
 
 @pytest.mark.parametrize("dtype", NAMED, ids=str)

@@ -12,7 +12,7 @@ import ckpt_core.delta.lin64 as lin
 from ckpt_core.checkpoint.safetensors import WIRE_DTYPES
 from ckpt_core.delta.apply import DeltaReceiver
 from ckpt_core.delta.encode import decode, encode_tensor, read_header
-from ckpt_core.delta.lin64 import CHUNK, ROW, is_lin64, lin64, lin64_reference
+from ckpt_core.delta.lin64 import CHUNK, ROW, is_lin64, lin64, lin64_many, lin64_reference
 from ckpt_core.delta.versions import PAYLOAD, manifest_name
 from ckpt_core.errors import CheckpointFormatError, ConfigError
 
@@ -52,6 +52,15 @@ def test_the_paths_agree_at_odd_sizes_and_the_real_chunk(n):
     for dtype in NAMED:
         t = _random(n, dtype, n + 1)
         assert lin64(t) == lin64(t, engine="torch"), (dtype, n)
+
+
+def test_many_digests_read_back_together_equal_each_one():
+    tensors = [_random(n, dt, n) for n, dt in [(5, torch.bfloat16), (ROW + 9, torch.float32), (0, torch.int8),
+                                                 (3 * ROW, torch.float16)]]
+    want = [lin64_reference(t) for t in tensors]
+    assert lin64_many(tensors) == want
+    assert lin64_many((t for t in tensors), engine="torch") == want   # a generator, the device path
+    assert lin64_many([]) == []
 
 
 def test_the_digest_depends_on_the_width_and_count_not_only_the_values():
