@@ -41,6 +41,10 @@ class _Engine:
         # how run() copies a bucket into the parameters: "tensor" (one copy_ each, as engines' loaders do) or
         # "foreach" (torch._foreach_copy_ per dtype: an engine that batches, so our own per-tensor cost shows)
         self.copy_mode = "tensor"
+        # every update goes through the project's delta receiver: a full update makes its version held, a
+        # delta of it is scattered into the live parameters and digest-checked (update_bench --delta-density)
+        from ckpt_core.delta.apply import DeltaReceiver
+        self.rx = DeltaReceiver(live=lambda name: self.params.get(name))
 
     def sync(self) -> None:
         if self.kind == "cuda":
@@ -48,11 +52,13 @@ class _Engine:
 
     def alloc(self, specs) -> int:
         self.free()
+        self.rx.held = None
         self.params = {n: self.torch.empty(shape, dtype=dtype, device=self.device) for n, shape, dtype in specs}
         self.sync()
         return sum(p.numel() * p.element_size() for p in self.params.values())
 
     def zero(self) -> None:
+        self.rx.held = None   # the parameters no longer hold any version
         for p in self.params.values():
             p.zero_()
         self.sync()
@@ -69,14 +75,16 @@ class _Engine:
         if self.kind == "cuda":
             self.torch.cuda.empty_cache()
 
-    def update(self, handles: dict, stage: bool = False, profile: str | None = None) -> dict:
+    def update(self, handles: dict, stage: bool = False, profile: str | None = None,
+               version: str | None = None) -> dict:
         from _bench_profile import profiled
         if stage:
+            self.rx.held = None   # staged updates bypass the receiver: what they make live is not tracked
             return self.stage(handles)
         with profiled(profile):
-            return self._update(handles)
+            return self._update(handles, version)
 
-    def _update(self, handles: dict) -> dict:
+    def _update(self, handles: dict, version: str | None = None) -> dict:
         from ckpt_core import update_weights_from_ipc
         seen: set[str] = set()
         buckets = [0]
@@ -93,7 +101,8 @@ class _Engine:
                 if name in seen:
                     raise ValueError(f"received tensor {name!r} twice in one update")
                 if p.shape != t.shape or p.dtype != t.dtype:
-                    raise ValueError(f"{name}: received {t.dtype}{tuple(t.shape)}, parameter is {p.dtype}{tuple(p.shape)}")
+                    raise ValueError(f"{name}: received {t.dtype}{tuple(t.shape)}, "
+                                     f"parameter is {p.dtype}{tuple(p.shape)}")
                 if self.copy_mode == "foreach":
                     dst, src = batched.setdefault(p.dtype, ([], []))
                     dst.append(p)
@@ -106,17 +115,25 @@ class _Engine:
             engine_cpu[0] += time.thread_time() - c0
 
         def post_hook() -> None:
+            if tx.delta is not None:   # a delta: the receiver applied and checked it (changed tensors only)
+                self.sync()
+                return
             if len(seen) != len(self.params):
                 missing = sorted(set(self.params) - seen)
                 raise ValueError(f"{len(missing)} parameters were not updated, e.g. {missing[:3]}")
             self.sync()
 
         t0, c0 = time.perf_counter(), time.thread_time()
-        update_weights_from_ipc(self.zmq_ctx, handles[self.key], self.index, run=run, post_hook=post_hook,
-                                slices=self.slices)
+        with self.rx.update(run=run, post_hook=post_hook, version=version) as tx:
+            update_weights_from_ipc(self.zmq_ctx, handles[self.key], self.index, run=tx.run, on_plan=tx.on_plan,
+                                    post_hook=tx.post_hook, slices=self.slices)
+        self.sync()
         # CPU seconds of this thread: the whole call (the receive loop, ours) and inside run() (the engine's)
-        return {"seconds": time.perf_counter() - t0, "buckets": buckets[0], "tensors": len(seen),
-                "cpu_s": time.thread_time() - c0, "engine_cpu_s": engine_cpu[0]}
+        out = {"seconds": time.perf_counter() - t0, "buckets": buckets[0], "tensors": len(seen),
+               "cpu_s": time.thread_time() - c0, "engine_cpu_s": engine_cpu[0]}
+        if self.rx.last.get("delta"):
+            out["delta"] = {k: v for k, v in self.rx.last.items() if k != "scattered_tensors"}
+        return out
 
     def stage(self, handles: dict) -> dict:
         """Receive the update into a staging area on the device (what ckpt_vllm's worker does), not
@@ -270,12 +287,14 @@ class EngineFront:
         self.timeout = timeout
         self.stage = False   # the next updates stage (the workers' "commit" makes them live)
         self.profile = None  # a path prefix: the workers cProfile the next update into <prefix>-w<i>
+        self.version = None  # the version the next update makes live (the workers' delta receivers hold it)
         self.conns = [Client(tuple(a) if isinstance(a, list) else a, authkey=AUTH) for a in addresses]
         self.last: list = []
 
     def req_func(self, handles) -> None:
         for i, c in enumerate(self.conns):
-            c.send(("update", dict(handles), self.stage, None if self.profile is None else f"{self.profile}-w{i}"))
+            c.send(("update", dict(handles), self.stage, None if self.profile is None else f"{self.profile}-w{i}",
+                    self.version))
         results = []
         for i, c in enumerate(self.conns):
             if not c.poll(self.timeout):

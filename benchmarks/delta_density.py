@@ -199,7 +199,8 @@ def run(args) -> dict:
 def codec_table(densities: list[float], numel: int, repeats: int = 3) -> list[dict]:
     """The encoding of one bf16 tensor of ``numel`` elements at each density (changed elements at random
     positions): payload bytes against the tensor, the encoding chosen, and the best of ``repeats`` times to
-    encode (diff, positions, values, SHA-256 digest of the new bytes) and to decode + check + scatter."""
+    encode (diff, positions, values, the digest of the new bytes: SHA-256 until 2026-12-03, lin64 since) and
+    to decode + check + scatter."""
     gen = torch.Generator().manual_seed(12)
     base = (torch.randn(numel, generator=gen) * 0.02).to(torch.bfloat16)
     rows = []

@@ -58,6 +58,7 @@ from _bench_report import (check_targets, floor_seconds, format_report, per_tens
                            summarize_updates)
 from _bench_profile import profiled  # noqa: E402
 from _bench_tp import tp_section  # noqa: E402
+from _bench_delta import check_host_memory, delta_section, format_delta, parse_density  # noqa: E402
 from _bench_worker import EngineFront, EngineWorker  # noqa: E402
 
 SHM = "/dev/shm"
@@ -97,6 +98,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="cProfile one more update of each case after the timed ones (and of engine rank 0's sliced "
                         "ones with --tp) on every PS rank and in every engine worker, into DIR (.prof and "
                         "top-entries .txt); the timed updates run unprofiled")
+    p.add_argument("--delta-density", default=None, metavar="D|measured",
+                   help="after each case's full updates, --repeats delta updates of next versions in which a "
+                        "fraction D of every tensor's elements changed (measured: the density study's, "
+                        "benchmarks/results/*delta-density*), registered with their base, applied and checked by "
+                        "the engine worker's DeltaReceiver; full and delta side by side, the last one bit-exact")
     p.add_argument("--log-level", default="WARNING", help="level of ckpt_core's logs (INFO: one line per phase)")
     args = p.parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -109,6 +115,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.repeats < 1 or args.scale <= 0:
         p.error("--repeats must be >= 1 and --scale > 0")
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.delta_density is not None:
+        try:
+            args.delta_density = parse_density(args.delta_density)
+        except ValueError as e:
+            p.error(str(e))
     return args
 
 
@@ -133,6 +144,10 @@ class Bench:
         bcast = (args.bcast_mib or (1024 if self.kind == "cuda" else 64)) << 20
         if self.kind == "cuda":
             _ = self.worker.address   # its CUDA context exists before we time the device
+        if args.delta_density is not None:
+            largest = max(max(sum(s.nbytes for s in sh) for sh in split(build_case(c, args.scale), self.world))
+                          for c in args.cases)
+            check_host_memory(largest, int(os.environ.get("LOCAL_WORLD_SIZE", self.world)), self.kind, self.say_any)
         host = self._host_touch_bytes()
         mine = measure(self.kind, self.device, self.ctrl, h2d_bytes=h2d, bcast_bytes=bcast, host_bytes=host)
         views = self.gather(mine)
@@ -159,6 +174,11 @@ class Bench:
         largest = max(max(sum(s.nbytes for s in sh) for sh in split(build_case(c, self.args.scale), self.world))
                       for c in self.args.cases)
         return 2 * largest
+
+    def say_any(self, msg: str) -> None:
+        """``say`` before the process group exists (rank 0 by the environment)."""
+        if self.rank == 0:
+            print(f"[bench {time.perf_counter() - T0:6.1f}s] {msg}", flush=True)
 
     def say(self, msg: str) -> None:
         if self.rank == 0:
@@ -224,6 +244,8 @@ class Bench:
     # -- one update, verified ----------------------------------------------------
     def update_once(self, name: str, profile: str | None = None) -> dict:
         self.worker.call("zero")   # so that a missed tensor cannot pass for a received one
+        if self.front is not None:
+            self.front.version = name   # what the workers' delta receivers hold after it
         self.barrier()
         base = self._mem_mark()
         with self.profiling(profile):
@@ -277,9 +299,13 @@ class Bench:
                 torch.cuda.empty_cache()
         stage = (self.stage_section(case, total, min(u["seconds"] for u in updates[1:] or updates))
                  if self.args.stage else None)
-        self.ps.unregister_checkpoint(case)
         timed = updates[1:]
         summary = summarize_updates(timed)
+        delta = None
+        if self.args.delta_density is not None:
+            self.update_once(case)   # the engine holds the case again (a staged update is not tracked)
+            delta = delta_section(self, case, share, summary["best_s"])
+        self.ps.unregister_checkpoint(case)
         best = timed[summary["best_index"]]
         record = {
             "case": case, "bytes": total, "tensors": len(specs), "share_bytes": share_bytes, "generate_s": gen_s,
@@ -302,6 +328,7 @@ class Bench:
                  f"({total / summary['best_s'] / 1e9:.1f} GB/s), floor {record['floor']['seconds']:.3f} s; "
                  f"per tensor {per_tensor_line(record['per_tensor'])}")
         record["stage"] = stage
+        record["delta"] = delta
         record["pool"] = None if self.args.skip_pool else self.pool_section(case, share)
         record["shm"] = None if self.args.skip_shm else self.shm_section(case, share, total)
         record["tp"] = None if self.args.tp is None else tp_section(self, case, specs, share, summary["best_s"],
@@ -409,7 +436,7 @@ class Bench:
         m = {"world_size": self.world, "device": self.kind, "torch": torch.__version__, "python": sys.version.split()[0],
              "scale": self.args.scale, "repeats": self.args.repeats, "free_mem_gib": self.args.free_mem_gib,
              "keep_device_buffers": self.args.keep_device_buffers, "cases": self.args.cases,
-             "engine_copy": self.args.engine_copy,
+             "engine_copy": self.args.engine_copy, "delta_density": self.args.delta_density,
              "env": {k: os.environ[k] for k in sorted(os.environ) if k.startswith(("PS_", "NCCL_"))}}
         if self.kind == "cuda":
             m["device_name"] = torch.cuda.get_device_name(self.local)
@@ -450,6 +477,8 @@ def main(argv=None) -> int:
         result = bench.run()
         if bench.rank == 0:
             print("\n" + format_report(result), flush=True)
+            if args.delta_density is not None:
+                print("\n" + format_delta(result["cases"]), flush=True)
             if args.out:
                 os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
                 with open(args.out, "w") as f:

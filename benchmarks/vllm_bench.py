@@ -3,6 +3,7 @@
     python benchmarks/vllm_bench.py --shape 7b --ps ours,reference --repeats 3 --out vllm-7b.json
     python benchmarks/vllm_bench.py --shape tiny --quantization fp8 --verify
     python benchmarks/vllm_bench.py --shape 7b --format fp8-block --ps ours --verify
+    python benchmarks/vllm_bench.py --shape 7b --ps ours --verify --delta-density 0.02
 
 For each parameter-server implementation (``ours``: ckpt_core with ckpt_vllm's worker extension;
 ``reference``: checkpoint-engine with its own extension, when importable) this starts a vLLM
@@ -12,6 +13,9 @@ a child process (CUDA IPC needs two processes), registers a checkpoint of fresh 
 (``collective_rpc``) is timed too, and ckpt_vllm reports its own phases. With ``--verify`` every
 parameter and buffer of the updated engine is compared, by a checksum computed on the device,
 with a cold load of the same checkpoint in a fresh engine (another process), and greedy tokens too.
+``--delta-density D`` (ours, bf16): after the full updates, ``--repeats`` delta versions are pushed
+into the engine (``_vllm_bench_delta.py``); with ``--verify`` the engine is then compared with a cold
+load of the last delta version (and, before the deltas, with the cold load of the checkpoint).
 
 Needs vLLM (the GPU build), transformers, safetensors. The benchmark controls the children through
 a Unix socket carrying JSON, never pickle.
@@ -57,11 +61,23 @@ def parse_args(argv=None):
     p.add_argument("--profile", default=None, help="write a cProfile of the engine's last update (text) here")
     p.add_argument("--stage", action="store_true",
                    help="ours: after the timed updates, stage once into device memory and time the commit")
+    p.add_argument("--delta-density", default=None, metavar="D|measured",
+                   help="ours, bf16: after the full updates, --repeats delta versions with a fraction D of every "
+                        "tensor's elements changed (measured: the density study's), pushed as deltas and timed")
     p.add_argument("--gpu-mem", type=float, default=0.45, help="vLLM gpu_memory_utilization")
     p.add_argument("--role", choices=("main", "engine", "ps", "cold"), default="main", help=argparse.SUPPRESS)
     p.add_argument("--impl", default="ours", help=argparse.SUPPRESS)
     p.add_argument("--sock", default=None, help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.delta_density is not None:
+        from _bench_delta import parse_density
+        if args.format != "bf16":
+            p.error("--delta-density needs --format bf16 (a flipped bit of an fp8 weight may make a NaN)")
+        try:
+            args.delta_density = parse_density(str(args.delta_density))
+        except ValueError as e:
+            p.error(str(e))
+    return args
 
 
 # ---------------------------------------------------------------- JSON over a Unix socket
@@ -134,15 +150,24 @@ def run_engine(args) -> None:
     server.bind(path)
     server.listen(1)
     child = subprocess.Popen([sys.executable, __file__, "--role", "ps", "--impl", args.impl, "--sock", path,
-                              "--dir", args.dir, "--repeats", str(args.repeats)] + (["--stage"] if args.stage else []),
+                              "--dir", args.dir, "--repeats", str(args.repeats)] + (["--stage"] if args.stage else [])
+                             + (["--delta-density", str(args.delta_density)] if args.delta_density else [])
+                             + (["--verify"] if args.verify else []),
                              env=child_env())
     server.settimeout(600)
     conn, _ = server.accept()
     ch = Channel(conn)
-    engine_s, results, stage_report = [], [], None
+    engine_s, results, stage_report, snapshot = [], [], None, None
     while True:
         msg = ch.recv()
-        if "stage" in msg:
+        if "snapshot" in msg:   # before the deltas: the full version's state, for --verify
+            snapshot = {"tokens": greedy_tokens(llm), "checksums": engine_checksums(llm)}
+            ch.send({"ok": True})
+        elif "kwargs" in msg:   # a full update with deltas=True, or a delta (not among the timed full updates)
+            res = llm.collective_rpc("update_weights_from_ipc", args=(msg["handles"],), kwargs=msg["kwargs"])
+            reply = res[0] if isinstance(res[0], dict) else {}
+            ch.send({"ok": True, "delta": json.loads(json.dumps(reply.get("delta"), default=str))})
+        elif "stage" in msg:
             stage_report = stage_into(llm, msg["handles"], msg["stage"])
             ch.send({"ok": True})
         elif "handles" in msg:
@@ -159,7 +184,10 @@ def run_engine(args) -> None:
             break
     report = {"impl": args.impl, "register_s": msg["register_s"], "gather_s": msg["gather_s"],
               "update_s": msg["update_s"], "engine_s": engine_s, "bytes": msg["bytes"],
-              "ckpt_vllm_phases": results[-1]["seconds"] if results and results[-1] else None}
+              "ckpt_vllm_phases": results[-1]["seconds"] if results and results[-1] else None,
+              "delta": msg.get("delta")}
+    if snapshot is not None:
+        report["full_tokens"], report["full_checksums"] = snapshot["tokens"], snapshot["checksums"]
     if stage_report is not None:
         t0 = time.perf_counter()
         res = llm.collective_rpc("commit_staged_weights", args=(stage_report["version"],))
@@ -234,8 +262,18 @@ def run_ps(args) -> None:
         ps.update("bench", stage_req)
         stage_s = time.perf_counter() - s
     nbytes = sum(os.path.getsize(f) for f in files)
+    delta = None
+    if args.delta_density and args.impl == "ours":
+        from _vllm_bench_delta import run_deltas, summarize
+
+        def send_update(handles, version, deltas):
+            ch.send({"handles": dict(handles), "kwargs": {"deltas": deltas, "version": version}})
+            return ch.recv()
+        delta = run_deltas(ps, files, args.delta_density, args.repeats, send_update, args.dir,
+                           snapshot=(lambda: (ch.send({"snapshot": True}), ch.recv())) if args.verify else None)
+        delta["summary"] = summarize(delta, min(update_s[1:] or update_s), nbytes)
     ch.send({"done": True, "register_s": t1 - t0, "gather_s": t2 - t1, "update_s": update_s, "bytes": nbytes,
-             "stage_s": stage_s})
+             "stage_s": stage_s, "delta": delta})
     ch.recv()
 
 
@@ -264,12 +302,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_child(args, role: str, impl: str, timeout: float = 1800) -> dict:
-    cmd = [sys.executable, __file__, "--role", role, "--impl", impl, "--dir", args.dir, "--shape", args.shape,
+def run_child(args, role: str, impl: str, timeout: float = 1800, directory: str | None = None) -> dict:
+    cmd = [sys.executable, __file__, "--role", role, "--impl", impl, "--dir", directory or args.dir,
+           "--shape", args.shape,
            "--repeats", str(args.repeats), "--gpu-mem", str(args.gpu_mem)]
     cmd += ["--verify"] if args.verify else []
     cmd += ["--profile", args.profile] if args.profile else []
     cmd += ["--stage"] if args.stage else []
+    cmd += ["--delta-density", str(args.delta_density)] if args.delta_density else []
     cmd += ["--quantization", args.quantization] if args.quantization else []
     out = subprocess.run(cmd, env=child_env(), stdout=subprocess.PIPE, text=True, timeout=timeout)
     sys.stdout.write("\n".join(line for line in out.stdout.splitlines() if not line.startswith("RESULT ")) + "\n")
@@ -311,6 +351,14 @@ def main(argv=None) -> int:
     cold = run_child(args, "cold", "ours") if args.verify else None
     for impl in [s for s in args.ps.split(",") if s]:
         run = run_child(args, "engine", impl)
+        if run.get("delta"):   # the engine ends on the last delta version; its full state was taken before
+            from _vllm_bench_delta import delta_dir
+            if cold is not None and "checksums" in run:
+                cold_delta = run_child(args, "cold", "ours", directory=delta_dir(args.dir))
+                kv = run.get("kv_cache_dtype", "auto")
+                run["delta"]["vs_cold_load"] = compare(cold_delta.get("checksums", {}), run.pop("checksums"), kv)
+                run["delta"]["tokens_equal_cold_load"] = run.pop("tokens") == cold_delta.get("tokens")
+                run["checksums"], run["tokens"] = run.pop("full_checksums"), run.pop("full_tokens")
         if cold is not None and "checksums" in run:
             run["vs_cold_load"] = compare(cold["checksums"], run.pop("checksums"), run.get("kv_cache_dtype", "auto"))
             run["tokens_equal_cold_load"] = run.get("tokens") == cold["tokens"]
@@ -319,7 +367,9 @@ def main(argv=None) -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
-    return 0 if all("error" not in r for r in report["runs"]) else 1
+    ok = all("error" not in r for r in report["runs"])
+    ok = ok and all((r.get("delta") or {}).get("vs_cold_load", {"equal": True})["equal"] for r in report["runs"])
+    return 0 if ok else 1
 
 
 def format_report(report: dict) -> str:
@@ -345,6 +395,15 @@ def format_report(report: dict) -> str:
         if r.get("ckpt_vllm_phases"):
             lines.append("  ckpt_vllm phases of the last update: " + json.dumps(
                 {k: round(v, 4) for k, v in r["ckpt_vllm_phases"].items()}))
+        if r.get("delta"):
+            from _vllm_bench_delta import format_delta
+            d = r["delta"]
+            lines.append(format_delta(d["summary"]))
+            eq = d.get("vs_cold_load")
+            if eq is not None:
+                lines.append(f"  last delta version {d['version']} equal to its cold load: "
+                             f"{'yes' if eq['equal'] else 'NO'} ({eq['tensors']} tensors, "
+                             f"{len(eq['differ'])} differ), tokens equal: {d.get('tokens_equal_cold_load')}")
         st = r.get("stage")
         if st:
             pr = st.get("prepare") or {}

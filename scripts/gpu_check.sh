@@ -24,6 +24,9 @@
 #                    equal to a cold load, the H2D floor, the staged commit's pause (sglang-SHAPE.json)
 # --sglang-tests     also run tests/gpu/test_sglang_gpu.py on its own (sglang-gpu-tests.log/.xml and
 #                    sglang-gpu-CASE.json per model); the GPU tests step runs it too when SGLang imports
+# --delta-density D  also time delta updates at density D (or "measured"): the main update_bench run
+#                    (--delta-density D: full and delta side by side, bit-exact) and each bf16 --vllm-bench
+#                    run (ours: delta versions pushed into the engine, checked against a cold load of the last)
 # --skip-tests / --skip-bench
 # --python PY        interpreter (default python3)
 # --step-timeout S   kill a step that runs longer than S seconds (needs coreutils timeout)
@@ -48,6 +51,7 @@ STEP_TIMEOUT=""
 VLLM_BENCH=""
 SGLANG_BENCH=""
 SGLANG_TESTS=0
+DELTA_DENSITY=""
 BENCH_EXTRA=()
 
 die() { echo "gpu_check: $*" >&2; exit 2; }
@@ -66,6 +70,7 @@ while [[ $# -gt 0 ]]; do
     --vllm-bench) need_arg "$@"; VLLM_BENCH="$2"; shift 2 ;;
     --sglang-bench) need_arg "$@"; SGLANG_BENCH="$2"; shift 2 ;;
     --sglang-tests) SGLANG_TESTS=1; shift ;;
+    --delta-density) need_arg "$@"; DELTA_DENSITY="$2"; shift 2 ;;
     --skip-tests) SKIP_TESTS=1; shift ;;
     --skip-bench) SKIP_BENCH=1; shift ;;
     --python) need_arg "$@"; PY="$2"; shift 2 ;;
@@ -228,6 +233,7 @@ if [[ $SKIP_BENCH == 0 ]]; then
     }
     main_args=()
     [[ -n "$CASES" ]] && main_args+=(--cases "$CASES")
+    [[ -n "$DELTA_DENSITY" ]] && main_args+=(--delta-density "$DELTA_DENSITY")
     bench "benchmark ($NPROC ranks)" "$NPROC" bench ${main_args[@]+"${main_args[@]}"}
     [[ -n "$LOWMEM" ]] && bench "benchmark, $LOWMEM GiB free device memory" "$NPROC" bench-lowmem \
       --cases dense16 --free-mem-gib "$LOWMEM" --skip-pool --skip-shm
@@ -250,6 +256,7 @@ if [[ -n "$VLLM_BENCH" ]]; then
       [[ $c == *:* ]] && { quant=${c#*:}; stem="$stem-$quant"; }
       [[ $fmt != bf16 ]] && stem="$stem-$fmt"
       qargs=(); [[ -n "$quant" ]] && qargs=(--quantization "$quant")
+      [[ -n "$DELTA_DENSITY" && $fmt == bf16 ]] && qargs+=(--delta-density "$DELTA_DENSITY")
       ps=$impls; [[ $fmt != bf16 ]] && ps=ours
       run_step "vllm benchmark $stem" "$OUT/$stem.log" "$PY" benchmarks/vllm_bench.py --shape "$shape" \
         --format "$fmt" ${qargs[@]+"${qargs[@]}"} --ps "$ps" --verify ${REPEATS:+--repeats "$REPEATS"} \

@@ -18,8 +18,9 @@ succeeded, the worker holds ``version``. A delta (``versions.py``: payloads name
   the tensor holding the checkpoint's bytes verbatim, the changed elements are scattered into it
   (the previous values kept for an undo); otherwise the full new tensor is rebuilt from the held
   checkpoint-format copy (``keep``) and handed to ``reload`` (the engine's own reload path) with
-  the other changed tensors of the bucket. Either way the digest of the result (the live tensor
-  itself, or what the reload is given) must equal the version's, before the bucket reports done;
+  the other changed tensors of the bucket. Either way the ``lin64`` digest of the result (the live
+  tensor itself, or what the reload is given), computed on the device that holds it (no host copy,
+  ``lin64.py``), must equal the version's, before the bucket reports done;
 - any failure on any rank aborts the update on every worker (the PS's agreement), and leaving the
   ``with`` block by an exception undoes every write of this delta (scatters restored, rebuilt
   tensors reloaded from their base copy): the worker holds its base, byte for byte.
@@ -40,10 +41,10 @@ from typing import Any, Callable
 import torch
 
 from ckpt_core._settings import delta_drop_one
-from ckpt_core.delta.encode import Decoded, apply_decoded, bytes_of, decode, undo_decoded
+from ckpt_core.delta.encode import Decoded, apply_decoded, decode, undo_decoded
+from ckpt_core.delta.lin64 import lin64_many
 from ckpt_core.delta.versions import MANIFEST, PAYLOAD, parse_manifest_name
 from ckpt_core.errors import CheckpointFormatError, DeltaBaseError
-from ckpt_core.p2p.digests import digest_of
 
 Weights = list[tuple[str, torch.Tensor]]
 # (checkpoint dtype, live dtype) a scatter may cast between: exact both ways, so the live tensor cast
@@ -261,9 +262,11 @@ class _Update:
         return new
 
     def _verify(self, checks) -> None:
-        for name, tensor, want, dtype in checks:
-            held = tensor if tensor.dtype == dtype else tensor.to(dtype)   # a widened live tensor: cast back, exact
-            got = digest_of(bytes_of(held.contiguous()))
+        # a widened live tensor is cast back (exact), one at a time (a generator: each cast is freed once
+        # its digest is queued); each digest runs on its tensor's own device, no copy to the host, and a
+        # device's results are read back together
+        held = (tensor if tensor.dtype == dtype else tensor.to(dtype) for _, tensor, _, dtype in checks)
+        for (name, _, want, _), got in zip(checks, lin64_many(held)):
             if got != want:
                 raise CheckpointFormatError(f"after the delta's apply the tensor's bytes do not match the version's "
                                             f"digest ({got} != {want}); the update is undone", tensor=name)

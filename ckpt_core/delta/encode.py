@@ -5,9 +5,9 @@ A payload is a uint8 tensor::
     b"CKD1" | u32 header length | header (JSON, padded to 8 bytes) | body
 
 The header names the encoding, the tensor's dtype code and shape, the number of changed
-elements, the digest of the *new* tensor's full bytes (``p2p.digests``: what the engine checks
-after the apply), the body's length and its CRC-32 (a corrupted payload is refused before
-anything is written). Bodies, each section 8-byte aligned:
+elements, the ``lin64`` digest of the *new* tensor's full bytes (``lin64.py``: what the engine
+checks after the apply, on the device that holds the tensor), the body's length and its CRC-32
+(a corrupted payload is refused before anything is written). Bodies, each section 8-byte aligned:
 
 - ``whole``: the new tensor's bytes (the tensor is new, reshaped, or its delta is not smaller);
 - ``idx``: ``count`` positions (int32, or int64 from 2**31 elements) then the changed values;
@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import torch
 
 from ckpt_core.checkpoint.safetensors import WIRE_CODES, WIRE_DTYPES
-from ckpt_core.errors import CheckpointFormatError
-from ckpt_core.p2p.digests import digest_of
+from ckpt_core.delta.lin64 import is_lin64, lin64
+from ckpt_core.errors import CheckpointFormatError, ConfigError
 
 MAGIC = b"CKD1"
 ENCODINGS = ("whole", "idx", "gap16", "bitmap", "runs")
@@ -156,7 +156,8 @@ def encode_tensor(new: torch.Tensor, old: torch.Tensor | None, *, digest: str | 
 
     ``old`` None, or of another dtype or shape: the payload is ``whole``. Returns
     ``(payload or None, info)`` with ``info = {"encoding", "count", "numel", "bytes"}`` (bytes of
-    the payload, 0 when unchanged). ``force``: one encoding, for tests and the benchmark.
+    the payload, 0 when unchanged). ``digest``: ``new``'s ``lin64`` if the caller has it (else
+    computed here, only for a changed tensor). ``force``: one encoding, for tests and the benchmark.
     """
     new = new.detach().contiguous()
     code = WIRE_CODES.get(new.dtype)
@@ -178,7 +179,9 @@ def encode_tensor(new: torch.Tensor, old: torch.Tensor | None, *, digest: str | 
     max_gap = 0 if positions is None else _max_gap(positions)
     sizes = measure(numel, size, count, runs, max_gap)
     enc = "whole" if whole else (force or sizes.best())
-    digest = digest if digest is not None else digest_of(bytes_of(new))
+    digest = digest if digest is not None else lin64(new)
+    if not is_lin64(digest):
+        raise ConfigError(f"a delta carries a lin64 digest of the new tensor, got {digest!r}")
     if enc == "whole" or positions is None:
         body = _section(new)
     else:
@@ -256,6 +259,9 @@ def decode(payload: torch.Tensor, name: str = "?") -> Decoded:
         raise _bad(name, f"header field missing or malformed ({exc!r})") from exc
     if enc not in ENCODINGS or code not in WIRE_DTYPES or any(d < 0 for d in shape):
         raise _bad(name, f"unknown encoding {enc!r}, dtype {code!r} or shape {list(shape)}")
+    if not is_lin64(digest):
+        raise _bad(name, f"its digest {digest[:40]!r} is not a lin64 digest ('lin64:' and 16 hex digits): a "
+                         "payload of an older ckpt-engine (SHA-256 digests)? register the version again with this one")
     raw = payload.reshape(-1)
     if start + body_len != raw.numel():
         raise _bad(name, f"body of {raw.numel() - start} bytes, header says {body_len}")

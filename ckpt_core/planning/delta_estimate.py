@@ -13,11 +13,11 @@ body bytes per element of each encoding are (``delta/encode.py``, ``measure``)::
 so bf16 costs ``2 d`` of its bytes below ~6 %, then ``1/16 + d``, and never more than the tensor.
 Changes in blocks (``runs``) encode smaller still: the estimate is the random case, an upper bound.
 
-The engine checks the SHA-256 digest of every *changed* tensor's full bytes after the apply
+The engine checks the ``lin64`` digest of every *changed* tensor's full bytes after the apply
 (lossless, checked), so the check scales with the bytes of the tensors that changed, not with the
-density: at 2 % every tensor of a few thousand elements or more changes. That check runs on the
-host today (docs/deltas.md, "Not yet": a digest on the device), and it dominates a delta of a
-large model: the prediction says so rather than hide it.
+density: at 2 % every tensor of a few thousand elements or more changes. The check runs where the
+tensor lives (``delta/lin64.py``: on a GPU without a host copy); the calibration's rate is the
+host's, an upper bound of the time on a device.
 """
 
 from __future__ import annotations
@@ -36,9 +36,10 @@ class DeltaCalibration:
     """Host-side rates of the delta codec, per rank (GB/s of the whole tensors' bytes)."""
     encode_gbps: float = 0.156       # compare + positions + values + the new tensor's digest (64 MiB bf16, 2 %)
     apply_gbps: float = 0.43         # decode + check the payload + scatter (64 MiB bf16, 1.5 %)
-    digest_gbps: float = 0.43        # SHA-256 of a changed tensor's bytes after the apply (one stream)
-    source: str = ("benchmarks/results/2026-12-03-cpu-delta-codec.json (2-core AMD EPYC, AVX2, shared): "
-                   "host rates, upper bounds of the time; no GPU run yet")
+    digest_gbps: float = 3.4         # lin64 of a changed tensor's bytes after the apply, on the host
+    source: str = ("benchmarks/results/2026-12-03-cpu-delta-codec.json (2-core AMD EPYC, AVX2, shared), the digest "
+                   "from 2026-12-04-cpu-delta-digest.txt (2-core Xeon, shared): host rates, upper bounds of the time; "
+                   "no GPU run yet")
 
 
 def changed_tensor_fraction(density: float, elements_per_tensor: float) -> float:

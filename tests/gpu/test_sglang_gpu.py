@@ -9,7 +9,7 @@ every path of ours, alternating checkpoints A and B:
 3. the stock-wire IPC update (``ParameterServer(wire="stock")`` + ``SglangClient``, SGLang's
    ``/update_weights_from_ipc``): B, A, B; then the direct update through our loader
    (``via="loader"``: the same stock wire into the ``load`` op of ``ckpt_sglang.staging.load``,
-   SGLang's ``load_weights``, post-processing as SGLang's IPC route runs it on 0.5.17): A, B, A;
+   SGLang's ``load_weights``, post-processing as SGLang's IPC route runs it on 0.5.17): A, B, A, B;
 4. staged updates committed (``--custom-weight-loader ckpt_sglang.staging.load``): A staged wholly in
    device memory (the live model must not change while it is staged), committed; B staged half in
    device memory and half in pinned host memory, committed;
@@ -113,9 +113,10 @@ def _updates_equal_a_cold_load(case) -> None:
             case.check(dummy, index, f"IPC update {step + 1} ({'AB'[index]})")
         case.record["ipc"] = ipc
         case.record["sessions"] = client.server.sessions   # None/False: SGLang 0.5.17 has none
-        # 3b. the direct update through our loader (its load op: the stock loop into load_weights): A, B, A
+        # 3b. the direct update through our loader (its load op: the stock loop into load_weights): A, B, A, B
+        # (ending on B, which the staged steps below expect live before they stage A)
         direct = []
-        for step, index in enumerate((0, 1, 0)):
+        for step, index in enumerate((0, 1, 0, 1)):
             result = ps.update(f"ckpt-{index}", client.req_func(weight_version=f"loader-{step}", via="loader"),
                                timeout=300)
             assert client.last_report.path == "loader" and client.last_report.workers[0]["version"] == f"loader-{step}"

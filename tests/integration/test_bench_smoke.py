@@ -66,3 +66,29 @@ def test_the_simulated_tp_mode_serves_each_engine_rank_its_slices_from_one_rank(
     assert tp["whole_bytes"] == case["bytes"]
     assert 0.25 <= tp["received_fraction"] < 0.3, tp
     assert max(tp["received_bytes_per_rank"]) - min(tp["received_bytes_per_rank"]) == 0
+
+
+def test_the_delta_rounds_report_full_and_delta_side_by_side_and_end_bit_exact(tmp_path):
+    """``--delta-density 0.02`` on 2 ranks (a staged update in between, so the engine is made to hold
+    the case again): two delta versions, each registered whole and with its base, updated as deltas
+    through the engine workers' DeltaReceiver, the engine equal to the last one bit for bit."""
+    out = tmp_path / "bench.json"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           os.path.join(ROOT, "benchmarks", "update_bench.py"), "--device", "cpu", "--scale", "0.01",
+           "--cases", "tiny", "--repeats", "2", "--host-touch-gib", "0.01", "--skip-pool", "--skip-shm",
+           "--stage", "--delta-density", "0.02", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "delta host memory needed" in proc.stdout.replace(":", "") and "delta updates (best round" in proc.stdout
+    (case,) = json.loads(out.read_text())["cases"]
+    d = case["delta"]
+    assert d["bit_exact"] is True and d["tensors"] == case["tensors"]
+    assert [r["version"] for r in d["rounds"]] == ["tiny-d1", "tiny-d2"]
+    assert abs(d["changed_fraction"] - 0.02) < 0.001
+    assert d["full"]["bytes"] == case["bytes"] and 0 < d["delta"]["payload_bytes"] < 0.1 * case["bytes"]
+    for side in ("full", "delta"):
+        assert d[side]["register_s"] > 0 and d[side]["update_s"] > 0
+    assert d["delta"]["apply_s"] > 0 and d["delta"]["check_s"] > 0
+    for r in d["rounds"]:   # each worker scattered every changed tensor into its live parameters
+        assert r["changed_elements"] > 0 and len(r["ps"]) == 2

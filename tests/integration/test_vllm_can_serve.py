@@ -57,3 +57,22 @@ def test_the_cached_answer_belongs_to_one_machine_format_and_probe(tmp_path, mon
     assert a != can_serve._cache_file("/v2/bin/python", "awq")
     monkeypatch.setattr(can_serve, "_cpu_flags", lambda: "fpu avx2 amx_tile")
     assert a != can_serve._cache_file("/v1/bin/python", "awq")
+
+
+def test_vllm_killed_by_an_illegal_instruction_is_this_machines_and_skips(tmp_path, monkeypatch):
+    """The probe runs vLLM alone; a SIGILL there is the CPU's (or its hypervisor's) instruction set."""
+    import signal
+    import subprocess
+
+    monkeypatch.setenv("CKPT_CACHE_DIR", str(tmp_path))
+    said = ("Fatal Python error: Illegal instruction\n\nCurrent thread 0x01 (most recent call first):\n"
+            '  File "/v/torch/_ops.py", line 1158 in __call__\n'
+            '  File "/v/vllm/model_executor/kernels/linear/int8.py", line 80 in apply_weights\n'
+            '  File "/v/vllm/v1/worker/cpu_model_runner.py", line 40 in execute_model\n')
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, -signal.SIGILL, "", said))
+    reason = can_serve.served_here(str(tmp_path / "python"), "ct-w8a8", tmp_path / "model", tmp_path / "w.safetensors")
+    assert reason is not None and "SIGILL" in reason and "int8.py\", line 80 in apply_weights" in reason
+    # any other death of the probe still fails the test
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, -signal.SIGSEGV, "", said))
+    with pytest.raises(RuntimeError, match="died"):
+        can_serve.served_here(str(tmp_path / "python"), "gptq", tmp_path / "model", tmp_path / "w.safetensors")

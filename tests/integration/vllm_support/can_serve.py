@@ -22,6 +22,7 @@ import argparse
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -34,7 +35,7 @@ HERE = Path(__file__).resolve().parent
 # in the test's model) fails the test with vLLM's error, so the probe cannot hide our defects.
 _NOT_SERVED_HERE = ("torch.ops._C", "_C_AVX2", "has no attribute 'cpu_", "oneDNN", "onednn", "dnnl",
                     "could not create a primitive", "AMX", "amx", "not supported on", "unsupported on",
-                    "is not supported for", "NotImplementedError")
+                    "is not supported for", "NotImplementedError", "SIGILL")
 
 
 def _probe(model_dir: Path, weights: Path, dtype: str) -> dict:
@@ -93,6 +94,17 @@ def _cache_file(python: str, fmt: str) -> Path:
     return root / "vllm-can-serve" / f"{fmt}-{key.hexdigest()[:16]}.json"
 
 
+def _illegal_instruction(stderr: str) -> dict:
+    """vLLM alone (none of our code runs in the probe) was killed by SIGILL: a kernel of its build uses
+    an instruction this CPU or its hypervisor does not grant (e.g. AMX tiles the kernel does not
+    enable for the process). The machine's, so a skip. The probe runs with ``-X faulthandler``, whose
+    dump lists the most recent call first: the reason names the innermost vLLM frame."""
+    frames = [x.strip() for x in stderr.splitlines() if x.strip().startswith("File ")]
+    inner = next((f for f in frames if "/vllm/" in f), frames[0] if frames else "")
+    return {"served": False, "error": "SIGILL: vLLM died of an illegal instruction in its own kernels on this CPU",
+            "where": inner[-300:]}
+
+
 def served_here(python: str, fmt: str, model_dir: Path, weights: Path, dtype: str = "bfloat16") -> str | None:
     """None where this machine's vLLM serves ``fmt`` (``weights`` is one checkpoint of it), else vLLM's
     reason. Raises where vLLM fails for a reason that is not the machine's (the checkpoint, a bug):
@@ -101,13 +113,16 @@ def served_here(python: str, fmt: str, model_dir: Path, weights: Path, dtype: st
     try:
         result = json.loads(cache.read_text())
     except (OSError, ValueError):
-        proc = subprocess.run([python, str(HERE / "can_serve.py"), "--model", str(model_dir), "--weights",
+        proc = subprocess.run([python, "-X", "faulthandler", str(HERE / "can_serve.py"), "--model", str(model_dir), "--weights",
                                str(weights), "--dtype", dtype], capture_output=True, text=True, timeout=600,
                               env={k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"})
         lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
-        if proc.returncode != 0 or not lines:
+        if proc.returncode == -signal.SIGILL:
+            result = _illegal_instruction(proc.stderr)
+        elif proc.returncode != 0 or not lines:
             raise RuntimeError(f"can_serve.py {fmt} died ({proc.returncode}) before answering:\n{proc.stderr[-4000:]}")
-        result = json.loads(lines[-1])
+        else:
+            result = json.loads(lines[-1])
         if result["served"] or any(s in result["error"] or s in result.get("where", "") for s in _NOT_SERVED_HERE):
             cache.parent.mkdir(parents=True, exist_ok=True)
             cache.write_text(json.dumps(result))

@@ -1,0 +1,101 @@
+"""The delta's digest on CUDA (``ckpt_core/delta/lin64.py``): the same value as on the host in every
+named dtype and at odd sizes, each single-element change detected on the device, a non-contiguous
+device tensor refused, and the post-apply check of a delta scattered into a CUDA tensor computed
+there (the host path is never taken) and failing when one changed element is dropped."""
+
+import random
+
+import pytest
+import torch
+
+import ckpt_core.delta.lin64 as lin
+from ckpt_core.delta.apply import DeltaReceiver
+from ckpt_core.delta.encode import encode_tensor
+from ckpt_core.delta.lin64 import CHUNK, ROW, lin64, lin64_many
+from ckpt_core.delta.versions import PAYLOAD, manifest_name
+from ckpt_core.errors import CheckpointFormatError
+
+pytestmark = pytest.mark.gpu
+
+NAMED = [torch.bfloat16, torch.float16, torch.float32, torch.int8] + (
+    [torch.float8_e4m3fn] if hasattr(torch, "float8_e4m3fn") else [])
+
+
+@pytest.fixture(autouse=True)
+def one_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU: lin64's device path runs on the tensor's CUDA device")
+
+
+def _random(n, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    size = torch.empty(0, dtype=dtype).element_size()
+    return torch.randint(0, 256, (n * size,), generator=gen, dtype=torch.uint8).view(dtype)
+
+
+@pytest.mark.parametrize("dtype", NAMED, ids=str)
+def test_the_gpu_digest_equals_the_host_digest(dtype):
+    for n in (0, 1, 7, ROW - 1, ROW + 1, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 5):
+        host = _random(n, dtype, n)
+        assert lin64(host.cuda()) == lin64(host), (dtype, n)
+    small = _random(ROW + 3, dtype, 1)
+    assert lin64(small.cuda()) == lin.lin64_reference(small)
+
+
+def test_many_digests_on_the_gpu_and_the_host_read_back_together():
+    host = [_random(n, torch.bfloat16, n) for n in (3, ROW + 1, CHUNK + 7)]
+    mixed = [host[0], host[1].cuda(), host[2].cuda()]
+    assert lin64_many(mixed) == [lin64(t) for t in host]
+
+
+@pytest.mark.parametrize("dtype", NAMED, ids=str)
+def test_every_single_element_change_is_detected_on_the_device(dtype):
+    rnd = random.Random(str(dtype))
+    n = CHUNK + ROW + 3
+    t = _random(n, dtype, 9).cuda()
+    before = lin64(t)
+    raw = t.view(torch.uint8)
+    size = t.element_size()
+    for i in [0, n - 1, CHUNK - 1, CHUNK] + [rnd.randrange(n) for _ in range(50)]:
+        at = i * size + rnd.randrange(size)
+        mask = 1 << rnd.randrange(8)
+        raw[at] ^= mask
+        assert lin64(t) != before, i
+        raw[at] ^= mask
+    assert lin64(t) == before
+
+
+def test_a_non_contiguous_device_tensor_is_refused():
+    t = torch.randn(256, 128, device="cuda").to(torch.bfloat16)
+    with pytest.raises(CheckpointFormatError, match="contiguous"):
+        lin64(t.t())
+
+
+def test_the_post_apply_check_runs_on_the_device_and_catches_a_dropped_element(monkeypatch):
+    gen = torch.Generator().manual_seed(3)
+    base = torch.randn(4096, 512, generator=gen).to(torch.bfloat16)
+    new = base.clone()
+    new.view(torch.int16).reshape(-1)[torch.randperm(new.numel(), generator=gen)[:5000]] ^= 0x21
+    payload, _ = encode_tensor(new, base)
+    weights = [(manifest_name("A", "B", 0, 1), torch.zeros(1, dtype=torch.uint8)), (PAYLOAD + "w", payload)]
+    live = {"w": base.cuda()}
+
+    def no_host(*_a, **_k):
+        raise AssertionError("the post-apply digest of a CUDA tensor went to the host")
+
+    monkeypatch.setattr(lin, "_sum_numpy", no_host)
+
+    def drive(rx):
+        with rx.update(run=lambda ws: None) as cb:
+            cb.on_plan([(n, t.dtype, tuple(t.shape)) for n, t in weights])
+            cb.run(weights)
+            cb.post_hook()
+
+    rx = DeltaReceiver(live=live.get, held="A")
+    monkeypatch.setenv("CKPT_TEST_DELTA_DROP_ONE", "1")
+    with pytest.raises(CheckpointFormatError, match="do not match the version's digest"):
+        drive(rx)
+    assert torch.equal(live["w"].cpu(), base) and rx.held == "A"
+    monkeypatch.delenv("CKPT_TEST_DELTA_DROP_ONE")
+    drive(rx)
+    assert torch.equal(live["w"].cpu().view(torch.int16), new.view(torch.int16)) and rx.held == "B"
