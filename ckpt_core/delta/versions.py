@@ -176,7 +176,7 @@ def worker_holds(message: str) -> str | None:
 def worker_refusal(message: str) -> str:
     """The line of a worker's refusal (its ``DeltaBaseError``) in a remote failure's text, else its first line."""
     lines = message.splitlines()
-    return next((ln.strip() for ln in lines if "DeltaBaseError:" in ln), lines[0] if lines else "")
+    return next((ln.strip() for ln in lines if "DeltaBaseError:" in ln or _REFUSAL.search(ln)), lines[0] if lines else "")
 
 
 def with_precheck(req_func: ReqFunc, check: Callable[[], None]) -> ReqFunc:
@@ -195,8 +195,16 @@ def with_precheck(req_func: ReqFunc, check: Callable[[], None]) -> ReqFunc:
     return wrapped
 
 
+_REFUSAL = re.compile(r"this worker holds (None|'[^']*'), not the base '[^']*' of the delta of")
+
+
 def refused_by_worker(exc: RemoteWorkerError) -> bool:
-    return "DeltaBaseError" in str(exc)
+    """An engine worker refused the delta's base in its handshake (``apply._Update.on_plan``). The
+    refusal reaches the PS either typed, over the worker's socket, or first as the text of the
+    engine's answer to ``req_func`` (vLLM's ``/collective_rpc`` answers 500 with the worker's
+    message, without its type); which one arrives first is a race, so both are recognized."""
+    text = str(exc)
+    return "DeltaBaseError" in text or _REFUSAL.search(text) is not None
 
 
 def run_delta_update(state: DeltaVersions, name: str, req_func: ReqFunc, mode, *, prepare: Callable[[], str | None],

@@ -63,3 +63,44 @@ def test_the_ps_precheck_names_what_its_engines_hold_and_what_would_work():
     v.precheck("C", holds="B")
     with pytest.raises(DeltaBaseError, match="not registered with a base"):
         v.precheck("A")
+
+
+def _worker_refused(text: str):
+    from ckpt_core.errors import RemoteWorkerError
+
+    def update(name, req_func):
+        if name.endswith("@delta"):
+            raise RemoteWorkerError(text)
+        return {"seconds": {"total": 0.1}}
+    return update
+
+
+@pytest.mark.parametrize("text", [
+    # typed, over the worker's socket in the handshake
+    "[rank 0] update failed during handshake: DeltaBaseError: this worker holds 'D', not the base 'sA' of the "
+    "delta of 'sB': nothing was written (update it whole)",
+    # the same refusal reaching the PS first as vLLM's /collective_rpc answer to req_func (HTTP 500, no type)
+    "[rank 0] update failed during handshake: rank 0: req_func raised: {\"error\":{\"message\":\"Call to "
+    "collective_rpc method failed: this worker holds 'D', not the base 'sA' of the delta of 'sB': nothing was "
+    "written (update it whole)\",\"type\":\"InternalServerError\",\"code\":500}}",
+])
+def test_a_workers_base_refusal_is_a_delta_base_error_whichever_way_it_arrives(text):
+    from ckpt_core.delta.versions import run_delta_update
+
+    state = DeltaVersions(rank=0, world=1)
+    with pytest.raises(DeltaBaseError, match="does not hold its base 'sA'.*this worker holds 'D'"):
+        run_delta_update(state, "sB", lambda handles: None, True, prepare=lambda: "sA",
+                         update=_worker_refused(text), bases=lambda: {"sB": "sA"})
+    result = run_delta_update(state, "sB", lambda handles: None, "fallback", prepare=lambda: "sA",
+                              update=_worker_refused(text), bases=lambda: {"sB": "sA"})
+    assert "fallback" in result["delta"]
+
+
+def test_an_apply_that_failed_is_not_taken_for_a_base_refusal():
+    from ckpt_core.delta.versions import run_delta_update
+    from ckpt_core.errors import RemoteWorkerError
+
+    with pytest.raises(RemoteWorkerError, match="post-apply digest"):
+        run_delta_update(DeltaVersions(rank=0, world=1), "sB", lambda handles: None, "fallback", prepare=lambda: "sA",
+                         update=_worker_refused("[rank 0] 'w' does not match its post-apply digest; undone"),
+                         bases=lambda: {"sB": "sA"})
