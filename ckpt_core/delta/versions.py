@@ -176,7 +176,8 @@ def worker_holds(message: str) -> str | None:
 def worker_refusal(message: str) -> str:
     """The line of a worker's refusal (its ``DeltaBaseError``) in a remote failure's text, else its first line."""
     lines = message.splitlines()
-    return next((ln.strip() for ln in lines if "DeltaBaseError:" in ln or _REFUSAL.search(ln)), lines[0] if lines else "")
+    refusal = (ln.strip() for ln in lines if "DeltaBaseError:" in ln or _REFUSAL.search(ln))
+    return next(refusal, lines[0] if lines else "")
 
 
 def with_precheck(req_func: ReqFunc, check: Callable[[], None]) -> ReqFunc:
