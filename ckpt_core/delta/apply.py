@@ -14,7 +14,7 @@ succeeded, the worker holds ``version``. A delta (``versions.py``: payloads name
 - ``on_plan``: refused with ``DeltaBaseError`` unless every PS rank's manifest is there, they agree,
   and their base is the version this worker holds (before anything is mapped or written; the PS
   raises it on every rank);
-- ``run``: each payload is decoded and checked whole (CRC, positions); where ``live(name)`` gives
+- ``run``: each payload is decoded and checked whole (its body check, positions); where ``live(name)`` gives
   the tensor holding the checkpoint's bytes verbatim, the changed elements are scattered into it
   (the previous values kept for an undo); otherwise the full new tensor is rebuilt from the held
   checkpoint-format copy (``keep``) and handed to ``reload`` (the engine's own reload path) with

@@ -6,8 +6,10 @@ A payload is a uint8 tensor::
 
 The header names the encoding, the tensor's dtype code and shape, the number of changed
 elements, the ``lin64`` digest of the *new* tensor's full bytes (``lin64.py``: what the engine
-checks after the apply, on the device that holds the tensor), the body's length and its CRC-32
-(a corrupted payload is refused before anything is written). Bodies, each section 8-byte aligned:
+checks after the apply, on the device that holds the tensor), the body's length and the body's
+own ``lin64`` (``check``: a corrupted payload is refused before anything is written; computed where
+the payload lies, so a worker reading it from device memory copies none of it to the host).
+Bodies, each section 8-byte aligned:
 
 - ``whole``: the new tensor's bytes (the tensor is new, reshaped, or its delta is not smaller);
 - ``idx``: ``count`` positions (int32, or int64 from 2**31 elements) then the changed values;
@@ -25,7 +27,6 @@ from __future__ import annotations
 
 import json
 import struct
-import zlib
 from dataclasses import dataclass
 
 import torch
@@ -141,7 +142,8 @@ def _section(t: torch.Tensor) -> bytes:
 
 
 def _payload(header: dict, body: bytes) -> torch.Tensor:
-    header = dict(header, body=len(body), crc=zlib.crc32(body))
+    header = dict(header, body=len(body), check=lin64(torch.frombuffer(bytearray(body), dtype=torch.uint8))
+                  if body else lin64(torch.empty(0, dtype=torch.uint8)))
     text = json.dumps(header, separators=(",", ":")).encode()
     head = MAGIC + struct.pack("<I", len(text)) + text
     head += b" " * (_align8(len(head)) - len(head))
@@ -247,14 +249,14 @@ def read_header(payload: torch.Tensor, name: str = "?") -> tuple[dict, int]:
 
 
 def decode(payload: torch.Tensor, name: str = "?") -> Decoded:
-    """Check a payload whole (header fields, sizes, CRC-32 of the body, positions strictly
+    """Check a payload whole (header fields, sizes, the body's lin64 check, positions strictly
     increasing and in range) before anything is written; ``CheckpointFormatError`` naming the
     tensor otherwise."""
     header, start = read_header(payload, name)
     try:
         enc, code, shape = header["enc"], header["dtype"], tuple(int(d) for d in header["shape"])
         count, runs, digest = int(header["count"]), int(header["runs"]), str(header["digest"])
-        body_len, crc = int(header["body"]), int(header["crc"])
+        body_len, check = int(header["body"]), str(header["check"])
     except (KeyError, TypeError, ValueError) as exc:
         raise _bad(name, f"header field missing or malformed ({exc!r})") from exc
     if enc not in ENCODINGS or code not in WIRE_DTYPES or any(d < 0 for d in shape):
@@ -266,9 +268,8 @@ def decode(payload: torch.Tensor, name: str = "?") -> Decoded:
     if start + body_len != raw.numel():
         raise _bad(name, f"body of {raw.numel() - start} bytes, header says {body_len}")
     body = raw[start:]
-    host = body if body.device.type == "cpu" else body.cpu()
-    if zlib.crc32(memoryview(host.numpy())) != crc:
-        raise _bad(name, "CRC-32 of the body does not match (corrupted in transit or in memory)")
+    if lin64(body) != check:   # on the payload's device: no copy of the body to the host
+        raise _bad(name, "the body's check (lin64) does not match: corrupted in transit or in memory")
     dtype = WIRE_DTYPES[code]
     size = torch.empty(0, dtype=dtype).element_size()
     numel = 1

@@ -99,3 +99,25 @@ def test_the_post_apply_check_runs_on_the_device_and_catches_a_dropped_element(m
     monkeypatch.delenv("CKPT_TEST_DELTA_DROP_ONE")
     drive(rx)
     assert torch.equal(live["w"].cpu().view(torch.int16), new.view(torch.int16)) and rx.held == "B"
+
+
+def test_a_payload_in_device_memory_is_checked_there_and_a_corrupted_one_refused(monkeypatch):
+    """decode() checks the body's lin64 on the payload's own device: no copy of the body to the host."""
+    from ckpt_core.delta.encode import decode
+
+    gen = torch.Generator().manual_seed(5)
+    base = torch.randn(512, 512, generator=gen).to(torch.bfloat16)
+    new = base.clone()
+    new.view(-1)[::37] += 1
+    payload, _ = encode_tensor(new, base)
+    host = decode(payload, "w")
+    moved = []
+    real_cpu = torch.Tensor.cpu
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda t, *a, **k: moved.append(t.numel()) or real_cpu(t, *a, **k))
+    dev = decode(payload.cuda(), "w")
+    assert dev.count == host.count and torch.equal(dev.positions.cpu(), host.positions)
+    assert max(moved, default=0) < 4096, moved   # only the header comes to the host
+    bad = payload.cuda()
+    bad[-3] ^= 0x10
+    with pytest.raises(CheckpointFormatError, match="body's check"):
+        decode(bad, "w")
