@@ -70,18 +70,14 @@ def test_cuda_tensors_registered_on_device_update_the_gpu_worker_bit_exact_witho
 def test_a_sliced_update_packs_strided_boxes_from_device_resident_cuda_tensors():
     """Strided boxes (columns) copied device-to-device (``CudaBackend.copy_pitched``'s device path)."""
     need(2)
-    from support.data import digest
-    from support.slices_world import plan, plan_doc, want
+    from support.slices_world import plan, sliced_update_lands
     front = EngineFront("cuda", 2, slices=(plan().digest, [0, 1]))
     try:
         with PsWorld("cuda", 2) as ps:
             got = ps.all("call", (CASES, "register_slices", ("s", 7)))
             assert all(o.ok and o.value for o in got.values()), got
             assert all(o.ok for o in ps.all("gather", "s").values())
-            got = ps.all("call", ("support.slices_world", "sliced_update", ("s", front.address, 120, plan_doc())))
-            assert all(o.ok for o in got.values()), got
-            for r in range(2):
-                assert front.digests(r) == {n: digest(x) for n, x in want(7, r).items()}, f"worker {r}"
+            sliced_update_lands(ps, front, "s", 7, timeout=120)
     finally:
         front.close()
 

@@ -127,22 +127,17 @@ def test_options_that_need_host_bytes_are_refused_at_registration_keeping_nothin
 def test_a_sliced_update_copies_each_workers_boxes_from_the_device_resident_tensors():
     """Slices (``update(..., slices=plan)``): rows, columns (strided boxes) and a whole tensor, each packed
     from the caller's tensors in place; each worker holds exactly its slices."""
-    from support.data import digest
-    from support.slices_world import plan, plan_doc, want
+    from support.slices_world import plan, plan_doc, sliced_update_lands
     front = EngineFront("cpu", 2, slices=(plan().digest, [0, 1]))
     try:
         with PsWorld("cpu", 2) as ps:
             got = _call(ps, "register_slices", "s", 7)
             assert all(o.ok and o.value for o in got.values()), got
             assert all(o.ok for o in ps.all("gather", "s").values())
-            got = ps.all("call", ("support.slices_world", "sliced_update", ("s", front.address, 60, plan_doc())))
-            assert all(o.ok for o in got.values()), got
-            for r in range(2):
-                assert front.digests(r) == {n: digest(x) for n, x in want(7, r).items()}, f"worker {r}"
+            sliced_update_lands(ps, front, "s", 7)
             # box digests for P2P joiners are taken from host bytes: refused on every rank alike
             refused = _call(ps, "get_metas_sliced", plan_doc())
             assert_every_rank_failed(refused, "DeviceResidentError", "publishing slices to P2P readers")
-            got = ps.all("call", ("support.slices_world", "sliced_update", ("s", front.address, 60, plan_doc())))
-            assert all(o.ok for o in got.values()), got
+            sliced_update_lands(ps, front, "s", 7)
     finally:
         front.close()

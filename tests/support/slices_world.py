@@ -68,6 +68,16 @@ def _register(world: PsWorld, t: dict) -> None:
     world.all("gather", "c")
 
 
+def sliced_update_lands(world: PsWorld, front: EngineFront, name: str, seed: int, timeout: float = 60) -> dict:
+    """Every rank's sliced update of ``name`` (by ``plan()``) succeeds and each of the 2 workers then
+    holds exactly its slices of ``tensors(seed)``; returns the ranks' outcomes."""
+    got = world.all("call", (__name__, "sliced_update", (name, front.address, timeout, plan_doc())))
+    assert all(o.ok for o in got.values()), got
+    for r in range(2):
+        assert front.digests(r) == {n: digest(x) for n, x in want(seed, r).items()}, f"worker {r}"
+    return got
+
+
 def case_each_worker_receives_its_slices(kind: str) -> None:
     """Each worker holds exactly its rows, its columns and the whole norm; the result says how many
     bytes each rank received."""
@@ -75,14 +85,11 @@ def case_each_worker_receives_its_slices(kind: str) -> None:
     try:
         with PsWorld(kind, 2) as world:
             _register(world, tensors(7))
-            got = world.all("call", (__name__, "sliced_update", ("c", front.address, 60, plan_doc())))
+            got = sliced_update_lands(world, front, "c", 7)
             for r in range(2):
-                assert got[r].ok, got[r]
                 result = got[r].value["slices"]
                 assert result["received_bytes"] == [plan().rank_bytes(0), plan().rank_bytes(1)] == [180, 180]
                 assert result["whole_bytes"] == 340
-            for r in range(2):
-                assert front.digests(r) == {n: digest(x) for n, x in want(7, r).items()}, f"worker {r}"
     finally:
         front.close()
 
@@ -131,12 +138,9 @@ def case_file_and_shm_sources(kind: str, tmp_path) -> None:
                 name = f"f{seed}"
                 world.all("register", per_rank={0: (name, {"files": [disk]}), 1: (name, {"files": [in_shm]})})
                 world.all("gather", name)
-                got = world.all("call", (__name__, "sliced_update", (name, front.address, 60, plan_doc())))
+                got = sliced_update_lands(world, front, name, seed)
                 for r in range(2):
-                    assert got[r].ok, got[r]
                     assert got[r].value["slices"]["received_bytes"] == [plan().rank_bytes(0), plan().rank_bytes(1)]
-                for r in range(2):
-                    assert front.digests(r) == {n: digest(x) for n, x in want(seed, r).items()}, f"worker {r}"
     finally:
         front.close()
         shm.close()
