@@ -218,15 +218,4 @@ def _sum_numpy(words: torch.Tensor) -> int:
     return sum(parts) & _MASK
 
 
-def lin64_reference(t: torch.Tensor) -> str:
-    """The definition in plain Python (slow: tests only, small tensors)."""
-    words, width = words_of(t)
-    total = 0
-    for i, x in enumerate(words.cpu().tolist()):
-        a = mix_int(i % ROW + SEED_A) | 1
-        b = mix_int(i // ROW + SEED_B) | 1
-        total += x * a * b
-    return _fmt(total + mix_int((words.numel() << 4) | width))
-
-
-__all__ = ["PREFIX", "ROW", "CHUNK", "lin64", "lin64_many", "is_lin64", "lin64_reference", "words_of", "mix_int"]
+__all__ = ["PREFIX", "ROW", "CHUNK", "lin64", "lin64_many", "is_lin64", "words_of", "mix_int"]

@@ -33,3 +33,16 @@ def fresh_tensors(names_shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], 
 def want_digests(*groups: dict[str, torch.Tensor]) -> dict[str, str]:
     """{tensor name: digest} of every tensor of the groups: what the engines must hold afterwards."""
     return {n: digest(t) for g in groups for n, t in g.items()}
+
+
+def lin64_reference(t: torch.Tensor) -> str:
+    """``ckpt_core.delta.lin64``'s digest by its definition, in plain Python (slow: small tensors): word i
+    times (mix(i % ROW + SEED_A) | 1) times (mix(i // ROW + SEED_B) | 1), summed with the size term, mod 2**64."""
+    from ckpt_core.delta import lin64 as lin
+
+    words, width = lin.words_of(t)
+    total = 0
+    for i, x in enumerate(words.cpu().tolist()):
+        total += x * (lin.mix_int(i % lin.ROW + lin.SEED_A) | 1) * (lin.mix_int(i // lin.ROW + lin.SEED_B) | 1)
+    total += lin.mix_int((words.numel() << 4) | width)
+    return f"{lin.PREFIX}{total & ((1 << 64) - 1):016x}"

@@ -7,12 +7,13 @@ import random
 
 import pytest
 import torch
+from support.data import lin64_reference
 
 import ckpt_core.delta.lin64 as lin
 from ckpt_core.checkpoint.safetensors import WIRE_DTYPES
 from ckpt_core.delta.apply import DeltaReceiver
 from ckpt_core.delta.encode import decode, encode_tensor, read_header
-from ckpt_core.delta.lin64 import CHUNK, ROW, is_lin64, lin64, lin64_many, lin64_reference
+from ckpt_core.delta.lin64 import CHUNK, ROW, is_lin64, lin64, lin64_many
 from ckpt_core.delta.versions import PAYLOAD, manifest_name
 from ckpt_core.errors import CheckpointFormatError, ConfigError
 
