@@ -38,8 +38,8 @@ class DeltaCalibration:
     apply_gbps: float = 0.43         # decode + check the payload + scatter (64 MiB bf16, 1.5 %)
     digest_gbps: float = 3.4         # lin64 of a changed tensor's bytes after the apply, on the host
     source: str = ("benchmarks/results/2026-12-03-cpu-delta-codec.json (2-core AMD EPYC, AVX2, shared), the digest "
-                   "from 2026-12-04-cpu-delta-digest.txt (2-core Xeon, shared): host rates, upper bounds of the time; "
-                   "no GPU run yet")
+                   "from 2026-12-04-cpu-delta-digest.txt (2-core Xeon, shared): host rates, upper bounds of the time "
+                   "(on one H200 lin64 ran at 89 GB/s: 2026-12-04-1xH200-d262d4a-gpu-tests-lin64-device-source.log)")
 
 
 def changed_tensor_fraction(density: float, elements_per_tensor: float) -> float:
