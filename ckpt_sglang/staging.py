@@ -79,6 +79,14 @@ def _agree_s(cmd: dict) -> float:
     return max(1.0, 0.5 * float(cmd.get("timeout", 2 * AGREE_TIMEOUT_S)))
 
 
+def _missing_handle(handles, key: str) -> str | None:
+    """Why this rank cannot receive: the parameter server sent no ZeroMQ handle for its device (None: it did)."""
+    if isinstance(handles, dict) and key in handles:
+        return None
+    sent = sorted(handles) if isinstance(handles, dict) else handles
+    return f"no ZeroMQ handle for the device {key} (the parameter server sent handles for {sent})"
+
+
 Layout = dict[str, tuple[str, tuple]]   # {name: (dtype, shape)}
 
 
@@ -101,6 +109,12 @@ class EngineStaging:
         self.live_since: float | None = None
         self.last_stage_error: str | None = None
 
+    def _still_receiving(self) -> str | None:
+        """The version a stage's receiver thread is still receiving (None: none is)."""
+        if self.receiving is not None and self.receiving[1].is_alive():
+            return self.receiving[0]
+        return None
+
     # -- ops (each returns its result or raises; load() turns that into the reply) ----------
     def stage(self, model, cmd: dict, group: TpGroup = TpGroup()) -> dict:
         version, handles = str(cmd["weights"]), cmd.get("handles")
@@ -108,13 +122,12 @@ class EngineStaging:
         device, key, device_id = _device_of(model)
         with self._lock:   # held through the agreement: a receiver finishing meanwhile waits for it
             code, why = OK, ""
-            if self.receiving is not None and self.receiving[1].is_alive():
-                code, why = BUSY, (f"version {self.receiving[0]!r} is still being staged "
+            busy_with, missing = self._still_receiving(), _missing_handle(handles, key)
+            if busy_with is not None:
+                code, why = BUSY, (f"version {busy_with!r} is still being staged "
                                    "(a new stage waits for its update to end)")
-            elif not isinstance(handles, dict) or key not in handles:
-                sent = sorted(handles) if isinstance(handles, dict) else handles
-                code, why = REFUSED, (f"no ZeroMQ handle for the device {key} "
-                                      f"(the parameter server sent handles for {sent})")
+            elif missing is not None:
+                code, why = REFUSED, missing
             statuses = group.gather(code, why, f"the stage of {version!r}", _agree_s(cmd))
             busy = any(c == BUSY for c, _ in statuses)
             refused = refusal(statuses, f"cannot stage version {version!r}: ", "; nothing was changed on any TP rank"
@@ -250,14 +263,13 @@ class EngineStaging:
         device, key, device_id = _device_of(model)
         with self._lock:
             code, why = OK, ""
-            if self.receiving is not None and self.receiving[1].is_alive():
-                code, why = BUSY, f"version {self.receiving[0]!r} is still being staged"
+            busy_with, missing = self._still_receiving(), _missing_handle(handles, key)
+            if busy_with is not None:
+                code, why = BUSY, f"version {busy_with!r} is still being staged"
             elif self.area is not None:
                 code, why = REFUSED, f"version {self.area.version!r} is staged (commit or drop it first)"
-            elif not isinstance(handles, dict) or key not in handles:
-                sent = sorted(handles) if isinstance(handles, dict) else handles
-                code, why = REFUSED, (f"no ZeroMQ handle for the device {key} "
-                                      f"(the parameter server sent handles for {sent})")
+            elif missing is not None:
+                code, why = REFUSED, missing
             refused = refusal(group.gather(code, why, what, wait), f"cannot run {what}: ",
                               "; nothing was changed on any TP rank")
             if refused is not None:
