@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from ckpt_core import TensorShard
+from ckpt_core.checkpoint.device import in_place_problem
 from ckpt_core.errors import ConfigError
 
 __all__ = ["RoundTensors", "round_tensors", "is_weight_source", "device_resident"]
@@ -139,6 +140,6 @@ def device_resident(tensors: Mapping[str, Any], device: torch.device) -> bool:
         return False
     for value in tensors.values():
         local = value.local if isinstance(value, TensorShard) else value.to_local() if _is_dtensor(value) else value
-        if not isinstance(local, torch.Tensor) or local.device != device or not local.is_contiguous():
+        if not isinstance(local, torch.Tensor) or in_place_problem("", local, device) is not None:
             return False
     return True

@@ -48,15 +48,24 @@ def build_device_checkpoint(name: str, backend: DeviceBackend, index: int, named
                                 seconds={"validate": time.perf_counter() - t0}, on_device=True)
 
 
-def _check_on(name: str, t: torch.Tensor, device: torch.device) -> None:
+def in_place_problem(name: str, t: torch.Tensor, device: torch.device) -> str | None:
+    """Why tensor ``name`` cannot be registered in place on ``device`` (``on_device=True``), or None:
+    the one rule for the registration and for callers that choose ``on_device`` by it."""
     if t.device != device:
-        raise DeviceResidentError(f"named_tensors[{name!r}] lies on {t.device}, not on this parameter server's "
-                                  f"device {device}: on_device=True registers tensors of this rank's own device in "
-                                  "place; move it there, or register without on_device (copied to host memory)")
+        return (f"named_tensors[{name!r}] lies on {t.device}, not on this parameter server's device {device}: "
+                "on_device=True registers tensors of this rank's own device in place; move it there, or "
+                "register without on_device (copied to host memory)")
     if not t.is_contiguous():
-        raise DeviceResidentError(f"named_tensors[{name!r}] is not contiguous (shape {tuple(t.shape)}, stride "
-                                  f"{tuple(t.stride())}): on_device=True reads tensors in place; pass a contiguous "
-                                  "tensor (.contiguous()), or register without on_device")
+        return (f"named_tensors[{name!r}] is not contiguous (shape {tuple(t.shape)}, stride {tuple(t.stride())}): "
+                "on_device=True reads tensors in place; pass a contiguous tensor (.contiguous()), or register "
+                "without on_device")
+    return None
+
+
+def _check_on(name: str, t: torch.Tensor, device: torch.device) -> None:
+    problem = in_place_problem(name, t, device)
+    if problem is not None:
+        raise DeviceResidentError(problem)
 
 
 def refuse_device_resident(ckpt: RegisteredCheckpoint | None, name: str, what: str, rank: int) -> None:
