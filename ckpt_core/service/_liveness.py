@@ -10,7 +10,7 @@ host's monotonic clock from the last time a peer's ``beat`` changed, so clocks n
 
 - :meth:`Liveness.problem` (``/v1/healthz`` 503, ``ckpt_healthy`` 0): a peer whose beat has not
   changed for ``timeout_s``, or a store that has not answered for ``timeout_s`` (rank 0, which
-  serves it, is gone).
+  serves it, is gone); while the store fails, only its silence counts (the beats come through it).
 - a collective (gather, update) that has run here for ``timeout_s`` while a peer runs something
   else is logged once at WARNING, naming the ranks, and shown as ``running.waiting_for`` in
   ``/v1/status``, until the peers join or the operation ends.
@@ -82,6 +82,12 @@ class Liveness:
                 return (f"the rendezvous store at {self.where} (served by rank 0) has not answered for "
                         f"{now - self._store_ok:.1f} s ({self._store_error}): rank 0 is gone or unreachable; "
                         "restart this world")
+            if self._store_error is not None:
+                # The beats are heard through the store: while it fails, a peer's age says nothing of the
+                # peer (when rank 0 dies its last beats may be older than the store's last answer, and its
+                # silence would be blamed on it rather than on the store it served); the store's own
+                # silence above decides, within the same timeout.
+                return None
             silent = sorted(r for r, (_, t, _) in self._seen.items() if now - t > self.timeout_s)
             if silent:
                 return (f"rank(s) {silent} sent no heartbeat for more than {self.timeout_s:g} s: dead or "
