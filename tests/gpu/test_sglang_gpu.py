@@ -87,7 +87,8 @@ def _updates_equal_a_cold_load(case) -> None:
                              "--timeout", "300", "--ready-timeout", "120"))
     case.record["launcher"] = {"wall_s": time.monotonic() - t0, "ps": lines[-1]["ps"]["seconds"],
                                "engine": lines[-1]["engine"][0]["seconds"]}
-    case.record["healthy_after_s"] = dummy.wait_healthy(60)
+    # the first /health generates: on a fresh machine SGLang builds its KV-cache kernel then (~90 s)
+    case.record["healthy_after_s"] = dummy.wait_healthy(300)
     launched = dummy.digests()
 
     # 2. the references: SGLang's own file loader, in the same server
@@ -164,9 +165,10 @@ def test_qwen2_bf16_p2p_into_a_joining_server_equals_a_cold_load(cases, tmp_path
     from sglang_gpu_cases import figures, launcher, start_launcher
 
     case = cases("qwen2-bf16")
-    if case.dummy is None:   # run alone (-k p2p): the servers and references first
-        case.start_dummy()
-        case.start_cold(0)
+    if not case.refs:   # run alone (-k p2p), or after the first test failed early: servers and references
+        if case.dummy is None:
+            case.start_dummy()
+            case.start_cold(0)
         figures(launcher("--checkpoint-path", str(case.ckpts[0]), "--inference-parallel-size", "1",
                          "--endpoint", case.dummy.url, "--device", "cuda", "--timeout", "300"))
         case.take_references()
