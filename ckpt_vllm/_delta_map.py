@@ -39,14 +39,25 @@ import torch
 from ckpt_core.checkpoint.safetensors import DTYPE_CODES
 from ckpt_core.delta.apply import WIDENING
 from ckpt_core.delta.encode import bytes_of
+from ckpt_core.delta.lin64 import lin64_many
 from ckpt_core.planning.slices import Box, box_extent
 
 from ._digest import _derived
 from ._reload_fixes import pointer_kernels
 
-__all__ = ["DeltaMap", "build_map", "verbatim_layer"]
+__all__ = ["DeltaMap", "Digested", "build_map", "verbatim_layer"]
 
 log = logging.getLogger("ckpt_vllm")
+
+
+@dataclass(frozen=True)
+class Digested:
+    """A checkpoint tensor known by its ``lin64`` digest only (its bytes are gone): what a map built
+    without a host copy (``_direct.py``) checks the live regions against, on the device."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    digest: str
 
 
 @dataclass
@@ -54,6 +65,7 @@ class DeltaMap:
     """One worker's map; see the module doc."""
 
     scatter: dict[str, torch.Tensor] = field(default_factory=dict)   # name -> its live region
+    source: dict[str, str] = field(default_factory=dict)   # name (scattered) -> the live parameter it is in
     groups: list[tuple[tuple[str, ...], tuple[str, ...]]] = field(default_factory=list)   # (layers, names) reloaded
     group_of: dict[str, int] = field(default_factory=dict)            # name -> index in groups
     readable: dict[str, tuple[torch.Tensor, torch.dtype]] = field(default_factory=dict)   # name -> (live region
@@ -124,10 +136,10 @@ def verbatim_layer(module: torch.nn.Module, meta: dict[str, torch.Tensor], live:
     return None
 
 
-def build_map(model: torch.nn.Module, model_config: Any, device, kept: dict[str, torch.Tensor]) -> DeltaMap:
-    """Record the model's loading of the ``kept`` checkpoint (the version just loaded, host copies)
-    and decide, per tensor, scatter or reload (see the module doc). Nothing is loaded: the live layers
-    are put back after the recording."""
+def build_map(model: torch.nn.Module, model_config: Any, device, kept: dict[str, Any]) -> DeltaMap:
+    """Record the model's loading of the ``kept`` checkpoint (the version just loaded: host copies, or
+    :class:`Digested` tensors) and decide, per tensor, scatter or reload (see the module doc). Nothing
+    is loaded: the live layers are put back after the recording."""
     from ._compat import reload_api
     from ._reload import ReloadSession
     from ._slices import record_loading, tied_aliases
@@ -155,10 +167,10 @@ def build_map(model: torch.nn.Module, model_config: Any, device, kept: dict[str,
 
 def _decide(modules, owners, by_id, meta, rec, kept) -> DeltaMap:
     out = DeltaMap()
-    writes: dict[str, list] = {}    # name -> [(param, region, read box)]
-    for w, read in zip(rec.writes, rec.write_reads):
+    writes: dict[str, list] = {}    # name -> [(param, region, read box, straight)]
+    for w, read, straight in zip(rec.writes, rec.write_reads, rec.write_straight):
         if w.source is not None:
-            writes.setdefault(w.source, []).append((w.param, w.region, read))
+            writes.setdefault(w.source, []).append((w.param, w.region, read, straight))
     unplaced = [n for n in kept if n not in writes]
     if unplaced:
         out.whole = f"the recording places no write of {unplaced[:3]} ({len(unplaced)} tensors)"
@@ -177,7 +189,7 @@ def _decide(modules, owners, by_id, meta, rec, kept) -> DeltaMap:
         parent[find(a)] = find(b)
 
     for name, ws in writes.items():
-        for pname, _, _ in ws:
+        for pname, _, _, _ in ws:
             union("t:" + name, "l:" + _owner(pname))
     for layers in by_id.values():   # tied: layers sharing a parameter
         first = sorted(layers)[0]
@@ -192,42 +204,68 @@ def _decide(modules, owners, by_id, meta, rec, kept) -> DeltaMap:
         layers_, names = members.setdefault(find(node), ([], []))
         (layers_ if node.startswith("l:") else names).append(node[2:])
     why_layer = {q: verbatim_layer(modules[q], meta.get(q, {}), owners[q]) for q in owners}
+    verbatim = _verbatim_regions(writes, owners, kept)
     for layers_, names in members.values():
         if not names:
             continue
-        reasons = _group_reasons(sorted(layers_), sorted(names), writes, why_layer, owners, kept)
+        reasons = _group_reasons(sorted(layers_), sorted(names), why_layer, verbatim)
         if not reasons:
             for n in names:
-                (pname, region, _), = writes[n]
-                layer, _, leaf = pname.rpartition(".")
-                out.scatter[n] = _region(owners[layer][leaf].detach(), region)
+                out.scatter[n] = verbatim[n]
+                out.source[n] = writes[n][0][0]
             continue
         index = len(out.groups)
         out.groups.append((tuple(sorted(layers_)), tuple(sorted(names))))
         for n in names:
             out.group_of[n] = index
             out.why[n] = reasons[0]
-            region = _verbatim_region(n, writes[n], owners, kept)
-            if region is not None:
-                out.readable[n] = (region, kept[n].dtype)
+            if verbatim.get(n) is not None:
+                out.readable[n] = (verbatim[n], kept[n].dtype)
     return out
 
 
-def _group_reasons(layers, names, writes, why_layer, owners, kept) -> list[str]:
+def _group_reasons(layers, names, why_layer, verbatim) -> list[str]:
     reasons = [f"{q}: {why_layer[q]}" for q in layers if q in why_layer and why_layer[q]]
     for n in names:
-        if not reasons and _verbatim_region(n, writes[n], owners, kept) is None:
+        if not reasons and verbatim.get(n) is None:
             reasons.append(f"{n} does not arrive whole, once, in its dtype and byte for byte in one region")
     return reasons
 
 
-def _verbatim_region(name, ws, owners, kept) -> torch.Tensor | None:
-    """The live region holding checkpoint tensor ``name``'s bytes as loaded (cast back where widened,
-    checked equal to the kept copy), when it is written once, whole, into one box; else None."""
+def _verbatim_regions(writes, owners, kept) -> dict[str, torch.Tensor]:
+    """Every checkpoint tensor's live region that holds its bytes as loaded (:func:`_candidate`, then
+    the bytes compared: with the kept copy, or a :class:`Digested` tensor's digest, all of them computed
+    on the device and read back together)."""
+    candidates = {n: c for n, ws in writes.items() if n in kept and (c := _candidate(ws, owners, kept[n])) is not None}
+    out: dict[str, torch.Tensor] = {}
+    digested = [n for n in candidates if isinstance(kept[n], Digested)]
+    held = (_as_checkpoint(candidates[n], kept[n].dtype) for n in digested)
+    for n, got in zip(digested, lin64_many(held)):
+        if got == kept[n].digest:
+            out[n] = candidates[n]
+    for n, view in candidates.items():
+        src = kept[n]
+        if isinstance(src, torch.Tensor) and torch.equal(bytes_of(_as_checkpoint(view, src.dtype).cpu()),
+                                                         bytes_of(src.contiguous())):
+            out[n] = view
+    return out
+
+
+def _as_checkpoint(view: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A live region in the checkpoint's dtype (a widened one cast back: exact), contiguous."""
+    return (view if view.dtype == dtype else view.to(dtype)).contiguous()
+
+
+def _candidate(ws, owners, src) -> torch.Tensor | None:
+    """The live region checkpoint tensor ``src`` was loaded into, viewed in its shape, when it is written
+    once, whole and in row-major order (``_slices._straight``: an expert's ``param[e].copy_(w)`` is, a
+    transposed copy is not) into one contiguous box of a parameter of its dtype (or one it widens to
+    exactly); else None. Its bytes are not compared here."""
     if len(ws) != 1:
         return None
-    pname, region, read = ws[0]
-    src = kept[name]
+    pname, region, read, straight = ws[0]
+    if not straight:
+        return None
     layer, _, leaf = pname.rpartition(".")
     live = owners.get(layer, {}).get(leaf)
     if live is None or read is None or box_extent(src.shape, read) != tuple(src.shape):
@@ -238,7 +276,13 @@ def _verbatim_region(name, ws, owners, kept) -> torch.Tensor | None:
         view = _region(live.detach(), region)
     except (RuntimeError, IndexError):
         return None
-    if tuple(view.shape) != tuple(src.shape) or not view.is_contiguous() or view.device.type == "meta":
+    if view.numel() != _numel(src.shape) or not view.is_contiguous() or view.device.type == "meta":
         return None
-    held = view if view.dtype == src.dtype else view.to(src.dtype)
-    return view if torch.equal(bytes_of(held.contiguous().cpu()), bytes_of(src.contiguous())) else None
+    return view.view(src.shape)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
