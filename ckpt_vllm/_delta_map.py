@@ -31,6 +31,7 @@ no parameter) makes the map *whole*: every delta then reloads the whole model fr
 from __future__ import annotations
 
 import logging
+import types
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,12 +129,23 @@ def verbatim_layer(module: torch.nn.Module, meta: dict[str, torch.Tensor], live:
     if derived:
         return f"it derives {derived[:3]} from its parameters"
     functions = [k for k, v in vars(module).items() if not k.startswith("_") and callable(v)
-                 and not isinstance(v, (torch.nn.Module, type))]
+                 and not isinstance(v, (torch.nn.Module, type)) and not _stateless_torch_function(v)]
     if functions:
         return f"it computes through {functions[:3]}, which may hold a processed copy"
     if any(True for _ in pointer_kernels(module)):
         return "a kernel handle holds a processed copy of its weights"
     return None
+
+
+def _stateless_torch_function(fn) -> bool:
+    """A function of torch itself that can hold no copy of anything: a builtin of one of torch's modules, or
+    a plain function defined in torch without a closure (``torch.nn.functional.linear``, which a GPU-like
+    CPU linear computes through), not a bound method, partial, closure or callable object."""
+    if isinstance(fn, types.BuiltinFunctionType):
+        owner = getattr(fn, "__self__", None)
+        return (owner is None or isinstance(owner, types.ModuleType)) and str(fn.__module__).startswith("torch")
+    return (isinstance(fn, types.FunctionType) and fn.__closure__ is None
+            and str(fn.__module__).startswith("torch."))
 
 
 def build_map(model: torch.nn.Module, model_config: Any, device, kept: dict[str, Any]) -> DeltaMap:

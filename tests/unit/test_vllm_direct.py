@@ -301,3 +301,17 @@ def test_a_tensor_written_transposed_is_never_copied_even_when_the_recorded_byte
     m = _decide({"sq": live.sq}, owners, {id(live.sq.weight): {"sq"}}, {"sq": dict(meta_model.sq._parameters)}, rec,
                 {"sq": Digested(torch.float32, (H, H), lin64(ckpt["sq"]))})
     assert not m.scatter and "byte for byte" in m.why["sq"]
+
+
+def test_a_layer_computing_through_a_plain_torch_function_is_verbatim_and_through_a_closure_it_is_not():
+    from ckpt_vllm._delta_map import verbatim_layer
+
+    layer = Leaf(H, H, device="cpu")
+    meta = {"weight": torch.empty(H, H, device="meta")}
+    layer.cpu_linear = torch.nn.functional.linear   # the GPU's way: the layer's weight, as loaded
+    assert verbatim_layer(layer, meta, dict(layer._parameters)) is None
+    packed = torch.ones(H, H)
+    layer.cpu_linear = lambda x, w, b: x @ packed   # vLLM-CPU's prepack: a copy in the closure
+    assert "derives" in verbatim_layer(layer, meta, dict(layer._parameters))
+    layer.cpu_linear = torch.nn.Linear(H, H).forward   # a bound method: its object may hold anything
+    assert "computes through" in verbatim_layer(layer, meta, dict(layer._parameters))
