@@ -315,3 +315,25 @@ def test_a_layer_computing_through_a_plain_torch_function_is_verbatim_and_throug
     assert "derives" in verbatim_layer(layer, meta, dict(layer._parameters))
     layer.cpu_linear = torch.nn.Linear(H, H).forward   # a bound method: its object may hold anything
     assert "computes through" in verbatim_layer(layer, meta, dict(layer._parameters))
+
+
+@pytest.mark.parametrize("kwargs", [{"stage": "v2"}, {"slices": "abc"}, {"deltas": True, "version": "v2"},
+                                    {"path": "backend"}])
+def test_the_client_refuses_direct_with_a_stage_slices_deltas_or_the_backend_path_before_posting(kwargs):
+    from ckpt_core.errors import ConfigError
+    from ckpt_vllm import VllmClient
+
+    with VllmClient("http://127.0.0.1:9") as client:   # nothing listens there: a post would fail otherwise
+        with pytest.raises(ConfigError, match="direct=True"):
+            client.update({"CPU-x-0": "ipc://@x"}, direct=True, **kwargs)
+
+
+def test_the_client_asks_the_workers_for_a_direct_update():
+    from ckpt_vllm import VllmClient
+
+    posted = []
+    with VllmClient("http://127.0.0.1:9") as client:
+        client.collective_rpc = lambda method, args, kwargs, timeout=None: posted.append((method, kwargs)) or [{}]
+        client.ensure_prefix_cache_reset = lambda: None
+        client.update({"CPU-x-0": "ipc://@x"}, direct=True)
+    assert posted[0][0] == "update_weights_from_ipc" and posted[0][1]["direct"] is True
