@@ -433,7 +433,8 @@ def format_direct(paths: list[dict]) -> str:
     first, last = paths[0], paths[-1]
     fm = first.get("map") or {}
     out = [f"  direct: {len(paths)} updates, {sum(p['path'] == 'direct' for p in paths)} went direct; the first went "
-           f"{first['path']} ({first.get('why')}; recording the map {fm.get('map_s', 0):.3f} s: "
+           f"{first['path']} ({first.get('why')}; recording the map {fm.get('map_s', 0):.3f} s, its loading "
+           f"{fm.get('record_s') or 0:.3f} s and checks {fm.get('decide_s') or 0:.3f} s: "
            f"{fm.get('direct_tensors', 0)} tensors direct, {fm.get('reloaded_groups', 0)} groups reloaded"
            f"{', unusable: ' + str(fm['whole']) if fm.get('whole') else ''})"]
     if last["path"] == "direct":

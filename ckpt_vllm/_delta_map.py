@@ -31,6 +31,7 @@ no parameter) makes the map *whole*: every delta then reloads the whole model fr
 from __future__ import annotations
 
 import logging
+import time
 import types
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,6 +74,7 @@ class DeltaMap:
     # holding its bytes, the checkpoint's dtype)
     whole: str | None = None   # why every delta reloads the whole model (None: the map places everything)
     why: dict[str, str] = field(default_factory=dict)                 # name -> why it is reloaded, not scattered
+    seconds: dict[str, float] = field(default_factory=dict)           # record (the loading), decide (checks, bytes)
 
     def live(self, name: str) -> torch.Tensor | None:
         return None if self.whole else self.scatter.get(name)
@@ -98,7 +100,7 @@ class DeltaMap:
 
     def figures(self) -> dict:
         return {"scatterable": len(self.scatter), "groups": len(self.groups), "readable": len(self.readable),
-                "whole": self.whole}
+                "whole": self.whole, "seconds": dict(self.seconds)}
 
 
 def _owner(pname: str) -> str:
@@ -167,6 +169,7 @@ def build_map(model: torch.nn.Module, model_config: Any, device, kept: dict[str,
             for p in params.values():
                 by_id.setdefault(id(p), set()).add(qname)
     aliases = tied_aliases(model)
+    t0 = time.perf_counter()
     session = ReloadSession(model, model_config, label="model (delta map)")
     session.begin()
     try:
@@ -174,7 +177,10 @@ def build_map(model: torch.nn.Module, model_config: Any, device, kept: dict[str,
         rec, _ = record_loading(model, specs, device, skip_params=reload_api().skip_load_tensors, aliases=aliases)
     finally:
         session.abort(quiet=True)
-    return _decide(modules, owners, by_id, meta, rec, kept)
+    t1 = time.perf_counter()
+    out = _decide(modules, owners, by_id, meta, rec, kept)
+    out.seconds.update(record=t1 - t0, decide=time.perf_counter() - t1)
+    return out
 
 
 def _decide(modules, owners, by_id, meta, rec, kept) -> DeltaMap:

@@ -128,7 +128,8 @@ def _fill(out: DirectMap, model: torch.nn.Module, m: DeltaMap) -> None:
             seen.add(id(param))
             out.guards.append((module, leaf, param, param.data_ptr()))
     why = sorted({m.why[n] for n in m.why})
-    out.figures.update(direct_tensors=len(out.targets), reloaded_groups=len(m.groups), why_reloaded=why[:8])
+    out.figures.update(direct_tensors=len(out.targets), reloaded_groups=len(m.groups), why_reloaded=why[:8],
+                       record_s=m.seconds.get("record"), decide_s=m.seconds.get("decide"))
 
 
 class _Receive:
