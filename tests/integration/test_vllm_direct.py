@@ -88,6 +88,27 @@ def test_a_direct_update_as_vllm_cpu_serves_the_model_copies_the_norms_and_equal
     assert LOG_LINE.search(log), log[-3000:]
 
 
+def test_a_direct_update_that_fails_keeps_the_unprocessed_layers_old_and_the_next_one_goes_direct(vllm_python, moe):
+    """The reload of layer 1's experts rejects one of their tensors mid-update: the update fails naming it;
+    every tensor of the engine then holds A's or B's bytes (no third state), layer 1's experts A's (their
+    layer was never processed: its live tensors put back), layer 0's norm B's (copied before the failure);
+    the map is kept, so pushing B again goes direct and equals a cold load of B."""
+    a, b = map(str, moe.weights)
+    bad = "model.layers.1.mlp.experts.3.up_proj.weight"
+    steps = [{"file": a, "direct": True}, {"file": b, "direct": True, "fail_on": bad}, {"file": b, "direct": True}]
+    out, _ = _run(vllm_python, moe, [a, b], steps, unpacked=False)
+    failed = out["steps"][1]
+    assert failed["result"].get("error_type") == "RemoteWorkerError" and bad in failed["result"]["error"], failed
+    got, old, new = failed["digests"], out["cold"][a], out["cold"][b]
+    third = [n for n in got if got[n] not in (old.get(n), new.get(n))]
+    assert not third, f"after the failure {len(third)} tensor(s) hold neither A nor B: {third[:8]}"
+    experts = [n for n in got if n.startswith("model.layers.1.mlp.experts.")]
+    assert experts and all(got[n] == old[n] for n in experts), "the rejected layer was not put back"
+    assert got["model.layers.0.input_layernorm.weight"] == new["model.layers.0.input_layernorm.weight"]
+    assert any(got[n] != old[n] for n in got), "nothing of B was loaded before the failure"
+    _check({"steps": out["steps"][2:], "cold": out["cold"]}, steps[2:], [("direct", None)])
+
+
 def test_direct_updates_with_unpacked_linears_equal_a_cold_load_through_every_change_of_plan(vllm_python, moe,
                                                                                             tmp_path):
     a, b = map(str, moe.weights)

