@@ -222,11 +222,11 @@ def _decide(modules, owners, by_id, meta, rec, kept) -> DeltaMap:
         layers_, names = members.setdefault(find(node), ([], []))
         (layers_ if node.startswith("l:") else names).append(node[2:])
     why_layer = {q: verbatim_layer(modules[q], meta.get(q, {}), owners[q]) for q in owners}
-    verbatim = _verbatim_regions(writes, owners, kept)
+    verbatim, why_not = _verbatim_regions(writes, owners, kept)
     for layers_, names in members.values():
         if not names:
             continue
-        reasons = _group_reasons(sorted(layers_), sorted(names), why_layer, verbatim)
+        reasons = _group_reasons(sorted(layers_), sorted(names), why_layer, verbatim, why_not)
         if not reasons:
             for n in names:
                 out.scatter[n] = verbatim[n]
@@ -242,19 +242,27 @@ def _decide(modules, owners, by_id, meta, rec, kept) -> DeltaMap:
     return out
 
 
-def _group_reasons(layers, names, why_layer, verbatim) -> list[str]:
+def _group_reasons(layers, names, why_layer, verbatim, why_not) -> list[str]:
     reasons = [f"{q}: {why_layer[q]}" for q in layers if q in why_layer and why_layer[q]]
     for n in names:
         if not reasons and verbatim.get(n) is None:
-            reasons.append(f"{n} does not arrive whole, once, in its dtype and byte for byte in one region")
+            reasons.append(f"{n}: {why_not.get(n, 'not written into a parameter')}")
     return reasons
 
 
-def _verbatim_regions(writes, owners, kept) -> dict[str, torch.Tensor]:
+def _verbatim_regions(writes, owners, kept) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Every checkpoint tensor's live region that holds its bytes as loaded (:func:`_candidate`, then
     the bytes compared: with the kept copy, or a :class:`Digested` tensor's digest, all of them computed
-    on the device and read back together)."""
-    candidates = {n: c for n, ws in writes.items() if n in kept and (c := _candidate(ws, owners, kept[n])) is not None}
+    on the device and read back together), and why each other one does not."""
+    candidates: dict[str, torch.Tensor] = {}
+    why: dict[str, str] = {}
+    for n, ws in writes.items():
+        if n in kept:
+            view, problem = _candidate(ws, owners, kept[n])
+            if view is None:
+                why[n] = problem or "no region"
+            else:
+                candidates[n] = view
     out: dict[str, torch.Tensor] = {}
     digested = [n for n in candidates if isinstance(kept[n], Digested)]
     held = (_as_checkpoint(candidates[n], kept[n].dtype) for n in digested)
@@ -266,7 +274,10 @@ def _verbatim_regions(writes, owners, kept) -> dict[str, torch.Tensor]:
         if isinstance(src, torch.Tensor) and torch.equal(bytes_of(_as_checkpoint(view, src.dtype).cpu()),
                                                          bytes_of(src.contiguous())):
             out[n] = view
-    return out
+    for n in candidates.keys() - out.keys():
+        why[n] = ("after processing its live region does not hold the bytes received, byte for byte "
+                  "(repacked or rewritten in place)")
+    return out, why
 
 
 def _as_checkpoint(view: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -274,29 +285,31 @@ def _as_checkpoint(view: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (view if view.dtype == dtype else view.to(dtype)).contiguous()
 
 
-def _candidate(ws, owners, src) -> torch.Tensor | None:
+def _candidate(ws, owners, src) -> tuple[torch.Tensor | None, str | None]:
     """The live region checkpoint tensor ``src`` was loaded into, viewed in its shape, when it is written
     once, whole and in row-major order (``_slices._straight``: an expert's ``param[e].copy_(w)`` is, a
     transposed copy is not) into one contiguous box of a parameter of its dtype (or one it widens to
-    exactly); else None. Its bytes are not compared here."""
+    exactly); else None and why. Its bytes are not compared here."""
     if len(ws) != 1:
-        return None
+        return None, f"written {len(ws)} times, not once into one region"
     pname, region, read, straight = ws[0]
-    if not straight:
-        return None
     layer, _, leaf = pname.rpartition(".")
     live = owners.get(layer, {}).get(leaf)
-    if live is None or read is None or box_extent(src.shape, read) != tuple(src.shape):
-        return None
+    if live is None:
+        return None, f"written into {pname}, which is not a live parameter after processing"
+    if read is None or box_extent(src.shape, read) != tuple(src.shape):
+        return None, "read in part, or through an op that is not a view"
+    if not straight:
+        return None, "not copied whole in row-major order into a contiguous run (a transposed copy, say)"
     if live.dtype != src.dtype and (src.dtype, live.dtype) not in WIDENING:
-        return None
+        return None, f"it lands in {live.dtype}, neither its {src.dtype} nor a float32 it widens to"
     try:
         view = _region(live.detach(), region)
     except (RuntimeError, IndexError):
-        return None
+        return None, f"its region of {pname} is not in the live parameter after processing"
     if view.numel() != _numel(src.shape) or not view.is_contiguous() or view.device.type == "meta":
-        return None
-    return view.view(src.shape)
+        return None, f"its region of {pname} is not one contiguous run of its size in device memory"
+    return view.view(src.shape), None
 
 
 def _numel(shape) -> int:
