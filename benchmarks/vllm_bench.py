@@ -4,6 +4,7 @@
     python benchmarks/vllm_bench.py --shape tiny --quantization fp8 --verify
     python benchmarks/vllm_bench.py --shape 7b --format fp8-block --ps ours --verify
     python benchmarks/vllm_bench.py --shape 7b --ps ours --verify --delta-density 0.02
+    python benchmarks/vllm_bench.py --shape moe4k --ps ours,reference --verify --direct
 
 For each parameter-server implementation (``ours``: ckpt_core with ckpt_vllm's worker extension;
 ``reference``: checkpoint-engine with its own extension, when importable) this starts a vLLM
@@ -16,6 +17,11 @@ with a cold load of the same checkpoint in a fresh engine (another process), and
 ``--delta-density D`` (ours, bf16): after the full updates, ``--repeats`` delta versions are pushed
 into the engine (``_vllm_bench_delta.py``); with ``--verify`` the engine is then compared with a cold
 load of the last delta version (and, before the deltas, with the cold load of the checkpoint).
+``--direct`` (ours): every timed update passes ``direct=True``: the first one goes through vLLM's
+layerwise reload and records where each tensor lands (its time includes that recording), the next
+ones copy the tensors of verbatim layers straight into the live model and reload only the other
+layers; the report says which way each went and how many tensors were copied (docs/vllm.md,
+"Direct full updates"). Without it every update is the usual reload.
 
 Needs vLLM (the GPU build), transformers, safetensors. The benchmark controls the children through
 a Unix socket carrying JSON, never pickle.
@@ -64,6 +70,9 @@ def parse_args(argv=None):
     p.add_argument("--delta-density", default=None, metavar="D|measured",
                    help="ours, bf16: after the full updates, --repeats delta versions with a fraction D of every "
                         "tensor's elements changed (measured: the density study's), pushed as deltas and timed")
+    p.add_argument("--direct", action="store_true",
+                   help="ours: full updates with direct=True (the first records where each tensor lands, the next "
+                        "copy verbatim layers' tensors straight into the live model)")
     p.add_argument("--gpu-mem", type=float, default=0.45, help="vLLM gpu_memory_utilization")
     p.add_argument("--role", choices=("main", "engine", "ps", "cold"), default="main", help=argparse.SUPPRESS)
     p.add_argument("--impl", default="ours", help=argparse.SUPPRESS)
@@ -174,7 +183,8 @@ def run_engine(args) -> None:
             last = len(engine_s) == args.repeats
             prof = _profiler() if (args.profile and last) else None
             t0 = time.perf_counter()
-            res = llm.collective_rpc("update_weights_from_ipc", args=(msg["handles"],))
+            res = llm.collective_rpc("update_weights_from_ipc", args=(msg["handles"],),
+                                     kwargs={"direct": True} if args.direct and args.impl == "ours" else {})
             engine_s.append(time.perf_counter() - t0)
             if prof is not None:
                 _write_profile(prof, f"{args.profile}.{args.impl}.txt")
@@ -185,7 +195,8 @@ def run_engine(args) -> None:
     report = {"impl": args.impl, "register_s": msg["register_s"], "gather_s": msg["gather_s"],
               "update_s": msg["update_s"], "engine_s": engine_s, "bytes": msg["bytes"],
               "ckpt_vllm_phases": results[-1]["seconds"] if results and results[-1] else None,
-              "delta": msg.get("delta")}
+              "delta": msg.get("delta"),
+              "direct": [r.get("direct") for r in results if r] if args.direct and args.impl == "ours" else None}
     if snapshot is not None:
         report["full_tokens"], report["full_checksums"] = snapshot["tokens"], snapshot["checksums"]
     if stage_report is not None:
@@ -309,6 +320,7 @@ def run_child(args, role: str, impl: str, timeout: float = 1800, directory: str 
     cmd += ["--verify"] if args.verify else []
     cmd += ["--profile", args.profile] if args.profile else []
     cmd += ["--stage"] if args.stage else []
+    cmd += ["--direct"] if args.direct else []
     cmd += ["--delta-density", str(args.delta_density)] if args.delta_density else []
     cmd += ["--quantization", args.quantization] if args.quantization else []
     out = subprocess.run(cmd, env=child_env(), stdout=subprocess.PIPE, text=True, timeout=timeout)
@@ -392,6 +404,8 @@ def format_report(report: dict) -> str:
             eq_s += f"; {len(eq['unused_kv_scales_differ'])} KV scales (unused with this KV cache) differ"
         lines.append(f"| {r['impl']} | {r['update_s'][0]:.3f} s | {best:.3f} s | {size / best / 1e9:.1f} | "
                      f"{best / floor:.2f} | {min(r['engine_s'][1:] or r['engine_s']):.3f} s | {eq_s} |")
+        if r.get("direct"):
+            lines.append(format_direct(r["direct"]))
         if r.get("ckpt_vllm_phases"):
             lines.append("  ckpt_vllm phases of the last update: " + json.dumps(
                 {k: round(v, 4) for k, v in r["ckpt_vllm_phases"].items()}))
@@ -412,6 +426,26 @@ def format_report(report: dict) -> str:
             lines.append(f"  staged: PS {st['ps_stage_s']:.3f} s while the engine could serve, then commit "
                          f"{st['commit_s'] * 1e3:.1f} ms (worker phases {json.dumps({k: round(v, 4) for k, v in st['commit_phases'].items()})})")
     return "\n".join(lines)
+
+
+def format_direct(paths: list[dict]) -> str:
+    """Which way the updates of ``--direct`` went: the first (recording) and the last."""
+    first, last = paths[0], paths[-1]
+    fm = first.get("map") or {}
+    out = [f"  direct: {len(paths)} updates, {sum(p['path'] == 'direct' for p in paths)} went direct; the first went "
+           f"{first['path']} ({first.get('why')}; recording the map {fm.get('map_s', 0):.3f} s, its loading "
+           f"{fm.get('record_s') or 0:.3f} s and checks {fm.get('decide_s') or 0:.3f} s: "
+           f"{fm.get('direct_tensors', 0)} tensors direct, {fm.get('reloaded_groups', 0)} groups reloaded"
+           f"{', unusable: ' + str(fm['whole']) if fm.get('whole') else ''})"]
+    if last["path"] == "direct":
+        out.append(f"  last update: direct {last['direct_tensors']} tensors ({last['direct_bytes'] / 1e6:.1f} MB, copy "
+                   f"{last['copy_s']:.4f} s), reloaded {last['reloaded_layers']} layers ({last['reload_tensors']} "
+                   f"tensors)")
+    else:
+        out.append(f"  last update: not direct ({last.get('why')})")
+    if fm.get("why_reloaded"):
+        out.append(f"  why groups are reloaded: {'; '.join(fm['why_reloaded'][:3])}")
+    return "\n".join(out)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,8 @@ no parameter) makes the map *whole*: every delta then reloads the whole model fr
 from __future__ import annotations
 
 import logging
+import time
+import types
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,14 +41,25 @@ import torch
 from ckpt_core.checkpoint.safetensors import DTYPE_CODES
 from ckpt_core.delta.apply import WIDENING
 from ckpt_core.delta.encode import bytes_of
+from ckpt_core.delta.lin64 import lin64_many
 from ckpt_core.planning.slices import Box, box_extent
 
 from ._digest import _derived
 from ._reload_fixes import pointer_kernels
 
-__all__ = ["DeltaMap", "build_map", "verbatim_layer"]
+__all__ = ["DeltaMap", "Digested", "build_map", "verbatim_layer"]
 
 log = logging.getLogger("ckpt_vllm")
+
+
+@dataclass(frozen=True)
+class Digested:
+    """A checkpoint tensor known by its ``lin64`` digest only (its bytes are gone): what a map built
+    without a host copy (``_direct.py``) checks the live regions against, on the device."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    digest: str
 
 
 @dataclass
@@ -54,12 +67,14 @@ class DeltaMap:
     """One worker's map; see the module doc."""
 
     scatter: dict[str, torch.Tensor] = field(default_factory=dict)   # name -> its live region
+    source: dict[str, str] = field(default_factory=dict)   # name (scattered) -> the live parameter it is in
     groups: list[tuple[tuple[str, ...], tuple[str, ...]]] = field(default_factory=list)   # (layers, names) reloaded
     group_of: dict[str, int] = field(default_factory=dict)            # name -> index in groups
     readable: dict[str, tuple[torch.Tensor, torch.dtype]] = field(default_factory=dict)   # name -> (live region
     # holding its bytes, the checkpoint's dtype)
     whole: str | None = None   # why every delta reloads the whole model (None: the map places everything)
     why: dict[str, str] = field(default_factory=dict)                 # name -> why it is reloaded, not scattered
+    seconds: dict[str, float] = field(default_factory=dict)           # record (the loading), decide (checks, bytes)
 
     def live(self, name: str) -> torch.Tensor | None:
         return None if self.whole else self.scatter.get(name)
@@ -85,7 +100,7 @@ class DeltaMap:
 
     def figures(self) -> dict:
         return {"scatterable": len(self.scatter), "groups": len(self.groups), "readable": len(self.readable),
-                "whole": self.whole}
+                "whole": self.whole, "seconds": dict(self.seconds)}
 
 
 def _owner(pname: str) -> str:
@@ -116,7 +131,7 @@ def verbatim_layer(module: torch.nn.Module, meta: dict[str, torch.Tensor], live:
     if derived:
         return f"it derives {derived[:3]} from its parameters"
     functions = [k for k, v in vars(module).items() if not k.startswith("_") and callable(v)
-                 and not isinstance(v, (torch.nn.Module, type))]
+                 and not isinstance(v, (torch.nn.Module, type)) and not _stateless_torch_function(v)]
     if functions:
         return f"it computes through {functions[:3]}, which may hold a processed copy"
     if any(True for _ in pointer_kernels(module)):
@@ -124,10 +139,21 @@ def verbatim_layer(module: torch.nn.Module, meta: dict[str, torch.Tensor], live:
     return None
 
 
-def build_map(model: torch.nn.Module, model_config: Any, device, kept: dict[str, torch.Tensor]) -> DeltaMap:
-    """Record the model's loading of the ``kept`` checkpoint (the version just loaded, host copies)
-    and decide, per tensor, scatter or reload (see the module doc). Nothing is loaded: the live layers
-    are put back after the recording."""
+def _stateless_torch_function(fn) -> bool:
+    """A function of torch itself that can hold no copy of anything: a builtin of one of torch's modules, or
+    a plain function defined in torch without a closure (``torch.nn.functional.linear``, which a GPU-like
+    CPU linear computes through), not a bound method, partial, closure or callable object."""
+    if isinstance(fn, types.BuiltinFunctionType):
+        owner = getattr(fn, "__self__", None)
+        return (owner is None or isinstance(owner, types.ModuleType)) and str(fn.__module__).startswith("torch")
+    return (isinstance(fn, types.FunctionType) and fn.__closure__ is None
+            and str(fn.__module__).startswith("torch."))
+
+
+def build_map(model: torch.nn.Module, model_config: Any, device, kept: dict[str, Any]) -> DeltaMap:
+    """Record the model's loading of the ``kept`` checkpoint (the version just loaded: host copies, or
+    :class:`Digested` tensors) and decide, per tensor, scatter or reload (see the module doc). Nothing
+    is loaded: the live layers are put back after the recording."""
     from ._compat import reload_api
     from ._reload import ReloadSession
     from ._slices import record_loading, tied_aliases
@@ -143,6 +169,7 @@ def build_map(model: torch.nn.Module, model_config: Any, device, kept: dict[str,
             for p in params.values():
                 by_id.setdefault(id(p), set()).add(qname)
     aliases = tied_aliases(model)
+    t0 = time.perf_counter()
     session = ReloadSession(model, model_config, label="model (delta map)")
     session.begin()
     try:
@@ -150,15 +177,18 @@ def build_map(model: torch.nn.Module, model_config: Any, device, kept: dict[str,
         rec, _ = record_loading(model, specs, device, skip_params=reload_api().skip_load_tensors, aliases=aliases)
     finally:
         session.abort(quiet=True)
-    return _decide(modules, owners, by_id, meta, rec, kept)
+    t1 = time.perf_counter()
+    out = _decide(modules, owners, by_id, meta, rec, kept)
+    out.seconds.update(record=t1 - t0, decide=time.perf_counter() - t1)
+    return out
 
 
 def _decide(modules, owners, by_id, meta, rec, kept) -> DeltaMap:
     out = DeltaMap()
-    writes: dict[str, list] = {}    # name -> [(param, region, read box)]
-    for w, read in zip(rec.writes, rec.write_reads):
+    writes: dict[str, list] = {}    # name -> [(param, region, read box, straight)]
+    for w, read, straight in zip(rec.writes, rec.write_reads, rec.write_straight):
         if w.source is not None:
-            writes.setdefault(w.source, []).append((w.param, w.region, read))
+            writes.setdefault(w.source, []).append((w.param, w.region, read, straight))
     unplaced = [n for n in kept if n not in writes]
     if unplaced:
         out.whole = f"the recording places no write of {unplaced[:3]} ({len(unplaced)} tensors)"
@@ -177,7 +207,7 @@ def _decide(modules, owners, by_id, meta, rec, kept) -> DeltaMap:
         parent[find(a)] = find(b)
 
     for name, ws in writes.items():
-        for pname, _, _ in ws:
+        for pname, _, _, _ in ws:
             union("t:" + name, "l:" + _owner(pname))
     for layers in by_id.values():   # tied: layers sharing a parameter
         first = sorted(layers)[0]
@@ -192,53 +222,98 @@ def _decide(modules, owners, by_id, meta, rec, kept) -> DeltaMap:
         layers_, names = members.setdefault(find(node), ([], []))
         (layers_ if node.startswith("l:") else names).append(node[2:])
     why_layer = {q: verbatim_layer(modules[q], meta.get(q, {}), owners[q]) for q in owners}
+    verbatim, why_not = _verbatim_regions(writes, owners, kept)
     for layers_, names in members.values():
         if not names:
             continue
-        reasons = _group_reasons(sorted(layers_), sorted(names), writes, why_layer, owners, kept)
+        reasons = _group_reasons(sorted(layers_), sorted(names), why_layer, verbatim, why_not)
         if not reasons:
             for n in names:
-                (pname, region, _), = writes[n]
-                layer, _, leaf = pname.rpartition(".")
-                out.scatter[n] = _region(owners[layer][leaf].detach(), region)
+                out.scatter[n] = verbatim[n]
+                out.source[n] = writes[n][0][0]
             continue
         index = len(out.groups)
         out.groups.append((tuple(sorted(layers_)), tuple(sorted(names))))
         for n in names:
             out.group_of[n] = index
             out.why[n] = reasons[0]
-            region = _verbatim_region(n, writes[n], owners, kept)
-            if region is not None:
-                out.readable[n] = (region, kept[n].dtype)
+            if verbatim.get(n) is not None:
+                out.readable[n] = (verbatim[n], kept[n].dtype)
     return out
 
 
-def _group_reasons(layers, names, writes, why_layer, owners, kept) -> list[str]:
+def _group_reasons(layers, names, why_layer, verbatim, why_not) -> list[str]:
     reasons = [f"{q}: {why_layer[q]}" for q in layers if q in why_layer and why_layer[q]]
     for n in names:
-        if not reasons and _verbatim_region(n, writes[n], owners, kept) is None:
-            reasons.append(f"{n} does not arrive whole, once, in its dtype and byte for byte in one region")
+        if not reasons and verbatim.get(n) is None:
+            reasons.append(f"{n}: {why_not.get(n, 'not written into a parameter')}")
     return reasons
 
 
-def _verbatim_region(name, ws, owners, kept) -> torch.Tensor | None:
-    """The live region holding checkpoint tensor ``name``'s bytes as loaded (cast back where widened,
-    checked equal to the kept copy), when it is written once, whole, into one box; else None."""
+def _verbatim_regions(writes, owners, kept) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Every checkpoint tensor's live region that holds its bytes as loaded (:func:`_candidate`, then
+    the bytes compared: with the kept copy, or a :class:`Digested` tensor's digest, all of them computed
+    on the device and read back together), and why each other one does not."""
+    candidates: dict[str, torch.Tensor] = {}
+    why: dict[str, str] = {}
+    for n, ws in writes.items():
+        if n in kept:
+            view, problem = _candidate(ws, owners, kept[n])
+            if view is None:
+                why[n] = problem or "no region"
+            else:
+                candidates[n] = view
+    out: dict[str, torch.Tensor] = {}
+    digested = [n for n in candidates if isinstance(kept[n], Digested)]
+    held = (_as_checkpoint(candidates[n], kept[n].dtype) for n in digested)
+    for n, got in zip(digested, lin64_many(held)):
+        if got == kept[n].digest:
+            out[n] = candidates[n]
+    for n, view in candidates.items():
+        src = kept[n]
+        if isinstance(src, torch.Tensor) and torch.equal(bytes_of(_as_checkpoint(view, src.dtype).cpu()),
+                                                         bytes_of(src.contiguous())):
+            out[n] = view
+    for n in candidates.keys() - out.keys():
+        why[n] = ("after processing its live region does not hold the bytes received, byte for byte "
+                  "(repacked or rewritten in place)")
+    return out, why
+
+
+def _as_checkpoint(view: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A live region in the checkpoint's dtype (a widened one cast back: exact), contiguous."""
+    return (view if view.dtype == dtype else view.to(dtype)).contiguous()
+
+
+def _candidate(ws, owners, src) -> tuple[torch.Tensor | None, str | None]:
+    """The live region checkpoint tensor ``src`` was loaded into, viewed in its shape, when it is written
+    once, whole and in row-major order (``_slices._straight``: an expert's ``param[e].copy_(w)`` is, a
+    transposed copy is not) into one contiguous box of a parameter of its dtype (or one it widens to
+    exactly); else None and why. Its bytes are not compared here."""
     if len(ws) != 1:
-        return None
-    pname, region, read = ws[0]
-    src = kept[name]
+        return None, f"written {len(ws)} times, not once into one region"
+    pname, region, read, straight = ws[0]
     layer, _, leaf = pname.rpartition(".")
     live = owners.get(layer, {}).get(leaf)
-    if live is None or read is None or box_extent(src.shape, read) != tuple(src.shape):
-        return None
+    if live is None:
+        return None, f"written into {pname}, which is not a live parameter after processing"
+    if read is None or box_extent(src.shape, read) != tuple(src.shape):
+        return None, "read in part, or through an op that is not a view"
+    if not straight:
+        return None, "not copied whole in row-major order into a contiguous run (a transposed copy, say)"
     if live.dtype != src.dtype and (src.dtype, live.dtype) not in WIDENING:
-        return None
+        return None, f"it lands in {live.dtype}, neither its {src.dtype} nor a float32 it widens to"
     try:
         view = _region(live.detach(), region)
     except (RuntimeError, IndexError):
-        return None
-    if tuple(view.shape) != tuple(src.shape) or not view.is_contiguous() or view.device.type == "meta":
-        return None
-    held = view if view.dtype == src.dtype else view.to(src.dtype)
-    return view if torch.equal(bytes_of(held.contiguous().cpu()), bytes_of(src.contiguous())) else None
+        return None, f"its region of {pname} is not in the live parameter after processing"
+    if view.numel() != _numel(src.shape) or not view.is_contiguous() or view.device.type == "meta":
+        return None, f"its region of {pname} is not one contiguous run of its size in device memory"
+    return view.view(src.shape), None
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

@@ -128,6 +128,9 @@ class _Recorder(TorchDispatchMode):
         # per entry of ``writes``: the box of the checkpoint tensor that write read (None: not one box,
         # read through an op that is not a pure view, or the engine's own write); ``_delta_map.py`` reads it
         self.write_reads: list[Box | None] = []
+        # per entry of ``writes``: whether it copied the whole checkpoint tensor, element i of its row-major
+        # order to element i of a contiguous region (a box keeps no order: a transposed copy reads the same box)
+        self.write_straight: list[bool] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -178,10 +181,22 @@ class _Recorder(TorchDispatchMode):
                 self.reads.setdefault(src.ckpt_name, set()).add(read)
         self.writes.append(Write(pname, region, None if src is None else src.ckpt_name))
         self.write_reads.append(read)
+        self.write_straight.append(src is not None and _straight(dest, src))
 
     def unsupported(self, name: str, func) -> None:
         if name not in self.whole:
             self.whole[name] = f"its loader applies {func}, which is not a pure view"
+
+
+def _straight(dest: torch.Tensor, src: "_Lazy") -> bool:
+    """Whether ``dest.copy_(src)`` writes the whole checkpoint tensor in row-major order into a contiguous
+    run of ``dest``'s parameter (both sides contiguous, the source at its start, as many elements)."""
+    g = src.geometry
+    full = 1
+    for d in src.full:
+        full *= d
+    return (dest.is_contiguous() and g.is_contiguous() and g.storage_offset() == 0 and g.numel() == full
+            and dest.numel() == full)
 
 
 def tied_aliases(model: torch.nn.Module) -> set[str]:

@@ -156,7 +156,7 @@ class VllmClient(Requester):
                pause: str | None = None, init_info: dict | None = None,
                start: bool = True, finish: bool = True, stage: str | None = None,
                stage_device_bytes: int = 0, version: str | None = None, prepare: bool = False,
-               slices: str | None = None, deltas: bool = False) -> UpdateReport:
+               slices: str | None = None, deltas: bool = False, direct: bool = False) -> UpdateReport:
         """Make the server pull one update; ``handles``: ``[(device_key, zmq_handle)]`` or a dict.
 
         ``pause``: pause generation around the update ("wait" lets running requests finish,
@@ -181,15 +181,23 @@ class VllmClient(Requester):
         ``deltas``: the PS update may be a delta of the version the workers hold
         (``ParameterServer.update(..., delta=True)``; a full one is kept as the next delta's base):
         extension path, with ``version`` (or ``stage``); docs/deltas.md.
+        ``direct``: once the workers recorded where this plan's tensors land (the first such update,
+        loaded the usual way), tensors of layers that read them verbatim are copied straight into the
+        live model, the other layers reloaded: extension path, a plain full update (docs/vllm.md,
+        "Direct full updates"); ``report.workers[i]["direct"]`` says which way each worker went.
         """
         slices = getattr(slices, "digest", slices)
         _check_update(path, start, finish, pause, stage, version, deltas)
+        if direct and (path != "extension" or stage is not None or slices is not None or deltas):
+            raise ConfigError("direct=True takes the extension path and a plain full update (not staged, sliced or a "
+                              "delta): docs/vllm.md, Direct full updates")
         if stage is not None:
             return self.stage(handles, stage, timeout=timeout, device_bytes=stage_device_bytes, prepare=prepare,
                               slices=slices, deltas=deltas)
         wait = self.timeout if timeout is None else float(timeout)
         report = UpdateReport(path=path)
-        extra = {**({"slices": str(slices)} if slices is not None else {}), **({"deltas": True} if deltas else {})}
+        extra = {**({"slices": str(slices)} if slices is not None else {}), **({"deltas": True} if deltas else {}),
+                 **({"direct": True} if direct else {})}
         self._update_phases(report, dict(handles), wait, extra, pause=pause, init_info=init_info, start=start,
                             finish=finish, version=version)
         return self._record(report)

@@ -4,8 +4,10 @@ The service (``ckpt-engine serve``) and the drivers name the engine ``vllm`` and
 :class:`VllmEngine`: an ``update_url`` is the server's ``/collective_rpc`` URL; a request may add
 ``prepare`` (a staged update turned into the kernel format before its commit) and ``slices``
 (each worker only what its loaders read, by a plan :meth:`VllmClient.slice_plan` records) and
-``deltas`` (the workers keep the version as the base of later deltas, docs/deltas.md); a
-commit pauses ``keep`` (default), ``wait`` or ``abort``.
+``deltas`` (the workers keep the version as the base of later deltas, docs/deltas.md) and, in
+``options``, ``direct`` (tensors of verbatim layers copied straight into the live model once the
+workers recorded the plan, docs/vllm.md "Direct full updates"); a commit pauses ``keep``
+(default), ``wait`` or ``abort``.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ class VllmEngine:
     name = "vllm"
     routes: tuple[str, ...] = (ROUTE,)
     commit_pauses: tuple[str, ...] = ("keep", "wait", "abort")
-    options: tuple[str, ...] = ("prepare", "slices", "deltas")
+    options: tuple[str, ...] = ("prepare", "slices", "deltas", "direct")
 
     def check_options(self, given: Mapping[str, Any], *, staged: bool) -> None:
         check_option_names(self, given)
@@ -57,6 +59,9 @@ class VllmEngine:
             raise ConfigError("prepare applies to a staged update (give stage)")
         if given.get("deltas") and staged:
             raise ConfigError("deltas: staged updates do not take deltas yet (docs/deltas.md)")
+        if given.get("direct") and (staged or given.get("slices") or given.get("deltas")):
+            raise ConfigError("direct applies to a plain full update: not staged, sliced or a delta "
+                              "(docs/vllm.md, Direct full updates)")
 
     def check_wire(self, wire: str) -> None:
         """Any: our worker extension speaks the native wire, the stock worker (checkpoint-engine's

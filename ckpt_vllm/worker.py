@@ -44,6 +44,8 @@ if TYPE_CHECKING:
 
     from ckpt_core.planning.slices import SliceKey
 
+    from ._direct import DirectMap
+
 __all__ = ["VllmColocateWorkerExtension", "worker_device", "drafter_target", "receive_into", "agree_on_handle"]
 
 log = logging.getLogger("ckpt_vllm")
@@ -113,11 +115,13 @@ class VllmColocateWorkerExtension(StagedWeights):
     _ckpt_live_since: float
     _ckpt_recordings: BoundedCache[SliceKey, dict]   # ckpt_slice_plan's results by the engine's key
     _ckpt_zmq_ctx: zmq.Context
+    _ckpt_direct: DirectMap | None   # where a direct=True full update copies each tensor (``_direct.py``)
 
     @answered_together("the update")
     def update_weights_from_ipc(self, zmq_handles: dict[str, str], timeout: float | None = None,
                                 stage: str | None = None, stage_device_bytes: int = 0,
-                                version: str | None = None, slices: str | None = None, deltas: bool = False) -> dict:
+                                version: str | None = None, slices: str | None = None, deltas: bool = False,
+                                direct: bool = False) -> dict:
         """Receive one update from the PS rank colocated with this worker; returns its timings.
 
         ``zmq_handles`` maps device keys to handles (the PS's ``req_func`` argument as a dict);
@@ -134,6 +138,10 @@ class VllmColocateWorkerExtension(StagedWeights):
         the ``version`` this worker holds, and a full one is kept in host memory as the next delta's
         base (``_delta.py``, docs/deltas.md); needs ``version``. With ``stage`` a delta is staged and
         applied by :meth:`commit_staged_weights`. Not with ``slices``.
+        ``direct=True``: once this worker recorded where this plan's tensors land (its first such update,
+        which goes the usual way), the tensors of layers that read them verbatim are copied straight into
+        the live model and only the other layers are reloaded (``_direct.py``, docs/vllm.md "Direct full
+        updates"); the result's ``direct`` says which way it went. Not with ``stage``, ``slices`` or ``deltas``.
 
         Every RPC of this extension that can fail answers alike on every worker: the last worker
         raises the first failing worker's error, the others return ``{"refused": ...}``
@@ -147,6 +155,9 @@ class VllmColocateWorkerExtension(StagedWeights):
             replay = agree_on_slices(zmq_handles, kind, index, slices) if slices is not None else None
         except Refused as refused:
             return refused.refused
+        if direct and (stage is not None or replay is not None or deltas):
+            raise ConfigError("direct=True takes a plain full update: not with stage=, slices= or deltas= "
+                              "(docs/vllm.md, Direct full updates)")
         if deltas and stage is not None and replay is None:   # a staged delta: applied by the commit
             return self._ckpt_stage(handle, kind, index, str(stage), int(stage_device_bytes),
                                     float(timeout or DEFAULT_TIMEOUT_S), None, deltas=True)
@@ -160,6 +171,8 @@ class VllmColocateWorkerExtension(StagedWeights):
         if stage is not None:
             return self._ckpt_stage(handle, kind, index, str(stage), int(stage_device_bytes),
                                     float(timeout or DEFAULT_TIMEOUT_S), replay)
+        if direct:
+            return self._ckpt_update_direct(handle, kind, index, float(timeout or DEFAULT_TIMEOUT_S), version)
         sessions = new_sessions(self, replay)
         result = receive_into(sessions, self._ckpt_zmq_context(), handle, kind, index,
                               timeout=float(timeout or DEFAULT_TIMEOUT_S), replay=replay)
@@ -179,6 +192,24 @@ class VllmColocateWorkerExtension(StagedWeights):
         # a delta leaves the checkpoint layout as it was
         self._ckpt_made_live(live_layout(sessions) if sessions else getattr(self, "_ckpt_live_layout", {}), version)
         return dict(result, device_key=local_device_key(kind, index))
+
+    def _ckpt_update_direct(self, handle: str, kind: str, index: int, timeout: float, version: str | None) -> dict:
+        """A full update with ``direct=True`` (``_direct.py``)."""
+        from ._direct import receive_direct
+
+        result, kept = receive_direct(self, self._ckpt_zmq_context(), handle, index, timeout=timeout)
+        self._ckpt_made_live(kept.layout() if kept is not None else {}, version)
+        self._ckpt_direct = kept   # after _ckpt_made_live, which drops it
+        fig = result["direct"]
+        key = local_device_key(kind, index)
+        if fig["path"] == "direct":
+            log.info("ckpt update on %s: direct %d tensors (%.1f MB, %.3f s), reloaded %d layers (%d tensors); "
+                     "%.3f s in all", key, fig["direct_tensors"], fig["direct_bytes"] / 1e6, fig["copy_s"],
+                     fig["reloaded_layers"], fig["reload_tensors"], result["seconds"]["total"])
+        else:
+            log.info("ckpt update on %s: %d tensors, %.1f MB reloaded in %.3f s (not direct: %s)", key,
+                     result["tensors"], result["bytes"] / 1e6, result["seconds"]["total"], fig["why"])
+        return dict(result, device_key=key)
 
     @answered_together("recording the slice plan")
     def ckpt_slice_plan(self, tensors: dict) -> dict:
@@ -248,6 +279,9 @@ class VllmColocateWorkerExtension(StagedWeights):
 
     def _ckpt_made_live(self, layout: dict, version: str | None) -> None:
         reset_derived_caches(self)
+        # weights made live by any other path drop the direct map (conservatively: they reload in place,
+        # but the map is cheap to record again and is only ever used as recorded); the direct path sets it after
+        self._ckpt_direct = None
         self._ckpt_live_layout = dict(layout)
         self._ckpt_live_version = version
         self._ckpt_live_since = time.time()

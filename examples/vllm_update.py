@@ -89,6 +89,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--slices", action="store_true",
                     help="send each engine rank only the slices its loaders read (one engine, recorded "
                          "from it first; broadcast and P2P updates, either path, staged or not)")
+    ap.add_argument("--direct", action="store_true",
+                    help="copy the tensors of layers that read them verbatim straight into the live model, once the "
+                         "engine recorded this plan (its first --direct update reloads and records; docs/vllm.md)")
     ap.add_argument("--save-slice-plan", metavar="FILE",
                     help="with --slices: rank 0 writes the recorded plan there (JSON; `ckpt-engine plan "
                          "--slices-plan FILE` predicts other topologies from it)")
@@ -148,7 +151,8 @@ def make_req_func(client: VllmClient | None, rank: int, ips: int, args: argparse
                                          stage=args.version if args.stage else None,
                                          stage_device_bytes=int(args.stage_device_gib * (1 << 30)),
                                          prepare=args.prepare,
-                                         **({"slices": slices} if slices else {})))
+                                         **({"slices": slices} if slices else {}),
+                                         **({"direct": True} if args.direct else {})))
     return req_func
 
 

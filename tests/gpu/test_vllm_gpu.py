@@ -273,15 +273,18 @@ def prepared(engine_env, tmp_path_factory):
         yield cases
 
 
-def push(ps, llm, name: str, files: list[str]) -> None:
+def push(ps, llm, name: str, files: list[str], **kwargs) -> list:
+    """One update of ``files`` through the worker extension (``kwargs`` to its RPC); the workers' replies."""
+    replies: list = []
     ps.register_checkpoint(name, files=files)
     try:
         ps.gather_metas(name)
-        ps.update(name, lambda handles: llm.collective_rpc("update_weights_from_ipc", args=(dict(handles),),
-                                                           kwargs={"timeout": 300}))
+        ps.update(name, lambda handles: replies.extend(llm.collective_rpc(
+            "update_weights_from_ipc", args=(dict(handles),), kwargs={"timeout": 300, **kwargs})))
     finally:
         ps.unregister_checkpoint(name)
     llm.reset_prefix_cache()
+    return replies
 
 
 def new_ps(**kwargs):
@@ -307,6 +310,37 @@ def test_a_to_b_to_a_to_b_each_update_equals_a_cold_load(prepared, case):
             differ = differences(llm.collective_rpc("ckpt_state_digests"), cold["digests"][str(p.weights[index])])
             assert not differ, f"{case} step {step} (weights-{index}): differs from a cold load:\n" + "\n".join(differ)
             assert _greedy(llm, p.prompts) == cold["tokens"][str(p.weights[index])]
+    del llm
+
+
+@pytest.mark.gpu
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["qwen3_moe-bf16", "qwen3_moe-fp8-block", "qwen2-bf16"])
+def test_direct_updates_equal_a_cold_load_and_copy_every_verbatim_tensor(prepared, case):
+    """``direct=True`` (docs/vllm.md, Direct full updates): A records the map, then B, A, B go direct,
+    each equal to a cold load. In bf16 every layer is expected verbatim (unquantized linears, norms,
+    embeddings; the Triton MoE experts keep the checkpoint layout): every tensor is copied, no layer
+    reloaded. In FP8 the quantized layers are reloaded, the rest copied."""
+    p = prepared[case]
+    llm = p.engine()
+    cold = p.cold
+    with new_ps() as ps:
+        for step, index in enumerate([0, 1, 0, 1]):
+            (reply,) = push(ps, llm, f"{case}-direct-{step}", [str(p.weights[index])], direct=True)
+            fig = reply["direct"]
+            print(f"{case} step {step}: {json.dumps(fig)[:1500]}")
+            assert fig["path"] == ("reload" if step == 0 else "direct"), fig
+            differ = differences(llm.collective_rpc("ckpt_state_digests"), cold["digests"][str(p.weights[index])])
+            assert not differ, f"{case} direct step {step}: differs from a cold load:\n" + "\n".join(differ)
+            assert _greedy(llm, p.prompts) == cold["tokens"][str(p.weights[index])]
+            if step == 0:
+                recorded = fig["map"]
+            elif "bf16" in case:
+                assert fig["reload_tensors"] == 0 and fig["reloaded_layers"] == 0, \
+                    f"{case}: groups reloaded: {recorded['why_reloaded']}"
+            else:
+                assert fig["direct_tensors"] > 0 and fig["reloaded_layers"] > 0, fig
     del llm
 
 

@@ -58,6 +58,9 @@ def test_each_first_party_engine_gives_its_routes_pauses_and_a_client(name, rout
 @pytest.mark.parametrize("name, given, staged, message", [
     ("vllm", {"weight_version": "v1"}, False, "weight_version does not apply to engine='vllm'"),
     ("vllm", {"prepare": True}, False, "prepare applies to a staged update"),
+    ("vllm", {"direct": True}, True, "direct applies to a plain full update"),
+    ("vllm", {"direct": True, "slices": True}, False, "direct applies to a plain full update"),
+    ("vllm", {"direct": True, "deltas": True}, False, "direct applies to a plain full update"),
     ("sglang", {"slices": True}, False, "slices does not apply to engine='sglang'"),
     ("sglang", {"weight_version": "v"}, True, "a staged update's version is stage"),
     ("sglang", {"flush_cache": False}, True, "flush_cache applies to a whole update"),
@@ -69,6 +72,7 @@ def test_an_engine_refuses_an_option_it_does_not_take_naming_it(name, given, sta
 
 def test_an_engine_takes_its_own_options():
     registry.get_engine("vllm").check_options({"prepare": True, "slices": True}, staged=True)
+    registry.get_engine("vllm").check_options({"direct": True}, staged=False)
     registry.get_engine("sglang").check_options({"weight_version": "7", "flush_cache": False}, staged=False)
     with pytest.raises(ConfigError, match="stock wire"):
         registry.get_engine("sglang").check_wire("native")

@@ -7,7 +7,8 @@ Run under torchrun (``--nproc-per-node`` = the server's tensor-parallel size), i
 Each PS rank registers its share of every version (the tensors dealt round-robin by name), each
 after the first against the one before (``base=``), and pushes them in order with
 ``update(..., delta=i > 0)``; rank 0 posts every worker's handle to the server
-(``VllmClient.update(..., deltas=True)``). After each version rank 0 prints one JSON line:
+(``VllmClient.update(..., deltas=True)``). ``--direct``: every version whole instead, with
+``direct=True`` (docs/vllm.md, Direct full updates). After each version rank 0 prints one JSON line:
 ``{"version", "ps": its result, "engine": the workers' replies, "digests": ckpt_state_digests,
 "tokens": greedy completions of the prompts}``.
 """
@@ -31,6 +32,7 @@ def main() -> None:
     ap.add_argument("--endpoint", required=True)
     ap.add_argument("--prompts", type=json.loads, required=True)
     ap.add_argument("--max-tokens", type=int, required=True)
+    ap.add_argument("--direct", action="store_true", help="whole versions with direct=True, not deltas")
     ap.add_argument("files", nargs="+")
     args = ap.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -40,15 +42,16 @@ def main() -> None:
             name = f"v{i}"
             tensors = load_file(path)
             ps.register_checkpoint(name, named_tensors={n: tensors[n] for n in sorted(tensors)[rank::world]},
-                                   base=f"v{i - 1}" if i else None)
+                                   base=f"v{i - 1}" if i and not args.direct else None)
             ps.gather_metas(name)
             replies: list = []
 
             def req(handles, name=name, replies=replies):
                 if rank == 0:
-                    replies.append(client.update(handles, version=name, deltas=True, timeout=300).workers)
+                    how = {"direct": True} if args.direct else {"deltas": True}
+                    replies.append(client.update(handles, version=name, timeout=300, **how).workers)
 
-            result = ps.update(name, req, timeout=300, delta=bool(i))
+            result = ps.update(name, req, timeout=300, delta=bool(i) and not args.direct)
             if rank == 0:
                 with httpx.Client(base_url=args.endpoint, timeout=120.0) as http:
                     resp = http.post("/v1/completions", json={
