@@ -11,9 +11,10 @@ from __future__ import annotations
 import hashlib
 import json
 
+from ckpt_core.errors import CkptError
 from ckpt_core.ops.cache import BoundedCache
 from ckpt_core.planning.buckets import Plan, TensorMeta, layout_sizes, plan_buckets
-from ckpt_core.planning.slice_routes import plan_sliced, rank_placements
+from ckpt_core.planning.slice_routes import plan_sliced, rank_placements, sliced_sizes
 from ckpt_core.planning.slices import SlicePlan
 from ckpt_core.wire.protocol import plan_fragment
 
@@ -36,10 +37,21 @@ class PlanCache:
             self._digests[name] = cached
         return cached[1]
 
-    def sizes(self, metas: list[list[TensorMeta]], digest: str) -> tuple[int, int]:
-        """``layout_sizes`` of these metas, computed once per digest (every update asks)."""
-        sizes = self._sizes.get(digest)
-        return self._sizes.put(digest, layout_sizes(metas)) if sizes is None else sizes
+    def sizes(self, metas: list[list[TensorMeta]], digest: str, slices: SlicePlan | None = None) -> tuple[int, int]:
+        """``layout_sizes`` of these metas, computed once per digest (every update asks). With ``slices``:
+        those of the sliced update (``slice_routes.sliced_sizes``: buckets sized by what each owner sends),
+        once per (digest, slice plan); a plan that does not fit the metas falls back to the whole layout's,
+        and ``get`` then raises plan_sliced's error."""
+        key = digest if slices is None else f"{digest}:{slices.digest}"
+        sizes = self._sizes.get(key)
+        if sizes is not None:
+            return sizes
+        if slices is None:
+            return self._sizes.put(key, layout_sizes(metas))
+        try:
+            return self._sizes.put(key, sliced_sizes(metas, slices))
+        except CkptError:
+            return self.sizes(metas, digest)
 
     def forget(self, name: str) -> None:
         self._digests.pop(name, None)
