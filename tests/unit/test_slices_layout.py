@@ -125,3 +125,30 @@ def test_tensors_in_pieces_count_as_one_more_owner_with_their_slices():
     assert total >= sum(b.nbytes for b in routed.buckets)
     with pytest.raises(ConfigError, match="does not fit a bucket"):
         plan_sliced(metas, plan, largest - 1)
+
+
+def test_a_cached_plan_and_its_wire_blob_serve_one_checkpoint_layout_and_slice_plan_only():
+    """Planned and encoded once per (metas, bucket size, slice plan, rank): asked again, the same objects;
+    the checkpoint gathered again with another shape under the same name, or another slice plan, or
+    another PS rank's view of it: planned and encoded anew, never the stale blob."""
+    tensors, dims = moe_like(4)
+    metas = world(tensors, [0, 1] * len(tensors), 2)
+    cache = PlanCache()
+    two = split_plan(KEY, tensors, 2, dims)
+    digest = cache.digest("ckpt", metas)
+    plan, wire = cache.get(metas, digest, 1 << 20, slices=two, rank=0)
+    assert cache.get(metas, cache.digest("ckpt", [list(ms) for ms in metas]), 1 << 20, slices=two, rank=0) == \
+        (plan, wire)
+    assert cache.get(metas, digest, 1 << 20, slices=two, rank=0)[0] is plan
+    other_rank = cache.get(metas, digest, 1 << 20, slices=two, rank=1)
+    assert other_rank[1] != wire and other_rank[0] is not plan
+    whole = cache.get(metas, digest, 1 << 20)
+    assert whole[1][1] != wire[1]
+    changed = dict(tensors, norm=("BF16", (512,), 2))
+    regathered = world(changed, [0, 1] * len(changed), 2)
+    new_digest = cache.digest("ckpt", regathered)   # the same name, gathered again
+    assert new_digest != digest
+    replan = split_plan(KEY, changed, 2, dims)
+    got = cache.get(regathered, new_digest, 1 << 20, slices=replan, rank=0)
+    assert got[1][1] != wire[1] and '"norm","BF16",[512]' in got[1][0]
+    assert cache.sizes(regathered, new_digest, replan) != cache.sizes(metas, digest, two)
