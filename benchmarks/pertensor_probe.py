@@ -35,9 +35,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     sys.path[:0] = [args.root, os.path.join(args.root, "benchmarks"), HERE]
     import torch
-
     from _bench_cases import build_case
     from _bench_tp import tp_dims
+
     from ckpt_core.checkpoint.safetensors import WIRE_CODES
     from ckpt_core.planning.buckets import TensorMeta, align_up
     from ckpt_core.planning.slices import SliceKey, SlicePlan, split_plan
@@ -80,8 +80,8 @@ def probe(metas, host, slices, rate: float, best) -> dict:
     from ckpt_core.devices import get_backend
     from ckpt_core.planning.buckets import align_up, choose_layout
     from ckpt_core.planning.slice_routes import SlicedBucket
-    from ckpt_core.transfer.plan_cache import PlanCache
     from ckpt_core.transfer.pipeline import pitched_copies
+    from ckpt_core.transfer.plan_cache import PlanCache
     from ckpt_core.wire import protocol as proto
 
     cache = PlanCache()
@@ -136,7 +136,8 @@ def _viewer(slot, hello):
 
 def line(o: dict) -> str:
     return (f"{o['tensors']} tensors, {o['bytes'] / 2**20:.1f} MiB in {o['buckets']} buckets of "
-            f"{o['bucket_bytes'] / 2**20:.1f} MiB, {o['copies']} copies; once per plan: plan {o['plan_once_s'] * 1e3:.1f} ms, "
+            f"{o['bucket_bytes'] / 2**20:.1f} MiB, {o['copies']} copies; once per plan: plan "
+            f"{o['plan_once_s'] * 1e3:.1f} ms, "
             f"hello {o['hello_once_s'] * 1e3:.1f} ms; per update: PS staging {o['ps_stage_s'] * 1e3:.2f} ms (floor "
             f"{o['floor_s'] * 1e3:.2f} ms), {o['ps_us']:.2f} us/tensor above it; worker views "
             f"{o['worker_views_s'] * 1e3:.2f} ms, {o['worker_us']:.2f} us/tensor")
