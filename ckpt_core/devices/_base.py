@@ -125,10 +125,12 @@ class DeviceBackend(ABC):
 
     def copy_pitched(self, dst: torch.Tensor, host: torch.Tensor, copies) -> None:
         """Issue ``copies`` (``planning.boxcopy.Pitched``: rows of the flat uint8 host tensor
-        ``host``, placed into the flat uint8 device tensor ``dst``) on the current stream."""
+        ``host``, placed into the flat uint8 device tensor ``dst``) on the current stream: one strided
+        copy each, of its ``depth`` blocks of rows at once."""
         for c in copies:
-            src = host.as_strided((c.height, c.width), (c.pitch or c.width, 1), host.storage_offset() + c.src)
-            dst.as_strided((c.height, c.width), (c.dpitch or c.width, 1),
+            src = host.as_strided((c.depth, c.height, c.width), (c.step, c.pitch or c.width, 1),
+                                  host.storage_offset() + c.src)
+            dst.as_strided((c.depth, c.height, c.width), (c.dstep, c.dpitch or c.width, 1),
                            dst.storage_offset() + c.dst).copy_(src, non_blocking=True)
 
     def new_stream(self, index: int):

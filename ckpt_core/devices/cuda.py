@@ -152,8 +152,9 @@ class CudaBackend(DeviceBackend):
         """Every copy straight through the driver on the current stream: a run with
         ``cuMemcpyHtoDAsync``, a block of pitched rows with ``cuMemcpy2DAsync`` (pinned rows at the
         link's rate; torch's strided ``copy_`` gathers through a pageable temporary at a tenth of
-        it). One driver call per copy: a slice of a small tensor costs microseconds, not a view
-        and a dispatch. No copy crosses a pinned piece's border (``planning/boxcopy.py``). A source on the
+        it). One driver call per copy (per block of a copy of ``depth`` blocks: cuMemcpy3D would take
+        them in one, not yet done): a slice of a small tensor costs microseconds, not a view and a
+        dispatch. No copy crosses a pinned piece's border (``planning/boxcopy.py``). A source on the
         device (a checkpoint registered ``on_device``) takes the base class's strided ``copy_`` instead: a
         device-to-device copy kernel per box, on the current stream."""
         if host.is_cuda:   # a device-resident checkpoint (on_device): device-to-device copies through torch
@@ -162,7 +163,7 @@ class CudaBackend(DeviceBackend):
         drv = _driver()
         base, out = host.data_ptr(), dst.data_ptr()
         stream = torch.cuda.current_stream().cuda_stream
-        for c in copies:
+        for c in (layer for deep in copies for layer in deep.layers()):   # a copy of several blocks: one each
             dpitch = c.dpitch or c.width   # 0: rows back to back
             if c.height == 1:
                 err = drv.htod(out + c.dst, base + c.src, c.width, stream)

@@ -23,13 +23,30 @@ from ckpt_core.planning.buckets import PIN_CHUNK
 class Pitched(NamedTuple):
     """``height`` rows of ``width`` bytes, the first at byte ``src`` of the host buffer and the next
     each ``pitch`` bytes further, placed from byte ``dst`` of the destination, each row ``dpitch``
-    bytes after the one before (0: back to back, as ``box_copies`` packs a box)."""
+    bytes after the one before (0: back to back, as ``box_copies`` packs a box).
+
+    ``depth`` > 1: that many such blocks, each ``step`` bytes of source and ``dstep`` bytes of
+    destination after the one before (``merge_copies``: one layer's experts' column slices)."""
     src: int
     pitch: int
     width: int
     height: int
     dst: int
     dpitch: int = 0
+    depth: int = 1
+    step: int = 0
+    dstep: int = 0
+
+    def last_src(self) -> int:
+        """The source's last byte."""
+        return self.src + (self.depth - 1) * self.step + (self.height - 1) * self.pitch + self.width - 1
+
+    def layers(self) -> list[Pitched]:
+        """The copy as 2-D copies, one per block (itself when ``depth`` is 1)."""
+        if self.depth == 1:
+            return [self]
+        return [Pitched(self.src + i * self.step, self.pitch, self.width, self.height, self.dst + i * self.dstep,
+                        self.dpitch) for i in range(self.depth)]
 
 
 def byte_dims(shape, offsets, extent, itemsize: int) -> tuple[int, list[tuple[int, int]]]:
@@ -100,7 +117,7 @@ def _cut(src: int, pitch: int, width: int, height: int, dst: int, chunk: int) ->
 
 
 def copied_bytes(copies: list[Pitched]) -> int:
-    return sum(c.width * c.height for c in copies)
+    return sum(c.width * c.height * c.depth for c in copies)
 
 
 LOOKAHEAD = 4   # runs tried as the second of a progression (one layer's gate and up slices alternate)
@@ -112,13 +129,62 @@ def merge_copies(copies: list[Pitched], pin_chunk: int = PIN_CHUNK) -> list[Pitc
     Runs (one row) that continue each other in the source and the destination become one run; runs
     of one width whose source and destination advance by constant steps (one expert's slice after
     another's: a layer of many experts is a handful of copies) become one copy of evenly spaced
-    rows with a destination pitch. Blocks of rows stay as they are. No merged copy's source crosses
-    a multiple of ``pin_chunk`` (a pinned piece's border). The copies' destinations are disjoint,
-    so their order does not matter; they come back in destination order.
+    rows with a destination pitch. Blocks of rows of one shape (width, height, pitches) at constant
+    source and destination steps become one copy of ``depth`` blocks (one expert's column slice
+    after another's: a layer's down slices are one copy, not one per expert). No merged copy's
+    source crosses a multiple of ``pin_chunk`` (a pinned piece's border). The copies' destinations
+    are disjoint, so their order does not matter; they come back in destination order.
     """
-    blocks = [c for c in copies if c.height != 1]
-    runs = _join_runs(sorted((c for c in copies if c.height == 1), key=lambda c: c.dst), pin_chunk)
-    return sorted(blocks + _progressions(runs, pin_chunk), key=lambda c: c.dst)
+    deep = [c for c in copies if c.depth != 1]
+    blocks = _stacks(sorted((c for c in copies if c.height != 1 and c.depth == 1), key=lambda c: c.dst), pin_chunk)
+    runs = _join_runs(sorted((c for c in copies if c.height == 1 and c.depth == 1), key=lambda c: c.dst), pin_chunk)
+    return sorted(deep + blocks + _progressions(runs, pin_chunk), key=lambda c: c.dst)
+
+
+def _stacks(blocks: list[Pitched], chunk: int) -> list[Pitched]:
+    """Blocks of one shape at constant source and destination steps, as single copies of ``depth``
+    blocks: from each block not yet taken, the longest progression through one of the next few of
+    its shape (in destination order), inside its pinned piece."""
+    by_shape: dict[tuple[int, int, int, int], list[Pitched]] = {}
+    for b in blocks:
+        by_shape.setdefault((b.width, b.height, b.pitch, b.dpitch or b.width), []).append(b)
+    out: list[Pitched] = []
+    for group in by_shape.values():
+        at = {(b.src, b.dst): i for i, b in enumerate(group)}
+        used = [False] * len(group)
+        for i, a in enumerate(group):
+            if used[i]:
+                continue
+            used[i] = True
+            best: list[int] = []
+            for j in [j for j in range(i + 1, len(group)) if not used[j]][:LOOKAHEAD]:
+                chain = _stack_chain(a, group[j].src - a.src, group[j].dst - a.dst, at, used, chunk)
+                if len(chain) > len(best):
+                    best = chain
+            for j in best:
+                used[j] = True
+            if not best:
+                out.append(a)
+                continue
+            b = group[best[0]]
+            out.append(a._replace(depth=1 + len(best), step=b.src - a.src, dstep=b.dst - a.dst))
+    return out
+
+
+def _stack_chain(a: Pitched, step: int, dstep: int, at: dict, used: list[bool], chunk: int) -> list[int]:
+    """The blocks (their indices) after ``a`` at ``step`` bytes of source and ``dstep`` of destination
+    each, while they exist, are free and stay in ``a``'s pinned piece (the copies' destinations are
+    disjoint; positive steps keep the blocks in order)."""
+    if step <= 0 or dstep <= 0:
+        return []
+    out: list[int] = []
+    k = 1
+    while True:
+        j = at.get((a.src + k * step, a.dst + k * dstep))
+        if j is None or used[j] or a._replace(src=a.src + k * step).last_src() // chunk != a.src // chunk:
+            return out
+        out.append(j)
+        k += 1
 
 
 def _join_runs(runs: list[Pitched], chunk: int) -> list[Pitched]:

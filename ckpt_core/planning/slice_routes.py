@@ -153,7 +153,7 @@ def plan_sliced(metas_per_rank: list[list[TensorMeta]], plan: SlicePlan, bucket_
                           f"{first_shared[2]}")
     pieced = group_pieces(metas_per_rank)
     _same_checkpoint(metas_per_rank, plan)
-    whole = {n for n in plan.tensors if all(n in rs.needs and not rs.needs[n] for rs in plan.ranks)}
+    whole = _read_whole(plan)
     streams: list[list[Bucket]] = []
     for owner, metas in enumerate(metas_per_rank):
         ordered = delivery_order([m for m in metas if m.box is None])
@@ -167,6 +167,52 @@ def plan_sliced(metas_per_rank: list[list[TensorMeta]], plan: SlicePlan, bucket_
         units = [_pieced_unit(t, rs.needs[t.name]) for t in pieced if t.name not in whole and t.name in rs.needs]
         streams.append(_pack_units(rs.rank, groups[rs.rank], units, bucket_bytes))
     return Plan(bucket_bytes, tuple(interleave(streams)))
+
+
+def sliced_sizes(metas_per_rank: list[list[TensorMeta]], plan: SlicePlan) -> tuple[int, int]:
+    """``layout_sizes`` of a sliced update (``plan_sliced``'s buckets), for ``choose_layout``: (the
+    largest unit a bucket must hold: a tensor every engine rank reads whole, or one engine rank's
+    slice of a tensor with its scratch; the largest total one owner sends under the plan). The
+    tensors in pieces count as one more owner, as in ``layout_sizes``.
+
+    The buckets are then sized by what moves: an engine rank that receives an eighth of the
+    checkpoint gets it in several buckets (so the owner's copies overlap the worker's loads), not
+    in the one or two that the owner's whole share would make. The checks ``plan_sliced`` makes
+    are made there, not here: a plan that does not fit these metas raises there (ConfigError)."""
+    replica_ranks(len(metas_per_rank), len(plan.ranks))
+    _same_checkpoint(metas_per_rank, plan)
+    whole = _read_whole(plan)
+    largest, totals = 0, []
+    for owner, metas in enumerate(metas_per_rank):
+        total = 0
+        for m in metas:
+            if m.box is not None:
+                continue
+            if m.name in whole:
+                largest, total = max(largest, m.nbytes), total + align_up(m.nbytes)
+                continue
+            for rs in plan.ranks:
+                if m.name in rs.needs:
+                    need = _whole_unit(owner, m, rs.needs[m.name]).need()
+                    largest, total = max(largest, need), total + need
+        totals.append(total)
+    pieced_total = 0
+    for t in group_pieces(metas_per_rank):
+        if t.name in whole:
+            need = t.nbytes + t.scratch_bytes
+            largest, pieced_total = max(largest, need), pieced_total + align_up(t.nbytes) + t.scratch_bytes
+            continue
+        for rs in plan.ranks:
+            if t.name in rs.needs:
+                need = _pieced_unit(t, rs.needs[t.name]).need()
+                largest, pieced_total = max(largest, need), pieced_total + need
+    totals.append(pieced_total)
+    return largest, max(max(totals), 1)
+
+
+def _read_whole(plan: SlicePlan) -> set[str]:
+    """The tensors every engine rank of ``plan`` reads whole (broadcast whole)."""
+    return {n for n in plan.tensors if all(n in rs.needs and not rs.needs[n] for rs in plan.ranks)}
 
 
 def _same_checkpoint(metas_per_rank: list[list[TensorMeta]], plan: SlicePlan) -> None:

@@ -91,7 +91,7 @@ def agree_plan(ctx: UpdateContext, catalog: Catalog, name: str, problem: list | 
     view: LayoutView = {"problem": problem}
     if problem is None:
         try:
-            view = layout_view(ctx, catalog, name)
+            view = layout_view(ctx, catalog, name, slices)
         except Exception as exc:   # ours or not: told to every rank, none is left waiting
             view = {"problem": problem_of(exc)}
     # the update's identity: ranks naming two checkpoints of one layout would send a mix of both
@@ -112,11 +112,12 @@ def agree_plan(ctx: UpdateContext, catalog: Catalog, name: str, problem: list | 
     return plan, max(1, min(slots, len(plan.buckets))), wire
 
 
-def layout_view(ctx: UpdateContext, catalog: Catalog, name: str) -> LayoutView:
-    """This rank's metas digest and the (bucket size, slots) its free memory allows."""
+def layout_view(ctx: UpdateContext, catalog: Catalog, name: str, slices=None) -> LayoutView:
+    """This rank's metas digest and the (bucket size, slots) its free memory allows (with ``slices``, for
+    what the sliced update moves)."""
     metas = catalog.metas[name]
     digest = catalog.plans.digest(name, metas)
-    size, slots = ctx.layout(catalog.plans.sizes(metas, digest))
+    size, slots = ctx.layout(catalog.plans.sizes(metas, digest, slices if isinstance(slices, SlicePlan) else None))
     return {"fp": digest, "bucket": size, "slots": slots}
 
 

@@ -45,6 +45,7 @@ from typing import Any
 from ckpt_core.checkpoint.safetensors import WIRE_DTYPES
 from ckpt_core.errors import ProtocolError
 from ckpt_core.ops.cache import BoundedCache
+from ckpt_core.wire.views import BucketViews, plan_views
 
 VERSION = 1
 MAX_FRAME_BYTES = 256 << 20
@@ -127,6 +128,8 @@ class Hello:
     # every tensor of the plan as (name, torch dtype, shape), for a worker's ``on_plan``: made once per
     # validated plan (cached with it), a tuple so that no caller can change it for the next update
     listing: tuple = field(default=(), compare=False, repr=False)
+    # per bucket, how the worker views its tensors in batches (``views.plan_views``): once per validated plan
+    views: tuple[BucketViews, ...] = field(default=(), compare=False, repr=False)
 
 
 def _tensor(entry: Any, slot_bytes: int) -> WireTensor:
@@ -190,7 +193,8 @@ def _plan_of(msg: dict[str, Any], plan: bytes | None) -> Any:
 
 
 _PLAN_CACHE_SIZE = 8
-_plan_cache: BoundedCache[tuple[str, int], tuple[tuple[tuple[WireTensor, ...], ...], tuple]] = BoundedCache(
+_plan_cache: BoundedCache[tuple[str, int], tuple[tuple[tuple[WireTensor, ...], ...], tuple,
+                                                  tuple[BucketViews, ...]]] = BoundedCache(
     _PLAN_CACHE_SIZE)   # the least recently used goes first
 
 
@@ -220,8 +224,8 @@ def parse_hello(msg: dict[str, Any], plan: bytes | None = None) -> Hello:
     key = (digest, slot_bytes) if isinstance(digest, str) and digest else None
     cached = None if key is None else _plan_cache.get(key, touch=True)
     if cached is not None:
-        parsed, listing = cached
-        return Hello(update, kind, buffer, slot_bytes, num_slots, parsed, slices, listing)
+        parsed, listing, views = cached
+        return Hello(update, kind, buffer, slot_bytes, num_slots, parsed, slices, listing, views)
     raw = _plan_of(msg, plan)
     if not isinstance(raw, list):
         raise ProtocolError("hello.buckets is not a list")
@@ -232,9 +236,10 @@ def parse_hello(msg: dict[str, Any], plan: bytes | None = None) -> Hello:
         buckets.append(tuple(_tensor(e, slot_bytes) for e in b))
     parsed = tuple(buckets)
     listing = tuple((t.name, WIRE_DTYPES[t.dtype], t.shape) for b in parsed for t in b)
+    views = tuple(plan_views(b) for b in parsed)
     if key is not None:
-        _plan_cache.put(key, (parsed, listing))
-    return Hello(update, kind, buffer, slot_bytes, num_slots, parsed, slices, listing)
+        _plan_cache.put(key, (parsed, listing, views))
+    return Hello(update, kind, buffer, slot_bytes, num_slots, parsed, slices, listing, views)
 
 
 def _slices(raw: Any) -> tuple[str, int] | None:

@@ -18,7 +18,6 @@ import torch
 import zmq
 
 from ckpt_core._settings import update_seconds
-from ckpt_core.checkpoint.safetensors import WIRE_DTYPES
 from ckpt_core.devices import get_backend
 from ckpt_core.errors import (
     CkptError,
@@ -32,6 +31,7 @@ from ckpt_core.ops.gc import gc_paused
 from ckpt_core.ops.log import rank_logger
 from ckpt_core.wire import protocol as proto
 from ckpt_core.wire.link import CLOSE_LINGER_MS, PeerWatch
+from ckpt_core.wire.views import Views
 
 __all__ = ["update_weights_from_ipc"]
 
@@ -141,45 +141,6 @@ class _Link:
     def close(self) -> None:
         self.watch.close()
         self.sock.close(linger=CLOSE_LINGER_MS)
-
-
-class _Views:
-    """Each bucket's tensors as views of the mapped buffer, one ``as_strided`` call per tensor.
-
-    The buffer is viewed as each dtype once per update; a tensor is then that typed view at its
-    element offset with its row-major strides (worked out once per plan, ``proto.WireTensor``).
-    Slicing the bytes and viewing them as dtype and shape cost three calls per tensor, which on a
-    model of thousands of experts' tensors was the receive loop's largest cost. A bucket whose slot
-    or buffer is not aligned to one of its dtypes' item size takes that per-byte route.
-    """
-
-    def __init__(self, buf: torch.Tensor):
-        self.buf = buf
-        self._typed: dict[str, torch.Tensor | None] = {}
-
-    def _as(self, code: str) -> torch.Tensor | None:
-        """The whole buffer as dtype ``code`` (None if its start is not aligned to the item size)."""
-        if code not in self._typed:
-            dtype = WIRE_DTYPES[code]
-            k = dtype.itemsize
-            ok = self.buf.storage_offset() % k == 0
-            self._typed[code] = self.buf[: self.buf.numel() // k * k].view(dtype) if ok else None
-        return self._typed[code]
-
-    def bucket(self, base: int, tensors: tuple[proto.WireTensor, ...]) -> list[tuple[str, torch.Tensor]]:
-        """``(name, view)`` of every tensor of a bucket whose slot starts at byte ``base``."""
-        make, first = {}, {}   # dtype -> the typed buffer's as_strided, the element where the slot starts
-        for code in {t.dtype for t in tensors}:
-            typed = self._as(code)
-            if typed is None or base % WIRE_DTYPES[code].itemsize:
-                return self._by_bytes(base, tensors)
-            make[code], first[code] = typed.as_strided, typed.storage_offset() + base // WIRE_DTYPES[code].itemsize
-        return [(t.name, make[t.dtype](t.shape, t.strides, first[t.dtype] + t.element)) for t in tensors]
-
-    def _by_bytes(self, base: int, tensors) -> list[tuple[str, torch.Tensor]]:
-        """A slot not aligned to some dtype's item size: each tensor's bytes, viewed as dtype and shape."""
-        return [(t.name, self.buf[base + t.offset: base + t.offset + t.nbytes].view(WIRE_DTYPES[t.dtype]).view(t.shape))
-                for t in tensors]
 
 
 def update_weights_from_ipc(zmq_ctx: zmq.Context, zmq_handle: str, device_id: int, *, run: RunFn,
@@ -339,7 +300,7 @@ def _receive_buckets(link: _Link, hello: proto.Hello, buf, backend, device_id: i
 
     Returns the exception to raise (None on success, leaving ``end`` to be read).
     """
-    views = _Views(buf)
+    views = Views(buf)   # batched views of each bucket (wire/views.py)
     for expected in range(len(hello.buckets)):
         msg = link.recv(("bucket", "abort"))
         if msg["kind"] == "abort":
@@ -348,7 +309,7 @@ def _receive_buckets(link: _Link, hello: proto.Hello, buf, backend, device_id: i
             index, slot = proto.parse_bucket(msg, hello)
             if index != expected:
                 raise ProtocolError(f"bucket {index} arrived where bucket {expected} was due")
-            run(views.bucket(slot * hello.slot_bytes, hello.buckets[index]))
+            run(views.bucket(slot * hello.slot_bytes, hello.buckets[index], hello.views[index]))
             backend.synchronize(device_id)
         except Exception as exc:  # the engine's loader failed, or the frame was bad
             link.report(expected, traceback.format_exc())

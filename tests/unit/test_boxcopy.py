@@ -9,7 +9,7 @@ import torch
 
 from ckpt_core.devices.cpu import CpuBackend
 from support.boxcopy_cases import experts_layer
-from ckpt_core.planning.boxcopy import box_copies, byte_dims, copied_bytes, merge_copies
+from ckpt_core.planning.boxcopy import Pitched, box_copies, byte_dims, copied_bytes, merge_copies
 
 
 def _case(rng: random.Random):
@@ -62,15 +62,15 @@ def test_random_boxes_pack_bit_exact_and_no_copy_crosses_a_pinned_piece(seed):
 
 def test_a_column_slice_is_one_pitched_copy_and_a_row_slice_one_run():
     # 8 rows of 6 float32; columns 3..5 of every row: 8 rows of 12 bytes, 24 bytes apart
-    assert box_copies((8, 6), (0, 3), (8, 3), 4) == [(12, 24, 12, 8, 0, 0)]
+    assert box_copies((8, 6), (0, 3), (8, 3), 4) == [Pitched(12, 24, 12, 8, 0, 0)]
     # rows 4..7: one run of 96 bytes
-    assert box_copies((8, 6), (4, 0), (4, 6), 4) == [(96, 0, 96, 1, 0, 0)]
+    assert box_copies((8, 6), (4, 0), (4, 6), 4) == [Pitched(96, 0, 96, 1, 0, 0)]
     # a 3-D expert tensor [experts, rows, cols], one expert's rows 2..3: one run
-    assert box_copies((4, 5, 6), (1, 2, 0), (1, 2, 6), 2) == [(84, 0, 24, 1, 0, 0)]
+    assert box_copies((4, 5, 6), (1, 2, 0), (1, 2, 6), 2) == [Pitched(84, 0, 24, 1, 0, 0)]
     # the columns 0..1 of two whole experts: their rows are evenly spaced, one pitched copy
-    assert box_copies((4, 5, 6), (0, 0, 0), (2, 5, 2), 2) == [(0, 12, 4, 10, 0, 0)]
+    assert box_copies((4, 5, 6), (0, 0, 0), (2, 5, 2), 2) == [Pitched(0, 12, 4, 10, 0, 0)]
     # ... of rows 1..2 of two experts: a pitched block per expert (the outer dimension unrolled)
-    assert box_copies((4, 5, 6), (0, 1, 0), (2, 2, 2), 2) == [(12, 12, 4, 2, 0, 0), (72, 12, 4, 2, 8, 0)]
+    assert box_copies((4, 5, 6), (0, 1, 0), (2, 2, 2), 2) == [Pitched(12, 12, 4, 2, 0, 0), Pitched(72, 12, 4, 2, 8, 0)]
 
 
 def test_dimensions_that_follow_each_other_merge_and_size_one_ones_drop():
@@ -98,11 +98,14 @@ def _apply(copies, host: torch.Tensor, size: int) -> torch.Tensor:
 
 def test_a_layer_of_experts_slices_is_one_copy_per_kind_of_contiguous_slice_plus_the_strided_ones():
     """Engine rank 1's slices of 16 experts: their gate rows follow each other at one step in host and
-    bucket, so do the up rows; the down columns are a pitched block each. 48 copies become 18."""
+    bucket, so do the up rows; the down columns are a pitched block each, at one step too: 48 copies
+    become 3, the down slices one copy of 16 blocks."""
     copies, host_bytes, size = experts_layer(16, 64, 48, t=1, tp=4)
     merged = merge_copies(copies)
-    assert len(copies) == 48 and len(merged) == 2 + 16
+    assert len(copies) == 48 and len(merged) == 2 + 1
     assert sorted(c.height for c in merged if c.dpitch) == [16, 16]
+    down = [c for c in merged if c.depth > 1]
+    assert [(c.depth, c.height, c.width, c.pitch, c.step) for c in down] == [(16, 48, 32, 128, 3 * 64 * 48 * 2)]
     host = torch.randint(0, 256, (host_bytes,), dtype=torch.uint8)
     assert torch.equal(_apply(merged, host, size), _apply(copies, host, size))
 
@@ -129,7 +132,37 @@ def test_merged_copies_put_the_same_bytes_in_the_same_places_and_none_crosses_a_
     merged = merge_copies(copies, pin_chunk=chunk)
     assert len(merged) <= len(copies) and copied_bytes(merged) == copied_bytes(copies)
     for c in merged:
-        first, last = c.src, c.src + (c.height - 1) * c.pitch + c.width - 1
-        assert first // chunk == last // chunk, (chunk, c)
+        assert c.src // chunk == c.last_src() // chunk, (chunk, c)
     host = torch.randint(0, 256, (host_at + 64,), dtype=torch.uint8)
     assert torch.equal(_apply(merged, host, dst + 64), _apply(copies, host, dst + 64))
+
+
+@pytest.mark.parametrize("chunk", [1 << 15, 1 << 17, 1 << 20])
+def test_stacks_of_column_slices_stop_at_a_pinned_piece_and_their_layers_are_the_same_copies(chunk):
+    """A layer of 40 experts' down slices (one pitched block each) merges into copies of several blocks,
+    cut where the host's pinned pieces are; spelled out block by block (what the CUDA backend issues), the
+    same bytes land in the same places; blocks of another shape are never stacked with them."""
+    copies, host_bytes, size = experts_layer(40, 32, 48, t=3, tp=8, itemsize=2, pin_chunk=chunk)
+    merged = merge_copies(copies, pin_chunk=chunk)
+    deep = [c for c in merged if c.depth > 1]
+    assert deep and all(c.src // chunk == c.last_src() // chunk for c in merged)
+    if chunk == 1 << 20:   # one piece holds the layer: its down slices are one copy
+        assert len(deep) == 1 and deep[0].depth == 40
+    else:
+        assert len(deep) > 1
+    layers = [one for c in merged for one in c.layers()]
+    assert all(c.depth == 1 for c in layers) and copied_bytes(layers) == copied_bytes(copies)
+    host = torch.randint(0, 256, (host_bytes,), dtype=torch.uint8)
+    want = _apply(copies, host, size + 64)
+    assert torch.equal(_apply(merged, host, size + 64), want)
+    assert torch.equal(_apply(layers, host, size + 64), want)
+
+
+def test_blocks_of_other_heights_pitches_or_uneven_steps_are_not_stacked():
+    a = Pitched(0, 100, 10, 4, 0)
+    same = [a, a._replace(src=1000, dst=40), a._replace(src=2000, dst=80)]
+    assert merge_copies(same) == [a._replace(depth=3, step=1000, dstep=40)]
+    assert merge_copies([a, a._replace(src=1000, dst=40, height=3)]) == [a, a._replace(src=1000, dst=40, height=3)]
+    assert merge_copies([a, a._replace(src=1000, dst=40, pitch=90)]) == [a, a._replace(src=1000, dst=40, pitch=90)]
+    uneven = [a, a._replace(src=1000, dst=40), a._replace(src=2100, dst=80)]
+    assert merge_copies(uneven) == [a._replace(depth=2, step=1000, dstep=40), uneven[2]]

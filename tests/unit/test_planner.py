@@ -195,6 +195,28 @@ def test_the_plan_cache_shares_one_plan_per_layout_and_keeps_the_most_recent():
     assert cache.digest("step-3", other) != d1
 
 
+def test_the_next_checkpoint_of_a_layout_takes_the_digest_without_encoding_its_metas(monkeypatch):
+    """An RL step's new checkpoint has the metas of the last (another list, equal): its digest is the
+    last one's, found by comparing, even after the last was unregistered; metas that differ anywhere,
+    even in the last tensor, are encoded and get their own."""
+    import ckpt_core.transfer.plan_cache as pc
+    cache = pc.PlanCache(size=2)
+    metas = [[TensorMeta(f"t{i}", "F32", (64,), 256, 4, 0, 256 * i) for i in range(50)], []]
+    first = cache.digest("step-1", metas)
+    cache.forget("step-1")
+    last = [list(metas[0][:-1]) + [metas[0][-1]._replace(shape=(8, 8))], []]
+    from_scratch = pc.PlanCache().digest("fresh", last)
+    encoded = []
+    real = pc.json.dumps
+    monkeypatch.setattr(pc.json, "dumps", lambda obj, **kw: encoded.append(1) or real(obj, **kw))
+    same = [[TensorMeta(*m) for m in ms] for ms in metas]
+    assert cache.digest("step-2", same) == first and not encoded
+    other = cache.digest("step-3", last)
+    assert encoded == [1] and other != first and other == from_scratch
+    gathered_again = [list(ms) for ms in last]
+    assert cache.digest("step-3", gathered_again) == other and encoded == [1]
+
+
 def test_an_fp8_file_travels_layer_by_layer_with_few_runs_per_layer():
     """safetensors writes scales (float32) before weights (FP8): each layer's tensors still travel together."""
     from ckpt_core.planning.buckets import delivery_order, layer_of
