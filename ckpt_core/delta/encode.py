@@ -28,11 +28,12 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from ckpt_core.checkpoint.safetensors import WIRE_CODES, WIRE_DTYPES
-from ckpt_core.delta.lin64 import is_lin64, lin64
+from ckpt_core.delta.lin64 import Queued, is_lin64, lin64, queue, read_ints
 from ckpt_core.errors import CheckpointFormatError, ConfigError
 
 MAGIC = b"CKD1"
@@ -233,16 +234,22 @@ def _bad(name: str, why: str) -> CheckpointFormatError:
 def read_header(payload: torch.Tensor, name: str = "?") -> tuple[dict, int]:
     """The header of a payload and where its body starts; ``CheckpointFormatError`` if malformed."""
     raw = payload.reshape(-1)
+    return _parse_header(bytes(raw[:_align8(8 + _MAX_HEADER)].cpu().numpy()), raw, name)
+
+
+def _parse_header(head: bytes, raw: torch.Tensor, name: str) -> tuple[dict, int]:
+    """``read_header`` from the payload's first bytes ``head`` (read back already; the rest of the
+    header is read from ``raw`` only when ``head`` is too short for it)."""
     if raw.dtype != torch.uint8 or raw.numel() < 8:
         raise _bad(name, "not a uint8 payload of at least 8 bytes")
-    head = bytes(raw[:8].cpu().numpy())
     if head[:4] != MAGIC:
         raise _bad(name, f"bad magic {head[:4]!r}")
     (n,) = struct.unpack("<I", head[4:8])
     if n > _MAX_HEADER or 8 + n > raw.numel():
         raise _bad(name, f"header length {n} out of range")
+    text = head[8: 8 + n] if 8 + n <= len(head) else bytes(raw[8: 8 + n].cpu().numpy())
     try:
-        header = json.loads(bytes(raw[8: 8 + n].cpu().numpy()))
+        header = json.loads(text)
     except (ValueError, UnicodeDecodeError) as exc:
         raise _bad(name, f"header is not JSON ({exc})") from exc
     return header, _align8(8 + n)
@@ -251,8 +258,87 @@ def read_header(payload: torch.Tensor, name: str = "?") -> tuple[dict, int]:
 def decode(payload: torch.Tensor, name: str = "?") -> Decoded:
     """Check a payload whole (header fields, sizes, the body's lin64 check, positions strictly
     increasing and in range) before anything is written; ``CheckpointFormatError`` naming the
-    tensor otherwise."""
-    header, start = read_header(payload, name)
+    tensor otherwise. ``decode_many`` does the same for many payloads with one read-back."""
+    return decode_many([(name, payload)])[0]
+
+
+_PEEK = 512   # bytes of each payload read back for its header (~150 bytes); a longer one is read on its own
+
+
+class _Pending:
+    """One payload's decode while its device checks run: the first failure found on the host before
+    the body check (``early``) and after it (``late``), the queued body check, and the device checks
+    of its positions (``(0-d tensor, wanted value, why)``)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.early: CheckpointFormatError | None = None
+        self.late: CheckpointFormatError | None = None
+        self.check: tuple[Queued, str] | None = None
+        self.device: list[tuple[torch.Tensor, int, Callable[[int], str]]] = []
+        self.decoded: Decoded | None = None
+
+
+def decode_many(payloads) -> list[Decoded]:
+    """``decode`` of each ``(name, payload)``, with every host synchronisation batched: the headers
+    are read back together, and the body checks and position checks run as device ops whose results
+    are read back together (one synchronisation per device for the lot, not several per payload).
+    Nothing is written; the first refused payload (in order, for its first failing check, as
+    ``decode`` would refuse it) raises ``CheckpointFormatError`` naming its tensor."""
+    items = [(name, p.reshape(-1)) for name, p in payloads]
+    heads = _peek_heads([raw for _, raw in items])
+    pending = []
+    for (name, raw), head in zip(items, heads):
+        pend = _Pending(name)
+        pending.append(pend)
+        try:
+            _start_decode(pend, raw, head)
+        except CheckpointFormatError as exc:
+            if pend.check is None:
+                pend.early = exc
+            else:
+                pend.late = exc
+    queued = [p.check[0].total for p in pending if p.check is not None]
+    flags = [t for p in pending for t, _, _ in p.device]
+    values = iter(read_ints(queued + flags))
+    checks = {id(p): next(values) for p in pending if p.check is not None}
+    for p in pending:
+        if p.early is not None:
+            raise p.early
+        assert p.check is not None  # noqa: S101 - set for every payload without an early failure
+        if p.check[0].digest(checks[id(p)]) != p.check[1]:
+            raise _bad(p.name, "the body's check (lin64) does not match: corrupted in transit or in memory")
+        if p.late is not None:
+            raise p.late
+        for (_, want, why), got in zip(p.device, (next(values) for _ in p.device)):
+            if got != want:
+                raise _bad(p.name, why(got))
+        assert p.decoded is not None  # noqa: S101 - every check passed
+    return [p.decoded for p in pending]   # type: ignore[misc]
+
+
+def _peek_heads(raws: list[torch.Tensor]) -> list[bytes]:
+    """The first ``_PEEK`` bytes of each payload, read back to the host together (one copy per device)."""
+    out = [b""] * len(raws)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, raw in enumerate(raws):
+        if raw.dtype == torch.uint8 and raw.numel():
+            by_device.setdefault(raw.device, []).append(i)
+    for idx in by_device.values():
+        parts = [raws[i][:_PEEK] for i in idx]
+        flat = torch.cat(parts).cpu().numpy().tobytes()
+        at = 0
+        for i, part in zip(idx, parts):
+            out[i] = flat[at: at + part.numel()]
+            at += part.numel()
+    return out
+
+
+def _start_decode(p: _Pending, raw: torch.Tensor, head: bytes) -> None:
+    """The host checks of one payload, its body check queued, its positions decoded on its device
+    with their checks queued (``decode_many``)."""
+    name = p.name
+    header, start = _parse_header(head, raw, name)
     try:
         enc, code, shape = header["enc"], header["dtype"], tuple(int(d) for d in header["shape"])
         count, runs, digest = int(header["count"]), int(header["runs"]), str(header["digest"])
@@ -264,12 +350,10 @@ def decode(payload: torch.Tensor, name: str = "?") -> Decoded:
     if not is_lin64(digest):
         raise _bad(name, f"its digest {digest[:40]!r} is not a lin64 digest ('lin64:' and 16 hex digits): a "
                          "payload of an older ckpt-engine (SHA-256 digests)? register the version again with this one")
-    raw = payload.reshape(-1)
     if start + body_len != raw.numel():
         raise _bad(name, f"body of {raw.numel() - start} bytes, header says {body_len}")
     body = raw[start:]
-    if lin64(body) != check:   # on the payload's device: no copy of the body to the host
-        raise _bad(name, "the body's check (lin64) does not match: corrupted in transit or in memory")
+    p.check = (queue(body), check)   # on the payload's device: no copy of the body to the host
     dtype = WIRE_DTYPES[code]
     size = torch.empty(0, dtype=dtype).element_size()
     numel = 1
@@ -282,8 +366,8 @@ def decode(payload: torch.Tensor, name: str = "?") -> Decoded:
         raise _bad(name, f"{enc} body of {body_len} bytes, {getattr(sizes, enc)} expected")
     values_at = body_len - _align8(count * size)
     values = _words(body[values_at: values_at + count * size], dtype, count)
-    positions = None if enc == "whole" else _positions(enc, body[:values_at], numel, count, runs, name)
-    return Decoded(enc, dtype, shape, count, digest, positions, values)
+    positions = None if enc == "whole" else _positions(p, enc, body[:values_at], numel, count, runs)
+    p.decoded = Decoded(enc, dtype, shape, count, digest, positions, values)
 
 
 def _words(raw: torch.Tensor, dtype: torch.dtype, count: int) -> torch.Tensor:
@@ -298,7 +382,13 @@ def _ints(raw: torch.Tensor, n: int, width: int) -> torch.Tensor:
     return out.to(torch.int64)
 
 
-def _positions(enc: str, raw: torch.Tensor, numel: int, count: int, runs: int, name: str) -> torch.Tensor:
+def _flag(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.int64).reshape(())
+
+
+def _positions(p: _Pending, enc: str, raw: torch.Tensor, numel: int, count: int, runs: int) -> torch.Tensor:
+    """The changed positions, decoded without reading anything back: what must hold of them (the
+    bitmap's count, the runs' lengths, in range and strictly increasing) is queued on ``p.device``."""
     w = index_width(numel)
     if enc == "idx":
         pos = _ints(raw, count, w)
@@ -308,21 +398,44 @@ def _positions(enc: str, raw: torch.Tensor, numel: int, count: int, runs: int, n
         pos = torch.cumsum(gaps.to(torch.int64), 0)
     elif enc == "bitmap":
         mask = _unpack_bits(raw[: (numel + 7) // 8], numel)
-        pos = torch.nonzero(mask).reshape(-1)
-        if pos.numel() != count:
-            raise _bad(name, f"bitmap marks {pos.numel()} elements, header says {count}")
+        pos = _nonzero(mask, count)
+        if pos.numel() != count:   # the host's nonzero
+            raise _bad(p.name, f"bitmap marks {pos.numel()} elements, header says {count}")
+        if mask.device.type != "cpu":   # a device's nonzero_static gave count of them, whatever it marks
+            p.device.append((_flag(mask.sum()), count, lambda n: f"bitmap marks {n} elements, header says {count}"))
     else:
         starts, lengths = _ints(raw, runs, w), _ints(raw[_align8(runs * w):], runs, w)
-        if runs and (bool((lengths <= 0).any()) or int(lengths.sum()) != count):
-            raise _bad(name, "run lengths do not add up to the count")
-        pos = torch.repeat_interleave(starts, lengths) + (torch.arange(count, device=raw.device)
-                                                          - torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths,
-                                                                                    lengths))
+        if runs:
+            bad = (lengths <= 0).any() | (lengths.sum() != count)
+            p.device.append((_flag(bad), 0, lambda _: "run lengths do not add up to the count"))
+        pos = _expand_runs(starts, lengths, count)
     if pos.numel() != count:
-        raise _bad(name, f"{pos.numel()} positions, header says {count}")
-    if count and (int(pos[0]) < 0 or int(pos[-1]) >= numel or (count > 1 and bool((pos[1:] <= pos[:-1]).any()))):
-        raise _bad(name, "positions out of range or not strictly increasing")
+        raise _bad(p.name, f"{pos.numel()} positions, header says {count}")
+    if count:
+        bad = (pos[0] < 0) | (pos[-1] >= numel)
+        if count > 1:
+            bad = bad | (pos[1:] <= pos[:-1]).any()
+        p.device.append((_flag(bad), 0, lambda _: "positions out of range or not strictly increasing"))
     return pos
+
+
+def _nonzero(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """The set positions of ``mask``; on a device exactly ``count`` of them (padded with -1, caught by
+    the checks), as ``nonzero`` would have to read its size back."""
+    if mask.device.type == "cpu":
+        return torch.nonzero(mask).reshape(-1)
+    return torch.nonzero_static(mask, size=count, fill_value=-1).reshape(-1)
+
+
+def _expand_runs(starts: torch.Tensor, lengths: torch.Tensor, count: int) -> torch.Tensor:
+    """Every position of the runs ``(starts, lengths)``, ``count`` of them, without reading a size
+    back; whatever the lengths (unchecked yet), every index stays in range."""
+    if starts.numel() == 0:
+        return starts.new_zeros(0) if count == 0 else starts.new_full((count,), -1)
+    ends = torch.cumsum(lengths, 0)
+    at = torch.arange(count, device=starts.device)
+    run = torch.searchsorted(ends, at, right=True).clamp_(max=starts.numel() - 1)
+    return starts[run] + at - (ends - lengths)[run]
 
 
 def apply_decoded(target: torch.Tensor, d: Decoded) -> torch.Tensor | None:
@@ -334,7 +447,7 @@ def apply_decoded(target: torch.Tensor, d: Decoded) -> torch.Tensor | None:
         words.copy_(d.values.to(words.device).view_as(words))
         return None
     pos = d.positions.to(words.device)
-    old = words[pos].clone()
+    old = words[pos]   # indexing copies
     words[pos] = d.values.to(words.device)
     return old
 

@@ -126,26 +126,49 @@ def lin64_many(tensors, *, engine: str | None = None) -> list[str]:
     """``lin64`` of each tensor, each on its own device; the device sums are read back together,
     one host synchronisation per device rather than one per tensor (a delta's bucket of small
     tensors on a GPU). ``tensors`` may be a generator: each is let go once its digest is queued."""
-    sums: list[int] = []
-    tails: list[int] = []
-    pending: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}   # device -> (index, its 0-d sum there)
-    for i, t in enumerate(tensors):
-        words, width = words_of(t)
-        tails.append(mix_int((words.numel() << 4) | width))
-        kind = engine or ("numpy" if words.device.type == "cpu" else "torch")
-        if kind == "numpy":
-            sums.append(_sum_numpy(words))
-        elif kind == "torch":
-            sums.append(0)
-            pending.setdefault(words.device, []).append((i, _sum_torch(words)))
-        else:
-            raise ValueError(f"unknown lin64 engine {kind!r}")
-        del t, words   # a cast copy the caller made for this digest is freed now (the kernels are queued)
-    for group in pending.values():
-        values = torch.stack([total for _, total in group]).tolist()   # one sync per device
-        for (i, _), value in zip(group, values):
-            sums[i] = value
-    return [_fmt(body + tail) for body, tail in zip(sums, tails)]
+    queued = [queue(t, engine=engine) for t in tensors]
+    return [q.digest(v) for q, v in zip(queued, read_ints([q.total for q in queued]))]
+
+
+class Queued:
+    """A ``lin64`` whose sum may still be running on a device: ``total`` (a 0-d int64 tensor there,
+    or a host int) and the size term; ``digest(value)`` once ``total`` was read back (``read_ints``)."""
+
+    __slots__ = ("total", "tail")
+
+    def __init__(self, total: torch.Tensor | int, tail: int):
+        self.total, self.tail = total, tail
+
+    def digest(self, value: int) -> str:
+        return _fmt(value + self.tail)
+
+
+def queue(t: torch.Tensor, *, engine: str | None = None) -> Queued:
+    """Start ``lin64(t)`` without waiting for it: on a device its kernels are queued and nothing is
+    read back (``read_ints`` reads many at once); on the host (numpy) it is computed now."""
+    words, width = words_of(t)
+    tail = mix_int((words.numel() << 4) | width)
+    kind = engine or ("numpy" if words.device.type == "cpu" else "torch")
+    if kind == "numpy":
+        return Queued(_sum_numpy(words), tail)
+    if kind == "torch":
+        return Queued(_sum_torch(words), tail)
+    raise ValueError(f"unknown lin64 engine {kind!r}")
+
+
+def read_ints(values) -> list[int]:
+    """Host ints of ``values`` (host ints, or 0-d integer tensors on any device), reading each
+    device's tensors back together: one host synchronisation per device, not one per value."""
+    out: list[int] = [v if isinstance(v, int) else 0 for v in values]
+    pending: dict[torch.device, list[int]] = {}
+    for i, v in enumerate(values):
+        if not isinstance(v, int):
+            pending.setdefault(v.device, []).append(i)
+    for idx in pending.values():
+        got = torch.stack([values[i].to(torch.int64) for i in idx]).tolist()
+        for i, value in zip(idx, got):
+            out[i] = value
+    return out
 
 
 def is_lin64(digest: object) -> bool:
@@ -218,4 +241,5 @@ def _sum_numpy(words: torch.Tensor) -> int:
     return sum(parts) & _MASK
 
 
-__all__ = ["PREFIX", "ROW", "CHUNK", "lin64", "lin64_many", "is_lin64", "words_of", "mix_int"]
+__all__ = ["PREFIX", "ROW", "CHUNK", "Queued", "lin64", "lin64_many", "queue", "read_ints", "is_lin64", "words_of",
+           "mix_int"]

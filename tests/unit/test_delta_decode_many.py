@@ -1,0 +1,151 @@
+"""A bucket's payloads are decoded together (``encode.decode_many``): every check of every payload
+runs before anything is written, the device results are read back once for the bucket, and a
+refused payload is named, with the same error ``decode`` gives it alone."""
+
+import struct
+
+import pytest
+import torch
+
+import ckpt_core.delta.encode as enc
+import ckpt_core.delta.lin64 as lin
+from ckpt_core.checkpoint.safetensors import WIRE_CODES
+from ckpt_core.delta.apply import DeltaReceiver
+from ckpt_core.delta.encode import ENCODINGS, apply_decoded, decode, decode_many, encode_tensor
+from ckpt_core.delta.versions import PAYLOAD, manifest_name
+from ckpt_core.errors import CheckpointFormatError
+
+
+def _pair(n, density, seed, dtype=torch.bfloat16):
+    gen = torch.Generator().manual_seed(seed)
+    base = torch.randn(n, generator=gen).to(dtype)
+    new = base.clone()
+    new.view(torch.int16)[torch.randperm(n, generator=gen)[: max(1, int(n * density))]] ^= 1
+    return base, new
+
+
+def _crafted(enc_name, positions, values, numel, *, runs=0, body=None):
+    """A payload whose body check is right but whose positions are not (what a buggy encoder would send)."""
+    header = {"dtype": WIRE_CODES[torch.int16], "shape": [numel], "enc": enc_name, "count": len(values),
+              "runs": runs, "digest": "lin64:0123456789abcdef"}
+    if body is None:
+        idx = struct.pack(f"<{len(positions)}i", *positions)
+        body = idx + b"\0" * (-len(idx) % 8)
+        vals = struct.pack(f"<{len(values)}h", *values)
+        body += vals + b"\0" * (-len(vals) % 8)
+    return enc._payload(header, body)
+
+
+@pytest.mark.parametrize("encoding", ENCODINGS)
+def test_decode_many_equals_decode_one_by_one(encoding):
+    pairs = [_pair(n, d, s) for n, d, s in [(5000, 0.02, 1), (64, 0.3, 2), (70_000, 0.001, 3)]]
+    payloads = []
+    for i, (base, new) in enumerate(pairs):
+        force = None if encoding == "whole" else encoding
+        if encoding == "gap16" and i == 2:
+            force = "idx"   # gaps of 70,000 elements do not fit
+        p, _ = encode_tensor(new, None if encoding == "whole" else base, force=force)
+        payloads.append((f"t{i}", p))
+    together = decode_many(payloads)
+    for (name, p), d, (base, new) in zip(payloads, together, pairs):
+        alone = decode(p, name)
+        assert (d.encoding, d.count, d.digest, d.shape) == (alone.encoding, alone.count, alone.digest, alone.shape)
+        live = base.clone()
+        apply_decoded(live, d)
+        assert torch.equal(live.view(torch.int16), new.view(torch.int16))
+
+
+def test_a_bucket_reads_its_checks_back_once(monkeypatch):
+    pairs = [_pair(4096 + i, 0.02, i) for i in range(12)]
+    payloads = [(f"t{i}", encode_tensor(new, base, force=e)[0])
+                for i, ((base, new), e) in enumerate(zip(pairs, ["idx", "gap16", "bitmap", "runs"] * 3))]
+    reads, inside = [], []
+    real = enc.read_ints
+
+    def read_ints(values):   # the one read-back allowed: its own tolist()
+        reads.append(len(values))
+        inside.append(1)
+        try:
+            return real(values)
+        finally:
+            inside.pop()
+
+    def forbid(name):
+        orig = getattr(torch.Tensor, name)
+
+        def guarded(*a, **k):
+            if not inside:
+                pytest.fail(f"Tensor.{name} in decode_many: a per-payload read-back")
+            return orig(*a, **k)
+        monkeypatch.setattr(torch.Tensor, name, guarded)
+    monkeypatch.setattr(enc, "read_ints", read_ints)
+    for name in ("item", "__bool__", "__int__", "tolist"):
+        forbid(name)
+    decoded = decode_many(payloads)
+    monkeypatch.undo()
+    assert len(decoded) == 12 and len(reads) == 1
+    assert reads[0] == 12 + 12 + 3   # the body checks, the positions of each, the runs' lengths
+
+
+def test_the_first_refused_payload_is_named_and_nothing_is_written():
+    pairs = {n: _pair(4096, 0.05, i) for i, n in enumerate("abc")}
+    weights = [(manifest_name("A", "B", 0, 1), torch.zeros(1, dtype=torch.uint8))]
+    for n, (base, new) in pairs.items():
+        weights.append((PAYLOAD + n, encode_tensor(new, base)[0]))
+    weights[2] = (weights[2][0], weights[2][1].clone())
+    weights[2][1][-3] ^= 0x10   # b's body: its check fails
+    weights[3][1][-3] ^= 0x10   # c's too: b comes first
+    live = {n: base.clone() for n, (base, _) in pairs.items()}
+    rx = DeltaReceiver(live=live.get, held="A")
+    with pytest.raises(CheckpointFormatError, match="body's check") as err:
+        with rx.update(run=lambda ws: None, version=None) as cb:
+            cb.on_plan([(n, t.dtype, tuple(t.shape)) for n, t in weights])
+            cb.run(weights)
+    assert err.value.tensor == "b"
+    assert all(torch.equal(live[n], pairs[n][0]) for n in live) and rx.held == "A"   # a too: decoded, not written
+
+
+@pytest.mark.parametrize("positions, why", [
+    ([3, 3, 9], "not strictly increasing"), ([5, 2, 9], "not strictly increasing"),
+    ([1, 2, 64], "out of range"), ([-1, 2, 9], "out of range")])
+def test_bad_positions_behind_a_good_body_check_are_refused(positions, why):
+    good = _crafted("idx", [1, 2, 9], [7, 8, 9], 64)
+    bad = _crafted("idx", positions, [7, 8, 9], 64)
+    assert decode(good, "w").positions.tolist() == [1, 2, 9]
+    with pytest.raises(CheckpointFormatError, match="positions out of range or not strictly increasing") as err:
+        decode_many([("v", good), ("w", bad)])
+    assert err.value.tensor == "w", why
+
+
+def test_runs_whose_lengths_do_not_add_up_are_refused_and_expand_in_range():
+    def runs_body(starts, lengths, values):
+        idx = struct.pack(f"<{len(starts)}i", *starts) + b"\0" * (-4 * len(starts) % 8)
+        idx += struct.pack(f"<{len(lengths)}i", *lengths) + b"\0" * (-4 * len(lengths) % 8)
+        vals = struct.pack(f"<{len(values)}h", *values)
+        return idx + vals + b"\0" * (-len(vals) % 8)
+    ok = _crafted("runs", [], [1, 2, 3, 4], 64, runs=2, body=runs_body([3, 10], [1, 3], [1, 2, 3, 4]))
+    assert decode(ok).positions.tolist() == [3, 10, 11, 12]
+    for lengths in ([2, 3], [0, 4], [-1, 5], [5, -1]):
+        bad = _crafted("runs", [], [1, 2, 3, 4], 64, runs=2, body=runs_body([3, 10], lengths, [1, 2, 3, 4]))
+        with pytest.raises(CheckpointFormatError, match="run lengths do not add up"):
+            decode(bad, "w")
+
+
+def test_a_bitmap_marking_other_than_its_count_is_refused():
+    base, new = _pair(4096, 0.1, 5)
+    payload, _ = encode_tensor(new, base, force="bitmap")
+    header, start = enc.read_header(payload)
+    body = bytes(payload[start:].numpy())
+    at = next(i for i, b in enumerate(body) if b != 0xFF)
+    body = body[:at] + bytes([body[at] | (body[at] + 1)]) + body[at + 1:]   # one more element marked
+    bad = enc._payload({k: v for k, v in header.items() if k not in ("body", "check")}, body)
+    with pytest.raises(CheckpointFormatError, match=r"bitmap marks \d+ elements, header says"):
+        decode(bad, "w")
+
+
+def test_a_long_header_is_read_past_the_peek(monkeypatch):
+    monkeypatch.setattr(enc, "_PEEK", 16)
+    base, new = _pair(300, 0.1, 6)
+    p, _ = encode_tensor(new, base)
+    d = decode_many([("w", p)])[0]
+    assert d.digest == lin.lin64(new)
