@@ -2,34 +2,41 @@
 
 A delta's post-apply check (``apply.py``) digests every changed tensor an engine worker holds. A
 SHA-256 of the bytes needs them on the host: a device-to-host copy of every changed tensor, which
-dominated a delta update's time. ``lin64`` runs as a few integer tensor ops on the tensor's own
-device (no host copy), and on the host as numpy on a small thread pool (about as fast as the
-SHA-256 it replaces, ``benchmarks/delta_digest_bench.py``).
+dominated a delta update's time. ``lin64`` runs as two integer tensor ops per chunk on the tensor's
+own device (no host copy), and on the host as numpy on a small thread pool.
 
 Definition (the same on every device, pinned by ``tests/unit/test_delta_lin64.py`` against a
-plain-Python reference). The contiguous tensor's bytes are read as ``n`` two's-complement words
-of its item size ``w`` (int8, int16, int32 or int64; items of 16 bytes as two int64 words), each
-sign-extended to 64 bits. Word ``i`` gets the coefficient ``c_i = a[i % ROW] * b[i // ROW]`` with
-``a[k] = mix(k + SEED_A) | 1``, ``b[j] = mix(j + SEED_B) | 1`` (``mix``: splitmix64's
-finalizer); a product of odd numbers, ``c_i`` is odd. Then, all mod 2**64::
+plain-Python reference, ``tests/support/data.py``). The contiguous tensor's ``N`` bytes, zero-padded
+to a multiple of 8, are read as ``M = ceil(N / 8)`` little-endian 64-bit words, whatever the dtype
+(the tensor's own bytes viewed as int64: no widening pass, one multiply per 8 bytes). Word ``i``
+gets the coefficient ``c_i = a[i % ROW] * b[i // ROW]`` with ``a[k] = mix(k + SEED_A) | 1``,
+``b[j] = mix(j + SEED_B) | 1`` (``mix``: splitmix64's finalizer); a product of odd numbers, ``c_i``
+is odd. Then, all mod 2**64::
 
-    lin64 = sum_i word_i * c_i  +  mix((n << 4) | w)
+    lin64 = sum_i word_i * c_i  +  mix((N << 5) | item_size)
 
 written ``"lin64:<16 hex digits>"``. Integer sums mod 2**64 are exact and do not depend on the
 order of the additions, so a GPU's reduction gives the CPU's value bit for bit.
 
-What it guarantees: any change of one word (one element of item size 1-8) changes the digest:
-the change is ``d * c_i`` with ``0 < |d| < 2**64`` and ``c_i`` odd, hence invertible mod 2**64.
-So a dropped, duplicated-onto or corrupted single element is always caught, and the word count
-and width are in it. Changes of several elements are caught unless they cancel exactly, which
-random or systematic faults (a lost scatter, a shifted write, a stale region) do not do by
-chance (about 2**-64 for unstructured changes). It is **not** a cryptographic hash: anyone who
-can choose the bytes can build a collision (it is linear). The transport's integrity against a
-foreign writer stays with the SHA-256 registration digests of ``p2p/digests.py``.
+What it guarantees: any change of one element of item size 1, 2, 4 or 8 changes the digest. Such
+an element lies inside one word (its size divides 8 and it starts at a multiple of its size), at
+byte ``s`` of it, so the word changes by ``d * 2**(8 s)`` with ``0 < |d| < 2**(8 size)`` and
+``8 s + 8 size <= 64``: a nonzero number of magnitude below 2**64, hence nonzero mod 2**64, and
+times the odd ``c_i`` (invertible mod 2**64) still nonzero. So a dropped, duplicated-onto or
+corrupted single element is always caught, and the byte count and item size are in it. (An item of
+16 bytes spans two words: a change of both could cancel, as it could before.) Changes of several
+elements are caught unless they cancel exactly, which random or systematic faults (a lost scatter, a
+shifted write, a stale region) do not do by chance (about 2**-64 for unstructured changes). It is
+**not** a cryptographic hash: anyone who can choose the bytes can build a collision (it is linear).
+The transport's integrity against a foreign writer stays with the SHA-256 registration digests of
+``p2p/digests.py``.
 
-Memory stays bounded: the words go through in chunks of ``CHUNK`` words (a ``CHUNK``-sized int64
-temporary on the device), and the coefficients are computed per chunk (``ROW`` + ``CHUNK/ROW``
-of them), never a table the size of the model.
+Cost on a device, per 8 bytes of the tensor: one int64 multiply (into a temporary) and one add of a
+row sum; per row of ``ROW`` words one more multiply-add; the coefficients ``a`` and ``b`` are cached
+per device (``b`` grows with the largest tensor seen: 8 bytes per 32 KiB of it), so a digest costs
+three kernels per chunk of ``CHUNK`` words (a 64 MiB temporary at most) plus three per tensor. A
+tensor whose first byte is not 8-byte aligned in its storage is read chunk by chunk through an
+aligned copy (bounded, never the whole tensor).
 """
 
 from __future__ import annotations
@@ -45,13 +52,11 @@ from ckpt_core.errors import CheckpointFormatError
 
 PREFIX = "lin64:"
 ROW = 4096                 # words per row: a[k] repeats every ROW words, b[j] changes every row
-CHUNK = 1 << 23            # words per chunk (a multiple of ROW): a 64 MiB int64 temporary at most
-_BLOCK_ROWS = 32           # rows per numpy block: a 1 MiB uint64 buffer, in cache (measured best)
+CHUNK = 1 << 23            # 8-byte words per chunk on a device (a multiple of ROW): a 64 MiB int64 temporary at most
 SEED_A = 0x6C696E3634A11CE5
 SEED_B = 0x9E3779B97F4A7C15
 _MASK = (1 << 64) - 1
-_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_NP_THREADS_MIN_WORDS = 1 << 21   # below: one thread (the pool's start costs more than it saves)
+_NP_THREADS_MIN_WORDS = 1 << 19   # below: one thread (the pool's start costs more than it saves)
 
 
 def _signed(x: int) -> int:
@@ -86,6 +91,7 @@ def _coefficients(start: int, count: int, seed: int, device) -> torch.Tensor:
 
 
 _A_CACHE: dict[str, torch.Tensor] = {}
+_B_CACHE: dict[str, torch.Tensor] = {}
 
 
 def _a(device) -> torch.Tensor:
@@ -96,17 +102,22 @@ def _a(device) -> torch.Tensor:
     return a
 
 
-def words_of(t: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """A contiguous tensor's bytes as flat signed words of its item size, and that width in bytes
-    (16-byte items: int64 words). ``CheckpointFormatError`` for a non-contiguous tensor (never copied)."""
+def _b(device, rows: int) -> torch.Tensor:
+    """``b[0:rows]`` on ``device``, from a per-device cache grown to the next power of two."""
+    key = str(device)
+    b = _B_CACHE.get(key)
+    if b is None or b.numel() < rows:
+        b = _B_CACHE[key] = _coefficients(0, max(1 << max(rows - 1, 0).bit_length(), 64), SEED_B, device)
+    return b[:rows]
+
+
+def raw_of(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """A contiguous tensor's bytes as a flat uint8 view, and its item size.
+    ``CheckpointFormatError`` for a non-contiguous tensor (never copied)."""
     if not t.is_contiguous():
         raise CheckpointFormatError(f"lin64 digests a contiguous tensor's bytes; this {t.dtype} "
                                     f"{list(t.shape)} has strides {list(t.stride())} (no silent copy)")
-    size = t.element_size()
-    flat = t.detach().reshape(-1)
-    if size in _INT_OF_SIZE:
-        return flat.view(_INT_OF_SIZE[size]), size
-    return flat.view(torch.uint8).view(torch.int64), 8
+    return t.detach().reshape(-1).view(torch.uint8), t.element_size()
 
 
 def _fmt(total: int) -> str:
@@ -146,13 +157,13 @@ class Queued:
 def queue(t: torch.Tensor, *, engine: str | None = None) -> Queued:
     """Start ``lin64(t)`` without waiting for it: on a device its kernels are queued and nothing is
     read back (``read_ints`` reads many at once); on the host (numpy) it is computed now."""
-    words, width = words_of(t)
-    tail = mix_int((words.numel() << 4) | width)
-    kind = engine or ("numpy" if words.device.type == "cpu" else "torch")
+    raw, size = raw_of(t)
+    tail = mix_int((raw.numel() << 5) | size)
+    kind = engine or ("numpy" if raw.device.type == "cpu" else "torch")
     if kind == "numpy":
-        return Queued(_sum_numpy(words), tail)
+        return Queued(_sum_numpy(raw), tail)
     if kind == "torch":
-        return Queued(_sum_torch(words), tail)
+        return Queued(_sum_torch(raw), tail)
     raise ValueError(f"unknown lin64 engine {kind!r}")
 
 
@@ -179,67 +190,77 @@ def is_lin64(digest: object) -> bool:
 
 
 # -- torch: any device -----------------------------------------------------------------------
-def _sum_torch(words: torch.Tensor) -> torch.Tensor:
-    """``sum_i word_i * c_i`` mod 2**64 with torch ops on the words' device: a 0-d int64 tensor
-    there (not read back: ``lin64_many`` reads a device's sums together)."""
-    device = words.device
+def _word_chunk(raw: torch.Tensor, start: int, count: int) -> torch.Tensor:
+    """Words ``[start, start + count)`` of ``raw`` (flat uint8) as int64: a view where the bytes are
+    8-byte aligned in their storage, else an aligned copy of this chunk only."""
+    part = raw[8 * start: 8 * (start + count)]
+    if part.storage_offset() % 8 == 0:
+        return part.view(torch.int64)
+    out = torch.empty(count, dtype=torch.int64, device=raw.device)
+    out.view(torch.uint8).copy_(part)
+    return out
+
+
+def _sum_torch(raw: torch.Tensor) -> torch.Tensor:
+    """``sum_i word_i * c_i`` mod 2**64 with torch ops on the bytes' device: a 0-d int64 tensor
+    there (not read back: ``read_ints`` reads a device's sums together)."""
+    device = raw.device
     a = _a(device)
-    n = words.numel()
-    total = torch.zeros((), dtype=torch.int64, device=device)
-    for start in range(0, n, CHUNK):
-        chunk = words[start: start + CHUNK]
-        rows, tail = divmod(chunk.numel(), ROW)
-        first_row = start // ROW
-        if rows:
-            inner = (chunk[: rows * ROW].view(rows, ROW) * a).sum(dim=1)   # int64, wraps
-            total += (inner * _coefficients(first_row, rows, SEED_B, device)).sum()
-        if tail:
-            inner_tail = (chunk[rows * ROW:] * a[:tail]).sum()
-            total += inner_tail * _coefficients(first_row + rows, 1, SEED_B, device)[0]
-    return total
+    n = raw.numel()
+    m, rest = divmod(n, 8)
+    rows = -(-(m + (rest > 0)) // ROW)
+    inner = torch.empty(rows, dtype=torch.int64, device=device)   # sum_k word[j, k] * a[k] of each row j
+    for start in range(0, m, CHUNK):
+        words = _word_chunk(raw, start, min(CHUNK, m - start))
+        full, part = divmod(words.numel(), ROW)
+        row = start // ROW
+        if full:
+            torch.sum(words[: full * ROW].view(full, ROW) * a, dim=1, out=inner[row: row + full])
+        if part:
+            inner[row + full] = (words[full * ROW:] * a[:part]).sum()
+    if rest:   # the last word, zero-padded: row m // ROW, column m % ROW
+        pad = torch.zeros(8, dtype=torch.uint8, device=device)
+        pad[:rest] = raw[8 * m:]
+        last = pad.view(torch.int64) * a[m % ROW]
+        if m % ROW:
+            inner[m // ROW: m // ROW + 1] += last
+        else:
+            inner[m // ROW: m // ROW + 1] = last
+    return (inner * _b(device, rows)).sum()
 
 
 # -- numpy: the host ------------------------------------------------------------------------
-def _sum_rows_numpy(w: np.ndarray, first_row: int, a: np.ndarray) -> int:
-    """``sum word * c`` mod 2**64 of ``w`` (signed words, starting at row ``first_row``), in
-    cache-sized blocks: widen to uint64 (sign-extending: C's conversion is mod 2**64), multiply, sum."""
-    n = w.size
-    rows = -(-n // ROW)
-    b = _coefficients(first_row, rows, SEED_B, "cpu").numpy().view(np.uint64)
-    inner = np.empty(rows, dtype=np.uint64)
-    step = _BLOCK_ROWS * ROW
-    buf = np.empty(step, dtype=np.uint64)
-    for s in range(0, n, step):
-        block = w[s: s + step]
-        m = block.size
-        full, tail = divmod(m, ROW)
-        view = buf[:m]
-        np.copyto(view, block, casting="unsafe")
-        if full:
-            part = view[: full * ROW].reshape(full, ROW)
-            np.multiply(part, a, out=part)
-            part.sum(axis=1, dtype=np.uint64, out=inner[s // ROW: s // ROW + full])
-        if tail:
-            rest = view[full * ROW:]
-            np.multiply(rest, a[:tail], out=rest)
-            inner[s // ROW + full] = rest.sum(dtype=np.uint64)
+def _sum_rows_numpy(w: np.ndarray, first_row: int, a: np.ndarray, b: np.ndarray) -> int:
+    """``sum word * c`` mod 2**64 of ``w`` (uint64 words starting at row ``first_row``): each row's
+    dot with ``a`` (numpy's integer matmul: a fused loop, no temporary), then with ``b``."""
+    full, part = divmod(w.size, ROW)
     with np.errstate(over="ignore"):
-        return int(np.multiply(inner, b).sum(dtype=np.uint64))
+        inner = w[: full * ROW].reshape(full, ROW) @ a
+        total = int(np.dot(inner, b[first_row: first_row + full]))
+        if part:
+            total += int(np.dot(w[full * ROW:], a[:part])) * int(b[first_row + full])
+    return total
 
 
-def _sum_numpy(words: torch.Tensor) -> int:
-    w = words.numpy()
+def _sum_numpy(raw: torch.Tensor) -> int:
+    data = raw.numpy()
+    n = data.size
+    m, rest = divmod(n, 8)
+    w = data[: 8 * m].view(np.uint64)   # little-endian words of the tensor's own bytes (no copy)
     a = _a("cpu").numpy().view(np.uint64)
-    n = w.size
-    spans = [(s, min(s + CHUNK, n)) for s in range(0, n, CHUNK)]
+    b = _b("cpu", -(-(m + 1) // ROW)).numpy().view(np.uint64)
+    spans = [(s, min(s + CHUNK, m)) for s in range(0, m, CHUNK)]
     threads = min(fault_threads(), os.cpu_count() or 1, len(spans))
-    if threads < 2 or n < _NP_THREADS_MIN_WORDS:
-        parts = [_sum_rows_numpy(w[s:e], s // ROW, a) for s, e in spans]
+    if threads < 2 or m < _NP_THREADS_MIN_WORDS:
+        parts = [_sum_rows_numpy(w[s:e], s // ROW, a, b) for s, e in spans]
     else:
         with ThreadPoolExecutor(threads, thread_name_prefix="ckpt-lin64") as pool:
-            parts = list(pool.map(lambda se: _sum_rows_numpy(w[se[0]: se[1]], se[0] // ROW, a), spans))
-    return sum(parts) & _MASK
+            parts = list(pool.map(lambda se: _sum_rows_numpy(w[se[0]: se[1]], se[0] // ROW, a, b), spans))
+    total = sum(parts)
+    if rest:   # the last word, zero-padded
+        total += int.from_bytes(data[8 * m:].tobytes(), "little") * int(a[m % ROW]) * int(b[m // ROW])
+    return total & _MASK
 
 
-__all__ = ["PREFIX", "ROW", "CHUNK", "Queued", "lin64", "lin64_many", "queue", "read_ints", "is_lin64", "words_of",
+__all__ = ["PREFIX", "ROW", "CHUNK", "Queued", "lin64", "lin64_many", "queue", "read_ints", "is_lin64", "raw_of",
            "mix_int"]

@@ -43,6 +43,17 @@ def test_the_gpu_digest_equals_the_host_digest(dtype):
     assert lin64(small.cuda()) == lin64_reference(small)
 
 
+@pytest.mark.parametrize("n", [4 * CHUNK - 1, 4 * CHUNK, 4 * CHUNK + 1, 4 * 3 * CHUNK + 5])
+def test_the_gpu_digest_equals_the_host_digest_at_word_chunk_borders_and_unaligned(n):
+    """lin64 reads 8-byte words (4 bf16 elements each): chunk borders in words, and a view whose bytes
+    start inside a word of its storage (read through aligned copies of each chunk)."""
+    host = _random(n, torch.bfloat16, n)
+    dev = host.cuda()
+    assert lin64(dev) == lin64(host)
+    assert lin64(dev[1:]) == lin64(host[1:]) == lin64(host[1:].clone())
+    assert lin64(dev[3:ROW + 5]) == lin64_reference(host[3:ROW + 5])
+
+
 def test_many_digests_on_the_gpu_and_the_host_read_back_together():
     host = [_random(n, torch.bfloat16, n) for n in (3, ROW + 1, CHUNK + 7)]
     mixed = [host[0], host[1].cuda(), host[2].cuda()]
