@@ -30,9 +30,11 @@ import struct
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
 from ckpt_core.checkpoint.safetensors import WIRE_CODES, WIRE_DTYPES
+from ckpt_core.delta._changes import Changes, changed_positions
 from ckpt_core.delta.lin64 import Queued, is_lin64, lin64, queue, read_ints
 from ckpt_core.errors import CheckpointFormatError, ConfigError
 
@@ -97,60 +99,65 @@ def measure(numel: int, itemsize: int, count: int, runs: int, max_gap: int = 0) 
                  bitmap=_align8((numel + 7) // 8) + values, runs=2 * _align8(runs * w) + values)
 
 
-def run_bounds(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(starts, lengths) int64 of the runs of consecutive values in strictly increasing ``positions``."""
-    breaks = torch.nonzero(torch.diff(positions) != 1).reshape(-1) + 1
-    first = torch.cat([breaks.new_zeros(1), breaks])
-    last = torch.cat([breaks, breaks.new_full((1,), positions.numel())])
-    return positions[first], last - first
-
-
-def _gaps(positions: torch.Tensor) -> torch.Tensor:
-    """The first position, then the distance from each changed position to the next (int64)."""
-    return torch.diff(positions, prepend=positions.new_zeros(1))
-
-
-def _max_gap(positions: torch.Tensor) -> int:
-    return int(_gaps(positions).max()) if positions.numel() else 0
-
-
-def _count_runs(positions: torch.Tensor) -> int:
-    """Runs of consecutive positions in a strictly increasing int64 tensor."""
-    if positions.numel() == 0:
-        return 0
-    return 1 + int(torch.count_nonzero(torch.diff(positions) != 1))
-
-
-def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
-    """One bit per element, little-endian in each byte (numpy's packbits: 20x torch's arithmetic here)."""
-    import numpy as np
-
-    return torch.from_numpy(np.packbits(mask.cpu().numpy(), bitorder="little"))
-
-
 def _unpack_bits(bits: torch.Tensor, numel: int) -> torch.Tensor:
     if bits.device.type == "cpu":
-        import numpy as np
-
         return torch.from_numpy(np.unpackbits(bits.numpy(), count=numel, bitorder="little").view(np.bool_))
     shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
     return ((bits.unsqueeze(1) >> shifts) & 1).reshape(-1)[:numel].bool()
 
 
-def _section(t: torch.Tensor) -> bytes:
-    raw = bytes_of(t.contiguous()).numpy().tobytes() if t.numel() else b""
-    return raw + b"\0" * (_align8(len(raw)) - len(raw))
-
-
-def _payload(header: dict, body: bytes) -> torch.Tensor:
-    header = dict(header, body=len(body), check=lin64(torch.frombuffer(bytearray(body), dtype=torch.uint8))
-                  if body else lin64(torch.empty(0, dtype=torch.uint8)))
+def _payload(header: dict, body) -> torch.Tensor:
+    """The payload of ``header`` and ``body`` (bytes, or a flat uint8 numpy array: not copied but
+    once, into the payload), with the body's length and ``lin64`` check added to the header."""
+    if isinstance(body, (bytes, bytearray)):
+        body = np.frombuffer(bytearray(body), dtype=np.uint8)   # writable: torch refuses read-only arrays
+    header = dict(header, body=int(body.size), check=lin64(torch.from_numpy(body)))
     text = json.dumps(header, separators=(",", ":")).encode()
     head = MAGIC + struct.pack("<I", len(text)) + text
     head += b" " * (_align8(len(head)) - len(head))
-    if not (head or body):
-        return torch.empty(0, dtype=torch.uint8)
-    return torch.frombuffer(bytearray(head + body), dtype=torch.uint8)
+    out = np.empty(len(head) + body.size, dtype=np.uint8)
+    out[: len(head)] = np.frombuffer(head, dtype=np.uint8)
+    out[len(head):] = body
+    return torch.from_numpy(out)
+
+
+class _Body:
+    """A payload body being filled: 8-byte aligned sections written in place (no intermediate bytes)."""
+
+    def __init__(self, nbytes: int):
+        self.buf = np.zeros(nbytes, dtype=np.uint8)
+        self.at = 0
+
+    def section(self, nbytes: int, dtype) -> np.ndarray:
+        """The next section's ``nbytes`` bytes as ``dtype`` items, to fill."""
+        view = self.buf[self.at: self.at + nbytes].view(dtype)
+        self.at += _align8(nbytes)
+        return view
+
+
+def _body(enc: str, words: np.ndarray, ch: Changes, numel: int) -> np.ndarray:
+    """The body of a delta encoding (not ``whole``): its index section(s), then the changed values."""
+    count, item = ch.positions.size, words.itemsize * (words.shape[1] if words.ndim > 1 else 1)
+    if enc == "gap16" and ch.max_gap > MAX_GAP16:
+        raise ValueError("gap16 needs every gap below 2**16")
+    body = _Body(getattr(measure(numel, item, count, ch.runs, ch.max_gap), enc))
+    idx = np.int32 if index_width(numel) == 4 else np.int64
+    w = np.dtype(idx).itemsize
+    if enc == "idx":
+        body.section(count * w, idx)[:] = ch.positions
+    elif enc == "gap16":
+        body.section(count * 2, np.uint16)[:] = ch.gaps
+    elif enc == "bitmap":
+        mask = np.zeros(numel, dtype=np.bool_)
+        mask[ch.positions] = True
+        body.section((numel + 7) // 8, np.uint8)[:] = np.packbits(mask, bitorder="little")
+    else:   # runs
+        starts, lengths = ch.run_bounds()
+        body.section(ch.runs * w, idx)[:] = starts
+        body.section(ch.runs * w, idx)[:] = lengths
+    values = body.section(count * item, words.dtype)
+    np.take(words, ch.positions, axis=0, out=values.reshape((count,) + words.shape[1:]))
+    return body.buf
 
 
 def encode_tensor(new: torch.Tensor, old: torch.Tensor | None, *, digest: str | None = None,
@@ -161,6 +168,8 @@ def encode_tensor(new: torch.Tensor, old: torch.Tensor | None, *, digest: str | 
     ``(payload or None, info)`` with ``info = {"encoding", "count", "numel", "bytes"}`` (bytes of
     the payload, 0 when unchanged). ``digest``: ``new``'s ``lin64`` if the caller has it (else
     computed here, only for a changed tensor). ``force``: one encoding, for tests and the benchmark.
+    The changes are found in numpy over cache-sized blocks (``_changes.py``), and each section is
+    written once, into the body.
     """
     new = new.detach().contiguous()
     code = WIRE_CODES.get(new.dtype)
@@ -168,43 +177,27 @@ def encode_tensor(new: torch.Tensor, old: torch.Tensor | None, *, digest: str | 
         raise CheckpointFormatError(f"dtype {new.dtype} has no wire code")
     numel, size = new.numel(), new.element_size()
     header = {"dtype": code, "shape": list(new.shape)}
-    positions: torch.Tensor | None = None   # None: whole (new, reshaped or retyped)
-    mask = torch.zeros(0, dtype=torch.bool)
-    count, runs = numel, 1
+    words = as_words(new).numpy()
+    ch = None   # None: whole (new, reshaped or retyped)
     if old is not None and old.dtype == new.dtype and tuple(old.shape) == tuple(new.shape):
-        mask = changed_mask(new, old.detach().contiguous())
-        positions = torch.nonzero(mask).reshape(-1)
-        count = positions.numel()
-        if count == 0:
+        ch = Changes.of(changed_positions(words, as_words(old.detach().contiguous()).numpy()))
+        if ch.positions.size == 0:
             return None, {"encoding": None, "count": 0, "numel": numel, "bytes": 0}
-        runs = _count_runs(positions)
-    whole = positions is None
-    max_gap = 0 if positions is None else _max_gap(positions)
-    sizes = measure(numel, size, count, runs, max_gap)
-    enc = "whole" if whole else (force or sizes.best())
+    count = numel if ch is None else ch.positions.size
+    sizes = measure(numel, size, count, 1 if ch is None else ch.runs, 0 if ch is None else ch.max_gap)
+    enc = "whole" if ch is None else (force or sizes.best())
+    if enc not in ENCODINGS:
+        raise ValueError(f"unknown encoding {enc!r}")
     digest = digest if digest is not None else lin64(new)
     if not is_lin64(digest):
         raise ConfigError(f"a delta carries a lin64 digest of the new tensor, got {digest!r}")
-    if enc == "whole" or positions is None:
-        body = _section(new)
+    if enc == "whole" or ch is None:
+        body = np.zeros(_align8(numel * size), dtype=np.uint8)
+        body[: numel * size] = bytes_of(new).numpy()
     else:
-        idx_dtype = torch.int32 if index_width(numel) == 4 else torch.int64
-        values = _section(as_words(new)[positions])
-        if enc == "idx":
-            body = _section(positions.to(idx_dtype)) + values
-        elif enc == "gap16":
-            if max_gap > MAX_GAP16:
-                raise ValueError("gap16 needs every gap below 2**16")
-            body = _section(_gaps(positions).to(torch.int32).to(torch.uint16)) + values
-        elif enc == "bitmap":
-            body = _section(_pack_bits(mask)) + values
-        elif enc == "runs":
-            starts, lengths = run_bounds(positions)
-            body = _section(starts.to(idx_dtype)) + _section(lengths.to(idx_dtype)) + values
-        else:
-            raise ValueError(f"unknown encoding {enc!r}")
+        body = _body(enc, words, ch, numel)
     payload = _payload(dict(header, enc=enc, count=numel if enc == "whole" else count,
-                            runs=runs if enc == "runs" else 0, digest=digest), body)
+                            runs=ch.runs if enc == "runs" and ch is not None else 0, digest=digest), body)
     return payload, {"encoding": enc, "count": count, "numel": numel, "bytes": payload.numel()}
 
 
