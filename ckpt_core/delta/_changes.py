@@ -5,15 +5,19 @@ positions and the figures the encodings are chosen by, vectorized in numpy over 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
 _BLOCK = 1 << 18   # elements per compare block: the block's mask stays in cache
 
 
-def changed_positions(new: np.ndarray, old: np.ndarray) -> np.ndarray:
+def changed_positions(new: np.ndarray, old: np.ndarray,
+                      after_block: Callable[[int, bool], None] | None = None) -> np.ndarray:
     """int64 positions, increasing, where the rows (``[n]`` words, or ``[n, k]`` for items wider than
-    8 bytes) of ``new`` and ``old`` differ, compared as integers (bits: never a tolerance)."""
+    8 bytes) of ``new`` and ``old`` differ, compared as integers (bits: never a tolerance).
+    ``after_block(end, changed)``: called after each block, while it is in cache, with the rows
+    compared so far and whether any of them changed (the encode digests the new rows then)."""
     n = new.shape[0]
     parts = []
     for s in range(0, n, _BLOCK):
@@ -23,6 +27,8 @@ def changed_positions(new: np.ndarray, old: np.ndarray) -> np.ndarray:
         found = np.flatnonzero(ne)
         if found.size:
             parts.append(found + s)
+        if after_block is not None:
+            after_block(min(s + _BLOCK, n), bool(parts))
     return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
 
 

@@ -35,7 +35,7 @@ import torch
 
 from ckpt_core.checkpoint.safetensors import WIRE_CODES, WIRE_DTYPES
 from ckpt_core.delta._changes import Changes, changed_positions
-from ckpt_core.delta.lin64 import Queued, is_lin64, lin64, queue, read_ints
+from ckpt_core.delta.lin64 import HostDigest, Queued, is_lin64, lin64, queue, read_ints
 from ckpt_core.errors import CheckpointFormatError, ConfigError
 
 MAGIC = b"CKD1"
@@ -180,9 +180,15 @@ def encode_tensor(new: torch.Tensor, old: torch.Tensor | None, *, digest: str | 
     words = as_words(new).numpy()
     ch = None   # None: whole (new, reshaped or retyped)
     if old is not None and old.dtype == new.dtype and tuple(old.shape) == tuple(new.shape):
-        ch = Changes.of(changed_positions(words, as_words(old.detach().contiguous()).numpy()))
+        host = HostDigest(new) if digest is None else None
+
+        def digest_block(end: int, changed: bool) -> None:   # once it changed: each block as it is compared
+            if host is not None and changed:
+                host.upto(end * size)
+        ch = Changes.of(changed_positions(words, as_words(old.detach().contiguous()).numpy(), digest_block))
         if ch.positions.size == 0:
             return None, {"encoding": None, "count": 0, "numel": numel, "bytes": 0}
+        digest = digest if host is None else host.digest()
     count = numel if ch is None else ch.positions.size
     sizes = measure(numel, size, count, 1 if ch is None else ch.runs, 0 if ch is None else ch.max_gap)
     enc = "whole" if ch is None else (force or sizes.best())

@@ -230,37 +230,76 @@ def _sum_torch(raw: torch.Tensor) -> torch.Tensor:
 
 
 # -- numpy: the host ------------------------------------------------------------------------
-def _sum_rows_numpy(w: np.ndarray, first_row: int, a: np.ndarray, b: np.ndarray) -> int:
-    """``sum word * c`` mod 2**64 of ``w`` (uint64 words starting at row ``first_row``): each row's
-    dot with ``a`` (numpy's integer matmul: a fused loop, no temporary), then with ``b``."""
-    full, part = divmod(w.size, ROW)
+def _sum_words_numpy(w: np.ndarray, start: int, a: np.ndarray, b: np.ndarray) -> int:
+    """``sum word * c`` (not reduced) of the uint64 words ``w``, word ``start`` onwards: a partial row
+    up to the next row border, then each full row's dot with ``a`` (numpy's integer matmul: a fused
+    loop, no temporary) and those with ``b``, then a partial last row."""
+    total = 0
     with np.errstate(over="ignore"):
-        inner = w[: full * ROW].reshape(full, ROW) @ a
-        total = int(np.dot(inner, b[first_row: first_row + full]))
+        head = min((-start) % ROW, w.size)
+        if head:
+            col = start % ROW
+            total += int(np.dot(w[:head], a[col: col + head])) * int(b[start // ROW])
+        w, start = w[head:], start + head
+        full, part = divmod(w.size, ROW)
+        row = start // ROW
+        if full:
+            total += int(np.dot(w[: full * ROW].reshape(full, ROW) @ a, b[row: row + full]))
         if part:
-            total += int(np.dot(w[full * ROW:], a[:part])) * int(b[first_row + full])
+            total += int(np.dot(w[full * ROW:], a[:part])) * int(b[row + full])
     return total
+
+
+class HostDigest:
+    """``lin64`` of a CPU tensor computed in parts, as another pass over its bytes goes (the PS's
+    encode digests each block while it compares it: the bytes are read from memory once).
+    ``upto(nbytes)`` digests the words of the first ``nbytes`` bytes not digested yet (whole words
+    only); ``digest()`` the rest, and the result."""
+
+    def __init__(self, t: torch.Tensor):
+        raw, self.size = raw_of(t)
+        self.data = raw.numpy()
+        self.m = self.data.size // 8
+        self.words = self.data[: 8 * self.m].view(np.uint64)   # little-endian words of its own bytes
+        self.a = _a("cpu").numpy().view(np.uint64)
+        self.b = _b("cpu", self.m // ROW + 1).numpy().view(np.uint64)
+        self.done, self.total = 0, 0
+
+    def upto(self, nbytes: int) -> None:
+        end = min(nbytes // 8, self.m)
+        if end > self.done:
+            self.total += _sum_words_numpy(self.words[self.done: end], self.done, self.a, self.b)
+            self.done = end
+
+    def digest(self) -> str:
+        self.upto(8 * self.m)
+        n = self.data.size
+        return _fmt(self.total + _last_word(self.data, self.a, self.b) + mix_int((n << 5) | self.size))
 
 
 def _sum_numpy(raw: torch.Tensor) -> int:
     data = raw.numpy()
-    n = data.size
-    m, rest = divmod(n, 8)
+    m = data.size // 8
     w = data[: 8 * m].view(np.uint64)   # little-endian words of the tensor's own bytes (no copy)
     a = _a("cpu").numpy().view(np.uint64)
-    b = _b("cpu", -(-(m + 1) // ROW)).numpy().view(np.uint64)
+    b = _b("cpu", m // ROW + 1).numpy().view(np.uint64)
     spans = [(s, min(s + CHUNK, m)) for s in range(0, m, CHUNK)]
-    threads = min(fault_threads(), os.cpu_count() or 1, len(spans))
-    if threads < 2 or m < _NP_THREADS_MIN_WORDS:
-        parts = [_sum_rows_numpy(w[s:e], s // ROW, a, b) for s, e in spans]
+    threads = 1 if m < _NP_THREADS_MIN_WORDS else min(fault_threads(), os.cpu_count() or 1, len(spans))
+    if threads < 2:
+        total = _sum_words_numpy(w, 0, a, b)
     else:
         with ThreadPoolExecutor(threads, thread_name_prefix="ckpt-lin64") as pool:
-            parts = list(pool.map(lambda se: _sum_rows_numpy(w[se[0]: se[1]], se[0] // ROW, a, b), spans))
-    total = sum(parts)
-    if rest:   # the last word, zero-padded
-        total += int.from_bytes(data[8 * m:].tobytes(), "little") * int(a[m % ROW]) * int(b[m // ROW])
-    return total & _MASK
+            total = sum(pool.map(lambda se: _sum_words_numpy(w[se[0]: se[1]], se[0], a, b), spans))
+    return (total + _last_word(data, a, b)) & _MASK
 
 
-__all__ = ["PREFIX", "ROW", "CHUNK", "Queued", "lin64", "lin64_many", "queue", "read_ints", "is_lin64", "raw_of",
-           "mix_int"]
+def _last_word(data: np.ndarray, a: np.ndarray, b: np.ndarray) -> int:
+    """The term of the last word when the bytes end inside one (zero-padded), else 0."""
+    m, rest = divmod(data.size, 8)
+    if not rest:
+        return 0
+    return int.from_bytes(data[8 * m:].tobytes(), "little") * int(a[m % ROW]) * int(b[m // ROW])
+
+
+__all__ = ["PREFIX", "ROW", "CHUNK", "HostDigest", "Queued", "lin64", "lin64_many", "queue", "read_ints", "is_lin64",
+           "raw_of", "mix_int"]

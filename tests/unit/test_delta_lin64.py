@@ -206,3 +206,26 @@ def test_an_apply_that_drops_one_changed_element_fails_the_check_and_is_undone(m
     _drive(rx, _delta(base, new))
     assert torch.equal(live["s"].view(torch.int16), new["s"].view(torch.int16))
     assert torch.equal(live["w"], new["w"].float()) and rx.held == "B"
+
+
+@pytest.mark.parametrize("cuts", [[], [8], [13, 8 * ROW + 5], [8 * ROW, 16 * ROW], [3, 7, 8 * ROW * 3 - 1, 10**9]])
+def test_the_host_digest_in_parts_is_the_digest_wherever_the_parts_end(cuts):
+    """The PS's encode digests a tensor block by block as it compares it (``HostDigest``): any cuts,
+    at or between word and row borders, give lin64 of the whole."""
+    for dtype in (torch.bfloat16, torch.int8, torch.float32):
+        t = _random(5 * ROW + 3, dtype, len(cuts))
+        parts = lin.HostDigest(t)
+        for c in cuts:
+            parts.upto(c)
+        assert parts.digest() == lin64(t) == lin64_reference(t), (dtype, cuts)
+
+
+def test_the_encode_digests_the_new_tensor_as_it_compares_it(monkeypatch):
+    import ckpt_core.delta._changes as changes
+
+    monkeypatch.setattr(changes, "_BLOCK", 1000)   # many blocks; the first change in a later one
+    base = _random(4 * ROW + 1, torch.bfloat16, 9)
+    new = base.clone()
+    new.view(torch.int16)[[3500, 3501, 9000]] ^= 5
+    payload, _ = encode_tensor(new, base)
+    assert read_header(payload)[0]["digest"] == lin64(new) == lin64_reference(new)
