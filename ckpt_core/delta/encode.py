@@ -400,7 +400,7 @@ def _positions(p: _Pending, enc: str, raw: torch.Tensor, numel: int, count: int,
         pos = _nonzero(mask, count)
         if pos.numel() != count:   # the host's nonzero
             raise _bad(p.name, f"bitmap marks {pos.numel()} elements, header says {count}")
-        if mask.device.type != "cpu":   # a device's nonzero_static gave count of them, whatever it marks
+        if mask.device.type != "cpu":   # nonzero_static gave count of them, whatever it marks
             p.device.append((_flag(mask.sum()), count, lambda n: f"bitmap marks {n} elements, header says {count}"))
     else:
         starts, lengths = _ints(raw, runs, w), _ints(raw[_align8(runs * w):], runs, w)
@@ -421,16 +421,19 @@ def _positions(p: _Pending, enc: str, raw: torch.Tensor, numel: int, count: int,
 def _nonzero(mask: torch.Tensor, count: int) -> torch.Tensor:
     """The set positions of ``mask``; on a device exactly ``count`` of them (padded with -1, caught by
     the checks), as ``nonzero`` would have to read its size back."""
-    if mask.device.type == "cpu":
-        return torch.nonzero(mask).reshape(-1)
-    return torch.nonzero_static(mask, size=count, fill_value=-1).reshape(-1)
+    if mask.device.type != "cpu":
+        try:
+            return torch.nonzero_static(mask, size=count, fill_value=-1).reshape(-1)
+        except (NotImplementedError, RuntimeError):   # a device without it: nonzero reads its size back
+            pass
+    return torch.nonzero(mask).reshape(-1)
 
 
 def _expand_runs(starts: torch.Tensor, lengths: torch.Tensor, count: int) -> torch.Tensor:
     """Every position of the runs ``(starts, lengths)``, ``count`` of them, without reading a size
     back; whatever the lengths (unchecked yet), every index stays in range."""
     if starts.numel() == 0:
-        return starts.new_zeros(0) if count == 0 else starts.new_full((count,), -1)
+        return starts.new_zeros(0)   # a count above 0 is refused: no positions
     ends = torch.cumsum(lengths, 0)
     at = torch.arange(count, device=starts.device)
     run = torch.searchsorted(ends, at, right=True).clamp_(max=starts.numel() - 1)

@@ -149,3 +149,9 @@ def test_a_long_header_is_read_past_the_peek(monkeypatch):
     p, _ = encode_tensor(new, base)
     d = decode_many([("w", p)])[0]
     assert d.digest == lin.lin64(new)
+
+
+def test_runs_of_no_run_with_changes_are_refused_as_before():
+    bad = _crafted("runs", [], [1, 2], 64, runs=0, body=struct.pack("<2h", 1, 2) + b"\0" * 4)
+    with pytest.raises(CheckpointFormatError, match="0 positions, header says 2"):
+        decode(bad, "w")
