@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from ckpt_core.checkpoint.safetensors import WIRE_CODES, WIRE_DTYPES
+from ckpt_core.delta._bucket_checks import peek_heads, position_bad, positions_bad
 from ckpt_core.delta._changes import Changes, changed_positions
 from ckpt_core.delta.lin64 import HostDigest, Queued, is_lin64, lin64, queue, read_ints
 from ckpt_core.errors import CheckpointFormatError, ConfigError
@@ -275,6 +276,8 @@ class _Pending:
         self.late: CheckpointFormatError | None = None
         self.check: tuple[Queued, str] | None = None
         self.device: list[tuple[torch.Tensor, int, Callable[[int], str]]] = []
+        self.positions: tuple[torch.Tensor, int] | None = None   # (its positions, numel): checked per bucket
+        self.positions_bad = False
         self.decoded: Decoded | None = None
 
 
@@ -285,7 +288,7 @@ def decode_many(payloads) -> list[Decoded]:
     Nothing is written; the first refused payload (in order, for its first failing check, as
     ``decode`` would refuse it) raises ``CheckpointFormatError`` naming its tensor."""
     items = [(name, p.reshape(-1)) for name, p in payloads]
-    heads = _peek_heads([raw for _, raw in items])
+    heads = peek_heads([raw for _, raw in items], _PEEK)
     pending = []
     for (name, raw), head in zip(items, heads):
         pend = _Pending(name)
@@ -299,8 +302,18 @@ def decode_many(payloads) -> list[Decoded]:
                 pend.late = exc
     queued = [p.check[0].total for p in pending if p.check is not None]
     flags = [t for p in pending for t, _, _ in p.device]
-    values = iter(read_ints(queued + flags))
+    spans: dict[torch.device, list[tuple[_Pending, torch.Tensor, int]]] = {}   # a device's lists checked at once
+    for p in pending:
+        if p.positions is not None:
+            spans.setdefault(p.positions[0].device, []).append((p, *p.positions))
+    values = iter(read_ints(queued + flags + [positions_bad([(pos, n) for _, pos, n in s]) for s in spans.values()]))
     checks = {id(p): next(values) for p in pending if p.check is not None}
+    device_flags = [next(values) for _ in flags]
+    for group in spans.values():
+        if next(values):   # some list of this device is bad: which one (a refused bucket only)
+            for q, pos, n in group:
+                q.positions_bad = position_bad(pos, n)
+    values = iter(device_flags)
     for p in pending:
         if p.early is not None:
             raise p.early
@@ -312,25 +325,10 @@ def decode_many(payloads) -> list[Decoded]:
         for (_, want, why), got in zip(p.device, (next(values) for _ in p.device)):
             if got != want:
                 raise _bad(p.name, why(got))
+        if p.positions_bad:
+            raise _bad(p.name, "positions out of range or not strictly increasing")
         assert p.decoded is not None  # noqa: S101 - every check passed
     return [p.decoded for p in pending]   # type: ignore[misc]
-
-
-def _peek_heads(raws: list[torch.Tensor]) -> list[bytes]:
-    """The first ``_PEEK`` bytes of each payload, read back to the host together (one copy per device)."""
-    out = [b""] * len(raws)
-    by_device: dict[torch.device, list[int]] = {}
-    for i, raw in enumerate(raws):
-        if raw.dtype == torch.uint8 and raw.numel():
-            by_device.setdefault(raw.device, []).append(i)
-    for idx in by_device.values():
-        parts = [raws[i][:_PEEK] for i in idx]
-        flat = torch.cat(parts).cpu().numpy().tobytes()
-        at = 0
-        for i, part in zip(idx, parts):
-            out[i] = flat[at: at + part.numel()]
-            at += part.numel()
-    return out
 
 
 def _start_decode(p: _Pending, raw: torch.Tensor, head: bytes) -> None:
@@ -410,11 +408,8 @@ def _positions(p: _Pending, enc: str, raw: torch.Tensor, numel: int, count: int,
         pos = _expand_runs(starts, lengths, count)
     if pos.numel() != count:
         raise _bad(p.name, f"{pos.numel()} positions, header says {count}")
-    if count:
-        bad = (pos[0] < 0) | (pos[-1] >= numel)
-        if count > 1:
-            bad = bad | (pos[1:] <= pos[:-1]).any()
-        p.device.append((_flag(bad), 0, lambda _: "positions out of range or not strictly increasing"))
+    if count:   # in range and strictly increasing: checked with the bucket's other lists (decode_many)
+        p.positions = (pos, numel)
     return pos
 
 

@@ -84,7 +84,7 @@ def test_a_bucket_reads_its_checks_back_once(monkeypatch):
     decoded = decode_many(payloads)
     monkeypatch.undo()
     assert len(decoded) == 12 and len(reads) == 1
-    assert reads[0] == 12 + 12 + 3   # the body checks, the positions of each, the runs' lengths
+    assert reads[0] == 12 + 3 + 1   # the body checks, the runs' lengths, one flag for every position list
 
 
 def test_the_first_refused_payload_is_named_and_nothing_is_written():
@@ -155,3 +155,18 @@ def test_runs_of_no_run_with_changes_are_refused_as_before():
     bad = _crafted("runs", [], [1, 2], 64, runs=0, body=struct.pack("<2h", 1, 2) + b"\0" * 4)
     with pytest.raises(CheckpointFormatError, match="0 positions, header says 2"):
         decode(bad, "w")
+
+
+def test_each_list_is_checked_against_its_own_tensor_within_the_bucket():
+    """The bucket's position lists are checked together: a position valid for a larger tensor is out of
+    range for its own, each list must rise on its own (a next list may start lower), the first bad is named."""
+    big = _crafted("idx", [5, 100, 900], [1, 2, 3], 1000)
+    small_ok = _crafted("idx", [0, 1, 63], [1, 2, 3], 64)
+    small_bad = _crafted("idx", [0, 1, 64], [1, 2, 3], 64)   # 64 is in range for big, not for its own
+    got = decode_many([("big", big), ("ok", small_ok), ("big2", big)])
+    assert [d.positions.tolist() for d in got] == [[5, 100, 900], [0, 1, 63], [5, 100, 900]]
+    for order in (["big", "bad", "ok"], ["bad", "big", "bad2"]):
+        named = {"big": big, "ok": small_ok, "bad": small_bad, "bad2": small_bad}
+        with pytest.raises(CheckpointFormatError, match="positions out of range") as err:
+            decode_many([(n, named[n]) for n in order])
+        assert err.value.tensor == "bad"
