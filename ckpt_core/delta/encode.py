@@ -36,7 +36,7 @@ import torch
 from ckpt_core.checkpoint.safetensors import WIRE_CODES, WIRE_DTYPES
 from ckpt_core.delta._bucket_checks import peek_heads, position_bad, positions_bad
 from ckpt_core.delta._changes import Changes, changed_positions
-from ckpt_core.delta.lin64 import HostDigest, Queued, is_lin64, lin64, queue, read_ints
+from ckpt_core.delta.lin64 import HostDigest, is_lin64, lin64, queue_many, read_ints
 from ckpt_core.errors import CheckpointFormatError, ConfigError
 
 MAGIC = b"CKD1"
@@ -274,7 +274,7 @@ class _Pending:
         self.name = name
         self.early: CheckpointFormatError | None = None
         self.late: CheckpointFormatError | None = None
-        self.check: tuple[Queued, str] | None = None
+        self.check: tuple[torch.Tensor, str] | None = None   # (its body, the check its header names)
         self.device: list[tuple[torch.Tensor, int, Callable[[int], str]]] = []
         self.positions: tuple[torch.Tensor, int] | None = None   # (its positions, numel): checked per bucket
         self.positions_bad = False
@@ -300,7 +300,9 @@ def decode_many(payloads) -> list[Decoded]:
                 pend.early = exc
             else:
                 pend.late = exc
-    queued = [p.check[0].total for p in pending if p.check is not None]
+    bodies = [(p, p.check[0]) for p in pending if p.check is not None]
+    sums = {id(p): q for (p, _), q in zip(bodies, queue_many([body for _, body in bodies]))}   # on their device
+    queued = [sums[id(p)].total for p, _ in bodies]
     flags = [t for p in pending for t, _, _ in p.device]
     spans: dict[torch.device, list[tuple[_Pending, torch.Tensor, int]]] = {}   # a device's lists checked at once
     for p in pending:
@@ -318,7 +320,7 @@ def decode_many(payloads) -> list[Decoded]:
         if p.early is not None:
             raise p.early
         assert p.check is not None  # noqa: S101 - set for every payload without an early failure
-        if p.check[0].digest(checks[id(p)]) != p.check[1]:
+        if sums[id(p)].digest(checks[id(p)]) != p.check[1]:
             raise _bad(p.name, "the body's check (lin64) does not match: corrupted in transit or in memory")
         if p.late is not None:
             raise p.late
@@ -350,7 +352,7 @@ def _start_decode(p: _Pending, raw: torch.Tensor, head: bytes) -> None:
     if start + body_len != raw.numel():
         raise _bad(name, f"body of {raw.numel() - start} bytes, header says {body_len}")
     body = raw[start:]
-    p.check = (queue(body), check)   # on the payload's device: no copy of the body to the host
+    p.check = (body, check)   # its lin64 on the payload's device, with the bucket's other bodies (decode_many)
     dtype = WIRE_DTYPES[code]
     size = torch.empty(0, dtype=dtype).element_size()
     numel = 1

@@ -167,6 +167,53 @@ def queue(t: torch.Tensor, *, engine: str | None = None) -> Queued:
     raise ValueError(f"unknown lin64 engine {kind!r}")
 
 
+def queue_many(tensors: list[torch.Tensor], *, engine: str | None = None) -> list[Queued]:
+    """``queue`` of each tensor; those on a device digested together, for small tensors (a bucket's
+    payload bodies): their bytes are concatenated (zero-padded to whole words each) and every word's
+    coefficient comes from its index in its own tensor, so a dozen kernels serve the lot instead of
+    several per tensor. The host's tensors, and ``engine="numpy"``, go one by one."""
+    out: list[Queued | None] = [None] * len(tensors)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        raw, _ = raw_of(t)
+        if (engine or ("numpy" if raw.device.type == "cpu" else "torch")) == "numpy":
+            out[i] = queue(t, engine="numpy")
+        else:
+            by_device.setdefault(raw.device, []).append(i)
+    for idx in by_device.values():
+        for i, total in zip(idx, _sums_together([raw_of(tensors[i])[0] for i in idx])):
+            raw, size = raw_of(tensors[i])
+            out[i] = Queued(total, mix_int((raw.numel() << 5) | size))
+    return out   # type: ignore[return-value]
+
+
+def _sums_together(raws: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``_sum_torch`` of each flat uint8 tensor (one device), computed over their concatenation."""
+    device = raws[0].device
+    parts, counts = [], []
+    for raw in raws:
+        parts.append(raw)
+        pad = -raw.numel() % 8
+        if pad:
+            parts.append(torch.zeros(pad, dtype=torch.uint8, device=device))
+        counts.append((raw.numel() + pad) // 8)
+    words = torch.cat(parts).view(torch.int64)
+    total = words.numel()
+    ends = [0]
+    for c in counts:
+        ends.append(ends[-1] + c)
+    small = torch.tensor(ends, dtype=torch.int64).to(device, non_blocking=True)   # no stream sync
+    if total:
+        first = torch.repeat_interleave(small[:-1], small[1:] - small[:-1], output_size=total)
+        local = torch.arange(total, dtype=torch.int64, device=device) - first   # each word's index in its tensor
+        coef = _a(device)[local % ROW] * _b(device, max(counts) // ROW + 1)[local // ROW]
+        running = torch.cat([words.new_zeros(1), torch.cumsum(words * coef, 0)])   # wraps mod 2**64
+    else:
+        running = words.new_zeros(1)
+    sums = running[small[1:]] - running[small[:-1]]
+    return list(sums.unbind(0))
+
+
 def read_ints(values) -> list[int]:
     """Host ints of ``values`` (host ints, or 0-d integer tensors on any device), reading each
     device's tensors back together: one host synchronisation per device, not one per value."""
@@ -301,5 +348,5 @@ def _last_word(data: np.ndarray, a: np.ndarray, b: np.ndarray) -> int:
     return int.from_bytes(data[8 * m:].tobytes(), "little") * int(a[m % ROW]) * int(b[m // ROW])
 
 
-__all__ = ["PREFIX", "ROW", "CHUNK", "HostDigest", "Queued", "lin64", "lin64_many", "queue", "read_ints", "is_lin64",
-           "raw_of", "mix_int"]
+__all__ = ["PREFIX", "ROW", "CHUNK", "HostDigest", "Queued", "lin64", "lin64_many", "queue", "queue_many", "read_ints",
+           "is_lin64", "raw_of", "mix_int"]

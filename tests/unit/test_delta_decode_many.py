@@ -170,3 +170,15 @@ def test_each_list_is_checked_against_its_own_tensor_within_the_bucket():
         with pytest.raises(CheckpointFormatError, match="positions out of range") as err:
             decode_many([(n, named[n]) for n in order])
         assert err.value.tensor == "bad"
+
+
+def test_the_bodies_digested_together_on_the_device_path_refuse_the_corrupted_one(monkeypatch):
+    real = enc.queue_many
+    monkeypatch.setattr(enc, "queue_many", lambda ts: real(ts, engine="torch"))   # as on a GPU
+    pairs = [_pair(3000 + 100 * i, 0.03, i) for i in range(6)]
+    payloads = [(f"t{i}", encode_tensor(new, base)[0].clone()) for i, (base, new) in enumerate(pairs)]
+    assert [d.count for d in decode_many(payloads)] == [decode(p).count for _, p in payloads]
+    payloads[4][1][-2] ^= 0x40
+    with pytest.raises(CheckpointFormatError, match="body's check") as err:
+        decode_many(payloads)
+    assert err.value.tensor == "t4"

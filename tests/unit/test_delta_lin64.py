@@ -229,3 +229,15 @@ def test_the_encode_digests_the_new_tensor_as_it_compares_it(monkeypatch):
     new.view(torch.int16)[[3500, 3501, 9000]] ^= 5
     payload, _ = encode_tensor(new, base)
     assert read_header(payload)[0]["digest"] == lin64(new) == lin64_reference(new)
+
+
+def test_many_small_tensors_digested_together_on_a_device_equal_each_digest():
+    """queue_many (a bucket's payload bodies on a GPU): concatenated, each word's coefficient from its
+    index in its own tensor; any sizes (empty, not whole words, over a row), alone or many."""
+    sizes = [0, 1, 7, 8, 13, 8 * ROW - 1, 8 * ROW + 9, 3 * 8 * ROW, 5]
+    tensors = [_random(n, torch.uint8, n) for n in sizes] + [_random(77, torch.bfloat16, 1)]
+    for group in (tensors, tensors[::-1], tensors[5:6], tensors[:1]):
+        queued = lin.queue_many(group, engine="torch")
+        got = [q.digest(v) for q, v in zip(queued, lin.read_ints([q.total for q in queued]))]
+        assert got == [lin64_reference(t) for t in group]
+    assert lin.queue_many([]) == []
