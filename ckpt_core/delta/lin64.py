@@ -135,9 +135,26 @@ def lin64(t: torch.Tensor, *, engine: str | None = None) -> str:
 
 def lin64_many(tensors, *, engine: str | None = None) -> list[str]:
     """``lin64`` of each tensor, each on its own device; the device sums are read back together,
-    one host synchronisation per device rather than one per tensor (a delta's bucket of small
-    tensors on a GPU). ``tensors`` may be a generator: each is let go once its digest is queued."""
-    queued = [queue(t, engine=engine) for t in tensors]
+    one host synchronisation per device rather than one per tensor (a delta's bucket on a GPU), and
+    on a device the tensors' row sums are combined together (a few kernels per bucket, not two per
+    tensor). ``tensors`` may be a generator: each is let go once its digest is queued."""
+    queued: list[Queued] = []
+    rows: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}   # device -> (index, its row sums)
+    for i, t in enumerate(tensors):
+        raw, size = raw_of(t)
+        kind = engine or ("numpy" if raw.device.type == "cpu" else "torch")
+        if kind not in ("numpy", "torch"):
+            raise ValueError(f"unknown lin64 engine {kind!r}")
+        queued.append(Queued(_sum_numpy(raw) if kind == "numpy" else 0, mix_int((raw.numel() << 5) | size)))
+        if kind == "torch":
+            rows.setdefault(raw.device, []).append((i, _rows_torch(raw)))
+        del t, raw   # a cast copy the caller made for this digest is freed now (the kernels are queued)
+    for group in rows.values():
+        inner = [r for _, r in group]
+        b = _b(group[0][1].device, max(r.numel() for r in inner))
+        totals = _segment_sums(torch.cat(inner), [r.numel() for r in inner], lambda j: b[j])
+        for (i, _), total in zip(group, totals):
+            queued[i].total = total
     return [q.digest(v) for q, v in zip(queued, read_ints([q.total for q in queued]))]
 
 
@@ -197,21 +214,25 @@ def _sums_together(raws: list[torch.Tensor]) -> list[torch.Tensor]:
         if pad:
             parts.append(torch.zeros(pad, dtype=torch.uint8, device=device))
         counts.append((raw.numel() + pad) // 8)
-    words = torch.cat(parts).view(torch.int64)
-    total = words.numel()
+    a, b = _a(device), _b(device, max(counts) // ROW + 1)
+    return _segment_sums(torch.cat(parts).view(torch.int64), counts, lambda j: a[j % ROW] * b[j // ROW])
+
+
+def _segment_sums(values: torch.Tensor, counts: list[int], coef) -> list[torch.Tensor]:
+    """For consecutive segments of ``counts`` int64 ``values`` (one device): each segment's sum of
+    ``value * coef(j)`` mod 2**64, ``j`` a value's index in its own segment; 0-d tensors, nothing read
+    back (the sizes go to the device without waiting for it; one cumsum, exact: it wraps mod 2**64)."""
+    device, total = values.device, values.numel()
     ends = [0]
     for c in counts:
         ends.append(ends[-1] + c)
-    small = torch.tensor(ends, dtype=torch.int64).to(device, non_blocking=True)   # no stream sync
+    at = torch.tensor(ends, dtype=torch.int64).to(device, non_blocking=True)   # a blocking copy would sync
+    running = values.new_zeros(total + 1)
     if total:
-        first = torch.repeat_interleave(small[:-1], small[1:] - small[:-1], output_size=total)
-        local = torch.arange(total, dtype=torch.int64, device=device) - first   # each word's index in its tensor
-        coef = _a(device)[local % ROW] * _b(device, max(counts) // ROW + 1)[local // ROW]
-        running = torch.cat([words.new_zeros(1), torch.cumsum(words * coef, 0)])   # wraps mod 2**64
-    else:
-        running = words.new_zeros(1)
-    sums = running[small[1:]] - running[small[:-1]]
-    return list(sums.unbind(0))
+        first = torch.repeat_interleave(at[:-1], at[1:] - at[:-1], output_size=total)
+        local = torch.arange(total, dtype=torch.int64, device=device) - first
+        torch.cumsum(values * coef(local), 0, out=running[1:])
+    return list((running[at[1:]] - running[at[:-1]]).unbind(0))
 
 
 def read_ints(values) -> list[int]:
@@ -251,12 +272,19 @@ def _word_chunk(raw: torch.Tensor, start: int, count: int) -> torch.Tensor:
 def _sum_torch(raw: torch.Tensor) -> torch.Tensor:
     """``sum_i word_i * c_i`` mod 2**64 with torch ops on the bytes' device: a 0-d int64 tensor
     there (not read back: ``read_ints`` reads a device's sums together)."""
+    inner = _rows_torch(raw)
+    return (inner * _b(raw.device, inner.numel())).sum()
+
+
+def _rows_torch(raw: torch.Tensor) -> torch.Tensor:
+    """Each row's ``sum_k word[j, k] * a[k]`` (int64, on the bytes' device): the digest is their sum
+    with the rows' coefficients ``b[j]`` (``_sum_torch``, or many tensors' at once in ``lin64_many``)."""
     device = raw.device
     a = _a(device)
     n = raw.numel()
     m, rest = divmod(n, 8)
     rows = -(-(m + (rest > 0)) // ROW)
-    inner = torch.empty(rows, dtype=torch.int64, device=device)   # sum_k word[j, k] * a[k] of each row j
+    inner = torch.empty(rows, dtype=torch.int64, device=device)
     for start in range(0, m, CHUNK):
         words = _word_chunk(raw, start, min(CHUNK, m - start))
         full, part = divmod(words.numel(), ROW)
@@ -273,7 +301,7 @@ def _sum_torch(raw: torch.Tensor) -> torch.Tensor:
             inner[m // ROW: m // ROW + 1] += last
         else:
             inner[m // ROW: m // ROW + 1] = last
-    return (inner * _b(device, rows)).sum()
+    return inner
 
 
 # -- numpy: the host ------------------------------------------------------------------------
