@@ -182,3 +182,46 @@ def test_the_bodies_digested_together_on_the_device_path_refuse_the_corrupted_on
     with pytest.raises(CheckpointFormatError, match="body's check") as err:
         decode_many(payloads)
     assert err.value.tensor == "t4"
+
+
+def test_a_bucket_s_whole_apply_reads_back_three_times_whatever_its_tensor_count(monkeypatch):
+    """Decode, scatter and post-apply digests of a bucket on the device path: the headers in one copy,
+    the checks in one read-back, the digests in one; no per-tensor item()/bool()/int()/tolist()."""
+    import ckpt_core.delta.apply as apply_mod
+
+    real_many, real_qm = lin.lin64_many, enc.queue_many
+    monkeypatch.setattr(apply_mod, "lin64_many", lambda ts: real_many(ts, engine="torch"))
+    monkeypatch.setattr(enc, "queue_many", lambda ts: real_qm(ts, engine="torch"))
+    reads, inside = [], []
+    real_read = lin.read_ints
+
+    def read_ints(values):
+        reads.append(len(values))
+        inside.append(1)
+        try:
+            return real_read(values)
+        finally:
+            inside.pop()
+    monkeypatch.setattr(lin, "read_ints", read_ints)
+    monkeypatch.setattr(enc, "read_ints", read_ints)
+    peeks = []
+    real_peek = enc.peek_heads
+    monkeypatch.setattr(enc, "peek_heads", lambda raws, n: peeks.append(len(raws)) or real_peek(raws, n))
+    for n in (3, 17):
+        pairs = {f"t{i}": _pair(2000 + 50 * i, 0.03, i) for i in range(n)}
+        weights = [(manifest_name("A", "B", 0, 1), torch.zeros(1, dtype=torch.uint8))]
+        weights += [(PAYLOAD + k, encode_tensor(new, base)[0]) for k, (base, new) in pairs.items()]
+        live = {k: base.clone() for k, (base, _) in pairs.items()}
+        rx = DeltaReceiver(live=live.get, held="A")
+        reads.clear()
+        peeks.clear()
+        with rx.update(run=lambda ws: None) as cb:
+            cb.on_plan([(w, t.dtype, tuple(t.shape)) for w, t in weights])
+            for name in ("item", "__bool__", "__int__", "tolist"):
+                orig = getattr(torch.Tensor, name)
+                monkeypatch.setattr(torch.Tensor, name, lambda *a, _o=orig, _n=name, **k: _o(*a, **k) if inside
+                                    else pytest.fail(f"Tensor.{_n} outside the bucket's read-backs"))
+            cb.run(weights)
+            cb.post_hook()
+        assert peeks == [n] and reads == [n + 1, n], (n, peeks, reads)   # checks + one position flag; digests
+        assert all(torch.equal(live[k].view(torch.int16), new.view(torch.int16)) for k, (_, new) in pairs.items())
