@@ -45,7 +45,9 @@ class Changes:
     def of(cls, positions: np.ndarray) -> Changes:
         if positions.size == 0:
             return cls(positions, positions, 0, 0)
-        gaps = np.diff(positions, prepend=0)
+        gaps = np.empty_like(positions)   # np.diff(positions, prepend=0), without its generic setup
+        gaps[0] = positions[0]
+        np.subtract(positions[1:], positions[:-1], out=gaps[1:])
         return cls(positions, gaps, int(gaps.max()), 1 + int(np.count_nonzero(gaps[1:] != 1)))
 
     def run_bounds(self) -> tuple[np.ndarray, np.ndarray]:

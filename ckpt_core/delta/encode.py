@@ -36,7 +36,7 @@ import torch
 from ckpt_core.checkpoint.safetensors import WIRE_CODES, WIRE_DTYPES
 from ckpt_core.delta._bucket_checks import peek_heads, position_bad, positions_bad
 from ckpt_core.delta._changes import Changes, changed_positions
-from ckpt_core.delta.lin64 import HostDigest, is_lin64, lin64, queue_many, read_ints
+from ckpt_core.delta.lin64 import HostDigest, is_lin64, lin64, lin64_host, queue_many, read_ints
 from ckpt_core.errors import CheckpointFormatError, ConfigError
 
 MAGIC = b"CKD1"
@@ -112,7 +112,7 @@ def _payload(header: dict, body) -> torch.Tensor:
     once, into the payload), with the body's length and ``lin64`` check added to the header."""
     if isinstance(body, (bytes, bytearray)):
         body = np.frombuffer(bytearray(body), dtype=np.uint8)   # writable: torch refuses read-only arrays
-    header = dict(header, body=int(body.size), check=lin64(torch.from_numpy(body)))
+    header = dict(header, body=int(body.size), check=lin64_host(body))
     text = json.dumps(header, separators=(",", ":")).encode()
     head = MAGIC + struct.pack("<I", len(text)) + text
     head += b" " * (_align8(len(head)) - len(head))

@@ -325,6 +325,20 @@ def _sum_words_numpy(w: np.ndarray, start: int, a: np.ndarray, b: np.ndarray) ->
     return total
 
 
+def _host_ab(words: int) -> tuple[np.ndarray, np.ndarray]:
+    """The host's ``a`` and ``b`` (covering ``words`` words and the padded last one) as uint64 arrays."""
+    return _a("cpu").numpy().view(np.uint64), _b("cpu", words // ROW + 1).numpy().view(np.uint64)
+
+
+def lin64_host(data: np.ndarray, item_size: int = 1) -> str:
+    """``lin64`` of the bytes of a flat uint8 array (on the host, this thread; ``item_size``: the
+    item size the digest names): the encode's path for a payload body, without the tensor wrapping."""
+    m = data.size // 8
+    a, b = _host_ab(m)
+    total = _sum_words_numpy(data[: 8 * m].view(np.uint64), 0, a, b) + _last_word(data, a, b)
+    return _fmt(total + mix_int((data.size << 5) | item_size))
+
+
 class HostDigest:
     """``lin64`` of a CPU tensor computed in parts, as another pass over its bytes goes (the PS's
     encode digests each block while it compares it: the bytes are read from memory once).
@@ -336,8 +350,7 @@ class HostDigest:
         self.data = raw.numpy()
         self.m = self.data.size // 8
         self.words = self.data[: 8 * self.m].view(np.uint64)   # little-endian words of its own bytes
-        self.a = _a("cpu").numpy().view(np.uint64)
-        self.b = _b("cpu", self.m // ROW + 1).numpy().view(np.uint64)
+        self.a, self.b = _host_ab(self.m)
         self.done, self.total = 0, 0
 
     def upto(self, nbytes: int) -> None:
@@ -356,8 +369,7 @@ def _sum_numpy(raw: torch.Tensor) -> int:
     data = raw.numpy()
     m = data.size // 8
     w = data[: 8 * m].view(np.uint64)   # little-endian words of the tensor's own bytes (no copy)
-    a = _a("cpu").numpy().view(np.uint64)
-    b = _b("cpu", m // ROW + 1).numpy().view(np.uint64)
+    a, b = _host_ab(m)
     spans = [(s, min(s + CHUNK, m)) for s in range(0, m, CHUNK)]
     threads = 1 if m < _NP_THREADS_MIN_WORDS else min(fault_threads(), os.cpu_count() or 1, len(spans))
     if threads < 2:
@@ -377,4 +389,4 @@ def _last_word(data: np.ndarray, a: np.ndarray, b: np.ndarray) -> int:
 
 
 __all__ = ["PREFIX", "ROW", "CHUNK", "HostDigest", "Queued", "lin64", "lin64_many", "queue", "queue_many", "read_ints",
-           "is_lin64", "raw_of", "mix_int"]
+           "is_lin64", "lin64_host", "raw_of", "mix_int"]

@@ -241,3 +241,12 @@ def test_many_small_tensors_digested_together_on_a_device_equal_each_digest():
         got = [q.digest(v) for q, v in zip(queued, lin.read_ints([q.total for q in queued]))]
         assert got == [lin64_reference(t) for t in group]
     assert lin.queue_many([]) == []
+
+
+@pytest.mark.parametrize("n", [0, 5, 8, 8 * ROW + 3])
+def test_the_host_digest_of_raw_bytes_is_the_tensor_digest(n):
+    """lin64_host (the encode's payload bodies, a numpy array of bytes) names the same digest."""
+    t = _random(n, torch.uint8, n)
+    assert lin.lin64_host(t.numpy()) == lin64(t) == lin64_reference(t)
+    halves = _random(n, torch.bfloat16, n)
+    assert lin.lin64_host(halves.view(torch.uint8).numpy(), 2) == lin64(halves)
