@@ -369,16 +369,28 @@ def _start_decode(p: _Pending, raw: torch.Tensor, head: bytes) -> None:
     p.decoded = Decoded(enc, dtype, shape, count, digest, positions, values)
 
 
+def _typed(raw: torch.Tensor, dtype: torch.dtype, count: int) -> torch.Tensor:
+    """``count`` items of ``dtype`` from the bytes ``raw``: a view where they are aligned in their storage
+    (no kernel), else an aligned copy. A view is read before the bucket's buffer is reused: the apply
+    writes the values (or a cast of them) at once, and the undo keeps the old values, not these."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    if raw.storage_offset() % size == 0:
+        try:
+            return raw.view(dtype)
+        except RuntimeError:   # a storage that does not allow it: copied below
+            pass
+    out = torch.empty((count,), dtype=dtype, device=raw.device)
+    bytes_of(out).copy_(raw)
+    return out
+
+
 def _words(raw: torch.Tensor, dtype: torch.dtype, count: int) -> torch.Tensor:
-    typed = torch.empty((count,), dtype=dtype, device=raw.device)
-    bytes_of(typed).copy_(raw)   # a copy: aligned whatever the payload's offset, and ours to keep
-    return as_words(typed)
+    return as_words(_typed(raw, dtype, count))
 
 
 def _ints(raw: torch.Tensor, n: int, width: int) -> torch.Tensor:
-    out = torch.empty(n, dtype=torch.int32 if width == 4 else torch.int64, device=raw.device)
-    bytes_of(out).copy_(raw[: n * width])
-    return out.to(torch.int64)
+    # a copy always: positions outlive the bucket's buffer (the undo log keeps them)
+    return _typed(raw[: n * width], torch.int32 if width == 4 else torch.int64, n).to(torch.int64, copy=True)
 
 
 def _flag(t: torch.Tensor) -> torch.Tensor:
@@ -392,9 +404,7 @@ def _positions(p: _Pending, enc: str, raw: torch.Tensor, numel: int, count: int,
     if enc == "idx":
         pos = _ints(raw, count, w)
     elif enc == "gap16":
-        gaps = torch.empty(count, dtype=torch.uint16, device=raw.device)
-        bytes_of(gaps).copy_(raw[: count * 2])
-        pos = torch.cumsum(gaps.to(torch.int64), 0)
+        pos = torch.cumsum(_typed(raw[: count * 2], torch.uint16, count).to(torch.int64), 0)
     elif enc == "bitmap":
         mask = _unpack_bits(raw[: (numel + 7) // 8], numel)
         pos = _nonzero(mask, count)

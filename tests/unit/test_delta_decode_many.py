@@ -225,3 +225,30 @@ def test_a_bucket_s_whole_apply_reads_back_three_times_whatever_its_tensor_count
             cb.post_hook()
         assert peeks == [n] and reads == [n + 1, n], (n, peeks, reads)   # checks + one position flag; digests
         assert all(torch.equal(live[k].view(torch.int16), new.view(torch.int16)) for k, (_, new) in pairs.items())
+
+
+@pytest.mark.parametrize("offset", range(8))
+def test_payloads_at_any_offset_of_their_buffer_decode_alike_and_own_their_positions(offset):
+    """Values and gaps are read through views where aligned, copies where not; the positions are the
+    decode's own (the undo keeps them after the bucket's buffer is reused)."""
+    base, new = _pair(5000, 0.03, offset)
+    payloads = {e: encode_tensor(new, base, force=e)[0] for e in ("idx", "gap16", "bitmap", "runs")}
+    for e, p in payloads.items():
+        buf = torch.zeros(p.numel() + 16, dtype=torch.uint8)
+        buf[offset: offset + p.numel()] = p
+        d = decode_many([("w", buf[offset: offset + p.numel()])])[0]
+        live = base.clone()
+        apply_decoded(live, d)
+        assert torch.equal(live.view(torch.int16), new.view(torch.int16)), (e, offset)
+        kept = d.positions.clone()
+        buf.zero_()   # the bucket's buffer reused
+        assert torch.equal(d.positions, kept), (e, offset)
+
+
+def test_positions_read_as_int64_words_are_copied_not_views_of_the_payload():
+    """Tensors of 2**31 elements and more carry int64 positions: read where they lie they would alias the
+    bucket's buffer, which the next bucket overwrites while the undo log still holds them."""
+    raw = torch.arange(16, dtype=torch.int64).view(torch.uint8)
+    got = enc._ints(raw, 16, 8)
+    raw.zero_()
+    assert got.tolist() == list(range(16))
