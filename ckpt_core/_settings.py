@@ -31,7 +31,8 @@ ENV_VARS: dict[str, tuple[str, str, str]] = {
     "PS_PAUSE_GC": ("bool", "1", "pause Python's cyclic GC during register/gather/update and while an engine "
                     "worker receives (0: leave it running)"),
     "PS_FAULT_THREADS": ("int", "4", "threads per rank that fault in fresh host memory before it is pinned "
-                         "(registration); more contend in the kernel and were slower on 2 ranks per host"),
+                         "(registration); more contend in the kernel and were slower on 2 ranks per host; also the "
+                         "threads of a delta's encode and of lin64 on the host"),
     "PS_CPU_VISIBLE_DEVICES": ("str", "", "cpu kind only, like CUDA_VISIBLE_DEVICES: comma-separated host-wide "
                                "device numbers; local device i of this process is the i-th (e.g. `2,3` for the "
                                "workers of a second engine on the host); empty: i itself"),

@@ -41,7 +41,7 @@ from typing import Any, Callable
 import torch
 
 from ckpt_core._settings import delta_drop_one
-from ckpt_core.delta.encode import Decoded, apply_decoded, decode, undo_decoded
+from ckpt_core.delta.encode import Decoded, apply_decoded, decode_many, undo_decoded
 from ckpt_core.delta.lin64 import lin64_many
 from ckpt_core.delta.versions import MANIFEST, PAYLOAD, parse_manifest_name
 from ckpt_core.errors import CheckpointFormatError, DeltaBaseError
@@ -60,7 +60,7 @@ def apply_widened(target: torch.Tensor, d: Decoded) -> torch.Tensor | None:
         flat.copy_(values)
         return None
     pos = d.positions.to(flat.device)
-    old = flat[pos].clone()
+    old = flat[pos]   # indexing copies
     flat[pos] = values.to(flat.device)
     return old
 
@@ -210,11 +210,10 @@ class _Update:
         t0 = time.perf_counter()
         checks: list[tuple[str, torch.Tensor, str, torch.dtype]] = []
         reloads: Weights = []
-        for wire_name, payload in weights:
-            if wire_name.startswith(MANIFEST):
-                continue
-            name = wire_name[len(PAYLOAD):]
-            d = self._maybe_drop(decode(payload, name))
+        payloads = [(n[len(PAYLOAD):], p) for n, p in weights if not n.startswith(MANIFEST)]
+        # every payload of the bucket checked before anything is written, its checks read back together
+        for (name, payload), decoded in zip(payloads, decode_many(payloads)):
+            d = self._maybe_drop(decoded)
             self.figures["payload_bytes"] += payload.numel()
             self.figures["elements"] += d.count
             target = self.rx.live(name)

@@ -28,11 +28,15 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass
+from typing import Callable
 
+import numpy as np
 import torch
 
 from ckpt_core.checkpoint.safetensors import WIRE_CODES, WIRE_DTYPES
-from ckpt_core.delta.lin64 import is_lin64, lin64
+from ckpt_core.delta._bucket_checks import peek_heads, position_bad, positions_bad
+from ckpt_core.delta._changes import Changes, changed_positions
+from ckpt_core.delta.lin64 import HostDigest, is_lin64, lin64, lin64_host, queue_many, read_ints
 from ckpt_core.errors import CheckpointFormatError, ConfigError
 
 MAGIC = b"CKD1"
@@ -96,60 +100,65 @@ def measure(numel: int, itemsize: int, count: int, runs: int, max_gap: int = 0) 
                  bitmap=_align8((numel + 7) // 8) + values, runs=2 * _align8(runs * w) + values)
 
 
-def run_bounds(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(starts, lengths) int64 of the runs of consecutive values in strictly increasing ``positions``."""
-    breaks = torch.nonzero(torch.diff(positions) != 1).reshape(-1) + 1
-    first = torch.cat([breaks.new_zeros(1), breaks])
-    last = torch.cat([breaks, breaks.new_full((1,), positions.numel())])
-    return positions[first], last - first
-
-
-def _gaps(positions: torch.Tensor) -> torch.Tensor:
-    """The first position, then the distance from each changed position to the next (int64)."""
-    return torch.diff(positions, prepend=positions.new_zeros(1))
-
-
-def _max_gap(positions: torch.Tensor) -> int:
-    return int(_gaps(positions).max()) if positions.numel() else 0
-
-
-def _count_runs(positions: torch.Tensor) -> int:
-    """Runs of consecutive positions in a strictly increasing int64 tensor."""
-    if positions.numel() == 0:
-        return 0
-    return 1 + int(torch.count_nonzero(torch.diff(positions) != 1))
-
-
-def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
-    """One bit per element, little-endian in each byte (numpy's packbits: 20x torch's arithmetic here)."""
-    import numpy as np
-
-    return torch.from_numpy(np.packbits(mask.cpu().numpy(), bitorder="little"))
-
-
 def _unpack_bits(bits: torch.Tensor, numel: int) -> torch.Tensor:
     if bits.device.type == "cpu":
-        import numpy as np
-
         return torch.from_numpy(np.unpackbits(bits.numpy(), count=numel, bitorder="little").view(np.bool_))
     shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
     return ((bits.unsqueeze(1) >> shifts) & 1).reshape(-1)[:numel].bool()
 
 
-def _section(t: torch.Tensor) -> bytes:
-    raw = bytes_of(t.contiguous()).numpy().tobytes() if t.numel() else b""
-    return raw + b"\0" * (_align8(len(raw)) - len(raw))
-
-
-def _payload(header: dict, body: bytes) -> torch.Tensor:
-    header = dict(header, body=len(body), check=lin64(torch.frombuffer(bytearray(body), dtype=torch.uint8))
-                  if body else lin64(torch.empty(0, dtype=torch.uint8)))
+def _payload(header: dict, body) -> torch.Tensor:
+    """The payload of ``header`` and ``body`` (bytes, or a flat uint8 numpy array: not copied but
+    once, into the payload), with the body's length and ``lin64`` check added to the header."""
+    if isinstance(body, (bytes, bytearray)):
+        body = np.frombuffer(bytearray(body), dtype=np.uint8)   # writable: torch refuses read-only arrays
+    header = dict(header, body=int(body.size), check=lin64_host(body))
     text = json.dumps(header, separators=(",", ":")).encode()
     head = MAGIC + struct.pack("<I", len(text)) + text
     head += b" " * (_align8(len(head)) - len(head))
-    if not (head or body):
-        return torch.empty(0, dtype=torch.uint8)
-    return torch.frombuffer(bytearray(head + body), dtype=torch.uint8)
+    out = np.empty(len(head) + body.size, dtype=np.uint8)
+    out[: len(head)] = np.frombuffer(head, dtype=np.uint8)
+    out[len(head):] = body
+    return torch.from_numpy(out)
+
+
+class _Body:
+    """A payload body being filled: 8-byte aligned sections written in place (no intermediate bytes)."""
+
+    def __init__(self, nbytes: int):
+        self.buf = np.zeros(nbytes, dtype=np.uint8)
+        self.at = 0
+
+    def section(self, nbytes: int, dtype) -> np.ndarray:
+        """The next section's ``nbytes`` bytes as ``dtype`` items, to fill."""
+        view = self.buf[self.at: self.at + nbytes].view(dtype)
+        self.at += _align8(nbytes)
+        return view
+
+
+def _body(enc: str, words: np.ndarray, ch: Changes, numel: int) -> np.ndarray:
+    """The body of a delta encoding (not ``whole``): its index section(s), then the changed values."""
+    count, item = ch.positions.size, words.itemsize * (words.shape[1] if words.ndim > 1 else 1)
+    if enc == "gap16" and ch.max_gap > MAX_GAP16:
+        raise ValueError("gap16 needs every gap below 2**16")
+    body = _Body(getattr(measure(numel, item, count, ch.runs, ch.max_gap), enc))
+    idx = np.int32 if index_width(numel) == 4 else np.int64
+    w = np.dtype(idx).itemsize
+    if enc == "idx":
+        body.section(count * w, idx)[:] = ch.positions
+    elif enc == "gap16":
+        body.section(count * 2, np.uint16)[:] = ch.gaps
+    elif enc == "bitmap":
+        mask = np.zeros(numel, dtype=np.bool_)
+        mask[ch.positions] = True
+        body.section((numel + 7) // 8, np.uint8)[:] = np.packbits(mask, bitorder="little")
+    else:   # runs
+        starts, lengths = ch.run_bounds()
+        body.section(ch.runs * w, idx)[:] = starts
+        body.section(ch.runs * w, idx)[:] = lengths
+    values = body.section(count * item, words.dtype)
+    np.take(words, ch.positions, axis=0, out=values.reshape((count,) + words.shape[1:]))
+    return body.buf
 
 
 def encode_tensor(new: torch.Tensor, old: torch.Tensor | None, *, digest: str | None = None,
@@ -160,6 +169,8 @@ def encode_tensor(new: torch.Tensor, old: torch.Tensor | None, *, digest: str | 
     ``(payload or None, info)`` with ``info = {"encoding", "count", "numel", "bytes"}`` (bytes of
     the payload, 0 when unchanged). ``digest``: ``new``'s ``lin64`` if the caller has it (else
     computed here, only for a changed tensor). ``force``: one encoding, for tests and the benchmark.
+    The changes are found in numpy over cache-sized blocks (``_changes.py``), and each section is
+    written once, into the body.
     """
     new = new.detach().contiguous()
     code = WIRE_CODES.get(new.dtype)
@@ -167,43 +178,33 @@ def encode_tensor(new: torch.Tensor, old: torch.Tensor | None, *, digest: str | 
         raise CheckpointFormatError(f"dtype {new.dtype} has no wire code")
     numel, size = new.numel(), new.element_size()
     header = {"dtype": code, "shape": list(new.shape)}
-    positions: torch.Tensor | None = None   # None: whole (new, reshaped or retyped)
-    mask = torch.zeros(0, dtype=torch.bool)
-    count, runs = numel, 1
+    words = as_words(new).numpy()
+    ch = None   # None: whole (new, reshaped or retyped)
     if old is not None and old.dtype == new.dtype and tuple(old.shape) == tuple(new.shape):
-        mask = changed_mask(new, old.detach().contiguous())
-        positions = torch.nonzero(mask).reshape(-1)
-        count = positions.numel()
-        if count == 0:
+        host = HostDigest(new) if digest is None else None
+
+        def digest_block(end: int, changed: bool) -> None:   # once it changed: each block as it is compared
+            if host is not None and changed:
+                host.upto(end * size)
+        ch = Changes.of(changed_positions(words, as_words(old.detach().contiguous()).numpy(), digest_block))
+        if ch.positions.size == 0:
             return None, {"encoding": None, "count": 0, "numel": numel, "bytes": 0}
-        runs = _count_runs(positions)
-    whole = positions is None
-    max_gap = 0 if positions is None else _max_gap(positions)
-    sizes = measure(numel, size, count, runs, max_gap)
-    enc = "whole" if whole else (force or sizes.best())
+        digest = digest if host is None else host.digest()
+    count = numel if ch is None else ch.positions.size
+    sizes = measure(numel, size, count, 1 if ch is None else ch.runs, 0 if ch is None else ch.max_gap)
+    enc = "whole" if ch is None else (force or sizes.best())
+    if enc not in ENCODINGS:
+        raise ValueError(f"unknown encoding {enc!r}")
     digest = digest if digest is not None else lin64(new)
     if not is_lin64(digest):
         raise ConfigError(f"a delta carries a lin64 digest of the new tensor, got {digest!r}")
-    if enc == "whole" or positions is None:
-        body = _section(new)
+    if enc == "whole" or ch is None:
+        body = np.zeros(_align8(numel * size), dtype=np.uint8)
+        body[: numel * size] = bytes_of(new).numpy()
     else:
-        idx_dtype = torch.int32 if index_width(numel) == 4 else torch.int64
-        values = _section(as_words(new)[positions])
-        if enc == "idx":
-            body = _section(positions.to(idx_dtype)) + values
-        elif enc == "gap16":
-            if max_gap > MAX_GAP16:
-                raise ValueError("gap16 needs every gap below 2**16")
-            body = _section(_gaps(positions).to(torch.int32).to(torch.uint16)) + values
-        elif enc == "bitmap":
-            body = _section(_pack_bits(mask)) + values
-        elif enc == "runs":
-            starts, lengths = run_bounds(positions)
-            body = _section(starts.to(idx_dtype)) + _section(lengths.to(idx_dtype)) + values
-        else:
-            raise ValueError(f"unknown encoding {enc!r}")
+        body = _body(enc, words, ch, numel)
     payload = _payload(dict(header, enc=enc, count=numel if enc == "whole" else count,
-                            runs=runs if enc == "runs" else 0, digest=digest), body)
+                            runs=ch.runs if enc == "runs" and ch is not None else 0, digest=digest), body)
     return payload, {"encoding": enc, "count": count, "numel": numel, "bytes": payload.numel()}
 
 
@@ -233,16 +234,22 @@ def _bad(name: str, why: str) -> CheckpointFormatError:
 def read_header(payload: torch.Tensor, name: str = "?") -> tuple[dict, int]:
     """The header of a payload and where its body starts; ``CheckpointFormatError`` if malformed."""
     raw = payload.reshape(-1)
+    return _parse_header(bytes(raw[:_align8(8 + _MAX_HEADER)].cpu().numpy()), raw, name)
+
+
+def _parse_header(head: bytes, raw: torch.Tensor, name: str) -> tuple[dict, int]:
+    """``read_header`` from the payload's first bytes ``head`` (read back already; the rest of the
+    header is read from ``raw`` only when ``head`` is too short for it)."""
     if raw.dtype != torch.uint8 or raw.numel() < 8:
         raise _bad(name, "not a uint8 payload of at least 8 bytes")
-    head = bytes(raw[:8].cpu().numpy())
     if head[:4] != MAGIC:
         raise _bad(name, f"bad magic {head[:4]!r}")
     (n,) = struct.unpack("<I", head[4:8])
     if n > _MAX_HEADER or 8 + n > raw.numel():
         raise _bad(name, f"header length {n} out of range")
+    text = head[8: 8 + n] if 8 + n <= len(head) else bytes(raw[8: 8 + n].cpu().numpy())
     try:
-        header = json.loads(bytes(raw[8: 8 + n].cpu().numpy()))
+        header = json.loads(text)
     except (ValueError, UnicodeDecodeError) as exc:
         raise _bad(name, f"header is not JSON ({exc})") from exc
     return header, _align8(8 + n)
@@ -251,8 +258,86 @@ def read_header(payload: torch.Tensor, name: str = "?") -> tuple[dict, int]:
 def decode(payload: torch.Tensor, name: str = "?") -> Decoded:
     """Check a payload whole (header fields, sizes, the body's lin64 check, positions strictly
     increasing and in range) before anything is written; ``CheckpointFormatError`` naming the
-    tensor otherwise."""
-    header, start = read_header(payload, name)
+    tensor otherwise. ``decode_many`` does the same for many payloads with one read-back."""
+    return decode_many([(name, payload)])[0]
+
+
+_PEEK = 512   # bytes of each payload read back for its header (~150 bytes); a longer one is read on its own
+
+
+class _Pending:
+    """One payload's decode while its device checks run: the first failure found on the host before
+    the body check (``early``) and after it (``late``), the queued body check, and the device checks
+    of its positions (``(0-d tensor, wanted value, why)``)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.early: CheckpointFormatError | None = None
+        self.late: CheckpointFormatError | None = None
+        self.check: tuple[torch.Tensor, str] | None = None   # (its body, the check its header names)
+        self.device: list[tuple[torch.Tensor, int, Callable[[int], str]]] = []
+        self.positions: tuple[torch.Tensor, int] | None = None   # (its positions, numel): checked per bucket
+        self.positions_bad = False
+        self.decoded: Decoded | None = None
+
+
+def decode_many(payloads) -> list[Decoded]:
+    """``decode`` of each ``(name, payload)``, with every host synchronisation batched: the headers
+    are read back together, and the body checks and position checks run as device ops whose results
+    are read back together (one synchronisation per device for the lot, not several per payload).
+    Nothing is written; the first refused payload (in order, for its first failing check, as
+    ``decode`` would refuse it) raises ``CheckpointFormatError`` naming its tensor."""
+    items = [(name, p.reshape(-1)) for name, p in payloads]
+    heads = peek_heads([raw for _, raw in items], _PEEK)
+    pending = []
+    for (name, raw), head in zip(items, heads):
+        pend = _Pending(name)
+        pending.append(pend)
+        try:
+            _start_decode(pend, raw, head)
+        except CheckpointFormatError as exc:
+            if pend.check is None:
+                pend.early = exc
+            else:
+                pend.late = exc
+    bodies = [(p, p.check[0]) for p in pending if p.check is not None]
+    sums = {id(p): q for (p, _), q in zip(bodies, queue_many([body for _, body in bodies]))}   # on their device
+    queued = [sums[id(p)].total for p, _ in bodies]
+    flags = [t for p in pending for t, _, _ in p.device]
+    spans: dict[torch.device, list[tuple[_Pending, torch.Tensor, int]]] = {}   # a device's lists checked at once
+    for p in pending:
+        if p.positions is not None:
+            spans.setdefault(p.positions[0].device, []).append((p, *p.positions))
+    values = iter(read_ints(queued + flags + [positions_bad([(pos, n) for _, pos, n in s]) for s in spans.values()]))
+    checks = {id(p): next(values) for p in pending if p.check is not None}
+    device_flags = [next(values) for _ in flags]
+    for group in spans.values():
+        if next(values):   # some list of this device is bad: which one (a refused bucket only)
+            for q, pos, n in group:
+                q.positions_bad = position_bad(pos, n)
+    values = iter(device_flags)
+    for p in pending:
+        if p.early is not None:
+            raise p.early
+        assert p.check is not None  # noqa: S101 - set for every payload without an early failure
+        if sums[id(p)].digest(checks[id(p)]) != p.check[1]:
+            raise _bad(p.name, "the body's check (lin64) does not match: corrupted in transit or in memory")
+        if p.late is not None:
+            raise p.late
+        for (_, want, why), got in zip(p.device, (next(values) for _ in p.device)):
+            if got != want:
+                raise _bad(p.name, why(got))
+        if p.positions_bad:
+            raise _bad(p.name, "positions out of range or not strictly increasing")
+        assert p.decoded is not None  # noqa: S101 - every check passed
+    return [p.decoded for p in pending]   # type: ignore[misc]
+
+
+def _start_decode(p: _Pending, raw: torch.Tensor, head: bytes) -> None:
+    """The host checks of one payload, its body check queued, its positions decoded on its device
+    with their checks queued (``decode_many``)."""
+    name = p.name
+    header, start = _parse_header(head, raw, name)
     try:
         enc, code, shape = header["enc"], header["dtype"], tuple(int(d) for d in header["shape"])
         count, runs, digest = int(header["count"]), int(header["runs"]), str(header["digest"])
@@ -264,12 +349,10 @@ def decode(payload: torch.Tensor, name: str = "?") -> Decoded:
     if not is_lin64(digest):
         raise _bad(name, f"its digest {digest[:40]!r} is not a lin64 digest ('lin64:' and 16 hex digits): a "
                          "payload of an older ckpt-engine (SHA-256 digests)? register the version again with this one")
-    raw = payload.reshape(-1)
     if start + body_len != raw.numel():
         raise _bad(name, f"body of {raw.numel() - start} bytes, header says {body_len}")
     body = raw[start:]
-    if lin64(body) != check:   # on the payload's device: no copy of the body to the host
-        raise _bad(name, "the body's check (lin64) does not match: corrupted in transit or in memory")
+    p.check = (body, check)   # its lin64 on the payload's device, with the bucket's other bodies (decode_many)
     dtype = WIRE_DTYPES[code]
     size = torch.empty(0, dtype=dtype).element_size()
     numel = 1
@@ -282,47 +365,86 @@ def decode(payload: torch.Tensor, name: str = "?") -> Decoded:
         raise _bad(name, f"{enc} body of {body_len} bytes, {getattr(sizes, enc)} expected")
     values_at = body_len - _align8(count * size)
     values = _words(body[values_at: values_at + count * size], dtype, count)
-    positions = None if enc == "whole" else _positions(enc, body[:values_at], numel, count, runs, name)
-    return Decoded(enc, dtype, shape, count, digest, positions, values)
+    positions = None if enc == "whole" else _positions(p, enc, body[:values_at], numel, count, runs)
+    p.decoded = Decoded(enc, dtype, shape, count, digest, positions, values)
+
+
+def _typed(raw: torch.Tensor, dtype: torch.dtype, count: int) -> torch.Tensor:
+    """``count`` items of ``dtype`` from the bytes ``raw``: a view where they are aligned in their storage
+    (no kernel), else an aligned copy. A view is read before the bucket's buffer is reused: the apply
+    writes the values (or a cast of them) at once, and the undo keeps the old values, not these."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    if raw.storage_offset() % size == 0:
+        try:
+            return raw.view(dtype)
+        except RuntimeError:   # a storage that does not allow it: copied below
+            pass
+    out = torch.empty((count,), dtype=dtype, device=raw.device)
+    bytes_of(out).copy_(raw)
+    return out
 
 
 def _words(raw: torch.Tensor, dtype: torch.dtype, count: int) -> torch.Tensor:
-    typed = torch.empty((count,), dtype=dtype, device=raw.device)
-    bytes_of(typed).copy_(raw)   # a copy: aligned whatever the payload's offset, and ours to keep
-    return as_words(typed)
+    return as_words(_typed(raw, dtype, count))
 
 
 def _ints(raw: torch.Tensor, n: int, width: int) -> torch.Tensor:
-    out = torch.empty(n, dtype=torch.int32 if width == 4 else torch.int64, device=raw.device)
-    bytes_of(out).copy_(raw[: n * width])
-    return out.to(torch.int64)
+    # a copy always: positions outlive the bucket's buffer (the undo log keeps them)
+    return _typed(raw[: n * width], torch.int32 if width == 4 else torch.int64, n).to(torch.int64, copy=True)
 
 
-def _positions(enc: str, raw: torch.Tensor, numel: int, count: int, runs: int, name: str) -> torch.Tensor:
+def _flag(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.int64).reshape(())
+
+
+def _positions(p: _Pending, enc: str, raw: torch.Tensor, numel: int, count: int, runs: int) -> torch.Tensor:
+    """The changed positions, decoded without reading anything back: what must hold of them (the
+    bitmap's count, the runs' lengths, in range and strictly increasing) is queued on ``p.device``."""
     w = index_width(numel)
     if enc == "idx":
         pos = _ints(raw, count, w)
     elif enc == "gap16":
-        gaps = torch.empty(count, dtype=torch.uint16, device=raw.device)
-        bytes_of(gaps).copy_(raw[: count * 2])
-        pos = torch.cumsum(gaps.to(torch.int64), 0)
+        pos = torch.cumsum(_typed(raw[: count * 2], torch.uint16, count).to(torch.int64), 0)
     elif enc == "bitmap":
         mask = _unpack_bits(raw[: (numel + 7) // 8], numel)
-        pos = torch.nonzero(mask).reshape(-1)
-        if pos.numel() != count:
-            raise _bad(name, f"bitmap marks {pos.numel()} elements, header says {count}")
+        pos = _nonzero(mask, count)
+        if pos.numel() != count:   # the host's nonzero
+            raise _bad(p.name, f"bitmap marks {pos.numel()} elements, header says {count}")
+        if mask.device.type != "cpu":   # nonzero_static gave count of them, whatever it marks
+            p.device.append((_flag(mask.sum()), count, lambda n: f"bitmap marks {n} elements, header says {count}"))
     else:
         starts, lengths = _ints(raw, runs, w), _ints(raw[_align8(runs * w):], runs, w)
-        if runs and (bool((lengths <= 0).any()) or int(lengths.sum()) != count):
-            raise _bad(name, "run lengths do not add up to the count")
-        pos = torch.repeat_interleave(starts, lengths) + (torch.arange(count, device=raw.device)
-                                                          - torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths,
-                                                                                    lengths))
+        if runs:
+            bad = (lengths <= 0).any() | (lengths.sum() != count)
+            p.device.append((_flag(bad), 0, lambda _: "run lengths do not add up to the count"))
+        pos = _expand_runs(starts, lengths, count)
     if pos.numel() != count:
-        raise _bad(name, f"{pos.numel()} positions, header says {count}")
-    if count and (int(pos[0]) < 0 or int(pos[-1]) >= numel or (count > 1 and bool((pos[1:] <= pos[:-1]).any()))):
-        raise _bad(name, "positions out of range or not strictly increasing")
+        raise _bad(p.name, f"{pos.numel()} positions, header says {count}")
+    if count:   # in range and strictly increasing: checked with the bucket's other lists (decode_many)
+        p.positions = (pos, numel)
     return pos
+
+
+def _nonzero(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """The set positions of ``mask``; on a device exactly ``count`` of them (padded with -1, caught by
+    the checks), as ``nonzero`` would have to read its size back."""
+    if mask.device.type != "cpu":
+        try:
+            return torch.nonzero_static(mask, size=count, fill_value=-1).reshape(-1)
+        except (NotImplementedError, RuntimeError):   # a device without it: nonzero reads its size back
+            pass
+    return torch.nonzero(mask).reshape(-1)
+
+
+def _expand_runs(starts: torch.Tensor, lengths: torch.Tensor, count: int) -> torch.Tensor:
+    """Every position of the runs ``(starts, lengths)``, ``count`` of them, without reading a size
+    back; whatever the lengths (unchecked yet), every index stays in range."""
+    if starts.numel() == 0:
+        return starts.new_zeros(0)   # a count above 0 is refused: no positions
+    ends = torch.cumsum(lengths, 0)
+    at = torch.arange(count, device=starts.device)
+    run = torch.searchsorted(ends, at, right=True).clamp_(max=starts.numel() - 1)
+    return starts[run] + at - (ends - lengths)[run]
 
 
 def apply_decoded(target: torch.Tensor, d: Decoded) -> torch.Tensor | None:
@@ -334,7 +456,7 @@ def apply_decoded(target: torch.Tensor, d: Decoded) -> torch.Tensor | None:
         words.copy_(d.values.to(words.device).view_as(words))
         return None
     pos = d.positions.to(words.device)
-    old = words[pos].clone()
+    old = words[pos]   # indexing copies
     words[pos] = d.values.to(words.device)
     return old
 

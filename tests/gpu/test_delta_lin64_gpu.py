@@ -43,6 +43,17 @@ def test_the_gpu_digest_equals_the_host_digest(dtype):
     assert lin64(small.cuda()) == lin64_reference(small)
 
 
+@pytest.mark.parametrize("n", [4 * CHUNK - 1, 4 * CHUNK, 4 * CHUNK + 1, 4 * 3 * CHUNK + 5])
+def test_the_gpu_digest_equals_the_host_digest_at_word_chunk_borders_and_unaligned(n):
+    """lin64 reads 8-byte words (4 bf16 elements each): chunk borders in words, and a view whose bytes
+    start inside a word of its storage (read through aligned copies of each chunk)."""
+    host = _random(n, torch.bfloat16, n)
+    dev = host.cuda()
+    assert lin64(dev) == lin64(host)
+    assert lin64(dev[1:]) == lin64(host[1:]) == lin64(host[1:].clone())
+    assert lin64(dev[3:ROW + 5]) == lin64_reference(host[3:ROW + 5])
+
+
 def test_many_digests_on_the_gpu_and_the_host_read_back_together():
     host = [_random(n, torch.bfloat16, n) for n in (3, ROW + 1, CHUNK + 7)]
     mixed = [host[0], host[1].cuda(), host[2].cuda()]
@@ -122,3 +133,31 @@ def test_a_payload_in_device_memory_is_checked_there_and_a_corrupted_one_refused
     bad[-3] ^= 0x10
     with pytest.raises(CheckpointFormatError, match="body's check"):
         decode(bad, "w")
+
+
+@pytest.mark.parametrize("encoding", ["idx", "gap16", "bitmap", "runs"])
+def test_a_bucket_decoded_on_the_device_equals_the_host_decode_and_refuses_a_bad_bitmap(encoding):
+    """decode_many on CUDA payloads (nonzero_static, runs expanded without a size read back) gives the
+    host's positions; a bitmap marking one element more than its count is refused there too."""
+    from ckpt_core.delta import encode as enc
+    from ckpt_core.delta.encode import decode_many
+
+    gen = torch.Generator().manual_seed(7)
+    payloads = []
+    for i, n in enumerate((4096, 777, 20_000)):
+        base = torch.randn(n, generator=gen).to(torch.bfloat16)
+        new = base.clone()
+        new.view(torch.int16)[torch.randperm(n, generator=gen)[: n // 20]] ^= 1
+        payloads.append((f"t{i}", encode_tensor(new, base, force=encoding)[0]))
+    host = decode_many(payloads)
+    dev = decode_many([(n, p.cuda()) for n, p in payloads])
+    for h, d in zip(host, dev):
+        assert torch.equal(d.positions.cpu(), h.positions) and torch.equal(d.values.cpu(), h.values)
+    if encoding == "bitmap":
+        header, start = enc.read_header(payloads[0][1])
+        body = bytes(payloads[0][1][start:].numpy())
+        at = next(i for i, b in enumerate(body) if b != 0xFF)
+        body = body[:at] + bytes([body[at] | (body[at] + 1)]) + body[at + 1:]
+        bad = enc._payload({k: v for k, v in header.items() if k not in ("body", "check")}, body)
+        with pytest.raises(CheckpointFormatError, match=r"bitmap marks \d+ elements, header says"):
+            decode_many([("w", bad.cuda())])

@@ -36,13 +36,17 @@ def want_digests(*groups: dict[str, torch.Tensor]) -> dict[str, str]:
 
 
 def lin64_reference(t: torch.Tensor) -> str:
-    """``ckpt_core.delta.lin64``'s digest by its definition, in plain Python (slow: small tensors): word i
-    times (mix(i % ROW + SEED_A) | 1) times (mix(i // ROW + SEED_B) | 1), summed with the size term, mod 2**64."""
+    """``ckpt_core.delta.lin64``'s digest by its definition, in plain Python (slow: small tensors): the tensor's
+    bytes zero-padded to 8-byte words, word i (little-endian) times (mix(i % ROW + SEED_A) | 1) times
+    (mix(i // ROW + SEED_B) | 1), summed with the size term mix((bytes << 5) | item size), mod 2**64."""
     from ckpt_core.delta import lin64 as lin
 
-    words, width = lin.words_of(t)
+    raw, size = lin.raw_of(t)
+    data = bytes(raw.cpu().numpy())
+    padded = data + b"\0" * (-len(data) % 8)
     total = 0
-    for i, x in enumerate(words.cpu().tolist()):
-        total += x * (lin.mix_int(i % lin.ROW + lin.SEED_A) | 1) * (lin.mix_int(i // lin.ROW + lin.SEED_B) | 1)
-    total += lin.mix_int((words.numel() << 4) | width)
+    for i in range(len(padded) // 8):
+        word = int.from_bytes(padded[8 * i: 8 * i + 8], "little")
+        total += word * (lin.mix_int(i % lin.ROW + lin.SEED_A) | 1) * (lin.mix_int(i // lin.ROW + lin.SEED_B) | 1)
+    total += lin.mix_int((len(data) << 5) | size)
     return f"{lin.PREFIX}{total & ((1 << 64) - 1):016x}"

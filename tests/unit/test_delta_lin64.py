@@ -38,7 +38,9 @@ def test_both_paths_compute_the_definition_in_every_wire_dtype(dtype):
         assert lin64(t) == want and lin64(t, engine="torch") == want, (dtype, n)
 
 
-@pytest.mark.parametrize("n", [3 * 2 * ROW - 1, 3 * 2 * ROW, 3 * 2 * ROW + 1, 5 * 2 * ROW + 7])
+# lin64 reads 8-byte words: a bf16 tensor has 4 elements per word
+@pytest.mark.parametrize("n", [4 * 3 * 2 * ROW - 1, 4 * 3 * 2 * ROW, 4 * 3 * 2 * ROW + 1, 4 * 5 * 2 * ROW + 7,
+                               4 * 2 * ROW + 3, 4 * ROW - 2])
 def test_chunk_borders_and_the_thread_pool_keep_the_definition(monkeypatch, n):
     monkeypatch.setattr(lin, "CHUNK", 2 * ROW)              # chunks of two rows: many chunks, small tensors
     monkeypatch.setattr(lin, "_NP_THREADS_MIN_WORDS", 1)   # and the numpy path on its thread pool
@@ -48,11 +50,34 @@ def test_chunk_borders_and_the_thread_pool_keep_the_definition(monkeypatch, n):
     assert lin.lin64(t) == want and lin.lin64(t, engine="torch") == want
 
 
-@pytest.mark.parametrize("n", [1, 7, CHUNK - 1, CHUNK, CHUNK + 1])
-def test_the_paths_agree_at_odd_sizes_and_the_real_chunk(n):
-    for dtype in NAMED:
+@pytest.mark.parametrize("offset", [1, 2, 3, 5, 7])
+@pytest.mark.parametrize("chunk", [None, 2 * ROW])
+def test_bytes_not_8_byte_aligned_in_their_storage_keep_the_definition(monkeypatch, offset, chunk):
+    """A contiguous view starting inside a word of its storage (a slice of a fused parameter, a payload's
+    body at an odd offset): the torch path reads it through aligned copies of each chunk."""
+    if chunk:
+        monkeypatch.setattr(lin, "CHUNK", chunk)
+    store = _random(4 * 5 * ROW + 13, torch.int8, offset)
+    view = store[offset:]
+    assert view.storage_offset() % 8
+    want = lin64_reference(view)
+    assert lin64(view) == want and lin64(view, engine="torch") == want == lin64(view.clone())
+    halves = _random(4 * 3 * ROW + 3, torch.bfloat16, offset)[offset:]   # 2 * offset bytes in
+    assert lin64(halves, engine="torch") == lin64_reference(halves) == lin64(halves)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 7, 9, 4 * ROW - 1, 4 * ROW + 1])
+def test_the_paths_agree_at_odd_sizes(n):
+    for dtype in NAMED + [torch.float64]:
         t = _random(n, dtype, n + 1)
         assert lin64(t) == lin64(t, engine="torch"), (dtype, n)
+
+
+@pytest.mark.parametrize("words", [CHUNK - 1, CHUNK + 1])
+@pytest.mark.parametrize("extra", [0, 1])
+def test_the_paths_agree_at_the_real_chunk(words, extra):
+    t = _random(4 * words + extra, torch.bfloat16, words + extra)
+    assert lin64(t) == lin64(t, engine="torch")
 
 
 def test_many_digests_read_back_together_equal_each_one():
@@ -71,7 +96,7 @@ def test_the_digest_depends_on_the_width_and_count_not_only_the_values():
     assert lin64(torch.zeros(4, dtype=torch.bfloat16)) == lin64(torch.zeros(4, dtype=torch.float16))   # bytes + width
 
 
-@pytest.mark.parametrize("dtype", NAMED + [torch.float64], ids=str)
+@pytest.mark.parametrize("dtype", NAMED + [torch.float64, torch.int64, torch.int32, torch.bool], ids=str)
 def test_every_single_element_change_is_detected(dtype):
     rnd = random.Random(str(dtype))
     n = 3 * ROW + 11
@@ -87,6 +112,28 @@ def test_every_single_element_change_is_detected(dtype):
         assert lin64(t) != before, (i, byte, mask)
         raw[i * size + byte] ^= mask
     assert lin64(t) == before
+
+
+@pytest.mark.parametrize("size", [1, 2, 4, 8])
+def test_every_element_replaced_by_any_other_value_is_detected(size):
+    """The proof's case, whole elements: element i of item size 1-8 lies in one 8-byte word at byte
+    (i * size) % 8; replacing all its bytes (the extremes too: 0, all ones, only the top bit differing)
+    moves the digest, at every byte position in a word, in the padded last word, on both paths."""
+    rnd = random.Random(size)
+    n = (2 * ROW * 8 + 5 * size + 3) // size   # the last word is partial
+    words = _random(n, {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size], size)
+    raw = words.view(torch.uint8)
+    before = lin64(words)
+    for i in list(range(8 // size)) + [n - 1, n - 2, ROW * 8 // size] + [rnd.randrange(n) for _ in range(60)]:
+        old = bytes(raw[i * size: (i + 1) * size].tolist())
+        for new in (bytes(size), b"\xff" * size, bytes(old[:-1]) + bytes([old[-1] ^ 0x80]),
+                    bytes(rnd.randrange(256) for _ in range(size))):
+            if new == old:
+                continue
+            raw[i * size: (i + 1) * size] = torch.tensor(list(new), dtype=torch.uint8)
+            assert lin64(words) != before and lin64(words, engine="torch") != before, (i, new)
+            raw[i * size: (i + 1) * size] = torch.tensor(list(old), dtype=torch.uint8)
+    assert lin64(words) == before
 
 
 def test_large_tensor_flips_at_random_positions_are_detected():
@@ -159,3 +206,47 @@ def test_an_apply_that_drops_one_changed_element_fails_the_check_and_is_undone(m
     _drive(rx, _delta(base, new))
     assert torch.equal(live["s"].view(torch.int16), new["s"].view(torch.int16))
     assert torch.equal(live["w"], new["w"].float()) and rx.held == "B"
+
+
+@pytest.mark.parametrize("cuts", [[], [8], [13, 8 * ROW + 5], [8 * ROW, 16 * ROW], [3, 7, 8 * ROW * 3 - 1, 10**9]])
+def test_the_host_digest_in_parts_is_the_digest_wherever_the_parts_end(cuts):
+    """The PS's encode digests a tensor block by block as it compares it (``HostDigest``): any cuts,
+    at or between word and row borders, give lin64 of the whole."""
+    for dtype in (torch.bfloat16, torch.int8, torch.float32):
+        t = _random(5 * ROW + 3, dtype, len(cuts))
+        parts = lin.HostDigest(t)
+        for c in cuts:
+            parts.upto(c)
+        assert parts.digest() == lin64(t) == lin64_reference(t), (dtype, cuts)
+
+
+def test_the_encode_digests_the_new_tensor_as_it_compares_it(monkeypatch):
+    import ckpt_core.delta._changes as changes
+
+    monkeypatch.setattr(changes, "_BLOCK", 1000)   # many blocks; the first change in a later one
+    base = _random(4 * ROW + 1, torch.bfloat16, 9)
+    new = base.clone()
+    new.view(torch.int16)[[3500, 3501, 9000]] ^= 5
+    payload, _ = encode_tensor(new, base)
+    assert read_header(payload)[0]["digest"] == lin64(new) == lin64_reference(new)
+
+
+def test_many_small_tensors_digested_together_on_a_device_equal_each_digest():
+    """queue_many (a bucket's payload bodies on a GPU): concatenated, each word's coefficient from its
+    index in its own tensor; any sizes (empty, not whole words, over a row), alone or many."""
+    sizes = [0, 1, 7, 8, 13, 8 * ROW - 1, 8 * ROW + 9, 3 * 8 * ROW, 5]
+    tensors = [_random(n, torch.uint8, n) for n in sizes] + [_random(77, torch.bfloat16, 1)]
+    for group in (tensors, tensors[::-1], tensors[5:6], tensors[:1]):
+        queued = lin.queue_many(group, engine="torch")
+        got = [q.digest(v) for q, v in zip(queued, lin.read_ints([q.total for q in queued]))]
+        assert got == [lin64_reference(t) for t in group]
+    assert lin.queue_many([]) == []
+
+
+@pytest.mark.parametrize("n", [0, 5, 8, 8 * ROW + 3])
+def test_the_host_digest_of_raw_bytes_is_the_tensor_digest(n):
+    """lin64_host (the encode's payload bodies, a numpy array of bytes) names the same digest."""
+    t = _random(n, torch.uint8, n)
+    assert lin.lin64_host(t.numpy()) == lin64(t) == lin64_reference(t)
+    halves = _random(n, torch.bfloat16, n)
+    assert lin.lin64_host(halves.view(torch.uint8).numpy(), 2) == lin64(halves)
