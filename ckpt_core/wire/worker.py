@@ -248,7 +248,10 @@ def _clear_frames(exc: BaseException) -> None:
 
 def _handshake(link: _Link, device_id: int, on_plan=None, slices=None):
     try:
-        raw = link.recv(("hello",))
+        raw = link.recv(("hello", "abort"))
+        if raw["kind"] == "abort":   # another rank refused or failed before this PS rank sent its hello
+            raise RemoteWorkerError(f"update aborted by the parameter server before its hello: "
+                                    f"{raw.get('reason', '')}")
         hello = proto.parse_hello(raw, link.rest[0] if link.rest else None)
     except ProtocolError as exc:
         # A frame we cannot trust: answer (under its update id if it has one, so that a PS of

@@ -304,6 +304,17 @@ def test_a_frame_over_the_size_limit_is_dropped_by_zeromq_and_the_worker_leaves(
 
 
 # ------------------------------------------------------------------ a PS that fails, leaves or goes silent
+def test_an_abort_before_the_hello_is_a_remote_worker_error_with_the_reason_and_nothing_runs(ps):
+    """A PS rank whose update failed before it sent its hello (another rank's worker refused first) ends
+    the worker's call with an abort: the worker leaves as aborted, not with a protocol error of its own."""
+    w = Worker(ps.handle)
+    ps.send("abort", reason="rank 0: engine worker refused the plan")
+    w.join()
+    assert isinstance(w.error, RemoteWorkerError), repr(w.error)
+    assert "before its hello" in str(w.error) and "rank 0: engine worker refused the plan" in str(w.error)
+    assert w.calls == [] and w.hooked == 0
+
+
 def test_an_abort_after_a_bucket_is_a_remote_worker_error_with_the_reason(ps):
     w = handshake(ps)
     ps.send("bucket", index=0, slot=0)
