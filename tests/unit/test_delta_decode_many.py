@@ -36,6 +36,33 @@ def _crafted(enc_name, positions, values, numel, *, runs=0, body=None):
     return enc._payload(header, body)
 
 
+def _count_read_backs(monkeypatch, *modules) -> tuple[list[int], list[int]]:
+    """``read_ints`` of ``modules`` (the bucket's one read-back) patched to record each call's size;
+    returns (sizes, inside): ``inside`` is non-empty while such a read-back runs."""
+    reads: list[int] = []
+    inside: list[int] = []
+    real = lin.read_ints
+
+    def read_ints(values):
+        reads.append(len(values))
+        inside.append(1)
+        try:
+            return real(values)
+        finally:
+            inside.pop()
+    for module in modules:
+        monkeypatch.setattr(module, "read_ints", read_ints)
+    return reads, inside
+
+
+def _forbid_host_reads(monkeypatch, inside: list[int], where: str) -> None:
+    """Tensor.item/__bool__/__int__/tolist fail the test unless a counted read-back runs (``inside``)."""
+    for name in ("item", "__bool__", "__int__", "tolist"):
+        orig = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda *a, _o=orig, _n=name, **k: _o(*a, **k) if inside
+                            else pytest.fail(f"Tensor.{_n} {where}"))
+
+
 @pytest.mark.parametrize("encoding", ENCODINGS)
 def test_decode_many_equals_decode_one_by_one(encoding):
     pairs = [_pair(n, d, s) for n, d, s in [(5000, 0.02, 1), (64, 0.3, 2), (70_000, 0.001, 3)]]
@@ -59,28 +86,8 @@ def test_a_bucket_reads_its_checks_back_once(monkeypatch):
     pairs = [_pair(4096 + i, 0.02, i) for i in range(12)]
     payloads = [(f"t{i}", encode_tensor(new, base, force=e)[0])
                 for i, ((base, new), e) in enumerate(zip(pairs, ["idx", "gap16", "bitmap", "runs"] * 3))]
-    reads, inside = [], []
-    real = enc.read_ints
-
-    def read_ints(values):   # the one read-back allowed: its own tolist()
-        reads.append(len(values))
-        inside.append(1)
-        try:
-            return real(values)
-        finally:
-            inside.pop()
-
-    def forbid(name):
-        orig = getattr(torch.Tensor, name)
-
-        def guarded(*a, **k):
-            if not inside:
-                pytest.fail(f"Tensor.{name} in decode_many: a per-payload read-back")
-            return orig(*a, **k)
-        monkeypatch.setattr(torch.Tensor, name, guarded)
-    monkeypatch.setattr(enc, "read_ints", read_ints)
-    for name in ("item", "__bool__", "__int__", "tolist"):
-        forbid(name)
+    reads, inside = _count_read_backs(monkeypatch, enc)   # the one read-back allowed: its own tolist()
+    _forbid_host_reads(monkeypatch, inside, "in decode_many: a per-payload read-back")
     decoded = decode_many(payloads)
     monkeypatch.undo()
     assert len(decoded) == 12 and len(reads) == 1
@@ -192,18 +199,7 @@ def test_a_bucket_s_whole_apply_reads_back_three_times_whatever_its_tensor_count
     real_many, real_qm = lin.lin64_many, enc.queue_many
     monkeypatch.setattr(apply_mod, "lin64_many", lambda ts: real_many(ts, engine="torch"))
     monkeypatch.setattr(enc, "queue_many", lambda ts: real_qm(ts, engine="torch"))
-    reads, inside = [], []
-    real_read = lin.read_ints
-
-    def read_ints(values):
-        reads.append(len(values))
-        inside.append(1)
-        try:
-            return real_read(values)
-        finally:
-            inside.pop()
-    monkeypatch.setattr(lin, "read_ints", read_ints)
-    monkeypatch.setattr(enc, "read_ints", read_ints)
+    reads, inside = _count_read_backs(monkeypatch, lin, enc)
     peeks = []
     real_peek = enc.peek_heads
     monkeypatch.setattr(enc, "peek_heads", lambda raws, n: peeks.append(len(raws)) or real_peek(raws, n))
@@ -217,10 +213,7 @@ def test_a_bucket_s_whole_apply_reads_back_three_times_whatever_its_tensor_count
         peeks.clear()
         with rx.update(run=lambda ws: None) as cb:
             cb.on_plan([(w, t.dtype, tuple(t.shape)) for w, t in weights])
-            for name in ("item", "__bool__", "__int__", "tolist"):
-                orig = getattr(torch.Tensor, name)
-                monkeypatch.setattr(torch.Tensor, name, lambda *a, _o=orig, _n=name, **k: _o(*a, **k) if inside
-                                    else pytest.fail(f"Tensor.{_n} outside the bucket's read-backs"))
+            _forbid_host_reads(monkeypatch, inside, "outside the bucket's read-backs")
             cb.run(weights)
             cb.post_hook()
         assert peeks == [n] and reads == [n + 1, n], (n, peeks, reads)   # checks + one position flag; digests
