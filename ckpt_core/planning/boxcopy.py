@@ -150,24 +150,30 @@ def _stacks(blocks: list[Pitched], chunk: int) -> list[Pitched]:
         by_shape.setdefault((b.width, b.height, b.pitch, b.dpitch or b.width), []).append(b)
     out: list[Pitched] = []
     for group in by_shape.values():
-        at = {(b.src, b.dst): i for i, b in enumerate(group)}
-        used = [False] * len(group)
-        for i, a in enumerate(group):
-            if used[i]:
-                continue
-            used[i] = True
-            best: list[int] = []
-            for j in [j for j in range(i + 1, len(group)) if not used[j]][:LOOKAHEAD]:
-                chain = _stack_chain(a, group[j].src - a.src, group[j].dst - a.dst, at, used, chunk)
-                if len(chain) > len(best):
-                    best = chain
-            for j in best:
-                used[j] = True
-            if not best:
-                out.append(a)
-                continue
-            b = group[best[0]]
-            out.append(a._replace(depth=1 + len(best), step=b.src - a.src, dstep=b.dst - a.dst))
+        for a, nxt, n in _longest_progressions(group, _stack_chain, chunk):
+            out.append(a if nxt is None else a._replace(depth=1 + n, step=nxt.src - a.src, dstep=nxt.dst - a.dst))
+    return out
+
+
+def _longest_progressions(group: list[Pitched], chain, chunk: int) -> list[tuple[Pitched, Pitched | None, int]]:
+    """Greedy over ``group`` (one shape, in destination order): from each copy not yet taken, the
+    longest ``chain`` through one of the next ``LOOKAHEAD`` copies not taken; ``(first, second or None,
+    how many follow the first)`` per progression found (a lone copy: ``(first, None, 0)``)."""
+    at = {(c.src, c.dst): i for i, c in enumerate(group)}
+    used = [False] * len(group)
+    out: list[tuple[Pitched, Pitched | None, int]] = []
+    for i, a in enumerate(group):
+        if used[i]:
+            continue
+        used[i] = True
+        best: list[int] = []
+        for j in [j for j in range(i + 1, len(group)) if not used[j]][:LOOKAHEAD]:
+            found = chain(a, group[j].src - a.src, group[j].dst - a.dst, at, used, chunk)
+            if len(found) > len(best):
+                best = found
+        for j in best:
+            used[j] = True
+        out.append((a, group[best[0]] if best else None, len(best)))
     return out
 
 
@@ -207,26 +213,9 @@ def _progressions(runs: list[Pitched], chunk: int) -> list[Pitched]:
     for r in runs:
         by_width.setdefault(r.width, []).append(r)
     out: list[Pitched] = []
-    for width, group in by_width.items():
-        at = {(r.src, r.dst): i for i, r in enumerate(group)}   # already in destination order
-        used = [False] * len(group)
-        for i, a in enumerate(group):
-            if used[i]:
-                continue
-            used[i] = True
-            best: list[int] = []
-            following = [j for j in range(i + 1, len(group)) if not used[j]][:LOOKAHEAD]
-            for j in following:
-                chain = _chain(a, group[j].src - a.src, group[j].dst - a.dst, at, used, chunk)
-                if len(chain) > len(best):
-                    best = chain
-            if not best:
-                out.append(a)
-                continue
-            for j in best:
-                used[j] = True
-            b = group[best[0]]
-            out.append(Pitched(a.src, b.src - a.src, width, 1 + len(best), a.dst, b.dst - a.dst))
+    for width, group in by_width.items():   # each already in destination order
+        for a, b, n in _longest_progressions(group, _chain, chunk):
+            out.append(a if b is None else Pitched(a.src, b.src - a.src, width, 1 + n, a.dst, b.dst - a.dst))
     return out
 
 
