@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cold_load import ENV, EXTENSION, checkpoint_dir  # noqa: E402
-from prepared_engine import KWARGS, digests, keep_weights_unpacked, stage  # noqa: E402
+from prepared_engine import KWARGS, _port, digests, keep_weights_unpacked, stage  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -115,14 +115,6 @@ def main(argv: list[str] | None = None) -> None:
     sys.stdout.write(json.dumps(out) + "\n")
     sys.stdout.flush()
     os._exit(0)   # skip vLLM's atexit teardown
-
-
-def _port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":
