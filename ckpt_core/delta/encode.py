@@ -177,7 +177,6 @@ def encode_tensor(new: torch.Tensor, old: torch.Tensor | None, *, digest: str | 
     if code is None:
         raise CheckpointFormatError(f"dtype {new.dtype} has no wire code")
     numel, size = new.numel(), new.element_size()
-    header = {"dtype": code, "shape": list(new.shape)}
     words = as_words(new).numpy()
     ch = None   # None: whole (new, reshaped or retyped)
     if old is not None and old.dtype == new.dtype and tuple(old.shape) == tuple(new.shape):
@@ -190,6 +189,21 @@ def encode_tensor(new: torch.Tensor, old: torch.Tensor | None, *, digest: str | 
         if ch.positions.size == 0:
             return None, {"encoding": None, "count": 0, "numel": numel, "bytes": 0}
         digest = digest if host is None else host.digest()
+    return encode_changes(new, ch, digest=digest, force=force)
+
+
+def encode_changes(new: torch.Tensor, ch: Changes | None, *, digest: str | None = None,
+                   force: str | None = None) -> tuple[torch.Tensor, dict]:
+    """The payload of ``new`` (a contiguous CPU tensor) whose changed positions are ``ch`` (None: every
+    element, ``whole``), in the smallest encoding (or ``force``); ``encode_tensor`` after its compare,
+    and a box of a tensor whose changes are known already (``sliced.py``). ``digest``: ``new``'s
+    ``lin64`` if the caller has it. Returns ``(payload, info)`` as ``encode_tensor``."""
+    code = WIRE_CODES.get(new.dtype)
+    if code is None:
+        raise CheckpointFormatError(f"dtype {new.dtype} has no wire code")
+    numel, size = new.numel(), new.element_size()
+    header = {"dtype": code, "shape": list(new.shape)}
+    words = as_words(new).numpy()
     count = numel if ch is None else ch.positions.size
     sizes = measure(numel, size, count, 1 if ch is None else ch.runs, 0 if ch is None else ch.max_gap)
     enc = "whole" if ch is None else (force or sizes.best())
