@@ -20,6 +20,8 @@ engines hold that base. Anything missing or disagreeing is one ``DeltaBaseError`
 from __future__ import annotations
 
 from ckpt_core.checkpoint.sources import RegisteredCheckpoint, build_checkpoint
+from ckpt_core.delta._sliced_flow import SlicedDeltas
+from ckpt_core.delta.sliced import sliced_name
 from ckpt_core.delta.versions import (
     DELTA_MODES,
     DeltaVersions,
@@ -46,6 +48,7 @@ class Updates:
 
     def __init__(self, ctx: UpdateContext, catalog: Catalog, p2p: P2PState, versions: DeltaVersions):
         self.ctx, self.catalog, self.p2p, self.versions = ctx, catalog, p2p, versions
+        self.sliced = SlicedDeltas(ctx, catalog, versions)
 
     # -- registration ------------------------------------------------------------
     def add(self, name: str, ckpt: RegisteredCheckpoint, base: str | None) -> None:
@@ -68,6 +71,7 @@ class Updates:
         """Uninstall and release checkpoint ``name`` (and its delta, if any): its P2P service first (a
         reader's next stamp check fails), then its memory, metas and plans. Returns it (released)."""
         ckpt = self.catalog.checkpoints.pop(name)
+        self.sliced.forget(name)   # its sliced deltas go with it
         if companion(name) in self.catalog.checkpoints:   # its delta goes with it
             self.versions.forget(name)
             self.remove(companion(name))
@@ -110,16 +114,44 @@ class Updates:
         """``ParameterServer.update``'s dispatch (the facade holds the update lock around it)."""
         if not delta:
             return self._full(name, req_func, ranks, timeout, slices)
-        if slices is not None or self.ctx.wire != "native":
-            raise ConfigError("delta updates are updates of whole tensors on our wire for now: no slices= or "
-                              "stock wire (docs/deltas.md)")
+        if self.ctx.wire != "native":
+            raise ConfigError("delta updates are updates on our wire for now: not with the stock wire (docs/deltas.md)")
+        if ranks and slices is not None:
+            raise ConfigError("P2P delta updates take no slices= yet (docs/deltas.md): a broadcast delta with "
+                              "slices=, or a P2P delta of whole tensors")
         if ranks:
             return self._p2p_delta(name, req_func, ranks, timeout, delta)
+        if slices is not None:
+            return self._sliced_delta(name, req_func, timeout, slices, delta)
         bases = self.known_bases
         return run_delta_update(
             self.versions, name, with_precheck(req_func, lambda: self.versions.precheck(name, bases=bases())), delta,
             prepare=lambda: self._gather_delta(name),
             update=lambda n, rf: run_broadcast_update(self.ctx, self.catalog, n, rf, timeout, None), bases=bases)
+
+    def _sliced_delta(self, name: str, req_func: ReqFunc, timeout, slices, mode) -> dict:
+        """A broadcast delta routed by slice plan ``slices``: each engine rank receives the changed elements
+        of its own boxes (``sliced.py``); a refused one with ``"fallback"`` is a sliced full update."""
+        routes: list = []
+
+        def prepare() -> str | None:
+            base, r = self.sliced.prepare(name, slices)
+            routes.append(r)
+            return base
+
+        def update(checkpoint: str, rf) -> dict:
+            if checkpoint != companion(name):   # the fallback: the version itself, by the engine's plan
+                return run_broadcast_update(self.ctx, self.catalog, checkpoint, rf, timeout, slices)
+            comp = sliced_name(name, slices)
+            result = run_broadcast_update(self.ctx, self.catalog, comp, rf, timeout, routes[-1])
+            full = [slices.rank_bytes(t) for t in range(len(slices.ranks))]
+            result["delta"] = {"sliced": dict(self.sliced.figures.get(comp, {}), plan=slices.digest,
+                                              full_rank_bytes=full)}
+            return result
+        bases = self.known_bases
+        return run_delta_update(
+            self.versions, name, with_precheck(req_func, lambda: self.versions.precheck(name, bases=bases())), mode,
+            prepare=prepare, update=update, bases=bases)
 
     def _full(self, name: str, req_func: ReqFunc, ranks, timeout, slices) -> dict:
         mine = self._reaches_me(ranks)
