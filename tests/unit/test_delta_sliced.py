@@ -163,3 +163,80 @@ def test_a_registered_versions_box_payloads_come_from_its_delta_and_route_to_the
     finally:
         for c in (A, B, comp):
             c.release()
+
+
+def _box_bucket(old, new, boxes, b="A", v="B"):
+    """A sliced delta's bucket: the manifest and each box payload, as the worker receives them."""
+    from ckpt_core.delta.versions import manifest_name
+    out = [(manifest_name(b, v, 0, 1), torch.zeros(1, dtype=torch.uint8))]
+    for name, box in boxes:
+        positions = _whole_positions(old[name], new[name])
+        payload, _ = encode_box(new[name], positions, box)
+        if payload is not None:
+            out.append((box_name(name, box), payload))
+    return out
+
+
+def _drive(rx, weights, *, fail=False):
+    with rx.update(run=lambda ws: None, version=None) as cb:
+        cb.on_plan([(n, t.dtype, tuple(t.shape)) for n, t in weights])
+        cb.run(weights)
+        if fail:
+            raise RuntimeError("another rank failed")
+        cb.post_hook()
+
+
+def _fused(base):
+    """An engine rank's parameters: ``gu`` [6, 6] holds rows 4..8 of ``a`` transposed in its first 4
+    columns (a strided region); rows 0..4 of ``r`` are ``rows`` (contiguous); ``w`` is held widened to float32, whole."""
+    return {"gu": torch.cat([base["a"][4:8].T, torch.zeros(6, 2, dtype=torch.bfloat16)], dim=1),
+            "rows": base["r"][0:4].clone(), "w": base["w"].float()}
+
+
+def test_a_worker_applies_box_deltas_into_contiguous_strided_and_widened_regions_and_undoes_them():
+    from ckpt_core.delta.apply import DeltaReceiver
+    g = torch.Generator().manual_seed(11)
+    base = {"a": torch.randn(8, 6, generator=g).bfloat16(), "r": torch.randn(8, 5, generator=g).bfloat16(),
+            "w": torch.randn(9, generator=g).bfloat16()}
+    new = {n: t.clone() for n, t in base.items()}
+    for n, t in new.items():
+        flat = t.view(-1)
+        flat[torch.randperm(flat.numel(), generator=g)[: flat.numel() // 3]] += 1
+    live = _fused(base)
+    gu_block = live["gu"][:, :4]   # a's rows 4..8 as columns 0..4 of gu (transposed): view of [6, 4]
+
+    def live_box(name, box):
+        if (name, box) == ("a", ((0, 4, 4),)):
+            return gu_block.T   # [4, 6], strided
+        if (name, box) == ("r", ((0, 0, 4),)):
+            return live["rows"]
+        if (name, box) == ("w", None):
+            return live["w"]
+        raise CheckpointFormatError("not a box of this rank", tensor=name)
+
+    boxes = [("a", ((0, 4, 4),)), ("r", ((0, 0, 4),)), ("w", None)]
+    weights = _box_bucket(base, new, boxes)
+    before = {n: t.clone() for n, t in live.items()}
+    rx = DeltaReceiver(live=lambda n: None, live_box=live_box, held="A")
+    with pytest.raises(RuntimeError, match="another rank failed"):
+        _drive(rx, weights, fail=True)   # every write undone, the strided region's included
+    assert all(torch.equal(live[n], before[n]) for n in live)
+    rx.held = "A"
+    _drive(rx, weights)
+    assert torch.equal(gu_block.T, new["a"][4:8]) and torch.equal(live["rows"], new["r"][0:4])
+    assert torch.equal(live["w"], new["w"].float()) and rx.held == "B"
+    assert not gu_block.T.is_contiguous() and torch.equal(live["gu"][:, 4:], before["gu"][:, 4:])   # the rest untouched
+
+
+def test_a_box_the_worker_does_not_read_or_cannot_reach_is_refused_before_its_bucket_counts():
+    from ckpt_core.delta.apply import DeltaReceiver
+    g = torch.Generator().manual_seed(12)
+    base = {"r": torch.randn(8, 5, generator=g).bfloat16()}
+    new = {"r": base["r"] + 1}
+    weights = _box_bucket(base, new, [("r", ((0, 4, 4),))])
+    for live_box, needle in ((None, "without live_box"), (lambda n, b: None, "no live region"),
+                             (lambda n, b: torch.zeros(4, 5, dtype=torch.bfloat16)[:, :4], "the live tensor is")):
+        rx = DeltaReceiver(live=lambda n: None, live_box=live_box, held="A")
+        with pytest.raises(CheckpointFormatError, match=needle):
+            _drive(rx, weights)
+        assert rx.held == "A"
