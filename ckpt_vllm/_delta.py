@@ -24,8 +24,14 @@ Staged deltas (``stage=..., deltas=True``): the payloads are staged while the en
 (refused at once unless the worker holds their base) and applied in the commit's pause the same way
 (:func:`commit_staged_delta`).
 
-Not yet: sliced deltas; scattering into a sharded tensor (tensor parallel: the version's digest is of
-the whole tensor, a rank holds a box of it).
+Sliced deltas (``update_weights_from_ipc(..., slices=digest, deltas=True)``; docs/deltas.md, "Sliced
+deltas"): a sliced full update keeps this rank's boxes (what it received) as the next delta's base;
+a sliced delta's box payloads are rebuilt from them, each checked against its box's digest, and once
+every rank agreed, the whole model is reloaded from the kept boxes through the slice plan's replay
+(as a whole map does). A delta whose slicing differs from the kept copy's (sliced vs whole, another
+plan) is refused before anything is written.
+
+Not yet: scattering a sliced delta into the live shard (the rank reloads its whole model instead).
 """
 
 from __future__ import annotations
@@ -62,15 +68,15 @@ def _use_map(rx: DeltaReceiver, m: DeltaMap) -> None:
 class _Reloads:
     """The delta's reload of the changed layers (or of the whole model when the map is whole)."""
 
-    def __init__(self, worker: Any, m: DeltaMap):
-        self.worker, self.map = worker, m
+    def __init__(self, worker: Any, m: DeltaMap, replay: Any = None):
+        self.worker, self.map, self.replay = worker, m, replay
         self.figures: dict = {"reloaded_layers": [], "reload_tensors": 0, "reload_s": 0.0}
 
     def __call__(self, weights: Weights) -> None:
         t0 = time.perf_counter()
         names = [n for n, _ in weights]
         if self.map.whole:
-            sessions = new_sessions(self.worker)
+            sessions = new_sessions(self.worker, self.replay)
             layers = ["<whole model>"]
         else:
             layers = self.map.layers(names)
@@ -102,16 +108,18 @@ def _map_of(worker: Any, kept: dict) -> DeltaMap:
 
 
 def receive_with_deltas(worker: Any, zmq_ctx, zmq_handle: str, index: int, *, timeout: float,
-                        version: str | None) -> tuple[dict, list[ReloadSession]]:
+                        version: str | None, replay: Any = None) -> tuple[dict, list[ReloadSession]]:
     """One update that may be a delta; a full one is mapped and kept for the next delta. ``version``
-    names what a full update makes live (required). Returns the result and the full update's reload
+    names what a full update makes live (required). ``replay``: the slice plan the update is routed by
+    (``_slices.ReplayPlan``; None: whole tensors). Returns the result and the full update's reload
     sessions (none for a delta)."""
     if not isinstance(version, str) or not version:
         raise ConfigError("an update with deltas=True needs version=: a later delta names its base by it")
     rx = receiver_of(worker)
     m: DeltaMap = getattr(worker, "_ckpt_delta_map", None) or DeltaMap(whole="no full update mapped it yet")
+    sliced = None if replay is None else replay.digest
     _use_map(rx, m)
-    reloads = _Reloads(worker, m)
+    reloads = _Reloads(worker, m, replay)
     kept: dict = {}
     sessions: list[ReloadSession] = []   # begun by a full update's plan; a delta touches no layer before its reload
 
@@ -122,16 +130,24 @@ def receive_with_deltas(worker: Any, zmq_ctx, zmq_handle: str, index: int, *, ti
             kept[name] = t.detach().to("cpu", copy=True)
 
     def on_plan(tensors):
-        sessions.extend(new_sessions(worker))
+        if delta_of_plan(tensors) is not None:   # a delta: of the slicing the kept copy has
+            kept_for = getattr(worker, "_ckpt_delta_slices", None)
+            if kept_for != sliced:
+                raise ConfigError(f"this worker keeps its base {_slicing(kept_for)}, the delta comes "
+                                  f"{_slicing(sliced)}: update the version whole (nothing was written)")
+            return cb.on_plan(tensors)
+        cb.on_plan(tensors)
+        sessions.extend(new_sessions(worker, replay))
         for s in sessions:
             s.check_plan(name for name, _, _ in tensors)
             s.check_whole_layers(name for name, _, _ in tensors)
 
     rx.reload = reloads
     try:
-        with rx.update(run=run, on_plan=on_plan, post_hook=lambda: finish_sessions(sessions), version=version) as cb:
-            _core_update_weights_from_ipc(zmq_ctx, zmq_handle, index, run=cb.run, on_plan=cb.on_plan,
-                                          post_hook=cb.post_hook, timeout=timeout)
+        with rx.update(run=run, post_hook=lambda: finish_sessions(sessions), version=version) as cb:
+            _core_update_weights_from_ipc(zmq_ctx, zmq_handle, index, run=cb.run, on_plan=on_plan,
+                                          post_hook=cb.post_hook, timeout=timeout,
+                                          slices=None if replay is None else replay.route)
     except BaseException:
         abort_sessions(sessions)
         raise
@@ -140,7 +156,9 @@ def receive_with_deltas(worker: Any, zmq_ctx, zmq_handle: str, index: int, *, ti
     figures = dict(rx.last)
     if kept:   # a full update: its tensors are the next delta's base
         t0 = time.perf_counter()
-        m = worker._ckpt_delta_map = _map_of(worker, kept)
+        m = worker._ckpt_delta_map = (_map_of(worker, kept) if replay is None else
+                                      DeltaMap(whole="sliced: each delta reloads the model from the kept boxes"))
+        worker._ckpt_delta_slices = sliced
         rx.kept = {n: t for n, t in kept.items() if m.keeps(n)}
         figures["map"] = dict(m.figures(), kept=len(rx.kept), kept_bytes=sum(t.nbytes for t in rx.kept.values()),
                               map_s=time.perf_counter() - t0)
@@ -157,6 +175,10 @@ def receive_with_deltas(worker: Any, zmq_ctx, zmq_handle: str, index: int, *, ti
         tensors = figures.get("scattered", 0) + figures.get("reload_tensors", 0)
         nbytes = figures.get("payload_bytes", 0)
     return {"tensors": tensors, "bytes": nbytes, "held": rx.held, "delta": figures}, sessions
+
+
+def _slicing(digest: str | None) -> str:
+    return "whole (no slice plan)" if digest is None else f"by slice plan {digest[:12]}"
 
 
 def check_staged_plan(worker: Any, tensors) -> tuple[str, str] | None:

@@ -132,7 +132,9 @@ class DeltaReceiver:
     fails the update. A contiguous view is scattered into and digested in place; a strided one (a box
     loaded into a column block of a fused parameter) through a contiguous copy of the region only: the
     copy is scattered into and digested, then written back once every payload of the bucket passed its
-    check. A box without a live view is refused (there is no rebuild path for boxes).
+    check. A box without a live view (``live_box`` None, or giving None) is rebuilt as a whole tensor is,
+    from the kept copy of the box (``keep(name, box tensor)``: what a sliced full update's ``run`` got),
+    checked against the box's digest and handed to ``reload`` under the tensor's name.
     """
 
     def __init__(self, live: Callable[[str], torch.Tensor | None], *, reload: Callable[[Weights], object] | None = None,
@@ -240,22 +242,20 @@ class _Update:
             d = self._maybe_drop(decoded)
             self.figures["payload_bytes"] += payload.numel()
             self.figures["elements"] += d.count
-            if shown != name:   # a sliced delta's box
-                target = self._box_target(name, box, shown)
-                if not target.is_contiguous():
-                    checks.append((shown, self._scatter_region(shown, target, d), d.digest, d.dtype))
-                    continue
+            # a sliced delta's box goes into its live region, else is rebuilt like a whole tensor (from the
+            # kept copy of the box: what this engine rank loaded) and reloaded
+            boxed = shown != name
+            target = (self.rx.live_box(name, box) if self.rx.live_box is not None else None) if boxed \
+                else self.rx.live(name)
+            if boxed and target is not None and not target.is_contiguous():
+                checks.append((shown, self._scatter_region(shown, target, d), d.digest, d.dtype))
+            elif target is not None:
                 self._scatter(shown, target, d)
                 checks.append((shown, target, d.digest, d.dtype))
-                continue
-            target = self.rx.live(name)
-            if target is not None:
-                self._scatter(name, target, d)
-                checks.append((name, target, d.digest, d.dtype))
             else:
                 new = self._rebuild(name, d)
                 reloads.append((name, new))
-                checks.append((name, new, d.digest, d.dtype))
+                checks.append((shown, new, d.digest, d.dtype))
         t1 = time.perf_counter()
         self.figures["apply_s"] += t1 - t0
         self._verify(checks)   # before the engine's reload: a wrong tensor is never loaded
@@ -282,16 +282,6 @@ class _Update:
         self.undo_log.append((target, d, old, saved))
         self.figures["scattered"] += 1
         self.figures["scattered_tensors"].append(name)
-
-    def _box_target(self, name: str, box, shown: str) -> torch.Tensor:
-        if self.rx.live_box is None:
-            raise CheckpointFormatError("a sliced delta reached an engine that takes none (DeltaReceiver "
-                                        "without live_box)", tensor=shown)
-        target = self.rx.live_box(name, box)
-        if target is None:
-            raise CheckpointFormatError("no live region of this engine holds this box verbatim: a sliced delta "
-                                        "cannot reach it (update the version whole)", tensor=shown)
-        return target
 
     def _scatter_region(self, name: str, region: torch.Tensor, d: Decoded) -> torch.Tensor:
         """A strided box region: the delta applied to a contiguous copy of it, returned for the check and

@@ -228,15 +228,38 @@ def test_a_worker_applies_box_deltas_into_contiguous_strided_and_widened_regions
     assert not gu_block.T.is_contiguous() and torch.equal(live["gu"][:, 4:], before["gu"][:, 4:])   # the rest untouched
 
 
-def test_a_box_the_worker_does_not_read_or_cannot_reach_is_refused_before_its_bucket_counts():
+def test_a_box_without_a_live_region_or_kept_copy_or_of_another_shape_is_refused():
     from ckpt_core.delta.apply import DeltaReceiver
     g = torch.Generator().manual_seed(12)
     base = {"r": torch.randn(8, 5, generator=g).bfloat16()}
-    new = {"r": base["r"] + 1}
+    new = {"r": base["r"].clone()}
+    new["r"][6, 2] += 1
     weights = _box_bucket(base, new, [("r", ((0, 4, 4),))])
-    for live_box, needle in ((None, "without live_box"), (lambda n, b: None, "no live region"),
+    for live_box, needle in ((None, "kept no copy"), (lambda n, b: None, "kept no copy"),
                              (lambda n, b: torch.zeros(4, 5, dtype=torch.bfloat16)[:, :4], "the live tensor is")):
         rx = DeltaReceiver(live=lambda n: None, live_box=live_box, held="A")
         with pytest.raises(CheckpointFormatError, match=needle):
             _drive(rx, weights)
         assert rx.held == "A"
+
+
+def test_a_box_without_a_live_region_is_rebuilt_from_its_kept_copy_and_reloaded():
+    """An engine that derives its weights (no live region holds the box verbatim) keeps the box it loaded;
+    the delta rebuilds it, checks the box's digest and hands it to the reload under the tensor's name."""
+    from ckpt_core.delta.apply import DeltaReceiver
+    g = torch.Generator().manual_seed(13)
+    base = {"r": torch.randn(8, 5, generator=g).bfloat16()}
+    new = {"r": base["r"].clone()}
+    new["r"][5, 1] += 1
+    reloaded = []
+    rx = DeltaReceiver(live=lambda n: None, reload=reloaded.extend, held="A")
+    rx.keep("r", base["r"][4:8])
+    _drive(rx, _box_bucket(base, new, [("r", ((0, 4, 4),))]))
+    assert [n for n, _ in reloaded] == ["r"] and torch.equal(reloaded[0][1], new["r"][4:8])
+    assert torch.equal(rx.kept["r"], new["r"][4:8]) and rx.held == "B"
+    rx.kept["r"] = base["r"][0:4].clone()   # a copy of another box: its digest check fails, nothing reloaded
+    rx.held = "A"
+    reloaded.clear()
+    with pytest.raises(CheckpointFormatError, match="do not match the version's digest"):
+        _drive(rx, _box_bucket(base, new, [("r", ((0, 4, 4),))]))
+    assert reloaded == [] and rx.held == "A"
