@@ -18,7 +18,8 @@ layer 0's attention projections and nothing else, D no linear layer at all.
 The Qwen2's server then goes through the service (``ckpt-engine serve``, a real process): A registered
 and updated whole with ``deltas``, B registered with ``base`` and updated with ``delta``, both equal to
 a cold load; C's delta after the engine went back to A is refused (400 ``DeltaBaseError``, the engine
-unchanged), then sent with ``delta: "fallback"``; ``/metrics`` counts each kind and the delta bytes.
+unchanged), then sent with ``delta: "fallback"``; ``/metrics`` counts each kind and the delta bytes; D's
+delta is staged through the service (``stage``: the live engine unchanged) and made live by ``/v1/commit``.
 
 The tied Llama (at TP 1, and at TP 2 below) runs in the extended real-vLLM set
 (``CKPT_VLLM_PARITY=all``): each case boots a server of its own, and the suite keeps to its time.
@@ -355,12 +356,23 @@ def _through_the_service(server, files, cold, tmp_path) -> None:
         assert "fallback" in resp.json()["result"]["delta"], resp.json()["result"]
         holds(files[2], "after sC's fallback")
         metrics = svc.get("/metrics")
-        if metrics.status_code == 501:   # prometheus-client is an extra
-            return
-        text = metrics.text
-        for kind, n in (("full", 2), ("delta", 1), ("fallback", 1)):
-            assert f'ckpt_updates_by_kind_total{{kind="{kind}",rank="0"}} {n}.0' in text, text[-3000:]
-        assert f'ckpt_delta_payload_bytes_total{{rank="0"}} {float(fig["payload_bytes"])}' in text
-        assert f'ckpt_delta_full_bytes_total{{rank="0"}} {float(fig["full_bytes"])}' in text
+        if metrics.status_code != 501:   # prometheus-client is an extra
+            text = metrics.text
+            for kind, n in (("full", 2), ("delta", 1), ("fallback", 1)):
+                assert f'ckpt_updates_by_kind_total{{kind="{kind}",rank="0"}} {n}.0' in text, text[-3000:]
+            assert f'ckpt_delta_payload_bytes_total{{rank="0"}} {float(fig["payload_bytes"])}' in text
+            assert f'ckpt_delta_full_bytes_total{{rank="0"}} {float(fig["full_bytes"])}' in text
+        # a staged delta: staged while the engine serves (live weights unchanged), applied by the commit
+        register("sD", files[3], base="sC")
+        resp = update("sD", delta=True, stage="other")   # the stage must be the version's own name
+        assert resp.status_code == 400 and resp.json()["error"]["type"] == "ConfigError", resp.text[:800]
+        resp = update("sD", delta=True, stage="sD")
+        assert resp.status_code == 200, resp.text[:800]
+        fig = resp.json()["result"]["delta"]
+        assert fig["base"] == "sC" and 0 < fig["payload_bytes"] < fig["full_bytes"], fig
+        holds(files[2], "after staging the delta of sD")
+        resp = svc.post("/v1/commit", json={"update_url": url, "version": "sD", "timeout": 300}, timeout=400)
+        assert resp.status_code == 200, resp.text[:800]
+        holds(files[3], "after the commit of sD's staged delta")
     finally:
         assert world.close() == [0]
