@@ -407,7 +407,8 @@ def _from_a_joining_world(server, files, cold, refs, prompts, tmp_path) -> None:
         while not os.path.exists(metas):   # the owners registered every version and saved their metas
             if owners.poll() is not None or time.monotonic() > deadline:
                 owners.kill()
-                raise AssertionError(f"the owners saved no metas ({owners.returncode}):\n{owners.communicate()[1][-6000:]}")
+                err = owners.communicate()[1]
+                raise AssertionError(f"the owners saved no metas ({owners.returncode}):\n{err[-6000:]}")
             time.sleep(0.2)
         run = subprocess.run(
             [sys.executable, script, "joiner", "--metas", metas, "--endpoint", server.endpoint,
