@@ -9,11 +9,11 @@ from datetime import timedelta
 from typing import Callable
 
 from ckpt_core._settings import load_settings
-from ckpt_core.checkpoint.device import build_device_checkpoint, refuse_device_resident
+from ckpt_core.checkpoint.device import build_device_checkpoint
 from ckpt_core.checkpoint.host import SharedPool
 from ckpt_core.checkpoint.sources import build_checkpoint
 from ckpt_core.delta.dispatch import Updates
-from ckpt_core.delta.versions import DeltaVersions
+from ckpt_core.delta.versions import DeltaVersions, refuse_mixed_sides
 from ckpt_core.devices import default_kind, get_backend
 from ckpt_core.errors import CheckpointNotFoundError, ClosedError, ConfigError, DeviceResidentError, TransportError
 from ckpt_core.ops.gc import gc_paused
@@ -31,10 +31,9 @@ CLOSE_GRACE_S = 5.0  # close(): how much longer than a collective a running upda
 GiB = float(1 << 30)
 
 
-def _check_on_device_call(files, use_shared_memory_pool: bool, base: str | None) -> None:
+def _check_on_device_call(files, use_shared_memory_pool: bool) -> None:
     """``register_checkpoint(on_device=True)``'s refusals of the other options (nothing is kept)."""
-    asked = [k for k, v in (("files", files), ("use_shared_memory_pool", use_shared_memory_pool), ("base", base))
-             if v]
+    asked = [k for k, v in (("files", files), ("use_shared_memory_pool", use_shared_memory_pool)) if v]
     if asked:
         raise DeviceResidentError(f"on_device=True registers named_tensors in place on this rank's device; "
                                   f"{', '.join(asked)} need(s) host memory: register those without on_device")
@@ -206,8 +205,12 @@ class ParameterServer:
         into them before an update is what it sends, and the caller must not modify them until that update()
         returns (their producing work must be ordered before update() on the calling thread's current stream,
         or synchronized). Each tensor (a piece's local view) must lie on this rank's device and be contiguous,
-        and ``files``, ``use_shared_memory_pool`` and ``base`` are refused (``DeviceResidentError``, nothing
-        kept); such a checkpoint is never served to P2P readers, and P2P updates of it are refused on every rank.
+        and ``files`` and ``use_shared_memory_pool`` are refused (``DeviceResidentError``, nothing kept); such a
+        checkpoint is never served to P2P readers, and P2P updates of it are refused on every rank. With
+        ``base`` (a version registered ``on_device`` too: the trainer's previous weights, kept on its device),
+        the delta is encoded on the device and its payloads stay there; they are of the tensors' bytes at
+        registration, so neither version may change while both are registered. A version and its base on
+        different sides (device and host) are refused (``DeviceResidentError``).
         """
         self._check_open()
         name = checkpoint_name   # the reference's spelling outside, a short one inside
@@ -215,9 +218,9 @@ class ParameterServer:
             raise ConfigError(f"checkpoint name must be a non-empty string, got {name!r}")
         if name in self._catalog.checkpoints:
             raise ConfigError(f"checkpoint {name!r} is already registered on rank {self.rank}; unregister it first")
-        if base is not None:   # a delta is encoded from host bytes (delta/versions.py)
-            refuse_device_resident(self._catalog.checkpoints.get(base), base, f"a delta of {name!r} against it",
-                                   self.rank)
+        base_ckpt = self._catalog.checkpoints.get(base) if base is not None else None
+        if base_ckpt is not None:   # a delta compares both versions where they lie (delta/versions.py): same side
+            refuse_mixed_sides(name, bool(on_device), str(base), base_ckpt.on_device, self.rank)
         pool = None
         if use_shared_memory_pool and not on_device:
             self._pool = self._pool or SharedPool(self.backend)
@@ -226,7 +229,7 @@ class ParameterServer:
         self._tell("register", "validate")
         with gc_paused():
             if on_device:
-                _check_on_device_call(files, use_shared_memory_pool, base)
+                _check_on_device_call(files, use_shared_memory_pool)
                 ckpt = build_device_checkpoint(name, self.backend, self.device_index, named_tensors)
             else:
                 ckpt = build_checkpoint(name, self.backend, files=files, named_tensors=named_tensors,

@@ -19,6 +19,7 @@ engines hold that base. Anything missing or disagreeing is one ``DeltaBaseError`
 
 from __future__ import annotations
 
+from ckpt_core.checkpoint.device import build_device_checkpoint
 from ckpt_core.checkpoint.sources import RegisteredCheckpoint, build_checkpoint
 from ckpt_core.delta.versions import (
     DELTA_MODES,
@@ -54,8 +55,13 @@ class Updates:
         ``name@delta``, served alike. A delta that cannot be encoded releases ``ckpt`` and installs nothing."""
         if base is not None:
             try:
-                payloads = self.versions.encode(name, ckpt, base, self.catalog.checkpoints.get(base))
-                comp = build_checkpoint(companion(name), self.ctx.backend, named_tensors=payloads)
+                if ckpt.on_device:   # a trainer's versions on its device: encoded there, the payloads kept there
+                    device = self.ctx.backend.device(self.ctx.device_index)
+                    payloads = self.versions.encode(name, ckpt, base, self.catalog.checkpoints.get(base), device)
+                    comp = build_device_checkpoint(companion(name), self.ctx.backend, self.ctx.device_index, payloads)
+                else:
+                    payloads = self.versions.encode(name, ckpt, base, self.catalog.checkpoints.get(base))
+                    comp = build_checkpoint(companion(name), self.ctx.backend, named_tensors=payloads)
             except BaseException:
                 ckpt.release()
                 raise

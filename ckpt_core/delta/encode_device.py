@@ -20,7 +20,17 @@ import struct
 import torch
 
 from ckpt_core.checkpoint.safetensors import WIRE_CODES
-from ckpt_core.delta.encode import ENCODINGS, MAGIC, MAX_GAP16, _align8, as_words, bytes_of, changed_mask, index_width, measure
+from ckpt_core.delta.encode import (
+    ENCODINGS,
+    MAGIC,
+    MAX_GAP16,
+    _align8,
+    as_words,
+    bytes_of,
+    changed_mask,
+    index_width,
+    measure,
+)
 from ckpt_core.delta.lin64 import lin64_many, read_ints
 from ckpt_core.errors import CheckpointFormatError, ConfigError
 
@@ -31,8 +41,19 @@ _CHECK_WIDTH = "lin64:" + "0" * 16   # a lin64 digest's text is of fixed width: 
 class _Job:
     """One tensor's encode: the pair, then what each step finds."""
 
-    __slots__ = ("new", "old", "numel", "size", "header", "mask", "count", "pos", "gaps", "max_gap", "runs",
-                 "enc", "digest", "body", "out", "head_len", "fields")
+    __slots__ = ("new", "old", "numel", "size", "header", "mask", "count", "pending", "pos", "gaps", "max_gap",
+                 "runs", "enc", "digest", "body", "out", "head_len", "fields")
+    new: torch.Tensor
+    old: torch.Tensor | None
+    mask: torch.Tensor
+    pending: list[torch.Tensor]   # device figures not read back yet
+    pos: torch.Tensor
+    gaps: torch.Tensor
+    digest: str
+    body: torch.Tensor
+    out: torch.Tensor
+    head_len: int
+    fields: dict
 
     def __init__(self, new: torch.Tensor, old: torch.Tensor | None):
         if new.dtype not in WIRE_CODES:
@@ -77,8 +98,8 @@ def _encode_group(jobs: list[_Job], force: str | None) -> list[tuple[torch.Tenso
     compared = [j for j in jobs if j.old is not None]
     for j in compared:   # 1. which elements changed: one mask and one count per tensor, read back together
         j.mask = changed_mask(j.new, j.old)
-        j.count = j.mask.sum()
-    for j, n in zip(compared, read_ints([j.count for j in compared])):
+        j.pending = [j.mask.sum()]
+    for j, n in zip(compared, read_ints([j.pending[0] for j in compared])):
         j.count = n
     changed = [j for j in compared if j.count]
     for j in changed:   # 2. their positions, gaps and runs, without a size read back (the count is known)
@@ -86,9 +107,8 @@ def _encode_group(jobs: list[_Job], force: str | None) -> list[tuple[torch.Tenso
         j.gaps = torch.empty_like(j.pos)
         j.gaps[:1] = j.pos[:1]
         torch.sub(j.pos[1:], j.pos[:-1], out=j.gaps[1:])
-        j.max_gap = j.gaps.max()
-        j.runs = (j.gaps[1:] != 1).sum() + 1
-    figures = read_ints([x for j in changed for x in (j.max_gap, j.runs)])
+        j.pending = [j.gaps.max(), (j.gaps[1:] != 1).sum() + 1]
+    figures = read_ints([x for j in changed for x in j.pending])
     for k, j in enumerate(changed):
         j.max_gap, j.runs = figures[2 * k], figures[2 * k + 1]
         j.enc = force or measure(j.numel, j.size, j.count, j.runs, j.max_gap).best()
@@ -96,14 +116,16 @@ def _encode_group(jobs: list[_Job], force: str | None) -> list[tuple[torch.Tenso
     for j, digest in zip(sent, lin64_many(j.new for j in sent)):   # 3. the new tensors' digests, together
         j.digest = digest
     for j in sent:   # 4. each payload: the header's length first (fixed-width check), then the body in place
-        j.fields = dict(j.header, enc=j.enc, count=j.count, runs=j.runs if j.enc == "runs" else 0, digest=j.digest)
+        j.fields = dict(j.header, enc=j.enc, count=j.numel if j.enc == "whole" else j.count,
+                        runs=j.runs if j.enc == "runs" else 0, digest=j.digest)
         nbytes = (measure(j.numel, j.size, j.count, j.runs, j.max_gap).whole if j.enc == "whole" else
                   getattr(measure(j.numel, j.size, j.count, j.runs, j.max_gap), j.enc))
         j.head_len = len(_head(dict(j.fields, body=nbytes, check=_CHECK_WIDTH)))
         j.out = torch.zeros(j.head_len + nbytes, dtype=torch.uint8, device=j.new.device)
         j.body = j.out[j.head_len:]
         _fill(j)
-        j.mask = j.pos = j.gaps = None
+        if j.old is not None:   # a changed tensor's mask, positions and gaps: freed before the next body
+            del j.mask, j.pos, j.gaps
     for j, check in zip(sent, lin64_many(j.body for j in sent)):
         head = _head(dict(j.fields, body=j.body.numel(), check=check))
         if len(head) != j.head_len:   # our invariant: the check's text has a fixed width

@@ -31,8 +31,10 @@ from typing import Callable
 import torch
 
 from ckpt_core._settings import fault_threads
+from ckpt_core.checkpoint.device import device_tensor
 from ckpt_core.delta.encode import encode_tensor
-from ckpt_core.errors import ConfigError, DeltaBaseError, RemoteWorkerError
+from ckpt_core.delta.encode_device import encode_on_device
+from ckpt_core.errors import ConfigError, DeltaBaseError, DeviceResidentError, RemoteWorkerError
 
 SUFFIX = "@delta"
 PAYLOAD = "ckpt.delta:"              # + tensor name
@@ -94,10 +96,14 @@ class DeltaVersions:
         self.engines_hold: str | None = None
 
     # -- registration ------------------------------------------------------------
-    def encode(self, name: str, ckpt, base: str, base_ckpt) -> dict[str, torch.Tensor]:
-        """The companion's named tensors: this rank's payloads of ``name`` against ``base``, and its manifest."""
+    def encode(self, name: str, ckpt, base: str, base_ckpt,
+               device: torch.device | None = None) -> dict[str, torch.Tensor]:
+        """The companion's named tensors: this rank's payloads of ``name`` against ``base``, and its manifest.
+        A device-resident version (``on_device``) is encoded on ``device`` against a device-resident base
+        (``encode_device.py``), and its payloads and manifest lie there."""
         if not isinstance(base, str) or base_ckpt is None:
             raise DeltaBaseError(f"base {base!r} of {name!r} is not registered on rank {self.rank}")
+        refuse_mixed_sides(name, ckpt.on_device, base, base_ckpt.on_device, self.rank)
         if any(m.box is not None for m in ckpt.metas):
             raise ConfigError(f"{name!r}: tensors registered in pieces cannot take a base yet (issue 39)")
         old = {m.name: m for m in base_ckpt.metas if m.box is None}
@@ -109,7 +115,11 @@ class DeltaVersions:
         out: dict[str, torch.Tensor] = {}
         counts = {"changed_tensors": 0, "changed_elements": 0, "elements": 0, "payload_bytes": 0, "full_bytes": 0}
         encodings: dict[str, int] = {}
-        encoded = _encode_all(ckpt, base_ckpt, old)
+        if ckpt.on_device:
+            encoded = encode_on_device([(device_tensor(ckpt, m), device_tensor(base_ckpt, old[m.name]) if m.name in old
+                                         else None) for m in ckpt.metas])
+        else:
+            encoded = _encode_all(ckpt, base_ckpt, old)
         for m, (payload, info) in zip(ckpt.metas, encoded):
             counts["elements"] += info["numel"]
             counts["full_bytes"] += m.nbytes
@@ -120,8 +130,8 @@ class DeltaVersions:
             counts["changed_elements"] += info["count"]
             counts["payload_bytes"] += info["bytes"]
             encodings[info["encoding"]] = encodings.get(info["encoding"], 0) + 1
-        out[manifest_name(base, name, self.rank, self.world)] = torch.frombuffer(
-            bytearray(json.dumps({"changed": sorted(out)}).encode()), dtype=torch.uint8)
+        manifest = torch.frombuffer(bytearray(json.dumps({"changed": sorted(out)}).encode()), dtype=torch.uint8)
+        out[manifest_name(base, name, self.rank, self.world)] = manifest if device is None else manifest.to(device)
         fig: dict[str, object] = {"tensors": len(ckpt.metas), **counts, "encodings": encodings,
                                   "encode_s": time.perf_counter() - t0}
         self.bases[name] = base
@@ -146,6 +156,17 @@ class DeltaVersions:
 
     def made_live(self, name: str | None) -> None:
         self.engines_hold = name
+
+
+def refuse_mixed_sides(name: str, on_device: bool, base: str, base_on_device: bool, rank: int) -> None:
+    """``DeviceResidentError`` when version ``name`` and its base are not registered on the same side
+    (both on the device, or both in host memory): a delta compares them where they both lie."""
+    if on_device != base_on_device:
+        where = {True: "on the device (on_device=True)", False: "in host memory"}
+        raise DeviceResidentError(f"{name!r} is registered {where[on_device]} and its base {base!r} "
+                                  f"{where[base_on_device]} on rank {rank}: a delta compares two versions where "
+                                  "they both lie; register both on the device (a trainer's previous weights kept "
+                                  "there) or both in host memory")
 
 
 def base_of_manifests(names, name: str) -> str | None:

@@ -168,3 +168,46 @@ def test_a_version_without_a_base_is_refused_as_a_delta_on_every_rank(world_and_
     got = world.all("call", ("support.delta_world", "delta_update_sliced", ("B",)))
     for r, o in got.items():
         assert not o.ok and o.error == "ConfigError" and "whole tensors on our wire" in o.message, (r, o)
+
+
+def test_a_trainers_versions_on_its_device_are_encoded_there_and_applied_bit_exact(world_and_front):
+    """``on_device=True`` versions (a trainer's weights and its previous ones, kept on its device; here the
+    CPU stands in for it): the delta is encoded on the device (``encode_device.py``), its payloads stay
+    there and are copied device-to-device into the IPC buffer; every engine equals the full version.
+    The same versions registered in host memory give the same delta (changed elements, payload bytes,
+    encodings)."""
+    world, front = world_and_front
+    trainer = Trainer(seed=5)
+    v = {"A": trainer.version()}
+
+    def register(name, tensors, base=None, on_device=True):
+        extra = {"on_device": True} if on_device else {}
+        extra.update({} if base is None else {"base": base})
+        _all_ok(world.all("register", per_rank={r: (name, {"named_tensors": tensors[r], **extra})
+                                                for r in range(WORLD)}))
+        _all_ok(world.all("gather", name))
+
+    def figures(name):
+        got = _all_ok(world.all("call", ("support.delta_world", "delta_figures", (name,))))
+        keep = ("changed_tensors", "changed_elements", "payload_bytes", "full_bytes", "encodings")
+        return {r: {k: o.value[k] for k in keep} for r, o in got.items()}
+
+    register("A", v["A"])
+    register("hA", v["A"], on_device=False)
+    _all_ok(world.update("A", front, behaviors={i: {"version": "A"} for i in range(WORLD)}))
+    prev = "A"
+    for name, lr in (("B", 1e-5), ("C", 1e-4)):
+        trainer.step(lr)
+        v[name] = trainer.version()
+        register(name, v[name], base=prev)
+        register("h" + name, v[name], base="h" + prev, on_device=False)
+        assert figures(name) == figures("h" + name)
+        for n, where in ((name, True), ("h" + name, False)):
+            got = _all_ok(world.all("call", ("support.delta_world", "companion_on_device", (n,))))
+            assert all(o.value is where for o in got.values()), (n, got)
+        got = _all_ok(_delta(world, front, name))
+        for r, o in got.items():
+            fig = o.value["delta"]
+            assert fig["base"] == prev and 0 < fig["payload_bytes"] < fig["full_bytes"], (name, r, fig)
+        assert all(d == _want(v[name]) for d in _engines(front)), f"an engine differs from {name} after its delta"
+        prev = name

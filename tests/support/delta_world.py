@@ -163,3 +163,17 @@ def save_metas(ps, rank, path):
 
 def engines_hold(ps, rank):
     return ps.deltas.engines_hold
+
+
+def companion_on_device(ps, rank, name):
+    """Whether ``name``'s delta (its companion checkpoint) is registered device-resident on this rank."""
+    return ps._catalog.checkpoints[name + "@delta"].on_device
+
+
+def register_on_device(ps, rank, name, tensors, base=None):
+    """Register ``tensors`` (this rank's share) on the PS's own device (``on_device=True``), moved there
+    first: a trainer's weights beside the engine; ``base``: its previous version, registered alike."""
+    device = ps.backend.device(ps.device_index)
+    ps.register_checkpoint(name, named_tensors={n: t.to(device).contiguous() for n, t in tensors.items()},
+                           on_device=True, base=base)
+    return {"on_device": ps.last_register["on_device"]}

@@ -59,7 +59,7 @@ def test_every_dtype_and_encoding_gives_the_host_encoders_payload(dtype, encodin
     _check([(new, base)], force=encoding)
 
 
-@pytest.mark.parametrize("pattern", ["one", "sparse", "block", "scattered", "all", "far", "ends"])
+@pytest.mark.parametrize("pattern", ["one", "sparse", "block", "scattered", "all", "far", "ends", "most"])
 def test_the_encoding_chosen_by_size_is_the_host_encoders(pattern):
     gen = torch.Generator().manual_seed(7)
     n = 200_000 if pattern == "far" else 4096
@@ -67,7 +67,8 @@ def test_the_encoding_chosen_by_size_is_the_host_encoders(pattern):
     where = {"one": torch.tensor([5]), "sparse": torch.randperm(n, generator=gen)[: n // 100],
              "block": torch.arange(100, 900), "scattered": torch.randperm(n, generator=gen)[: n // 3],
              "all": torch.arange(n), "far": torch.tensor([3, 100_000, 199_999]),
-             "ends": torch.tensor([0, n - 1])}[pattern]
+             "ends": torch.tensor([0, n - 1]),
+             "most": torch.randperm(n, generator=gen)[: n - 3]}[pattern]   # whole wins with a changed count < numel
     _check([(_mutate(base, where), base)])
 
 
