@@ -190,7 +190,7 @@ class ParameterServer:
     def register_checkpoint(self, checkpoint_name: str, *, files=None, named_tensors=None,
                             use_shared_memory_pool: bool = False, use_inplace_pin_memory: bool = True,
                             unlink_inplace_files: bool = False, base: str | None = None,
-                            on_device: bool = False) -> None:
+                            on_device: bool = False, on_device_digest: bool = True) -> None:
         """Load this rank's share of checkpoint ``checkpoint_name`` into host memory (local; no collective).
 
         ``files``: safetensors paths (validated before anything is read); files under /dev/shm are mapped and
@@ -209,8 +209,11 @@ class ParameterServer:
         checkpoint is never served to P2P readers, and P2P updates of it are refused on every rank. With
         ``base`` (a version registered ``on_device`` too: the trainer's previous weights, kept on its device),
         the delta is encoded on the device and its payloads stay there; they are of the tensors' bytes at
-        registration, so neither version may change while both are registered. A version and its base on
-        different sides (device and host) are refused (``DeviceResidentError``).
+        registration, so register each version as its own copy: a base whose bytes changed since its
+        registration is refused, as are a version and its base on different sides (device and host)
+        (``DeviceResidentError``). ``on_device_digest`` (default True): record a ``lin64`` of each tensor
+        at registration, on the device (one read of the version), which that check needs; False skips it
+        (a version registered so cannot be a delta's base: a trainer that only sends full updates).
         """
         self._check_open()
         name = checkpoint_name   # the reference's spelling outside, a short one inside
@@ -236,7 +239,8 @@ class ParameterServer:
                                         pool=pool, inplace=use_inplace_pin_memory,
                                         unlink_inplace_files=unlink_inplace_files,
                                         progress=lambda phase, done, total: self._tell("register", phase, done, total))
-        self._flows.add(name, ckpt, base)   # and its delta against base; served to P2P readers (serve_p2p only)
+        # and its delta against base; served to P2P readers (serve_p2p only)
+        self._flows.add(name, ckpt, base, snapshot=bool(on_device and on_device_digest))
         dt = time.perf_counter() - t0
         self.last_register = {"name": name, "bytes": ckpt.nbytes, "seconds": dict(ckpt.seconds, total=dt),
                               "on_device": ckpt.on_device}

@@ -34,6 +34,7 @@ from ckpt_core._settings import fault_threads
 from ckpt_core.checkpoint.device import device_tensor
 from ckpt_core.delta.encode import encode_tensor
 from ckpt_core.delta.encode_device import encode_on_device
+from ckpt_core.delta.lin64 import lin64_many
 from ckpt_core.errors import ConfigError, DeltaBaseError, DeviceResidentError, RemoteWorkerError
 
 SUFFIX = "@delta"
@@ -94,6 +95,8 @@ class DeltaVersions:
         self.bases: dict[str, str] = {}
         self.figures: dict[str, dict[str, object]] = {}
         self.engines_hold: str | None = None
+        # device-resident versions: the lin64 of each tensor when registered (a base must still hold them)
+        self.snapshots: dict[str, list[str]] = {}
 
     # -- registration ------------------------------------------------------------
     def encode(self, name: str, ckpt, base: str, base_ckpt,
@@ -116,6 +119,7 @@ class DeltaVersions:
         counts = {"changed_tensors": 0, "changed_elements": 0, "elements": 0, "payload_bytes": 0, "full_bytes": 0}
         encodings: dict[str, int] = {}
         if ckpt.on_device:
+            self._check_unchanged(base, base_ckpt)
             encoded = encode_on_device([(device_tensor(ckpt, m), device_tensor(base_ckpt, old[m.name]) if m.name in old
                                          else None) for m in ckpt.metas])
         else:
@@ -141,6 +145,30 @@ class DeltaVersions:
     def forget(self, name: str) -> None:
         self.bases.pop(name, None)
         self.figures.pop(name, None)
+
+    def snapshot(self, name: str, ckpt) -> None:
+        """Record what device-resident version ``name`` holds as it is registered (a ``lin64`` per tensor,
+        on the device: one read of the version). A trainer's tensors are its own to change; a version that
+        changed afterwards is no base for a delta (``_check_unchanged``)."""
+        self.snapshots[name] = lin64_many(device_tensor(ckpt, m) for m in ckpt.metas)
+
+    def _check_unchanged(self, base: str, base_ckpt) -> None:
+        """``DeviceResidentError`` unless device-resident ``base`` still holds the bytes it was registered
+        with: a delta against tensors the trainer changed since (stepped in place) would leave the engines,
+        which received the registered bytes, silently different from the new version."""
+        then = self.snapshots.get(base)
+        now = lin64_many(device_tensor(base_ckpt, m) for m in base_ckpt.metas)
+        changed = [m.name for m, a, b in zip(base_ckpt.metas, then or [], now) if a != b]
+        if then is None or changed:
+            raise DeviceResidentError(
+                f"base {base!r} cannot be shown unchanged on the device since it was registered on rank {self.rank} "
+                f"({', '.join(changed[:4]) or 'registered with on_device_digest=False: no record of its bytes'}"
+                f"{' ...' if len(changed) > 4 else ''}): a delta applies to the bytes the engines received; "
+                "register each version as its own copy (e.g. {n: p.detach().clone()}) and do not change it while "
+                "a later version names it as base, or update the new version whole")
+
+    def drop_snapshot(self, name: str) -> None:
+        self.snapshots.pop(name, None)
 
     # -- update ------------------------------------------------------------------
     def precheck(self, name: str, holds: str | None = None, bases: dict[str, str] | None = None) -> None:

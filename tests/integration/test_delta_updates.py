@@ -211,3 +211,35 @@ def test_a_trainers_versions_on_its_device_are_encoded_there_and_applied_bit_exa
             assert fig["base"] == prev and 0 < fig["payload_bytes"] < fig["full_bytes"], (name, r, fig)
         assert all(d == _want(v[name]) for d in _engines(front)), f"an engine differs from {name} after its delta"
         prev = name
+
+
+def test_a_device_resident_base_that_changed_since_its_registration_is_refused(world_and_front):
+    """A trainer that registers its live parameters as a version and then steps in place changes that
+    version under the PS: the engines received the registered bytes, so a delta against the changed
+    ones would leave them silently different. Registering the next version with that base is refused
+    (``DeviceResidentError``), nothing kept; a base kept as its own copy works."""
+    world, front = world_and_front
+    trainer = Trainer(seed=9)
+    v = {"A": trainer.version()}
+    _all_ok(world.all("register", per_rank={r: ("A", {"named_tensors": v["A"][r], "on_device": True})
+                                            for r in range(WORLD)}))
+    _all_ok(world.all("gather", "A"))
+    _all_ok(world.update("A", front, behaviors={i: {"version": "A"} for i in range(WORLD)}))
+    # the trainer steps "in place": A's registered tensors now hold B's bytes
+    _all_ok(world.all("call", ("support.delta_world", "overwrite_registered", ("A", 1))))
+    trainer.step(1e-4)
+    v["B"] = trainer.version()
+    got = world.all("register", per_rank={r: ("B", {"named_tensors": v["B"][r], "on_device": True, "base": "A"})
+                                          for r in range(WORLD)})
+    for r, o in got.items():
+        assert not o.ok and o.error == "DeviceResidentError" and "shown unchanged" in o.message, (r, o)
+        assert "on_device_digest" not in o.message, o.message   # its bytes changed: named, not unrecorded
+    got = _all_ok(world.all("checkpoints"))
+    assert all(o.value == ["A"] for o in got.values()), got
+    # a version registered without its record (on_device_digest=False: full updates only) is no base either
+    _all_ok(world.all("register", per_rank={r: ("N", {"named_tensors": v["B"][r], "on_device": True,
+                                                      "on_device_digest": False}) for r in range(WORLD)}))
+    got = world.all("register", per_rank={r: ("B", {"named_tensors": v["B"][r], "on_device": True, "base": "N"})
+                                          for r in range(WORLD)})
+    for r, o in got.items():
+        assert not o.ok and o.error == "DeviceResidentError" and "on_device_digest=False" in o.message, (r, o)

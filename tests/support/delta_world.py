@@ -177,3 +177,14 @@ def register_on_device(ps, rank, name, tensors, base=None):
     ps.register_checkpoint(name, named_tensors={n: t.to(device).contiguous() for n, t in tensors.items()},
                            on_device=True, base=base)
     return {"on_device": ps.last_register["on_device"]}
+
+
+def overwrite_registered(ps, rank, name, count):
+    """Change ``count`` elements of the first tensor of device-resident checkpoint ``name`` in place (a
+    trainer's step on tensors it registered with ``on_device=True``)."""
+    from ckpt_core.checkpoint.device import device_tensor
+
+    ckpt = ps._catalog.checkpoints[name]
+    t = device_tensor(ckpt, ckpt.metas[0])
+    t.reshape(-1).view(torch.uint8)[:count] ^= 1
+    return True
