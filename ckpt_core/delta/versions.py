@@ -123,6 +123,12 @@ class DeltaVersions:
             encoded = encode_on_device([(device_tensor(ckpt, m), device_tensor(base_ckpt, old[m.name]) if m.name in old
                                          else None) for m in ckpt.metas])
         else:
+            rewritten = base_ckpt.rewritten_problem()
+            if rewritten:   # its registered bytes are the file's: not what the engines received
+                raise DeltaBaseError(f"base {base!r} of {name!r} changed since it was registered on rank {self.rank}: "
+                                     f"{rewritten}; a delta applies to the bytes the engines received: write each "
+                                     "version to its own file (or register with use_inplace_pin_memory=False, a "
+                                     "copy), or update the new version whole")
             encoded = _encode_all(ckpt, base_ckpt, old)
         for m, (payload, info) in zip(ckpt.metas, encoded):
             counts["elements"] += info["numel"]

@@ -243,3 +243,46 @@ def test_a_device_resident_base_that_changed_since_its_registration_is_refused(w
                                           for r in range(WORLD)})
     for r, o in got.items():
         assert not o.ok and o.error == "DeviceResidentError" and "on_device_digest=False" in o.message, (r, o)
+
+
+def test_a_base_mapped_in_place_from_a_file_written_since_is_refused():
+    """A version registered in place from /dev/shm (mapped, not copied) holds the file's bytes: a trainer
+    that writes its next step into the same file changes them under the PS. Registering a version with
+    that base is refused (``DeltaBaseError``), nothing kept; a base whose file was left alone works, and so
+    does one written as a new file (write-then-rename: the mapping keeps the old inode)."""
+    import os
+
+    import torch
+
+    from ckpt_core import DeltaBaseError, ParameterServer
+    from support.e2e_cases import ShmDir
+    from support.ports import free_port
+    from safetensors.torch import save_file
+
+    shm = ShmDir()
+    gen = torch.Generator().manual_seed(4)
+    a = {"w": torch.randn(256, generator=gen).bfloat16(), "v": torch.randn(64, generator=gen).bfloat16()}
+    b = {n: t.clone() for n, t in a.items()}
+    b["w"][:5] += 1
+    try:
+        with ParameterServer(rank=0, world_size=1, device="cpu", master_addr="127.0.0.1",
+                             master_port=free_port()) as ps:
+            path_a = shm.write("a.safetensors", a)
+            ps.register_checkpoint("A", files=[path_a])
+            ps.register_checkpoint("B", files=[shm.write("b.safetensors", b)], base="A")   # untouched base: fine
+            assert ps.deltas.figures["B"]["changed_elements"] == 5
+            tmp = path_a + ".tmp"   # write-then-rename: A's mapping keeps the old file
+            save_file(b, tmp)
+            os.replace(tmp, path_a)
+            ps.register_checkpoint("B2", files=[shm.write("b2.safetensors", b)], base="A")
+            assert ps.deltas.figures["B2"]["changed_elements"] == 5
+            path_c = shm.write("c.safetensors", a)
+            ps.register_checkpoint("C", files=[path_c])
+            with open(path_c, "r+b") as f:   # the same file written in place: C's mapped bytes change
+                f.seek(-8, os.SEEK_END)
+                f.write(b"\x01" * 8)
+            with pytest.raises(DeltaBaseError, match="'C' of 'D' changed since it was registered.*was written"):
+                ps.register_checkpoint("D", files=[shm.write("d.safetensors", b)], base="C")
+            assert "D" not in ps.deltas.figures
+    finally:
+        shm.close()
