@@ -132,8 +132,9 @@ def test_a_dropped_element_and_a_corrupted_box_payload_are_refused_with_every_en
 
 
 def test_refusals_are_agreed_before_anything_moves(world_and_front):
-    """A version without a base, a rank without the plan, and a skipped version: every rank raises the
-    same error and no engine is asked to load anything; with "fallback" the version goes whole by the plan."""
+    """A version without a base, a rank without the plan, a skipped version and a device-resident version:
+    every rank raises the same error and no engine is asked to load anything; with "fallback" the version
+    goes whole by the plan."""
     world, front = world_and_front
     trainer = dsw.Trainer(seed=3)
     v = {"A": trainer.version()}
@@ -155,6 +156,17 @@ def test_refusals_are_agreed_before_anything_moves(world_and_front):
     got = _update(world, front, "C", True)   # the engines hold A, C's delta applies to B
     for r, o in got.items():
         assert not o.ok and o.error == "DeltaBaseError" and "'B'" in o.message, (r, o)
+    assert front.fanouts == fanouts and _holds(front, v["A"])
+    # versions kept on the trainer's device (``on_device``; the CPU stands in for it): their boxes are cut in
+    # host memory, so a sliced delta of them is refused on every rank before anything moves
+    for name, base in (("dA", None), ("dB", "dA")):
+        extra = {"on_device": True, **({} if base is None else {"base": base})}
+        split = dsw.per_rank(v["A" if base is None else "B"])
+        _all_ok(world.all("register", per_rank={r: (name, {"named_tensors": split[r], **extra}) for r in range(WORLD)}))
+        _all_ok(world.all("gather", name))
+    got = _update(world, front, "dB", True)
+    for r, o in got.items():
+        assert not o.ok and o.error == "ConfigError" and "device-resident" in o.message, (r, o)
     assert front.fanouts == fanouts and _holds(front, v["A"])
     got = _all_ok(_update(world, front, "C", "fallback", {i: {"version": "C"} for i in range(WORLD)}))
     assert all("fallback" in o.value["delta"] for o in got.values()) and _holds(front, v["C"])
