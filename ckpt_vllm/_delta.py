@@ -61,6 +61,7 @@ def receiver_of(worker: Any) -> DeltaReceiver:
 
 def _use_map(rx: DeltaReceiver, m: DeltaMap) -> None:
     rx.live = m.live
+    rx.live_box = None if m.whole or m.boxes is None else m.live_box
     rx.base = None if m.whole else m.base
     rx.complete = True if m.whole else m.companions
 
@@ -81,6 +82,8 @@ class _Reloads:
         else:
             layers = self.map.layers(names)
             sessions = [ReloadSession(self.worker.model_runner.model, self.worker.model_config, label="model (delta)")]
+            if self.replay is not None:
+                sessions[0].wrap = self.replay.wrap
         try:
             if not self.map.whole:
                 sessions[0].begin(layers)
@@ -95,11 +98,11 @@ class _Reloads:
         self.figures["reload_s"] += time.perf_counter() - t0
 
 
-def _map_of(worker: Any, kept: dict) -> DeltaMap:
+def _map_of(worker: Any, kept: dict, replay: Any = None) -> DeltaMap:
     if drafter_target(worker) is not None:
         return DeltaMap(whole="an MTP drafter shares the checkpoint")
     try:
-        return build_map(worker.model_runner.model, worker.model_config, worker.device, kept)
+        return build_map(worker.model_runner.model, worker.model_config, worker.device, kept, replay)
     except Exception as exc:   # noqa: BLE001 - the update is live already: deltas still apply, whole
         why = str(exc) if isinstance(exc, CkptError) else f"mapping failed: {type(exc).__name__}: {exc}"
         log.warning("ckpt deltas: every delta reloads the whole model: %s", why,
@@ -156,8 +159,7 @@ def receive_with_deltas(worker: Any, zmq_ctx, zmq_handle: str, index: int, *, ti
     figures = dict(rx.last)
     if kept:   # a full update: its tensors are the next delta's base
         t0 = time.perf_counter()
-        m = worker._ckpt_delta_map = (_map_of(worker, kept) if replay is None else
-                                      DeltaMap(whole="sliced: each delta reloads the model from the kept boxes"))
+        m = worker._ckpt_delta_map = _map_of(worker, kept, replay)
         worker._ckpt_delta_slices = sliced
         rx.kept = {n: t for n, t in kept.items() if m.keeps(n)}
         figures["map"] = dict(m.figures(), kept=len(rx.kept), kept_bytes=sum(t.nbytes for t in rx.kept.values()),

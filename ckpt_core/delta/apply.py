@@ -248,9 +248,9 @@ class _Update:
             target = (self.rx.live_box(name, box) if self.rx.live_box is not None else None) if boxed \
                 else self.rx.live(name)
             if boxed and target is not None and not target.is_contiguous():
-                checks.append((shown, self._scatter_region(shown, target, d), d.digest, d.dtype))
+                checks.append((shown, self._scatter_region(name, target, d, shown), d.digest, d.dtype))
             elif target is not None:
-                self._scatter(shown, target, d)
+                self._scatter(name, target, d, shown)
                 checks.append((shown, target, d.digest, d.dtype))
             else:
                 new = self._rebuild(name, d)
@@ -271,24 +271,25 @@ class _Update:
             if not self.rx.defer_reload:
                 self.rx.reload(reloads)
 
-    def _scatter(self, name: str, target: torch.Tensor, d: Decoded) -> None:
+    def _scatter(self, name: str, target: torch.Tensor, d: Decoded, shown: str | None = None) -> None:
+        """``d`` written into ``target``; ``shown``: the payload as errors name it (a box's), ``name`` the tensor."""
         widened = target.dtype != d.dtype
         if ((widened and (d.dtype, target.dtype) not in WIDENING) or tuple(target.shape) != d.shape
                 or not target.is_contiguous()):
             raise CheckpointFormatError(f"the live tensor is {target.dtype} {list(target.shape)}, the delta "
-                                        f"{d.dtype} {list(d.shape)}", tensor=name)
+                                        f"{d.dtype} {list(d.shape)}", tensor=shown or name)
         saved = target.clone() if d.positions is None else None
         old = apply_widened(target, d) if widened else apply_decoded(target, d)
         self.undo_log.append((target, d, old, saved))
         self.figures["scattered"] += 1
         self.figures["scattered_tensors"].append(name)
 
-    def _scatter_region(self, name: str, region: torch.Tensor, d: Decoded) -> torch.Tensor:
+    def _scatter_region(self, name: str, region: torch.Tensor, d: Decoded, shown: str) -> torch.Tensor:
         """A strided box region: the delta applied to a contiguous copy of it, returned for the check and
         written back after it (``writebacks``); the region's previous bytes kept for the undo."""
         saved = region.clone(memory_format=torch.contiguous_format)
         work = saved.clone()
-        self._scatter(name, work, d)
+        self._scatter(name, work, d, shown)
         self.undo_log[-1] = (region, d, None, saved)   # undo: the region's saved bytes, not the work copy's
         self.writebacks.append((region, work))
         return work

@@ -83,7 +83,7 @@ def test_sliced_deltas_of_adamw_steps_leave_every_engine_rank_with_exactly_its_b
         for status, result in outcomes:
             assert status == "ok" and result["delta"] and result["version"] == name and result["base"] == prev, result
             assert result["scattered"] >= 6, result   # boxes of contiguous and of strided regions
-            assert any("gate[box" in n for n in result["scattered_tensors"]), result   # a strided one (gu)
+            assert "gate" in result["scattered_tensors"], result   # a strided one (gu)
         assert all(front.call(i, "held")[1] == name for i in range(WORLD))
         prev = name
 

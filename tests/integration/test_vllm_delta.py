@@ -259,7 +259,8 @@ def test_deltas_at_tensor_parallel_2_equal_a_cold_load(vllm_python, tmp_path):
 def test_sliced_deltas_at_tensor_parallel_2_equal_a_cold_load(vllm_python, tmp_path):
     """Two engine workers, two PS ranks, every update routed by the workers' slice plan (``delta_push.py
     --slices``): A sliced whole, then B, C, D as sliced deltas (each worker receives only the changes in
-    its boxes, less than its sliced full update), each equal to a cold load and to Hugging Face's output."""
+    its boxes, less than its sliced full update), each equal to a cold load and to Hugging Face's output;
+    each worker maps its boxes: the changed norms are scattered, only the layers of changed tensors reloaded."""
     import json
     import subprocess
     import sys
@@ -292,9 +293,16 @@ def test_sliced_deltas_at_tensor_parallel_2_equal_a_cold_load(vllm_python, tmp_p
             print(f"{case.id} sliced {name}: received {got} bytes per rank (sliced full update: {full})")
             if i:
                 assert all(0 < g < f for g, f in zip(got, full)), (name, got, full)
-                for reply in line["engine"]:
+                for worker, reply in enumerate(line["engine"]):
                     fig = reply["delta"]
                     assert fig["delta"] and fig["version"] == f"v{i}" and reply["slices"]["plan"], reply
+                    print(f"{case.id} sliced {name} worker {worker}: {fig['scattered']} scattered, "
+                          f"{len(fig['reloaded_layers'])} layers reloaded in {fig['reload_s']:.3f} s")
+                    _check_placement(name, case, fig, _changed(files[i - 1], path))
+            else:
+                for worker, reply in enumerate(line["engine"]):
+                    print(f"{case.id} sliced A worker {worker}: map {reply['delta']['map']}")
+                    assert not reply["delta"]["map"]["whole"], reply["delta"]["map"]
             differ = differences(line["digests"], cold[str(path)])
             assert not differ, f"after sliced {name}, {len(differ)} tensor(s) differ from a cold load:\n" + \
                 "\n".join(differ[:20])
