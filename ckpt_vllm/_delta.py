@@ -25,13 +25,11 @@ Staged deltas (``stage=..., deltas=True``): the payloads are staged while the en
 (:func:`commit_staged_delta`).
 
 Sliced deltas (``update_weights_from_ipc(..., slices=digest, deltas=True)``; docs/deltas.md, "Sliced
-deltas"): a sliced full update keeps this rank's boxes (what it received) as the next delta's base;
-a sliced delta's box payloads are rebuilt from them, each checked against its box's digest, and once
-every rank agreed, the whole model is reloaded from the kept boxes through the slice plan's replay
-(as a whole map does). A delta whose slicing differs from the kept copy's (sliced vs whole, another
-plan) is refused before anything is written.
-
-Not yet: scattering a sliced delta into the live shard (the rank reloads its whole model instead).
+deltas"): a sliced full update maps this worker's boxes (``build_map(replay=)``) and keeps the boxes
+it received that the map does not place; a sliced delta's box payloads are scattered into their live
+regions or rebuilt from the kept boxes, each checked against its box's digest, and the changed layers
+reloaded through the slice plan's replay. A delta whose slicing differs from the kept copy's (sliced
+vs whole, another plan) is refused before anything is written.
 """
 
 from __future__ import annotations

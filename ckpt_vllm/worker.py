@@ -138,7 +138,7 @@ class VllmColocateWorkerExtension(StagedWeights):
         the ``version`` this worker holds, and a full one is kept in host memory as the next delta's
         base (``_delta.py``, docs/deltas.md); needs ``version``. With ``stage`` a delta is staged and
         applied by :meth:`commit_staged_weights` (a staged delta not with ``slices`` yet); with ``slices``
-        each worker keeps its boxes and a sliced delta reloads the model from them (docs/deltas.md).
+        each worker maps its boxes, and a sliced delta is scattered or reloaded by layer (docs/deltas.md).
         ``direct=True``: once this worker recorded where this plan's tensors land (its first such update,
         which goes the usual way), the tensors of layers that read them verbatim are copied straight into
         the live model and only the other layers are reloaded (``_direct.py``, docs/vllm.md "Direct full
