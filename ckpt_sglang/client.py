@@ -34,8 +34,9 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from typing import Any, Callable
 
+from ckpt_core.delta.versions import accepts_deltas
 from ckpt_core.engines.base import Prechecked, Requester, UpdateReport
 from ckpt_core.engines.http import Phases, error_text
 from ckpt_core.errors import CkptError, ConfigError, RemoteWorkerError
@@ -106,7 +107,7 @@ class SglangClient(Requester):
     def update(self, handles, *, flush_cache: bool = True, weight_version: str | None = None,
                timeout: float | None = None, pause: str | None = None, busy: str = "retract",
                stage: str | None = None, stage_device_bytes: int = 0,
-               stage_pause: str | None = "in_place", via: str | None = None) -> UpdateReport:
+               stage_pause: str | None = "in_place", via: str | None = None, deltas: bool = False) -> UpdateReport:
         """Make the server pull one update; ``handles``: ``[(device_key, zmq_handle)]`` or a dict.
 
         ``via``: ``"loader"`` loads through our loader (``ckpt_sglang.staging.load``, its ``load``
@@ -121,6 +122,11 @@ class SglangClient(Requester):
         because requests were running (see the module docstring).
         ``stage="v8"``: stage the update instead (:meth:`stage`, ``stage_pause`` its ``pause``);
         :meth:`commit` switches to it.
+
+        ``deltas=True`` (docs/deltas.md, "SGLang"): the update goes through our loader (``via`` None or
+        ``"loader"``) and takes a delta (``ParameterServer.update(..., delta=True)``) or a full update;
+        a full one keeps what later deltas need. ``weight_version`` is required: it must be the
+        checkpoint's name on the PS (a delta names its base by it).
         """
         if stage is not None:
             if pause is not None or weight_version is not None:
@@ -131,6 +137,14 @@ class SglangClient(Requester):
             raise ConfigError(f"busy must be one of {BUSY_MODES}, got {busy!r}")
         if pause is not None and pause not in PAUSE_MODES:
             raise ConfigError(f"pause mode must be one of {PAUSE_MODES}, got {pause!r}")
+        if deltas:
+            if weight_version is None:
+                raise ConfigError("deltas=True needs weight_version: the checkpoint's name, by which a delta "
+                                  "names its base")
+            if via == "ipc":
+                raise ConfigError("deltas=True loads through our loader (via='loader'): SGLang's IPC route would "
+                                  "load a delta's payloads as tensors")
+            via = "loader"
         route = self.route(via)
         wait = self.http.timeout if timeout is None else float(timeout)
         self.server.check_reloadable()   # before anything is posted
@@ -140,7 +154,7 @@ class SglangClient(Requester):
             phases.run("pause", self.pause, pause)
         try:
             if route == "loader":
-                self._load(phases, report, dict(handles), weight_version, wait)
+                self._load(phases, report, dict(handles), weight_version, wait, deltas)
                 if flush_cache:
                     self._flush(phases, report, busy, pause)
             else:
@@ -183,13 +197,15 @@ class SglangClient(Requester):
             self.server.first_weights_loaded()
 
     def _load(self, phases: Phases, report: UpdateReport, handles: dict, weight_version: str | None,
-              wait: float) -> None:
+              wait: float, deltas: bool = False) -> None:
         """Our loader's ``load`` op on every TP rank (in SGLang's session where it has one); then
         SGLang's ``weight_version`` (after the load: SGLang's tensor route would set it even when
         our loader reports a failure)."""
         ranks = self.server.require_loader(LOADER, "direct loads (via='loader')")
-        report.workers = self._session_op(phases, "load", None, wait, ranks, phase="update",
-                                          weights=weight_version, handles=handles, receive_timeout=wait)
+        fields: dict[str, Any] = {"weights": weight_version, "handles": handles, "receive_timeout": wait}
+        if deltas:
+            fields["deltas"] = True
+        report.workers = self._session_op(phases, "load", None, wait, ranks, phase="update", **fields)
         report.message = f"loaded through {LOADER} on {ranks} TP rank(s)"
         if weight_version is not None:
             phases.run("weight_version", self.set_weight_version, str(weight_version))
@@ -239,10 +255,18 @@ class SglangClient(Requester):
         """A ``req_func`` posting every handle it is given; keyword arguments go to :meth:`update`.
 
         It carries ``precheck`` (:meth:`check_reloadable`): ``ParameterServer.update`` asks it before
-        anything moves, so a model SGLang cannot reload is refused on every rank at once."""
+        anything moves, so a model SGLang cannot reload is refused on every rank at once. With
+        ``deltas=True`` it is marked as taking deltas (``ckpt_core.delta.versions.accepts_deltas``), which
+        ``ParameterServer.update(..., delta=True)`` asks of every rank's ``req_func`` on the stock wire."""
         def req_func(handles):
             return self.update(handles, **update_kwargs)
-        return Prechecked(req_func, self.check_reloadable)
+        out = Prechecked(req_func, self.check_reloadable)
+        if update_kwargs.get("deltas"):
+            if update_kwargs.get("weight_version") is None or update_kwargs.get("via") == "ipc":
+                raise ConfigError("req_func(deltas=True) needs weight_version (the checkpoint's name) and our loader "
+                                  "(via None or 'loader')")
+            accepts_deltas(out)   # a delta over the stock wire reaches our loader, which applies it
+        return out
 
     def check_reloadable(self) -> None:
         """``ConfigError`` when SGLang cannot load a checkpoint into this server's live model

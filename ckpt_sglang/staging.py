@@ -54,6 +54,7 @@ from ckpt_core.errors import CheckpointFormatError, ConfigError
 from ckpt_core.wire.staging import StagingArea
 
 from ._agree import BUSY, FAILED, MALFORMED, OK, REFUSED, TpGroup, refusal, sglang_tp_group
+from ._delta import SglangDeltas
 from ._protocol import decode_command, reply
 from ._stock_loop import run_stock_loop
 
@@ -108,6 +109,7 @@ class EngineStaging:
         self.live_version: str | None = None
         self.live_since: float | None = None
         self.last_stage_error: str | None = None
+        self.deltas = SglangDeltas()   # the version held for deltas, the map, kept copies (_delta.py)
 
     def _still_receiving(self) -> str | None:
         """The version a stage's receiver thread is still receiving (None: none is)."""
@@ -276,8 +278,13 @@ class EngineStaging:
                 raise refused
         if not isinstance(handles, dict):   # refused above, on every rank
             raise ConfigError(f"cannot run {what}: the parameter server sent no handles")
+        keep = bool(cmd.get("deltas"))
+        if keep and version is None:   # the client refuses it first; a delta names its base by the version
+            raise ConfigError(f"cannot run {what} with deltas: it names no version")
         t0, seen, first_error = time.perf_counter(), {}, []
         tensors, nbytes = [0], [0]
+        dload = self.deltas.load(model, device, None if version is None else str(version), keep,
+                                 bool(cmd.get("session")))
 
         def run(weights):
             try:
@@ -285,35 +292,58 @@ class EngineStaging:
                     seen[name] = (str(t.dtype).removeprefix("torch."), tuple(t.shape))
                     tensors[0] += 1
                     nbytes[0] += t.numel() * t.element_size()
-                model.load_weights(weights)   # SGLang's own loader: the fusing a cold load does
+                dload.run(weights)   # SGLang's own loader (the fusing a cold load does), or a delta's payloads held
             except Exception as exc:   # the stock loop sends its traceback to the PS, which aborts
                 first_error.append(f"{type(exc).__name__}: {exc}")
-                log.error("ckpt load: SGLang's load_weights failed:\n%s", traceback.format_exc())
+                log.error("ckpt load: %s failed:\n%s", "the delta" if dload.delta else "SGLang's load_weights",
+                          traceback.format_exc())
                 raise
 
-        error = None
+        def post_hook():   # a delta is applied here: every bucket arrived, its failure is the PS's last answer
+            try:
+                dload.post_hook()
+            except Exception as exc:
+                first_error.append(f"{type(exc).__name__}: {exc}")
+                log.error("ckpt load: the delta failed:\n%s", traceback.format_exc())
+                raise
+
+        failed = None
         try:
-            run_stock_loop(handles[key], device, device_id, float(cmd.get("receive_timeout", 600.0)), run=run,
-                           side_stream=False)
-            if not cmd.get("session"):   # a session's end post-processes (0.5.23); 0.5.17's IPC route here
-                _post_load(model, device)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-        except BaseException as exc:   # noqa: BLE001 - every rank reports it, below
-            error = (first_error or [f"{type(exc).__name__}: {exc}"])[0]
-        statuses = group.gather(FAILED if error else OK, error or "", f"the end of {what}", wait)
-        failed = refusal(statuses, f"{what} failed: ", "; the model may hold a mix of both versions: push a full "
-                         "update")
-        with self._lock:
+            with dload.transaction():
+                error = None
+                try:
+                    run_stock_loop(handles[key], device, device_id, float(cmd.get("receive_timeout", 600.0)),
+                                   run=run, post_hook=post_hook, side_stream=False, reply_hook_error=True)
+                    if not dload.delta and not cmd.get("session"):   # a session's end post-processes (0.5.23)
+                        _post_load(model, device)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+                    if not dload.delta:
+                        dload.finish_full()
+                except BaseException as exc:   # noqa: BLE001 - every rank reports it, below
+                    error = (first_error or [f"{type(exc).__name__}: {exc}"])[0]
+                statuses = group.gather(FAILED if error else OK, error or "", f"the end of {what}", wait)
+                failed = refusal(statuses, f"{what} failed: ", "; the delta was undone on every TP rank"
+                                 if dload.delta else "; the model may hold a mix of both versions: push a full update")
+                if failed is not None:
+                    raise failed   # leaves the transaction: a delta is undone on every rank
+        except Exception as exc:
             if failed is None:
+                failed = exc
+        with self._lock:
+            if failed is None and not dload.delta:
                 self.layout = dict(seen)
-            self.live_version = None if failed is not None or version is None else str(version)
-            self.live_since = time.time()
+            if failed is None or not dload.delta:   # a failed delta was undone: the version is what it was
+                self.live_version = None if failed is not None or version is None else str(version)
+                self.live_since = time.time()
         if failed is not None:
             raise failed
         seconds = time.perf_counter() - t0
         log.info("ckpt load of %s: %d tensors, %.1f MB in %.3f s", version, tensors[0], nbytes[0] / 1e6, seconds)
-        return {"version": version, "tensors": tensors[0], "bytes": nbytes[0], "seconds": {"load": seconds}}
+        out = {"version": version, "tensors": tensors[0], "bytes": nbytes[0], "seconds": {"load": seconds},
+               "path": "delta" if dload.delta else "full"}
+        out.update(dload.figures)
+        return out
 
     def drop(self, model, cmd: dict, group: TpGroup = TpGroup()) -> dict | None:
         with self._lock:

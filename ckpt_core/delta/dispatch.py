@@ -25,6 +25,7 @@ from ckpt_core.delta.versions import (
     DeltaVersions,
     advice,
     base_of_manifests,
+    check_accepts_deltas,
     companion,
     run_delta_update,
     with_precheck,
@@ -110,14 +111,19 @@ class Updates:
         """``ParameterServer.update``'s dispatch (the facade holds the update lock around it)."""
         if not delta:
             return self._full(name, req_func, ranks, timeout, slices)
-        if slices is not None or self.ctx.wire != "native":
-            raise ConfigError("delta updates are updates of whole tensors on our wire for now: no slices= or "
-                              "stock wire (docs/deltas.md)")
+        if slices is not None or (ranks and self.ctx.wire != "native"):
+            raise ConfigError("delta updates are updates of whole tensors on our wire for now (broadcast ones also on "
+                              "the stock wire, to an engine that applies them: SGLang through our loader): no "
+                              "slices=, no P2P delta on the stock wire (docs/deltas.md)")
         if ranks:
             return self._p2p_delta(name, req_func, ranks, timeout, delta)
         bases = self.known_bases
+
+        def precheck() -> None:   # in the update's first exchange: every rank raises what one refuses
+            check_accepts_deltas(req_func, self.ctx.wire)
+            self.versions.precheck(name, bases=bases())
         return run_delta_update(
-            self.versions, name, with_precheck(req_func, lambda: self.versions.precheck(name, bases=bases())), delta,
+            self.versions, name, with_precheck(req_func, precheck), delta,
             prepare=lambda: self._gather_delta(name),
             update=lambda n, rf: run_broadcast_update(self.ctx, self.catalog, n, rf, timeout, None), bases=bases)
 

@@ -1,0 +1,224 @@
+"""Delta updates into SGLang through our loader: SGLang's real app, managers, model code and loaders on CPU.
+
+Chain under test: our PS (stock wire, in this process) <- the stock checkpoint-engine worker loop that
+``ckpt_sglang.staging.load``'s ``load`` op runs inside the engine process (SGLang's own
+``/update_weights_from_tensor`` -> ``WeightUpdater`` -> our custom loader), which feeds a full update
+into SGLang's ``Qwen2ForCausalLM.load_weights`` (recorded, and mapped: ``ckpt_sglang/_delta.py``) and
+applies a delta through ``ckpt_core.delta.apply.DeltaReceiver``: scattered into the live tensors that
+hold the checkpoint's bytes, or rebuilt and reloaded through SGLang's ``load_weights`` for the modules
+it loads into. sglang_support/engine.py says what is stood in on CPU.
+
+The versions are the AdamW chain of ``test_vllm_delta.py`` (``_versions``): A, the bf16 of a random
+Qwen2; B one AdamW step on every tensor (lr 1e-5); C one on layer 0's attention only; D one on the
+norms and the embedding (lr 1e-2). After each update every parameter and buffer SGLang holds (the
+probe loader's digests, ``SglangClient.state_digests``) equals a cold load of that version into a
+fresh model, byte for byte. A wrong base, a dropped element (``CKPT_TEST_DELTA_DROP_ONE`` in the
+engine) and a corrupted payload are each refused with the model on its base, byte for byte; the
+fallback then sends the version whole.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import httpx
+import pytest
+import torch
+
+from ckpt_core import ParameterServer
+from ckpt_core.errors import ConfigError, DeltaBaseError, RemoteWorkerError
+from ckpt_sglang import SglangClient
+from sglang_support.fixtures import CONFIG, hf_weights, ready_engine
+from support.delta_world import corrupt_payload
+from support.ports import free_port
+from test_vllm_delta import _changed, _versions   # the same AdamW chain as the vLLM delta test
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+NAMES = ["A", "B", "C", "D"]
+SMALL_BUCKETS = {"PS_MAX_BUCKET_SIZE_GB": str(100_000 / (1 << 30)), "PS_NUM_SLOTS": "2"}
+FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+         "up_proj": "gate_up_proj"}
+
+
+def sglang_module(name: str) -> str:
+    """The SGLang module a Hugging Face Qwen2 tensor loads into (q/k/v and gate/up fused)."""
+    layer, _, _ = name.rpartition(".")
+    head, _, leaf = layer.rpartition(".")
+    return f"{head}.{FUSED.get(leaf, leaf)}" if head else FUSED.get(leaf, leaf)
+
+
+class Rig:
+    """The engine process, its client, a PS feeding it, and the versions A..D."""
+
+    def __init__(self, eng, root):
+        from safetensors.torch import save_file
+
+        self.eng, self.root = eng, root
+        self.client = SglangClient(eng.url, timeout=120)
+        src = root / "src.safetensors"
+        save_file(hf_weights(7), str(src))
+        self.files = dict(zip(NAMES, _versions(src, root)))
+        self.dirs = {}
+        for name, f in self.files.items():
+            d = root / f"version-{name}"
+            d.mkdir()
+            (d / "config.json").write_text(json.dumps(CONFIG))
+            os.symlink(f, d / "model.safetensors")
+            self.dirs[name] = d
+        self._cold: dict[str, list] = {}
+        self.ps = ParameterServer(rank=0, world_size=1, device="cpu", wire="stock", master_addr="127.0.0.1",
+                                  master_port=free_port())
+
+    def register(self, name: str, base: str | None = None) -> None:
+        self.ps.register_checkpoint(name, files=[str(self.files[name])], base=base)
+        self.ps.gather_metas(name)
+
+    def update(self, name: str, delta=False) -> dict:
+        return self.ps.update(name, self.client.req_func(deltas=True, weight_version=name), timeout=120,
+                              delta=delta)
+
+    def worker(self) -> dict:
+        return self.client.last_report.workers[0]
+
+    def state(self) -> list[dict]:
+        return [w["digests"] for w in self.client.state_digests()]
+
+    def cold(self, name: str) -> list[dict]:
+        if name not in self._cold:
+            resp = httpx.get(f"{self.eng.url}/ckpt_test/cold_state", params={"model_dir": str(self.dirs[name])},
+                             timeout=120)
+            resp.raise_for_status()
+            self._cold[name] = resp.json()["ranks"]
+        return self._cold[name]
+
+    def assert_is(self, name: str, what: str) -> None:
+        got, want = self.state(), self.cold(name)
+        assert len(got) == len(want)
+        for rank, (g, w) in enumerate(zip(got, want)):
+            diff = sorted(n for n in set(g) | set(w) if g.get(n) != w.get(n))
+            assert not diff, f"{what}: TP rank {rank} differs from a cold load of {name} in {diff[:6]}"
+
+    def setenv(self, **env) -> None:
+        httpx.post(f"{self.eng.url}/ckpt_test/env", json=env, timeout=30).raise_for_status()
+
+    def close(self) -> None:
+        self.ps.close()
+        self.client.close()
+
+
+@pytest.fixture(scope="module")
+def rig(tmp_path_factory):
+    saved = {k: os.environ.get(k) for k in SMALL_BUCKETS}
+    os.environ.update(SMALL_BUCKETS)
+    root = tmp_path_factory.mktemp("sglang-delta")
+    try:
+        with ready_engine(root) as eng:
+            r = Rig(eng, root)
+            try:
+                yield r
+            finally:
+                r.close()
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+
+def test_a_chain_of_deltas_equals_a_cold_load_of_each_version(rig):
+    rig.register("A")
+    rig.update("A")
+    full = rig.worker()
+    assert full["path"] == "full" and full["map"]["refuse"] is None, full
+    rig.assert_is("A", "after the full update of A")
+    print(f"A: map {full['map']}")
+    for i, name in enumerate(NAMES[1:], 1):
+        prev = NAMES[i - 1]
+        rig.register(name, base=prev)
+        result = rig.update(name, delta=True)
+        fig = rig.worker()
+        assert fig["path"] == "delta" and fig["version"] == name, fig
+        d = fig["delta"]
+        rig.assert_is(name, f"after the delta {prev} -> {name}")
+        changed = _changed(rig.files[prev], rig.files[name])
+        scattered = set(d["scattered_tensors"])
+        assert scattered <= changed, sorted(scattered - changed)
+        assert d["scattered"] + d["reloaded"] == len(changed), (d, sorted(changed))
+        reloaded = set(d.get("reloaded_modules") or [])
+        assert "*" not in reloaded, d
+        assert reloaded <= {sglang_module(n) for n in changed}, f"{name}: unchanged modules reloaded: {reloaded}"
+        if name == "C":
+            assert all(sglang_module(n).startswith("model.layers.0.self_attn.") for n in changed)
+        ps = result["delta"]
+        print(f"{prev} -> {name}: {ps['changed_tensors']} tensors / {ps['changed_elements']} of {ps['elements']} "
+              f"elements changed, payload {ps['payload_bytes']} of {ps['full_bytes']} bytes; worker: "
+              f"{d['scattered']} scattered, {d['reloaded']} reloaded ({sorted(reloaded)}), apply {d['apply_s']:.4f} s, "
+              f"verify {d['verify_s']:.4f} s, reload {d.get('reload_s', 0.0):.4f} s")
+
+
+def test_refusals_leave_the_model_on_its_base(rig):
+    """Runs after the chain: the engine holds D (A, B, C, D registered)."""
+    if "D" not in rig.ps._catalog.checkpoints:   # run alone: build the chain first
+        test_a_chain_of_deltas_equals_a_cold_load_of_each_version(rig)
+    # a wrong base: the delta of C applies to B, the engine holds D. The PS refuses it first (it made D
+    # live); a fresh PS, which does not know what the engine holds, sends it and the worker refuses it.
+    with pytest.raises(DeltaBaseError):
+        rig.update("C", delta=True)
+    rig.assert_is("D", "after the PS refused a delta of another base")
+    other = ParameterServer(rank=0, world_size=1, device="cpu", wire="stock", master_addr="127.0.0.1",
+                            master_port=free_port())
+    try:
+        for n, base in (("B", None), ("C", "B")):
+            other.register_checkpoint(n, files=[str(rig.files[n])], base=base)
+            other.gather_metas(n)
+        with pytest.raises(DeltaBaseError, match="this worker holds 'D', not the base 'B'"):
+            other.update("C", rig.client.req_func(deltas=True, weight_version="C"), timeout=120, delta=True)
+        rig.assert_is("D", "after the worker refused a delta of another base")
+        # the fallback sends C whole (and keeps what deltas need): the engine then holds C
+        result = other.update("C", rig.client.req_func(deltas=True, weight_version="C"), timeout=120,
+                              delta="fallback")
+        assert "fallback" in result["delta"], result["delta"]
+        rig.assert_is("C", "after the fallback")
+    finally:
+        other.close()
+    # back to D as a delta of C from the PS that last made C live? It made D live: update D whole there
+    rig.update("D")
+    rig.assert_is("D", "after D whole")
+    # E: one more AdamW-like step from D, registered against D
+    from safetensors.torch import load_file, save_file
+    d = load_file(str(rig.files["D"]))
+    gen = torch.Generator().manual_seed(5)
+    e = {n: (t.float() + 1e-2 * torch.randn(t.shape, generator=gen)).to(t.dtype) for n, t in d.items()}
+    rig.files["E"] = rig.root / "vE.safetensors"
+    save_file(e, str(rig.files["E"]))
+    rig.register("E", base="D")
+    # a dropped element: the post-apply digest fails, every write is undone
+    rig.setenv(CKPT_TEST_DELTA_DROP_ONE="1")
+    try:
+        with pytest.raises(RemoteWorkerError, match="digest"):
+            rig.update("E", delta=True)
+    finally:
+        rig.setenv(CKPT_TEST_DELTA_DROP_ONE=None)
+    rig.assert_is("D", "after a delta that lost an element")
+    # a corrupted payload: refused by its body check before anything is written
+    changed = sorted(_changed(rig.files["D"], rig.files["E"]))
+    assert corrupt_payload(rig.ps, 0, "E", changed[0])
+    with pytest.raises(RemoteWorkerError, match="CheckpointFormatError"):
+        rig.update("E", delta=True)
+    rig.assert_is("D", "after a corrupted payload")
+    assert rig.client.weight_versions()[0]["live"] == "D"
+
+
+def test_a_delta_needs_a_req_func_that_takes_it(rig):
+    """On the stock wire a delta is refused before anything moves unless the req_func says its engine
+    applies deltas: SGLang's own IPC route would skip the payloads' unknown names with a warning."""
+    if "B" not in rig.ps._catalog.checkpoints:
+        rig.register("A")
+        rig.register("B", base="A")
+    with pytest.raises(ConfigError, match="accepts_deltas"):
+        rig.ps.update("B", rig.client.req_func(weight_version="B"), timeout=60, delta=True)
+    with pytest.raises(ConfigError, match="via"):
+        rig.client.req_func(deltas=True, weight_version="B", via="ipc")
+    with pytest.raises(ConfigError, match="weight_version"):
+        rig.client.req_func(deltas=True)
+
