@@ -246,6 +246,7 @@ class EngineStaging:
             log.error("ckpt commit of %s: SGLang's load_weights failed:\n%s", version, traceback.format_exc())
         summary = area.summary()
         area.free()
+        self.deltas.forget()   # the model holds another version now: no delta applies until a full load with deltas
         statuses = group.gather(FAILED if error else OK, f"{type(error).__name__}: {error}" if error else "",
                                 f"the end of the commit of {version!r}", wait)
         failed = refusal(statuses, f"SGLang's load_weights failed while committing {version!r}: ",

@@ -46,7 +46,11 @@ def probe_calls(model, model_config, tp_rank: int) -> dict:
                     fresh.load_weights(list(load_file(os.path.join(model_dir, f)).items()))
         return state_digests(fresh)
 
-    def setenv(arg):   # {name: value or None}: the engine process's environment (e.g. CKPT_TEST_DELTA_DROP_ONE)
+    def setenv(arg):   # {name: value or None}: the engine process's environment (e.g. CKPT_TEST_DELTA_DROP_ONE);
+        # "_rank": only that TP rank's
+        arg = dict(arg)
+        if arg.pop("_rank", tp_rank) != tp_rank:
+            return None
         for k, v in arg.items():
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
         return arg
