@@ -363,6 +363,21 @@ class SglangDeltas:
         self.reload_figures = {"reloaded_modules": mods if mods is not None else ["*"],
                                "reload_tensors": len(batch), "reload_s": time.perf_counter() - t0}
 
+    def check_bucket(self, names: list[str]) -> None:
+        """``DeltaBaseError`` (nothing written) when this worker cannot apply a delta whose bucket carries
+        ``names``: no map or version held, deltas refused for this model, or a manifest of another base."""
+        manifests = [m for m in (parse_manifest_name(n) for n in names) if m is not None]
+        if self.map is not None and self.map.refuse:
+            raise DeltaBaseError(f"this worker holds {self.held!r} but takes no delta of this model: "
+                                 f"{self.map.refuse}; nothing was written (update it whole)")
+        for base, version, _, _ in manifests:
+            if base != self.held or self.map is None:
+                raise DeltaBaseError(f"this worker holds {self.held!r}, not the base {base!r} of the delta of "
+                                     f"{version!r}: nothing was written (update it whole)")
+        if self.held is None or self.map is None:
+            raise DeltaBaseError("this worker holds None, not the base of this delta: no full update with deltas "
+                                 "made a version live here; nothing was written (update it whole)")
+
     # -- one load -------------------------------------------------------------------
     def load(self, model: torch.nn.Module, device: torch.device, version: str | None, keep: bool,
              session: bool) -> "DeltaLoad":
@@ -416,16 +431,14 @@ class DeltaLoad:
         delta = any(is_delta_name(n) for n in names)
         if self.delta is None:
             self.delta = delta
-            if delta:
-                self._handshake(names)
-            elif self.keep:
+            if not delta and self.keep:
                 storages = _param_storages(self.model)
                 self.before = {n: (p, p.data_ptr()) for group in storages.values() for n, p in group}
                 self.recorder = _Recorder(storages)
         if delta != self.delta or (delta and not all(is_delta_name(n) for n in names)):
             raise CheckpointFormatError("an update mixes delta payloads and whole tensors")
         if delta:
-            self._check_manifests(names)
+            self.state.check_bucket(names)   # refused at once, nothing written, when it cannot apply here
             self.names.extend(names)
             self.stash.extend((n, t.clone()) for n, t in weights)   # the IPC buffer is reused
             return
@@ -455,26 +468,6 @@ class DeltaLoad:
         self.cb.run(self.stash)
         self.cb.post_hook()
         self.stash = []
-
-    def _handshake(self, names: list[str]) -> None:
-        """The first bucket of a delta: refused at once, nothing written, when this worker cannot apply it."""
-        st = self.state
-        manifests = [m for m in (parse_manifest_name(n) for n in names) if m is not None]
-        base, version = (manifests[0][0], manifests[0][1]) if manifests else ("?", "?")
-        if st.map is not None and st.map.refuse:
-            raise DeltaBaseError(f"this worker holds {st.held!r} but takes no delta of this model: {st.map.refuse}; "
-                                 "nothing was written (update it whole)")
-        if st.held is None or st.map is None:
-            raise DeltaBaseError(f"this worker holds None, not the base {base!r} of the delta of {version!r}: no full "
-                                 "update with deltas=True made a version live here; nothing was written (update it "
-                                 "whole)")
-
-    def _check_manifests(self, names: list[str]) -> None:
-        for n in names:
-            m = parse_manifest_name(n)
-            if m is not None and m[0] != self.state.held:
-                raise DeltaBaseError(f"this worker holds {self.state.held!r}, not the base {m[0]!r} of the delta of "
-                                     f"{m[1]!r}: nothing was written (update it whole)")
 
     def _check_version(self) -> None:
         if self.cb is None or self.cb.delta is None:

@@ -132,7 +132,8 @@ class SglangClient(Requester):
             if pause is not None or weight_version is not None:
                 raise ConfigError("a staged update takes neither pause nor weight_version: the server keeps "
                                   "generating while it stages; commit(version) pauses and sets the version")
-            return self.stage(handles, stage, timeout=timeout, device_bytes=stage_device_bytes, pause=stage_pause)
+            return self.stage(handles, stage, timeout=timeout, device_bytes=stage_device_bytes, pause=stage_pause,
+                              deltas=deltas)
         if busy not in BUSY_MODES:
             raise ConfigError(f"busy must be one of {BUSY_MODES}, got {busy!r}")
         if pause is not None and pause not in PAUSE_MODES:
@@ -262,9 +263,10 @@ class SglangClient(Requester):
             return self.update(handles, **update_kwargs)
         out = Prechecked(req_func, self.check_reloadable)
         if update_kwargs.get("deltas"):
-            if update_kwargs.get("weight_version") is None or update_kwargs.get("via") == "ipc":
-                raise ConfigError("req_func(deltas=True) needs weight_version (the checkpoint's name) and our loader "
-                                  "(via None or 'loader')")
+            named = update_kwargs.get("weight_version") or update_kwargs.get("stage")
+            if named is None or update_kwargs.get("via") == "ipc":
+                raise ConfigError("req_func(deltas=True) needs weight_version (or stage): the checkpoint's name, by "
+                                  "which a delta names its base; and our loader (via None or 'loader')")
             accepts_deltas(out)   # a delta over the stock wire reaches our loader, which applies it
         return out
 
@@ -324,7 +326,7 @@ class SglangClient(Requester):
         return self._record(report)
 
     def stage(self, handles, version: str, *, timeout: float | None = None, device_bytes: int = 0,
-              pause: str | None = "in_place") -> UpdateReport:
+              pause: str | None = "in_place", deltas: bool = False) -> UpdateReport:
         """Start receiving an update into every TP rank's staging area; the server keeps its weights.
 
         Use it as the update's ``req_func`` (``req_func(stage="v8")``): it returns once the
@@ -335,12 +337,19 @@ class SglangClient(Requester):
         ``pause=None`` opens the session without pausing: only for models whose weights SGLang
         does not pack in place (``begin_weight_update`` then changes nothing; unquantized
         models on GPU), else generation could run on unpacked weights until the session ends.
+        ``deltas=True`` (docs/deltas.md, "SGLang"): stage a delta (``ParameterServer.update(...,
+        delta=True)``, refused at its first bucket when the server does not hold its base, nothing
+        staged), applied by :meth:`commit`; or a full update whose commit keeps what later deltas
+        need. ``version`` must be the checkpoint's name.
         """
         wait = self.http.timeout if timeout is None else float(timeout)
         if pause not in (None, "in_place", "retract"):
             raise ConfigError(f"a stage opens its session under pause None, 'in_place' or 'retract', got {pause!r}")
-        return self._staged_call("stage", pause, timeout, weights=str(version), handles=dict(handles),
-                                 device_bytes=int(device_bytes), receive_timeout=wait)
+        fields: dict[str, Any] = {"weights": str(version), "handles": dict(handles), "device_bytes": int(device_bytes),
+                                  "receive_timeout": wait}
+        if deltas:
+            fields["deltas"] = True
+        return self._staged_call("stage", pause, timeout, **fields)
 
     def commit(self, version: str, *, pause: str = "retract", timeout: float | None = None) -> UpdateReport:
         """Switch the server to the staged ``version`` in one pause, with no request dropped.

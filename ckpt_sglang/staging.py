@@ -54,7 +54,7 @@ from ckpt_core.errors import CheckpointFormatError, ConfigError
 from ckpt_core.wire.staging import StagingArea
 
 from ._agree import BUSY, FAILED, MALFORMED, OK, REFUSED, TpGroup, refusal, sglang_tp_group
-from ._delta import SglangDeltas
+from ._delta import SglangDeltas, is_delta_name
 from ._protocol import decode_command, reply
 from ._stock_loop import run_stock_loop
 
@@ -96,6 +96,8 @@ class SglangStagingArea(StagingArea):
     """A staging area and the layout of what it staged (set when sealed)."""
 
     layout: Layout = field(default_factory=dict)
+    keep: bool = False    # staged with deltas: a full one's commit keeps what deltas need, a delta may be staged
+    delta: bool = False   # what it staged is a delta (its payloads)
 
 
 class EngineStaging:
@@ -140,7 +142,7 @@ class EngineStaging:
                 raise refused
             if not isinstance(handles, dict):   # refused above, on every rank
                 raise ConfigError(f"cannot stage version {version!r}: the parameter server sent no handles")
-            area = SglangStagingArea(version, device, int(cmd.get("device_bytes", 0)))
+            area = SglangStagingArea(version, device, int(cmd.get("device_bytes", 0)), keep=bool(cmd.get("deltas")))
             thread = threading.Thread(target=self._receive, args=(area, handles[key], device_id, timeout),
                                       name=f"ckpt-stage-{version}", daemon=True)
             self.receiving = (version, thread)
@@ -162,6 +164,18 @@ class EngineStaging:
                 raise
 
         def check_and_add(weights):
+            names = [n for n, _ in weights]
+            delta = any(is_delta_name(n) for n in names)
+            if delta or area.delta:
+                if not area.keep:   # the PS refuses it first (a stage's req_func without deltas takes none)
+                    raise CheckpointFormatError("a delta is staged only by stage(..., deltas=True); nothing is staged")
+                if seen and not area.delta or not all(is_delta_name(n) for n in names):
+                    raise CheckpointFormatError("an update mixes delta payloads and whole tensors; nothing is staged")
+                self.deltas.check_bucket(names)   # refused at once, nothing staged, when it cannot apply here
+                area.delta = True
+                seen.update((n, ("uint8", tuple(t.shape))) for n, t in weights)
+                area.add(weights)
+                return
             for name, t in weights:
                 got = (str(t.dtype).removeprefix("torch."), tuple(t.shape))
                 if name in seen:
@@ -212,7 +226,7 @@ class EngineStaging:
             return BUSY, f"version {self.receiving[0]!r} is still being staged"
         if area is None or area.version != version:
             return REFUSED, "nothing is staged" if area is None else f"version {area.version!r} is staged"
-        missing = sorted(set(self.layout) - set(area.layout)) if self.layout is not None else []
+        missing = sorted(set(self.layout) - set(area.layout)) if self.layout is not None and not area.delta else []
         if missing:
             return MALFORMED, (f"it lacks {', '.join(missing[:8])} ({len(missing)} of the last commit's tensors)")
         return OK, ""
@@ -235,28 +249,46 @@ class EngineStaging:
             area, self.area = self.area, None
             if area is None:   # _commit_status refused it above, on every rank
                 raise ConfigError(f"cannot commit version {version!r}: nothing is staged")
-        error = None
+        dload = self.deltas.load(model, area.device, version, area.keep, bool(cmd.get("session")))
+        failed: Exception | None = None
+        error: Exception | None = None
         try:
-            for bucket in area.buckets:   # SGLang's own loader: the fusing a cold load does
-                model.load_weights(bucket)
-            if area.device.type == "cuda":
-                torch.cuda.synchronize(area.device)
-        except Exception as exc:   # noqa: BLE001 - every rank reports it, below
-            error = exc
-            log.error("ckpt commit of %s: SGLang's load_weights failed:\n%s", version, traceback.format_exc())
+            with dload.transaction():
+                try:
+                    for bucket in area.buckets:   # SGLang's own loader (the fusing a cold load does), or a delta's
+                        dload.run(bucket)
+                    dload.post_hook()   # a delta: checked and applied here (scattered, rebuilt and reloaded)
+                    if area.device.type == "cuda":
+                        torch.cuda.synchronize(area.device)
+                    if not dload.delta:
+                        dload.finish_full()
+                except Exception as exc:   # noqa: BLE001 - every rank reports it, below
+                    error = exc
+                    log.error("ckpt commit of %s: %s failed:\n%s", version,
+                              "the delta" if dload.delta else "SGLang's load_weights", traceback.format_exc())
+                statuses = group.gather(FAILED if error else OK, f"{type(error).__name__}: {error}" if error else "",
+                                        f"the end of the commit of {version!r}", wait)
+                what = "the delta" if dload.delta else "SGLang's load_weights"
+                failed = refusal(statuses, f"{what} failed while committing {version!r}: ",
+                                 "; the delta was undone on every TP rank" if dload.delta
+                                 else "; the model may hold a mix of both versions: push a full update")
+                if failed is not None:
+                    raise failed   # leaves the transaction: a delta is undone on every rank
+        except Exception as exc:   # noqa: BLE001 - raised below, after the state is set
+            failed = failed or exc
         summary = area.summary()
         area.free()
-        self.deltas.forget()   # the model holds another version now: no delta applies until a full load with deltas
-        statuses = group.gather(FAILED if error else OK, f"{type(error).__name__}: {error}" if error else "",
-                                f"the end of the commit of {version!r}", wait)
-        failed = refusal(statuses, f"SGLang's load_weights failed while committing {version!r}: ",
-                         "; the model may hold a mix of both versions: push a full update")
         with self._lock:
-            self.layout = dict(area.layout)
-            self.live_version, self.live_since = (version if failed is None else None), time.time()
+            if failed is None or not dload.delta:   # a failed delta was undone: the model holds what it held
+                if not dload.delta:
+                    self.layout = dict(area.layout)
+                self.live_version, self.live_since = (version if failed is None else None), time.time()
         if failed is not None:
             raise failed from error
-        return {**summary, "sealed": True, "seconds": {"load": time.perf_counter() - t0}}
+        out = {**summary, "sealed": True, "seconds": {"load": time.perf_counter() - t0},
+               "path": "delta" if dload.delta else "full"}
+        out.update(dload.figures)
+        return out
 
     def load(self, model, cmd: dict, group: TpGroup = TpGroup()) -> dict:
         """A direct update: the stock loop feeds each bucket straight into SGLang's ``load_weights``

@@ -79,6 +79,14 @@ class Rig:
         return self.ps.update(name, self.client.req_func(deltas=True, weight_version=name), timeout=120,
                               delta=delta)
 
+    def ensure(self, name: str, base: str | None = None) -> None:
+        """Register ``name`` (with ``base``) unless an earlier test did."""
+        if name not in self.ps._catalog.checkpoints:
+            self.register(name, base)
+
+    def stage(self, name: str, delta=False) -> dict:
+        return self.ps.update(name, self.client.req_func(stage=name, deltas=True), timeout=120, delta=delta)
+
     def worker(self) -> dict:
         return self.client.last_report.workers[0]
 
@@ -222,3 +230,47 @@ def test_a_delta_needs_a_req_func_that_takes_it(rig):
     with pytest.raises(ConfigError, match="weight_version"):
         rig.client.req_func(deltas=True)
 
+
+
+def test_a_staged_delta_is_applied_by_the_commit(rig):
+    """stage(..., deltas=True): a full stage's commit keeps what deltas need; a delta's payloads are staged
+    while the engine serves (nothing live changes) and the commit applies them; a delta that fails its
+    check at the commit is undone, the model on its base."""
+    for i, name in enumerate(NAMES):
+        rig.ensure(name, NAMES[i - 1] if i else None)
+    rig.stage("A")
+    rig.client.commit("A")
+    full = rig.client.last_report.workers[0]
+    assert full["path"] == "full" and full["map"]["refuse"] is None, full
+    rig.assert_is("A", "after the staged full update of A")
+    for prev, name in (("A", "B"), ("B", "C")):
+        rig.stage(name, delta=True)
+        rig.assert_is(prev, f"after staging the delta of {name}: nothing live changed")
+        assert rig.client.weight_versions()[0]["staged"]["version"] == name
+        rig.client.commit(name)
+        fig = rig.client.last_report.workers[0]
+        assert fig["path"] == "delta" and fig["delta"]["version"] == name, fig
+        rig.assert_is(name, f"after committing the staged delta {prev} -> {name}")
+    # a staged delta whose post-apply check fails at the commit: undone, the model on C
+    rig.stage("D", delta=True)
+    rig.setenv(CKPT_TEST_DELTA_DROP_ONE="1")
+    try:
+        with pytest.raises(RemoteWorkerError, match="digest"):
+            rig.client.commit("D")
+    finally:
+        rig.setenv(CKPT_TEST_DELTA_DROP_ONE=None)
+    rig.assert_is("C", "after a staged delta failed at its commit")
+    assert rig.client.weight_versions()[0]["live"] == "C"
+    # staging a delta of a base the engine does not hold is refused at its first bucket, nothing staged
+    other = ParameterServer(rank=0, world_size=1, device="cpu", wire="stock", master_addr="127.0.0.1",
+                            master_port=free_port())
+    try:
+        for n, base in (("A", None), ("B", "A")):
+            other.register_checkpoint(n, files=[str(rig.files[n])], base=base)
+            other.gather_metas(n)
+        with pytest.raises(DeltaBaseError, match="this worker holds 'C', not the base 'A'"):
+            other.update("B", rig.client.req_func(stage="B", deltas=True), timeout=120, delta=True)
+    finally:
+        other.close()
+    assert rig.client.weight_versions()[0]["staged"] is None
+    rig.assert_is("C", "after a refused stage")
