@@ -29,7 +29,7 @@ import torch
 from ckpt_core import ParameterServer
 from ckpt_core.errors import ConfigError, DeltaBaseError, RemoteWorkerError
 from ckpt_sglang import SglangClient
-from sglang_support.fixtures import CONFIG, hf_weights, ready_engine
+from sglang_support.fixtures import CONFIG, hf_weights, ready_engine, run_launcher
 from support.delta_world import corrupt_payload
 from support.ports import free_port
 from test_vllm_delta import _changed, _versions   # the same AdamW chain as the vLLM delta test
@@ -65,7 +65,7 @@ class Rig:
             d = root / f"version-{name}"
             d.mkdir()
             (d / "config.json").write_text(json.dumps(CONFIG))
-            os.symlink(f, d / "model.safetensors")
+            os.link(f, d / "model.safetensors")
             self.dirs[name] = d
         self._cold: dict[str, list] = {}
         self.ps = ParameterServer(rank=0, world_size=1, device="cpu", wire="stock", master_addr="127.0.0.1",
@@ -274,3 +274,36 @@ def test_a_staged_delta_is_applied_by_the_commit(rig):
         other.close()
     assert rig.client.weight_versions()[0]["staged"] is None
     rig.assert_is("C", "after a refused stage")
+
+
+def _launch(rig, name: str, *extra: str):
+    proc = run_launcher("--checkpoint-path", str(rig.dirs[name]), "--checkpoint-name", name, "--endpoint",
+                        rig.eng.url, "--inference-parallel-size", "1", "--device", "cpu", "--timeout", "120",
+                        "--ready-timeout", "60", *extra, env=SMALL_BUCKETS)
+    lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    return proc, lines
+
+
+def test_the_launcher_keeps_deltas_then_sends_only_the_delta(rig):
+    """``python -m ckpt_sglang.update --deltas`` (A whole, deltas kept), then ``--base A
+    --base-checkpoint-path`` (only the delta of B; the base is registered, not sent), then a base the
+    server does not hold: ``--delta-mode strict`` fails with DeltaBaseError, the default falls back."""
+    proc, lines = _launch(rig, "A", "--deltas")
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    rig.assert_is("A", "after the launcher's full update with --deltas")
+    proc, lines = _launch(rig, "B", "--base", "A", "--base-checkpoint-path", str(rig.dirs["A"]))
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    line = lines[-1]
+    assert line["method"] == "delta" and "fallback" not in line["ps"]["delta"], line
+    assert line["ps"]["delta"]["payload_bytes"] < line["ps"]["delta"]["full_bytes"] / 4, line["ps"]["delta"]
+    assert line["engine"][0]["workers"][0]["path"] == "delta", line["engine"]
+    rig.assert_is("B", "after the launcher's delta A -> B")
+    proc, lines = _launch(rig, "D", "--base", "C", "--base-checkpoint-path", str(rig.dirs["C"]),
+                          "--delta-mode", "strict")
+    assert proc.returncode == 1 and "DeltaBaseError" in proc.stderr, proc.stderr[-3000:]
+    rig.assert_is("B", "after a strict delta of another base")
+    proc, lines = _launch(rig, "D", "--base", "C", "--base-checkpoint-path", str(rig.dirs["C"]))
+    assert proc.returncode == 0 and "fallback" in lines[-1]["ps"]["delta"], proc.stderr[-3000:]
+    rig.assert_is("D", "after the launcher's fallback")
+    proc, _ = _launch(rig, "D", "--deltas", "--via", "ipc")
+    assert proc.returncode == 2 and "not with --via ipc" in proc.stderr, proc.stderr[-2000:]

@@ -65,7 +65,7 @@ class Tp2:
         d = self.root / f"version-{name}"
         d.mkdir()
         (d / "config.json").write_text(json.dumps(CONFIG))
-        os.symlink(f, d / "model.safetensors")
+        os.link(f, d / "model.safetensors")
         self.files[name], self.dirs[name], self.shares[name] = f, d, _split(f, self.root, name)
 
     def register(self, name: str, base: str | None = None) -> None:
