@@ -38,7 +38,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -324,6 +324,7 @@ class SglangDeltas:
         self.device: torch.device | None = None
         self.session = False   # the current load runs inside SGLang's weight-update session
         self.reload_figures: dict = {}
+        self._ours = 0
         self.rx = DeltaReceiver(live=self._live, reload=self._reload)
 
     @property
@@ -332,6 +333,34 @@ class SglangDeltas:
 
     def forget(self) -> None:
         self.map, self.rx.held, self.rx.kept = None, None, {}
+
+    @contextmanager
+    def ours(self):
+        """Around our own calls of the model's ``load_weights`` (see :meth:`guard`)."""
+        self._ours += 1
+        try:
+            yield
+        finally:
+            self._ours -= 1
+
+    def guard(self, model: torch.nn.Module) -> None:
+        """Wrap ``model.load_weights`` (on the instance, once) so that a load that is not ours (SGLang's own
+        ``/update_weights_from_ipc`` or ``/update_weights_from_disk``, which load through it) makes this
+        worker forget the version it held: a delta after it is refused, never applied to other weights."""
+        current = getattr(model, "load_weights", None)
+        if current is None or getattr(current, "_ckpt_deltas", None) is self:
+            return
+        inner = current
+
+        def load_weights(weights, *args, **kwargs):
+            if not self._ours and self.rx.held is not None:
+                log.warning("ckpt deltas: the model was loaded outside our loader; the held version %r is "
+                            "forgotten (deltas are refused until a full update with deltas)", self.rx.held)
+                self.forget()
+            return inner(weights, *args, **kwargs)
+
+        load_weights._ckpt_deltas = self   # type: ignore[attr-defined]
+        model.load_weights = load_weights
 
     def _live(self, name: str) -> torch.Tensor | None:
         return None if self.map is None else self.map.scatter.get(name)
@@ -353,7 +382,7 @@ class SglangDeltas:
                                                 "worker holds no copy of it", tensor=n)
                 batch.append((n, t))
         target = [(n, t.to(self.device) if self.device is not None else t) for n, t in batch]
-        with torch.no_grad():
+        with torch.no_grad(), self.ours():
             model.load_weights(target)
         mods = dmap.modules([n for n, _ in batch])
         if not self.session:   # a session's end post-processes (SGLang 0.5.23)
@@ -382,6 +411,7 @@ class SglangDeltas:
     def load(self, model: torch.nn.Module, device: torch.device, version: str | None, keep: bool,
              session: bool) -> "DeltaLoad":
         self.model, self.device, self.session = model, device, session
+        self.guard(model)
         return DeltaLoad(self, model, version, keep)
 
 
@@ -446,12 +476,13 @@ class DeltaLoad:
             self.kept.update((n, t.detach().to("cpu", copy=True)) for n, t in weights)
             self.recorder.add_sources(weights)
             try:
-                with torch.no_grad(), self.recorder:
+                with torch.no_grad(), self.state.ours(), self.recorder:
                     self.model.load_weights(weights)
             finally:
                 self.recorder.clear_sources()
         else:
-            self.model.load_weights(weights)
+            with self.state.ours():
+                self.model.load_weights(weights)
 
     def post_hook(self) -> None:
         """A delta: every bucket arrived (the PS agreed it on every rank): check and apply it."""

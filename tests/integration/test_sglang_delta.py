@@ -307,3 +307,31 @@ def test_the_launcher_keeps_deltas_then_sends_only_the_delta(rig):
     rig.assert_is("D", "after the launcher's fallback")
     proc, _ = _launch(rig, "D", "--deltas", "--via", "ipc")
     assert proc.returncode == 2 and "not with --via ipc" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_load_outside_our_loader_forgets_the_held_version(rig):
+    """SGLang's own IPC route loads through the model's ``load_weights`` without our loader: the version
+    our loader held is forgotten there, so a delta of it from a PS that did not make the other version
+    live is refused by the worker (not applied to other weights), and its fallback sends it whole."""
+    for i, name in enumerate(NAMES):
+        rig.ensure(name, NAMES[i - 1] if i else None)
+    rig.update("C")   # C whole, deltas kept: the worker holds C
+    assert rig.client.weight_versions()[0]["live"] == "C"
+    rig.ps.update("A", rig.client.req_func(weight_version="A", via="ipc"), timeout=120)   # SGLang's IPC route
+    assert rig.client.last_report.path == "ipc"
+    rig.assert_is("A", "after SGLang's IPC update of A")
+    other = ParameterServer(rank=0, world_size=1, device="cpu", wire="stock", master_addr="127.0.0.1",
+                            master_port=free_port())
+    try:   # a PS that does not know the engine moved to A: the delta of D applies to C
+        for n, base in (("C", None), ("D", "C")):
+            other.register_checkpoint(n, files=[str(rig.files[n])], base=base)
+            other.gather_metas(n)
+        with pytest.raises(DeltaBaseError, match="this worker holds None"):
+            other.update("D", rig.client.req_func(deltas=True, weight_version="D"), timeout=120, delta=True)
+        rig.assert_is("A", "after a delta refused by a worker that forgot its version")
+        result = other.update("D", rig.client.req_func(deltas=True, weight_version="D"), timeout=120,
+                              delta="fallback")
+        assert "fallback" in result["delta"], result["delta"]
+        rig.assert_is("D", "after the fallback")
+    finally:
+        other.close()
