@@ -69,6 +69,14 @@ class RegisteredCheckpoint:
                 return problem
         return None
 
+    def rewritten_problem(self) -> str | None:
+        """The first in-place file written since registration (its mapped bytes changed with it), if any."""
+        for region in self.regions.values():
+            problem = region.source_rewritten() if region.source_rewritten is not None else None
+            if problem:
+                return problem
+        return None
+
     def release(self) -> None:
         for rid, region in self.regions.items():
             if self.pool is not None and self.pool.region is region:

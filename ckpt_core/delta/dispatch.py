@@ -19,6 +19,7 @@ engines hold that base. Anything missing or disagreeing is one ``DeltaBaseError`
 
 from __future__ import annotations
 
+from ckpt_core.checkpoint.device import build_device_checkpoint
 from ckpt_core.checkpoint.sources import RegisteredCheckpoint, build_checkpoint
 from ckpt_core.delta.versions import (
     DELTA_MODES,
@@ -49,15 +50,28 @@ class Updates:
         self.ctx, self.catalog, self.p2p, self.versions = ctx, catalog, p2p, versions
 
     # -- registration ------------------------------------------------------------
-    def add(self, name: str, ckpt: RegisteredCheckpoint, base: str | None) -> None:
+    def add(self, name: str, ckpt: RegisteredCheckpoint, base: str | None, snapshot: bool = False) -> None:
         """Install registered checkpoint ``name`` in the catalog, served to P2P readers (``serve_p2p`` only);
         with ``base``, first its delta against ``base`` (this rank's share) as the companion checkpoint
-        ``name@delta``, served alike. A delta that cannot be encoded releases ``ckpt`` and installs nothing."""
+        ``name@delta``, served alike. A delta that cannot be encoded releases ``ckpt`` and installs nothing.
+        ``snapshot`` (a device-resident version): record what it holds now, checked when it becomes a base."""
+        if snapshot:
+            try:
+                self.versions.snapshot(name, ckpt)
+            except BaseException:
+                ckpt.release()
+                raise
         if base is not None:
             try:
-                payloads = self.versions.encode(name, ckpt, base, self.catalog.checkpoints.get(base))
-                comp = build_checkpoint(companion(name), self.ctx.backend, named_tensors=payloads)
+                if ckpt.on_device:   # a trainer's versions on its device: encoded there, the payloads kept there
+                    device = self.ctx.backend.device(self.ctx.device_index)
+                    payloads = self.versions.encode(name, ckpt, base, self.catalog.checkpoints.get(base), device)
+                    comp = build_device_checkpoint(companion(name), self.ctx.backend, self.ctx.device_index, payloads)
+                else:
+                    payloads = self.versions.encode(name, ckpt, base, self.catalog.checkpoints.get(base))
+                    comp = build_checkpoint(companion(name), self.ctx.backend, named_tensors=payloads)
             except BaseException:
+                self.versions.drop_snapshot(name)
                 ckpt.release()
                 raise
             self.catalog.checkpoints[companion(name)] = comp
@@ -69,6 +83,7 @@ class Updates:
         """Uninstall and release checkpoint ``name`` (and its delta, if any): its P2P service first (a
         reader's next stamp check fails), then its memory, metas and plans. Returns it (released)."""
         ckpt = self.catalog.checkpoints.pop(name)
+        self.versions.drop_snapshot(name)
         if companion(name) in self.catalog.checkpoints:   # its delta goes with it
             self.versions.forget(name)
             self.remove(companion(name))

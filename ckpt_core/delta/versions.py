@@ -31,8 +31,11 @@ from typing import Callable
 import torch
 
 from ckpt_core._settings import fault_threads
+from ckpt_core.checkpoint.device import device_tensor
 from ckpt_core.delta.encode import encode_tensor
-from ckpt_core.errors import ConfigError, DeltaBaseError, RemoteWorkerError
+from ckpt_core.delta.encode_device import encode_on_device
+from ckpt_core.delta.lin64 import lin64_many
+from ckpt_core.errors import ConfigError, DeltaBaseError, DeviceResidentError, RemoteWorkerError
 
 SUFFIX = "@delta"
 PAYLOAD = "ckpt.delta:"              # + tensor name
@@ -92,12 +95,18 @@ class DeltaVersions:
         self.bases: dict[str, str] = {}
         self.figures: dict[str, dict[str, object]] = {}
         self.engines_hold: str | None = None
+        # device-resident versions: the lin64 of each tensor when registered (a base must still hold them)
+        self.snapshots: dict[str, list[str]] = {}
 
     # -- registration ------------------------------------------------------------
-    def encode(self, name: str, ckpt, base: str, base_ckpt) -> dict[str, torch.Tensor]:
-        """The companion's named tensors: this rank's payloads of ``name`` against ``base``, and its manifest."""
+    def encode(self, name: str, ckpt, base: str, base_ckpt,
+               device: torch.device | None = None) -> dict[str, torch.Tensor]:
+        """The companion's named tensors: this rank's payloads of ``name`` against ``base``, and its manifest.
+        A device-resident version (``on_device``) is encoded on ``device`` against a device-resident base
+        (``encode_device.py``), and its payloads and manifest lie there."""
         if not isinstance(base, str) or base_ckpt is None:
             raise DeltaBaseError(f"base {base!r} of {name!r} is not registered on rank {self.rank}")
+        refuse_mixed_sides(name, ckpt.on_device, base, base_ckpt.on_device, self.rank)
         if any(m.box is not None for m in ckpt.metas):
             raise ConfigError(f"{name!r}: tensors registered in pieces cannot take a base yet (issue 39)")
         old = {m.name: m for m in base_ckpt.metas if m.box is None}
@@ -109,7 +118,18 @@ class DeltaVersions:
         out: dict[str, torch.Tensor] = {}
         counts = {"changed_tensors": 0, "changed_elements": 0, "elements": 0, "payload_bytes": 0, "full_bytes": 0}
         encodings: dict[str, int] = {}
-        encoded = _encode_all(ckpt, base_ckpt, old)
+        if ckpt.on_device:
+            self._check_unchanged(base, base_ckpt)
+            encoded = encode_on_device([(device_tensor(ckpt, m), device_tensor(base_ckpt, old[m.name]) if m.name in old
+                                         else None) for m in ckpt.metas])
+        else:
+            rewritten = base_ckpt.rewritten_problem()
+            if rewritten:   # its registered bytes are the file's: not what the engines received
+                raise DeltaBaseError(f"base {base!r} of {name!r} changed since it was registered on rank {self.rank}: "
+                                     f"{rewritten}; a delta applies to the bytes the engines received: write each "
+                                     "version to its own file (or register with use_inplace_pin_memory=False, a "
+                                     "copy), or update the new version whole")
+            encoded = _encode_all(ckpt, base_ckpt, old)
         for m, (payload, info) in zip(ckpt.metas, encoded):
             counts["elements"] += info["numel"]
             counts["full_bytes"] += m.nbytes
@@ -120,8 +140,8 @@ class DeltaVersions:
             counts["changed_elements"] += info["count"]
             counts["payload_bytes"] += info["bytes"]
             encodings[info["encoding"]] = encodings.get(info["encoding"], 0) + 1
-        out[manifest_name(base, name, self.rank, self.world)] = torch.frombuffer(
-            bytearray(json.dumps({"changed": sorted(out)}).encode()), dtype=torch.uint8)
+        manifest = torch.frombuffer(bytearray(json.dumps({"changed": sorted(out)}).encode()), dtype=torch.uint8)
+        out[manifest_name(base, name, self.rank, self.world)] = manifest if device is None else manifest.to(device)
         fig: dict[str, object] = {"tensors": len(ckpt.metas), **counts, "encodings": encodings,
                                   "encode_s": time.perf_counter() - t0}
         self.bases[name] = base
@@ -131,6 +151,30 @@ class DeltaVersions:
     def forget(self, name: str) -> None:
         self.bases.pop(name, None)
         self.figures.pop(name, None)
+
+    def snapshot(self, name: str, ckpt) -> None:
+        """Record what device-resident version ``name`` holds as it is registered (a ``lin64`` per tensor,
+        on the device: one read of the version). A trainer's tensors are its own to change; a version that
+        changed afterwards is no base for a delta (``_check_unchanged``)."""
+        self.snapshots[name] = lin64_many(device_tensor(ckpt, m) for m in ckpt.metas)
+
+    def _check_unchanged(self, base: str, base_ckpt) -> None:
+        """``DeviceResidentError`` unless device-resident ``base`` still holds the bytes it was registered
+        with: a delta against tensors the trainer changed since (stepped in place) would leave the engines,
+        which received the registered bytes, silently different from the new version."""
+        then = self.snapshots.get(base)
+        now = lin64_many(device_tensor(base_ckpt, m) for m in base_ckpt.metas)
+        changed = [m.name for m, a, b in zip(base_ckpt.metas, then or [], now) if a != b]
+        if then is None or changed:
+            raise DeviceResidentError(
+                f"base {base!r} cannot be shown unchanged on the device since it was registered on rank {self.rank} "
+                f"({', '.join(changed[:4]) or 'registered with on_device_digest=False: no record of its bytes'}"
+                f"{' ...' if len(changed) > 4 else ''}): a delta applies to the bytes the engines received; "
+                "register each version as its own copy (e.g. {n: p.detach().clone()}) and do not change it while "
+                "a later version names it as base, or update the new version whole")
+
+    def drop_snapshot(self, name: str) -> None:
+        self.snapshots.pop(name, None)
 
     # -- update ------------------------------------------------------------------
     def precheck(self, name: str, holds: str | None = None, bases: dict[str, str] | None = None) -> None:
@@ -146,6 +190,17 @@ class DeltaVersions:
 
     def made_live(self, name: str | None) -> None:
         self.engines_hold = name
+
+
+def refuse_mixed_sides(name: str, on_device: bool, base: str, base_on_device: bool, rank: int) -> None:
+    """``DeviceResidentError`` when version ``name`` and its base are not registered on the same side
+    (both on the device, or both in host memory): a delta compares them where they both lie."""
+    if on_device != base_on_device:
+        where = {True: "on the device (on_device=True)", False: "in host memory"}
+        raise DeviceResidentError(f"{name!r} is registered {where[on_device]} and its base {base!r} "
+                                  f"{where[base_on_device]} on rank {rank}: a delta compares two versions where "
+                                  "they both lie; register both on the device (a trainer's previous weights kept "
+                                  "there) or both in host memory")
 
 
 def base_of_manifests(names, name: str) -> str | None:

@@ -163,3 +163,28 @@ def save_metas(ps, rank, path):
 
 def engines_hold(ps, rank):
     return ps.deltas.engines_hold
+
+
+def companion_on_device(ps, rank, name):
+    """Whether ``name``'s delta (its companion checkpoint) is registered device-resident on this rank."""
+    return ps._catalog.checkpoints[name + "@delta"].on_device
+
+
+def register_on_device(ps, rank, name, tensors, base=None):
+    """Register ``tensors`` (this rank's share) on the PS's own device (``on_device=True``), moved there
+    first: a trainer's weights beside the engine; ``base``: its previous version, registered alike."""
+    device = ps.backend.device(ps.device_index)
+    ps.register_checkpoint(name, named_tensors={n: t.to(device).contiguous() for n, t in tensors.items()},
+                           on_device=True, base=base)
+    return {"on_device": ps.last_register["on_device"]}
+
+
+def overwrite_registered(ps, rank, name, count):
+    """Change ``count`` elements of the first tensor of device-resident checkpoint ``name`` in place (a
+    trainer's step on tensors it registered with ``on_device=True``)."""
+    from ckpt_core.checkpoint.device import device_tensor
+
+    ckpt = ps._catalog.checkpoints[name]
+    t = device_tensor(ckpt, ckpt.metas[0])
+    t.reshape(-1).view(torch.uint8)[:count] ^= 1
+    return True

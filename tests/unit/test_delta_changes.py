@@ -46,7 +46,9 @@ def test_gaps_runs_and_run_bounds():
 
 
 class _Ckpt:
-    """The two calls ``DeltaVersions.encode`` makes of a registered checkpoint."""
+    """What ``DeltaVersions.encode`` reads of a registered checkpoint (in host memory)."""
+
+    on_device = False
 
     def __init__(self, tensors):
         self.tensors = tensors
