@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from ckpt_core.checkpoint.safetensors import WIRE_DTYPES
-from ckpt_core.delta.encode import apply_decoded, bytes_of, decode, encode_changes, encode_tensor
-from ckpt_core.delta.fold import fold_tensor
+from ckpt_core.delta.encode import ENCODINGS, apply_decoded, bytes_of, decode, encode_changes, encode_tensor
+from ckpt_core.delta.fold import fold_tensor, host_positions
 from ckpt_core.delta.lin64 import lin64
 from ckpt_core.errors import CheckpointFormatError
 
@@ -155,3 +155,21 @@ def test_encode_changes_refuses_positions_out_of_order_or_range():
         with pytest.raises(ValueError, match="strictly increasing and in range"):
             encode_changes(t, np.array(bad))
     assert encode_changes(t, np.array([], dtype=np.int64))[0] is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("encoding", ENCODINGS)
+def test_the_hosts_decode_of_positions_is_the_engines(dtype, encoding):
+    gen = torch.Generator().manual_seed(10)
+    a = _random((3, 700), dtype, gen)
+    b = _flip(a, torch.cat([torch.arange(5, 60), torch.randperm(2100, generator=gen)[:200]]).unique())
+    payload, _ = encode_tensor(b, a, force=encoding)
+    d, h = decode(payload), host_positions(payload)
+    assert (h.dtype, h.shape, h.digest) == (d.dtype, d.shape, d.digest)
+    assert (h.positions is None) == (d.positions is None)
+    if d.positions is not None:
+        assert np.array_equal(h.positions, d.positions.numpy())
+    bad = payload.clone()
+    bad[-1] ^= 0x5A
+    with pytest.raises(CheckpointFormatError, match="body's check"):
+        host_positions(bad, "w")
