@@ -108,6 +108,9 @@ def test_engines_that_hold_a_take_d_folded_from_a_in_one_update(world_and_front,
     assert fold["fold"] == ("A -> B -> C -> D" if how == "chain" else "encoded against the registered base"), fold
     assert 0 < fold["payload_bytes"] < step_bytes and fold["payload_bytes"] < fold["full_bytes"], (fold, step_bytes)
     assert all("D@delta:A" in o.value for o in _ok(world.all("checkpoints")).values())
+    if how == "direct":   # the fold outlives its base: dropping A leaves it registered
+        _ok(world.all("unregister", ("A", {})))
+        assert all("D@delta:A" in o.value for o in _ok(world.all("checkpoints")).values())
 
     got = _ok(_delta(world, front, "D"))
     for r, o in got.items():
