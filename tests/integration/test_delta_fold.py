@@ -14,7 +14,6 @@ byte for byte; ``"fallback"`` turns a refusal into a full update; unregistering 
 from __future__ import annotations
 
 import pytest
-
 from support.data import want_digests
 from support.delta_world import DERIVED, DeltaEngine, Trainer
 from support.engine import EngineFront
