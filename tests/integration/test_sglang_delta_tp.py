@@ -10,7 +10,9 @@ tensor; SGLang's loader shards it again); the norms are replicated and verbatim:
 Versions: the AdamW chain of ``test_vllm_delta.py`` (A, then B on every tensor, C on layer 0's
 attention only). After each update every parameter and buffer of each rank equals a cold load of
 that version into a fresh shard. A delta whose post-apply check fails on one rank only is undone on
-both (the ranks agree over SGLang's TP group), every rank back on its base byte for byte.
+both (the ranks agree over SGLang's TP group), every rank back on its base byte for byte. Twice: with
+SGLang's weight-update sessions (0.5.23's routes) and without them (0.5.17's: our loader runs the
+reloaded modules' ``process_weights_after_loading`` itself).
 """
 
 from __future__ import annotations
@@ -98,10 +100,12 @@ class Tp2:
         self.world.close()
 
 
-@pytest.fixture(scope="module")
-def tp2(tmp_path_factory):
+@pytest.fixture(scope="module", params=[(), ("--without-sessions",)], ids=["sessions", "0.5.17-routes"])
+def tp2(tmp_path_factory, request):
+    """With SGLang's weight-update sessions (0.5.23: the session's end post-processes), and without them
+    (0.5.17's routes: our loader runs the changed modules' post-processing itself)."""
     root = tmp_path_factory.mktemp("sglang-delta-tp2")
-    with ready_engine(root, tp_size=TP) as eng:
+    with ready_engine(root, tp_size=TP, extra=request.param) as eng:
         t = Tp2(eng, root)
         try:
             yield t
