@@ -554,6 +554,6 @@ class _Transaction:
         if exc_type is None:
             if load.delta:
                 load.figures["delta"] = dict(self.rx.last, **load.state.reload_figures)
-            elif not load.keep:
-                load.state.forget()   # an update without deltas: no delta applies after it
+            elif not load.keep or load.delta is None:
+                load.state.forget()   # an update without deltas (or of no tensor, so unmapped): no delta after it
         return suppressed
