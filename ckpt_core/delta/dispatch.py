@@ -28,6 +28,7 @@ from ckpt_core.delta.versions import (
     DeltaVersions,
     base_of_manifests,
     chain_to,
+    check_accepts_deltas,
     companion,
     fold_companion,
     run_delta_update,
@@ -173,15 +174,16 @@ class Updates:
         """``ParameterServer.update``'s dispatch (the facade holds the update lock around it)."""
         if not delta:
             return self._full(name, req_func, ranks, timeout, slices)
-        if slices is not None or self.ctx.wire != "native":
-            raise ConfigError("delta updates are updates of whole tensors on our wire for now: no slices= or "
-                              "stock wire (docs/deltas.md)")
+        if slices is not None or (ranks and self.ctx.wire != "native"):
+            raise ConfigError("delta updates are updates of whole tensors on our wire for now (broadcast ones also on "
+                              "the stock wire, to an engine that applies them: SGLang through our loader): no "
+                              "slices=, no P2P delta on the stock wire (docs/deltas.md)")
         if delta not in DELTA_MODES:   # refused in the agreement: every rank raises, none waits in it
             agree_delta(self, name, ranks, delta)
         if ranks:
             return self._p2p_delta(name, req_func, ranks, timeout, delta)
         return run_delta_update(
-            self.versions, name, req_func, delta, prepare=lambda: agree_delta(self, name, None, delta),
+            self.versions, name, req_func, delta, prepare=lambda: agree_delta(self, name, None, delta, req_func),
             update=lambda n, rf: run_broadcast_update(self.ctx, self.catalog, n, rf, timeout, None),
             bases=self.known_bases)
 
@@ -224,14 +226,17 @@ class Updates:
         return None if metas is None else sum(m.nbytes for ms in metas for m in ms)
 
 
-def _delta_view(u: Updates, name, ranks, mode) -> dict:
-    """This rank's side of a delta's agreement (``choose.py``)."""
+def _delta_view(u: Updates, name, ranks, mode, req_func=None) -> dict:
+    """This rank's side of a delta's agreement (``choose.py``); ``req_func``: a broadcast's, which on the
+    stock wire must be marked as taking deltas (``versions.accepts_deltas``)."""
     out = view(name if isinstance(name, str) else repr(name), {}, None, None, False)
     try:
         if not isinstance(name, str):
             raise ConfigError(f"checkpoint name must be a string, got {name!r}")
         if mode not in DELTA_MODES:
             raise ConfigError(f"delta must be False, True or 'fallback', got {mode!r}")
+        if req_func is not None:
+            check_accepts_deltas(req_func, u.ctx.wire)
         target = not ranks or u.ctx.rank in targets_of(ranks, u.ctx.world_size)
         registered = {b: fold_companion(name, b) for b in u.versions.folds.get(name, {})
                       if fold_companion(name, b) in u.catalog.checkpoints}
@@ -247,13 +252,13 @@ def _delta_view(u: Updates, name, ranks, mode) -> dict:
     return out
 
 
-def agree_delta(u: Updates, name: str, ranks, mode=True) -> tuple[str, str]:
+def agree_delta(u: Updates, name: str, ranks, mode=True, req_func=None) -> tuple[str, str]:
     """Collective over the world, before a delta moves anything (broadcast: ``ranks`` empty; P2P: the
     targets): ``(base, companion)`` of the delta whose base the targets' engines hold (``choose.py``),
     agreed; the companion's metas gathered in this world when every rank registered it. Raises the same
     error on every rank (``DeltaBaseError`` for a missing or mismatched delta or base)."""
     p2p = bool(ranks)
-    views = u.ctx.coll.all_gather_json(_delta_view(u, name, ranks, mode))
+    views = u.ctx.coll.all_gather_json(_delta_view(u, name, ranks, mode, req_func))
     what = f"P2P delta update({name!r})" if p2p else f"delta update({name!r})"
     raise_agreed([v.get("problem") for v in views], what)
     same_call(views, "P2P delta update" if p2p else "delta update", {"delta": "version"})

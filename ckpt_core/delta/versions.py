@@ -310,6 +310,26 @@ def worker_refusal(message: str) -> str:
     return next(refusal, lines[0] if lines else "")
 
 
+def accepts_deltas(req_func):
+    """Mark ``req_func`` as one whose engine applies deltas (returns it). On the stock wire a
+    ``ParameterServer.update(..., delta=True)`` needs it on every rank's ``req_func`` (asked before
+    anything moves): a stock worker such as SGLang's own IPC route would load a delta's payloads as
+    tensors of those names, and SGLang's loaders skip names they do not know, with a warning. Our
+    SGLang loader applies them (``SglangClient.req_func(deltas=True, ...)`` is marked); a rank whose
+    ``req_func`` posts nothing may be marked too (nothing it posts can drop a payload)."""
+    setattr(req_func, "accepts_deltas", True)
+    return req_func
+
+
+def check_accepts_deltas(req_func: ReqFunc, wire: str) -> None:
+    """``ConfigError`` when a delta over ``wire`` could reach an engine that does not apply it (see
+    :func:`accepts_deltas`)."""
+    if wire != "native" and not getattr(req_func, "accepts_deltas", False):
+        raise ConfigError(f"a delta over the {wire!r} wire needs a req_func marked with ckpt_core.delta.versions."
+                          "accepts_deltas (SglangClient.req_func(deltas=True, weight_version=...) is): a stock worker "
+                          "such as SGLang's /update_weights_from_ipc would load its payloads as unknown tensors")
+
+
 _REFUSAL = re.compile(r"this worker holds (None|'[^']*'), not the base '[^']*' of the delta of")
 
 
