@@ -249,6 +249,23 @@ class ParameterServer:
                        ckpt.nbytes / GiB, dt, ckpt.nbytes / max(dt, 1e-9) / 1e9,
                        ", ".join(f"{k} {v:.3f} s" for k, v in ckpt.seconds.items() if v >= 0.0005))
 
+    def fold_delta(self, checkpoint_name: str, *, base: str) -> dict:
+        """Register this rank's delta of version ``checkpoint_name`` from an older version ``base`` (local; no
+        collective, like ``register_checkpoint``): the chain of deltas folded into one, for engines that hold
+        ``base`` (``delta/fold.py``). Encoded against ``base`` when it is still registered here, else from the
+        registered deltas that lead from ``base`` to ``checkpoint_name`` (their payloads' union, with its values).
+        Registered as the companion ``<name>@delta:<base>``; ``gather_metas(name)`` carries it for joining worlds
+        when every rank folded it, and ``update(name, ..., delta=True)`` moves it to engines that hold ``base``.
+        Unregistering the version removes its folds. Nothing to do when ``name`` was registered with that base or
+        the fold exists. Returns this rank's figures (bytes, encodings, seconds). ``DeltaBaseError`` when no
+        registered version or chain leads from ``base``; nothing is kept then (docs/deltas.md)."""
+        self._check_open()
+        with gc_paused():
+            fig = self._flows.fold(checkpoint_name, base)
+        self._log.info("folded the deltas of %r from %r: %s bytes of payload", checkpoint_name, base,
+                       fig.get("payload_bytes"))
+        return fig
+
     def unregister_checkpoint(self, checkpoint_name: str, force: bool = False) -> None:
         """Free checkpoint ``checkpoint_name``. With ``force``, also free the shared pool's memory if it
         held it (positional, as in the reference: ``unregister_checkpoint("a", True)``)."""

@@ -10,9 +10,9 @@ after the apply. A box with no changed element sends nothing.
 
 The payloads are built on each PS rank from what it holds (the registered whole version, whose
 tensors this rank owns, and its ``name@delta`` payloads: the positions are filtered in numpy, nothing
-is compared again), once per (version, plan digest): they form one more companion checkpoint,
-``sliced_name(name, plan)``, of uint8 tensors named ``box_name(tensor, box)`` plus the delta's
-manifests, released with the version (``dispatch.Updates.remove``).
+is compared again), once per (delta, plan digest): they form one more companion checkpoint,
+``sliced_name(name@delta, plan)`` (or of a fold, ``versions.fold_companion``), of uint8 tensors
+named ``box_name(tensor, box)`` plus the delta's manifests, released with the version (``dispatch.Updates.remove``).
 
 They are routed by :func:`routes_of`: a slice plan over the companion's tensors in which engine rank
 t needs, whole, the payloads of its own boxes and every manifest. ``plan_sliced`` then packs them as
@@ -31,9 +31,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ckpt_core.delta._changes import Changes
 from ckpt_core.delta.encode import decode, encode_changes
-from ckpt_core.delta.versions import MANIFEST, PAYLOAD, SUFFIX
+from ckpt_core.delta.versions import MANIFEST, PAYLOAD
 from ckpt_core.errors import CheckpointFormatError, ConfigError
 from ckpt_core.planning.slices import (
     Box,
@@ -48,9 +47,10 @@ from ckpt_core.planning.slices import (
 BOX = "ckpt.delta.box:"   # + JSON [tensor, box] (box: [[dim, start, length], ...], or null: the whole tensor)
 
 
-def sliced_name(name: str, plan: SlicePlan) -> str:
-    """The companion checkpoint of version ``name``'s delta cut by ``plan``."""
-    return f"{name}{SUFFIX}[{plan.digest[:16]}]"
+def sliced_name(comp: str, plan: SlicePlan) -> str:
+    """The companion checkpoint of delta companion ``comp`` (``name@delta``, or a fold ``name@delta:<base>``)
+    cut by ``plan``."""
+    return f"{comp}[{plan.digest[:16]}]"
 
 
 def norm_box(box) -> Box | None:
@@ -114,7 +114,7 @@ def encode_box(new: torch.Tensor, positions: np.ndarray | None, box: Box | None)
     rel = box_positions(positions, tuple(new.shape), box)
     if rel.size == 0:
         return None, {"encoding": None, "count": 0, "numel": region.numel(), "bytes": 0}
-    return encode_changes(region, Changes.of(rel))
+    return encode_changes(region, rel)
 
 
 def boxes_read(plan: SlicePlan, tensor: str) -> list[Box | None]:

@@ -9,12 +9,16 @@ through the unchanged broadcast pipeline (buckets, IPC buffer, agreements), and 
 learns from the plan's names alone, before anything is mapped or written, that an update is a
 delta, of which base, from every rank.
 
+``fold_delta("D", base="A")`` (``fold.py``) registers a second companion of D, ``D@delta:A``: D's
+deltas folded into one from an older version, for engines that hold A.
+
 ``update("B", req_func, delta=True)`` then
 
-1. refuses, on every rank alike and before any collective of the transfer, a version registered
-   without a base, or one whose base is not what this PS last made live in its engines
-   (``DeltaBaseError``, through ``req_func.precheck`` in the update's first exchange);
-2. updates ``B@delta``; each engine worker refuses a base it does not hold (a restarted engine, a
+1. picks, in one exchange of every rank before any collective of the transfer (``choose.py``), the
+   companion whose base the engines hold (by what this PS last made live in them), and refuses, on
+   every rank alike, a version registered without a base, or one none of whose companions leads from
+   what the engines hold (``DeltaBaseError``, with the advice: the chain to apply, or ``fold_delta``);
+2. updates that companion; each engine worker refuses a base it does not hold (a restarted engine, a
    version it skipped) in its handshake, which every rank raises as ``DeltaBaseError`` too;
 3. with ``delta="fallback"``, a refused delta (either way) becomes a full update of ``B``.
 """
@@ -34,10 +38,12 @@ from ckpt_core._settings import fault_threads
 from ckpt_core.checkpoint.device import device_tensor
 from ckpt_core.delta.encode import encode_tensor
 from ckpt_core.delta.encode_device import encode_on_device
+from ckpt_core.delta.fold import fold_tensor
 from ckpt_core.delta.lin64 import lin64_many
 from ckpt_core.errors import ConfigError, DeltaBaseError, DeviceResidentError, RemoteWorkerError
 
 SUFFIX = "@delta"
+FOLD = "@delta:"                     # version + FOLD + base: a fold's companion (fold.py)
 PAYLOAD = "ckpt.delta:"              # + tensor name
 MANIFEST = "ckpt.delta.manifest:"    # + JSON [base, version, rank, world]
 DELTA_MODES = (True, "fallback")
@@ -47,6 +53,12 @@ ReqFunc = Callable[[list[tuple[str, str]]], object]   # transfer/broadcast.ReqFu
 def companion(name: str) -> str:
     """The name of version ``name``'s delta checkpoint."""
     return name + SUFFIX
+
+
+def fold_companion(name: str, base: str) -> str:
+    """The name of the fold of version ``name``'s deltas from ``base`` (``fold_delta``): beside ``name@delta``
+    (the delta from its registered base), one per base, so folds from several older versions coexist."""
+    return name + FOLD + base
 
 
 def manifest_name(base: str, version: str, rank: int, world: int) -> str:
@@ -73,12 +85,16 @@ _POOL_MIN_AVG_BYTES = 1 << 20
 
 def _encode_all(ckpt, base_ckpt, old: dict) -> list:
     """``encode_tensor`` of every tensor of ``ckpt`` against its ``old`` meta in ``base_ckpt`` (None: new),
-    in order; tensors of 1 MiB and more on average are encoded side by side on ``PS_FAULT_THREADS``
-    threads (numpy releases the GIL)."""
+    in order."""
     def one(m):
         prev = base_ckpt.host_tensor(old[m.name]) if m.name in old else None
         return encode_tensor(ckpt.host_tensor(m), prev)
+    return _each_tensor(ckpt, one)
 
+
+def _each_tensor(ckpt, one: Callable) -> list:
+    """``one(meta)`` of every tensor of ``ckpt``, in order; tensors of 1 MiB and more on average are
+    encoded side by side on ``PS_FAULT_THREADS`` threads (numpy releases the GIL)."""
     threads = min(fault_threads(), os.cpu_count() or 1, len(ckpt.metas))
     if threads < 2 or sum(m.nbytes for m in ckpt.metas) < _POOL_MIN_AVG_BYTES * len(ckpt.metas):
         return [one(m) for m in ckpt.metas]
@@ -94,6 +110,7 @@ class DeltaVersions:
         self.rank, self.world = rank, world
         self.bases: dict[str, str] = {}
         self.figures: dict[str, dict[str, object]] = {}
+        self.folds: dict[str, dict[str, dict]] = {}   # version -> base -> figures of its fold (fold_delta)
         self.engines_hold: str | None = None
         # device-resident versions: the lin64 of each tensor when registered (a base must still hold them)
         self.snapshots: dict[str, list[str]] = {}
@@ -106,6 +123,15 @@ class DeltaVersions:
         (``encode_device.py``), and its payloads and manifest lie there."""
         if not isinstance(base, str) or base_ckpt is None:
             raise DeltaBaseError(f"base {base!r} of {name!r} is not registered on rank {self.rank}")
+        out, fig = self._direct(name, ckpt, base, base_ckpt, device)
+        self.bases[name] = base
+        self.figures[name] = fig
+        return out
+
+    def _direct(self, name: str, ckpt, base: str, base_ckpt,
+                device: torch.device | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+        """``name`` encoded against registered ``base`` on this rank: the companion's tensors, its figures
+        (a device-resident pair on ``device``, where the payloads then lie)."""
         refuse_mixed_sides(name, ckpt.on_device, base, base_ckpt.on_device, self.rank)
         if any(m.box is not None for m in ckpt.metas):
             raise ConfigError(f"{name!r}: tensors registered in pieces cannot take a base yet (issue 39)")
@@ -115,9 +141,6 @@ class DeltaVersions:
             raise ConfigError(f"{name!r} lacks tensors of its base {base!r} on rank {self.rank}: {gone[:4]}; "
                               "a delta cannot remove tensors from an engine: register it without a base")
         t0 = time.perf_counter()
-        out: dict[str, torch.Tensor] = {}
-        counts = {"changed_tensors": 0, "changed_elements": 0, "elements": 0, "payload_bytes": 0, "full_bytes": 0}
-        encodings: dict[str, int] = {}
         if ckpt.on_device:
             self._check_unchanged(base, base_ckpt)
             encoded = encode_on_device([(device_tensor(ckpt, m), device_tensor(base_ckpt, old[m.name]) if m.name in old
@@ -130,6 +153,16 @@ class DeltaVersions:
                                      "version to its own file (or register with use_inplace_pin_memory=False, a "
                                      "copy), or update the new version whole")
             encoded = _encode_all(ckpt, base_ckpt, old)
+        return self._companion(name, base, ckpt, encoded, t0, device=device)
+
+    def _companion(self, name: str, base: str, ckpt, encoded: list, t0: float,
+                   manifest: dict | None = None,
+                   device: torch.device | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+        """The companion's named tensors from ``encoded`` (``(payload or None, info)`` per tensor of
+        ``ckpt``), with this rank's manifest, and its figures."""
+        out: dict[str, torch.Tensor] = {}
+        counts = {"changed_tensors": 0, "changed_elements": 0, "elements": 0, "payload_bytes": 0, "full_bytes": 0}
+        encodings: dict[str, int] = {}
         for m, (payload, info) in zip(ckpt.metas, encoded):
             counts["elements"] += info["numel"]
             counts["full_bytes"] += m.nbytes
@@ -140,17 +173,45 @@ class DeltaVersions:
             counts["changed_elements"] += info["count"]
             counts["payload_bytes"] += info["bytes"]
             encodings[info["encoding"]] = encodings.get(info["encoding"], 0) + 1
-        manifest = torch.frombuffer(bytearray(json.dumps({"changed": sorted(out)}).encode()), dtype=torch.uint8)
-        out[manifest_name(base, name, self.rank, self.world)] = manifest if device is None else manifest.to(device)
+        listing = torch.frombuffer(bytearray(json.dumps({"changed": sorted(out), **(manifest or {})}).encode()),
+                                   dtype=torch.uint8)
+        out[manifest_name(base, name, self.rank, self.world)] = listing if device is None else listing.to(device)
         fig: dict[str, object] = {"tensors": len(ckpt.metas), **counts, "encodings": encodings,
                                   "encode_s": time.perf_counter() - t0}
-        self.bases[name] = base
-        self.figures[name] = fig
+        return out, fig
+
+    def fold(self, name: str, ckpt, base: str, base_ckpt, steps: list) -> dict[str, torch.Tensor]:
+        """The tensors of the fold of ``name``'s deltas from ``base`` (``fold.py``): ``name`` encoded against
+        ``base_ckpt`` when ``base`` is registered here, else from ``steps``, the companions of the registered
+        chain after ``base`` (``[(version, its companion checkpoint)]``, oldest first, ``name``'s last)."""
+        t0 = time.perf_counter()
+        if base_ckpt is not None:
+            out, fig = self._direct(name, ckpt, base, base_ckpt)
+            fig["fold"] = "encoded against the registered base"
+        else:
+            if any(m.box is not None for m in ckpt.metas):
+                raise ConfigError(f"{name!r}: tensors registered in pieces cannot take a base yet (issue 39)")
+            payloads = [{m.name[len(PAYLOAD):]: comp.host_tensor(m) for m in comp.metas if m.name.startswith(PAYLOAD)}
+                        for _, comp in steps]
+            chain = [base] + [v for v, _ in steps]
+
+            def one(m):
+                return fold_tensor(ckpt.host_tensor(m), [p.get(m.name) for p in payloads], m.name)
+            out, fig = self._companion(name, base, ckpt, _each_tensor(ckpt, one), t0, {"chain": chain})
+            fig["fold"] = " -> ".join(chain)
+        self.folds.setdefault(name, {})[base] = fig
         return out
+
+    def figures_of(self, name: str, base: str | None) -> dict:
+        """This rank's encoding figures of ``name``'s delta from ``base`` (registered or folded), {} if none."""
+        if base is not None and base in self.folds.get(name, {}):
+            return dict(self.folds[name][base])
+        return dict(self.figures.get(name, {})) if self.bases.get(name) == base else {}
 
     def forget(self, name: str) -> None:
         self.bases.pop(name, None)
         self.figures.pop(name, None)
+        self.folds.pop(name, None)
 
     def snapshot(self, name: str, ckpt) -> None:
         """Record what device-resident version ``name`` holds as it is registered (a ``lin64`` per tensor,
@@ -177,17 +238,6 @@ class DeltaVersions:
         self.snapshots.pop(name, None)
 
     # -- update ------------------------------------------------------------------
-    def precheck(self, name: str, holds: str | None = None, bases: dict[str, str] | None = None) -> None:
-        """This rank's refusal of a delta update of ``name`` into engines that hold ``holds`` (default:
-        what this rank last made live); ``bases``: every delta this rank knows, for the advice."""
-        base = (bases or self.bases).get(name)
-        holds = self.engines_hold if holds is None else holds
-        if base is None:
-            raise DeltaBaseError(f"{name!r} was not registered with a base on rank {self.rank}: update it whole")
-        if holds is not None and holds != base:
-            raise DeltaBaseError(f"the delta of {name!r} applies to {base!r}, but rank {self.rank} last made "
-                                 f"{holds!r} live in its engines; {advice(bases or self.bases, name, holds)}")
-
     def made_live(self, name: str | None) -> None:
         self.engines_hold = name
 
@@ -234,13 +284,17 @@ def advice(bases: dict[str, str], name: str, held: str | None) -> str:
     """What would bring an engine that holds ``held`` (None: nothing, or unknown) to ``name``."""
     chain = chain_to(bases, name)
     whole = f"update {name!r} whole (delta=False; delta='fallback' does so when a delta is refused)"
+    fold = (f"fold_delta({name!r}, base={held!r}) on every rank (owners: then gather_metas({name!r}) for joining "
+            "worlds) and one delta=True update")
     if held in chain[:-2]:
         steps = chain[chain.index(held) + 1:]
         return (f"registered deltas lead from {held!r} to {name!r} ({' -> '.join(chain)}): apply them in order, "
-                f"{', then '.join(repr(v) for v in steps)} (delta=True each), or {whole}")
+                f"{', then '.join(repr(v) for v in steps)} (delta=True each), or fold them into one: "
+                f"{fold}, or {whole}")
     if len(chain) < 2:
-        return whole
-    return f"{whole}, or bring it to one of {chain[:-1]} first: the registered deltas run {' -> '.join(chain)}"
+        return whole if held is None else f"{whole}, or, where {held!r} is still registered, {fold}"
+    return (f"{whole}, or bring it to one of {chain[:-1]} first: the registered deltas run {' -> '.join(chain)}"
+            + ("" if held is None else f"; or, where {held!r} is still registered, {fold}"))
 
 
 def worker_holds(message: str) -> str | None:
@@ -256,20 +310,24 @@ def worker_refusal(message: str) -> str:
     return next(refusal, lines[0] if lines else "")
 
 
-def with_precheck(req_func: ReqFunc, check: Callable[[], None]) -> ReqFunc:
-    """``req_func`` with a ``precheck`` that runs ``check`` and then the caller's own, if any."""
-    own = getattr(req_func, "precheck", None)
+def accepts_deltas(req_func):
+    """Mark ``req_func`` as one whose engine applies deltas (returns it). On the stock wire a
+    ``ParameterServer.update(..., delta=True)`` needs it on every rank's ``req_func`` (asked before
+    anything moves): a stock worker such as SGLang's own IPC route would load a delta's payloads as
+    tensors of those names, and SGLang's loaders skip names they do not know, with a warning. Our
+    SGLang loader applies them (``SglangClient.req_func(deltas=True, ...)`` is marked); a rank whose
+    ``req_func`` posts nothing may be marked too (nothing it posts can drop a payload)."""
+    setattr(req_func, "accepts_deltas", True)
+    return req_func
 
-    def precheck() -> None:
-        check()
-        if own is not None:
-            own()
 
-    def wrapped(handles: list[tuple[str, str]]) -> object:
-        return req_func(handles)
-
-    setattr(wrapped, "precheck", precheck)   # read by prechecks.req_precheck in the update's first exchange
-    return wrapped
+def check_accepts_deltas(req_func: ReqFunc, wire: str) -> None:
+    """``ConfigError`` when a delta over ``wire`` could reach an engine that does not apply it (see
+    :func:`accepts_deltas`)."""
+    if wire != "native" and not getattr(req_func, "accepts_deltas", False):
+        raise ConfigError(f"a delta over the {wire!r} wire needs a req_func marked with ckpt_core.delta.versions."
+                          "accepts_deltas (SglangClient.req_func(deltas=True, weight_version=...) is): a stock worker "
+                          "such as SGLang's /update_weights_from_ipc would load its payloads as unknown tensors")
 
 
 _REFUSAL = re.compile(r"this worker holds (None|'[^']*'), not the base '[^']*' of the delta of")
@@ -284,13 +342,15 @@ def refused_by_worker(exc: RemoteWorkerError) -> bool:
     return "DeltaBaseError" in text or _REFUSAL.search(text) is not None
 
 
-def run_delta_update(state: DeltaVersions, name: str, req_func: ReqFunc, mode, *, prepare: Callable[[], str | None],
+def run_delta_update(state: DeltaVersions, name: str, req_func: ReqFunc, mode, *,
+                     prepare: Callable[[], tuple[str, str]],
                      update: Callable[[str, ReqFunc], dict], bases: Callable[[], dict[str, str]],
                      affects_engine: bool = True) -> dict:
     """A delta update of version ``name`` (``ParameterServer.update(..., delta=mode)``), broadcast or P2P.
 
-    ``prepare()`` makes the companion's metas known on every rank and returns the delta's base,
-    refusing (``DeltaBaseError`` on every rank alike) what it can before anything moves;
+    ``prepare()`` picks the companion (``name@delta``, or a fold ``name@delta:<base>``), makes its
+    metas known on every rank and returns ``(base, companion)``, refusing (``DeltaBaseError`` on
+    every rank alike) what it can before anything moves;
     ``update(checkpoint, req_func)`` runs the transfer of a checkpoint (both collectives: the
     caller hands them in); ``bases()`` the deltas this rank knows (version -> base), for the
     advice a refusal carries. ``affects_engine``: this rank's engine takes part (False on a rank
@@ -303,8 +363,8 @@ def run_delta_update(state: DeltaVersions, name: str, req_func: ReqFunc, mode, *
     base = None
     try:
         try:
-            base = prepare()
-            result = update(companion(name), req_func)
+            base, comp = prepare()
+            result = update(comp, req_func)
         except RemoteWorkerError as exc:
             if not refused_by_worker(exc):
                 raise   # the apply failed: every worker undid it, the engines hold the base still
@@ -321,5 +381,5 @@ def run_delta_update(state: DeltaVersions, name: str, req_func: ReqFunc, mode, *
         result["delta"] = {"fallback": str(exc)}
         return result
     live(name)
-    result["delta"] = {**state.figures.get(name, {}), **result.get("delta", {}), "base": base}
+    result["delta"] = {**state.figures_of(name, base), **result.get("delta", {}), "base": base, "companion": comp}
     return result

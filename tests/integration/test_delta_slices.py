@@ -164,7 +164,9 @@ def test_refusals_are_agreed_before_anything_moves(world_and_front):
         split = dsw.per_rank(v["A" if base is None else "B"])
         _all_ok(world.all("register", per_rank={r: (name, {"named_tensors": split[r], **extra}) for r in range(WORLD)}))
         _all_ok(world.all("gather", name))
-    got = _update(world, front, "dB", True)
+    _all_ok(_update(world, front, "dA", False, {i: {"version": "dA"} for i in range(WORLD)}))   # A's bytes
+    fanouts = front.fanouts
+    got = _update(world, front, "dB", True)   # the engines hold its base: refused only for where it lies
     for r, o in got.items():
         assert not o.ok and o.error == "ConfigError" and "device-resident" in o.message, (r, o)
     assert front.fanouts == fanouts and _holds(front, v["A"])

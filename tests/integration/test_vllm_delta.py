@@ -25,7 +25,8 @@ The tied Llama (at TP 1, and at TP 2 below) runs in the extended real-vLLM set
 (``CKPT_VLLM_PARITY=all``): each case boots a server of its own, and the suite keeps to its time.
 
 A replayed delta (the engine holds D, the delta of D applies to C) is refused with
-``DeltaBaseError``; with ``CKPT_TEST_DELTA_DROP_ONE`` in the engine (one changed element dropped)
+``DeltaBaseError``; the engine taken back to A whole and A unregistered, D's chain folded into one
+delta from A (``fold_delta``) brings it to D in one update, equal to a cold load; with ``CKPT_TEST_DELTA_DROP_ONE`` in the engine (one changed element dropped)
 the post-apply digest check fails the delta and the engine is back on its base, byte for byte.
 """
 
@@ -119,6 +120,29 @@ def _check_placement(name: str, case: Case, fig: dict, changed: set[str]) -> Non
         assert all(r in ("lm_head", "model.embed_tokens") for r in reloaded), sorted(reloaded)
 
 
+def _fold_from_a(ps, server, files, cold, refs, model) -> None:
+    """The engine back on A (whole), A dropped from the PS: D's chain folded into one delta from A
+    (``fold_delta``, from B@delta, C@delta, D@delta) takes the engine to D, equal to a cold load."""
+    ps.update("A", _req(server, "A", []), timeout=300)
+    assert not differences(server.client.collective_rpc("ckpt_state_digests"), cold[str(files[0])])
+    ps.unregister_checkpoint("A")
+    fold = ps.fold_delta("D", base="A")
+    assert fold["fold"] == "A -> B -> C -> D" and fold["payload_bytes"] < fold["full_bytes"], fold
+    replies: list = []
+    t0 = time.perf_counter()
+    result = ps.update("D", _req(server, "D", replies), timeout=300, delta=True)
+    fig = replies[0][0]["delta"]
+    print(f"D folded from A: {fold['changed_tensors']} tensors, {fold['changed_elements']} elements, payload "
+          f"{fold['payload_bytes']} of {fold['full_bytes']} bytes, fold_delta {fold['encode_s']:.3f} s; worker: "
+          f"{fig['scattered']} scattered, {len(fig['reloaded_layers'])} layers reloaded; "
+          f"update {time.perf_counter() - t0:.2f} s")
+    assert result["delta"]["companion"] == "D@delta:A" and result["delta"]["base"] == "A", result["delta"]
+    differ = differences(server.client.collective_rpc("ckpt_state_digests"), cold[str(files[3])])
+    assert not differ, (f"after D folded from A, {len(differ)} tensor(s) differ from a cold load:\n"
+                        + "\n".join(differ[:20]))
+    assert server.complete(model.prompts, MAX_TOKENS) == refs[str(files[3])], "greedy output after the fold differs"
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_each_delta_costs_what_changed_and_equals_a_cold_load(vllm_python, tmp_path, case):
     model = build_checkpoints(vllm_python, case, tmp_path / "model")
@@ -168,6 +192,7 @@ def test_each_delta_costs_what_changed_and_equals_a_cold_load(vllm_python, tmp_p
             with pytest.raises(DeltaBaseError, match="'C'"):
                 ps.update("D", _req(server, "D", []), timeout=300, delta=True)
             assert not differences(server.client.collective_rpc("ckpt_state_digests"), cold[str(files[3])])
+            _fold_from_a(ps, server, files, cold, refs, model)
         if case.family == "qwen2":
             _through_the_service(server, files, cold, tmp_path)
             _from_a_joining_world(server, files, cold, refs, model.prompts, tmp_path)

@@ -157,7 +157,8 @@ def corrupt_box_payload(ps, rank, name, doc, tensor):
     this rank's sliced delta of ``name`` (built by an earlier sliced delta update). Returns whether this
     rank holds one."""
     from ckpt_core.delta.sliced import BOX, parse_box_name, sliced_name
-    ckpt = ps._catalog.checkpoints[sliced_name(name, plan_from_json(doc))]
+    from ckpt_core.delta.versions import companion
+    ckpt = ps._catalog.checkpoints[sliced_name(companion(name), plan_from_json(doc))]
     for m in ckpt.metas:
         if m.name.startswith(BOX) and parse_box_name(m.name)[0] == tensor:
             ckpt.regions[m.base].tensor[m.base_offset + m.nbytes - 1] ^= 0x5A
