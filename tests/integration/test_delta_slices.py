@@ -172,3 +172,25 @@ def test_refusals_are_agreed_before_anything_moves(world_and_front):
     assert front.fanouts == fanouts and _holds(front, v["A"])
     got = _all_ok(_update(world, front, "C", "fallback", {i: {"version": "C"} for i in range(WORLD)}))
     assert all("fallback" in o.value["delta"] for o in got.values()) and _holds(front, v["C"])
+
+
+def test_engines_on_an_older_version_take_a_fold_cut_into_their_boxes(world_and_front):
+    """Engines hold A; C's delta (base B) is folded from A on every rank (``fold_delta``): the delta's
+    agreement picks the fold, which is cut into each rank's boxes like any delta; every engine rank then
+    holds exactly its boxes of C, having received less than its sliced full update."""
+    world, front = world_and_front
+    trainer = dsw.Trainer(seed=21)
+    v = {"A": trainer.version()}
+    _register(world, "A", v["A"])
+    full = _all_ok(_update(world, front, "A", False, {i: {"version": "A"} for i in range(WORLD)}))
+    for name, base in (("B", "A"), ("C", "B")):
+        trainer.step(1e-5)
+        v[name] = trainer.version()
+        _register(world, name, v[name], base=base)
+    _all_ok(world.all("call", (dsw.__name__, "fold", ("C", "A"))))
+    got = _all_ok(_update(world, front, "C", True))
+    assert _holds(front, v["C"]) and all(front.call(i, "held")[1] == "C" for i in range(WORLD))
+    for o in got.values():
+        assert o.value["delta"]["base"] == "A" and o.value["delta"]["companion"].startswith("C@delta:"), o.value
+        got_bytes, full_bytes = o.value["slices"]["received_bytes"], full[0].value["slices"]["received_bytes"]
+        assert all(0 < g < f for g, f in zip(got_bytes, full_bytes)), (got_bytes, full_bytes)

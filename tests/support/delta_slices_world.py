@@ -169,3 +169,8 @@ def corrupt_box_payload(ps, rank, name, doc, tensor):
 def sliced_checkpoints(ps, rank):
     """This rank's checkpoints that are sliced deltas (released with their version)."""
     return [n for n in ps.checkpoints() if "@delta[" in n]
+
+
+def fold(ps, rank, name, base):
+    """``ps.fold_delta(name, base=base)`` on this rank."""
+    return ps.fold_delta(name, base=base)
