@@ -52,6 +52,9 @@ class RegisteredCheckpoint:
     seconds: dict[str, float] = field(default_factory=dict)   # registration phases, for logs and benchmarks
     # registered on the device (``checkpoint/device.py``): each region views one of the caller's device tensors
     on_device: bool = False
+    # lin64 sums of tensors (name -> sum mod 2**64, ``delta/lin64.py``), where known: kept by the delta
+    # encode (``delta/batch.py``) for the next version's; only of regions filled here, which nothing writes
+    digests: dict[str, int] = field(default_factory=dict)
 
     def host_tensor(self, meta: TensorMeta) -> torch.Tensor:
         """A typed view of one tensor's host bytes (for checks and the P2P path)."""

@@ -177,7 +177,6 @@ def encode_tensor(new: torch.Tensor, old: torch.Tensor | None, *, digest: str | 
     if code is None:
         raise CheckpointFormatError(f"dtype {new.dtype} has no wire code")
     numel, size = new.numel(), new.element_size()
-    header = {"dtype": code, "shape": list(new.shape)}
     words = as_words(new).numpy()
     ch = None   # None: whole (new, reshaped or retyped)
     if old is not None and old.dtype == new.dtype and tuple(old.shape) == tuple(new.shape):
@@ -190,12 +189,22 @@ def encode_tensor(new: torch.Tensor, old: torch.Tensor | None, *, digest: str | 
         if ch.positions.size == 0:
             return None, {"encoding": None, "count": 0, "numel": numel, "bytes": 0}
         digest = digest if host is None else host.digest()
+    digest = digest if digest is not None else lin64(new)
+    return encode_changes(new, words, code, ch, digest, force)
+
+
+def encode_changes(new: torch.Tensor, words: np.ndarray, code: str, ch: Changes | None, digest: str,
+                   force: str | None = None) -> tuple[torch.Tensor, dict]:
+    """The payload of a changed tensor ``new`` (contiguous, on the host; ``words``: ``as_words(new)``
+    in numpy, ``code`` its wire dtype) from its ``ch`` changes against its base (None: ``whole``) and
+    its ``lin64`` ``digest``: ``encode_tensor``'s second half, shared with the batched encode of a
+    registration (``batch.py``), so both write the same bytes."""
+    numel, size = new.numel(), new.element_size()
     count = numel if ch is None else ch.positions.size
     sizes = measure(numel, size, count, 1 if ch is None else ch.runs, 0 if ch is None else ch.max_gap)
     enc = "whole" if ch is None else (force or sizes.best())
     if enc not in ENCODINGS:
         raise ValueError(f"unknown encoding {enc!r}")
-    digest = digest if digest is not None else lin64(new)
     if not is_lin64(digest):
         raise ConfigError(f"a delta carries a lin64 digest of the new tensor, got {digest!r}")
     if enc == "whole" or ch is None:
@@ -203,6 +212,7 @@ def encode_tensor(new: torch.Tensor, old: torch.Tensor | None, *, digest: str | 
         body[: numel * size] = bytes_of(new).numpy()
     else:
         body = _body(enc, words, ch, numel)
+    header = {"dtype": code, "shape": list(new.shape)}
     payload = _payload(dict(header, enc=enc, count=numel if enc == "whole" else count,
                             runs=ch.runs if enc == "runs" and ch is not None else 0, digest=digest), body)
     return payload, {"encoding": enc, "count": count, "numel": numel, "bytes": payload.numel()}

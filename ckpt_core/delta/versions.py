@@ -2,7 +2,8 @@
 
 ``register_checkpoint("B", ..., base="A")`` registers B as usual (the PS keeps every version whole:
 the base of the next delta, and what a full update or a fallback sends) and, per tensor of this
-rank's share, encodes B against A (``encode.encode_tensor``). The payloads are registered as a
+rank's share, encodes B against A (``encode.encode_tensor``'s payloads, for all the tensors together:
+``batch.py``). The payloads are registered as a
 second checkpoint, ``B@delta``, of uint8 tensors named ``ckpt.delta:<tensor>``, plus one
 manifest tensor per rank whose *name* says ``[base, version, rank, world]``. So the delta moves
 through the unchanged broadcast pipeline (buckets, IPC buffer, agreements), and an engine worker
@@ -22,16 +23,13 @@ delta, of which base, from every rank.
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import torch
 
-from ckpt_core._settings import fault_threads
-from ckpt_core.delta.encode import encode_tensor
+from ckpt_core.delta.batch import encode_registration
 from ckpt_core.errors import ConfigError, DeltaBaseError, RemoteWorkerError
 
 SUFFIX = "@delta"
@@ -63,26 +61,6 @@ def parse_manifest_name(name: str) -> tuple[str, str, int, int] | None:
     return None
 
 
-# below this average tensor size the encode's threads contend for the GIL more than numpy's work
-# releases it (dense16 x0.005, 220 KB tensors, 2 cores: 0.13 s on one thread, 0.26 s on two)
-_POOL_MIN_AVG_BYTES = 1 << 20
-
-
-def _encode_all(ckpt, base_ckpt, old: dict) -> list:
-    """``encode_tensor`` of every tensor of ``ckpt`` against its ``old`` meta in ``base_ckpt`` (None: new),
-    in order; tensors of 1 MiB and more on average are encoded side by side on ``PS_FAULT_THREADS``
-    threads (numpy releases the GIL)."""
-    def one(m):
-        prev = base_ckpt.host_tensor(old[m.name]) if m.name in old else None
-        return encode_tensor(ckpt.host_tensor(m), prev)
-
-    threads = min(fault_threads(), os.cpu_count() or 1, len(ckpt.metas))
-    if threads < 2 or sum(m.nbytes for m in ckpt.metas) < _POOL_MIN_AVG_BYTES * len(ckpt.metas):
-        return [one(m) for m in ckpt.metas]
-    with ThreadPoolExecutor(threads, thread_name_prefix="ckpt-delta-encode") as pool:
-        return list(pool.map(one, ckpt.metas))
-
-
 class DeltaVersions:
     """One PS rank's delta state: each version's base and encoding figures, and the version this
     rank last made live in its engines (None: unknown, e.g. after a failed full update)."""
@@ -109,7 +87,8 @@ class DeltaVersions:
         out: dict[str, torch.Tensor] = {}
         counts = {"changed_tensors": 0, "changed_elements": 0, "elements": 0, "payload_bytes": 0, "full_bytes": 0}
         encodings: dict[str, int] = {}
-        encoded = _encode_all(ckpt, base_ckpt, old)
+        batch = encode_registration(ckpt, base_ckpt, old)
+        encoded = batch.results
         for m, (payload, info) in zip(ckpt.metas, encoded):
             counts["elements"] += info["numel"]
             counts["full_bytes"] += m.nbytes
@@ -123,7 +102,8 @@ class DeltaVersions:
         out[manifest_name(base, name, self.rank, self.world)] = torch.frombuffer(
             bytearray(json.dumps({"changed": sorted(out)}).encode()), dtype=torch.uint8)
         fig: dict[str, object] = {"tensors": len(ckpt.metas), **counts, "encodings": encodings,
-                                  "encode_s": time.perf_counter() - t0}
+                                  "encode_s": time.perf_counter() - t0, "phases": batch.phases}
+        ckpt.digests.update(batch.digests)
         self.bases[name] = base
         self.figures[name] = fig
         return out

@@ -1,0 +1,151 @@
+"""The batched encode of a registration (``delta/batch.py``) writes exactly the payloads that
+``encode_tensor`` writes for each tensor alone, whatever the dtypes, densities, shapes (0-d, empty,
+odd byte counts), and for unchanged, new, retyped and reshaped tensors; and the lin64 sums it keeps
+(derived from the base's) are each tensor's own."""
+
+import pytest
+import torch
+
+from ckpt_core.checkpoint.safetensors import WIRE_DTYPES
+from ckpt_core.checkpoint.sources import build_checkpoint
+from ckpt_core.delta import batch
+from ckpt_core.delta.batch import encode_registration
+from ckpt_core.delta.encode import encode_tensor
+from ckpt_core.delta.lin64 import _sum_numpy, raw_of
+from ckpt_core.devices import get_backend
+
+DTYPES = sorted({dt for dt in WIRE_DTYPES.values()}, key=str)
+
+
+def _random(shape, dtype, gen):
+    numel = 1
+    for d in shape:
+        numel *= d
+    size = torch.empty(0, dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (numel * size,), generator=gen, dtype=torch.uint8)
+    if dtype == torch.bool:
+        return (raw % 2).bool().reshape(shape)
+    return raw.view(dtype).reshape(shape)
+
+
+def _mutate(t, density, gen, *, last=False):
+    new = t.clone()
+    n = t.numel()
+    words = new.reshape(-1).view(torch.uint8).view(n, -1) if n else None
+    k = int(round(n * density))
+    if k:
+        pos = torch.randperm(n, generator=gen)[:k]
+        words[pos, 0] ^= 1
+    if last and n:   # the last element: a tensor's tail word
+        words[n - 1, 0] ^= 1
+    return new
+
+
+def _pairs(gen):
+    """(name, base or None, new) over dtypes, densities, shapes, and the kinds of tensors."""
+    out = []
+    shapes = [(), (0,), (1,), (3,), (5, 3), (37, 11), (4097,), (300, 70)]
+    for i, dtype in enumerate(DTYPES):
+        for j, shape in enumerate(shapes):
+            density = [0.0, 0.0005, 0.02, 0.3, 1.0][(i + j) % 5]
+            base = _random(shape, dtype, gen)
+            out.append((f"t{i}.{j}", base, _mutate(base, density, gen, last=(i + j) % 3 == 0)))
+    base = _random((64, 33), torch.bfloat16, gen)
+    out += [("unchanged", base, base.clone()), ("new", None, _random((10, 3), torch.float32, gen)),
+            ("retyped", base, base.view(torch.int16).clone()), ("reshaped", base, base.reshape(33, 64).clone()),
+            ("large", _random((1 << 21,), torch.bfloat16, gen), None)]
+    name, b, _ = out[-1]
+    out[-1] = (name, b, _mutate(b, 0.02, gen))
+    return out
+
+
+@pytest.fixture(params=[1, 2], ids=["one-thread", "threads"])
+def threads(request, monkeypatch):
+    if request.param == 1:
+        monkeypatch.setattr(batch, "_THREADS_MIN_WORDS", 1 << 62)
+    else:   # small pieces: many jobs, spans cut between them
+        monkeypatch.setattr(batch, "_THREADS_MIN_WORDS", 0)
+        monkeypatch.setattr(batch, "_PIECE_WORDS", 1 << 10)
+        monkeypatch.setattr(batch, "BLOCK_WORDS", 1 << 7)
+        monkeypatch.setenv("PS_FAULT_THREADS", "3")
+    return request.param
+
+
+def _register(pairs):
+    backend = get_backend("cpu")
+    a = build_checkpoint("A", backend, named_tensors={n: b for n, b, _ in pairs if b is not None})
+    b = build_checkpoint("B", backend, named_tensors={n: new for n, _, new in pairs})
+    return a, b
+
+
+def _check(a, b, pairs, known_base):
+    old = {m.name: m for m in a.metas}
+    if known_base:
+        for m in a.metas:
+            a.digests[m.name] = _sum_numpy(raw_of(a.host_tensor(m))[0])
+    got = encode_registration(b, a, old)
+    for m, (payload, info) in zip(b.metas, got.results):
+        new = b.host_tensor(m)
+        prev = a.host_tensor(old[m.name]) if m.name in old else None
+        want, want_info = encode_tensor(new, prev)
+        assert info == want_info, m.name
+        if want is None:
+            assert payload is None, m.name
+        else:
+            assert torch.equal(payload, want), m.name
+    for name, s in got.digests.items():
+        m = next(x for x in b.metas if x.name == name)
+        assert s == _sum_numpy(raw_of(b.host_tensor(m))[0]), name
+    return got
+
+
+@pytest.mark.parametrize("known_base", [False, True], ids=["base-digests-computed", "base-digests-known"])
+def test_batched_payloads_equal_encode_tensor_per_tensor(threads, known_base):
+    pairs = _pairs(torch.Generator().manual_seed(5))
+    a, b = _register(pairs)
+    try:
+        got = _check(a, b, pairs, known_base)
+        changed = {m.name for m, (p, _) in zip(b.metas, got.results) if p is not None}
+        assert "unchanged" not in changed and {"new", "retyped", "reshaped", "large"} <= changed
+        assert "large" in got.digests and "large" in a.digests   # derived, and the base's kept
+    finally:
+        a.release()
+        b.release()
+
+
+def test_a_chain_of_versions_uses_each_versions_derived_sums(threads, monkeypatch):
+    """A -> B -> C: C's encode finds B's sums (derived when B was encoded), digests nothing whole."""
+    gen = torch.Generator().manual_seed(9)
+    backend = get_backend("cpu")
+    v0 = {f"w{i}": _random((257, 9 + i), torch.bfloat16, gen) for i in range(6)}
+    v1 = {n: _mutate(t, 0.02, gen) for n, t in v0.items()}
+    v2 = {n: _mutate(t, 0.02, gen, last=True) for n, t in v1.items()}
+    cks = [build_checkpoint(f"v{i}", backend, named_tensors=v) for i, v in enumerate((v0, v1, v2))]
+    try:
+        first = encode_registration(cks[1], cks[0], {m.name: m for m in cks[0].metas})
+        cks[1].digests.update(first.digests)
+        whole = []
+        monkeypatch.setattr(batch, "_sum_numpy", lambda raw: whole.append(raw) or _sum_numpy(raw))
+        second = encode_registration(cks[2], cks[1], {m.name: m for m in cks[1].metas})
+        assert whole == []
+        for m, (payload, _) in zip(cks[2].metas, second.results):
+            want, _ = encode_tensor(cks[2].host_tensor(m), cks[1].host_tensor(m))
+            assert torch.equal(payload, want), m.name
+    finally:
+        for c in cks:
+            c.release()
+
+
+def test_a_base_laid_out_differently_is_compared_tensor_by_tensor(threads):
+    """The base's tensors in another order (other offsets): spans of one tensor each, same payloads."""
+    gen = torch.Generator().manual_seed(3)
+    backend = get_backend("cpu")
+    v0 = {f"w{i}": _random((129, 7 + i), torch.float16, gen) for i in range(5)}
+    v1 = {n: _mutate(v0[n], 0.05, gen) for n in reversed(list(v0))}
+    a = build_checkpoint("A", backend, named_tensors=v0)
+    b = build_checkpoint("B", backend, named_tensors=v1)
+    try:
+        _check(a, b, [(n, v0[n], v1[n]) for n in v1], known_base=False)
+    finally:
+        a.release()
+        b.release()
