@@ -26,7 +26,9 @@ tensor (new, retyped, reshaped, unaligned, items of 16 bytes) goes through ``enc
 
 from __future__ import annotations
 
+import json
 import os
+import struct
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
@@ -36,7 +38,7 @@ import torch
 
 from ckpt_core._settings import fault_threads
 from ckpt_core.delta._changes import Changes
-from ckpt_core.delta.encode import as_words, encode_changes, encode_tensor
+from ckpt_core.delta.encode import ENCODINGS, MAGIC, MAX_GAP16, as_words, encode_changes, encode_tensor
 from ckpt_core.delta.lin64 import ROW, _fmt, _host_ab, _sum_numpy, mix_int, raw_of
 from ckpt_core.planning.buckets import TensorMeta
 
@@ -113,13 +115,7 @@ def _compare(new_w: np.ndarray, old_w: np.ndarray, lo: int, hi: int):
     return idx, nw, ow
 
 
-class BatchEncoded(NamedTuple):
-    results: list                  # (payload or None, info) per meta, as encode_tensor's
-    digests: dict[str, int]        # lin64 sums of the new version's tensors that are known now
-    phases: dict[str, float]       # seconds of each part
-
-
-def encode_registration(ckpt, base_ckpt, old: dict) -> BatchEncoded:
+def encode_registration(ckpt, base_ckpt, old: dict) -> Encoded:
     """``encode_tensor(new, old)`` of every tensor of ``ckpt`` (old: ``old[name]`` in ``base_ckpt``, or
     None when missing), in ``ckpt.metas`` order, with the same payloads (module doc)."""
     clock = time.perf_counter()
@@ -220,20 +216,17 @@ def encode_registration(ckpt, base_ckpt, old: dict) -> BatchEncoded:
             digests[name] = (known + sums_delta.get(ti, 0)) & _MASK
     lap("digest")
 
-    # 4. element positions per item size, then gaps, largest gap and runs per tensor
+    # 4. element positions per item size (the masked tails hold no change), then gaps, largest gap, runs
     size_t = np.array([p.new.itemsize for p in order], dtype=np.int64)
     numel_t = nbytes // np.maximum(size_t, 1)
     pos_parts, tid_parts = [], []
     for size in sorted(set(size_t[t].tolist())) if t.size else []:
         sel = size_t[t] == size
         k_per = 8 // size
-        nv = nw[sel].view(_UINT[size]).reshape(-1, k_per)
-        ov = ow[sel].view(_UINT[size]).reshape(-1, k_per)
-        elem = local[sel][:, None] * k_per + np.arange(k_per, dtype=np.int64)
-        ts = t[sel]
-        ok = (nv != ov) & (elem < numel_t[ts][:, None])
-        pos_parts.append(elem[ok])
-        tid_parts.append(np.broadcast_to(ts[:, None], ok.shape)[ok])
+        hit = np.flatnonzero(nw[sel].view(_UINT[size]) != ow[sel].view(_UINT[size]))   # element k of word hit // k
+        row = hit // k_per
+        pos_parts.append(local[sel][row] * k_per + (hit - row * k_per))
+        tid_parts.append(t[sel][row])
     if pos_parts:
         tid = np.concatenate(tid_parts)
         pos = np.concatenate(pos_parts)
@@ -250,28 +243,164 @@ def encode_registration(ckpt, base_ckpt, old: dict) -> BatchEncoded:
         gaps[firsts] = pos[firsts]
         breaks = (gaps != 1).astype(np.int64)
         breaks[firsts] = 1
-        max_gaps = np.maximum.reduceat(gaps, firsts).tolist()
-        runs = np.add.reduceat(breaks, firsts).tolist()
+        max_gaps = np.maximum.reduceat(gaps, firsts)
+        runs = np.add.reduceat(breaks, firsts)
     else:
-        max_gaps, runs = [], []
-    ends = np.append(firsts[1:], pos.size).tolist()
+        max_gaps = runs = np.empty(0, dtype=np.int64)
+    counts = np.diff(np.append(firsts, pos.size))
     lap("positions")
 
-    # 5. payloads
-    seg = {ti: (s, e, mg, r) for ti, s, e, mg, r in zip(tid[firsts].tolist(), firsts.tolist(), ends, max_gaps, runs)}
+    # 5. each changed tensor's encoding; idx and gap16 bodies are written for all tensors at once
+    # (``Encoded.write``), the others one by one (``encode_changes``)
+    ct = tid[firsts]   # changed tensors, in ``order``
+    vec = _Vector.plan(order, ct, counts, max_gaps, runs, numel_t, size_t)
+    payloads: dict[int, torch.Tensor] = {}
     for ti, p in enumerate(order):
-        got = seg.get(ti)
-        numel = int(numel_t[ti])
-        if got is None:
-            results[p.at] = (None, {"encoding": None, "count": 0, "numel": numel, "bytes": 0})
-            continue
-        s, e, mg, r = got
-        new = ckpt.host_tensor(p.new)
-        ch = Changes(pos[s:e], gaps[s:e], mg, r)
+        results[p.at] = (None, {"encoding": None, "count": 0, "numel": int(numel_t[ti]), "bytes": 0})
+    lists = (ct.tolist(), firsts.tolist(), counts.tolist(), max_gaps.tolist(), runs.tolist(), vec.enc.tolist())
+    for c, (ti, s, n, mg, r, enc) in enumerate(zip(*lists)):
+        p = order[ti]
         digest = _fmt(digests[p.new.name] + mix_int((p.new.nbytes << 5) | p.new.itemsize))
-        results[p.at] = encode_changes(new, as_words(new).numpy(), p.new.dtype, ch, digest)
+        if enc in _VECTOR:
+            results[p.at] = vec.header(c, p.at, p.new, digest)
+            continue
+        new = ckpt.host_tensor(p.new)
+        ch = Changes(pos[s: s + n], gaps[s: s + n], mg, r)
+        payload, info = encode_changes(new, as_words(new).numpy(), p.new.dtype, ch, digest)
+        payloads[p.at] = payload
+        results[p.at] = (None, info)
+    vec.elements(pos, gaps, firsts, counts)
+    for i, (payload, _) in enumerate(results):
+        if payload is not None:   # encode_tensor's (the tensors not batched)
+            payloads[i] = payload
     lap("payloads")
-    return BatchEncoded(results, {n: d for n, d in digests.items() if _cacheable(ckpt, by_name[n])}, phases)
+    return Encoded([info for _, info in results], payloads, vec,
+                   {n: d for n, d in digests.items() if _cacheable(ckpt, by_name[n])}, phases)
+
+
+_VECTOR = (ENCODINGS.index("idx"), ENCODINGS.index("gap16"))
+_PLACEHOLDER = "lin64:" + "0" * 16   # a body check's place in a header (same length as any check)
+
+
+def _align8(x):
+    return (x + 7) & ~7
+
+
+class _Vector:
+    """The changed tensors' encodings (indices in ``ENCODINGS``, chosen as ``Sizes.best`` does: the
+    smallest body, the first of equal ones) and, for those encoded ``idx`` or ``gap16``, their headers
+    and their elements, to write all their payloads together (``write``)."""
+
+    def __init__(self, enc, sizes, width, counts, numel, size):
+        self.enc, self.sizes, self.width, self.counts, self.numel, self.size = enc, sizes, width, counts, numel, size
+        # per batched tensor: (changed tensor, meta index, header bytes, header length, body bytes, region, offset)
+        self.heads: list[tuple[int, int, bytes, int, int, int, int]] = []
+        self.elems: tuple | None = None
+
+    @classmethod
+    def plan(cls, order, ct, counts, max_gaps, runs, numel_t, size_t) -> _Vector:
+        numel, size = numel_t[ct], size_t[ct]
+        width = np.where(numel < 2 ** 31, 4, 8)
+        values = _align8(counts * size)
+        big = np.int64(1) << np.int64(62)
+        sizes = np.stack([_align8(numel * size), _align8(counts * width) + values,
+                          np.where(max_gaps <= MAX_GAP16, _align8(counts * 2) + values, big),
+                          _align8((numel + 7) // 8) + values, 2 * _align8(runs * width) + values]).reshape(5, -1)
+        enc = np.argmin(sizes, axis=0)   # the first of equal sizes: the order of ENCODINGS
+        return cls(enc, sizes, width, counts, numel, size)
+
+    def header(self, c: int, at: int, meta, digest: str) -> tuple[None, dict]:
+        """Changed tensor ``c`` (``meta``, at ``at`` in the metas) batched: its header (its body's check to
+        come) and ``encode_tensor``'s info of it."""
+        enc = int(self.enc[c])
+        body, count = int(self.sizes[enc, c]), int(self.counts[c])
+        header = {"dtype": meta.dtype, "shape": list(meta.shape), "enc": ENCODINGS[enc], "count": count, "runs": 0,
+                  "digest": digest, "body": body, "check": _PLACEHOLDER}   # encode._payload's, in its order
+        text = json.dumps(header, separators=(",", ":")).encode()
+        head = MAGIC + struct.pack("<I", len(text)) + text
+        head += b" " * (_align8(len(head)) - len(head))
+        self.heads.append((c, at, head, 8 + len(text) - 18, body, meta.base, meta.base_offset))
+        return None, {"encoding": ENCODINGS[enc], "count": count, "numel": int(self.numel[c]),
+                      "bytes": len(head) + body}
+
+    def elements(self, pos: np.ndarray, gaps: np.ndarray, firsts: np.ndarray, counts: np.ndarray) -> None:
+        """Keep the batched tensors' elements: (which of ``heads``, rank in its tensor, position, gap)."""
+        which = np.full(counts.size, -1, dtype=np.int64)
+        for k, h in enumerate(self.heads):
+            which[h[0]] = k
+        c_of = np.repeat(np.arange(counts.size), counts)
+        keep = which[c_of] >= 0
+        rank = np.arange(pos.size, dtype=np.int64) - np.repeat(firsts, counts)
+        self.elems = (which[c_of][keep], rank[keep], pos[keep], gaps[keep])
+
+    def write(self, buf: np.ndarray, offsets: dict[int, int], regions: dict[int, np.ndarray]) -> None:
+        """Write the batched payloads into ``buf`` (zeroed, uint8, a multiple of 8 bytes long), each at
+        ``offsets[meta index]`` (8-byte aligned); ``regions``: the new version's regions' bytes."""
+        if not self.heads or self.elems is None:
+            return
+        k, rank, pos, gaps = self.elems
+        c = np.array([h[0] for h in self.heads], dtype=np.int64)
+        start = np.array([offsets[h[1]] + len(h[2]) for h in self.heads], dtype=np.int64)   # each body's start
+        body = np.array([h[4] for h in self.heads], dtype=np.int64)
+        enc, width, size = self.enc[c], self.width[c], self.size[c]
+        index_bytes = np.where(enc == ENCODINGS.index("gap16"), _align8(self.counts[c] * 2),
+                               _align8(self.counts[c] * width))
+        mv = memoryview(buf)
+        for (_, at, head, _, _, _, _) in self.heads:
+            mv[offsets[at]: offsets[at] + len(head)] = head
+        n8 = buf.size // 8 * 8
+        ek = enc[k]
+        g = ek == ENCODINGS.index("gap16")
+        buf[:n8].view(np.uint16)[(start[k[g]] >> 1) + rank[g]] = gaps[g]
+        for w, dt in ((4, np.int32), (8, np.int64)):
+            sel = (~g) & (width[k] == w)
+            if sel.any():
+                buf[:n8].view(dt)[start[k[sel]] // w + rank[sel]] = pos[sel]
+        values_at = start + index_bytes
+        src_region = np.array([h[5] for h in self.heads], dtype=np.int64)
+        src_off = np.array([h[6] for h in self.heads], dtype=np.int64)
+        for s in sorted(set(size.tolist())):
+            for r in sorted(set(src_region.tolist())):
+                sel = (size[k] == s) & (src_region[k] == r)
+                if not sel.any():
+                    continue
+                src = regions[r]
+                src = src[: src.size // s * s].view(_UINT[s])
+                ks = k[sel]
+                buf[:n8].view(_UINT[s])[values_at[ks] // s + rank[sel]] = src[src_off[ks] // s + pos[sel]]
+        # the bodies' checks: lin64 of each (whole words: bodies are 8-byte multiples), as one segmented sum
+        words = body // 8
+        total = int(words.sum())
+        firsts = np.concatenate([[0], np.cumsum(words)[:-1]]).astype(np.int64)
+        local = np.arange(total, dtype=np.int64) - np.repeat(firsts, words)
+        vals = buf[:n8].view(np.uint64)[np.repeat(start // 8, words) + local]
+        a, b = _host_ab(int(words.max()))
+        with np.errstate(over="ignore"):
+            sums = np.add.reduceat(vals * (a[local & (ROW - 1)] * b[local >> _ROW_BITS]), firsts).tolist()
+        for (_, at, _, hex_at, nbody, _, _), total_ in zip(self.heads, sums):
+            check = (int(total_) + mix_int((nbody << 5) | 1)) & _MASK
+            mv[offsets[at] + hex_at: offsets[at] + hex_at + 16] = f"{check:016x}".encode()
+
+
+_ROW_BITS = ROW.bit_length() - 1
+assert 1 << _ROW_BITS == ROW  # noqa: S101 - our constant
+
+
+class Encoded(NamedTuple):
+    """A registration's delta: ``encode_tensor``'s info per tensor (in metas order), the payloads made one
+    by one (meta index -> payload), the batched ones (``write``), the new version's known lin64 sums,
+    and the seconds of each part."""
+    infos: list[dict]
+    payloads: dict[int, torch.Tensor]
+    vector: _Vector
+    digests: dict[str, int]
+    phases: dict[str, float]
+
+    def write(self, buf: np.ndarray, offsets: dict[int, int], regions: dict[int, np.ndarray]) -> None:
+        """Every payload into ``buf`` (zeroed), tensor ``i``'s at ``offsets[i]`` (see ``_Vector.write``)."""
+        for i, payload in self.payloads.items():
+            buf[offsets[i]: offsets[i] + payload.numel()] = payload.numpy()
+        self.vector.write(buf, offsets, regions)
 
 
 def _changed_words_each(jobs, threads: int) -> list:
@@ -282,4 +411,4 @@ def _changed_words_each(jobs, threads: int) -> list:
     return [_compare(*j) for j in jobs]
 
 
-__all__ = ["BatchEncoded", "encode_registration"]
+__all__ = ["Encoded", "encode_registration"]

@@ -19,7 +19,7 @@ engines hold that base. Anything missing or disagreeing is one ``DeltaBaseError`
 
 from __future__ import annotations
 
-from ckpt_core.checkpoint.sources import RegisteredCheckpoint, build_checkpoint
+from ckpt_core.checkpoint.sources import RegisteredCheckpoint
 from ckpt_core.delta.versions import (
     DELTA_MODES,
     DeltaVersions,
@@ -54,8 +54,7 @@ class Updates:
         ``name@delta``, served alike. A delta that cannot be encoded releases ``ckpt`` and installs nothing."""
         if base is not None:
             try:
-                payloads = self.versions.encode(name, ckpt, base, self.catalog.checkpoints.get(base))
-                comp = build_checkpoint(companion(name), self.ctx.backend, named_tensors=payloads)
+                comp = self.versions.encode(name, ckpt, base, self.catalog.checkpoints.get(base), self.ctx.backend)
             except BaseException:
                 ckpt.release()
                 raise

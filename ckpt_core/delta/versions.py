@@ -27,8 +27,9 @@ import re
 import time
 from typing import Callable
 
-import torch
+import numpy as np
 
+from ckpt_core.checkpoint.sources import RegisteredCheckpoint, build_packed
 from ckpt_core.delta.batch import encode_registration
 from ckpt_core.errors import ConfigError, DeltaBaseError, RemoteWorkerError
 
@@ -72,8 +73,9 @@ class DeltaVersions:
         self.engines_hold: str | None = None
 
     # -- registration ------------------------------------------------------------
-    def encode(self, name: str, ckpt, base: str, base_ckpt) -> dict[str, torch.Tensor]:
-        """The companion's named tensors: this rank's payloads of ``name`` against ``base``, and its manifest."""
+    def encode(self, name: str, ckpt, base: str, base_ckpt, backend) -> RegisteredCheckpoint:
+        """The companion checkpoint (``companion(name)``, on ``backend``): this rank's payloads of ``name``
+        against ``base``, and its manifest, written in place into its region."""
         if not isinstance(base, str) or base_ckpt is None:
             raise DeltaBaseError(f"base {base!r} of {name!r} is not registered on rank {self.rank}")
         if any(m.box is not None for m in ckpt.metas):
@@ -84,29 +86,39 @@ class DeltaVersions:
             raise ConfigError(f"{name!r} lacks tensors of its base {base!r} on rank {self.rank}: {gone[:4]}; "
                               "a delta cannot remove tensors from an engine: register it without a base")
         t0 = time.perf_counter()
-        out: dict[str, torch.Tensor] = {}
         counts = {"changed_tensors": 0, "changed_elements": 0, "elements": 0, "payload_bytes": 0, "full_bytes": 0}
         encodings: dict[str, int] = {}
-        batch = encode_registration(ckpt, base_ckpt, old)
-        encoded = batch.results
-        for m, (payload, info) in zip(ckpt.metas, encoded):
+        encoded = encode_registration(ckpt, base_ckpt, old)
+        changed: list[tuple[int, str, int]] = []   # (meta index, payload name, bytes)
+        for i, (m, info) in enumerate(zip(ckpt.metas, encoded.infos)):
             counts["elements"] += info["numel"]
             counts["full_bytes"] += m.nbytes
-            if payload is None:
+            if info["encoding"] is None:
                 continue
-            out[PAYLOAD + m.name] = payload
+            changed.append((i, PAYLOAD + m.name, info["bytes"]))
             counts["changed_tensors"] += 1
             counts["changed_elements"] += info["count"]
             counts["payload_bytes"] += info["bytes"]
             encodings[info["encoding"]] = encodings.get(info["encoding"], 0) + 1
-        out[manifest_name(base, name, self.rank, self.world)] = torch.frombuffer(
-            bytearray(json.dumps({"changed": sorted(out)}).encode()), dtype=torch.uint8)
+        manifest = json.dumps({"changed": sorted(n for _, n, _ in changed)}).encode()
+        t1 = time.perf_counter()
+        comp, offsets = build_packed(companion(name), backend, [(n, size) for _, n, size in changed]
+                                     + [(manifest_name(base, name, self.rank, self.world), len(manifest))])
+        try:
+            buf = comp.regions[0].tensor.numpy()
+            encoded.write(buf, {i: off for (i, _, _), off in zip(changed, offsets)},
+                          {r: region.tensor.numpy() for r, region in ckpt.regions.items()})
+            buf[offsets[-1]: offsets[-1] + len(manifest)] = np.frombuffer(manifest, dtype=np.uint8)
+        except BaseException:
+            comp.release()
+            raise
+        phases = dict(encoded.phases, write=time.perf_counter() - t1)
         fig: dict[str, object] = {"tensors": len(ckpt.metas), **counts, "encodings": encodings,
-                                  "encode_s": time.perf_counter() - t0, "phases": batch.phases}
-        ckpt.digests.update(batch.digests)
+                                  "encode_s": time.perf_counter() - t0, "phases": phases}
+        ckpt.digests.update(encoded.digests)
         self.bases[name] = base
         self.figures[name] = fig
-        return out
+        return comp
 
     def forget(self, name: str) -> None:
         self.bases.pop(name, None)

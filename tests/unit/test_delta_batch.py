@@ -3,6 +3,7 @@
 odd byte counts), and for unchanged, new, retyped and reshaped tensors; and the lin64 sums it keeps
 (derived from the base's) are each tensor's own."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -56,7 +57,13 @@ def _pairs(gen):
             ("large", _random((1 << 21,), torch.bfloat16, gen), None)]
     name, b, _ = out[-1]
     out[-1] = (name, b, _mutate(b, 0.02, gen))
-    return out
+    sparse = _random((1 << 18,), torch.int32, gen)   # gaps above 2**16: idx
+    far = sparse.clone()
+    far[[5, 100_000, 200_000]] ^= 1
+    block = _random((5000,), torch.float16, gen)      # one run: runs
+    run = block.clone()
+    run.view(torch.int16)[100:300] ^= 1
+    return out + [("sparse", sparse, far), ("run", block, run)]
 
 
 @pytest.fixture(params=[1, 2], ids=["one-thread", "threads"])
@@ -78,13 +85,31 @@ def _register(pairs):
     return a, b
 
 
+def _payloads(got, b):
+    """Each tensor's payload (None: unchanged) as ``Encoded.write`` writes them into one zeroed buffer."""
+    sizes = [(i, info["bytes"]) for i, info in enumerate(got.infos) if info["encoding"] is not None]
+    offsets, pos = {}, 0
+    for i, n in sizes:
+        offsets[i] = pos
+        pos += (n + 255) // 256 * 256
+    buf = np.zeros(pos, dtype=np.uint8)
+    got.write(buf, offsets, {r: region.tensor.numpy() for r, region in b.regions.items()})
+    return [torch.from_numpy(buf[offsets[i]: offsets[i] + info["bytes"]].copy()) if i in offsets else None
+            for i, info in enumerate(got.infos)]
+
+
+def _encode(b, a):
+    got = encode_registration(b, a, {m.name: m for m in a.metas})
+    return got, _payloads(got, b)
+
+
 def _check(a, b, pairs, known_base):
     old = {m.name: m for m in a.metas}
     if known_base:
         for m in a.metas:
             a.digests[m.name] = _sum_numpy(raw_of(a.host_tensor(m))[0])
-    got = encode_registration(b, a, old)
-    for m, (payload, info) in zip(b.metas, got.results):
+    got, payloads = _encode(b, a)
+    for m, payload, info in zip(b.metas, payloads, got.infos):
         new = b.host_tensor(m)
         prev = a.host_tensor(old[m.name]) if m.name in old else None
         want, want_info = encode_tensor(new, prev)
@@ -96,7 +121,7 @@ def _check(a, b, pairs, known_base):
     for name, s in got.digests.items():
         m = next(x for x in b.metas if x.name == name)
         assert s == _sum_numpy(raw_of(b.host_tensor(m))[0]), name
-    return got
+    return got, payloads
 
 
 @pytest.mark.parametrize("known_base", [False, True], ids=["base-digests-computed", "base-digests-known"])
@@ -104,9 +129,10 @@ def test_batched_payloads_equal_encode_tensor_per_tensor(threads, known_base):
     pairs = _pairs(torch.Generator().manual_seed(5))
     a, b = _register(pairs)
     try:
-        got = _check(a, b, pairs, known_base)
-        changed = {m.name for m, (p, _) in zip(b.metas, got.results) if p is not None}
+        got, payloads = _check(a, b, pairs, known_base)
+        changed = {m.name for m, p in zip(b.metas, payloads) if p is not None}
         assert "unchanged" not in changed and {"new", "retyped", "reshaped", "large"} <= changed
+        assert {info["encoding"] for info in got.infos} == {None, "whole", "idx", "gap16", "bitmap", "runs"}
         assert "large" in got.digests and "large" in a.digests   # derived, and the base's kept
     finally:
         a.release()
@@ -122,13 +148,13 @@ def test_a_chain_of_versions_uses_each_versions_derived_sums(threads, monkeypatc
     v2 = {n: _mutate(t, 0.02, gen, last=True) for n, t in v1.items()}
     cks = [build_checkpoint(f"v{i}", backend, named_tensors=v) for i, v in enumerate((v0, v1, v2))]
     try:
-        first = encode_registration(cks[1], cks[0], {m.name: m for m in cks[0].metas})
+        first, _ = _encode(cks[1], cks[0])
         cks[1].digests.update(first.digests)
         whole = []
         monkeypatch.setattr(batch, "_sum_numpy", lambda raw: whole.append(raw) or _sum_numpy(raw))
-        second = encode_registration(cks[2], cks[1], {m.name: m for m in cks[1].metas})
+        _, payloads = _encode(cks[2], cks[1])
         assert whole == []
-        for m, (payload, _) in zip(cks[2].metas, second.results):
+        for m, payload in zip(cks[2].metas, payloads):
             want, _ = encode_tensor(cks[2].host_tensor(m), cks[1].host_tensor(m))
             assert torch.equal(payload, want), m.name
     finally:
