@@ -45,6 +45,7 @@ from ckpt_core.planning.buckets import TensorMeta
 BLOCK_WORDS = 1 << 15          # words per compare block: 256 KiB of each version, in cache together
 _PIECE_WORDS = 1 << 21         # words per thread job (16 MiB of each version)
 _THREADS_MIN_WORDS = 1 << 20   # below: one thread (a pool costs more than it saves)
+_THREADS_MIN_ELEMENTS = 1 << 16   # changed elements below which the payloads are written on one thread
 _SPAN_GAP = 1 << 20            # bytes between two tensors above which a span is cut (not compared)
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _MASK = (1 << 64) - 1
@@ -98,11 +99,24 @@ def _words(region_tensor: torch.Tensor, start: int, end: int) -> np.ndarray:
     return raw.view(np.uint64)
 
 
-def _compare(new_w: np.ndarray, old_w: np.ndarray, lo: int, hi: int):
-    """Changed words in ``[lo, hi)``: (indices, new words, old words), block by block."""
-    idx, nw, ow = [], [], []
+class _Span(NamedTuple):
+    """Tensors laid out alike in both versions, compared as one run of words: the new and old words, and
+    per tensor (in order) its index in the encode's order, first word (in the run), bytes, item size."""
+    new_w: np.ndarray
+    old_w: np.ndarray
+    tensors: np.ndarray   # int64, the encode's order
+    starts: np.ndarray    # int64 words from the run's start
+    nbytes: np.ndarray
+    sizes: np.ndarray
+
+
+def _job(span: _Span, lo: int, hi: int, a: np.ndarray, b: np.ndarray):
+    """Words ``[lo, hi)`` of a span: its changes as (tensor, element position) pairs in order, and each
+    changed tensor's ``sum (new_word - old_word) * c_i`` (lin64's, mod 2**64): all in numpy, on a thread."""
+    idx, nws, ows = [], [], []
     mask = np.empty(min(BLOCK_WORDS, hi - lo), dtype=np.bool_)
-    for s in range(lo, hi, BLOCK_WORDS):
+    new_w, old_w = span.new_w, span.old_w
+    for s in range(lo, hi, BLOCK_WORDS):   # each block compared while in cache; its changed words kept
         e = min(s + BLOCK_WORDS, hi)
         m = mask[: e - s]
         np.not_equal(new_w[s:e], old_w[s:e], out=m)
@@ -110,9 +124,55 @@ def _compare(new_w: np.ndarray, old_w: np.ndarray, lo: int, hi: int):
         if found.size:
             found += s
             idx.append(found)
-            nw.append(new_w[found])
-            ow.append(old_w[found])
-    return idx, nw, ow
+            nws.append(new_w[found])
+            ows.append(old_w[found])
+    empty = np.empty(0, dtype=np.int64)
+    if not idx:
+        return empty, empty, empty, np.empty(0, dtype=np.uint64)
+    w = np.concatenate(idx)
+    nw, ow = np.concatenate(nws), np.concatenate(ows)
+    t = np.searchsorted(span.starts, w, side="right") - 1   # the tensor of each word (spans start with one)
+    local = w - span.starts[t]
+    nbytes = span.nbytes[t]
+    tail = nbytes - local * 8 < 8   # a tensor's last word, or padding after it
+    if tail.any():   # only the tensor's own bytes count: the rest masked out of both
+        valid = np.maximum(nbytes[tail] - local[tail] * 8, 0).astype(np.uint64)
+        keep = np.where(valid >= 8, np.uint64(_MASK), (np.uint64(1) << (valid * np.uint64(8))) - np.uint64(1))
+        nw[tail] &= keep
+        ow[tail] &= keep
+        real = nw != ow
+        w, t, local, nw, ow = w[real], t[real], local[real], nw[real], ow[real]
+        if not t.size:
+            return empty, empty, empty, np.empty(0, dtype=np.uint64)
+    # lin64: each changed tensor's change of sum
+    firsts = np.flatnonzero(np.diff(t, prepend=-1))
+    with np.errstate(over="ignore"):
+        terms = (nw - ow) * (a[local & (ROW - 1)] * b[local >> _ROW_BITS])
+    dsum = np.add.reduceat(terms, firsts)
+    dt = span.tensors[t[firsts]]
+    # elements: per item size, element k of a changed word whose k-th item differs
+    groups = np.unique(span.sizes[t[firsts]]).tolist()   # the item sizes of the changed tensors
+    sizes = span.sizes[t] if len(groups) > 1 else None
+    tids, poss = [], []
+    for size in groups:
+        sel = sizes == size if sizes is not None else slice(None)
+        k_per = 8 // size
+        hit = np.flatnonzero(nw[sel].view(_UINT[size]) != ow[sel].view(_UINT[size]))
+        row = hit // k_per
+        poss.append(local[sel][row] * k_per + (hit - row * k_per))
+        tids.append(t[sel][row])
+    tid, pos = (np.concatenate(tids), np.concatenate(poss)) if len(tids) > 1 else (tids[0], poss[0])
+    if len(tids) > 1:   # back in tensor order (stable: each tensor's positions stay sorted)
+        o = np.argsort(tid, kind="stable")
+        tid, pos = tid[o], pos[o]
+    return span.tensors[tid], pos, dt, dsum
+
+
+def _run_jobs(jobs, threads: int) -> list:
+    if threads > 1 and len(jobs) > 1:
+        with ThreadPoolExecutor(threads, thread_name_prefix="ckpt-delta-compare") as pool:
+            return list(pool.map(lambda j: _job(*j), jobs))
+    return [_job(*j) for j in jobs]
 
 
 def encode_registration(ckpt, base_ckpt, old: dict) -> Encoded:
@@ -130,7 +190,6 @@ def encode_registration(ckpt, base_ckpt, old: dict) -> Encoded:
     metas = ckpt.metas
     results: list = [None] * len(metas)
     base_sums: dict[str, int] = base_ckpt.digests
-    digests: dict[str, int] = {}
     pairs = [_Pair(i, m, old.get(m.name)) for i, m in enumerate(metas)]   # type: ignore[arg-type]
     fused = [p for p in pairs if _eligible(ckpt, base_ckpt, p.new, p.old)]
     fused_ids = {p.at for p in fused}
@@ -141,100 +200,59 @@ def encode_registration(ckpt, base_ckpt, old: dict) -> Encoded:
             results[p.at] = encode_tensor(ckpt.host_tensor(p.new), prev)
     lap("other")
 
-    # 1. the compare, span by span, in pieces over threads (a job's indices: words of its span)
-    jobs, where = [], []   # where: (region, the span's first word) of each job
-    for span in _spans(fused):
-        first, last = span[0], span[-1]
+    # 1. spans of tensors laid out alike, each cut into pieces: one job each, over threads, in order
+    order: list[_Pair] = []
+    jobs = []
+    longest = 1
+    for group in _spans(fused):
+        first, last = group[0], group[-1]
         shift = first.new.base_offset - first.old.base_offset
         start, end = first.new.base_offset, last.new.base_offset + last.new.nbytes
-        new_w = _words(ckpt.regions[first.new.base].tensor, start, end)
-        old_w = _words(base_ckpt.regions[first.old.base].tensor, start - shift, end - shift)
-        for lo in range(0, new_w.size, _PIECE_WORDS):
-            jobs.append((new_w, old_w, lo, min(lo + _PIECE_WORDS, new_w.size)))
-            where.append((first.new.base, start // 8))
-    total = sum(j[3] - j[2] for j in jobs)
+        span = _Span(_words(ckpt.regions[first.new.base].tensor, start, end),
+                     _words(base_ckpt.regions[first.old.base].tensor, start - shift, end - shift),
+                     np.arange(len(order), len(order) + len(group), dtype=np.int64),
+                     np.array([(p.new.base_offset - start) // 8 for p in group], dtype=np.int64),
+                     np.array([p.new.nbytes for p in group], dtype=np.int64),
+                     np.array([p.new.itemsize for p in group], dtype=np.int64))
+        order += group
+        longest = max(longest, max(p.new.nbytes for p in group) // 8 + 1)
+        for lo in range(0, span.new_w.size, _PIECE_WORDS):
+            jobs.append([span, lo, min(lo + _PIECE_WORDS, span.new_w.size)])
+    a, b = _host_ab(longest)
+    for j in jobs:
+        j += [a, b]
+    total = sum(j[2] - j[1] for j in jobs)
     threads = min(fault_threads(), os.cpu_count() or 1, len(jobs)) if total >= _THREADS_MIN_WORDS else 1
-    words_idx, new_vals, old_vals = [], [], []
-    for (region, first_word), (i, nw, ow) in zip(where, _changed_words_each(jobs, threads)):
-        for ii, a_, b_ in zip(i, nw, ow):
-            words_idx.append((region, ii + first_word))
-            new_vals.append(a_)
-            old_vals.append(b_)
+    parts = _run_jobs(jobs, threads)
     lap("compare")
 
-    # 2. changed words -> tensors (per region), with the tail of a tensor's last word masked out
-    order = sorted(fused, key=lambda p: (p.new.base, p.new.base_offset))
-    region_of = np.array([p.new.base for p in order], dtype=np.int64)
-    starts = np.array([p.new.base_offset // 8 for p in order], dtype=np.int64)
-    nbytes = np.array([p.new.nbytes for p in order], dtype=np.int64)
-    # a global key per word: (region rank, word) so tensors of several regions sort together
-    regions = sorted(set(region_of.tolist()))
-    rank_of = {r: i for i, r in enumerate(regions)}
-    stride = np.int64(1) << np.int64(58)
-    keys_t = np.array([rank_of[r] for r in region_of.tolist()], dtype=np.int64) * stride + starts
-    if words_idx:
-        w = np.concatenate([np.int64(rank_of[r]) * stride + i for r, i in words_idx])
-        nw = np.concatenate(new_vals)
-        ow = np.concatenate(old_vals)
-    else:
-        w = np.empty(0, dtype=np.int64)
-        nw = ow = np.empty(0, dtype=np.uint64)
-    t = np.searchsorted(keys_t, w, side="right") - 1
-    local = w - keys_t[np.maximum(t, 0)]
-    inside = (t >= 0) & (local * 8 < nbytes[np.maximum(t, 0)])
-    t, local, nw, ow = t[inside], local[inside], nw[inside], ow[inside]
-    valid_bytes = np.minimum(nbytes[t] - local * 8, 8)
-    partial = valid_bytes < 8
-    if partial.any():
-        keep = np.full(t.size, np.uint64(_MASK), dtype=np.uint64)
-        keep[partial] = (np.uint64(1) << (valid_bytes[partial].astype(np.uint64) * np.uint64(8))) - np.uint64(1)
-        nw, ow = nw & keep, ow & keep
-        real = nw != ow
-        t, local, nw, ow = t[real], local[real], nw[real], ow[real]
-    lap("map")
-
-    # 3. digests: the base's sum plus the changed words' differences times their coefficients
-    changed_t = np.flatnonzero(np.diff(t, prepend=-1)) if t.size else np.empty(0, dtype=np.int64)
-    tensors_changed = t[changed_t]
-    sums_delta: dict[int, int] = {}
-    if t.size:
-        a, b = _host_ab(int(local.max()) + 1)
-        with np.errstate(over="ignore"):
-            coef = a[local % ROW] * b[local // ROW]
-            terms = (nw - ow) * coef
-        for ti, s in zip(tensors_changed.tolist(), np.add.reduceat(terms, changed_t).tolist()):
-            sums_delta[ti] = int(s)
+    # 2. digests: the base's sum plus the change of sum (a tensor cut between jobs: its parts added)
+    change: dict[int, int] = {}
+    for _, _, dt, dsum in parts:
+        for ti, d in zip(dt.tolist(), dsum.tolist()):
+            change[ti] = change.get(ti, 0) + d
+    digests: dict[str, int] = {}
     for ti, p in enumerate(order):
         name = p.new.name
         keep = _cacheable(base_ckpt, p.old)
         known = base_sums.get(name) if keep else None
-        if ti in sums_delta or known is not None:
+        if ti in change or known is not None:
             if known is None:
                 known = _sum_numpy(raw_of(base_ckpt.host_tensor(p.old))[0])
                 if keep:
                     base_sums[name] = known
-            digests[name] = (known + sums_delta.get(ti, 0)) & _MASK
+            digests[name] = (known + change.get(ti, 0)) & _MASK
     lap("digest")
 
-    # 4. element positions per item size (the masked tails hold no change), then gaps, largest gap, runs
+    # 3. gaps, largest gap and runs per changed tensor
+    if len(parts) == 1:
+        tid, pos = parts[0][0], parts[0][1]
+    else:
+        tid = np.concatenate([q[0] for q in parts]) if parts else np.empty(0, dtype=np.int64)
+        pos = np.concatenate([q[1] for q in parts]) if parts else np.empty(0, dtype=np.int64)
+    nbytes = np.array([p.new.nbytes for p in order], dtype=np.int64)
     size_t = np.array([p.new.itemsize for p in order], dtype=np.int64)
     numel_t = nbytes // np.maximum(size_t, 1)
-    pos_parts, tid_parts = [], []
-    for size in sorted(set(size_t[t].tolist())) if t.size else []:
-        sel = size_t[t] == size
-        k_per = 8 // size
-        hit = np.flatnonzero(nw[sel].view(_UINT[size]) != ow[sel].view(_UINT[size]))   # element k of word hit // k
-        row = hit // k_per
-        pos_parts.append(local[sel][row] * k_per + (hit - row * k_per))
-        tid_parts.append(t[sel][row])
-    if pos_parts:
-        tid = np.concatenate(tid_parts)
-        pos = np.concatenate(pos_parts)
-        if len(pos_parts) > 1:   # tensors of several item sizes: back in tensor order (stable: positions stay sorted)
-            o = np.argsort(tid, kind="stable")
-            tid, pos = tid[o], pos[o]
-    else:
-        tid = pos = np.empty(0, dtype=np.int64)
     firsts = np.flatnonzero(np.diff(tid, prepend=-1)) if tid.size else np.empty(0, dtype=np.int64)
     gaps = np.empty_like(pos)
     if pos.size:
@@ -325,61 +343,79 @@ class _Vector:
 
     def elements(self, pos: np.ndarray, gaps: np.ndarray, firsts: np.ndarray, counts: np.ndarray) -> None:
         """Keep the batched tensors' elements: (which of ``heads``, rank in its tensor, position, gap)."""
+        rank = np.arange(pos.size, dtype=np.int64) - np.repeat(firsts, counts)
+        if len(self.heads) == counts.size:   # every changed tensor batched (the usual case)
+            self.elems = (np.repeat(np.arange(counts.size, dtype=np.int64), counts), rank, pos, gaps)
+            return
         which = np.full(counts.size, -1, dtype=np.int64)
         for k, h in enumerate(self.heads):
             which[h[0]] = k
-        c_of = np.repeat(np.arange(counts.size), counts)
-        keep = which[c_of] >= 0
-        rank = np.arange(pos.size, dtype=np.int64) - np.repeat(firsts, counts)
-        self.elems = (which[c_of][keep], rank[keep], pos[keep], gaps[keep])
+        k_of = np.repeat(which, counts)
+        keep = k_of >= 0
+        self.elems = (k_of[keep], rank[keep], pos[keep], gaps[keep])
 
-    def write(self, buf: np.ndarray, offsets: dict[int, int], regions: dict[int, np.ndarray]) -> None:
+    def write(self, buf: np.ndarray, offsets: dict[int, int], regions: dict[int, np.ndarray], threads: int = 1) -> None:
         """Write the batched payloads into ``buf`` (zeroed, uint8, a multiple of 8 bytes long), each at
-        ``offsets[meta index]`` (8-byte aligned); ``regions``: the new version's regions' bytes."""
+        ``offsets[meta index]`` (8-byte aligned); ``regions``: the new version's regions' bytes. The
+        bodies are written and checked in parts of whole tensors on ``threads`` threads."""
         if not self.heads or self.elems is None:
             return
-        k, rank, pos, gaps = self.elems
-        c = np.array([h[0] for h in self.heads], dtype=np.int64)
-        start = np.array([offsets[h[1]] + len(h[2]) for h in self.heads], dtype=np.int64)   # each body's start
-        body = np.array([h[4] for h in self.heads], dtype=np.int64)
-        enc, width, size = self.enc[c], self.width[c], self.size[c]
-        index_bytes = np.where(enc == ENCODINGS.index("gap16"), _align8(self.counts[c] * 2),
-                               _align8(self.counts[c] * width))
+        heads = self.heads
+        c = np.array([h[0] for h in heads], dtype=np.int64)
+        start = np.array([offsets[h[1]] + len(h[2]) for h in heads], dtype=np.int64)   # each body's start
+        enc, width = self.enc[c], self.width[c]
+        gap16 = enc == ENCODINGS.index("gap16")
+        index_bytes = np.where(gap16, _align8(self.counts[c] * 2), _align8(self.counts[c] * width))
+        per = {"start": start, "body": np.array([h[4] for h in heads], dtype=np.int64), "gap16": gap16,
+               "width": width, "size": self.size[c], "values_at": start + index_bytes,
+               "region": np.array([h[5] for h in heads], dtype=np.int64),
+               "src": np.array([h[6] for h in heads], dtype=np.int64)}
         mv = memoryview(buf)
-        for (_, at, head, _, _, _, _) in self.heads:
+        for (_, at, head, _, _, _, _) in heads:
             mv[offsets[at]: offsets[at] + len(head)] = head
+        cum = np.cumsum(self.counts[c])
+        cuts = [0] + [int(np.searchsorted(cum, cum[-1] * i // threads)) + 1 for i in range(1, threads)] + [len(heads)]
+        cuts = sorted(set(min(x, len(heads)) for x in cuts))
+        parts = list(zip(cuts[:-1], cuts[1:]))
+        if len(parts) > 1:
+            with ThreadPoolExecutor(len(parts), thread_name_prefix="ckpt-delta-write") as pool:
+                sums = [x for got in pool.map(lambda hh: self._part(buf, regions, per, *hh), parts) for x in got]
+        else:
+            sums = [x for hh in parts for x in self._part(buf, regions, per, *hh)]
+        for (_, at, _, hex_at, nbody, _, _), total in zip(heads, sums):
+            check = (int(total) + mix_int((nbody << 5) | 1)) & _MASK
+            mv[offsets[at] + hex_at: offsets[at] + hex_at + 16] = f"{check:016x}".encode()
+
+    def _part(self, buf: np.ndarray, regions: dict[int, np.ndarray], per: dict, h0: int, h1: int) -> list[int]:
+        """Heads ``[h0, h1)``: their bodies' sections and values written, and each body's lin64 sum."""
+        k_all, rank_all, pos_all, gaps_all = self.elems   # type: ignore[misc]
+        e0, e1 = np.searchsorted(k_all, [h0, h1]).tolist()
+        k, rank, pos, gaps = k_all[e0:e1], rank_all[e0:e1], pos_all[e0:e1], gaps_all[e0:e1]
         n8 = buf.size // 8 * 8
-        ek = enc[k]
-        g = ek == ENCODINGS.index("gap16")
-        buf[:n8].view(np.uint16)[(start[k[g]] >> 1) + rank[g]] = gaps[g]
-        for w, dt in ((4, np.int32), (8, np.int64)):
-            sel = (~g) & (width[k] == w)
-            if sel.any():
-                buf[:n8].view(dt)[start[k[sel]] // w + rank[sel]] = pos[sel]
-        values_at = start + index_bytes
-        src_region = np.array([h[5] for h in self.heads], dtype=np.int64)
-        src_off = np.array([h[6] for h in self.heads], dtype=np.int64)
-        for s in sorted(set(size.tolist())):
-            for r in sorted(set(src_region.tolist())):
-                sel = (size[k] == s) & (src_region[k] == r)
-                if not sel.any():
-                    continue
-                src = regions[r]
-                src = src[: src.size // s * s].view(_UINT[s])
-                ks = k[sel]
-                buf[:n8].view(_UINT[s])[values_at[ks] // s + rank[sel]] = src[src_off[ks] // s + pos[sel]]
+        start, gap16 = per["start"], per["gap16"]
+        kinds = np.unique(gap16[h0:h1] * 16 + per["width"][h0:h1]).tolist()   # gap16, or idx of a width
+        for kind in kinds:
+            sel = (gap16[k] * 16 + per["width"][k] == kind) if len(kinds) > 1 else slice(None)
+            w, dt = (2, np.uint16) if kind >= 16 else (kind, np.int32 if kind == 4 else np.int64)
+            buf[:n8].view(dt)[start[k[sel]] // w + rank[sel]] = (gaps if kind >= 16 else pos)[sel]
+        size, region, src, values_at = per["size"], per["region"], per["src"], per["values_at"]
+        groups = np.unique(size[h0:h1] * 1024 + region[h0:h1]).tolist()
+        for key in groups:
+            s, r = divmod(key, 1024)
+            sel = (size[k] * 1024 + region[k] == key) if len(groups) > 1 else slice(None)
+            ks = k[sel]
+            data = regions[r]
+            data = data[: data.size // s * s].view(_UINT[s])
+            buf[:n8].view(_UINT[s])[values_at[ks] // s + rank[sel]] = data[src[ks] // s + pos[sel]]
         # the bodies' checks: lin64 of each (whole words: bodies are 8-byte multiples), as one segmented sum
-        words = body // 8
-        total = int(words.sum())
-        firsts = np.concatenate([[0], np.cumsum(words)[:-1]]).astype(np.int64)
-        local = np.arange(total, dtype=np.int64) - np.repeat(firsts, words)
-        vals = buf[:n8].view(np.uint64)[np.repeat(start // 8, words) + local]
+        words = per["body"][h0:h1] // 8
+        firsts = np.zeros(words.size, dtype=np.int64)
+        np.cumsum(words[:-1], out=firsts[1:])
+        local = np.arange(int(words.sum()), dtype=np.int64) - np.repeat(firsts, words)
+        vals = buf[:n8].view(np.uint64)[np.repeat(start[h0:h1] // 8, words) + local]
         a, b = _host_ab(int(words.max()))
         with np.errstate(over="ignore"):
-            sums = np.add.reduceat(vals * (a[local & (ROW - 1)] * b[local >> _ROW_BITS]), firsts).tolist()
-        for (_, at, _, hex_at, nbody, _, _), total_ in zip(self.heads, sums):
-            check = (int(total_) + mix_int((nbody << 5) | 1)) & _MASK
-            mv[offsets[at] + hex_at: offsets[at] + hex_at + 16] = f"{check:016x}".encode()
+            return np.add.reduceat(vals * (a[local & (ROW - 1)] * b[local >> _ROW_BITS]), firsts).tolist()
 
 
 _ROW_BITS = ROW.bit_length() - 1
@@ -397,18 +433,12 @@ class Encoded(NamedTuple):
     phases: dict[str, float]
 
     def write(self, buf: np.ndarray, offsets: dict[int, int], regions: dict[int, np.ndarray]) -> None:
-        """Every payload into ``buf`` (zeroed), tensor ``i``'s at ``offsets[i]`` (see ``_Vector.write``)."""
+        """Every payload into ``buf`` (zeroed), tensor ``i``'s at ``offsets[i]`` (see ``_Vector.write``), on
+        up to ``PS_FAULT_THREADS`` threads when there are many changed elements."""
         for i, payload in self.payloads.items():
             buf[offsets[i]: offsets[i] + payload.numel()] = payload.numpy()
-        self.vector.write(buf, offsets, regions)
-
-
-def _changed_words_each(jobs, threads: int) -> list:
-    """``_compare`` of each job, on ``threads`` threads when more than one, results in order."""
-    if threads > 1 and len(jobs) > 1:
-        with ThreadPoolExecutor(threads, thread_name_prefix="ckpt-delta-compare") as pool:
-            return list(pool.map(lambda j: _compare(*j), jobs))
-    return [_compare(*j) for j in jobs]
+        many = self.vector.elems is not None and self.vector.elems[0].size >= _THREADS_MIN_ELEMENTS
+        self.vector.write(buf, offsets, regions, min(fault_threads(), os.cpu_count() or 1) if many else 1)
 
 
 __all__ = ["Encoded", "encode_registration"]

@@ -72,6 +72,7 @@ def threads(request, monkeypatch):
         monkeypatch.setattr(batch, "_THREADS_MIN_WORDS", 1 << 62)
     else:   # small pieces: many jobs, spans cut between them
         monkeypatch.setattr(batch, "_THREADS_MIN_WORDS", 0)
+        monkeypatch.setattr(batch, "_THREADS_MIN_ELEMENTS", 0)
         monkeypatch.setattr(batch, "_PIECE_WORDS", 1 << 10)
         monkeypatch.setattr(batch, "BLOCK_WORDS", 1 << 7)
         monkeypatch.setenv("PS_FAULT_THREADS", "3")
