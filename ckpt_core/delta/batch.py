@@ -26,7 +26,6 @@ tensor (new, retyped, reshaped, unaligned, items of 16 bytes) goes through ``enc
 
 from __future__ import annotations
 
-import json
 import os
 import struct
 import time
@@ -275,12 +274,13 @@ def encode_registration(ckpt, base_ckpt, old: dict) -> Encoded:
     payloads: dict[int, torch.Tensor] = {}
     for ti, p in enumerate(order):
         results[p.at] = (None, {"encoding": None, "count": 0, "numel": int(numel_t[ti]), "bytes": 0})
-    lists = (ct.tolist(), firsts.tolist(), counts.tolist(), max_gaps.tolist(), runs.tolist(), vec.enc.tolist())
-    for c, (ti, s, n, mg, r, enc) in enumerate(zip(*lists)):
+    bodies = vec.sizes[vec.enc, np.arange(ct.size)].tolist()
+    lists = (ct.tolist(), firsts.tolist(), counts.tolist(), max_gaps.tolist(), runs.tolist(), vec.enc.tolist(), bodies)
+    for c, (ti, s, n, mg, r, enc, body) in enumerate(zip(*lists)):
         p = order[ti]
         digest = _fmt(digests[p.new.name] + mix_int((p.new.nbytes << 5) | p.new.itemsize))
         if enc in _VECTOR:
-            results[p.at] = vec.header(c, p.at, p.new, digest)
+            results[p.at] = vec.header(c, p.at, p.new, digest, enc, body, n)
             continue
         new = ckpt.host_tensor(p.new)
         ch = Changes(pos[s: s + n], gaps[s: s + n], mg, r)
@@ -327,18 +327,18 @@ class _Vector:
         enc = np.argmin(sizes, axis=0)   # the first of equal sizes: the order of ENCODINGS
         return cls(enc, sizes, width, counts, numel, size)
 
-    def header(self, c: int, at: int, meta, digest: str) -> tuple[None, dict]:
-        """Changed tensor ``c`` (``meta``, at ``at`` in the metas) batched: its header (its body's check to
-        come) and ``encode_tensor``'s info of it."""
-        enc = int(self.enc[c])
-        body, count = int(self.sizes[enc, c]), int(self.counts[c])
-        header = {"dtype": meta.dtype, "shape": list(meta.shape), "enc": ENCODINGS[enc], "count": count, "runs": 0,
-                  "digest": digest, "body": body, "check": _PLACEHOLDER}   # encode._payload's, in its order
-        text = json.dumps(header, separators=(",", ":")).encode()
-        head = MAGIC + struct.pack("<I", len(text)) + text
-        head += b" " * (_align8(len(head)) - len(head))
+    def header(self, c: int, at: int, meta, digest: str, enc: int, body: int, count: int) -> tuple[None, dict]:
+        """Changed tensor ``c`` (``meta``, at ``at`` in the metas; ``enc``, ``body`` bytes, ``count`` changed)
+        batched: its header (its body's check to come) and ``encode_tensor``'s info of it."""
+        name = ENCODINGS[enc]
+        # encode._payload's JSON (compact separators, its key order); the codes, names and digests
+        # are plain ASCII, the rest ints: what json.dumps writes (test_delta_batch compares the bytes)
+        text = (f'{{"dtype":"{meta.dtype}","shape":[{",".join(map(str, meta.shape))}],"enc":"{name}",'
+                f'"count":{count},"runs":0,"digest":"{digest}","body":{body},"check":"{_PLACEHOLDER}"}}').encode()
+        pad = -(8 + len(text)) % 8
+        head = MAGIC + struct.pack("<I", len(text)) + text + b" " * pad
         self.heads.append((c, at, head, 8 + len(text) - 18, body, meta.base, meta.base_offset))
-        return None, {"encoding": ENCODINGS[enc], "count": count, "numel": int(self.numel[c]),
+        return None, {"encoding": name, "count": count, "numel": meta.nbytes // meta.itemsize,
                       "bytes": len(head) + body}
 
     def elements(self, pos: np.ndarray, gaps: np.ndarray, firsts: np.ndarray, counts: np.ndarray) -> None:
