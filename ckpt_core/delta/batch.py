@@ -107,6 +107,7 @@ class _Span(NamedTuple):
     starts: np.ndarray    # int64 words from the run's start
     nbytes: np.ndarray
     sizes: np.ndarray
+    tails: bool           # some word of the run is not wholly a tensor's (a tensor's odd end, padding)
 
 
 def _job(span: _Span, lo: int, hi: int, a: np.ndarray, b: np.ndarray):
@@ -132,11 +133,10 @@ def _job(span: _Span, lo: int, hi: int, a: np.ndarray, b: np.ndarray):
     nw, ow = np.concatenate(nws), np.concatenate(ows)
     t = np.searchsorted(span.starts, w, side="right") - 1   # the tensor of each word (spans start with one)
     local = w - span.starts[t]
-    nbytes = span.nbytes[t]
-    tail = nbytes - local * 8 < 8   # a tensor's last word, or padding after it
-    if tail.any():   # only the tensor's own bytes count: the rest masked out of both
-        valid = np.maximum(nbytes[tail] - local[tail] * 8, 0).astype(np.uint64)
-        keep = np.where(valid >= 8, np.uint64(_MASK), (np.uint64(1) << (valid * np.uint64(8))) - np.uint64(1))
+    tail = (span.nbytes[t] - local * 8 < 8) if span.tails else None   # a tensor's last word, or padding after it
+    if tail is not None and tail.any():   # only the tensor's own bytes count: the rest masked out of both
+        valid = np.maximum(span.nbytes[t[tail]] - local[tail] * 8, 0).astype(np.uint64)
+        keep = (np.uint64(1) << (valid * np.uint64(8))) - np.uint64(1)   # valid < 8 bytes
         nw[tail] &= keep
         ow[tail] &= keep
         real = nw != ow
@@ -212,7 +212,9 @@ def encode_registration(ckpt, base_ckpt, old: dict) -> Encoded:
                      np.arange(len(order), len(order) + len(group), dtype=np.int64),
                      np.array([(p.new.base_offset - start) // 8 for p in group], dtype=np.int64),
                      np.array([p.new.nbytes for p in group], dtype=np.int64),
-                     np.array([p.new.itemsize for p in group], dtype=np.int64))
+                     np.array([p.new.itemsize for p in group], dtype=np.int64),
+                     any(p.new.nbytes % 8 or (q is not None and q.new.base_offset != p.new.base_offset + p.new.nbytes)
+                         for p, q in zip(group, [*group[1:], None])))
         order += group
         longest = max(longest, max(p.new.nbytes for p in group) // 8 + 1)
         for lo in range(0, span.new_w.size, _PIECE_WORDS):

@@ -176,3 +176,20 @@ def test_a_base_laid_out_differently_is_compared_tensor_by_tensor(threads):
     finally:
         a.release()
         b.release()
+
+
+def test_tensors_packed_without_padding_are_compared_without_tail_masks(threads):
+    """Tensors of whole 256-byte multiples lie back to back: a span without odd ends or padding."""
+    gen = torch.Generator().manual_seed(4)
+    backend = get_backend("cpu")
+    v0 = {f"w{i}": _random((128, 64), torch.bfloat16, gen) for i in range(4)}
+    v0["r"] = _random((64, 16), torch.float32, gen)
+    v1 = {n: _mutate(t, 0.03, gen, last=True) for n, t in v0.items()}
+    a = build_checkpoint("A", backend, named_tensors=v0)
+    b = build_checkpoint("B", backend, named_tensors=v1)
+    try:
+        assert batch._spans([batch._Pair(i, m, m2) for i, (m, m2) in enumerate(zip(b.metas, a.metas))]).__len__() == 1
+        _check(a, b, [(n, v0[n], v1[n]) for n in v1], known_base=False)
+    finally:
+        a.release()
+        b.release()
