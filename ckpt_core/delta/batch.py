@@ -26,6 +26,7 @@ tensor (new, retyped, reshaped, unaligned, items of 16 bytes) goes through ``enc
 
 from __future__ import annotations
 
+import functools
 import os
 import struct
 import time
@@ -56,9 +57,16 @@ class _Pair(NamedTuple):
     old: TensorMeta   # its base's (None: no base tensor of that name)
 
 
-def _cacheable(ckpt, meta) -> bool:
-    region = ckpt.regions.get(meta.base)
-    return region is not None and region.source_check is None   # not an in-place file map
+def _cacheable_regions(ckpt) -> set[int]:
+    """Regions whose tensors' lin64 sums may be kept: filled here, not in-place file maps (their file's
+    owner could rewrite them)."""
+    return {rid for rid, region in ckpt.regions.items() if region.source_check is None}
+
+
+@functools.lru_cache(maxsize=4096)
+def _size_term(nbytes: int, itemsize: int) -> int:
+    """lin64's term of a byte count and item size (``mix_int``: pure Python; tensors repeat shapes)."""
+    return mix_int((nbytes << 5) | itemsize)
 
 
 def _eligible(ckpt, base_ckpt, new, old) -> bool:
@@ -233,9 +241,10 @@ def encode_registration(ckpt, base_ckpt, old: dict) -> Encoded:
         for ti, d in zip(dt.tolist(), dsum.tolist()):
             change[ti] = change.get(ti, 0) + d
     digests: dict[str, int] = {}
+    keep_base = _cacheable_regions(base_ckpt)
     for ti, p in enumerate(order):
         name = p.new.name
-        keep = _cacheable(base_ckpt, p.old)
+        keep = p.old.base in keep_base
         known = base_sums.get(name) if keep else None
         if ti in change or known is not None:
             if known is None:
@@ -280,7 +289,7 @@ def encode_registration(ckpt, base_ckpt, old: dict) -> Encoded:
     lists = (ct.tolist(), firsts.tolist(), counts.tolist(), max_gaps.tolist(), runs.tolist(), vec.enc.tolist(), bodies)
     for c, (ti, s, n, mg, r, enc, body) in enumerate(zip(*lists)):
         p = order[ti]
-        digest = _fmt(digests[p.new.name] + mix_int((p.new.nbytes << 5) | p.new.itemsize))
+        digest = _fmt(digests[p.new.name] + _size_term(p.new.nbytes, p.new.itemsize))
         if enc in _VECTOR:
             results[p.at] = vec.header(c, p.at, p.new, digest, enc, body, n)
             continue
@@ -294,8 +303,9 @@ def encode_registration(ckpt, base_ckpt, old: dict) -> Encoded:
         if payload is not None:   # encode_tensor's (the tensors not batched)
             payloads[i] = payload
     lap("payloads")
+    keep_new = _cacheable_regions(ckpt)
     return Encoded([info for _, info in results], payloads, vec,
-                   {n: d for n, d in digests.items() if _cacheable(ckpt, by_name[n])}, phases)
+                   {n: d for n, d in digests.items() if by_name[n].base in keep_new}, phases)
 
 
 _VECTOR = (ENCODINGS.index("idx"), ENCODINGS.index("gap16"))
@@ -385,7 +395,7 @@ class _Vector:
         else:
             sums = [x for hh in parts for x in self._part(buf, regions, per, *hh)]
         for (_, at, _, hex_at, nbody, _, _), total in zip(heads, sums):
-            check = (int(total) + mix_int((nbody << 5) | 1)) & _MASK
+            check = (int(total) + _size_term(nbody, 1)) & _MASK
             mv[offsets[at] + hex_at: offsets[at] + hex_at + 16] = f"{check:016x}".encode()
 
     def _part(self, buf: np.ndarray, regions: dict[int, np.ndarray], per: dict, h0: int, h1: int) -> list[int]:

@@ -193,3 +193,36 @@ def test_tensors_packed_without_padding_are_compared_without_tail_masks(threads)
     finally:
         a.release()
         b.release()
+
+
+def test_in_place_file_maps_keep_no_sums(tmp_path):
+    """A version mapped in place from /dev/shm (its file's owner could rewrite it) keeps no lin64 sums,
+    as base or as new version; the payloads are the same all the same."""
+    import os
+    import uuid
+
+    from ckpt_core.checkpoint.safetensors import write_file
+    gen = torch.Generator().manual_seed(8)
+    v0 = {f"w{i}": _random((100, 9 + i), torch.bfloat16, gen) for i in range(3)}
+    v1 = {n: _mutate(t, 0.05, gen) for n, t in v0.items()}
+    paths = [f"/dev/shm/ckpt-test-{uuid.uuid4().hex}-{k}.safetensors" for k in "ab"]
+    backend = get_backend("cpu")
+    try:
+        write_file(paths[0], v0)
+        write_file(paths[1], v1)
+        a = build_checkpoint("A", backend, files=[paths[0]])
+        b = build_checkpoint("B", backend, files=[paths[1]])
+        try:
+            assert all(r.source_check is not None for r in a.regions.values())   # mapped in place
+            got, payloads = _encode(b, a)
+            assert got.digests == {} and a.digests == {}
+            for m, payload in zip(b.metas, payloads):
+                want, _ = encode_tensor(b.host_tensor(m), a.host_tensor(m))
+                assert torch.equal(payload, want), m.name
+        finally:
+            a.release()
+            b.release()
+    finally:
+        for p in paths:
+            if os.path.exists(p):
+                os.unlink(p)
