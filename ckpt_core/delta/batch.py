@@ -43,7 +43,7 @@ from ckpt_core.delta.lin64 import ROW, _fmt, _host_ab, _sum_numpy, mix_int, raw_
 from ckpt_core.planning.buckets import TensorMeta
 
 BLOCK_WORDS = 1 << 15          # words per compare block: 256 KiB of each version, in cache together
-_PIECE_WORDS = 1 << 21         # words per thread job (16 MiB of each version)
+_PIECE_WORDS = 1 << 16         # words per thread job (16 MiB of each version)
 _THREADS_MIN_WORDS = 1 << 20   # below: one thread (a pool costs more than it saves)
 _THREADS_MIN_ELEMENTS = 1 << 16   # changed elements below which the payloads are written on one thread
 _SPAN_GAP = 1 << 20            # bytes between two tensors above which a span is cut (not compared)
@@ -409,7 +409,7 @@ class _Vector:
         for kind in kinds:
             sel = (gap16[k] * 16 + per["width"][k] == kind) if len(kinds) > 1 else slice(None)
             w, dt = (2, np.uint16) if kind >= 16 else (kind, np.int32 if kind == 4 else np.int64)
-            buf[:n8].view(dt)[start[k[sel]] // w + rank[sel]] = (gaps if kind >= 16 else pos)[sel]
+            buf[:n8].view(dt)[(start // w)[k[sel]] + rank[sel]] = (gaps if kind >= 16 else pos)[sel]
         size, region, src, values_at = per["size"], per["region"], per["src"], per["values_at"]
         groups = np.unique(size[h0:h1] * 1024 + region[h0:h1]).tolist()
         for key in groups:
@@ -418,7 +418,7 @@ class _Vector:
             ks = k[sel]
             data = regions[r]
             data = data[: data.size // s * s].view(_UINT[s])
-            buf[:n8].view(_UINT[s])[values_at[ks] // s + rank[sel]] = data[src[ks] // s + pos[sel]]
+            buf[:n8].view(_UINT[s])[(values_at // s)[ks] + rank[sel]] = data[(src // s)[ks] + pos[sel]]
         # the bodies' checks: lin64 of each (whole words: bodies are 8-byte multiples), as one segmented sum
         words = per["body"][h0:h1] // 8
         firsts = np.zeros(words.size, dtype=np.int64)
