@@ -37,16 +37,19 @@ import numpy as np
 import torch
 
 from ckpt_core._settings import fault_threads
-from ckpt_core.delta._changes import Changes
+from ckpt_core.delta._changes import Changes, changed_positions
 from ckpt_core.delta.encode import ENCODINGS, MAGIC, MAX_GAP16, as_words, encode_changes, encode_tensor
-from ckpt_core.delta.lin64 import ROW, _fmt, _host_ab, _sum_numpy, mix_int, raw_of
+from ckpt_core.delta.lin64 import ROW, HostDigest, _fmt, _host_ab, _sum_numpy, mix_int, raw_of
 from ckpt_core.planning.buckets import TensorMeta
 
 BLOCK_WORDS = 1 << 15          # words per compare block: 256 KiB of each version, in cache together
 _PIECE_WORDS = 1 << 16         # words per thread job (16 MiB of each version)
 _THREADS_MIN_WORDS = 1 << 20   # below: one thread (a pool costs more than it saves)
 _THREADS_MIN_ELEMENTS = 1 << 16   # changed elements below which the payloads are written on one thread
-_SPAN_GAP = 1 << 20            # bytes between two tensors above which a span is cut (not compared)
+_SPAN_GAP = 1 << 20
+# tensors from this size are encoded each on its own, block by block (their changes found and digested
+# in cache; the batched path's arrays of every changed word would outgrow the caches)
+LARGE_BYTES = 1 << 20            # bytes between two tensors above which a span is cut (not compared)
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _MASK = (1 << 64) - 1
 
@@ -175,11 +178,61 @@ def _job(span: _Span, lo: int, hi: int, a: np.ndarray, b: np.ndarray):
     return span.tensors[tid], pos, dt, dsum
 
 
-def _run_jobs(jobs, threads: int) -> list:
-    if threads > 1 and len(jobs) > 1:
+def _large(ckpt, base_ckpt, p: _Pair, known: int | None):
+    """A large tensor on its own (one thread): its changed positions found block by block in cache
+    (``_changes.changed_positions``), its lin64 sum derived from the base's ``known`` sum over the
+    changed words, or (unknown) the new tensor's own, digested block by block as it is compared (its
+    bytes read once). Returns ``(payload or None, info, its sum)``: ``encode_tensor``'s payload."""
+    new, prev = ckpt.host_tensor(p.new), base_ckpt.host_tensor(p.old)
+    words = as_words(new).numpy()
+    size = p.new.itemsize
+    host = HostDigest(new) if known is None else None
+
+    def digest_block(end: int, changed: bool) -> None:   # once it changed: each block as it is compared
+        if host is not None and changed:
+            host.upto(end * size)
+    positions = changed_positions(words, as_words(prev).numpy(), digest_block)
+    numel = p.new.nbytes // size
+    if positions.size == 0:
+        return None, {"encoding": None, "count": 0, "numel": numel, "bytes": 0}, known
+    if known is None:
+        digest = HostDigest.digest(host)   # type: ignore[arg-type]
+        total = (int(digest[len("lin64:"):], 16) - _size_term(p.new.nbytes, size)) & _MASK
+    else:
+        total = (known + _change_of_sum(raw_of(new)[0].numpy(), raw_of(prev)[0].numpy(), positions, size)) & _MASK
+        digest = _fmt(total + _size_term(p.new.nbytes, size))
+    payload, info = encode_changes(new, words, p.new.dtype, Changes.of(positions), digest)
+    return payload, info, total
+
+
+def _change_of_sum(new: np.ndarray, old: np.ndarray, positions: np.ndarray, size: int) -> int:
+    """``sum (new_word - old_word) * c_i`` over the 8-byte words (``new``/``old``: the tensors' bytes) that
+    hold the changed elements at ``positions`` (sorted): lin64's change of sum, mod 2**64."""
+    w = positions * size >> 3 if size < 8 else positions
+    if size < 8 and w.size > 1:
+        w = w[np.flatnonzero(np.diff(w, prepend=-1))]   # sorted: each word once
+    m = new.size // 8
+    full = w[w < m]
+    total = 0
+    if full.size:
+        a, b = _host_ab(int(full[-1]) + 1)
+        with np.errstate(over="ignore"):
+            d = new[: 8 * m].view(np.uint64)[full] - old[: 8 * m].view(np.uint64)[full]
+            total = int(np.add.reduce(d * (a[full & (ROW - 1)] * b[full >> _ROW_BITS])))
+    if full.size < w.size:   # the last word, partial: its bytes zero-padded
+        a, b = _host_ab(m + 1)
+        diff = int.from_bytes(new[8 * m:].tobytes(), "little") - int.from_bytes(old[8 * m:].tobytes(), "little")
+        total += diff * int(a[m & (ROW - 1)]) * int(b[m >> _ROW_BITS])
+    return total & _MASK
+
+
+def _run_jobs(jobs, threads: int, large=()) -> tuple[list, list]:
+    """The span jobs' results, and the large tensors' (``(fn, args)`` each), on ``threads`` threads."""
+    if threads > 1 and len(jobs) + len(large) > 1:
         with ThreadPoolExecutor(threads, thread_name_prefix="ckpt-delta-compare") as pool:
-            return list(pool.map(lambda j: _job(*j), jobs))
-    return [_job(*j) for j in jobs]
+            big = [pool.submit(fn, *args) for fn, args in large]   # the long ones first
+            return list(pool.map(lambda j: _job(*j), jobs)), [f.result() for f in big]
+    return [_job(*j) for j in jobs], [fn(*args) for fn, args in large]
 
 
 def encode_registration(ckpt, base_ckpt, old: dict) -> Encoded:
@@ -198,9 +251,12 @@ def encode_registration(ckpt, base_ckpt, old: dict) -> Encoded:
     results: list = [None] * len(metas)
     base_sums: dict[str, int] = base_ckpt.digests
     pairs = [_Pair(i, m, old.get(m.name)) for i, m in enumerate(metas)]   # type: ignore[arg-type]
-    fused = [p for p in pairs if _eligible(ckpt, base_ckpt, p.new, p.old)]
-    fused_ids = {p.at for p in fused}
-    by_name = {p.new.name: p.new for p in fused}
+    eligible = [p for p in pairs if _eligible(ckpt, base_ckpt, p.new, p.old)]
+    fused = [p for p in eligible if p.new.nbytes < LARGE_BYTES]
+    large = [p for p in eligible if p.new.nbytes >= LARGE_BYTES]
+    keep_base = _cacheable_regions(base_ckpt)
+    fused_ids = {p.at for p in eligible}
+    by_name = {p.new.name: p.new for p in eligible}
     for p in pairs:   # the rest one by one, as before
         if p.at not in fused_ids:
             prev = base_ckpt.host_tensor(p.old) if p.old is not None else None
@@ -231,8 +287,15 @@ def encode_registration(ckpt, base_ckpt, old: dict) -> Encoded:
     for j in jobs:
         j += [a, b]
     total = sum(j[2] - j[1] for j in jobs)
-    threads = min(fault_threads(), os.cpu_count() or 1, len(jobs)) if total >= _THREADS_MIN_WORDS else 1
-    parts = _run_jobs(jobs, threads)
+    total += sum(p.new.nbytes // 8 for p in large)
+    threads = min(fault_threads(), os.cpu_count() or 1, len(jobs) + len(large)) if total >= _THREADS_MIN_WORDS else 1
+    known_large = [base_sums.get(p.new.name) if p.old.base in keep_base else None for p in large]
+    parts, done = _run_jobs(jobs, threads, [(_large, (ckpt, base_ckpt, p, k)) for p, k in zip(large, known_large)])
+    digests: dict[str, int] = {}
+    for p, (payload, info, total_sum) in zip(large, done):
+        results[p.at] = (payload, info)
+        if total_sum is not None:
+            digests[p.new.name] = total_sum
     lap("compare")
 
     # 2. digests: the base's sum plus the change of sum (a tensor cut between jobs: its parts added)
@@ -240,8 +303,6 @@ def encode_registration(ckpt, base_ckpt, old: dict) -> Encoded:
     for _, _, dt, dsum in parts:
         for ti, d in zip(dt.tolist(), dsum.tolist()):
             change[ti] = change.get(ti, 0) + d
-    digests: dict[str, int] = {}
-    keep_base = _cacheable_regions(base_ckpt)
     for ti, p in enumerate(order):
         name = p.new.name
         keep = p.old.base in keep_base
