@@ -8,7 +8,7 @@ elements changed, as ``update_bench.py --delta-density``: ``_bench_delta.perturb
 - ``whole``: ``register_checkpoint("B", named_tensors=B)``;
 - ``base``: ``register_checkpoint("B", named_tensors=B, base="A")`` with A's digests known (what every
   registration of a chain A -> B -> C ... after the first finds: a version registered with a base
-  knows its own digests, ``delta/fused.py``);
+  knows its own digests, ``delta/batch.py``);
 - ``base_cold``: the same with A's digests forgotten first (the first version registered with a base
   against a version registered whole: A's digests are computed then, once).
 

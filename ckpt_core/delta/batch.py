@@ -1,27 +1,34 @@
 """A registration's delta, encoded for all its tensors together (``versions.DeltaVersions.encode``).
 
 ``encode_tensor`` per tensor reads the new tensor twice (compare, then its ``lin64`` digest) and the
-base once, and pays numpy's and Python's per-call costs several times per tensor (a MoE checkpoint has
+base once, and pays numpy's and Python's per-call costs many times per tensor (a MoE checkpoint has
 thousands of small tensors). Here, for every tensor whose base has its dtype and shape and whose
 bytes lie 8-byte aligned in both versions' host memory:
 
-1. **One compare of 8-byte words over spans of many tensors.** Tensors laid out alike in both
-   versions' regions (successive versions of one model are) are compared as one run of uint64 words
-   per span, in cache-sized blocks, the span cut into pieces over ``PS_FAULT_THREADS`` threads
-   (numpy releases the GIL); each block keeps only its changed words' indices and both values.
-2. **The digest from the base's.** ``lin64`` is linear in the words (``lin64.py``): the new tensor's
+1. **The digest from the base's.** ``lin64`` is linear in the words (``lin64.py``): the new tensor's
    sum is its base's plus ``sum (new_word - old_word) * c_i`` over the changed words only. The base's
-   sums are kept on its registered checkpoint (``RegisteredCheckpoint.digests``): computed once when
-   missing (the first version registered with a base against one registered whole), and a version
-   registered with a base keeps its own (derived here), so along a chain of versions no tensor is
-   digested whole again. Only regions this process filled (not in-place file maps, which their
-   file's owner could rewrite) keep digests.
-3. **Positions, gaps, runs for all tensors at once**: the changed words expanded to elements per item
-   size, their gaps, largest gaps and run counts per tensor by segment reductions.
+   sums are kept on its registered checkpoint (``RegisteredCheckpoint.digests``), and a version
+   registered with a base keeps its own (derived here, or digested as it was compared), so along a
+   chain of versions no tensor is digested whole again. A base registered whole has none at first:
+   a small tensor's is computed then (once; the base keeps it), a large one's new version is digested
+   block by block as it is compared (its bytes read once). Only regions this process filled keep
+   sums (not in-place file maps, which their file's owner could rewrite): nothing writes them, so a
+   kept sum stays the sum of the bytes the next compare reads.
+2. **Small tensors (below ``LARGE_BYTES``) batched.** Tensors laid out alike in both versions' regions
+   (successive versions of one model are) are compared as one run of uint64 words per span, in
+   cache-sized blocks, the span cut into pieces over ``PS_FAULT_THREADS`` threads (numpy releases the
+   GIL); each piece maps its changed words to tensors, sums their lin64 change, and expands them to
+   changed elements per item size. Gaps, largest gaps and run counts then come for all tensors at
+   once by segment reductions, the encodings are chosen for all at once (``Sizes.best``'s rule), and
+   the ``idx`` and ``gap16`` payloads (the usual ones) are written together, in place, into the
+   companion's region (``_Vector.write``: headers formatted as ``encode._payload`` writes them, each
+   section and the values by one scatter, the body checks as one segmented ``lin64``).
+3. **Large tensors on their own**, one per thread job: ``_changes.changed_positions`` block by block in
+   cache, the sum derived from the changed words (or digested as compared), ``encode.encode_changes``.
 
-Each changed tensor's payload is then written by ``encode.encode_changes``, the code
-``encode_tensor`` ends with: the bytes are the same (``tests/unit/test_delta_batch.py``). Any other
-tensor (new, retyped, reshaped, unaligned, items of 16 bytes) goes through ``encode_tensor``.
+Every payload is byte for byte ``encode_tensor``'s (``encode_changes`` is its second half, and
+``tests/unit/test_delta_batch.py`` compares them over dtypes, densities, shapes and encodings). Any
+other tensor (new, retyped, reshaped, unaligned, items of 16 bytes) goes through ``encode_tensor``.
 """
 
 from __future__ import annotations
@@ -184,7 +191,8 @@ def _large(ckpt, base_ckpt, p: _Pair, known: int | None):
     """A large tensor on its own (one thread): its changed positions found block by block in cache
     (``_changes.changed_positions``), its lin64 sum derived from the base's ``known`` sum over the
     changed words, or (unknown) the new tensor's own, digested block by block as it is compared (its
-    bytes read once). Returns ``(payload or None, info, its sum)``: ``encode_tensor``'s payload."""
+    bytes read once). Returns ``(payload or None, info, its sum, the base's sum)`` (sums None: unknown),
+with ``encode_tensor``'s payload."""
     new, prev = ckpt.host_tensor(p.new), base_ckpt.host_tensor(p.old)
     words = as_words(new).numpy()
     size = p.new.itemsize
@@ -196,15 +204,17 @@ def _large(ckpt, base_ckpt, p: _Pair, known: int | None):
     positions = changed_positions(words, as_words(prev).numpy(), digest_block)
     numel = p.new.nbytes // size
     if positions.size == 0:
-        return None, {"encoding": None, "count": 0, "numel": numel, "bytes": 0}, known
-    if known is None:
+        return None, {"encoding": None, "count": 0, "numel": numel, "bytes": 0}, known, known
+    change = _change_of_sum(raw_of(new)[0].numpy(), raw_of(prev)[0].numpy(), positions, size)
+    if known is None:   # the new tensor digested as compared; the base's sum follows (kept for the next time)
         digest = HostDigest.digest(host)   # type: ignore[arg-type]
         total = (int(digest[len("lin64:"):], 16) - _size_term(p.new.nbytes, size)) & _MASK
+        known = (total - change) & _MASK
     else:
-        total = (known + _change_of_sum(raw_of(new)[0].numpy(), raw_of(prev)[0].numpy(), positions, size)) & _MASK
+        total = (known + change) & _MASK
         digest = _fmt(total + _size_term(p.new.nbytes, size))
     payload, info = encode_changes(new, words, p.new.dtype, Changes.of(positions), digest)
-    return payload, info, total
+    return payload, info, total, known
 
 
 def _change_of_sum(new: np.ndarray, old: np.ndarray, positions: np.ndarray, size: int) -> int:
@@ -294,10 +304,12 @@ def encode_registration(ckpt, base_ckpt, old: dict) -> Encoded:
     known_large = [base_sums.get(p.new.name) if p.old.base in keep_base else None for p in large]
     parts, done = _run_jobs(jobs, threads, [(_large, (ckpt, base_ckpt, p, k)) for p, k in zip(large, known_large)])
     digests: dict[str, int] = {}
-    for p, (payload, info, total_sum) in zip(large, done):
+    for p, (payload, info, total_sum, base_sum) in zip(large, done):
         results[p.at] = (payload, info)
         if total_sum is not None:
             digests[p.new.name] = total_sum
+        if base_sum is not None and p.old.base in keep_base:
+            base_sums[p.new.name] = base_sum
     lap("compare")
 
     # 2. digests: the base's sum plus the change of sum (a tensor cut between jobs: its parts added)
