@@ -55,10 +55,11 @@ _THREADS_MIN_WORDS = 1 << 20   # below: one thread (a pool costs more than it sa
 _THREADS_MIN_ELEMENTS = 1 << 16   # changed elements below which the payloads are written on one thread
 _SPAN_GAP = 1 << 20
 # tensors from this size are encoded each on its own, block by block (their changes found and digested
-# in cache; the batched path's arrays of every changed word outgrow the caches on large tensors, and a
-# tensor's own Python costs little beside its bytes). One thread, 2 % changed: dense16 x0.005 (220 KB
-# tensors) 107 ms batched (1 MiB here), 84 ms at 64 KiB, 88 ms at 16 KiB; moe8 (8.7 KB tensors) 112-139 ms
-LARGE_BYTES = 1 << 16
+# in cache, where the batched path's arrays of every changed word outgrow the caches); below it they are
+# batched (per-tensor numpy calls on threads contend for the GIL: moe8 x0.05, 87 KB tensors, 2 threads
+# under load: 4.6 s with 64 KiB here, 0.84 s with 1 MiB; dense16 x0.005, 220 KB tensors, one thread:
+# 84 ms on their own, 107 ms batched)
+LARGE_BYTES = 1 << 20
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _MASK = (1 << 64) - 1
 
