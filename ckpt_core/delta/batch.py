@@ -8,12 +8,12 @@ bytes lie 8-byte aligned in both versions' host memory:
 1. **The digest from the base's.** ``lin64`` is linear in the words (``lin64.py``): the new tensor's
    sum is its base's plus ``sum (new_word - old_word) * c_i`` over the changed words only. The base's
    sums are kept on its registered checkpoint (``RegisteredCheckpoint.digests``), and a version
-   registered with a base keeps its own (derived here, or digested as it was compared), so along a
-   chain of versions no tensor is digested whole again. A base registered whole has none at first:
-   a small tensor's is computed then (once; the base keeps it), a large one's new version is digested
-   block by block as it is compared (its bytes read once). Only regions this process filled keep
-   sums (not in-place file maps, which their file's owner could rewrite): nothing writes them, so a
-   kept sum stays the sum of the bytes the next compare reads.
+   registered with a base keeps its own, so along a chain of versions no small tensor is digested
+   whole again (a base registered whole has none at first: they are computed then, once, and kept).
+   Large tensors (``LARGE_BYTES``) are digested block by block as they are compared instead (their
+   bytes read once): in numpy that streaming pass costs less than the derivation's gathers. Only
+   regions this process filled keep sums (not in-place file maps, which their file's owner could
+   rewrite): nothing writes them, so a kept sum stays the sum of the bytes the next compare reads.
 2. **Small tensors (below ``LARGE_BYTES``) batched.** Tensors laid out alike in both versions' regions
    (successive versions of one model are) are compared as one run of uint64 words per span, in
    cache-sized blocks, the span cut into pieces over ``PS_FAULT_THREADS`` threads (numpy releases the
@@ -24,7 +24,7 @@ bytes lie 8-byte aligned in both versions' host memory:
    companion's region (``_Vector.write``: headers formatted as ``encode._payload`` writes them, each
    section and the values by one scatter, the body checks as one segmented ``lin64``).
 3. **Large tensors on their own**, one per thread job: ``_changes.changed_positions`` block by block in
-   cache, the sum derived from the changed words (or digested as compared), ``encode.encode_changes``.
+   cache, each changed block digested while there, ``encode.encode_changes``.
 
 Every payload is byte for byte ``encode_tensor``'s (``encode_changes`` is its second half, and
 ``tests/unit/test_delta_batch.py`` compares them over dtypes, densities, shapes and encodings). Any
@@ -188,55 +188,28 @@ def _job(span: _Span, lo: int, hi: int, a: np.ndarray, b: np.ndarray):
     return span.tensors[tid], pos, dt, dsum
 
 
-def _large(ckpt, base_ckpt, p: _Pair, known: int | None):
+def _large(ckpt, base_ckpt, p: _Pair):
     """A large tensor on its own (one thread): its changed positions found block by block in cache
-    (``_changes.changed_positions``), its lin64 sum derived from the base's ``known`` sum over the
-    changed words, or (unknown) the new tensor's own, digested block by block as it is compared (its
-    bytes read once). Returns ``(payload or None, info, its sum, the base's sum)`` (sums None: unknown),
-with ``encode_tensor``'s payload."""
+    (``_changes.changed_positions``) and, once a block changed, each block digested while in cache (its
+    bytes read once: on large tensors this streaming ``lin64`` costs less than deriving the sum from
+    the base's over the changed words, which numpy does in a dozen passes of gathers: 2 % of a 8 MiB
+    bf16 tensor, 1.0 ms against 6.6 ms). Returns ``(payload or None, info, its lin64 sum or None)``,
+    with ``encode_tensor``'s payload."""
     new, prev = ckpt.host_tensor(p.new), base_ckpt.host_tensor(p.old)
     words = as_words(new).numpy()
     size = p.new.itemsize
-    host = HostDigest(new) if known is None else None
+    host = HostDigest(new)
 
     def digest_block(end: int, changed: bool) -> None:   # once it changed: each block as it is compared
-        if host is not None and changed:
+        if changed:
             host.upto(end * size)
     positions = changed_positions(words, as_words(prev).numpy(), digest_block)
-    numel = p.new.nbytes // size
     if positions.size == 0:
-        return None, {"encoding": None, "count": 0, "numel": numel, "bytes": 0}, known, known
-    change = _change_of_sum(raw_of(new)[0].numpy(), raw_of(prev)[0].numpy(), positions, size)
-    if known is None:   # the new tensor digested as compared; the base's sum follows (kept for the next time)
-        digest = HostDigest.digest(host)   # type: ignore[arg-type]
-        total = (int(digest[len("lin64:"):], 16) - _size_term(p.new.nbytes, size)) & _MASK
-        known = (total - change) & _MASK
-    else:
-        total = (known + change) & _MASK
-        digest = _fmt(total + _size_term(p.new.nbytes, size))
+        return None, {"encoding": None, "count": 0, "numel": p.new.nbytes // size, "bytes": 0}, None
+    digest = host.digest()
+    total = (int(digest[len("lin64:"):], 16) - _size_term(p.new.nbytes, size)) & _MASK
     payload, info = encode_changes(new, words, p.new.dtype, Changes.of(positions), digest)
-    return payload, info, total, known
-
-
-def _change_of_sum(new: np.ndarray, old: np.ndarray, positions: np.ndarray, size: int) -> int:
-    """``sum (new_word - old_word) * c_i`` over the 8-byte words (``new``/``old``: the tensors' bytes) that
-    hold the changed elements at ``positions`` (sorted): lin64's change of sum, mod 2**64."""
-    w = positions * size >> 3 if size < 8 else positions
-    if size < 8 and w.size > 1:
-        w = w[np.flatnonzero(np.diff(w, prepend=-1))]   # sorted: each word once
-    m = new.size // 8
-    full = w[w < m]
-    total = 0
-    if full.size:
-        a, b = _host_ab(int(full[-1]) + 1)
-        with np.errstate(over="ignore"):
-            d = new[: 8 * m].view(np.uint64)[full] - old[: 8 * m].view(np.uint64)[full]
-            total = int(np.add.reduce(d * (a[full & (ROW - 1)] * b[full >> _ROW_BITS])))
-    if full.size < w.size:   # the last word, partial: its bytes zero-padded
-        a, b = _host_ab(m + 1)
-        diff = int.from_bytes(new[8 * m:].tobytes(), "little") - int.from_bytes(old[8 * m:].tobytes(), "little")
-        total += diff * int(a[m & (ROW - 1)]) * int(b[m >> _ROW_BITS])
-    return total & _MASK
+    return payload, info, total
 
 
 def _run_jobs(jobs, threads: int, large=()) -> tuple[list, list]:
@@ -302,15 +275,12 @@ def encode_registration(ckpt, base_ckpt, old: dict) -> Encoded:
     total = sum(j[2] - j[1] for j in jobs)
     total += sum(p.new.nbytes // 8 for p in large)
     threads = min(fault_threads(), os.cpu_count() or 1, len(jobs) + len(large)) if total >= _THREADS_MIN_WORDS else 1
-    known_large = [base_sums.get(p.new.name) if p.old.base in keep_base else None for p in large]
-    parts, done = _run_jobs(jobs, threads, [(_large, (ckpt, base_ckpt, p, k)) for p, k in zip(large, known_large)])
+    parts, done = _run_jobs(jobs, threads, [(_large, (ckpt, base_ckpt, p)) for p in large])
     digests: dict[str, int] = {}
-    for p, (payload, info, total_sum, base_sum) in zip(large, done):
+    for p, (payload, info, total_sum) in zip(large, done):
         results[p.at] = (payload, info)
         if total_sum is not None:
             digests[p.new.name] = total_sum
-        if base_sum is not None and p.old.base in keep_base:
-            base_sums[p.new.name] = base_sum
     lap("compare")
 
     # 2. digests: the base's sum plus the change of sum (a tensor cut between jobs: its parts added)

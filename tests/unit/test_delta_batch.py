@@ -138,7 +138,7 @@ def test_batched_payloads_equal_encode_tensor_per_tensor(threads, known_base):
         changed = {m.name for m, p in zip(b.metas, payloads) if p is not None}
         assert "unchanged" not in changed and {"new", "retyped", "reshaped", "large"} <= changed
         assert {info["encoding"] for info in got.infos} == {None, "whole", "idx", "gap16", "bitmap", "runs"}
-        assert "large" in got.digests and "large" in a.digests   # derived from the base's, or it from the new
+        assert "large" in got.digests   # digested as it was compared (a large tensor)
         if batch.LARGE_BYTES > 10_000:   # a batched tensor's base sum is kept once computed
             assert "run" in a.digests
     finally:
