@@ -34,6 +34,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from a checkout without installing
 
 from ckpt_core.delta.encode import apply_decoded, changed_mask, decode, encode_tensor   # noqa: E402
+from ckpt_core.delta.encode_device import encode_on_device   # noqa: E402
 
 
 class RMSNorm(nn.Module):
@@ -111,8 +112,8 @@ class Qwen2Like(nn.Module):
 
     def forward(self, ids):
         s = ids.shape[1]
-        inv = 1.0 / (1e6 ** (torch.arange(0, self.hd, 2).float() / self.hd))   # Qwen2's rope_theta
-        ang = torch.outer(torch.arange(s).float(), inv)
+        inv = 1.0 / (1e6 ** (torch.arange(0, self.hd, 2, device=ids.device).float() / self.hd))   # Qwen2's theta
+        ang = torch.outer(torch.arange(s, device=ids.device).float(), inv)
         cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
         x = self.model.embed_tokens(ids)
         for layer in self.model.layers:
@@ -134,26 +135,44 @@ def bf16_state(model) -> dict[str, torch.Tensor]:
     return {n: p.detach().to(torch.bfloat16).clone() for n, p in model.named_parameters()}
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def step_figures(prev: dict, cur: dict) -> dict:
-    """Changed fraction per kind, and the delta encoding's size and times for this step."""
+    """Changed fraction per kind, and the delta encoding's size and times for this step. On a GPU the
+    step's tensors are encoded together where they lie (``encode_device.encode_on_device``, the path of a
+    trainer's ``on_device`` versions); on the CPU one by one on the host (``encode_tensor``)."""
     changed, total = defaultdict(int), defaultdict(int)
     enc_s = apply_s = 0.0
     payload_bytes, full_bytes, encodings = 0, 0, defaultdict(int)
+    device = next(iter(cur.values())).device
+    if device.type != "cpu":
+        _sync(device)
+        t0 = time.perf_counter()
+        encoded = dict(zip(cur, encode_on_device([(new, prev[n]) for n, new in cur.items()])))
+        _sync(device)
+        enc_s = time.perf_counter() - t0
     for name, new in cur.items():
         kind = kind_of(name)
         n = int(changed_mask(new, prev[name]).sum())
         changed[kind] += n
         total[kind] += new.numel()
         full_bytes += new.numel() * new.element_size()
-        t0 = time.perf_counter()
-        payload, info = encode_tensor(new, prev[name])
-        enc_s += time.perf_counter() - t0
+        if device.type == "cpu":
+            t0 = time.perf_counter()
+            payload, info = encode_tensor(new, prev[name])
+            enc_s += time.perf_counter() - t0
+        else:
+            payload, info = encoded[name]
         encodings[info["encoding"] or "unchanged"] += 1
         if payload is not None:
             payload_bytes += payload.numel()
             live = prev[name].clone()
             t0 = time.perf_counter()
             apply_decoded(live, decode(payload, name))
+            _sync(device)
             apply_s += time.perf_counter() - t0
             assert torch.equal(live.view(torch.int16), new.view(torch.int16)), name   # lossless, checked here too
     all_changed, all_total = sum(changed.values()), sum(total.values())
@@ -164,21 +183,23 @@ def step_figures(prev: dict, cur: dict) -> dict:
 
 
 def run(args) -> dict:
-    results = {"date": args.date, "machine": "cpu", "cpu": platform.processor() or platform.machine(),
+    device = torch.device(args.device)
+    machine = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    results = {"date": args.date, "machine": machine, "cpu": platform.processor() or platform.machine(),
                "torch": torch.__version__, "threads": torch.get_num_threads(),
                "model": {k: getattr(args, k) for k in ("vocab", "hidden", "inter", "layers", "heads", "kv_heads")},
                "batch": args.batch, "seq": args.seq, "steps": args.steps, "optimizer": "AdamW(betas=(0.9, 0.999), "
                f"eps=1e-8, weight_decay={args.wd}), float32 master weights, bf16 snapshot per step", "runs": {}}
     for lr in args.lrs:
         torch.manual_seed(args.seed)
-        model = Qwen2Like(args.vocab, args.hidden, args.inter, args.layers, args.heads, args.kv_heads)
+        model = Qwen2Like(args.vocab, args.hidden, args.inter, args.layers, args.heads, args.kv_heads).to(device)
         results["params"] = sum(p.numel() for p in model.parameters())
         opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=args.wd)
         gen = torch.Generator().manual_seed(args.seed + 1)
         prev = bf16_state(model)
         steps = []
         for step in range(1, args.steps + 1):
-            ids = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)
+            ids = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen).to(device)
             logits = model(ids[:, :-1])
             loss = F.cross_entropy(logits.reshape(-1, args.vocab), ids[:, 1:].reshape(-1))
             opt.zero_grad()
@@ -280,8 +301,12 @@ def main(argv=None) -> int:
     ap.add_argument("--codec-densities", type=float, nargs="*", default=[0.001, 0.005, 0.015, 0.03, 0.1, 0.3, 0.6],
                     help="also time the encoding of one bf16 tensor at these densities")
     ap.add_argument("--codec-mib", type=int, default=64, help="that tensor's size, MiB")
+    ap.add_argument("--device", default="cpu", help="train (and encode the deltas) there: cpu, or cuda "
+                    "(a larger model: e.g. --hidden 2048 --inter 5632 --layers 16 --vocab 32000)")
     ap.add_argument("--out", type=Path, default=None, help="write the figures as JSON here (and a .txt summary beside)")
     args = ap.parse_args(argv)
+    if args.device != "cpu" and not (args.device.startswith("cuda") and torch.cuda.is_available()):
+        ap.error(f"--device {args.device}: no such device here (cpu, or cuda on a machine with a GPU)")
     if args.steps < 1 or args.steps > 1000 or not all(0 < lr < 1 and math.isfinite(lr) for lr in args.lrs):
         ap.error("--steps must be in [1, 1000] and every --lrs in (0, 1)")
     if not 1 <= args.codec_mib <= 4096 or not all(0 <= d <= 1 for d in args.codec_densities):

@@ -9,11 +9,11 @@ from datetime import timedelta
 from typing import Callable
 
 from ckpt_core._settings import load_settings
-from ckpt_core.checkpoint.device import build_device_checkpoint, refuse_device_resident
+from ckpt_core.checkpoint.device import build_device_checkpoint
 from ckpt_core.checkpoint.host import SharedPool
 from ckpt_core.checkpoint.sources import build_checkpoint
 from ckpt_core.delta.dispatch import Updates
-from ckpt_core.delta.versions import DeltaVersions
+from ckpt_core.delta.versions import DeltaVersions, refuse_mixed_sides
 from ckpt_core.devices import default_kind, get_backend
 from ckpt_core.errors import CheckpointNotFoundError, ClosedError, ConfigError, DeviceResidentError, TransportError
 from ckpt_core.ops.gc import gc_paused
@@ -31,10 +31,9 @@ CLOSE_GRACE_S = 5.0  # close(): how much longer than a collective a running upda
 GiB = float(1 << 30)
 
 
-def _check_on_device_call(files, use_shared_memory_pool: bool, base: str | None) -> None:
+def _check_on_device_call(files, use_shared_memory_pool: bool) -> None:
     """``register_checkpoint(on_device=True)``'s refusals of the other options (nothing is kept)."""
-    asked = [k for k, v in (("files", files), ("use_shared_memory_pool", use_shared_memory_pool), ("base", base))
-             if v]
+    asked = [k for k, v in (("files", files), ("use_shared_memory_pool", use_shared_memory_pool)) if v]
     if asked:
         raise DeviceResidentError(f"on_device=True registers named_tensors in place on this rank's device; "
                                   f"{', '.join(asked)} need(s) host memory: register those without on_device")
@@ -191,7 +190,7 @@ class ParameterServer:
     def register_checkpoint(self, checkpoint_name: str, *, files=None, named_tensors=None,
                             use_shared_memory_pool: bool = False, use_inplace_pin_memory: bool = True,
                             unlink_inplace_files: bool = False, base: str | None = None,
-                            on_device: bool = False) -> None:
+                            on_device: bool = False, on_device_digest: bool = True) -> None:
         """Load this rank's share of checkpoint ``checkpoint_name`` into host memory (local; no collective).
 
         ``files``: safetensors paths (validated before anything is read); files under /dev/shm are mapped and
@@ -206,8 +205,15 @@ class ParameterServer:
         into them before an update is what it sends, and the caller must not modify them until that update()
         returns (their producing work must be ordered before update() on the calling thread's current stream,
         or synchronized). Each tensor (a piece's local view) must lie on this rank's device and be contiguous,
-        and ``files``, ``use_shared_memory_pool`` and ``base`` are refused (``DeviceResidentError``, nothing
-        kept); such a checkpoint is never served to P2P readers, and P2P updates of it are refused on every rank.
+        and ``files`` and ``use_shared_memory_pool`` are refused (``DeviceResidentError``, nothing kept); such a
+        checkpoint is never served to P2P readers, and P2P updates of it are refused on every rank. With
+        ``base`` (a version registered ``on_device`` too: the trainer's previous weights, kept on its device),
+        the delta is encoded on the device and its payloads stay there; they are of the tensors' bytes at
+        registration, so register each version as its own copy: a base whose bytes changed since its
+        registration is refused, as are a version and its base on different sides (device and host)
+        (``DeviceResidentError``). ``on_device_digest`` (default True): record a ``lin64`` of each tensor
+        at registration, on the device (one read of the version), which that check needs; False skips it
+        (a version registered so cannot be a delta's base: a trainer that only sends full updates).
         """
         self._check_open()
         name = checkpoint_name   # the reference's spelling outside, a short one inside
@@ -215,9 +221,9 @@ class ParameterServer:
             raise ConfigError(f"checkpoint name must be a non-empty string, got {name!r}")
         if name in self._catalog.checkpoints:
             raise ConfigError(f"checkpoint {name!r} is already registered on rank {self.rank}; unregister it first")
-        if base is not None:   # a delta is encoded from host bytes (delta/versions.py)
-            refuse_device_resident(self._catalog.checkpoints.get(base), base, f"a delta of {name!r} against it",
-                                   self.rank)
+        base_ckpt = self._catalog.checkpoints.get(base) if base is not None else None
+        if base_ckpt is not None:   # a delta compares both versions where they lie (delta/versions.py): same side
+            refuse_mixed_sides(name, bool(on_device), str(base), base_ckpt.on_device, self.rank)
         pool = None
         if use_shared_memory_pool and not on_device:
             self._pool = self._pool or SharedPool(self.backend)
@@ -226,14 +232,15 @@ class ParameterServer:
         self._tell("register", "validate")
         with gc_paused():
             if on_device:
-                _check_on_device_call(files, use_shared_memory_pool, base)
+                _check_on_device_call(files, use_shared_memory_pool)
                 ckpt = build_device_checkpoint(name, self.backend, self.device_index, named_tensors)
             else:
                 ckpt = build_checkpoint(name, self.backend, files=files, named_tensors=named_tensors,
                                         pool=pool, inplace=use_inplace_pin_memory,
                                         unlink_inplace_files=unlink_inplace_files,
                                         progress=lambda phase, done, total: self._tell("register", phase, done, total))
-        self._flows.add(name, ckpt, base)   # and its delta against base; served to P2P readers (serve_p2p only)
+        # and its delta against base; served to P2P readers (serve_p2p only)
+        self._flows.add(name, ckpt, base, snapshot=bool(on_device and on_device_digest))
         dt = time.perf_counter() - t0
         self.last_register = {"name": name, "bytes": ckpt.nbytes, "seconds": dict(ckpt.seconds, total=dt),
                               "on_device": ckpt.on_device}
@@ -241,6 +248,23 @@ class ParameterServer:
         self._log.info("registered %r: %d tensors, %.3f GiB in %.3f s (%.2f GB/s; %s)", name, len(ckpt.metas),
                        ckpt.nbytes / GiB, dt, ckpt.nbytes / max(dt, 1e-9) / 1e9,
                        ", ".join(f"{k} {v:.3f} s" for k, v in ckpt.seconds.items() if v >= 0.0005))
+
+    def fold_delta(self, checkpoint_name: str, *, base: str) -> dict:
+        """Register this rank's delta of version ``checkpoint_name`` from an older version ``base`` (local; no
+        collective, like ``register_checkpoint``): the chain of deltas folded into one, for engines that hold
+        ``base`` (``delta/fold.py``). Encoded against ``base`` when it is still registered here, else from the
+        registered deltas that lead from ``base`` to ``checkpoint_name`` (their payloads' union, with its values).
+        Registered as the companion ``<name>@delta:<base>``; ``gather_metas(name)`` carries it for joining worlds
+        when every rank folded it, and ``update(name, ..., delta=True)`` moves it to engines that hold ``base``.
+        Unregistering the version removes its folds. Nothing to do when ``name`` was registered with that base or
+        the fold exists. Returns this rank's figures (bytes, encodings, seconds). ``DeltaBaseError`` when no
+        registered version or chain leads from ``base``; nothing is kept then (docs/deltas.md)."""
+        self._check_open()
+        with gc_paused():
+            fig = self._flows.fold(checkpoint_name, base)
+        self._log.info("folded the deltas of %r from %r: %s bytes of payload", checkpoint_name, base,
+                       fig.get("payload_bytes"))
+        return fig
 
     def unregister_checkpoint(self, checkpoint_name: str, force: bool = False) -> None:
         """Free checkpoint ``checkpoint_name``. With ``force``, also free the shared pool's memory if it

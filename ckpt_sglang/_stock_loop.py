@@ -18,6 +18,7 @@ from __future__ import annotations
 import gc
 import sys
 import threading
+import traceback
 import types
 from contextlib import contextmanager
 from typing import Callable, Iterator
@@ -91,22 +92,75 @@ def fast_switching(interval_s: float = SWITCH_INTERVAL_S) -> Iterator[None]:
                 sys.setswitchinterval(_switch_saved)
 
 
+class _HookReply:
+    """A post hook whose failure is the loop's last reply (see :func:`run_stock_loop`)."""
+
+    def __init__(self, hook: Callable[[], None]):
+        self.hook, self.text = hook, ""
+        self.error: Exception | None = None
+
+    def __call__(self) -> None:
+        try:
+            self.hook()
+        except Exception as exc:   # noqa: BLE001 - answered to the PS by _ReplyingSocket, raised after the loop
+            self.error = exc
+            self.text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+
+
+class _ReplyingSocket:
+    """The stock loop's REP socket; its ``b""`` after a failed post hook becomes the hook's traceback."""
+
+    def __init__(self, sock, hook: _HookReply):
+        self._sock, self._hook = sock, hook
+
+    def send(self, data, *args, **kwargs):
+        if data == b"" and self._hook.error is not None:
+            return self._sock.send_string(self._hook.text)
+        return self._sock.send(data, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._sock, name)
+
+
+class _ReplyingContext:
+    def __init__(self, ctx, hook: _HookReply):
+        self._ctx, self._hook = ctx, hook
+
+    def socket(self, kind, *args, **kwargs):
+        return _ReplyingSocket(self._ctx.socket(kind, *args, **kwargs), self._hook)
+
+    def __getattr__(self, name):
+        return getattr(self._ctx, name)
+
+
 def run_stock_loop(handle: str, device: torch.device, device_id, timeout_s: float, *, run: Callable,
-                   post_hook: Callable[[], None] | None = None, side_stream: bool = True) -> None:
+                   post_hook: Callable[[], None] | None = None, side_stream: bool = True,
+                   reply_hook_error: bool = False) -> None:
     """One update through the stock loop: a fresh ZeroMQ context with ``timeout_s``, the lowered
     switch interval and, with ``side_stream`` on a GPU, a CUDA stream of its own (a stage runs
     beside generation; the loop synchronizes the device after each bucket). Raises what the loop
-    raises (the PS has been told by then)."""
+    raises (the PS has been told by then).
+
+    ``reply_hook_error``: the stock loop lets a failing ``post_hook`` propagate without answering
+    the PS's last message (the PS would wait for it until its deadline); with this, the failure is
+    that answer (its traceback, as a failing ``run`` answers a bucket: the PS raises it on every
+    rank) and it is raised here once the loop returned."""
     loop = stock_loop()
     ctx = receiver_context(timeout_s)
+    hook = _HookReply(post_hook) if reply_hook_error and post_hook is not None else None
+    if hook is not None:
+        post_hook = hook
+    loop_ctx = ctx if hook is None else _ReplyingContext(ctx, hook)
     try:
         with fast_switching():
             if device.type == "cuda":
                 torch.cuda.set_device(device)
             if device.type == "cuda" and side_stream:
                 with torch.cuda.stream(torch.cuda.Stream(device)):
-                    loop(ctx, handle, device_id, run=run, post_hook=post_hook)
+                    loop(loop_ctx, handle, device_id, run=run, post_hook=post_hook)
             else:
-                loop(ctx, handle, device_id, run=run, post_hook=post_hook)
+                loop(loop_ctx, handle, device_id, run=run, post_hook=post_hook)
     finally:
         ctx.destroy(linger=0)
+    if hook is not None and hook.error is not None:
+        raise hook.error

@@ -34,8 +34,9 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from typing import Any, Callable
 
+from ckpt_core.delta.versions import accepts_deltas
 from ckpt_core.engines.base import Prechecked, Requester, UpdateReport
 from ckpt_core.engines.http import Phases, error_text
 from ckpt_core.errors import CkptError, ConfigError, RemoteWorkerError
@@ -106,7 +107,7 @@ class SglangClient(Requester):
     def update(self, handles, *, flush_cache: bool = True, weight_version: str | None = None,
                timeout: float | None = None, pause: str | None = None, busy: str = "retract",
                stage: str | None = None, stage_device_bytes: int = 0,
-               stage_pause: str | None = "in_place", via: str | None = None) -> UpdateReport:
+               stage_pause: str | None = "in_place", via: str | None = None, deltas: bool = False) -> UpdateReport:
         """Make the server pull one update; ``handles``: ``[(device_key, zmq_handle)]`` or a dict.
 
         ``via``: ``"loader"`` loads through our loader (``ckpt_sglang.staging.load``, its ``load``
@@ -121,16 +122,30 @@ class SglangClient(Requester):
         because requests were running (see the module docstring).
         ``stage="v8"``: stage the update instead (:meth:`stage`, ``stage_pause`` its ``pause``);
         :meth:`commit` switches to it.
+
+        ``deltas=True`` (docs/deltas.md, "SGLang"): the update goes through our loader (``via`` None or
+        ``"loader"``) and takes a delta (``ParameterServer.update(..., delta=True)``) or a full update;
+        a full one keeps what later deltas need. ``weight_version`` is required: it must be the
+        checkpoint's name on the PS (a delta names its base by it).
         """
         if stage is not None:
             if pause is not None or weight_version is not None:
                 raise ConfigError("a staged update takes neither pause nor weight_version: the server keeps "
                                   "generating while it stages; commit(version) pauses and sets the version")
-            return self.stage(handles, stage, timeout=timeout, device_bytes=stage_device_bytes, pause=stage_pause)
+            return self.stage(handles, stage, timeout=timeout, device_bytes=stage_device_bytes, pause=stage_pause,
+                              deltas=deltas)
         if busy not in BUSY_MODES:
             raise ConfigError(f"busy must be one of {BUSY_MODES}, got {busy!r}")
         if pause is not None and pause not in PAUSE_MODES:
             raise ConfigError(f"pause mode must be one of {PAUSE_MODES}, got {pause!r}")
+        if deltas:
+            if weight_version is None:
+                raise ConfigError("deltas=True needs weight_version: the checkpoint's name, by which a delta "
+                                  "names its base")
+            if via == "ipc":
+                raise ConfigError("deltas=True loads through our loader (via='loader'): SGLang's IPC route would "
+                                  "load a delta's payloads as tensors")
+            via = "loader"
         route = self.route(via)
         wait = self.http.timeout if timeout is None else float(timeout)
         self.server.check_reloadable()   # before anything is posted
@@ -140,7 +155,7 @@ class SglangClient(Requester):
             phases.run("pause", self.pause, pause)
         try:
             if route == "loader":
-                self._load(phases, report, dict(handles), weight_version, wait)
+                self._load(phases, report, dict(handles), weight_version, wait, deltas)
                 if flush_cache:
                     self._flush(phases, report, busy, pause)
             else:
@@ -183,13 +198,15 @@ class SglangClient(Requester):
             self.server.first_weights_loaded()
 
     def _load(self, phases: Phases, report: UpdateReport, handles: dict, weight_version: str | None,
-              wait: float) -> None:
+              wait: float, deltas: bool = False) -> None:
         """Our loader's ``load`` op on every TP rank (in SGLang's session where it has one); then
         SGLang's ``weight_version`` (after the load: SGLang's tensor route would set it even when
         our loader reports a failure)."""
         ranks = self.server.require_loader(LOADER, "direct loads (via='loader')")
-        report.workers = self._session_op(phases, "load", None, wait, ranks, phase="update",
-                                          weights=weight_version, handles=handles, receive_timeout=wait)
+        fields: dict[str, Any] = {"weights": weight_version, "handles": handles, "receive_timeout": wait}
+        if deltas:
+            fields["deltas"] = True
+        report.workers = self._session_op(phases, "load", None, wait, ranks, phase="update", **fields)
         report.message = f"loaded through {LOADER} on {ranks} TP rank(s)"
         if weight_version is not None:
             phases.run("weight_version", self.set_weight_version, str(weight_version))
@@ -239,10 +256,19 @@ class SglangClient(Requester):
         """A ``req_func`` posting every handle it is given; keyword arguments go to :meth:`update`.
 
         It carries ``precheck`` (:meth:`check_reloadable`): ``ParameterServer.update`` asks it before
-        anything moves, so a model SGLang cannot reload is refused on every rank at once."""
+        anything moves, so a model SGLang cannot reload is refused on every rank at once. With
+        ``deltas=True`` it is marked as taking deltas (``ckpt_core.delta.versions.accepts_deltas``), which
+        ``ParameterServer.update(..., delta=True)`` asks of every rank's ``req_func`` on the stock wire."""
         def req_func(handles):
             return self.update(handles, **update_kwargs)
-        return Prechecked(req_func, self.check_reloadable)
+        out = Prechecked(req_func, self.check_reloadable)
+        if update_kwargs.get("deltas"):
+            named = update_kwargs.get("weight_version") or update_kwargs.get("stage")
+            if named is None or update_kwargs.get("via") == "ipc":
+                raise ConfigError("req_func(deltas=True) needs weight_version (or stage): the checkpoint's name, by "
+                                  "which a delta names its base; and our loader (via None or 'loader')")
+            accepts_deltas(out)   # a delta over the stock wire reaches our loader, which applies it
+        return out
 
     def check_reloadable(self) -> None:
         """``ConfigError`` when SGLang cannot load a checkpoint into this server's live model
@@ -300,7 +326,7 @@ class SglangClient(Requester):
         return self._record(report)
 
     def stage(self, handles, version: str, *, timeout: float | None = None, device_bytes: int = 0,
-              pause: str | None = "in_place") -> UpdateReport:
+              pause: str | None = "in_place", deltas: bool = False) -> UpdateReport:
         """Start receiving an update into every TP rank's staging area; the server keeps its weights.
 
         Use it as the update's ``req_func`` (``req_func(stage="v8")``): it returns once the
@@ -311,12 +337,19 @@ class SglangClient(Requester):
         ``pause=None`` opens the session without pausing: only for models whose weights SGLang
         does not pack in place (``begin_weight_update`` then changes nothing; unquantized
         models on GPU), else generation could run on unpacked weights until the session ends.
+        ``deltas=True`` (docs/deltas.md, "SGLang"): stage a delta (``ParameterServer.update(...,
+        delta=True)``, refused at its first bucket when the server does not hold its base, nothing
+        staged), applied by :meth:`commit`; or a full update whose commit keeps what later deltas
+        need. ``version`` must be the checkpoint's name.
         """
         wait = self.http.timeout if timeout is None else float(timeout)
         if pause not in (None, "in_place", "retract"):
             raise ConfigError(f"a stage opens its session under pause None, 'in_place' or 'retract', got {pause!r}")
-        return self._staged_call("stage", pause, timeout, weights=str(version), handles=dict(handles),
-                                 device_bytes=int(device_bytes), receive_timeout=wait)
+        fields: dict[str, Any] = {"weights": str(version), "handles": dict(handles), "device_bytes": int(device_bytes),
+                                  "receive_timeout": wait}
+        if deltas:
+            fields["deltas"] = True
+        return self._staged_call("stage", pause, timeout, **fields)
 
     def commit(self, version: str, *, pause: str = "retract", timeout: float | None = None) -> UpdateReport:
         """Switch the server to the staged ``version`` in one pause, with no request dropped.

@@ -54,6 +54,7 @@ from ckpt_core.errors import CheckpointFormatError, ConfigError
 from ckpt_core.wire.staging import StagingArea
 
 from ._agree import BUSY, FAILED, MALFORMED, OK, REFUSED, TpGroup, refusal, sglang_tp_group
+from ._delta import SglangDeltas, is_delta_name
 from ._protocol import decode_command, reply
 from ._stock_loop import run_stock_loop
 
@@ -95,6 +96,8 @@ class SglangStagingArea(StagingArea):
     """A staging area and the layout of what it staged (set when sealed)."""
 
     layout: Layout = field(default_factory=dict)
+    keep: bool = False    # staged with deltas: a full one's commit keeps what deltas need, a delta may be staged
+    delta: bool = False   # what it staged is a delta (its payloads)
 
 
 class EngineStaging:
@@ -108,6 +111,7 @@ class EngineStaging:
         self.live_version: str | None = None
         self.live_since: float | None = None
         self.last_stage_error: str | None = None
+        self.deltas = SglangDeltas()   # the version held for deltas, the map, kept copies (_delta.py)
 
     def _still_receiving(self) -> str | None:
         """The version a stage's receiver thread is still receiving (None: none is)."""
@@ -138,7 +142,7 @@ class EngineStaging:
                 raise refused
             if not isinstance(handles, dict):   # refused above, on every rank
                 raise ConfigError(f"cannot stage version {version!r}: the parameter server sent no handles")
-            area = SglangStagingArea(version, device, int(cmd.get("device_bytes", 0)))
+            area = SglangStagingArea(version, device, int(cmd.get("device_bytes", 0)), keep=bool(cmd.get("deltas")))
             thread = threading.Thread(target=self._receive, args=(area, handles[key], device_id, timeout),
                                       name=f"ckpt-stage-{version}", daemon=True)
             self.receiving = (version, thread)
@@ -160,6 +164,18 @@ class EngineStaging:
                 raise
 
         def check_and_add(weights):
+            names = [n for n, _ in weights]
+            delta = any(is_delta_name(n) for n in names)
+            if delta or area.delta:
+                if not area.keep:   # the PS refuses it first (a stage's req_func without deltas takes none)
+                    raise CheckpointFormatError("a delta is staged only by stage(..., deltas=True); nothing is staged")
+                if seen and not area.delta or not all(is_delta_name(n) for n in names):
+                    raise CheckpointFormatError("an update mixes delta payloads and whole tensors; nothing is staged")
+                self.deltas.check_bucket(names)   # refused at once, nothing staged, when it cannot apply here
+                area.delta = True
+                seen.update((n, ("uint8", tuple(t.shape))) for n, t in weights)
+                area.add(weights)
+                return
             for name, t in weights:
                 got = (str(t.dtype).removeprefix("torch."), tuple(t.shape))
                 if name in seen:
@@ -210,7 +226,7 @@ class EngineStaging:
             return BUSY, f"version {self.receiving[0]!r} is still being staged"
         if area is None or area.version != version:
             return REFUSED, "nothing is staged" if area is None else f"version {area.version!r} is staged"
-        missing = sorted(set(self.layout) - set(area.layout)) if self.layout is not None else []
+        missing = sorted(set(self.layout) - set(area.layout)) if self.layout is not None and not area.delta else []
         if missing:
             return MALFORMED, (f"it lacks {', '.join(missing[:8])} ({len(missing)} of the last commit's tensors)")
         return OK, ""
@@ -233,27 +249,46 @@ class EngineStaging:
             area, self.area = self.area, None
             if area is None:   # _commit_status refused it above, on every rank
                 raise ConfigError(f"cannot commit version {version!r}: nothing is staged")
-        error = None
+        dload = self.deltas.load(model, area.device, version, area.keep, bool(cmd.get("session")))
+        failed: Exception | None = None
+        error: Exception | None = None
         try:
-            for bucket in area.buckets:   # SGLang's own loader: the fusing a cold load does
-                model.load_weights(bucket)
-            if area.device.type == "cuda":
-                torch.cuda.synchronize(area.device)
-        except Exception as exc:   # noqa: BLE001 - every rank reports it, below
-            error = exc
-            log.error("ckpt commit of %s: SGLang's load_weights failed:\n%s", version, traceback.format_exc())
+            with dload.transaction():
+                try:
+                    for bucket in area.buckets:   # SGLang's own loader (the fusing a cold load does), or a delta's
+                        dload.run(bucket)
+                    dload.post_hook()   # a delta: checked and applied here (scattered, rebuilt and reloaded)
+                    if area.device.type == "cuda":
+                        torch.cuda.synchronize(area.device)
+                    if not dload.delta:
+                        dload.finish_full()
+                except Exception as exc:   # noqa: BLE001 - every rank reports it, below
+                    error = exc
+                    log.error("ckpt commit of %s: %s failed:\n%s", version,
+                              "the delta" if dload.delta else "SGLang's load_weights", traceback.format_exc())
+                statuses = group.gather(FAILED if error else OK, f"{type(error).__name__}: {error}" if error else "",
+                                        f"the end of the commit of {version!r}", wait)
+                what = "the delta" if dload.delta else "SGLang's load_weights"
+                failed = refusal(statuses, f"{what} failed while committing {version!r}: ",
+                                 "; the delta was undone on every TP rank" if dload.delta
+                                 else "; the model may hold a mix of both versions: push a full update")
+                if failed is not None:
+                    raise failed   # leaves the transaction: a delta is undone on every rank
+        except Exception as exc:   # noqa: BLE001 - raised below, after the state is set
+            failed = failed or exc
         summary = area.summary()
         area.free()
-        statuses = group.gather(FAILED if error else OK, f"{type(error).__name__}: {error}" if error else "",
-                                f"the end of the commit of {version!r}", wait)
-        failed = refusal(statuses, f"SGLang's load_weights failed while committing {version!r}: ",
-                         "; the model may hold a mix of both versions: push a full update")
         with self._lock:
-            self.layout = dict(area.layout)
-            self.live_version, self.live_since = (version if failed is None else None), time.time()
+            if failed is None or not dload.delta:   # a failed delta was undone: the model holds what it held
+                if not dload.delta:
+                    self.layout = dict(area.layout)
+                self.live_version, self.live_since = (version if failed is None else None), time.time()
         if failed is not None:
             raise failed from error
-        return {**summary, "sealed": True, "seconds": {"load": time.perf_counter() - t0}}
+        out = {**summary, "sealed": True, "seconds": {"load": time.perf_counter() - t0},
+               "path": "delta" if dload.delta else "full"}
+        out.update(dload.figures)
+        return out
 
     def load(self, model, cmd: dict, group: TpGroup = TpGroup()) -> dict:
         """A direct update: the stock loop feeds each bucket straight into SGLang's ``load_weights``
@@ -276,8 +311,13 @@ class EngineStaging:
                 raise refused
         if not isinstance(handles, dict):   # refused above, on every rank
             raise ConfigError(f"cannot run {what}: the parameter server sent no handles")
+        keep = bool(cmd.get("deltas"))
+        if keep and version is None:   # the client refuses it first; a delta names its base by the version
+            raise ConfigError(f"cannot run {what} with deltas: it names no version")
         t0, seen, first_error = time.perf_counter(), {}, []
         tensors, nbytes = [0], [0]
+        dload = self.deltas.load(model, device, None if version is None else str(version), keep,
+                                 bool(cmd.get("session")))
 
         def run(weights):
             try:
@@ -285,35 +325,58 @@ class EngineStaging:
                     seen[name] = (str(t.dtype).removeprefix("torch."), tuple(t.shape))
                     tensors[0] += 1
                     nbytes[0] += t.numel() * t.element_size()
-                model.load_weights(weights)   # SGLang's own loader: the fusing a cold load does
+                dload.run(weights)   # SGLang's own loader (the fusing a cold load does), or a delta's payloads held
             except Exception as exc:   # the stock loop sends its traceback to the PS, which aborts
                 first_error.append(f"{type(exc).__name__}: {exc}")
-                log.error("ckpt load: SGLang's load_weights failed:\n%s", traceback.format_exc())
+                log.error("ckpt load: %s failed:\n%s", "the delta" if dload.delta else "SGLang's load_weights",
+                          traceback.format_exc())
                 raise
 
-        error = None
+        def post_hook():   # a delta is applied here: every bucket arrived, its failure is the PS's last answer
+            try:
+                dload.post_hook()
+            except Exception as exc:
+                first_error.append(f"{type(exc).__name__}: {exc}")
+                log.error("ckpt load: the delta failed:\n%s", traceback.format_exc())
+                raise
+
+        failed = None
         try:
-            run_stock_loop(handles[key], device, device_id, float(cmd.get("receive_timeout", 600.0)), run=run,
-                           side_stream=False)
-            if not cmd.get("session"):   # a session's end post-processes (0.5.23); 0.5.17's IPC route here
-                _post_load(model, device)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-        except BaseException as exc:   # noqa: BLE001 - every rank reports it, below
-            error = (first_error or [f"{type(exc).__name__}: {exc}"])[0]
-        statuses = group.gather(FAILED if error else OK, error or "", f"the end of {what}", wait)
-        failed = refusal(statuses, f"{what} failed: ", "; the model may hold a mix of both versions: push a full "
-                         "update")
-        with self._lock:
+            with dload.transaction():
+                error = None
+                try:
+                    run_stock_loop(handles[key], device, device_id, float(cmd.get("receive_timeout", 600.0)),
+                                   run=run, post_hook=post_hook, side_stream=False, reply_hook_error=True)
+                    if not dload.delta and not cmd.get("session"):   # a session's end post-processes (0.5.23)
+                        _post_load(model, device)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+                    if not dload.delta:
+                        dload.finish_full()
+                except BaseException as exc:   # noqa: BLE001 - every rank reports it, below
+                    error = (first_error or [f"{type(exc).__name__}: {exc}"])[0]
+                statuses = group.gather(FAILED if error else OK, error or "", f"the end of {what}", wait)
+                failed = refusal(statuses, f"{what} failed: ", "; the delta was undone on every TP rank"
+                                 if dload.delta else "; the model may hold a mix of both versions: push a full update")
+                if failed is not None:
+                    raise failed   # leaves the transaction: a delta is undone on every rank
+        except Exception as exc:
             if failed is None:
+                failed = exc
+        with self._lock:
+            if failed is None and not dload.delta:
                 self.layout = dict(seen)
-            self.live_version = None if failed is not None or version is None else str(version)
-            self.live_since = time.time()
+            if failed is None or not dload.delta:   # a failed delta was undone: the version is what it was
+                self.live_version = None if failed is not None or version is None else str(version)
+                self.live_since = time.time()
         if failed is not None:
             raise failed
         seconds = time.perf_counter() - t0
         log.info("ckpt load of %s: %d tensors, %.1f MB in %.3f s", version, tensors[0], nbytes[0] / 1e6, seconds)
-        return {"version": version, "tensors": tensors[0], "bytes": nbytes[0], "seconds": {"load": seconds}}
+        out = {"version": version, "tensors": tensors[0], "bytes": nbytes[0], "seconds": {"load": seconds},
+               "path": "delta" if dload.delta else "full"}
+        out.update(dload.figures)
+        return out
 
     def drop(self, model, cmd: dict, group: TpGroup = TpGroup()) -> dict | None:
         with self._lock:

@@ -26,6 +26,13 @@ they keep generating; ``--commit`` then switches each server to it in one short 
 prints a JSON line with ``"method": "commit"`` and the pause). ``--commit --weight-version v8``
 without ``--checkpoint-path`` only commits what an earlier ``--stage`` left staged.
 
+Deltas (docs/deltas.md, "SGLang"; the server runs our loader): ``--deltas`` loads the checkpoint whole
+through our loader and keeps what later deltas need, its version the checkpoint's name. A later run
+with ``--base A --base-checkpoint-path DIR_A`` registers A (not sent) and the checkpoint with base A,
+and sends only their delta (``--delta-mode fallback``, the default: the whole checkpoint when the
+server does not hold A; ``strict``: refused). Broadcast only; with ``--stage`` the delta is staged
+and ``--commit`` applies it.
+
 Direct (``--via loader``, or ``--via auto`` where the server runs our loader): a plain update loads
 through our loader's ``load`` op instead of SGLang's IPC route (docs/sglang.md); a server started
 with ``--checkpoint-engine-wait-weights-before-ready`` still gets its first weights through the IPC
@@ -43,6 +50,7 @@ import sys
 import time
 
 from ckpt_core import ParameterServer, split_checkpoint_files
+from ckpt_core.delta.versions import accepts_deltas
 from ckpt_core.engines import GIB_OR_NONE, MAX_DEVICES, SECONDS, TIMEOUT, count
 from ckpt_core.engines.base import Prechecked
 from ckpt_core.engines.driver import (
@@ -104,12 +112,21 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "or alone: what an earlier --stage left)")
     ap.add_argument("--commit-pause", choices=COMMIT_PAUSE_MODES, default="retract",
                     help="how --commit pauses generation (no request is dropped)")
+    ap.add_argument("--deltas", action="store_true",
+                    help="load through our loader and keep what later deltas need (the version: --checkpoint-name)")
+    ap.add_argument("--base", default=None,
+                    help="send only the delta against this version (registered from --base-checkpoint-path, not "
+                         "sent), which the servers hold from an update with --deltas; implies --deltas")
+    ap.add_argument("--base-checkpoint-path", default=None, help="the files of --base (as --checkpoint-path)")
+    ap.add_argument("--delta-mode", choices=("fallback", "strict"), default="fallback",
+                    help="with --base: a server that does not hold the base gets the checkpoint whole (fallback) or "
+                         "the update fails with DeltaBaseError (strict)")
     return ap.parse_args(argv)
 
 
 def check_args(args: argparse.Namespace, world_size: int) -> None:
     """Refuse what cannot work before any process group or server is touched."""
-    if (args.stage or args.commit) and not args.weight_version:
+    if (args.stage or args.commit) and not (args.weight_version or args.deltas or args.base):
         raise ConfigError("--stage and --commit need --weight-version (the version staged and committed)")
     if (args.stage or args.commit) and args.via != "auto":
         raise ConfigError("--via chooses how a plain update loads: --stage and --commit always use our loader")
@@ -121,6 +138,17 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
                           "or add --stage")
     if not commit_only and not args.checkpoint_path and not args.load_metas_file:
         raise ConfigError("--checkpoint-path (or --load-metas-file, to join) is required")
+    if (args.base is None) != (args.base_checkpoint_path is None):
+        raise ConfigError("--base and --base-checkpoint-path go together (the base's name and its files)")
+    if args.deltas or args.base is not None:
+        if args.via == "ipc":
+            raise ConfigError("--deltas and --base load through our loader: not with --via ipc")
+        if args.update_method != "broadcast" or args.load_metas_file:
+            raise ConfigError("--deltas and --base go by broadcast: not with --update-method p2p/all or "
+                              "--load-metas-file")
+        if args.weight_version and args.weight_version != args.checkpoint_name:
+            raise ConfigError("with --deltas the version the servers hold is the checkpoint's name (a delta names its "
+                              f"base by it): drop --weight-version or make it {args.checkpoint_name!r}")
     n = args.inference_parallel_size
     if n <= 0 or world_size % n:
         raise ConfigError(f"world size {world_size} is not a multiple of --inference-parallel-size {n}")
@@ -131,6 +159,8 @@ def make_req_func(client: SglangClient | None, rank: int, n: int, args: argparse
     posts that group's handles to its own server, the others return at once. That rank's
     ``precheck`` asks its server whether its model can be reloaded at all, so a refusal (FP8 per
     tensor, ...) is one ``ConfigError`` on every rank before anything moves."""
+    deltas = bool(args.deltas or args.base is not None)
+
     def req_func(handles):
         if client is None:
             return None
@@ -138,13 +168,14 @@ def make_req_func(client: SglangClient | None, rank: int, n: int, args: argparse
         mine = handles[first:first + n]
         if args.stage:
             reports.append(client.stage(mine, args.weight_version, timeout=args.timeout,
-                                        device_bytes=int(args.stage_device_gib * (1 << 30))))
+                                        device_bytes=int(args.stage_device_gib * (1 << 30)), deltas=deltas))
         else:
             reports.append(client.update(mine, weight_version=args.weight_version, timeout=args.timeout,
                                          pause=args.pause, busy=args.busy,
-                                         via=None if args.via == "auto" else args.via))
+                                         via=None if args.via == "auto" else args.via, deltas=deltas))
         return reports[-1]
-    return req_func if client is None else Prechecked(req_func, client.check_reloadable)
+    out = req_func if client is None else Prechecked(req_func, client.check_reloadable)
+    return accepts_deltas(out) if deltas else out   # every rank's: the first of each group posts to our loader
 
 
 def torchrun_command(argv: list[str], nproc: int) -> list[str]:
@@ -178,7 +209,12 @@ def run(args: argparse.Namespace) -> None:
         if args.commit and not args.stage:
             commit(client, rank, args)
             return
+        if (args.deltas or args.base is not None) and not args.weight_version:
+            args.weight_version = args.checkpoint_name
         files = None if args.load_metas_file else split_checkpoint_files(args.checkpoint_path, rank, world_size)
+        if args.base is not None:
+            delta(client, rank, world_size, files, args)
+            return
         serve = serves_p2p(args.update_method, joining=bool(args.load_metas_file), save_metas_file=args.save_metas_file)
         with ParameterServer(device=args.device, wire=args.wire, serve_p2p=serve) as ps:
             register_s = prepare_checkpoint(ps, args.checkpoint_name, files=files, load_metas_file=args.load_metas_file,
@@ -197,6 +233,29 @@ def run(args: argparse.Namespace) -> None:
     finally:
         if client is not None:
             client.close()
+
+
+def delta(client: SglangClient | None, rank: int, world_size: int, files: list[str] | None,
+          args: argparse.Namespace) -> None:
+    """``--base``: register the base (not sent) and the checkpoint against it, send the delta."""
+    n = args.inference_parallel_size
+    base_files = split_checkpoint_files(args.base_checkpoint_path, rank, world_size)
+    with ParameterServer(device=args.device, wire=args.wire) as ps:
+        t0 = time.perf_counter()
+        ps.register_checkpoint(args.base, files=base_files)
+        ps.gather_metas(args.base)
+        ps.register_checkpoint(args.checkpoint_name, files=files, base=args.base)
+        ps.gather_metas(args.checkpoint_name)
+        register_s = time.perf_counter() - t0
+        reports: list = []
+        result = ps.update(args.checkpoint_name, make_req_func(client, ps.rank, n, args, reports),
+                           timeout=args.timeout, delta="fallback" if args.delta_mode == "fallback" else True)
+        if ps.rank == 0:
+            emit_json_line({"checkpoint": args.checkpoint_name, "method": "delta", "base": args.base,
+                            "register_and_gather_s": round(register_s, 4), "ps": result,
+                            "engine": [r.__dict__ for r in reports]}, default=str)
+        if args.commit:
+            commit(client, ps.rank, args)
 
 
 def commit(client: SglangClient | None, rank: int, args: argparse.Namespace) -> None:

@@ -57,8 +57,10 @@ class VllmEngine:
         check_option_names(self, given)
         if given.get("prepare") and not staged:
             raise ConfigError("prepare applies to a staged update (give stage)")
-        if given.get("deltas") and staged:
-            raise ConfigError("deltas: staged updates do not take deltas yet (docs/deltas.md)")
+        if given.get("deltas") and given.get("prepare"):
+            raise ConfigError("prepare does not apply to a staged delta: its commit applies the changed elements "
+                              "and reloads only the changed layers, there is no kernel format to prepare "
+                              "(docs/deltas.md)")
         if given.get("direct") and (staged or given.get("slices") or given.get("deltas")):
             raise ConfigError("direct applies to a plain full update: not staged, sliced or a delta "
                               "(docs/vllm.md, Direct full updates)")

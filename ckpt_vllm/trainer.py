@@ -324,7 +324,7 @@ class CkptTrainerWeightTransferEngine(_EngineBase):
             try:
                 on_device = self._on_device(tensors or {})
                 self.ps.register_checkpoint(name, named_tensors=tensors, use_shared_memory_pool=not on_device,
-                                            on_device=on_device)
+                                            on_device=on_device, on_device_digest=False)   # full updates only
             except Exception as exc:   # noqa: BLE001 - raised below, after every rank learnt of it
                 local = exc
         try:

@@ -9,7 +9,9 @@ in place: whatever the caller writes into them before an update is what that upd
 they must not change while an update runs.
 
 Everything that needs host bytes refuses such a checkpoint (:class:`DeviceResidentError`): a delta
-against a base, P2P serving and pulls (Mooncake reads host memory), box digests for joiners.
+between it and a host-registered version, P2P serving and pulls (Mooncake reads host memory), box
+digests for joiners. A delta between two device-resident versions is encoded on the device
+(``delta/encode_device.py``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 
 from ckpt_core.checkpoint.host import HostRegion
 from ckpt_core.checkpoint.shards import boxes_of, is_pieced
-from ckpt_core.checkpoint.sources import RegisteredCheckpoint, _check_named, _meta
+from ckpt_core.checkpoint.sources import RegisteredCheckpoint, _check_named, _meta, _torch_dtype
 from ckpt_core.devices import DeviceBackend
 from ckpt_core.errors import DeviceResidentError
 
@@ -46,6 +48,15 @@ def build_device_checkpoint(name: str, backend: DeviceBackend, index: int, named
         metas.append(_meta(n, t.dtype, t.shape, rid, 0)._replace(box=box))
     return RegisteredCheckpoint(name, metas, regions, None, nbytes=sum(m.nbytes for m in metas),
                                 seconds={"validate": time.perf_counter() - t0}, on_device=True)
+
+
+def device_tensor(ckpt: RegisteredCheckpoint, meta) -> torch.Tensor:
+    """The caller's tensor of ``meta`` in device-resident ``ckpt``, typed and shaped (a view, no copy)."""
+    region = ckpt.regions[meta.base].tensor   # each region is one whole tensor of the caller (offset 0)
+    dtype = _torch_dtype(meta.dtype)
+    if not meta.nbytes:
+        return torch.empty(meta.shape, dtype=dtype, device=region.device)
+    return region[meta.base_offset: meta.base_offset + meta.nbytes].view(dtype).view(meta.shape)
 
 
 def in_place_problem(name: str, t: torch.Tensor, device: torch.device) -> str | None:

@@ -37,6 +37,7 @@ class HostRegion:
     pin: HostPin = field(default_factory=HostPin)
     closer: Callable[[], None] | None = None
     source_check: Callable[[], str | None] | None = None   # in-place regions: has the file shrunk?
+    source_rewritten: Callable[[], str | None] | None = None   # in-place regions: written since mapped?
 
     @property
     def nbytes(self) -> int:
@@ -260,6 +261,16 @@ def map_file_region(backend: DeviceBackend, rid: int, path: str, *, writable: bo
     except BaseException:
         region.release()
         raise
+    mapped = os.fstat(fd)   # after the populate, whose write faults touch the file's times
+
+    def source_rewritten() -> str | None:
+        # a trainer that writes its next step into the same file (same inode) changes these bytes under the PS
+        now = os.fstat(fd)
+        if (now.st_mtime_ns, now.st_size) == (mapped.st_mtime_ns, mapped.st_size):
+            return None
+        return f"in-place file {path!r} was written since it was registered (its bytes are the file's, shared)"
+
+    region.source_rewritten = source_rewritten
     return region
 
 

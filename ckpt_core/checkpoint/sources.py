@@ -72,6 +72,14 @@ class RegisteredCheckpoint:
                 return problem
         return None
 
+    def rewritten_problem(self) -> str | None:
+        """The first in-place file written since registration (its mapped bytes changed with it), if any."""
+        for region in self.regions.values():
+            problem = region.source_rewritten() if region.source_rewritten is not None else None
+            if problem:
+                return problem
+        return None
+
     def release(self) -> None:
         for rid, region in self.regions.items():
             if self.pool is not None and self.pool.region is region:
@@ -168,29 +176,6 @@ def build_checkpoint(name: str, backend: DeviceBackend, *, files=None,
         # (read-only, or a kind that cannot pin in place): its bytes are ours now either way.
         _unlink(h.path for h in eligible)
     return ckpt
-
-
-def build_packed(name: str, backend: DeviceBackend,
-                 sizes: list[tuple[str, int]]) -> tuple[RegisteredCheckpoint, list[int]]:
-    """A checkpoint of flat uint8 tensors ``(name, nbytes)``, laid out as ``build_checkpoint`` lays out
-    named tensors (same metas), its region allocated zeroed (and pinned where the kind pins), for the
-    caller to write in place: returns it and each tensor's offset in its region (id 0). The caller
-    releases it if the writing fails. (The delta's companion: its payloads are written once, there.)"""
-    offsets, pos = [], 0
-    for _, n in sizes:
-        offsets.append(pos)
-        pos = align_up(pos + n)
-    clock = _Phases()
-    region = new_region(backend, 0, pos)
-    try:
-        region.tensor.zero_()   # the payloads' padding is zeros, as a copy of them would leave it
-        _pin_fresh(backend, region, pos, clock, None)
-    except BaseException:
-        region.release()
-        raise
-    metas = [_meta(n, torch.uint8, (size,), 0, off) for (n, size), off in zip(sizes, offsets)]
-    return RegisteredCheckpoint(name, metas, {0: region}, nbytes=sum(size for _, size in sizes),
-                                seconds=clock.seconds), offsets
 
 
 def _pin_fresh(backend: DeviceBackend, region: HostRegion, total: int, clock: "_Phases", progress) -> None:

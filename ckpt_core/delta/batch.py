@@ -20,13 +20,13 @@ bytes lie 8-byte aligned in both versions' host memory:
    GIL); each piece maps its changed words to tensors, sums their lin64 change, and expands them to
    changed elements per item size. Gaps, largest gaps and run counts then come for all tensors at
    once by segment reductions, the encodings are chosen for all at once (``Sizes.best``'s rule), and
-   the ``idx`` and ``gap16`` payloads (the usual ones) are written together, in place, into the
-   companion's region (``_Vector.write``: headers formatted as ``encode._payload`` writes them, each
-   section and the values by one scatter, the body checks as one segmented ``lin64``).
+   the ``idx`` and ``gap16`` payloads (the usual ones) are written together into one buffer
+   (``Encoded.payload_list``, ``_Vector.write``: headers formatted as ``encode._payload`` writes them,
+   each section and the values by one scatter, the body checks as one segmented ``lin64``).
 3. **Large tensors on their own**, one per thread job: ``_changes.changed_positions`` block by block in
-   cache, each changed block digested while there, ``encode.encode_changes``.
+   cache, each changed block digested while there, ``encode._encoded``.
 
-Every payload is byte for byte ``encode_tensor``'s (``encode_changes`` is its second half, and
+Every payload is byte for byte ``encode_tensor``'s (``encode._encoded`` is its second half, and
 ``tests/unit/test_delta_batch.py`` compares them over dtypes, densities, shapes and encodings). Any
 other tensor (new, retyped, reshaped, unaligned, items of 16 bytes) goes through ``encode_tensor``.
 """
@@ -45,7 +45,7 @@ import torch
 
 from ckpt_core._settings import fault_threads
 from ckpt_core.delta._changes import Changes, changed_positions
-from ckpt_core.delta.encode import ENCODINGS, MAGIC, MAX_GAP16, as_words, encode_changes, encode_tensor
+from ckpt_core.delta.encode import ENCODINGS, MAGIC, MAX_GAP16, _encoded, as_words, encode_tensor
 from ckpt_core.delta.lin64 import ROW, HostDigest, _fmt, _host_ab, _sum_numpy, mix_int, raw_of
 from ckpt_core.planning.buckets import TensorMeta
 
@@ -208,7 +208,7 @@ def _large(ckpt, base_ckpt, p: _Pair):
         return None, {"encoding": None, "count": 0, "numel": p.new.nbytes // size, "bytes": 0}, None
     digest = host.digest()
     total = (int(digest[len("lin64:"):], 16) - _size_term(p.new.nbytes, size)) & _MASK
-    payload, info = encode_changes(new, words, p.new.dtype, Changes.of(positions), digest)
+    payload, info = _encoded(new, words, Changes.of(positions), digest, None)
     return payload, info, total
 
 
@@ -325,7 +325,7 @@ def encode_registration(ckpt, base_ckpt, old: dict) -> Encoded:
     lap("positions")
 
     # 5. each changed tensor's encoding; idx and gap16 bodies are written for all tensors at once
-    # (``Encoded.write``), the others one by one (``encode_changes``)
+    # (``Encoded.write``), the others one by one (``encode._encoded``)
     ct = tid[firsts]   # changed tensors, in ``order``
     vec = _Vector.plan(order, ct, counts, max_gaps, runs, numel_t, size_t)
     payloads: dict[int, torch.Tensor] = {}
@@ -341,7 +341,7 @@ def encode_registration(ckpt, base_ckpt, old: dict) -> Encoded:
             continue
         new = ckpt.host_tensor(p.new)
         ch = Changes(pos[s: s + n], gaps[s: s + n], mg, r)
-        payload, info = encode_changes(new, as_words(new).numpy(), p.new.dtype, ch, digest)
+        payload, info = _encoded(new, as_words(new).numpy(), ch, digest, None)
         payloads[p.at] = payload
         results[p.at] = (None, info)
     vec.elements(pos, gaps, firsts, counts)
@@ -489,6 +489,20 @@ class Encoded(NamedTuple):
     vector: _Vector
     digests: dict[str, int]
     phases: dict[str, float]
+
+    def payload_list(self, regions: dict[int, np.ndarray]) -> list:
+        """``(payload or None, info)`` per tensor, as ``encode_tensor`` returns them: every payload written
+        into one zeroed buffer (``write``), each a view of it. ``regions``: the new version's regions' bytes."""
+        offsets, pos = {}, 0
+        for i, info in enumerate(self.infos):
+            if info["encoding"] is not None:
+                offsets[i] = pos
+                pos += (info["bytes"] + 7) & ~7
+        buf = np.zeros(pos, dtype=np.uint8)
+        self.write(buf, offsets, regions)
+        out = torch.from_numpy(buf)
+        return [(out[offsets[i]: offsets[i] + info["bytes"]] if i in offsets else None, info)
+                for i, info in enumerate(self.infos)]
 
     def write(self, buf: np.ndarray, offsets: dict[int, int], regions: dict[int, np.ndarray]) -> None:
         """Every payload into ``buf`` (zeroed), tensor ``i``'s at ``offsets[i]`` (see ``_Vector.write``), on

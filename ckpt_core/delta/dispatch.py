@@ -6,28 +6,32 @@ update (``ranks=[...]``), or a delta of either (``delta=True|"fallback"``, ``ver
 also keeps what each rank last made live in its engines (``DeltaVersions.engines_hold``): the
 engines of the ranks an update reaches, and only theirs (a P2P update leaves the others alone).
 
-A P2P delta (``ranks=[...], delta=...``) moves the companion checkpoint ``name@delta`` over the
-unchanged P2P path: owners serve it as they serve any checkpoint (registered with ``base=`` on a
-serving rank), readers fetch only its payloads, and the engine workers apply and check them as on
-the broadcast path (``apply.py``). Before anything moves, one exchange (:func:`agree_p2p_delta`)
-agrees on every rank where the companion's metas come from (gathered again in this world when
-every rank registered it, or the owners' metas every rank loaded), the delta's base (each rank's
-view: its registration, or the manifests of the metas it loaded), and each target's check that its
-engines hold that base. Anything missing or disagreeing is one ``DeltaBaseError`` on every rank
-(or, with ``"fallback"``, a full P2P update of ``name``).
+A P2P delta (``ranks=[...], delta=...``) moves a companion checkpoint (``name@delta``, or a fold
+``name@delta:<base>``) over the unchanged P2P path: owners serve it as they serve any checkpoint
+(registered with ``base=`` or folded on a serving rank), readers fetch only its payloads, and the
+engine workers apply and check them as on the broadcast path (``apply.py``). Before anything moves,
+broadcast or P2P, one exchange (:func:`agree_delta`) agrees on every rank which companion moves (the
+one whose base the targets' engines hold, ``choose.py``), where its metas come from (gathered again
+in this world when every rank registered it, or the owners' metas every rank loaded) and its base.
+Anything missing or disagreeing is one ``DeltaBaseError`` on every rank (or, with ``"fallback"``, a
+full update of ``name``).
 """
 
 from __future__ import annotations
 
-from ckpt_core.checkpoint.sources import RegisteredCheckpoint
+from ckpt_core.checkpoint.device import build_device_checkpoint, refuse_device_resident
+from ckpt_core.checkpoint.sources import RegisteredCheckpoint, build_checkpoint
+from ckpt_core.delta.choose import candidates, choose, view
 from ckpt_core.delta.versions import (
     DELTA_MODES,
+    FOLD,
     DeltaVersions,
-    advice,
     base_of_manifests,
+    chain_to,
+    check_accepts_deltas,
     companion,
+    fold_companion,
     run_delta_update,
-    with_precheck,
 )
 from ckpt_core.errors import CheckpointNotFoundError, ConfigError, DeltaBaseError
 from ckpt_core.p2p.agree import targets_of
@@ -48,14 +52,28 @@ class Updates:
         self.ctx, self.catalog, self.p2p, self.versions = ctx, catalog, p2p, versions
 
     # -- registration ------------------------------------------------------------
-    def add(self, name: str, ckpt: RegisteredCheckpoint, base: str | None) -> None:
+    def add(self, name: str, ckpt: RegisteredCheckpoint, base: str | None, snapshot: bool = False) -> None:
         """Install registered checkpoint ``name`` in the catalog, served to P2P readers (``serve_p2p`` only);
         with ``base``, first its delta against ``base`` (this rank's share) as the companion checkpoint
-        ``name@delta``, served alike. A delta that cannot be encoded releases ``ckpt`` and installs nothing."""
+        ``name@delta``, served alike. A delta that cannot be encoded releases ``ckpt`` and installs nothing.
+        ``snapshot`` (a device-resident version): record what it holds now, checked when it becomes a base."""
+        if snapshot:
+            try:
+                self.versions.snapshot(name, ckpt)
+            except BaseException:
+                ckpt.release()
+                raise
         if base is not None:
             try:
-                comp = self.versions.encode(name, ckpt, base, self.catalog.checkpoints.get(base), self.ctx.backend)
+                if ckpt.on_device:   # a trainer's versions on its device: encoded there, the payloads kept there
+                    device = self.ctx.backend.device(self.ctx.device_index)
+                    payloads = self.versions.encode(name, ckpt, base, self.catalog.checkpoints.get(base), device)
+                    comp = build_device_checkpoint(companion(name), self.ctx.backend, self.ctx.device_index, payloads)
+                else:
+                    payloads = self.versions.encode(name, ckpt, base, self.catalog.checkpoints.get(base))
+                    comp = build_checkpoint(companion(name), self.ctx.backend, named_tensors=payloads)
             except BaseException:
+                self.versions.drop_snapshot(name)
                 ckpt.release()
                 raise
             self.catalog.checkpoints[companion(name)] = comp
@@ -64,25 +82,72 @@ class Updates:
         self.p2p.on_register(name, ckpt)
 
     def remove(self, name: str) -> RegisteredCheckpoint:
-        """Uninstall and release checkpoint ``name`` (and its delta, if any): its P2P service first (a
+        """Uninstall and release checkpoint ``name`` (and its delta and folds, if any): its P2P service first (a
         reader's next stamp check fails), then its memory, metas and plans. Returns it (released)."""
         ckpt = self.catalog.checkpoints.pop(name)
-        if companion(name) in self.catalog.checkpoints:   # its delta goes with it
+        self.versions.drop_snapshot(name)
+        comps = [companion(name)] + [fold_companion(name, b) for b in self.versions.folds.get(name, {})]
+        if name in self.versions.bases or name in self.versions.folds:
             self.versions.forget(name)
-            self.remove(companion(name))
+        for comp in comps:   # its deltas go with it
+            if comp in self.catalog.checkpoints:
+                self.remove(comp)
+        for version, folds in self.versions.folds.items():   # a fold unregistered on its own
+            for base in [b for b in folds if fold_companion(version, b) == name]:
+                del folds[base]
         self.p2p.on_unregister(name)
         ckpt.release()
         self.catalog.metas.pop(name, None)
         self.catalog.plans.forget(name)
         return ckpt
 
+    def fold(self, name: str, base: str) -> dict:
+        """``ParameterServer.fold_delta``: register this rank's fold of ``name``'s deltas from ``base`` as the
+        companion ``name@delta:base`` (``fold.py``), served to P2P readers like any checkpoint. Nothing to do
+        when ``name`` was registered with that base or the fold exists. Returns its figures."""
+        ckpt = self.catalog.checkpoints.get(name)
+        if ckpt is None:
+            raise CheckpointNotFoundError(f"checkpoint {name!r} is not registered on rank {self.ctx.rank}")
+        if not isinstance(base, str) or not base or base == name:
+            raise ConfigError(f"fold_delta({name!r}): base must be another version's name, got {base!r}")
+        if self.versions.bases.get(name) == base or base in self.versions.folds.get(name, {}):
+            return self.versions.figures_of(name, base)   # a delta from base is registered already
+        refuse_device_resident(ckpt, name, "a fold of its deltas", self.ctx.rank)
+        base_ckpt = self.catalog.checkpoints.get(base)
+        refuse_device_resident(base_ckpt, base, f"a fold of {name!r} from it", self.ctx.rank)
+        steps: list = []
+        if base_ckpt is None:
+            chain = chain_to(self.versions.bases, name)
+            if base not in chain[:-1]:
+                raise DeltaBaseError(f"cannot fold the deltas of {name!r} from {base!r} on rank {self.ctx.rank}: "
+                                     f"{base!r} is not registered here and the registered deltas run "
+                                     f"{' -> '.join(chain)}; update {name!r} whole")
+            later = chain[chain.index(base) + 1:]
+            gone = [v for v in later if companion(v) not in self.catalog.checkpoints]
+            if gone:
+                raise DeltaBaseError(f"cannot fold the deltas of {name!r} from {base!r} on rank {self.ctx.rank}: the "
+                                     f"delta of {gone[0]!r} is not registered here any more")
+            steps = [(v, self.catalog.checkpoints[companion(v)]) for v in later]
+        comp = fold_companion(name, base)
+        try:
+            payloads = self.versions.fold(name, ckpt, base, base_ckpt, steps)
+            comp_ckpt = build_checkpoint(comp, self.ctx.backend, named_tensors=payloads)
+        except BaseException:
+            self.versions.folds.get(name, {}).pop(base, None)
+            raise
+        self.catalog.checkpoints[comp] = comp_ckpt
+        self.p2p.on_register(comp, comp_ckpt)
+        return self.versions.figures_of(name, base)
+
     def gather(self, name: str) -> None:
-        """Collective (``gather_metas``): ``name``'s metas and owners' stores, and its delta's when every
-        rank registered one (so that ``get_metas``/``save_metas`` carry it for joining worlds)."""
+        """Collective (``gather_metas``): ``name``'s metas and owners' stores, and those of its delta and
+        folds that every rank registered (so that ``get_metas``/``save_metas`` carry them for joining worlds)."""
         self.gather_one(name)
-        everywhere = self.ctx.coll.all_gather_json(companion(name) in self.catalog.checkpoints)
-        if all(everywhere):
-            self.gather_one(companion(name))
+        comps = [companion(name)] + [fold_companion(name, b) for b in sorted(self.versions.folds.get(name, {}))]
+        mine = [c for c in comps if c in self.catalog.checkpoints]
+        everyone = self.ctx.coll.all_gather_json(mine)
+        for comp in [c for c in everyone[0] if all(c in other for other in everyone)]:   # alike on every rank
+            self.gather_one(comp)
 
     def gather_one(self, name: str) -> None:
         """Collective: checkpoint ``name``'s metas and every owner's P2P store for it."""
@@ -109,16 +174,18 @@ class Updates:
         """``ParameterServer.update``'s dispatch (the facade holds the update lock around it)."""
         if not delta:
             return self._full(name, req_func, ranks, timeout, slices)
-        if slices is not None or self.ctx.wire != "native":
-            raise ConfigError("delta updates are updates of whole tensors on our wire for now: no slices= or "
-                              "stock wire (docs/deltas.md)")
+        if slices is not None or (ranks and self.ctx.wire != "native"):
+            raise ConfigError("delta updates are updates of whole tensors on our wire for now (broadcast ones also on "
+                              "the stock wire, to an engine that applies them: SGLang through our loader): no "
+                              "slices=, no P2P delta on the stock wire (docs/deltas.md)")
+        if delta not in DELTA_MODES:   # refused in the agreement: every rank raises, none waits in it
+            agree_delta(self, name, ranks, delta)
         if ranks:
             return self._p2p_delta(name, req_func, ranks, timeout, delta)
-        bases = self.known_bases
         return run_delta_update(
-            self.versions, name, with_precheck(req_func, lambda: self.versions.precheck(name, bases=bases())), delta,
-            prepare=lambda: self._gather_delta(name),
-            update=lambda n, rf: run_broadcast_update(self.ctx, self.catalog, n, rf, timeout, None), bases=bases)
+            self.versions, name, req_func, delta, prepare=lambda: agree_delta(self, name, None, delta, req_func),
+            update=lambda n, rf: run_broadcast_update(self.ctx, self.catalog, n, rf, timeout, None),
+            bases=self.known_bases)
 
     def _full(self, name: str, req_func: ReqFunc, ranks, timeout, slices) -> dict:
         mine = self._reaches_me(ranks)
@@ -142,88 +209,68 @@ class Updates:
         except ConfigError:
             return True
 
-    def _gather_delta(self, name: str) -> str | None:
-        """A broadcast delta's preparation: the companion's metas gathered from every rank. Returns this
-        rank's base (None: none; its precheck refuses it in the update's first exchange, on every rank)."""
-        try:
-            gather_metas(self.ctx, self.catalog, companion(name))
-        except CheckpointNotFoundError as exc:
-            raise DeltaBaseError(f"{name!r} was not registered with a base on every rank ({exc})") from exc
-        return self.versions.bases.get(name)
-
     def _p2p_delta(self, name: str, req_func: ReqFunc, ranks, timeout, mode) -> dict:
         def update(checkpoint: str, rf) -> dict:
             result = run_p2p_update(self.ctx, self.p2p, checkpoint, rf, ranks, timeout, None)
-            if checkpoint == companion(name):   # what the readers moved against what the version weighs
-                delta_bytes, version_bytes = self._sizes(name)
-                result["delta"] = {"delta_bytes": delta_bytes, "version_bytes": version_bytes}
+            if checkpoint != name:   # a delta: what the readers moved against what the version weighs
+                result["delta"] = {"delta_bytes": self._bytes(checkpoint) or 0, "version_bytes": self._bytes(name)}
             return result
-        if mode not in DELTA_MODES:   # refused in the agreement: every rank raises, none waits in it
-            agree_p2p_delta(self, name, ranks, mode)
         return run_delta_update(self.versions, name, req_func, mode,
-                                prepare=lambda: agree_p2p_delta(self, name, ranks, mode), update=update,
+                                prepare=lambda: agree_delta(self, name, ranks, mode), update=update,
                                 bases=self.known_bases, affects_engine=self._reaches_me(ranks))
 
-    def _sizes(self, name: str) -> tuple[int, int | None]:
-        """Bytes of ``name``'s delta and of the whole version (None: this rank knows no metas of it), every owner's."""
-        def total(n: str) -> int | None:
-            metas = self.p2p.loaded[n].metas if n in self.p2p.loaded else self.catalog.metas.get(n)
-            return None if metas is None else sum(m.nbytes for ms in metas for m in ms)
-        return total(companion(name)) or 0, total(name)
+    def _bytes(self, checkpoint: str) -> int | None:
+        """Bytes of ``checkpoint``, every owner's (None: this rank knows no metas of it)."""
+        loaded = self.p2p.loaded.get(checkpoint)
+        metas = loaded.metas if loaded is not None else self.catalog.metas.get(checkpoint)
+        return None if metas is None else sum(m.nbytes for ms in metas for m in ms)
 
 
-def _delta_view(u: Updates, name, ranks, mode) -> dict:
-    """This rank's side of a P2P delta's agreement (see the module docstring)."""
-    comp = companion(name) if isinstance(name, str) else None
-    view: dict[str, object] = {"delta": name if isinstance(name, str) else repr(name), "problem": None}
+def _delta_view(u: Updates, name, ranks, mode, req_func=None) -> dict:
+    """This rank's side of a delta's agreement (``choose.py``); ``req_func``: a broadcast's, which on the
+    stock wire must be marked as taking deltas (``versions.accepts_deltas``)."""
+    out = view(name if isinstance(name, str) else repr(name), {}, None, None, False)
     try:
-        if comp is None:
+        if not isinstance(name, str):
             raise ConfigError(f"checkpoint name must be a string, got {name!r}")
         if mode not in DELTA_MODES:
             raise ConfigError(f"delta must be False, True or 'fallback', got {mode!r}")
-        target = u.ctx.rank in targets_of(ranks, u.ctx.world_size)
-        loaded = u.p2p.loaded.get(comp)
-        base = u.versions.bases.get(name)
-        if base is None and loaded is not None:
-            base = base_of_manifests([m.name for ms in loaded.metas for m in ms], name)
-        view.update(registered=comp in u.catalog.checkpoints, loaded=loaded is not None, base=base,
-                    holds=u.versions.engines_hold if target else None, target=target)
+        if req_func is not None:
+            check_accepts_deltas(req_func, u.ctx.wire)
+        target = not ranks or u.ctx.rank in targets_of(ranks, u.ctx.world_size)
+        registered = {b: fold_companion(name, b) for b in u.versions.folds.get(name, {})
+                      if fold_companion(name, b) in u.catalog.checkpoints}
+        if companion(name) in u.catalog.checkpoints and name in u.versions.bases:
+            registered[u.versions.bases[name]] = companion(name)
+        loaded = {} if not ranks else {c: [m.name for ms in src.metas for m in ms] for c, src in u.p2p.loaded.items()
+                                       if c == companion(name) or c.startswith(name + FOLD)}
+        cands = candidates(name, registered, loaded)
+        default = next((b for b, c in cands.items() if c[0] == companion(name)), None)
+        out = view(name, cands, default, u.versions.engines_hold if target else None, target)
     except Exception as exc:   # ours or not: told to every rank, nobody is left waiting in a collective
-        view["problem"] = problem_of(exc)
-    return view
+        out["problem"] = problem_of(exc)
+    return out
 
 
-def agree_p2p_delta(u: Updates, name: str, ranks, mode=True) -> str:
-    """Collective over the world, before a P2P delta moves anything: the delta's base, agreed; the
-    companion's metas gathered in this world when every rank registered it. Raises the same error
-    on every rank (``DeltaBaseError`` for a missing or mismatched delta or base)."""
-    views = u.ctx.coll.all_gather_json(_delta_view(u, name, ranks, mode))
-    what = f"P2P delta update({name!r})"
+def agree_delta(u: Updates, name: str, ranks, mode=True, req_func=None) -> tuple[str, str]:
+    """Collective over the world, before a delta moves anything (broadcast: ``ranks`` empty; P2P: the
+    targets): ``(base, companion)`` of the delta whose base the targets' engines hold (``choose.py``),
+    agreed; the companion's metas gathered in this world when every rank registered it. Raises the same
+    error on every rank (``DeltaBaseError`` for a missing or mismatched delta or base)."""
+    p2p = bool(ranks)
+    views = u.ctx.coll.all_gather_json(_delta_view(u, name, ranks, mode, req_func))
+    what = f"P2P delta update({name!r})" if p2p else f"delta update({name!r})"
     raise_agreed([v.get("problem") for v in views], what)
-    same_call(views, "P2P delta update", {"delta": "version"})
-    where = {k: [r for r, v in enumerate(views) if v.get(k)] for k in ("registered", "loaded")}
-    missing = [r for r, v in enumerate(views) if v.get("base") is None]
-    everywhere = len(where["registered"]) == len(views) or len(where["loaded"]) == len(views)
-    if missing or not everywhere:
-        raise DeltaBaseError(f"{what} refused: rank(s) {missing or list(range(len(views)))} cannot serve or read the "
-                             f"delta of {name!r} (registered with base= on rank(s) {where['registered']}, in the "
-                             f"loaded metas of rank(s) {where['loaded']}): register {name!r} with base= on every "
-                             f"rank of the owners' world (whose gather_metas({name!r}) then carries its delta into "
-                             "their metas for joining worlds), or update it whole")
-    bases = {str(v["base"]) for v in views}
-    if len(bases) != 1:
-        told = ", ".join(f"rank {r} {v.get('base')!r}" for r, v in enumerate(views))
-        raise DeltaBaseError(f"{what} refused: ranks disagree on the base of {name!r} ({told})")
-    if len(where["registered"]) == len(views):
-        u.gather_one(companion(name))   # every rank registered the delta: this world's owners serve it
-        base_of_manifests([m.name for ms in u.catalog.metas[companion(name)] for m in ms], name)   # all alike
-    base = bases.pop()
-    stale = [(r, v["holds"]) for r, v in enumerate(views) if v.get("target") and v.get("holds") not in (None, base)]
-    if stale:
-        shown = ", ".join(f"rank {r} last made {h!r} live" for r, h in stale)
-        raise DeltaBaseError(f"{what} refused: the delta of {name!r} applies to {base!r}, but {shown} in its "
-                             f"engines; {advice(u.known_bases(), name, stale[0][1])}")
-    return base
+    same_call(views, "P2P delta update" if p2p else "delta update", {"delta": "version"})
+    base, comp = choose(views, name, p2p=p2p, known=u.known_bases())
+    if all(v["candidates"][base][1] for v in views):   # every rank registered it: this world's ranks serve it
+        if p2p:
+            u.gather_one(comp)
+        else:
+            gather_metas(u.ctx, u.catalog, comp)
+        if base_of_manifests([m.name for ms in u.catalog.metas[comp] for m in ms], name) != base:   # all alike
+            raise DeltaBaseError(f"{what} refused: the manifests of {comp!r} name another base than {base!r}")
+    return base, comp
 
 
-__all__ = ["Updates", "agree_p2p_delta"]
+__all__ = ["Updates", "agree_delta"]

@@ -173,8 +173,7 @@ def encode_tensor(new: torch.Tensor, old: torch.Tensor | None, *, digest: str | 
     written once, into the body.
     """
     new = new.detach().contiguous()
-    code = WIRE_CODES.get(new.dtype)
-    if code is None:
+    if WIRE_CODES.get(new.dtype) is None:
         raise CheckpointFormatError(f"dtype {new.dtype} has no wire code")
     numel, size = new.numel(), new.element_size()
     words = as_words(new).numpy()
@@ -189,22 +188,42 @@ def encode_tensor(new: torch.Tensor, old: torch.Tensor | None, *, digest: str | 
         if ch.positions.size == 0:
             return None, {"encoding": None, "count": 0, "numel": numel, "bytes": 0}
         digest = digest if host is None else host.digest()
-    digest = digest if digest is not None else lin64(new)
-    return encode_changes(new, words, code, ch, digest, force)
+    return _encoded(new, words, ch, digest, force)
 
 
-def encode_changes(new: torch.Tensor, words: np.ndarray, code: str, ch: Changes | None, digest: str,
-                   force: str | None = None) -> tuple[torch.Tensor, dict]:
-    """The payload of a changed tensor ``new`` (contiguous, on the host; ``words``: ``as_words(new)``
-    in numpy, ``code`` its wire dtype) from its ``ch`` changes against its base (None: ``whole``) and
-    its ``lin64`` ``digest``: ``encode_tensor``'s second half, shared with the batched encode of a
-    registration (``batch.py``), so both write the same bytes."""
+def encode_changes(new: torch.Tensor, positions, *, digest: str | None = None,
+                   force: str | None = None) -> tuple[torch.Tensor | None, dict]:
+    """The payload that writes ``new``'s values at ``positions`` (int64, strictly increasing, in range;
+    None: every element, as ``whole``) into a tensor of ``new``'s dtype and shape, in the smallest
+    encoding as ``encode_tensor`` picks it: what ``delta/fold.py`` builds a fold with, from positions it
+    knows changed (a superset of the changes is lossless: the other elements are written with the
+    values they hold). None when ``positions`` is empty. ``digest``: ``new``'s ``lin64`` if known."""
+    new = new.detach().contiguous()
+    if WIRE_CODES.get(new.dtype) is None:
+        raise CheckpointFormatError(f"dtype {new.dtype} has no wire code")
+    numel = new.numel()
+    ch = None
+    if positions is not None:
+        pos = np.ascontiguousarray(positions, dtype=np.int64)
+        if pos.size == 0:
+            return None, {"encoding": None, "count": 0, "numel": numel, "bytes": 0}
+        if pos[0] < 0 or pos[-1] >= numel or (pos.size > 1 and bool((np.diff(pos) <= 0).any())):
+            raise ValueError("positions must be strictly increasing and in range")
+        ch = Changes.of(pos)
+    return _encoded(new, as_words(new).numpy(), ch, digest, force)
+
+
+def _encoded(new: torch.Tensor, words: np.ndarray, ch: Changes | None, digest: str | None,
+             force: str | None) -> tuple[torch.Tensor, dict]:
+    """The payload of ``new`` with changes ``ch`` (None: whole), in ``force`` or the smallest encoding."""
     numel, size = new.numel(), new.element_size()
+    header = {"dtype": WIRE_CODES[new.dtype], "shape": list(new.shape)}
     count = numel if ch is None else ch.positions.size
     sizes = measure(numel, size, count, 1 if ch is None else ch.runs, 0 if ch is None else ch.max_gap)
     enc = "whole" if ch is None else (force or sizes.best())
     if enc not in ENCODINGS:
         raise ValueError(f"unknown encoding {enc!r}")
+    digest = digest if digest is not None else lin64(new)
     if not is_lin64(digest):
         raise ConfigError(f"a delta carries a lin64 digest of the new tensor, got {digest!r}")
     if enc == "whole" or ch is None:
@@ -212,7 +231,6 @@ def encode_changes(new: torch.Tensor, words: np.ndarray, code: str, ch: Changes 
         body[: numel * size] = bytes_of(new).numpy()
     else:
         body = _body(enc, words, ch, numel)
-    header = {"dtype": code, "shape": list(new.shape)}
     payload = _payload(dict(header, enc=enc, count=numel if enc == "whole" else count,
                             runs=ch.runs if enc == "runs" and ch is not None else 0, digest=digest), body)
     return payload, {"encoding": enc, "count": count, "numel": numel, "bytes": payload.numel()}

@@ -2,7 +2,7 @@
 
 ``register_checkpoint("B", ..., base="A")`` registers B as usual (the PS keeps every version whole:
 the base of the next delta, and what a full update or a fallback sends) and, per tensor of this
-rank's share, encodes B against A (``encode.encode_tensor``'s payloads, for all the tensors together:
+rank's share, encodes B against A (``encode.encode_tensor``'s payloads, all tensors together:
 ``batch.py``). The payloads are registered as a
 second checkpoint, ``B@delta``, of uint8 tensors named ``ckpt.delta:<tensor>``, plus one
 manifest tensor per rank whose *name* says ``[base, version, rank, world]``. So the delta moves
@@ -10,12 +10,16 @@ through the unchanged broadcast pipeline (buckets, IPC buffer, agreements), and 
 learns from the plan's names alone, before anything is mapped or written, that an update is a
 delta, of which base, from every rank.
 
+``fold_delta("D", base="A")`` (``fold.py``) registers a second companion of D, ``D@delta:A``: D's
+deltas folded into one from an older version, for engines that hold A.
+
 ``update("B", req_func, delta=True)`` then
 
-1. refuses, on every rank alike and before any collective of the transfer, a version registered
-   without a base, or one whose base is not what this PS last made live in its engines
-   (``DeltaBaseError``, through ``req_func.precheck`` in the update's first exchange);
-2. updates ``B@delta``; each engine worker refuses a base it does not hold (a restarted engine, a
+1. picks, in one exchange of every rank before any collective of the transfer (``choose.py``), the
+   companion whose base the engines hold (by what this PS last made live in them), and refuses, on
+   every rank alike, a version registered without a base, or one none of whose companions leads from
+   what the engines hold (``DeltaBaseError``, with the advice: the chain to apply, or ``fold_delta``);
+2. updates that companion; each engine worker refuses a base it does not hold (a restarted engine, a
    version it skipped) in its handshake, which every rank raises as ``DeltaBaseError`` too;
 3. with ``delta="fallback"``, a refused delta (either way) becomes a full update of ``B``.
 """
@@ -23,17 +27,24 @@ delta, of which base, from every rank.
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
-import numpy as np
+import torch
 
-from ckpt_core.checkpoint.sources import RegisteredCheckpoint, build_packed
+from ckpt_core._settings import fault_threads
+from ckpt_core.checkpoint.device import device_tensor
 from ckpt_core.delta.batch import encode_registration
-from ckpt_core.errors import ConfigError, DeltaBaseError, RemoteWorkerError
+from ckpt_core.delta.encode_device import encode_on_device
+from ckpt_core.delta.fold import fold_tensor
+from ckpt_core.delta.lin64 import lin64_many
+from ckpt_core.errors import ConfigError, DeltaBaseError, DeviceResidentError, RemoteWorkerError
 
 SUFFIX = "@delta"
+FOLD = "@delta:"                     # version + FOLD + base: a fold's companion (fold.py)
 PAYLOAD = "ckpt.delta:"              # + tensor name
 MANIFEST = "ckpt.delta.manifest:"    # + JSON [base, version, rank, world]
 DELTA_MODES = (True, "fallback")
@@ -43,6 +54,12 @@ ReqFunc = Callable[[list[tuple[str, str]]], object]   # transfer/broadcast.ReqFu
 def companion(name: str) -> str:
     """The name of version ``name``'s delta checkpoint."""
     return name + SUFFIX
+
+
+def fold_companion(name: str, base: str) -> str:
+    """The name of the fold of version ``name``'s deltas from ``base`` (``fold_delta``): beside ``name@delta``
+    (the delta from its registered base), one per base, so folds from several older versions coexist."""
+    return name + FOLD + base
 
 
 def manifest_name(base: str, version: str, rank: int, world: int) -> str:
@@ -62,6 +79,21 @@ def parse_manifest_name(name: str) -> tuple[str, str, int, int] | None:
     return None
 
 
+# below this average tensor size the encode's threads contend for the GIL more than numpy's work
+# releases it (dense16 x0.005, 220 KB tensors, 2 cores: 0.13 s on one thread, 0.26 s on two)
+_POOL_MIN_AVG_BYTES = 1 << 20
+
+
+def _each_tensor(ckpt, one: Callable) -> list:
+    """``one(meta)`` of every tensor of ``ckpt``, in order; tensors of 1 MiB and more on average are
+    encoded side by side on ``PS_FAULT_THREADS`` threads (numpy releases the GIL)."""
+    threads = min(fault_threads(), os.cpu_count() or 1, len(ckpt.metas))
+    if threads < 2 or sum(m.nbytes for m in ckpt.metas) < _POOL_MIN_AVG_BYTES * len(ckpt.metas):
+        return [one(m) for m in ckpt.metas]
+    with ThreadPoolExecutor(threads, thread_name_prefix="ckpt-delta-encode") as pool:
+        return list(pool.map(one, ckpt.metas))
+
+
 class DeltaVersions:
     """One PS rank's delta state: each version's base and encoding figures, and the version this
     rank last made live in its engines (None: unknown, e.g. after a failed full update)."""
@@ -70,14 +102,29 @@ class DeltaVersions:
         self.rank, self.world = rank, world
         self.bases: dict[str, str] = {}
         self.figures: dict[str, dict[str, object]] = {}
+        self.folds: dict[str, dict[str, dict]] = {}   # version -> base -> figures of its fold (fold_delta)
         self.engines_hold: str | None = None
+        # device-resident versions: the lin64 of each tensor when registered (a base must still hold them)
+        self.snapshots: dict[str, list[str]] = {}
 
     # -- registration ------------------------------------------------------------
-    def encode(self, name: str, ckpt, base: str, base_ckpt, backend) -> RegisteredCheckpoint:
-        """The companion checkpoint (``companion(name)``, on ``backend``): this rank's payloads of ``name``
-        against ``base``, and its manifest, written in place into its region."""
+    def encode(self, name: str, ckpt, base: str, base_ckpt,
+               device: torch.device | None = None) -> dict[str, torch.Tensor]:
+        """The companion's named tensors: this rank's payloads of ``name`` against ``base``, and its manifest.
+        A device-resident version (``on_device``) is encoded on ``device`` against a device-resident base
+        (``encode_device.py``), and its payloads and manifest lie there."""
         if not isinstance(base, str) or base_ckpt is None:
             raise DeltaBaseError(f"base {base!r} of {name!r} is not registered on rank {self.rank}")
+        out, fig = self._direct(name, ckpt, base, base_ckpt, device)
+        self.bases[name] = base
+        self.figures[name] = fig
+        return out
+
+    def _direct(self, name: str, ckpt, base: str, base_ckpt,
+                device: torch.device | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+        """``name`` encoded against registered ``base`` on this rank: the companion's tensors, its figures
+        (a device-resident pair on ``device``, where the payloads then lie)."""
+        refuse_mixed_sides(name, ckpt.on_device, base, base_ckpt.on_device, self.rank)
         if any(m.box is not None for m in ckpt.metas):
             raise ConfigError(f"{name!r}: tensors registered in pieces cannot take a base yet (issue 39)")
         old = {m.name: m for m in base_ckpt.metas if m.box is None}
@@ -86,58 +133,121 @@ class DeltaVersions:
             raise ConfigError(f"{name!r} lacks tensors of its base {base!r} on rank {self.rank}: {gone[:4]}; "
                               "a delta cannot remove tensors from an engine: register it without a base")
         t0 = time.perf_counter()
+        if ckpt.on_device:
+            self._check_unchanged(base, base_ckpt)
+            encoded = encode_on_device([(device_tensor(ckpt, m), device_tensor(base_ckpt, old[m.name]) if m.name in old
+                                         else None) for m in ckpt.metas])
+        else:
+            rewritten = base_ckpt.rewritten_problem()
+            if rewritten:   # its registered bytes are the file's: not what the engines received
+                raise DeltaBaseError(f"base {base!r} of {name!r} changed since it was registered on rank {self.rank}: "
+                                     f"{rewritten}; a delta applies to the bytes the engines received: write each "
+                                     "version to its own file (or register with use_inplace_pin_memory=False, a "
+                                     "copy), or update the new version whole")
+            batch = encode_registration(ckpt, base_ckpt, old)   # all tensors together (batch.py)
+            encoded = batch.payload_list({r: region.tensor.numpy() for r, region in ckpt.regions.items()})
+            ckpt.digests.update(batch.digests)
+            out, fig = self._companion(name, base, ckpt, encoded, t0, device=device)
+            fig["phases"] = batch.phases
+            return out, fig
+        return self._companion(name, base, ckpt, encoded, t0, device=device)
+
+    def _companion(self, name: str, base: str, ckpt, encoded: list, t0: float,
+                   manifest: dict | None = None,
+                   device: torch.device | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+        """The companion's named tensors from ``encoded`` (``(payload or None, info)`` per tensor of
+        ``ckpt``), with this rank's manifest, and its figures."""
+        out: dict[str, torch.Tensor] = {}
         counts = {"changed_tensors": 0, "changed_elements": 0, "elements": 0, "payload_bytes": 0, "full_bytes": 0}
         encodings: dict[str, int] = {}
-        encoded = encode_registration(ckpt, base_ckpt, old)
-        changed: list[tuple[int, str, int]] = []   # (meta index, payload name, bytes)
-        for i, (m, info) in enumerate(zip(ckpt.metas, encoded.infos)):
+        for m, (payload, info) in zip(ckpt.metas, encoded):
             counts["elements"] += info["numel"]
             counts["full_bytes"] += m.nbytes
-            if info["encoding"] is None:
+            if payload is None:
                 continue
-            changed.append((i, PAYLOAD + m.name, info["bytes"]))
+            out[PAYLOAD + m.name] = payload
             counts["changed_tensors"] += 1
             counts["changed_elements"] += info["count"]
             counts["payload_bytes"] += info["bytes"]
             encodings[info["encoding"]] = encodings.get(info["encoding"], 0) + 1
-        manifest = json.dumps({"changed": sorted(n for _, n, _ in changed)}).encode()
-        t1 = time.perf_counter()
-        comp, offsets = build_packed(companion(name), backend, [(n, size) for _, n, size in changed]
-                                     + [(manifest_name(base, name, self.rank, self.world), len(manifest))])
-        try:
-            buf = comp.regions[0].tensor.numpy()
-            encoded.write(buf, {i: off for (i, _, _), off in zip(changed, offsets)},
-                          {r: region.tensor.numpy() for r, region in ckpt.regions.items()})
-            buf[offsets[-1]: offsets[-1] + len(manifest)] = np.frombuffer(manifest, dtype=np.uint8)
-        except BaseException:
-            comp.release()
-            raise
-        phases = dict(encoded.phases, write=time.perf_counter() - t1)
+        listing = torch.frombuffer(bytearray(json.dumps({"changed": sorted(out), **(manifest or {})}).encode()),
+                                   dtype=torch.uint8)
+        out[manifest_name(base, name, self.rank, self.world)] = listing if device is None else listing.to(device)
         fig: dict[str, object] = {"tensors": len(ckpt.metas), **counts, "encodings": encodings,
-                                  "encode_s": time.perf_counter() - t0, "phases": phases}
-        ckpt.digests.update(encoded.digests)
-        self.bases[name] = base
-        self.figures[name] = fig
-        return comp
+                                  "encode_s": time.perf_counter() - t0}
+        return out, fig
+
+    def fold(self, name: str, ckpt, base: str, base_ckpt, steps: list) -> dict[str, torch.Tensor]:
+        """The tensors of the fold of ``name``'s deltas from ``base`` (``fold.py``): ``name`` encoded against
+        ``base_ckpt`` when ``base`` is registered here, else from ``steps``, the companions of the registered
+        chain after ``base`` (``[(version, its companion checkpoint)]``, oldest first, ``name``'s last)."""
+        t0 = time.perf_counter()
+        if base_ckpt is not None:
+            out, fig = self._direct(name, ckpt, base, base_ckpt)
+            fig["fold"] = "encoded against the registered base"
+        else:
+            if any(m.box is not None for m in ckpt.metas):
+                raise ConfigError(f"{name!r}: tensors registered in pieces cannot take a base yet (issue 39)")
+            payloads = [{m.name[len(PAYLOAD):]: comp.host_tensor(m) for m in comp.metas if m.name.startswith(PAYLOAD)}
+                        for _, comp in steps]
+            chain = [base] + [v for v, _ in steps]
+
+            def one(m):
+                return fold_tensor(ckpt.host_tensor(m), [p.get(m.name) for p in payloads], m.name)
+            out, fig = self._companion(name, base, ckpt, _each_tensor(ckpt, one), t0, {"chain": chain})
+            fig["fold"] = " -> ".join(chain)
+        self.folds.setdefault(name, {})[base] = fig
+        return out
+
+    def figures_of(self, name: str, base: str | None) -> dict:
+        """This rank's encoding figures of ``name``'s delta from ``base`` (registered or folded), {} if none."""
+        if base is not None and base in self.folds.get(name, {}):
+            return dict(self.folds[name][base])
+        return dict(self.figures.get(name, {})) if self.bases.get(name) == base else {}
 
     def forget(self, name: str) -> None:
         self.bases.pop(name, None)
         self.figures.pop(name, None)
+        self.folds.pop(name, None)
+
+    def snapshot(self, name: str, ckpt) -> None:
+        """Record what device-resident version ``name`` holds as it is registered (a ``lin64`` per tensor,
+        on the device: one read of the version). A trainer's tensors are its own to change; a version that
+        changed afterwards is no base for a delta (``_check_unchanged``)."""
+        self.snapshots[name] = lin64_many(device_tensor(ckpt, m) for m in ckpt.metas)
+
+    def _check_unchanged(self, base: str, base_ckpt) -> None:
+        """``DeviceResidentError`` unless device-resident ``base`` still holds the bytes it was registered
+        with: a delta against tensors the trainer changed since (stepped in place) would leave the engines,
+        which received the registered bytes, silently different from the new version."""
+        then = self.snapshots.get(base)
+        now = lin64_many(device_tensor(base_ckpt, m) for m in base_ckpt.metas)
+        changed = [m.name for m, a, b in zip(base_ckpt.metas, then or [], now) if a != b]
+        if then is None or changed:
+            raise DeviceResidentError(
+                f"base {base!r} cannot be shown unchanged on the device since it was registered on rank {self.rank} "
+                f"({', '.join(changed[:4]) or 'registered with on_device_digest=False: no record of its bytes'}"
+                f"{' ...' if len(changed) > 4 else ''}): a delta applies to the bytes the engines received; "
+                "register each version as its own copy (e.g. {n: p.detach().clone()}) and do not change it while "
+                "a later version names it as base, or update the new version whole")
+
+    def drop_snapshot(self, name: str) -> None:
+        self.snapshots.pop(name, None)
 
     # -- update ------------------------------------------------------------------
-    def precheck(self, name: str, holds: str | None = None, bases: dict[str, str] | None = None) -> None:
-        """This rank's refusal of a delta update of ``name`` into engines that hold ``holds`` (default:
-        what this rank last made live); ``bases``: every delta this rank knows, for the advice."""
-        base = (bases or self.bases).get(name)
-        holds = self.engines_hold if holds is None else holds
-        if base is None:
-            raise DeltaBaseError(f"{name!r} was not registered with a base on rank {self.rank}: update it whole")
-        if holds is not None and holds != base:
-            raise DeltaBaseError(f"the delta of {name!r} applies to {base!r}, but rank {self.rank} last made "
-                                 f"{holds!r} live in its engines; {advice(bases or self.bases, name, holds)}")
-
     def made_live(self, name: str | None) -> None:
         self.engines_hold = name
+
+
+def refuse_mixed_sides(name: str, on_device: bool, base: str, base_on_device: bool, rank: int) -> None:
+    """``DeviceResidentError`` when version ``name`` and its base are not registered on the same side
+    (both on the device, or both in host memory): a delta compares them where they both lie."""
+    if on_device != base_on_device:
+        where = {True: "on the device (on_device=True)", False: "in host memory"}
+        raise DeviceResidentError(f"{name!r} is registered {where[on_device]} and its base {base!r} "
+                                  f"{where[base_on_device]} on rank {rank}: a delta compares two versions where "
+                                  "they both lie; register both on the device (a trainer's previous weights kept "
+                                  "there) or both in host memory")
 
 
 def base_of_manifests(names, name: str) -> str | None:
@@ -171,13 +281,17 @@ def advice(bases: dict[str, str], name: str, held: str | None) -> str:
     """What would bring an engine that holds ``held`` (None: nothing, or unknown) to ``name``."""
     chain = chain_to(bases, name)
     whole = f"update {name!r} whole (delta=False; delta='fallback' does so when a delta is refused)"
+    fold = (f"fold_delta({name!r}, base={held!r}) on every rank (owners: then gather_metas({name!r}) for joining "
+            "worlds) and one delta=True update")
     if held in chain[:-2]:
         steps = chain[chain.index(held) + 1:]
         return (f"registered deltas lead from {held!r} to {name!r} ({' -> '.join(chain)}): apply them in order, "
-                f"{', then '.join(repr(v) for v in steps)} (delta=True each), or {whole}")
+                f"{', then '.join(repr(v) for v in steps)} (delta=True each), or fold them into one: "
+                f"{fold}, or {whole}")
     if len(chain) < 2:
-        return whole
-    return f"{whole}, or bring it to one of {chain[:-1]} first: the registered deltas run {' -> '.join(chain)}"
+        return whole if held is None else f"{whole}, or, where {held!r} is still registered, {fold}"
+    return (f"{whole}, or bring it to one of {chain[:-1]} first: the registered deltas run {' -> '.join(chain)}"
+            + ("" if held is None else f"; or, where {held!r} is still registered, {fold}"))
 
 
 def worker_holds(message: str) -> str | None:
@@ -193,20 +307,24 @@ def worker_refusal(message: str) -> str:
     return next(refusal, lines[0] if lines else "")
 
 
-def with_precheck(req_func: ReqFunc, check: Callable[[], None]) -> ReqFunc:
-    """``req_func`` with a ``precheck`` that runs ``check`` and then the caller's own, if any."""
-    own = getattr(req_func, "precheck", None)
+def accepts_deltas(req_func):
+    """Mark ``req_func`` as one whose engine applies deltas (returns it). On the stock wire a
+    ``ParameterServer.update(..., delta=True)`` needs it on every rank's ``req_func`` (asked before
+    anything moves): a stock worker such as SGLang's own IPC route would load a delta's payloads as
+    tensors of those names, and SGLang's loaders skip names they do not know, with a warning. Our
+    SGLang loader applies them (``SglangClient.req_func(deltas=True, ...)`` is marked); a rank whose
+    ``req_func`` posts nothing may be marked too (nothing it posts can drop a payload)."""
+    setattr(req_func, "accepts_deltas", True)
+    return req_func
 
-    def precheck() -> None:
-        check()
-        if own is not None:
-            own()
 
-    def wrapped(handles: list[tuple[str, str]]) -> object:
-        return req_func(handles)
-
-    setattr(wrapped, "precheck", precheck)   # read by prechecks.req_precheck in the update's first exchange
-    return wrapped
+def check_accepts_deltas(req_func: ReqFunc, wire: str) -> None:
+    """``ConfigError`` when a delta over ``wire`` could reach an engine that does not apply it (see
+    :func:`accepts_deltas`)."""
+    if wire != "native" and not getattr(req_func, "accepts_deltas", False):
+        raise ConfigError(f"a delta over the {wire!r} wire needs a req_func marked with ckpt_core.delta.versions."
+                          "accepts_deltas (SglangClient.req_func(deltas=True, weight_version=...) is): a stock worker "
+                          "such as SGLang's /update_weights_from_ipc would load its payloads as unknown tensors")
 
 
 _REFUSAL = re.compile(r"this worker holds (None|'[^']*'), not the base '[^']*' of the delta of")
@@ -221,13 +339,15 @@ def refused_by_worker(exc: RemoteWorkerError) -> bool:
     return "DeltaBaseError" in text or _REFUSAL.search(text) is not None
 
 
-def run_delta_update(state: DeltaVersions, name: str, req_func: ReqFunc, mode, *, prepare: Callable[[], str | None],
+def run_delta_update(state: DeltaVersions, name: str, req_func: ReqFunc, mode, *,
+                     prepare: Callable[[], tuple[str, str]],
                      update: Callable[[str, ReqFunc], dict], bases: Callable[[], dict[str, str]],
                      affects_engine: bool = True) -> dict:
     """A delta update of version ``name`` (``ParameterServer.update(..., delta=mode)``), broadcast or P2P.
 
-    ``prepare()`` makes the companion's metas known on every rank and returns the delta's base,
-    refusing (``DeltaBaseError`` on every rank alike) what it can before anything moves;
+    ``prepare()`` picks the companion (``name@delta``, or a fold ``name@delta:<base>``), makes its
+    metas known on every rank and returns ``(base, companion)``, refusing (``DeltaBaseError`` on
+    every rank alike) what it can before anything moves;
     ``update(checkpoint, req_func)`` runs the transfer of a checkpoint (both collectives: the
     caller hands them in); ``bases()`` the deltas this rank knows (version -> base), for the
     advice a refusal carries. ``affects_engine``: this rank's engine takes part (False on a rank
@@ -240,8 +360,8 @@ def run_delta_update(state: DeltaVersions, name: str, req_func: ReqFunc, mode, *
     base = None
     try:
         try:
-            base = prepare()
-            result = update(companion(name), req_func)
+            base, comp = prepare()
+            result = update(comp, req_func)
         except RemoteWorkerError as exc:
             if not refused_by_worker(exc):
                 raise   # the apply failed: every worker undid it, the engines hold the base still
@@ -258,5 +378,5 @@ def run_delta_update(state: DeltaVersions, name: str, req_func: ReqFunc, mode, *
         result["delta"] = {"fallback": str(exc)}
         return result
     live(name)
-    result["delta"] = {**state.figures.get(name, {}), **result.get("delta", {}), "base": base}
+    result["delta"] = {**state.figures_of(name, base), **result.get("delta", {}), "base": base, "companion": comp}
     return result

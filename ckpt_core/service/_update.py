@@ -76,12 +76,15 @@ def _engine_request(body: UpdateRequest, world_size: int, wire: str, policy: Ser
         return None
     uds = policy.check_engine(body.update_url, body.uds, body.engine)   # before anything is posted
     options = {k: v for k, v in body.engine_options().items() if k != "slices"}   # slices: the plan's digest
-    if body.delta and body.stage is not None:
-        raise ConfigError("delta with stage: staged updates do not take deltas yet (docs/deltas.md)")
     if body.delta and "deltas" in kind.options:   # the workers apply the delta and keep it as the next base
         options["deltas"] = True
-    if options.get("deltas"):   # a delta names its base by the version the workers hold
-        options["version"] = name
+    if options.get("deltas") and body.stage is not None and body.stage != name:
+        raise ConfigError(f"a staged update with delta or deltas stages the checkpoint under its own name: give "
+                          f"stage={name!r}, not {body.stage!r} (the workers name the version they hold by it, and "
+                          "the next delta names its base by it; docs/deltas.md)")
+    kind.check_options(options, staged=body.stage is not None)   # again, with the deltas a delta implies
+    if options.get("deltas") and body.stage is None:   # a delta names its base by the version the workers hold
+        options["version"] = name                      # (staged: the stage's version, which is name)
     return _EngineRequest(body, kind.client(body.update_url, uds=uds, timeout=body.timeout), options)
 
 

@@ -15,6 +15,10 @@ every path of ours, alternating checkpoints A and B:
    device memory and half in pinned host memory, committed;
 5. a true cold start on A (started in the background at step 1): equal to the reference of A.
 
+Deltas (``test_qwen2_bf16_deltas_through_our_loader_equal_a_cold_load``, not run on a GPU yet): A whole
+with ``deltas=True`` through our loader, then B and C (an AdamW step on B) as deltas, each equal to
+SGLang's own file loader's load of that version.
+
 After each update the digests of every parameter and buffer, read in SGLang's scheduler by our
 loader ``ckpt_sglang.probe`` (SHA-256 of the bytes), must equal the reference's, and greedy tokens
 too. bf16 Qwen2 also joins the cold server by P2P (Mooncake) when Mooncake's CUDA build is there.
@@ -202,6 +206,77 @@ def test_qwen2_bf16_p2p_into_a_joining_server_equals_a_cold_load(cases, tmp_path
         if owners.poll() is None:   # its own process group: the launcher, torchrun and the rank
             os.killpg(owners.pid, signal.SIGTERM)
             owners.wait(60)
+
+
+def _adamw_step(src, dst_dir, like_dir, seed: int = 39):
+    """Checkpoint C: one AdamW step (lr 1e-5, float32 masters of ``src``'s bf16 tensors, random gradients on
+    layer 0's attention only: a frozen rest), snapshotted in bf16, as tests/integration/test_vllm_delta.py's
+    versions are; a directory with ``like_dir``'s config."""
+    import re
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    attention = re.compile(r"^model\.layers\.0\.self_attn\.[qkvo]_proj\.")
+    master = {n: t.float().clone().requires_grad_(True) for n, t in load_file(str(src)).items()}
+    opt = torch.optim.AdamW(list(master.values()), lr=1e-5)
+    gen = torch.Generator().manual_seed(seed)
+    for n, t in master.items():
+        t.grad = torch.randn(t.shape, generator=gen) if attention.search(n) else None
+    opt.step()
+    dst_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(like_dir / "config.json", dst_dir / "config.json")
+    save_file({n: t.detach().to(torch.bfloat16).contiguous() for n, t in master.items()},
+              str(dst_dir / "model.safetensors"))
+    return dst_dir
+
+
+def test_qwen2_bf16_deltas_through_our_loader_equal_a_cold_load(cases, tmp_path):
+    """NOT RUN YET (written without a GPU, 2026-12-05). A whole with ``deltas=True`` through our loader,
+    then B as a delta of A and C (an AdamW step on B's layer 0 attention) as a delta of B
+    (``ps.update(..., delta=True)``, ``SglangClient.req_func(deltas=True, weight_version=...)``): after
+    each, every parameter and buffer equals SGLang's own file loader's load of that version, and greedy
+    tokens too. On a GPU the unquantized bf16 linears, embeddings and norms hold the checkpoint's bytes:
+    the worker's figures should show every changed tensor scattered, nothing reloaded."""
+    from _sglang_server import differences
+    from ckpt_sglang import SglangClient
+    from sglang_gpu_cases import MAX_NEW, figures, launcher, new_ps
+
+    case = cases("qwen2-bf16")
+    if not case.refs:   # run alone (-k deltas), or after the first test failed early: server and references
+        if case.dummy is None:
+            case.start_dummy()
+            case.start_cold(0)
+        figures(launcher("--checkpoint-path", str(case.ckpts[0]), "--inference-parallel-size", "1",
+                         "--endpoint", case.dummy.url, "--device", "cuda", "--timeout", "300"))
+        case.take_references()
+    dummy = case.dummy
+    c_dir = _adamw_step(case.ckpts[1] / "model.safetensors", tmp_path / "ckpt-C", case.ckpts[1])
+    dummy.load_from_disk(c_dir)   # the reference of C, through SGLang's own file loader
+    ref_c = {"digests": dummy.digests(), "tokens": dummy.generate(case.prompts, MAX_NEW)}
+    assert differences(ref_c["digests"], case.refs[1]["digests"]), "C must differ from B"
+    steps = []
+    with new_ps() as ps, SglangClient(dummy.url, timeout=300) as client:
+        for name, path, base in (("A", case.ckpts[0], None), ("B", case.ckpts[1], "A"), ("C", c_dir, "B")):
+            ps.register_checkpoint(name, files=[str(path / "model.safetensors")], base=base)
+            ps.gather_metas(name)
+            result = ps.update(name, client.req_func(deltas=True, weight_version=name), timeout=300,
+                               delta=base is not None)
+            worker = client.last_report.workers[0]
+            assert worker["path"] == ("delta" if base else "full") and worker["version"] == name, worker
+            if base is None:
+                assert worker["map"]["refuse"] is None, worker["map"]
+                case.check(dummy, 0, "full update of A with deltas kept, through our loader")
+            elif name == "B":
+                case.check(dummy, 1, "delta A -> B through our loader")
+            else:
+                differ = differences(dummy.digests(), ref_c["digests"])
+                assert not differ, f"delta B -> C: {len(differ)} tensors differ from a cold load of C: {differ[:20]}"
+                assert dummy.generate(case.prompts, MAX_NEW) == ref_c["tokens"], "delta B -> C: greedy tokens differ"
+            steps.append({"version": name, "ps": {k: result.get(k) for k in ("seconds", "delta")},
+                          "worker": worker, "engine": client.last_report.seconds})
+    case.record["deltas"] = steps
 
 
 def test_qwen3_moe_every_update_path_equals_a_cold_load(cases):

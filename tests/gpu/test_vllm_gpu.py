@@ -344,6 +344,71 @@ def test_direct_updates_equal_a_cold_load_and_copy_every_verbatim_tensor(prepare
     del llm
 
 
+def delta_versions(base: Path, out: Path, density: float = 0.02, seed: int = 0) -> list[Path]:
+    """Two versions after ``base``: v1 with ``density`` of every bf16 tensor's elements moved by one ulp
+    (the lowest bit flipped: an optimizer step at a small rate), v2 with layer 0's tensors moved again."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    gen = torch.Generator().manual_seed(seed)
+    tensors = load_file(str(base))
+    files = []
+    for step, chosen in ((1, lambda n: True), (2, lambda n: ".layers.0." in n)):
+        for name, t in tensors.items():
+            if t.dtype == torch.bfloat16 and chosen(name) and t.numel():
+                k = max(1, int(t.numel() * density))
+                t.reshape(-1).view(torch.int16)[torch.randperm(t.numel(), generator=gen)[:k]] ^= 1
+        files.append(out / f"delta-v{step}.safetensors")
+        save_file({n: t.contiguous() for n, t in tensors.items()}, str(files[-1]))
+    return files
+
+
+@pytest.mark.gpu
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["qwen2-bf16", "qwen3_moe-bf16", "qwen2-fp8-online"])
+def test_deltas_equal_a_cold_load_scattering_the_verbatim_layers(prepared, case, tmp_path):
+    """Deltas into the GPU engine (docs/deltas.md): A whole with ``deltas``, then v1 (2 % of every tensor
+    changed) and v2 (layer 0 only) as deltas, each equal to a cold load of that version in digests and
+    greedy tokens. In bf16 the engine holds the linears, embeddings and norms verbatim: changed elements
+    are scattered into them on the device; FP8 online quantizes each linear, so those layers are reloaded."""
+    p = prepared[case]
+    files = delta_versions(p.weights[0], tmp_path, seed=p.seed)
+    cold = cold_reference(p.model_dir, files, p.prompts, p.engine_kwargs)   # while nothing else runs here
+    llm = p.engine()
+    with new_ps() as ps:
+        names = ["dA", "dv1", "dv2"]
+        for i, (name, path) in enumerate(zip(names, [p.weights[0], *files])):
+            ps.register_checkpoint(name, files=[str(path)], base=names[i - 1] if i else None)
+            ps.gather_metas(name)
+            replies: list = []
+            result = ps.update(name, lambda handles: replies.extend(llm.collective_rpc(
+                "update_weights_from_ipc", args=(dict(handles),),
+                kwargs={"timeout": 300, "deltas": True, "version": name})), delta=bool(i))
+            llm.reset_prefix_cache()
+            want = p.cold if i == 0 else cold
+            key = str(path)
+            differ = differences(llm.collective_rpc("ckpt_state_digests"), want["digests"][key])
+            assert not differ, f"{case} {name}: differs from a cold load:\n" + "\n".join(differ)
+            assert _greedy(llm, p.prompts) == want["tokens"][key], f"{case} {name}: greedy tokens differ"
+            fig = replies[0]["delta"]
+            if i == 0:
+                print(f"{case} {name}: map {json.dumps(fig.get('map'))[:800]}")
+                continue
+            ps_fig = result["delta"]
+            print(f"{case} {name}: {ps_fig['changed_elements']} of {ps_fig['elements']} elements, payload "
+                  f"{ps_fig['payload_bytes']} of {ps_fig['full_bytes']} bytes; worker: {fig['scattered']} scattered, "
+                  f"{len(fig['reloaded_layers'])} layers reloaded in {fig['reload_s']:.3f} s, apply "
+                  f"{fig['apply_s']:.3f} s, verify {fig['verify_s']:.3f} s")
+            assert 0 < ps_fig["payload_bytes"] < ps_fig["full_bytes"], ps_fig
+            assert fig["scattered"] > 0, f"{case} {name}: nothing scattered ({fig})"
+            if case == "qwen2-bf16":
+                assert not fig["reloaded_layers"], f"{case} {name}: bf16 layers reloaded: {fig['reloaded_layers']}"
+            if case == "qwen2-fp8-online":
+                assert fig["reloaded_layers"], f"{case} {name}: quantized layers must be reloaded ({fig})"
+    del llm
+
+
 SCALE = "model.layers.0.self_attn.k_proj.weight_scale_inv"
 
 

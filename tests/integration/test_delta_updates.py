@@ -168,3 +168,121 @@ def test_a_version_without_a_base_is_refused_as_a_delta_on_every_rank(world_and_
     got = world.all("call", ("support.delta_world", "delta_update_sliced", ("B",)))
     for r, o in got.items():
         assert not o.ok and o.error == "ConfigError" and "whole tensors on our wire" in o.message, (r, o)
+
+
+def test_a_trainers_versions_on_its_device_are_encoded_there_and_applied_bit_exact(world_and_front):
+    """``on_device=True`` versions (a trainer's weights and its previous ones, kept on its device; here the
+    CPU stands in for it): the delta is encoded on the device (``encode_device.py``), its payloads stay
+    there and are copied device-to-device into the IPC buffer; every engine equals the full version.
+    The same versions registered in host memory give the same delta (changed elements, payload bytes,
+    encodings)."""
+    world, front = world_and_front
+    trainer = Trainer(seed=5)
+    v = {"A": trainer.version()}
+
+    def register(name, tensors, base=None, on_device=True):
+        extra = {"on_device": True} if on_device else {}
+        extra.update({} if base is None else {"base": base})
+        _all_ok(world.all("register", per_rank={r: (name, {"named_tensors": tensors[r], **extra})
+                                                for r in range(WORLD)}))
+        _all_ok(world.all("gather", name))
+
+    def figures(name):
+        got = _all_ok(world.all("call", ("support.delta_world", "delta_figures", (name,))))
+        keep = ("changed_tensors", "changed_elements", "payload_bytes", "full_bytes", "encodings")
+        return {r: {k: o.value[k] for k in keep} for r, o in got.items()}
+
+    register("A", v["A"])
+    register("hA", v["A"], on_device=False)
+    _all_ok(world.update("A", front, behaviors={i: {"version": "A"} for i in range(WORLD)}))
+    prev = "A"
+    for name, lr in (("B", 1e-5), ("C", 1e-4)):
+        trainer.step(lr)
+        v[name] = trainer.version()
+        register(name, v[name], base=prev)
+        register("h" + name, v[name], base="h" + prev, on_device=False)
+        assert figures(name) == figures("h" + name)
+        for n, where in ((name, True), ("h" + name, False)):
+            got = _all_ok(world.all("call", ("support.delta_world", "companion_on_device", (n,))))
+            assert all(o.value is where for o in got.values()), (n, got)
+        got = _all_ok(_delta(world, front, name))
+        for r, o in got.items():
+            fig = o.value["delta"]
+            assert fig["base"] == prev and 0 < fig["payload_bytes"] < fig["full_bytes"], (name, r, fig)
+        assert all(d == _want(v[name]) for d in _engines(front)), f"an engine differs from {name} after its delta"
+        prev = name
+
+
+def test_a_device_resident_base_that_changed_since_its_registration_is_refused(world_and_front):
+    """A trainer that registers its live parameters as a version and then steps in place changes that
+    version under the PS: the engines received the registered bytes, so a delta against the changed
+    ones would leave them silently different. Registering the next version with that base is refused
+    (``DeviceResidentError``), nothing kept; a base kept as its own copy works."""
+    world, front = world_and_front
+    trainer = Trainer(seed=9)
+    v = {"A": trainer.version()}
+    _all_ok(world.all("register", per_rank={r: ("A", {"named_tensors": v["A"][r], "on_device": True})
+                                            for r in range(WORLD)}))
+    _all_ok(world.all("gather", "A"))
+    _all_ok(world.update("A", front, behaviors={i: {"version": "A"} for i in range(WORLD)}))
+    # the trainer steps "in place": A's registered tensors now hold B's bytes
+    _all_ok(world.all("call", ("support.delta_world", "overwrite_registered", ("A", 1))))
+    trainer.step(1e-4)
+    v["B"] = trainer.version()
+    got = world.all("register", per_rank={r: ("B", {"named_tensors": v["B"][r], "on_device": True, "base": "A"})
+                                          for r in range(WORLD)})
+    for r, o in got.items():
+        assert not o.ok and o.error == "DeviceResidentError" and "shown unchanged" in o.message, (r, o)
+        assert "on_device_digest" not in o.message, o.message   # its bytes changed: named, not unrecorded
+    got = _all_ok(world.all("checkpoints"))
+    assert all(o.value == ["A"] for o in got.values()), got
+    # a version registered without its record (on_device_digest=False: full updates only) is no base either
+    _all_ok(world.all("register", per_rank={r: ("N", {"named_tensors": v["B"][r], "on_device": True,
+                                                      "on_device_digest": False}) for r in range(WORLD)}))
+    got = world.all("register", per_rank={r: ("B", {"named_tensors": v["B"][r], "on_device": True, "base": "N"})
+                                          for r in range(WORLD)})
+    for r, o in got.items():
+        assert not o.ok and o.error == "DeviceResidentError" and "on_device_digest=False" in o.message, (r, o)
+
+
+def test_a_base_mapped_in_place_from_a_file_written_since_is_refused():
+    """A version registered in place from /dev/shm (mapped, not copied) holds the file's bytes: a trainer
+    that writes its next step into the same file changes them under the PS. Registering a version with
+    that base is refused (``DeltaBaseError``), nothing kept; a base whose file was left alone works, and so
+    does one written as a new file (write-then-rename: the mapping keeps the old inode)."""
+    import os
+
+    import torch
+
+    from ckpt_core import DeltaBaseError, ParameterServer
+    from support.e2e_cases import ShmDir
+    from support.ports import free_port
+    from safetensors.torch import save_file
+
+    shm = ShmDir()
+    gen = torch.Generator().manual_seed(4)
+    a = {"w": torch.randn(256, generator=gen).bfloat16(), "v": torch.randn(64, generator=gen).bfloat16()}
+    b = {n: t.clone() for n, t in a.items()}
+    b["w"][:5] += 1
+    try:
+        with ParameterServer(rank=0, world_size=1, device="cpu", master_addr="127.0.0.1",
+                             master_port=free_port()) as ps:
+            path_a = shm.write("a.safetensors", a)
+            ps.register_checkpoint("A", files=[path_a])
+            ps.register_checkpoint("B", files=[shm.write("b.safetensors", b)], base="A")   # untouched base: fine
+            assert ps.deltas.figures["B"]["changed_elements"] == 5
+            tmp = path_a + ".tmp"   # write-then-rename: A's mapping keeps the old file
+            save_file(b, tmp)
+            os.replace(tmp, path_a)
+            ps.register_checkpoint("B2", files=[shm.write("b2.safetensors", b)], base="A")
+            assert ps.deltas.figures["B2"]["changed_elements"] == 5
+            path_c = shm.write("c.safetensors", a)
+            ps.register_checkpoint("C", files=[path_c])
+            with open(path_c, "r+b") as f:   # the same file written in place: C's mapped bytes change
+                f.seek(-8, os.SEEK_END)
+                f.write(b"\x01" * 8)
+            with pytest.raises(DeltaBaseError, match="'C' of 'D' changed since it was registered.*was written"):
+                ps.register_checkpoint("D", files=[shm.write("d.safetensors", b)], base="C")
+            assert "D" not in ps.deltas.figures
+    finally:
+        shm.close()

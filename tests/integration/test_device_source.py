@@ -119,7 +119,7 @@ def test_options_that_need_host_bytes_are_refused_at_registration_keeping_nothin
             assert not got[0].ok and got[0].error == "DeviceResidentError" and needle in got[0].message, got
         assert ps.all("register", ("dev", {"named_tensors": t, "on_device": True}))[0].ok
         got = ps.all("register", ("next", {"named_tensors": t, "base": "dev"}))   # a delta against it
-        assert got[0].error == "DeviceResidentError" and "a delta of 'next'" in got[0].message, got
+        assert got[0].error == "DeviceResidentError" and "its base 'dev' on the device" in got[0].message, got
         assert ps.all("checkpoints")[0].value == ["dev", "host"]
         assert ps.all("pool_bytes")[0].value is None
 

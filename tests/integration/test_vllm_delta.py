@@ -18,13 +18,15 @@ layer 0's attention projections and nothing else, D no linear layer at all.
 The Qwen2's server then goes through the service (``ckpt-engine serve``, a real process): A registered
 and updated whole with ``deltas``, B registered with ``base`` and updated with ``delta``, both equal to
 a cold load; C's delta after the engine went back to A is refused (400 ``DeltaBaseError``, the engine
-unchanged), then sent with ``delta: "fallback"``; ``/metrics`` counts each kind and the delta bytes.
+unchanged), then sent with ``delta: "fallback"``; ``/metrics`` counts each kind and the delta bytes; D's
+delta is staged through the service (``stage``: the live engine unchanged) and made live by ``/v1/commit``.
 
 The tied Llama (at TP 1, and at TP 2 below) runs in the extended real-vLLM set
 (``CKPT_VLLM_PARITY=all``): each case boots a server of its own, and the suite keeps to its time.
 
 A replayed delta (the engine holds D, the delta of D applies to C) is refused with
-``DeltaBaseError``; with ``CKPT_TEST_DELTA_DROP_ONE`` in the engine (one changed element dropped)
+``DeltaBaseError``; the engine taken back to A whole and A unregistered, D's chain folded into one
+delta from A (``fold_delta``) brings it to D in one update, equal to a cold load; with ``CKPT_TEST_DELTA_DROP_ONE`` in the engine (one changed element dropped)
 the post-apply digest check fails the delta and the engine is back on its base, byte for byte.
 """
 
@@ -118,6 +120,29 @@ def _check_placement(name: str, case: Case, fig: dict, changed: set[str]) -> Non
         assert all(r in ("lm_head", "model.embed_tokens") for r in reloaded), sorted(reloaded)
 
 
+def _fold_from_a(ps, server, files, cold, refs, model) -> None:
+    """The engine back on A (whole), A dropped from the PS: D's chain folded into one delta from A
+    (``fold_delta``, from B@delta, C@delta, D@delta) takes the engine to D, equal to a cold load."""
+    ps.update("A", _req(server, "A", []), timeout=300)
+    assert not differences(server.client.collective_rpc("ckpt_state_digests"), cold[str(files[0])])
+    ps.unregister_checkpoint("A")
+    fold = ps.fold_delta("D", base="A")
+    assert fold["fold"] == "A -> B -> C -> D" and fold["payload_bytes"] < fold["full_bytes"], fold
+    replies: list = []
+    t0 = time.perf_counter()
+    result = ps.update("D", _req(server, "D", replies), timeout=300, delta=True)
+    fig = replies[0][0]["delta"]
+    print(f"D folded from A: {fold['changed_tensors']} tensors, {fold['changed_elements']} elements, payload "
+          f"{fold['payload_bytes']} of {fold['full_bytes']} bytes, fold_delta {fold['encode_s']:.3f} s; worker: "
+          f"{fig['scattered']} scattered, {len(fig['reloaded_layers'])} layers reloaded; "
+          f"update {time.perf_counter() - t0:.2f} s")
+    assert result["delta"]["companion"] == "D@delta:A" and result["delta"]["base"] == "A", result["delta"]
+    differ = differences(server.client.collective_rpc("ckpt_state_digests"), cold[str(files[3])])
+    assert not differ, (f"after D folded from A, {len(differ)} tensor(s) differ from a cold load:\n"
+                        + "\n".join(differ[:20]))
+    assert server.complete(model.prompts, MAX_TOKENS) == refs[str(files[3])], "greedy output after the fold differs"
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_each_delta_costs_what_changed_and_equals_a_cold_load(vllm_python, tmp_path, case):
     model = build_checkpoints(vllm_python, case, tmp_path / "model")
@@ -167,8 +192,10 @@ def test_each_delta_costs_what_changed_and_equals_a_cold_load(vllm_python, tmp_p
             with pytest.raises(DeltaBaseError, match="'C'"):
                 ps.update("D", _req(server, "D", []), timeout=300, delta=True)
             assert not differences(server.client.collective_rpc("ckpt_state_digests"), cold[str(files[3])])
+            _fold_from_a(ps, server, files, cold, refs, model)
         if case.family == "qwen2":
             _through_the_service(server, files, cold, tmp_path)
+            _from_a_joining_world(server, files, cold, refs, model.prompts, tmp_path)
     finally:
         server.stop()
 
@@ -355,12 +382,91 @@ def _through_the_service(server, files, cold, tmp_path) -> None:
         assert "fallback" in resp.json()["result"]["delta"], resp.json()["result"]
         holds(files[2], "after sC's fallback")
         metrics = svc.get("/metrics")
-        if metrics.status_code == 501:   # prometheus-client is an extra
-            return
-        text = metrics.text
-        for kind, n in (("full", 2), ("delta", 1), ("fallback", 1)):
-            assert f'ckpt_updates_by_kind_total{{kind="{kind}",rank="0"}} {n}.0' in text, text[-3000:]
-        assert f'ckpt_delta_payload_bytes_total{{rank="0"}} {float(fig["payload_bytes"])}' in text
-        assert f'ckpt_delta_full_bytes_total{{rank="0"}} {float(fig["full_bytes"])}' in text
+        if metrics.status_code != 501:   # prometheus-client is an extra
+            text = metrics.text
+            for kind, n in (("full", 2), ("delta", 1), ("fallback", 1)):
+                assert f'ckpt_updates_by_kind_total{{kind="{kind}",rank="0"}} {n}.0' in text, text[-3000:]
+            assert f'ckpt_delta_payload_bytes_total{{rank="0"}} {float(fig["payload_bytes"])}' in text
+            assert f'ckpt_delta_full_bytes_total{{rank="0"}} {float(fig["full_bytes"])}' in text
+        # a staged delta: staged while the engine serves (live weights unchanged), applied by the commit
+        register("sD", files[3], base="sC")
+        resp = update("sD", delta=True, stage="other")   # the stage must be the version's own name
+        assert resp.status_code == 400 and resp.json()["error"]["type"] == "ConfigError", resp.text[:800]
+        resp = update("sD", delta=True, stage="sD")
+        assert resp.status_code == 200, resp.text[:800]
+        fig = resp.json()["result"]["delta"]
+        assert fig["base"] == "sC" and 0 < fig["payload_bytes"] < fig["full_bytes"], fig
+        holds(files[2], "after staging the delta of sD")
+        resp = svc.post("/v1/commit", json={"update_url": url, "version": "sD", "timeout": 300}, timeout=400)
+        assert resp.status_code == 200, resp.text[:800]
+        holds(files[3], "after the commit of sD's staged delta")
     finally:
         assert world.close() == [0]
+
+
+def _from_a_joining_world(server, files, cold, refs, prompts, tmp_path) -> None:
+    """P2P deltas into the real server: an owners' world (2 PS processes under torchrun, serving over Mooncake
+    TCP on 127.0.0.2) registers v0..v3, each after the first against the one before; a joining world (one PS
+    process on 127.0.0.3, its engine this server) loads their metas, takes v0 whole, then v1 as a delta; v3
+    (a skipped version) is refused before anything is read, the engine unchanged; then v2 and v3 as deltas.
+    After every step the engine equals a cold load of the version it holds and greedy output equals HF's."""
+    import json
+    import subprocess
+    import sys
+
+    pytest.importorskip("mooncake.engine", reason="Mooncake (the p2p extra) is not installed: "
+                        "scripts/test.sh installs mooncake-transfer-engine-non-cuda and libibverbs1")
+    from support.p2p_cases import JOINERS, OWNERS
+    from vllm_support.server import REPO
+
+    script = str(REPO / "tests" / "integration" / "vllm_support" / "delta_p2p_push.py")
+    metas, done = str(tmp_path / "p2p-metas.json"), tmp_path / "p2p-done"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    owners = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+         "--master-addr", "127.0.0.1", "--master-port", str(free_port()), script, "owners", "--metas", metas,
+         "--done", str(done), "--serve-s", "900", *map(str, files)],
+        env={**env, **OWNERS}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not os.path.exists(metas):   # the owners registered every version and saved their metas
+            if owners.poll() is not None or time.monotonic() > deadline:
+                owners.kill()
+                err = owners.communicate()[1]
+                raise AssertionError(f"the owners saved no metas ({owners.returncode}):\n{err[-6000:]}")
+            time.sleep(0.2)
+        run = subprocess.run(
+            [sys.executable, script, "joiner", "--metas", metas, "--endpoint", server.endpoint,
+             "--prompts", json.dumps(prompts), "--max-tokens", str(MAX_TOKENS)],
+            env={**env, **JOINERS, "JOINER_PORT": str(free_port())}, capture_output=True, text=True, timeout=900)
+        assert run.returncode == 0, f"the joiner failed ({run.returncode}):\n{run.stderr[-6000:]}"
+    finally:
+        done.touch()
+        try:
+            _, err = owners.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            owners.kill()
+            _, err = owners.communicate()
+    assert owners.returncode == 0, f"the owners failed ({owners.returncode}):\n{err[-6000:]}"
+    lines = [json.loads(x) for x in run.stdout.splitlines() if x.startswith("{")]
+    assert [(x["version"], x["ok"]) for x in lines] == [("v0", True), ("v1", True), ("v3", False), ("v2", True),
+                                                      ("v3", True)], [(x["version"], x.get("message")) for x in lines]
+    held = {"v0": 0, "v1": 1, "v3": 3, "v2": 2}
+    for i, line in enumerate(lines):
+        index = 1 if i == 2 else held[line["version"]]   # the refused v3 leaves the engine on v1
+        if not line["ok"]:
+            assert line["error"] == "DeltaBaseError" and "applies to 'v2'" in line["message"], line["message"]
+            assert line["engine"] is None, "the refused delta reached the engine"
+        elif line["delta"]:
+            result = line["result"]
+            fig = result["delta"]
+            assert fig["base"] == f"v{index - 1}", fig
+            # the joiner read the delta's payloads (runs read whole: alignment gaps included), less than the version
+            assert fig["delta_bytes"] <= result["read_bytes"] < fig["version_bytes"], (result["read_bytes"], fig)
+            print(f"P2P delta {line['version']}: read {result['read_bytes']} of {fig['version_bytes']} bytes; "
+                  f"worker: {line['engine'][0]['delta']['scattered']} scattered, "
+                  f"{len(line['engine'][0]['delta']['reloaded_layers'])} layers reloaded")
+        differ = differences(line["digests"], cold[str(files[index])])
+        assert not differ, f"after {line['version']} over P2P, {len(differ)} tensor(s) differ from a cold load:\n" + \
+            "\n".join(differ[:20])
+        assert line["tokens"] == refs[str(files[index])], f"greedy output after P2P {line['version']} differs from HF's"

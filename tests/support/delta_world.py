@@ -127,11 +127,12 @@ def delta_update(ps, rank, name, address, timeout, behaviors, mode):
     return ps.update(name, req, timeout=timeout, delta=mode)
 
 
-def corrupt_payload(ps, rank, name, tensor):
+def corrupt_payload(ps, rank, name, tensor, comp=None):
     """Flip one byte in the body of ``tensor``'s delta payload in this rank's host memory (after
-    registration: what a bad DIMM or a stray write would do). Returns whether this rank holds it."""
+    registration: what a bad DIMM or a stray write would do); ``comp``: the companion (default ``name@delta``,
+    e.g. a fold ``name@delta:A``). Returns whether this rank holds it."""
     from ckpt_core.delta.versions import PAYLOAD, companion
-    ckpt = ps._catalog.checkpoints[companion(name)]
+    ckpt = ps._catalog.checkpoints[comp or companion(name)]
     for m in ckpt.metas:
         if m.name == PAYLOAD + tensor:
             raw = ckpt.regions[m.base].tensor[m.base_offset: m.base_offset + m.nbytes]
@@ -163,3 +164,38 @@ def save_metas(ps, rank, path):
 
 def engines_hold(ps, rank):
     return ps.deltas.engines_hold
+
+
+def companion_on_device(ps, rank, name):
+    """Whether ``name``'s delta (its companion checkpoint) is registered device-resident on this rank."""
+    return ps._catalog.checkpoints[name + "@delta"].on_device
+
+
+def register_on_device(ps, rank, name, tensors, base=None):
+    """Register ``tensors`` (this rank's share) on the PS's own device (``on_device=True``), moved there
+    first: a trainer's weights beside the engine; ``base``: its previous version, registered alike."""
+    device = ps.backend.device(ps.device_index)
+    ps.register_checkpoint(name, named_tensors={n: t.to(device).contiguous() for n, t in tensors.items()},
+                           on_device=True, base=base)
+    return {"on_device": ps.last_register["on_device"]}
+
+
+def overwrite_registered(ps, rank, name, count):
+    """Change ``count`` elements of the first tensor of device-resident checkpoint ``name`` in place (a
+    trainer's step on tensors it registered with ``on_device=True``)."""
+    from ckpt_core.checkpoint.device import device_tensor
+
+    ckpt = ps._catalog.checkpoints[name]
+    t = device_tensor(ckpt, ckpt.metas[0])
+    t.reshape(-1).view(torch.uint8)[:count] ^= 1
+    return True
+def fold_delta(ps, rank, name, base):
+    """``ps.fold_delta(name, base=base)``: this rank's figures of the fold."""
+    return ps.fold_delta(name, base=base)
+
+
+def companion_bytes(ps, rank, comp):
+    """Bytes of checkpoint ``comp`` every owner registered (from the metas this rank gathered or loaded)."""
+    loaded = ps._p2p.loaded.get(comp)
+    metas = loaded.metas if loaded is not None else ps._catalog.metas.get(comp)
+    return None if metas is None else sum(m.nbytes for ms in metas for m in ms)

@@ -6,7 +6,7 @@ import torch
 
 from ckpt_core.delta.apply import DeltaReceiver, delta_of_plan
 from ckpt_core.delta.encode import encode_tensor
-from ckpt_core.delta.versions import PAYLOAD, DeltaVersions, manifest_name, parse_manifest_name
+from ckpt_core.delta.versions import PAYLOAD, manifest_name, parse_manifest_name
 from ckpt_core.errors import CheckpointFormatError, DeltaBaseError
 
 U8 = torch.uint8
@@ -94,16 +94,17 @@ def test_a_full_update_sets_the_held_version_and_a_failed_one_forgets_it():
 
 
 def test_the_ps_refuses_what_it_knows_is_not_held():
-    state = DeltaVersions(rank=1, world=2)
-    with pytest.raises(DeltaBaseError, match="not registered with a base on rank 1"):
-        state.precheck("B")
-    state.bases["B"] = "A"
-    state.precheck("B")   # nothing known about the engines: the workers decide
-    state.made_live("A")
-    state.precheck("B")
-    state.made_live("C")
+    from ckpt_core.delta.choose import choose, view
+
+    def views(default, holds):
+        cands = {} if default is None else {default: ["B@delta", True, False]}
+        return [view("B", cands, default, holds, True)] * 2
+    with pytest.raises(DeltaBaseError, match=r"not registered with a base on rank\(s\) \[0, 1\]"):
+        choose(views(None, None), "B", p2p=False, known={})
+    assert choose(views("A", None), "B", p2p=False, known={}) == ("A", "B@delta")   # unknown: the workers decide
+    assert choose(views("A", "A"), "B", p2p=False, known={}) == ("A", "B@delta")
     with pytest.raises(DeltaBaseError, match="last made 'C' live"):
-        state.precheck("B")
+        choose(views("A", "C"), "B", p2p=False, known={})
 
 
 def test_a_widened_live_tensor_takes_the_delta_cast_up_and_a_failure_puts_it_back():

@@ -119,8 +119,8 @@ def test_the_progress_log_can_keep_to_start_lines_only(caplog):
     ({"engine": "sglang", "update_url": "http://127.0.0.1:1", "stage": "v8", "flush_cache": False},
      "flush_cache applies to a whole update"),
     ({"engine": "trtllm"}, "unknown engine 'trtllm'; known engines: .*'sglang', 'vllm'"),
-    ({"deltas": True, "stage": "v1", "update_url": "http://127.0.0.1:1/collective_rpc"},
-     "staged updates do not take deltas yet"),
+    ({"deltas": True, "stage": "v1", "prepare": True, "update_url": "http://127.0.0.1:1/collective_rpc"},
+     "prepare does not apply to a staged delta"),
     ({"deltas": True, "engine": "sglang", "update_url": "http://127.0.0.1:1"}, "deltas does not apply to engine='sglang'"),
     ({"delta": "sometimes"}, "delta"),
 ])
@@ -167,8 +167,18 @@ def test_a_delta_request_reaches_the_ps_and_tells_the_vllm_workers_its_version()
         request.engine.update = lambda handles, **options: seen.append(options)
         request([("dev0", "ipc://h0")])
         assert seen == [want]
-    with pytest.raises(ConfigError, match="staged updates do not take deltas"):
-        _engine_request(UpdateRequest(update_url=url, delta=True, stage="v8"), 1, "native", ServicePolicy(), "v8")
+    # staged: the stage's version is the checkpoint's name (what the workers hold after the commit, the next base)
+    for body in (UpdateRequest(update_url=url, delta=True, stage="v8"), UpdateRequest(update_url=url, deltas=True, stage="v8")):
+        request = _engine_request(body, 1, "native", ServicePolicy(), "v8")
+        staged = []
+        request.engine.stage = lambda handles, version, **options: staged.append((version, options))
+        request([("dev0", "ipc://h0")])
+        assert staged == [("v8", {"device_bytes": 0, "deltas": True})]
+    with pytest.raises(ConfigError, match="give stage='v8', not 'v7'"):
+        _engine_request(UpdateRequest(update_url=url, delta=True, stage="v7"), 1, "native", ServicePolicy(), "v8")
+    with pytest.raises(ConfigError, match="prepare does not apply to a staged delta"):
+        _engine_request(UpdateRequest(update_url=url, delta=True, stage="v8", prepare=True), 1, "native",
+                        ServicePolicy(), "v8")
 
 
 def test_the_vllm_client_refuses_deltas_without_a_version_before_posting():

@@ -343,6 +343,17 @@ def serve_http(args, server_args, model_config, scheduler: SchedulerStandIn, fan
         """Every rank's parameters after a cold load of ``model_dir`` into a fresh shard of the model."""
         return {"ranks": await on_scheduler(scheduler, fanout, "ckpt_test_cold_digests", model_dir)}
 
+    @app.get("/ckpt_test/cold_state")
+    async def cold_state(model_dir: str = Query(...)):
+        """Every rank's parameters and buffers (``ckpt_sglang._digest.state_digests``, as the probe loader
+        reports them) after a cold load of ``model_dir`` into a fresh shard of the model."""
+        return {"ranks": await on_scheduler(scheduler, fanout, "ckpt_test_cold_state", model_dir)}
+
+    @app.post("/ckpt_test/env")
+    async def setenv(body: dict = Body(...)):
+        """Set (or, with null, unset) environment variables of every rank's process."""
+        return (await on_scheduler(scheduler, fanout, "ckpt_test_setenv", body))[0]
+
     @app.post("/ckpt_test/busy")
     async def busy(n: int = Query(0)):
         scheduler.busy = n

@@ -33,6 +33,28 @@ def probe_calls(model, model_config, tp_rank: int) -> dict:
                     fresh.load_weights(list(load_file(os.path.join(model_dir, f)).items()))
         return {n: digest(p) for n, p in fresh.named_parameters()}
 
+    def cold_state(model_dir):   # every parameter and buffer of a fresh shard, cold-loaded (the probe's digests)
+        from safetensors.torch import load_file
+        from sglang.srt.models.qwen2 import Qwen2ForCausalLM
+
+        from ckpt_sglang._digest import state_digests
+
+        fresh = Qwen2ForCausalLM(model_config.hf_config)
+        with torch.no_grad():
+            for f in sorted(os.listdir(model_dir)):
+                if f.endswith(".safetensors"):
+                    fresh.load_weights(list(load_file(os.path.join(model_dir, f)).items()))
+        return state_digests(fresh)
+
+    def setenv(arg):   # {name: value or None}: the engine process's environment (e.g. CKPT_TEST_DELTA_DROP_ONE);
+        # "_rank": only that TP rank's
+        arg = dict(arg)
+        if arg.pop("_rank", tp_rank) != tp_rank:
+            return None
+        for k, v in arg.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        return arg
+
     def next_commit(arg):
         """The next commit's ``load_weights`` on rank ``arg["fail_rank"]`` raises at its second bucket."""
         if arg["fail_rank"] != tp_rank:
@@ -52,7 +74,8 @@ def probe_calls(model, model_config, tp_rank: int) -> dict:
     def next_stage(arg):
         return _next_stage(arg, tp_rank)
 
-    return {f"ckpt_test_{fn.__name__}": fn for fn in (digests, cold_digests, next_stage, next_commit)}
+    return {f"ckpt_test_{fn.__name__}": fn for fn in (digests, cold_digests, cold_state, setenv, next_stage,
+                                                      next_commit)}
 
 
 def _next_stage(arg: dict, tp_rank: int):
