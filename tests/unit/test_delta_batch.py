@@ -232,3 +232,23 @@ def test_in_place_file_maps_keep_no_sums(tmp_path):
         for p in paths:
             if os.path.exists(p):
                 os.unlink(p)
+
+
+def test_build_packed_lays_payloads_out_as_build_checkpoint_does():
+    """The companion of payloads (flat uint8 tensors) registered without a copy job each: the same metas
+    and bytes as build_checkpoint; other tensors go through build_checkpoint itself."""
+    from ckpt_core.checkpoint.sources import build_packed
+    gen = torch.Generator().manual_seed(2)
+    named = {f"ckpt.delta:w{i}": torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
+             for i, n in enumerate([1, 0, 300, 4096, 7])}
+    backend = get_backend("cpu")
+    want = build_checkpoint("c", backend, named_tensors=named)
+    got = build_packed("c", backend, named)
+    other = build_packed("d", backend, {"x": torch.ones(3, 5)})   # not payloads: build_checkpoint's way
+    try:
+        assert got.metas == want.metas and got.nbytes == want.nbytes
+        assert all(torch.equal(got.host_tensor(m), want.host_tensor(m)) for m in want.metas)
+        assert torch.equal(other.host_tensor(other.metas[0]), torch.ones(3, 5))
+    finally:
+        for c in (want, got, other):
+            c.release()
