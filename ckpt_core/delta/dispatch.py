@@ -20,7 +20,7 @@ full update of ``name``).
 from __future__ import annotations
 
 from ckpt_core.checkpoint.device import build_device_checkpoint, refuse_device_resident
-from ckpt_core.checkpoint.sources import RegisteredCheckpoint, build_checkpoint
+from ckpt_core.checkpoint.sources import RegisteredCheckpoint, build_packed
 from ckpt_core.delta._sliced_flow import SlicedDeltas
 from ckpt_core.delta.choose import candidates, choose, view
 from ckpt_core.delta.sliced import sliced_name
@@ -74,7 +74,7 @@ class Updates:
                     comp = build_device_checkpoint(companion(name), self.ctx.backend, self.ctx.device_index, payloads)
                 else:
                     payloads = self.versions.encode(name, ckpt, base, self.catalog.checkpoints.get(base))
-                    comp = build_checkpoint(companion(name), self.ctx.backend, named_tensors=payloads)
+                    comp = build_packed(companion(name), self.ctx.backend, payloads)
             except BaseException:
                 self.versions.drop_snapshot(name)
                 ckpt.release()
@@ -135,7 +135,7 @@ class Updates:
         comp = fold_companion(name, base)
         try:
             payloads = self.versions.fold(name, ckpt, base, base_ckpt, steps)
-            comp_ckpt = build_checkpoint(comp, self.ctx.backend, named_tensors=payloads)
+            comp_ckpt = build_packed(comp, self.ctx.backend, payloads)
         except BaseException:
             self.versions.folds.get(name, {}).pop(base, None)
             raise

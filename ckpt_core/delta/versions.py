@@ -2,7 +2,8 @@
 
 ``register_checkpoint("B", ..., base="A")`` registers B as usual (the PS keeps every version whole:
 the base of the next delta, and what a full update or a fallback sends) and, per tensor of this
-rank's share, encodes B against A (``encode.encode_tensor``). The payloads are registered as a
+rank's share, encodes B against A (``encode.encode_tensor``'s payloads, all tensors together:
+``batch.py``). The payloads are registered as a
 second checkpoint, ``B@delta``, of uint8 tensors named ``ckpt.delta:<tensor>``, plus one
 manifest tensor per rank whose *name* says ``[base, version, rank, world]``. So the delta moves
 through the unchanged broadcast pipeline (buckets, IPC buffer, agreements), and an engine worker
@@ -36,7 +37,7 @@ import torch
 
 from ckpt_core._settings import fault_threads
 from ckpt_core.checkpoint.device import device_tensor
-from ckpt_core.delta.encode import encode_tensor
+from ckpt_core.delta.batch import encode_registration
 from ckpt_core.delta.encode_device import encode_on_device
 from ckpt_core.delta.fold import fold_tensor
 from ckpt_core.delta.lin64 import lin64_many
@@ -81,15 +82,6 @@ def parse_manifest_name(name: str) -> tuple[str, str, int, int] | None:
 # below this average tensor size the encode's threads contend for the GIL more than numpy's work
 # releases it (dense16 x0.005, 220 KB tensors, 2 cores: 0.13 s on one thread, 0.26 s on two)
 _POOL_MIN_AVG_BYTES = 1 << 20
-
-
-def _encode_all(ckpt, base_ckpt, old: dict) -> list:
-    """``encode_tensor`` of every tensor of ``ckpt`` against its ``old`` meta in ``base_ckpt`` (None: new),
-    in order."""
-    def one(m):
-        prev = base_ckpt.host_tensor(old[m.name]) if m.name in old else None
-        return encode_tensor(ckpt.host_tensor(m), prev)
-    return _each_tensor(ckpt, one)
 
 
 def _each_tensor(ckpt, one: Callable) -> list:
@@ -152,7 +144,12 @@ class DeltaVersions:
                                      f"{rewritten}; a delta applies to the bytes the engines received: write each "
                                      "version to its own file (or register with use_inplace_pin_memory=False, a "
                                      "copy), or update the new version whole")
-            encoded = _encode_all(ckpt, base_ckpt, old)
+            batch = encode_registration(ckpt, base_ckpt, old)   # all tensors together (batch.py)
+            encoded = batch.payload_list({r: region.tensor.numpy() for r, region in ckpt.regions.items()})
+            ckpt.digests.update(batch.digests)
+            out, fig = self._companion(name, base, ckpt, encoded, t0, device=device)
+            fig["phases"] = batch.phases
+            return out, fig
         return self._companion(name, base, ckpt, encoded, t0, device=device)
 
     def _companion(self, name: str, base: str, ckpt, encoded: list, t0: float,

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 import ckpt_core.delta._changes as changes
-import ckpt_core.delta.versions as versions
 from ckpt_core.delta._changes import Changes, changed_positions
 from ckpt_core.delta.versions import DeltaVersions
 
@@ -45,23 +44,14 @@ def test_gaps_runs_and_run_bounds():
     assert (empty.max_gap, empty.runs) == (0, 0)
 
 
-class _Ckpt:
-    """What ``DeltaVersions.encode`` reads of a registered checkpoint (in host memory)."""
+def test_a_registration_encodes_its_tensors_on_threads_exactly_as_one_by_one(monkeypatch):
+    """``DeltaVersions.encode`` (all tensors together, ``delta/batch.py``) on one thread and on three:
+    the companion's tensors are ``encode_tensor``'s payload of each changed tensor, and the manifest."""
+    from ckpt_core.checkpoint.sources import build_checkpoint
+    from ckpt_core.delta import batch
+    from ckpt_core.delta.encode import encode_tensor
+    from ckpt_core.devices import get_backend
 
-    on_device = False
-
-    def __init__(self, tensors):
-        self.tensors = tensors
-        self.metas = [type("M", (), {"name": n, "box": None, "nbytes": t.nbytes})() for n, t in tensors.items()]
-
-    def host_tensor(self, meta):
-        return self.tensors[meta.name]
-
-    def rewritten_problem(self):   # copies, not mapped files: nothing writes them
-        return None
-
-
-def test_a_registration_encodes_its_tensors_on_the_pool_exactly_as_one_by_one(monkeypatch):
     gen = torch.Generator().manual_seed(3)
     base = {f"t{i}": torch.randn(1000 + 37 * i, generator=gen).to(torch.bfloat16) for i in range(20)}
     new = {n: t.clone() for n, t in base.items()}
@@ -69,10 +59,23 @@ def test_a_registration_encodes_its_tensors_on_the_pool_exactly_as_one_by_one(mo
         if i % 5:   # every fifth tensor unchanged
             t.view(torch.int16)[torch.randperm(t.numel(), generator=gen)[: 3 + i]] ^= 1
     new["fresh"] = torch.randn(77, generator=gen).half()
+    backend = get_backend("cpu")
+    a = build_checkpoint("A", backend, named_tensors=base)
+    b = build_checkpoint("B", backend, named_tensors=new)
+    monkeypatch.setattr(batch, "_THREADS_MIN_WORDS", 0)   # small tensors: threads all the same
+    monkeypatch.setattr(batch, "_THREADS_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(batch, "_PIECE_WORDS", 256)
     out = {}
-    monkeypatch.setattr(versions, "_POOL_MIN_AVG_BYTES", 0)   # small tensors: the pool all the same
-    for threads in ("1", "3"):
-        monkeypatch.setenv("PS_FAULT_THREADS", threads)
-        out[threads] = DeltaVersions(0, 1).encode("B", _Ckpt(new), "A", _Ckpt(base))
-    assert list(out["1"]) == list(out["3"]) and len(out["1"]) == 16 + 1 + 1   # changed, fresh, manifest
-    assert all(torch.equal(out["1"][n], out["3"][n]) for n in out["1"])
+    try:
+        for threads in ("1", "3"):
+            monkeypatch.setenv("PS_FAULT_THREADS", threads)
+            out[threads] = {n: t.clone() for n, t in DeltaVersions(0, 1).encode("B", b, "A", a).items()}
+        assert list(out["1"]) == list(out["3"]) and len(out["1"]) == 16 + 1 + 1   # changed, fresh, manifest
+        assert all(torch.equal(out["1"][n], out["3"][n]) for n in out["1"])
+        for n, t in new.items():
+            want, _ = encode_tensor(t, base.get(n))
+            got = out["1"].get(f"ckpt.delta:{n}")
+            assert (want is None and got is None) or torch.equal(got, want), n
+    finally:
+        a.release()
+        b.release()

@@ -1,0 +1,516 @@
+"""A registration's delta, encoded for all its tensors together (``versions.DeltaVersions.encode``).
+
+``encode_tensor`` per tensor reads the new tensor twice (compare, then its ``lin64`` digest) and the
+base once, and pays numpy's and Python's per-call costs many times per tensor (a MoE checkpoint has
+thousands of small tensors). Here, for every tensor whose base has its dtype and shape and whose
+bytes lie 8-byte aligned in both versions' host memory:
+
+1. **The digest from the base's.** ``lin64`` is linear in the words (``lin64.py``): the new tensor's
+   sum is its base's plus ``sum (new_word - old_word) * c_i`` over the changed words only. The base's
+   sums are kept on its registered checkpoint (``RegisteredCheckpoint.digests``), and a version
+   registered with a base keeps its own, so along a chain of versions no small tensor is digested
+   whole again (a base registered whole has none at first: they are computed then, once, and kept).
+   Large tensors (``LARGE_BYTES``) are digested block by block as they are compared instead (their
+   bytes read once): in numpy that streaming pass costs less than the derivation's gathers. Only
+   regions this process filled keep sums (not in-place file maps, which their file's owner could
+   rewrite): nothing writes them, so a kept sum stays the sum of the bytes the next compare reads.
+2. **Small tensors (below ``LARGE_BYTES``) batched.** Tensors laid out alike in both versions' regions
+   (successive versions of one model are) are compared as one run of uint64 words per span, in
+   cache-sized blocks, the span cut into pieces over ``PS_FAULT_THREADS`` threads (numpy releases the
+   GIL); each piece maps its changed words to tensors, sums their lin64 change, and expands them to
+   changed elements per item size. Gaps, largest gaps and run counts then come for all tensors at
+   once by segment reductions, the encodings are chosen for all at once (``Sizes.best``'s rule), and
+   the ``idx`` and ``gap16`` payloads (the usual ones) are written together into one buffer
+   (``Encoded.payload_list``, ``_Vector.write``: headers formatted as ``encode._payload`` writes them,
+   each section and the values by one scatter, the body checks as one segmented ``lin64``).
+3. **Large tensors on their own**, one per thread job: ``_changes.changed_positions`` block by block in
+   cache, each changed block digested while there, ``encode._encoded``.
+
+Every payload is byte for byte ``encode_tensor``'s (``encode._encoded`` is its second half, and
+``tests/unit/test_delta_batch.py`` compares them over dtypes, densities, shapes and encodings). Any
+other tensor (new, retyped, reshaped, unaligned, items of 16 bytes) goes through ``encode_tensor``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import struct
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from ckpt_core._settings import fault_threads
+from ckpt_core.delta._changes import Changes, changed_positions
+from ckpt_core.delta.encode import ENCODINGS, MAGIC, MAX_GAP16, _encoded, as_words, encode_tensor
+from ckpt_core.delta.lin64 import ROW, HostDigest, _fmt, _host_ab, _sum_numpy, mix_int, raw_of
+from ckpt_core.planning.buckets import TensorMeta
+
+BLOCK_WORDS = 1 << 15          # words per compare block: 256 KiB of each version, in cache together
+_PIECE_WORDS = 1 << 16         # words per thread job (16 MiB of each version)
+_THREADS_MIN_WORDS = 1 << 20   # below: one thread (a pool costs more than it saves)
+_THREADS_MIN_ELEMENTS = 1 << 16   # changed elements below which the payloads are written on one thread
+_SPAN_GAP = 1 << 20
+# tensors from this size are encoded each on its own, block by block (their changes found and digested
+# in cache, where the batched path's arrays of every changed word outgrow the caches); below it they are
+# batched (per-tensor numpy calls on threads contend for the GIL: moe8 x0.05, 87 KB tensors, 2 threads
+# under load: 4.6 s with 64 KiB here, 0.84 s with 1 MiB; dense16 x0.005, 220 KB tensors, one thread:
+# 84 ms on their own, 107 ms batched)
+LARGE_BYTES = 1 << 20
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_MASK = (1 << 64) - 1
+
+
+class _Pair(NamedTuple):
+    at: int          # index in the registration's metas
+    new: TensorMeta   # in the new version
+    old: TensorMeta   # its base's (None: no base tensor of that name)
+
+
+def _cacheable_regions(ckpt) -> set[int]:
+    """Regions whose tensors' lin64 sums may be kept: filled here, not in-place file maps (their file's
+    owner could rewrite them)."""
+    return {rid for rid, region in ckpt.regions.items() if region.source_check is None}
+
+
+@functools.lru_cache(maxsize=4096)
+def _size_term(nbytes: int, itemsize: int) -> int:
+    """lin64's term of a byte count and item size (``mix_int``: pure Python; tensors repeat shapes)."""
+    return mix_int((nbytes << 5) | itemsize)
+
+
+def _eligible(ckpt, base_ckpt, new, old) -> bool:
+    return (old is not None and old.dtype == new.dtype and tuple(old.shape) == tuple(new.shape)
+            and new.itemsize in _UINT and new.nbytes > 0 and new.base_offset % 8 == 0 and old.base_offset % 8 == 0
+            and new.base in ckpt.regions and old.base in base_ckpt.regions)
+
+
+def _spans(pairs: list[_Pair]) -> list[list[_Pair]]:
+    """Runs of tensors laid out alike in both versions (same regions, same distance between their
+    offsets, little room between them), in the new version's order."""
+    spans: list[list[_Pair]] = []
+    for p in sorted(pairs, key=lambda p: (p.new.base, p.new.base_offset)):
+        if spans:
+            q = spans[-1][-1]
+            if (q.new.base == p.new.base and q.old.base == p.old.base
+                    and q.new.base_offset - q.old.base_offset == p.new.base_offset - p.old.base_offset
+                    and 0 <= p.new.base_offset - (q.new.base_offset + q.new.nbytes) <= _SPAN_GAP):
+                spans[-1].append(p)
+                continue
+        spans.append([p])
+    return spans
+
+
+def _words(region_tensor: torch.Tensor, start: int, end: int) -> np.ndarray:
+    """Bytes ``[start, end)`` of a region (8-byte aligned ``start``) as uint64 words, the last one
+    whole even if ``end`` falls inside it (regions' tensors start 8-aligned; the padding after a
+    tensor's last byte is masked out by the caller)."""
+    end8 = min(-(-end // 8) * 8, region_tensor.numel())
+    raw = region_tensor[start:end8].numpy()
+    n = raw.size // 8
+    if n * 8 < raw.size:   # the region ends inside the word: a padded copy of the last word
+        out = np.zeros(n + 1, dtype=np.uint64)
+        out[:n] = raw[: 8 * n].view(np.uint64)
+        out.view(np.uint8)[8 * n: raw.size] = raw[8 * n:]
+        return out
+    return raw.view(np.uint64)
+
+
+class _Span(NamedTuple):
+    """Tensors laid out alike in both versions, compared as one run of words: the new and old words, and
+    per tensor (in order) its index in the encode's order, first word (in the run), bytes, item size."""
+    new_w: np.ndarray
+    old_w: np.ndarray
+    tensors: np.ndarray   # int64, the encode's order
+    starts: np.ndarray    # int64 words from the run's start
+    nbytes: np.ndarray
+    sizes: np.ndarray
+    tails: bool           # some word of the run is not wholly a tensor's (a tensor's odd end, padding)
+
+
+def _job(span: _Span, lo: int, hi: int, a: np.ndarray, b: np.ndarray):
+    """Words ``[lo, hi)`` of a span: its changes as (tensor, element position) pairs in order, and each
+    changed tensor's ``sum (new_word - old_word) * c_i`` (lin64's, mod 2**64): all in numpy, on a thread."""
+    idx, nws, ows = [], [], []
+    mask = np.empty(min(BLOCK_WORDS, hi - lo), dtype=np.bool_)
+    new_w, old_w = span.new_w, span.old_w
+    for s in range(lo, hi, BLOCK_WORDS):   # each block compared while in cache; its changed words kept
+        e = min(s + BLOCK_WORDS, hi)
+        m = mask[: e - s]
+        np.not_equal(new_w[s:e], old_w[s:e], out=m)
+        found = np.flatnonzero(m)
+        if found.size:
+            found += s
+            idx.append(found)
+            nws.append(new_w[found])
+            ows.append(old_w[found])
+    empty = np.empty(0, dtype=np.int64)
+    if not idx:
+        return empty, empty, empty, np.empty(0, dtype=np.uint64)
+    w = np.concatenate(idx)
+    nw, ow = np.concatenate(nws), np.concatenate(ows)
+    t = np.searchsorted(span.starts, w, side="right") - 1   # the tensor of each word (spans start with one)
+    local = w - span.starts[t]
+    tail = (span.nbytes[t] - local * 8 < 8) if span.tails else None   # a tensor's last word, or padding after it
+    if tail is not None and tail.any():   # only the tensor's own bytes count: the rest masked out of both
+        valid = np.maximum(span.nbytes[t[tail]] - local[tail] * 8, 0).astype(np.uint64)
+        keep = (np.uint64(1) << (valid * np.uint64(8))) - np.uint64(1)   # valid < 8 bytes
+        nw[tail] &= keep
+        ow[tail] &= keep
+        real = nw != ow
+        w, t, local, nw, ow = w[real], t[real], local[real], nw[real], ow[real]
+        if not t.size:
+            return empty, empty, empty, np.empty(0, dtype=np.uint64)
+    # lin64: each changed tensor's change of sum
+    firsts = np.flatnonzero(np.diff(t, prepend=-1))
+    with np.errstate(over="ignore"):
+        terms = (nw - ow) * (a[local & (ROW - 1)] * b[local >> _ROW_BITS])
+    dsum = np.add.reduceat(terms, firsts)
+    dt = span.tensors[t[firsts]]
+    # elements: per item size, element k of a changed word whose k-th item differs
+    groups = np.unique(span.sizes[t[firsts]]).tolist()   # the item sizes of the changed tensors
+    sizes = span.sizes[t] if len(groups) > 1 else None
+    tids, poss = [], []
+    for size in groups:
+        sel = sizes == size if sizes is not None else slice(None)
+        k_per = 8 // size
+        hit = np.flatnonzero(nw[sel].view(_UINT[size]) != ow[sel].view(_UINT[size]))
+        row = hit // k_per
+        poss.append(local[sel][row] * k_per + (hit - row * k_per))
+        tids.append(t[sel][row])
+    tid, pos = (np.concatenate(tids), np.concatenate(poss)) if len(tids) > 1 else (tids[0], poss[0])
+    if len(tids) > 1:   # back in tensor order (stable: each tensor's positions stay sorted)
+        o = np.argsort(tid, kind="stable")
+        tid, pos = tid[o], pos[o]
+    return span.tensors[tid], pos, dt, dsum
+
+
+def _large(ckpt, base_ckpt, p: _Pair):
+    """A large tensor on its own (one thread): its changed positions found block by block in cache
+    (``_changes.changed_positions``) and, once a block changed, each block digested while in cache (its
+    bytes read once: on large tensors this streaming ``lin64`` costs less than deriving the sum from
+    the base's over the changed words, which numpy does in a dozen passes of gathers: 2 % of a 8 MiB
+    bf16 tensor, 1.0 ms against 6.6 ms). Returns ``(payload or None, info, its lin64 sum or None)``,
+    with ``encode_tensor``'s payload."""
+    new, prev = ckpt.host_tensor(p.new), base_ckpt.host_tensor(p.old)
+    words = as_words(new).numpy()
+    size = p.new.itemsize
+    host = HostDigest(new)
+
+    def digest_block(end: int, changed: bool) -> None:   # once it changed: each block as it is compared
+        if changed:
+            host.upto(end * size)
+    positions = changed_positions(words, as_words(prev).numpy(), digest_block)
+    if positions.size == 0:
+        return None, {"encoding": None, "count": 0, "numel": p.new.nbytes // size, "bytes": 0}, None
+    digest = host.digest()
+    total = (int(digest[len("lin64:"):], 16) - _size_term(p.new.nbytes, size)) & _MASK
+    payload, info = _encoded(new, words, Changes.of(positions), digest, None)
+    return payload, info, total
+
+
+def _run_jobs(jobs, threads: int, large=()) -> tuple[list, list]:
+    """The span jobs' results, and the large tensors' (``(fn, args)`` each), on ``threads`` threads."""
+    if threads > 1 and len(jobs) + len(large) > 1:
+        with ThreadPoolExecutor(threads, thread_name_prefix="ckpt-delta-compare") as pool:
+            big = [pool.submit(fn, *args) for fn, args in large]   # the long ones first
+            return list(pool.map(lambda j: _job(*j), jobs)), [f.result() for f in big]
+    return [_job(*j) for j in jobs], [fn(*args) for fn, args in large]
+
+
+def encode_registration(ckpt, base_ckpt, old: dict) -> Encoded:
+    """``encode_tensor(new, old)`` of every tensor of ``ckpt`` (old: ``old[name]`` in ``base_ckpt``, or
+    None when missing), in ``ckpt.metas`` order, with the same payloads (module doc)."""
+    clock = time.perf_counter()
+    phases: dict[str, float] = {}
+
+    def lap(name: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        phases[name] = phases.get(name, 0.0) + now - clock
+        clock = now
+
+    metas = ckpt.metas
+    results: list = [None] * len(metas)
+    base_sums: dict[str, int] = base_ckpt.digests
+    pairs = [_Pair(i, m, old.get(m.name)) for i, m in enumerate(metas)]   # type: ignore[arg-type]
+    eligible = [p for p in pairs if _eligible(ckpt, base_ckpt, p.new, p.old)]
+    fused = [p for p in eligible if p.new.nbytes < LARGE_BYTES]
+    large = [p for p in eligible if p.new.nbytes >= LARGE_BYTES]
+    keep_base = _cacheable_regions(base_ckpt)
+    fused_ids = {p.at for p in eligible}
+    by_name = {p.new.name: p.new for p in eligible}
+    for p in pairs:   # the rest one by one, as before
+        if p.at not in fused_ids:
+            prev = base_ckpt.host_tensor(p.old) if p.old is not None else None
+            results[p.at] = encode_tensor(ckpt.host_tensor(p.new), prev)
+    lap("other")
+
+    # 1. spans of tensors laid out alike, each cut into pieces: one job each, over threads, in order
+    order: list[_Pair] = []
+    jobs = []
+    longest = 1
+    for group in _spans(fused):
+        first, last = group[0], group[-1]
+        shift = first.new.base_offset - first.old.base_offset
+        start, end = first.new.base_offset, last.new.base_offset + last.new.nbytes
+        span = _Span(_words(ckpt.regions[first.new.base].tensor, start, end),
+                     _words(base_ckpt.regions[first.old.base].tensor, start - shift, end - shift),
+                     np.arange(len(order), len(order) + len(group), dtype=np.int64),
+                     np.array([(p.new.base_offset - start) // 8 for p in group], dtype=np.int64),
+                     np.array([p.new.nbytes for p in group], dtype=np.int64),
+                     np.array([p.new.itemsize for p in group], dtype=np.int64),
+                     any(p.new.nbytes % 8 or (q is not None and q.new.base_offset != p.new.base_offset + p.new.nbytes)
+                         for p, q in zip(group, [*group[1:], None])))
+        order += group
+        longest = max(longest, max(p.new.nbytes for p in group) // 8 + 1)
+        for lo in range(0, span.new_w.size, _PIECE_WORDS):
+            jobs.append([span, lo, min(lo + _PIECE_WORDS, span.new_w.size)])
+    a, b = _host_ab(longest)
+    for j in jobs:
+        j += [a, b]
+    total = sum(j[2] - j[1] for j in jobs)
+    total += sum(p.new.nbytes // 8 for p in large)
+    threads = min(fault_threads(), os.cpu_count() or 1, len(jobs) + len(large)) if total >= _THREADS_MIN_WORDS else 1
+    parts, done = _run_jobs(jobs, threads, [(_large, (ckpt, base_ckpt, p)) for p in large])
+    digests: dict[str, int] = {}
+    for p, (payload, info, total_sum) in zip(large, done):
+        results[p.at] = (payload, info)
+        if total_sum is not None:
+            digests[p.new.name] = total_sum
+    lap("compare")
+
+    # 2. digests: the base's sum plus the change of sum (a tensor cut between jobs: its parts added)
+    change: dict[int, int] = {}
+    for _, _, dt, dsum in parts:
+        for ti, d in zip(dt.tolist(), dsum.tolist()):
+            change[ti] = change.get(ti, 0) + d
+    for ti, p in enumerate(order):
+        name = p.new.name
+        keep = p.old.base in keep_base
+        known = base_sums.get(name) if keep else None
+        if ti in change or known is not None:
+            if known is None:
+                known = _sum_numpy(raw_of(base_ckpt.host_tensor(p.old))[0])
+                if keep:
+                    base_sums[name] = known
+            digests[name] = (known + change.get(ti, 0)) & _MASK
+    lap("digest")
+
+    # 3. gaps, largest gap and runs per changed tensor
+    if len(parts) == 1:
+        tid, pos = parts[0][0], parts[0][1]
+    else:
+        tid = np.concatenate([q[0] for q in parts]) if parts else np.empty(0, dtype=np.int64)
+        pos = np.concatenate([q[1] for q in parts]) if parts else np.empty(0, dtype=np.int64)
+    nbytes = np.array([p.new.nbytes for p in order], dtype=np.int64)
+    size_t = np.array([p.new.itemsize for p in order], dtype=np.int64)
+    numel_t = nbytes // np.maximum(size_t, 1)
+    firsts = np.flatnonzero(np.diff(tid, prepend=-1)) if tid.size else np.empty(0, dtype=np.int64)
+    gaps = np.empty_like(pos)
+    if pos.size:
+        gaps[0] = pos[0]
+        np.subtract(pos[1:], pos[:-1], out=gaps[1:])
+        gaps[firsts] = pos[firsts]
+        breaks = (gaps != 1).astype(np.int64)
+        breaks[firsts] = 1
+        max_gaps = np.maximum.reduceat(gaps, firsts)
+        runs = np.add.reduceat(breaks, firsts)
+    else:
+        max_gaps = runs = np.empty(0, dtype=np.int64)
+    counts = np.diff(np.append(firsts, pos.size))
+    lap("positions")
+
+    # 5. each changed tensor's encoding; idx and gap16 bodies are written for all tensors at once
+    # (``Encoded.write``), the others one by one (``encode._encoded``)
+    ct = tid[firsts]   # changed tensors, in ``order``
+    vec = _Vector.plan(order, ct, counts, max_gaps, runs, numel_t, size_t)
+    payloads: dict[int, torch.Tensor] = {}
+    for ti, p in enumerate(order):
+        results[p.at] = (None, {"encoding": None, "count": 0, "numel": int(numel_t[ti]), "bytes": 0})
+    bodies = vec.sizes[vec.enc, np.arange(ct.size)].tolist()
+    lists = (ct.tolist(), firsts.tolist(), counts.tolist(), max_gaps.tolist(), runs.tolist(), vec.enc.tolist(), bodies)
+    for c, (ti, s, n, mg, r, enc, body) in enumerate(zip(*lists)):
+        p = order[ti]
+        digest = _fmt(digests[p.new.name] + _size_term(p.new.nbytes, p.new.itemsize))
+        if enc in _VECTOR:
+            results[p.at] = vec.header(c, p.at, p.new, digest, enc, body, n)
+            continue
+        new = ckpt.host_tensor(p.new)
+        ch = Changes(pos[s: s + n], gaps[s: s + n], mg, r)
+        payload, info = _encoded(new, as_words(new).numpy(), ch, digest, None)
+        payloads[p.at] = payload
+        results[p.at] = (None, info)
+    vec.elements(pos, gaps, firsts, counts)
+    for i, (payload, _) in enumerate(results):
+        if payload is not None:   # encode_tensor's (the tensors not batched)
+            payloads[i] = payload
+    lap("payloads")
+    keep_new = _cacheable_regions(ckpt)
+    return Encoded([info for _, info in results], payloads, vec,
+                   {n: d for n, d in digests.items() if by_name[n].base in keep_new}, phases)
+
+
+_VECTOR = (ENCODINGS.index("idx"), ENCODINGS.index("gap16"))
+_PLACEHOLDER = "lin64:" + "0" * 16   # a body check's place in a header (same length as any check)
+
+
+def _align8(x):
+    return (x + 7) & ~7
+
+
+class _Vector:
+    """The changed tensors' encodings (indices in ``ENCODINGS``, chosen as ``Sizes.best`` does: the
+    smallest body, the first of equal ones) and, for those encoded ``idx`` or ``gap16``, their headers
+    and their elements, to write all their payloads together (``write``)."""
+
+    def __init__(self, enc, sizes, width, counts, numel, size):
+        self.enc, self.sizes, self.width, self.counts, self.numel, self.size = enc, sizes, width, counts, numel, size
+        # per batched tensor: (changed tensor, meta index, header bytes, header length, body bytes, region, offset)
+        self.heads: list[tuple[int, int, bytes, int, int, int, int]] = []
+        self.elems: tuple | None = None
+
+    @classmethod
+    def plan(cls, order, ct, counts, max_gaps, runs, numel_t, size_t) -> _Vector:
+        numel, size = numel_t[ct], size_t[ct]
+        width = np.where(numel < 2 ** 31, 4, 8)
+        values = _align8(counts * size)
+        big = np.int64(1) << np.int64(62)
+        sizes = np.stack([_align8(numel * size), _align8(counts * width) + values,
+                          np.where(max_gaps <= MAX_GAP16, _align8(counts * 2) + values, big),
+                          _align8((numel + 7) // 8) + values, 2 * _align8(runs * width) + values]).reshape(5, -1)
+        enc = np.argmin(sizes, axis=0)   # the first of equal sizes: the order of ENCODINGS
+        return cls(enc, sizes, width, counts, numel, size)
+
+    def header(self, c: int, at: int, meta, digest: str, enc: int, body: int, count: int) -> tuple[None, dict]:
+        """Changed tensor ``c`` (``meta``, at ``at`` in the metas; ``enc``, ``body`` bytes, ``count`` changed)
+        batched: its header (its body's check to come) and ``encode_tensor``'s info of it."""
+        name = ENCODINGS[enc]
+        # encode._payload's JSON (compact separators, its key order); the codes, names and digests
+        # are plain ASCII, the rest ints: what json.dumps writes (test_delta_batch compares the bytes)
+        text = (f'{{"dtype":"{meta.dtype}","shape":[{",".join(map(str, meta.shape))}],"enc":"{name}",'
+                f'"count":{count},"runs":0,"digest":"{digest}","body":{body},"check":"{_PLACEHOLDER}"}}').encode()
+        pad = -(8 + len(text)) % 8
+        head = MAGIC + struct.pack("<I", len(text)) + text + b" " * pad
+        self.heads.append((c, at, head, 8 + len(text) - 18, body, meta.base, meta.base_offset))
+        return None, {"encoding": name, "count": count, "numel": meta.nbytes // meta.itemsize,
+                      "bytes": len(head) + body}
+
+    def elements(self, pos: np.ndarray, gaps: np.ndarray, firsts: np.ndarray, counts: np.ndarray) -> None:
+        """Keep the batched tensors' elements: (which of ``heads``, rank in its tensor, position, gap)."""
+        rank = np.arange(pos.size, dtype=np.int64) - np.repeat(firsts, counts)
+        if len(self.heads) == counts.size:   # every changed tensor batched (the usual case)
+            self.elems = (np.repeat(np.arange(counts.size, dtype=np.int64), counts), rank, pos, gaps)
+            return
+        which = np.full(counts.size, -1, dtype=np.int64)
+        for k, h in enumerate(self.heads):
+            which[h[0]] = k
+        k_of = np.repeat(which, counts)
+        keep = k_of >= 0
+        self.elems = (k_of[keep], rank[keep], pos[keep], gaps[keep])
+
+    def write(self, buf: np.ndarray, offsets: dict[int, int], regions: dict[int, np.ndarray], threads: int = 1) -> None:
+        """Write the batched payloads into ``buf`` (zeroed, uint8, a multiple of 8 bytes long), each at
+        ``offsets[meta index]`` (8-byte aligned); ``regions``: the new version's regions' bytes. The
+        bodies are written and checked in parts of whole tensors on ``threads`` threads."""
+        if not self.heads or self.elems is None:
+            return
+        heads = self.heads
+        c = np.array([h[0] for h in heads], dtype=np.int64)
+        start = np.array([offsets[h[1]] + len(h[2]) for h in heads], dtype=np.int64)   # each body's start
+        enc, width = self.enc[c], self.width[c]
+        gap16 = enc == ENCODINGS.index("gap16")
+        index_bytes = np.where(gap16, _align8(self.counts[c] * 2), _align8(self.counts[c] * width))
+        per = {"start": start, "body": np.array([h[4] for h in heads], dtype=np.int64), "gap16": gap16,
+               "width": width, "size": self.size[c], "values_at": start + index_bytes,
+               "region": np.array([h[5] for h in heads], dtype=np.int64),
+               "src": np.array([h[6] for h in heads], dtype=np.int64)}
+        mv = memoryview(buf)
+        for (_, at, head, _, _, _, _) in heads:
+            mv[offsets[at]: offsets[at] + len(head)] = head
+        cum = np.cumsum(self.counts[c])
+        cuts = [0] + [int(np.searchsorted(cum, cum[-1] * i // threads)) + 1 for i in range(1, threads)] + [len(heads)]
+        cuts = sorted(set(min(x, len(heads)) for x in cuts))
+        parts = list(zip(cuts[:-1], cuts[1:]))
+        if len(parts) > 1:
+            with ThreadPoolExecutor(len(parts), thread_name_prefix="ckpt-delta-write") as pool:
+                sums = [x for got in pool.map(lambda hh: self._part(buf, regions, per, *hh), parts) for x in got]
+        else:
+            sums = [x for hh in parts for x in self._part(buf, regions, per, *hh)]
+        for (_, at, _, hex_at, nbody, _, _), total in zip(heads, sums):
+            check = (int(total) + _size_term(nbody, 1)) & _MASK
+            mv[offsets[at] + hex_at: offsets[at] + hex_at + 16] = f"{check:016x}".encode()
+
+    def _part(self, buf: np.ndarray, regions: dict[int, np.ndarray], per: dict, h0: int, h1: int) -> list[int]:
+        """Heads ``[h0, h1)``: their bodies' sections and values written, and each body's lin64 sum."""
+        k_all, rank_all, pos_all, gaps_all = self.elems   # type: ignore[misc]
+        e0, e1 = np.searchsorted(k_all, [h0, h1]).tolist()
+        k, rank, pos, gaps = k_all[e0:e1], rank_all[e0:e1], pos_all[e0:e1], gaps_all[e0:e1]
+        n8 = buf.size // 8 * 8
+        start, gap16 = per["start"], per["gap16"]
+        kinds = np.unique(gap16[h0:h1] * 16 + per["width"][h0:h1]).tolist()   # gap16, or idx of a width
+        for kind in kinds:
+            sel = (gap16[k] * 16 + per["width"][k] == kind) if len(kinds) > 1 else slice(None)
+            w, dt = (2, np.uint16) if kind >= 16 else (kind, np.int32 if kind == 4 else np.int64)
+            buf[:n8].view(dt)[(start // w)[k[sel]] + rank[sel]] = (gaps if kind >= 16 else pos)[sel]
+        size, region, src, values_at = per["size"], per["region"], per["src"], per["values_at"]
+        groups = np.unique(size[h0:h1] * 1024 + region[h0:h1]).tolist()
+        for key in groups:
+            s, r = divmod(key, 1024)
+            sel = (size[k] * 1024 + region[k] == key) if len(groups) > 1 else slice(None)
+            ks = k[sel]
+            data = regions[r]
+            data = data[: data.size // s * s].view(_UINT[s])
+            buf[:n8].view(_UINT[s])[(values_at // s)[ks] + rank[sel]] = data[(src // s)[ks] + pos[sel]]
+        # the bodies' checks: lin64 of each (whole words: bodies are 8-byte multiples), as one segmented sum
+        words = per["body"][h0:h1] // 8
+        firsts = np.zeros(words.size, dtype=np.int64)
+        np.cumsum(words[:-1], out=firsts[1:])
+        local = np.arange(int(words.sum()), dtype=np.int64) - np.repeat(firsts, words)
+        vals = buf[:n8].view(np.uint64)[np.repeat(start[h0:h1] // 8, words) + local]
+        a, b = _host_ab(int(words.max()))
+        with np.errstate(over="ignore"):
+            return np.add.reduceat(vals * (a[local & (ROW - 1)] * b[local >> _ROW_BITS]), firsts).tolist()
+
+
+_ROW_BITS = ROW.bit_length() - 1
+assert 1 << _ROW_BITS == ROW  # noqa: S101 - our constant
+
+
+class Encoded(NamedTuple):
+    """A registration's delta: ``encode_tensor``'s info per tensor (in metas order), the payloads made one
+    by one (meta index -> payload), the batched ones (``write``), the new version's known lin64 sums,
+    and the seconds of each part."""
+    infos: list[dict]
+    payloads: dict[int, torch.Tensor]
+    vector: _Vector
+    digests: dict[str, int]
+    phases: dict[str, float]
+
+    def payload_list(self, regions: dict[int, np.ndarray]) -> list:
+        """``(payload or None, info)`` per tensor, as ``encode_tensor`` returns them: every payload written
+        into one zeroed buffer (``write``), each a view of it. ``regions``: the new version's regions' bytes."""
+        offsets, pos = {}, 0
+        for i, info in enumerate(self.infos):
+            if info["encoding"] is not None:
+                offsets[i] = pos
+                pos += (info["bytes"] + 7) & ~7
+        buf = np.zeros(pos, dtype=np.uint8)
+        self.write(buf, offsets, regions)
+        out = torch.from_numpy(buf)
+        return [(out[offsets[i]: offsets[i] + info["bytes"]] if i in offsets else None, info)
+                for i, info in enumerate(self.infos)]
+
+    def write(self, buf: np.ndarray, offsets: dict[int, int], regions: dict[int, np.ndarray]) -> None:
+        """Every payload into ``buf`` (zeroed), tensor ``i``'s at ``offsets[i]`` (see ``_Vector.write``), on
+        up to ``PS_FAULT_THREADS`` threads when there are many changed elements."""
+        for i, payload in self.payloads.items():
+            buf[offsets[i]: offsets[i] + payload.numel()] = payload.numpy()
+        many = self.vector.elems is not None and self.vector.elems[0].size >= _THREADS_MIN_ELEMENTS
+        self.vector.write(buf, offsets, regions, min(fault_threads(), os.cpu_count() or 1) if many else 1)
+
+
+__all__ = ["Encoded", "encode_registration"]

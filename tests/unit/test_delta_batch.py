@@ -1,0 +1,254 @@
+"""The batched encode of a registration (``delta/batch.py``) writes exactly the payloads that
+``encode_tensor`` writes for each tensor alone, whatever the dtypes, densities, shapes (0-d, empty,
+odd byte counts), and for unchanged, new, retyped and reshaped tensors; and the lin64 sums it keeps
+(derived from the base's) are each tensor's own."""
+
+import numpy as np
+import pytest
+import torch
+
+from ckpt_core.checkpoint.safetensors import WIRE_DTYPES
+from ckpt_core.checkpoint.sources import build_checkpoint
+from ckpt_core.delta import batch
+from ckpt_core.delta.batch import encode_registration
+from ckpt_core.delta.encode import encode_tensor
+from ckpt_core.delta.lin64 import _sum_numpy, raw_of
+from ckpt_core.devices import get_backend
+
+DTYPES = sorted({dt for dt in WIRE_DTYPES.values()}, key=str)
+
+
+def _random(shape, dtype, gen):
+    numel = 1
+    for d in shape:
+        numel *= d
+    size = torch.empty(0, dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (numel * size,), generator=gen, dtype=torch.uint8)
+    if dtype == torch.bool:
+        return (raw % 2).bool().reshape(shape)
+    return raw.view(dtype).reshape(shape)
+
+
+def _mutate(t, density, gen, *, last=False):
+    new = t.clone()
+    n = t.numel()
+    words = new.reshape(-1).view(torch.uint8).view(n, -1) if n else None
+    k = int(round(n * density))
+    if k:
+        pos = torch.randperm(n, generator=gen)[:k]
+        words[pos, 0] ^= 1
+    if last and n:   # the last element: a tensor's tail word
+        words[n - 1, 0] ^= 1
+    return new
+
+
+def _pairs(gen):
+    """(name, base or None, new) over dtypes, densities, shapes, and the kinds of tensors."""
+    out = []
+    shapes = [(), (0,), (1,), (3,), (5, 3), (37, 11), (4097,), (300, 70)]
+    for i, dtype in enumerate(DTYPES):
+        for j, shape in enumerate(shapes):
+            density = [0.0, 0.0005, 0.02, 0.3, 1.0][(i + j) % 5]
+            base = _random(shape, dtype, gen)
+            out.append((f"t{i}.{j}", base, _mutate(base, density, gen, last=(i + j) % 3 == 0)))
+    base = _random((64, 33), torch.bfloat16, gen)
+    out += [("unchanged", base, base.clone()), ("new", None, _random((10, 3), torch.float32, gen)),
+            ("retyped", base, base.view(torch.int16).clone()), ("reshaped", base, base.reshape(33, 64).clone()),
+            ("large", _random((1 << 21,), torch.bfloat16, gen), None)]
+    name, b, _ = out[-1]
+    out[-1] = (name, b, _mutate(b, 0.02, gen))
+    sparse = _random((1 << 18,), torch.int32, gen)   # gaps above 2**16: idx
+    far = sparse.clone()
+    far[[5, 100_000, 200_000]] ^= 1
+    block = _random((5000,), torch.float16, gen)      # one run: runs
+    run = block.clone()
+    run.view(torch.int16)[100:300] ^= 1
+    return out + [("sparse", sparse, far), ("run", block, run)]
+
+
+@pytest.fixture(params=[1, 2, "large"], ids=["one-thread", "threads", "large-on-their-own"])
+def threads(request, monkeypatch):
+    if request.param == 1:
+        monkeypatch.setattr(batch, "_THREADS_MIN_WORDS", 1 << 62)
+    elif request.param == "large":   # most tensors on their own (changed_positions), on threads
+        monkeypatch.setattr(batch, "_THREADS_MIN_WORDS", 0)
+        monkeypatch.setattr(batch, "LARGE_BYTES", 2048)
+        monkeypatch.setenv("PS_FAULT_THREADS", "2")
+    else:   # small pieces: many jobs, spans cut between them
+        monkeypatch.setattr(batch, "_THREADS_MIN_WORDS", 0)
+        monkeypatch.setattr(batch, "_THREADS_MIN_ELEMENTS", 0)
+        monkeypatch.setattr(batch, "_PIECE_WORDS", 1 << 10)
+        monkeypatch.setattr(batch, "BLOCK_WORDS", 1 << 7)
+        monkeypatch.setenv("PS_FAULT_THREADS", "3")
+    return request.param
+
+
+def _register(pairs):
+    backend = get_backend("cpu")
+    a = build_checkpoint("A", backend, named_tensors={n: b for n, b, _ in pairs if b is not None})
+    b = build_checkpoint("B", backend, named_tensors={n: new for n, _, new in pairs})
+    return a, b
+
+
+def _payloads(got, b):
+    """Each tensor's payload (None: unchanged) as ``Encoded.write`` writes them into one zeroed buffer."""
+    sizes = [(i, info["bytes"]) for i, info in enumerate(got.infos) if info["encoding"] is not None]
+    offsets, pos = {}, 0
+    for i, n in sizes:
+        offsets[i] = pos
+        pos += (n + 255) // 256 * 256
+    buf = np.zeros(pos, dtype=np.uint8)
+    got.write(buf, offsets, {r: region.tensor.numpy() for r, region in b.regions.items()})
+    return [torch.from_numpy(buf[offsets[i]: offsets[i] + info["bytes"]].copy()) if i in offsets else None
+            for i, info in enumerate(got.infos)]
+
+
+def _encode(b, a):
+    got = encode_registration(b, a, {m.name: m for m in a.metas})
+    return got, _payloads(got, b)
+
+
+def _check(a, b, pairs, known_base):
+    old = {m.name: m for m in a.metas}
+    if known_base:
+        for m in a.metas:
+            a.digests[m.name] = _sum_numpy(raw_of(a.host_tensor(m))[0])
+    got, payloads = _encode(b, a)
+    for m, payload, info in zip(b.metas, payloads, got.infos):
+        new = b.host_tensor(m)
+        prev = a.host_tensor(old[m.name]) if m.name in old else None
+        want, want_info = encode_tensor(new, prev)
+        assert info == want_info, m.name
+        if want is None:
+            assert payload is None, m.name
+        else:
+            assert torch.equal(payload, want), m.name
+    for name, s in got.digests.items():
+        m = next(x for x in b.metas if x.name == name)
+        assert s == _sum_numpy(raw_of(b.host_tensor(m))[0]), name
+    return got, payloads
+
+
+@pytest.mark.parametrize("known_base", [False, True], ids=["base-digests-computed", "base-digests-known"])
+def test_batched_payloads_equal_encode_tensor_per_tensor(threads, known_base):
+    pairs = _pairs(torch.Generator().manual_seed(5))
+    a, b = _register(pairs)
+    try:
+        got, payloads = _check(a, b, pairs, known_base)
+        changed = {m.name for m, p in zip(b.metas, payloads) if p is not None}
+        assert "unchanged" not in changed and {"new", "retyped", "reshaped", "large"} <= changed
+        assert {info["encoding"] for info in got.infos} == {None, "whole", "idx", "gap16", "bitmap", "runs"}
+        assert "large" in got.digests   # digested as it was compared (a large tensor)
+        if batch.LARGE_BYTES > 10_000:   # a batched tensor's base sum is kept once computed
+            assert "run" in a.digests
+    finally:
+        a.release()
+        b.release()
+
+
+def test_a_chain_of_versions_uses_each_versions_derived_sums(threads, monkeypatch):
+    """A -> B -> C: C's encode finds B's sums (derived when B was encoded), digests nothing whole."""
+    gen = torch.Generator().manual_seed(9)
+    backend = get_backend("cpu")
+    v0 = {f"w{i}": _random((257, 9 + i), torch.bfloat16, gen) for i in range(6)}
+    v1 = {n: _mutate(t, 0.02, gen) for n, t in v0.items()}
+    v2 = {n: _mutate(t, 0.02, gen, last=True) for n, t in v1.items()}
+    cks = [build_checkpoint(f"v{i}", backend, named_tensors=v) for i, v in enumerate((v0, v1, v2))]
+    try:
+        first, _ = _encode(cks[1], cks[0])
+        cks[1].digests.update(first.digests)
+        whole = []
+        monkeypatch.setattr(batch, "_sum_numpy", lambda raw: whole.append(raw) or _sum_numpy(raw))
+        _, payloads = _encode(cks[2], cks[1])
+        assert whole == []
+        for m, payload in zip(cks[2].metas, payloads):
+            want, _ = encode_tensor(cks[2].host_tensor(m), cks[1].host_tensor(m))
+            assert torch.equal(payload, want), m.name
+    finally:
+        for c in cks:
+            c.release()
+
+
+def test_a_base_laid_out_differently_is_compared_tensor_by_tensor(threads):
+    """The base's tensors in another order (other offsets): spans of one tensor each, same payloads."""
+    gen = torch.Generator().manual_seed(3)
+    backend = get_backend("cpu")
+    v0 = {f"w{i}": _random((129, 7 + i), torch.float16, gen) for i in range(5)}
+    v1 = {n: _mutate(v0[n], 0.05, gen) for n in reversed(list(v0))}
+    a = build_checkpoint("A", backend, named_tensors=v0)
+    b = build_checkpoint("B", backend, named_tensors=v1)
+    try:
+        _check(a, b, [(n, v0[n], v1[n]) for n in v1], known_base=False)
+    finally:
+        a.release()
+        b.release()
+
+
+def test_tensors_packed_without_padding_are_compared_without_tail_masks(threads):
+    """Tensors of whole 256-byte multiples lie back to back: a span without odd ends or padding."""
+    gen = torch.Generator().manual_seed(4)
+    backend = get_backend("cpu")
+    v0 = {f"w{i}": _random((128, 64), torch.bfloat16, gen) for i in range(4)}
+    v0["r"] = _random((64, 16), torch.float32, gen)
+    v1 = {n: _mutate(t, 0.03, gen, last=True) for n, t in v0.items()}
+    a = build_checkpoint("A", backend, named_tensors=v0)
+    b = build_checkpoint("B", backend, named_tensors=v1)
+    try:
+        assert batch._spans([batch._Pair(i, m, m2) for i, (m, m2) in enumerate(zip(b.metas, a.metas))]).__len__() == 1
+        _check(a, b, [(n, v0[n], v1[n]) for n in v1], known_base=False)
+    finally:
+        a.release()
+        b.release()
+
+
+def test_in_place_file_maps_keep_no_sums(tmp_path):
+    """A version mapped in place from /dev/shm (its file's owner could rewrite it) keeps no lin64 sums,
+    as base or as new version; the payloads are the same all the same."""
+    import os
+    import uuid
+
+    from ckpt_core.checkpoint.safetensors import write_file
+    gen = torch.Generator().manual_seed(8)
+    v0 = {f"w{i}": _random((100, 9 + i), torch.bfloat16, gen) for i in range(3)}
+    v1 = {n: _mutate(t, 0.05, gen) for n, t in v0.items()}
+    paths = [f"/dev/shm/ckpt-test-{uuid.uuid4().hex}-{k}.safetensors" for k in "ab"]
+    backend = get_backend("cpu")
+    try:
+        write_file(paths[0], v0)
+        write_file(paths[1], v1)
+        a = build_checkpoint("A", backend, files=[paths[0]])
+        b = build_checkpoint("B", backend, files=[paths[1]])
+        try:
+            assert all(r.source_check is not None for r in a.regions.values())   # mapped in place
+            got, payloads = _encode(b, a)
+            assert got.digests == {} and a.digests == {}
+            for m, payload in zip(b.metas, payloads):
+                want, _ = encode_tensor(b.host_tensor(m), a.host_tensor(m))
+                assert torch.equal(payload, want), m.name
+        finally:
+            a.release()
+            b.release()
+    finally:
+        for p in paths:
+            if os.path.exists(p):
+                os.unlink(p)
+
+
+def test_build_packed_lays_payloads_out_as_build_checkpoint_does():
+    """The companion of payloads (flat uint8 tensors) registered without a copy job each: the same metas
+    and bytes as build_checkpoint; other tensors go through build_checkpoint itself."""
+    from ckpt_core.checkpoint.sources import build_packed
+    gen = torch.Generator().manual_seed(2)
+    named = {f"ckpt.delta:w{i}": torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
+             for i, n in enumerate([1, 0, 300, 4096, 7])}
+    backend = get_backend("cpu")
+    want = build_checkpoint("c", backend, named_tensors=named)
+    got = build_packed("c", backend, named)
+    other = build_packed("d", backend, {"x": torch.ones(3, 5)})   # not payloads: build_checkpoint's way
+    try:
+        assert got.metas == want.metas and got.nbytes == want.nbytes
+        assert all(torch.equal(got.host_tensor(m), want.host_tensor(m)) for m in want.metas)
+        assert torch.equal(other.host_tensor(other.metas[0]), torch.ones(3, 5))
+    finally:
+        for c in (want, got, other):
+            c.release()
