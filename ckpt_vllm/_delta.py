@@ -24,8 +24,12 @@ Staged deltas (``stage=..., deltas=True``): the payloads are staged while the en
 (refused at once unless the worker holds their base) and applied in the commit's pause the same way
 (:func:`commit_staged_delta`).
 
-Not yet: sliced deltas; scattering into a sharded tensor (tensor parallel: the version's digest is of
-the whole tensor, a rank holds a box of it).
+Sliced deltas (``update_weights_from_ipc(..., slices=digest, deltas=True)``; docs/deltas.md, "Sliced
+deltas"): a sliced full update maps this worker's boxes (``build_map(replay=)``) and keeps the boxes
+it received that the map does not place; a sliced delta's box payloads are scattered into their live
+regions or rebuilt from the kept boxes, each checked against its box's digest, and the changed layers
+reloaded through the slice plan's replay. A delta whose slicing differs from the kept copy's (sliced
+vs whole, another plan) is refused before anything is written.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ def receiver_of(worker: Any) -> DeltaReceiver:
 
 def _use_map(rx: DeltaReceiver, m: DeltaMap) -> None:
     rx.live = m.live
+    rx.live_box = None if m.whole or m.boxes is None else m.live_box
     rx.base = None if m.whole else m.base
     rx.complete = True if m.whole else m.companions
 
@@ -62,19 +67,21 @@ def _use_map(rx: DeltaReceiver, m: DeltaMap) -> None:
 class _Reloads:
     """The delta's reload of the changed layers (or of the whole model when the map is whole)."""
 
-    def __init__(self, worker: Any, m: DeltaMap):
-        self.worker, self.map = worker, m
+    def __init__(self, worker: Any, m: DeltaMap, replay: Any = None):
+        self.worker, self.map, self.replay = worker, m, replay
         self.figures: dict = {"reloaded_layers": [], "reload_tensors": 0, "reload_s": 0.0}
 
     def __call__(self, weights: Weights) -> None:
         t0 = time.perf_counter()
         names = [n for n, _ in weights]
         if self.map.whole:
-            sessions = new_sessions(self.worker)
+            sessions = new_sessions(self.worker, self.replay)
             layers = ["<whole model>"]
         else:
             layers = self.map.layers(names)
             sessions = [ReloadSession(self.worker.model_runner.model, self.worker.model_config, label="model (delta)")]
+            if self.replay is not None:
+                sessions[0].wrap = self.replay.wrap
         try:
             if not self.map.whole:
                 sessions[0].begin(layers)
@@ -89,11 +96,11 @@ class _Reloads:
         self.figures["reload_s"] += time.perf_counter() - t0
 
 
-def _map_of(worker: Any, kept: dict) -> DeltaMap:
+def _map_of(worker: Any, kept: dict, replay: Any = None) -> DeltaMap:
     if drafter_target(worker) is not None:
         return DeltaMap(whole="an MTP drafter shares the checkpoint")
     try:
-        return build_map(worker.model_runner.model, worker.model_config, worker.device, kept)
+        return build_map(worker.model_runner.model, worker.model_config, worker.device, kept, replay)
     except Exception as exc:   # noqa: BLE001 - the update is live already: deltas still apply, whole
         why = str(exc) if isinstance(exc, CkptError) else f"mapping failed: {type(exc).__name__}: {exc}"
         log.warning("ckpt deltas: every delta reloads the whole model: %s", why,
@@ -102,16 +109,18 @@ def _map_of(worker: Any, kept: dict) -> DeltaMap:
 
 
 def receive_with_deltas(worker: Any, zmq_ctx, zmq_handle: str, index: int, *, timeout: float,
-                        version: str | None) -> tuple[dict, list[ReloadSession]]:
+                        version: str | None, replay: Any = None) -> tuple[dict, list[ReloadSession]]:
     """One update that may be a delta; a full one is mapped and kept for the next delta. ``version``
-    names what a full update makes live (required). Returns the result and the full update's reload
+    names what a full update makes live (required). ``replay``: the slice plan the update is routed by
+    (``_slices.ReplayPlan``; None: whole tensors). Returns the result and the full update's reload
     sessions (none for a delta)."""
     if not isinstance(version, str) or not version:
         raise ConfigError("an update with deltas=True needs version=: a later delta names its base by it")
     rx = receiver_of(worker)
     m: DeltaMap = getattr(worker, "_ckpt_delta_map", None) or DeltaMap(whole="no full update mapped it yet")
+    sliced = None if replay is None else replay.digest
     _use_map(rx, m)
-    reloads = _Reloads(worker, m)
+    reloads = _Reloads(worker, m, replay)
     kept: dict = {}
     sessions: list[ReloadSession] = []   # begun by a full update's plan; a delta touches no layer before its reload
 
@@ -122,16 +131,24 @@ def receive_with_deltas(worker: Any, zmq_ctx, zmq_handle: str, index: int, *, ti
             kept[name] = t.detach().to("cpu", copy=True)
 
     def on_plan(tensors):
-        sessions.extend(new_sessions(worker))
+        if delta_of_plan(tensors) is not None:   # a delta: of the slicing the kept copy has
+            kept_for = getattr(worker, "_ckpt_delta_slices", None)
+            if kept_for != sliced:
+                raise ConfigError(f"this worker keeps its base {_slicing(kept_for)}, the delta comes "
+                                  f"{_slicing(sliced)}: update the version whole (nothing was written)")
+            return cb.on_plan(tensors)
+        cb.on_plan(tensors)
+        sessions.extend(new_sessions(worker, replay))
         for s in sessions:
             s.check_plan(name for name, _, _ in tensors)
             s.check_whole_layers(name for name, _, _ in tensors)
 
     rx.reload = reloads
     try:
-        with rx.update(run=run, on_plan=on_plan, post_hook=lambda: finish_sessions(sessions), version=version) as cb:
-            _core_update_weights_from_ipc(zmq_ctx, zmq_handle, index, run=cb.run, on_plan=cb.on_plan,
-                                          post_hook=cb.post_hook, timeout=timeout)
+        with rx.update(run=run, post_hook=lambda: finish_sessions(sessions), version=version) as cb:
+            _core_update_weights_from_ipc(zmq_ctx, zmq_handle, index, run=cb.run, on_plan=on_plan,
+                                          post_hook=cb.post_hook, timeout=timeout,
+                                          slices=None if replay is None else replay.route)
     except BaseException:
         abort_sessions(sessions)
         raise
@@ -140,7 +157,8 @@ def receive_with_deltas(worker: Any, zmq_ctx, zmq_handle: str, index: int, *, ti
     figures = dict(rx.last)
     if kept:   # a full update: its tensors are the next delta's base
         t0 = time.perf_counter()
-        m = worker._ckpt_delta_map = _map_of(worker, kept)
+        m = worker._ckpt_delta_map = _map_of(worker, kept, replay)
+        worker._ckpt_delta_slices = sliced
         rx.kept = {n: t for n, t in kept.items() if m.keeps(n)}
         figures["map"] = dict(m.figures(), kept=len(rx.kept), kept_bytes=sum(t.nbytes for t in rx.kept.values()),
                               map_s=time.perf_counter() - t0)
@@ -157,6 +175,10 @@ def receive_with_deltas(worker: Any, zmq_ctx, zmq_handle: str, index: int, *, ti
         tensors = figures.get("scattered", 0) + figures.get("reload_tensors", 0)
         nbytes = figures.get("payload_bytes", 0)
     return {"tensors": tensors, "bytes": nbytes, "held": rx.held, "delta": figures}, sessions
+
+
+def _slicing(digest: str | None) -> str:
+    return "whole (no slice plan)" if digest is None else f"by slice plan {digest[:12]}"
 
 
 def check_staged_plan(worker: Any, tensors) -> tuple[str, str] | None:

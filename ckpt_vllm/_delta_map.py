@@ -23,6 +23,11 @@ of its layers alone (``ReloadSession.begin(layers=...)``); its tensors need the 
 bytes: read back from a verbatim live region where the layer keeps one (an embedding vLLM-CPU also
 prepacks), else from the host copy the worker keeps (``kept``).
 
+Under a slice plan (sliced deltas, docs/deltas.md) the worker holds one box of each tensor: the
+recording is of the full tensors, ``kept`` holds the boxes received, and a region is a candidate when
+the box its write read is this worker's box (``boxes``); a box payload is then scattered into it
+(:meth:`DeltaMap.live_box`) and checked against the box's own digest.
+
 A checkpoint tensor the recording cannot place (read through an op that is not a view, written into
 no parameter) makes the map *whole*: every delta then reloads the whole model from the kept copy
 (the first slice's behaviour), and says why.
@@ -42,6 +47,8 @@ from ckpt_core.checkpoint.safetensors import DTYPE_CODES
 from ckpt_core.delta.apply import WIDENING
 from ckpt_core.delta.encode import bytes_of
 from ckpt_core.delta.lin64 import lin64_many
+from ckpt_core.delta.sliced import norm_box
+from ckpt_core.errors import CheckpointFormatError
 from ckpt_core.planning.slices import Box, box_extent
 
 from ._digest import _derived
@@ -75,9 +82,18 @@ class DeltaMap:
     whole: str | None = None   # why every delta reloads the whole model (None: the map places everything)
     why: dict[str, str] = field(default_factory=dict)                 # name -> why it is reloaded, not scattered
     seconds: dict[str, float] = field(default_factory=dict)           # record (the loading), decide (checks, bytes)
+    boxes: dict[str, Box | None] | None = None   # under a slice plan: the box of each tensor this worker holds
 
     def live(self, name: str) -> torch.Tensor | None:
         return None if self.whole else self.scatter.get(name)
+
+    def live_box(self, name: str, box) -> torch.Tensor | None:
+        """The live region that holds box ``box`` of ``name`` verbatim (a sliced delta's target), or None;
+        a box this worker does not hold is refused."""
+        if self.boxes is None or name not in self.boxes or norm_box(self.boxes[name]) != norm_box(box):
+            raise CheckpointFormatError(f"this worker does not hold box {box} of this tensor under its slice plan",
+                                        tensor=name)
+        return self.live(name)
 
     def base(self, name: str) -> torch.Tensor | None:
         """The held version's bytes of ``name`` read back from the engine (a host copy), or None."""
@@ -150,15 +166,18 @@ def _stateless_torch_function(fn) -> bool:
             and str(fn.__module__).startswith("torch."))
 
 
-def build_map(model: torch.nn.Module, model_config: Any, device, kept: dict[str, Any]) -> DeltaMap:
+def build_map(model: torch.nn.Module, model_config: Any, device, kept: dict[str, Any], replay: Any = None) -> DeltaMap:
     """Record the model's loading of the ``kept`` checkpoint (the version just loaded: host copies, or
     :class:`Digested` tensors) and decide, per tensor, scatter or reload (see the module doc). Nothing
-    is loaded: the live layers are put back after the recording."""
+    is loaded: the live layers are put back after the recording. ``replay``: the slice plan the worker
+    loads by (``_slices.ReplayPlan``): ``kept`` then holds this worker's boxes."""
     from ._compat import reload_api
     from ._reload import ReloadSession
     from ._slices import record_loading, tied_aliases
 
-    specs = {n: (DTYPE_CODES[t.dtype], tuple(t.shape)) for n, t in kept.items()}
+    full = {} if replay is None else {n: tuple(replay.tensors[n][1]) for n in kept if n in replay.tensors}
+    specs = {n: (DTYPE_CODES[t.dtype], full.get(n, tuple(t.shape))) for n, t in kept.items()}
+    boxes = None if replay is None else {n: replay.rank.needs.get(n) for n in kept}
     owners: dict[str, dict[str, torch.Tensor]] = {}   # layer -> its live parameters
     by_id: dict[int, set[str]] = {}                    # a live parameter -> the layers holding it
     modules = dict(model.named_modules(remove_duplicate=False))
@@ -178,13 +197,13 @@ def build_map(model: torch.nn.Module, model_config: Any, device, kept: dict[str,
     finally:
         session.abort(quiet=True)
     t1 = time.perf_counter()
-    out = _decide(modules, owners, by_id, meta, rec, kept)
+    out = _decide(modules, owners, by_id, meta, rec, kept, boxes)
     out.seconds.update(record=t1 - t0, decide=time.perf_counter() - t1)
     return out
 
 
-def _decide(modules, owners, by_id, meta, rec, kept) -> DeltaMap:
-    out = DeltaMap()
+def _decide(modules, owners, by_id, meta, rec, kept, boxes=None) -> DeltaMap:
+    out = DeltaMap(boxes=boxes)
     writes: dict[str, list] = {}    # name -> [(param, region, read box, straight)]
     for w, read, straight in zip(rec.writes, rec.write_reads, rec.write_straight):
         if w.source is not None:
@@ -222,7 +241,7 @@ def _decide(modules, owners, by_id, meta, rec, kept) -> DeltaMap:
         layers_, names = members.setdefault(find(node), ([], []))
         (layers_ if node.startswith("l:") else names).append(node[2:])
     why_layer = {q: verbatim_layer(modules[q], meta.get(q, {}), owners[q]) for q in owners}
-    verbatim, why_not = _verbatim_regions(writes, owners, kept)
+    verbatim, why_not = _verbatim_regions(writes, owners, kept, boxes)
     for layers_, names in members.values():
         if not names:
             continue
@@ -250,7 +269,7 @@ def _group_reasons(layers, names, why_layer, verbatim, why_not) -> list[str]:
     return reasons
 
 
-def _verbatim_regions(writes, owners, kept) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def _verbatim_regions(writes, owners, kept, boxes=None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Every checkpoint tensor's live region that holds its bytes as loaded (:func:`_candidate`, then
     the bytes compared: with the kept copy, or a :class:`Digested` tensor's digest, all of them computed
     on the device and read back together), and why each other one does not."""
@@ -258,7 +277,7 @@ def _verbatim_regions(writes, owners, kept) -> tuple[dict[str, torch.Tensor], di
     why: dict[str, str] = {}
     for n, ws in writes.items():
         if n in kept:
-            view, problem = _candidate(ws, owners, kept[n])
+            view, problem = _candidate(ws, owners, kept[n], None if boxes is None else (norm_box(boxes.get(n)) or ()))
             if view is None:
                 why[n] = problem or "no region"
             else:
@@ -285,11 +304,12 @@ def _as_checkpoint(view: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (view if view.dtype == dtype else view.to(dtype)).contiguous()
 
 
-def _candidate(ws, owners, src) -> tuple[torch.Tensor | None, str | None]:
+def _candidate(ws, owners, src, box=None) -> tuple[torch.Tensor | None, str | None]:
     """The live region checkpoint tensor ``src`` was loaded into, viewed in its shape, when it is written
     once, whole and in row-major order (``_slices._straight``: an expert's ``param[e].copy_(w)`` is, a
     transposed copy is not) into one contiguous box of a parameter of its dtype (or one it widens to
-    exactly); else None and why. Its bytes are not compared here."""
+    exactly); else None and why. Its bytes are not compared here. ``box``: under a slice plan, the box
+    this worker holds (``src`` is that box): the write must have read exactly it."""
     if len(ws) != 1:
         return None, f"written {len(ws)} times, not once into one region"
     pname, region, read, straight = ws[0]
@@ -297,7 +317,8 @@ def _candidate(ws, owners, src) -> tuple[torch.Tensor | None, str | None]:
     live = owners.get(layer, {}).get(leaf)
     if live is None:
         return None, f"written into {pname}, which is not a live parameter after processing"
-    if read is None or box_extent(src.shape, read) != tuple(src.shape):
+    if read is None or (box_extent(src.shape, read) != tuple(src.shape) if box is None else
+                        (norm_box(read) or ()) != box):
         return None, "read in part, or through an op that is not a view"
     if not straight:
         return None, "not copied whole in row-major order into a contiguous run (a transposed copy, say)"

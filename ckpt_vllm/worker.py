@@ -137,7 +137,8 @@ class VllmColocateWorkerExtension(StagedWeights):
         ``deltas=True``: this update may be a delta (``ParameterServer.update(..., delta=True)``) of
         the ``version`` this worker holds, and a full one is kept in host memory as the next delta's
         base (``_delta.py``, docs/deltas.md); needs ``version``. With ``stage`` a delta is staged and
-        applied by :meth:`commit_staged_weights`. Not with ``slices``.
+        applied by :meth:`commit_staged_weights` (a staged delta not with ``slices`` yet); with ``slices``
+        each worker maps its boxes, and a sliced delta is scattered or reloaded by layer (docs/deltas.md).
         ``direct=True``: once this worker recorded where this plan's tensors land (its first such update,
         which goes the usual way), the tensors of layers that read them verbatim are copied straight into
         the live model and only the other layers are reloaded (``_direct.py``, docs/vllm.md "Direct full
@@ -158,13 +159,15 @@ class VllmColocateWorkerExtension(StagedWeights):
         if direct and (stage is not None or replay is not None or deltas):
             raise ConfigError("direct=True takes a plain full update: not with stage=, slices= or deltas= "
                               "(docs/vllm.md, Direct full updates)")
-        if deltas and stage is not None and replay is None:   # a staged delta: applied by the commit
+        if deltas and stage is not None:   # a staged delta: applied by the commit
+            if replay is not None:
+                raise ConfigError("a staged update with deltas=True does not take slices= yet (docs/deltas.md)")
             return self._ckpt_stage(handle, kind, index, str(stage), int(stage_device_bytes),
                                     float(timeout or DEFAULT_TIMEOUT_S), None, deltas=True)
         if deltas:
-            if replay is not None or not version:
-                raise ConfigError("deltas=True needs version= and does not take slices= yet (docs/deltas.md)")
-            return self._ckpt_update_deltas(handle, kind, index, float(timeout or DEFAULT_TIMEOUT_S), version)
+            if not version:
+                raise ConfigError("deltas=True needs version= (docs/deltas.md)")
+            return self._ckpt_update_deltas(handle, kind, index, float(timeout or DEFAULT_TIMEOUT_S), version, replay)
         delta_rx = getattr(self, "_ckpt_delta_rx", None)   # _delta.receive_with_deltas's
         if delta_rx is not None:
             delta_rx.held = None   # weights from another path: no delta applies to them any more
@@ -183,14 +186,19 @@ class VllmColocateWorkerExtension(StagedWeights):
                  result["bytes"] / 1e6, result["seconds"]["total"])
         return result
 
-    def _ckpt_update_deltas(self, handle: str, kind: str, index: int, timeout: float, version: str) -> dict:
-        """An update with ``deltas=True``: a full one (kept as the next delta's base) or a delta (``_delta.py``)."""
+    def _ckpt_update_deltas(self, handle: str, kind: str, index: int, timeout: float, version: str,
+                            replay=None) -> dict:
+        """An update with ``deltas=True``: a full one (kept as the next delta's base) or a delta (``_delta.py``);
+        ``replay``: the slice plan it is routed by (each worker its boxes)."""
         from ._delta import receive_with_deltas
 
         result, sessions = receive_with_deltas(self, self._ckpt_zmq_context(), handle, index, timeout=timeout,
-                                               version=version)
+                                               version=version, replay=replay)
         # a delta leaves the checkpoint layout as it was
-        self._ckpt_made_live(live_layout(sessions) if sessions else getattr(self, "_ckpt_live_layout", {}), version)
+        layout = live_layout(sessions, replay) if sessions else getattr(self, "_ckpt_live_layout", {})
+        self._ckpt_made_live(layout, version)
+        if replay is not None:
+            result["slices"] = {"plan": replay.digest, "rank": replay.rank.rank}
         return dict(result, device_key=local_device_key(kind, index))
 
     def _ckpt_update_direct(self, handle: str, kind: str, index: int, timeout: float, version: str | None) -> dict:

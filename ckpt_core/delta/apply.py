@@ -43,6 +43,7 @@ import torch
 from ckpt_core._settings import delta_drop_one
 from ckpt_core.delta.encode import Decoded, apply_decoded, decode_many, undo_decoded
 from ckpt_core.delta.lin64 import lin64_many
+from ckpt_core.delta.sliced import BOX, parse_box_name
 from ckpt_core.delta.versions import MANIFEST, PAYLOAD, parse_manifest_name
 from ckpt_core.errors import CheckpointFormatError, DeltaBaseError
 
@@ -71,7 +72,7 @@ def delta_of_plan(listing) -> tuple[str, str] | None:
     names = [n for n, _, _ in listing]
     parsed = [parse_manifest_name(n) for n in names if n.startswith(MANIFEST)]
     if not parsed:
-        if any(n.startswith(PAYLOAD) for n in names):
+        if any(n.startswith((PAYLOAD, BOX)) for n in names):
             raise CheckpointFormatError("the update carries delta payloads but no delta manifest")
         return None
     manifests = [m for m in parsed if m is not None]
@@ -84,10 +85,20 @@ def delta_of_plan(listing) -> tuple[str, str] | None:
     ranks = sorted(r for _, _, r, _ in manifests)
     if ranks != list(range(world)):
         raise DeltaBaseError(f"the delta of {version!r} has manifests of PS ranks {ranks}, expected 0..{world - 1}")
-    stray = [n for n in names if not n.startswith(PAYLOAD) and not n.startswith(MANIFEST)]
+    stray = [n for n in names if not n.startswith((PAYLOAD, MANIFEST, BOX))]
     if stray:
         raise CheckpointFormatError(f"a delta update also carries whole tensors {stray[:4]}")
     return base, version
+
+
+def _target_name(name: str) -> tuple[str, Any, str]:
+    """(checkpoint tensor, box, name shown in errors) of a payload's name: a whole tensor's
+    (``ckpt.delta:<tensor>``, its box None and shown as itself) or a box's (``sliced.BOX``)."""
+    parsed = parse_box_name(name)
+    if parsed is None:
+        return name[len(PAYLOAD):], None, name[len(PAYLOAD):]
+    tensor, box = parsed
+    return tensor, box, f"{tensor}[box {'whole' if box is None else [list(b) for b in box]}]"
 
 
 class DeltaReceiver:
@@ -112,13 +123,26 @@ class DeltaReceiver:
     as float32: the cast is exact both ways), written with the cast and checked cast back.
     ``base(name)``: where no copy is kept, a tensor holding the held version's bytes of ``name``
     (a live tensor the engine derives its kernels from but keeps verbatim), read before the rebuild.
+
+    ``live_box(name, box)``: for sliced deltas (``sliced.py``: the payloads of the boxes this engine
+    rank reads, ``box`` None for a tensor it reads whole), the view of the live parameter that holds
+    box ``box`` of checkpoint tensor ``name`` verbatim (its extent, in the box's element order; the
+    checkpoint's dtype or a ``WIDENING`` of it), or None. The engine knows it from its slice plan (which
+    parameter region each box was loaded into); a box it does not read must raise or give None: either
+    fails the update. A contiguous view is scattered into and digested in place; a strided one (a box
+    loaded into a column block of a fused parameter) through a contiguous copy of the region only: the
+    copy is scattered into and digested, then written back once every payload of the bucket passed its
+    check. A box without a live view (``live_box`` None, or giving None) is rebuilt as a whole tensor is,
+    from the kept copy of the box (``keep(name, box tensor)``: what a sliced full update's ``run`` got),
+    checked against the box's digest and handed to ``reload`` under the tensor's name.
     """
 
     def __init__(self, live: Callable[[str], torch.Tensor | None], *, reload: Callable[[Weights], object] | None = None,
                  held: str | None = None, defer_reload: bool = False,
                  complete: bool | Callable[[list[str]], list[str]] = False,
-                 base: Callable[[str], torch.Tensor | None] | None = None):
-        self.live, self.reload, self.held = live, reload, held
+                 base: Callable[[str], torch.Tensor | None] | None = None,
+                 live_box: Callable[[str, Any], torch.Tensor | None] | None = None):
+        self.live, self.reload, self.held, self.live_box = live, reload, held, live_box
         self.defer_reload, self.complete, self.base = defer_reload, complete, base
         self.kept: dict[str, torch.Tensor] = {}
         self.last: dict = {}
@@ -153,6 +177,7 @@ class _Update:
         self.delta: tuple[str, str] | None = None
         self.undo_log: list[tuple] = []
         self.rebuilt: dict[str, torch.Tensor] = {}   # tensor -> its new full bytes handed to reload
+        self.writebacks: list[tuple[torch.Tensor, torch.Tensor]] = []   # (strided region, its checked new copy)
         self.figures: dict[str, Any] = {"scattered": 0, "reloaded": 0, "elements": 0, "payload_bytes": 0,
                                         "apply_s": 0.0, "verify_s": 0.0, "scattered_tensors": []}
         self.dropped = False
@@ -210,23 +235,33 @@ class _Update:
         t0 = time.perf_counter()
         checks: list[tuple[str, torch.Tensor, str, torch.dtype]] = []
         reloads: Weights = []
-        payloads = [(n[len(PAYLOAD):], p) for n, p in weights if not n.startswith(MANIFEST)]
+        named = [(_target_name(n), p) for n, p in weights if not n.startswith(MANIFEST)]
+        payloads = [(shown, p) for (_, _, shown), p in named]
         # every payload of the bucket checked before anything is written, its checks read back together
-        for (name, payload), decoded in zip(payloads, decode_many(payloads)):
+        for ((name, box, shown), payload), decoded in zip(named, decode_many(payloads)):
             d = self._maybe_drop(decoded)
             self.figures["payload_bytes"] += payload.numel()
             self.figures["elements"] += d.count
-            target = self.rx.live(name)
-            if target is not None:
-                self._scatter(name, target, d)
-                checks.append((name, target, d.digest, d.dtype))
+            # a sliced delta's box goes into its live region, else is rebuilt like a whole tensor (from the
+            # kept copy of the box: what this engine rank loaded) and reloaded
+            boxed = shown != name
+            target = (self.rx.live_box(name, box) if self.rx.live_box is not None else None) if boxed \
+                else self.rx.live(name)
+            if boxed and target is not None and not target.is_contiguous():
+                checks.append((shown, self._scatter_region(name, target, d, shown), d.digest, d.dtype))
+            elif target is not None:
+                self._scatter(name, target, d, shown)
+                checks.append((shown, target, d.digest, d.dtype))
             else:
                 new = self._rebuild(name, d)
                 reloads.append((name, new))
-                checks.append((name, new, d.digest, d.dtype))
+                checks.append((shown, new, d.digest, d.dtype))
         t1 = time.perf_counter()
         self.figures["apply_s"] += t1 - t0
         self._verify(checks)   # before the engine's reload: a wrong tensor is never loaded
+        for region, new in self.writebacks:   # strided box regions: written once checked (their undo is saved)
+            region.copy_(new)
+        self.writebacks.clear()
         self.figures["verify_s"] += time.perf_counter() - t1
         if reloads:
             if self.rx.reload is None:
@@ -236,17 +271,28 @@ class _Update:
             if not self.rx.defer_reload:
                 self.rx.reload(reloads)
 
-    def _scatter(self, name: str, target: torch.Tensor, d: Decoded) -> None:
+    def _scatter(self, name: str, target: torch.Tensor, d: Decoded, shown: str | None = None) -> None:
+        """``d`` written into ``target``; ``shown``: the payload as errors name it (a box's), ``name`` the tensor."""
         widened = target.dtype != d.dtype
         if ((widened and (d.dtype, target.dtype) not in WIDENING) or tuple(target.shape) != d.shape
                 or not target.is_contiguous()):
             raise CheckpointFormatError(f"the live tensor is {target.dtype} {list(target.shape)}, the delta "
-                                        f"{d.dtype} {list(d.shape)}", tensor=name)
+                                        f"{d.dtype} {list(d.shape)}", tensor=shown or name)
         saved = target.clone() if d.positions is None else None
         old = apply_widened(target, d) if widened else apply_decoded(target, d)
         self.undo_log.append((target, d, old, saved))
         self.figures["scattered"] += 1
         self.figures["scattered_tensors"].append(name)
+
+    def _scatter_region(self, name: str, region: torch.Tensor, d: Decoded, shown: str) -> torch.Tensor:
+        """A strided box region: the delta applied to a contiguous copy of it, returned for the check and
+        written back after it (``writebacks``); the region's previous bytes kept for the undo."""
+        saved = region.clone(memory_format=torch.contiguous_format)
+        work = saved.clone()
+        self._scatter(name, work, d, shown)
+        self.undo_log[-1] = (region, d, None, saved)   # undo: the region's saved bytes, not the work copy's
+        self.writebacks.append((region, work))
+        return work
 
     def _rebuild(self, name: str, d: Decoded) -> torch.Tensor:
         base = self.rx.base_of(name)
@@ -287,6 +333,7 @@ class _Update:
         if self.delta is None:
             self.rx.held = None
             return
+        self.writebacks.clear()
         for target, d, old, saved in reversed(self.undo_log):
             if saved is not None:
                 target.copy_(saved)

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 from ckpt_core.checkpoint.device import build_device_checkpoint, refuse_device_resident
 from ckpt_core.checkpoint.sources import RegisteredCheckpoint, build_packed
+from ckpt_core.delta._sliced_flow import SlicedDeltas
 from ckpt_core.delta.choose import candidates, choose, view
+from ckpt_core.delta.sliced import sliced_name
 from ckpt_core.delta.versions import (
     DELTA_MODES,
     FOLD,
@@ -50,6 +52,7 @@ class Updates:
 
     def __init__(self, ctx: UpdateContext, catalog: Catalog, p2p: P2PState, versions: DeltaVersions):
         self.ctx, self.catalog, self.p2p, self.versions = ctx, catalog, p2p, versions
+        self.sliced = SlicedDeltas(ctx, catalog, versions)
 
     # -- registration ------------------------------------------------------------
     def add(self, name: str, ckpt: RegisteredCheckpoint, base: str | None, snapshot: bool = False) -> None:
@@ -85,6 +88,7 @@ class Updates:
         """Uninstall and release checkpoint ``name`` (and its delta and folds, if any): its P2P service first (a
         reader's next stamp check fails), then its memory, metas and plans. Returns it (released)."""
         ckpt = self.catalog.checkpoints.pop(name)
+        self.sliced.forget(name)   # its sliced deltas go with it
         self.versions.drop_snapshot(name)
         comps = [companion(name)] + [fold_companion(name, b) for b in self.versions.folds.get(name, {})]
         if name in self.versions.bases or name in self.versions.folds:
@@ -174,18 +178,42 @@ class Updates:
         """``ParameterServer.update``'s dispatch (the facade holds the update lock around it)."""
         if not delta:
             return self._full(name, req_func, ranks, timeout, slices)
-        if slices is not None or (ranks and self.ctx.wire != "native"):
-            raise ConfigError("delta updates are updates of whole tensors on our wire for now (broadcast ones also on "
-                              "the stock wire, to an engine that applies them: SGLang through our loader): no "
-                              "slices=, no P2P delta on the stock wire (docs/deltas.md)")
+        if ranks and (slices is not None or self.ctx.wire != "native"):
+            raise ConfigError("P2P delta updates take neither slices= nor the stock wire yet (docs/deltas.md): a "
+                              "broadcast delta with slices=, or a P2P delta of whole tensors on our wire")
+        if slices is not None and self.ctx.wire != "native":
+            raise ConfigError("sliced delta updates are updates on our wire only (docs/deltas.md)")
         if delta not in DELTA_MODES:   # refused in the agreement: every rank raises, none waits in it
             agree_delta(self, name, ranks, delta)
         if ranks:
             return self._p2p_delta(name, req_func, ranks, timeout, delta)
+        if slices is not None:
+            return self._sliced_delta(name, req_func, timeout, slices, delta)
         return run_delta_update(
             self.versions, name, req_func, delta, prepare=lambda: agree_delta(self, name, None, delta, req_func),
             update=lambda n, rf: run_broadcast_update(self.ctx, self.catalog, n, rf, timeout, None),
             bases=self.known_bases)
+
+    def _sliced_delta(self, name: str, req_func: ReqFunc, timeout, slices, mode) -> dict:
+        """A broadcast delta routed by slice plan ``slices``: each engine rank receives the changed elements
+        of its own boxes (``sliced.py``); a refused one with ``"fallback"`` is a sliced full update."""
+        routes: list = []
+
+        def prepare() -> tuple[str, str]:
+            base, comp = agree_delta(self, name, None, mode, req_func)   # which delta (or fold), agreed
+            routes.append(self.sliced.prepare(name, comp, slices))
+            return base, sliced_name(comp, slices)
+
+        def update(checkpoint: str, rf) -> dict:
+            if checkpoint == name:   # the fallback: the version itself, by the engine's plan
+                return run_broadcast_update(self.ctx, self.catalog, checkpoint, rf, timeout, slices)
+            result = run_broadcast_update(self.ctx, self.catalog, checkpoint, rf, timeout, routes[-1])
+            full = [slices.rank_bytes(t) for t in range(len(slices.ranks))]
+            result["delta"] = {"sliced": dict(self.sliced.figures.get(checkpoint, {}), plan=slices.digest,
+                                              full_rank_bytes=full)}
+            return result
+        return run_delta_update(self.versions, name, req_func, mode, prepare=prepare, update=update,
+                                bases=self.known_bases)
 
     def _full(self, name: str, req_func: ReqFunc, ranks, timeout, slices) -> dict:
         mine = self._reaches_me(ranks)

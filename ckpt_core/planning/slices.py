@@ -86,6 +86,12 @@ class SlicePlan:
         names = {n for rs in self.ranks for n in rs.needs}
         return sum(math.prod(self.tensors[n][1]) * self.tensors[n][2] for n in names)
 
+    @property
+    def route_digest(self) -> str:
+        """The plan an update routed by this one is told to the engine workers as (its own digest; a
+        sliced delta's routing names the engine's plan it was cut by: ``delta/sliced.py``)."""
+        return self.digest
+
     @cached_property
     def digest(self) -> str:
         """SHA-1 of the plan's JSON, computed once (the plan is immutable; every update names it)."""

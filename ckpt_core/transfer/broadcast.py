@@ -62,7 +62,7 @@ def _update(ctx: UpdateContext, catalog: Catalog, name: str, req_func: ReqFunc, 
     try:
         req.start()
         # whose slices these are (PS rank p feeds engine rank p % T, slice_routes.replica_ranks): the worker checks
-        routed = None if slices is None else (slices.digest, ctx.rank % len(slices.ranks))
+        routed = None if slices is None else (slices.route_digest, ctx.rank % len(slices.ranks))
         hello = None if ipc is None else encode_hello(   # None: alloc_failed says why
             update_id, device_kind=ctx.backend.kind, buffer=ipc.descriptor, slot_bytes=slot_bytes,
             num_slots=slots, plan_json=plan_json, plan_digest=plan_digest, slices=routed)
@@ -122,6 +122,6 @@ def _after_copies(ctx: UpdateContext) -> None:
 
 def _slices_report(slices, plan: Plan, stats, world_size: int) -> dict:
     """A sliced update's figures: bytes each engine rank received, and what this rank sent."""
-    return {"plan": slices.digest, "received_bytes": [received_bytes(plan, r) for r in range(world_size)],
+    return {"plan": slices.route_digest, "received_bytes": [received_bytes(plan, r) for r in range(world_size)],
             "whole_bytes": slices.whole_bytes(),
             "sent": {"bytes": stats.sent_bytes, "forwarded_bytes": stats.forwarded_bytes, "sends": stats.sends}}

@@ -146,7 +146,7 @@ def delta_figures(ps, rank, name):
 
 
 def delta_update_sliced(ps, rank, name):
-    """A delta with a slice plan: refused (whole tensors only for now)."""
+    """A delta with ``slices=`` that is not a slice plan: refused alike on every rank."""
     return ps.update(name, lambda h: None, slices=object(), delta=True, timeout=30)
 
 
