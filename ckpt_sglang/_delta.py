@@ -45,6 +45,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ckpt_core.delta._groups import Groups
 from ckpt_core.delta.apply import WIDENING, DeltaReceiver
 from ckpt_core.delta.encode import bytes_of
 from ckpt_core.delta.versions import MANIFEST, PAYLOAD, parse_manifest_name
@@ -238,20 +239,14 @@ def build_map(model: torch.nn.Module, rec: _Recorder, before: dict[str, tuple[to
                           f"replaced the parameter {pname} the load wrote: it cannot be re-run for one module; "
                           "deltas go whole (delta='fallback')")
             return out
-    # groups: union-find over checkpoint names and the modules they are written into
-    parent: dict[str, str] = {}
-
-    def find(x: str) -> str:
-        while parent.setdefault(x, x) != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
+    # groups of checkpoint names and the modules they are written into
+    groups = Groups()
+    find = groups.find
     for name in kept:
         find("t:" + name)
         for w in written_by.get(name, []):
             for mod in owners.get(id(params[w.param]), []):
-                parent[find("t:" + name)] = find("m:" + mod)
+                groups.union("t:" + name, "m:" + mod)
     problems: dict[str, str] = {}
     regions: dict[str, tuple[str, torch.Tensor, torch.Tensor]] = {}
     for name, src in kept.items():

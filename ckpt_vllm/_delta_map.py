@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from ckpt_core.checkpoint.safetensors import DTYPE_CODES
+from ckpt_core.delta._groups import Groups
 from ckpt_core.delta.apply import WIDENING
 from ckpt_core.delta.encode import bytes_of
 from ckpt_core.delta.lin64 import lin64_many
@@ -213,17 +214,9 @@ def _decide(modules, owners, by_id, meta, rec, kept, boxes=None) -> DeltaMap:
         out.whole = f"the recording places no write of {unplaced[:3]} ({len(unplaced)} tensors)"
         log.warning("ckpt deltas: every delta reloads the whole model: %s", out.whole)
         return out
-    # Groups: union-find over checkpoint names and layers.
-    parent: dict[str, str] = {}
-
-    def find(x: str) -> str:
-        while parent.setdefault(x, x) != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
-    def union(a: str, b: str) -> None:
-        parent[find(a)] = find(b)
+    # Groups of checkpoint names and layers.
+    groups = Groups()
+    union = groups.union
 
     for name, ws in writes.items():
         for pname, _, _, _ in ws:
@@ -237,8 +230,8 @@ def _decide(modules, owners, by_id, meta, rec, kept, boxes=None) -> DeltaMap:
             if up and layer.startswith(up + ".") and up != layer:
                 union("l:" + up, "l:" + layer)
     members: dict[str, tuple[list[str], list[str]]] = {}
-    for node in list(parent):
-        layers_, names = members.setdefault(find(node), ([], []))
+    for node in groups:
+        layers_, names = members.setdefault(groups.find(node), ([], []))
         (layers_ if node.startswith("l:") else names).append(node[2:])
     why_layer = {q: verbatim_layer(modules[q], meta.get(q, {}), owners[q]) for q in owners}
     verbatim, why_not = _verbatim_regions(writes, owners, kept, boxes)

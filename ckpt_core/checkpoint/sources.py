@@ -65,17 +65,17 @@ class RegisteredCheckpoint:
         return raw.view(_torch_dtype(meta.dtype)).view(meta.shape)
 
     def source_problem(self) -> str | None:
-        """The first in-place file that changed under its map since registration, if any."""
-        for region in self.regions.values():
-            problem = region.source_check() if region.source_check is not None else None
-            if problem:
-                return problem
-        return None
+        """The first in-place file that shrank under its map since registration, if any."""
+        return self._first_problem("source_check")
 
     def rewritten_problem(self) -> str | None:
         """The first in-place file written since registration (its mapped bytes changed with it), if any."""
+        return self._first_problem("source_rewritten")
+
+    def _first_problem(self, check: str) -> str | None:
         for region in self.regions.values():
-            problem = region.source_rewritten() if region.source_rewritten is not None else None
+            fn = getattr(region, check)
+            problem = fn() if fn is not None else None
             if problem:
                 return problem
         return None

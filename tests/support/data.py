@@ -25,6 +25,17 @@ def fresh_tensor(shape, dtype: torch.dtype, gen: torch.Generator) -> torch.Tenso
     return x.to(dtype)
 
 
+def random_bits(shape, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """Random bytes viewed as ``dtype`` (any wire dtype: NaN and inf bit patterns included; bool as 0/1):
+    what the delta encoders compare, as integers of the item size."""
+    numel = 1
+    for d in shape:
+        numel *= d
+    size = torch.empty(0, dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (numel * size,), generator=gen, dtype=torch.uint8)
+    return (raw % 2).bool().reshape(shape) if dtype == torch.bool else raw.view(dtype).reshape(shape)
+
+
 def fresh_tensors(names_shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], gen: torch.Generator) -> dict:
     """``fresh_tensor`` for fixed names."""
     return {name: fresh_tensor(shape, dtype, gen) for name, (shape, dtype) in names_shapes.items()}

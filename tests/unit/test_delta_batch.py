@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 import torch
 
+from support.data import random_bits
+
 from ckpt_core.checkpoint.safetensors import WIRE_DTYPES
 from ckpt_core.checkpoint.sources import build_checkpoint
 from ckpt_core.delta import batch
@@ -18,15 +20,6 @@ from ckpt_core.devices import get_backend
 DTYPES = sorted({dt for dt in WIRE_DTYPES.values()}, key=str)
 
 
-def _random(shape, dtype, gen):
-    numel = 1
-    for d in shape:
-        numel *= d
-    size = torch.empty(0, dtype=dtype).element_size()
-    raw = torch.randint(0, 256, (numel * size,), generator=gen, dtype=torch.uint8)
-    if dtype == torch.bool:
-        return (raw % 2).bool().reshape(shape)
-    return raw.view(dtype).reshape(shape)
 
 
 def _mutate(t, density, gen, *, last=False):
@@ -49,18 +42,18 @@ def _pairs(gen):
     for i, dtype in enumerate(DTYPES):
         for j, shape in enumerate(shapes):
             density = [0.0, 0.0005, 0.02, 0.3, 1.0][(i + j) % 5]
-            base = _random(shape, dtype, gen)
+            base = random_bits(shape, dtype, gen)
             out.append((f"t{i}.{j}", base, _mutate(base, density, gen, last=(i + j) % 3 == 0)))
-    base = _random((64, 33), torch.bfloat16, gen)
-    out += [("unchanged", base, base.clone()), ("new", None, _random((10, 3), torch.float32, gen)),
+    base = random_bits((64, 33), torch.bfloat16, gen)
+    out += [("unchanged", base, base.clone()), ("new", None, random_bits((10, 3), torch.float32, gen)),
             ("retyped", base, base.view(torch.int16).clone()), ("reshaped", base, base.reshape(33, 64).clone()),
-            ("large", _random((1 << 21,), torch.bfloat16, gen), None)]
+            ("large", random_bits((1 << 21,), torch.bfloat16, gen), None)]
     name, b, _ = out[-1]
     out[-1] = (name, b, _mutate(b, 0.02, gen))
-    sparse = _random((1 << 18,), torch.int32, gen)   # gaps above 2**16: idx
+    sparse = random_bits((1 << 18,), torch.int32, gen)   # gaps above 2**16: idx
     far = sparse.clone()
     far[[5, 100_000, 200_000]] ^= 1
-    block = _random((5000,), torch.float16, gen)      # one run: runs
+    block = random_bits((5000,), torch.float16, gen)      # one run: runs
     run = block.clone()
     run.view(torch.int16)[100:300] ^= 1
     return out + [("sparse", sparse, far), ("run", block, run)]
@@ -150,7 +143,7 @@ def test_a_chain_of_versions_uses_each_versions_derived_sums(threads, monkeypatc
     """A -> B -> C: C's encode finds B's sums (derived when B was encoded), digests nothing whole."""
     gen = torch.Generator().manual_seed(9)
     backend = get_backend("cpu")
-    v0 = {f"w{i}": _random((257, 9 + i), torch.bfloat16, gen) for i in range(6)}
+    v0 = {f"w{i}": random_bits((257, 9 + i), torch.bfloat16, gen) for i in range(6)}
     v1 = {n: _mutate(t, 0.02, gen) for n, t in v0.items()}
     v2 = {n: _mutate(t, 0.02, gen, last=True) for n, t in v1.items()}
     cks = [build_checkpoint(f"v{i}", backend, named_tensors=v) for i, v in enumerate((v0, v1, v2))]
@@ -173,7 +166,7 @@ def test_a_base_laid_out_differently_is_compared_tensor_by_tensor(threads):
     """The base's tensors in another order (other offsets): spans of one tensor each, same payloads."""
     gen = torch.Generator().manual_seed(3)
     backend = get_backend("cpu")
-    v0 = {f"w{i}": _random((129, 7 + i), torch.float16, gen) for i in range(5)}
+    v0 = {f"w{i}": random_bits((129, 7 + i), torch.float16, gen) for i in range(5)}
     v1 = {n: _mutate(v0[n], 0.05, gen) for n in reversed(list(v0))}
     a = build_checkpoint("A", backend, named_tensors=v0)
     b = build_checkpoint("B", backend, named_tensors=v1)
@@ -188,8 +181,8 @@ def test_tensors_packed_without_padding_are_compared_without_tail_masks(threads)
     """Tensors of whole 256-byte multiples lie back to back: a span without odd ends or padding."""
     gen = torch.Generator().manual_seed(4)
     backend = get_backend("cpu")
-    v0 = {f"w{i}": _random((128, 64), torch.bfloat16, gen) for i in range(4)}
-    v0["r"] = _random((64, 16), torch.float32, gen)
+    v0 = {f"w{i}": random_bits((128, 64), torch.bfloat16, gen) for i in range(4)}
+    v0["r"] = random_bits((64, 16), torch.float32, gen)
     v1 = {n: _mutate(t, 0.03, gen, last=True) for n, t in v0.items()}
     a = build_checkpoint("A", backend, named_tensors=v0)
     b = build_checkpoint("B", backend, named_tensors=v1)
@@ -209,7 +202,7 @@ def test_in_place_file_maps_keep_no_sums(tmp_path):
 
     from ckpt_core.checkpoint.safetensors import write_file
     gen = torch.Generator().manual_seed(8)
-    v0 = {f"w{i}": _random((100, 9 + i), torch.bfloat16, gen) for i in range(3)}
+    v0 = {f"w{i}": random_bits((100, 9 + i), torch.bfloat16, gen) for i in range(3)}
     v1 = {n: _mutate(t, 0.05, gen) for n, t in v0.items()}
     paths = [f"/dev/shm/ckpt-test-{uuid.uuid4().hex}-{k}.safetensors" for k in "ab"]
     backend = get_backend("cpu")

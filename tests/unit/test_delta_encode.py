@@ -4,6 +4,8 @@ is no larger than the tensor, and a corrupted payload is refused before anything
 import pytest
 import torch
 
+from support.data import random_bits
+
 from ckpt_core.checkpoint.safetensors import WIRE_DTYPES
 from ckpt_core.delta.encode import (ENCODINGS, apply_decoded, bytes_of, changed_mask, decode, encode_tensor,
                                     undo_decoded)
@@ -13,16 +15,6 @@ from ckpt_core.errors import CheckpointFormatError
 DTYPES = sorted({dt for dt in WIRE_DTYPES.values()}, key=str)
 
 
-def _random(shape, dtype, gen):
-    numel = 1
-    for d in shape:
-        numel *= d
-    size = torch.empty(0, dtype=dtype).element_size()
-    raw = torch.randint(0, 256, (numel * size,), generator=gen, dtype=torch.uint8)
-    t = raw.view(dtype).reshape(shape)
-    if dtype == torch.bool:
-        t = (raw % 2).bool().reshape(shape)
-    return t
 
 
 def _mutate(base, density, gen):
@@ -44,7 +36,7 @@ def _same_bytes(a, b):
 @pytest.mark.parametrize("encoding", ENCODINGS[1:])
 def test_every_dtype_round_trips_in_every_encoding(dtype, encoding):
     gen = torch.Generator().manual_seed(hash((str(dtype), encoding)) % 2**31)
-    base = _random((37, 11), dtype, gen)
+    base = random_bits((37, 11), dtype, gen)
     new = _mutate(base, 0.1, gen)
     payload, info = encode_tensor(new, base, force=encoding)
     assert info["encoding"] == encoding and info["count"] == int(changed_mask(new, base).sum()) > 0
@@ -59,7 +51,7 @@ def test_every_dtype_round_trips_in_every_encoding(dtype, encoding):
 @pytest.mark.parametrize("density", [0.0005, 0.01, 0.03, 0.2, 0.6, 1.0])
 def test_the_smallest_encoding_is_chosen_and_never_larger_than_the_tensor(density):
     gen = torch.Generator().manual_seed(int(density * 1e4))
-    base = _random((256, 512), torch.bfloat16, gen)
+    base = random_bits((256, 512), torch.bfloat16, gen)
     new = _mutate(base, density, gen)
     payload, info = encode_tensor(new, base)
     sizes = {e: encode_tensor(new, base, force=e)[0].numel() for e in ENCODINGS[1:]}
@@ -80,7 +72,7 @@ def test_the_smallest_encoding_is_chosen_and_never_larger_than_the_tensor(densit
 
 def test_runs_win_on_a_contiguous_block_and_bitmap_on_scattered_changes():
     gen = torch.Generator().manual_seed(3)
-    base = _random((1 << 16,), torch.bfloat16, gen)
+    base = random_bits((1 << 16,), torch.bfloat16, gen)
     block = base.clone()
     block.view(torch.int16)[1000:3000] ^= 1
     assert encode_tensor(block, base)[1]["encoding"] == "runs"
@@ -112,7 +104,7 @@ def test_unchanged_tensor_sends_nothing_and_bytes_not_values_decide():
 @pytest.mark.parametrize("shape", [(), (0,), (3, 0, 2), (1,)])
 def test_empty_and_zero_d_tensors(shape):
     gen = torch.Generator().manual_seed(5)
-    base = _random(shape, torch.bfloat16, gen)
+    base = random_bits(shape, torch.bfloat16, gen)
     new = _mutate(base, 1.0, gen)
     payload, info = encode_tensor(new, base)
     if base.numel() == 0:
@@ -125,7 +117,7 @@ def test_empty_and_zero_d_tensors(shape):
 
 def test_new_or_reshaped_tensors_go_whole():
     gen = torch.Generator().manual_seed(7)
-    new = _random((4, 6), torch.float16, gen)
+    new = random_bits((4, 6), torch.float16, gen)
     for old in (None, new.reshape(6, 4).clone(), new.float()):
         payload, info = encode_tensor(new, old)
         assert info["encoding"] == "whole"
@@ -137,7 +129,7 @@ def test_new_or_reshaped_tensors_go_whole():
 
 def test_large_sparse_tensor_round_trips():
     gen = torch.Generator().manual_seed(11)
-    base = _random((1 << 22,), torch.bfloat16, gen)
+    base = random_bits((1 << 22,), torch.bfloat16, gen)
     new = _mutate(base, 0.02, gen)
     payload, info = encode_tensor(new, base)
     assert info["encoding"] == "gap16" and payload.numel() < 0.05 * base.numel() * 2   # 4 bytes per change
@@ -150,7 +142,7 @@ def test_large_sparse_tensor_round_trips():
 @pytest.mark.parametrize("where", ["magic", "header", "body", "truncated", "appended"])
 def test_a_corrupted_payload_is_refused(encoding, where):
     gen = torch.Generator().manual_seed(13)
-    base = _random((64, 64), torch.bfloat16, gen)
+    base = random_bits((64, 64), torch.bfloat16, gen)
     new = _mutate(base, 0.05, gen)
     payload, _ = encode_tensor(new, None if encoding == "whole" else base, force=None if encoding == "whole" else encoding)
     bad = payload.clone()

@@ -6,6 +6,8 @@ on the CPU through torch (the GPU runs the same ops: tests/gpu)."""
 import pytest
 import torch
 
+from support.data import random_bits
+
 from ckpt_core.checkpoint.safetensors import WIRE_DTYPES
 from ckpt_core.delta import encode_device
 from ckpt_core.delta.encode import ENCODINGS, apply_decoded, bytes_of, decode, encode_tensor
@@ -15,13 +17,6 @@ from ckpt_core.errors import CheckpointFormatError, ConfigError
 DTYPES = sorted({dt for dt in WIRE_DTYPES.values()}, key=str)
 
 
-def _random(shape, dtype, gen):
-    numel = 1
-    for d in shape:
-        numel *= d
-    size = torch.empty(0, dtype=dtype).element_size()
-    raw = torch.randint(0, 256, (numel * size,), generator=gen, dtype=torch.uint8)
-    return (raw % 2).bool().reshape(shape) if dtype == torch.bool else raw.view(dtype).reshape(shape)
 
 
 def _mutate(base, positions):
@@ -54,7 +49,7 @@ def _check(pairs, force=None):
 @pytest.mark.parametrize("encoding", ENCODINGS[1:])
 def test_every_dtype_and_encoding_gives_the_host_encoders_payload(dtype, encoding):
     gen = torch.Generator().manual_seed(hash((str(dtype), encoding)) % 2**31)
-    base = _random((37, 11), dtype, gen)
+    base = random_bits((37, 11), dtype, gen)
     new = _mutate(base, torch.randperm(base.numel(), generator=gen)[:40])
     _check([(new, base)], force=encoding)
 
@@ -63,7 +58,7 @@ def test_every_dtype_and_encoding_gives_the_host_encoders_payload(dtype, encodin
 def test_the_encoding_chosen_by_size_is_the_host_encoders(pattern):
     gen = torch.Generator().manual_seed(7)
     n = 200_000 if pattern == "far" else 4096
-    base = _random((n,), torch.bfloat16, gen)
+    base = random_bits((n,), torch.bfloat16, gen)
     where = {"one": torch.tensor([5]), "sparse": torch.randperm(n, generator=gen)[: n // 100],
              "block": torch.arange(100, 900), "scattered": torch.randperm(n, generator=gen)[: n // 3],
              "all": torch.arange(n), "far": torch.tensor([3, 100_000, 199_999]),
@@ -76,14 +71,14 @@ def test_a_registration_of_many_tensors_unchanged_new_reshaped_empty_and_zero_d(
     gen = torch.Generator().manual_seed(11)
     pairs = []
     for i, shape in enumerate([(64, 32), (0,), (), (3, 0, 2), (128,), (16, 16)]):
-        base = _random(shape, torch.bfloat16, gen)
+        base = random_bits(shape, torch.bfloat16, gen)
         new = _mutate(base, torch.randperm(base.numel(), generator=gen)[: max(1, base.numel() // 20)]) \
             if base.numel() else base.clone()
         pairs.append((new, base if i % 3 else base.clone()))
-    pairs.append((_random((8, 8), torch.float32, gen), None))                           # new
-    pairs.append((_random((8, 8), torch.float32, gen), _random((64,), torch.float32, gen)))   # reshaped
-    pairs.append((_random((8, 8), torch.float16, gen), _random((8, 8), torch.float32, gen)))  # retyped
-    same = _random((32,), torch.bfloat16, gen)
+    pairs.append((random_bits((8, 8), torch.float32, gen), None))                           # new
+    pairs.append((random_bits((8, 8), torch.float32, gen), random_bits((64,), torch.float32, gen)))   # reshaped
+    pairs.append((random_bits((8, 8), torch.float16, gen), random_bits((8, 8), torch.float32, gen)))  # retyped
+    same = random_bits((32,), torch.bfloat16, gen)
     pairs.append((same, same.clone()))                                                  # unchanged
     _check(pairs)
 
@@ -93,7 +88,7 @@ def test_groups_are_bounded_and_give_the_same_payloads(monkeypatch):
     gen = torch.Generator().manual_seed(3)
     pairs = []
     for _ in range(7):
-        base = _random((700,), torch.bfloat16, gen)
+        base = random_bits((700,), torch.bfloat16, gen)
         pairs.append((_mutate(base, torch.randperm(700, generator=gen)[:30]), base))
     _check(pairs)
 
