@@ -234,9 +234,14 @@ def test_a_delta_that_fails_its_digest_check_leaves_the_engine_on_its_base(vllm_
 
 
 @pytest.mark.skipif(not EXTENDED, reason="a TP 2 server of its own: the extended real-vLLM set (CKPT_VLLM_PARITY=all)")
-def test_deltas_at_tensor_parallel_2_equal_a_cold_load(vllm_python, tmp_path):
-    """Two engine workers, two PS ranks (torchrun, ``vllm_support/delta_push.py``): each worker maps
-    its own shard; the replicated norms are scattered on both, the sharded layers reloaded by layer."""
+@pytest.mark.parametrize("sliced", [False, True], ids=["whole-tensors", "sliced"])
+def test_deltas_at_tensor_parallel_2_equal_a_cold_load(vllm_python, tmp_path, sliced):
+    """Two engine workers, two PS ranks (torchrun, ``vllm_support/delta_push.py``), A whole then B, C, D
+    as deltas, each equal to a cold load and to Hugging Face's output. Whole-tensor deltas: each worker
+    maps its own shard; the replicated norms are scattered on both, the sharded layers reloaded by layer.
+    Sliced (``--slices``: every update routed by the workers' slice plan): each worker receives only the
+    changes in its boxes, less than its sliced full update, and maps its boxes: the changed norms are
+    scattered, only the layers of changed tensors reloaded."""
     import json
     import subprocess
     import sys
@@ -247,6 +252,7 @@ def test_deltas_at_tensor_parallel_2_equal_a_cold_load(vllm_python, tmp_path):
     case = Case("llama", 333, tie=True, tp=2)
     model = build_checkpoints(vllm_python, case, tmp_path / "model")
     server = launch_server(vllm_python, model, tmp_path, extension=True, **tp_server_args(2))
+    how = "sliced " if sliced else ""
     try:
         files = _versions(model.weights[0], tmp_path)
         refs = hf_reference(vllm_python, model.dir, files, model.prompts)
@@ -257,81 +263,35 @@ def test_deltas_at_tensor_parallel_2_equal_a_cold_load(vllm_python, tmp_path):
             [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
              "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
              str(REPO / "tests" / "integration" / "vllm_support" / "delta_push.py"), "--endpoint", server.endpoint,
-             "--prompts", json.dumps(model.prompts), "--max-tokens", str(MAX_TOKENS), *map(str, files)],
+             "--prompts", json.dumps(model.prompts), "--max-tokens", str(MAX_TOKENS),
+             *(["--slices"] if sliced else []), *map(str, files)],
             env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=900)
         assert run.returncode == 0, f"delta_push.py failed ({run.returncode}):\n{run.stderr[-6000:]}"
         lines = [json.loads(x) for x in run.stdout.splitlines() if x.startswith("{")]
         assert [x["version"] for x in lines] == ["v0", "v1", "v2", "v3"]
+        full = lines[0]["ps"]["slices"]["received_bytes"] if sliced else None
         for i, (line, path) in enumerate(zip(lines, files)):
             name = NAMES[i]
+            if sliced:
+                got = line["ps"]["slices"]["received_bytes"]
+                print(f"{case.id} sliced {name}: received {got} bytes per rank (sliced full update: {full})")
+                if i:
+                    assert all(0 < g < f for g, f in zip(got, full)), (name, got, full)
             for worker, reply in enumerate(line["engine"]):
                 fig = reply["delta"]
                 if i:
-                    print(f"{case.id} {name} worker {worker}: {fig['scattered']} scattered, "
+                    if sliced:
+                        assert fig["delta"] and fig["version"] == f"v{i}" and reply["slices"]["plan"], reply
+                    print(f"{case.id} {how}{name} worker {worker}: {fig['scattered']} scattered, "
                           f"{len(fig['reloaded_layers'])} layers reloaded in {fig['reload_s']:.3f} s")
                     _check_placement(name, case, fig, _changed(files[i - 1], path))
                 else:
-                    print(f"{case.id} A worker {worker}: map {fig['map']}")
+                    print(f"{case.id} {how}A worker {worker}: map {fig['map']}")
+                    assert not sliced or not fig["map"]["whole"], fig["map"]
             differ = differences(line["digests"], cold[str(path)])
-            assert not differ, f"after {name}, {len(differ)} tensor(s) differ from a cold load:\n" + \
+            assert not differ, f"after {how}{name}, {len(differ)} tensor(s) differ from a cold load:\n" + \
                 "\n".join(differ[:20])
-            assert line["tokens"] == refs[str(path)], f"greedy output after {name} differs from Hugging Face's"
-    finally:
-        server.stop()
-
-
-@pytest.mark.skipif(not EXTENDED, reason="a TP 2 server of its own: the extended real-vLLM set (CKPT_VLLM_PARITY=all)")
-def test_sliced_deltas_at_tensor_parallel_2_equal_a_cold_load(vllm_python, tmp_path):
-    """Two engine workers, two PS ranks, every update routed by the workers' slice plan (``delta_push.py
-    --slices``): A sliced whole, then B, C, D as sliced deltas (each worker receives only the changes in
-    its boxes, less than its sliced full update), each equal to a cold load and to Hugging Face's output;
-    each worker maps its boxes: the changed norms are scattered, only the layers of changed tensors reloaded."""
-    import json
-    import subprocess
-    import sys
-
-    from vllm_support.parity import tp_server_args
-    from vllm_support.server import REPO
-
-    case = Case("llama", 333, tie=True, tp=2)
-    model = build_checkpoints(vllm_python, case, tmp_path / "model")
-    server = launch_server(vllm_python, model, tmp_path, extension=True, **tp_server_args(2))
-    try:
-        files = _versions(model.weights[0], tmp_path)
-        refs = hf_reference(vllm_python, model.dir, files, model.prompts)
-        cold = cold_load(vllm_python, model.dir, files, 2)["digests"]
-        ready(server)
-        server.pushed = True
-        run = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-             "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-             str(REPO / "tests" / "integration" / "vllm_support" / "delta_push.py"), "--endpoint", server.endpoint,
-             "--prompts", json.dumps(model.prompts), "--max-tokens", str(MAX_TOKENS), "--slices", *map(str, files)],
-            env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=900)
-        assert run.returncode == 0, f"delta_push.py failed ({run.returncode}):\n{run.stderr[-6000:]}"
-        lines = [json.loads(x) for x in run.stdout.splitlines() if x.startswith("{")]
-        assert [x["version"] for x in lines] == ["v0", "v1", "v2", "v3"]
-        full = lines[0]["ps"]["slices"]["received_bytes"]
-        for i, (line, path) in enumerate(zip(lines, files)):
-            name = NAMES[i]
-            got = line["ps"]["slices"]["received_bytes"]
-            print(f"{case.id} sliced {name}: received {got} bytes per rank (sliced full update: {full})")
-            if i:
-                assert all(0 < g < f for g, f in zip(got, full)), (name, got, full)
-                for worker, reply in enumerate(line["engine"]):
-                    fig = reply["delta"]
-                    assert fig["delta"] and fig["version"] == f"v{i}" and reply["slices"]["plan"], reply
-                    print(f"{case.id} sliced {name} worker {worker}: {fig['scattered']} scattered, "
-                          f"{len(fig['reloaded_layers'])} layers reloaded in {fig['reload_s']:.3f} s")
-                    _check_placement(name, case, fig, _changed(files[i - 1], path))
-            else:
-                for worker, reply in enumerate(line["engine"]):
-                    print(f"{case.id} sliced A worker {worker}: map {reply['delta']['map']}")
-                    assert not reply["delta"]["map"]["whole"], reply["delta"]["map"]
-            differ = differences(line["digests"], cold[str(path)])
-            assert not differ, f"after sliced {name}, {len(differ)} tensor(s) differ from a cold load:\n" + \
-                "\n".join(differ[:20])
-            assert line["tokens"] == refs[str(path)], f"greedy output after sliced {name} differs from Hugging Face's"
+            assert line["tokens"] == refs[str(path)], f"greedy output after {how}{name} differs from Hugging Face's"
     finally:
         server.stop()
 
