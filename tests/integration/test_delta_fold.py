@@ -14,6 +14,8 @@ byte for byte; ``"fallback"`` turns a refusal into a full update; unregistering 
 from __future__ import annotations
 
 import pytest
+from support.p2p_cases import all_ok
+from support.asserts import assert_every_rank_failed
 from support.data import want_digests
 from support.delta_world import DERIVED, DeltaEngine, Trainer
 from support.engine import EngineFront
@@ -25,22 +27,12 @@ WORLD = 2
 CHAIN = (("B", "A"), ("C", "B"), ("D", "C"))
 
 
-def _ok(got):
-    assert all(o.ok for o in got.values()), got
-    return got
-
-
-def _refused(got, error: str, *needles: str) -> None:
-    for r, o in got.items():
-        assert not o.ok and o.error == error, (r, o)
-        for needle in needles:
-            assert needle in o.message, (r, needle, o.message)
 
 
 def _register(world, name, tensors, base=None):
     extra = {} if base is None else {"base": base}
-    _ok(world.all("register", per_rank={r: (name, {"named_tensors": tensors[r], **extra}) for r in range(WORLD)}))
-    _ok(world.all("gather", name))
+    all_ok(world.all("register", per_rank={r: (name, {"named_tensors": tensors[r], **extra}) for r in range(WORLD)}))
+    all_ok(world.all("gather", name))
 
 
 def _call(world, fn, *args, ranks=None, timeout=120):
@@ -89,29 +81,29 @@ def test_engines_that_hold_a_take_d_folded_from_a_in_one_update(world_and_front,
     world, front = world_and_front
     v = _versions(39)
     _register(world, "A", v["A"])
-    _ok(world.update("A", front, behaviors={i: {"version": "A"} for i in range(WORLD)}))
+    all_ok(world.update("A", front, behaviors={i: {"version": "A"} for i in range(WORLD)}))
     for name, base in CHAIN:
         _register(world, name, v[name], base=base)
-    step_bytes = sum(_ok(_call(world, "delta_figures", name))[0].value["payload_bytes"] for name, _ in CHAIN)
+    step_bytes = sum(all_ok(_call(world, "delta_figures", name))[0].value["payload_bytes"] for name, _ in CHAIN)
 
     # without a fold the engines (on A) are refused D's delta (its base is C), told what would work
     before, fanouts = _engines(front), front.fanouts
-    _refused(_delta(world, front, "D"), "DeltaBaseError", "applies to 'C'", "last made 'A' live",
+    assert_every_rank_failed(_delta(world, front, "D"), "DeltaBaseError", "applies to 'C'", "last made 'A' live",
              "'B', then 'C', then 'D'", "fold_delta('D', base='A')")
     assert front.fanouts == fanouts and _engines(front) == before
 
     if how == "chain":
-        _ok(world.all("unregister", ("A", {})))
-    figs = _ok(_call(world, "fold_delta", "D", "A"))
+        all_ok(world.all("unregister", ("A", {})))
+    figs = all_ok(_call(world, "fold_delta", "D", "A"))
     fold = figs[0].value
     assert fold["fold"] == ("A -> B -> C -> D" if how == "chain" else "encoded against the registered base"), fold
     assert 0 < fold["payload_bytes"] < step_bytes and fold["payload_bytes"] < fold["full_bytes"], (fold, step_bytes)
-    assert all("D@delta:A" in o.value for o in _ok(world.all("checkpoints")).values())
+    assert all("D@delta:A" in o.value for o in all_ok(world.all("checkpoints")).values())
     if how == "direct":   # the fold outlives its base: dropping A leaves it registered
-        _ok(world.all("unregister", ("A", {})))
-        assert all("D@delta:A" in o.value for o in _ok(world.all("checkpoints")).values())
+        all_ok(world.all("unregister", ("A", {})))
+        assert all("D@delta:A" in o.value for o in all_ok(world.all("checkpoints")).values())
 
-    got = _ok(_delta(world, front, "D"))
+    got = all_ok(_delta(world, front, "D"))
     for r, o in got.items():
         fig = o.value["delta"]
         assert fig["base"] == "A" and fig["companion"] == "D@delta:A" and fig["payload_bytes"] > 0, (r, fig)
@@ -122,46 +114,46 @@ def test_engines_that_hold_a_take_d_folded_from_a_in_one_update(world_and_front,
     assert all(front.call(i, "held")[1] == "D" for i in range(WORLD))
 
     # unregistering D removes its delta and its fold; registered again, D's own delta from C is there again
-    _ok(world.all("unregister", ("D", {})))
-    assert not any(c.startswith("D") for o in _ok(world.all("checkpoints")).values() for c in o.value)
+    all_ok(world.all("unregister", ("D", {})))
+    assert not any(c.startswith("D") for o in all_ok(world.all("checkpoints")).values() for c in o.value)
 
 
 def test_a_fold_refused_or_corrupted_leaves_the_engines_on_their_base(world_and_front):
     world, front = world_and_front
     v = _versions(7, lrs=(1e-4, 1e-4, 1e-4))
     _register(world, "A", v["A"])
-    _ok(world.update("A", front, behaviors={i: {"version": "A"} for i in range(WORLD)}))
+    all_ok(world.update("A", front, behaviors={i: {"version": "A"} for i in range(WORLD)}))
     for name, base in CHAIN:
         _register(world, name, v[name], base=base)
-    _ok(world.all("unregister", ("A", {})))
+    all_ok(world.all("unregister", ("A", {})))
 
     # a base no registered version or chain leads from: refused by the fold, nothing kept
-    _refused(_call(world, "fold_delta", "D", "Z"), "DeltaBaseError", "cannot fold the deltas of 'D' from 'Z'",
+    assert_every_rank_failed(_call(world, "fold_delta", "D", "Z"), "DeltaBaseError", "cannot fold the deltas of 'D' from 'Z'",
              "A -> B -> C -> D")
     # folded on rank 0 only: the update is refused on every rank before anything moves
-    _ok(_call(world, "fold_delta", "D", "A", ranks=[0]))
+    all_ok(_call(world, "fold_delta", "D", "A", ranks=[0]))
     before, fanouts = _engines(front), front.fanouts
-    _refused(_delta(world, front, "D"), "DeltaBaseError", "rank(s) [1] have no delta of 'D' from 'A'",
+    assert_every_rank_failed(_delta(world, front, "D"), "DeltaBaseError", "rank(s) [1] have no delta of 'D' from 'A'",
              "fold_delta('D', base='A')")
     assert front.fanouts == fanouts and _engines(front) == before
 
     # a corrupted fold payload (rank 1's): refused when its bucket is decoded, undone on every worker
-    _ok(_call(world, "fold_delta", "D", "A", ranks=[1]))
-    hit = _ok(_call(world, "corrupt_payload", "D", "r1.down.weight", "D@delta:A"))
+    all_ok(_call(world, "fold_delta", "D", "A", ranks=[1]))
+    hit = all_ok(_call(world, "corrupt_payload", "D", "r1.down.weight", "D@delta:A"))
     assert [hit[r].value for r in range(WORLD)] == [False, True]
-    _refused(_delta(world, front, "D"), "RemoteWorkerError", "body's check")
+    assert_every_rank_failed(_delta(world, front, "D"), "RemoteWorkerError", "body's check")
     assert _engines(front) == before and all(front.call(i, "held")[1] == "A" for i in range(WORLD))
 
     # an engine that does not hold the fold's base (restarted: it holds nothing) refuses it in its handshake;
     # every rank raises DeltaBaseError, the other engine keeps A byte for byte
-    _ok(world.all("unregister", ("D@delta:A", {})))
-    _ok(_call(world, "fold_delta", "D", "A"))
+    all_ok(world.all("unregister", ("D@delta:A", {})))
+    all_ok(_call(world, "fold_delta", "D", "A"))
     front.kill(1)
     front.restart(1)
-    _refused(_delta(world, front, "D"), "DeltaBaseError", "does not hold its base 'A'", "this worker holds None")
+    assert_every_rank_failed(_delta(world, front, "D"), "DeltaBaseError", "does not hold its base 'A'", "this worker holds None")
     assert front.digests(0) == before[0] and front.digests(1) == {}
     # "fallback" turns the refusal into a full update of D
-    got = _ok(_delta(world, front, "D", mode="fallback"))
+    got = all_ok(_delta(world, front, "D", mode="fallback"))
     assert all("fallback" in o.value["delta"] for o in got.values())
     assert _engines(front) == [_want(v["D"])] * WORLD
 
@@ -184,25 +176,25 @@ def test_a_joining_world_that_holds_a_reads_only_the_folds_payloads(tmp_path):
             _register(owners, "A", v["A"])
             for name, base in CHAIN:
                 _register(owners, name, v[name], base=base)
-            _ok(owners.all("unregister", ("A", {})))   # the owners moved on; the fold comes from the chain
-            _ok(_call(owners, "fold_delta", "D", "A"))
-            _ok(owners.all("gather", "D"))   # carries D@delta and D@delta:A
-            names = _ok(_call(owners, "save_metas", path))[0].value
+            all_ok(owners.all("unregister", ("A", {})))   # the owners moved on; the fold comes from the chain
+            all_ok(_call(owners, "fold_delta", "D", "A"))
+            all_ok(owners.all("gather", "D"))   # carries D@delta and D@delta:A
+            names = all_ok(_call(owners, "save_metas", path))[0].value
             assert {"D@delta", "D@delta:A", "C@delta"} <= set(names), names
-            _ok(joiners.all("load_metas", path))
+            all_ok(joiners.all("load_metas", path))
 
             # the joining engines take A whole: A's own metas, saved before the owners dropped it
             _register(owners, "A", v["A"])
-            _ok(_call(owners, "save_metas", path))
-            _ok(joiners.all("load_metas", path))
-            _ok(p2p("A", mode=False))
+            all_ok(_call(owners, "save_metas", path))
+            all_ok(joiners.all("load_metas", path))
+            all_ok(p2p("A", mode=False))
             assert _engines(front) == [_want(v["A"])] * WORLD
 
-            got = _ok(p2p("D"))
+            got = all_ok(p2p("D"))
             read = sum(got[r].value["read_bytes"] for r in targets)
             fig = got[0].value["delta"]
             assert fig["base"] == "A" and fig["companion"] == "D@delta:A", fig
-            chain = sum(_ok(_call(joiners, "companion_bytes", f"{n}@delta"))[0].value for n, _ in CHAIN)
+            chain = sum(all_ok(_call(joiners, "companion_bytes", f"{n}@delta"))[0].value for n, _ in CHAIN)
             assert fig["delta_bytes"] <= read < chain and read < fig["version_bytes"], (read, chain, fig)
             assert _engines(front) == [_want(v["D"])] * WORLD, "a joining engine differs from D after the fold"
             for status, result in front.worker_outcomes(front.fanouts - 1):
@@ -210,18 +202,18 @@ def test_a_joining_world_that_holds_a_reads_only_the_folds_payloads(tmp_path):
 
             # back to A (whole), then: a corrupted fold payload in an owner's memory is refused by the reader's
             # digest check before any engine loads it; the engines keep A byte for byte
-            _ok(p2p("A", mode=False))
-            hit = _ok(_call(owners, "corrupt_payload", "D", "r1.down.weight", "D@delta:A"))
+            all_ok(p2p("A", mode=False))
+            hit = all_ok(_call(owners, "corrupt_payload", "D", "r1.down.weight", "D@delta:A"))
             assert [hit[r].value for r in range(WORLD)] == [False, True]
-            _refused(p2p("D"), "TransportError", "does not match the digest")
+            assert_every_rank_failed(p2p("D"), "TransportError", "does not match the digest")
             assert _engines(front) == [_want(v["A"])] * WORLD
 
             # a restarted engine holds nothing: it refuses the fold's base in its handshake; "fallback" reads D whole
             front.kill(1)
             front.restart(1)
-            _refused(p2p("D"), "DeltaBaseError", "does not hold its base 'A'")
+            assert_every_rank_failed(p2p("D"), "DeltaBaseError", "does not hold its base 'A'")
             assert front.digests(0) == _want(v["A"]) and front.digests(1) == {}
-            got = _ok(p2p("D", mode="fallback"))
+            got = all_ok(p2p("D", mode="fallback"))
             assert sum(got[r].value["read_bytes"] for r in targets) >= got[0].value["bytes"]
             assert _engines(front) == [_want(v["D"])] * WORLD
         finally:

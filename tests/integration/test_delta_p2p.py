@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import pytest
 
+from support.asserts import assert_every_rank_failed
 from support.delta_world import DERIVED, DeltaEngine, Trainer
 from support.data import want_digests
 from support.engine import EngineFront
 from support.world import PsWorld
-from support.p2p_cases import JOINERS, OWNERS, SMALL
+from support.p2p_cases import JOINERS, OWNERS, SMALL, all_ok
 
 pytest.importorskip("mooncake.engine", reason="Mooncake (the p2p extra) is not installed: "
                     "scripts/test.sh installs mooncake-transfer-engine-non-cuda and libibverbs1")
@@ -26,25 +27,15 @@ pytestmark = pytest.mark.timeout(900)
 WORLD = 2
 
 
-def _ok(got):
-    assert all(o.ok for o in got.values()), got
-    return got
-
-
-def _refused(got, error: str, *needles: str) -> None:
-    for r, o in got.items():
-        assert not o.ok and o.error == error, (r, o)
-        for needle in needles:
-            assert needle in o.message, (r, needle, o.message)
 
 
 def _register(world, name, tensors, base=None, ranks=None):
     extra = {} if base is None else {"base": base}
     ranks = list(range(world.size)) if ranks is None else ranks
-    _ok(world.all("register", per_rank={r: (name, {"named_tensors": tensors[r], **extra}) for r in ranks},
+    all_ok(world.all("register", per_rank={r: (name, {"named_tensors": tensors[r], **extra}) for r in ranks},
                   ranks=ranks))
     if len(ranks) == world.size:
-        _ok(world.all("gather", name))
+        all_ok(world.all("gather", name))
 
 
 def _p2p(world, front, name, targets, mode=True, versions=None, behaviors=None, timeout=60):
@@ -87,7 +78,7 @@ def test_p2p_deltas_inside_one_world_are_bit_exact_and_read_only_the_payloads():
         front = EngineFront("cpu", 1, devices=[1], behavior={"derived": DERIVED}, engine_cls=DeltaEngine)
         try:
             _register(world, "A", versions["A"])
-            got = _ok(_p2p(world, front, "A", [1], mode=False))
+            got = all_ok(_p2p(world, front, "A", [1], mode=False))
             assert got[1].value["read_bytes"] >= got[1].value["bytes"]
             assert _engines(front, 1) == [_want(versions["A"])]
             prev = "A"
@@ -95,14 +86,14 @@ def test_p2p_deltas_inside_one_world_are_bit_exact_and_read_only_the_payloads():
                 trainer.step(lr)
                 versions[name] = trainer.version()
                 _register(world, name, versions[name], base=prev)
-                got = _ok(_p2p(world, front, name, [1]))
+                got = all_ok(_p2p(world, front, name, [1]))
                 _check_delta(got, [1], name, prev)
                 assert not got[0].value["target"]
                 assert _engines(front, 1) == [_want(versions[name])], f"the engine differs from {name} after its delta"
                 [(status, result)] = front.worker_outcomes(front.fanouts - 1)
                 assert status == "ok" and result["delta"] and result["version"] == name and result["base"] == prev
                 assert result["reloaded"] >= 1 and result["scattered"] >= 1, result   # both apply paths ran
-                held = _ok(world.all("call", ("support.delta_world", "engines_hold", ())))
+                held = all_ok(world.all("call", ("support.delta_world", "engines_hold", ())))
                 assert held[1].value == name and held[0].value is None, held   # rank 0's engine was not updated
                 prev = name
         finally:
@@ -116,7 +107,7 @@ def test_a_rank_without_the_delta_or_ranks_disagreeing_on_its_base_refuse_it_on_
         front = EngineFront("cpu", 1, devices=[1], behavior={"derived": DERIVED}, engine_cls=DeltaEngine)
         try:
             _register(world, "A", v["A"])
-            _ok(_p2p(world, front, "A", [1], mode=False))
+            all_ok(_p2p(world, front, "A", [1], mode=False))
             trainer.step(1e-4)
             v["B"] = trainer.version()
             _register(world, "B", v["B"], base="A")
@@ -126,21 +117,21 @@ def test_a_rank_without_the_delta_or_ranks_disagreeing_on_its_base_refuse_it_on_
             v["X"] = trainer.version()
             _register(world, "X", v["X"], base="B", ranks=[0])
             _register(world, "X", v["X"], ranks=[1])
-            _refused(_p2p(world, front, "X", [1]), "DeltaBaseError", "rank(s) [1] cannot serve or read the delta")
+            assert_every_rank_failed(_p2p(world, front, "X", [1]), "DeltaBaseError", "rank(s) [1] cannot serve or read the delta")
             # Y's delta applies to A on rank 0 and to B on rank 1
             _register(world, "Y", v["X"], base="A", ranks=[0])
             _register(world, "Y", v["X"], base="B", ranks=[1])
-            _refused(_p2p(world, front, "Y", [1]), "DeltaBaseError", "ranks disagree on the base", "rank 0 'A'")
+            assert_every_rank_failed(_p2p(world, front, "Y", [1]), "DeltaBaseError", "ranks disagree on the base", "rank 0 'A'")
             # one rank passes a bad mode: ConfigError on every rank, in the agreement (nobody waits for it)
             bad = {r: ("support.delta_world", "p2p_delta_update", ("B", front.address, 30, [1], {0: {"version": "B"}},
                                                            True if r == 0 else "bogus")) for r in range(WORLD)}
-            _refused(world.all("call", per_rank=bad, timeout=120), "ConfigError", "delta must be False, True or")
+            assert_every_rank_failed(world.all("call", per_rank=bad, timeout=120), "ConfigError", "delta must be False, True or")
             assert front.fanouts == fanouts and _engines(front, 1) == before, "an engine was asked or changed"
             # the world is intact: B's delta works, and X with "fallback" goes whole
-            _ok(world.all("gather", "X"))
-            _check_delta(_ok(_p2p(world, front, "B", [1])), [1], "B", "A")
+            all_ok(world.all("gather", "X"))
+            _check_delta(all_ok(_p2p(world, front, "B", [1])), [1], "B", "A")
             assert _engines(front, 1) == [_want(v["B"])]
-            got = _ok(_p2p(world, front, "X", [1], mode="fallback"))
+            got = all_ok(_p2p(world, front, "X", [1], mode="fallback"))
             assert "cannot serve or read the delta" in got[1].value["delta"]["fallback"]
             assert got[1].value["read_bytes"] >= got[1].value["bytes"]   # the whole version
             assert _engines(front, 1) == [_want(v["X"])]
@@ -149,8 +140,8 @@ def test_a_rank_without_the_delta_or_ranks_disagreeing_on_its_base_refuse_it_on_
 
 
 def _joiners_load(owners, joiners, path):
-    names = _ok(owners.all("call", ("support.delta_world", "save_metas", (path,))))[0].value
-    _ok(joiners.all("load_metas", path))
+    names = all_ok(owners.all("call", ("support.delta_world", "save_metas", (path,))))[0].value
+    all_ok(joiners.all("load_metas", path))
     return names
 
 
@@ -170,15 +161,15 @@ def test_a_joining_world_takes_p2p_deltas_and_refusals_leave_its_engines_on_thei
                 _register(owners, name, v[name], base=base)
             names = _joiners_load(owners, joiners, path)
             assert {"B@delta", "C@delta", "D@delta"} <= set(names), names   # gather_metas carried each delta
-            _ok(_p2p(joiners, front, "A", targets, mode=False))
+            all_ok(_p2p(joiners, front, "A", targets, mode=False))
             assert _engines(front, WORLD) == [_want(v["A"])] * WORLD
-            _check_delta(_ok(_p2p(joiners, front, "B", targets)), targets, "B", "A")
+            _check_delta(all_ok(_p2p(joiners, front, "B", targets)), targets, "B", "A")
             assert _engines(front, WORLD) == [_want(v["B"])] * WORLD
 
             # a skipped version: the engines hold B, D's delta applies to C. Refused by the first exchange,
             # naming what the engines hold and what would work; no engine is asked
             fanouts, before = front.fanouts, _engines(front, WORLD)
-            _refused(_p2p(joiners, front, "D", targets), "DeltaBaseError", "applies to 'C'", "last made 'B' live",
+            assert_every_rank_failed(_p2p(joiners, front, "D", targets), "DeltaBaseError", "applies to 'C'", "last made 'B' live",
                      "'C', then 'D'")
             assert front.fanouts == fanouts and _engines(front, WORLD) == before
 
@@ -186,33 +177,33 @@ def test_a_joining_world_takes_p2p_deltas_and_refusals_leave_its_engines_on_thei
             # every rank raises DeltaBaseError naming what it holds; the other engine keeps B byte for byte
             front.kill(1)
             front.restart(1)
-            _refused(_p2p(joiners, front, "C", targets), "DeltaBaseError", "does not hold its base 'B'",
+            assert_every_rank_failed(_p2p(joiners, front, "C", targets), "DeltaBaseError", "does not hold its base 'B'",
                      "this worker holds None", "update 'C' whole")
             assert front.digests(0) == before[0] and front.digests(1) == {}
-            got = _ok(_p2p(joiners, front, "C", targets, mode="fallback"))
+            got = all_ok(_p2p(joiners, front, "C", targets, mode="fallback"))
             assert all("fallback" in o.value["delta"] for o in got.values())
             assert sum(got[r].value["read_bytes"] for r in targets) >= got[0].value["bytes"]   # the whole version
             assert _engines(front, WORLD) == [_want(v["C"])] * WORLD
 
             # an apply that drops one changed element fails the post-apply digest check: undone everywhere
             drop = {i: {"env": {"CKPT_TEST_DELTA_DROP_ONE": "1"}} for i in targets}
-            _refused(_p2p(joiners, front, "D", targets, behaviors=drop), "RemoteWorkerError",
+            assert_every_rank_failed(_p2p(joiners, front, "D", targets, behaviors=drop), "RemoteWorkerError",
                      "do not match the version's digest")
             assert _engines(front, WORLD) == [_want(v["C"])] * WORLD
 
             # a corrupted payload in an owner's host memory: the reader's digest check refuses the bucket before
             # any engine loads it; the engines keep C byte for byte
-            hit = _ok(owners.all("call", ("support.delta_world", "corrupt_payload", ("D", "r1.down.weight"))))
+            hit = all_ok(owners.all("call", ("support.delta_world", "corrupt_payload", ("D", "r1.down.weight"))))
             assert [hit[r].value for r in range(WORLD)] == [False, True]
-            _refused(_p2p(joiners, front, "D", targets), "TransportError", "does not match the digest")
+            assert_every_rank_failed(_p2p(joiners, front, "D", targets), "TransportError", "does not match the digest")
             assert _engines(front, WORLD) == [_want(v["C"])] * WORLD
             assert all(front.call(i, "held")[1] == "C" for i in targets)
 
             # the owners register D again; the joiners load the new metas; the next delta works
-            _ok(owners.all("unregister", ("D", {})))
+            all_ok(owners.all("unregister", ("D", {})))
             _register(owners, "D", v["D"], base="C")
             _joiners_load(owners, joiners, path)
-            _check_delta(_ok(_p2p(joiners, front, "D", targets)), targets, "D", "C")
+            _check_delta(all_ok(_p2p(joiners, front, "D", targets)), targets, "D", "C")
             assert _engines(front, WORLD) == [_want(v["D"])] * WORLD
         finally:
             front.close()

@@ -10,6 +10,8 @@ update works.
 
 import pytest
 
+from support.p2p_cases import all_ok
+from support.asserts import assert_every_rank_failed
 from support.data import want_digests
 from support.delta_world import DERIVED, DeltaEngine, Trainer
 from support.engine import EngineFront
@@ -20,15 +22,11 @@ pytestmark = pytest.mark.timeout(600)
 WORLD = 2
 
 
-def _all_ok(got):
-    assert all(o.ok for o in got.values()), got
-    return got
-
 
 def _register(world, name, tensors, base=None):
     extra = {} if base is None else {"base": base}
-    _all_ok(world.all("register", per_rank={r: (name, {"named_tensors": tensors[r], **extra}) for r in range(WORLD)}))
-    _all_ok(world.all("gather", name))
+    all_ok(world.all("register", per_rank={r: (name, {"named_tensors": tensors[r], **extra}) for r in range(WORLD)}))
+    all_ok(world.all("gather", name))
 
 
 def _delta(world, front, name, mode=True, behaviors=None, timeout=60):
@@ -69,7 +67,7 @@ def test_a_chain_of_deltas_leaves_every_engine_equal_to_the_full_version(world_a
     trainer = Trainer(seed=39)
     versions = {"A": trainer.version()}
     _register(world, "A", versions["A"])
-    got = _all_ok(world.update("A", front, behaviors={i: {"version": "A"} for i in range(WORLD)}))
+    got = all_ok(world.update("A", front, behaviors={i: {"version": "A"} for i in range(WORLD)}))
     assert all(d == _want(versions["A"]) for d in _engines(front))
 
     prev = "A"
@@ -79,7 +77,7 @@ def test_a_chain_of_deltas_leaves_every_engine_equal_to_the_full_version(world_a
         density = _changed_fraction(versions[prev], versions[name])
         assert 0 < density < 1, (name, density)
         _register(world, name, versions[name], base=prev)
-        got = _all_ok(_delta(world, front, name))
+        got = all_ok(_delta(world, front, name))
         for r, o in got.items():
             fig = o.value["delta"]
             assert fig["base"] == prev and fig["payload_bytes"] < fig["full_bytes"], (name, r, fig)
@@ -100,7 +98,7 @@ def test_refusals_leave_the_engines_on_their_base(world_and_front):
     trainer = Trainer(seed=7)
     v = {"A": trainer.version()}
     _register(world, "A", v["A"])
-    _all_ok(world.update("A", front, behaviors={i: {"version": "A"} for i in range(WORLD)}))
+    all_ok(world.update("A", front, behaviors={i: {"version": "A"} for i in range(WORLD)}))
     for name, base in (("B", "A"), ("C", "B"), ("D", "C")):
         trainer.step(1e-4)
         v[name] = trainer.version()
@@ -124,7 +122,7 @@ def test_refusals_leave_the_engines_on_their_base(world_and_front):
         assert not o.ok and o.error == "DeltaBaseError" and "does not hold its base" in o.message, (r, o)
     assert front.digests(0) == before[0] and front.digests(1) == {}
     # with fallback the same call becomes a full update of B: every engine holds B
-    got = _all_ok(_delta(world, front, "B", mode="fallback", behaviors={i: {"version": "B"} for i in range(WORLD)}))
+    got = all_ok(_delta(world, front, "B", mode="fallback", behaviors={i: {"version": "B"} for i in range(WORLD)}))
     assert all("fallback" in o.value["delta"] for o in got.values())
     assert all(d == _want(v["B"]) for d in _engines(front))
 
@@ -139,7 +137,7 @@ def test_refusals_leave_the_engines_on_their_base(world_and_front):
     assert all(front.call(i, "held")[1] == "B" for i in range(WORLD))
 
     # the mutation check: an apply that drops one changed element fails the post-apply digest check
-    _all_ok(world.all("unregister", ("C", {})))
+    all_ok(world.all("unregister", ("C", {})))
     _register(world, "C", v["C"], base="B")
     drop = {i: {"env": {"CKPT_TEST_DELTA_DROP_ONE": "1"}} for i in range(WORLD)}
     got = _delta(world, front, "C", behaviors=drop)
@@ -149,7 +147,7 @@ def test_refusals_leave_the_engines_on_their_base(world_and_front):
 
     # and the next deltas work: C, then D
     for name in ("C", "D"):
-        _all_ok(_delta(world, front, name))
+        all_ok(_delta(world, front, name))
         assert all(d == _want(v[name]) for d in _engines(front))
 
 
@@ -183,18 +181,18 @@ def test_a_trainers_versions_on_its_device_are_encoded_there_and_applied_bit_exa
     def register(name, tensors, base=None, on_device=True):
         extra = {"on_device": True} if on_device else {}
         extra.update({} if base is None else {"base": base})
-        _all_ok(world.all("register", per_rank={r: (name, {"named_tensors": tensors[r], **extra})
+        all_ok(world.all("register", per_rank={r: (name, {"named_tensors": tensors[r], **extra})
                                                 for r in range(WORLD)}))
-        _all_ok(world.all("gather", name))
+        all_ok(world.all("gather", name))
 
     def figures(name):
-        got = _all_ok(world.all("call", ("support.delta_world", "delta_figures", (name,))))
+        got = all_ok(world.all("call", ("support.delta_world", "delta_figures", (name,))))
         keep = ("changed_tensors", "changed_elements", "payload_bytes", "full_bytes", "encodings")
         return {r: {k: o.value[k] for k in keep} for r, o in got.items()}
 
     register("A", v["A"])
     register("hA", v["A"], on_device=False)
-    _all_ok(world.update("A", front, behaviors={i: {"version": "A"} for i in range(WORLD)}))
+    all_ok(world.update("A", front, behaviors={i: {"version": "A"} for i in range(WORLD)}))
     prev = "A"
     for name, lr in (("B", 1e-5), ("C", 1e-4)):
         trainer.step(lr)
@@ -203,9 +201,9 @@ def test_a_trainers_versions_on_its_device_are_encoded_there_and_applied_bit_exa
         register("h" + name, v[name], base="h" + prev, on_device=False)
         assert figures(name) == figures("h" + name)
         for n, where in ((name, True), ("h" + name, False)):
-            got = _all_ok(world.all("call", ("support.delta_world", "companion_on_device", (n,))))
+            got = all_ok(world.all("call", ("support.delta_world", "companion_on_device", (n,))))
             assert all(o.value is where for o in got.values()), (n, got)
-        got = _all_ok(_delta(world, front, name))
+        got = all_ok(_delta(world, front, name))
         for r, o in got.items():
             fig = o.value["delta"]
             assert fig["base"] == prev and 0 < fig["payload_bytes"] < fig["full_bytes"], (name, r, fig)
@@ -213,7 +211,7 @@ def test_a_trainers_versions_on_its_device_are_encoded_there_and_applied_bit_exa
         prev = name
 
 
-def test_a_device_resident_base_that_changed_since_its_registration_is_refused(world_and_front):
+def test_a_device_resident_base_that_changed_since_its_registration_isassert_every_rank_failed(world_and_front):
     """A trainer that registers its live parameters as a version and then steps in place changes that
     version under the PS: the engines received the registered bytes, so a delta against the changed
     ones would leave them silently different. Registering the next version with that base is refused
@@ -221,12 +219,12 @@ def test_a_device_resident_base_that_changed_since_its_registration_is_refused(w
     world, front = world_and_front
     trainer = Trainer(seed=9)
     v = {"A": trainer.version()}
-    _all_ok(world.all("register", per_rank={r: ("A", {"named_tensors": v["A"][r], "on_device": True})
+    all_ok(world.all("register", per_rank={r: ("A", {"named_tensors": v["A"][r], "on_device": True})
                                             for r in range(WORLD)}))
-    _all_ok(world.all("gather", "A"))
-    _all_ok(world.update("A", front, behaviors={i: {"version": "A"} for i in range(WORLD)}))
+    all_ok(world.all("gather", "A"))
+    all_ok(world.update("A", front, behaviors={i: {"version": "A"} for i in range(WORLD)}))
     # the trainer steps "in place": A's registered tensors now hold B's bytes
-    _all_ok(world.all("call", ("support.delta_world", "overwrite_registered", ("A", 1))))
+    all_ok(world.all("call", ("support.delta_world", "overwrite_registered", ("A", 1))))
     trainer.step(1e-4)
     v["B"] = trainer.version()
     got = world.all("register", per_rank={r: ("B", {"named_tensors": v["B"][r], "on_device": True, "base": "A"})
@@ -234,10 +232,10 @@ def test_a_device_resident_base_that_changed_since_its_registration_is_refused(w
     for r, o in got.items():
         assert not o.ok and o.error == "DeviceResidentError" and "shown unchanged" in o.message, (r, o)
         assert "on_device_digest" not in o.message, o.message   # its bytes changed: named, not unrecorded
-    got = _all_ok(world.all("checkpoints"))
+    got = all_ok(world.all("checkpoints"))
     assert all(o.value == ["A"] for o in got.values()), got
     # a version registered without its record (on_device_digest=False: full updates only) is no base either
-    _all_ok(world.all("register", per_rank={r: ("N", {"named_tensors": v["B"][r], "on_device": True,
+    all_ok(world.all("register", per_rank={r: ("N", {"named_tensors": v["B"][r], "on_device": True,
                                                       "on_device_digest": False}) for r in range(WORLD)}))
     got = world.all("register", per_rank={r: ("B", {"named_tensors": v["B"][r], "on_device": True, "base": "N"})
                                           for r in range(WORLD)})
@@ -245,7 +243,7 @@ def test_a_device_resident_base_that_changed_since_its_registration_is_refused(w
         assert not o.ok and o.error == "DeviceResidentError" and "on_device_digest=False" in o.message, (r, o)
 
 
-def test_a_base_mapped_in_place_from_a_file_written_since_is_refused():
+def test_a_base_mapped_in_place_from_a_file_written_since_isassert_every_rank_failed():
     """A version registered in place from /dev/shm (mapped, not copied) holds the file's bytes: a trainer
     that writes its next step into the same file changes them under the PS. Registering a version with
     that base is refused (``DeltaBaseError``), nothing kept; a base whose file was left alone works, and so
