@@ -52,8 +52,9 @@ def loop(monkeypatch):
     """The stock loop stood in: it hands ``run`` each bucket (a failure aborts, as the PS then does)."""
     seen = {}
 
-    def fake_loop(handle, device, device_id, timeout_s, *, run, post_hook=None, side_stream=True):
-        seen.update(handle=handle, side_stream=side_stream)
+    def fake_loop(handle, device, device_id, timeout_s, *, run, post_hook=None, side_stream=True,
+                  reply_hook_error=False):
+        seen.update(handle=handle, side_stream=side_stream, reply_hook_error=reply_hook_error)
         for bucket in BUCKETS:
             run(bucket)
         if post_hook is not None:
@@ -69,7 +70,9 @@ def test_a_load_feeds_each_bucket_to_load_weights_and_post_processes_only_outsid
     engine, model = EngineStaging(), Model()
     out = engine.load(model, {"weights": "v1", "handles": {KEY: "ipc://@h"}, "session": session})
     loads = [c for c in model.calls if c[0] == "load"]
-    assert loads == [("load", ["w1"]), ("load", ["w2", "w3"])] and loop == {"handle": "ipc://@h", "side_stream": False}
+    # the load asks the loop to answer a failing post hook to the PS (its deltas apply there)
+    assert loads == [("load", ["w1"]), ("load", ["w2", "w3"])]
+    assert loop == {"handle": "ipc://@h", "side_stream": False, "reply_hook_error": True}
     post = [c for c in model.calls if c[0] != "load"]
     assert post == ([] if session else [("process", "a"), ("process", "b"), ("post_load_weights",)])
     assert model.calls[:2] == loads, "post-processing ran before the last bucket"
