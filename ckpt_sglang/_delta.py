@@ -45,9 +45,9 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ckpt_core.delta._groups import Groups
 from ckpt_core.delta.apply import WIDENING, DeltaReceiver
 from ckpt_core.delta.encode import bytes_of
+from ckpt_core.delta.groups import Groups
 from ckpt_core.delta.versions import MANIFEST, PAYLOAD, parse_manifest_name
 from ckpt_core.errors import CheckpointFormatError, ConfigError, DeltaBaseError
 

@@ -44,9 +44,9 @@ from typing import Any
 import torch
 
 from ckpt_core.checkpoint.safetensors import DTYPE_CODES
-from ckpt_core.delta._groups import Groups
 from ckpt_core.delta.apply import WIDENING
 from ckpt_core.delta.encode import bytes_of
+from ckpt_core.delta.groups import Groups
 from ckpt_core.delta.lin64 import lin64_many
 from ckpt_core.delta.sliced import norm_box
 from ckpt_core.errors import CheckpointFormatError
