@@ -49,7 +49,7 @@ class _Job:
     pending: list[torch.Tensor]   # device figures not read back yet
     pos: torch.Tensor
     gaps: torch.Tensor
-    digest: str
+    digest: str | None   # the new tensor's lin64: given by the caller, or computed in step 3
     body: torch.Tensor
     out: torch.Tensor
     head_len: int
@@ -71,17 +71,24 @@ class _Job:
         self.count = self.numel if self.old is None else 0
         self.max_gap = self.runs = 0
         self.enc = "whole" if self.old is None else ""
+        self.digest = None
 
 
-def encode_on_device(pairs: list[tuple[torch.Tensor, torch.Tensor | None]], *,
-                     force: str | None = None) -> list[tuple[torch.Tensor | None, dict]]:
+def encode_on_device(pairs: list[tuple[torch.Tensor, torch.Tensor | None]], *, force: str | None = None,
+                     digests: list[str] | None = None) -> list[tuple[torch.Tensor | None, dict]]:
     """``encode.encode_tensor(new, old)`` of each pair, computed on the tensors' device: ``(payload or
     None, info)`` in order, each payload a uint8 tensor on that device, byte-identical to the host
     encoder's. ``old`` None, or of another dtype or shape: ``whole``. Tensors must be contiguous.
-    ``force``: one encoding for every changed tensor (tests), as ``encode_tensor``'s."""
+    ``force``: one encoding for every changed tensor (tests), as ``encode_tensor``'s. ``digests``: each
+    ``new``'s ``lin64`` where the caller has it (a version's record taken at its registration), so that
+    the tensors are not read again for it."""
     if force is not None and force not in ENCODINGS:
         raise ValueError(f"unknown encoding {force!r}")
+    if digests is not None and len(digests) != len(pairs):
+        raise ValueError(f"{len(digests)} digests for {len(pairs)} tensors")
     jobs = [_Job(new, old) for new, old in pairs]
+    for job, known in zip(jobs, digests or ()):
+        job.digest = known
     out: list[tuple[torch.Tensor | None, dict]] = []
     group: list[_Job] = []
     elements = 0
@@ -113,8 +120,10 @@ def _encode_group(jobs: list[_Job], force: str | None) -> list[tuple[torch.Tenso
         j.max_gap, j.runs = figures[2 * k], figures[2 * k + 1]
         j.enc = force or measure(j.numel, j.size, j.count, j.runs, j.max_gap).best()
     sent = [j for j in jobs if j.enc]
-    for j, digest in zip(sent, lin64_many(j.new for j in sent)):   # 3. the new tensors' digests, together
-        j.digest = digest
+    unknown = [j for j in sent if j.digest is None]
+    if unknown:   # 3. the new tensors' digests the caller did not give, together
+        for j, digest in zip(unknown, lin64_many(j.new for j in unknown)):
+            j.digest = digest
     for j in sent:   # 4. each payload: the header's length first (fixed-width check), then the body in place
         j.fields = dict(j.header, enc=j.enc, count=j.numel if j.enc == "whole" else j.count,
                         runs=j.runs if j.enc == "runs" else 0, digest=j.digest)

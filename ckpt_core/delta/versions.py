@@ -133,10 +133,11 @@ class DeltaVersions:
             raise ConfigError(f"{name!r} lacks tensors of its base {base!r} on rank {self.rank}: {gone[:4]}; "
                               "a delta cannot remove tensors from an engine: register it without a base")
         t0 = time.perf_counter()
+        phases = None
         if ckpt.on_device:
             self._check_unchanged(base, base_ckpt)
             encoded = encode_on_device([(device_tensor(ckpt, m), device_tensor(base_ckpt, old[m.name]) if m.name in old
-                                         else None) for m in ckpt.metas])
+                                         else None) for m in ckpt.metas], digests=self.snapshots.get(name))
         else:
             rewritten = base_ckpt.rewritten_problem()
             if rewritten:   # its registered bytes are the file's: not what the engines received
@@ -147,10 +148,11 @@ class DeltaVersions:
             batch = encode_registration(ckpt, base_ckpt, old)   # all tensors together (batch.py)
             encoded = batch.payload_list({r: region.tensor.numpy() for r, region in ckpt.regions.items()})
             ckpt.digests.update(batch.digests)
-            out, fig = self._companion(name, base, ckpt, encoded, t0, device=device)
-            fig["phases"] = batch.phases
-            return out, fig
-        return self._companion(name, base, ckpt, encoded, t0, device=device)
+            phases = batch.phases
+        out, fig = self._companion(name, base, ckpt, encoded, t0, device=device)
+        if phases is not None:
+            fig["phases"] = phases
+        return out, fig
 
     def _companion(self, name: str, base: str, ckpt, encoded: list, t0: float,
                    manifest: dict | None = None,

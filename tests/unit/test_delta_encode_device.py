@@ -101,3 +101,27 @@ def test_bad_pairs_are_refused_before_anything_is_encoded():
         encode_on_device([(torch.zeros(2, dtype=torch.uint8).view(torch.bits8), None)])
     with pytest.raises(ValueError, match="unknown encoding"):
         encode_on_device([(t, t)], force="zip")
+
+
+def test_digests_the_caller_has_are_used_and_the_tensors_not_read_for_them(monkeypatch):
+    """A version's record (``lin64`` per tensor, taken at its registration) is passed in: the payloads are the
+    host encoder's all the same, and no digest of the new tensors is computed again."""
+    from ckpt_core.delta.lin64 import lin64_many
+
+    gen = torch.Generator().manual_seed(13)
+    pairs = []
+    for n in (300, 4096, 17):
+        base = random_bits((n,), torch.bfloat16, gen)
+        pairs.append((_mutate(base, torch.randperm(n, generator=gen)[: n // 10 + 1]), base))
+    pairs.append((random_bits((8, 8), torch.float32, gen), None))   # new: whole
+    known = lin64_many(new for new, _ in pairs)
+    seen = []
+    real = encode_device.lin64_many
+    monkeypatch.setattr(encode_device, "lin64_many", lambda ts: seen.append(list(ts)) or real(seen[-1]))
+    got = encode_on_device(pairs, digests=known)
+    assert len(seen) == 1, "only the bodies' checks are digested"   # not the new tensors: their digests were given
+    for (new, old), (payload, info) in zip(pairs, got):
+        want, want_info = encode_tensor(new, old)
+        assert info == want_info and torch.equal(want, payload)
+    with pytest.raises(ValueError, match="3 digests for 4 tensors"):
+        encode_on_device(pairs, digests=known[:3])
