@@ -60,25 +60,22 @@ class Updates:
         with ``base``, first its delta against ``base`` (this rank's share) as the companion checkpoint
         ``name@delta``, served alike. A delta that cannot be encoded releases ``ckpt`` and installs nothing.
         ``snapshot`` (a device-resident version): record what it holds now, checked when it becomes a base."""
-        if snapshot:
-            try:
+        comp = None
+        try:
+            if snapshot:
                 self.versions.snapshot(name, ckpt)
-            except BaseException:
-                ckpt.release()
-                raise
-        if base is not None:
-            try:
-                if ckpt.on_device:   # a trainer's versions on its device: encoded there, the payloads kept there
-                    device = self.ctx.backend.device(self.ctx.device_index)
-                    payloads = self.versions.encode(name, ckpt, base, self.catalog.checkpoints.get(base), device)
-                    comp = build_device_checkpoint(companion(name), self.ctx.backend, self.ctx.device_index, payloads)
-                else:
-                    payloads = self.versions.encode(name, ckpt, base, self.catalog.checkpoints.get(base))
-                    comp = build_packed(companion(name), self.ctx.backend, payloads)
-            except BaseException:
-                self.versions.drop_snapshot(name)
-                ckpt.release()
-                raise
+            if base is not None and ckpt.on_device:   # a trainer's versions on its device: encoded there, kept there
+                device = self.ctx.backend.device(self.ctx.device_index)
+                payloads = self.versions.encode(name, ckpt, base, self.catalog.checkpoints.get(base), device)
+                comp = build_device_checkpoint(companion(name), self.ctx.backend, self.ctx.device_index, payloads)
+            elif base is not None:
+                payloads = self.versions.encode(name, ckpt, base, self.catalog.checkpoints.get(base))
+                comp = build_packed(companion(name), self.ctx.backend, payloads)
+        except BaseException:
+            self.versions.drop_snapshot(name)
+            ckpt.release()
+            raise
+        if comp is not None:
             self.catalog.checkpoints[companion(name)] = comp
             self.p2p.on_register(companion(name), comp)
         self.catalog.checkpoints[name] = ckpt
