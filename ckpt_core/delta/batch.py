@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import functools
 import os
-import struct
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
@@ -45,7 +44,7 @@ import torch
 
 from ckpt_core._settings import fault_threads
 from ckpt_core.delta._changes import Changes, changed_positions
-from ckpt_core.delta.encode import ENCODINGS, MAGIC, MAX_GAP16, _encoded, as_words, encode_tensor
+from ckpt_core.delta.encode import ENCODINGS, MAX_GAP16, _encoded, as_words, encode_tensor, frame_head
 from ckpt_core.delta.lin64 import ROW, HostDigest, _fmt, _host_ab, _sum_numpy, mix_int, raw_of
 from ckpt_core.planning.buckets import TensorMeta
 
@@ -393,8 +392,7 @@ class _Vector:
         # are plain ASCII, the rest ints: what json.dumps writes (test_delta_batch compares the bytes)
         text = (f'{{"dtype":"{meta.dtype}","shape":[{",".join(map(str, meta.shape))}],"enc":"{name}",'
                 f'"count":{count},"runs":0,"digest":"{digest}","body":{body},"check":"{_PLACEHOLDER}"}}').encode()
-        pad = -(8 + len(text)) % 8
-        head = MAGIC + struct.pack("<I", len(text)) + text + b" " * pad
+        head = frame_head(text)
         self.heads.append((c, at, head, 8 + len(text) - 18, body, meta.base, meta.base_offset))
         return None, {"encoding": name, "count": count, "numel": meta.nbytes // meta.itemsize,
                       "bytes": len(head) + body}

@@ -107,15 +107,20 @@ def _unpack_bits(bits: torch.Tensor, numel: int) -> torch.Tensor:
     return ((bits.unsqueeze(1) >> shifts) & 1).reshape(-1)[:numel].bool()
 
 
+def frame_head(text: bytes) -> bytes:
+    """A payload's head around its header's JSON ``text``: the magic, the text's length, the text, padded
+    with spaces to 8 bytes (the body's sections stay 8-byte aligned)."""
+    head = MAGIC + struct.pack("<I", len(text)) + text
+    return head + b" " * (_align8(len(head)) - len(head))
+
+
 def _payload(header: dict, body) -> torch.Tensor:
     """The payload of ``header`` and ``body`` (bytes, or a flat uint8 numpy array: not copied but
     once, into the payload), with the body's length and ``lin64`` check added to the header."""
     if isinstance(body, (bytes, bytearray)):
         body = np.frombuffer(bytearray(body), dtype=np.uint8)   # writable: torch refuses read-only arrays
     header = dict(header, body=int(body.size), check=lin64_host(body))
-    text = json.dumps(header, separators=(",", ":")).encode()
-    head = MAGIC + struct.pack("<I", len(text)) + text
-    head += b" " * (_align8(len(head)) - len(head))
+    head = frame_head(json.dumps(header, separators=(",", ":")).encode())
     out = np.empty(len(head) + body.size, dtype=np.uint8)
     out[: len(head)] = np.frombuffer(head, dtype=np.uint8)
     out[len(head):] = body

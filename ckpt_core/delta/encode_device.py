@@ -15,19 +15,18 @@ checks; groups are bounded (``_GROUP_ELEMENTS``) so that the change masks stay s
 from __future__ import annotations
 
 import json
-import struct
 
 import torch
 
 from ckpt_core.checkpoint.safetensors import WIRE_CODES
 from ckpt_core.delta.encode import (
     ENCODINGS,
-    MAGIC,
     MAX_GAP16,
     _align8,
     as_words,
     bytes_of,
     changed_mask,
+    frame_head,
     index_width,
     measure,
 )
@@ -145,9 +144,7 @@ def _encode_group(jobs: list[_Job], force: str | None) -> list[tuple[torch.Tenso
 
 
 def _head(fields: dict) -> bytes:
-    text = json.dumps(fields, separators=(",", ":")).encode()
-    head = MAGIC + struct.pack("<I", len(text)) + text
-    return head + b" " * (_align8(len(head)) - len(head))
+    return frame_head(json.dumps(fields, separators=(",", ":")).encode())
 
 
 class _Sections:
