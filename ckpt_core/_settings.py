@@ -14,8 +14,8 @@ from datetime import timedelta
 from ckpt_core.errors import ConfigError
 
 __all__ = ["Settings", "ENV_VARS", "load_settings", "gc_pause_enabled", "fault_threads", "cpu_visible_devices",
-           "p2p_env", "cpu_event_delay_s", "service_token", "engine_serve", "update_seconds", "NO_DEADLINE_S",
-           "progress_log_s", "liveness", "MIN_TOKEN_CHARS"]
+           "p2p_env", "cpu_event_delay_s", "delta_triton", "service_token", "engine_serve", "update_seconds",
+           "NO_DEADLINE_S", "progress_log_s", "liveness", "MIN_TOKEN_CHARS"]
 
 # name -> (type, default, meaning); docs/api.md lists the same (tests/unit/test_docs_env.py checks it).
 ENV_VARS: dict[str, tuple[str, str, str]] = {
@@ -48,6 +48,8 @@ ENV_VARS: dict[str, tuple[str, str, str]] = {
                                     "they were recorded, so the pipeline's waits and deferrals run on CPU"),
     "CKPT_TEST_DELTA_DROP_ONE": ("bool", "0", "tests only: an engine worker applying a delta drops one changed "
                                  "element (the mutation check: the post-apply digest check must fail the update)"),
+    "CKPT_DELTA_TRITON": ("bool", "1", "an engine worker's delta check (lin64) and apply run fused Triton kernels on "
+                          "CUDA devices where Triton imports (0: torch ops only; the results are the same)"),
     "CKPT_SERVICE_TOKEN": ("str", "", "bearer token of `ckpt-engine serve` on TCP (else `--token-file`)"),
     "CKPT_ENGINE_SERVE": ("str", "", "managed mode: `uds:PATH` (`{rank}` filled in) or `tcp:HOST:PORT` (local "
                           "rank i on PORT+i; needs CKPT_SERVICE_TOKEN); each engine worker starts its PS rank "
@@ -242,6 +244,11 @@ def cpu_event_delay_s() -> float:
 def delta_drop_one() -> bool:
     """CKPT_TEST_DELTA_DROP_ONE (tests only), read at each delta apply."""
     return _get("CKPT_TEST_DELTA_DROP_ONE", str, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def delta_triton() -> bool:
+    """CKPT_DELTA_TRITON, read when a delta kernel is about to run (``delta/_kernels.py``)."""
+    return _bool("CKPT_DELTA_TRITON", True)
 
 
 MIN_TOKEN_CHARS = 16   # a bearer token shorter than this is guessable; `openssl rand -hex 16` gives 32

@@ -48,6 +48,7 @@ import numpy as np
 import torch
 
 from ckpt_core._settings import fault_threads
+from ckpt_core.delta._kernels import lin64_rows
 from ckpt_core.errors import CheckpointFormatError
 
 PREFIX = "lin64:"
@@ -284,8 +285,10 @@ def _rows_torch(raw: torch.Tensor) -> torch.Tensor:
     n = raw.numel()
     m, rest = divmod(n, 8)
     rows = -(-(m + (rest > 0)) // ROW)
-    inner = torch.empty(rows, dtype=torch.int64, device=device)
-    for start in range(0, m, CHUNK):
+    fused = lin64_rows(raw[: 8 * m].view(torch.int64), a, rows, ROW) \
+        if m and raw.storage_offset() % 8 == 0 else None   # one pass, no temporary (_kernels.py)
+    inner = fused if fused is not None else torch.empty(rows, dtype=torch.int64, device=device)
+    for start in range(0, m if fused is None else 0, CHUNK):
         words = _word_chunk(raw, start, min(CHUNK, m - start))
         full, part = divmod(words.numel(), ROW)
         row = start // ROW
