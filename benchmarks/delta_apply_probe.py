@@ -39,6 +39,14 @@ def _timed(fn, sync, repeats: int) -> float:
     return best
 
 
+def _with_torch(fn, *a):
+    os.environ["CKPT_DELTA_TRITON"] = "0"
+    try:
+        return fn(*a)
+    finally:
+        del os.environ["CKPT_DELTA_TRITON"]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mib", type=int, default=1024, help="bytes of all tensors, MiB")
@@ -102,6 +110,10 @@ def main(argv=None) -> int:
         figures["undo_s"] = min(figures.get("undo_s", float("inf")), time.perf_counter() - t2)
     figures["apply_s"] = best_apply
     figures["check_s"] = _timed(lambda: lin64_many(live), sync, args.repeats)
+    os.environ["CKPT_DELTA_TRITON"] = "0"   # the same check with torch ops only
+    figures["check_torch_s"] = _timed(lambda: lin64_many(live), sync, args.repeats)
+    del os.environ["CKPT_DELTA_TRITON"]
+    figures["torch_digests_equal"] = lin64_many(live) == _with_torch(lin64_many, live)
     olds = apply()
     got = lin64_many(live)
     figures["bit_exact"] = all(g == d.digest for g, d in zip(got, decoded))
@@ -110,7 +122,7 @@ def main(argv=None) -> int:
     gb = args.mib * 2**20 / 1e9
     figures["check_gbps"] = gb / figures["check_s"]
     scale = 16384 / args.mib
-    figures["at_16gib_ms"] = {k: 1e3 * figures[f"{k}_s"] * scale for k in ("decode", "apply", "check", "undo")}
+    figures["at_16gib_ms"] = {k: 1e3 * figures[f"{k}_s"] * scale for k in ("decode", "apply", "check", "check_torch", "undo")}
     if args.profile and dev.type == "cuda":
         from torch.profiler import ProfilerActivity, profile
 
