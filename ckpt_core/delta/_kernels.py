@@ -1,6 +1,8 @@
 """Fused device kernels for a delta's apply and check, written in Triton, with the torch ops as the fallback.
 
-The post-apply check digests every changed tensor an engine worker holds (``lin64.py``): with torch ops
+A delta's apply gathers the old values at the changed positions (for an undo) and scatters the new
+ones: two torch ops, each reading the positions; the swap kernel does both in one, reading each position
+once. The post-apply check digests every changed tensor an engine worker holds (``lin64.py``): with torch ops
 each 64 MiB chunk of words is multiplied into a temporary of its size and then summed, three passes over
 the bytes. The kernel here reads each word once and keeps the products in registers: one pass, the
 tensor's bytes read at the device's memory rate. The arithmetic is the same integer arithmetic mod 2**64
@@ -48,8 +50,19 @@ def _build() -> Any:
             acc += w * a
         tl.store(out_ptr + row, tl.sum(acc, axis=0))
 
+    @triton.jit
+    def swap_kernel(words_ptr, pos_ptr, values_ptr, old_ptr, n, BLOCK: tl.constexpr):
+        # old[i] = words[pos[i]]; words[pos[i]] = values[i]: positions checked in range and strictly
+        # increasing before (decode_many), so no two programs touch one word
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = i < n
+        p = tl.load(pos_ptr + i, mask=m, other=0)
+        tl.store(old_ptr + i, tl.load(words_ptr + p, mask=m), mask=m)
+        tl.store(words_ptr + p, tl.load(values_ptr + i, mask=m), mask=m)
+
     class Kernels:
         rows = rows_kernel
+        swap = swap_kernel
 
     return Kernels
 
@@ -86,3 +99,30 @@ def lin64_rows(words: torch.Tensor, a: torch.Tensor, rows: int, row_len: int) ->
         _failed("lin64", exc)
         return None
     return out
+
+
+def scatter_swap(words: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> torch.Tensor | None:
+    """``old = words[positions]; words[positions] = values`` in one kernel (flat, contiguous ``words`` of an
+    integer dtype on a CUDA device; int64 ``positions`` on it, in range and strictly increasing; ``values``
+    of ``words``' dtype); returns ``old``, or None where the kernel is not used (the caller runs the torch ops)."""
+    k = kernels(words.device)
+    if (k is None or words.dim() != 1 or positions.dtype != torch.int64 or values.dtype != words.dtype
+            or values.shape != positions.shape
+            or positions.device != words.device or values.device != words.device
+            or not (words.is_contiguous() and positions.is_contiguous() and values.is_contiguous())):
+        return None
+    n = positions.numel()
+    old = torch.empty(n, dtype=words.dtype, device=words.device)
+    if n == 0:
+        return old
+    try:
+        with torch.cuda.device(words.device):
+            k.swap[(_cdiv(n, _BLOCK),)](words, positions, values, old, n, BLOCK=_BLOCK)
+    except Exception as exc:   # noqa: BLE001 - a compile or launch failure: nothing was written then
+        _failed("the scatter", exc)
+        return None
+    return old
+
+
+def _cdiv(n: int, d: int) -> int:
+    return -(-n // d)

@@ -36,6 +36,7 @@ import torch
 from ckpt_core.checkpoint.safetensors import WIRE_CODES, WIRE_DTYPES
 from ckpt_core.delta._bucket_checks import peek_heads, position_bad, positions_bad
 from ckpt_core.delta._changes import Changes, changed_positions
+from ckpt_core.delta._kernels import scatter_swap
 from ckpt_core.delta.lin64 import HostDigest, is_lin64, lin64, lin64_host, queue_many, read_ints
 from ckpt_core.errors import CheckpointFormatError, ConfigError
 
@@ -489,8 +490,11 @@ def apply_decoded(target: torch.Tensor, d: Decoded) -> torch.Tensor | None:
         words.copy_(d.values.to(words.device).view_as(words))
         return None
     pos = d.positions.to(words.device)
-    old = words[pos]   # indexing copies
-    words[pos] = d.values.to(words.device)
+    values = d.values.to(words.device)
+    old = scatter_swap(words, pos, values)   # one fused kernel where it runs (_kernels.py)
+    if old is None:
+        old = words[pos]   # indexing copies
+        words[pos] = values
     return old
 
 

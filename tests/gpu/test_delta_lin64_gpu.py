@@ -164,19 +164,3 @@ def test_a_bucket_decoded_on_the_device_equals_the_host_decode_and_refuses_a_bad
         with pytest.raises(CheckpointFormatError, match=r"bitmap marks \d+ elements, header says"):
             decode_many([("w", bad.cuda())])
 
-
-@pytest.mark.parametrize("n", [8 * ROW * 3 + 5, 8 * CHUNK + 8 * ROW + 3, 8 * ROW - 8, 16 * ROW + 4])
-def test_the_fused_kernel_and_the_torch_ops_give_the_same_digest(n, monkeypatch):
-    """The Triton row sums (``delta/_kernels.py``) against the torch ops, at row and chunk borders and with
-    a zero-padded last word, on an 8-byte-aligned and a misaligned view; the kernel must actually run."""
-    from ckpt_core.delta import _kernels
-
-    if _kernels.kernels(torch.device("cuda")) is None:
-        pytest.skip("Triton does not import here: the torch ops are the only path")
-    raw = _random(n + 8, torch.uint8, seed=n).cuda()
-    for view in (raw[:n], raw[3: n + 3]):
-        fused = lin64(view)
-        assert not _kernels._STATE["failed"], "the kernel failed and the torch ops took over"
-        monkeypatch.setenv("CKPT_DELTA_TRITON", "0")
-        assert lin64(view) == fused == lin64(view.cpu())   # the host's numpy path
-        monkeypatch.delenv("CKPT_DELTA_TRITON")
