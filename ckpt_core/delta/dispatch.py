@@ -73,6 +73,7 @@ class Updates:
                 comp = build_packed(companion(name), self.ctx.backend, payloads)
         except BaseException:
             self.versions.drop_snapshot(name)
+            self.versions.forget(name)   # encoded, then its companion failed: no base recorded for it
             ckpt.release()
             raise
         if comp is not None:

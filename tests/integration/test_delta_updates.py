@@ -211,7 +211,7 @@ def test_a_trainers_versions_on_its_device_are_encoded_there_and_applied_bit_exa
         prev = name
 
 
-def test_a_device_resident_base_that_changed_since_its_registration_isassert_every_rank_failed(world_and_front):
+def test_a_device_resident_base_that_changed_since_its_registration_is_refused(world_and_front):
     """A trainer that registers its live parameters as a version and then steps in place changes that
     version under the PS: the engines received the registered bytes, so a delta against the changed
     ones would leave them silently different. Registering the next version with that base is refused
@@ -243,7 +243,7 @@ def test_a_device_resident_base_that_changed_since_its_registration_isassert_eve
         assert not o.ok and o.error == "DeviceResidentError" and "on_device_digest=False" in o.message, (r, o)
 
 
-def test_a_base_mapped_in_place_from_a_file_written_since_isassert_every_rank_failed():
+def test_a_base_mapped_in_place_from_a_file_written_since_is_refused():
     """A version registered in place from /dev/shm (mapped, not copied) holds the file's bytes: a trainer
     that writes its next step into the same file changes them under the PS. Registering a version with
     that base is refused (``DeltaBaseError``), nothing kept; a base whose file was left alone works, and so
@@ -284,3 +284,36 @@ def test_a_base_mapped_in_place_from_a_file_written_since_isassert_every_rank_fa
             assert "D" not in ps.deltas.figures
     finally:
         shm.close()
+
+
+def test_a_version_whose_companion_cannot_be_built_keeps_no_base_and_registers_again(monkeypatch):
+    """The delta is encoded, then building its companion checkpoint fails (here: no memory for it): the
+    registration raises that error, keeps nothing of the version (no base, no figures, no checkpoint),
+    and the same name registers again, with or without the base."""
+    import torch
+
+    import ckpt_core.delta.dispatch as dispatch
+    from ckpt_core import ParameterServer
+    from support.ports import free_port
+
+    gen = torch.Generator().manual_seed(5)
+    a = {"w": torch.randn(512, generator=gen).bfloat16()}
+    b = {"w": a["w"].clone()}
+    b["w"][:7] += 1
+    real = dispatch.build_packed
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError("no pinned memory for the companion")
+    with ParameterServer(rank=0, world_size=1, device="cpu", master_addr="127.0.0.1", master_port=free_port()) as ps:
+        ps.register_checkpoint("A", named_tensors=a)
+        monkeypatch.setattr(dispatch, "build_packed", no_memory)
+        with pytest.raises(MemoryError, match="companion"):
+            ps.register_checkpoint("B", named_tensors=b, base="A")
+        assert "B" not in ps.deltas.bases and "B" not in ps.deltas.figures
+        assert "B" not in ps.checkpoints()
+        monkeypatch.setattr(dispatch, "build_packed", real)
+        ps.register_checkpoint("B", named_tensors=b)
+        assert "B" not in ps.deltas.bases   # registered whole this time: no stale base from the failed try
+        ps.unregister_checkpoint("B")
+        ps.register_checkpoint("B", named_tensors=b, base="A")
+        assert ps.deltas.bases["B"] == "A" and ps.deltas.figures["B"]["changed_elements"] == 7
