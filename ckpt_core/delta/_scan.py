@@ -3,9 +3,11 @@
 numpy finds a large tensor's changed elements in several passes over the block (a compare into a
 mask, ``flatnonzero``), and its ``lin64`` in another (``HostDigest``): about 99 ms for 220 MB of
 bf16 at 2 % changed on the 2-core CPU machine. One C loop does the three at once (compare the 8-byte
-words, write the positions of the items that differ, add the word's ``lin64`` term): 63 ms. And for
-the batched small tensors, one loop writes the indices of the changed words of a piece (numpy: a
-compare and a ``flatnonzero`` per block).
+words, write the positions of the items that differ, add the word's ``lin64`` term): 63 ms. For the
+batched small tensors, one loop over a piece of a span does what numpy does in a dozen passes over
+arrays of every changed word (compare, the tensor of each word, its tail masked, the ``lin64``
+change per tensor, the changed items); and one loop sums the payload bodies' checks (numpy: gathers
+of every body word and its coefficient).
 
 The C source below is compiled on first use, by the host's C compiler (``$CC``, else ``cc``), into
 ``$XDG_CACHE_HOME/ckpt-engine/kernels`` (default ``~/.cache``), named by a hash of the source and the
@@ -69,14 +71,63 @@ int64_t ckd_scan(const uint64_t *nw, const uint64_t *ow, int64_t n, int64_t size
     return c;
 }
 
-/* The indices (from word 0, increasing) of the words [0, n) of new and old that differ; their count. */
-int64_t ckd_changed_words(const uint64_t *nw, const uint64_t *ow, int64_t n, int64_t *out) {
-    int64_t c = 0;
-    for (int64_t i = 0; i < n; i++) {
-        out[c] = i;
-        c += nw[i] != ow[i];
+/* Words [lo, hi) of a run of tensors laid out alike in both versions (batch.py's span): tensor k starts at
+   word starts[k] (increasing, starts[0] = 0), has nbytes[k] bytes of items of sizes[k] bytes; word lo lies in
+   tensor t. Only a tensor's own bytes count (its last word's rest and the padding after it are masked out).
+   Writes each differing item as (tensor, position) to tid/pos, in order; each changed tensor to dt, in
+   order, with sum (new_word - old_word) * a[l % row] * b[l / row] over its changed words l (lin64's change,
+   mod 2**64) to dsum, and their number to *ndt. Returns the number of items written. */
+int64_t ckd_span(const uint64_t *nw, const uint64_t *ow, int64_t lo, int64_t hi, int64_t t,
+                 const int64_t *starts, const int64_t *nbytes, const int64_t *sizes, int64_t ntensors,
+                 int64_t row, const uint64_t *a, const uint64_t *b,
+                 int64_t *tid, int64_t *pos, int64_t *dt, uint64_t *dsum, int64_t *ndt) {
+    int64_t c = 0, nd = 0, last = -1;
+    for (int64_t w = lo; w < hi; w++) {
+        uint64_t x = nw[w], y = ow[w];
+        if (x == y) continue;
+        while (t + 1 < ntensors && starts[t + 1] <= w) t++;
+        int64_t local = w - starts[t], left = nbytes[t] - local * 8;
+        if (left < 8) {
+            if (left <= 0) continue;
+            uint64_t keep = ((uint64_t)1 << (8 * left)) - 1;
+            x &= keep;
+            y &= keep;
+            if (x == y) continue;
+        }
+        if (t != last) {
+            dt[nd] = t;
+            dsum[nd++] = 0;
+            last = t;
+        }
+        dsum[nd - 1] += (x - y) * (a[local & (row - 1)] * b[local / row]);
+        int64_t size = sizes[t], per = 8 / size, bits = 8 * size;
+        uint64_t mask = size == 8 ? ~(uint64_t)0 : (((uint64_t)1 << bits) - 1), d = x ^ y;
+        for (int64_t k = 0; k < per; k++) {
+            tid[c] = t;
+            pos[c] = local * per + k;
+            c += ((d >> (bits * k)) & mask) != 0;
+        }
     }
+    *ndt = nd;
     return c;
+}
+
+/* out[i] = sum over j < words[i] of buf[start[i] + j] * a[j % row] * b[j / row] (mod 2**64): lin64's sum of
+   each of n bodies lying in buf at word start[i]. */
+void ckd_segments(const uint64_t *buf, const int64_t *start, const int64_t *words, int64_t n, int64_t row,
+                  const uint64_t *a, const uint64_t *b, uint64_t *out) {
+    for (int64_t i = 0; i < n; i++) {
+        const uint64_t *w = buf + start[i];
+        uint64_t total = 0;
+        for (int64_t r = 0; r * row < words[i]; r++) {
+            int64_t end = words[i] - r * row < row ? words[i] - r * row : row;
+            uint64_t part = 0;
+            for (int64_t j = 0; j < end; j++)
+                part += w[r * row + j] * a[j];
+            total += part * b[r];
+        }
+        out[i] = total;
+    }
 }
 """
 
@@ -108,8 +159,10 @@ def _build(cc: str) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     lib.ckd_scan.argtypes = [_P, _P, _I, _I, _I, _I, _P, _P, _P, _P]
     lib.ckd_scan.restype = _I
-    lib.ckd_changed_words.argtypes = [_P, _P, _I, _P]
-    lib.ckd_changed_words.restype = _I
+    lib.ckd_span.argtypes = [_P, _P, _I, _I, _I, _P, _P, _P, _I, _I, _P, _P, _P, _P, _P, _P, _P]
+    lib.ckd_span.restype = _I
+    lib.ckd_segments.argtypes = [_P, _P, _P, _I, _I, _P, _P, _P]
+    lib.ckd_segments.restype = None
     return lib
 
 
@@ -167,13 +220,34 @@ def scan(lib: ctypes.CDLL, new: np.ndarray, old: np.ndarray, size: int,
     return positions, total_sum & ((1 << 64) - 1)
 
 
-def changed_words(lib: ctypes.CDLL, new_w: np.ndarray, old_w: np.ndarray, lo: int, hi: int) -> np.ndarray:
-    """The indices (int64, increasing) of the words ``[lo, hi)`` of two uint64 arrays that differ."""
-    out = np.empty(hi - lo, dtype=np.int64)
-    c = lib.ckd_changed_words(_at(new_w, lo), _at(old_w, lo), hi - lo, out.ctypes.data)
-    found = out[:c]
-    found += lo
-    return found
+def span_changes(lib: ctypes.CDLL, new_w: np.ndarray, old_w: np.ndarray, lo: int, hi: int, starts: np.ndarray,
+                 nbytes: np.ndarray, sizes: np.ndarray, a: np.ndarray, b: np.ndarray):
+    """Words ``[lo, hi)`` of a span (``batch._Span``: its uint64 words in both versions, and per tensor its
+    first word, bytes and item size, int64): ``(tensor, position)`` of each changed item (int64 arrays, in
+    order), the changed tensors (in order) and each one's ``sum (new_word - old_word) * c_l`` (uint64), in
+    one pass. Buffers of the worst case (every item changed) while it runs; the results are their size."""
+    t0 = int(np.searchsorted(starts, lo, side="right")) - 1
+    per = 8 // int(sizes[t0:].min())   # items per word, at most
+    tid = np.empty((hi - lo) * per, dtype=np.int64)
+    pos = np.empty_like(tid)
+    cap = min(starts.size - t0, hi - lo + 1)
+    dt, dsum, nd = np.empty(cap, dtype=np.int64), np.empty(cap, dtype=np.uint64), np.zeros(1, dtype=np.int64)
+    c = lib.ckd_span(new_w.ctypes.data, old_w.ctypes.data, lo, hi, t0, starts.ctypes.data, nbytes.ctypes.data,
+                     sizes.ctypes.data, starts.size, ROW, a.ctypes.data, b.ctypes.data, tid.ctypes.data,
+                     pos.ctypes.data, dt.ctypes.data, dsum.ctypes.data, nd.ctypes.data)
+    n = int(nd[0])
+    return tid[:c].copy(), pos[:c].copy(), dt[:n].copy(), dsum[:n].copy()
 
 
-__all__ = ["BLOCK_WORDS", "SOURCE", "changed_words", "kernel", "scan"]
+def segment_sums(lib: ctypes.CDLL, words: np.ndarray, start: np.ndarray, count: np.ndarray,
+                 a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """lin64's sum (without its size term, uint64) of each run of ``count[i]`` uint64 ``words`` from
+    ``start[i]`` (int64 arrays), the coefficients counted from each run's start."""
+    out = np.empty(start.size, dtype=np.uint64)
+    start, count = np.ascontiguousarray(start, dtype=np.int64), np.ascontiguousarray(count, dtype=np.int64)
+    lib.ckd_segments(words.ctypes.data, start.ctypes.data, count.ctypes.data, start.size, ROW, a.ctypes.data,
+                     b.ctypes.data, out.ctypes.data)
+    return out
+
+
+__all__ = ["BLOCK_WORDS", "SOURCE", "kernel", "scan", "segment_sums", "span_changes"]

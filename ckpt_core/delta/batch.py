@@ -44,7 +44,7 @@ import torch
 
 from ckpt_core._settings import fault_threads
 from ckpt_core.delta._changes import Changes, changed_positions
-from ckpt_core.delta._scan import changed_words, kernel, scan
+from ckpt_core.delta._scan import kernel, scan, segment_sums, span_changes
 from ckpt_core.delta.encode import ENCODINGS, MAX_GAP16, _encoded, as_words, encode_tensor, frame_head
 from ckpt_core.delta.lin64 import ROW, HostDigest, _fmt, _host_ab, _sum_numpy, mix_int, raw_of
 from ckpt_core.planning.buckets import TensorMeta
@@ -156,11 +156,10 @@ def _job(span: _Span, lo: int, hi: int, a: np.ndarray, b: np.ndarray):
     changed tensor's ``sum (new_word - old_word) * c_i`` (lin64's, mod 2**64): all in numpy, on a thread."""
     new_w, old_w = span.new_w, span.old_w
     lib = kernel()
-    if lib is not None:   # one compiled pass writes the changed words' indices (_scan.py)
-        w = changed_words(lib, new_w, old_w, lo, hi)
-        nw, ow = new_w[w], old_w[w]
-    else:
-        w, nw, ow = _changed_words_numpy(new_w, old_w, lo, hi)
+    if lib is not None:   # all of it in one compiled pass (_scan.py)
+        tid, pos, dt, dsum = span_changes(lib, new_w, old_w, lo, hi, span.starts, span.nbytes, span.sizes, a, b)
+        return span.tensors[tid], pos, span.tensors[dt], dsum
+    w, nw, ow = _changed_words_numpy(new_w, old_w, lo, hi)
     empty = np.empty(0, dtype=np.int64)
     if not w.size:
         return empty, empty, empty, np.empty(0, dtype=np.uint64)
@@ -486,11 +485,14 @@ class _Vector:
             buf[:n8].view(_UINT[s])[(values_at // s)[ks] + rank[sel]] = data[(src // s)[ks] + pos[sel]]
         # the bodies' checks: lin64 of each (whole words: bodies are 8-byte multiples), as one segmented sum
         words = per["body"][h0:h1] // 8
+        a, b = _host_ab(int(words.max()))
+        lib = kernel()
+        if lib is not None:   # one compiled loop (_scan.py)
+            return segment_sums(lib, buf[:n8].view(np.uint64), start[h0:h1] // 8, words, a, b).tolist()
         firsts = np.zeros(words.size, dtype=np.int64)
         np.cumsum(words[:-1], out=firsts[1:])
         local = np.arange(int(words.sum()), dtype=np.int64) - np.repeat(firsts, words)
         vals = buf[:n8].view(np.uint64)[np.repeat(start[h0:h1] // 8, words) + local]
-        a, b = _host_ab(int(words.max()))
         with np.errstate(over="ignore"):
             return np.add.reduceat(vals * (a[local & (ROW - 1)] * b[local >> _ROW_BITS]), firsts).tolist()
 
