@@ -14,8 +14,8 @@ from datetime import timedelta
 from ckpt_core.errors import ConfigError
 
 __all__ = ["Settings", "ENV_VARS", "load_settings", "gc_pause_enabled", "fault_threads", "cpu_visible_devices",
-           "delta_kernel", "p2p_env", "cpu_event_delay_s", "service_token", "engine_serve", "update_seconds", "NO_DEADLINE_S",
-           "progress_log_s", "liveness", "MIN_TOKEN_CHARS"]
+           "delta_kernel", "p2p_env", "cpu_event_delay_s", "service_token", "engine_serve", "update_seconds",
+           "NO_DEADLINE_S", "progress_log_s", "liveness", "MIN_TOKEN_CHARS"]
 
 # name -> (type, default, meaning); docs/api.md lists the same (tests/unit/test_docs_env.py checks it).
 ENV_VARS: dict[str, tuple[str, str, str]] = {
