@@ -14,7 +14,8 @@ from datetime import timedelta
 from ckpt_core.errors import ConfigError
 
 __all__ = ["Settings", "ENV_VARS", "load_settings", "gc_pause_enabled", "fault_threads", "cpu_visible_devices",
-           "p2p_env", "cpu_event_delay_s", "delta_triton", "service_token", "engine_serve", "update_seconds",
+           "delta_kernel", "p2p_env", "cpu_event_delay_s", "delta_triton", "service_token", "engine_serve",
+           "update_seconds",
            "NO_DEADLINE_S", "progress_log_s", "liveness", "MIN_TOKEN_CHARS"]
 
 # name -> (type, default, meaning); docs/api.md lists the same (tests/unit/test_docs_env.py checks it).
@@ -33,6 +34,10 @@ ENV_VARS: dict[str, tuple[str, str, str]] = {
     "PS_FAULT_THREADS": ("int", "4", "threads per rank that fault in fresh host memory before it is pinned "
                          "(registration); more contend in the kernel and were slower on 2 ranks per host; also the "
                          "threads of a delta's encode and of lin64 on the host"),
+    "PS_DELTA_KERNEL": ("str", "auto", "`auto`: a registration's delta compare runs a small C pass, compiled on "
+                        "first use by the host's C compiler (`$CC`, else `cc`) into ~/.cache/ckpt-engine/kernels; "
+                        "`numpy`: never compiled, numpy only (also what `auto` does without a compiler); the "
+                        "payloads are the same"),
     "PS_CPU_VISIBLE_DEVICES": ("str", "", "cpu kind only, like CUDA_VISIBLE_DEVICES: comma-separated host-wide "
                                "device numbers; local device i of this process is the i-th (e.g. `2,3` for the "
                                "workers of a second engine on the host); empty: i itself"),
@@ -210,6 +215,14 @@ def fault_threads() -> int:
     if not 1 <= n <= MAX_FAULT_THREADS:
         raise ConfigError(f"PS_FAULT_THREADS must be in 1..{MAX_FAULT_THREADS}, got {n}")
     return n
+
+
+def delta_kernel() -> str:
+    """PS_DELTA_KERNEL, read at each use: ``auto`` or ``numpy`` (``delta/_scan.py``)."""
+    raw = os.environ.get("PS_DELTA_KERNEL", "").strip().lower() or "auto"
+    if raw not in ("auto", "numpy"):
+        raise ConfigError(f"PS_DELTA_KERNEL must be 'auto' or 'numpy', got {raw!r}")
+    return raw
 
 
 def cpu_visible_devices() -> tuple[int, ...]:

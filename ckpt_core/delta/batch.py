@@ -44,6 +44,7 @@ import torch
 
 from ckpt_core._settings import fault_threads
 from ckpt_core.delta._changes import Changes, changed_positions
+from ckpt_core.delta._scan import kernel, scan, segment_sums, span_changes
 from ckpt_core.delta.encode import ENCODINGS, MAX_GAP16, _encoded, as_words, encode_tensor, frame_head
 from ckpt_core.delta.lin64 import ROW, HostDigest, _fmt, _host_ab, _sum_numpy, mix_int, raw_of
 from ckpt_core.planning.buckets import TensorMeta
@@ -130,13 +131,12 @@ class _Span(NamedTuple):
     tails: bool           # some word of the run is not wholly a tensor's (a tensor's odd end, padding)
 
 
-def _job(span: _Span, lo: int, hi: int, a: np.ndarray, b: np.ndarray):
-    """Words ``[lo, hi)`` of a span: its changes as (tensor, element position) pairs in order, and each
-    changed tensor's ``sum (new_word - old_word) * c_i`` (lin64's, mod 2**64): all in numpy, on a thread."""
+def _changed_words_numpy(new_w: np.ndarray, old_w: np.ndarray, lo: int, hi: int):
+    """The indices of the words ``[lo, hi)`` that differ, and their new and old words: numpy, block by
+    block (each block compared while in cache; its changed words kept)."""
     idx, nws, ows = [], [], []
     mask = np.empty(min(BLOCK_WORDS, hi - lo), dtype=np.bool_)
-    new_w, old_w = span.new_w, span.old_w
-    for s in range(lo, hi, BLOCK_WORDS):   # each block compared while in cache; its changed words kept
+    for s in range(lo, hi, BLOCK_WORDS):
         e = min(s + BLOCK_WORDS, hi)
         m = mask[: e - s]
         np.not_equal(new_w[s:e], old_w[s:e], out=m)
@@ -146,11 +146,23 @@ def _job(span: _Span, lo: int, hi: int, a: np.ndarray, b: np.ndarray):
             idx.append(found)
             nws.append(new_w[found])
             ows.append(old_w[found])
-    empty = np.empty(0, dtype=np.int64)
     if not idx:
+        return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.uint64), np.empty(0, dtype=np.uint64)
+    return np.concatenate(idx), np.concatenate(nws), np.concatenate(ows)
+
+
+def _job(span: _Span, lo: int, hi: int, a: np.ndarray, b: np.ndarray):
+    """Words ``[lo, hi)`` of a span: its changes as (tensor, element position) pairs in order, and each
+    changed tensor's ``sum (new_word - old_word) * c_i`` (lin64's, mod 2**64): all in numpy, on a thread."""
+    new_w, old_w = span.new_w, span.old_w
+    lib = kernel()
+    if lib is not None:   # all of it in one compiled pass (_scan.py)
+        tid, pos, dt, dsum = span_changes(lib, new_w, old_w, lo, hi, span.starts, span.nbytes, span.sizes, a, b)
+        return span.tensors[tid], pos, span.tensors[dt], dsum
+    w, nw, ow = _changed_words_numpy(new_w, old_w, lo, hi)
+    empty = np.empty(0, dtype=np.int64)
+    if not w.size:
         return empty, empty, empty, np.empty(0, dtype=np.uint64)
-    w = np.concatenate(idx)
-    nw, ow = np.concatenate(nws), np.concatenate(ows)
     t = np.searchsorted(span.starts, w, side="right") - 1   # the tensor of each word (spans start with one)
     local = w - span.starts[t]
     tail = (span.nbytes[t] - local * 8 < 8) if span.tails else None   # a tensor's last word, or padding after it
@@ -197,6 +209,14 @@ def _large(ckpt, base_ckpt, p: _Pair):
     new, prev = ckpt.host_tensor(p.new), base_ckpt.host_tensor(p.old)
     words = as_words(new).numpy()
     size = p.new.itemsize
+    lib = kernel()
+    if lib is not None:   # changes and digest in one compiled pass (_scan.py); unchanged: its sum kept too
+        raw = raw_of(new)[0].numpy()
+        positions, total = scan(lib, raw, raw_of(prev)[0].numpy(), size, *_host_ab(raw.size // 8))
+        if positions.size == 0:
+            return None, {"encoding": None, "count": 0, "numel": p.new.nbytes // size, "bytes": 0}, total
+        digest = _fmt(total + _size_term(p.new.nbytes, size))
+        return (*_encoded(new, words, Changes.of(positions), digest, None), total)
     host = HostDigest(new)
 
     def digest_block(end: int, changed: bool) -> None:   # once it changed: each block as it is compared
@@ -465,11 +485,14 @@ class _Vector:
             buf[:n8].view(_UINT[s])[(values_at // s)[ks] + rank[sel]] = data[(src // s)[ks] + pos[sel]]
         # the bodies' checks: lin64 of each (whole words: bodies are 8-byte multiples), as one segmented sum
         words = per["body"][h0:h1] // 8
+        a, b = _host_ab(int(words.max()))
+        lib = kernel()
+        if lib is not None:   # one compiled loop (_scan.py)
+            return segment_sums(lib, buf[:n8].view(np.uint64), start[h0:h1] // 8, words, a, b).tolist()
         firsts = np.zeros(words.size, dtype=np.int64)
         np.cumsum(words[:-1], out=firsts[1:])
         local = np.arange(int(words.sum()), dtype=np.int64) - np.repeat(firsts, words)
         vals = buf[:n8].view(np.uint64)[np.repeat(start[h0:h1] // 8, words) + local]
-        a, b = _host_ab(int(words.max()))
         with np.errstate(over="ignore"):
             return np.add.reduceat(vals * (a[local & (ROW - 1)] * b[local >> _ROW_BITS]), firsts).tolist()
 

@@ -1,7 +1,8 @@
 """The batched encode of a registration (``delta/batch.py``) writes exactly the payloads that
 ``encode_tensor`` writes for each tensor alone, whatever the dtypes, densities, shapes (0-d, empty,
 odd byte counts), and for unchanged, new, retyped and reshaped tensors; and the lin64 sums it keeps
-(derived from the base's) are each tensor's own."""
+(derived from the base's) are each tensor's own; every test runs with the compiled pass and with numpy
+alone."""
 
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ from support.data import random_bits
 
 from ckpt_core.checkpoint.safetensors import WIRE_DTYPES
 from ckpt_core.checkpoint.sources import build_checkpoint
-from ckpt_core.delta import batch
+from ckpt_core.delta import _scan, batch
 from ckpt_core.delta.batch import encode_registration
 from ckpt_core.delta.encode import encode_tensor
 from ckpt_core.delta.lin64 import _sum_numpy, raw_of
@@ -57,6 +58,16 @@ def _pairs(gen):
     run = block.clone()
     run.view(torch.int16)[100:300] ^= 1
     return out + [("sparse", sparse, far), ("run", block, run)]
+
+
+@pytest.fixture(autouse=True, params=["compiled", "numpy"])
+def way(request, monkeypatch):
+    """Every test both ways: the compiled pass (``_scan.py``) and numpy alone (``PS_DELTA_KERNEL=numpy``)."""
+    monkeypatch.setenv("PS_DELTA_KERNEL", "auto" if request.param == "compiled" else "numpy")
+    if request.param == "compiled" and _scan.kernel() is None:
+        pytest.skip("no C compiler here: the compiled pass is not built")
+    assert (_scan.kernel() is None) == (request.param == "numpy")
+    return request.param
 
 
 @pytest.fixture(params=[1, 2, "large"], ids=["one-thread", "threads", "large-on-their-own"])
