@@ -29,6 +29,9 @@ from pathlib import Path
 
 import pytest
 
+from ckpt_core import DeltaBaseError
+from ckpt_core.client import ServiceWorld
+from ckpt_core.errors import RemoteWorkerError
 from support.ports import free_port
 from test_vllm_delta import _versions   # the AdamW chain of the vLLM delta test
 from test_vllm_service_slices import _shards   # each PS rank its share of a version's tensors
@@ -99,8 +102,8 @@ def test_staged_sliced_deltas_commit_to_a_cold_load_and_a_base_changed_since_the
     refused = [x for x in lines if x["step"] == "commit v1" and not x["ok"]]
     assert len(refused) == 2, [(x["step"], x["ok"], x.get("message", "")[:300]) for x in lines]
     for line, why in zip(refused, ("this worker holds 'v0-again', not the base 'v0'",
-                                   "keeps its base whole (no slice plan), the delta comes by slice plan")):
-        assert line["error"] == "RemoteWorkerError" and "DeltaBaseError" in line["message"], line["message"][:2000]
+                                   "this worker keeps its base whole (no slice plan), the delta comes by slice plan")):
+        assert line["error"] == "RemoteWorkerError", line["message"][:2000]   # vLLM's answer to the worker's DeltaBaseError
         assert f"{TP} worker(s) of the engine no longer hold its base ({why}" in line["message"], line["message"][:2000]
     for line in (x for x in lines if x["step"].startswith("commit") and x["ok"]):
         for worker, reply in enumerate(line["engine"]):
@@ -116,62 +119,46 @@ def test_staged_sliced_deltas_commit_to_a_cold_load_and_a_base_changed_since_the
 
 
 def test_sliced_deltas_through_the_service_staged_or_not_equal_a_cold_load(chain, tmp_path):
-    from support.service_world import ServiceWorld
+    from support.service_world import ServiceWorld as Processes
 
     url = f"{chain.server.endpoint}/collective_rpc"
-    world = ServiceWorld(TP, str(tmp_path), env={"PS_COLLECTIVE_TIMEOUT_S": "120"})
-
-    def update(tag: str, **body):
-        bodies = [{"timeout": 300, "slices": True, **body} for _ in range(TP)]
-        bodies[0]["update_url"] = url
-        return world.all("POST", f"/v1/checkpoints/{tag}/update", bodies, timeout=400)
-
-    def ok(answers, what: str) -> dict:
-        assert [a.status_code for a in answers] == [200] * TP, (what, [a.text[:800] for a in answers])
-        return answers[0].json()["result"]
-
-    def commit(tag: str):
-        return world.clients[0].post("/v1/commit", json={"update_url": url, "version": tag, "timeout": 300},
-                                     timeout=400)
-
+    procs = Processes(TP, str(tmp_path), env={"PS_COLLECTIVE_TIMEOUT_S": "120"})
     try:
-        for tag, base, path in zip(("sA", "sB", "sC"), (None, "sA", "sB"), chain.files):
-            shards = _shards(path, tmp_path, tag)
-            ok(world.all("POST", f"/v1/checkpoints/{tag}/files",
-                         [{"files": [f], **({"base": base} if base else {})} for f in shards]), f"register {tag}")
-            ok(world.all("POST", f"/v1/checkpoints/{tag}/gather-metas"), f"gather {tag}")
-        full = ok(update("sA", deltas=True), "sA sliced whole")["slices"]["received_bytes"]
-        chain.check_live(0, "after sA sliced whole through the service")
-        result = ok(update("sB", delta=True), "sB's sliced delta")
-        assert result["delta"]["base"] == "sA" and result["delta"]["sliced"]["changed_boxes"] > 0, result["delta"]
-        got = result["slices"]["received_bytes"]
-        assert all(0 < g < f for g, f in zip(got, full)), (got, full)
-        print(f"service: sB's sliced delta, {got} bytes per worker (sliced full update: {full})")
-        chain.check_live(1, "after sB's sliced delta through the service")
+        with ServiceWorld(procs.socks, timeout=300) as world:   # the public client: rank 0 posts to the engine
+            for tag, base, path in zip(("sA", "sB", "sC"), (None, "sA", "sB"), chain.files):
+                world.register(tag, [[f] for f in _shards(path, tmp_path, tag)], base=base)
+                world.gather_metas(tag)
+            full = world.update("sA", update_url=url, slices=True, deltas=True)["slices"]["received_bytes"]
+            chain.check_live(0, "after sA sliced whole through the service")
+            result = world.update("sB", update_url=url, slices=True, delta=True)
+            assert result["delta"]["base"] == "sA" and result["delta"]["sliced"]["changed_boxes"] > 0, result["delta"]
+            got = result["slices"]["received_bytes"]
+            assert all(0 < g < f for g, f in zip(got, full)), (got, full)
+            print(f"service: sB's sliced delta, {got} bytes per worker (sliced full update: {full})")
+            chain.check_live(1, "after sB's sliced delta through the service")
 
-        replayed = update("sB", delta=True)   # the engine holds sB, not its base sA: refused on both ranks
-        for r, resp in enumerate(replayed):
-            assert resp.status_code == 400 and resp.json()["error"]["type"] == "DeltaBaseError", (r, resp.text[:800])
-            assert "sA" in resp.json()["error"]["message"], resp.text[:800]
-        chain.check_live(1, "after the refused replay of sB's delta", tokens=False)
+            with pytest.raises(DeltaBaseError) as replayed:   # the engine holds sB, not its base sA
+                world.update("sB", update_url=url, slices=True, delta=True)
+            assert {r: (e["status"], e["type"]) for r, e in replayed.value.ranks.items()} == \
+                {r: (400, "DeltaBaseError") for r in range(TP)}, replayed.value.ranks
+            assert "'sA'" in str(replayed.value), str(replayed.value)
+            chain.check_live(1, "after the refused replay of sB's delta", tokens=False)
 
-        staged = ok(update("sC", delta=True, stage="sC"), "sC's sliced delta staged")
-        assert staged["delta"]["base"] == "sB" and staged["delta"]["sliced"]["changed_boxes"] > 0, staged["delta"]
-        chain.check_live(1, "with sC's sliced delta staged")
-        ok(update("sA", deltas=True), "sA sliced whole, between the stage and its commit")
-        resp = commit("sC")   # the base sB is gone: refused by every worker, nothing written
-        assert resp.status_code == 502 and resp.json()["error"]["type"] == "RemoteWorkerError", resp.text[:800]
-        message = resp.json()["error"]["message"]
-        assert "DeltaBaseError" in message and "no longer hold its base" in message and "'sB'" in message, message
-        chain.check_live(0, "after the refused commit of sC")
+            staged = world.stage("sC", "sC", update_url=url, slices=True, delta=True)
+            assert staged["delta"]["base"] == "sB" and staged["delta"]["sliced"]["changed_boxes"] > 0, staged["delta"]
+            chain.check_live(1, "with sC's sliced delta staged")
+            world.update("sA", update_url=url, slices=True, deltas=True)   # between the stage and its commit
+            with pytest.raises(RemoteWorkerError) as refused:   # the base sB is gone: refused by every worker
+                world.commit("sC", update_url=url)
+            assert refused.value.ranks[0]["status"] == 502, refused.value.ranks
+            assert "no longer hold its base" in str(refused.value) and "not the base 'sB'" in str(refused.value)
+            chain.check_live(0, "after the refused commit of sC")
 
-        ok(update("sB", delta=True), "sB's sliced delta again")
-        ok(update("sC", delta=True, stage="sC"), "sC's sliced delta staged again")
-        chain.check_live(1, "with sC's sliced delta staged again", tokens=False)
-        resp = commit("sC")
-        assert resp.status_code == 200, resp.text[:800]
-        for reply in resp.json()["result"]["workers"]:
-            assert reply["path"] == "delta" and reply["slices"]["plan"] and reply["delta"]["version"] == "sC", reply
-        chain.check_live(2, "after the commit of sC's staged sliced delta")
+            world.update("sB", update_url=url, slices=True, delta=True)
+            world.stage("sC", "sC", update_url=url, slices=True, delta=True)
+            chain.check_live(1, "with sC's sliced delta staged again", tokens=False)
+            for reply in world.commit("sC", update_url=url)["workers"]:
+                assert reply["path"] == "delta" and reply["slices"]["plan"] and reply["delta"]["version"] == "sC", reply
+            chain.check_live(2, "after the commit of sC's staged sliced delta")
     finally:
-        assert world.close() == [0] * TP
+        assert procs.close() == [0] * TP
