@@ -88,23 +88,30 @@ def test_staged_sliced_deltas_commit_to_a_cold_load_and_a_base_changed_since_the
     lines = [json.loads(x) for x in run.stdout.splitlines() if x.startswith("{")]
     assert [x["step"] for x in lines] == [
         "full v0", "stage v1", "full v0-again", "commit v1", "full v0", "stage v1", "full v0 unsliced", "commit v1",
-        "full v0", "stage v1", "commit v1", "stage v2", "commit v2"], [x["step"] for x in lines]
+        "stage v1", "full v0", "stage v1", "commit v1", "stage v2", "commit v2"], [x["step"] for x in lines]
     full = lines[0]["ps"]["slices"]["received_bytes"]
     plan = lines[1]["ps"]["delta"]["sliced"]["plan"]   # the workers' installed plan
     for line in lines:
         step = line["step"]
         chain.check(line["digests"], line["tokens"], int(line["holds"][1]), f"after {step!r}")
-        if step.startswith("stage"):   # each worker staged the changes in its own boxes, less than its sliced A
+        if step.startswith("stage") and line["ok"]:   # each worker staged the changes in its boxes, less than A
             got = line["ps"]["slices"]["received_bytes"]
             assert all(0 < g < f for g, f in zip(got, full)), (step, got, full)
             assert line["ps"]["delta"]["sliced"]["plan"] == plan, line["ps"]["delta"]
             print(f"sliced {step}: staged {got} bytes per worker (sliced full update: {full})")
+    assert [x["step"] for x in lines if not x["ok"]] == ["commit v1", "commit v1", "stage v1"], \
+        [(x["step"], x["ok"], x.get("message", "")[:300]) for x in lines]
     refused = [x for x in lines if x["step"] == "commit v1" and not x["ok"]]
-    assert len(refused) == 2, [(x["step"], x["ok"], x.get("message", "")[:300]) for x in lines]
     for line, why in zip(refused, ("this worker holds 'v0-again', not the base 'v0'",
                                    "this worker keeps its base whole (no slice plan), the delta comes by slice plan")):
         assert line["error"] == "RemoteWorkerError", line["message"][:2000]   # vLLM's answer to the worker's DeltaBaseError
         assert f"{TP} worker(s) of the engine no longer hold its base ({why}" in line["message"], line["message"][:2000]
+    # a sliced delta staged while the base is kept unsliced: refused on every PS rank, nothing staged
+    stage_refused = next(x for x in lines if x["step"] == "stage v1" and not x["ok"])
+    assert stage_refused["errors"] == [stage_refused["error"]] * TP and stage_refused["error"] == "DeltaBaseError", \
+        stage_refused
+    assert "keeps its base whole (no slice plan), the delta comes by slice plan" in stage_refused["message"], \
+        stage_refused["message"][:2000]
     for line in (x for x in lines if x["step"].startswith("commit") and x["ok"]):
         for worker, reply in enumerate(line["engine"]):
             fig = reply["delta"]

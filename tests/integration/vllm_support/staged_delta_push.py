@@ -13,7 +13,8 @@ another version name). Every update is routed by the slice plan the workers reco
 2. Two commits refused because the engine's base changed after the stage: ``v1``'s sliced delta
    staged, then the engine given ``v0-again`` (another version) before the commit; ``v0`` again,
    ``v1``'s delta staged, then ``v0`` given whole without slices (its base now kept unsliced) before
-   the commit. The engine holds ``v0``'s bytes throughout.
+   the commit; then ``v1``'s sliced delta staged again, refused at the stage for that reason. The
+   engine holds ``v0``'s bytes throughout.
 3. ``v0`` sliced again; then each later version's sliced delta staged (the live engine unchanged
    while it is) and committed by ``VllmClient.commit``.
 
@@ -63,15 +64,21 @@ class Steps:
                    engine=replies[0] if replies else None)
 
     def stage(self, name: str, holds: str) -> None:
-        """``name``'s sliced delta staged while the engine serves; the live weights stay ``holds``."""
+        """``name``'s sliced delta staged while the engine serves; the live weights stay ``holds``. A
+        refused stage is a line too, with every rank's error (``"errors"``)."""
         replies: list = []
 
         def req(handles):
             if self.leader:
                 replies.append(self.client.stage(handles, name, deltas=True, slices=self.plan, timeout=300).workers)
 
-        result = self.ps.update(name, req, timeout=300, delta=True, slices=self.plan)
-        self._line(f"stage {name}", holds, ok=True, ps=result, engine=replies[0] if replies else None)
+        try:
+            fields = {"ok": True, "ps": self.ps.update(name, req, timeout=300, delta=True, slices=self.plan),
+                      "engine": replies[0] if replies else None}
+        except CkptError as exc:
+            fields = {"ok": False, "error": type(exc).__name__, "message": str(exc)}
+        fields["errors"] = [v["error"] for v in self.ps.all_gather_json({"error": fields.get("error")})]
+        self._line(f"stage {name}", holds, **fields)
 
     def commit(self, name: str, holds: str) -> None:
         """Rank 0 commits the staged ``name`` (not collective); the ranks meet afterwards."""
@@ -110,6 +117,7 @@ def main() -> None:
         steps.stage("v1", holds="v0")
         steps.full("v0", sliced=False)            # the same version, kept whole now
         steps.commit("v1", holds="v0")            # refused: the base is kept by another slicing
+        steps.stage("v1", holds="v0")             # refused at once, for the same reason: nothing staged
         steps.full("v0")
         for prev, name in zip(names, names[1:]):
             steps.stage(name, holds=prev)
