@@ -223,11 +223,11 @@ def commit_staged_delta(worker: Any, buckets: list[Weights], version: str, repla
     rx = receiver_of(worker)
     m: DeltaMap = getattr(worker, "_ckpt_delta_map", None) or DeltaMap(whole="no full update mapped it yet")
     listing = [(n, t.dtype, tuple(t.shape)) for bucket in buckets for n, t in bucket]
-    problem = _base_problem(worker, delta_of_plan(listing), None if replay is None else replay.digest)
-    failed = count_over_workers(problem is not None)
+    gone = _base_problem(worker, delta_of_plan(listing), None if replay is None else replay.digest)
+    failed = count_over_workers(gone is not None)
     if failed:
         raise DeltaBaseError(f"cannot commit the staged delta of {version!r}: {failed} worker(s) of the engine no "
-                             f"longer hold its base ({problem or 'this one does'}); nothing was written, the "
+                             f"longer hold its base ({gone or 'this one does'}); nothing was written, the "
                              "stage was dropped")
     _use_map(rx, m)
     reloads = _Reloads(worker, m, replay)

@@ -28,16 +28,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from support.ports import free_port
+from test_vllm_delta import _versions  # the AdamW chain of the vLLM delta test
+from test_vllm_service_slices import _shards  # each PS rank its share of a version's tensors
+from vllm_support.fixtures import MAX_TOKENS, hf_reference, shared_servers, tiny_model, vllm_python  # noqa: F401
+from vllm_support.parity import cold_load, differences, tp_server_args
+from vllm_support.server import REPO
 
 from ckpt_core import DeltaBaseError
 from ckpt_core.client import ServiceWorld
 from ckpt_core.errors import RemoteWorkerError
-from support.ports import free_port
-from test_vllm_delta import _versions   # the AdamW chain of the vLLM delta test
-from test_vllm_service_slices import _shards   # each PS rank its share of a version's tensors
-from vllm_support.fixtures import MAX_TOKENS, hf_reference, shared_servers, tiny_model, vllm_python  # noqa: F401
-from vllm_support.parity import cold_load, differences, tp_server_args
-from vllm_support.server import REPO
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1500)]
 TP = 2
@@ -104,7 +104,8 @@ def test_staged_sliced_deltas_commit_to_a_cold_load_and_a_base_changed_since_the
     refused = [x for x in lines if x["step"] == "commit v1" and not x["ok"]]
     for line, why in zip(refused, ("this worker holds 'v0-again', not the base 'v0'",
                                    "this worker keeps its base whole (no slice plan), the delta comes by slice plan")):
-        assert line["error"] == "RemoteWorkerError", line["message"][:2000]   # vLLM's answer to the worker's DeltaBaseError
+        # vLLM answers the workers' DeltaBaseError with an HTTP 500: the client's RemoteWorkerError
+        assert line["error"] == "RemoteWorkerError", line["message"][:2000]
         assert f"{TP} worker(s) of the engine no longer hold its base ({why}" in line["message"], line["message"][:2000]
     # a sliced delta staged while the base is kept unsliced: refused on every PS rank, nothing staged
     stage_refused = next(x for x in lines if x["step"] == "stage v1" and not x["ok"])

@@ -30,12 +30,12 @@ import argparse
 import json
 import os
 
+from delta_push import completions, emit  # this script's directory is on sys.path
 from safetensors.torch import load_file
 
 from ckpt_core import ParameterServer
 from ckpt_core.errors import CkptError
 from ckpt_vllm import VllmClient
-from delta_push import completions, emit   # this script's directory is on sys.path
 
 
 class Steps:
