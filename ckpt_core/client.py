@@ -38,6 +38,8 @@ from ckpt_core import errors
 __all__ = ["ServiceWorld", "env_token"]
 
 _REFUSALS = {"ValidationError", "Unauthorized", "Forbidden", "Conflict", "NotFound", "PayloadTooLarge"}
+# update fields that only a rank posting to an engine takes (the service refuses them without update_url)
+_POSTING_OPTIONS = ("stage", "stage_device_gib", "prepare")
 
 
 def env_token() -> str | None:
@@ -154,9 +156,12 @@ class ServiceWorld:
     # -- the service's operations ----------------------------------------------------------------------
 
     def register(self, name: str, files: str | Sequence[Sequence[str]], *, use_shared_memory_pool: bool = False,
-                 use_inplace_pin_memory: bool = True) -> list:
+                 use_inplace_pin_memory: bool = True, base: str | None = None) -> list:
         """Register ``name``: ``files`` is a checkpoint directory (each rank its share, as
-        ``split_checkpoint_files``) or one list of safetensors files per rank."""
+        ``split_checkpoint_files``) or one list of safetensors files per rank. ``base``: a checkpoint
+        registered before, the version the engines hold: each rank also encodes its share's delta
+        against it, for updates with ``delta`` (docs/deltas.md); each rank's share of both must hold
+        the same tensors."""
         if isinstance(files, str):   # imported here: it reads safetensors headers, with torch's dtypes
             from ckpt_core.checkpoint.sources import split_checkpoint_files
             shares = [split_checkpoint_files(files, r, self.world_size) for r in range(self.world_size)]
@@ -164,7 +169,8 @@ class ServiceWorld:
             shares = [list(s) for s in files]
         if len(shares) != self.world_size:
             raise errors.ConfigError(f"{len(shares)} file lists for {self.world_size} ranks")
-        opts = {"use_shared_memory_pool": use_shared_memory_pool, "use_inplace_pin_memory": use_inplace_pin_memory}
+        opts = {"use_shared_memory_pool": use_shared_memory_pool, "use_inplace_pin_memory": use_inplace_pin_memory,
+                **({"base": base} if base is not None else {})}
         return self.call("POST", f"/v1/checkpoints/{name}/files", [{"files": s, **opts} for s in shares])
 
     def gather_metas(self, name: str) -> None:
@@ -177,12 +183,18 @@ class ServiceWorld:
         ``update_url``: the engine's URL (vLLM's ``/collective_rpc``, or the SGLang server's with
         ``engine="sglang"``), posted by rank 0; or ``{rank: url}`` where several engines are fed (each
         engine's first rank). ``options`` are the service's update fields (``engine``, ``ranks``,
-        ``inference_group_ranks``, ``uds``, ``slices``, ``stage``, ``prepare``, ``stage_device_gib``,
-        ``weight_version``, ``flush_cache``), sent to every rank alike."""
+        ``inference_group_ranks``, ``uds``, ``slices``, ``delta``, ``deltas``, ``stage``, ``prepare``,
+        ``stage_device_gib``, ``weight_version``, ``flush_cache``), sent to every rank alike, except
+        those of a staged update (``stage``, ``stage_device_gib``, ``prepare``): to the ranks that post
+        (with ``update_url``) only, the others post nothing to stage.
+
+        A sliced delta: ``update(name, update_url=url, slices=True, delta=True)`` (staged: ``stage(name,
+        name, update_url=url, slices=True, delta=True)``, then ``commit(name, update_url=url)``)."""
         urls = {0: update_url} if isinstance(update_url, str) else dict(update_url or {})
         if any(r not in range(self.world_size) for r in urls):
             raise errors.ConfigError(f"update_url for ranks {sorted(urls)} of a world of {self.world_size}")
-        bodies = [{"timeout": timeout, **options, **({"update_url": urls[r]} if r in urls else {})}
+        posting = {k: options.pop(k) for k in _POSTING_OPTIONS if k in options}
+        bodies = [{"timeout": timeout, **options, **({"update_url": urls[r], **posting} if r in urls else {})}
                   for r in range(self.world_size)]
         return self.call("POST", f"/v1/checkpoints/{name}/update", bodies, timeout=timeout)[0]
 

@@ -20,9 +20,10 @@ tensors. A failure on any rank undoes the scatters on every worker; nothing was 
 agreement. Where the map cannot place a tensor (or an MTP drafter shares the checkpoint), every
 delta reloads the whole model from a full host copy, as the first slice did.
 
-Staged deltas (``stage=..., deltas=True``): the payloads are staged while the engine generates
-(refused at once unless the worker holds their base) and applied in the commit's pause the same way
-(:func:`commit_staged_delta`).
+Staged deltas (``stage=..., deltas=True``, whole or with ``slices=``): the payloads are staged while
+the engine generates (refused at once unless the worker holds their base, kept by the same slicing)
+and applied in the commit's pause the same way (:func:`commit_staged_delta`), the base checked again
+there on every worker.
 
 Sliced deltas (``update_weights_from_ipc(..., slices=digest, deltas=True)``; docs/deltas.md, "Sliced
 deltas"): a sliced full update maps this worker's boxes (``build_map(replay=)``) and keeps the boxes
@@ -132,10 +133,9 @@ def receive_with_deltas(worker: Any, zmq_ctx, zmq_handle: str, index: int, *, ti
 
     def on_plan(tensors):
         if delta_of_plan(tensors) is not None:   # a delta: of the slicing the kept copy has
-            kept_for = getattr(worker, "_ckpt_delta_slices", None)
-            if kept_for != sliced:
-                raise ConfigError(f"this worker keeps its base {_slicing(kept_for)}, the delta comes "
-                                  f"{_slicing(sliced)}: update the version whole (nothing was written)")
+            problem = _slicing_problem(worker, sliced)
+            if problem is not None:
+                raise ConfigError(f"{problem}: update the version whole (nothing was written)")
             return cb.on_plan(tensors)
         cb.on_plan(tensors)
         sessions.extend(new_sessions(worker, replay))
@@ -181,31 +181,56 @@ def _slicing(digest: str | None) -> str:
     return "whole (no slice plan)" if digest is None else f"by slice plan {digest[:12]}"
 
 
-def check_staged_plan(worker: Any, tensors) -> tuple[str, str] | None:
-    """A stage's plan (``deltas=True``): ``(base, version)`` when it is a delta of the version this
-    worker holds; ``DeltaBaseError`` when it is a delta of another one (nothing staged); None for a
-    full update (staged as usual)."""
+def _slicing_problem(worker: Any, sliced: str | None) -> str | None:
+    """Why a delta routed by plan ``sliced`` (None: whole tensors) cannot apply to the base this worker
+    keeps (kept by another slicing), or None."""
+    kept_for = getattr(worker, "_ckpt_delta_slices", None)
+    if kept_for == sliced:
+        return None
+    return f"this worker keeps its base {_slicing(kept_for)}, the delta comes {_slicing(sliced)}"
+
+
+def _base_problem(worker: Any, delta: tuple[str, str] | None, sliced: str | None) -> str | None:
+    """Why the delta ``(base, version)`` routed by ``sliced`` does not apply to what this worker holds
+    now (another version, or its base kept by another slicing), or None. Checked when a delta is
+    staged and again at its commit: the engine may have taken another update in between."""
+    held = receiver_of(worker).held
+    if delta is None:
+        return "the stage holds no delta"
+    if held != delta[0]:
+        return f"this worker holds {held!r}, not the base {delta[0]!r} of the delta of {delta[1]!r}"
+    return _slicing_problem(worker, sliced)
+
+
+def check_staged_plan(worker: Any, tensors, sliced: str | None = None) -> tuple[str, str] | None:
+    """A stage's plan (``deltas=True``; ``sliced``: the digest of the slice plan it is routed by):
+    ``(base, version)`` when it is a delta of the version this worker holds, kept by the same slicing;
+    ``DeltaBaseError`` when it is not (nothing staged); None for a full update (staged as usual)."""
     delta = delta_of_plan(tensors)
-    if delta is not None and receiver_of(worker).held != delta[0]:
-        raise DeltaBaseError(f"this worker holds {receiver_of(worker).held!r}, not the base {delta[0]!r} of the "
-                             f"staged delta of {delta[1]!r}: nothing was staged")
+    problem = None if delta is None else _base_problem(worker, delta, sliced)
+    if problem is not None:
+        raise DeltaBaseError(f"{problem}: nothing was staged")
     return delta
 
 
-def commit_staged_delta(worker: Any, buckets: list[Weights], version: str) -> dict:
+def commit_staged_delta(worker: Any, buckets: list[Weights], version: str, replay: Any = None) -> dict:
     """Apply a staged delta (``stage=..., deltas=True``) in the commit's pause, as an update applies
-    one: scatters and rebuilt tensors checked on every worker, then agreed over the engine's workers
-    (a failure on any worker undoes every scatter on all of them), then the changed layers reloaded."""
+    one: its base checked again on every worker (the engine may have taken another update since the
+    stage: then refused on all, nothing written), scatters and rebuilt tensors checked on every worker,
+    then agreed over the engine's workers (a failure on any worker undoes every scatter on all of them),
+    then the changed layers reloaded. ``replay``: the slice plan it was staged by (each worker applies
+    its boxes' payloads and reloads through the plan's replay, as a sliced delta update does)."""
     rx = receiver_of(worker)
     m: DeltaMap = getattr(worker, "_ckpt_delta_map", None) or DeltaMap(whole="no full update mapped it yet")
     listing = [(n, t.dtype, tuple(t.shape)) for bucket in buckets for n, t in bucket]
-    delta = delta_of_plan(listing)
-    failed = count_over_workers(delta is None or rx.held != delta[0])
+    gone = _base_problem(worker, delta_of_plan(listing), None if replay is None else replay.digest)
+    failed = count_over_workers(gone is not None)
     if failed:
-        raise DeltaBaseError(f"cannot commit the staged delta of {version!r}: {failed} worker(s) of the engine do not "
-                             f"hold its base (this one holds {rx.held!r}); nothing was written")
+        raise DeltaBaseError(f"cannot commit the staged delta of {version!r}: {failed} worker(s) of the engine no "
+                             f"longer hold its base ({gone or 'this one does'}); nothing was written, the "
+                             "stage was dropped")
     _use_map(rx, m)
-    reloads = _Reloads(worker, m)
+    reloads = _Reloads(worker, m, replay)
     rx.reload = reloads
     try:
         with rx.update(run=lambda weights: None, version=version) as cb:

@@ -96,7 +96,7 @@ class StagedWeights(_Worker):
                                         f"{refused or 'another worker of the engine found its stage incomplete'}; "
                                         "the stage was dropped and the engine serves its current weights")
         if count_over_workers(stage.delta is not None):
-            return self._ckpt_commit_delta(area, str(version), t0)
+            return self._ckpt_commit_delta(area, str(version), t0, stage.replay)
         delta_rx = getattr(self, "_ckpt_delta_rx", None)
         if delta_rx is not None:
             delta_rx.held = None   # whole weights from a stage: no delta applies to them any more
@@ -149,16 +149,18 @@ class StagedWeights(_Worker):
         return {"version": area.version, **prepare_step(self.model_runner.model, self.model_config, job,
                                                         int(budget_bytes))}
 
-    def _ckpt_commit_delta(self, area: StagingArea, version: str, t0: float) -> dict:
+    def _ckpt_commit_delta(self, area: StagingArea, version: str, t0: float, replay=None) -> dict:
         from ._delta import commit_staged_delta
 
         try:
-            result = commit_staged_delta(self, area.buckets, version)
+            result = commit_staged_delta(self, area.buckets, version, replay)
             self._ckpt_made_live(getattr(self, "_ckpt_live_layout", {}), version)
         finally:
             self._ckpt_drop_staged()
         result.update(device_key=local_device_key(*worker_device(self)), version=version, path="delta",
                       seconds={"total": time.perf_counter() - t0})
+        if replay is not None:
+            result["slices"] = {"plan": replay.digest, "rank": replay.rank.rank}
         return result
 
     def _ckpt_commit_prepared(self, area: StagingArea, job, version: str, t0: float) -> dict:
@@ -255,7 +257,7 @@ class StagedWeights(_Worker):
         if job.deltas:
             from ._delta import check_staged_plan
 
-            job.delta = check_staged_plan(self, tensors)
+            job.delta = check_staged_plan(self, tensors, None if job.replay is None else job.replay.digest)
         # a delta's payloads are not the live layout: its names and its base are checked instead
         job.area.check_plan(tensors, None if job.delta is not None else expected)
 

@@ -137,8 +137,9 @@ class VllmColocateWorkerExtension(StagedWeights):
         ``deltas=True``: this update may be a delta (``ParameterServer.update(..., delta=True)``) of
         the ``version`` this worker holds, and a full one is kept in host memory as the next delta's
         base (``_delta.py``, docs/deltas.md); needs ``version``. With ``stage`` a delta is staged and
-        applied by :meth:`commit_staged_weights` (a staged delta not with ``slices`` yet); with ``slices``
-        each worker maps its boxes, and a sliced delta is scattered or reloaded by layer (docs/deltas.md).
+        applied by :meth:`commit_staged_weights`; with ``slices``
+        each worker maps its boxes, and a sliced delta (staged or not) is scattered or reloaded by layer
+        (docs/deltas.md).
         ``direct=True``: once this worker recorded where this plan's tensors land (its first such update,
         which goes the usual way), the tensors of layers that read them verbatim are copied straight into
         the live model and only the other layers are reloaded (``_direct.py``, docs/vllm.md "Direct full
@@ -159,11 +160,9 @@ class VllmColocateWorkerExtension(StagedWeights):
         if direct and (stage is not None or replay is not None or deltas):
             raise ConfigError("direct=True takes a plain full update: not with stage=, slices= or deltas= "
                               "(docs/vllm.md, Direct full updates)")
-        if deltas and stage is not None:   # a staged delta: applied by the commit
-            if replay is not None:
-                raise ConfigError("a staged update with deltas=True does not take slices= yet (docs/deltas.md)")
+        if deltas and stage is not None:   # a staged delta (of whole tensors or by slices): applied by the commit
             return self._ckpt_stage(handle, kind, index, str(stage), int(stage_device_bytes),
-                                    float(timeout or DEFAULT_TIMEOUT_S), None, deltas=True)
+                                    float(timeout or DEFAULT_TIMEOUT_S), replay, deltas=True)
         if deltas:
             if not version:
                 raise ConfigError("deltas=True needs version= (docs/deltas.md)")

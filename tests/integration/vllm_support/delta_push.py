@@ -61,16 +61,25 @@ def main() -> None:
 
             result = ps.update(name, req, timeout=300, delta=bool(i) and not args.direct, slices=plan)
             if rank == 0:
-                with httpx.Client(base_url=args.endpoint, timeout=120.0) as http:
-                    resp = http.post("/v1/completions", json={
-                        "model": "tiny", "prompt": args.prompts, "max_tokens": args.max_tokens, "temperature": 0.0,
-                        "ignore_eos": True, "return_token_ids": True, "seed": 0})
-                resp.raise_for_status()
-                tokens = [c["token_ids"] for c in sorted(resp.json()["choices"], key=lambda c: c["index"])]
-                line = {"version": name, "ps": result, "engine": replies[0],
-                        "digests": client.collective_rpc("ckpt_state_digests"), "tokens": tokens}
-                sys.stdout.write(json.dumps(line, default=str) + "\n")
-                sys.stdout.flush()
+                emit({"version": name, "ps": result, "engine": replies[0],
+                      "digests": client.collective_rpc("ckpt_state_digests"),
+                      "tokens": completions(args.endpoint, args.prompts, args.max_tokens)})
+
+
+def completions(endpoint: str, prompts: list, max_tokens: int) -> list[list[int]]:
+    """The server's greedy completions (token ids) of token-id prompts, EOS ignored like HF's reference."""
+    with httpx.Client(base_url=endpoint, timeout=120.0) as http:
+        resp = http.post("/v1/completions", json={
+            "model": "tiny", "prompt": prompts, "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True, "return_token_ids": True, "seed": 0})
+    resp.raise_for_status()
+    return [c["token_ids"] for c in sorted(resp.json()["choices"], key=lambda c: c["index"])]
+
+
+def emit(line: dict) -> None:
+    """One JSON line on stdout (what the test reads)."""
+    sys.stdout.write(json.dumps(line, default=str) + "\n")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":
