@@ -190,3 +190,53 @@ def test_pieces_tiled_unlike_the_base_or_a_base_missing_on_one_rank_are_refused_
     all_ok(world.update("C", front, behaviors={i: {"version": "C"} for i in range(WORLD)}))
     assert all(d == want_digests(v["C"]) for d in _engines(front))
     assert all(front.call(i, "held")[1] == "C" for i in range(WORLD))
+
+
+def test_a_fold_of_pieced_deltas_brings_engines_that_hold_the_oldest_version_to_the_newest(world_and_front):
+    """A is live, then unregistered; B and C are pieced deltas. ``fold_delta("C", base="A")`` folds B's and
+    C's payloads piece by piece (``fold.py`` from the chain, A being gone), and one delta update brings the
+    engines from A to C byte for byte."""
+    world, front = world_and_front
+    v = {"A": _first(seed=3921)}
+    _register(world, "A", v["A"])
+    all_ok(world.update("A", front, behaviors={i: {"version": "A"} for i in range(WORLD)}))
+    v["B"] = _next(v["A"], seed=3922, density=0.02)
+    v["C"] = _next(v["B"], seed=3923, density=0.02)
+    _register(world, "B", v["B"], base="A")
+    _register(world, "C", v["C"], base="B")
+    all_ok(world.all("unregister", ("A", {})))
+    folded = all_ok(world.all("call", ("support.delta_world", "fold_delta", ("C", "A"))))
+    assert all(o.value["fold"] == "A -> B -> C" for o in folded.values()), folded
+    got = all_ok(_delta(world, front, "C"))
+    assert all(o.value["delta"]["companion"] == "C@delta:A" for o in got.values()), got
+    assert all(d == want_digests(v["C"]) for d in _engines(front))
+    assert all(front.call(i, "held")[1] == "C" for i in range(WORLD))
+
+
+def test_p2p_deltas_of_pieces_read_only_the_payloads_and_leave_the_engine_bit_exact():
+    """Owners 0 and 1 hold A, B, C in pieces; the engine beside rank 1 takes A whole over P2P, then B and C
+    as P2P deltas: it reads each piece's payload from the rank that holds it."""
+    pytest.importorskip("mooncake.engine", reason="Mooncake (the p2p extra) is not installed")
+    from support.p2p_cases import OWNERS, SMALL
+
+    v = {"A": _first(seed=3931)}
+    v["B"] = _next(v["A"], seed=3932, density=0.02)
+    v["C"] = _next(v["B"], seed=3933, density=0.01)
+    with PsWorld("cpu", WORLD, init=SMALL, env=OWNERS) as world:
+        front = EngineFront("cpu", 1, devices=[1], behavior={"derived": DERIVED}, engine_cls=DeltaEngine)
+        try:
+            prev = None
+            for name in ("A", "B", "C"):
+                _register(world, name, v[name], base=prev)
+                per = {0: {"version": name}}
+                got = all_ok(world.all("call", ("support.delta_world", "p2p_delta_update",
+                                                (name, front.address, 60, [1], per, bool(prev))), timeout=150))
+                assert front.digests(0) == want_digests(v[name]), f"the engine differs from {name}"
+                if prev is not None:
+                    fig = got[1].value["delta"]
+                    assert fig["base"] == prev and 0 < got[1].value["read_bytes"] < fig["version_bytes"], fig
+                    [(status, result)] = front.worker_outcomes(front.fanouts - 1)
+                    assert status == "ok" and result["scattered"] >= 1 and result["reloaded"] == len(DERIVED), result
+                prev = name
+        finally:
+            front.close()
