@@ -240,3 +240,30 @@ def test_p2p_deltas_of_pieces_read_only_the_payloads_and_leave_the_engine_bit_ex
                 prev = name
         finally:
             front.close()
+
+
+@pytest.mark.parametrize("world, tp", [(2, 1), (4, 2)], ids=["fsdp2", "fsdp2-x-tp"])
+def test_a_trainers_fsdp2_and_tp_dtensors_take_deltas_without_a_gather(world, tp):
+    """Real FSDP2 (and FSDP2 x TP on a 2-D mesh: strided pieces, replicas kept once) on gloo, the PS inside
+    each trainer process: each step's bf16 state dict is registered as it lies (DTensors, ``full_tensor`` and
+    ``redistribute`` patched to raise) with the previous step as its base, and updated as a delta; every
+    engine worker holds every full tensor bit-exact, from fewer payload bytes than the step's."""
+    from support.shards_world import run_trainers
+
+    front = EngineFront("cpu", world, engine_cls=DeltaEngine)
+    try:
+        res = run_trainers(world, front.address, tp=tp, steps=3, delta=True, timeout=360)
+        for r in range(world):
+            assert all(isinstance(x, dict) for x in res[r]), res[r]
+        for step in (1, 2):
+            figs = [res[r][step]["delta"] for r in range(world)]
+            assert all(f["base"] == f"step-{step - 1}" and f["companion"] == f"step-{step}@delta" for f in figs), figs
+            payload, full = sum(f["payload_bytes"] for f in figs), sum(f["full_bytes"] for f in figs)
+            assert 0 < payload < full, (step, payload, full)
+        final = res[0][2]["want"]
+        for i in range(world):
+            assert front.digests(i) == final, f"engine worker {i} differs from the trainer's full tensors"
+            assert front.call(i, "held")[1] == "step-2"
+        assert front.fanouts == 3
+    finally:
+        front.close()
