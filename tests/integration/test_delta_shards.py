@@ -267,3 +267,26 @@ def test_a_trainers_fsdp2_and_tp_dtensors_take_deltas_without_a_gather(world, tp
         assert front.fanouts == 3
     finally:
         front.close()
+
+
+def test_a_pieced_delta_over_the_stock_wire_is_refused_before_anything_moves():
+    """The stock wire's workers (SGLang's loader) know whole-tensor payloads only: a delta of a version
+    registered in pieces is refused there (``ConfigError``), asked before anything moves; the version
+    itself still goes whole."""
+    from ckpt_core import ConfigError, ParameterServer
+    from ckpt_core.delta.versions import accepts_deltas
+    from support.ports import free_port
+
+    a = _first(seed=3941)
+    b = _next(a, seed=3942, density=0.02)
+    pieces = {n: TensorShard(t.clone(), tuple(t.shape), (0,) * t.dim()) for n, t in a.items()}
+    with ParameterServer(rank=0, world_size=1, device="cpu", wire="stock", master_addr="127.0.0.1",
+                         master_port=free_port()) as ps:
+        ps.register_checkpoint("A", named_tensors=pieces)
+        ps.register_checkpoint("B", base="A", named_tensors={
+            n: TensorShard(t.clone(), tuple(t.shape), (0,) * t.dim()) for n, t in b.items()})
+        ps.gather_metas("B")
+        asked = []
+        with pytest.raises(ConfigError, match="registered in pieces, moves on our wire only"):
+            ps.update("B", accepts_deltas(lambda handles: asked.append(handles)), delta=True, timeout=30)
+        assert asked == [] and ps.deltas.engines_hold is None
