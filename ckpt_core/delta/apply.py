@@ -107,8 +107,8 @@ def _target_name(name: str) -> tuple[str, Any, str, tuple[int, ...] | None]:
     parsed = parse_box_name(name)
     if parsed is None:
         return name[len(PAYLOAD):], None, name[len(PAYLOAD):], None
-    tensor, box = parsed
-    return tensor, box, f"{tensor}[box {'whole' if box is None else [list(b) for b in box]}]", None
+    tensor, sliced = parsed
+    return tensor, sliced, f"{tensor}[box {'whole' if sliced is None else [list(b) for b in sliced]}]", None
 
 
 class DeltaReceiver:

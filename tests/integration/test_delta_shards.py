@@ -12,7 +12,6 @@ update works.
 
 import pytest
 import torch
-
 from support.asserts import assert_every_rank_failed
 from support.data import fresh_tensor, random_bits, want_digests
 from support.delta_world import DeltaEngine
@@ -184,7 +183,8 @@ def test_pieces_tiled_unlike_the_base_or_a_base_missing_on_one_rank_are_refused_
     all_ok(world.all("register", ("C", {"named_tensors": shares[1]}), ranks=[1]))
     all_ok(world.all("gather", "C"))
     fanouts = front.fanouts
-    got = assert_every_rank_failed(_delta(world, front, "C"), "DeltaBaseError", "not registered with a base on rank(s) [1]")
+    got = assert_every_rank_failed(_delta(world, front, "C"), "DeltaBaseError",
+                                   "not registered with a base on rank(s) [1]")
     assert len({o.message for o in got.values()}) == 1, got
     assert front.fanouts == fanouts and all(d == want_digests(v["B"]) for d in _engines(front))
     all_ok(world.update("C", front, behaviors={i: {"version": "C"} for i in range(WORLD)}))
@@ -273,9 +273,10 @@ def test_a_pieced_delta_over_the_stock_wire_is_refused_before_anything_moves():
     """The stock wire's workers (SGLang's loader) know whole-tensor payloads only: a delta of a version
     registered in pieces is refused there (``ConfigError``), asked before anything moves; the version
     itself still goes whole."""
+    from support.ports import free_port
+
     from ckpt_core import ConfigError, ParameterServer
     from ckpt_core.delta.versions import accepts_deltas
-    from support.ports import free_port
 
     a = _first(seed=3941)
     b = _next(a, seed=3942, density=0.02)

@@ -6,7 +6,6 @@ the piece's digest there, and undoes it all when the update fails."""
 
 import pytest
 import torch
-
 from support.data import random_bits
 
 from ckpt_core import TensorShard
