@@ -76,6 +76,9 @@ class SlicedDeltas:
         version = self.catalog.checkpoints[name]
         if version.on_device:
             raise ConfigError(f"{name!r} is device-resident: a sliced delta is cut from host memory")
+        if any(m.box is not None for m in version.metas):
+            raise ConfigError(f"{name!r} is registered in pieces: slice plans take whole tensors (docs/trainers.md, "
+                              "Limits); update its delta without slices=")
         payloads, fig = build_box_payloads(version, self.catalog.checkpoints[comp], plan)
         cut = sliced_name(comp, plan)
         self.catalog.checkpoints[cut] = build_checkpoint(cut, self.ctx.backend, named_tensors=payloads)

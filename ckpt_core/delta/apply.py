@@ -25,6 +25,10 @@ succeeded, the worker holds ``version``. A delta (``versions.py``: payloads name
   ``with`` block by an exception undoes every write of this delta (scatters restored, rebuilt
   tensors reloaded from their base copy): the worker holds its base, byte for byte.
 
+A version registered in pieces (``pieces.py``) sends a payload per changed piece, named by its box of the
+whole tensor: it is scattered into that box of the live tensor (or of the tensor rebuilt from the kept copy,
+which is then reloaded whole) and the piece's digest is checked there.
+
 With ``defer_reload`` the rebuilt tensors are reloaded once, in the post hook, after every rank
 checked every bucket (``DeltaReceiver``).
 
@@ -43,7 +47,8 @@ import torch
 from ckpt_core._settings import delta_drop_one
 from ckpt_core.delta.encode import Decoded, apply_decoded, decode_many, undo_decoded
 from ckpt_core.delta.lin64 import lin64_many
-from ckpt_core.delta.sliced import BOX, parse_box_name
+from ckpt_core.delta.pieces import PIECE, parse_piece_name
+from ckpt_core.delta.sliced import BOX, parse_box_name, region_of
 from ckpt_core.delta.versions import MANIFEST, PAYLOAD, parse_manifest_name
 from ckpt_core.errors import CheckpointFormatError, DeltaBaseError
 
@@ -72,7 +77,7 @@ def delta_of_plan(listing) -> tuple[str, str] | None:
     names = [n for n, _, _ in listing]
     parsed = [parse_manifest_name(n) for n in names if n.startswith(MANIFEST)]
     if not parsed:
-        if any(n.startswith((PAYLOAD, BOX)) for n in names):
+        if any(n.startswith((PAYLOAD, BOX, PIECE)) for n in names):
             raise CheckpointFormatError("the update carries delta payloads but no delta manifest")
         return None
     manifests = [m for m in parsed if m is not None]
@@ -85,20 +90,25 @@ def delta_of_plan(listing) -> tuple[str, str] | None:
     ranks = sorted(r for _, _, r, _ in manifests)
     if ranks != list(range(world)):
         raise DeltaBaseError(f"the delta of {version!r} has manifests of PS ranks {ranks}, expected 0..{world - 1}")
-    stray = [n for n in names if not n.startswith((PAYLOAD, MANIFEST, BOX))]
+    stray = [n for n in names if not n.startswith((PAYLOAD, MANIFEST, BOX, PIECE))]
     if stray:
         raise CheckpointFormatError(f"a delta update also carries whole tensors {stray[:4]}")
     return base, version
 
 
-def _target_name(name: str) -> tuple[str, Any, str]:
-    """(checkpoint tensor, box, name shown in errors) of a payload's name: a whole tensor's
-    (``ckpt.delta:<tensor>``, its box None and shown as itself) or a box's (``sliced.BOX``)."""
+def _target_name(name: str) -> tuple[str, Any, str, tuple[int, ...] | None]:
+    """(checkpoint tensor, box, name shown in errors, whole shape) of a payload's name: a whole tensor's
+    (``ckpt.delta:<tensor>``, its box None and shown as itself), a box's (``sliced.BOX``: the box this engine
+    rank reads) or a piece's (``pieces.PIECE``: a box of a tensor this worker holds whole, of that shape)."""
+    piece = parse_piece_name(name)
+    if piece is not None:
+        tensor, shape, box = piece
+        return tensor, box, f"{tensor}[piece {[list(b) for b in box]}]", shape
     parsed = parse_box_name(name)
     if parsed is None:
-        return name[len(PAYLOAD):], None, name[len(PAYLOAD):]
-    tensor, box = parsed
-    return tensor, box, f"{tensor}[box {'whole' if box is None else [list(b) for b in box]}]"
+        return name[len(PAYLOAD):], None, name[len(PAYLOAD):], None
+    tensor, sliced = parsed
+    return tensor, sliced, f"{tensor}[box {'whole' if sliced is None else [list(b) for b in sliced]}]", None
 
 
 class DeltaReceiver:
@@ -234,14 +244,17 @@ class _Update:
     def _apply(self, weights: Weights) -> None:
         t0 = time.perf_counter()
         checks: list[tuple[str, torch.Tensor, str, torch.dtype]] = []
-        reloads: Weights = []
+        reloads: dict[str, torch.Tensor] = {}
         named = [(_target_name(n), p) for n, p in weights if not n.startswith(MANIFEST)]
-        payloads = [(shown, p) for (_, _, shown), p in named]
+        payloads = [(shown, p) for (_, _, shown, _), p in named]
         # every payload of the bucket checked before anything is written, its checks read back together
-        for ((name, box, shown), payload), decoded in zip(named, decode_many(payloads)):
+        for ((name, box, shown, whole), payload), decoded in zip(named, decode_many(payloads)):
             d = self._maybe_drop(decoded)
             self.figures["payload_bytes"] += payload.numel()
             self.figures["elements"] += d.count
+            if whole is not None:   # a piece: into its box of the whole tensor, checked there
+                checks.append((shown, self._piece(name, whole, box, d, shown, reloads), d.digest, d.dtype))
+                continue
             # a sliced delta's box goes into its live region, else is rebuilt like a whole tensor (from the
             # kept copy of the box: what this engine rank loaded) and reloaded
             boxed = shown != name
@@ -254,7 +267,7 @@ class _Update:
                 checks.append((shown, target, d.digest, d.dtype))
             else:
                 new = self._rebuild(name, d)
-                reloads.append((name, new))
+                reloads[name] = new
                 checks.append((shown, new, d.digest, d.dtype))
         t1 = time.perf_counter()
         self.figures["apply_s"] += t1 - t0
@@ -265,11 +278,11 @@ class _Update:
         self.figures["verify_s"] += time.perf_counter() - t1
         if reloads:
             if self.rx.reload is None:
-                raise CheckpointFormatError(f"the engine derives {reloads[0][0]!r} and gave no reload path")
+                raise CheckpointFormatError(f"the engine derives {next(iter(reloads))!r} and gave no reload path")
             self.rebuilt.update(reloads)
-            self.figures["reloaded"] += len(reloads)
+            self.figures["reloaded"] = len(self.rebuilt)   # tensors (a tensor's pieces may come in several buckets)
             if not self.rx.defer_reload:
-                self.rx.reload(reloads)
+                self.rx.reload(list(reloads.items()))
 
     def _scatter(self, name: str, target: torch.Tensor, d: Decoded, shown: str | None = None) -> None:
         """``d`` written into ``target``; ``shown``: the payload as errors name it (a box's), ``name`` the tensor."""
@@ -292,6 +305,39 @@ class _Update:
         self._scatter(name, work, d, shown)
         self.undo_log[-1] = (region, d, None, saved)   # undo: the region's saved bytes, not the work copy's
         self.writebacks.append((region, work))
+        return work
+
+    def _piece(self, name: str, shape: tuple[int, ...], box, d: Decoded, shown: str,
+               reloads: dict[str, torch.Tensor]) -> torch.Tensor:
+        """A piece of a tensor this worker holds whole (``pieces.py``): scattered into its box of the live tensor,
+        or applied to its box of the whole tensor rebuilt from the kept copy (one per tensor: its pieces may come
+        in several buckets), then reloaded whole. Returns what the piece's digest is checked on."""
+        live = self.rx.live(name)
+        if live is not None:
+            if tuple(live.shape) != shape:
+                raise CheckpointFormatError(f"the live tensor is {list(live.shape)}, the delta's piece is of a tensor "
+                                            f"of {list(shape)}", tensor=shown)
+            region = region_of(live, box)
+            if not region.is_contiguous():
+                return self._scatter_region(name, region, d, shown)
+            self._scatter(name, region, d, shown)
+            return region
+        new = reloads.get(name)
+        if new is None:
+            earlier = self.rebuilt.get(name)   # an earlier bucket's pieces (handed to reload: copied, not reused)
+            base = earlier if earlier is not None else self.rx.base_of(name)
+            if base is None or base.dtype != d.dtype or tuple(base.shape) != shape:
+                raise CheckpointFormatError("the engine derives this tensor and this worker kept no copy of its base "
+                                            "in checkpoint format", tensor=shown)
+            new = reloads[name] = base.clone()
+        region = region_of(new, box)
+        if tuple(region.shape) != d.shape or d.dtype != new.dtype:
+            raise CheckpointFormatError(f"the piece is {list(region.shape)}, its delta {d.dtype} {list(d.shape)}",
+                                        tensor=shown)
+        work = region if region.is_contiguous() else region.contiguous()
+        apply_decoded(work, d)
+        if work is not region:
+            region.copy_(work)
         return work
 
     def _rebuild(self, name: str, d: Decoded) -> torch.Tensor:

@@ -48,6 +48,7 @@ from ckpt_core.delta._scan import kernel, scan, segment_sums, span_changes
 from ckpt_core.delta.encode import ENCODINGS, MAX_GAP16, _encoded, as_words, encode_tensor, frame_head
 from ckpt_core.delta.lin64 import ROW, HostDigest, _fmt, _host_ab, _sum_numpy, mix_int, raw_of
 from ckpt_core.planning.buckets import TensorMeta
+from ckpt_core.planning.pieces import meta_key
 
 BLOCK_WORDS = 1 << 15          # words per compare block: 256 KiB of each version, in cache together
 _PIECE_WORDS = 1 << 16         # words per thread job (16 MiB of each version)
@@ -241,8 +242,9 @@ def _run_jobs(jobs, threads: int, large=()) -> tuple[list, list]:
 
 
 def encode_registration(ckpt, base_ckpt, old: dict) -> Encoded:
-    """``encode_tensor(new, old)`` of every tensor of ``ckpt`` (old: ``old[name]`` in ``base_ckpt``, or
-    None when missing), in ``ckpt.metas`` order, with the same payloads (module doc)."""
+    """``encode_tensor(new, old)`` of every tensor of ``ckpt`` (old: ``old[meta_key(meta)]`` in ``base_ckpt``:
+    a whole tensor's of its name, a piece's of its box; None when missing), in ``ckpt.metas`` order, with the
+    same payloads (module doc). Digests (``base_ckpt.digests``, the result's) are keyed by ``meta_key`` too."""
     clock = time.perf_counter()
     phases: dict[str, float] = {}
 
@@ -255,13 +257,13 @@ def encode_registration(ckpt, base_ckpt, old: dict) -> Encoded:
     metas = ckpt.metas
     results: list = [None] * len(metas)
     base_sums: dict[str, int] = base_ckpt.digests
-    pairs = [_Pair(i, m, old.get(m.name)) for i, m in enumerate(metas)]   # type: ignore[arg-type]
+    pairs = [_Pair(i, m, old.get(meta_key(m))) for i, m in enumerate(metas)]   # type: ignore[arg-type]
     eligible = [p for p in pairs if _eligible(ckpt, base_ckpt, p.new, p.old)]
     fused = [p for p in eligible if p.new.nbytes < LARGE_BYTES]
     large = [p for p in eligible if p.new.nbytes >= LARGE_BYTES]
     keep_base = _cacheable_regions(base_ckpt)
     fused_ids = {p.at for p in eligible}
-    by_name = {p.new.name: p.new for p in eligible}
+    by_name = {meta_key(p.new): p.new for p in eligible}
     for p in pairs:   # the rest one by one, as before
         if p.at not in fused_ids:
             prev = base_ckpt.host_tensor(p.old) if p.old is not None else None
@@ -299,7 +301,7 @@ def encode_registration(ckpt, base_ckpt, old: dict) -> Encoded:
     for p, (payload, info, total_sum) in zip(large, done):
         results[p.at] = (payload, info)
         if total_sum is not None:
-            digests[p.new.name] = total_sum
+            digests[meta_key(p.new)] = total_sum
     lap("compare")
 
     # 2. digests: the base's sum plus the change of sum (a tensor cut between jobs: its parts added)
@@ -308,7 +310,7 @@ def encode_registration(ckpt, base_ckpt, old: dict) -> Encoded:
         for ti, d in zip(dt.tolist(), dsum.tolist()):
             change[ti] = change.get(ti, 0) + d
     for ti, p in enumerate(order):
-        name = p.new.name
+        name = meta_key(p.new)
         keep = p.old.base in keep_base
         known = base_sums.get(name) if keep else None
         if ti in change or known is not None:
@@ -354,7 +356,7 @@ def encode_registration(ckpt, base_ckpt, old: dict) -> Encoded:
     lists = (ct.tolist(), firsts.tolist(), counts.tolist(), max_gaps.tolist(), runs.tolist(), vec.enc.tolist(), bodies)
     for c, (ti, s, n, mg, r, enc, body) in enumerate(zip(*lists)):
         p = order[ti]
-        digest = _fmt(digests[p.new.name] + _size_term(p.new.nbytes, p.new.itemsize))
+        digest = _fmt(digests[meta_key(p.new)] + _size_term(p.new.nbytes, p.new.itemsize))
         if enc in _VECTOR:
             results[p.at] = vec.header(c, p.at, p.new, digest, enc, body, n)
             continue

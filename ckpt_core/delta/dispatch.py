@@ -67,10 +67,12 @@ class Updates:
             if base is not None and ckpt.on_device:   # a trainer's versions on its device: encoded there, kept there
                 device = self.ctx.backend.device(self.ctx.device_index)
                 payloads = self.versions.encode(name, ckpt, base, self.catalog.checkpoints.get(base), device)
-                comp = build_device_checkpoint(companion(name), self.ctx.backend, self.ctx.device_index, payloads)
+                if payloads is not None:
+                    comp = build_device_checkpoint(companion(name), self.ctx.backend, self.ctx.device_index, payloads)
             elif base is not None:
                 payloads = self.versions.encode(name, ckpt, base, self.catalog.checkpoints.get(base))
-                comp = build_packed(companion(name), self.ctx.backend, payloads)
+                if payloads is not None:   # None: pieced unlike its base here (delta/pieces.py), no delta
+                    comp = build_packed(companion(name), self.ctx.backend, payloads)
         except BaseException:
             self.versions.drop_snapshot(name)
             self.versions.forget(name)   # encoded, then its companion failed: no base recorded for it
@@ -89,7 +91,7 @@ class Updates:
         self.sliced.forget(name)   # its sliced deltas go with it
         self.versions.drop_snapshot(name)
         comps = [companion(name)] + [fold_companion(name, b) for b in self.versions.folds.get(name, {})]
-        if name in self.versions.bases or name in self.versions.folds:
+        if name in self.versions.bases or name in self.versions.folds or name in self.versions.refused:
             self.versions.forget(name)
         for comp in comps:   # its deltas go with it
             if comp in self.catalog.checkpoints:
@@ -263,6 +265,12 @@ def _delta_view(u: Updates, name, ranks, mode, req_func=None) -> dict:
             raise ConfigError(f"delta must be False, True or 'fallback', got {mode!r}")
         if req_func is not None:
             check_accepts_deltas(req_func, u.ctx.wire)
+        if name in u.versions.refused:   # pieced unlike its base on this rank: registered without a delta
+            raise DeltaBaseError(u.versions.refused[name])
+        version = u.catalog.checkpoints.get(name)
+        if u.ctx.wire != "native" and version is not None and any(m.box is not None for m in version.metas):
+            raise ConfigError(f"a delta of {name!r}, registered in pieces, moves on our wire only (its piece "
+                              "payloads are ours, docs/deltas.md): update it whole over the stock wire")
         target = not ranks or u.ctx.rank in targets_of(ranks, u.ctx.world_size)
         registered = {b: fold_companion(name, b) for b in u.versions.folds.get(name, {})
                       if fold_companion(name, b) in u.catalog.checkpoints}

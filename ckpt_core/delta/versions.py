@@ -41,7 +41,9 @@ from ckpt_core.delta.batch import encode_registration
 from ckpt_core.delta.encode_device import encode_on_device
 from ckpt_core.delta.fold import fold_tensor
 from ckpt_core.delta.lin64 import lin64_many
+from ckpt_core.delta.pieces import PiecesMismatch, piece_name_of, pieces_mismatch
 from ckpt_core.errors import ConfigError, DeltaBaseError, DeviceResidentError, RemoteWorkerError
+from ckpt_core.planning.pieces import meta_key
 
 SUFFIX = "@delta"
 FOLD = "@delta:"                     # version + FOLD + base: a fold's companion (fold.py)
@@ -64,6 +66,11 @@ def fold_companion(name: str, base: str) -> str:
 
 def manifest_name(base: str, version: str, rank: int, world: int) -> str:
     return MANIFEST + json.dumps([base, version, rank, world])
+
+
+def payload_name(meta) -> str:
+    """The name of a tensor's delta payload: ``ckpt.delta:<tensor>``, or a piece's (``pieces.piece_name``)."""
+    return PAYLOAD + meta.name if meta.box is None else piece_name_of(meta)
 
 
 def parse_manifest_name(name: str) -> tuple[str, str, int, int] | None:
@@ -106,17 +113,25 @@ class DeltaVersions:
         self.engines_hold: str | None = None
         # device-resident versions: the lin64 of each tensor when registered (a base must still hold them)
         self.snapshots: dict[str, list[str]] = {}
+        # versions registered with a base but no delta: pieced unlike it on this rank (pieces.py), and why
+        self.refused: dict[str, str] = {}
 
     # -- registration ------------------------------------------------------------
     def encode(self, name: str, ckpt, base: str, base_ckpt,
-               device: torch.device | None = None) -> dict[str, torch.Tensor]:
+               device: torch.device | None = None) -> dict[str, torch.Tensor] | None:
         """The companion's named tensors: this rank's payloads of ``name`` against ``base``, and its manifest.
         A device-resident version (``on_device``) is encoded on ``device`` against a device-resident base
-        (``encode_device.py``), and its payloads and manifest lie there."""
+        (``encode_device.py``), and its payloads and manifest lie there. None when the two are not pieced
+        alike here (``pieces.py``): no companion; why is kept in ``refused`` for the update's agreement."""
         if not isinstance(base, str) or base_ckpt is None:
             raise DeltaBaseError(f"base {base!r} of {name!r} is not registered on rank {self.rank}")
-        out, fig = self._direct(name, ckpt, base, base_ckpt, device)
+        try:
+            out, fig = self._direct(name, ckpt, base, base_ckpt, device)
+        except PiecesMismatch as exc:   # a layout change: registered whole, its delta refused when asked for
+            self.refused[name] = str(exc)
+            return None
         self.bases[name] = base
+        self.refused.pop(name, None)
         self.figures[name] = fig
         return out
 
@@ -125,10 +140,14 @@ class DeltaVersions:
         """``name`` encoded against registered ``base`` on this rank: the companion's tensors, its figures
         (a device-resident pair on ``device``, where the payloads then lie)."""
         refuse_mixed_sides(name, ckpt.on_device, base, base_ckpt.on_device, self.rank)
-        if any(m.box is not None for m in ckpt.metas):
-            raise ConfigError(f"{name!r}: tensors registered in pieces cannot take a base yet (issue 39)")
-        old = {m.name: m for m in base_ckpt.metas if m.box is None}
-        gone = sorted(set(old) - {m.name for m in ckpt.metas})
+        if ckpt.on_device and any(m.box is not None for m in ckpt.metas):
+            raise ConfigError(f"{name!r}: device-resident tensors registered in pieces cannot take a base yet "
+                              "(register the pieces in host memory, or update it whole)")
+        mismatch = pieces_mismatch(name, ckpt.metas, base, base_ckpt.metas, self.rank)
+        if mismatch:
+            raise PiecesMismatch(mismatch)
+        old = {meta_key(m): m for m in base_ckpt.metas}   # a piece pairs with the base's piece of its box
+        gone = sorted(set(old) - {meta_key(m) for m in ckpt.metas})
         if gone:
             raise ConfigError(f"{name!r} lacks tensors of its base {base!r} on rank {self.rank}: {gone[:4]}; "
                               "a delta cannot remove tensors from an engine: register it without a base")
@@ -136,8 +155,9 @@ class DeltaVersions:
         phases = None
         if ckpt.on_device:
             self._check_unchanged(base, base_ckpt)
-            encoded = encode_on_device([(device_tensor(ckpt, m), device_tensor(base_ckpt, old[m.name]) if m.name in old
-                                         else None) for m in ckpt.metas], digests=self.snapshots.get(name))
+            encoded = encode_on_device([(device_tensor(ckpt, m), device_tensor(base_ckpt, old[meta_key(m)])
+                                         if meta_key(m) in old else None) for m in ckpt.metas],
+                                       digests=self.snapshots.get(name))
         else:
             rewritten = base_ckpt.rewritten_problem()
             if rewritten:   # its registered bytes are the file's: not what the engines received
@@ -167,7 +187,7 @@ class DeltaVersions:
             counts["full_bytes"] += m.nbytes
             if payload is None:
                 continue
-            out[PAYLOAD + m.name] = payload
+            out[payload_name(m)] = payload
             counts["changed_tensors"] += 1
             counts["changed_elements"] += info["count"]
             counts["payload_bytes"] += info["bytes"]
@@ -188,14 +208,13 @@ class DeltaVersions:
             out, fig = self._direct(name, ckpt, base, base_ckpt)
             fig["fold"] = "encoded against the registered base"
         else:
-            if any(m.box is not None for m in ckpt.metas):
-                raise ConfigError(f"{name!r}: tensors registered in pieces cannot take a base yet (issue 39)")
-            payloads = [{m.name[len(PAYLOAD):]: comp.host_tensor(m) for m in comp.metas if m.name.startswith(PAYLOAD)}
+            # payloads by name: a piece's are of its box, which every step kept (each was pieced as its base)
+            payloads = [{m.name: comp.host_tensor(m) for m in comp.metas if not m.name.startswith(MANIFEST)}
                         for _, comp in steps]
             chain = [base] + [v for v, _ in steps]
 
             def one(m):
-                return fold_tensor(ckpt.host_tensor(m), [p.get(m.name) for p in payloads], m.name)
+                return fold_tensor(ckpt.host_tensor(m), [p.get(payload_name(m)) for p in payloads], meta_key(m))
             out, fig = self._companion(name, base, ckpt, _each_tensor(ckpt, one), t0, {"chain": chain})
             fig["fold"] = " -> ".join(chain)
         self.folds.setdefault(name, {})[base] = fig
@@ -209,6 +228,7 @@ class DeltaVersions:
 
     def forget(self, name: str) -> None:
         self.bases.pop(name, None)
+        self.refused.pop(name, None)
         self.figures.pop(name, None)
         self.folds.pop(name, None)
 

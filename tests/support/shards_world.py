@@ -72,11 +72,11 @@ def build(world: int, tp: int, kind: str = "cpu"):
     return model
 
 
-def train_step(model, dp_rank: int, step: int) -> None:
+def train_step(model, dp_rank: int, step: int, lr: float = 0.5) -> None:
     # fresh data per data-parallel rank and step (the ranks of one TP group see the same batch)
     gen = torch.Generator().manual_seed(1000 * step + dp_rank)
     ids = torch.randint(0, VOCAB, (4, 8), generator=gen).to(model.embed.weight.device)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
     loss = model(ids).float().pow(2).mean()
     loss.backward()
     opt.step()
@@ -105,7 +105,10 @@ def local_bytes(state: dict) -> int:
     return sum(t.to_local().numel() * t.element_size() for t in state.values())
 
 
-def trainer_main(rank: int, world: int, port: int, tp: int, steps: int, address, out, kind: str = "cpu") -> None:
+def trainer_main(rank: int, world: int, port: int, tp: int, steps: int, address, out, kind: str = "cpu",
+                 delta: bool = False) -> None:
+    """``delta``: each step after the first is a bf16 snapshot registered with the previous one as its base and
+    updated as a delta (small steps: sparse changes); the engines must apply deltas (``delta_world.DeltaEngine``)."""
     import torch.distributed as dist
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0")
@@ -117,22 +120,27 @@ def trainer_main(rank: int, world: int, port: int, tp: int, steps: int, address,
         from ckpt_core import ParameterServer
         model = build(world, tp, kind)
         ps = ParameterServer(device=kind, auto_pg=False)
-        req = make_req_func(address) if rank == 0 else (lambda h: None)
         for step in range(steps):
-            train_step(model, rank // tp, step)
+            train_step(model, rank // tp, step, lr=1e-3 if delta else 0.5)
             state = model.state_dict()
+            if delta:   # what an engine is sent: bf16 (elementwise on the local shards, no gather)
+                state = {n: t.to(torch.bfloat16) for n, t in state.items()}
             want = {n: digest(t.full_tensor()) for n, t in state.items()}   # before the PS sees a byte
             name = f"step-{step}"
+            base = f"step-{step - 1}" if delta and step else None
+            behaviors = {i: {"version": name} for i in range(world)} if delta else None
+            req = make_req_func(address, behaviors) if rank == 0 else (lambda h: None)
             with NoGather():
-                ps.register_checkpoint(name, named_tensors=state)
+                ps.register_checkpoint(name, named_tensors=state, base=base)
                 ps.gather_metas(name)
-                res = ps.update(name, req, timeout=60)
-            if step:
-                ps.unregister_checkpoint(f"step-{step - 1}")
+                res = ps.update(name, req, timeout=60, delta=base is not None)
+            if step > (1 if delta else 0):   # a delta's base stays registered until the next version's
+                ps.unregister_checkpoint(f"step-{step - (2 if delta else 1)}")
             results.append({"want": want, "registered": ps.last_register["bytes"], "local": local_bytes(state),
                             "placements": {n: [f"{type(p).__name__}({getattr(p, 'dim', '')})" for p in t.placements]
                                            for n, t in state.items()},
-                            "plans": len(ps._catalog.plans._plans), "buckets": res["buckets"], "bytes": res["bytes"]})
+                            "plans": len(ps._catalog.plans._plans), "buckets": res["buckets"], "bytes": res["bytes"],
+                            "delta": res.get("delta")})
         ps.close()
         dist.destroy_process_group()
     except Exception:
@@ -141,10 +149,10 @@ def trainer_main(rank: int, world: int, port: int, tp: int, steps: int, address,
 
 
 def run_trainers(world: int, address, *, tp: int = 1, steps: int = 2, timeout: float = 240,
-                 kind: str = "cpu") -> dict[int, list]:
+                 kind: str = "cpu", delta: bool = False) -> dict[int, list]:
     port = free_port()
     q = CTX.Queue()
-    procs = [CTX.Process(target=trainer_main, args=(r, world, port, tp, steps, address, q, kind), daemon=True)
+    procs = [CTX.Process(target=trainer_main, args=(r, world, port, tp, steps, address, q, kind, delta), daemon=True)
              for r in range(world)]
     return collect_world(procs, q, "trainer world", timeout)
 
