@@ -62,17 +62,6 @@ def _versions(seed, lrs=(1e-5, 1e-5, 1e-5)):
     return v
 
 
-@pytest.fixture(params=["per-bucket", "deferred"])
-def world_and_front(request):
-    world = PsWorld("cpu", WORLD)
-    front = EngineFront("cpu", WORLD, behavior={"derived": DERIVED, "defer": request.param == "deferred"},
-                        engine_cls=DeltaEngine)
-    try:
-        yield world, front
-    finally:
-        front.close()
-        world.close()
-
 
 @pytest.mark.parametrize("how", ["chain", "direct"])
 def test_engines_that_hold_a_take_d_folded_from_a_in_one_update(world_and_front, how):

@@ -104,18 +104,6 @@ def _changed(a, b) -> float:
     return sum(int(changed_mask(b[n], a[n]).sum()) for n in a) / sum(t.numel() for t in a.values())
 
 
-@pytest.fixture(params=["per-bucket", "deferred"])
-def world_and_front(request):
-    """Rebuilt tensors reloaded per bucket, or once in the post hook with every kept tensor (vLLM's way)."""
-    world = PsWorld("cpu", WORLD)
-    front = EngineFront("cpu", WORLD, behavior={"derived": DERIVED, "defer": request.param == "deferred"},
-                        engine_cls=DeltaEngine)
-    try:
-        yield world, front
-    finally:
-        front.close()
-        world.close()
-
 
 def test_a_chain_of_deltas_of_pieces_leaves_every_engine_equal_to_the_full_tensors(world_and_front):
     world, front = world_and_front

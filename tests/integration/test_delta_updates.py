@@ -11,11 +11,8 @@ update works.
 import pytest
 
 from support.p2p_cases import all_ok
-from support.asserts import assert_every_rank_failed
 from support.data import want_digests
-from support.delta_world import DERIVED, DeltaEngine, Trainer
-from support.engine import EngineFront
-from support.world import PsWorld
+from support.delta_world import Trainer
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -47,19 +44,6 @@ def _changed_fraction(a, b) -> float:
     n = sum(int(changed_mask(b[r][k], a[r][k]).sum()) for r in a for k in a[r])
     return n / sum(t.numel() for r in a for t in a[r].values())
 
-
-@pytest.fixture(params=["per-bucket", "deferred"])
-def world_and_front(request):
-    """Derived tensors reloaded per bucket (undone by reloading their base), or once in the post hook
-    with every kept tensor (as vLLM's extension does: nothing is loaded before every rank checked)."""
-    world = PsWorld("cpu", WORLD)
-    front = EngineFront("cpu", WORLD, behavior={"derived": DERIVED, "defer": request.param == "deferred"},
-                        engine_cls=DeltaEngine)
-    try:
-        yield world, front
-    finally:
-        front.close()
-        world.close()
 
 
 def test_a_chain_of_deltas_leaves_every_engine_equal_to_the_full_version(world_and_front):
