@@ -33,7 +33,6 @@ other tensor (new, retyped, reshaped, unaligned, items of 16 bytes) goes through
 
 from __future__ import annotations
 
-import functools
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -44,16 +43,16 @@ import torch
 
 from ckpt_core._settings import fault_threads
 from ckpt_core.delta._changes import Changes, changed_positions
-from ckpt_core.delta._scan import kernel, scan, segment_sums, span_changes
-from ckpt_core.delta.encode import ENCODINGS, MAX_GAP16, _encoded, as_words, encode_tensor, frame_head
-from ckpt_core.delta.lin64 import ROW, HostDigest, _fmt, _host_ab, _sum_numpy, mix_int, raw_of
+from ckpt_core.delta._payload_vector import _MASK, _ROW_BITS, _UINT, _VECTOR, Encoded, _size_term, _Vector
+from ckpt_core.delta._scan import kernel, scan, span_changes
+from ckpt_core.delta.encode import _encoded, as_words, encode_tensor
+from ckpt_core.delta.lin64 import ROW, HostDigest, _fmt, _host_ab, _sum_numpy, raw_of
 from ckpt_core.planning.buckets import TensorMeta
 from ckpt_core.planning.pieces import meta_key
 
 BLOCK_WORDS = 1 << 15          # words per compare block: 256 KiB of each version, in cache together
 _PIECE_WORDS = 1 << 16         # words per thread job (16 MiB of each version)
 _THREADS_MIN_WORDS = 1 << 20   # below: one thread (a pool costs more than it saves)
-_THREADS_MIN_ELEMENTS = 1 << 16   # changed elements below which the payloads are written on one thread
 _SPAN_GAP = 1 << 20
 # tensors from this size are encoded each on its own, block by block (their changes found and digested
 # in cache, where the batched path's arrays of every changed word outgrow the caches); below it they are
@@ -61,8 +60,6 @@ _SPAN_GAP = 1 << 20
 # under load: 4.6 s with 64 KiB here, 0.84 s with 1 MiB; dense16 x0.005, 220 KB tensors, one thread:
 # 84 ms on their own, 107 ms batched)
 LARGE_BYTES = 1 << 20
-_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-_MASK = (1 << 64) - 1
 
 
 class _Pair(NamedTuple):
@@ -75,12 +72,6 @@ def _cacheable_regions(ckpt) -> set[int]:
     """Regions whose tensors' lin64 sums may be kept: filled here, not in-place file maps (their file's
     owner could rewrite them)."""
     return {rid for rid, region in ckpt.regions.items() if region.source_check is None}
-
-
-@functools.lru_cache(maxsize=4096)
-def _size_term(nbytes: int, itemsize: int) -> int:
-    """lin64's term of a byte count and item size (``mix_int``: pure Python; tensors repeat shapes)."""
-    return mix_int((nbytes << 5) | itemsize)
 
 
 def _eligible(ckpt, base_ckpt, new, old) -> bool:
@@ -256,21 +247,38 @@ def encode_registration(ckpt, base_ckpt, old: dict) -> Encoded:
 
     metas = ckpt.metas
     results: list = [None] * len(metas)
-    base_sums: dict[str, int] = base_ckpt.digests
     pairs = [_Pair(i, m, old.get(meta_key(m))) for i, m in enumerate(metas)]   # type: ignore[arg-type]
     eligible = [p for p in pairs if _eligible(ckpt, base_ckpt, p.new, p.old)]
-    fused = [p for p in eligible if p.new.nbytes < LARGE_BYTES]
-    large = [p for p in eligible if p.new.nbytes >= LARGE_BYTES]
-    keep_base = _cacheable_regions(base_ckpt)
-    fused_ids = {p.at for p in eligible}
     by_name = {meta_key(p.new): p.new for p in eligible}
+    batched = {p.at for p in eligible}
     for p in pairs:   # the rest one by one, as before
-        if p.at not in fused_ids:
+        if p.at not in batched:
             prev = base_ckpt.host_tensor(p.old) if p.old is not None else None
             results[p.at] = encode_tensor(ckpt.host_tensor(p.new), prev)
     lap("other")
 
-    # 1. spans of tensors laid out alike, each cut into pieces: one job each, over threads, in order
+    large = [p for p in eligible if p.new.nbytes >= LARGE_BYTES]
+    order, parts, done = _compare(ckpt, base_ckpt, [p for p in eligible if p.new.nbytes < LARGE_BYTES], large)
+    digests: dict[str, int] = {}
+    for p, (payload, info, total_sum) in zip(large, done):
+        results[p.at] = (payload, info)
+        if total_sum is not None:
+            digests[meta_key(p.new)] = total_sum
+    lap("compare")
+    _derive_digests(base_ckpt, order, parts, digests)
+    lap("digest")
+    found = _positions(parts, order)
+    lap("positions")
+    vec, payloads = _encode_changed(ckpt, order, found, digests, results)
+    lap("payloads")
+    keep_new = _cacheable_regions(ckpt)
+    return Encoded([info for _, info in results], payloads, vec,
+                   {n: d for n, d in digests.items() if by_name[n].base in keep_new}, phases)
+
+
+def _compare(ckpt, base_ckpt, fused: list[_Pair], large: list[_Pair]):
+    """Spans of tensors laid out alike, each cut into pieces, and the large tensors: one job each, over
+    threads. Returns the batched tensors' order, the span jobs' results (in order) and the large ones'."""
     order: list[_Pair] = []
     jobs = []
     longest = 1
@@ -297,14 +305,14 @@ def encode_registration(ckpt, base_ckpt, old: dict) -> Encoded:
     total += sum(p.new.nbytes // 8 for p in large)
     threads = min(fault_threads(), os.cpu_count() or 1, len(jobs) + len(large)) if total >= _THREADS_MIN_WORDS else 1
     parts, done = _run_jobs(jobs, threads, [(_large, (ckpt, base_ckpt, p)) for p in large])
-    digests: dict[str, int] = {}
-    for p, (payload, info, total_sum) in zip(large, done):
-        results[p.at] = (payload, info)
-        if total_sum is not None:
-            digests[meta_key(p.new)] = total_sum
-    lap("compare")
+    return order, parts, done
 
-    # 2. digests: the base's sum plus the change of sum (a tensor cut between jobs: its parts added)
+
+def _derive_digests(base_ckpt, order: list[_Pair], parts: list, digests: dict[str, int]) -> None:
+    """Each batched tensor's sum into ``digests``: its base's plus its change (a tensor cut between jobs:
+    its parts added); a base's sum not kept yet is computed and kept where its region allows it."""
+    base_sums: dict[str, int] = base_ckpt.digests
+    keep_base = _cacheable_regions(base_ckpt)
     change: dict[int, int] = {}
     for _, _, dt, dsum in parts:
         for ti, d in zip(dt.tolist(), dsum.tolist()):
@@ -319,9 +327,25 @@ def encode_registration(ckpt, base_ckpt, old: dict) -> Encoded:
                 if keep:
                     base_sums[name] = known
             digests[name] = (known + change.get(ti, 0)) & _MASK
-    lap("digest")
 
-    # 3. gaps, largest gap and runs per changed tensor
+
+class _Found(NamedTuple):
+    """The batched tensors' changed elements: per element its tensor (in order), position and gap to the
+    previous one (its position for a tensor's first); per changed tensor its first element's index, count,
+    largest gap and runs; per tensor its elements and item size."""
+    tid: np.ndarray
+    pos: np.ndarray
+    gaps: np.ndarray
+    firsts: np.ndarray
+    counts: np.ndarray
+    max_gaps: np.ndarray
+    runs: np.ndarray
+    numel_t: np.ndarray
+    size_t: np.ndarray
+
+
+def _positions(parts: list, order: list[_Pair]) -> _Found:
+    """Gaps, largest gap and runs per changed tensor, by segment reductions over every changed element."""
     if len(parts) == 1:
         tid, pos = parts[0][0], parts[0][1]
     else:
@@ -343,17 +367,21 @@ def encode_registration(ckpt, base_ckpt, old: dict) -> Encoded:
     else:
         max_gaps = runs = np.empty(0, dtype=np.int64)
     counts = np.diff(np.append(firsts, pos.size))
-    lap("positions")
+    return _Found(tid, pos, gaps, firsts, counts, max_gaps, runs, numel_t, size_t)
 
-    # 5. each changed tensor's encoding; idx and gap16 bodies are written for all tensors at once
-    # (``Encoded.write``), the others one by one (``encode._encoded``)
-    ct = tid[firsts]   # changed tensors, in ``order``
-    vec = _Vector.plan(order, ct, counts, max_gaps, runs, numel_t, size_t)
+
+def _encode_changed(ckpt, order: list[_Pair], f: _Found, digests: dict[str, int], results: list):
+    """Each changed tensor's encoding: ``idx`` and ``gap16`` bodies planned for all tensors at once
+    (written by ``Encoded.write``), the others encoded one by one (``encode._encoded``); ``results``
+    filled. Returns the plan and every payload made here or before (meta index -> payload)."""
+    ct = f.tid[f.firsts]   # changed tensors, in ``order``
+    vec = _Vector.plan(order, ct, f.counts, f.max_gaps, f.runs, f.numel_t, f.size_t)
     payloads: dict[int, torch.Tensor] = {}
     for ti, p in enumerate(order):
-        results[p.at] = (None, {"encoding": None, "count": 0, "numel": int(numel_t[ti]), "bytes": 0})
+        results[p.at] = (None, {"encoding": None, "count": 0, "numel": int(f.numel_t[ti]), "bytes": 0})
     bodies = vec.sizes[vec.enc, np.arange(ct.size)].tolist()
-    lists = (ct.tolist(), firsts.tolist(), counts.tolist(), max_gaps.tolist(), runs.tolist(), vec.enc.tolist(), bodies)
+    lists = (ct.tolist(), f.firsts.tolist(), f.counts.tolist(), f.max_gaps.tolist(), f.runs.tolist(),
+             vec.enc.tolist(), bodies)
     for c, (ti, s, n, mg, r, enc, body) in enumerate(zip(*lists)):
         p = order[ti]
         digest = _fmt(digests[meta_key(p.new)] + _size_term(p.new.nbytes, p.new.itemsize))
@@ -361,179 +389,15 @@ def encode_registration(ckpt, base_ckpt, old: dict) -> Encoded:
             results[p.at] = vec.header(c, p.at, p.new, digest, enc, body, n)
             continue
         new = ckpt.host_tensor(p.new)
-        ch = Changes(pos[s: s + n], gaps[s: s + n], mg, r)
+        ch = Changes(f.pos[s: s + n], f.gaps[s: s + n], mg, r)
         payload, info = _encoded(new, as_words(new).numpy(), ch, digest, None)
         payloads[p.at] = payload
         results[p.at] = (None, info)
-    vec.elements(pos, gaps, firsts, counts)
+    vec.elements(f.pos, f.gaps, f.firsts, f.counts)
     for i, (payload, _) in enumerate(results):
         if payload is not None:   # encode_tensor's (the tensors not batched)
             payloads[i] = payload
-    lap("payloads")
-    keep_new = _cacheable_regions(ckpt)
-    return Encoded([info for _, info in results], payloads, vec,
-                   {n: d for n, d in digests.items() if by_name[n].base in keep_new}, phases)
-
-
-_VECTOR = (ENCODINGS.index("idx"), ENCODINGS.index("gap16"))
-_PLACEHOLDER = "lin64:" + "0" * 16   # a body check's place in a header (same length as any check)
-
-
-def _align8(x):
-    return (x + 7) & ~7
-
-
-class _Vector:
-    """The changed tensors' encodings (indices in ``ENCODINGS``, chosen as ``Sizes.best`` does: the
-    smallest body, the first of equal ones) and, for those encoded ``idx`` or ``gap16``, their headers
-    and their elements, to write all their payloads together (``write``)."""
-
-    def __init__(self, enc, sizes, width, counts, numel, size):
-        self.enc, self.sizes, self.width, self.counts, self.numel, self.size = enc, sizes, width, counts, numel, size
-        # per batched tensor: (changed tensor, meta index, header bytes, header length, body bytes, region, offset)
-        self.heads: list[tuple[int, int, bytes, int, int, int, int]] = []
-        self.elems: tuple | None = None
-
-    @classmethod
-    def plan(cls, order, ct, counts, max_gaps, runs, numel_t, size_t) -> _Vector:
-        numel, size = numel_t[ct], size_t[ct]
-        width = np.where(numel < 2 ** 31, 4, 8)
-        values = _align8(counts * size)
-        big = np.int64(1) << np.int64(62)
-        sizes = np.stack([_align8(numel * size), _align8(counts * width) + values,
-                          np.where(max_gaps <= MAX_GAP16, _align8(counts * 2) + values, big),
-                          _align8((numel + 7) // 8) + values, 2 * _align8(runs * width) + values]).reshape(5, -1)
-        enc = np.argmin(sizes, axis=0)   # the first of equal sizes: the order of ENCODINGS
-        return cls(enc, sizes, width, counts, numel, size)
-
-    def header(self, c: int, at: int, meta, digest: str, enc: int, body: int, count: int) -> tuple[None, dict]:
-        """Changed tensor ``c`` (``meta``, at ``at`` in the metas; ``enc``, ``body`` bytes, ``count`` changed)
-        batched: its header (its body's check to come) and ``encode_tensor``'s info of it."""
-        name = ENCODINGS[enc]
-        # encode._payload's JSON (compact separators, its key order); the codes, names and digests
-        # are plain ASCII, the rest ints: what json.dumps writes (test_delta_batch compares the bytes)
-        text = (f'{{"dtype":"{meta.dtype}","shape":[{",".join(map(str, meta.shape))}],"enc":"{name}",'
-                f'"count":{count},"runs":0,"digest":"{digest}","body":{body},"check":"{_PLACEHOLDER}"}}').encode()
-        head = frame_head(text)
-        self.heads.append((c, at, head, 8 + len(text) - 18, body, meta.base, meta.base_offset))
-        return None, {"encoding": name, "count": count, "numel": meta.nbytes // meta.itemsize,
-                      "bytes": len(head) + body}
-
-    def elements(self, pos: np.ndarray, gaps: np.ndarray, firsts: np.ndarray, counts: np.ndarray) -> None:
-        """Keep the batched tensors' elements: (which of ``heads``, rank in its tensor, position, gap)."""
-        rank = np.arange(pos.size, dtype=np.int64) - np.repeat(firsts, counts)
-        if len(self.heads) == counts.size:   # every changed tensor batched (the usual case)
-            self.elems = (np.repeat(np.arange(counts.size, dtype=np.int64), counts), rank, pos, gaps)
-            return
-        which = np.full(counts.size, -1, dtype=np.int64)
-        for k, h in enumerate(self.heads):
-            which[h[0]] = k
-        k_of = np.repeat(which, counts)
-        keep = k_of >= 0
-        self.elems = (k_of[keep], rank[keep], pos[keep], gaps[keep])
-
-    def write(self, buf: np.ndarray, offsets: dict[int, int], regions: dict[int, np.ndarray], threads: int = 1) -> None:
-        """Write the batched payloads into ``buf`` (zeroed, uint8, a multiple of 8 bytes long), each at
-        ``offsets[meta index]`` (8-byte aligned); ``regions``: the new version's regions' bytes. The
-        bodies are written and checked in parts of whole tensors on ``threads`` threads."""
-        if not self.heads or self.elems is None:
-            return
-        heads = self.heads
-        c = np.array([h[0] for h in heads], dtype=np.int64)
-        start = np.array([offsets[h[1]] + len(h[2]) for h in heads], dtype=np.int64)   # each body's start
-        enc, width = self.enc[c], self.width[c]
-        gap16 = enc == ENCODINGS.index("gap16")
-        index_bytes = np.where(gap16, _align8(self.counts[c] * 2), _align8(self.counts[c] * width))
-        per = {"start": start, "body": np.array([h[4] for h in heads], dtype=np.int64), "gap16": gap16,
-               "width": width, "size": self.size[c], "values_at": start + index_bytes,
-               "region": np.array([h[5] for h in heads], dtype=np.int64),
-               "src": np.array([h[6] for h in heads], dtype=np.int64)}
-        mv = memoryview(buf)
-        for (_, at, head, _, _, _, _) in heads:
-            mv[offsets[at]: offsets[at] + len(head)] = head
-        cum = np.cumsum(self.counts[c])
-        cuts = [0] + [int(np.searchsorted(cum, cum[-1] * i // threads)) + 1 for i in range(1, threads)] + [len(heads)]
-        cuts = sorted(set(min(x, len(heads)) for x in cuts))
-        parts = list(zip(cuts[:-1], cuts[1:]))
-        if len(parts) > 1:
-            with ThreadPoolExecutor(len(parts), thread_name_prefix="ckpt-delta-write") as pool:
-                sums = [x for got in pool.map(lambda hh: self._part(buf, regions, per, *hh), parts) for x in got]
-        else:
-            sums = [x for hh in parts for x in self._part(buf, regions, per, *hh)]
-        for (_, at, _, hex_at, nbody, _, _), total in zip(heads, sums):
-            check = (int(total) + _size_term(nbody, 1)) & _MASK
-            mv[offsets[at] + hex_at: offsets[at] + hex_at + 16] = f"{check:016x}".encode()
-
-    def _part(self, buf: np.ndarray, regions: dict[int, np.ndarray], per: dict, h0: int, h1: int) -> list[int]:
-        """Heads ``[h0, h1)``: their bodies' sections and values written, and each body's lin64 sum."""
-        k_all, rank_all, pos_all, gaps_all = self.elems   # type: ignore[misc]
-        e0, e1 = np.searchsorted(k_all, [h0, h1]).tolist()
-        k, rank, pos, gaps = k_all[e0:e1], rank_all[e0:e1], pos_all[e0:e1], gaps_all[e0:e1]
-        n8 = buf.size // 8 * 8
-        start, gap16 = per["start"], per["gap16"]
-        kinds = np.unique(gap16[h0:h1] * 16 + per["width"][h0:h1]).tolist()   # gap16, or idx of a width
-        for kind in kinds:
-            sel = (gap16[k] * 16 + per["width"][k] == kind) if len(kinds) > 1 else slice(None)
-            w, dt = (2, np.uint16) if kind >= 16 else (kind, np.int32 if kind == 4 else np.int64)
-            buf[:n8].view(dt)[(start // w)[k[sel]] + rank[sel]] = (gaps if kind >= 16 else pos)[sel]
-        size, region, src, values_at = per["size"], per["region"], per["src"], per["values_at"]
-        groups = np.unique(size[h0:h1] * 1024 + region[h0:h1]).tolist()
-        for key in groups:
-            s, r = divmod(key, 1024)
-            sel = (size[k] * 1024 + region[k] == key) if len(groups) > 1 else slice(None)
-            ks = k[sel]
-            data = regions[r]
-            data = data[: data.size // s * s].view(_UINT[s])
-            buf[:n8].view(_UINT[s])[(values_at // s)[ks] + rank[sel]] = data[(src // s)[ks] + pos[sel]]
-        # the bodies' checks: lin64 of each (whole words: bodies are 8-byte multiples), as one segmented sum
-        words = per["body"][h0:h1] // 8
-        a, b = _host_ab(int(words.max()))
-        lib = kernel()
-        if lib is not None:   # one compiled loop (_scan.py)
-            return segment_sums(lib, buf[:n8].view(np.uint64), start[h0:h1] // 8, words, a, b).tolist()
-        firsts = np.zeros(words.size, dtype=np.int64)
-        np.cumsum(words[:-1], out=firsts[1:])
-        local = np.arange(int(words.sum()), dtype=np.int64) - np.repeat(firsts, words)
-        vals = buf[:n8].view(np.uint64)[np.repeat(start[h0:h1] // 8, words) + local]
-        with np.errstate(over="ignore"):
-            return np.add.reduceat(vals * (a[local & (ROW - 1)] * b[local >> _ROW_BITS]), firsts).tolist()
-
-
-_ROW_BITS = ROW.bit_length() - 1
-assert 1 << _ROW_BITS == ROW  # noqa: S101 - our constant
-
-
-class Encoded(NamedTuple):
-    """A registration's delta: ``encode_tensor``'s info per tensor (in metas order), the payloads made one
-    by one (meta index -> payload), the batched ones (``write``), the new version's known lin64 sums,
-    and the seconds of each part."""
-    infos: list[dict]
-    payloads: dict[int, torch.Tensor]
-    vector: _Vector
-    digests: dict[str, int]
-    phases: dict[str, float]
-
-    def payload_list(self, regions: dict[int, np.ndarray]) -> list:
-        """``(payload or None, info)`` per tensor, as ``encode_tensor`` returns them: every payload written
-        into one zeroed buffer (``write``), each a view of it. ``regions``: the new version's regions' bytes."""
-        offsets, pos = {}, 0
-        for i, info in enumerate(self.infos):
-            if info["encoding"] is not None:
-                offsets[i] = pos
-                pos += (info["bytes"] + 7) & ~7
-        buf = np.zeros(pos, dtype=np.uint8)
-        self.write(buf, offsets, regions)
-        out = torch.from_numpy(buf)
-        return [(out[offsets[i]: offsets[i] + info["bytes"]] if i in offsets else None, info)
-                for i, info in enumerate(self.infos)]
-
-    def write(self, buf: np.ndarray, offsets: dict[int, int], regions: dict[int, np.ndarray]) -> None:
-        """Every payload into ``buf`` (zeroed), tensor ``i``'s at ``offsets[i]`` (see ``_Vector.write``), on
-        up to ``PS_FAULT_THREADS`` threads when there are many changed elements."""
-        for i, payload in self.payloads.items():
-            buf[offsets[i]: offsets[i] + payload.numel()] = payload.numpy()
-        many = self.vector.elems is not None and self.vector.elems[0].size >= _THREADS_MIN_ELEMENTS
-        self.vector.write(buf, offsets, regions, min(fault_threads(), os.cpu_count() or 1) if many else 1)
+    return vec, payloads
 
 
 __all__ = ["Encoded", "encode_registration"]

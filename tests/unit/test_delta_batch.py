@@ -12,6 +12,7 @@ from support.data import random_bits
 
 from ckpt_core.checkpoint.safetensors import WIRE_DTYPES
 from ckpt_core.checkpoint.sources import build_checkpoint
+from ckpt_core.delta import _payload_vector as payload_vector
 from ckpt_core.delta import _scan, batch
 from ckpt_core.delta.batch import encode_registration
 from ckpt_core.delta.encode import encode_tensor
@@ -80,7 +81,7 @@ def threads(request, monkeypatch):
         monkeypatch.setenv("PS_FAULT_THREADS", "2")
     else:   # small pieces: many jobs, spans cut between them
         monkeypatch.setattr(batch, "_THREADS_MIN_WORDS", 0)
-        monkeypatch.setattr(batch, "_THREADS_MIN_ELEMENTS", 0)
+        monkeypatch.setattr(payload_vector, "_THREADS_MIN_ELEMENTS", 0)
         monkeypatch.setattr(batch, "_PIECE_WORDS", 1 << 10)
         monkeypatch.setattr(batch, "BLOCK_WORDS", 1 << 7)
         monkeypatch.setenv("PS_FAULT_THREADS", "3")

@@ -48,7 +48,7 @@ def test_a_registration_encodes_its_tensors_on_threads_exactly_as_one_by_one(mon
     """``DeltaVersions.encode`` (all tensors together, ``delta/batch.py``) on one thread and on three:
     the companion's tensors are ``encode_tensor``'s payload of each changed tensor, and the manifest."""
     from ckpt_core.checkpoint.sources import build_checkpoint
-    from ckpt_core.delta import batch
+    from ckpt_core.delta import _payload_vector, batch
     from ckpt_core.delta.encode import encode_tensor
     from ckpt_core.devices import get_backend
 
@@ -63,7 +63,7 @@ def test_a_registration_encodes_its_tensors_on_threads_exactly_as_one_by_one(mon
     a = build_checkpoint("A", backend, named_tensors=base)
     b = build_checkpoint("B", backend, named_tensors=new)
     monkeypatch.setattr(batch, "_THREADS_MIN_WORDS", 0)   # small tensors: threads all the same
-    monkeypatch.setattr(batch, "_THREADS_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(_payload_vector, "_THREADS_MIN_ELEMENTS", 0)
     monkeypatch.setattr(batch, "_PIECE_WORDS", 256)
     out = {}
     try:
