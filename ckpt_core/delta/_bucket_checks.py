@@ -34,21 +34,23 @@ def _small(values: list[int], device: torch.device) -> torch.Tensor:
 def positions_bad(spans: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
     """One flag (0-d int64 on their device) for the position lists of ``spans`` (``(positions,
     numel)``, each non-empty, all on one device): 1 when any list has a position out of ``[0, numel)``
-    or is not strictly increasing. Which one is found by ``position_bad`` (on failure only)."""
+    or is not strictly increasing. Which one is found by ``position_bad`` (on failure only).
+
+    A list that rises strictly lies in ``[0, numel)`` when its first is >= 0 and its last < numel: the
+    bounds are read at the lists' ends only (a gather of one per list, not a bound per element)."""
     flat = torch.cat([pos for pos, _ in spans]) if len(spans) > 1 else spans[0][0]
     device, total = flat.device, flat.numel()
-    counts = [pos.numel() for pos, _ in spans]
-    limit = torch.repeat_interleave(_small([n for _, n in spans], device), _small(counts, device),
-                                    output_size=total)
-    bad = ((flat < 0) | (flat >= limit)).any()
+    starts, ends, at = [], [], 0
+    for pos, _ in spans:
+        starts.append(at)
+        at += pos.numel()
+        ends.append(at - 1)
+    bad = (flat.index_select(0, _small(starts, device)) < 0).any()
+    bad = bad | (flat.index_select(0, _small(ends, device)) >= _small([n for _, n in spans], device)).any()
     if total > 1:
         rising = flat[1:] > flat[:-1]
-        firsts, at = [], 0
-        for c in counts[:-1]:   # where a list starts, the comparison with the previous list's last does not count
-            at += c
-            firsts.append(at - 1)
-        if firsts:
-            rising = rising.index_fill(0, _small(firsts, device), True)
+        if len(starts) > 1:   # where a list starts, the comparison with the previous list's last does not count
+            rising = rising.index_fill(0, _small([s - 1 for s in starts[1:]], device), True)
         bad = bad | ~rising.all()
     return bad.to(torch.int64)
 

@@ -230,7 +230,11 @@ def _segment_sums(values: torch.Tensor, counts: list[int], coef) -> list[torch.T
     at = torch.tensor(ends, dtype=torch.int64).to(device, non_blocking=True)   # a blocking copy would sync
     running = values.new_zeros(total + 1)
     if total:
-        first = torch.repeat_interleave(at[:-1], at[1:] - at[:-1], output_size=total)
+        # each value's segment start, as a running sum of the segments' lengths added where each next one
+        # starts (empty segments add at the same place): two light kernels, not a repeat_interleave
+        steps = values.new_zeros(total + 1)
+        steps.index_add_(0, at[1:-1], at[1:-1] - at[:-2])
+        first = torch.cumsum(steps[:total], 0)
         local = torch.arange(total, dtype=torch.int64, device=device) - first
         torch.cumsum(values * coef(local), 0, out=running[1:])
     return list((running[at[1:]] - running[at[:-1]]).unbind(0))

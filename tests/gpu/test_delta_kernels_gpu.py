@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from ckpt_core.delta import _kernels
-from ckpt_core.delta.encode import Decoded, apply_decoded, undo_decoded
+from ckpt_core.delta.encode import Decoded, apply_decoded, as_words, undo_decoded
 from ckpt_core.delta.lin64 import CHUNK, ROW, lin64
 
 pytestmark = pytest.mark.gpu
@@ -44,7 +44,7 @@ def test_the_fused_swap_writes_what_the_torch_ops_write_and_returns_the_old_valu
     base = _bytes(n * size, seed=11).view(dtype).cuda()
     pos = torch.randperm(n, generator=gen)[: n // 37].sort().values.cuda()
     values = _bytes(pos.numel() * size, seed=13).view(dtype).cuda()
-    word = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size]
+    word = as_words(base).dtype   # what decode gives: the item size's integers (uint8 for 1 byte)
     d = Decoded("idx", dtype, (n,), pos.numel(), "lin64:0", pos, values.view(word))
     got, want = base.clone(), base.clone()
     old = apply_decoded(got, d)
