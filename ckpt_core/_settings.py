@@ -14,8 +14,8 @@ from datetime import timedelta
 from ckpt_core.errors import ConfigError
 
 __all__ = ["Settings", "ENV_VARS", "load_settings", "gc_pause_enabled", "fault_threads", "cpu_visible_devices",
-           "delta_kernel", "p2p_env", "cpu_event_delay_s", "delta_triton", "service_token", "engine_serve",
-           "update_seconds",
+           "delta_kernel", "delta_threads", "p2p_env", "cpu_event_delay_s", "delta_triton", "service_token",
+           "engine_serve", "update_seconds",
            "NO_DEADLINE_S", "progress_log_s", "liveness", "MIN_TOKEN_CHARS"]
 
 # name -> (type, default, meaning); docs/api.md lists the same (tests/unit/test_docs_env.py checks it).
@@ -32,8 +32,9 @@ ENV_VARS: dict[str, tuple[str, str, str]] = {
     "PS_PAUSE_GC": ("bool", "1", "pause Python's cyclic GC during register/gather/update and while an engine "
                     "worker receives (0: leave it running)"),
     "PS_FAULT_THREADS": ("int", "4", "threads per rank that fault in fresh host memory before it is pinned "
-                         "(registration); more contend in the kernel and were slower on 2 ranks per host; also the "
-                         "threads of a delta's encode and of lin64 on the host"),
+                         "(registration); more contend in the kernel and were slower on 2 ranks per host"),
+    "PS_DELTA_THREADS": ("int", "the host's cores, at most 16", "threads of a registration's delta on the host (its "
+                         "compare, its payloads' writing, lin64 of host tensors), 1..1024"),
     "PS_DELTA_KERNEL": ("str", "auto", "`auto`: a registration's delta compare runs a small C pass, compiled on "
                         "first use by the host's C compiler (`$CC`, else `cc`) into ~/.cache/ckpt-engine/kernels; "
                         "`numpy`: never compiled, numpy only (also what `auto` does without a compiler); the "
@@ -53,8 +54,9 @@ ENV_VARS: dict[str, tuple[str, str, str]] = {
                                     "they were recorded, so the pipeline's waits and deferrals run on CPU"),
     "CKPT_TEST_DELTA_DROP_ONE": ("bool", "0", "tests only: an engine worker applying a delta drops one changed "
                                  "element (the mutation check: the post-apply digest check must fail the update)"),
-    "CKPT_DELTA_TRITON": ("bool", "1", "an engine worker's delta check (lin64) and apply run fused Triton kernels on "
-                          "CUDA devices where Triton imports (0: torch ops only; the results are the same)"),
+    "CKPT_DELTA_TRITON": ("bool", "0", "1: an engine worker's delta check (lin64) and apply run fused Triton kernels "
+                          "on CUDA devices where Triton imports (off: torch ops; the results are the same; the fused "
+                          "apply was slower end to end on an H100)"),
     "CKPT_SERVICE_TOKEN": ("str", "", "bearer token of `ckpt-engine serve` on TCP (else `--token-file`)"),
     "CKPT_ENGINE_SERVE": ("str", "", "managed mode: `uds:PATH` (`{rank}` filled in) or `tcp:HOST:PORT` (local "
                           "rank i on PORT+i; needs CKPT_SERVICE_TOKEN); each engine worker starts its PS rank "
@@ -217,6 +219,15 @@ def fault_threads() -> int:
     return n
 
 
+def delta_threads() -> int:
+    """PS_DELTA_THREADS, read at each registration with a base: the threads of its compare, of its
+    payloads' writing and of lin64 on the host (default: the host's cores, at most 16)."""
+    n = _get("PS_DELTA_THREADS", int, min(os.cpu_count() or 1, 16))
+    if not 1 <= n <= MAX_FAULT_THREADS:
+        raise ConfigError(f"PS_DELTA_THREADS must be in 1..{MAX_FAULT_THREADS}, got {n}")
+    return n
+
+
 def delta_kernel() -> str:
     """PS_DELTA_KERNEL, read at each use: ``auto`` or ``numpy`` (``delta/_scan.py``)."""
     raw = os.environ.get("PS_DELTA_KERNEL", "").strip().lower() or "auto"
@@ -261,7 +272,7 @@ def delta_drop_one() -> bool:
 
 def delta_triton() -> bool:
     """CKPT_DELTA_TRITON, read when a delta kernel is about to run (``delta/_kernels.py``)."""
-    return _bool("CKPT_DELTA_TRITON", True)
+    return _bool("CKPT_DELTA_TRITON", False)
 
 
 MIN_TOKEN_CHARS = 16   # a bearer token shorter than this is guessable; `openssl rand -hex 16` gives 32

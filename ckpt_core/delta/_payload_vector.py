@@ -17,7 +17,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ckpt_core._settings import fault_threads
+from ckpt_core._settings import delta_threads
 from ckpt_core.delta._scan import kernel, segment_sums
 from ckpt_core.delta.encode import ENCODINGS, MAX_GAP16, frame_head
 from ckpt_core.delta.lin64 import ROW, _host_ab, mix_int
@@ -192,7 +192,7 @@ class Encoded(NamedTuple):
         for i, payload in self.payloads.items():
             buf[offsets[i]: offsets[i] + payload.numel()] = payload.numpy()
         many = self.vector.elems is not None and self.vector.elems[0].size >= _THREADS_MIN_ELEMENTS
-        self.vector.write(buf, offsets, regions, min(fault_threads(), os.cpu_count() or 1) if many else 1)
+        self.vector.write(buf, offsets, regions, min(delta_threads(), os.cpu_count() or 1) if many else 1)
 
 
 __all__ = ["Encoded"]

@@ -41,7 +41,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ckpt_core._settings import fault_threads
+from ckpt_core._settings import delta_threads
 from ckpt_core.delta._changes import Changes, changed_positions
 from ckpt_core.delta._payload_vector import _MASK, _ROW_BITS, _UINT, _VECTOR, Encoded, _size_term, _Vector
 from ckpt_core.delta._scan import kernel, scan, span_changes
@@ -303,7 +303,7 @@ def _compare(ckpt, base_ckpt, fused: list[_Pair], large: list[_Pair]):
         j += [a, b]
     total = sum(j[2] - j[1] for j in jobs)
     total += sum(p.new.nbytes // 8 for p in large)
-    threads = min(fault_threads(), os.cpu_count() or 1, len(jobs) + len(large)) if total >= _THREADS_MIN_WORDS else 1
+    threads = min(delta_threads(), os.cpu_count() or 1, len(jobs) + len(large)) if total >= _THREADS_MIN_WORDS else 1
     parts, done = _run_jobs(jobs, threads, [(_large, (ckpt, base_ckpt, p)) for p in large])
     return order, parts, done
 

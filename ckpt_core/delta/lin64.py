@@ -47,7 +47,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from ckpt_core._settings import fault_threads
+from ckpt_core._settings import delta_threads
 from ckpt_core.delta._kernels import lin64_rows
 from ckpt_core.errors import CheckpointFormatError
 
@@ -378,7 +378,7 @@ def _sum_numpy(raw: torch.Tensor) -> int:
     w = data[: 8 * m].view(np.uint64)   # little-endian words of the tensor's own bytes (no copy)
     a, b = _host_ab(m)
     spans = [(s, min(s + CHUNK, m)) for s in range(0, m, CHUNK)]
-    threads = 1 if m < _NP_THREADS_MIN_WORDS else min(fault_threads(), os.cpu_count() or 1, len(spans))
+    threads = 1 if m < _NP_THREADS_MIN_WORDS else min(delta_threads(), os.cpu_count() or 1, len(spans))
     if threads < 2:
         total = _sum_words_numpy(w, 0, a, b)
     else:

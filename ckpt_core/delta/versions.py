@@ -35,7 +35,7 @@ from typing import Callable
 
 import torch
 
-from ckpt_core._settings import fault_threads
+from ckpt_core._settings import delta_threads
 from ckpt_core.checkpoint.device import device_tensor
 from ckpt_core.delta.batch import encode_registration
 from ckpt_core.delta.encode_device import encode_on_device
@@ -94,7 +94,7 @@ _POOL_MIN_AVG_BYTES = 1 << 20
 def _each_tensor(ckpt, one: Callable) -> list:
     """``one(meta)`` of every tensor of ``ckpt``, in order; tensors of 1 MiB and more on average are
     encoded side by side on ``PS_FAULT_THREADS`` threads (numpy releases the GIL)."""
-    threads = min(fault_threads(), os.cpu_count() or 1, len(ckpt.metas))
+    threads = min(delta_threads(), os.cpu_count() or 1, len(ckpt.metas))
     if threads < 2 or sum(m.nbytes for m in ckpt.metas) < _POOL_MIN_AVG_BYTES * len(ckpt.metas):
         return [one(m) for m in ckpt.metas]
     with ThreadPoolExecutor(threads, thread_name_prefix="ckpt-delta-encode") as pool:

@@ -78,13 +78,13 @@ def threads(request, monkeypatch):
     elif request.param == "large":   # most tensors on their own (changed_positions), on threads
         monkeypatch.setattr(batch, "_THREADS_MIN_WORDS", 0)
         monkeypatch.setattr(batch, "LARGE_BYTES", 2048)
-        monkeypatch.setenv("PS_FAULT_THREADS", "2")
+        monkeypatch.setenv("PS_DELTA_THREADS", "2")
     else:   # small pieces: many jobs, spans cut between them
         monkeypatch.setattr(batch, "_THREADS_MIN_WORDS", 0)
         monkeypatch.setattr(payload_vector, "_THREADS_MIN_ELEMENTS", 0)
         monkeypatch.setattr(batch, "_PIECE_WORDS", 1 << 10)
         monkeypatch.setattr(batch, "BLOCK_WORDS", 1 << 7)
-        monkeypatch.setenv("PS_FAULT_THREADS", "3")
+        monkeypatch.setenv("PS_DELTA_THREADS", "3")
     return request.param
 
 

@@ -68,7 +68,7 @@ def test_a_registration_encodes_its_tensors_on_threads_exactly_as_one_by_one(mon
     out = {}
     try:
         for threads in ("1", "3"):
-            monkeypatch.setenv("PS_FAULT_THREADS", threads)
+            monkeypatch.setenv("PS_DELTA_THREADS", threads)
             out[threads] = {n: t.clone() for n, t in DeltaVersions(0, 1).encode("B", b, "A", a).items()}
         assert list(out["1"]) == list(out["3"]) and len(out["1"]) == 16 + 1 + 1   # changed, fresh, manifest
         assert all(torch.equal(out["1"][n], out["3"][n]) for n in out["1"])

@@ -44,7 +44,7 @@ def test_both_paths_compute_the_definition_in_every_wire_dtype(dtype):
 def test_chunk_borders_and_the_thread_pool_keep_the_definition(monkeypatch, n):
     monkeypatch.setattr(lin, "CHUNK", 2 * ROW)              # chunks of two rows: many chunks, small tensors
     monkeypatch.setattr(lin, "_NP_THREADS_MIN_WORDS", 1)   # and the numpy path on its thread pool
-    monkeypatch.setenv("PS_FAULT_THREADS", "3")
+    monkeypatch.setenv("PS_DELTA_THREADS", "3")
     t = _random(n, torch.bfloat16, n)
     want = lin64_reference(t)
     assert lin.lin64(t) == want and lin.lin64(t, engine="torch") == want

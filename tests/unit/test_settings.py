@@ -6,10 +6,12 @@ from __future__ import annotations
 import math
 from datetime import timedelta
 
+import os
+
 import pytest
 
 from ckpt_core._settings import NO_DEADLINE_S, update_seconds
-from ckpt_core._settings import ENV_VARS, fault_threads, gc_pause_enabled, liveness, load_settings, progress_log_s
+from ckpt_core._settings import ENV_VARS, delta_threads, fault_threads, gc_pause_enabled, liveness, load_settings, progress_log_s
 from ckpt_core.errors import ConfigError
 
 EXTRA = ("PS_PAUSE_GC", "PS_FAULT_THREADS", "CKPT_HEARTBEAT_S", "CKPT_PEER_TIMEOUT_S", "CKPT_PROGRESS_LOG_S")
@@ -35,6 +37,7 @@ def test_load_settings_on_a_clean_environment_gives_the_documented_defaults(clea
     assert s.rdma_devices == () and doc["PS_P2P_STORE_RDMA_DEVICES"] == "" and doc["NCCL_IB_HCA"] == ""
     assert gc_pause_enabled() is (doc["PS_PAUSE_GC"] == "1")
     assert fault_threads() == int(doc["PS_FAULT_THREADS"])
+    assert delta_threads() == min(os.cpu_count() or 1, 16)
 
 
 def test_environment_values_are_used_and_explicit_arguments_win(clean_env):
@@ -65,6 +68,7 @@ def test_a_timeout_or_size_that_is_not_finite_and_positive_is_a_config_error_nam
     ("PS_COLLECTIVE_TIMEOUT_S", "1e300", load_settings),  # was timedelta(seconds=1e300): OverflowError later
     ("PS_NUM_SLOTS", "100000000000", load_settings),      # choose_layout looped once per slot
     ("PS_FAULT_THREADS", "1000000000", fault_threads),     # a thread each
+    ("PS_DELTA_THREADS", "1000000000", delta_threads),
     ("CKPT_HEARTBEAT_S", "1e300", liveness),               # time.sleep(1e300): OverflowError
     ("CKPT_PROGRESS_LOG_S", "1e300", progress_log_s),
 ])
