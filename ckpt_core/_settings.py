@@ -33,8 +33,8 @@ ENV_VARS: dict[str, tuple[str, str, str]] = {
                     "worker receives (0: leave it running)"),
     "PS_FAULT_THREADS": ("int", "4", "threads per rank that fault in fresh host memory before it is pinned "
                          "(registration); more contend in the kernel and were slower on 2 ranks per host"),
-    "PS_DELTA_THREADS": ("int", "the host's cores, at most 16", "threads of a registration's delta on the host (its "
-                         "compare, its payloads' writing, lin64 of host tensors), 1..1024"),
+    "PS_DELTA_THREADS": ("int", "4", "threads of a registration's delta on the host (its compare, its payloads' "
+                         "writing, lin64 of host tensors), 1..1024; 16 were no faster than 4 on a 16-core host"),
     "PS_DELTA_KERNEL": ("str", "auto", "`auto`: a registration's delta compare runs a small C pass, compiled on "
                         "first use by the host's C compiler (`$CC`, else `cc`) into ~/.cache/ckpt-engine/kernels; "
                         "`numpy`: never compiled, numpy only (also what `auto` does without a compiler); the "
@@ -221,8 +221,8 @@ def fault_threads() -> int:
 
 def delta_threads() -> int:
     """PS_DELTA_THREADS, read at each registration with a base: the threads of its compare, of its
-    payloads' writing and of lin64 on the host (default: the host's cores, at most 16)."""
-    n = _get("PS_DELTA_THREADS", int, min(os.cpu_count() or 1, 16))
+    payloads' writing and of lin64 on the host (default 4: 16 were no faster on a 16-core host)."""
+    n = _get("PS_DELTA_THREADS", int, 4)
     if not 1 <= n <= MAX_FAULT_THREADS:
         raise ConfigError(f"PS_DELTA_THREADS must be in 1..{MAX_FAULT_THREADS}, got {n}")
     return n

@@ -6,8 +6,6 @@ from __future__ import annotations
 import math
 from datetime import timedelta
 
-import os
-
 import pytest
 
 from ckpt_core._settings import NO_DEADLINE_S, update_seconds
@@ -37,7 +35,7 @@ def test_load_settings_on_a_clean_environment_gives_the_documented_defaults(clea
     assert s.rdma_devices == () and doc["PS_P2P_STORE_RDMA_DEVICES"] == "" and doc["NCCL_IB_HCA"] == ""
     assert gc_pause_enabled() is (doc["PS_PAUSE_GC"] == "1")
     assert fault_threads() == int(doc["PS_FAULT_THREADS"])
-    assert delta_threads() == min(os.cpu_count() or 1, 16)
+    assert delta_threads() == int(doc["PS_DELTA_THREADS"])
 
 
 def test_environment_values_are_used_and_explicit_arguments_win(clean_env):
