@@ -14,6 +14,9 @@ kernel tensor and probe) and greedy output equals Hugging Face's.
   sliced delta; a replayed delta refused (400 ``DeltaBaseError`` on both ranks, the engine unchanged);
   C's sliced delta staged (``"stage"``) and committed by ``POST /v1/commit``, after a commit refused
   because the engine went back to A in between (502 naming the base, the engine on A).
+- Trainer pieces (``support/pieces_vllm.py``, not sliced): two PS ranks hold half the rows of every
+  tensor (``TensorShard`` boxes) and send B and C as pieced deltas; C tiled unlike B is refused alike on
+  both ranks (``DeltaBaseError``, the engine on B), then sent whole by ``delta="fallback"``.
 
 The server is the TP-2 one ``test_vllm_service_slices.py`` uses (``SharedServers``).
 """
@@ -207,9 +210,10 @@ def test_a_trainers_pieces_go_as_deltas_and_a_version_tiled_unlike_its_base_is_r
             assert len(workers) == TP and all(w["delta"] and w["version"] == name for w in workers), workers
             print(f"pieces {name}: payload {payload} of {full} bytes ({[f['payload_bytes'] for f in figs]} per rank, "
                   f"{sum(f['changed_elements'] for f in figs)} of {sum(f['elements'] for f in figs)} elements); "
-                  f"worker 0: {workers[0]['scattered']} scattered, {len(workers[0]['reloaded_layers'])} layers reloaded")
+                  f"worker 0: {workers[0]['scattered']} scattered, "
+                  f"{len(workers[0]['reloaded_layers'])} layers reloaded")
             chain.check_live(index, f"after {name}'s pieced delta")
-            if name == "B":   # C tiled unlike B: refused on both ranks alike, before the engine is asked
+            if name == "B":   # C tiled unlike B: refused on both ranks alike, the engine left on B
                 got = step("C-retiled", 2, "B", retile=True)
                 assert all(not got[r].ok and got[r].error == "DeltaBaseError" for r in range(TP)), got
                 assert len({got[r].message for r in range(TP)}) == 1, got
