@@ -14,6 +14,9 @@ kernel tensor and probe) and greedy output equals Hugging Face's.
   sliced delta; a replayed delta refused (400 ``DeltaBaseError`` on both ranks, the engine unchanged);
   C's sliced delta staged (``"stage"``) and committed by ``POST /v1/commit``, after a commit refused
   because the engine went back to A in between (502 naming the base, the engine on A).
+- Trainer pieces (``support/pieces_vllm.py``, not sliced): two PS ranks hold half the rows of every
+  tensor (``TensorShard`` boxes) and send B and C as pieced deltas; C tiled unlike B is refused alike on
+  both ranks (``DeltaBaseError``, the engine on B), then sent whole by ``delta="fallback"``.
 
 The server is the TP-2 one ``test_vllm_service_slices.py`` uses (``SharedServers``).
 """
@@ -170,3 +173,55 @@ def test_sliced_deltas_through_the_service_staged_or_not_equal_a_cold_load(chain
             chain.check_live(2, "after the commit of sC's staged sliced delta")
     finally:
         assert procs.close() == [0] * TP
+
+
+def test_a_trainers_pieces_go_as_deltas_and_a_version_tiled_unlike_its_base_is_refused_alike(chain):
+    """Two PS ranks (real processes) each hold their half of every tensor's rows (``TensorShard`` boxes, the
+    norms whole on rank 1) and update the server whole with ``deltas``: A whole, then B and C as deltas of
+    their predecessor (each piece encoded against the base's piece of the same box). After each the engine
+    equals a cold load, greedy output equals HF's, the payload is a fraction of the version. C tiled unlike
+    its base (the embedding's rows split two rows later) is refused on both ranks alike with
+    ``DeltaBaseError``, the engine left on B; ``delta="fallback"`` sends it whole."""
+    from support import pieces_vllm as pv
+    from support.world import PsWorld
+
+    def step(name, index, base, mode=True, retile=False, register=True):
+        weights = str(chain.files[index]) if register else None
+        return world.all("call", (pv.__name__, "pieces_update",
+                                  (name, weights, base, chain.server.endpoint, mode, retile)), timeout=420)
+
+    def ok(got):
+        assert all(got[r].ok for r in range(TP)), got
+        return [got[r].value for r in range(TP)]
+
+    with PsWorld("cpu", TP) as world:
+        done = ok(step("A", 0, None, mode=False))
+        assert all(d["boxed"] > 0 for d in done), done   # each rank registered pieces
+        chain.check_live(0, "after A (pieces, whole)")
+        for name, index, base in (("B", 1, "A"), ("C", 2, "B")):
+            done = ok(step(name, index, base))
+            figs = [d["result"]["delta"] for d in done]
+            for fig in figs:
+                assert fig["base"] == base and fig["companion"] == f"{name}@delta", fig
+                assert fig["changed_tensors"] < fig["tensors"] or name == "B", fig   # C: most pieces unchanged
+            payload, full = sum(f["payload_bytes"] for f in figs), sum(f["full_bytes"] for f in figs)
+            assert 0 < payload < full / 2, (name, payload, full)
+            workers = [w["delta"] for w in done[0]["workers"]]
+            assert len(workers) == TP and all(w["delta"] and w["version"] == name for w in workers), workers
+            print(f"pieces {name}: payload {payload} of {full} bytes ({[f['payload_bytes'] for f in figs]} per rank, "
+                  f"{sum(f['changed_elements'] for f in figs)} of {sum(f['elements'] for f in figs)} elements); "
+                  f"worker 0: {workers[0]['scattered']} scattered, "
+                  f"{len(workers[0]['reloaded_layers'])} layers reloaded")
+            chain.check_live(index, f"after {name}'s pieced delta")
+            if name == "B":   # C tiled unlike B: refused on both ranks alike, the engine left on B
+                got = step("C-retiled", 2, "B", retile=True)
+                assert all(not got[r].ok and got[r].error == "DeltaBaseError" for r in range(TP)), got
+                assert len({got[r].message for r in range(TP)}) == 1, got
+                for part in ("is not pieced as its base 'B'", f"tensor '{pv.RETILED}' pieces", "on rank 0"):
+                    assert part in got[0].message, got[0].message
+                chain.check_live(1, "after C-retiled's refused delta")
+                done = ok(step("C-retiled", 2, "B", mode="fallback", register=False))
+                assert all("is not pieced as its base" in d["result"]["delta"]["fallback"] for d in done), done
+                chain.check_live(2, "after C-retiled sent whole (fallback)")
+                ok(step("B", 1, None, mode=False, register=False))   # back on B, whole
+                chain.check_live(1, "after B whole again")
