@@ -50,7 +50,9 @@ def make_checkpoint(shape: str, directory: str, *, seed: int = SEED, fmt: str = 
     """Write ``shape``'s config.json and random weights into ``directory`` (reused when present).
 
     ``fmt="fp8-block"`` stores the decoder's linear weights as float8_e4m3fn with a float32
-    ``weight_scale_inv`` per 128x128 block (embeddings, norms, router and lm_head stay bf16).
+    ``weight_scale_inv`` per 128x128 block (embeddings, norms and lm_head stay bf16). A MoE's router
+    (``mlp.gate``) is quantized too: vLLM builds it with the model's quantization (``GateLinear``), so a
+    checkpoint with a bf16 router and no ``weight_scale_inv`` is not one vLLM can load.
     """
     import transformers
     from safetensors.torch import save_file
@@ -61,7 +63,7 @@ def make_checkpoint(shape: str, directory: str, *, seed: int = SEED, fmt: str = 
     config = getattr(transformers, cls_name)(**kwargs, torch_dtype="bfloat16")
     if fmt == "fp8-block":
         config.quantization_config = FP8_BLOCK_CONFIG
-    key = json.dumps({"shape": shape, "seed": seed, "config": kwargs, "format": fmt}, sort_keys=True)
+    key = json.dumps({"shape": shape, "seed": seed, "config": kwargs, "format": fmt, "router": "fp8"}, sort_keys=True)
     marker = os.path.join(directory, MARKER)
     if os.path.exists(marker) and open(marker).read() == key:
         files = checkpoint_files(directory)
@@ -79,7 +81,7 @@ def make_checkpoint(shape: str, directory: str, *, seed: int = SEED, fmt: str = 
     for name, shp in specs:
         t = _random(name, shp, gen, device)
         pieces = {name: t}
-        if fmt == "fp8-block" and name.endswith("_proj.weight") and ".layers." in name:
+        if fmt == "fp8-block" and _quantized(name):
             q, scale = quantize_block(t)
             pieces = {name: q, name.removesuffix("weight") + "weight_scale_inv": scale}
         for k, v in pieces.items():
@@ -127,6 +129,11 @@ def quantize_block(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, tor
     scale = (tiles.abs().amax(dim=(1, 3)) / fmax).clamp(min=1e-12)
     q = (tiles / scale[:, None, :, None]).clamp(-fmax, fmax).to(torch.float8_e4m3fn)
     return q.view(nb * block, kb * block)[:n, :k].contiguous(), scale.contiguous()
+
+
+def _quantized(name: str) -> bool:
+    """The weights a block-FP8 checkpoint stores in FP8: the decoder's linears and a MoE's router."""
+    return (name.endswith("_proj.weight") or name.endswith(".mlp.gate.weight")) and ".layers." in name
 
 
 def _random(name: str, shape, gen, device) -> torch.Tensor:

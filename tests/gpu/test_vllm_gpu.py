@@ -235,6 +235,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def release_engines() -> None:
+    """Drop what an earlier in-process engine left in this process before the next one starts: vLLM keeps
+    its parallel groups per process and a new engine reuses them, so a MoE engine after a dense one finds
+    no expert-parallel group (vLLM 0.26: ``AssertionError: expert parallel group is not initialized``).
+    The tests ``del`` their engine before they end; this frees it and its groups."""
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    cleanup_dist_env_and_memory()
+
+
 class Prepared:
     """A case's model, checkpoints, prompts and its cold load, computed in the background."""
 
@@ -254,6 +264,7 @@ class Prepared:
     def engine(self):
         from vllm import LLM
 
+        release_engines()
         llm = LLM(model=str(self.model_dir), load_format="dummy", worker_extension_cls=EXTENSION,
                   **{k: v for k, v in self.engine_kwargs.items() if v is not None})
         assert llm.llm_engine.vllm_config.cache_config.cache_dtype in ("auto", "bfloat16"), \
@@ -595,6 +606,7 @@ def test_a_prepared_commit_of_an_incomplete_stage_is_refused_and_the_next_comple
     spec = importlib.util.spec_from_file_location("cold_load", SUPPORT / "cold_load.py")
     cold_load = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cold_load)
+    release_engines()
     llm = LLM(model=str(cold_load.checkpoint_dir(p.model_dir, p.weights[0], tmp_path)), load_format="auto",
               worker_extension_cls=EXTENSION, **{k: v for k, v in p.engine_kwargs.items() if v is not None})
     assert not differences(llm.collective_rpc("ckpt_state_digests"), cold[0]), "the engine did not start as A"
@@ -641,6 +653,7 @@ def test_the_native_backend_path_equals_a_cold_load(prepared):
     case = "qwen2-bf16" if "qwen2-bf16" in prepared else next(iter(prepared))
     p = prepared[case]
     assert register()
+    release_engines()
     llm = LLM(model=str(p.model_dir), load_format="dummy", worker_extension_cls=EXTENSION,
               weight_transfer_config={"backend": "ckpt"},
               **{k: v for k, v in p.engine_kwargs.items() if v is not None})
