@@ -64,3 +64,40 @@ def position_bad(pos: torch.Tensor, numel: int) -> bool:
 
 
 __all__ = ["peek_heads", "positions_bad", "position_bad"]
+
+
+def gap_positions(gaps: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The positions of each ``gap16`` list (the running sum of its gaps: ``gaps[i]`` the bytes of ``n_i``
+    uint16 gaps, all on one device), every list of the bucket in one pass, not two kernels per list: the
+    lists' bytes joined, widened to int64 once, one running sum; each list after the first then has the
+    previous lists' total taken off at its first gap (``index_add_``) and a second running sum gives every
+    list's own. Each result is a view of one int64 tensor (the positions outlive the bucket's buffer: the
+    undo log keeps them). Temporary device memory: two int64 copies of the bucket's gaps."""
+    counts = [g.numel() // 2 for g in gaps]
+    if len(gaps) == 1 or sum(counts) == 0:
+        return [torch.cumsum(_uint16(g).to(torch.int64), 0) for g in gaps]
+    device = gaps[0].device
+    wide = _uint16(torch.cat(gaps)).to(torch.int64)
+    sums = torch.cumsum(wide, 0)
+    ends: list[int] = []
+    starts: list[int] = []
+    at = 0
+    for n in counts:
+        if n:
+            if ends:
+                starts.append(at)
+            ends.append(at + n - 1)
+        at += n
+    if starts:
+        totals = sums[_small(ends[:-1], device)]   # the running sum at each non-empty list's end but the last
+        own = torch.diff(totals, prepend=totals.new_zeros(1))   # each such list's own total
+        wide.index_add_(0, _small(starts, device), -own)
+        torch.cumsum(wide, 0, out=sums)
+    return list(sums.split(counts))
+
+
+def _uint16(raw: torch.Tensor) -> torch.Tensor:
+    """uint8 bytes (an even count) as uint16: a view where aligned, else an aligned copy."""
+    if raw.storage_offset() % 2:
+        raw = raw.clone()
+    return raw.view(torch.uint16)

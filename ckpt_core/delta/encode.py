@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from ckpt_core.checkpoint.safetensors import WIRE_CODES, WIRE_DTYPES
-from ckpt_core.delta._bucket_checks import peek_heads, position_bad, positions_bad
+from ckpt_core.delta._bucket_checks import gap_positions, peek_heads, position_bad, positions_bad
 from ckpt_core.delta._changes import Changes, changed_positions
 from ckpt_core.delta._kernels import scatter_swap
 from ckpt_core.delta.lin64 import HostDigest, is_lin64, lin64, lin64_host, queue_many, read_ints
@@ -313,6 +313,7 @@ class _Pending:
         self.positions: tuple[torch.Tensor, int] | None = None   # (its positions, numel): checked per bucket
         self.positions_bad = False
         self.decoded: Decoded | None = None
+        self.gaps: tuple[torch.Tensor, int] | None = None   # a gap16 list's bytes and numel: decoded per bucket
 
 
 def decode_many(payloads) -> list[Decoded]:
@@ -334,6 +335,7 @@ def decode_many(payloads) -> list[Decoded]:
                 pend.early = exc
             else:
                 pend.late = exc
+    _fill_gaps(pending)
     bodies = [(p, p.check[0]) for p in pending if p.check is not None]
     sums = {id(p): q for (p, _), q in zip(bodies, queue_many([body for _, body in bodies]))}   # on their device
     queued = [sums[id(p)].total for p, _ in bodies]
@@ -400,7 +402,7 @@ def _start_decode(p: _Pending, raw: torch.Tensor, head: bytes) -> None:
     values_at = body_len - _align8(count * size)
     values = _words(body[values_at: values_at + count * size], dtype, count)
     positions = None if enc == "whole" else _positions(p, enc, body[:values_at], numel, count, runs)
-    p.decoded = Decoded(enc, dtype, shape, count, digest, positions, values)
+    p.decoded = Decoded(enc, dtype, shape, count, digest, positions, values)   # gap16: positions set by _fill_gaps
 
 
 def _typed(raw: torch.Tensor, dtype: torch.dtype, count: int) -> torch.Tensor:
@@ -431,14 +433,18 @@ def _flag(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.int64).reshape(())
 
 
-def _positions(p: _Pending, enc: str, raw: torch.Tensor, numel: int, count: int, runs: int) -> torch.Tensor:
+def _positions(p: _Pending, enc: str, raw: torch.Tensor, numel: int, count: int, runs: int) -> torch.Tensor | None:
     """The changed positions, decoded without reading anything back: what must hold of them (the
     bitmap's count, the runs' lengths, in range and strictly increasing) is queued on ``p.device``."""
     w = index_width(numel)
     if enc == "idx":
         pos = _ints(raw, count, w)
-    elif enc == "gap16":
-        pos = torch.cumsum(_typed(raw[: count * 2], torch.uint16, count).to(torch.int64), 0)
+    elif enc == "gap16":   # the running sum of the gaps: with the bucket's other gap16 lists (decode_many)
+        gaps = raw[: count * 2]
+        if gaps.numel() != count * 2:
+            raise _bad(p.name, f"{gaps.numel() // 2} positions, header says {count}")
+        p.gaps = (gaps, numel)
+        return None
     elif enc == "bitmap":
         mask = _unpack_bits(raw[: (numel + 7) // 8], numel)
         pos = _nonzero(mask, count)
@@ -454,9 +460,25 @@ def _positions(p: _Pending, enc: str, raw: torch.Tensor, numel: int, count: int,
         pos = _expand_runs(starts, lengths, count)
     if pos.numel() != count:
         raise _bad(p.name, f"{pos.numel()} positions, header says {count}")
-    if count:   # in range and strictly increasing: checked with the bucket's other lists (decode_many)
-        p.positions = (pos, numel)
+    _checked_later(p, pos, numel)
     return pos
+
+
+def _checked_later(p: _Pending, pos: torch.Tensor, numel: int) -> None:
+    if pos.numel():   # in range and strictly increasing: checked with the bucket's other lists (decode_many)
+        p.positions = (pos, numel)
+
+
+def _fill_gaps(pending: list[_Pending]) -> None:
+    """The positions of the bucket's gap16 payloads, per device in one pass (``gap_positions``)."""
+    by_device: dict[torch.device, list[_Pending]] = {}
+    for p in pending:
+        if p.gaps is not None and p.decoded is not None:
+            by_device.setdefault(p.gaps[0].device, []).append(p)
+    for group in by_device.values():
+        for p, pos in zip(group, gap_positions([p.gaps[0] for p in group])):   # type: ignore[index]
+            p.decoded.positions = pos   # type: ignore[union-attr]
+            _checked_later(p, pos, p.gaps[1])   # type: ignore[index]
 
 
 def _nonzero(mask: torch.Tensor, count: int) -> torch.Tensor:
