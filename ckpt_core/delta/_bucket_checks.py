@@ -70,7 +70,7 @@ def gap_positions(gaps: list[torch.Tensor]) -> list[torch.Tensor]:
     """The positions of each ``gap16`` list (the running sum of its gaps: ``gaps[i]`` the bytes of ``n_i``
     uint16 gaps, all on one device), every list of the bucket in one pass, not two kernels per list: the
     lists' bytes joined, widened to int64 once, one running sum; each list after the first then has the
-    previous lists' total taken off at its first gap (``index_add_``) and a second running sum gives every
+    previous lists' total taken off at its first gap and a second running sum gives every
     list's own. Each result is a view of one int64 tensor (the positions outlive the bucket's buffer: the
     undo log keeps them). Temporary device memory: two int64 copies of the bucket's gaps."""
     counts = [g.numel() // 2 for g in gaps]
@@ -91,7 +91,8 @@ def gap_positions(gaps: list[torch.Tensor]) -> list[torch.Tensor]:
     if starts:
         totals = sums[_small(ends[:-1], device)]   # the running sum at each non-empty list's end but the last
         own = torch.diff(totals, prepend=totals.new_zeros(1))   # each such list's own total
-        wide.index_add_(0, _small(starts, device), -own)
+        at_starts = _small(starts, device)
+        wide[at_starts] = wide[at_starts] - own   # distinct starts: a plain index put
         torch.cumsum(wide, 0, out=sums)
     return list(sums.split(counts))
 
