@@ -40,11 +40,14 @@ def _timed(fn, sync, repeats: int) -> float:
 
 
 def _with_torch(fn, *a):
+    chosen = os.environ.get("CKPT_DELTA_TRITON")
     os.environ["CKPT_DELTA_TRITON"] = "0"
     try:
         return fn(*a)
     finally:
-        del os.environ["CKPT_DELTA_TRITON"]
+        os.environ.pop("CKPT_DELTA_TRITON")
+        if chosen is not None:
+            os.environ["CKPT_DELTA_TRITON"] = chosen
 
 
 def main(argv=None) -> int:
@@ -110,9 +113,12 @@ def main(argv=None) -> int:
         figures["undo_s"] = min(figures.get("undo_s", float("inf")), time.perf_counter() - t2)
     figures["apply_s"] = best_apply
     figures["check_s"] = _timed(lambda: lin64_many(live), sync, args.repeats)
+    chosen = os.environ.get("CKPT_DELTA_TRITON")
     os.environ["CKPT_DELTA_TRITON"] = "0"   # the same check with torch ops only
     figures["check_torch_s"] = _timed(lambda: lin64_many(live), sync, args.repeats)
-    del os.environ["CKPT_DELTA_TRITON"]
+    os.environ.pop("CKPT_DELTA_TRITON")
+    if chosen is not None:
+        os.environ["CKPT_DELTA_TRITON"] = chosen
     figures["torch_digests_equal"] = lin64_many(live) == _with_torch(lin64_many, live)
     olds = apply()
     got = lin64_many(live)
@@ -135,7 +141,17 @@ def main(argv=None) -> int:
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60)
         figures["profile"] = table
         print(table)
-    text = json.dumps({k: v for k, v in figures.items() if k != "profile"}, indent=1)
+        os.environ["CKPT_DELTA_TRITON"] = "0"   # the post-apply check alone, torch ops only
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            lin64_many(live)
+            sync()
+        os.environ.pop("CKPT_DELTA_TRITON")
+        if chosen is not None:
+            os.environ["CKPT_DELTA_TRITON"] = chosen
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60)
+        figures["profile_check_torch"] = table
+        print(table)
+    text = json.dumps({k: v for k, v in figures.items() if not k.startswith("profile")}, indent=1)
     print(text)
     if args.out:
         with open(args.out, "w") as f:
