@@ -7,6 +7,7 @@ Then times, each phase synchronised on its own (best of ``--repeats``):
 
 - ``decode``: ``decode_many`` (headers, the body checks, positions decoded and checked);
 - ``apply``: ``apply_decoded`` of each (the old values gathered for the undo, the new scattered);
+- ``apply_many``: the same as one launch for all (``scatter_swap_many``; with ``CKPT_DELTA_TRITON=1`` only);
 - ``check``: ``lin64_many`` of every changed tensor (the post-apply digest);
 - ``undo``: ``undo_decoded`` (a failed update's path; the tensors return to their base).
 
@@ -112,6 +113,24 @@ def main(argv=None) -> int:
         sync()
         figures["undo_s"] = min(figures.get("undo_s", float("inf")), time.perf_counter() - t2)
     figures["apply_s"] = best_apply
+    # the same scatters as one launch for the lot (what a receiver's bucket does with the Triton kernels)
+    from ckpt_core.delta._kernels import scatter_swap_many
+    from ckpt_core.delta.encode import as_words
+
+    def apply_many():
+        return scatter_swap_many([as_words(t) for t in live], [d.positions for d in decoded],
+                                 [d.values for d in decoded])
+    best_many = None
+    for _ in range(args.repeats):
+        sync()
+        t1 = time.perf_counter()
+        olds = apply_many()
+        sync()
+        if olds is None:
+            break
+        best_many = min(best_many or float("inf"), time.perf_counter() - t1)
+        undo(olds)
+    figures["apply_many_s"] = best_many
     figures["check_s"] = _timed(lambda: lin64_many(live), sync, args.repeats)
     chosen = os.environ.get("CKPT_DELTA_TRITON")
     os.environ["CKPT_DELTA_TRITON"] = "0"   # the same check with torch ops only
@@ -128,7 +147,9 @@ def main(argv=None) -> int:
     gb = args.mib * 2**20 / 1e9
     figures["check_gbps"] = gb / figures["check_s"]
     scale = 16384 / args.mib
-    figures["at_16gib_ms"] = {k: 1e3 * figures[f"{k}_s"] * scale for k in ("decode", "apply", "check", "check_torch", "undo")}
+    figures["at_16gib_ms"] = {k: 1e3 * figures[f"{k}_s"] * scale for k in ("decode", "apply", "apply_many", "check",
+                                                                            "check_torch", "undo")
+                              if figures[f"{k}_s"] is not None}
     if args.profile and dev.type == "cuda":
         from torch.profiler import ProfilerActivity, profile
 

@@ -60,9 +60,50 @@ def _build() -> Any:
         tl.store(old_ptr + i, tl.load(words_ptr + p, mask=m), mask=m)
         tl.store(words_ptr + p, tl.load(values_ptr + i, mask=m), mask=m)
 
+    @triton.jit
+    def rows_many_kernel(ptrs_ptr, nwords_ptr, row_t_ptr, row_j_ptr, a_ptr, out_ptr,
+                         ROW: tl.constexpr, BLOCK: tl.constexpr):
+        # rows_kernel over many tensors in one launch: program r sums row row_j[r] of tensor row_t[r],
+        # whose words start at ptrs[row_t[r]] (a device address) and number nwords[row_t[r]]
+        r = tl.program_id(0)
+        t = tl.load(row_t_ptr + r)
+        start = tl.load(row_j_ptr + r) * ROW
+        words = tl.load(ptrs_ptr + t).to(tl.pointer_type(tl.int64))
+        n = tl.load(nwords_ptr + t)
+        acc = tl.zeros([BLOCK], dtype=tl.int64)
+        for k in range(0, ROW, BLOCK):
+            cols = k + tl.arange(0, BLOCK)
+            idx = start + cols
+            w = tl.load(words + idx, mask=idx < n, other=0)
+            acc += w * tl.load(a_ptr + cols)
+        tl.store(out_ptr + r, tl.sum(acc, axis=0))
+
+    @triton.jit
+    def swap_many_kernel(table_ptr, blk_t_ptr, blk_i_ptr, old_ptr, WORD: tl.constexpr, BLOCK: tl.constexpr):
+        # swap_kernel over many tensors in one launch: block b covers BLOCK elements, from blk_i[b], of
+        # the lists of tensor t = blk_t[b]; table row t: target, positions and values addresses, the
+        # count, where its old values start in old_ptr
+        b = tl.program_id(0)
+        t = tl.load(blk_t_ptr + b)
+        row = table_ptr + 5 * t
+        target = tl.load(row).to(tl.pointer_type(WORD))
+        pos_ptr = tl.load(row + 1).to(tl.pointer_type(tl.int64))
+        values_ptr = tl.load(row + 2).to(tl.pointer_type(WORD))
+        n = tl.load(row + 3)
+        old_at = tl.load(row + 4)
+        i = tl.load(blk_i_ptr + b) + tl.arange(0, BLOCK)
+        m = i < n
+        p = tl.load(pos_ptr + i, mask=m, other=0)
+        tl.store(old_ptr + old_at + i, tl.load(target + p, mask=m), mask=m)
+        tl.store(target + p, tl.load(values_ptr + i, mask=m), mask=m)
+
     class Kernels:
         rows = rows_kernel
         swap = swap_kernel
+        rows_many = rows_many_kernel
+        swap_many = swap_many_kernel
+        word = {torch.uint8: tl.uint8, torch.int8: tl.int8, torch.int16: tl.int16, torch.int32: tl.int32,
+                torch.int64: tl.int64}
 
     return Kernels
 
@@ -122,6 +163,86 @@ def scatter_swap(words: torch.Tensor, positions: torch.Tensor, values: torch.Ten
         _failed("the scatter", exc)
         return None
     return old
+
+
+def _table(columns: list[list[int]], device: torch.device) -> torch.Tensor:
+    """Host integers as an int64 device tensor, row-major ``[len(columns[0]), len(columns)]`` (no wait:
+    the copy from host memory returns once the bytes are staged)."""
+    rows = list(zip(*columns))
+    return torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+
+
+def _spread(counts: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For consecutive segments of ``counts`` (int64, on the device) that add up to ``total`` (known on
+    the host, so nothing waits): each slot's segment and its index inside it, two int64 tensors."""
+    owner = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts, output_size=total)
+    first = torch.cumsum(counts, 0) - counts
+    return owner, torch.arange(total, device=counts.device) - first[owner]
+
+
+def lin64_rows_many(words: list[torch.Tensor], a: torch.Tensor, row_len: int) -> list[torch.Tensor] | None:
+    """``lin64_rows`` of each flat int64 tensor of ``words`` (one CUDA device, 8-byte aligned, whole words),
+    in one launch for all of them: the row sums of each, as views of one int64 tensor (row ``j`` of a tensor:
+    ``sum_k words[j * row_len + k] * a[k]``, its last row zero-padded); None where the kernel is not used."""
+    if not words:
+        return []
+    device = words[0].device
+    k = kernels(device)
+    if (k is None or row_len % _BLOCK or any(w.device != device or w.dtype != torch.int64 or w.dim() != 1
+                                             or not w.is_contiguous() for w in words)):
+        return None
+    rows = [_cdiv(w.numel(), row_len) for w in words]
+    total = sum(rows)
+    out = torch.empty(total, dtype=torch.int64, device=device)
+    if total:
+        try:
+            with torch.cuda.device(device):
+                meta = _table([[w.data_ptr() for w in words], [w.numel() for w in words], rows], device)
+                row_t, row_j = _spread(meta[:, 2].contiguous(), total)
+                k.rows_many[(total,)](meta[:, 0].contiguous(), meta[:, 1].contiguous(), row_t, row_j, a, out,
+                                      ROW=row_len, BLOCK=_BLOCK)
+        except Exception as exc:   # noqa: BLE001 - a compile or launch failure: the torch path is exact too
+            _failed("lin64 (many tensors)", exc)
+            return None
+    return list(out.split(rows))
+
+
+def scatter_swap_many(words: list[torch.Tensor], positions: list[torch.Tensor],
+                      values: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    """``scatter_swap`` of each ``(words, positions, values)`` in one launch for all (one CUDA device, one
+    integer dtype of the words; the targets must not overlap); returns each one's old values (views of one
+    tensor), or None where the kernel is not used (the caller runs ``scatter_swap`` or the torch ops)."""
+    if not words:
+        return []
+    device, dtype = words[0].device, words[0].dtype
+    k = kernels(device)
+    if k is None or dtype not in k.word:
+        return None
+    for w, p, v in zip(words, positions, values, strict=True):
+        if (w.device != device or w.dtype != dtype or w.dim() != 1 or p.dtype != torch.int64
+                or v.dtype != dtype or v.shape != p.shape or p.device != device or v.device != device
+                or not (w.is_contiguous() and p.is_contiguous() and v.is_contiguous())):
+            return None
+    counts = [p.numel() for p in positions]
+    total = sum(counts)
+    old = torch.empty(total, dtype=dtype, device=device)
+    blocks = [_cdiv(n, _BLOCK) for n in counts]
+    nblocks = sum(blocks)
+    if nblocks:
+        starts = [0]
+        for n in counts[:-1]:
+            starts.append(starts[-1] + n)
+        try:
+            with torch.cuda.device(device):
+                table = _table([[w.data_ptr() for w in words], [p.data_ptr() for p in positions],
+                                [v.data_ptr() for v in values], counts, starts, blocks], device)
+                blk_t, blk_j = _spread(table[:, 5].contiguous(), nblocks)
+                k.swap_many[(nblocks,)](table[:, :5].contiguous(), blk_t, blk_j * _BLOCK, old,
+                                        WORD=k.word[dtype], BLOCK=_BLOCK)
+        except Exception as exc:   # noqa: BLE001 - a compile or launch failure: nothing was written then
+            _failed("the scatter (many tensors)", exc)
+            return None
+    return list(old.split(counts))
 
 
 def _cdiv(n: int, d: int) -> int:

@@ -45,7 +45,8 @@ from typing import Any, Callable
 import torch
 
 from ckpt_core._settings import delta_drop_one
-from ckpt_core.delta.encode import Decoded, apply_decoded, decode_many, undo_decoded
+from ckpt_core.delta._kernels import scatter_swap_many
+from ckpt_core.delta.encode import Decoded, apply_decoded, as_words, decode_many, undo_decoded
 from ckpt_core.delta.lin64 import lin64_many
 from ckpt_core.delta.pieces import PIECE, parse_piece_name
 from ckpt_core.delta.sliced import BOX, parse_box_name, region_of
@@ -245,6 +246,7 @@ class _Update:
         t0 = time.perf_counter()
         checks: list[tuple[str, torch.Tensor, str, torch.dtype]] = []
         reloads: dict[str, torch.Tensor] = {}
+        later: list[tuple[str, torch.Tensor, Decoded]] = []   # scatters for the bucket's one kernel
         named = [(_target_name(n), p) for n, p in weights if not n.startswith(MANIFEST)]
         payloads = [(shown, p) for (_, _, shown, _), p in named]
         # every payload of the bucket checked before anything is written, its checks read back together
@@ -263,12 +265,13 @@ class _Update:
             if boxed and target is not None and not target.is_contiguous():
                 checks.append((shown, self._scatter_region(name, target, d, shown), d.digest, d.dtype))
             elif target is not None:
-                self._scatter(name, target, d, shown)
+                self._scatter_later(name, target, d, shown, later)
                 checks.append((shown, target, d.digest, d.dtype))
             else:
                 new = self._rebuild(name, d)
                 reloads[name] = new
                 checks.append((shown, new, d.digest, d.dtype))
+        self._scatter_batched(later)
         t1 = time.perf_counter()
         self.figures["apply_s"] += t1 - t0
         self._verify(checks)   # before the engine's reload: a wrong tensor is never loaded
@@ -296,6 +299,35 @@ class _Update:
         self.undo_log.append((target, d, old, saved))
         self.figures["scattered"] += 1
         self.figures["scattered_tensors"].append(name)
+
+    def _scatter_later(self, name: str, target: torch.Tensor, d: Decoded, shown: str,
+                       later: list[tuple[str, torch.Tensor, Decoded]]) -> None:
+        """``_scatter``, or kept in ``later`` for the bucket's one batched kernel where it can run there (the
+        checkpoint's dtype, a list of positions, a contiguous device tensor of the delta's shape)."""
+        if (target.dtype == d.dtype and d.positions is not None and target.device.type == "cuda"
+                and tuple(target.shape) == d.shape and target.is_contiguous()):
+            later.append((name, target, d))
+        else:
+            self._scatter(name, target, d, shown)
+
+    def _scatter_batched(self, later: list[tuple[str, torch.Tensor, Decoded]]) -> None:
+        """The kept scatters, one kernel per device and item size (``scatter_swap_many``: the old values
+        gathered for the undo, the new ones written), or one by one where that kernel does not run."""
+        groups: dict[tuple[torch.device, int], list[tuple[str, torch.Tensor, Decoded]]] = {}
+        for item in later:
+            groups.setdefault((item[1].device, item[1].element_size()), []).append(item)
+        for items in groups.values():
+            olds = scatter_swap_many([as_words(t) for _, t, _ in items],
+                                     [d.positions for _, _, d in items if d.positions is not None],
+                                     [d.values for _, _, d in items])
+            if olds is None:
+                for name, target, d in items:
+                    self._scatter(name, target, d)
+                continue
+            for (name, target, d), old in zip(items, olds):
+                self.undo_log.append((target, d, old, None))
+                self.figures["scattered"] += 1
+                self.figures["scattered_tensors"].append(name)
 
     def _scatter_region(self, name: str, region: torch.Tensor, d: Decoded, shown: str) -> torch.Tensor:
         """A strided box region: the delta applied to a contiguous copy of it, returned for the check and

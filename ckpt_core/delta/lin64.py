@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from ckpt_core._settings import delta_threads
-from ckpt_core.delta._kernels import lin64_rows
+from ckpt_core.delta._kernels import kernels, lin64_rows, lin64_rows_many
 from ckpt_core.errors import CheckpointFormatError
 
 PREFIX = "lin64:"
@@ -57,6 +57,7 @@ CHUNK = 1 << 23            # 8-byte words per chunk on a device (a multiple of R
 SEED_A = 0x6C696E3634A11CE5
 SEED_B = 0x9E3779B97F4A7C15
 _MASK = (1 << 64) - 1
+_BATCH_BYTES = 4 << 30     # a device batch of lin64_many is launched once it holds this many bytes of tensors
 _NP_THREADS_MIN_WORDS = 1 << 19   # below: one thread (the pool's start costs more than it saves)
 
 
@@ -141,6 +142,8 @@ def lin64_many(tensors, *, engine: str | None = None) -> list[str]:
     tensor). ``tensors`` may be a generator: each is let go once its digest is queued."""
     queued: list[Queued] = []
     rows: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}   # device -> (index, its row sums)
+    batch: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}  # device -> (index, its words): one kernel
+    held = 0
     for i, t in enumerate(tensors):
         raw, size = raw_of(t)
         kind = engine or ("numpy" if raw.device.type == "cpu" else "torch")
@@ -148,8 +151,16 @@ def lin64_many(tensors, *, engine: str | None = None) -> list[str]:
             raise ValueError(f"unknown lin64 engine {kind!r}")
         queued.append(Queued(_sum_numpy(raw) if kind == "numpy" else 0, mix_int((raw.numel() << 5) | size)))
         if kind == "torch":
-            rows.setdefault(raw.device, []).append((i, _rows_torch(raw)))
+            if raw.numel() % 8 == 0 and raw.data_ptr() % 8 == 0 and kernels(raw.device) is not None:
+                batch.setdefault(raw.device, []).append((i, raw.view(torch.int64)))   # whole aligned words
+                held += raw.numel()
+                if held >= _BATCH_BYTES:   # the batch holds its tensors (a cast copy too) until its launch
+                    _rows_batched(batch, rows)
+                    held = 0
+            else:
+                rows.setdefault(raw.device, []).append((i, _rows_torch(raw)))
         del t, raw   # a cast copy the caller made for this digest is freed now (the kernels are queued)
+    _rows_batched(batch, rows)
     for group in rows.values():
         inner = [r for _, r in group]
         b = _b(group[0][1].device, max(r.numel() for r in inner))
@@ -157,6 +168,18 @@ def lin64_many(tensors, *, engine: str | None = None) -> list[str]:
         for (i, _), total in zip(group, totals):
             queued[i].total = total
     return [q.digest(v) for q, v in zip(queued, read_ints([q.total for q in queued]))]
+
+
+def _rows_batched(batch: dict[torch.device, list[tuple[int, torch.Tensor]]],
+                  rows: dict[torch.device, list[tuple[int, torch.Tensor]]]) -> None:
+    """The row sums of every batched tensor, one kernel per device (``lin64_rows_many``), into ``rows``;
+    the batch is emptied. Where the kernel is not used, each tensor's row sums as ``_rows_torch`` gives them."""
+    for device, items in batch.items():
+        sums = lin64_rows_many([w for _, w in items], _a(device), ROW)
+        if sums is None:
+            sums = [_rows_torch(w.view(torch.uint8)) for _, w in items]
+        rows.setdefault(device, []).extend((i, r) for (i, _), r in zip(items, sums))
+    batch.clear()
 
 
 class Queued:

@@ -6,7 +6,7 @@ import torch
 
 from ckpt_core.delta import _kernels
 from ckpt_core.delta.encode import Decoded, apply_decoded, as_words, undo_decoded
-from ckpt_core.delta.lin64 import CHUNK, ROW, lin64
+from ckpt_core.delta.lin64 import CHUNK, ROW, lin64, lin64_many
 
 pytestmark = pytest.mark.gpu
 
@@ -57,3 +57,74 @@ def test_the_fused_swap_writes_what_the_torch_ops_write_and_returns_the_old_valu
     undo_decoded(got, d, old)
     assert torch.equal(got.view(word), base.view(word))
     assert _kernels.scatter_swap(base.clone().view(word), pos, values.view(word)) is not None, "the kernel did not run"
+
+
+def test_the_one_launch_row_sums_of_many_tensors_give_each_ones_digest(monkeypatch):
+    """``lin64_many`` batches a device's aligned whole-word tensors into one kernel (``lin64_rows_many``):
+    each digest equals the host's and the torch ops', small, empty, row- and chunk-sized, a tail that is
+    not whole words (the per-tensor path) mixed in, and across two batches (``_BATCH_BYTES``)."""
+    from ckpt_core.delta import lin64 as lin64_mod
+
+    sizes = [8 * ROW * 3, 16, 8 * ROW + 8, 0, 13, 8 * CHUNK + 24, 2, 8 * 5000]
+    ts = [_bytes(n, seed=n + 1).cuda() for n in sizes] + [torch.randn(333, 7, device="cuda").to(torch.bfloat16)]
+    want = [lin64(t.cpu()) for t in ts]
+    assert lin64_many(ts) == want
+    monkeypatch.setattr(lin64_mod, "_BATCH_BYTES", 8 * ROW)
+    assert lin64_many(ts) == want
+    monkeypatch.setenv("CKPT_DELTA_TRITON", "0")
+    assert lin64_many(ts) == want
+    monkeypatch.setenv("CKPT_DELTA_TRITON", "1")
+    words = [t.view(torch.int64) for t in ts[:3]]
+    assert _kernels.lin64_rows_many(words, lin64_mod._a(words[0].device), ROW) is not None, "the kernel did not run"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int8, torch.float64], ids=str)
+def test_the_one_launch_swap_of_many_tensors_writes_each_and_returns_each_ones_old_values(dtype):
+    gen = torch.Generator().manual_seed(5)
+    size = torch.empty(0, dtype=dtype).element_size()
+    word = as_words(torch.empty(0, dtype=dtype)).dtype
+    lens = [1_000_003, 7, 0, 4099, 65_536]
+    bases = [_bytes(n * size, seed=17 + n).view(word).cuda() for n in lens]
+    pos = [torch.randperm(n, generator=gen)[: max(n // 29, min(n, 1))].sort().values.cuda() for n in lens]
+    values = [_bytes(p.numel() * size, seed=3 + p.numel()).view(word).cuda() for p in pos]
+    got = [b.clone() for b in bases]
+    olds = _kernels.scatter_swap_many(got, pos, values)
+    assert olds is not None, "the kernel did not run"
+    for b, g, p, v, old in zip(bases, got, pos, values, olds):
+        want = b.clone()
+        want[p] = v
+        assert torch.equal(g, want) and torch.equal(old, b[p])
+
+
+def test_a_receivers_bucket_is_scattered_in_one_launch_checked_and_undone_byte_for_byte():
+    """``DeltaReceiver``: a bucket of bf16, float32 and fp8 deltas into live CUDA tensors goes through the
+    batched swap (one kernel per item size); the post-apply check passes; a failure later undoes it all."""
+    from ckpt_core.delta.apply import DeltaReceiver
+    from ckpt_core.delta.encode import encode_tensor
+    from ckpt_core.delta.versions import PAYLOAD
+
+    gen = torch.Generator().manual_seed(9)
+    specs = [((512, 96), torch.bfloat16), ((333,), torch.float32), ((64, 64), torch.float8_e4m3fn),
+             ((40, 8), torch.bfloat16)]
+    bases, news = {}, {}
+    for i, (shape, dtype) in enumerate(specs):
+        b = torch.randn(shape, generator=gen).to(dtype)
+        n = b.clone()
+        flat = as_words(n)
+        pos = torch.randperm(flat.numel(), generator=gen)[: flat.numel() // 25]
+        flat[pos] ^= 1
+        bases[f"w{i}"], news[f"w{i}"] = b, n
+    live = {k: v.cuda() for k, v in bases.items()}
+    payloads = [(PAYLOAD + k, encode_tensor(news[k], bases[k])[0].cuda()) for k in bases]
+    rx = DeltaReceiver(live=live.get, held="A")
+    with rx.update(run=None, version="B") as cb:
+        cb.delta = ("A", "B")
+        cb.ran = True
+        cb._apply(payloads)
+        assert cb.figures["scattered"] == len(specs)
+        for k in bases:
+            assert torch.equal(as_words(live[k].cpu()), as_words(news[k]))
+        cb.undo()
+        cb.undo_log.clear()
+    for k in bases:
+        assert torch.equal(as_words(live[k].cpu()), as_words(bases[k]))
