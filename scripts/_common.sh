@@ -13,6 +13,9 @@ CKPT_PROJECT_REQS=(
     "pytest>=8" "pytest-timeout>=2" "fastapi>=0.110" "uvicorn>=0.27" "pydantic>=2"
     "prometheus-client>=0.17" "tqdm>=4.60" "schemathesis>=4,<5"
 )
+# Triton (CPU wheel use only: its interpreter runs the delta's CUDA kernels' source in
+# tests/unit/test_delta_kernels_interpreted.py; on a GPU torch's CUDA wheels bring their own).
+CKPT_PROJECT_REQS+=("triton==3.9.0")
 # P2P store (issue 11): Mooncake's TransferEngine, the build that imports without CUDA. It needs
 # Debian's libibverbs1 even for TCP: ensure_p2p_system_libs installs it where it is missing.
 CKPT_PROJECT_REQS+=("mooncake-transfer-engine-non-cuda==0.3.13.post1")

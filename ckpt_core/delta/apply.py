@@ -45,7 +45,7 @@ from typing import Any, Callable
 import torch
 
 from ckpt_core._settings import delta_drop_one
-from ckpt_core.delta._kernels import scatter_swap_many
+from ckpt_core.delta._kernels import kernels, scatter_swap_many
 from ckpt_core.delta.encode import Decoded, apply_decoded, as_words, decode_many, undo_decoded
 from ckpt_core.delta.lin64 import lin64_many
 from ckpt_core.delta.pieces import PIECE, parse_piece_name
@@ -303,9 +303,10 @@ class _Update:
     def _scatter_later(self, name: str, target: torch.Tensor, d: Decoded, shown: str,
                        later: list[tuple[str, torch.Tensor, Decoded]]) -> None:
         """``_scatter``, or kept in ``later`` for the bucket's one batched kernel where it can run there (the
-        checkpoint's dtype, a list of positions, a contiguous device tensor of the delta's shape)."""
-        if (target.dtype == d.dtype and d.positions is not None and target.device.type == "cuda"
-                and tuple(target.shape) == d.shape and target.is_contiguous()):
+        checkpoint's dtype, a list of positions, a contiguous tensor of the delta's shape, on a device where the
+        kernels run); elsewhere written now, one by one, as before."""
+        if (target.dtype == d.dtype and d.positions is not None and tuple(target.shape) == d.shape
+                and target.is_contiguous() and kernels(target.device) is not None):
             later.append((name, target, d))
         else:
             self._scatter(name, target, d, shown)

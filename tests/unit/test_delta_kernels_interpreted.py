@@ -1,0 +1,150 @@
+"""The delta's one-launch-per-bucket Triton kernels (``delta/_kernels.py``: ``lin64_rows_many``,
+``scatter_swap_many``) run by Triton's interpreter on the CPU, against the torch ops they replace.
+
+CI has no GPU; Triton's interpreter (``TRITON_INTERPRET=1``) runs the same kernel source with numpy,
+device addresses included, so the kernels' logic (the address tables, the blocks, the masks, where old
+values go) is checked on every run. ``kernels()`` answers only for CUDA devices, so the tests hand the
+interpreted kernels to the code for CPU tensors; on a GPU ``tests/gpu/test_delta_kernels_gpu.py`` runs
+the compiled ones. Triton reads ``TRITON_INTERPRET`` when it is imported, so each check runs in a fresh
+process of its own (this file run as a script), whatever this pytest process imported before.
+"""
+
+import contextlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckpt_core.delta import _kernels
+from ckpt_core.delta import apply as apply_mod
+from ckpt_core.delta import lin64 as lin64_mod
+from ckpt_core.delta.encode import as_words, encode_tensor
+from ckpt_core.delta.lin64 import ROW, lin64, lin64_many
+from ckpt_core.delta.versions import PAYLOAD
+
+CHECKS = ["row_sums", "lin64_many", "swap", "receiver"]
+REPO = Path(__file__).resolve().parents[2]
+_REAL = {name: getattr(_kernels, name) for name in ("lin64_rows_many", "scatter_swap_many")}
+
+
+def test_under_triton_s_interpreter():
+    """Every check in one process where Triton's interpreter runs the kernels (see the module's doc)."""
+    pytest.importorskip("triton", reason="Triton is not installed here (scripts/_common.sh installs it)")
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    done = subprocess.run([sys.executable, __file__, *CHECKS], env=env, capture_output=True, text=True, timeout=300)
+    out = done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.returncode == 0, out
+    assert [line for line in done.stdout.splitlines() if line.startswith("PASS ")] == [f"PASS {c}" for c in CHECKS], out
+
+
+def _interpreted() -> list[bool]:
+    """The interpreted kernels offered for CPU tensors (``kernels()`` answers for CUDA devices only), with a
+    record of the batched launches that ran (True) or fell back (False)."""
+    torch.cuda.device = lambda device: contextlib.nullcontext()
+    built = _kernels._build()
+    assert built is not None
+    _kernels.kernels = lin64_mod.kernels = apply_mod.kernels = lambda device: built
+    ran: list[bool] = []
+    for name, real in _REAL.items():
+        for mod in (_kernels, lin64_mod, apply_mod):
+            if hasattr(mod, name):
+                setattr(mod, name, _spy(real, ran))
+    return ran
+
+
+def _spy(fn, ran):
+    def call(*args):
+        out = fn(*args)
+        ran.append(out is not None)
+        return out
+    return call
+
+
+def check_row_sums(interpreted):
+    gen = torch.Generator().manual_seed(0)
+    words = [torch.randint(-2**62, 2**62, (n,), dtype=torch.int64, generator=gen)
+             for n in (ROW * 3, 5, ROW + 7, 0, 2 * ROW, ROW - 1)]
+    got = _kernels.lin64_rows_many(words, lin64_mod._a(torch.device("cpu")), ROW)
+    assert got is not None
+    for w, rows in zip(words, got):
+        want = lin64_mod._rows_torch(w.view(torch.uint8)) if w.numel() else torch.empty(0, dtype=torch.int64)
+        assert torch.equal(rows, want), w.numel()
+
+
+def check_lin64_many(interpreted):
+    gen = torch.Generator().manual_seed(1)
+    ts = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen) for n in (8 * ROW * 3, 16, 8 * ROW + 8, 0, 13)]
+    ts.append(torch.randn(333, 7, generator=gen).to(torch.bfloat16))   # 4,662 bytes: a tail, the per-tensor path
+    want = [lin64(t, engine="numpy") for t in ts]
+    assert lin64_many(ts, engine="torch") == want
+    assert interpreted == [True]
+    interpreted.clear()
+    lin64_mod._BATCH_BYTES, saved = 100, lin64_mod._BATCH_BYTES   # a launch per tensor or two
+    try:
+        assert lin64_many(ts, engine="torch") == want
+    finally:
+        lin64_mod._BATCH_BYTES = saved
+    assert len(interpreted) >= 2 and all(interpreted)
+
+
+def check_swap(interpreted):
+    for word in (torch.uint8, torch.int16, torch.int32, torch.int64):
+        _swap(word)
+    assert interpreted == [True] * 4
+
+
+def _swap(word):
+    """One launch writes each tensor and returns each one's old values."""
+    gen = torch.Generator().manual_seed(2)
+    targets = [torch.randint(0, 100, (n,), generator=gen).to(word) for n in (5000, 3, 0, 2500, 1024)]
+    bases = [t.clone() for t in targets]
+    pos = [torch.randperm(t.numel(), generator=gen)[: max(t.numel() // 3, min(t.numel(), 1))].sort().values
+           for t in targets]
+    values = [torch.randint(100, 120, (p.numel(),), generator=gen).to(word) for p in pos]
+    olds = _kernels.scatter_swap_many(targets, pos, values)
+    assert olds is not None
+    for t, b, p, v, old in zip(targets, bases, pos, values, olds):
+        want = b.clone()
+        want[p] = v
+        assert torch.equal(t, want) and torch.equal(old, b[p])
+
+
+def check_receiver(interpreted):
+    """bf16, float32 and fp8 deltas of one bucket: one launch per item size, the live tensors equal the new
+    version (the post-apply check passes, batched too), and the undo gives the base back byte for byte."""
+    gen = torch.Generator().manual_seed(9)
+    specs = [((512, 96), torch.bfloat16), ((333,), torch.float32), ((64, 64), torch.float8_e4m3fn),
+             ((40, 8), torch.bfloat16)]
+    bases, news = {}, {}
+    for i, (shape, dtype) in enumerate(specs):
+        base = torch.randn(shape, generator=gen).to(dtype)
+        new = base.clone()
+        flat = as_words(new)
+        flat[torch.randperm(flat.numel(), generator=gen)[: flat.numel() // 25]] ^= 1
+        bases[f"w{i}"], news[f"w{i}"] = base, new
+    live = {k: v.clone() for k, v in bases.items()}
+    payloads = [(PAYLOAD + k, encode_tensor(news[k], bases[k])[0]) for k in bases]
+    rx = apply_mod.DeltaReceiver(live=live.get, held="A")
+    with rx.update(run=None, version="B") as cb:
+        cb.delta, cb.ran = ("A", "B"), True
+        cb._apply(payloads)
+        assert cb.figures["scattered"] == len(specs)
+        assert interpreted == [True] * 3   # a swap per item size (2, 4, 1); a CPU tensor's check runs numpy
+        for k in bases:
+            assert torch.equal(as_words(live[k]), as_words(news[k]))
+        cb.undo()
+        cb.undo_log.clear()
+    for k in bases:
+        assert torch.equal(as_words(live[k]), as_words(bases[k]))
+
+
+if __name__ == "__main__":   # the checks named, in a process started with TRITON_INTERPRET=1
+    for name in sys.argv[1:]:
+        launches = _interpreted()
+        globals()[f"check_{name}"](launches)
+        assert not _kernels._STATE["failed"], "a kernel failed under the interpreter"
+        print(f"PASS {name}", flush=True)
