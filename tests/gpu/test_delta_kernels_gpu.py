@@ -99,21 +99,13 @@ def test_the_one_launch_swap_of_many_tensors_writes_each_and_returns_each_ones_o
 def test_a_receivers_bucket_is_scattered_in_one_launch_checked_and_undone_byte_for_byte():
     """``DeltaReceiver``: a bucket of bf16, float32 and fp8 deltas into live CUDA tensors goes through the
     batched swap (one kernel per item size); the post-apply check passes; a failure later undoes it all."""
+    from support.data import mixed_delta_bucket
+
     from ckpt_core.delta.apply import DeltaReceiver
     from ckpt_core.delta.encode import encode_tensor
     from ckpt_core.delta.versions import PAYLOAD
 
-    gen = torch.Generator().manual_seed(9)
-    specs = [((512, 96), torch.bfloat16), ((333,), torch.float32), ((64, 64), torch.float8_e4m3fn),
-             ((40, 8), torch.bfloat16)]
-    bases, news = {}, {}
-    for i, (shape, dtype) in enumerate(specs):
-        b = torch.randn(shape, generator=gen).to(dtype)
-        n = b.clone()
-        flat = as_words(n)
-        pos = torch.randperm(flat.numel(), generator=gen)[: flat.numel() // 25]
-        flat[pos] ^= 1
-        bases[f"w{i}"], news[f"w{i}"] = b, n
+    bases, news = mixed_delta_bucket()
     live = {k: v.cuda() for k, v in bases.items()}
     payloads = [(PAYLOAD + k, encode_tensor(news[k], bases[k])[0].cuda()) for k in bases]
     rx = DeltaReceiver(live=live.get, held="A")
@@ -121,7 +113,7 @@ def test_a_receivers_bucket_is_scattered_in_one_launch_checked_and_undone_byte_f
         cb.delta = ("A", "B")
         cb.ran = True
         cb._apply(payloads)
-        assert cb.figures["scattered"] == len(specs)
+        assert cb.figures["scattered"] == len(bases)
         for k in bases:
             assert torch.equal(as_words(live[k].cpu()), as_words(news[k]))
         cb.undo()

@@ -61,3 +61,21 @@ def lin64_reference(t: torch.Tensor) -> str:
         total += word * (lin.mix_int(i % lin.ROW + lin.SEED_A) | 1) * (lin.mix_int(i // lin.ROW + lin.SEED_B) | 1)
     total += lin.mix_int((len(data) << 5) | size)
     return f"{lin.PREFIX}{total & ((1 << 64) - 1):016x}"
+
+
+def mixed_delta_bucket(seed: int = 9) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A delta bucket's tensors of three item sizes (bf16, float32, fp8): bases and new versions with one
+    word in 25 flipped in its lowest bit (the batched scatter's kernels run one launch per item size)."""
+    from ckpt_core.delta.encode import as_words
+
+    gen = torch.Generator().manual_seed(seed)
+    specs = [((512, 96), torch.bfloat16), ((333,), torch.float32), ((64, 64), torch.float8_e4m3fn),
+             ((40, 8), torch.bfloat16)]
+    bases, news = {}, {}
+    for i, (shape, dtype) in enumerate(specs):
+        base = torch.randn(shape, generator=gen).to(dtype)
+        new = base.clone()
+        flat = as_words(new)
+        flat[torch.randperm(flat.numel(), generator=gen)[: flat.numel() // 25]] ^= 1
+        bases[f"w{i}"], news[f"w{i}"] = base, new
+    return bases, news

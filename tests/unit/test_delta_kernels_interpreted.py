@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.data import mixed_delta_bucket
 
 from ckpt_core.delta import _kernels
 from ckpt_core.delta import apply as apply_mod
@@ -34,7 +35,8 @@ def test_under_triton_s_interpreter():
     """Every check in one process where Triton's interpreter runs the kernels (see the module's doc)."""
     pytest.importorskip("triton", reason="Triton is not installed here (scripts/_common.sh installs it)")
     env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH"))
+                                         if p)}
     done = subprocess.run([sys.executable, __file__, *CHECKS], env=env, capture_output=True, text=True, timeout=300)
     out = done.stdout[-3000:] + done.stderr[-3000:]
     assert done.returncode == 0, out
@@ -116,23 +118,14 @@ def _swap(word):
 def check_receiver(interpreted):
     """bf16, float32 and fp8 deltas of one bucket: one launch per item size, the live tensors equal the new
     version (the post-apply check passes, batched too), and the undo gives the base back byte for byte."""
-    gen = torch.Generator().manual_seed(9)
-    specs = [((512, 96), torch.bfloat16), ((333,), torch.float32), ((64, 64), torch.float8_e4m3fn),
-             ((40, 8), torch.bfloat16)]
-    bases, news = {}, {}
-    for i, (shape, dtype) in enumerate(specs):
-        base = torch.randn(shape, generator=gen).to(dtype)
-        new = base.clone()
-        flat = as_words(new)
-        flat[torch.randperm(flat.numel(), generator=gen)[: flat.numel() // 25]] ^= 1
-        bases[f"w{i}"], news[f"w{i}"] = base, new
+    bases, news = mixed_delta_bucket()
     live = {k: v.clone() for k, v in bases.items()}
     payloads = [(PAYLOAD + k, encode_tensor(news[k], bases[k])[0]) for k in bases]
     rx = apply_mod.DeltaReceiver(live=live.get, held="A")
     with rx.update(run=None, version="B") as cb:
         cb.delta, cb.ran = ("A", "B"), True
         cb._apply(payloads)
-        assert cb.figures["scattered"] == len(specs)
+        assert cb.figures["scattered"] == len(bases)
         assert interpreted == [True] * 3   # a swap per item size (2, 4, 1); a CPU tensor's check runs numpy
         for k in bases:
             assert torch.equal(as_words(live[k]), as_words(news[k]))
