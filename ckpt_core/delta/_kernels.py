@@ -16,6 +16,7 @@ that fails to build is reported once in the log and the torch ops take over for 
 
 from __future__ import annotations
 
+import itertools
 import logging
 from typing import Any
 
@@ -79,18 +80,19 @@ def _build() -> Any:
         tl.store(out_ptr + r, tl.sum(acc, axis=0))
 
     @triton.jit
-    def swap_many_kernel(table_ptr, blk_t_ptr, blk_i_ptr, old_ptr, WORD: tl.constexpr, BLOCK: tl.constexpr):
+    def swap_many_kernel(table_ptr, n_tensors, blk_t_ptr, blk_i_ptr, old_ptr, WORD: tl.constexpr,
+                         BLOCK: tl.constexpr):
         # swap_kernel over many tensors in one launch: block b covers BLOCK elements, from blk_i[b], of
-        # the lists of tensor t = blk_t[b]; table row t: target, positions and values addresses, the
-        # count, where its old values start in old_ptr
+        # the lists of tensor t = blk_t[b]; table column t (rows of n_tensors): target, positions and
+        # values addresses, the count, where its old values start in old_ptr
         b = tl.program_id(0)
         t = tl.load(blk_t_ptr + b)
-        row = table_ptr + 5 * t
-        target = tl.load(row).to(tl.pointer_type(WORD))
-        pos_ptr = tl.load(row + 1).to(tl.pointer_type(tl.int64))
-        values_ptr = tl.load(row + 2).to(tl.pointer_type(WORD))
-        n = tl.load(row + 3)
-        old_at = tl.load(row + 4)
+        col = table_ptr + t
+        target = tl.load(col).to(tl.pointer_type(WORD))
+        pos_ptr = tl.load(col + n_tensors).to(tl.pointer_type(tl.int64))
+        values_ptr = tl.load(col + 2 * n_tensors).to(tl.pointer_type(WORD))
+        n = tl.load(col + 3 * n_tensors)
+        old_at = tl.load(col + 4 * n_tensors)
         i = tl.load(blk_i_ptr + b) + tl.arange(0, BLOCK)
         m = i < n
         p = tl.load(pos_ptr + i, mask=m, other=0)
@@ -147,10 +149,7 @@ def scatter_swap(words: torch.Tensor, positions: torch.Tensor, values: torch.Ten
     integer dtype on a CUDA device; int64 ``positions`` on it, in range and strictly increasing; ``values``
     of ``words``' dtype); returns ``old``, or None where the kernel is not used (the caller runs the torch ops)."""
     k = kernels(words.device)
-    if (k is None or words.dim() != 1 or positions.dtype != torch.int64 or values.dtype != words.dtype
-            or values.shape != positions.shape
-            or positions.device != words.device or values.device != words.device
-            or not (words.is_contiguous() and positions.is_contiguous() and values.is_contiguous())):
+    if k is None or not _swappable(words, positions, values):
         return None
     n = positions.numel()
     old = torch.empty(n, dtype=words.dtype, device=words.device)
@@ -165,11 +164,19 @@ def scatter_swap(words: torch.Tensor, positions: torch.Tensor, values: torch.Ten
     return old
 
 
+def _swappable(words: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> bool:
+    """What the swap kernels take: flat contiguous ``words``, int64 ``positions`` and ``values`` of ``words``'
+    dtype, as many of each, all contiguous on ``words``' device."""
+    return (words.dim() == 1 and positions.dtype == torch.int64 and values.dtype == words.dtype
+            and values.shape == positions.shape
+            and positions.device == words.device and values.device == words.device
+            and words.is_contiguous() and positions.is_contiguous() and values.is_contiguous())
+
+
 def _table(columns: list[list[int]], device: torch.device) -> torch.Tensor:
-    """Host integers as an int64 device tensor, row-major ``[len(columns[0]), len(columns)]`` (no wait:
-    the copy from host memory returns once the bytes are staged)."""
-    rows = list(zip(*columns))
-    return torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+    """Host integers as an int64 device tensor ``[len(columns), len(columns[0])]``: each column of the
+    table a contiguous row (no wait: the copy from host memory returns once the bytes are staged)."""
+    return torch.tensor(columns, dtype=torch.int64).to(device, non_blocking=True)
 
 
 def _spread(counts: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,10 +204,10 @@ def lin64_rows_many(words: list[torch.Tensor], a: torch.Tensor, row_len: int) ->
     if total:
         try:
             with torch.cuda.device(device):
-                meta = _table([[w.data_ptr() for w in words], [w.numel() for w in words], rows], device)
-                row_t, row_j = _spread(meta[:, 2].contiguous(), total)
-                k.rows_many[(total,)](meta[:, 0].contiguous(), meta[:, 1].contiguous(), row_t, row_j, a, out,
-                                      ROW=row_len, BLOCK=_BLOCK)
+                ptrs, nwords, counts = _table([[w.data_ptr() for w in words], [w.numel() for w in words], rows],
+                                              device)
+                row_t, row_j = _spread(counts, total)
+                k.rows_many[(total,)](ptrs, nwords, row_t, row_j, a, out, ROW=row_len, BLOCK=_BLOCK)
         except Exception as exc:   # noqa: BLE001 - a compile or launch failure: the torch path is exact too
             _failed("lin64 (many tensors)", exc)
             return None
@@ -218,26 +225,22 @@ def scatter_swap_many(words: list[torch.Tensor], positions: list[torch.Tensor],
     k = kernels(device)
     if k is None or dtype not in k.word:
         return None
-    for w, p, v in zip(words, positions, values, strict=True):
-        if (w.device != device or w.dtype != dtype or w.dim() != 1 or p.dtype != torch.int64
-                or v.dtype != dtype or v.shape != p.shape or p.device != device or v.device != device
-                or not (w.is_contiguous() and p.is_contiguous() and v.is_contiguous())):
-            return None
+    if not all(w.device == device and w.dtype == dtype and _swappable(w, p, v)
+               for w, p, v in zip(words, positions, values, strict=True)):
+        return None
     counts = [p.numel() for p in positions]
     total = sum(counts)
     old = torch.empty(total, dtype=dtype, device=device)
     blocks = [_cdiv(n, _BLOCK) for n in counts]
     nblocks = sum(blocks)
     if nblocks:
-        starts = [0]
-        for n in counts[:-1]:
-            starts.append(starts[-1] + n)
+        starts = [0, *itertools.accumulate(counts[:-1])]
         try:
             with torch.cuda.device(device):
                 table = _table([[w.data_ptr() for w in words], [p.data_ptr() for p in positions],
                                 [v.data_ptr() for v in values], counts, starts, blocks], device)
-                blk_t, blk_j = _spread(table[:, 5].contiguous(), nblocks)
-                k.swap_many[(nblocks,)](table[:, :5].contiguous(), blk_t, blk_j * _BLOCK, old,
+                blk_t, blk_j = _spread(table[5], nblocks)
+                k.swap_many[(nblocks,)](table, len(words), blk_t, blk_j * _BLOCK, old,
                                         WORD=k.word[dtype], BLOCK=_BLOCK)
         except Exception as exc:   # noqa: BLE001 - a compile or launch failure: nothing was written then
             _failed("the scatter (many tensors)", exc)

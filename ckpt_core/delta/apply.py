@@ -295,7 +295,11 @@ class _Update:
             raise CheckpointFormatError(f"the live tensor is {target.dtype} {list(target.shape)}, the delta "
                                         f"{d.dtype} {list(d.shape)}", tensor=shown or name)
         saved = target.clone() if d.positions is None else None
-        old = apply_widened(target, d) if widened else apply_decoded(target, d)
+        self._scattered(name, target, d, apply_widened(target, d) if widened else apply_decoded(target, d), saved)
+
+    def _scattered(self, name: str, target: torch.Tensor, d: Decoded, old: torch.Tensor | None,
+                   saved: torch.Tensor | None) -> None:
+        """A scatter done: its undo (the old values, or the saved whole tensor) and the figures."""
         self.undo_log.append((target, d, old, saved))
         self.figures["scattered"] += 1
         self.figures["scattered_tensors"].append(name)
@@ -319,16 +323,14 @@ class _Update:
             groups.setdefault((item[1].device, item[1].element_size()), []).append(item)
         for items in groups.values():
             olds = scatter_swap_many([as_words(t) for _, t, _ in items],
-                                     [d.positions for _, _, d in items if d.positions is not None],
+                                     [d.positions for _, _, d in items],   # kept only with positions
                                      [d.values for _, _, d in items])
             if olds is None:
                 for name, target, d in items:
                     self._scatter(name, target, d)
                 continue
             for (name, target, d), old in zip(items, olds):
-                self.undo_log.append((target, d, old, None))
-                self.figures["scattered"] += 1
-                self.figures["scattered_tensors"].append(name)
+                self._scattered(name, target, d, old, None)
 
     def _scatter_region(self, name: str, region: torch.Tensor, d: Decoded, shown: str) -> torch.Tensor:
         """A strided box region: the delta applied to a contiguous copy of it, returned for the check and
