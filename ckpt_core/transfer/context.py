@@ -227,6 +227,12 @@ class UpdateContext:
         mapped = False
         if alloc_failed:
             link.fail(alloc_failed)
+        elif time.monotonic() >= link.deadline:
+            # the first exchange ended past this rank's deadline (a rank called update() late): the
+            # update fails here on every rank, not later or never depending on how fast this rank's
+            # worker answers what is already waiting (``PsLink._wait`` takes it)
+            link.expire("timed out before the handshake: the update timeout had passed when the first "
+                        "exchange ended")
         else:
             link.send_hello(frame=hello)
             mapped = link.wait_ready()

@@ -199,6 +199,11 @@ class PsLink:
         if self.failure is None:
             self._recv(("finished",), "the post-update hook")
 
+    def expire(self, message: str) -> None:
+        """Record that this rank's update timeout passed before a wait began (a first exchange that
+        ended past the deadline): a timeout, agreed like any other, whatever is already waiting."""
+        self._fail(message, timeout=True)
+
     def fail(self, message: str) -> None:
         """Record a failure of this rank that is not its worker's (e.g. its source file changed),
         so that it travels through the same status exchange and the link goes quiet."""

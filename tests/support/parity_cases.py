@@ -190,8 +190,9 @@ def case_reference_scenario(kind: str, world: int, tmp_path, *, seed: int = 2026
 def case_req_func_faults_on_rank_1(kind: str) -> dict[int, list]:
     """2 ranks. raise1: rank 1's req_func raises (rank 0's worker is mid-update); hang1: it never
     returns; stall1: it never returns and never reached the engine (whichever wait expires first,
-    req_func is named); late1: rank 1 calls update after rank 0's timeout passed (rank 0's worker
-    is named, with the note that its time went before the handshake)."""
+    req_func is named); late1: rank 1 calls update after rank 0's timeout passed (rank 0 fails
+    before its handshake whatever its worker answers, with the note that its time went in the first
+    exchange)."""
     gen = torch.Generator().manual_seed(7)
     data = {r: {f"w{r}.{i}": fresh_tensor((64, 8), torch.bfloat16, gen) for i in range(4)} for r in range(2)}
     steps = [("register", "c", {r: {"named_tensors": d} for r, d in data.items()}), ("gather", "c", None),
@@ -214,7 +215,7 @@ def case_req_func_faults_on_rank_1(kind: str) -> dict[int, list]:
         assert "never connected" in stalled[2] and "to connect" in stalled[2], stalled[2]
         assert after[0] == "ok" and len(after[2][2]) == 8, f"the next update on rank {r}: {after}"
         assert late[:2] == ("error", "UpdateTimeoutError"), f"rank {r}: {late}"
-        assert late[2].startswith("[rank 0] timed out waiting for"), late[2]
+        assert late[2].startswith("[rank 0] timed out before the handshake"), late[2]
         assert "before the handshake" in late[2] and "another rank called update() late" in late[2], late[2]
         assert again[0] == "ok" and len(again[2][2]) == 8, f"the update after late1 on rank {r}: {again}"
     assert res[0][2][4][0] == "error", "rank 0's worker must leave the update rank 1 failed"
