@@ -54,9 +54,9 @@ ENV_VARS: dict[str, tuple[str, str, str]] = {
                                     "they were recorded, so the pipeline's waits and deferrals run on CPU"),
     "CKPT_TEST_DELTA_DROP_ONE": ("bool", "0", "tests only: an engine worker applying a delta drops one changed "
                                  "element (the mutation check: the post-apply digest check must fail the update)"),
-    "CKPT_DELTA_TRITON": ("bool", "0", "1: an engine worker's delta check (lin64) and apply run fused Triton kernels "
-                          "on CUDA devices where Triton imports (off: torch ops; the results are the same; the fused "
-                          "apply was slower end to end on an H100)"),
+    "CKPT_DELTA_TRITON": ("str", "0", "where an engine worker's delta runs fused Triton kernels on CUDA devices "
+                          "where Triton imports: 0 nowhere (torch ops), check: the post-apply lin64 check, "
+                          "1 or all: the check and the scatters; the results are the same"),
     "CKPT_SERVICE_TOKEN": ("str", "", "bearer token of `ckpt-engine serve` on TCP (else `--token-file`)"),
     "CKPT_ENGINE_SERVE": ("str", "", "managed mode: `uds:PATH` (`{rank}` filled in) or `tcp:HOST:PORT` (local "
                           "rank i on PORT+i; needs CKPT_SERVICE_TOKEN); each engine worker starts its PS rank "
@@ -270,9 +270,22 @@ def delta_drop_one() -> bool:
     return _get("CKPT_TEST_DELTA_DROP_ONE", str, "0").strip().lower() in ("1", "true", "yes", "on")
 
 
-def delta_triton() -> bool:
-    """CKPT_DELTA_TRITON, read when a delta kernel is about to run (``delta/_kernels.py``)."""
-    return _bool("CKPT_DELTA_TRITON", False)
+DELTA_TRITON_MODES = ("off", "check", "all")
+
+
+def delta_triton() -> str:
+    """CKPT_DELTA_TRITON, read when a delta kernel is about to run (``delta/_kernels.py``): ``off`` (0),
+    ``check`` (the lin64 row sums only) or ``all`` (1: the scatters too)."""
+    raw = os.environ.get("CKPT_DELTA_TRITON", "").strip().lower()
+    if raw == "":
+        return "off"
+    if raw in ("check", "all"):
+        return raw
+    try:
+        return "all" if _bool("CKPT_DELTA_TRITON", False) else "off"
+    except ConfigError:
+        raise ConfigError(f"environment variable CKPT_DELTA_TRITON={raw!r} is not valid: 0, 1 (all), check "
+                          "or all") from None
 
 
 MIN_TOKEN_CHARS = 16   # a bearer token shorter than this is guessable; `openssl rand -hex 16` gives 32

@@ -9,7 +9,8 @@ tensor's bytes read at the device's memory rate. The arithmetic is the same inte
 (wrapping int64 products and sums, in any order), so its row sums equal the torch path's bit for bit;
 ``tests/gpu/test_delta_lin64_gpu.py`` compares the digests with the host's.
 
-Used only on CUDA devices where Triton imports and ``CKPT_DELTA_TRITON`` is not 0; elsewhere (the CPU,
+Used only on CUDA devices where Triton imports and ``CKPT_DELTA_TRITON`` allows them (``check``: the row sums
+only; ``1``/``all``: the swaps too; ``0``: neither); elsewhere (the CPU,
 other devices, a missing Triton, a tensor whose bytes are not 8-byte aligned) the torch ops run. A kernel
 that fails to build is reported once in the log and the torch ops take over for the process.
 """
@@ -110,9 +111,11 @@ def _build() -> Any:
     return Kernels
 
 
-def kernels(device: torch.device) -> Any:
-    """The Triton kernels for ``device``, or None (not CUDA, turned off, no Triton, or a kernel failed)."""
-    if device.type != "cuda" or _STATE["failed"] or not delta_triton():
+def kernels(device: torch.device, use: str = "check") -> Any:
+    """The Triton kernels for ``device`` and ``use`` (``check``: the lin64 row sums; ``scatter``: the swaps),
+    or None (not CUDA, turned off for that use by ``CKPT_DELTA_TRITON``, no Triton, or a kernel failed)."""
+    mode = delta_triton()
+    if device.type != "cuda" or _STATE["failed"] or mode == "off" or (use == "scatter" and mode != "all"):
         return None
     if _STATE["kernels"] is None:
         _STATE["kernels"] = _build() or False
@@ -148,7 +151,7 @@ def scatter_swap(words: torch.Tensor, positions: torch.Tensor, values: torch.Ten
     """``old = words[positions]; words[positions] = values`` in one kernel (flat, contiguous ``words`` of an
     integer dtype on a CUDA device; int64 ``positions`` on it, in range and strictly increasing; ``values``
     of ``words``' dtype); returns ``old``, or None where the kernel is not used (the caller runs the torch ops)."""
-    k = kernels(words.device)
+    k = kernels(words.device, "scatter")
     if k is None or not _swappable(words, positions, values):
         return None
     n = positions.numel()
@@ -222,7 +225,7 @@ def scatter_swap_many(words: list[torch.Tensor], positions: list[torch.Tensor],
     if not words:
         return []
     device, dtype = words[0].device, words[0].dtype
-    k = kernels(device)
+    k = kernels(device, "scatter")
     if k is None or dtype not in k.word:
         return None
     if not all(w.device == device and w.dtype == dtype and _swappable(w, p, v)

@@ -310,7 +310,7 @@ class _Update:
         checkpoint's dtype, a list of positions, a contiguous tensor of the delta's shape, on a device where the
         kernels run); elsewhere written now, one by one, as before."""
         if (target.dtype == d.dtype and d.positions is not None and tuple(target.shape) == d.shape
-                and target.is_contiguous() and kernels(target.device) is not None):
+                and target.is_contiguous() and kernels(target.device, "scatter") is not None):
             later.append((name, target, d))
         else:
             self._scatter(name, target, d, shown)

@@ -128,3 +128,32 @@ def test_a_ckpt_slices_that_is_no_bool_is_a_config_error(monkeypatch):
     monkeypatch.setenv("CKPT_SLICES", "maybe")
     with pytest.raises(ConfigError, match="CKPT_SLICES='maybe' is not a valid bool"):
         slices_wanted(True)
+
+
+@pytest.mark.parametrize("raw, mode", [("", "off"), ("0", "off"), ("off", "off"), ("1", "all"), ("true", "all"),
+                                       ("all", "all"), ("check", "check"), (" Check ", "check")])
+def test_ckpt_delta_triton_names_where_the_fused_kernels_run(monkeypatch, raw, mode):
+    from ckpt_core._settings import delta_triton
+    monkeypatch.setenv("CKPT_DELTA_TRITON", raw)
+    assert delta_triton() == mode
+
+
+def test_a_ckpt_delta_triton_of_no_known_mode_is_a_config_error_listing_the_modes(monkeypatch):
+    from ckpt_core._settings import delta_triton
+    monkeypatch.setenv("CKPT_DELTA_TRITON", "scatter")
+    with pytest.raises(ConfigError, match="CKPT_DELTA_TRITON='scatter'.*0, 1 \\(all\\), check or all"):
+        delta_triton()
+
+
+@pytest.mark.parametrize("mode, check, scatter", [("0", False, False), ("check", True, False), ("1", True, True)])
+def test_the_delta_kernels_are_offered_per_use_as_ckpt_delta_triton_says(monkeypatch, mode, check, scatter):
+    import torch
+
+    from ckpt_core.delta import _kernels
+    built = object()   # stands for the compiled kernels: only the gating is under test here
+    monkeypatch.setattr(_kernels, "_STATE", {"kernels": built, "failed": False})
+    monkeypatch.setenv("CKPT_DELTA_TRITON", mode)
+    cuda = torch.device("cuda", 0)
+    assert (_kernels.kernels(cuda) is built) == check
+    assert (_kernels.kernels(cuda, "scatter") is built) == scatter
+    assert _kernels.kernels(torch.device("cpu"), "scatter") is None   # never for other devices
