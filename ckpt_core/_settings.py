@@ -34,7 +34,7 @@ ENV_VARS: dict[str, tuple[str, str, str]] = {
     "PS_FAULT_THREADS": ("int", "4", "threads per rank that fault in fresh host memory before it is pinned "
                          "(registration); more contend in the kernel and were slower on 2 ranks per host"),
     "PS_DELTA_THREADS": ("int", "4", "threads of a registration's delta on the host (its compare, its payloads' "
-                         "writing, lin64 of host tensors), 1..1024; 16 were no faster than 4 on a 16-core host"),
+                         "writing, lin64 of host tensors), 1..1024; the default leaves cores to other PS ranks"),
     "PS_DELTA_KERNEL": ("str", "auto", "`auto`: a registration's delta compare runs a small C pass, compiled on "
                         "first use by the host's C compiler (`$CC`, else `cc`) into ~/.cache/ckpt-engine/kernels; "
                         "`numpy`: never compiled, numpy only (also what `auto` does without a compiler); the "
@@ -221,7 +221,7 @@ def fault_threads() -> int:
 
 def delta_threads() -> int:
     """PS_DELTA_THREADS, read at each registration with a base: the threads of its compare, of its
-    payloads' writing and of lin64 on the host (default 4: 16 were no faster on a 16-core host)."""
+    payloads' writing and of lin64 on the host (default 4: a node's other PS ranks register too)."""
     n = _get("PS_DELTA_THREADS", int, 4)
     if not 1 <= n <= MAX_FAULT_THREADS:
         raise ConfigError(f"PS_DELTA_THREADS must be in 1..{MAX_FAULT_THREADS}, got {n}")

@@ -51,7 +51,8 @@ from ckpt_core.planning.buckets import TensorMeta
 from ckpt_core.planning.pieces import meta_key
 
 BLOCK_WORDS = 1 << 15          # words per compare block: 256 KiB of each version, in cache together
-_PIECE_WORDS = 1 << 16         # words per thread job (16 MiB of each version)
+_PIECE_WORDS = 1 << 20         # words per thread job (8 MiB of each version): long enough that the Python
+                               # around each job's compiled pass holds the GIL a small fraction of the time
 _THREADS_MIN_WORDS = 1 << 20   # below: one thread (a pool costs more than it saves)
 _SPAN_GAP = 1 << 20
 # tensors from this size are encoded each on its own, block by block (their changes found and digested
