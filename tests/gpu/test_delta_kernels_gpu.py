@@ -13,7 +13,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(autouse=True)
 def triton_on_cuda(monkeypatch):
-    monkeypatch.setenv("CKPT_DELTA_TRITON", "1")   # off by default (docs/deltas.md: slower end to end)
+    monkeypatch.setenv("CKPT_DELTA_TRITON", "1")   # both kernels (the default, check, leaves the scatters to torch)
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     if _kernels.kernels(torch.device("cuda")) is None:
