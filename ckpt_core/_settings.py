@@ -270,9 +270,6 @@ def delta_drop_one() -> bool:
     return _get("CKPT_TEST_DELTA_DROP_ONE", str, "0").strip().lower() in ("1", "true", "yes", "on")
 
 
-DELTA_TRITON_MODES = ("off", "check", "all")
-
-
 def delta_triton() -> str:
     """CKPT_DELTA_TRITON, read when a delta kernel is about to run (``delta/_kernels.py``): ``off`` (0),
     ``check`` (the lin64 row sums only) or ``all`` (1: the scatters too)."""
