@@ -46,6 +46,9 @@ def main() -> None:
     read = sum(p[0].size * 2 for p in pairs)
     kept = _scan.BLOCK_WORDS
 
+    def line(threads: int, what: str, seconds: float) -> None:
+        print(f"threads {threads:2d} {what} {seconds * 1e3:7.1f} ms {read / seconds / 1e9:6.1f} GB/s read", flush=True)
+
     def compare(p):
         np.not_equal(p[0].view(np.uint64), p[1].view(np.uint64), out=np.empty(p[0].size // 8, dtype=bool))
 
@@ -57,12 +60,11 @@ def main() -> None:
                     t0 = time.perf_counter()
                     list(pool.map(lambda p: _scan.scan(lib, p[0], p[1], 2, a, b), pairs))
                     s = time.perf_counter() - t0
-                    print(f"threads {t:2d} block {block:8d} words: scan {s * 1e3:7.1f} ms {read / s / 1e9:6.1f} GB/s read",
-                          flush=True)
+                    line(t, f"block {block:8d} words: scan", s)
                 t0 = time.perf_counter()
                 list(pool.map(compare, pairs))
                 s = time.perf_counter() - t0
-                print(f"threads {t:2d} numpy not_equal words  {s * 1e3:7.1f} ms {read / s / 1e9:6.1f} GB/s read", flush=True)
+                line(t, "numpy not_equal words ", s)
     finally:
         _scan.BLOCK_WORDS = kept
 
