@@ -42,11 +42,19 @@ def test_scan_gives_numpys_positions_and_lin64_sum(fresh, dtype, numel):
     pos = torch.randperm(numel, generator=gen)[: max(1, numel // 37)]
     ints[pos, -1] ^= 0x40                       # a change in an item's last byte
     ints[numel - 1, 0] ^= 1                     # and the last item: a tail word
+    flat = new.view(torch.uint8).view(-1)       # and single bits anywhere (an item's top bit alone included)
+    at = torch.randint(0, flat.numel(), (max(1, flat.numel() // 50),), generator=gen)
+    flat[at] ^= (1 << torch.randint(0, 8, at.shape, generator=gen)).to(torch.uint8)
     raw_new, raw_old = raw_of(new)[0].numpy(), raw_of(old)[0].numpy()
-    got, total = _scan.scan(_scan.kernel(), raw_new, raw_old, new.element_size(), *_host_ab(raw_new.size // 8))
+    ab = _host_ab(raw_new.size // 8)
+    got, total = _scan.scan(_scan.kernel(), raw_new, raw_old, new.element_size(), *ab)
     want = changed_positions(as_words(new).numpy(), as_words(old).numpy())
     assert got.dtype == np.int64 and np.array_equal(got, want)
     assert total == _sum_numpy(raw_of(new)[0])
+    # derived: the change over the changed words only, which added to old's sum is new's
+    got_d, change = _scan.scan(_scan.kernel(), raw_new, raw_old, new.element_size(), *ab, derive=True)
+    assert np.array_equal(got_d, want)
+    assert (_sum_numpy(raw_of(old)[0]) + change) % (1 << 64) == total
 
 
 @needs_cc
