@@ -12,6 +12,10 @@ elements changed, as ``update_bench.py --delta-density``: ``_bench_delta.perturb
 - ``base_cold``: the same with A's digests forgotten first (the first version registered with a base
   against a version registered whole: A's digests are computed then, once).
 
+With ``--pool`` every registration goes into the shared pool (``use_shared_memory_pool``): A holds one
+region and B, whole or with its base, the second (an RL loop's chain alternates between the two), so
+neither pays the first touch of fresh memory.
+
 Best of each is reported (wall time, and the process's CPU time: less sensitive to a shared
 machine's other work) with its phases (the registration's ``validate``/``allocate``/``fill``
 laps, the delta's ``encode_s`` and its own phases), the ratio to ``whole``, and the load average
@@ -60,11 +64,12 @@ def _forget_digests(ps: ParameterServer, name: str) -> None:
         digests.clear()
 
 
-def _one(ps: ParameterServer, named: dict, mode: str) -> dict:
+def _one(ps: ParameterServer, named: dict, mode: str, pool: bool = False) -> dict:
     if mode == "base_cold":
         _forget_digests(ps, "A")
     t0, c0 = time.perf_counter(), time.process_time()
-    ps.register_checkpoint("B", named_tensors=named, base=None if mode == "whole" else "A")
+    ps.register_checkpoint("B", named_tensors=named, base=None if mode == "whole" else "A",
+                           use_shared_memory_pool=pool)
     total, cpu = time.perf_counter() - t0, time.process_time() - c0
     out = {"total_s": total, "cpu_s": cpu, "phases": dict(ps.last_register["seconds"])}
     if mode != "whole":
@@ -119,18 +124,18 @@ def run_case(ps: ParameterServer, case: str, args) -> dict:
     named_b = {n: t.clone() for n, t in named_a.items()}
     gen = torch.Generator().manual_seed(11)
     changed = sum(perturb_(t, args.density, gen) for t in named_b.values())
-    ps.register_checkpoint("A", named_tensors=named_a)
+    ps.register_checkpoint("A", named_tensors=named_a, use_shared_memory_pool=args.pool)
     runs: dict[str, list[dict]] = {"whole": [], "base": [], "base_cold": []}
     try:
-        _one(ps, named_b, "base")   # warm-up (and A's digests computed once)
+        _one(ps, named_b, "base", args.pool)   # warm-up (A's digests computed once; the pool's second region)
         for _ in range(args.repeats):
             for mode in runs:
-                runs[mode].append(_one(ps, named_b, mode))
+                runs[mode].append(_one(ps, named_b, mode, args.pool))
     finally:
-        ps.unregister_checkpoint("A")
+        ps.unregister_checkpoint("A", True)
     best = {m: min(r, key=lambda x: x["total_s"]) for m, r in runs.items()}
     cpu = {m: min(x["cpu_s"] for x in r) for m, r in runs.items()}
-    out = {"case": case, "scale": args.scale, "tensors": len(specs), "bytes": share.buffer.numel(),
+    out = {"case": case, "scale": args.scale, "pool": args.pool, "tensors": len(specs), "bytes": share.buffer.numel(),
            "changed_elements": changed, "density": args.density, "best": best,
            "all_s": {m: [x["total_s"] for x in r] for m, r in runs.items()},
            "ratio_base": best["base"]["total_s"] / best["whole"]["total_s"],
@@ -145,7 +150,7 @@ def _line(r: dict) -> str:
     b = r["best"]
     enc = b["base"]
     phases = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in enc.get("encode_phases", {}).items())
-    return (f"{r['case']:<8} x{r['scale']:<6} {r['tensors']:>5} tensors {r['bytes'] / 1e6:8.1f} MB | whole "
+    return (f"{r['case']:<8} x{r['scale']:<6}{' pool' if r.get('pool') else ''} {r['tensors']:>5} tensors {r['bytes'] / 1e6:8.1f} MB | whole "
             f"{b['whole']['total_s'] * 1e3:8.1f} ms | base {enc['total_s'] * 1e3:8.1f} ms "
             f"({r['ratio_base']:.2f}x; encode {enc['encode_s'] * 1e3:.1f} ms: {phases}) | base, A's digests "
             f"computed {b['base_cold']['total_s'] * 1e3:8.1f} ms ({r['ratio_base_cold']:.2f}x) | CPU time whole "
@@ -160,6 +165,9 @@ def main() -> None:
     ap.add_argument("--density", type=float, default=0.02)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--profile", action="store_true", help="also time each kind of work on its own")
+    ap.add_argument("--pool", action="store_true",
+                    help="register every version into the shared pool (use_shared_memory_pool: A holds one region, "
+                         "B takes the second; whole and base both into touched, pinned memory, as an RL loop's)")
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args()
     results = []

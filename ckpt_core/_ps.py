@@ -196,8 +196,10 @@ class ParameterServer:
         ``files``: safetensors paths (validated before anything is read); files under /dev/shm are mapped and
         pinned in place when ``use_inplace_pin_memory`` (and deleted only if ``unlink_inplace_files``).
         ``named_tensors``: name -> tensor, copied. ``use_shared_memory_pool``: copy into one reusable pinned pool
-        (RL loops). ``base``: a checkpoint registered earlier on this rank that this one is the next version of:
-        its delta is encoded too, for ``update(name, ..., delta=True)`` (docs/deltas.md).
+        (RL loops; a version registered with a ``base`` that holds the pool takes a second region beside it, and
+        the versions of a chain alternate between the two). ``base``: a checkpoint registered earlier on this
+        rank that this one is the next version of: its delta is encoded too, for ``update(name, ..., delta=True)``
+        (docs/deltas.md).
 
         ``on_device``: keep ``named_tensors`` where they lie instead, on this rank's own device (a trainer's
         weights beside the engine): no host copy, no pinning, no pool; each update copies them device-to-device
@@ -236,7 +238,7 @@ class ParameterServer:
                 ckpt = build_device_checkpoint(name, self.backend, self.device_index, named_tensors)
             else:
                 ckpt = build_checkpoint(name, self.backend, files=files, named_tensors=named_tensors,
-                                        pool=pool, inplace=use_inplace_pin_memory,
+                                        pool=pool, pool_beside=base, inplace=use_inplace_pin_memory,
                                         unlink_inplace_files=unlink_inplace_files,
                                         progress=lambda phase, done, total: self._tell("register", phase, done, total))
         # and its delta against base; served to P2P readers (serve_p2p only)
@@ -268,7 +270,8 @@ class ParameterServer:
 
     def unregister_checkpoint(self, checkpoint_name: str, force: bool = False) -> None:
         """Free checkpoint ``checkpoint_name``. With ``force``, also free the shared pool's memory if it
-        held it (positional, as in the reference: ``unregister_checkpoint("a", True)``)."""
+        held it (positional, as in the reference: ``unregister_checkpoint("a", True)``); a pool region that
+        another version holds (a delta chain's, ``SharedPool``) stays."""
         self._check_open()
         if checkpoint_name not in self._catalog.checkpoints:
             raise CheckpointNotFoundError(f"checkpoint {checkpoint_name!r} is not registered on rank {self.rank}")
@@ -281,9 +284,10 @@ class ParameterServer:
 
     def _unregister(self, name: str, force: bool) -> None:
         ckpt = self._flows.remove(name)   # with its delta, its metas, plans and P2P service
-        if force and ckpt.pool is not None and self._pool is not None:
-            self._pool.close()
-            self._pool = None
+        if force and ckpt.pool is not None and self._pool is not None:   # the regions no other version holds
+            self._pool.release_free()
+            if not self._pool.regions:
+                self._pool = None
 
     def _tell(self, operation: str, phase: str, done: int | None = None, total: int | None = None) -> None:
         if self.progress is not None:
@@ -314,9 +318,14 @@ class ParameterServer:
         return None
 
     def pool_bytes(self) -> int:
-        """Bytes of the shared pinned pool (``use_shared_memory_pool``), 0 when there is none yet."""
-        region = None if self._pool is None else self._pool.region
-        return 0 if region is None else region.nbytes
+        """Bytes of the shared pinned pool (``use_shared_memory_pool``: one region, two along a delta chain),
+        0 when there is none yet."""
+        return 0 if self._pool is None else self._pool.nbytes
+
+    def pool_free_bytes(self) -> int:
+        """Bytes of the largest shared pool region no checkpoint holds (what a registration into the pool
+        can take without allocating), 0 when there is none."""
+        return 0 if self._pool is None else self._pool.free_bytes
 
     # -- metas -----------------------------------------------------------------
     def gather_metas(self, checkpoint_name: str) -> None:

@@ -275,40 +275,81 @@ def map_file_region(backend: DeviceBackend, rid: int, path: str, *, writable: bo
 
 
 class SharedPool:
-    """One pinned host region reused by successive checkpoints of the same (or smaller) size.
+    """Pinned host regions reused by successive checkpoints of the same (or smaller) size.
 
-    RL loops register a new checkpoint every step; re-using the pinned pool
-    skips the slow allocation and pinning. One checkpoint holds it at a time.
+    RL loops register a new checkpoint every step; re-using the pinned pool skips the slow allocation,
+    first touch and pinning. One checkpoint holds a region at a time, and the pool has one region, but
+    a version registered with a base that holds one (``register_checkpoint(..., base=)``: a delta chain,
+    whose base stays registered until the engines left it) may take a second beside it: the versions
+    of a chain then alternate between the two (C into A's region once A is unregistered). At most
+    ``MAX_REGIONS``; any other registration into a pool whose regions are all held is refused.
     """
+
+    MAX_REGIONS = 2
 
     def __init__(self, backend: DeviceBackend):
         self.backend = backend
-        self.region: HostRegion | None = None
-        self.holder: str | None = None
+        self.regions: list[HostRegion] = []
+        self.holders: list[str | None] = []
 
-    def acquire(self, name: str, nbytes: int, rid: int) -> HostRegion:
-        if self.holder is not None:
-            raise ConfigError(f"the shared memory pool is held by checkpoint {self.holder!r}; "
-                              f"unregister it before registering {name!r} into the pool")
-        if self.region is None or self.region.nbytes < nbytes:
-            if self.region is not None:
-                self.region.release()
-            self.region = new_region(self.backend, rid, align_up(nbytes, 1 << 20))
+    @property
+    def nbytes(self) -> int:
+        return sum(r.nbytes for r in self.regions)
+
+    @property
+    def free_bytes(self) -> int:
+        """The largest region no checkpoint holds."""
+        return max((r.nbytes for r, h in zip(self.regions, self.holders) if h is None), default=0)
+
+    def owns(self, region: HostRegion) -> bool:
+        return any(r is region for r in self.regions)
+
+    def acquire(self, name: str, nbytes: int, rid: int, beside: str | None = None) -> HostRegion:
+        """A free region of at least ``nbytes`` (one too small is grown), for checkpoint ``name``; with
+        ``beside`` (the base it is registered with), a second region when the base holds the only one."""
+        free = [i for i, h in enumerate(self.holders) if h is None]
+        if free:
+            fits = [i for i in free if self.regions[i].nbytes >= nbytes]
+            i = min(fits, key=lambda k: self.regions[k].nbytes) if fits else free[0]
+        elif not self.regions or (beside is not None and beside in self.holders
+                                  and len(self.regions) < self.MAX_REGIONS):
+            self.regions.append(None)   # type: ignore[arg-type]  # filled below
+            self.holders.append(None)
+            i = len(self.regions) - 1
+        else:
+            held = ", ".join(repr(h) for h in self.holders)
+            raise ConfigError(f"the shared memory pool is held by checkpoint{'s' * (len(self.holders) > 1)} {held}; "
+                              f"unregister one before "
+                              f"registering {name!r} into the pool (a version registered with base= may take "
+                              f"a second region beside its base's)")
+        region = self.regions[i]
+        if region is None or region.nbytes < nbytes:
+            if region is not None:
+                region.release()
+            region = new_region(self.backend, rid, align_up(nbytes, 1 << 20))
             try:
-                populate_and_pin(self.backend, self.region)
+                populate_and_pin(self.backend, region)
             except BaseException:
-                self.region.release()
-                self.region = None
+                region.release()
+                del self.regions[i], self.holders[i]
                 raise
-        self.region.id = rid
-        self.holder = name
-        return self.region
+            self.regions[i] = region
+        region.id = rid
+        self.holders[i] = name
+        return region
 
     def give_back(self, name: str) -> None:
-        if self.holder == name:
-            self.holder = None
+        self.holders = [None if h == name else h for h in self.holders]
+
+    def release_free(self) -> None:
+        """Release the memory of every region no checkpoint holds."""
+        keep = [(r, h) for r, h in zip(self.regions, self.holders) if h is not None]
+        for r, h in zip(self.regions, self.holders):
+            if h is None:
+                r.release()
+        self.regions, self.holders = [r for r, _ in keep], [h for _, h in keep]
 
     def close(self) -> None:
-        if self.region is not None:
-            self.region.release()
-        self.region, self.holder = None, None
+        for r in self.regions:
+            r.release()
+        self.regions, self.holders = [], []

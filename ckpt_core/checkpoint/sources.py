@@ -82,7 +82,7 @@ class RegisteredCheckpoint:
 
     def release(self) -> None:
         for rid, region in self.regions.items():
-            if self.pool is not None and self.pool.region is region:
+            if self.pool is not None and self.pool.owns(region):
                 continue  # the pool keeps its memory for the next checkpoint
             region.release()
         if self.pool is not None:
@@ -121,9 +121,12 @@ def _in_place(path: str, inplace: bool) -> bool:
 
 def build_checkpoint(name: str, backend: DeviceBackend, *, files=None,
                      named_tensors=None, pool: SharedPool | None = None, inplace: bool = True,
-                     unlink_inplace_files: bool = False, progress=None) -> RegisteredCheckpoint:
+                     unlink_inplace_files: bool = False, progress=None,
+                     pool_beside: str | None = None) -> RegisteredCheckpoint:
     """Validate, then load or map this rank's share. Region ids are local to the checkpoint, so two
     checkpoints of the same layout (successive RL steps) have identical metas and share one plan.
+    ``pool_beside``: the base this version is registered with (it may take a second pool region beside
+    the base's, ``SharedPool``).
     ``progress(phase, done_bytes, total_bytes)``, if given, is called as each phase advances (from
     worker threads)."""
     files = [os.fspath(p) for p in (files or [])]
@@ -151,7 +154,7 @@ def build_checkpoint(name: str, backend: DeviceBackend, *, files=None,
             # A share of 0-byte tensors only (total == 0) is still part of the checkpoint: its
             # tensors get metas in an empty region, so they reach the engine like any other.
             rid = next(ids)
-            regions[rid] = (pool.acquire(name, total, rid) if pool is not None and total else
+            regions[rid] = (pool.acquire(name, total, rid, beside=pool_beside) if pool is not None and total else
                             new_region(backend, rid, total))
             clock.lap("allocate")
             if pool is None or not total:   # the pool's region is pinned already
@@ -178,34 +181,81 @@ def build_checkpoint(name: str, backend: DeviceBackend, *, files=None,
     return ckpt
 
 
-def build_packed(name: str, backend: DeviceBackend, named: dict[str, torch.Tensor]) -> RegisteredCheckpoint:
+class PackedRegion:
+    """A fresh host region (zeroed, pinned where the backend pins) that a delta's payloads are written
+    straight into (``delta/_payload_vector.Encoded.payload_list``'s ``alloc``) and that ``build_packed`` then
+    adopts as its checkpoint's: without it the payloads were written into a zeroed numpy buffer and copied
+    into a second fresh region (two first touches of every page and a copy: on the 2-core VM ~1 us per page
+    touched first; dense16 x0.05's 34 MB of payloads). ``release()`` frees it unless a checkpoint took it."""
+
+    def __init__(self, backend: DeviceBackend):
+        self.backend = backend
+        self.region: HostRegion | None = None
+
+    def alloc(self, nbytes: int):
+        """A zeroed numpy uint8 buffer of ``nbytes`` in a new region (one per PackedRegion)."""
+        if self.region is not None:
+            raise RuntimeError("a PackedRegion holds one buffer")
+        self.region = new_region(self.backend, 0, nbytes)   # an anonymous mapping: zeroed
+        _pin_fresh(self.backend, self.region, nbytes, _Phases(), None)
+        return self.region.tensor.numpy()
+
+    def holds(self, t: torch.Tensor) -> bool:
+        if self.region is None or not t.numel():
+            return False
+        base, end = self.region.tensor.data_ptr(), self.region.tensor.data_ptr() + self.region.nbytes
+        return base <= t.data_ptr() and t.data_ptr() + t.numel() <= end
+
+    def release(self) -> None:
+        if self.region is not None:
+            self.region.release()
+            self.region = None
+
+
+def build_packed(name: str, backend: DeviceBackend, named: dict[str, torch.Tensor],
+                 into: PackedRegion | None = None) -> RegisteredCheckpoint:
     """``build_checkpoint(name, backend, named_tensors=named)`` for flat uint8 host tensors (a delta's
-    payloads): the same layout and metas, each tensor copied into the region with one numpy slice
-    assignment on this thread, instead of a copy job each (thousands of small payloads: 5,210 cost
-    ~300 ms in jobs). Anything else goes through ``build_checkpoint``."""
+    payloads): the same metas, each tensor copied into the region with one numpy slice assignment on this
+    thread, instead of a copy job each (thousands of small payloads: 5,210 cost ~300 ms in jobs). Tensors
+    that already lie in ``into``'s region (written there by the encode) stay where they are: that region
+    becomes the checkpoint's region 0 (``into`` gives it up), the others are copied into region 1.
+    Anything else goes through ``build_checkpoint``."""
     items = list(named.items())
     if not all(isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dtype == torch.uint8 and t.dim() == 1
                and t.is_contiguous() for _, t in items):
-        return build_checkpoint(name, backend, named_tensors=named)
+        return build_checkpoint(name, backend, named_tensors=named)   # copies: ``into`` stays its owner's
     _check_named(named)
-    offsets, pos = [], 0
-    for _, t in items:
-        offsets.append(pos)
-        pos = align_up(pos + t.numel())
+    adopted = into.region if into is not None and into.region is not None else None
+    placed = {i: (0, t.data_ptr() - adopted.tensor.data_ptr())
+              for i, (_, t) in enumerate(items) if adopted is not None and into.holds(t)}  # type: ignore[union-attr]
+    rid = 1 if adopted is not None else 0
+    offsets, pos = {}, 0
+    for i, (_, t) in enumerate(items):
+        if i not in placed:
+            offsets[i] = pos
+            pos = align_up(pos + t.numel())
     clock = _Phases()
-    region = new_region(backend, 0, pos)
+    region = new_region(backend, rid, pos)
     try:
         _pin_fresh(backend, region, pos, clock, None)
         buf = region.tensor.numpy() if pos else None
-        for (_, t), off in zip(items, offsets):
+        for i, off in offsets.items():
+            t = items[i][1]
             if t.numel():
                 buf[off: off + t.numel()] = t.numpy()   # type: ignore[index]
         clock.lap("fill")
     except BaseException:
         region.release()
         raise
-    metas = [_meta(n, torch.uint8, (t.numel(),), 0, off) for (n, t), off in zip(items, offsets)]
-    return RegisteredCheckpoint(name, metas, {0: region}, nbytes=sum(m.nbytes for m in metas), seconds=clock.seconds)
+    where = {**placed, **{i: (rid, off) for i, off in offsets.items()}}
+    metas = [_meta(n, torch.uint8, (t.numel(),), *where[i]) for i, (n, t) in enumerate(items)]
+    regions = {rid: region}
+    if adopted is not None:
+        regions = {0: adopted, **({rid: region} if offsets else {})}
+        if not offsets:
+            region.release()
+        into.region = None   # type: ignore[union-attr]  # the checkpoint's now
+    return RegisteredCheckpoint(name, metas, regions, nbytes=sum(m.nbytes for m in metas), seconds=clock.seconds)
 
 
 def _pin_fresh(backend: DeviceBackend, region: HostRegion, total: int, clock: "_Phases", progress) -> None:

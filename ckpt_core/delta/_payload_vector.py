@@ -172,15 +172,17 @@ class Encoded(NamedTuple):
     digests: dict[str, int]
     phases: dict[str, float]
 
-    def payload_list(self, regions: dict[int, np.ndarray]) -> list:
+    def payload_list(self, regions: dict[int, np.ndarray], alloc=None) -> list:
         """``(payload or None, info)`` per tensor, as ``encode_tensor`` returns them: every payload written
-        into one zeroed buffer (``write``), each a view of it. ``regions``: the new version's regions' bytes."""
+        into one zeroed buffer (``write``), each a view of it. ``regions``: the new version's regions' bytes.
+        ``alloc(nbytes)``: the zeroed uint8 buffer to write into (``checkpoint.sources.PackedRegion``, the
+        companion's own region); default a new numpy one."""
         offsets, pos = {}, 0
         for i, info in enumerate(self.infos):
             if info["encoding"] is not None:
                 offsets[i] = pos
                 pos += (info["bytes"] + 7) & ~7
-        buf = np.zeros(pos, dtype=np.uint8)
+        buf = np.zeros(pos, dtype=np.uint8) if alloc is None else alloc(pos)
         self.write(buf, offsets, regions)
         out = torch.from_numpy(buf)
         return [(out[offsets[i]: offsets[i] + info["bytes"]] if i in offsets else None, info)

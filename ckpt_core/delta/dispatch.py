@@ -20,7 +20,7 @@ full update of ``name``).
 from __future__ import annotations
 
 from ckpt_core.checkpoint.device import build_device_checkpoint, refuse_device_resident
-from ckpt_core.checkpoint.sources import RegisteredCheckpoint, build_packed
+from ckpt_core.checkpoint.sources import PackedRegion, RegisteredCheckpoint, build_packed
 from ckpt_core.delta._sliced_flow import SlicedDeltas
 from ckpt_core.delta.choose import candidates, choose, view
 from ckpt_core.delta.sliced import sliced_name
@@ -69,10 +69,15 @@ class Updates:
                 payloads = self.versions.encode(name, ckpt, base, self.catalog.checkpoints.get(base), device)
                 if payloads is not None:
                     comp = build_device_checkpoint(companion(name), self.ctx.backend, self.ctx.device_index, payloads)
-            elif base is not None:
-                payloads = self.versions.encode(name, ckpt, base, self.catalog.checkpoints.get(base))
-                if payloads is not None:   # None: pieced unlike its base here (delta/pieces.py), no delta
-                    comp = build_packed(companion(name), self.ctx.backend, payloads)
+            elif base is not None:   # the payloads written straight into the companion's region
+                packed = PackedRegion(self.ctx.backend)
+                try:
+                    payloads = self.versions.encode(name, ckpt, base, self.catalog.checkpoints.get(base),
+                                                    alloc=packed.alloc)
+                    if payloads is not None:   # None: pieced unlike its base here (delta/pieces.py), no delta
+                        comp = build_packed(companion(name), self.ctx.backend, payloads, into=packed)
+                finally:
+                    packed.release()   # unless the companion took it
         except BaseException:
             self.versions.drop_snapshot(name)
             self.versions.forget(name)   # encoded, then its companion failed: no base recorded for it

@@ -118,15 +118,16 @@ class DeltaVersions:
 
     # -- registration ------------------------------------------------------------
     def encode(self, name: str, ckpt, base: str, base_ckpt,
-               device: torch.device | None = None) -> dict[str, torch.Tensor] | None:
+               device: torch.device | None = None, alloc=None) -> dict[str, torch.Tensor] | None:
         """The companion's named tensors: this rank's payloads of ``name`` against ``base``, and its manifest.
         A device-resident version (``on_device``) is encoded on ``device`` against a device-resident base
         (``encode_device.py``), and its payloads and manifest lie there. None when the two are not pieced
-        alike here (``pieces.py``): no companion; why is kept in ``refused`` for the update's agreement."""
+        alike here (``pieces.py``): no companion; why is kept in ``refused`` for the update's agreement.
+        ``alloc``: where a host version's payloads are written (``Encoded.payload_list``)."""
         if not isinstance(base, str) or base_ckpt is None:
             raise DeltaBaseError(f"base {base!r} of {name!r} is not registered on rank {self.rank}")
         try:
-            out, fig = self._direct(name, ckpt, base, base_ckpt, device)
+            out, fig = self._direct(name, ckpt, base, base_ckpt, device, alloc)
         except PiecesMismatch as exc:   # a layout change: registered whole, its delta refused when asked for
             self.refused[name] = str(exc)
             return None
@@ -136,7 +137,7 @@ class DeltaVersions:
         return out
 
     def _direct(self, name: str, ckpt, base: str, base_ckpt,
-                device: torch.device | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+                device: torch.device | None = None, alloc=None) -> tuple[dict[str, torch.Tensor], dict]:
         """``name`` encoded against registered ``base`` on this rank: the companion's tensors, its figures
         (a device-resident pair on ``device``, where the payloads then lie)."""
         refuse_mixed_sides(name, ckpt.on_device, base, base_ckpt.on_device, self.rank)
@@ -166,7 +167,7 @@ class DeltaVersions:
                                      "version to its own file (or register with use_inplace_pin_memory=False, a "
                                      "copy), or update the new version whole")
             batch = encode_registration(ckpt, base_ckpt, old)   # all tensors together (batch.py)
-            encoded = batch.payload_list({r: region.tensor.numpy() for r, region in ckpt.regions.items()})
+            encoded = batch.payload_list({r: region.tensor.numpy() for r, region in ckpt.regions.items()}, alloc)
             ckpt.digests.update(batch.digests)
             phases = batch.phases
         out, fig = self._companion(name, base, ckpt, encoded, t0, device=device)

@@ -299,7 +299,7 @@ def _file_bytes(files: list[str]) -> int | None:
 
 def _check_host_memory(ps, files: list[str], body: RegisterRequest) -> None:
     """The host memory a registration of ``files`` will take, checked against what the host has. Files
-    mapped in place (/dev/shm) take none; a shared pool already large enough takes none."""
+    mapped in place (/dev/shm) take none; a free region of the shared pool large enough takes none."""
     from ckpt_core.checkpoint.safetensors import read_header
     from ckpt_core.planning.capacity import check_host_memory, host_memory_available
     needed = 0
@@ -311,6 +311,6 @@ def _check_host_memory(ps, files: list[str], body: RegisterRequest) -> None:
         except OSError:
             continue   # the registration names it (400)
         needed += header.file_size - header.data_offset
-    if body.use_shared_memory_pool and ps.pool_bytes() >= needed:
+    if body.use_shared_memory_pool and ps.pool_free_bytes() >= needed:
         return
     check_host_memory(needed, host_memory_available(), what=f"registering {len(files)} file(s) on rank {ps.rank}")

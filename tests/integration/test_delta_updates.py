@@ -77,6 +77,41 @@ def test_a_chain_of_deltas_leaves_every_engine_equal_to_the_full_version(world_a
         prev = name
 
 
+def test_a_chain_in_the_shared_pool_alternates_two_regions_and_each_delta_is_exact(world_and_front):
+    """use_shared_memory_pool along a chain: B (base A, which holds the pool's region) takes a second
+    region; once A is unregistered C takes A's, D then B's: the pool stays at two regions, and every
+    delta leaves the engines equal to its full version (a recycled region holds its new version's bytes
+    and digests, not its previous holder's)."""
+    world, front = world_and_front
+    trainer = Trainer(seed=41)
+    versions = {"A": trainer.version()}
+
+    def register(name, base=None):
+        opts = {"use_shared_memory_pool": True, **({} if base is None else {"base": base})}
+        all_ok(world.all("register", per_rank={r: (name, {"named_tensors": versions[name][r], **opts})
+                                               for r in range(WORLD)}))
+        all_ok(world.all("gather", name))
+
+    register("A")
+    all_ok(world.update("A", front, behaviors={i: {"version": "A"} for i in range(WORLD)}))
+    one = all_ok(world.all("pool_bytes"))[0].value
+    prev = "A"
+    for name, lr in (("B", 1e-5), ("C", 1e-4), ("D", 1e-5)):
+        trainer.step(lr)
+        versions[name] = trainer.version()
+        register(name, base=prev)
+        assert all_ok(world.all("pool_bytes"))[0].value == 2 * one, name   # two regions, never a third
+        all_ok(_delta(world, front, name))
+        assert all(d == _want(versions[name]) for d in _engines(front)), f"engines differ from {name}"
+        # both regions held (prev and name): another registration into the pool is refused, nothing kept
+        refused = world.all("register", ("X", {"named_tensors": versions["A"][0], "use_shared_memory_pool": True}))
+        assert all(not o.ok and o.error == "ConfigError" and "held by checkpoints" in o.message
+                   for o in refused.values()), refused
+        all_ok(world.all("unregister", (prev, {})))   # the engines left it: its region is free for the next
+        prev = name
+    assert all_ok(world.all("pool_bytes"))[0].value == 2 * one
+
+
 def test_refusals_leave_the_engines_on_their_base(world_and_front):
     world, front = world_and_front
     trainer = Trainer(seed=7)

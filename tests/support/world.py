@@ -127,7 +127,7 @@ def _ps_command(ps, rank: int, cmd: str, arg):
     if cmd == "checkpoints":
         return ps.checkpoints()
     if cmd == "pool_bytes":       # bytes the shared memory pool holds (None: no pool memory)
-        return None if ps._pool is None or ps._pool.region is None else ps._pool.region.nbytes
+        return None if ps._pool is None or not ps._pool.regions else ps._pool.nbytes
     if cmd == "get_metas":
         return ps.get_metas()
     if cmd == "load_metas":

@@ -257,3 +257,37 @@ def test_build_packed_lays_payloads_out_as_build_checkpoint_does():
     finally:
         for c in (want, got, other):
             c.release()
+
+
+def test_payloads_written_into_a_packed_region_are_adopted_in_place_and_the_rest_copied():
+    """The encode writes its payloads straight into a PackedRegion; build_packed keeps them where they lie
+    (the region becomes the companion's region 0, no copy) and copies the others (the manifest) into
+    region 1: the same bytes as build_checkpoint's. Released once, by the checkpoint."""
+    from ckpt_core.checkpoint.sources import PackedRegion, build_packed
+    gen = torch.Generator().manual_seed(3)
+    backend = get_backend("cpu")
+    packed = PackedRegion(backend)
+    buf = packed.alloc(4096)
+    assert buf.size == 4096 and not buf.any()                       # zeroed
+    whole = torch.from_numpy(buf)
+    whole[:] = torch.randint(0, 256, (4096,), dtype=torch.uint8, generator=gen)
+    named = {"ckpt.delta:a": whole[8:308], "ckpt.delta:b": whole[1024:4096], "ckpt.delta:empty": whole[0:0],
+             "manifest": torch.randint(0, 256, (33,), dtype=torch.uint8, generator=gen)}
+    want = build_checkpoint("c", backend, named_tensors=named)
+    got = build_packed("c", backend, named, into=packed)
+    try:
+        assert packed.region is None                                # the checkpoint's now
+        by = {m.name: m for m in got.metas}
+        assert [m.name for m in got.metas] == list(named)
+        assert (by["ckpt.delta:a"].base, by["ckpt.delta:a"].base_offset) == (0, 8)
+        assert (by["ckpt.delta:b"].base, by["ckpt.delta:b"].base_offset) == (0, 1024)
+        assert by["manifest"].base == 1 and by["ckpt.delta:empty"].base == 1
+        assert got.host_tensor(by["ckpt.delta:a"]).data_ptr() == whole[8:].data_ptr()   # not copied
+        for m in want.metas:
+            assert torch.equal(got.host_tensor(by[m.name]), want.host_tensor(m)), m.name
+        packed.release()                                            # nothing left to free: no effect
+        assert torch.equal(got.host_tensor(by["ckpt.delta:b"]), named["ckpt.delta:b"])
+    finally:
+        got.release()
+        want.release()
+    assert got.regions == {}

@@ -150,7 +150,7 @@ def test_a_bad_PS_FAULT_THREADS_is_a_config_error_and_nothing_stays_allocated(mo
     pool = _host.SharedPool(backend)
     with pytest.raises(ConfigError, match="PS_FAULT_THREADS"):
         pool.acquire("a", 1 << 20, 0)
-    assert pool.region is None and backend.pinned == []
+    assert pool.regions == [] and backend.pinned == []
 
 
 def test_copy_pieces_never_cross_a_pinned_range_of_the_region(monkeypatch):

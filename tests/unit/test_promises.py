@@ -78,7 +78,30 @@ def test_the_shared_pool_reuses_its_memory_and_refuses_a_second_holder():
         assert bigger.nbytes >= 8 << 20 and first.tensor is None
     finally:
         pool.close()
-    assert pool.region is None
+    assert pool.regions == []
+
+
+def test_a_delta_chain_alternates_between_two_pool_regions_and_nothing_else_takes_a_second():
+    pool = SharedPool(get_backend("cpu"))
+    try:
+        a = pool.acquire("A", 3 << 20, 0)
+        for beside in (None, "Z"):   # no base, or a base that holds no region: one region, as before
+            with pytest.raises(ConfigError, match="held by checkpoint 'A'"):
+                pool.acquire("X", 1 << 20, 0, beside=beside)
+        b = pool.acquire("B", 3 << 20, 0, beside="A")
+        assert b is not a and pool.nbytes == a.nbytes + b.nbytes and pool.free_bytes == 0
+        with pytest.raises(ConfigError, match="held by checkpoints 'A', 'B'"):
+            pool.acquire("C", 3 << 20, 0, beside="B")       # at most two regions
+        pool.give_back("A")
+        assert pool.free_bytes == a.nbytes
+        c = pool.acquire("C", 2 << 20, 0, beside="B")       # A's memory, now free
+        assert c is a and pool.nbytes == a.nbytes + b.nbytes
+        pool.give_back("B")
+        pool.release_free()                                 # what unregister(force=True) does
+        assert pool.regions == [c] and b.tensor is None and c.tensor is not None
+    finally:
+        pool.close()
+    assert pool.regions == []
 
 
 # -- split_checkpoint_files ---------------------------------------------------------------------------
