@@ -90,14 +90,15 @@ static inline int64_t word_items(uint64_t d, int64_t size, int64_t local, int64_
 
 /* Words [0, n) of new and old; word 0 is word w0 of its tensor. Writes to pos, increasing, the
    positions (word * (8 / size) + item, from word 0) of the items of `size` bytes that differ, and returns
-   how many it wrote. Adds to *sum (mod 2**64, c_g = a[g % row] * b[g / row], g = w0 + word: lin64's terms)
-   sum new_word * c_g over every word, or with `derive` only the change sum (new_word - old_word) * c_g over
-   the changed words (the caller knows old's sum: no multiply per word). `row` is a power of two; b covers
-   every row touched. */
+   how many it wrote. Adds to *change (mod 2**64, c_g = a[g % row] * b[g / row], g = w0 + word: lin64's
+   terms) sum (new_word - old_word) * c_g over the changed words and, unless `derive` (the caller knows old's
+   sum: no multiply per word), to *oldsum sum old_word * c_g over every word. `row` is a power of two; b
+   covers every row touched. */
 int64_t ckd_scan(const uint64_t *nw, const uint64_t *ow, int64_t n, int64_t size, int64_t w0, int64_t row,
-                 const uint64_t *a, const uint64_t *b, int64_t *pos, uint64_t *sum, int64_t derive) {
+                 const uint64_t *a, const uint64_t *b, int64_t *pos, uint64_t *change, uint64_t *oldsum,
+                 int64_t derive) {
     int64_t c = 0, i = 0, rbits = __builtin_ctzll((uint64_t)row);
-    uint64_t total = 0;
+    uint64_t total = 0, diff = 0;
     int32_t hit[CHUNK];
     while (i < n) {
         int64_t g = w0 + i, end = i + (row - (g & (row - 1))), k = 0;
@@ -113,24 +114,25 @@ int64_t ckd_scan(const uint64_t *nw, const uint64_t *ow, int64_t n, int64_t size
         } else {
             uint64_t part = 0;
             for (int64_t j = i; j < end; j++) {
-                uint64_t x = nw[j];
-                part += x * ar[j];
+                uint64_t y = ow[j];
+                part += y * ar[j];
                 hit[k] = (int32_t)(j - i);
-                k += x != ow[j];
+                k += nw[j] != y;
             }
             total += part * br;
         }
-        uint64_t change = 0;
+        uint64_t part = 0;
         for (int64_t q = 0; q < k; q++) {
             int64_t j = i + hit[q];
             uint64_t x = nw[j], y = ow[j];
-            change += (x - y) * ar[j];
+            part += (x - y) * ar[j];
             c += word_items(x ^ y, size, j, pos + c);
         }
-        if (derive) total += change * br;
+        diff += part * br;
         i = end;
     }
-    *sum += total;
+    *change += diff;
+    if (!derive) *oldsum += total;
     return c;
 }
 
@@ -238,7 +240,7 @@ def _build(cc: str) -> ctypes.CDLL:
             subprocess.run([cc, *_FLAGS, "-o", str(out), str(src)], check=True, capture_output=True, timeout=120)
             os.replace(out, path)
     lib = ctypes.CDLL(str(path))
-    lib.ckd_scan.argtypes = [_P, _P, _I, _I, _I, _I, _P, _P, _P, _P, _I]
+    lib.ckd_scan.argtypes = [_P, _P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I]
     lib.ckd_scan.restype = _I
     lib.ckd_span.argtypes = [_P, _P, _I, _I, _I, _P, _P, _P, _I, _I, _P, _P, _P, _P, _P, _P, _P]
     lib.ckd_span.restype = _I
@@ -273,13 +275,14 @@ def _at(arr: np.ndarray, word: int) -> int:
 
 
 def scan(lib: ctypes.CDLL, new: np.ndarray, old: np.ndarray, size: int,
-         a: np.ndarray, b: np.ndarray, derive: bool = False) -> tuple[np.ndarray, int]:
+         a: np.ndarray, b: np.ndarray, derive: bool = False) -> tuple[np.ndarray, int, int | None]:
     """The changed positions (int64, increasing) of two versions' bytes (flat uint8 arrays of the same
-    length, a multiple of ``size``, 8-byte aligned) compared as items of ``size`` bytes (1, 2, 4, 8), and
-    ``sum word * c_i`` of ``new`` (lin64 without its size term, mod 2**64, the zero-padded last word
-    included), in one pass block by block; ``a``, ``b``: ``lin64._host_ab`` of its words. With ``derive``
-    the sum is ``sum (new_word - old_word) * c_i`` instead, over the changed words only: ``new``'s sum is
-    ``old``'s plus it (for a caller that knows ``old``'s: on the 2-core machine a quarter of the pass).
+    length, a multiple of ``size``, 8-byte aligned) compared as items of ``size`` bytes (1, 2, 4, 8),
+    ``sum (new_word - old_word) * c_i`` over the changed words (lin64's change without its size term, mod
+    2**64, the zero-padded last word included) and, unless ``derive``, ``sum old_word * c_i`` (``old``'s
+    sum: then ``new``'s is it plus the change; with ``derive`` the caller knows ``old``'s, and the pass
+    does no multiply per word: on the 2-core machine a fifth of it), in one pass block by block; ``a``,
+    ``b``: ``lin64._host_ab`` of its words. Returns ``(positions, change, old's sum or None)``.
 
     The positions are written into a buffer of the worst case (every item changed), of which only the
     pages written are touched, and returned as a view of it (no copy: on the 2-core VM a page fault costs
@@ -287,26 +290,27 @@ def scan(lib: ctypes.CDLL, new: np.ndarray, old: np.ndarray, size: int,
     m, per = new.size // 8, 8 // size
     nw, ow = new[: 8 * m].view(np.uint64), old[: 8 * m].view(np.uint64)
     out = np.empty(m * per + per, dtype=np.int64)   # + per: the bytes after the last whole word
-    total = np.zeros(1, dtype=np.uint64)
+    sums = np.zeros(2, dtype=np.uint64)             # the change, old's sum
     c = 0
     for s in range(0, m, BLOCK_WORDS):
         e = min(s + BLOCK_WORDS, m)
         got = lib.ckd_scan(_at(nw, s), _at(ow, s), e - s, size, s, ROW, a.ctypes.data, b.ctypes.data,
-                           _at(out, c), total.ctypes.data, int(derive))
+                           _at(out, c), sums.ctypes.data, sums.ctypes.data + 8, int(derive))
         if got and s:
             out[c: c + got] += s * per
         c += got
-    total_sum = int(total[0])
+    change, old_sum = int(sums[0]), int(sums[1])
     if new.size > 8 * m:   # the bytes after the last whole word: whole items (size divides the length)
         dt = np.dtype(f"<u{size}")
         hit = np.flatnonzero(new[8 * m:].view(dt) != old[8 * m:].view(dt))
         out[c: c + hit.size] = hit + m * per
         c += hit.size
-        last = int.from_bytes(new[8 * m:].tobytes(), "little")
-        if derive:
-            last -= int.from_bytes(old[8 * m:].tobytes(), "little")
-        total_sum += last * int(a[m % ROW]) * int(b[m // ROW])
-    return out[:c], total_sum & ((1 << 64) - 1)
+        last_new, last_old = (int.from_bytes(x[8 * m:].tobytes(), "little") for x in (new, old))
+        coef = int(a[m % ROW]) * int(b[m // ROW])
+        change += (last_new - last_old) * coef
+        old_sum += last_old * coef
+    mask = (1 << 64) - 1
+    return out[:c], change & mask, None if derive else old_sum & mask
 
 
 def span_changes(lib: ctypes.CDLL, new_w: np.ndarray, old_w: np.ndarray, lo: int, hi: int, starts: np.ndarray,

@@ -24,7 +24,7 @@ bytes lie 8-byte aligned in both versions' host memory:
    changed elements per item size. Gaps, largest gaps and run counts then come for all tensors at
    once by segment reductions, the encodings are chosen for all at once (``Sizes.best``'s rule), and
    the ``idx`` and ``gap16`` payloads (the usual ones) are written together into one buffer
-   (``Encoded.payload_list``, ``_Vector.write``: headers formatted as ``encode._payload`` writes them,
+   (``Encoded.payload_list``, ``_Vector.write``: headers formatted as ``encode.Planned.write`` writes them,
    each section and the values by one scatter, the body checks as one segmented ``lin64``).
 3. **Large tensors on their own**, one per thread job: ``_changes.changed_positions`` block by block in
    cache, each changed block digested while there, ``encode._encoded``.
@@ -210,11 +210,15 @@ def _large(ckpt, base_ckpt, p: _Pair):
     lib = kernel()
     if lib is not None:   # changes and digest in one compiled pass (_scan.py); unchanged: its sum kept too
         raw = raw_of(new)[0].numpy()
-        known = base_ckpt.digests.get(meta_key(p.new)) if p.old.base in _cacheable_regions(base_ckpt) else None
-        positions, total = scan(lib, raw, raw_of(prev)[0].numpy(), size, *_host_ab(raw.size // 8),
-                                derive=known is not None)
-        if known is not None:   # the base's sum plus the change over the changed words (no multiply per word)
-            total = (known + total) & _MASK
+        keep = p.old.base in _cacheable_regions(base_ckpt)
+        known = base_ckpt.digests.get(meta_key(p.new)) if keep else None
+        positions, change, old_sum = scan(lib, raw, raw_of(prev)[0].numpy(), size, *_host_ab(raw.size // 8),
+                                          derive=known is not None)
+        if old_sum is not None:   # the base's sum, found on the way: kept for the next version's derivation
+            known = old_sum
+            if keep:
+                base_ckpt.digests[meta_key(p.new)] = old_sum
+        total = (int(known or 0) + change) & _MASK   # the base's sum plus the change over the changed words
         if positions.size == 0:
             return None, {"encoding": None, "count": 0, "numel": p.new.nbytes // size, "bytes": 0}, total
         digest = _fmt(total + _size_term(p.new.nbytes, size))

@@ -47,14 +47,14 @@ def test_scan_gives_numpys_positions_and_lin64_sum(fresh, dtype, numel):
     flat[at] ^= (1 << torch.randint(0, 8, at.shape, generator=gen)).to(torch.uint8)
     raw_new, raw_old = raw_of(new)[0].numpy(), raw_of(old)[0].numpy()
     ab = _host_ab(raw_new.size // 8)
-    got, total = _scan.scan(_scan.kernel(), raw_new, raw_old, new.element_size(), *ab)
+    got, change, old_sum = _scan.scan(_scan.kernel(), raw_new, raw_old, new.element_size(), *ab)
     want = changed_positions(as_words(new).numpy(), as_words(old).numpy())
     assert got.dtype == np.int64 and np.array_equal(got, want)
-    assert total == _sum_numpy(raw_of(new)[0])
-    # derived: the change over the changed words only, which added to old's sum is new's
-    got_d, change = _scan.scan(_scan.kernel(), raw_new, raw_old, new.element_size(), *ab, derive=True)
-    assert np.array_equal(got_d, want)
-    assert (_sum_numpy(raw_of(old)[0]) + change) % (1 << 64) == total
+    assert old_sum == _sum_numpy(raw_of(old)[0])
+    assert (old_sum + change) % (1 << 64) == _sum_numpy(raw_of(new)[0])   # new's sum: old's plus the change
+    # derived: the same positions and change, without old's sum (the caller knows it)
+    got_d, change_d, none = _scan.scan(_scan.kernel(), raw_new, raw_old, new.element_size(), *ab, derive=True)
+    assert np.array_equal(got_d, want) and change_d == change and none is None
 
 
 @needs_cc
