@@ -26,6 +26,7 @@ from ckpt_core.checkpoint.host import (
     copy_jobs,
     counted,
     file_writable,
+    grouped,
     map_file_region,
     new_region,
     populate_and_pin,
@@ -159,7 +160,7 @@ def build_checkpoint(name: str, backend: DeviceBackend, *, files=None,
             clock.lap("allocate")
             if pool is None or not total:   # the pool's region is pinned already
                 _pin_fresh(backend, regions[rid], total, clock, progress)
-            jobs = _fill_jobs(regions[rid], copied, entries, layout)
+            jobs = grouped(_fill_jobs(regions[rid], copied, entries, layout))
             run_jobs(counted(jobs, _reporter(progress, "fill", sum(end - start for start, end, _ in jobs))))
             clock.lap("fill")
             metas += _metas_copied(rid, copied, entries, layout)

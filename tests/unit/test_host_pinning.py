@@ -201,3 +201,21 @@ def test_successive_host_buffers_start_at_different_page_offsets_into_their_mapp
         assert t.numel() == 3 * _mmap.PAGESIZE + 5 and off % _mmap.PAGESIZE == 0 and off + t.numel() <= size
         offsets.append(off)
     assert sorted(offsets) == [k * step for k in range(_base.HOST_COLORS)]
+
+
+def test_small_jobs_are_grouped_in_order_and_large_ones_stay_alone():
+    """Registering thousands of small tensors paid the thread pool's cost per copy job: consecutive
+    jobs run together up to GROUP_BYTES, in order, each group spanning its first start to its last end."""
+    done = []
+    sizes = [10, 20, 30, 100, 5, 5, 200, 1, 1]
+    jobs, at = [], 0
+    for i, n in enumerate(sizes):
+        jobs.append((at, at + n, lambda i=i: done.append(i)))
+        at += n + 3   # room between tensors (their alignment)
+    groups = _host.grouped(jobs, max_bytes=60)
+    spans = [(a, b) for a, b, _ in groups]
+    assert spans == [(0, 66), (69, 169), (172, 185), (188, 388), (391, 396)]
+    for _, _, fn in groups:
+        fn()
+    assert done == list(range(len(sizes)))
+    assert _host.grouped([]) == [] and _host.grouped(jobs[:1]) == jobs[:1]
