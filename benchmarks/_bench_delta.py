@@ -102,8 +102,12 @@ def delta_section(bench, case: str, share, full_update_s: float) -> dict:
     gen.manual_seed(1_000_003 + bench.rank)
     nxt = {n: t.clone() for n, t in share.named.items()}
     rounds, prev = [], case
-    for k in range(1, 1 + bench.args.repeats):
+    # with --profile one more round, not timed (cProfile slows what it watches): the PS and the worker's
+    # delta apply profiled (the worker's CUDA kernels too, bench worker's ``profiled``)
+    profiling = bench.args.profile is not None
+    for k in range(1, 1 + bench.args.repeats + profiling):
         name = f"{case}-d{k}"
+        profiled_round = profiling and k == 1 + bench.args.repeats
         t0 = time.perf_counter()
         changed = 0
         for t in nxt.values():   # on cuda the positions are drawn on the device (fast), flipped on the host copy
@@ -118,7 +122,8 @@ def delta_section(bench, case: str, share, full_update_s: float) -> dict:
         bench.barrier()
         _sync(bench.device)
         t0 = time.perf_counter()
-        info = ps.update(name, bench.req_func, delta=True)
+        with bench.profiling(f"{case}-delta" if profiled_round else None):
+            info = ps.update(name, bench.req_func, delta=True)
         _sync(bench.device)
         seconds = time.perf_counter() - t0
         engine = bench.front.last if bench.front is not None else None
@@ -127,6 +132,9 @@ def delta_section(bench, case: str, share, full_update_s: float) -> dict:
         if prev != case:
             ps.unregister_checkpoint(prev)
         prev = name
+        if profiled_round:
+            bench.say(f"{case}: delta {name} profiled (not timed): {seconds * 1e3:.1f} ms under the profilers")
+            continue
         workers = [e.get("delta") or {} for e in engine or []]
         rounds.append({
             "version": name, "update_s": max(v["seconds"] for v in views), "per_rank_s": [v["seconds"] for v in views],
@@ -138,6 +146,7 @@ def delta_section(bench, case: str, share, full_update_s: float) -> dict:
             "apply_s": max((w.get("apply_s", 0.0) for w in workers), default=None),
             "check_s": max((w.get("verify_s", 0.0) for w in workers), default=None),
             "worker_s": max((e.get("seconds", 0.0) for e in engine or []), default=None),
+            "worker_buckets": max((e.get("buckets", 0) for e in engine or []), default=None),
             "generate_s": max(v["gen_s"] for v in views), "ps": [v["ps"] for v in views]})
         bench.say(f"{case}: delta {name}: registered whole {full_reg['s']:.3f} s, with its base "
                   f"{base_reg['s']:.3f} s; update "

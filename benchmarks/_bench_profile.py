@@ -22,18 +22,36 @@ def top_entries(prof: cProfile.Profile, n: int = TOP, sort: str = "tottime") -> 
 
 
 @contextmanager
-def profiled(path: str | None):
+def profiled(path: str | None, cuda: bool = False):
     """cProfile the block into ``path``.prof and ``path``.txt (top entries by own and cumulative
-    time); no-op when ``path`` is None."""
+    time); no-op when ``path`` is None. ``cuda``: also torch.profiler's table of the device kernels and
+    host ops (``path``-kernels.txt: by device time, then by host time), to tell a launch-bound update
+    from a bandwidth-bound one."""
     if path is None:
         yield
         return
+    tp = None
+    if cuda:
+        import torch
+        tp = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA])
+        tp.__enter__()
     prof = cProfile.Profile()
     prof.enable()
     try:
         yield
     finally:
         prof.disable()
+        if tp is not None:
+            import torch
+            torch.cuda.synchronize()
+            tp.__exit__(None, None, None)
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            table = tp.key_averages()
+            with open(path + "-kernels.txt", "w") as f:
+                f.write(table.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=70))
+                f.write("\n")
+                f.write(table.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70))
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         prof.dump_stats(path + ".prof")
         with open(path + ".txt", "w") as f:

@@ -81,7 +81,7 @@ class _Engine:
         if stage:
             self.rx.held = None   # staged updates bypass the receiver: what they make live is not tracked
             return self.stage(handles)
-        with profiled(profile):
+        with profiled(profile, cuda=self.kind == "cuda"):
             return self._update(handles, version)
 
     def _update(self, handles: dict, version: str | None = None) -> dict:
@@ -92,7 +92,6 @@ class _Engine:
 
         def run(weights) -> None:
             c0 = time.thread_time()
-            buckets[0] += 1
             batched: dict = {}   # --engine-copy foreach: dtype -> (parameters, received)
             for name, t in weights:
                 p = self.params.get(name)
@@ -123,9 +122,13 @@ class _Engine:
                 raise ValueError(f"{len(missing)} parameters were not updated, e.g. {missing[:3]}")
             self.sync()
 
+        def counted(weights):   # every bucket, a delta's (the receiver's apply) and a full update's
+            buckets[0] += 1
+            return tx.run(weights)
+
         t0, c0 = time.perf_counter(), time.thread_time()
         with self.rx.update(run=run, post_hook=post_hook, version=version) as tx:
-            update_weights_from_ipc(self.zmq_ctx, handles[self.key], self.index, run=tx.run, on_plan=tx.on_plan,
+            update_weights_from_ipc(self.zmq_ctx, handles[self.key], self.index, run=counted, on_plan=tx.on_plan,
                                     post_hook=tx.post_hook, slices=self.slices)
         self.sync()
         # CPU seconds of this thread: the whole call (the receive loop, ours) and inside run() (the engine's)
