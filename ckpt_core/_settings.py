@@ -272,17 +272,18 @@ def delta_drop_one() -> bool:
 
 def delta_triton() -> str:
     """CKPT_DELTA_TRITON, read when a delta kernel is about to run (``delta/_kernels.py``): ``off`` (0),
-    ``check`` (the lin64 row sums only) or ``all`` (1: the scatters too)."""
+    ``check`` (the lin64 row sums only), ``gaps`` (the row sums, and a bucket's gap16 payloads decoded and
+    swapped by two kernels, ``delta/_gap_route.py``) or ``all`` (1: every scatter too)."""
     raw = os.environ.get("CKPT_DELTA_TRITON", "").strip().lower()
     if raw == "":
         return "check"   # on an H100 the batched check halved the check; the batched scatter was no faster
-    if raw in ("check", "all"):
+    if raw in ("check", "gaps", "all"):
         return raw
     try:
         return "all" if _bool("CKPT_DELTA_TRITON", False) else "off"
     except ConfigError:
-        raise ConfigError(f"environment variable CKPT_DELTA_TRITON={raw!r} is not valid: 0, 1 (all), check "
-                          "or all") from None
+        raise ConfigError(f"environment variable CKPT_DELTA_TRITON={raw!r} is not valid: 0, 1 (all), check, "
+                          "gaps or all") from None
 
 
 MIN_TOKEN_CHARS = 16   # a bearer token shorter than this is guessable; `openssl rand -hex 16` gives 32

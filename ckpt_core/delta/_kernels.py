@@ -100,22 +100,69 @@ def _build() -> Any:
         tl.store(old_ptr + old_at + i, tl.load(target + p, mask=m), mask=m)
         tl.store(target + p, tl.load(values_ptr + i, mask=m), mask=m)
 
+    @triton.jit
+    def gap_sums_kernel(table_ptr, n_tensors, blk_t_ptr, blk_i_ptr, sums_ptr, zeros_ptr, BLOCK: tl.constexpr):
+        # block b: BLOCK gaps, from blk_i[b], of the gap16 list of tensor t = blk_t[b] (table column t: its
+        # gaps' address, row 1; its count, row 3): their sum, and how many are 0 past the list's first
+        b = tl.program_id(0)
+        t = tl.load(blk_t_ptr + b)
+        gaps = tl.load(table_ptr + n_tensors + t).to(tl.pointer_type(tl.uint16))
+        n = tl.load(table_ptr + 3 * n_tensors + t)
+        i = tl.load(blk_i_ptr + b) + tl.arange(0, BLOCK)
+        m = i < n
+        g = tl.load(gaps + i, mask=m, other=1).to(tl.int64)
+        tl.store(sums_ptr + b, tl.sum(tl.where(m, g, 0), axis=0))
+        tl.store(zeros_ptr + b, tl.sum(((g == 0) & (i > 0)).to(tl.int64), axis=0))
+
+    @triton.jit
+    def gap_swap_kernel(table_ptr, n_tensors, blk_t_ptr, blk_i_ptr, base_ptr, old_ptr, keep_ptr,
+                        WORD: tl.constexpr, BLOCK: tl.constexpr, STORE_OLD: tl.constexpr, KEEP: tl.constexpr):
+        # block b of tensor t: its positions are base[b] plus the running sum of its gaps (never written
+        # out), where the old words are gathered (into old, STORE_OLD) and the new ones written from the
+        # values (table rows: 0 target, 1 gaps, 2 values addresses, 3 count, 4 where t's items start in
+        # old and keep); KEEP: the gaps copied into keep (the undo runs this kernel again from them, the
+        # old words as its values). Checked before (gap_sums_kernel): in range, no 0 gap past the first.
+        b = tl.program_id(0)
+        t = tl.load(blk_t_ptr + b)
+        col = table_ptr + t
+        target = tl.load(col).to(tl.pointer_type(WORD))
+        gaps = tl.load(col + n_tensors).to(tl.pointer_type(tl.uint16))
+        values = tl.load(col + 2 * n_tensors).to(tl.pointer_type(WORD))
+        n = tl.load(col + 3 * n_tensors)
+        at = tl.load(col + 4 * n_tensors)
+        i = tl.load(blk_i_ptr + b) + tl.arange(0, BLOCK)
+        m = i < n
+        g = tl.load(gaps + i, mask=m, other=0)
+        pos = tl.cumsum(g.to(tl.int64), axis=0) + tl.load(base_ptr + b)
+        v = tl.load(values + i, mask=m)
+        if STORE_OLD:
+            tl.store(old_ptr + at + i, tl.load(target + pos, mask=m), mask=m)
+        tl.store(target + pos, v, mask=m)
+        if KEEP:
+            tl.store(keep_ptr + at + i, g, mask=m)
+
     class Kernels:
         rows = rows_kernel
         swap = swap_kernel
         rows_many = rows_many_kernel
         swap_many = swap_many_kernel
+        gap_sums = gap_sums_kernel
+        gap_swap = gap_swap_kernel
         word = {torch.uint8: tl.uint8, torch.int8: tl.int8, torch.int16: tl.int16, torch.int32: tl.int32,
                 torch.int64: tl.int64}
 
     return Kernels
 
 
+# the uses each CKPT_DELTA_TRITON mode turns on
+_USES = {"off": (), "check": ("check",), "gaps": ("check", "gaps"), "all": ("check", "gaps", "scatter")}
+
+
 def kernels(device: torch.device, use: str = "check") -> Any:
-    """The Triton kernels for ``device`` and ``use`` (``check``: the lin64 row sums; ``scatter``: the swaps),
+    """The Triton kernels for ``device`` and ``use`` (``check``: the lin64 row sums; ``gaps``: a bucket's gap16
+    payloads decoded and swapped in two passes, ``_gap_route.py``; ``scatter``: the swaps of decoded positions),
     or None (not CUDA, turned off for that use by ``CKPT_DELTA_TRITON``, no Triton, or a kernel failed)."""
-    mode = delta_triton()
-    if device.type != "cuda" or _STATE["failed"] or mode == "off" or (use == "scatter" and mode != "all"):
+    if device.type != "cuda" or _STATE["failed"] or use not in _USES[delta_triton()]:
         return None
     if _STATE["kernels"] is None:
         _STATE["kernels"] = _build() or False

@@ -45,8 +45,10 @@ from typing import Any, Callable
 import torch
 
 from ckpt_core._settings import delta_drop_one
+from ckpt_core.delta._gap_route import GapRoute
+from ckpt_core.delta._gap_route import take as take_gaps
 from ckpt_core.delta._kernels import kernels, scatter_swap_many
-from ckpt_core.delta.encode import Decoded, apply_decoded, as_words, decode_many, undo_decoded
+from ckpt_core.delta.encode import Decoded, apply_decoded, as_words, decode_many_with, peek_payloads, undo_decoded
 from ckpt_core.delta.lin64 import lin64_many
 from ckpt_core.delta.pieces import PIECE, parse_piece_name
 from ckpt_core.delta.sliced import BOX, parse_box_name, region_of
@@ -186,7 +188,7 @@ class _Update:
     def __init__(self, rx: DeltaReceiver, run, on_plan, post_hook):
         self.rx, self.engine_run, self.engine_on_plan, self.engine_post_hook = rx, run, on_plan, post_hook
         self.delta: tuple[str, str] | None = None
-        self.undo_log: list[tuple] = []
+        self.undo_log: list = []   # (target, decoded, old values, saved copy) per scatter, or a GapRoute
         self.rebuilt: dict[str, torch.Tensor] = {}   # tensor -> its new full bytes handed to reload
         self.writebacks: list[tuple[torch.Tensor, torch.Tensor]] = []   # (strided region, its checked new copy)
         self.figures: dict[str, Any] = {"scattered": 0, "reloaded": 0, "elements": 0, "payload_bytes": 0,
@@ -248,9 +250,19 @@ class _Update:
         reloads: dict[str, torch.Tensor] = {}
         later: list[tuple[str, torch.Tensor, Decoded]] = []   # scatters for the bucket's one kernel
         named = [(_target_name(n), p) for n, p in weights if not n.startswith(MANIFEST)]
-        payloads = [(shown, p) for (_, _, shown, _), p in named]
+        raws = [p.reshape(-1) for _, p in named]
+        heads = peek_payloads(raws)
+        # gap16 deltas of live tensors on a GPU: two kernels for the lot (_gap_route.py); the rest decoded here
+        route, rest = take_gaps([t for t, _ in named], raws, heads, self.rx.live)
+        if route is not None and not self.dropped and delta_drop_one() and route.drop_one() is not None:
+            self.dropped = True
         # every payload of the bucket checked before anything is written, its checks read back together
-        for ((name, box, shown, whole), payload), decoded in zip(named, decode_many(payloads)):
+        decoded_rest, route_values = decode_many_with([(named[i][0][2], raws[i]) for i in rest],
+                                                      [heads[i] for i in rest],
+                                                      route.queue_checks() if route is not None else ())
+        if route is not None:
+            route.raise_bad(route_values)
+        for ((name, box, shown, whole), payload), decoded in zip((named[i] for i in rest), decoded_rest):
             d = self._maybe_drop(decoded)
             self.figures["payload_bytes"] += payload.numel()
             self.figures["elements"] += d.count
@@ -272,6 +284,15 @@ class _Update:
                 reloads[name] = new
                 checks.append((shown, new, d.digest, d.dtype))
         self._scatter_batched(later)
+        if route is not None:
+            route.swap()
+            self.undo_log.append(route)
+            for it in route.items:
+                self.figures["payload_bytes"] += it.payload_bytes
+                self.figures["elements"] += it.count
+                self.figures["scattered"] += 1
+                self.figures["scattered_tensors"].append(it.name)
+                checks.append((it.name, it.target, it.digest, it.target.dtype))
         t1 = time.perf_counter()
         self.figures["apply_s"] += t1 - t0
         self._verify(checks)   # before the engine's reload: a wrong tensor is never loaded
@@ -415,7 +436,11 @@ class _Update:
             self.rx.held = None
             return
         self.writebacks.clear()
-        for target, d, old, saved in reversed(self.undo_log):
+        for entry in reversed(self.undo_log):
+            if isinstance(entry, GapRoute):
+                entry.undo()
+                continue
+            target, d, old, saved = entry
             if saved is not None:
                 target.copy_(saved)
             elif target.dtype != d.dtype:

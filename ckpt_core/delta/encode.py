@@ -322,8 +322,21 @@ def decode_many(payloads) -> list[Decoded]:
     are read back together (one synchronisation per device for the lot, not several per payload).
     Nothing is written; the first refused payload (in order, for its first failing check, as
     ``decode`` would refuse it) raises ``CheckpointFormatError`` naming its tensor."""
+    return decode_many_with(payloads)[0]
+
+
+def peek_payloads(raws: list[torch.Tensor]) -> list[bytes]:
+    """The first bytes of each flat payload (its header, mostly), read back together (``decode_many_with``)."""
+    return peek_heads(raws, _PEEK)
+
+
+def decode_many_with(payloads, heads: list[bytes] | None = None, extra=()) -> tuple[list[Decoded], list[int]]:
+    """``decode_many``, with the payloads' first bytes already read back (``heads``: ``peek_payloads``), and
+    ``extra`` values (0-d device tensors or ints: another route's checks, ``_gap_route.py``) read back with
+    this bucket's own checks; returns the decoded payloads and the extra values."""
     items = [(name, p.reshape(-1)) for name, p in payloads]
-    heads = peek_heads([raw for _, raw in items], _PEEK)
+    if heads is None:
+        heads = peek_heads([raw for _, raw in items], _PEEK)
     pending = []
     for (name, raw), head in zip(items, heads):
         pend = _Pending(name)
@@ -344,7 +357,10 @@ def decode_many(payloads) -> list[Decoded]:
     for p in pending:
         if p.positions is not None:
             spans.setdefault(p.positions[0].device, []).append((p, *p.positions))
-    values = iter(read_ints(queued + flags + [positions_bad([(pos, n) for _, pos, n in s]) for s in spans.values()]))
+    extra = list(extra)
+    read = read_ints(queued + flags + [positions_bad([(pos, n) for _, pos, n in s]) for s in spans.values()] + extra)
+    extras = read[len(read) - len(extra):]
+    values = iter(read)
     checks = {id(p): next(values) for p in pending if p.check is not None}
     device_flags = [next(values) for _ in flags]
     for group in spans.values():
@@ -366,7 +382,7 @@ def decode_many(payloads) -> list[Decoded]:
         if p.positions_bad:
             raise _bad(p.name, "positions out of range or not strictly increasing")
         assert p.decoded is not None  # noqa: S101 - every check passed
-    return [p.decoded for p in pending]   # type: ignore[misc]
+    return [p.decoded for p in pending], extras   # type: ignore[misc]
 
 
 def _start_decode(p: _Pending, raw: torch.Tensor, head: bytes) -> None:

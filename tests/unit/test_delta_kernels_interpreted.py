@@ -1,5 +1,5 @@
 """The delta's one-launch-per-bucket Triton kernels (``delta/_kernels.py``: ``lin64_rows_many``,
-``scatter_swap_many``) run by Triton's interpreter on the CPU, against the torch ops they replace.
+``scatter_swap_many``, and ``_gap_route.py``'s two passes over a bucket's gap16 lists) run by Triton's interpreter on the CPU, against the torch ops they replace.
 
 CI has no GPU; Triton's interpreter (``TRITON_INTERPRET=1``) runs the same kernel source with numpy,
 device addresses included, so the kernels' logic (the address tables, the blocks, the masks, where old
@@ -26,7 +26,7 @@ from ckpt_core.delta.encode import as_words, encode_tensor
 from ckpt_core.delta.lin64 import ROW, lin64, lin64_many
 from ckpt_core.delta.versions import PAYLOAD
 
-CHECKS = ["row_sums", "lin64_many", "swap", "receiver"]
+CHECKS = ["row_sums", "lin64_many", "swap", "receiver", "gap_route"]
 REPO = Path(__file__).resolve().parents[2]
 _REAL = {name: getattr(_kernels, name) for name in ("lin64_rows_many", "scatter_swap_many")}
 
@@ -133,6 +133,77 @@ def check_receiver(interpreted):
         cb.undo_log.clear()
     for k in bases:
         assert torch.equal(as_words(live[k]), as_words(bases[k]))
+
+
+def _gap_payload(new: torch.Tensor, base: torch.Tensor, edit=None) -> torch.Tensor:
+    """A gap16 payload of ``new`` against ``base``; ``edit(gaps)`` changes its uint16 gaps in place first (its
+    body check recomputed, so only the route's position checks can refuse it)."""
+    from ckpt_core.delta import encode as enc
+    payload = encode_tensor(new, base, force="gap16")[0]
+    if edit is None:
+        return payload
+    header, start = enc.read_header(payload)
+    body = payload[start:].clone().numpy()
+    edit(body[: 2 * header["count"]].view("<u2"))
+    return enc._payload({k: v for k, v in header.items() if k not in ("body", "check")}, body)
+
+
+def check_gap_route(interpreted):
+    """gap16 payloads of one bucket applied by the two passes (lists over several blocks, three item sizes, one
+    payload of another encoding beside them): the live tensors equal the new version, the undo gives the base
+    back; a corrupted body, a 0 gap and a list past the tensor's end are each refused naming their tensor
+    before anything is written."""
+    from ckpt_core.delta import _gap_route
+    from ckpt_core.errors import CheckpointFormatError
+    built = _kernels._build()
+    _gap_route.kernels = lambda device, use="check": built
+    bases, news = mixed_delta_bucket()
+    gen = torch.Generator().manual_seed(5)
+    big = torch.randn(9000, generator=gen).to(torch.bfloat16)
+    new = big.clone()
+    as_words(new)[torch.randperm(9000, generator=gen)[:2600].sort().values] ^= 3   # 2,600 changes: 3 blocks
+    bases["big"], news["big"] = big, new
+    payloads = [(PAYLOAD + k, encode_tensor(news[k], bases[k], force="idx")[0] if k == "w3"
+                 else _gap_payload(news[k], bases[k])) for k in bases]
+
+    def apply(items):
+        live = {k: v.clone() for k, v in bases.items()}
+        rx = apply_mod.DeltaReceiver(live=live.get, held="A")
+        with rx.update(run=None, version="B") as cb:
+            cb.delta, cb.ran = ("A", "B"), True
+            try:
+                cb._apply(items)
+            except CheckpointFormatError as exc:
+                for k in bases:   # refused before any write
+                    assert torch.equal(as_words(live[k]), as_words(bases[k])), k
+                cb.undo_log.clear()
+                return exc
+            routes = [e for e in cb.undo_log if isinstance(e, _gap_route.GapRoute)]
+            assert len(routes) == 1 and sorted(it.name for it in routes[0].items) == ["big", "w0", "w1", "w2"]
+            assert cb.figures["scattered"] == len(bases)
+            for k in bases:
+                assert torch.equal(as_words(live[k]), as_words(news[k])), k
+            cb.undo()
+            cb.undo_log.clear()
+        for k in bases:
+            assert torch.equal(as_words(live[k]), as_words(bases[k])), k
+        return None
+
+    assert apply(payloads) is None
+    corrupt = [(n, p.clone()) for n, p in payloads]
+    corrupt[-1][1][-1] ^= 0x10   # a value byte of "big"
+    exc = apply(corrupt)
+    assert exc is not None and "body's check" in str(exc) and "big" in str(exc), exc
+
+    def zero(g):
+        g[5] = 0
+
+    def past_end(g):
+        g[-1] = g[-1] + 9000   # the last position past the tensor's 9,000 elements (gaps stay < 65,536)
+    for edit in (zero, past_end):
+        bad = payloads[:-1] + [(PAYLOAD + "big", _gap_payload(news["big"], bases["big"], edit))]
+        exc = apply(bad)
+        assert exc is not None and "strictly increasing" in str(exc) and "big" in str(exc), (edit, exc)
 
 
 if __name__ == "__main__":   # the checks named, in a process started with TRITON_INTERPRET=1
