@@ -84,10 +84,10 @@ class _Group:
     """The route's items of one word size: one table, one launch of each kernel."""
     items: list[Item]
     word: torch.dtype
-    table: torch.Tensor | None = None
-    blk_t: torch.Tensor | None = None
-    blk_i: torch.Tensor | None = None
-    base: torch.Tensor | None = None
+    table: torch.Tensor = field(default_factory=lambda: torch.empty(0))   # set by queue_checks, as the rest
+    blk_t: torch.Tensor = field(default_factory=lambda: torch.empty(0))
+    blk_i: torch.Tensor = field(default_factory=lambda: torch.empty(0))
+    base: torch.Tensor = field(default_factory=lambda: torch.empty(0))
     starts: list[int] = field(default_factory=list)
 
 

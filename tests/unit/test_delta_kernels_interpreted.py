@@ -1,5 +1,6 @@
 """The delta's one-launch-per-bucket Triton kernels (``delta/_kernels.py``: ``lin64_rows_many``,
-``scatter_swap_many``, and ``_gap_route.py``'s two passes over a bucket's gap16 lists) run by Triton's interpreter on the CPU, against the torch ops they replace.
+``scatter_swap_many``, and ``_gap_route.py``'s two passes over a bucket's gap16 lists) run by Triton's
+interpreter on the CPU, against the torch ops they replace.
 
 CI has no GPU; Triton's interpreter (``TRITON_INTERPRET=1``) runs the same kernel source with numpy,
 device addresses included, so the kernels' logic (the address tables, the blocks, the masks, where old

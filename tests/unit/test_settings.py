@@ -141,12 +141,13 @@ def test_ckpt_delta_triton_names_where_the_fused_kernels_run(monkeypatch, raw, m
 def test_a_ckpt_delta_triton_of_no_known_mode_is_a_config_error_listing_the_modes(monkeypatch):
     from ckpt_core._settings import delta_triton
     monkeypatch.setenv("CKPT_DELTA_TRITON", "scatter")
-    with pytest.raises(ConfigError, match="CKPT_DELTA_TRITON='scatter'.*0, 1 \\(all\\), check or all"):
+    with pytest.raises(ConfigError, match="CKPT_DELTA_TRITON='scatter'.*0, 1 \\(all\\), check, gaps or all"):
         delta_triton()
 
 
-@pytest.mark.parametrize("mode, check, scatter", [("0", False, False), ("check", True, False), ("1", True, True)])
-def test_the_delta_kernels_are_offered_per_use_as_ckpt_delta_triton_says(monkeypatch, mode, check, scatter):
+@pytest.mark.parametrize("mode, check, gaps, scatter", [("0", False, False, False), ("check", True, False, False),
+                                                        ("gaps", True, True, False), ("1", True, True, True)])
+def test_the_delta_kernels_are_offered_per_use_as_ckpt_delta_triton_says(monkeypatch, mode, check, gaps, scatter):
     import torch
 
     from ckpt_core.delta import _kernels
@@ -155,5 +156,6 @@ def test_the_delta_kernels_are_offered_per_use_as_ckpt_delta_triton_says(monkeyp
     monkeypatch.setenv("CKPT_DELTA_TRITON", mode)
     cuda = torch.device("cuda", 0)
     assert (_kernels.kernels(cuda) is built) == check
+    assert (_kernels.kernels(cuda, "gaps") is built) == gaps
     assert (_kernels.kernels(cuda, "scatter") is built) == scatter
     assert _kernels.kernels(torch.device("cpu"), "scatter") is None   # never for other devices
