@@ -56,7 +56,8 @@ ENV_VARS: dict[str, tuple[str, str, str]] = {
                                  "element (the mutation check: the post-apply digest check must fail the update)"),
     "CKPT_DELTA_TRITON": ("str", "check", "where an engine worker's delta runs fused Triton kernels on CUDA devices "
                           "where Triton imports: 0 nowhere (torch ops), check: the post-apply lin64 check, "
-                          "1 or all: the check and the scatters; the results are the same"),
+                          "gaps: the check and a bucket's gap16 payloads decoded and swapped in two passes, "
+                          "1 or all: the check, the gap16 passes and the other scatters; the results are the same"),
     "CKPT_SERVICE_TOKEN": ("str", "", "bearer token of `ckpt-engine serve` on TCP (else `--token-file`)"),
     "CKPT_ENGINE_SERVE": ("str", "", "managed mode: `uds:PATH` (`{rank}` filled in) or `tcp:HOST:PORT` (local "
                           "rank i on PORT+i; needs CKPT_SERVICE_TOKEN); each engine worker starts its PS rank "
