@@ -28,10 +28,14 @@ from dataclasses import dataclass, field
 import torch
 
 from ckpt_core.checkpoint.safetensors import WIRE_DTYPES
-from ckpt_core.delta._kernels import _BLOCK, _cdiv, _spread, _table, kernels
+from ckpt_core.delta._kernels import _BLOCK, _cdiv, _failed, _spread, _table, kernels
 from ckpt_core.delta.encode import _align8, _bad, _parse_header, as_words, measure
 from ckpt_core.delta.lin64 import is_lin64, queue_many
 from ckpt_core.errors import CheckpointFormatError
+
+
+class RouteFailed(RuntimeError):
+    """The route's kernels failed before anything was written: the bucket goes through ``decode_many``."""
 
 
 @dataclass
@@ -120,9 +124,13 @@ class GapRoute:
         a flag for positions out of range and one for a 0 gap past a list's first."""
         self.bodies = queue_many([it.body for it in self.items])
         out: list = [q.total for q in self.bodies]
-        with torch.cuda.device(self.device):
-            for g in self.groups:
-                out.extend(self._queue_group(g))
+        try:
+            with torch.cuda.device(self.device):
+                for g in self.groups:
+                    out.extend(self._queue_group(g))
+        except Exception as exc:   # a compile or launch failure (nothing written yet): the caller goes the
+            _failed("the gap16 checks", exc)   # other way for this bucket, and kernels() says no from now on
+            raise RouteFailed(str(exc)) from exc
         return out
 
     def _queue_group(self, g: _Group) -> list[torch.Tensor]:
@@ -177,8 +185,13 @@ class GapRoute:
                 total = sum(it.count for it in g.items)
                 old = torch.empty(total, dtype=g.word, device=self.device)
                 kept = torch.empty(total, dtype=torch.uint16, device=self.device)
-                self.k.gap_swap[(g.blk_t.numel(),)](g.table, len(g.items), g.blk_t, g.blk_i, g.base, old, kept,
-                                                    WORD=self.k.word[g.word], BLOCK=_BLOCK, STORE_OLD=True, KEEP=True)
+                try:
+                    self.k.gap_swap[(g.blk_t.numel(),)](g.table, len(g.items), g.blk_t, g.blk_i, g.base, old, kept,
+                                                        WORD=self.k.word[g.word], BLOCK=_BLOCK, STORE_OLD=True,
+                                                        KEEP=True)
+                except Exception as exc:   # a compile or launch failure: the update fails and is undone; the
+                    _failed("the gap16 swap", exc)   # next ones take decode_many's route
+                    raise
                 self.swapped.append((g, old, kept))
 
     def undo(self) -> None:
@@ -209,14 +222,20 @@ def take(named, raws: list[torch.Tensor], heads: list[bytes], live) -> tuple[Gap
     if k is None:
         return None, list(range(len(raws)))
     items, rest = [], []
+    spans: list[tuple[int, int]] = []   # the bytes of the targets taken: a target overlapping one goes the other way
     for i, ((name, box, shown, whole), raw, head) in enumerate(zip(named, raws, heads)):
         item = None
         if box is None and whole is None and shown == name and raw.device == device:
             item = parse(i, name, raw, head, live(name))
         if item is None or item.values.dtype not in k.word:
             rest.append(i)
-        else:
-            items.append(item)
+            continue
+        lo, hi = item.target.data_ptr(), item.target.data_ptr() + item.target.nbytes
+        if any(a < hi and lo < b for a, b in spans):
+            rest.append(i)   # one launch writes its targets at once: they must not overlap (tied views of one tensor)
+            continue
+        items.append(item)
+        spans.append((lo, hi))
     if not items:
         return None, rest
     return GapRoute(items, device, k), rest

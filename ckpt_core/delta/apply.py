@@ -45,7 +45,7 @@ from typing import Any, Callable
 import torch
 
 from ckpt_core._settings import delta_drop_one
-from ckpt_core.delta._gap_route import GapRoute
+from ckpt_core.delta._gap_route import GapRoute, RouteFailed
 from ckpt_core.delta._gap_route import take as take_gaps
 from ckpt_core.delta._kernels import kernels, scatter_swap_many
 from ckpt_core.delta.encode import Decoded, apply_decoded, as_words, decode_many_with, peek_payloads, undo_decoded
@@ -256,10 +256,15 @@ class _Update:
         route, rest = take_gaps([t for t, _ in named], raws, heads, self.rx.live)
         if route is not None and not self.dropped and delta_drop_one() and route.drop_one() is not None:
             self.dropped = True
+        queued = []
+        if route is not None:
+            try:
+                queued = route.queue_checks()
+            except RouteFailed:   # logged; nothing written: every payload the usual way
+                route, rest = None, list(range(len(named)))
         # every payload of the bucket checked before anything is written, its checks read back together
         decoded_rest, route_values = decode_many_with([(named[i][0][2], raws[i]) for i in rest],
-                                                      [heads[i] for i in rest],
-                                                      route.queue_checks() if route is not None else ())
+                                                      [heads[i] for i in rest], queued)
         if route is not None:
             route.raise_bad(route_values)
         for ((name, box, shown, whole), payload), decoded in zip((named[i] for i in rest), decoded_rest):

@@ -157,7 +157,30 @@ def check_gap_route(interpreted):
     from ckpt_core.delta import _gap_route
     from ckpt_core.errors import CheckpointFormatError
     built = _kernels._build()
-    _gap_route.kernels = lambda device, use="check": built
+    real, _gap_route.kernels = _gap_route.kernels, lambda device, use="check": built
+    try:
+        _gap_route_checks(_gap_route, CheckpointFormatError)
+
+        class Broken:   # a kernel that fails to build: the bucket goes the usual way, nothing lost
+            word = built.word
+            gap_sums = gap_swap = property(lambda self: (_ for _ in ()).throw(RuntimeError("no compiler")))
+        _gap_route.kernels = lambda device, use="check": Broken()
+        bases, news = mixed_delta_bucket()
+        live = {k: v.clone() for k, v in bases.items()}
+        rx = apply_mod.DeltaReceiver(live=live.get, held="A")
+        with rx.update(run=None, version="B") as cb:
+            cb.delta, cb.ran = ("A", "B"), True
+            cb._apply([(PAYLOAD + k, _gap_payload(news[k], bases[k])) for k in bases])
+            assert not any(isinstance(e, _gap_route.GapRoute) for e in cb.undo_log)
+        for k in bases:
+            assert torch.equal(as_words(live[k]), as_words(news[k])), k
+        assert _kernels._STATE["failed"]
+        _kernels._STATE["failed"] = False
+    finally:
+        _gap_route.kernels = real
+
+
+def _gap_route_checks(_gap_route, CheckpointFormatError):
     bases, news = mixed_delta_bucket()
     gen = torch.Generator().manual_seed(5)
     big = torch.randn(9000, generator=gen).to(torch.bfloat16)
@@ -167,9 +190,9 @@ def check_gap_route(interpreted):
     payloads = [(PAYLOAD + k, encode_tensor(news[k], bases[k], force="idx")[0] if k == "w3"
                  else _gap_payload(news[k], bases[k])) for k in bases]
 
-    def apply(items):
+    def apply(items, expect=("big", "w0", "w1", "w2")):
         live = {k: v.clone() for k, v in bases.items()}
-        rx = apply_mod.DeltaReceiver(live=live.get, held="A")
+        rx = apply_mod.DeltaReceiver(live=lambda n: live["w0" if n == "tied" else n], held="A")
         with rx.update(run=None, version="B") as cb:
             cb.delta, cb.ran = ("A", "B"), True
             try:
@@ -180,8 +203,8 @@ def check_gap_route(interpreted):
                 cb.undo_log.clear()
                 return exc
             routes = [e for e in cb.undo_log if isinstance(e, _gap_route.GapRoute)]
-            assert len(routes) == 1 and sorted(it.name for it in routes[0].items) == ["big", "w0", "w1", "w2"]
-            assert cb.figures["scattered"] == len(bases)
+            assert len(routes) == 1 and sorted(it.name for it in routes[0].items) == list(expect)
+            assert cb.figures["scattered"] == len(items)
             for k in bases:
                 assert torch.equal(as_words(live[k]), as_words(news[k])), k
             cb.undo()
@@ -191,6 +214,8 @@ def check_gap_route(interpreted):
         return None
 
     assert apply(payloads) is None
+    # a second name of one live tensor (tied): the route takes the first, the other goes the usual way
+    assert apply([(PAYLOAD + "tied", payloads[0][1])] + payloads, expect=("big", "tied", "w1", "w2")) is None
     corrupt = [(n, p.clone()) for n, p in payloads]
     corrupt[-1][1][-1] ^= 0x10   # a value byte of "big"
     exc = apply(corrupt)
