@@ -92,6 +92,10 @@ def test_staged_sliced_deltas_commit_to_a_cold_load_and_a_base_changed_since_the
     assert [x["step"] for x in lines] == [
         "full v0", "stage v1", "full v0-again", "commit v1", "full v0", "stage v1", "full v0 unsliced", "commit v1",
         "stage v1", "full v0", "stage v1", "commit v1", "stage v2", "commit v2"], [x["step"] for x in lines]
+    # the refused steps first: an unexpected refusal shows its message (not a KeyError further down)
+    assert [x["step"] for x in lines if not x["ok"]] == ["commit v1", "commit v1", "stage v1"], (
+        [(x["step"], x["ok"], x.get("error"), x.get("errors"), x.get("message", "")[:1500]) for x in lines],
+        run.stderr[-4000:])
     full = lines[0]["ps"]["slices"]["received_bytes"]
     plan = lines[1]["ps"]["delta"]["sliced"]["plan"]   # the workers' installed plan
     for line in lines:
@@ -102,8 +106,6 @@ def test_staged_sliced_deltas_commit_to_a_cold_load_and_a_base_changed_since_the
             assert all(0 < g < f for g, f in zip(got, full)), (step, got, full)
             assert line["ps"]["delta"]["sliced"]["plan"] == plan, line["ps"]["delta"]
             print(f"sliced {step}: staged {got} bytes per worker (sliced full update: {full})")
-    assert [x["step"] for x in lines if not x["ok"]] == ["commit v1", "commit v1", "stage v1"], \
-        [(x["step"], x["ok"], x.get("message", "")[:300]) for x in lines]
     refused = [x for x in lines if x["step"] == "commit v1" and not x["ok"]]
     for line, why in zip(refused, ("this worker holds 'v0-again', not the base 'v0'",
                                    "this worker keeps its base whole (no slice plan), the delta comes by slice plan")):
