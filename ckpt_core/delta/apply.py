@@ -74,10 +74,15 @@ def apply_widened(target: torch.Tensor, d: Decoded) -> torch.Tensor | None:
     return old
 
 
+_DELTA_NAMES = "\nckpt.delta"   # what every delta name starts with (PAYLOAD, MANIFEST, BOX, PIECE)
+
+
 def delta_of_plan(listing) -> tuple[str, str] | None:
     """``(base, version)`` when a plan's ``(name, dtype, shape)`` listing is a delta, None for a full
     update; ``DeltaBaseError``/``CheckpointFormatError`` when its manifests are incomplete or disagree."""
     names = [n for n, _, _ in listing]
+    if _DELTA_NAMES not in "\n" + "\n".join(names):   # no name of a delta's (one search in C, not a call per name)
+        return None
     parsed = [parse_manifest_name(n) for n in names if n.startswith(MANIFEST)]
     if not parsed:
         if any(n.startswith((PAYLOAD, BOX, PIECE)) for n in names):

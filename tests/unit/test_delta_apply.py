@@ -6,6 +6,8 @@ import torch
 
 from ckpt_core.delta.apply import DeltaReceiver, delta_of_plan
 from ckpt_core.delta.encode import encode_tensor
+from ckpt_core.delta.pieces import PIECE
+from ckpt_core.delta.sliced import BOX
 from ckpt_core.delta.versions import PAYLOAD, manifest_name, parse_manifest_name
 from ckpt_core.errors import CheckpointFormatError, DeltaBaseError
 
@@ -29,6 +31,17 @@ def test_a_plan_is_a_delta_only_with_every_rank_s_agreeing_manifest():
         delta_of_plan(_listing(m0, m1, "w"))
     with pytest.raises(CheckpointFormatError, match="no delta manifest"):
         delta_of_plan(_listing(PAYLOAD + "w"))
+
+
+@pytest.mark.parametrize("prefix", [PAYLOAD, BOX, PIECE])
+def test_a_delta_name_anywhere_in_a_plan_is_seen_by_the_one_search_for_delta_names(prefix):
+    # the search over the names joined (no call per name) must find every kind of delta name, first or last
+    assert delta_of_plan(_listing("w", "ckpt.deltas", "x.ckpt.delta:w", "v")) is None
+    for names in ([prefix + "w", "a", "b"], ["a", "b", prefix + "w"]):
+        with pytest.raises(CheckpointFormatError, match="no delta manifest"):
+            delta_of_plan(_listing(*names))
+    m0 = manifest_name("A", "B", 0, 1)
+    assert delta_of_plan(_listing(prefix + "w", m0)) == ("A", "B")
 
 
 def _drive(rx, weights, *, version=None, fail=False):
