@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ckpt_core.checkpoint.safetensors import WIRE_DTYPES
-from ckpt_core.delta._kernels import _BLOCK, _cdiv, _failed, _spread, _table, kernels
+from ckpt_core.delta._kernels import _BLOCK, _cdiv, _failed, _spread, _table, byte_span, disjoint, kernels
 from ckpt_core.delta.encode import _align8, _bad, _parse_header, as_words, measure
 from ckpt_core.delta.lin64 import is_lin64, queue_many
 from ckpt_core.errors import CheckpointFormatError
@@ -222,20 +222,20 @@ def take(named, raws: list[torch.Tensor], heads: list[bytes], live) -> tuple[Gap
     if k is None:
         return None, list(range(len(raws)))
     items, rest = [], []
-    spans: list[tuple[int, int]] = []   # the bytes of the targets taken: a target overlapping one goes the other way
     for i, ((name, box, shown, whole), raw, head) in enumerate(zip(named, raws, heads)):
         item = None
         if box is None and whole is None and shown == name and raw.device == device:
             item = parse(i, name, raw, head, live(name))
         if item is None or item.values.dtype not in k.word:
             rest.append(i)
-            continue
-        lo, hi = item.target.data_ptr(), item.target.data_ptr() + item.target.nbytes
-        if any(a < hi and lo < b for a, b in spans):
-            rest.append(i)   # one launch writes its targets at once: they must not overlap (tied views of one tensor)
-            continue
-        items.append(item)
-        spans.append((lo, hi))
+        else:
+            items.append(item)
+    # one launch writes its targets at once: a target overlapping one taken (tied names of one tensor) goes the
+    # other way
+    taken, overlapping = disjoint([byte_span(it.target) for it in items])
+    if overlapping:
+        rest = sorted(rest + [items[j].index for j in overlapping])
+        items = [items[j] for j in taken]
     if not items:
         return None, rest
     return GapRoute(items, device, k), rest

@@ -17,6 +17,7 @@ that fails to build is reported once in the log and the torch ops take over for 
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import logging
 from typing import Any
@@ -262,6 +263,32 @@ def lin64_rows_many(words: list[torch.Tensor], a: torch.Tensor, row_len: int) ->
             _failed("lin64 (many tensors)", exc)
             return None
     return list(out.split(rows))
+
+
+def disjoint(spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    """The indices of the byte ranges ``[lo, hi)`` one launch may write together (each disjoint from every one
+    before it that was taken), and the rest, both in order: a kernel that writes its targets at once must not
+    be given two that overlap (tied names of one tensor, views of one storage), or the old values it gathers
+    for the undo may already be new ones. One search per range, not a scan of those taken (a bucket of a MoE
+    model has thousands)."""
+    starts: list[int] = []   # the taken ranges, sorted and disjoint
+    ends: list[int] = []
+    taken: list[int] = []
+    rest: list[int] = []
+    for i, (lo, hi) in enumerate(spans):
+        at = bisect.bisect_right(starts, lo)   # the taken ranges before ``at`` start at or before lo
+        if (at and ends[at - 1] > lo) or (at < len(starts) and starts[at] < hi):
+            rest.append(i)
+            continue
+        taken.append(i)
+        starts.insert(at, lo)
+        ends.insert(at, hi)
+    return taken, rest
+
+
+def byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes a contiguous tensor covers."""
+    return t.data_ptr(), t.data_ptr() + t.nbytes
 
 
 def scatter_swap_many(words: list[torch.Tensor], positions: list[torch.Tensor],

@@ -47,7 +47,7 @@ import torch
 from ckpt_core._settings import delta_drop_one
 from ckpt_core.delta._gap_route import GapRoute, RouteFailed
 from ckpt_core.delta._gap_route import take as take_gaps
-from ckpt_core.delta._kernels import kernels, scatter_swap_many
+from ckpt_core.delta._kernels import byte_span, disjoint, kernels, scatter_swap_many
 from ckpt_core.delta.encode import Decoded, apply_decoded, as_words, decode_many_with, peek_payloads, undo_decoded
 from ckpt_core.delta.lin64 import lin64_many
 from ckpt_core.delta.pieces import PIECE, parse_piece_name
@@ -352,16 +352,23 @@ class _Update:
         groups: dict[tuple[torch.device, int], list[tuple[str, torch.Tensor, Decoded]]] = {}
         for item in later:
             groups.setdefault((item[1].device, item[1].element_size()), []).append(item)
-        for items in groups.values():
+        for group in groups.values():
+            # one launch writes its targets at once: one overlapping a target taken (tied names of one tensor) is
+            # written after it, one by one (the undo log stays in the order of the writes)
+            taken, overlapping = disjoint([byte_span(t) for _, t, _ in group])
+            items = [group[j] for j in taken]
             olds = scatter_swap_many([as_words(t) for _, t, _ in items],
                                      [d.positions for _, _, d in items],   # kept only with positions
                                      [d.values for _, _, d in items])
             if olds is None:
                 for name, target, d in items:
                     self._scatter(name, target, d)
-                continue
-            for (name, target, d), old in zip(items, olds):
-                self._scattered(name, target, d, old, None)
+            else:
+                for (name, target, d), old in zip(items, olds):
+                    self._scattered(name, target, d, old, None)
+            for j in overlapping:
+                name, target, d = group[j]
+                self._scatter(name, target, d)
 
     def _scatter_region(self, name: str, region: torch.Tensor, d: Decoded, shown: str) -> torch.Tensor:
         """A strided box region: the delta applied to a contiguous copy of it, returned for the check and

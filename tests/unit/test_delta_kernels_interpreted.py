@@ -134,6 +134,20 @@ def check_receiver(interpreted):
         cb.undo_log.clear()
     for k in bases:
         assert torch.equal(as_words(live[k]), as_words(bases[k]))
+    # a second name of one live tensor (tied): one launch takes the first, the other is written after it, one by
+    # one; the undo (in the order of the writes) gives the base back
+    live = {k: v.clone() for k, v in bases.items()}
+    rx = apply_mod.DeltaReceiver(live=lambda n: live["w0" if n == "tied" else n], held="A")
+    with rx.update(run=None, version="B") as cb:
+        cb.delta, cb.ran = ("A", "B"), True
+        cb._apply([(PAYLOAD + "tied", payloads[0][1])] + payloads)
+        assert cb.figures["scattered"] == len(bases) + 1
+        for k in bases:
+            assert torch.equal(as_words(live[k]), as_words(news[k])), k
+        cb.undo()
+        cb.undo_log.clear()
+    for k in bases:
+        assert torch.equal(as_words(live[k]), as_words(bases[k])), k
 
 
 def _gap_payload(new: torch.Tensor, base: torch.Tensor, edit=None) -> torch.Tensor:
