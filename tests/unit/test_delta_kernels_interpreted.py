@@ -116,38 +116,48 @@ def _swap(word):
         assert torch.equal(t, want) and torch.equal(old, b[p])
 
 
-def check_receiver(interpreted):
-    """bf16, float32 and fp8 deltas of one bucket: one launch per item size, the live tensors equal the new
-    version (the post-apply check passes, batched too), and the undo gives the base back byte for byte."""
-    bases, news = mixed_delta_bucket()
-    live = {k: v.clone() for k, v in bases.items()}
-    payloads = [(PAYLOAD + k, encode_tensor(news[k], bases[k])[0]) for k in bases]
-    rx = apply_mod.DeltaReceiver(live=live.get, held="A")
-    with rx.update(run=None, version="B") as cb:
-        cb.delta, cb.ran = ("A", "B"), True
-        cb._apply(payloads)
-        assert cb.figures["scattered"] == len(bases)
-        assert interpreted == [True] * 3   # a swap per item size (2, 4, 1); a CPU tensor's check runs numpy
-        for k in bases:
-            assert torch.equal(as_words(live[k]), as_words(news[k]))
-        cb.undo()
-        cb.undo_log.clear()
-    for k in bases:
-        assert torch.equal(as_words(live[k]), as_words(bases[k]))
-    # a second name of one live tensor (tied): one launch takes the first, the other is written after it, one by
-    # one; the undo (in the order of the writes) gives the base back
+def _applied_then_undone(bases, news, items, check=None):
+    """``items`` applied as one bucket of a delta A -> B (the name ``tied`` is a second name of ``w0``): the live
+    tensors then equal ``news`` (``check(cb)`` runs first), and the undo gives ``bases`` back byte for byte.
+    Returns None, or the ``CheckpointFormatError`` of a bucket refused (then nothing was written)."""
+    from ckpt_core.errors import CheckpointFormatError
     live = {k: v.clone() for k, v in bases.items()}
     rx = apply_mod.DeltaReceiver(live=lambda n: live["w0" if n == "tied" else n], held="A")
     with rx.update(run=None, version="B") as cb:
         cb.delta, cb.ran = ("A", "B"), True
-        cb._apply([(PAYLOAD + "tied", payloads[0][1])] + payloads)
-        assert cb.figures["scattered"] == len(bases) + 1
+        try:
+            cb._apply(items)
+        except CheckpointFormatError as exc:
+            for k in bases:   # refused before any write
+                assert torch.equal(as_words(live[k]), as_words(bases[k])), k
+            cb.undo_log.clear()
+            return exc
+        if check is not None:
+            check(cb)
         for k in bases:
             assert torch.equal(as_words(live[k]), as_words(news[k])), k
         cb.undo()
         cb.undo_log.clear()
     for k in bases:
         assert torch.equal(as_words(live[k]), as_words(bases[k])), k
+    return None
+
+
+def check_receiver(interpreted):
+    """bf16, float32 and fp8 deltas of one bucket: one launch per item size, the live tensors equal the new
+    version (the post-apply check passes, batched too), and the undo gives the base back byte for byte."""
+    bases, news = mixed_delta_bucket()
+    payloads = [(PAYLOAD + k, encode_tensor(news[k], bases[k])[0]) for k in bases]
+
+    def launched(cb):
+        assert cb.figures["scattered"] == len(bases)
+        assert interpreted == [True] * 3   # a swap per item size (2, 4, 1); a CPU tensor's check runs numpy
+    assert _applied_then_undone(bases, news, payloads, launched) is None
+    # a second name of one live tensor (tied): one launch takes the first, the other is written after it, one by
+    # one; the undo (in the order of the writes) gives the base back
+    def one_more(cb):
+        assert cb.figures["scattered"] == len(bases) + 1
+    assert _applied_then_undone(bases, news, [(PAYLOAD + "tied", payloads[0][1])] + payloads, one_more) is None
 
 
 def _gap_payload(new: torch.Tensor, base: torch.Tensor, edit=None) -> torch.Tensor:
@@ -169,11 +179,10 @@ def check_gap_route(interpreted):
     back; a corrupted body, a 0 gap and a list past the tensor's end are each refused naming their tensor
     before anything is written."""
     from ckpt_core.delta import _gap_route
-    from ckpt_core.errors import CheckpointFormatError
     built = _kernels._build()
     real, _gap_route.kernels = _gap_route.kernels, lambda device, use="check": built
     try:
-        _gap_route_checks(_gap_route, CheckpointFormatError)
+        _gap_route_checks(_gap_route)
 
         class Broken:   # a kernel that fails to build: the bucket goes the usual way, nothing lost
             word = built.word
@@ -194,7 +203,7 @@ def check_gap_route(interpreted):
         _gap_route.kernels = real
 
 
-def _gap_route_checks(_gap_route, CheckpointFormatError):
+def _gap_route_checks(_gap_route):
     bases, news = mixed_delta_bucket()
     gen = torch.Generator().manual_seed(5)
     big = torch.randn(9000, generator=gen).to(torch.bfloat16)
@@ -205,27 +214,11 @@ def _gap_route_checks(_gap_route, CheckpointFormatError):
                  else _gap_payload(news[k], bases[k])) for k in bases]
 
     def apply(items, expect=("big", "w0", "w1", "w2")):
-        live = {k: v.clone() for k, v in bases.items()}
-        rx = apply_mod.DeltaReceiver(live=lambda n: live["w0" if n == "tied" else n], held="A")
-        with rx.update(run=None, version="B") as cb:
-            cb.delta, cb.ran = ("A", "B"), True
-            try:
-                cb._apply(items)
-            except CheckpointFormatError as exc:
-                for k in bases:   # refused before any write
-                    assert torch.equal(as_words(live[k]), as_words(bases[k])), k
-                cb.undo_log.clear()
-                return exc
+        def routed(cb):
             routes = [e for e in cb.undo_log if isinstance(e, _gap_route.GapRoute)]
             assert len(routes) == 1 and sorted(it.name for it in routes[0].items) == list(expect)
             assert cb.figures["scattered"] == len(items)
-            for k in bases:
-                assert torch.equal(as_words(live[k]), as_words(news[k])), k
-            cb.undo()
-            cb.undo_log.clear()
-        for k in bases:
-            assert torch.equal(as_words(live[k]), as_words(bases[k])), k
-        return None
+        return _applied_then_undone(bases, news, items, routed)
 
     assert apply(payloads) is None
     # a second name of one live tensor (tied): the route takes the first, the other goes the usual way
