@@ -54,6 +54,7 @@ class Chain:
     cold: dict[str, list]      # file -> per-worker digests of a cold load
     refs: dict[str, list]      # file -> Hugging Face's greedy completions
     prompts: list
+    seed: int = 0              # the tiny model's (CKPT_TEST_SEED reproduces its weights)
 
     def check(self, digests: list, tokens: list | None, index: int, what: str) -> None:
         """The engine (its digests, its greedy output) equals a cold load of version ``index``."""
@@ -76,7 +77,7 @@ def chain(shared_servers, tiny_model, vllm_python, tmp_path_factory) -> Chain:
     cold = cold_load(vllm_python, tiny_model.dir, files, TP)["digests"]
     server = shared_servers.get(tiny_model, **SHARED_SERVER[1])
     server.pushed = True
-    return Chain(server, files, cold, refs, tiny_model.prompts)
+    return Chain(server, files, cold, refs, tiny_model.prompts, tiny_model.seed)
 
 
 def test_staged_sliced_deltas_commit_to_a_cold_load_and_a_base_changed_since_the_stage_is_refused(chain):
@@ -94,6 +95,7 @@ def test_staged_sliced_deltas_commit_to_a_cold_load_and_a_base_changed_since_the
         "stage v1", "full v0", "stage v1", "commit v1", "stage v2", "commit v2"], [x["step"] for x in lines]
     # the refused steps first: an unexpected refusal shows its message (not a KeyError further down)
     assert [x["step"] for x in lines if not x["ok"]] == ["commit v1", "commit v1", "stage v1"], (
+        f"CKPT_TEST_SEED={chain.seed}",
         [(x["step"], x["ok"], x.get("error"), x.get("errors"), x.get("message", "")[:1500]) for x in lines],
         run.stderr[-4000:])
     full = lines[0]["ps"]["slices"]["received_bytes"]
