@@ -34,6 +34,7 @@ from typing import Any, Mapping, Sequence
 import httpx
 
 from ckpt_core import errors
+from ckpt_core.engines.http import HttpTransport
 
 __all__ = ["ServiceWorld", "env_token"]
 
@@ -50,15 +51,18 @@ def env_token() -> str | None:
     return service_token()
 
 
-def _client(endpoint: str, token: str | None, timeout: float) -> httpx.Client:
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
+def _client(endpoint: str, timeout: float) -> HttpTransport:
+    """One rank's connection: ``engines.http.HttpTransport``, which sends a request again on a fresh
+    connection when the pooled one it went out on was closed by the service before any answer (an idle
+    keep-alive connection the server was closing as the request left: without it one rank's update could
+    fail with "server disconnected" while the others waited in the update's collective). The connect
+    timeout is the request's: a service busy in a long call may accept late."""
     if endpoint.startswith(("http://", "https://")):
-        return httpx.Client(base_url=endpoint.rstrip("/"), headers=headers, timeout=timeout)
+        return HttpTransport(endpoint, timeout=timeout, connect_timeout=timeout)
     path = endpoint.removeprefix("unix://").removeprefix("unix:")
     if not path.startswith("/"):
         raise errors.ConfigError(f"endpoint {endpoint!r}: give a Unix socket path (/run/...sock) or an http(s) URL")
-    return httpx.Client(transport=httpx.HTTPTransport(uds=path), base_url="http://ps", headers=headers,
-                        timeout=timeout)
+    return HttpTransport("http://ps", uds=path, timeout=timeout, connect_timeout=timeout)
 
 
 def _error_of(rank: int, answer: httpx.Response) -> dict:
@@ -94,7 +98,8 @@ class ServiceWorld:
         if not 0 < timeout <= 7 * 24 * 3600 or not 0 <= margin_s <= 3600:
             raise errors.ConfigError(f"timeout {timeout!r} s / margin_s {margin_s!r} s out of range")
         self.endpoints, self.timeout, self.margin_s = list(endpoints), float(timeout), float(margin_s)
-        self._clients = [_client(e, token, self.timeout + self.margin_s) for e in self.endpoints]
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._clients = [_client(e, self.timeout + self.margin_s) for e in self.endpoints]
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(len(self._clients), thread_name_prefix="ckpt-world")
 
     @classmethod
@@ -112,20 +117,18 @@ class ServiceWorld:
     # -- the fan-out ---------------------------------------------------------------------------------
 
     def _one(self, rank: int, method: str, path: str, body: Any = None, params=None, timeout=None) -> httpx.Response:
-        kw: dict[str, Any] = {"params": params}
+        kw: dict[str, Any] = {"params": params, "headers": self._headers}
         if body is not None:
             kw["json"] = body
-        if timeout is not None:
-            kw["timeout"] = timeout + self.margin_s
+        wait = self.timeout + self.margin_s if timeout is None else timeout + self.margin_s
         try:
-            return self._clients[rank].request(method, path, **kw)
-        except httpx.TimeoutException as exc:
+            return self._clients[rank].request(method, path, timeout=wait, **kw)
+        except errors.UpdateTimeoutError as exc:
             raise errors.UpdateTimeoutError(f"rank {rank} ({self.endpoints[rank]}) did not answer {method} {path} "
-                                            f"within {kw.get('timeout') or self.timeout + self.margin_s:.0f} s"
-                                            ) from exc
-        except httpx.TransportError as exc:
+                                            f"within {wait:.0f} s ({exc})") from exc
+        except errors.TransportError as exc:
             raise errors.TransportError(f"rank {rank} ({self.endpoints[rank]}) unreachable on {method} {path}: "
-                                        f"{type(exc).__name__}: {exc}") from exc
+                                        f"{exc}") from exc
 
     def call(self, method: str, path: str, bodies: Sequence[Any] | None = None, *, ranks: Sequence[int] | None = None,
              params: Mapping | None = None, timeout: float | None = None, ok_status: tuple[int, ...] = ()) -> list:

@@ -326,3 +326,30 @@ def test_get_v1_metas_serves_the_document_operations_md_shows_and_post_takes_it_
         assert bad.status_code == 400 and bad.json()["error"]["type"] == "ConfigError", bad.text
     finally:
         world.all("DELETE", "/v1/checkpoints/metas-doc")
+
+
+def test_an_idle_connection_stays_open_longer_than_http_clients_keep_theirs(world):
+    # httpx keeps an idle connection 5 s by default, as uvicorn kept one: a client's request leaving about 5 s
+    # after the last answer could meet the service closing it ("server disconnected" on that rank, the others
+    # waiting in the update's collective). The service keeps idle connections longer than that.
+    import socket
+
+    def ask(sock) -> bytes:
+        sock.sendall(b"GET /v1/healthz HTTP/1.1\r\nHost: ps\r\n\r\n")
+        got = b""
+        while b"\r\n\r\n" not in got:
+            chunk = sock.recv(65536)
+            assert chunk, "the service closed the connection"
+            got += chunk
+        head, _, body = got.partition(b"\r\n\r\n")
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+        while len(body) < length:
+            body += sock.recv(65536)
+        return head.split(b"\r\n")[0]
+
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(30)
+        sock.connect(world.socks[0])
+        assert ask(sock).startswith(b"HTTP/1.1 200")
+        time.sleep(6.5)   # past httpx's and uvicorn's default 5 s
+        assert ask(sock).startswith(b"HTTP/1.1 200")

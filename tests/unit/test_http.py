@@ -146,3 +146,26 @@ def test_phases_add_up_per_name_and_count_a_failing_phase():
     with pytest.raises(ZeroDivisionError):
         phases.run("b", lambda: 1 / 0)
     assert list(phases.seconds) == ["a", "b"] and all(v >= 0 for v in phases.seconds.values())
+
+
+def test_the_service_client_sends_a_request_again_when_the_service_closed_its_pooled_connection(raw):
+    # one rank of a ServiceWorld: its second call goes out on the kept connection, which the server closes (as
+    # a service whose keep-alive ended); the call is sent again on a fresh one instead of failing that rank
+    # while the others wait in the update's collective
+    from ckpt_core.client import ServiceWorld
+    srv = raw(answers_per_connection=1)
+    with ServiceWorld([srv.url], token="t0k", timeout=10, margin_s=1) as world:
+        assert world.call("POST", "/v1/a", [{}]) == [None]
+        assert world.call("POST", "/v1/b", [{}]) == [None]
+    assert srv.requests == ["POST /v1/a HTTP/1.1", "POST /v1/b HTTP/1.1", "POST /v1/b HTTP/1.1"]
+    assert srv.connections == 2
+    silent = raw(silent=True)
+    with ServiceWorld([silent.url], timeout=0.5, margin_s=0) as world:
+        with pytest.raises(UpdateTimeoutError, match=r"rank 0 \(http://127.*\) did not answer GET /v1/healthz within 0 s"):
+            world.call("GET", "/v1/healthz")
+    with socket.socket() as s:   # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    with ServiceWorld([url], timeout=5, margin_s=0) as world:
+        with pytest.raises(TransportError, match=r"rank 0 \(http://127.*\) unreachable on GET /v1/healthz: .*Connect"):
+            world.call("GET", "/v1/healthz")
