@@ -120,7 +120,7 @@ class ServiceWorld:
         kw: dict[str, Any] = {"params": params, "headers": self._headers}
         if body is not None:
             kw["json"] = body
-        wait = self.timeout + self.margin_s if timeout is None else timeout + self.margin_s
+        wait = (self.timeout if timeout is None else timeout) + self.margin_s
         try:
             return self._clients[rank].request(method, path, timeout=wait, **kw)
         except errors.UpdateTimeoutError as exc:

@@ -16,15 +16,13 @@ from ckpt_core.ops.log import rank_logger
 UDS_MODE = 0o600
 DIR_MODE = 0o700
 MAX_UDS_PATH = 107   # sun_path is 108 bytes with the NUL
-
-
-
 # How long an idle client connection stays open. uvicorn's default, 5 s, is httpx's default keep-alive
 # expiry too: a client that posts again about 5 s after its last answer (an RL loop's next update after a
 # generation step) could send on a connection the service was closing and get "server disconnected" on one
 # rank, while the other ranks waited in the update's collective until its timeout. A service that keeps idle
 # connections longer than its clients do is never the one to close a connection a request is on its way to.
 KEEP_ALIVE_S = 75
+
 
 def default_socket_dir() -> str:
     """A directory only this user can enter, for the default socket: ``$XDG_RUNTIME_DIR/ckpt-engine`` (the
