@@ -40,6 +40,33 @@ class _Memcpy2D(ctypes.Structure):
                 ("Height", ctypes.c_size_t)]
 
 
+class _Memcpy3D(ctypes.Structure):
+    """The driver API's CUDA_MEMCPY3D (cuda.h): blocks of pitched rows, each ``srcHeight`` rows after the
+    one before in the source and ``dstHeight`` rows in the destination."""
+    _fields_ = [("srcXInBytes", ctypes.c_size_t), ("srcY", ctypes.c_size_t), ("srcZ", ctypes.c_size_t),
+                ("srcLOD", ctypes.c_size_t), ("srcMemoryType", ctypes.c_int), ("srcHost", ctypes.c_void_p),
+                ("srcDevice", ctypes.c_uint64), ("srcArray", ctypes.c_void_p), ("reserved0", ctypes.c_void_p),
+                ("srcPitch", ctypes.c_size_t), ("srcHeight", ctypes.c_size_t),
+                ("dstXInBytes", ctypes.c_size_t), ("dstY", ctypes.c_size_t), ("dstZ", ctypes.c_size_t),
+                ("dstLOD", ctypes.c_size_t), ("dstMemoryType", ctypes.c_int), ("dstHost", ctypes.c_void_p),
+                ("dstDevice", ctypes.c_uint64), ("dstArray", ctypes.c_void_p), ("reserved1", ctypes.c_void_p),
+                ("dstPitch", ctypes.c_size_t), ("dstHeight", ctypes.c_size_t),
+                ("WidthInBytes", ctypes.c_size_t), ("Height", ctypes.c_size_t), ("Depth", ctypes.c_size_t)]
+
+
+def block_heights(c) -> tuple[int, int] | None:
+    """``(srcHeight, dstHeight)`` when the copy of ``depth`` blocks is one ``cuMemcpy3DAsync``: each block
+    starts a whole number of rows after the one before, in the source (``step``) and in the destination
+    (``dstep``), at least ``height`` rows on, with both pitches in the driver's range; else None (one 2-D
+    copy per block)."""
+    dpitch = c.dpitch or c.width
+    if (c.depth < 2 or c.height < 2 or not 0 < c.pitch <= _MAX_PITCH or dpitch > _MAX_PITCH
+            or c.step % c.pitch or c.dstep % dpitch):
+        return None
+    src_h, dst_h = c.step // c.pitch, c.dstep // dpitch
+    return (src_h, dst_h) if src_h >= c.height and dst_h >= c.height else None
+
+
 class _Driver:
     """The few driver-API calls torch does not expose, from the driver library the CUDA runtime
     already loaded (``libcuda.so.1``), on the calling thread's current (primary) context."""
@@ -48,6 +75,8 @@ class _Driver:
         lib = ctypes.CDLL("libcuda.so.1")
         self.copy2d = lib.cuMemcpy2DAsync_v2
         self.copy2d.argtypes, self.copy2d.restype = [ctypes.POINTER(_Memcpy2D), ctypes.c_void_p], ctypes.c_int
+        self.copy3d = lib.cuMemcpy3DAsync_v2
+        self.copy3d.argtypes, self.copy3d.restype = [ctypes.POINTER(_Memcpy3D), ctypes.c_void_p], ctypes.c_int
         self.htod = lib.cuMemcpyHtoDAsync_v2
         self.htod.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
         self.htod.restype = ctypes.c_int
@@ -67,6 +96,30 @@ def _driver() -> _Driver:
     if not _DRIVER:
         _DRIVER.append(_Driver())
     return _DRIVER[0]
+
+
+def _copy2d(drv: _Driver, base: int, out: int, c, stream) -> int:
+    """One block of ``c``'s rows: a run by ``cuMemcpyHtoDAsync``, rows by ``cuMemcpy2DAsync`` (row by
+    row where a pitch is past the driver's range); the driver's error code."""
+    dpitch = c.dpitch or c.width   # 0: rows back to back
+    if c.height == 1:
+        return drv.htod(out + c.dst, base + c.src, c.width, stream)
+    if c.pitch > _MAX_PITCH or dpitch > _MAX_PITCH:
+        err = 0
+        for r in range(c.height):
+            err = err or drv.htod(out + c.dst + r * dpitch, base + c.src + r * c.pitch, c.width, stream)
+        return err
+    desc = _Memcpy2D(srcMemoryType=_MEMORYTYPE_HOST, srcHost=base + c.src, srcPitch=c.pitch,
+                     dstMemoryType=_MEMORYTYPE_DEVICE, dstDevice=out + c.dst, dstPitch=dpitch,
+                     WidthInBytes=c.width, Height=c.height)
+    return drv.copy2d(ctypes.byref(desc), stream)
+
+
+def _check(drv: _Driver, err: int, c) -> None:
+    if err:
+        raise TransportError(f"a host-to-device copy of {c.depth} block(s) of {c.height} row(s) of {c.width} "
+                             f"bytes (pitch {c.pitch}, destination pitch {c.dpitch or c.width}) failed: "
+                             f"{drv.error_name(err)}")
 
 
 class CudaBackend(DeviceBackend):
@@ -152,33 +205,29 @@ class CudaBackend(DeviceBackend):
         """Every copy straight through the driver on the current stream: a run with
         ``cuMemcpyHtoDAsync``, a block of pitched rows with ``cuMemcpy2DAsync`` (pinned rows at the
         link's rate; torch's strided ``copy_`` gathers through a pageable temporary at a tenth of
-        it). One driver call per copy (per block of a copy of ``depth`` blocks: cuMemcpy3D would take
-        them in one, not yet done): a slice of a small tensor costs microseconds, not a view and a
-        dispatch. No copy crosses a pinned piece's border (``planning/boxcopy.py``). A source on the
-        device (a checkpoint registered ``on_device``) takes the base class's strided ``copy_`` instead: a
-        device-to-device copy kernel per box, on the current stream."""
+        it), a copy of ``depth`` blocks whose steps are whole rows with one ``cuMemcpy3DAsync`` (a
+        layer's experts' column slices; ``block_heights``), else one 2-D copy per block. One driver
+        call per copy: a slice of a small tensor costs microseconds, not a view and a dispatch. No copy
+        crosses a pinned piece's border (``planning/boxcopy.py``). A source on the device (a checkpoint
+        registered ``on_device``) takes the base class's strided ``copy_`` instead: a device-to-device
+        copy kernel per box, on the current stream."""
         if host.is_cuda:   # a device-resident checkpoint (on_device): device-to-device copies through torch
             super().copy_pitched(dst, host, copies)
             return
         drv = _driver()
         base, out = host.data_ptr(), dst.data_ptr()
         stream = torch.cuda.current_stream().cuda_stream
-        for c in (layer for deep in copies for layer in deep.layers()):   # a copy of several blocks: one each
-            dpitch = c.dpitch or c.width   # 0: rows back to back
-            if c.height == 1:
-                err = drv.htod(out + c.dst, base + c.src, c.width, stream)
-            elif c.pitch > _MAX_PITCH or dpitch > _MAX_PITCH:
-                err = 0
-                for r in range(c.height):
-                    err = err or drv.htod(out + c.dst + r * dpitch, base + c.src + r * c.pitch, c.width, stream)
-            else:
-                desc = _Memcpy2D(srcMemoryType=_MEMORYTYPE_HOST, srcHost=base + c.src, srcPitch=c.pitch,
-                                 dstMemoryType=_MEMORYTYPE_DEVICE, dstDevice=out + c.dst, dstPitch=dpitch,
-                                 WidthInBytes=c.width, Height=c.height)
-                err = drv.copy2d(ctypes.byref(desc), stream)
-            if err:
-                raise TransportError(f"a host-to-device copy of {c.height} row(s) of {c.width} bytes (pitch "
-                                     f"{c.pitch}, destination pitch {dpitch}) failed: {drv.error_name(err)}")
+        for deep in copies:
+            heights = block_heights(deep)
+            if heights is not None:   # a layer's experts' column slices: one driver call for the lot
+                desc3 = _Memcpy3D(srcMemoryType=_MEMORYTYPE_HOST, srcHost=base + deep.src, srcPitch=deep.pitch,
+                                  srcHeight=heights[0], dstMemoryType=_MEMORYTYPE_DEVICE, dstDevice=out + deep.dst,
+                                  dstPitch=deep.dpitch or deep.width, dstHeight=heights[1],
+                                  WidthInBytes=deep.width, Height=deep.height, Depth=deep.depth)
+                _check(drv, drv.copy3d(ctypes.byref(desc3), stream), deep)
+                continue
+            for c in deep.layers():   # a copy of blocks at other steps: one 2-D copy each
+                _check(drv, _copy2d(drv, base, out, c, stream), c)
 
     def new_stream(self, index: int):
         return torch.cuda.Stream(device=index)

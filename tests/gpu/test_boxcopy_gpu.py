@@ -146,3 +146,54 @@ def test_merged_copies_of_a_layer_of_experts_pack_bit_exact_and_their_rates_are_
     finally:
         for p in pins:
             p.release()
+
+
+def test_stacks_of_blocks_copy_bit_exact_in_one_3d_call_or_block_by_block_and_their_times_are_printed():
+    """Copies of ``depth`` blocks on CUDA: stacks whose steps are whole rows go as one ``cuMemcpy3DAsync``
+    (a layer of experts' down slices, with and without a destination pitch), others block by block
+    (steps that are not whole rows); each against the CPU backend's strided copy of the same plan, and
+    the layer's stacks timed as one call each against one 2-D call per block (printed, not asserted)."""
+    from support.boxcopy_cases import experts_layer
+    from ckpt_core.devices.cpu import CpuBackend
+    from ckpt_core.devices.cuda import block_heights
+    from ckpt_core.planning.boxcopy import Pitched, merge_copies
+
+    backend = CudaBackend()
+    torch.cuda.set_device(0)
+    chunk = 64 << 20
+    copies, host_bytes, size = experts_layer(40, 320, 2048, t=1, tp=8, dst=0, pin_chunk=chunk)
+    stacks = [c for c in merge_copies(copies, pin_chunk=chunk) if c.depth > 1]
+    assert stacks and all(block_heights(c) for c in stacks)
+    odd = [Pitched(src=1000, pitch=512, width=100, height=7, dst=size, dpitch=0, depth=9, step=512 * 7 + 36,
+                   dstep=100 * 7 + 4),   # neither step whole rows: block by block
+           Pitched(src=200_000, pitch=640, width=64, height=5, dst=size + 8192, dpitch=96, depth=6, step=640 * 8,
+                   dstep=96 * 6)]        # whole rows, a destination pitch wider than the row: one 3-D call
+    assert block_heights(odd[0]) is None and block_heights(odd[1]) == (8, 6)
+    total = size + 16384
+    host, pins = _pinned(backend, -(-host_bytes // chunk) * chunk, chunk)
+    try:
+        for plan in (stacks, odd):
+            want = torch.zeros(total, dtype=torch.uint8)
+            CpuBackend().copy_pitched(want, host, plan)
+            got = torch.zeros(total, dtype=torch.uint8, device="cuda")
+            backend.copy_pitched(got, host, plan)
+            torch.cuda.synchronize()
+            assert torch.equal(got.cpu(), want)
+        layers = [b for c in stacks for b in c.layers()]
+        times = {}
+        for what, plan in (("one 3-D call per stack", stacks), ("one 2-D call per block", layers)):
+            dst = torch.zeros(total, dtype=torch.uint8, device="cuda")
+            best = 1e9
+            for _ in range(5):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                backend.copy_pitched(dst, host, plan)
+                t1 = time.perf_counter()
+                torch.cuda.synchronize()
+                best = min(best, time.perf_counter() - t0)
+            times[what] = (best, t1 - t0, len(plan))
+        print("a layer of 40 experts' down slices, rank 1 of 8: " + ", ".join(
+            f"{k}: {n} calls, issued in {i * 1e6:.0f} us, done in {t * 1e3:.3f} ms" for k, (t, i, n) in times.items()))
+    finally:
+        for p in pins:
+            p.release()

@@ -166,3 +166,26 @@ def test_blocks_of_other_heights_pitches_or_uneven_steps_are_not_stacked():
     assert merge_copies([a, a._replace(src=1000, dst=40, pitch=90)]) == [a, a._replace(src=1000, dst=40, pitch=90)]
     uneven = [a, a._replace(src=1000, dst=40), a._replace(src=2100, dst=80)]
     assert merge_copies(uneven) == [a._replace(depth=2, step=1000, dstep=40), uneven[2]]
+
+
+def test_a_stack_whose_steps_are_whole_rows_is_one_3d_copy_and_any_other_is_copied_block_by_block():
+    """``cuda.block_heights`` (pure, no GPU): the driver's 3-D copy places block k at k x srcHeight rows of
+    the source and k x dstHeight of the destination, so a stack is one call only where both steps are
+    whole rows, at least a block tall; a layer of experts' down slices is (merged, then one call)."""
+    from ckpt_core.devices.cuda import _MAX_PITCH, block_heights
+
+    stack = Pitched(src=0, pitch=640, width=80, height=2048, dst=0, dpitch=0, depth=40, step=640 * 6144,
+                    dstep=80 * 6144)
+    assert block_heights(stack) == (6144, 6144)
+    assert block_heights(stack._replace(dpitch=96, dstep=96 * 3000)) == (6144, 3000)
+    for other in (stack._replace(depth=1, step=0, dstep=0),       # one block: a 2-D copy
+                  stack._replace(step=640 * 6144 + 2),            # the source's step not whole rows
+                  stack._replace(dstep=80 * 6144 + 16),           # the destination's
+                  stack._replace(step=640 * 2047),                # blocks that would overlap rows
+                  stack._replace(dstep=80 * 100),
+                  stack._replace(pitch=_MAX_PITCH + 1, step=(_MAX_PITCH + 1) * 4096),
+                  stack._replace(height=1, pitch=0)):
+        assert block_heights(other) is None, other
+    copies, _, _ = experts_layer(40, 320, 2048, t=1, tp=8)
+    stacks = [c for c in merge_copies(copies) if c.depth > 1]
+    assert stacks and all(block_heights(c) is not None for c in stacks)
