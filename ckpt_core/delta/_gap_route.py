@@ -3,8 +3,8 @@
 ``decode_many`` turns a gap16 list into int64 positions (the lists joined, widened, summed twice), checks
 them (joined again), and the scatter reads them back: about 90 bytes of device traffic per changed element,
 and several torch ops per payload whose launches, not the bytes, set a many-tensor bucket's time. Here
-(``CKPT_DELTA_TRITON=gaps``, CUDA only) the payloads of a bucket that are whole-tensor gap16 deltas of live,
-contiguous tensors go another way, two launches for the lot:
+(``CKPT_DELTA_TRITON=gaps``, the default, CUDA only) the payloads of a bucket that are whole-tensor gap16
+deltas of live, contiguous tensors go another way, two launches for the lot:
 
 1. ``gap_sums``: per block of 1,024 gaps of one list, their sum and how many are 0 past the list's first.
    A cumsum over the block sums gives each block's first position (``base``) and each list's last one:

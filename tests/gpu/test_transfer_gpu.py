@@ -42,6 +42,8 @@ def test_the_ipc_descriptor_is_plain_json_and_close_is_idempotent():
 
     need(1)
     b = get_backend("cuda")
+    torch.cuda.synchronize(0)
+    torch.cuda.empty_cache()   # earlier tests' cached blocks would serve the buffer without new device memory
     free0 = torch.cuda.mem_get_info(0)[0]
     buf = b.alloc_ipc(256 << 20, 0, "t")
     desc = json.loads(json.dumps(buf.descriptor))

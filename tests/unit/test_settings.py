@@ -130,8 +130,8 @@ def test_a_ckpt_slices_that_is_no_bool_is_a_config_error(monkeypatch):
         slices_wanted(True)
 
 
-@pytest.mark.parametrize("raw, mode", [("", "check"), ("0", "off"), ("off", "off"), ("1", "all"), ("true", "all"),
-                                       ("all", "all"), ("check", "check"), (" Check ", "check")])
+@pytest.mark.parametrize("raw, mode", [("", "gaps"), ("0", "off"), ("off", "off"), ("1", "all"), ("true", "all"),
+                                       ("all", "all"), ("check", "check"), (" Check ", "check"), ("gaps", "gaps")])
 def test_ckpt_delta_triton_names_where_the_fused_kernels_run(monkeypatch, raw, mode):
     from ckpt_core._settings import delta_triton
     monkeypatch.setenv("CKPT_DELTA_TRITON", raw)
