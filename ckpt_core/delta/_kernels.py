@@ -11,8 +11,8 @@ tensor's bytes read at the device's memory rate. The arithmetic is the same inte
 
 Used only on CUDA devices where Triton imports and ``CKPT_DELTA_TRITON`` allows them (``check``: the row sums
 only; ``gaps``, the default: and the gap16 route's passes; ``1``/``all``: every swap too; ``0``: none);
-elsewhere (the CPU, other devices, a missing Triton, a tensor whose bytes are not 8-byte aligned) the torch ops run. A kernel
-that fails to build is reported once in the log and the torch ops take over for the process.
+elsewhere (the CPU, other devices, a missing Triton, a tensor whose bytes are not 8-byte aligned) the torch
+ops run. A kernel that fails to build is reported once in the log and the torch ops take over for the process.
 """
 
 from __future__ import annotations
