@@ -41,9 +41,10 @@ from typing import Any
 
 from ckpt_core import update_weights_from_ipc as _core_update_weights_from_ipc
 from ckpt_core.delta.apply import DeltaReceiver, Weights, delta_of_plan
+from ckpt_core.delta.lin64 import lin64_many
 from ckpt_core.errors import CkptError, ConfigError, DeltaBaseError
 
-from ._delta_map import DeltaMap, build_map
+from ._delta_map import DeltaMap, Digested, build_map
 from ._reload import ReloadSession
 from ._sessions import abort_sessions, count_over_workers, drafter_target, finish_sessions, new_sessions
 
@@ -123,12 +124,14 @@ def receive_with_deltas(worker: Any, zmq_ctx, zmq_handle: str, index: int, *, ti
     _use_map(rx, m)
     reloads = _Reloads(worker, m, replay)
     kept: dict = {}
+    received: dict[str, Digested] = {}   # a full update's tensors by their digests, taken where they arrived
     sessions: list[ReloadSession] = []   # begun by a full update's plan; a delta touches no layer before its reload
 
     def run(weights):   # a full update: loaded, and kept for the next delta
         for s in sessions:
             s.load(weights)
-        for name, t in weights:
+        for (name, t), digest in zip(weights, lin64_many(t for _, t in weights)):
+            received[name] = Digested(t.dtype, tuple(t.shape), digest)
             kept[name] = t.detach().to("cpu", copy=True)
 
     def on_plan(tensors):
@@ -157,7 +160,7 @@ def receive_with_deltas(worker: Any, zmq_ctx, zmq_handle: str, index: int, *, ti
     figures = dict(rx.last)
     if kept:   # a full update: its tensors are the next delta's base
         t0 = time.perf_counter()
-        m = worker._ckpt_delta_map = _map_of(worker, kept, replay)
+        m = worker._ckpt_delta_map = _map_of(worker, received, replay)
         worker._ckpt_delta_slices = sliced
         rx.kept = {n: t for n, t in kept.items() if m.keeps(n)}
         figures["map"] = dict(m.figures(), kept=len(rx.kept), kept_bytes=sum(t.nbytes for t in rx.kept.values()),

@@ -17,8 +17,9 @@ shows us, never from names or model families:
 Checkpoint tensors and the layers they load into form groups (a fused ``qkv_proj`` and its three
 sources; a tied ``lm_head`` and the embedding whose parameter it shares; a layer and the layers
 nested in it). A group whose layers are all verbatim is *scattered*: each of its tensors gets its
-live region, where the bytes were checked equal to the checkpoint's after the load (a mismatch
-sends the group to the reload). Any other group is *reloaded* whole through vLLM's layerwise reload
+live region, where the bytes were checked equal to the checkpoint's after the load (each region's
+``lin64`` on its device against the digest of the tensor as it arrived, taken where it arrived:
+:class:`Digested`; a mismatch sends the group to the reload). Any other group is *reloaded* whole through vLLM's layerwise reload
 of its layers alone (``ReloadSession.begin(layers=...)``); its tensors need the held version's
 bytes: read back from a verbatim live region where the layer keeps one (an embedding vLLM-CPU also
 prepacks), else from the host copy the worker keeps (``kept``).
