@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import ctypes
+import logging
 import os
 import weakref
 from typing import Any
@@ -22,6 +23,8 @@ import torch
 from ckpt_core.errors import TransportError
 
 from ._base import DeviceBackend, HostPin, IpcBuffer
+
+log = logging.getLogger("ckpt_core.devices")
 
 _B64_FIELDS = ("handle", "ref_counter_handle", "event_handle")
 # handle (base64) -> the exported buffer, for workers in the exporting process; weak: the PS owns it
@@ -113,6 +116,18 @@ def _copy2d(drv: _Driver, base: int, out: int, c, stream) -> int:
                      dstMemoryType=_MEMORYTYPE_DEVICE, dstDevice=out + c.dst, dstPitch=dpitch,
                      WidthInBytes=c.width, Height=c.height)
     return drv.copy2d(ctypes.byref(desc), stream)
+
+
+def _refused_3d(drv: _Driver, err: int, c) -> None:
+    """The driver refused a 3-D copy (say, a host range it checks past the last block's rows): logged
+    once, and the caller copies the blocks one by one (a 2-D refusal then raises)."""
+    if not _REFUSED_3D:
+        _REFUSED_3D.append(err)
+        log.warning("cuMemcpy3DAsync refused a stack of %d blocks of %d rows of %d bytes (pitch %d): %s; such "
+                    "stacks are copied block by block", c.depth, c.height, c.width, c.pitch, drv.error_name(err))
+
+
+_REFUSED_3D: list[int] = []
 
 
 def _check(drv: _Driver, err: int, c) -> None:
@@ -224,8 +239,10 @@ class CudaBackend(DeviceBackend):
                                   srcHeight=heights[0], dstMemoryType=_MEMORYTYPE_DEVICE, dstDevice=out + deep.dst,
                                   dstPitch=deep.dpitch or deep.width, dstHeight=heights[1],
                                   WidthInBytes=deep.width, Height=deep.height, Depth=deep.depth)
-                _check(drv, drv.copy3d(ctypes.byref(desc3), stream), deep)
-                continue
+                err = drv.copy3d(ctypes.byref(desc3), stream)
+                if not err:
+                    continue
+                _refused_3d(drv, err, deep)   # nothing was queued: the blocks one by one, as below
             for c in deep.layers():   # a copy of blocks at other steps: one 2-D copy each
                 _check(drv, _copy2d(drv, base, out, c, stream), c)
 

@@ -189,3 +189,53 @@ def test_a_stack_whose_steps_are_whole_rows_is_one_3d_copy_and_any_other_is_copi
     copies, _, _ = experts_layer(40, 320, 2048, t=1, tp=8)
     stacks = [c for c in merge_copies(copies) if c.depth > 1]
     assert stacks and all(block_heights(c) is not None for c in stacks)
+
+
+def test_a_stack_the_driver_refuses_as_one_3d_copy_goes_block_by_block_and_the_refusal_is_logged_once(
+        monkeypatch, caplog):
+    """No GPU here: the driver is a recording stand-in (its 3-D call refuses, as CUDA answers a range it
+    will not take). ``CudaBackend.copy_pitched`` then issues the stack's blocks as 2-D copies at the
+    same addresses, says so once in the log, and a refused 2-D copy still raises naming the copy."""
+    import logging
+    import types
+
+    from ckpt_core.devices import cuda
+    from ckpt_core.errors import TransportError
+
+    calls = []
+
+    class Driver:
+        def __init__(self, fail_2d=False):
+            self.fail_2d = fail_2d
+
+        def copy3d(self, desc, stream):
+            calls.append(("3d", desc._obj.Depth))
+            return 1   # CUDA_ERROR_INVALID_VALUE
+
+        def copy2d(self, desc, stream):
+            d = desc._obj
+            calls.append(("2d", d.srcHost, d.dstDevice, d.Height))
+            return 999 if self.fail_2d else 0
+
+        def htod(self, *a):
+            calls.append(("1d",))
+            return 0
+
+        def error_name(self, err):
+            return f"CUDA_ERROR_{err}"
+
+    monkeypatch.setattr(cuda, "_REFUSED_3D", [])
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: types.SimpleNamespace(cuda_stream=0))
+    host, dst = torch.zeros(1 << 16, dtype=torch.uint8), torch.zeros(1 << 14, dtype=torch.uint8)
+    stack = Pitched(src=64, pitch=128, width=16, height=3, dst=0, dpitch=0, depth=4, step=128 * 5, dstep=16 * 3)
+    assert cuda.block_heights(stack) == (5, 3)
+    monkeypatch.setattr(cuda, "_driver", lambda: Driver())
+    with caplog.at_level(logging.WARNING, logger="ckpt_core.devices"):
+        cuda.CudaBackend().copy_pitched(dst, host, [stack, stack._replace(dst=4096)])
+    h, d = host.data_ptr(), dst.data_ptr()
+    assert calls == [("3d", 4)] + [("2d", h + 64 + k * 640, d + k * 48, 3) for k in range(4)] + [("3d", 4)] + [
+        ("2d", h + 64 + k * 640, d + 4096 + k * 48, 3) for k in range(4)]
+    assert len([r for r in caplog.records if "cuMemcpy3DAsync refused" in r.getMessage()]) == 1
+    monkeypatch.setattr(cuda, "_driver", lambda: Driver(fail_2d=True))
+    with pytest.raises(TransportError, match="1 block\\(s\\) of 3 row\\(s\\) of 16 bytes.*CUDA_ERROR_999"):
+        cuda.CudaBackend().copy_pitched(dst, host, [stack])
