@@ -193,3 +193,38 @@ def test_a_bucket_of_gap16_deltas_goes_the_two_pass_route_equal_to_the_torch_ops
     exc, _ = run(corrupt, mode)
     assert isinstance(exc, CheckpointFormatError) and "t1" in str(exc), exc
     assert not _kernels._STATE["failed"]
+
+
+@pytest.mark.parametrize("mode", ["1", "gaps"])
+def test_a_tied_name_in_a_bucket_is_written_apart_from_the_launch_and_undone_to_the_base(mode, monkeypatch):
+    """A second name of one live tensor (a tied embedding) in a bucket, ahead of its first name: the batched
+    launch (``1``: the scatter, ``gaps``: the gap16 route) takes one of them and the other is written after it
+    (``_kernels.disjoint``), so the old values kept for the undo are the base's, not values written by the
+    same launch's other blocks (on a GPU those run at once). 4M-element tensors, 2 % changed: the live
+    tensors equal the new version, and the undo gives the base back byte for byte."""
+    from ckpt_core.delta.apply import DeltaReceiver
+    from ckpt_core.delta.encode import encode_tensor
+    from ckpt_core.delta.versions import PAYLOAD
+
+    monkeypatch.setenv("CKPT_DELTA_TRITON", mode)
+    gen = torch.Generator().manual_seed(33)
+    bases, news = {}, {}
+    for k, n in (("embed", 4 << 20), ("w1", 3 << 20), ("w2", 1 << 20)):
+        base = torch.randn(n, generator=gen).to(torch.bfloat16)
+        new = base.clone()
+        as_words(new)[torch.randperm(n, generator=gen)[: n // 50].sort().values] ^= 5
+        bases[k], news[k] = base, new
+    own = {k: encode_tensor(news[k], bases[k], force="gap16")[0] for k in bases}
+    items = _packed([(PAYLOAD + "lm_head", own["embed"])] + [(PAYLOAD + k, p) for k, p in own.items()])
+    live = {k: v.cuda() for k, v in bases.items()}
+    rx = DeltaReceiver(live=lambda n: live["embed" if n == "lm_head" else n], held="A")
+    with rx.update(run=None, version="B") as cb:
+        cb.delta, cb.ran = ("A", "B"), True
+        cb._apply(items)
+        assert cb.figures["scattered"] == 4
+        for k in bases:
+            assert torch.equal(as_words(live[k].cpu()), as_words(news[k])), k
+        cb.undo()
+        cb.undo_log.clear()
+    for k in bases:
+        assert torch.equal(as_words(live[k].cpu()), as_words(bases[k])), k
