@@ -19,10 +19,10 @@ sources; a tied ``lm_head`` and the embedding whose parameter it shares; a layer
 nested in it). A group whose layers are all verbatim is *scattered*: each of its tensors gets its
 live region, where the bytes were checked equal to the checkpoint's after the load (each region's
 ``lin64`` on its device against the digest of the tensor as it arrived, taken where it arrived:
-:class:`Digested`; a mismatch sends the group to the reload). Any other group is *reloaded* whole through vLLM's layerwise reload
-of its layers alone (``ReloadSession.begin(layers=...)``); its tensors need the held version's
-bytes: read back from a verbatim live region where the layer keeps one (an embedding vLLM-CPU also
-prepacks), else from the host copy the worker keeps (``kept``).
+:class:`Digested`; a mismatch sends the group to the reload). Any other group is *reloaded* whole
+through vLLM's layerwise reload of its layers alone (``ReloadSession.begin(layers=...)``); its tensors
+need the held version's bytes: read back from a verbatim live region where the layer keeps one (an
+embedding vLLM-CPU also prepacks), else from the host copy the worker keeps (``kept``).
 
 Under a slice plan (sliced deltas, docs/deltas.md) the worker holds one box of each tensor: the
 recording is of the full tensors, ``kept`` holds the boxes received, and a region is a candidate when

@@ -232,6 +232,8 @@ class StagedWeights(_Worker):
         def seal():
             area.sealed = True
 
+        dropped = f"the stage of {area.version!r} was dropped while it waited for the parameter server"
+
         try:
             side = None
             if area.device.type == "cuda":   # copies on a stream of their own: generation keeps the default one
@@ -240,7 +242,8 @@ class StagedWeights(_Worker):
             with torch.cuda.stream(side) if side is not None else _nullcontext():
                 _core_update_weights_from_ipc(self._ckpt_zmq_context(), handle, index, run=add, timeout=timeout,
                                               on_plan=lambda tensors: self._ckpt_stage_plan(job, tensors, expected),
-                                              post_hook=seal, slices=None if job.replay is None else job.replay.route)
+                                              post_hook=seal, slices=None if job.replay is None else job.replay.route,
+                                              should_stop=lambda: dropped if job.cancelled else None)
             job.result = {"device_key": local_device_key(area.device.type, index), **area.summary(),
                           "state": "done", "started_at": job.started_at, "finished_at": time.time(),
                           "seconds": {"copy": area.seconds, "total": time.perf_counter() - t0}}

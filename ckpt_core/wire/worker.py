@@ -37,6 +37,7 @@ __all__ = ["update_weights_from_ipc"]
 
 DEFAULT_TIMEOUT_S = 600.0
 SEND_WAIT_S = 5.0   # longest a send waits for the connection (it is normally writable at once)
+STOP_POLL_S = 0.2   # with should_stop: how often a wait for the parameter server asks it
 RunFn = Callable[[list[tuple[str, torch.Tensor]]], Any]
 
 # Buffers stay mapped between updates when the PS keeps its buffer (cheap next update).
@@ -82,8 +83,8 @@ class _Link:
     """The worker's end of the PAIR socket; every receive has a deadline, and a PS that
     went away (process killed, update given up) is an error at once, not a long silence."""
 
-    def __init__(self, sock: zmq.Socket, deadline: float):
-        self.sock, self.deadline = sock, deadline
+    def __init__(self, sock: zmq.Socket, deadline: float, should_stop: Callable[[], str | None] | None = None):
+        self.sock, self.deadline, self.should_stop = sock, deadline, should_stop
         self.update: str | None = None
         self.watch = PeerWatch(sock, sticky=True)
         self.poller = zmq.Poller()
@@ -111,6 +112,11 @@ class _Link:
             if left <= 0:
                 raise UpdateTimeoutError(f"no message from the parameter server within the update timeout "
                                          f"({waiting})")
+            if self.should_stop is not None:
+                why = self.should_stop()
+                if why:   # the caller gave this update up (a stage dropped by a newer request, say)
+                    raise ConfigError(f"{why} ({waiting})")
+                left = min(left, STOP_POLL_S)
             self.poller.poll(max(1, int(left * 1000)))
 
     def _last_word(self, expect: tuple[str, ...], waiting: str) -> dict:
@@ -147,7 +153,8 @@ def update_weights_from_ipc(zmq_ctx: zmq.Context, zmq_handle: str, device_id: in
                             post_hook: Callable[[], Any] | None = None,
                             timeout: float = DEFAULT_TIMEOUT_S,
                             on_plan: Callable[[list[tuple[str, torch.dtype, tuple[int, ...]]]], Any] | None = None,
-                            slices: tuple[str, int] | None = None) -> None:
+                            slices: tuple[str, int] | None = None,
+                            should_stop: Callable[[], str | None] | None = None) -> None:
     """Receive one update from the colocated parameter-server rank.
 
     Connects to ``zmq_handle``, maps the PS rank's IPC buffer on device
@@ -161,6 +168,10 @@ def update_weights_from_ipc(zmq_ctx: zmq.Context, zmq_handle: str, device_id: in
     update must be routed to exactly that engine rank of that plan (the PS says so in its hello),
     else it is refused with ConfigError on every rank before anything is mapped or loaded; None
     (the default): whole tensors, and an update of slices is refused.
+    ``should_stop()``, if given, is asked every few hundred milliseconds while the worker waits for the
+    PS: a reason (a non-empty string) ends the wait with ConfigError naming it (a receive on a thread of
+    its own that its owner drops: a PS that gave the update up before this worker connected would
+    otherwise keep it waiting until the timeout).
     Raises :class:`RemoteWorkerError` when the PS aborts the
     update, ``UpdateTimeoutError`` when it goes silent, and re-raises the first
     exception of ``run`` or ``post_hook``.
@@ -172,7 +183,8 @@ def update_weights_from_ipc(zmq_ctx: zmq.Context, zmq_handle: str, device_id: in
     """
     timeout = update_seconds(timeout)   # NaN or <= 0: ConfigError; inf: no deadline (clamped)
     with gc_paused():
-        _receive_update(zmq_ctx, zmq_handle, device_id, run, post_hook, timeout, on_plan, _own_route(slices))
+        _receive_update(zmq_ctx, zmq_handle, device_id, run, post_hook, timeout, on_plan, _own_route(slices),
+                        should_stop)
 
 
 def _own_route(slices) -> tuple[str, int] | None:
@@ -189,13 +201,13 @@ def _own_route(slices) -> tuple[str, int] | None:
 
 
 def _receive_update(zmq_ctx: zmq.Context, zmq_handle: str, device_id: int, run: RunFn, post_hook, timeout: float,
-                    on_plan, slices) -> None:
+                    on_plan, slices, should_stop=None) -> None:
     log = rank_logger(f"worker dev {device_id}")
     sock = zmq_ctx.socket(zmq.PAIR)
     sock.setsockopt(zmq.LINGER, 0)
     # A frame above the limit drops the connection instead of being buffered in full.
     sock.setsockopt(zmq.MAXMSGSIZE, proto.MAX_FRAME_BYTES)
-    link = _Link(sock, time.monotonic() + timeout)
+    link = _Link(sock, time.monotonic() + timeout, should_stop)
     key = None
     keep = False
     try:

@@ -123,6 +123,43 @@ def test_the_engine_generates_while_a_worker_waits_for_its_stage(server, tiny_mo
         ctx.term()
 
 
+def test_a_stage_waiting_on_a_ps_that_gave_up_is_dropped_at_once_and_the_next_update_runs(server, tiny_model):
+    """A stage whose PS gave the update up before this worker connected waits for a hello that never comes
+    (here: a bound socket that never sends, the stage's timeout 120 s). Dropping it (``drop_staged``, as a
+    new update or stage does first) ends that wait within a poll: the drop returns at once, nothing is
+    staged, and the next update runs. Before, the drop waited 30 s for the thread, failed with "did not
+    stop", and so did every update until the stage's own timeout (seen in the TP-2 sliced-delta test)."""
+    import uuid
+
+    import zmq
+
+    model = tiny_model
+    ctx = zmq.Context()
+    silent = ctx.socket(zmq.PAIR)
+    address = f"ipc://@ckpt-test-gave-up-{uuid.uuid4().hex}"
+    silent.bind(address)
+    try:
+        started = server.client.collective_rpc(
+            "update_weights_from_ipc", [{local_device_key("cpu", 0): address}],
+            {"stage": "given-up", "timeout": 120.0}, timeout=60)
+        assert [s["state"] for s in started] == ["running"], started
+        t0 = time.monotonic()
+        dropped = server.client.drop_staged()
+        took = time.monotonic() - t0
+        assert took < 10, f"dropping a stage that waited for its PS took {took:.1f} s"
+        assert dropped == [None], dropped
+        assert server.client.collective_rpc("ckpt_stage_status")[0]["state"] == "none"
+        assert versions(server)[0]["staged"] is None
+        push(server, [model.weights[1]], path="extension", version="w1")   # the next update runs
+        assert server.complete(model.prompts, MAX_TOKENS) == model.reference(model.weights[1])
+        push(server, [model.weights[0]], path="extension", version="w0")
+        assert server.complete(model.prompts, MAX_TOKENS) == model.reference(model.weights[0])
+        print(f"a stage waiting for a PS that gave up was dropped in {took:.2f} s")
+    finally:
+        silent.close(0)
+        ctx.term()
+
+
 _DYING_PS = """
 import os, signal, sys
 from ckpt_core import ParameterServer

@@ -78,7 +78,8 @@ class FakePs:
 class Worker:
     """update_weights_from_ipc in a thread; records run() calls and the outcome."""
 
-    def __init__(self, handle: str, *, timeout: float = 10.0, run=None, post_hook=None, slices=None, on_plan=None):
+    def __init__(self, handle: str, *, timeout: float = 10.0, run=None, post_hook=None, slices=None, on_plan=None,
+                 should_stop=None):
         self.calls: list[dict[str, torch.Tensor]] = []
         self.error: BaseException | None = None
         self.hooked = 0
@@ -97,7 +98,7 @@ class Worker:
         def main():
             try:
                 update_weights_from_ipc(zmq.Context.instance(), handle, 0, run=run_fn, post_hook=post, timeout=timeout,
-                                        slices=slices, on_plan=on_plan)
+                                        slices=slices, on_plan=on_plan, should_stop=should_stop)
             except BaseException as exc:
                 self.error = exc
 
@@ -401,6 +402,32 @@ def test_a_silent_or_absent_ps_is_a_timeout_naming_what_was_awaited(bound):
         dt = w.join()
         assert isinstance(w.error, UpdateTimeoutError) and "waiting for hello" in str(w.error), repr(w.error)
         assert 0.4 < dt < 3
+    finally:
+        if ps is not None:
+            ps.close()
+
+
+@pytest.mark.parametrize("bound", [True, False])
+def test_a_wait_its_owner_gives_up_ends_at_once_naming_why_not_at_the_timeout(bound):
+    """``should_stop``: a worker receiving on a thread of its own (a stage) whose PS never sends its hello
+    (it gave the update up before this worker connected: nobody bound, or bound and silent) ends its wait
+    within a poll once its owner drops it, with the owner's reason, not at the update's timeout (a
+    dropped stage that waited on kept the engine's next update waiting, then failing)."""
+    if bound:
+        ps = FakePs()
+        handle = ps.handle
+    else:
+        ps, handle = None, f"ipc://@ckpt-test-nobody-{uuid.uuid4().hex}"
+    dropped = threading.Event()
+    try:
+        w = Worker(handle, timeout=60, should_stop=lambda: "the stage of 'v1' was dropped" if dropped.is_set() else None)
+        time.sleep(0.5)
+        assert w.thread.is_alive() and w.error is None   # still waiting: nothing asked it to stop
+        dropped.set()
+        dt = w.join(5)
+        assert isinstance(w.error, ConfigError), repr(w.error)
+        assert "the stage of 'v1' was dropped (waiting for hello/abort)" in str(w.error), str(w.error)
+        assert dt < 2.0 and not w.calls
     finally:
         if ps is not None:
             ps.close()
