@@ -4,7 +4,8 @@ Versions: A (the bf16 of the tiny Qwen2's random weights), then B (one AdamW ste
 and C (one on layer 0's attention only), the chain of ``test_vllm_delta.py``. Every update is routed
 by the workers' slice plan (each worker receives only the changes in its own boxes); after every
 step each worker equals a cold load of the version it should hold (every parameter, buffer, derived
-kernel tensor and probe) and greedy output equals Hugging Face's.
+kernel tensor and probe) and greedy output equals a cold TP-2 load's (and Hugging Face's wherever that one's
+does: TP-2 arithmetic can break a near tie of two logits the other way).
 
 - Staged (two PS ranks under torchrun, ``vllm_support/staged_delta_push.py``): B's and C's sliced
   deltas are staged while the engine serves (its weights unchanged) and made live by the commit;
@@ -53,16 +54,23 @@ class Chain:
     files: list[Path]          # A, B, C
     cold: dict[str, list]      # file -> per-worker digests of a cold load
     refs: dict[str, list]      # file -> Hugging Face's greedy completions
+    cold_tokens: dict[str, list]   # file -> a cold TP-2 load's greedy completions
     prompts: list
     seed: int = 0              # the tiny model's (CKPT_TEST_SEED reproduces its weights)
 
     def check(self, digests: list, tokens: list | None, index: int, what: str) -> None:
-        """The engine (its digests, its greedy output) equals a cold load of version ``index``."""
-        differ = differences(digests, self.cold[str(self.files[index])])
+        """The engine (its digests, its greedy output) equals a cold load of version ``index``; its greedy
+        output equals Hugging Face's too wherever a cold TP-2 load's does (at a near tie of two logits
+        TP-2 arithmetic can pick the other token: seed 285724454's C did, for a cold load as well)."""
+        key = str(self.files[index])
+        differ = differences(digests, self.cold[key])
         assert not differ, f"{what}: {len(differ)} tensor(s) differ from a cold load of {'ABC'[index]}:\n" + \
             "\n".join(differ[:20])
         if tokens is not None:
-            assert tokens == self.refs[str(self.files[index])], f"{what}: greedy output differs from HF's"
+            assert tokens == self.cold_tokens[key], f"{what}: greedy output differs from a cold TP-2 load's"
+            if self.cold_tokens[key] != self.refs[key]:
+                print(f"{what}: a cold TP-2 load of {'ABC'[index]} answers unlike Hugging Face too "
+                      f"(CKPT_TEST_SEED={self.seed}); compared with the cold load")
 
     def check_live(self, index: int, what: str, tokens: bool = True) -> None:
         self.check(self.server.client.collective_rpc("ckpt_state_digests"),
@@ -74,10 +82,10 @@ def chain(shared_servers, tiny_model, vllm_python, tmp_path_factory) -> Chain:
     where = tmp_path_factory.mktemp("sliced-delta-chain")
     files = _versions(tiny_model.weights[0], where)[:3]
     refs = hf_reference(vllm_python, tiny_model.dir, files, tiny_model.prompts)
-    cold = cold_load(vllm_python, tiny_model.dir, files, TP)["digests"]
+    cold = cold_load(vllm_python, tiny_model.dir, files, TP, prompts=tiny_model.prompts)
     server = shared_servers.get(tiny_model, **SHARED_SERVER[1])
     server.pushed = True
-    return Chain(server, files, cold, refs, tiny_model.prompts, tiny_model.seed)
+    return Chain(server, files, cold["digests"], refs, cold["tokens"], tiny_model.prompts, tiny_model.seed)
 
 
 def test_staged_sliced_deltas_commit_to_a_cold_load_and_a_base_changed_since_the_stage_is_refused(chain):
