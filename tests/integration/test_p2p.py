@@ -141,7 +141,7 @@ def test_twenty_alternating_broadcast_and_p2p_updates_keep_memory_flat():
                 got = (w.update(name, every) if k % 2 == 0 else call(w, "p2p_update", name, one.address, 60, [1]))
                 assert all(o.ok for o in got.values()), (k, got)
                 if k in (3, 19):
-                    marks[k] = ([process_footprint(p) for p in w.pids], shm_footprint()["ipc_buffers"],
+                    marks[k] = ([process_footprint(p) for p in w.pids], shm_footprint(w.pids)["ipc_buffers"],
                                 [o.value for o in call(w, "p2p_info").values()])
             assert every.digests(0) == want and every.digests(1) == want and one.digests(0) == want
             (fp3, shm3, info3), (fp19, shm19, info19) = marks[3], marks[19]

@@ -125,8 +125,12 @@ def process_footprint(pid: int) -> dict[str, int]:
             "threads": status.get("Threads", 0)}
 
 
-def shm_footprint() -> dict[str, int]:
-    """/dev/shm bytes in use and the number of ckpt-engine IPC buffers in it."""
+def shm_footprint(pids=None) -> dict[str, int]:
+    """/dev/shm bytes in use and the number of ckpt-engine IPC buffers in it; with ``pids``, only the
+    buffers those processes made (``ckpt-NAME-pPIDnNS``): other tests running at the same time (the
+    suite's other half, say) make and free their own."""
     st = os.statvfs("/dev/shm")
-    buffers = [n for n in os.listdir("/dev/shm") if n.startswith("ckpt-") and os.path.isfile(f"/dev/shm/{n}")]
+    owned = None if pids is None else tuple(f"-p{pid}n" for pid in pids)
+    buffers = [n for n in os.listdir("/dev/shm") if n.startswith("ckpt-") and os.path.isfile(f"/dev/shm/{n}")
+               and (owned is None or any(o in n for o in owned))]
     return {"used": (st.f_blocks - st.f_bfree) * st.f_frsize, "ipc_buffers": len(buffers)}
