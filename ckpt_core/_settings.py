@@ -28,6 +28,9 @@ ENV_VARS: dict[str, tuple[str, str, str]] = {
     "PS_MAX_BUCKET_SIZE_GB": ("float", "8", "upper bound of one bucket (one slot of the IPC buffer), GiB"),
     "PS_MEM_FRACTION": ("float", "0.9", "fraction of free device memory the IPC buffer may take"),
     "PS_NUM_SLOTS": ("int", "4", "buckets in flight (slots of the IPC buffer ring)"),
+    "PS_DELTA_BUCKETS": ("int", "8", "buckets per parameter-server rank a delta update aims at (its payloads "
+                         "sized so, within PS_MAX_BUCKET_SIZE_GB and 64 MiB..1 GiB); the engine worker's apply costs "
+                         "a fixed host time per bucket, so fewer trade the pipeline's overlap for less of it; 1..64"),
     "PS_COLLECTIVE_TIMEOUT_S": ("float", "600", "timeout of every collective and store wait, seconds"),
     "PS_PAUSE_GC": ("bool", "1", "pause Python's cyclic GC during register/gather/update and while an engine "
                     "worker receives (0: leave it running)"),
@@ -81,6 +84,7 @@ ENV_VARS: dict[str, tuple[str, str, str]] = {
 # (int(GiB * 2**30), timedelta(seconds=...), time.sleep) or start a loop, list or thread per unit.
 MAX_BUCKET_GB = float(1 << 20)   # 1 PiB
 MAX_NUM_SLOTS = 1 << 10          # the command line's --slots has the same bound
+MAX_DELTA_BUCKETS = 64          # PS_DELTA_BUCKETS: more would only be a slower full pipeline
 MAX_FAULT_THREADS = 1 << 10
 MAX_SETTING_S = 1e8              # ~3 years: a timeout, beat or interval longer than this is a typo
 
@@ -108,6 +112,7 @@ class Settings:
     collective_timeout_s: float
     rdma_devices: tuple[str, ...]
     serve_p2p: bool = False   # register checkpoints with the P2P store (Mooncake): opt-in, see docs/p2p.md
+    delta_buckets: int = 8    # PS_DELTA_BUCKETS: buckets per owner rank of a delta's payloads
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -125,6 +130,8 @@ class Settings:
         if not 1 <= self.master_port <= 65535:
             raise ConfigError(f"master_port must be in 1..65535, got {self.master_port}")
         _finite_positive("PS_COLLECTIVE_TIMEOUT_S", self.collective_timeout_s, MAX_SETTING_S)
+        if not 1 <= self.delta_buckets <= MAX_DELTA_BUCKETS:
+            raise ConfigError(f"PS_DELTA_BUCKETS must be in 1..{MAX_DELTA_BUCKETS}, got {self.delta_buckets}")
 
 
 def _finite_positive(what: str, value: float, high: float | None = None) -> float:
@@ -188,6 +195,7 @@ def load_settings(*, rank=None, world_size=None, master_addr=None, master_port=N
         collective_timeout_s=_get("PS_COLLECTIVE_TIMEOUT_S", float, 600.0),
         rdma_devices=tuple(d for d in rdma.split(",") if d),
         serve_p2p=_bool("PS_P2P_SERVE", False) if serve_p2p is None else _explicit_bool("serve_p2p", serve_p2p),
+        delta_buckets=_get("PS_DELTA_BUCKETS", int, 8),
     )
 
 

@@ -43,10 +43,11 @@ from ckpt_core.delta.fold import fold_tensor
 from ckpt_core.delta.lin64 import lin64_many
 from ckpt_core.delta.pieces import PiecesMismatch, piece_name_of, pieces_mismatch
 from ckpt_core.errors import ConfigError, DeltaBaseError, DeviceResidentError, RemoteWorkerError
+from ckpt_core.planning.buckets import DELTA_SUFFIX
 from ckpt_core.planning.pieces import meta_key
 
-SUFFIX = "@delta"
-FOLD = "@delta:"                     # version + FOLD + base: a fold's companion (fold.py)
+SUFFIX = DELTA_SUFFIX                # "@delta" (planning/buckets.py sizes a companion's buckets by it)
+FOLD = DELTA_SUFFIX + ":"            # version + FOLD + base: a fold's companion (fold.py)
 PAYLOAD = "ckpt.delta:"              # + tensor name
 MANIFEST = "ckpt.delta.manifest:"    # + JSON [base, version, rank, world]
 DELTA_MODES = (True, "fallback")

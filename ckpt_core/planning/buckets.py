@@ -356,15 +356,23 @@ def _segment(rank: int, offset: int, nbytes: int, runs: list[CopyRun]) -> Segmen
 
 
 TARGET_BUCKETS_PER_OWNER = 8   # enough buckets per rank for H2D, broadcast and reload to overlap
+DELTA_SUFFIX = "@delta"        # a version's delta companion is ``name + DELTA_SUFFIX`` (``delta/versions.py``)
+
+
+def delta_companion(name: str) -> bool:
+    """Whether checkpoint ``name`` is a delta's companion (``v@delta``, or a fold's ``v@delta:base``)."""
+    return name.endswith(DELTA_SUFFIX) or DELTA_SUFFIX + ":" in name
 MIN_BUCKET = 64 << 20          # below this, per-bucket overheads start to show
 MAX_AUTO_BUCKET = 1 << 30      # larger buckets only lengthen the pipeline's fill and drain
 
 
 def choose_layout(free_bytes: int, *, mem_fraction: float, max_slots: int, max_bucket_bytes: int,
-                  largest_tensor: int, largest_owner_total: int) -> tuple[int, int]:
+                  largest_tensor: int, largest_owner_total: int,
+                  buckets_per_owner: int | None = None) -> tuple[int, int]:
     """(bucket bytes, slots) one rank can afford for its IPC buffer of ``slots x bucket``.
 
-    Aims at ~8 buckets per owner (so the stages overlap), at most 1 GiB and at
+    Aims at ~8 buckets per owner (so the stages overlap; ``buckets_per_owner`` if given: a delta's
+    payloads, whose apply costs the engine worker a fixed host time per bucket, take fewer), at most 1 GiB and at
     most ``max_bucket_bytes``, but no smaller than 64 MiB or the largest tensor
     (a cap below the largest tensor is raised to it rather than failing). When memory is
     short it first gives up slots (pipelining), then shrinks the bucket; callers
@@ -372,7 +380,7 @@ def choose_layout(free_bytes: int, *, mem_fraction: float, max_slots: int, max_b
     that still does not fit.
     """
     budget = int(max(free_bytes, 0) * mem_fraction)
-    per_owner = -(-max(largest_owner_total, 1) // TARGET_BUCKETS_PER_OWNER)
+    per_owner = -(-max(largest_owner_total, 1) // max(1, buckets_per_owner or TARGET_BUCKETS_PER_OWNER))
     want = min(max(min(per_owner, MAX_AUTO_BUCKET), MIN_BUCKET), max_bucket_bytes,
                align_up(max(largest_owner_total, 1)))
     want = align_up(max(want, largest_tensor))   # the cap yields to a tensor that needs more

@@ -16,7 +16,7 @@ from typing import TypedDict
 
 from ckpt_core.checkpoint.sources import RegisteredCheckpoint
 from ckpt_core.errors import CheckpointFormatError, CheckpointNotFoundError, CkptError, ConfigError
-from ckpt_core.planning.buckets import Plan, first_shared_name
+from ckpt_core.planning.buckets import Plan, delta_companion, first_shared_name
 from ckpt_core.planning.pieces import group_pieces
 from ckpt_core.planning.slices import SlicePlan
 from ckpt_core.transfer.context import Catalog, UpdateContext
@@ -117,7 +117,8 @@ def layout_view(ctx: UpdateContext, catalog: Catalog, name: str, slices=None) ->
     what the sliced update moves)."""
     metas = catalog.metas[name]
     digest = catalog.plans.digest(name, metas)
-    size, slots = ctx.layout(catalog.plans.sizes(metas, digest, slices if isinstance(slices, SlicePlan) else None))
+    size, slots = ctx.layout(catalog.plans.sizes(metas, digest, slices if isinstance(slices, SlicePlan) else None),
+                             delta=delta_companion(name))
     return {"fp": digest, "bucket": size, "slots": slots}
 
 

@@ -210,14 +210,16 @@ class UpdateContext:
                 return deadline, problem_of(ConfigError("slices are supported with the native wire only"))
         return deadline, req_precheck(req_func)
 
-    def layout(self, sizes: tuple[int, int]) -> tuple[int, int]:
+    def layout(self, sizes: tuple[int, int], *, delta: bool = False) -> tuple[int, int]:
         """The (bucket size, slots) this rank's free device memory allows (the buffer it holds
-        counts as free), for a checkpoint whose largest tensor and largest owner share are ``sizes``."""
+        counts as free), for a checkpoint whose largest tensor and largest owner share are ``sizes``
+        (``delta``: a delta's companion, in ``PS_DELTA_BUCKETS`` buckets per owner)."""
         free = self.backend.mem_get_info(self.device_index)[0] + (self._ipc.nbytes if self._ipc else 0)
         largest, owner_total = sizes
         return choose_layout(
             free, mem_fraction=self.settings.mem_fraction, max_slots=self.settings.num_slots,
-            max_bucket_bytes=self.settings.max_bucket_bytes, largest_tensor=largest, largest_owner_total=owner_total)
+            max_bucket_bytes=self.settings.max_bucket_bytes, largest_tensor=largest, largest_owner_total=owner_total,
+            buckets_per_owner=self.settings.delta_buckets if delta else None)
 
     # -- the phases every flow shares ------------------------------------------
     def handshake(self, link: PsLink, hello: tuple[bytes, bytes] | None, publish, *, alloc_failed: str | None = None,

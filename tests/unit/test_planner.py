@@ -91,6 +91,24 @@ def layout(free, total, largest, *, cap=8 * GiB, slots=3, fraction=0.9):
                          largest_tensor=largest, largest_owner_total=total)
 
 
+def test_a_delta_companion_is_sized_in_its_own_number_of_buckets_per_owner():
+    """A delta's payloads (684 MB of dense16 at 2 %) take PS_DELTA_BUCKETS buckets per owner, not eight;
+    still no smaller than 64 MiB nor than the largest payload, and the names that get it are the companions."""
+    from ckpt_core.delta.versions import companion, fold_companion
+    from ckpt_core.planning.buckets import delta_companion
+
+    total = 684 * MiB
+    kw = dict(mem_fraction=0.9, max_slots=4, max_bucket_bytes=8 * GiB, largest_tensor=2 * MiB,
+              largest_owner_total=total)
+    eight = choose_layout(80 * GiB, **kw)[0]
+    two = choose_layout(80 * GiB, buckets_per_owner=2, **kw)[0]
+    assert -(-total // eight) == 8 and -(-total // two) == 2
+    assert choose_layout(80 * GiB, buckets_per_owner=64, **kw)[0] == 64 * MiB   # the floor holds
+    assert choose_layout(80 * GiB, buckets_per_owner=2, **{**kw, "largest_tensor": 500 * MiB})[0] >= 500 * MiB
+    assert delta_companion(companion("step-8")) and delta_companion(fold_companion("step-8", "step-2"))
+    assert not delta_companion("step-8") and not delta_companion("delta-run")
+
+
 def test_plenty_of_memory_gives_about_eight_buckets_per_rank_and_all_slots():
     size, slots = layout(100 * GiB, 4 * GiB, 1 * MiB)
     assert (size, slots) == (512 * MiB, 3)

@@ -67,6 +67,8 @@ def test_a_timeout_or_size_that_is_not_finite_and_positive_is_a_config_error_nam
     ("PS_NUM_SLOTS", "100000000000", load_settings),      # choose_layout looped once per slot
     ("PS_FAULT_THREADS", "1000000000", fault_threads),     # a thread each
     ("PS_DELTA_THREADS", "1000000000", delta_threads),
+    ("PS_DELTA_BUCKETS", "1000", load_settings),
+    ("PS_DELTA_BUCKETS", "0", load_settings),
     ("CKPT_HEARTBEAT_S", "1e300", liveness),               # time.sleep(1e300): OverflowError
     ("CKPT_PROGRESS_LOG_S", "1e300", progress_log_s),
 ])
