@@ -16,7 +16,8 @@ And one for its owner: the stock loop waits for the parameter server with plain 
 Its socket (made by the context we pass) waits in slices of ``STOP_POLL_S`` instead
 (:class:`_LoopSocket`), asking ``should_stop()`` between slices, so that a stage's owner can end a
 receiver waiting for a PS that gave the update up (a drop, a newer stage) at once instead of after
-the receive timeout.
+the receive timeout; and a PS that connected and went away (its process died) ends the wait too, for
+a direct load as well (nobody can stop that one: it runs in the scheduler's own call).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from ckpt_core.errors import ConfigError, UpdateTimeoutError
+from ckpt_core.errors import ConfigError, TransportError, UpdateTimeoutError
 
 __all__ = ["YoungGc", "stock_loop", "receiver_context", "fast_switching", "run_stock_loop", "SWITCH_INTERVAL_S",
            "STOP_POLL_S"]
@@ -128,12 +129,19 @@ class _LoopSocket:
       stock loop answers a failed first receive with a send, which ZeroMQ would refuse with EFSM and
       hide the cause). Only the receiver's own thread touches the socket: the owner just answers
       ``should_stop``, nothing is closed across threads.
+    - A PS that had connected and is gone (a ZeroMQ monitor, :class:`~ckpt_core.wire.link.PeerWatch`,
+      sticky: within one update the PS never drops the connection) is a ``TransportError`` once
+      nothing it sent is left to read; a PS that gave up before the receiver connected cannot be told
+      from a slow one here: the owner's stop or the timeout ends that wait.
     - With a failed post hook (``hook``), the loop's ``b""`` after it becomes the hook's traceback.
     """
 
     def __init__(self, sock, hook: "_HookReply | None", should_stop: StopFn | None, timeout_s: float):
+        from ckpt_core.wire.link import PeerWatch
+
         self._sock, self._hook, self._should_stop, self._timeout_s = sock, hook, should_stop, timeout_s
         self.failure: Exception | None = None
+        self._watch = PeerWatch(sock, sticky=True)   # before the loop connects: no event missed
 
     def _wait(self) -> None:
         import zmq
@@ -153,6 +161,10 @@ class _LoopSocket:
                 raise self.failure
             if self._sock.poll(max(1, int(min(left, STOP_POLL_S) * 1000)), zmq.POLLIN):
                 return
+            if self._watch.lost and not self._sock.poll(0, zmq.POLLIN):
+                self.failure = TransportError("the parameter server disconnected (did its process die?) while the "
+                                              "receiver was waiting for its next message")
+                raise self.failure
 
     def recv(self, *args, **kwargs):
         self._wait()
@@ -186,6 +198,10 @@ class _LoopSocket:
         if self.failure is not None:
             raise self.failure
         return self._sock.send_pyobj(*args, **kwargs)
+
+    def close(self, *args, **kwargs):
+        self._watch.close()
+        return self._sock.close(*args, **kwargs)
 
     def __getattr__(self, name):
         return getattr(self._sock, name)

@@ -223,3 +223,33 @@ def test_a_silent_ps_is_a_timeout_naming_the_receive_timeout_when_nobody_stops_i
             run_stock_loop(peer.address, torch.device("cpu"), 0, 0.5, run=lambda weights: None)
     finally:
         peer.close()
+
+
+def test_a_ps_that_connected_and_died_ends_the_wait_without_any_owner():
+    """A direct load runs the loop in the scheduler's own call: nobody can stop it. A PS that had
+    connected and went away (its process died) ends its wait with a TransportError saying so, long
+    before the receive timeout (60 s here)."""
+    import zmq
+
+    from ckpt_core.errors import TransportError
+
+    peer = _Peer(True)
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(_stock_loop, "stock_loop", lambda: _stock_shaped_loop("recv_pyobj"))
+            thread, out = _receive_in_thread(peer.address, 60.0, None)
+            deadline = time.monotonic() + 10
+            while not peer.sock.poll(0, zmq.POLLOUT):   # a REQ socket is writable once its peer connected
+                assert time.monotonic() < deadline, "the loop did not connect"
+                time.sleep(0.01)
+            time.sleep(0.3)
+            gone = time.monotonic()
+            peer.sock.close(0)
+            peer.sock = None
+            thread.join(20)
+        assert not thread.is_alive(), "the loop still waits for a PS that went away"
+        assert isinstance(out["error"], TransportError), repr(out["error"])
+        assert "the parameter server disconnected" in str(out["error"]), str(out["error"])
+        assert out["ended"] - gone < 10, "the disconnect was noticed only much later"   # generous: a poll is 0.2 s
+    finally:
+        peer.close()
