@@ -11,6 +11,13 @@ same loop, so one PS feeds all three; only ``run`` differs (copy into a staging 
   Python's default 5 ms interval a thread receiving beside it gets the GIL only every few
   milliseconds per small step (a stage of 0.1 s took 10.6 s on an H200). ``benchmarks/sglang_stage_probe.py``
   shows the effect without SGLang.
+
+And one for its owner: the stock loop waits for the parameter server with plain blocking receives.
+Its socket (made by the context we pass) waits in slices of ``STOP_POLL_S`` instead
+(:class:`_LoopSocket`), asking ``should_stop()`` between slices, so that a stage's owner can end a
+receiver waiting for a PS that gave the update up (a drop, a newer stage) at once instead of after
+the receive timeout; and a PS that connected and went away (its process died) ends the wait too, for
+a direct load as well (nobody can stop that one: it runs in the scheduler's own call).
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from __future__ import annotations
 import gc
 import sys
 import threading
+import time
 import traceback
 import types
 from contextlib import contextmanager
@@ -25,9 +33,14 @@ from typing import Callable, Iterator
 
 import torch
 
-__all__ = ["YoungGc", "stock_loop", "receiver_context", "fast_switching", "run_stock_loop", "SWITCH_INTERVAL_S"]
+from ckpt_core.errors import ConfigError, TransportError, UpdateTimeoutError
+
+__all__ = ["YoungGc", "stock_loop", "receiver_context", "fast_switching", "run_stock_loop", "SWITCH_INTERVAL_S",
+           "STOP_POLL_S"]
 
 SWITCH_INTERVAL_S = 0.0001   # while receiving; Python's default is 0.005
+STOP_POLL_S = 0.2   # with should_stop: how often a wait for the parameter server asks it (as ckpt_core's worker)
+StopFn = Callable[[], "str | None"]
 
 _switch_lock = threading.Lock()
 _switch_users = 0
@@ -107,27 +120,104 @@ class _HookReply:
             self.text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
 
 
-class _ReplyingSocket:
-    """The stock loop's REP socket; its ``b""`` after a failed post hook becomes the hook's traceback."""
+class _LoopSocket:
+    """The stock loop's REP socket, as the context we pass it makes it.
 
-    def __init__(self, sock, hook: _HookReply):
-        self._sock, self._hook = sock, hook
+    - Receives wait in slices of ``STOP_POLL_S`` and ask ``should_stop()`` between them: a reason
+      ends the wait with ``ConfigError`` naming it; no message within ``timeout_s`` is an
+      ``UpdateTimeoutError``. Either is kept and raised again by every later send or receive (the
+      stock loop answers a failed first receive with a send, which ZeroMQ would refuse with EFSM and
+      hide the cause). Only the receiver's own thread touches the socket: the owner just answers
+      ``should_stop``, nothing is closed across threads.
+    - A PS that had connected and is gone (a ZeroMQ monitor, :class:`~ckpt_core.wire.link.PeerWatch`,
+      sticky: within one update the PS never drops the connection) is a ``TransportError`` once
+      nothing it sent is left to read; a PS that gave up before the receiver connected cannot be told
+      from a slow one here: the owner's stop or the timeout ends that wait.
+    - With a failed post hook (``hook``), the loop's ``b""`` after it becomes the hook's traceback.
+    """
+
+    def __init__(self, sock, hook: "_HookReply | None", should_stop: StopFn | None, timeout_s: float):
+        from ckpt_core.wire.link import PeerWatch
+
+        self._sock, self._hook, self._should_stop, self._timeout_s = sock, hook, should_stop, timeout_s
+        self.failure: Exception | None = None
+        self._watch = PeerWatch(sock, sticky=True)   # before the loop connects: no event missed
+
+    def _wait(self) -> None:
+        import zmq
+
+        if self.failure is not None:
+            raise self.failure
+        deadline = time.monotonic() + self._timeout_s
+        while True:
+            why = self._should_stop() if self._should_stop is not None else None
+            if why:
+                self.failure = ConfigError(f"{why} (the receiver was waiting for the parameter server's next message)")
+                raise self.failure
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.failure = UpdateTimeoutError(f"no message from the parameter server within the receive timeout "
+                                                  f"({self._timeout_s:g} s)")
+                raise self.failure
+            if self._sock.poll(max(1, int(min(left, STOP_POLL_S) * 1000)), zmq.POLLIN):
+                return
+            if self._watch.lost and not self._sock.poll(0, zmq.POLLIN):
+                self.failure = TransportError("the parameter server disconnected (did its process die?) while the "
+                                              "receiver was waiting for its next message")
+                raise self.failure
+
+    def recv(self, *args, **kwargs):
+        self._wait()
+        return self._sock.recv(*args, **kwargs)
+
+    def recv_pyobj(self, *args, **kwargs):
+        self._wait()
+        return self._sock.recv_pyobj(*args, **kwargs)
+
+    def recv_string(self, *args, **kwargs):
+        self._wait()
+        return self._sock.recv_string(*args, **kwargs)
+
+    def recv_multipart(self, *args, **kwargs):
+        self._wait()
+        return self._sock.recv_multipart(*args, **kwargs)
 
     def send(self, data, *args, **kwargs):
-        if data == b"" and self._hook.error is not None:
+        if self.failure is not None:
+            raise self.failure
+        if self._hook is not None and data == b"" and self._hook.error is not None:
             return self._sock.send_string(self._hook.text)
         return self._sock.send(data, *args, **kwargs)
+
+    def send_string(self, *args, **kwargs):
+        if self.failure is not None:
+            raise self.failure
+        return self._sock.send_string(*args, **kwargs)
+
+    def send_pyobj(self, *args, **kwargs):
+        if self.failure is not None:
+            raise self.failure
+        return self._sock.send_pyobj(*args, **kwargs)
+
+    def close(self, *args, **kwargs):
+        self._watch.close()
+        return self._sock.close(*args, **kwargs)
 
     def __getattr__(self, name):
         return getattr(self._sock, name)
 
 
-class _ReplyingContext:
-    def __init__(self, ctx, hook: _HookReply):
-        self._ctx, self._hook = ctx, hook
+class _LoopContext:
+    """The context the stock loop gets: its sockets are :class:`_LoopSocket`; the last one made is kept."""
 
-    def socket(self, kind, *args, **kwargs):
-        return _ReplyingSocket(self._ctx.socket(kind, *args, **kwargs), self._hook)
+    def __init__(self, ctx, hook: "_HookReply | None", should_stop: StopFn | None, timeout_s: float):
+        self._ctx, self._hook, self._should_stop, self._timeout_s = ctx, hook, should_stop, timeout_s
+        self.sock: _LoopSocket | None = None
+
+    def socket(self, kind, *args, **kwargs) -> _LoopSocket:
+        self.sock = _LoopSocket(self._ctx.socket(kind, *args, **kwargs), self._hook, self._should_stop,
+                                self._timeout_s)
+        return self.sock
 
     def __getattr__(self, name):
         return getattr(self._ctx, name)
@@ -135,7 +225,7 @@ class _ReplyingContext:
 
 def run_stock_loop(handle: str, device: torch.device, device_id, timeout_s: float, *, run: Callable,
                    post_hook: Callable[[], None] | None = None, side_stream: bool = True,
-                   reply_hook_error: bool = False) -> None:
+                   reply_hook_error: bool = False, should_stop: StopFn | None = None) -> None:
     """One update through the stock loop: a fresh ZeroMQ context with ``timeout_s``, the lowered
     switch interval and, with ``side_stream`` on a GPU, a CUDA stream of its own (a stage runs
     beside generation; the loop synchronizes the device after each bucket). Raises what the loop
@@ -144,13 +234,19 @@ def run_stock_loop(handle: str, device: torch.device, device_id, timeout_s: floa
     ``reply_hook_error``: the stock loop lets a failing ``post_hook`` propagate without answering
     the PS's last message (the PS would wait for it until its deadline); with this, the failure is
     that answer (its traceback, as a failing ``run`` answers a bucket: the PS raises it on every
-    rank) and it is raised here once the loop returned."""
+    rank) and it is raised here once the loop returned.
+
+    ``should_stop()``, if given, is asked every ``STOP_POLL_S`` while the loop waits for the PS: a
+    reason (a non-empty string) ends the wait and the loop with ``ConfigError`` naming it (a stage's
+    receiver that its owner drops; a PS that gave the update up before this receiver connected would
+    otherwise keep it waiting until ``timeout_s``). Each receive waits at most ``timeout_s``
+    (``UpdateTimeoutError``)."""
     loop = stock_loop()
     ctx = receiver_context(timeout_s)
     hook = _HookReply(post_hook) if reply_hook_error and post_hook is not None else None
     if hook is not None:
         post_hook = hook
-    loop_ctx = ctx if hook is None else _ReplyingContext(ctx, hook)
+    loop_ctx = _LoopContext(ctx, hook, should_stop, timeout_s)
     try:
         with fast_switching():
             if device.type == "cuda":
@@ -160,6 +256,11 @@ def run_stock_loop(handle: str, device: torch.device, device_id, timeout_s: floa
                     loop(loop_ctx, handle, device_id, run=run, post_hook=post_hook)
             else:
                 loop(loop_ctx, handle, device_id, run=run, post_hook=post_hook)
+    except BaseException as exc:
+        failure = None if loop_ctx.sock is None else loop_ctx.sock.failure
+        if failure is not None and failure is not exc:   # what the loop raised on top of our stop or timeout
+            raise failure from exc
+        raise
     finally:
         ctx.destroy(linger=0)
     if hook is not None and hook.error is not None:

@@ -23,7 +23,9 @@ how commands arrive and replies leave.
   weight-update session (0.5.17), the post-load processing SGLang's IPC route runs; inside one
   (0.5.23) the session's end does it. The stage's and the load's receiving run with a lowered
   switch interval (``_stock_loop.py``).
-- ``drop``: free the area. ``state``: live version (since when), what is staged or receiving.
+- ``drop``: free the area, and end a stage still receiving (its receiver stops within a poll of
+  ``STOP_POLL_S`` while it waits for the PS, or after the bucket it is copying; it never seals).
+  ``state``: live version (since when), what is staged or receiving.
 
 A staged checkpoint must cover the layout of the last commit of this process (same names, dtypes
 and shapes), checked per bucket as it arrives and as a whole at the commit.
@@ -31,13 +33,16 @@ and shapes), checked per bucket as it arrives and as a whole at the commit.
 The TP ranks of the server agree before any of them changes anything (``_agree.py``: an
 all-gather of each rank's status over SGLang's own TP CPU group, inside the call every rank runs):
 a stage one rank refuses (no handle for its device) is refused on every rank, and drops what every
-rank had staged; a stage still receiving anywhere refuses the op everywhere and changes nothing; a
-commit runs only when every rank holds the same complete stage of that version, and a commit some
-rank cannot run changes no live weight on any rank (a stage the ranks do not all hold alike, or an
-incomplete one, is dropped on every rank); a ``load_weights`` failing on one rank at the commit is
-reported by every rank. A load runs only when every rank has a handle for its device and nothing
-staged or receiving; its failure on one rank (the PS then aborts every rank's loop) is reported by
-every rank, and no rank reports a live version after it. Every rank answers each call with the same outcome.
+rank had staged or was still receiving; a new stage and a drop end a stage still receiving on every
+rank (as on vLLM: a receiver waiting for a PS that gave the update up would otherwise hold the
+engine until its receive timeout); a commit or a load while a stage receives anywhere is refused
+everywhere and changes nothing; a commit runs only when every rank holds the same complete stage of
+that version, and a commit some rank cannot run changes no live weight on any rank (a stage the
+ranks do not all hold alike, or an incomplete one, is dropped on every rank); a ``load_weights``
+failing on one rank at the commit is reported by every rank. A load runs only when every rank has a
+handle for its device and nothing staged or receiving; its failure on one rank (the PS then aborts
+every rank's loop) is reported by every rank, and no rank reports a live version after it. Every
+rank answers each call with the same outcome.
 """
 
 from __future__ import annotations
@@ -63,6 +68,7 @@ __all__ = ["load", "EngineStaging"]
 log = logging.getLogger("ckpt_sglang.staging")
 REPLY_TIMEOUT_S = 10.0
 AGREE_TIMEOUT_S = 60.0   # when a command carries no timeout of its own
+STOP_JOIN_S = 10.0   # how long a drop waits for the receiver it stopped (it stops within a poll, or a bucket's copy)
 
 
 def _device_of(model) -> tuple[torch.device, str, int]:
@@ -100,13 +106,36 @@ class SglangStagingArea(StagingArea):
     delta: bool = False   # what it staged is a delta (its payloads)
 
 
+@dataclass(eq=False)
+class _Receiver:
+    """A stage's receiver thread. ``dropped``: why its owner gave it up (set under the engine's lock);
+    the thread then stops at its next wait for the PS or its next bucket, and never seals."""
+
+    version: str
+    thread: threading.Thread = field(init=False)
+    dropped: str | None = None
+
+    def should_stop(self) -> str | None:
+        return self.dropped
+
+
+def _join_dropped(rx: _Receiver | None) -> None:
+    """Wait (outside the engine's lock: the receiver takes it to end) for a receiver told to stop."""
+    if rx is None:
+        return
+    rx.thread.join(STOP_JOIN_S)
+    if rx.thread.is_alive():   # it can no longer seal; it frees its own area when it ends
+        log.warning("ckpt: the dropped stage of %s still runs after %g s; it ends at its next message from the "
+                    "parameter server", rx.version, STOP_JOIN_S)
+
+
 class EngineStaging:
     """One scheduler process's staged area, receiver thread and live version (thread-safe)."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self.area: SglangStagingArea | None = None
-        self.receiving: tuple[str, threading.Thread] | None = None
+        self.receiving: _Receiver | None = None
         self.layout: Layout | None = None   # of the last commit
         self.live_version: str | None = None
         self.live_since: float | None = None
@@ -115,42 +144,49 @@ class EngineStaging:
 
     def _still_receiving(self) -> str | None:
         """The version a stage's receiver thread is still receiving (None: none is)."""
-        if self.receiving is not None and self.receiving[1].is_alive():
-            return self.receiving[0]
+        if self.receiving is not None and self.receiving.thread.is_alive():
+            return self.receiving.version
         return None
+
+    def _drop_locked(self, how: str) -> _Receiver | None:
+        """Free the staged area and tell a stage still receiving to stop (``how``: what became of it);
+        returns that receiver, to be joined once the lock is released (:func:`_join_dropped`)."""
+        self._free_locked()
+        rx, self.receiving = self.receiving, None
+        if rx is not None:
+            rx.dropped = f"the stage of {rx.version!r} was {how}"
+        return rx
 
     # -- ops (each returns its result or raises; load() turns that into the reply) ----------
     def stage(self, model, cmd: dict, group: TpGroup = TpGroup()) -> dict:
         version, handles = str(cmd["weights"]), cmd.get("handles")
         timeout = float(cmd.get("receive_timeout", 600.0))
         device, key, device_id = _device_of(model)
+        missing = _missing_handle(handles, key)
         with self._lock:   # held through the agreement: a receiver finishing meanwhile waits for it
-            code, why = OK, ""
-            busy_with, missing = self._still_receiving(), _missing_handle(handles, key)
-            if busy_with is not None:
-                code, why = BUSY, (f"version {busy_with!r} is still being staged "
-                                   "(a new stage waits for its update to end)")
-            elif missing is not None:
-                code, why = REFUSED, missing
-            statuses = group.gather(code, why, f"the stage of {version!r}", _agree_s(cmd))
-            busy = any(c == BUSY for c, _ in statuses)
-            refused = refusal(statuses, f"cannot stage version {version!r}: ", "; nothing was changed on any TP rank"
-                              if busy else "; nothing is staged on any TP rank now (a stage replaces what was staged)")
-            if not busy:
-                self._free_locked()   # a new stage replaces the staged one, also when it fails
-            if refused is not None:
-                raise refused
-            if not isinstance(handles, dict):   # refused above, on every rank
-                raise ConfigError(f"cannot stage version {version!r}: the parameter server sent no handles")
-            area = SglangStagingArea(version, device, int(cmd.get("device_bytes", 0)), keep=bool(cmd.get("deltas")))
-            thread = threading.Thread(target=self._receive, args=(area, handles[key], device_id, timeout),
-                                      name=f"ckpt-stage-{version}", daemon=True)
-            self.receiving = (version, thread)
+            statuses = group.gather(OK if missing is None else REFUSED, missing or "", f"the stage of {version!r}",
+                                    _agree_s(cmd))
+            refused = refusal(statuses, f"cannot stage version {version!r}: ", "; nothing is staged on any TP rank "
+                              "now (a stage replaces what was staged or still receiving)")
+            # a new stage replaces the staged one and ends one still receiving (its PS may have given it up),
+            # also when it is refused
+            old = self._drop_locked(f"replaced by the stage of {version!r}")
+        _join_dropped(old)
+        if refused is not None:
+            raise refused
+        if not isinstance(handles, dict):   # refused above, on every rank
+            raise ConfigError(f"cannot stage version {version!r}: the parameter server sent no handles")
+        area = SglangStagingArea(version, device, int(cmd.get("device_bytes", 0)), keep=bool(cmd.get("deltas")))
+        rx = _Receiver(version)
+        rx.thread = threading.Thread(target=self._receive, args=(area, rx, handles[key], device_id, timeout),
+                                     name=f"ckpt-stage-{version}", daemon=True)
+        with self._lock:
+            self.receiving = rx
             self.last_stage_error = None
-        thread.start()
+            rx.thread.start()
         return {"device_key": key, "version": version, "receiving": True}
 
-    def _receive(self, area: SglangStagingArea, handle: str, device_id, timeout: float) -> None:
+    def _receive(self, area: SglangStagingArea, rx: _Receiver, handle: str, device_id, timeout: float) -> None:
         expected = self.layout
         seen: Layout = {}
 
@@ -158,6 +194,8 @@ class EngineStaging:
 
         def run(weights):
             try:
+                if rx.dropped:   # answered to the PS, which aborts the update
+                    raise ConfigError(rx.dropped)
                 check_and_add(weights)
             except Exception as exc:   # the stock loop sends its traceback to the PS, which aborts
                 first_error.append(f"{type(exc).__name__}: {exc}")
@@ -192,14 +230,17 @@ class EngineStaging:
             area.add(weights)
 
         def seal():   # runs before the stock loop answers the PS: staged once its update returns
-            area.layout = dict(seen)
-            area.sealed = True
             with self._lock:
+                if rx.dropped:   # its failure is the loop's answer to the PS (reply_hook_error)
+                    raise ConfigError(f"{rx.dropped} (as it sealed)")
+                area.layout = dict(seen)
+                area.sealed = True
                 self.area, self.receiving = area, None
 
         t0 = time.perf_counter()
         try:
-            run_stock_loop(handle, area.device, device_id, timeout, run=run, post_hook=seal)
+            run_stock_loop(handle, area.device, device_id, timeout, run=run, post_hook=seal, reply_hook_error=True,
+                           should_stop=rx.should_stop)
         except BaseException as exc:   # noqa: BLE001 - reported to the PS by the stock loop; kept for state
             self._receive_failed(area, (first_error or [f"{type(exc).__name__}: {exc}"])[0])
             return
@@ -209,7 +250,7 @@ class EngineStaging:
     def _receive_failed(self, area: SglangStagingArea, error: str) -> None:
         with self._lock:
             self.last_stage_error = error
-            if self.receiving is not None and self.receiving[1] is threading.current_thread():
+            if self.receiving is not None and self.receiving.thread is threading.current_thread():
                 self.receiving = None
             # failing after its seal (its last reply to the PS): a commit may be loading it already
             owned = self.area is area or not area.sealed
@@ -223,7 +264,7 @@ class EngineStaging:
         """This rank's answer to "can version ``version`` be committed?" (under the lock)."""
         area = self.area
         if self.receiving is not None:
-            return BUSY, f"version {self.receiving[0]!r} is still being staged"
+            return BUSY, f"version {self.receiving.version!r} is still being staged"
         if area is None or area.version != version:
             return REFUSED, "nothing is staged" if area is None else f"version {area.version!r} is staged"
         missing = sorted(set(self.layout) - set(area.layout)) if self.layout is not None and not area.delta else []
@@ -299,8 +340,8 @@ class EngineStaging:
         with self._lock:
             code, why = OK, ""
             busy_with, missing = self._still_receiving(), _missing_handle(handles, key)
-            if busy_with is not None:
-                code, why = BUSY, f"version {busy_with!r} is still being staged"
+            if busy_with is not None:   # as a staged version: the load does not drop it, the caller does
+                code, why = BUSY, f"version {busy_with!r} is still being staged (drop it first)"
             elif self.area is not None:
                 code, why = REFUSED, f"version {self.area.version!r} is staged (commit or drop it first)"
             elif missing is not None:
@@ -379,24 +420,21 @@ class EngineStaging:
         return out
 
     def drop(self, model, cmd: dict, group: TpGroup = TpGroup()) -> dict | None:
+        """Free the staged area and end a stage still receiving; returns what was staged (None: nothing
+        sealed). No rank refuses it; the agreement keeps the ranks together (a missing one is a timeout
+        before anything is dropped)."""
         with self._lock:
-            code, why = OK, ""
-            if self.receiving is not None:
-                code, why = BUSY, (f"version {self.receiving[0]!r} is still being staged (its update must end or "
-                                   "fail first)")
-            refused = refusal(group.gather(code, why, "dropping the staged version", _agree_s(cmd)),
-                              "cannot drop the staged version: ", "; nothing was dropped on any TP rank")
-            if refused is not None:
-                raise refused
+            group.gather(OK, "", "dropping the staged version", _agree_s(cmd))
             summary = None if self.area is None else self.area.summary()
-            self._free_locked()
+            rx = self._drop_locked("dropped")
+        _join_dropped(rx)
         return summary
 
     def state(self, model, cmd: dict, group: TpGroup = TpGroup()) -> dict:
         with self._lock:
             return {"live": self.live_version, "live_since": self.live_since,
                     "staged": None if self.area is None else self.area.summary(),
-                    "receiving": None if self.receiving is None else self.receiving[0],
+                    "receiving": None if self.receiving is None else self.receiving.version,
                     "last_stage_error": self.last_stage_error}
 
     def _free_locked(self) -> None:

@@ -207,6 +207,44 @@ def test_a_stage_failing_mid_way_leaves_the_old_weights_serving_exactly(engine):
     e.ps.update("s1", e.client.req_func(weight_version="w1"), timeout=120)
 
 
+def test_a_stage_waiting_on_a_ps_that_gave_up_is_dropped_at_once_and_the_next_updates_run(engine):
+    """A stage whose PS gave the update up before the receiver connected (here: a handle nobody binds;
+    the receive timeout 120 s) waits for a first message that never comes. A direct load meanwhile is
+    refused (drop it first); ``drop_staged`` ends the wait within a poll and answers at once, nothing
+    staged or receiving; a new stage replaces one still waiting the same way; the next stage, commit and
+    update run and serve what they should. Before, every stage, load and drop was refused as "still being
+    staged" until the receive timeout."""
+    import uuid
+
+    from ckpt_core import local_device_key
+
+    e = engine
+    gone = {local_device_key("cpu", 0): f"ipc://@ckpt-test-gave-up-{uuid.uuid4().hex}"}   # nobody binds it
+    e.client.stage(gone, "given-up", timeout=120)
+    assert e.client.weight_versions()[0]["receiving"] == "given-up"
+    with pytest.raises(RemoteWorkerError, match="version 'given-up' is still being staged \\(drop it first\\)"):
+        e.client.update(gone, weight_version="n1", via="loader", timeout=20)
+    t0 = time.monotonic()
+    dropped = e.client.drop_staged()
+    took = time.monotonic() - t0
+    assert dropped == [None], dropped   # nothing had been staged
+    assert took < 10, f"dropping a stage that waited for its PS took {took:.1f} s"   # generous: a poll is 0.2 s
+    state = e.client.weight_versions()[0]
+    assert state["receiving"] is None and state["staged"] is None, state
+    assert "the stage of 'given-up' was dropped" in state["last_stage_error"], state
+    e.client.stage(gone, "given-up-2", timeout=120)
+    t1 = time.monotonic()
+    e.stage(2, "after-drop")   # replaces the waiting stage, then receives from a PS that sends
+    replaced = time.monotonic() - t1
+    state = e.client.weight_versions()[0]
+    assert state["staged"]["version"] == "after-drop" and state["receiving"] is None, state
+    e.client.commit("after-drop")
+    assert e.generate() == e.refs[2] and e.client.model_info()["weight_version"] == "after-drop"
+    e.ps.update("s1", e.client.req_func(weight_version="w1"), timeout=120)   # the next direct update runs
+    assert e.generate() == e.refs[1] and e.client.weight_versions()[0]["live"] == "w1"
+    print(f"a stage waiting for a PS that gave up: dropped in {took:.2f} s; a stage replacing one took {replaced:.2f} s")
+
+
 def test_a_slice_plan_on_the_stock_wire_is_refused_before_anything_moves(engine):
     """SGLang's own loader receives whole tensors through the stock wire, which has no slices: an
     update with a slice plan is a ConfigError before the engine is asked; the next update works."""

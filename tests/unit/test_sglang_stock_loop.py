@@ -5,6 +5,7 @@ beside the receiver), and the previous value comes back after, also when the loo
 from __future__ import annotations
 
 import sys
+import time
 
 import pytest
 import torch
@@ -81,3 +82,174 @@ def test_the_stage_probe_runs_on_the_cpu_and_records_its_three_cases(tmp_path):
     assert [(r["spinning"], r["tasks"]) for r in rows] == [(False, 10), (True, 10), (True, 10)]
     assert rows[2]["switch_interval_ms"] == pytest.approx(SWITCH_INTERVAL_S * 1e3) and rows[1]["spinner_iterations"] > 0
     assert sys.getswitchinterval() > 0 and "faster beside the spinner" in proc.stdout
+
+
+# -- the owner's stop: the stock loop's receives wait in slices and ask should_stop between them ---------
+
+def _stock_shaped_loop(method: str):
+    """A loop with the stock worker's receiving (checkpoint_engine.worker 0.2-0.4): a REP socket made by
+    the context it is given, connected to the handle; a failed first receive is answered with a send and
+    an ack is awaited, then re-raised; each later message is handed to ``run`` and answered with b""
+    (``method``: the receive it uses; the stock loop's is ``recv_pyobj``). No GPU, no IPC buffer."""
+    import zmq
+
+    def loop(ctx, handle, device_id, *, run, post_hook=None):
+        sock = ctx.socket(zmq.REP)
+        sock.connect(handle)
+        try:
+            try:
+                getattr(sock, method)()
+                sock.send(b"")
+            except Exception as exc:
+                sock.send_string(f"{type(exc).__name__}: {exc}")
+                sock.recv()   # the ack, as the stock loop waits for it
+                raise
+            while True:
+                run(getattr(sock, method)())
+                sock.send(b"")
+        finally:
+            sock.close()
+
+    return loop
+
+
+class _Peer:
+    """The parameter server's end: a REQ socket bound at a fresh address (``bound=False``: nobody binds
+    it, as when the PS gave the update up before the receiver connected)."""
+
+    def __init__(self, bound: bool):
+        import uuid
+
+        import zmq
+
+        self.ctx = zmq.Context()
+        self.address = f"ipc://@ckpt-test-stock-loop-{uuid.uuid4().hex}"
+        self.sock = self.ctx.socket(zmq.REQ) if bound else None
+        if self.sock is not None:
+            self.sock.bind(self.address)
+
+    def close(self):
+        if self.sock is not None:
+            self.sock.close(0)
+        self.ctx.term()
+
+
+def _receive_in_thread(handle, timeout_s, should_stop, method="recv_pyobj", runs=None):
+    import threading
+
+    out: dict = {}
+
+    def main():
+        try:
+            run_stock_loop(handle, torch.device("cpu"), 0, timeout_s, run=(runs if runs is not None else []).append,
+                           should_stop=should_stop)
+        except BaseException as exc:   # noqa: BLE001 - the outcome under test
+            out["error"] = exc
+        out["ended"] = time.monotonic()
+
+    thread = threading.Thread(target=main, daemon=True)
+    thread.start()
+    return thread, out
+
+
+@pytest.mark.parametrize("method", ["recv_pyobj", "recv"])
+@pytest.mark.parametrize("bound", [True, False], ids=["silent-ps", "absent-ps"])
+def test_a_wait_for_a_ps_that_gave_up_ends_within_a_poll_when_the_owner_stops_it(monkeypatch, bound, method):
+    """A stage's receiver waiting for a PS that never sends (bound and silent, or nobody bound: it gave the
+    update up before the receiver connected) ends with the owner's reason, a ConfigError, within a poll of
+    the owner's stop, not at the receive timeout (60 s here); the error is the stop, not ZeroMQ's refusal
+    of the loop's answer after a failed first receive."""
+    import threading
+
+    from ckpt_core.errors import ConfigError
+
+    monkeypatch.setattr(_stock_loop, "stock_loop", lambda: _stock_shaped_loop(method))
+    peer, stop = _Peer(bound), threading.Event()
+    try:
+        thread, out = _receive_in_thread(peer.address, 60.0,
+                                         lambda: "the stage of 'v1' was dropped" if stop.is_set() else None, method)
+        time.sleep(0.5)
+        assert thread.is_alive() and not out, "it stopped although nobody asked it to"
+        asked = time.monotonic()
+        stop.set()
+        thread.join(10)
+        assert not thread.is_alive(), "the owner's stop did not end the wait"
+        assert isinstance(out["error"], ConfigError), repr(out["error"])
+        assert str(out["error"]) == ("the stage of 'v1' was dropped (the receiver was waiting for the parameter "
+                                     "server's next message)")
+        assert out["ended"] - asked < 5.0, "the stop took far longer than a poll"   # generous: a poll is 0.2 s
+    finally:
+        peer.close()
+
+
+def test_a_stop_between_messages_ends_the_loop_after_what_it_received():
+    """Stopped after a first message was received and answered: the next wait ends with the reason; what
+    came before went to ``run``."""
+    import threading
+
+    import zmq
+
+    from ckpt_core.errors import ConfigError
+
+    peer, stop, runs = _Peer(True), threading.Event(), []
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(_stock_loop, "stock_loop", lambda: _stock_shaped_loop("recv"))
+            thread, out = _receive_in_thread(peer.address, 60.0, lambda: "replaced" if stop.is_set() else None,
+                                             "recv", runs)
+            for frame in (b"hello", b"bucket-0"):
+                peer.sock.send(frame)
+                assert peer.sock.poll(10_000, zmq.POLLIN), "the loop did not answer"
+                assert peer.sock.recv() == b""
+            stop.set()
+            thread.join(10)
+        assert not thread.is_alive() and isinstance(out["error"], ConfigError) and str(out["error"]).startswith(
+            "replaced (the receiver was waiting"), out
+        assert runs == [b"bucket-0"]
+    finally:
+        peer.close()
+
+
+def test_a_silent_ps_is_a_timeout_naming_the_receive_timeout_when_nobody_stops_it(monkeypatch):
+    """Without an owner's stop, each receive still waits at most the timeout: an UpdateTimeoutError
+    naming it (before, ZeroMQ's EAGAIN, hidden by the EFSM of the loop's answer to it)."""
+    from ckpt_core.errors import UpdateTimeoutError
+
+    monkeypatch.setattr(_stock_loop, "stock_loop", lambda: _stock_shaped_loop("recv_pyobj"))
+    peer = _Peer(False)
+    try:
+        with pytest.raises(UpdateTimeoutError, match=r"no message from the parameter server within the receive "
+                                                     r"timeout \(0.5 s\)"):
+            run_stock_loop(peer.address, torch.device("cpu"), 0, 0.5, run=lambda weights: None)
+    finally:
+        peer.close()
+
+
+def test_a_ps_that_connected_and_died_ends_the_wait_without_any_owner():
+    """A direct load runs the loop in the scheduler's own call: nobody can stop it. A PS that had
+    connected and went away (its process died) ends its wait with a TransportError saying so, long
+    before the receive timeout (60 s here)."""
+    import zmq
+
+    from ckpt_core.errors import TransportError
+
+    peer = _Peer(True)
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(_stock_loop, "stock_loop", lambda: _stock_shaped_loop("recv_pyobj"))
+            thread, out = _receive_in_thread(peer.address, 60.0, None)
+            deadline = time.monotonic() + 10
+            while not peer.sock.poll(0, zmq.POLLOUT):   # a REQ socket is writable once its peer connected
+                assert time.monotonic() < deadline, "the loop did not connect"
+                time.sleep(0.01)
+            time.sleep(0.3)
+            gone = time.monotonic()
+            peer.sock.close(0)
+            peer.sock = None
+            thread.join(20)
+        assert not thread.is_alive(), "the loop still waits for a PS that went away"
+        assert isinstance(out["error"], TransportError), repr(out["error"])
+        assert "the parameter server disconnected" in str(out["error"]), str(out["error"])
+        assert out["ended"] - gone < 10, "the disconnect was noticed only much later"   # generous: a poll is 0.2 s
+    finally:
+        peer.close()
