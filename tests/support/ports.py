@@ -10,11 +10,15 @@ two-half suite can be handed the same port, and the server dies with "Address al
 from __future__ import annotations
 
 import random
+import re
 import socket
+import sys
+from typing import Callable, TypeVar
 
 LOWEST = 10000
 LAUNCHES = 3   # a server that lost its port to another process is launched again on another, this often
 _RNG = random.SystemRandom()   # not a seeded generator: forked processes must not pick alike
+T = TypeVar("T")
 
 
 def _ephemeral_low() -> int:
@@ -46,3 +50,27 @@ def lost_port(log: str) -> bool:
     """Whether a server's log says another process bound its port first (vLLM: "Address already
     in use", uvicorn: "address already in use")."""
     return "address already in use" in log.lower()
+
+
+def store_lost_port(log: str, port: int) -> bool:
+    """Whether a ParameterServer's output says it could not serve its rendezvous store on ``port``
+    because another process held it (ckpt_core: "TransportError: rank 0: cannot reach the rendezvous
+    store at 127.0.0.1:PORT: [Errno 98] Address already in use"). A rank that could not connect to
+    the store says the same without "address already in use"."""
+    said = re.search(rf"cannot reach the rendezvous store at \S+:{port}: .*address already in use", log, re.I)
+    return said is not None
+
+
+def on_a_free_port(launch: Callable[[int], T], lost: Callable[[T, int], bool], what: str) -> T:
+    """``launch(port)`` on a port of ``free_port()``'s, launched again on another, ``LAUNCHES`` times in
+    all, while ``lost(outcome, port)`` says that another process took the port before ``launch``'s
+    process bound it (nothing of what the test runs ran yet); the last outcome. Each retry is said on
+    stderr, naming ``what``."""
+    for n in range(1, LAUNCHES + 1):
+        port = free_port()
+        outcome = launch(port)
+        if n == LAUNCHES or not lost(outcome, port):
+            return outcome
+        print(f"{what} could not bind port {port} (another process took it after free_port() picked it): "
+              f"launch {n + 1} of {LAUNCHES}, on another port", file=sys.stderr)
+    raise AssertionError("unreachable: the last launch returns")

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from support.ports import LAUNCHES, free_port, lost_port
+from support.ports import lost_port, on_a_free_port
 
 START_S = 120.0   # start_torchrun's bound on the agent binding its store and starting a rank (seconds on a busy host)
 
@@ -43,24 +43,17 @@ def store_port_lost(returncode: int | None, stderr: str, port: int, *, ran: bool
             and re.search(rf"\b{port}\b", stderr) is not None)
 
 
-def _relaunching(port: int, launch: int) -> None:
-    print(f"torchrun's store could not bind port {port} (another process took it after free_port() picked it): "
-          f"launch {launch + 1} of {LAUNCHES}, on another port", file=sys.stderr)
-
-
 def run_torchrun(script_args, *, nproc: int, timeout: float, env: dict | None = None,
                  python: str = sys.executable, cwd: str | Path | None = None) -> subprocess.CompletedProcess:
     """torchrun of ``script_args`` (``torchrun_cmd``) to its end, stdout and stderr captured as text;
     launched again on another port, ``LAUNCHES`` times in all, only when its store lost its port
     (``store_port_lost``). ``timeout``: each launch's, as ``subprocess.run``'s."""
-    for launch in range(1, LAUNCHES + 1):
-        port = free_port()
-        run = subprocess.run(torchrun_cmd(nproc, port, script_args, python=python), env=env, cwd=cwd,
-                             capture_output=True, text=True, timeout=timeout)
-        if launch == LAUNCHES or not store_port_lost(run.returncode, run.stderr, port, ran=bool(run.stdout.strip())):
-            return run
-        _relaunching(port, launch)
-    raise AssertionError("unreachable: the last launch returns")
+    def launch(port: int) -> subprocess.CompletedProcess:
+        return subprocess.run(torchrun_cmd(nproc, port, script_args, python=python), env=env, cwd=cwd,
+                              capture_output=True, text=True, timeout=timeout)
+
+    return on_a_free_port(launch, lambda run, port: store_port_lost(run.returncode, run.stderr, port,
+                                                                    ran=bool(run.stdout.strip())), "torchrun's store")
 
 
 def _children(pid: int) -> bool:
@@ -92,8 +85,7 @@ def start_torchrun(script_args, *, nproc: int, out: Path, err: Path | None = Non
     into ``err`` (``None``: into ``out`` as well); returns once it started a rank (its store holds its
     port then) or ended. Launched again on another port, ``LAUNCHES`` times in all, only when its store
     lost its port (``store_port_lost``); read what it printed from the files, not from the process."""
-    for launch in range(1, LAUNCHES + 1):
-        port = free_port()
+    def launch(port: int) -> tuple[subprocess.Popen, bool]:
         stdout = open(out, "w")
         stderr = open(err, "w") if err else subprocess.STDOUT
         try:
@@ -103,11 +95,14 @@ def start_torchrun(script_args, *, nproc: int, out: Path, err: Path | None = Non
             stdout.close()
             if err:
                 stderr.close()
-        if _a_rank_started(proc, START_S):
-            return proc
-        proc.wait()
-        said = Path(err or out).read_text(errors="replace")
-        if launch == LAUNCHES or not store_port_lost(proc.returncode, said, port, ran=False):
-            return proc
-        _relaunching(port, launch)
-    raise AssertionError("unreachable: the last launch returns")
+        ran = _a_rank_started(proc, START_S)
+        if not ran:
+            proc.wait()
+        return proc, ran
+
+    def lost(started: tuple[subprocess.Popen, bool], port: int) -> bool:
+        proc, ran = started
+        return not ran and store_port_lost(proc.returncode, Path(err or out).read_text(errors="replace"), port,
+                                           ran=False)
+
+    return on_a_free_port(launch, lost, "torchrun's store")[0]

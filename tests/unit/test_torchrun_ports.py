@@ -9,8 +9,8 @@ import socket
 import sys
 
 import pytest
+import support.ports as ports
 import support.torchrun as torchrun
-from support.ports import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = dict(os.environ, PYTHONPATH=ROOT)
@@ -47,15 +47,16 @@ def held():
 
 @pytest.fixture
 def picks(monkeypatch):
-    """free_port() as support.torchrun sees it: the ports queued first, then free ones; every pick listed."""
+    """free_port() as the launchers see it: the ports queued first, then free ones; every pick listed."""
     queued: list[int] = []
     picked: list[int] = []
+    free_port = ports.free_port
 
     def pick() -> int:
         picked.append(queued.pop(0) if queued else free_port())
         return picked[-1]
 
-    monkeypatch.setattr(torchrun, "free_port", pick)
+    monkeypatch.setattr(ports, "free_port", pick)
     return queued, picked
 
 
@@ -87,7 +88,7 @@ def test_a_world_whose_store_port_was_taken_is_launched_again_on_another_and_run
     assert len(picked) == 2 and picked[0] == held != picked[1]
     assert run.stdout.strip() == f"rank 0 met at port {picked[1]}"
     said = capsys.readouterr().err
-    assert f"could not bind port {held}" in said and f"launch 2 of {torchrun.LAUNCHES}" in said
+    assert f"could not bind port {held}" in said and f"launch 2 of {ports.LAUNCHES}" in said
 
 
 @pytest.mark.slow   # a real torchrun (a few seconds each launch)
@@ -103,7 +104,7 @@ def test_a_rank_failing_on_the_store_port_itself_is_not_launched_again(tmp_path,
 @pytest.mark.slow   # a real torchrun (a few seconds each launch)
 def test_a_world_losing_its_port_every_time_returns_the_last_launchs_failure(tmp_path, held, picks, monkeypatch):
     queued, picked = picks
-    monkeypatch.setattr(torchrun, "LAUNCHES", 2)
+    monkeypatch.setattr(ports, "LAUNCHES", 2)
     queued.extend([held, held])
     run = torchrun.run_torchrun([_script(tmp_path, MEET)], nproc=1, timeout=120, env=ENV)
     assert picked == [held, held]
