@@ -52,7 +52,8 @@ def run_trainer(python: str, model, server, out, phases: list[str], *, ranks: in
         run = on_a_free_port(
             lambda port: subprocess.run([python, *map(str, args)], env=dict(env, MASTER_PORT=str(port)),
                                         capture_output=True, text=True, timeout=600),
-            lambda run, port: bool(run.returncode) and not run.stdout.strip() and store_lost_port(run.stderr, port),
+            lambda run, port: isinstance(run, subprocess.CompletedProcess) and bool(run.returncode)
+            and not run.stdout.strip() and store_lost_port(run.stderr, port),
             "the trainer's ParameterServer (its store)")
     assert run.returncode == 0, f"the trainer failed ({run.returncode}):\n{run.stderr[-6000:]}\n{server.log_tail(30)}"
     print(run.stderr[-3000:])

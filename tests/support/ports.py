@@ -53,24 +53,32 @@ def lost_port(log: str) -> bool:
 
 
 def store_lost_port(log: str, port: int) -> bool:
-    """Whether a ParameterServer's output says it could not serve its rendezvous store on ``port``
-    because another process held it (ckpt_core: "TransportError: rank 0: cannot reach the rendezvous
-    store at 127.0.0.1:PORT: [Errno 98] Address already in use"). A rank that could not connect to
-    the store says the same without "address already in use"."""
-    said = re.search(rf"cannot reach the rendezvous store at \S+:{port}: .*address already in use", log, re.I)
-    return said is not None
+    """Whether a process's output says it could not serve its rendezvous store on ``port`` because
+    another process held it: a ParameterServer's ("TransportError: rank 0: cannot reach the rendezvous
+    store at 127.0.0.1:PORT: [Errno 98] Address already in use"; a rank that could not connect to the
+    store says the same without "address already in use") or torch's TCPStore's ("DistNetworkError: The
+    server socket has failed to listen on any local network address. port: PORT, useIpv6: false,
+    code: -98, name: EADDRINUSE, ...")."""
+    ours = re.search(rf"cannot reach the rendezvous store at \S+:{port}: .*address already in use", log, re.I)
+    torchs = re.search(rf"failed to listen on any local network address\. port: {port}\b.*EADDRINUSE", log)
+    return ours is not None or torchs is not None
 
 
-def on_a_free_port(launch: Callable[[int], T], lost: Callable[[T, int], bool], what: str) -> T:
+def on_a_free_port(launch: Callable[[int], T], lost: Callable[[object, int], bool], what: str) -> T:
     """``launch(port)`` on a port of ``free_port()``'s, launched again on another, ``LAUNCHES`` times in
-    all, while ``lost(outcome, port)`` says that another process took the port before ``launch``'s
-    process bound it (nothing of what the test runs ran yet); the last outcome. Each retry is said on
-    stderr, naming ``what``."""
+    all, while ``lost(outcome, port)`` says of what it returned or raised that another process took the
+    port before ``launch``'s process bound it (so nothing of what the test runs ran yet); the last
+    launch's return or exception. Each retry is said on stderr, naming ``what``."""
     for n in range(1, LAUNCHES + 1):
         port = free_port()
-        outcome = launch(port)
-        if n == LAUNCHES or not lost(outcome, port):
-            return outcome
+        try:
+            outcome = launch(port)
+        except Exception as exc:
+            if n == LAUNCHES or not lost(exc, port):
+                raise
+        else:
+            if n == LAUNCHES or not lost(outcome, port):
+                return outcome
         print(f"{what} could not bind port {port} (another process took it after free_port() picked it): "
               f"launch {n + 1} of {LAUNCHES}, on another port", file=sys.stderr)
     raise AssertionError("unreachable: the last launch returns")

@@ -84,7 +84,7 @@ class ServiceWorld:
         self.socks = [os.path.join(tmp, f"ps-{r}.sock") for r in range(size)]
         self.logs = [os.path.join(tmp, f"ps-{r}.log") for r in range(size)]
 
-        def launch(port: int) -> Exception | None:
+        def launch(port: int) -> None:
             self.procs = [start_serve(["--device", device, "--uds", os.path.join(tmp, "ps-{rank}.sock"), *allow,
                                        *extra],
                                       {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(size),
@@ -95,17 +95,12 @@ class ServiceWorld:
                             for s in self.socks]
             try:
                 self._wait_healthy(time.monotonic() + 120)
-                return None
-            except Exception as exc:
+            except Exception:
                 self.close()
-                return exc
+                raise
 
-        def lost(failed: Exception | None, port: int) -> bool:
-            return failed is not None and store_lost_port(_tail(self.logs[0]), port)
-
-        failed = on_a_free_port(launch, lost, "a service world's rank 0 (its store)")
-        if failed is not None:
-            raise failed
+        on_a_free_port(launch, lambda failed, port: isinstance(failed, Exception) and
+                       store_lost_port(_tail(self.logs[0]), port), "a service world's rank 0 (its store)")
 
     def _wait_healthy(self, deadline: float) -> None:
         for r in range(self.size):

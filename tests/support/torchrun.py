@@ -52,8 +52,11 @@ def run_torchrun(script_args, *, nproc: int, timeout: float, env: dict | None = 
         return subprocess.run(torchrun_cmd(nproc, port, script_args, python=python), env=env, cwd=cwd,
                               capture_output=True, text=True, timeout=timeout)
 
-    return on_a_free_port(launch, lambda run, port: store_port_lost(run.returncode, run.stderr, port,
-                                                                    ran=bool(run.stdout.strip())), "torchrun's store")
+    def lost(run, port: int) -> bool:
+        return isinstance(run, subprocess.CompletedProcess) and store_port_lost(run.returncode, run.stderr, port,
+                                                                                ran=bool(run.stdout.strip()))
+
+    return on_a_free_port(launch, lost, "torchrun's store")
 
 
 def _children(pid: int) -> bool:
@@ -100,9 +103,9 @@ def start_torchrun(script_args, *, nproc: int, out: Path, err: Path | None = Non
             proc.wait()
         return proc, ran
 
-    def lost(started: tuple[subprocess.Popen, bool], port: int) -> bool:
-        proc, ran = started
-        return not ran and store_port_lost(proc.returncode, Path(err or out).read_text(errors="replace"), port,
-                                           ran=False)
+    def lost(started, port: int) -> bool:
+        if not isinstance(started, tuple) or started[1]:   # it raised, or a rank started
+            return False
+        return store_port_lost(started[0].returncode, Path(err or out).read_text(errors="replace"), port, ran=False)
 
     return on_a_free_port(launch, lost, "torchrun's store")[0]

@@ -1,14 +1,20 @@
-"""A service world (support.service_world.ServiceWorld, real ``ckpt-engine serve`` processes) whose
-rank 0 could not serve its store on the port free_port() gave, another process holding it, is started
-again on another port before any test sees it; a world that fails otherwise is not."""
+"""A world whose rank 0 could not serve its store on the port free_port() gave, another process
+holding it, is started again on another port before any test sees it; a world that fails otherwise
+is not. Real processes: ``ckpt-engine serve`` ranks (support.service_world.ServiceWorld) and PS rank
+processes (support.world.run_ps_world, which support.procs.run_world starts like the trainer, parity
+and shards worlds, and PsWorld)."""
 
 from __future__ import annotations
 
+import os
 import socket
 
 import pytest
 import support.ports as ports
+import torch
+from support.data import fresh_tensor
 from support.service_world import ServiceWorld
+from support.world import PsWorld, run_ps_world
 
 PS_LOST = ("ckpt-engine serve: TransportError: rank 0: cannot reach the rendezvous store at 127.0.0.1:{port}: "
            "[Errno 98] Address already in use")
@@ -67,4 +73,37 @@ def test_a_world_failing_for_another_reason_is_not_started_again(tmp_path, picks
     _, picked = picks
     with pytest.raises(RuntimeError, match="unknown device kind 'nosuch'"):
         ServiceWorld(1, str(tmp_path), device="nosuch")
+    assert len(picked) == 1
+
+
+@pytest.mark.slow   # real PS rank processes, started twice
+def test_a_ps_world_whose_store_port_was_taken_is_started_again_on_another_and_runs_its_script(held, picks, capsys):
+    queued, picked = picks
+    queued.append(held)
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    mine = {r: {"named_tensors": {f"w{r}": fresh_tensor((8, 4), torch.float32, gen)}} for r in range(2)}
+    got = run_ps_world("cpu", 2, [("register", ("c", mine)), ("gather", "c")])   # the gather: both ranks met
+    assert got == {r: [("ok", None), ("ok", None)] for r in range(2)}, got
+    assert len(picked) == 2 and picked[0] == held != picked[1]
+    assert f"could not bind port {held}" in capsys.readouterr().err
+
+
+@pytest.mark.slow   # real PS rank processes, started twice
+def test_a_ps_world_driven_step_by_step_is_started_again_when_its_store_port_was_taken(held, picks):
+    queued, picked = picks
+    queued.append(held)
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    with PsWorld("cpu", 2) as world:
+        registered = world.all("register", per_rank={r: ("c", {"named_tensors": {
+            f"w{r}": fresh_tensor((8, 4), torch.float32, gen)}}) for r in range(2)})
+        gathered = world.all("gather", "c")   # both ranks met
+        assert all(o.ok for o in [*registered.values(), *gathered.values()]), (registered, gathered)
+    assert len(picked) == 2 and picked[0] == held != picked[1]
+
+
+@pytest.mark.slow   # real PS rank processes
+def test_a_ps_world_failing_for_another_reason_is_not_started_again(picks):
+    _, picked = picks
+    got = run_ps_world("nosuch", 2, [])
+    assert all(res[0][0] == "fatal" and "unknown device kind 'nosuch'" in res[0][1] for res in got.values()), got
     assert len(picked) == 1
