@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 
 import pytest
 
@@ -38,7 +37,7 @@ def server(shared_servers, tiny_model):
 def run_trainer(python: str, model, server, out, phases: list[str], *, ranks: int = 1, extra=(),
                 timeout_s: float = TIMEOUT_S) -> list[dict]:
     """rl_trainer.py on ``ranks`` trainer ranks (torchrun for more than one); rank 0's JSON lines."""
-    from support.ports import on_a_free_port, store_lost_port
+    from support.ports import run_with_master_port
     from support.torchrun import run_torchrun
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
@@ -49,12 +48,7 @@ def run_trainer(python: str, model, server, out, phases: list[str], *, ranks: in
     if ranks > 1:
         run = run_torchrun(args, nproc=ranks, python=python, env=env, timeout=600)
     else:   # its ParameterServer serves the store on MASTER_PORT once vLLM is imported (~20 s after the pick)
-        run = on_a_free_port(
-            lambda port: subprocess.run([python, *map(str, args)], env=dict(env, MASTER_PORT=str(port)),
-                                        capture_output=True, text=True, timeout=600),
-            lambda run, port: isinstance(run, subprocess.CompletedProcess) and bool(run.returncode)
-            and not run.stdout.strip() and store_lost_port(run.stderr, port),
-            "the trainer's ParameterServer (its store)")
+        run = run_with_master_port([python, *args], env=env, timeout=600)
     assert run.returncode == 0, f"the trainer failed ({run.returncode}):\n{run.stderr[-6000:]}\n{server.log_tail(30)}"
     print(run.stderr[-3000:])
     return [json.loads(x) for x in run.stdout.splitlines() if x.startswith("{")]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 import re
 import socket
+import subprocess
 import sys
 from typing import Callable, TypeVar
 
@@ -82,3 +83,19 @@ def on_a_free_port(launch: Callable[[int], T], lost: Callable[[object, int], boo
         print(f"{what} could not bind port {port} (another process took it after free_port() picked it): "
               f"launch {n + 1} of {LAUNCHES}, on another port", file=sys.stderr)
     raise AssertionError("unreachable: the last launch returns")
+
+
+def run_with_master_port(cmd, *, env: dict, timeout: float, cwd=None) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd)``, output captured as text, with ``MASTER_PORT`` a port of ``free_port()``'s,
+    for a process whose ParameterServer serves its store there (rank 0 of a world of its own); run again
+    on another port when it failed having printed nothing on stdout and its stderr says that it could not
+    serve the store there (``store_lost_port``)."""
+    def launch(port: int) -> subprocess.CompletedProcess:
+        return subprocess.run([str(c) for c in cmd], env={**env, "MASTER_PORT": str(port)}, cwd=cwd,
+                              capture_output=True, text=True, timeout=timeout)
+
+    def lost(run, port: int) -> bool:
+        return (isinstance(run, subprocess.CompletedProcess) and bool(run.returncode) and not run.stdout.strip()
+                and store_lost_port(run.stderr, port))
+
+    return on_a_free_port(launch, lost, "a ParameterServer's store")

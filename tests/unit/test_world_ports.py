@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 
 import pytest
 import support.ports as ports
@@ -16,6 +17,7 @@ from support.data import fresh_tensor
 from support.service_world import ServiceWorld
 from support.world import PsWorld, run_ps_world
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PS_LOST = ("ckpt-engine serve: TransportError: rank 0: cannot reach the rendezvous store at 127.0.0.1:{port}: "
            "[Errno 98] Address already in use")
 
@@ -107,3 +109,35 @@ def test_a_ps_world_failing_for_another_reason_is_not_started_again(picks):
     got = run_ps_world("nosuch", 2, [])
     assert all(res[0][0] == "fatal" and "unknown device kind 'nosuch'" in res[0][1] for res in got.values()), got
     assert len(picked) == 1
+
+
+SERVE_ONE = """
+import os
+from ckpt_core import ParameterServer
+with ParameterServer(0, 1, device="cpu", master_addr="127.0.0.1"):   # MASTER_PORT: from the environment
+    print("served the store on", os.environ["MASTER_PORT"])
+"""
+
+
+@pytest.mark.slow   # a real ParameterServer process, run twice
+def test_a_ps_process_whose_master_port_was_taken_runs_again_on_another(tmp_path, held, picks, capsys):
+    queued, picked = picks
+    queued.append(held)
+    (tmp_path / "serve.py").write_text(SERVE_ONE)
+    run = ports.run_with_master_port([sys.executable, tmp_path / "serve.py"], env=dict(os.environ, PYTHONPATH=ROOT),
+                                     timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert len(picked) == 2 and picked[0] == held != picked[1]
+    assert run.stdout.strip() == f"served the store on {picked[1]}"
+    assert f"could not bind port {held}" in capsys.readouterr().err
+
+
+@pytest.mark.slow   # a real process
+def test_a_ps_process_failing_after_it_printed_is_not_run_again(tmp_path, held, picks):
+    queued, picked = picks
+    queued.append(held)
+    (tmp_path / "serve.py").write_text('print("a step ran")\n' + SERVE_ONE)
+    run = ports.run_with_master_port([sys.executable, tmp_path / "serve.py"], env=dict(os.environ, PYTHONPATH=ROOT),
+                                     timeout=120)
+    assert run.returncode != 0 and ports.store_lost_port(run.stderr, held), run.stderr[-3000:]
+    assert picked == [held], "a process that had printed was run again"
