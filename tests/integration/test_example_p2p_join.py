@@ -18,7 +18,7 @@ import torch
 pytest.importorskip("mooncake.engine", reason="Mooncake (the p2p extra) is not installed: "
                     "scripts/test.sh installs mooncake-transfer-engine-non-cuda and libibverbs1")
 from support.data import FAULT_DTYPES, fresh_tensor  # noqa: E402
-from support.ports import free_port  # noqa: E402
+from support.torchrun import run_torchrun, start_torchrun  # noqa: E402
 from ckpt_core.checkpoint.safetensors import write_file  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,11 +28,6 @@ EXAMPLE = ROOT / "examples" / "p2p_join.py"
 def _env(**extra) -> dict:
     return dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                 NCCL_IB_DISABLE="1", PS_MAX_BUCKET_SIZE_GB="0.0001", **extra)   # TCP; ~100 KiB buckets
-
-
-def _torchrun(n: int, *args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(n),
-            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(EXAMPLE), *args]
 
 
 @pytest.mark.slow
@@ -47,20 +42,18 @@ def test_a_joining_world_pulls_the_owners_checkpoint_bit_exact(tmp_path, joiners
         ts = {f"l{f}.t{i}": fresh_tensor((1500 + 277 * i,), FAULT_DTYPES[(f + i) % 4], gen) for i in range(5)}
         write_file(ckpt / f"model-{f:05d}.safetensors", ts)
         weights.update(ts)
-    metas, log = tmp_path / "metas.json", open(tmp_path / "owners.log", "w")
-    owners = subprocess.Popen(_torchrun(2, "serve", "--checkpoint-path", str(ckpt), "--metas", str(metas),
-                                        "--device", "cpu", "--serve-s", "300"),
-                              env=_env(PS_P2P_HOST="127.0.0.2"), stdout=log, stderr=subprocess.STDOUT,
-                              cwd=str(ROOT), start_new_session=True)
+    metas = tmp_path / "metas.json"
+    owners = start_torchrun([EXAMPLE, "serve", "--checkpoint-path", ckpt, "--metas", metas, "--device", "cpu",
+                             "--serve-s", "300"], nproc=2, out=tmp_path / "owners.log",
+                            env=_env(PS_P2P_HOST="127.0.0.2"), cwd=ROOT, start_new_session=True)
     try:
         deadline, said = time.monotonic() + 120, lambda: '"serving"' in (tmp_path / "owners.log").read_text()
         while not said() and owners.poll() is None and time.monotonic() < deadline:   # printed once the metas are written
             time.sleep(0.2)
         assert said() and metas.exists(), \
             f"owners are not serving ({owners.poll()}):\n{(tmp_path / 'owners.log').read_text()[-4000:]}"
-        p = subprocess.run(_torchrun(joiners, "join", "--metas", str(metas), "--device", "cpu", "--timeout", "120"),
-                           env=_env(PS_P2P_HOST="127.0.0.3"), capture_output=True, text=True, timeout=240,
-                           cwd=str(ROOT))
+        p = run_torchrun([EXAMPLE, "join", "--metas", metas, "--device", "cpu", "--timeout", "120"], nproc=joiners,
+                         env=_env(PS_P2P_HOST="127.0.0.3"), timeout=240, cwd=ROOT)
         assert p.returncode == 0, f"{p.stdout[-2000:]}\n{p.stderr[-5000:]}"
         lines = sorted((json.loads(x) for x in p.stdout.splitlines() if x.startswith("{")), key=lambda x: x["rank"])
         assert [x["rank"] for x in lines] == list(range(joiners)), p.stdout
@@ -77,4 +70,3 @@ def test_a_joining_world_pulls_the_owners_checkpoint_bit_exact(tmp_path, joiners
         except subprocess.TimeoutExpired:
             os.killpg(owners.pid, signal.SIGKILL)
             owners.wait(10)
-        log.close()

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from support.ports import free_port
+from support.ports import run_with_master_port
 from sglang_support.fixtures import ready_engine, write_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,10 +24,8 @@ def test_each_step_lands_bit_exact_and_is_sglangs_weight_version(tmp_path):
         steps = [write_checkpoint(tmp_path / f"step-{s}", seed=s) for s in (11, 12)]
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
         env.update(PYTHONPATH=str(ROOT), MASTER_ADDR="127.0.0.1", PS_MAX_BUCKET_SIZE_GB=str(100_000 / (1 << 30)))
-        env["MASTER_PORT"] = str(free_port())
-        p = subprocess.run([sys.executable, str(EXAMPLE), "--endpoint", eng.url, "--device", "cpu", "--timeout", "120",
-                            *(str(d) for d, _ in steps)], capture_output=True, text=True, timeout=300, env=env,
-                           cwd=str(ROOT))
+        p = run_with_master_port([sys.executable, EXAMPLE, "--endpoint", eng.url, "--device", "cpu", "--timeout", "120",
+                                  *(d for d, _ in steps)], env=env, timeout=300, cwd=str(ROOT))
         assert p.returncode == 0, f"{p.stdout[-2000:]}\n{p.stderr[-5000:]}"
         lines = [json.loads(x) for x in p.stdout.splitlines() if x.startswith("{")]
         assert [x["step"] for x in lines] == ["step-11", "step-12"], p.stdout

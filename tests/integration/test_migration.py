@@ -28,6 +28,7 @@ from support.ports import free_port
 from support.procs import pythonpath
 from support.service_world import HttpEngineFront
 from support.stock_workers import stock_params
+from support.torchrun import run_torchrun
 from ckpt_core.checkpoint.safetensors import write_file
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -144,11 +145,9 @@ def test_a_reference_driver_with_only_its_imports_changed_updates_an_engine_with
     front = HttpEngineFront(2, reset_route=False)
     try:
         endpoint = front.url.removesuffix("/collective_rpc")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(DRIVER),
-               "--checkpoint-path", str(ckpt), "--endpoint", endpoint, "--inference-parallel-size", "2"]
-        run = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=pythonpath(ROOT)), capture_output=True, text=True,
-                             timeout=300)
+        run = run_torchrun([DRIVER, "--checkpoint-path", ckpt, "--endpoint", endpoint,
+                            "--inference-parallel-size", "2"],
+                           nproc=2, env=dict(os.environ, PYTHONPATH=pythonpath(ROOT)), timeout=300)
         assert run.returncode == 0, run.stderr[-4000:]
         # the two ranks share torchrun's stdout: one's line may land inside the other's (no newline between)
         assert sorted(re.findall(r"rank \d: updated my-checkpoint-iter-\d+", run.stdout)) == \

@@ -221,12 +221,10 @@ def test_the_example_driver_broadcasts_then_p2p_and_a_joiner_world_pulls_through
     """examples/vllm_update.py under torchrun: owners --update-method all --save-metas-file
     --sleep-time; a second torchrun world --load-metas-file feeds two other engines."""
     import json
-    import subprocess
-    import sys
     import threading
     import time
     from support.data import fresh_tensor, want_digests
-    from support.ports import free_port
+    from support.torchrun import run_torchrun, start_torchrun
     from ckpt_core.checkpoint.safetensors import write_file
     from test_topology_example import EXAMPLE, ROOT, _EngineHttp, _UnixHttp
     gen = torch.Generator().manual_seed(7)
@@ -250,31 +248,35 @@ def test_the_example_driver_broadcasts_then_p2p_and_a_joiner_world_pulls_through
             socks.append(str(tmp_path / f"{tag}{g}.sock"))
         return fronts[-2:], ",".join(socks)
 
-    def torchrun(args, host):
-        env = dict(os.environ, PYTHONPATH=str(ROOT), PS_P2P_HOST=host, NCCL_IB_DISABLE="1")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(EXAMPLE),
-               "--inference-parallel-size", "1", "--device", "cpu", "--timeout", "90", "--ready-timeout", "30", *args]
-        return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    def example(*args):
+        return [EXAMPLE, "--inference-parallel-size", "1", "--device", "cpu", "--timeout", "90", "--ready-timeout", "30",
+                *args]
+
+    def env(host):
+        return dict(os.environ, PYTHONPATH=str(ROOT), PS_P2P_HOST=host, NCCL_IB_DISABLE="1")
 
     try:
         own_fronts, own_socks = engines("owner")
-        owners = torchrun(["--checkpoint-path", str(ckpt), "--uds", own_socks, "--update-method", "all",
-                           "--save-metas-file", metas, "--sleep-time", "60"], "127.0.0.2")
+        owners_out, owners_err = tmp_path / "owners.out", tmp_path / "owners.err"
+        owners = start_torchrun(example("--checkpoint-path", ckpt, "--uds", own_socks, "--update-method", "all",
+                                        "--save-metas-file", metas, "--sleep-time", "60"),
+                                nproc=2, out=owners_out, err=owners_err, env=env("127.0.0.2"))
         t0 = time.monotonic()
         while not all(len(f.requests) == 2 for f in own_fronts):   # broadcast, then p2p, done
-            assert owners.poll() is None, owners.communicate()[1][-4000:]
+            assert owners.poll() is None, owners_err.read_text()[-4000:]
             assert time.monotonic() - t0 < 240, "the owners' two updates did not finish"
             time.sleep(0.2)
         join_fronts, join_socks = engines("joiner")
-        joiners = torchrun(["--load-metas-file", metas, "--uds", join_socks], "127.0.0.3")
-        out, err = joiners.communicate(timeout=300)
-        assert joiners.returncode == 0, err[-4000:]
+        joiners = run_torchrun(example("--load-metas-file", metas, "--uds", join_socks), nproc=2, env=env("127.0.0.3"),
+                               timeout=300)
+        out = joiners.stdout
+        assert joiners.returncode == 0, joiners.stderr[-4000:]
         assert [json.loads(x)["method"] for x in out.splitlines() if x.startswith("{")] == ["p2p", "p2p"], out
         for front in own_fronts + join_fronts:
             assert front.digests(0) == want
         owners.terminate()   # it would sleep on (--sleep-time); torchrun passes SIGTERM on to its ranks
-        out, _ = owners.communicate(timeout=60)
+        owners.wait(timeout=60)
+        out = owners_out.read_text()
         lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
         assert sorted((x["rank"], x["method"]) for x in lines) == [(0, "broadcast"), (0, "p2p"), (1, "broadcast"),
                                                                    (1, "p2p")], out

@@ -8,7 +8,7 @@ import re
 import subprocess
 import sys
 
-from support.ports import free_port
+from support.ports import run_with_master_port
 from support.readme_code import README, ROOT, quickstart, run_quickstart
 
 
@@ -25,9 +25,8 @@ def test_a_quickstart_whose_engine_misses_the_weights_fails(tmp_path):
     broken = quickstart().replace("engine[name].copy_(t)", "None")
     assert broken != quickstart()
     (tmp_path / "broken.py").write_text(broken)
-    env = dict(os.environ, PYTHONPATH=str(ROOT), MASTER_PORT=str(free_port()))
-    p = subprocess.run([sys.executable, str(tmp_path / "broken.py")], capture_output=True, text=True, timeout=300,
-                       env=env, cwd=str(tmp_path))
+    p = run_with_master_port([sys.executable, tmp_path / "broken.py"], env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                             timeout=300, cwd=str(tmp_path))
     assert p.returncode != 0 and "the engine must hold the new weights" in p.stderr, p.stderr[-2000:]
 
 

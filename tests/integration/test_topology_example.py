@@ -8,8 +8,6 @@ import importlib.util
 import json
 import os
 import socketserver
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -19,7 +17,7 @@ import torch
 
 from support.data import fresh_tensor, want_digests
 from support.engine import EngineFront, make_req_func
-from support.ports import free_port
+from support.torchrun import run_torchrun
 from ckpt_core import CheckpointFormatError, ConfigError, local_device_key
 from ckpt_core.engines.requests import group_handles
 from ckpt_core.checkpoint.safetensors import write_file
@@ -143,11 +141,9 @@ def test_the_driver_feeds_two_engines_each_through_its_own_unix_socket(tmp_path)
             threading.Thread(target=srv.serve_forever, daemon=True).start()
             servers.append(srv)
         env = dict(os.environ, PYTHONPATH=str(ROOT))
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(EXAMPLE),
-               "--checkpoint-path", str(ckpt), "--inference-parallel-size", "1", "--uds", ",".join(socks),
-               "--device", "cpu", "--timeout", "60", "--ready-timeout", "30"]
-        run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        run = run_torchrun([EXAMPLE, "--checkpoint-path", ckpt, "--inference-parallel-size", "1",
+                            "--uds", ",".join(socks), "--device", "cpu", "--timeout", "60", "--ready-timeout", "30"],
+                           nproc=2, env=env, timeout=300)
         assert run.returncode == 0, run.stderr[-4000:]
         lines = [json.loads(x) for x in run.stdout.splitlines() if x.startswith("{")]
         assert sorted((x["rank"], x["group"]) for x in lines) == [(0, 0), (1, 1)], run.stdout

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from support.torchrun import run_torchrun
 from vllm_support.fixtures import MAX_TOKENS, ready, tiny_model, vllm_python  # noqa: F401
-from vllm_support.server import VllmServer, free_port
+from vllm_support.server import VllmServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -56,13 +55,10 @@ def servers(vllm_python, tiny_model, tmp_path_factory):
 def test_two_servers_each_on_its_own_unix_socket_get_exactly_the_checkpoint_twice(servers, tiny_model, tmp_path):
     for round_, weights in enumerate(tiny_model.weights):
         ckpt = split_in_two(weights, tmp_path / f"ckpt{round_}")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(EXAMPLE),
-               "--checkpoint-path", str(ckpt), "--checkpoint-name", f"round{round_}",
-               "--inference-parallel-size", "1", "--uds", ",".join(str(s.uds) for s in servers),
-               "--device", "cpu", "--timeout", "300"]
-        run = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True,
-                             timeout=600)
+        run = run_torchrun([EXAMPLE, "--checkpoint-path", ckpt, "--checkpoint-name", f"round{round_}",
+                            "--inference-parallel-size", "1", "--uds", ",".join(str(s.uds) for s in servers),
+                            "--device", "cpu", "--timeout", "300"],
+                           nproc=2, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=600)
         assert run.returncode == 0, run.stderr[-6000:] + "\n".join(s.log_tail(30) for s in servers)
         lines = [json.loads(x) for x in run.stdout.splitlines() if x.startswith("{")]
         assert sorted((x["rank"], x["group"], len(x["engines"])) for x in lines) == [(0, 0, 1), (1, 1, 1)]

@@ -42,6 +42,7 @@ import torch
 from ckpt_core import DeltaBaseError, ParameterServer
 from ckpt_core.errors import CkptError
 from support.ports import free_port
+from support.torchrun import run_torchrun
 from vllm_support.fixtures import MAX_TOKENS, hf_reference, launch_server, ready, vllm_python  # noqa: F401
 from vllm_support.parity import Case, build_checkpoints, cold_load, differences
 
@@ -243,8 +244,6 @@ def test_deltas_at_tensor_parallel_2_equal_a_cold_load(vllm_python, tmp_path, sl
     changes in its boxes, less than its sliced full update, and maps its boxes: the changed norms are
     scattered, only the layers of changed tensors reloaded."""
     import json
-    import subprocess
-    import sys
 
     from vllm_support.parity import tp_server_args
     from vllm_support.server import REPO
@@ -259,13 +258,11 @@ def test_deltas_at_tensor_parallel_2_equal_a_cold_load(vllm_python, tmp_path, sl
         cold = cold_load(vllm_python, model.dir, files, 2)["digests"]
         ready(server)
         server.pushed = True
-        run = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-             "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-             str(REPO / "tests" / "integration" / "vllm_support" / "delta_push.py"), "--endpoint", server.endpoint,
+        run = run_torchrun(
+            [REPO / "tests" / "integration" / "vllm_support" / "delta_push.py", "--endpoint", server.endpoint,
              "--prompts", json.dumps(model.prompts), "--max-tokens", str(MAX_TOKENS),
-             *(["--slices"] if sliced else []), *map(str, files)],
-            env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=900)
+             *(["--slices"] if sliced else []), *files],
+            nproc=2, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=900)
         assert run.returncode == 0, f"delta_push.py failed ({run.returncode}):\n{run.stderr[-6000:]}"
         lines = [json.loads(x) for x in run.stdout.splitlines() if x.startswith("{")]
         assert [x["version"] for x in lines] == ["v0", "v1", "v2", "v3"]
@@ -433,22 +430,22 @@ def _from_a_joining_world(server, files, cold, refs, prompts, tmp_path) -> None:
     pytest.importorskip("mooncake.engine", reason="Mooncake (the p2p extra) is not installed: "
                         "scripts/test.sh installs mooncake-transfer-engine-non-cuda and libibverbs1")
     from support.p2p_cases import JOINERS, OWNERS
+    from support.torchrun import start_torchrun
     from vllm_support.server import REPO
 
     script = str(REPO / "tests" / "integration" / "vllm_support" / "delta_p2p_push.py")
     metas, done = str(tmp_path / "p2p-metas.json"), tmp_path / "p2p-done"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    owners = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-         "--master-addr", "127.0.0.1", "--master-port", str(free_port()), script, "owners", "--metas", metas,
-         "--done", str(done), "--serve-s", "900", *map(str, files)],
-        env={**env, **OWNERS}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    owners_err = tmp_path / "p2p-owners.err"
+    owners = start_torchrun([script, "owners", "--metas", metas, "--done", done, "--serve-s", "900", *files], nproc=2,
+                            out=tmp_path / "p2p-owners.out", err=owners_err, env={**env, **OWNERS})
     try:
         deadline = time.monotonic() + 300
         while not os.path.exists(metas):   # the owners registered every version and saved their metas
             if owners.poll() is not None or time.monotonic() > deadline:
                 owners.kill()
-                err = owners.communicate()[1]
+                owners.wait()
+                err = owners_err.read_text(errors="replace")
                 raise AssertionError(f"the owners saved no metas ({owners.returncode}):\n{err[-6000:]}")
             time.sleep(0.2)
         run = subprocess.run(
@@ -459,10 +456,11 @@ def _from_a_joining_world(server, files, cold, refs, prompts, tmp_path) -> None:
     finally:
         done.touch()
         try:
-            _, err = owners.communicate(timeout=120)
+            owners.wait(timeout=120)
         except subprocess.TimeoutExpired:
             owners.kill()
-            _, err = owners.communicate()
+            owners.wait()
+        err = owners_err.read_text(errors="replace")
     assert owners.returncode == 0, f"the owners failed ({owners.returncode}):\n{err[-6000:]}"
     lines = [json.loads(x) for x in run.stdout.splitlines() if x.startswith("{")]
     assert [(x["version"], x["ok"]) for x in lines] == [("v0", True), ("v1", True), ("v3", False), ("v2", True),

@@ -26,7 +26,7 @@ import subprocess
 import pytest
 import torch
 
-from support.ports import free_port
+from support.torchrun import run_torchrun
 from vllm_support.fixtures import vllm_python  # noqa: F401
 from vllm_support.parity import Case, build_checkpoints, differences
 from vllm_support.server import REPO
@@ -147,8 +147,6 @@ def test_direct_updates_at_tensor_parallel_2_equal_a_cold_load(vllm_python, tmp_
     --direct``): each worker records its own map and decides alone; A recorded, then B and A direct on
     both, each equal to a cold load on every rank. Only tensors a worker reads whole can go direct
     (the replicated norms); the sharded layers are reloaded."""
-    import sys
-
     from vllm_support.fixtures import MAX_TOKENS, launch_server, ready
     from vllm_support.parity import cold_load, tp_server_args
 
@@ -161,13 +159,11 @@ def test_direct_updates_at_tensor_parallel_2_equal_a_cold_load(vllm_python, tmp_
         cold = cold_load(vllm_python, model.dir, [a, b], 2)["digests"]
         ready(server)
         server.pushed = True
-        run = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-             "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-             str(REPO / "tests" / "integration" / "vllm_support" / "delta_push.py"), "--direct",
+        run = run_torchrun(
+            [REPO / "tests" / "integration" / "vllm_support" / "delta_push.py", "--direct",
              "--endpoint", server.endpoint, "--prompts", json.dumps(model.prompts), "--max-tokens", str(MAX_TOKENS),
-             *map(str, files)],
-            env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=900)
+             *files],
+            nproc=2, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=900)
         assert run.returncode == 0, f"delta_push.py --direct failed ({run.returncode}):\n{run.stderr[-6000:]}"
         lines = [json.loads(x) for x in run.stdout.splitlines() if x.startswith("{")]
         assert len(lines) == 3

@@ -26,13 +26,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from support.ports import free_port
+from support.torchrun import run_torchrun
 from test_vllm_delta import _versions  # the AdamW chain of the vLLM delta test
 from test_vllm_service_slices import _shards  # each PS rank its share of a version's tensors
 from vllm_support.fixtures import MAX_TOKENS, hf_reference, shared_servers, tiny_model, vllm_python  # noqa: F401
@@ -89,16 +87,11 @@ def chain(shared_servers, tiny_model, vllm_python, tmp_path_factory) -> Chain:
 
 
 def test_staged_sliced_deltas_commit_to_a_cold_load_and_a_base_changed_since_the_stage_is_refused(chain):
-    for _ in range(3):   # the free port can be taken before torchrun's store binds it (EADDRINUSE): again, on another
-        run = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(TP),
-             "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-             str(REPO / "tests" / "integration" / "vllm_support" / "staged_delta_push.py"),
-             "--endpoint", chain.server.endpoint, "--prompts", json.dumps(chain.prompts),
-             "--max-tokens", str(MAX_TOKENS), *map(str, chain.files)],
-            env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=900)
-        if not (run.returncode and "EADDRINUSE" in run.stderr and not run.stdout.strip()):   # no step ran
-            break
+    run = run_torchrun(
+        [REPO / "tests" / "integration" / "vllm_support" / "staged_delta_push.py",
+         "--endpoint", chain.server.endpoint, "--prompts", json.dumps(chain.prompts),
+         "--max-tokens", str(MAX_TOKENS), *chain.files],
+        nproc=TP, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=900)
     assert run.returncode == 0, f"staged_delta_push.py failed ({run.returncode}):\n{run.stderr[-6000:]}"
     lines = [json.loads(x) for x in run.stdout.splitlines() if x.startswith("{")]
     assert [x["step"] for x in lines] == [

@@ -436,10 +436,8 @@ def test_the_example_driver_stages_then_commits_and_a_commit_alone_of_nothing_fa
     import json
     import os
     import shutil
-    import subprocess
-    import sys
 
-    from support.ports import free_port
+    from support.torchrun import run_torchrun
     from vllm_support.server import REPO
 
     model = tiny_model
@@ -449,11 +447,9 @@ def test_the_example_driver_stages_then_commits_and_a_commit_alone_of_nothing_fa
     shutil.copy(model.weights[1], ckpt / "model.safetensors")
 
     def example(*args):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "1",
-               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(REPO / "examples" / "vllm_update.py"),
-               "--endpoint", server.endpoint, "--device", "cpu", "--timeout", "120", *args]
-        return subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True,
-                              timeout=600)
+        return run_torchrun([REPO / "examples" / "vllm_update.py", "--endpoint", server.endpoint, "--device", "cpu",
+                             "--timeout", "120", *args],
+                            nproc=1, env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=600)
 
     run = example("--checkpoint-path", str(ckpt), "--stage", "--version", "e1", "--commit")
     assert run.returncode == 0, run.stderr[-4000:]

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 
 import pytest
 
@@ -38,16 +37,18 @@ def server(shared_servers, tiny_model):
 def run_trainer(python: str, model, server, out, phases: list[str], *, ranks: int = 1, extra=(),
                 timeout_s: float = TIMEOUT_S) -> list[dict]:
     """rl_trainer.py on ``ranks`` trainer ranks (torchrun for more than one); rank 0's JSON lines."""
-    from support.ports import free_port
+    from support.ports import run_with_master_port
+    from support.torchrun import run_torchrun
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    launch = [python] if ranks == 1 else [python, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",
-                                          str(ranks), "--master-addr", "127.0.0.1", "--master-port", env["MASTER_PORT"]]
-    cmd = [*launch, str(TRAINER), "--model", str(model.dir), "--weights", str(model.weights[0]), "--url",
-           server.endpoint, "--out", str(out), "--prompts", json.dumps(model.prompts), "--phases", ",".join(phases),
-           "--timeout", str(timeout_s), "--seed", str(model.seed), *extra]
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+           "MASTER_ADDR": "127.0.0.1"}
+    args = [TRAINER, "--model", model.dir, "--weights", model.weights[0], "--url", server.endpoint, "--out", out,
+            "--prompts", json.dumps(model.prompts), "--phases", ",".join(phases), "--timeout", str(timeout_s),
+            "--seed", str(model.seed), *extra]
+    if ranks > 1:
+        run = run_torchrun(args, nproc=ranks, python=python, env=env, timeout=600)
+    else:   # its ParameterServer serves the store on MASTER_PORT once vLLM is imported (~20 s after the pick)
+        run = run_with_master_port([python, *args], env=env, timeout=600)
     assert run.returncode == 0, f"the trainer failed ({run.returncode}):\n{run.stderr[-6000:]}\n{server.log_tail(30)}"
     print(run.stderr[-3000:])
     return [json.loads(x) for x in run.stdout.splitlines() if x.startswith("{")]

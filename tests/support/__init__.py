@@ -8,7 +8,8 @@ Nothing is imported here: a module that runs in another virtualenv (SGLang's eng
 The harness, by concern:
 
 - ``procs``: how the worlds start their child processes (``CTX``: a fork server that imported torch
-  once), ``pythonpath``, ``collect_world``, and what a process holds (memory, descriptors, /dev/shm).
+  once), ``pythonpath``, ``collect_world`` and ``run_world`` (which starts a world again on another
+  port when its rank 0 lost the store's), and what a process holds (memory, descriptors, /dev/shm).
 - ``engine``: the engine side: ``SimEngine`` workers, the ``EngineFront`` that fans an update out to
   them like ``/collective_rpc``, and the req_funcs that post to it.
 - ``world``: parameter-server worlds: ``run_ps_world`` (a script of steps), ``PsWorld`` (commands one
@@ -17,7 +18,9 @@ The harness, by concern:
 - ``data``: fresh random tensors (never zeros) in every dtype, and the digests engines must hold.
 - ``asserts``: every rank failed alike, healthy workers aborted and unchanged, the fault table.
 - ``wire``: hand-built wire content (a pickle bomb, a hello with its plan inline).
-- ``ports``: free ports for servers; ``forked``: short Python runs forked from a helper that imported
+- ``ports``: free ports for servers, and ``on_a_free_port``: a launch made again on another port
+  when another process took the one it was given before it bound it; ``torchrun``: torchrun worlds
+  launched so (``run_torchrun``, ``start_torchrun``); ``forked``: short Python runs forked from a helper that imported
   the heavy libraries once; ``cli_runner``: ``ckpt-engine`` runs; ``traffic``: a thread of requests
   back to back while a test updates.
 

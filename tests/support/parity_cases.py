@@ -21,8 +21,7 @@ from ckpt_core.checkpoint.safetensors import write_file
 from support.data import FAULT_DTYPES, digest, fresh_tensor
 from support.e2e_cases import ShmDir
 from support.engine import queue_worker_main
-from support.ports import free_port
-from support.procs import CTX, collect_world
+from support.procs import CTX, run_world
 
 WORKER_RESULT_S = 120.0   # generous: how long a PS rank waits for its worker's report
 HANG_TIMEOUT_S = 10.0     # the update timeout that must bound a req_func that never returns
@@ -141,10 +140,17 @@ def parity_ps_main(rank: int, world: int, port: int, kind: str, steps: list, ini
 def run_parity_world(kind: str, world: int, steps: list, *, init: dict | None = None,
                      timeout: float = 300) -> dict[int, list]:
     """``world`` PS rank processes (not daemons: each starts its own worker) running ``steps``."""
-    port, q, barrier = free_port(), CTX.Queue(), CTX.Barrier(world)
-    procs = [CTX.Process(target=parity_ps_main, args=(r, world, port, kind, steps, dict(init or {}), q, barrier))
-             for r in range(world)]
-    return collect_world(procs, q, "parity world", timeout, join_s=10)
+    # held here for the whole run: Process.start() drops its args, and a barrier collected before a rank
+    # unpickled it is gone (its named semaphore unlinked). A world started again reuses it untouched: its
+    # ranks wait on it only after their ParameterServer was built, which the first world's never was.
+    barrier = CTX.Barrier(world)
+
+    def ranks(port: int):
+        q = CTX.Queue()
+        return [CTX.Process(target=parity_ps_main, args=(r, world, port, kind, steps, dict(init or {}), q, barrier))
+                for r in range(world)], q
+
+    return run_world(ranks, "parity world", timeout, join_s=10)
 
 
 # ---------------------------------------------------------------- cases

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 import time
+
+from support.ports import on_a_free_port, store_lost_port
 
 # Children of the worlds start from a fork server that has imported torch once (and what every
 # PS rank and engine worker imports after it): a spawned child spends ~3-5 s of a core importing
@@ -73,9 +76,34 @@ def process_gone(pid: int, timeout: float = 60) -> bool:
     return False
 
 
-def collect_world(procs: list, q, what: str, timeout: float, join_s: float = 5) -> dict[int, list]:
+class StorePortLost(RuntimeError):
+    """A world's rank could not serve the rendezvous store on the port it was given: another process
+    held it (taken after free_port() picked it). Nothing of the test ran; its ranks were killed."""
+
+
+def kill_with_children(pids: list[int]) -> None:
+    """SIGKILL each process and the processes it started (a PS rank's engine worker), children first:
+    a worker left behind would wait for its rank for ever."""
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/task/{pid}/children") as f:
+                children = [int(c) for c in f.read().split()]
+        except OSError:
+            children = []
+        for victim in [*children, pid]:
+            try:
+                os.kill(victim, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def collect_world(procs: list, q, what: str, timeout: float, join_s: float = 5, *,
+                  port: int | None = None) -> dict[int, list]:
     """Start ``procs`` (one per rank; each puts ``(rank, result)`` on ``q``) and return every rank's
-    result, failing with ``what`` named when they do not finish within ``timeout`` or all die silently."""
+    result, failing with ``what`` named when they do not finish within ``timeout`` or all die silently.
+    ``port``: the world's store port; a rank whose result says it could not serve the store there
+    (``store_lost_port``) ends the world at once, the others killed (they would wait for that store
+    until their timeout), with :class:`StorePortLost`."""
     for p in procs:
         p.start()
     out: dict[int, list] = {}
@@ -94,12 +122,28 @@ def collect_world(procs: list, q, what: str, timeout: float, join_s: float = 5) 
                 # A rank's last put may still be in flight for a moment after it exits.
                 if dead and time.monotonic() > start + 5 and all(not p.is_alive() for p in procs) and q.empty():
                     raise RuntimeError(f"PS ranks {dead} died without reporting")
+                continue
+            if port is not None and store_lost_port(str(res), port):
+                kill_with_children([p.pid for p in procs if p.is_alive()])
+                raise StorePortLost(f"{what}: rank {rank} could not serve the rendezvous store on port {port}, "
+                                    "another process holding it")
     finally:
         for p in procs:
             p.join(join_s)
             if p.is_alive():
                 p.kill()
     return out
+
+
+def run_world(ranks, what: str, timeout: float, join_s: float = 5) -> dict[int, list]:
+    """``collect_world`` of the rank processes ``ranks(port)`` makes (not started, and the queue they
+    report on) on a port of free_port()'s; made and started again on another (``on_a_free_port``) when a
+    rank could not serve the store there (:class:`StorePortLost`)."""
+    def launch(port: int) -> dict[int, list]:
+        procs, q = ranks(port)
+        return collect_world(procs, q, what, timeout, join_s, port=port)
+
+    return on_a_free_port(launch, lambda outcome, port: isinstance(outcome, StorePortLost), f"{what}'s store")
 
 
 def _proc_status(pid: int | str = "self") -> dict[str, int]:

@@ -173,20 +173,14 @@ def group_census(kind: str, n: int, mode: str, world: int = 2, p2p: str | None =
     """Each rank's process-group count and open fds before and after ``n`` ParameterServers were
     created in (and closed or aborted out of) a default group the caller initialised; with ``p2p``
     (an engine front serving rank 1's worker), each did a P2P update into rank 1 first."""
-    from support.ports import free_port
-    from support.procs import CTX
-    port, q = free_port(), CTX.Queue()
-    procs = [CTX.Process(target=_group_census_main, args=(r, world, port, kind, n, mode, q, p2p), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        out = dict(q.get(timeout=300) for _ in range(world))
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
+    from support.procs import CTX, run_world
+
+    def ranks(port: int):
+        q = CTX.Queue()
+        return [CTX.Process(target=_group_census_main, args=(r, world, port, kind, n, mode, q, p2p), daemon=True)
+                for r in range(world)], q
+
+    out = run_world(ranks, "group census world", 300, join_s=10)
     assert all("error" not in v for v in out.values()), out
     return out
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 from pathlib import Path
+
+from support.ports import run_with_master_port
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -23,15 +24,11 @@ def quickstart() -> str:
 
 def run_quickstart(python: str, cwd: Path, *, pythonpath: str | None, timeout: float = 300) -> subprocess.CompletedProcess:
     """Run the quickstart with ``python`` in ``cwd``: ``pythonpath`` None means the installed package
-    only (PYTHONPATH unset). MASTER_PORT is a free port (the default 29500 may be taken here)."""
+    only (PYTHONPATH unset). MASTER_PORT is a free port (the default 29500 may be taken here), another
+    if its store could not bind that one (``run_with_master_port``)."""
     script = cwd / "quickstart.py"
     script.write_text(quickstart())
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["MASTER_PORT"] = str(port)
     if pythonpath is not None:
         env["PYTHONPATH"] = pythonpath
-    return subprocess.run([python, str(script)], cwd=str(cwd), env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return run_with_master_port([python, script], env=env, timeout=timeout, cwd=str(cwd))

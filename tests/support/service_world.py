@@ -21,7 +21,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 
 from support.engine import EngineFront, make_req_func
-from support.ports import free_port
+from support.ports import on_a_free_port, store_lost_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the project
 
@@ -76,28 +76,37 @@ class ServiceWorld:
     def __init__(self, size: int, tmp: str, *, extra: list[str] = (), env: dict | None = None, device: str = "cpu",
                  allow_dirs: tuple[str, ...] | None = None, rank_env: dict[int, dict] | None = None):
         """``allow_dirs``: the ``--allow-dir`` of every rank (default: ``tmp``, where the tests write files).
-        ``env``: added to every rank's environment; ``rank_env``: to some ranks' only (rank -> variables)."""
+        ``env``: added to every rank's environment; ``rank_env``: to some ranks' only (rank -> variables).
+        A world whose rank 0 could not serve the store on the port free_port() gave (another process took
+        it first) is started again on another, LAUNCHES times in all: no test has seen it yet."""
         self.size, self.tmp = size, tmp
         allow = [a for d in (allow_dirs if allow_dirs is not None else (tmp,)) for a in ("--allow-dir", d)]
-        port = free_port()
         self.socks = [os.path.join(tmp, f"ps-{r}.sock") for r in range(size)]
         self.logs = [os.path.join(tmp, f"ps-{r}.log") for r in range(size)]
-        self.procs = [start_serve(["--device", device, "--uds", os.path.join(tmp, "ps-{rank}.sock"), *allow, *extra],
-                                  {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(size),
-                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **(env or {}),
-                                   **(rank_env or {}).get(r, {})},
-                                  self.logs[r]) for r in range(size)]
-        self.clients = [httpx.Client(transport=httpx.HTTPTransport(uds=s), base_url="http://ps", timeout=120)
-                        for s in self.socks]
-        try:
-            deadline = time.monotonic() + 120
-            for r in range(size):
-                while not os.path.exists(self.socks[r]) and self.procs[r].poll() is None and time.monotonic() < deadline:
-                    time.sleep(0.1)
-                wait_healthy(self.clients[r], self.procs[r], self.logs[r], max(1.0, deadline - time.monotonic()))
-        except Exception:
-            self.close()
-            raise
+
+        def launch(port: int) -> None:
+            self.procs = [start_serve(["--device", device, "--uds", os.path.join(tmp, "ps-{rank}.sock"), *allow,
+                                       *extra],
+                                      {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(size),
+                                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **(env or {}),
+                                       **(rank_env or {}).get(r, {})},
+                                      self.logs[r]) for r in range(size)]
+            self.clients = [httpx.Client(transport=httpx.HTTPTransport(uds=s), base_url="http://ps", timeout=120)
+                            for s in self.socks]
+            try:
+                self._wait_healthy(time.monotonic() + 120)
+            except Exception:
+                self.close()
+                raise
+
+        on_a_free_port(launch, lambda failed, port: isinstance(failed, Exception) and
+                       store_lost_port(_tail(self.logs[0]), port), "a service world's rank 0 (its store)")
+
+    def _wait_healthy(self, deadline: float) -> None:
+        for r in range(self.size):
+            while not os.path.exists(self.socks[r]) and self.procs[r].poll() is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+            wait_healthy(self.clients[r], self.procs[r], self.logs[r], max(1.0, deadline - time.monotonic()))
 
     def all(self, method: str, path: str, bodies=None, **kw) -> list[httpx.Response]:
         """The same call on every rank at once (collectives need every rank); responses in rank order."""

@@ -18,8 +18,7 @@ import torch
 
 from support.data import digest
 from support.engine import make_req_func
-from support.ports import free_port
-from support.procs import CTX, collect_world
+from support.procs import CTX, run_world
 
 VOCAB, HIDDEN, INNER = 37, 24, 42   # 37 rows over 2 or 3 ranks, 42 over (2 x 2): never all even
 
@@ -150,11 +149,12 @@ def trainer_main(rank: int, world: int, port: int, tp: int, steps: int, address,
 
 def run_trainers(world: int, address, *, tp: int = 1, steps: int = 2, timeout: float = 240,
                  kind: str = "cpu", delta: bool = False) -> dict[int, list]:
-    port = free_port()
-    q = CTX.Queue()
-    procs = [CTX.Process(target=trainer_main, args=(r, world, port, tp, steps, address, q, kind, delta), daemon=True)
-             for r in range(world)]
-    return collect_world(procs, q, "trainer world", timeout)
+    def ranks(port: int):
+        q = CTX.Queue()
+        return [CTX.Process(target=trainer_main, args=(r, world, port, tp, steps, address, q, kind, delta), daemon=True)
+                for r in range(world)], q
+
+    return run_world(ranks, "trainer world", timeout)
 
 
 # ---------------------------------------------------------------- helpers run inside PsWorld ranks ("call")

@@ -21,8 +21,7 @@ import torch
 
 from support.data import digest, fresh_tensors
 from support.engine import make_req_func
-from support.ports import free_port
-from support.procs import CTX, collect_world
+from support.procs import CTX, run_world
 
 SHAPES = {f"model.layers.{i}.{part}.weight": ((24, 16), torch.float32) for i in range(3) for part in ("q", "k", "mlp")}
 SHAPES.update({"model.embed_tokens.weight": ((40, 16), torch.bfloat16), "model.norm.weight": ((16,), torch.float32)})
@@ -157,11 +156,12 @@ def run_trainer_world(world: int, address, rounds: list, *, timeout_s: float = 3
     """Every rank's results: one per round, then ``{"calls", "bases"}`` (the engine's classes); ``vllm026``:
     the ranks meet vLLM 0.26's trainer API (tests/fakes/vllm026) and its version-less client; ``info``: more
     ``CkptTrainerInitInfo`` fields (e.g. ``on_device``)."""
-    port = free_port()
-    q = CTX.Queue()
-    procs = [CTX.Process(target=trainer_rank_main, args=(r, world, port, address, rounds, q, timeout_s, vllm026, info),
-                         daemon=True) for r in range(world)]
-    got = collect_world(procs, q, "trainer world", timeout)
+    def ranks(port: int):
+        q = CTX.Queue()
+        return [CTX.Process(target=trainer_rank_main, args=(r, world, port, address, rounds, q, timeout_s, vllm026,
+                                                            info), daemon=True) for r in range(world)], q
+
+    got = run_world(ranks, "trainer world", timeout)
     for rank, results in got.items():
         assert "fatal" not in results[-1], f"trainer rank {rank} failed:\n{results[-1]['fatal']}"
     return got

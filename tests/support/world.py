@@ -18,8 +18,8 @@ import torch
 
 from support.data import FAULT_DTYPES, fresh_tensors, want_digests
 from support.engine import EngineFront, group_req_func, make_req_func
-from support.ports import free_port
-from support.procs import CTX, collect_world, rss_bytes
+from support.ports import on_a_free_port, store_lost_port
+from support.procs import CTX, StorePortLost, rss_bytes, run_world
 
 
 def ps_main(rank: int, world: int, port: int, kind: str, script: list, out) -> None:
@@ -63,10 +63,12 @@ def ps_main(rank: int, world: int, port: int, kind: str, script: list, out) -> N
 
 def run_ps_world(kind: str, world: int, script: list, *, timeout: float = 120) -> dict[int, list]:
     """Start ``world`` PS processes running ``script``; return each rank's step results."""
-    port = free_port()
-    q = CTX.Queue()
-    procs = [CTX.Process(target=ps_main, args=(r, world, port, kind, script, q), daemon=True) for r in range(world)]
-    return collect_world(procs, q, "PS world", timeout)
+    def ranks(port: int):
+        q = CTX.Queue()
+        return [CTX.Process(target=ps_main, args=(r, world, port, kind, script, q), daemon=True)
+                for r in range(world)], q
+
+    return run_world(ranks, "PS world", timeout)
 
 
 # ---------------------------------------------------------------- PS side, driven step by step
@@ -247,23 +249,34 @@ class PsWorld:
     def __init__(self, kind: str, size: int, *, init: dict | None = None, env: dict | None = None,
                  start_timeout: float = 120):
         self.kind, self.size = kind, size
-        port = free_port()
-        self.conns, self.procs = [], []
-        for r in range(size):
-            parent, child = CTX.Pipe()
-            p = CTX.Process(target=ps_server_main, args=(r, size, port, kind, dict(init or {}), dict(env or {}), child),
-                            daemon=True)
-            p.start()
-            child.close()
-            self.conns.append(parent)
-            self.procs.append(p)
-        hello = self._collect(range(size), start_timeout)
+        hello = on_a_free_port(lambda port: self._start(port, dict(init or {}), dict(env or {}), start_timeout),
+                               lambda outcome, port: isinstance(outcome, StorePortLost), "a PS world's store")
         bad = {r: o for r, o in hello.items() if not o.ok}
         if bad:
             self.kill_all()
             raise RuntimeError(f"PS ranks failed to start: {bad}")
         self.pids = [hello[r].value["pid"] for r in range(size)]
         self.device_uuids = [hello[r].value["device_uuid"] for r in range(size)]
+
+    def _start(self, port: int, init: dict, env: dict, timeout: float) -> dict[int, Outcome]:
+        """The ranks started on ``port`` and their first answers; :class:`StorePortLost` (the ranks
+        killed) when rank 0 could not serve the store there, another process holding it."""
+        self.conns, self.procs = [], []
+        for r in range(self.size):
+            parent, child = CTX.Pipe()
+            p = CTX.Process(target=ps_server_main, args=(r, self.size, port, self.kind, init, env, child), daemon=True)
+            p.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(p)
+        deadline = time.monotonic() + timeout
+        hello = self._collect([0], timeout)   # rank 0 serves the store: the others wait on it until their timeout
+        if not hello[0].ok and store_lost_port(hello[0].message, port):
+            self.kill_all()
+            raise StorePortLost(f"PS world: rank 0 could not serve the rendezvous store on port {port}, "
+                                "another process holding it")
+        hello.update(self._collect(range(1, self.size), max(0.0, deadline - time.monotonic())))
+        return hello
 
     def send(self, cmd: str, arg=None, *, ranks=None, per_rank: dict | None = None) -> list[int]:
         ranks = list(range(self.size)) if ranks is None else list(ranks)

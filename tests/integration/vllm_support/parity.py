@@ -12,15 +12,15 @@ import json
 import os
 import random
 import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from support.torchrun import run_torchrun
 
 from .fixtures import MAX_TOKENS, OneAhead, TinyModel, hf_reference, push, run_vllm_python
-from .server import REPO, free_port
+from .server import REPO
 
 HERE = Path(__file__).resolve().parent
 
@@ -188,11 +188,10 @@ def push_to(server, weights: Path, path: str, tp: int, where: Path, extra: tuple
     names = sorted(tensors)
     for i in range(tp):
         save_file({n: tensors[n] for n in names[i::tp]}, str(ckpt / f"model-{i}.safetensors"))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(tp),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(REPO / "examples" / "vllm_update.py"),
-           "--checkpoint-path", str(ckpt), "--checkpoint-name", ckpt.name, "--inference-parallel-size", str(tp),
-           "--endpoint", server.endpoint, "--path", path, "--device", "cpu", "--timeout", str(timeout), *extra]
-    run = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=600)
+    run = run_torchrun([REPO / "examples" / "vllm_update.py", "--checkpoint-path", ckpt, "--checkpoint-name", ckpt.name,
+                        "--inference-parallel-size", str(tp), "--endpoint", server.endpoint, "--path", path,
+                        "--device", "cpu", "--timeout", str(timeout), *extra],
+                       nproc=tp, env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=600)
     if run.returncode != 0:
         raise RuntimeError(f"vllm_update.py failed ({run.returncode}):\n{run.stderr[-6000:]}\n{server.log_tail(30)}")
     lines = [json.loads(x) for x in run.stdout.splitlines() if x.startswith("{")]
