@@ -42,14 +42,15 @@ GiB = float(1 << 30)
 class Calibration:
     """Costs that no ceiling measures; fitted on benchmark runs (``calibrate``, ``fit_per_tensor``)."""
     fixed_s: float = 0.0102          # per update: plan, handshake, agreements (tiny case)
-    # engine-side cost per tensor, overlapped with the other stages: our worker (~4 us) and the
-    # benchmark's simulated engine (~13 us, its copy into parameters), fitted on moe128 (19,162
-    # tensors) after issue 38's per-tensor work; it was 29.2 us on the run of 2026-11-30
-    per_tensor_s: float = 1.71e-05
+    # engine-side cost per tensor, overlapped with the other stages: our worker (~2.6 us) and the
+    # benchmark's simulated engine (~12.8 us, its copy into parameters), fitted on moe128 (19,162
+    # tensors, whole: 0.364 s on one H100, 2026-12-06); 17.1 us on one H200 on 2026-12-03, 29.2 us on
+    # the run of 2026-11-30
+    per_tensor_s: float = 1.56e-05
     reload_gbps: float = 2125.0      # device-to-device copy into parameters (half the D2D read+write rate)
     register_gbps: float = 3.95      # one rank's registration (copy into pinned memory), GB/s of its share
     source: str = ("benchmarks/results/2026-11-30-2xH200-7b50b1f-all-cases.json; per tensor: "
-                   "benchmarks/results/2026-12-03-1xH200-9c57654-pertensor-moe-bench.log")
+                   "benchmarks/results/2026-12-06-1xH100-f8f819f-update-bench-moe8-moe128-tp8.json")
 
 
 @dataclass(frozen=True)

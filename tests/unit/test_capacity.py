@@ -19,6 +19,7 @@ def _run(name: str) -> dict:
 
 
 PER_TENSOR_LOG = "2026-12-03-1xH200-9c57654-pertensor-moe-bench.log"
+PER_TENSOR_RUN = "2026-12-06-1xH100-f8f819f-update-bench-moe8-moe128-tp8.json"
 BEFORE_38 = 2.92e-05   # the per-tensor cost of the runs of 2026-11-30 (our worker's, before issue 38)
 
 
@@ -39,17 +40,25 @@ def test_the_default_calibration_is_what_the_recorded_runs_give():
                                                                           cal.reload_gbps), \
         "update the defaults in planning/capacity.py when the reference run changes"
     assert fitted.per_tensor_s == BEFORE_38   # that run's engine side, before issue 38's per-tensor work
-    # the per-tensor cost: the case with the most tensors of the latest per-tensor run (1 H200)
+    # the per-tensor cost: the case with the most tensors of the latest per-tensor run (whole updates, 1 H100)
+    run = _run(PER_TENSOR_RUN)
+
+    def _spec(c):
+        return ModelSpec(c["bytes"], c["tensors"], c.get("largest_tensor") or c["bytes"] // 16)
+
+    topo = topology_of(run)
+    many = max(run["cases"], key=lambda c: c["tensors"])
+    assert many["case"] == "moe128" and many["tensors"] == 19162
+    assert float(f"{fit_per_tensor(_spec(many), topo, many['update']['best_s']):.3g}") == cal.per_tensor_s
+    assert PER_TENSOR_RUN in cal.source
+    for case in run["cases"]:   # and it predicts every case of that run (moe8 is H2D bound: 5.3 % over at any
+        got, best = predict(_spec(case), topo)["update_s"], case["update"]["best_s"]   # per-tensor cost)
+        assert abs(got / best - 1) < 0.06, (case["case"], got, best)
+    # the run before (1 H200, 2026-12-03), within 10 %: the cost per tensor fell 17.1 -> 15.6 us since
     h2d, cases = _log_cases(PER_TENSOR_LOG)
-    topo = Topology(devices_per_node=1, h2d_gbps=h2d)
-    many = max(cases, key=lambda k: cases[k][1])
-    size, tensors, best = cases[many]
-    assert many == "moe128" and tensors == 19162
-    assert float(f"{fit_per_tensor(ModelSpec(size, tensors, size // 16), topo, best):.3g}") == cal.per_tensor_s
-    assert PER_TENSOR_LOG in cal.source
-    for case, (size, tensors, best) in cases.items():   # and it predicts every case of that run
-        got = predict(ModelSpec(size, tensors, size // 16), topo)["update_s"]
-        assert abs(got / best - 1) < 0.05, (case, got, best)
+    for case, (size, tensors, best) in cases.items():
+        got = predict(ModelSpec(size, tensors, size // 16), Topology(devices_per_node=1, h2d_gbps=h2d))["update_s"]
+        assert abs(got / best - 1) < 0.10, (case, got, best)
     topo = topology_of(_run("2026-11-30-2xH200-7b50b1f-all-cases.json"))
     assert round(topo.h2d_gbps, 1) == Topology.h2d_gbps and round(topo.broadcast_gbps) == Topology.broadcast_gbps
 
