@@ -5,13 +5,13 @@ port and EADDRINUSE included, is returned as it came. Real torchrun, one CPU ran
 from __future__ import annotations
 
 import os
-import socket
 import sys
 
 import pytest
 import support.ports as ports
 import support.torchrun as torchrun
 
+pytest_plugins = ["support.port_fixtures"]   # held, picks
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = dict(os.environ, PYTHONPATH=ROOT)
 
@@ -34,30 +34,6 @@ dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), 1, is_master=True)
 
 AGENT_LOST = ("torch.distributed.DistNetworkError: The server socket has failed to listen on any local network "
               "address. port: {port}, useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use")
-
-
-@pytest.fixture
-def held():
-    """A port another process holds (listening), as one of the suite's other half would."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        yield s.getsockname()[1]
-
-
-@pytest.fixture
-def picks(monkeypatch):
-    """free_port() as the launchers see it: the ports queued first, then free ones; every pick listed."""
-    queued: list[int] = []
-    picked: list[int] = []
-    free_port = ports.free_port
-
-    def pick() -> int:
-        picked.append(queued.pop(0) if queued else free_port())
-        return picked[-1]
-
-    monkeypatch.setattr(ports, "free_port", pick)
-    return queued, picked
 
 
 def _script(tmp_path, text: str) -> str:

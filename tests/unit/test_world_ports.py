@@ -7,7 +7,6 @@ and shards worlds, and PsWorld)."""
 from __future__ import annotations
 
 import os
-import socket
 import sys
 
 import pytest
@@ -17,33 +16,10 @@ from support.data import fresh_tensor
 from support.service_world import ServiceWorld
 from support.world import PsWorld, run_ps_world
 
+pytest_plugins = ["support.port_fixtures"]   # held, picks
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PS_LOST = ("ckpt-engine serve: TransportError: rank 0: cannot reach the rendezvous store at 127.0.0.1:{port}: "
            "[Errno 98] Address already in use")
-
-
-@pytest.fixture
-def held():
-    """A port another process holds (listening), as one of the suite's other half would."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        yield s.getsockname()[1]
-
-
-@pytest.fixture
-def picks(monkeypatch):
-    """free_port() as the launchers see it: the ports queued first, then free ones; every pick listed."""
-    queued: list[int] = []
-    picked: list[int] = []
-    free_port = ports.free_port
-
-    def pick() -> int:
-        picked.append(queued.pop(0) if queued else free_port())
-        return picked[-1]
-
-    monkeypatch.setattr(ports, "free_port", pick)
-    return queued, picked
 
 
 @pytest.mark.parametrize("log, lost", [
