@@ -13,6 +13,16 @@ within :data:`WATCH_S` and stops the service as SIGTERM does: the ParameterServe
 memory, /dev/shm buffers, process groups) and the socket removed. A PS that is itself SIGKILLed
 leaves its /dev/shm buffer to the next PS on the host (it reclaims buffers of dead owners) and its
 socket file to the next service on that path (a stale socket is replaced).
+
+The engine does not learn of a PS that fails on its own (a store port another process holds, a
+socket path it may not bind, a bad option): the engine keeps serving without it. So the worker
+watches its PS too, and logs an error at once when it exits without being stopped, with the last
+error line of the PS's log (the root cause; ``ckpt-engine serve`` prints it as it exits):
+
+    ERROR ckpt_core [managed ps rank 0] phase=serve the managed PS (pid 4242) exited without being
+    stopped: this engine worker has no PS rank 0; its log /run/ckpt/ps-0.sock.log ends: ckpt-engine
+    serve: TransportError: rank 0: cannot reach the rendezvous store at 127.0.0.1:29555: [Errno 98]
+    Address already in use
 """
 
 from __future__ import annotations
@@ -104,22 +114,62 @@ def log_path_of(spec: str, rank: int, local_rank: int) -> str | None:
     return None if path is None else path.format(rank=rank, local_rank=local_rank)
 
 
+def last_error(log_path: str | None) -> str:
+    """What the end of a managed PS's log says of why it ended: its last ``ckpt-engine serve:`` line
+    (the CLI's one line per fatal error), else its last line; a note when there is no log."""
+    if log_path is None:
+        return "it logs nowhere (add log=PATH to CKPT_ENGINE_SERVE to see why)"
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - 16384))
+            lines = [ln.strip() for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
+    except OSError as exc:
+        return f"its log {log_path} cannot be read: {exc}"
+    fatal = [ln for ln in lines if ln.startswith("ckpt-engine serve:")]
+    return f"its log {log_path} ends: {(fatal or lines or ['(nothing)'])[-1][-1000:]}"
+
+
 class ManagedParameterServer:
-    """A PS process started by :func:`start_managed`; ``stop()`` is idempotent."""
+    """A PS process started by :func:`start_managed`; ``stop()`` is idempotent.
+
+    ``exited``: set when the PS ended without ``stop()`` (the watch thread has logged why, as far as
+    its log says: :func:`last_error`); ``failure`` is that message.
+    """
 
     def __init__(self, pid: int, uds: str | None, rank: int, log_path: str | None):
         self.pid, self.uds, self.rank, self.log_path = pid, uds, rank, log_path
         self._born = _start_time(pid)
         self._log = rank_logger(f"managed ps rank {rank}")
+        self._stopping = threading.Event()
+        self.exited = threading.Event()
+        self.failure: str | None = None
 
     def alive(self) -> bool:
         return self._born is not None and _start_time(self.pid) == self._born
+
+    def watch(self) -> threading.Thread:
+        """Watch the PS from the engine worker (a daemon thread, every :data:`WATCH_S`) until ``stop()``:
+        if it exits on its own, log an error naming its rank and why (once) and set ``exited``."""
+        def loop():
+            while not self._stopping.wait(WATCH_S):
+                if not self.alive():
+                    if self._stopping.is_set():
+                        return
+                    self.failure = (f"the managed PS (pid {self.pid}) exited without being stopped: this engine "
+                                    f"worker has no PS rank {self.rank}; {last_error(self.log_path)}")
+                    self._log.error("phase=serve %s", self.failure)
+                    self.exited.set()
+                    return
+        t = threading.Thread(target=loop, name=f"ckpt-managed-ps-{self.rank}", daemon=True)
+        t.start()
+        return t
 
     def stop(self, timeout: float = 30.0) -> bool:
         """SIGTERM (the service closes the PS and removes its socket), SIGKILL after ``timeout``.
 
         Returns whether it stopped by itself (False: it had to be killed).
         """
+        self._stopping.set()   # the watch thread: this exit is asked for
         clean = True
         for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 10.0)):
             if not self.alive():
@@ -147,7 +197,9 @@ def start_managed(spec: str, *, rank: int, world_size: int, local_rank: int, dev
 
     ``rank``/``world_size``: the PS world (one rank per engine worker; every worker of the engine
     starts one; they meet at ``master_addr:master_port``). ``device``: the worker's device kind,
-    ``local_rank`` its index. Poll the service's ``/v1/healthz`` for readiness.
+    ``local_rank`` its index. Poll the service's ``/v1/healthz`` for readiness. A PS that exits on its
+    own (its store port taken, ...) is logged here at once, with the cause its log gives
+    (:meth:`ManagedParameterServer.watch`).
     """
     where, args = _parse_spec(spec)
     uds: str | None = None
@@ -175,7 +227,9 @@ def start_managed(spec: str, *, rank: int, world_size: int, local_rank: int, dev
     pid = int(proc.stdout.strip())
     rank_logger(f"managed ps rank {rank}").info("phase=start pid %d serving on %s (world %d, %s:%d)", pid, shown,
                                                 world_size, device, local_rank)
-    return ManagedParameterServer(pid, uds, rank, log_path)
+    managed = ManagedParameterServer(pid, uds, rank, log_path)
+    managed.watch()
+    return managed
 
 
 def start_from_env(*, rank: int, world_size: int, local_rank: int, device: str) -> ManagedParameterServer | None:

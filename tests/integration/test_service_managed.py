@@ -4,8 +4,11 @@ together with its whole process tree, as vLLM does at shutdown) and leaves no so
 /dev/shm buffer behind."""
 
 import json
+import logging
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -21,7 +24,7 @@ from support.procs import process_gone  # noqa: E402
 from support.service_world import ROOT, HttpEngineFront, wait_healthy  # noqa: E402
 from ckpt_core.checkpoint.safetensors import write_file  # noqa: E402
 from ckpt_core.errors import ConfigError  # noqa: E402
-from ckpt_core.engines.managed import log_path_of, parse_serve_spec  # noqa: E402
+from ckpt_core.engines.managed import WATCH_S, log_path_of, parse_serve_spec, start_managed  # noqa: E402
 
 # A stand-in for an engine worker's lifecycle hooks: start the PS child, report its pid, stop it on SIGTERM.
 WORKER = r"""
@@ -128,3 +131,45 @@ def _both(clients, path, body):
     with ThreadPoolExecutor(2) as pool:
         got = list(pool.map(lambda cb: cb[0].post(path, json=cb[1]), zip(clients, body)))
     assert [r.status_code for r in got] == [200, 200], [r.text for r in got]
+
+
+def test_a_managed_ps_that_cannot_serve_its_store_is_logged_by_its_worker_at_once_with_the_cause(tmp_path, caplog):
+    """Another process holds the store port: the PS exits as it starts, and the engine worker (which
+    keeps serving without it) logs an error naming the rank, the phase and the PS's own last words,
+    the port and EADDRINUSE, instead of leaving a controller to wait on a socket that never appears."""
+    spec = "uds:" + str(tmp_path / "ps-{rank}.sock")
+    log = tmp_path / "ps-0.log"
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        caplog.set_level(logging.INFO, logger="ckpt_core")
+        m = start_managed(spec, rank=0, world_size=1, local_rank=0, device="cpu", master_port=port,
+                          log_path=str(log))
+        try:
+            assert m.exited.wait(120), f"the watch did not see the PS exit:\n{log.read_text()[-2000:]}"
+        finally:
+            m.stop()
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1, errors
+    assert errors[0] == f"[managed ps rank 0] phase=serve {m.failure}"
+    assert f"pid {m.pid}" in m.failure and "no PS rank 0" in m.failure and str(log) in m.failure
+    assert re.search(rf"ckpt-engine serve: TransportError: rank 0: cannot reach the rendezvous store at "
+                     rf"127\.0\.0\.1:{port}: .*Address already in use", m.failure), m.failure
+    assert process_gone(m.pid) and not os.path.exists(tmp_path / "ps-0.sock")
+
+
+def test_a_managed_ps_stopped_by_its_worker_is_not_reported_as_failed(tmp_path, caplog):
+    spec = "uds:" + str(tmp_path / "ps-{rank}.sock")
+    caplog.set_level(logging.INFO, logger="ckpt_core")
+    m = start_managed(spec, rank=0, world_size=1, local_rank=0, device="cpu", master_port=free_port(),
+                      log_path=str(tmp_path / "ps-0.log"))
+    try:
+        client = httpx.Client(transport=httpx.HTTPTransport(uds=str(tmp_path / "ps-0.sock")), base_url="http://ps")
+        with client:
+            wait_healthy(client, None, str(tmp_path / "ps-0.log"))
+    finally:
+        assert m.stop()
+    time.sleep(3 * WATCH_S)   # the watch's next look, had it not been told of the stop
+    assert not m.exited.is_set() and m.failure is None
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]

@@ -11,11 +11,11 @@ import time
 import httpx
 import pytest
 
+from support.managed_ps import ManagedPs
 from support.procs import process_gone
 from support.service_world import wait_healthy
 from vllm_support.fixtures import MAX_TOKENS, launch_server, ready, tiny_model, vllm_python  # noqa: F401
 from vllm_support.parity import tp_server_args
-from vllm_support.server import free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -32,10 +32,11 @@ def managed(vllm_python, tiny_model, tmp_path_factory):
         for name, tp in SERVERS.items():
             where = tmp_path_factory.mktemp(f"managed-{name}")
             extra = tp_server_args(tp)
-            env = {"CKPT_ENGINE_SERVE": f"uds:{where}/ps-{{rank}}.sock,allow-dir={where.parent}",  # pytest's base temp
-                   "CKPT_ENGINE_SERVE_MASTER": f"127.0.0.1:{free_port()}", **extra.pop("env", {})}
-            servers[name] = (launch_server(vllm_python, tiny_model, where, extension=True, backend="ckpt", env=env,
-                                           **extra), where)
+            # the store's port, picked at each launch of the server (again if another process took it);
+            # allow-dir: pytest's base temp
+            managed = ManagedPs(f"uds:{where}/ps-{{rank}}.sock,allow-dir={where.parent}", ranks=tp)
+            servers[name] = (launch_server(vllm_python, tiny_model, where, extension=True, backend="ckpt",
+                                           managed=managed, env=extra.pop("env", {}), **extra), where)
         ready(*(server for server, _ in servers.values()))
         yield servers
     finally:

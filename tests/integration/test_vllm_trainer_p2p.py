@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from support.managed_ps import ManagedPs
 from vllm_support.fixtures import launch_server, ready, tiny_model, vllm_python  # noqa: F401
 from vllm_support.parity import ALLOWED_TO_DIFFER, cold_load, differences, tp_server_args
 from vllm_support.server import REPO, free_port
@@ -52,15 +53,15 @@ def mooncake_shim(out: Path) -> str:
 def start_engine(python: str, model, where: Path, tp: int = 1):
     """A server (TP ``tp``) whose managed PS ranks serve on TCP: (server, services, token, shim)."""
     shim = mooncake_shim(where / "shim")
-    token, port = secrets.token_hex(16), free_port()
+    token = secrets.token_hex(16)
     extra = tp_server_args(tp)
-    env = {"CKPT_ENGINE_SERVE": f"tcp:127.0.0.1:{port},log={where}/ps-{{rank}}.log",
-           "CKPT_ENGINE_SERVE_MASTER": f"127.0.0.1:{free_port()}", "CKPT_SERVICE_TOKEN": token,
-           "PYTHONPATH": shim, **extra.pop("env", {})}
-    server = launch_server(python, model, where, extension=True, backend="ckpt", env=env, **extra)
+    env = {"CKPT_SERVICE_TOKEN": token, "PYTHONPATH": shim, **extra.pop("env", {})}
+    # the service's and the store's ports, picked at each launch (again if another process took one)
+    managed = ManagedPs(f"tcp:127.0.0.1:{{port}},log={where}/ps-{{rank}}.log", ranks=tp)
+    server = launch_server(python, model, where, extension=True, backend="ckpt", env=env, managed=managed, **extra)
     try:
         ready(server)
-        services = [f"http://127.0.0.1:{port + r}" for r in range(tp)]   # local rank i on PORT + i
+        services = managed.services()   # local rank i on PORT + i
         _wait_healthy(services, token, where / "ps-0.log")
     except BaseException:
         server.stop()

@@ -22,9 +22,12 @@ from ckpt_vllm import VllmClient
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # tests/: the shared port picker (tests/support/ports.py)
 # free_port is re-exported: the vLLM tests take it here
-from support.ports import LAUNCHES, free_port, lost_port  # noqa: E402
+from support import ports  # noqa: E402
+from support.managed_ps import ManagedPs  # noqa: E402
+from support.ports import LAUNCHES, free_port, lost_port  # noqa: E402,F401
 
 REPO = Path(__file__).resolve().parents[3]
+MANAGED_S = 120.0   # wait_ready's bound on a managed PS logging that it serves, once the server does
 EXTENSION = "ckpt_vllm.VllmColocateWorkerExtension"
 SERVER_ENV = {
     "VLLM_SERVER_DEV_MODE": "1",  # /collective_rpc and the weight-update routes
@@ -42,10 +45,13 @@ class VllmServer:
 
     def __init__(self, python: str, model_dir: Path, log_path: Path, *, extension: bool = True,
                  backend: str | None = None, uds: Path | None = None, load_format: str = "dummy",
-                 dtype: str = "float32", extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None):
+                 dtype: str = "float32", extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None,
+                 managed: ManagedPs | None = None):
+        """``managed``: the PS ranks its workers start (managed mode): their ports are picked at each
+        launch (``ManagedPs.pick``, into the environment), and ``wait_ready`` waits for them too."""
         self.python, self.model_dir, self.log_path = python, Path(model_dir), Path(log_path)
-        self.uds = uds
-        self.port = None if uds else free_port()   # picked again if another process was handed it first
+        self.uds, self.managed = uds, managed
+        self.port = None if uds else ports.free_port()   # picked again if another process was handed it first
         args = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                 "--served-model-name", "tiny", "--max-model-len", "256", "--dtype", dtype,
                 "--enforce-eager", "--distributed-executor-backend", "uni",
@@ -72,6 +78,8 @@ class VllmServer:
         env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
         env.update(SERVER_ENV)
         env.update(self.env)
+        if self.managed is not None:
+            env.update(self.managed.pick())
         # Works with or without the editable install of this repo in the vLLM venv.
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -84,7 +92,10 @@ class VllmServer:
         return self
 
     def wait_ready(self, timeout: float = 300.0) -> "VllmServer":
-        """Wait until the launched server serves; on failure stop it and raise with its log tail."""
+        """Wait until the launched server serves (and its managed PS ranks, if any: ``_managed_ready``);
+        on failure stop it and raise with its log tail. Launched again, on fresh ports, ``LAUNCHES`` times
+        in all, only when another process took a port picked for it before it bound it: its HTTP port
+        (``lost_port`` of its log) or its managed PS's (``ManagedPs.lost_port``)."""
         if self.proc is None:
             raise RuntimeError("wait_ready() before launch()")
         deadline = time.monotonic() + timeout
@@ -92,17 +103,43 @@ class VllmServer:
             try:
                 self.client.wait_ready(timeout=max(1.0, deadline - time.monotonic()),
                                        alive=lambda: self.proc.poll() is None)
-                break
             except Exception as exc:
                 self.stop()
                 if self.uds is None and launch < LAUNCHES and lost_port(self.log_tail()):
-                    self.port = free_port()
-                    self.launch()
+                    self._relaunch(launch, f"its HTTP port {self.port}")
                     continue
                 raise RuntimeError(f"vLLM server did not come up: {exc}\n--- server log tail ---\n"
                                    f"{self.log_tail()}") from exc
+            managed = self._managed_ready(min(MANAGED_S, max(1.0, deadline - time.monotonic())))
+            if managed == "lost" and launch < LAUNCHES:
+                self.stop()
+                self._relaunch(launch, f"its managed PS's port (store {self.managed.store_port}"
+                                       f"{'' if self.managed.port is None else f', service {self.managed.port}'})")
+                continue
+            if managed in ("lost", "failed"):
+                self.stop()
+                raise RuntimeError(f"the vLLM server's managed PS did not start:\n{self.managed.tail()}\n"
+                                   f"--- server log tail ---\n{self.log_tail(30)}")
+            break
         self.start_seconds = time.monotonic() - self._t0
         return self
+
+    def _managed_ready(self, timeout: float) -> str | None:
+        """With managed PS ranks: their ``ManagedPs.state()`` once it is no longer "starting" (or is still,
+        after ``timeout``: the test's own waits say what is missing)."""
+        if self.managed is None:
+            return None
+        end = time.monotonic() + timeout
+        while (state := self.managed.state()) == "starting" and time.monotonic() < end and self.alive():
+            time.sleep(0.2)
+        return state
+
+    def _relaunch(self, launch: int, what: str) -> None:
+        print(f"vLLM server {self.log_path}: another process took {what} after free_port() picked it: "
+              f"launch {launch + 1} of {LAUNCHES}, on fresh ports", file=sys.stderr)
+        if self.uds is None:
+            self.port = ports.free_port()
+        self.launch()
 
     @property
     def endpoint(self) -> str:
