@@ -21,7 +21,8 @@ def held():
 
 @pytest.fixture
 def picks(monkeypatch):
-    """free_port() as the launchers see it: the ports queued first, then free ones; every pick listed."""
+    """free_port() as the launchers see it: the ports queued first, then free ones; every pick listed.
+    (queued, picked, the real free_port)."""
     queued: list[int] = []
     picked: list[int] = []
     free_port = ports.free_port
@@ -31,4 +32,4 @@ def picks(monkeypatch):
         return picked[-1]
 
     monkeypatch.setattr(ports, "free_port", pick)
-    return queued, picked
+    return queued, picked, free_port

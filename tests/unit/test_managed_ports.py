@@ -7,14 +7,14 @@ rank with the product's ``start_from_env``, as the ``ckpt`` backend does: real `
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import textwrap
 
 import httpx
 import pytest
-import support.ports as ports
 from support.managed_ps import ManagedPs
+
+pytest_plugins = ["support.port_fixtures"]   # held, picks
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "integration"))
 from vllm_support.server import VllmServer  # noqa: E402
@@ -54,30 +54,6 @@ def fake_vllm(tmp_path):
         (folder / "__init__.py").write_text("")
     (package / "api_server.py").write_text(API_SERVER)
     return str(root)
-
-
-@pytest.fixture
-def held():
-    """A port another process holds (listening), as one of the suite's other half would."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        yield s.getsockname()[1]
-
-
-@pytest.fixture
-def picks(monkeypatch):
-    """free_port() as the server and ManagedPs see it: the ports queued first, then free ones; every pick listed."""
-    queued: list[int] = []
-    picked: list[int] = []
-    free_port = ports.free_port
-
-    def pick() -> int:
-        picked.append(queued.pop(0) if queued else free_port())
-        return picked[-1]
-
-    monkeypatch.setattr(ports, "free_port", pick)
-    return queued, picked, free_port
 
 
 def _server(tmp_path, fake_vllm, managed: ManagedPs, **env) -> VllmServer:

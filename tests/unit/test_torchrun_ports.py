@@ -57,7 +57,7 @@ def test_a_lost_store_port_is_told_by_the_whole_signature(returncode, stderr, ra
 @pytest.mark.slow   # a real torchrun (a few seconds each launch)
 def test_a_world_whose_store_port_was_taken_is_launched_again_on_another_and_runs_there(
         tmp_path, held, picks, capsys):
-    queued, picked = picks
+    queued, picked, _ = picks
     queued.append(held)
     run = torchrun.run_torchrun([_script(tmp_path, MEET)], nproc=1, timeout=120, env=ENV)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -69,7 +69,7 @@ def test_a_world_whose_store_port_was_taken_is_launched_again_on_another_and_run
 
 @pytest.mark.slow   # a real torchrun (a few seconds each launch)
 def test_a_rank_failing_on_the_store_port_itself_is_not_launched_again(tmp_path, picks, capsys):
-    _, picked = picks
+    _, picked, _ = picks
     run = torchrun.run_torchrun([_script(tmp_path, SERVE_AGENTS_PORT)], nproc=1, timeout=120, env=ENV)
     assert run.returncode != 0 and not run.stdout.strip()
     assert "EADDRINUSE" in run.stderr and f"port: {picked[0]}" in run.stderr, run.stderr[-3000:]
@@ -79,7 +79,7 @@ def test_a_rank_failing_on_the_store_port_itself_is_not_launched_again(tmp_path,
 
 @pytest.mark.slow   # a real torchrun (a few seconds each launch)
 def test_a_world_losing_its_port_every_time_returns_the_last_launchs_failure(tmp_path, held, picks, monkeypatch):
-    queued, picked = picks
+    queued, picked, _ = picks
     monkeypatch.setattr(ports, "LAUNCHES", 2)
     queued.extend([held, held])
     run = torchrun.run_torchrun([_script(tmp_path, MEET)], nproc=1, timeout=120, env=ENV)
@@ -90,7 +90,7 @@ def test_a_world_losing_its_port_every_time_returns_the_last_launchs_failure(tmp
 @pytest.mark.slow   # a real torchrun (a few seconds each launch)
 def test_a_world_started_in_the_background_is_launched_again_when_its_store_port_was_taken(
         tmp_path, held, picks, capsys):
-    queued, picked = picks
+    queued, picked, _ = picks
     queued.append(held)
     out, err = tmp_path / "out", tmp_path / "err"
     proc = torchrun.start_torchrun([_script(tmp_path, MEET)], nproc=1, out=out, err=err, env=ENV)
@@ -103,7 +103,7 @@ def test_a_world_started_in_the_background_is_launched_again_when_its_store_port
 
 @pytest.mark.slow   # a real torchrun (a few seconds each launch)
 def test_a_background_rank_failing_on_the_store_port_itself_is_not_launched_again(tmp_path, picks):
-    _, picked = picks
+    _, picked, _ = picks
     log = tmp_path / "log"
     proc = torchrun.start_torchrun([_script(tmp_path, SERVE_AGENTS_PORT)], nproc=1, out=log, env=ENV)
     assert proc.wait(timeout=120) != 0

@@ -34,7 +34,7 @@ def test_a_lost_store_port_is_told_by_the_parameter_servers_own_words(log, lost)
 
 @pytest.mark.slow   # real serve processes, started twice
 def test_a_world_whose_store_port_was_taken_starts_again_on_another_and_serves(tmp_path, held, picks, capsys):
-    queued, picked = picks
+    queued, picked, _ = picks
     queued.append(held)
     world = ServiceWorld(2, str(tmp_path))
     try:
@@ -48,7 +48,7 @@ def test_a_world_whose_store_port_was_taken_starts_again_on_another_and_serves(t
 
 @pytest.mark.slow   # a real serve process
 def test_a_world_failing_for_another_reason_is_not_started_again(tmp_path, picks):
-    _, picked = picks
+    _, picked, _ = picks
     with pytest.raises(RuntimeError, match="unknown device kind 'nosuch'"):
         ServiceWorld(1, str(tmp_path), device="nosuch")
     assert len(picked) == 1
@@ -56,7 +56,7 @@ def test_a_world_failing_for_another_reason_is_not_started_again(tmp_path, picks
 
 @pytest.mark.slow   # real PS rank processes, started twice
 def test_a_ps_world_whose_store_port_was_taken_is_started_again_on_another_and_runs_its_script(held, picks, capsys):
-    queued, picked = picks
+    queued, picked, _ = picks
     queued.append(held)
     gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     mine = {r: {"named_tensors": {f"w{r}": fresh_tensor((8, 4), torch.float32, gen)}} for r in range(2)}
@@ -68,7 +68,7 @@ def test_a_ps_world_whose_store_port_was_taken_is_started_again_on_another_and_r
 
 @pytest.mark.slow   # real PS rank processes, started twice
 def test_a_ps_world_driven_step_by_step_is_started_again_when_its_store_port_was_taken(held, picks):
-    queued, picked = picks
+    queued, picked, _ = picks
     queued.append(held)
     gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     with PsWorld("cpu", 2) as world:
@@ -81,7 +81,7 @@ def test_a_ps_world_driven_step_by_step_is_started_again_when_its_store_port_was
 
 @pytest.mark.slow   # real PS rank processes
 def test_a_ps_world_failing_for_another_reason_is_not_started_again(picks):
-    _, picked = picks
+    _, picked, _ = picks
     got = run_ps_world("nosuch", 2, [])
     assert all(res[0][0] == "fatal" and "unknown device kind 'nosuch'" in res[0][1] for res in got.values()), got
     assert len(picked) == 1
@@ -97,7 +97,7 @@ with ParameterServer(0, 1, device="cpu", master_addr="127.0.0.1"):   # MASTER_PO
 
 @pytest.mark.slow   # a real ParameterServer process, run twice
 def test_a_ps_process_whose_master_port_was_taken_runs_again_on_another(tmp_path, held, picks, capsys):
-    queued, picked = picks
+    queued, picked, _ = picks
     queued.append(held)
     (tmp_path / "serve.py").write_text(SERVE_ONE)
     run = ports.run_with_master_port([sys.executable, tmp_path / "serve.py"], env=dict(os.environ, PYTHONPATH=ROOT),
@@ -110,7 +110,7 @@ def test_a_ps_process_whose_master_port_was_taken_runs_again_on_another(tmp_path
 
 @pytest.mark.slow   # a real process
 def test_a_ps_process_failing_after_it_printed_is_not_run_again(tmp_path, held, picks):
-    queued, picked = picks
+    queued, picked, _ = picks
     queued.append(held)
     (tmp_path / "serve.py").write_text('print("a step ran")\n' + SERVE_ONE)
     run = ports.run_with_master_port([sys.executable, tmp_path / "serve.py"], env=dict(os.environ, PYTHONPATH=ROOT),
