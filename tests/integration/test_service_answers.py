@@ -11,8 +11,8 @@ import torch
 
 pytest.importorskip("fastapi")
 from support.data import FAULT_DTYPES, fresh_tensor  # noqa: E402
-from support.ports import free_port  # noqa: E402
-from support.service_world import ServiceWorld  # noqa: E402
+from support.service_world import metrics_world  # noqa: E402
+
 from ckpt_core.checkpoint.safetensors import write_file  # noqa: E402
 from ckpt_core.planning.capacity import host_memory_available  # noqa: E402
 
@@ -23,10 +23,8 @@ BOUND = 64 * 1024   # no answer of the service, nor any status after it, is larg
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("answers"))
-    metrics_port = free_port()
-    w = ServiceWorld(2, tmp, extra=["--metrics-port", str(metrics_port)],
-                     env={"CKPT_HEARTBEAT_S": "0.2", "CKPT_PEER_TIMEOUT_S": str(PEER_TIMEOUT_S)})
-    w.metrics_port, w.gen = metrics_port, torch.Generator().manual_seed(2608)
+    w = metrics_world(tmp, env={"CKPT_HEARTBEAT_S": "0.2", "CKPT_PEER_TIMEOUT_S": str(PEER_TIMEOUT_S)})
+    w.gen = torch.Generator().manual_seed(2608)
     yield w
     assert w.close() == [0, 0]
 

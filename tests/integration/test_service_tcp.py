@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 from support.ports import free_port  # noqa: E402
-from support.service_world import ROOT, start_serve, stop, wait_healthy  # noqa: E402
+from support.service_world import ROOT, serve_healthy, stop  # noqa: E402
 
 TOKEN = "s3cret-token-for-tests"
 
@@ -17,6 +17,10 @@ TOKEN = "s3cret-token-for-tests"
 def _single_rank_env(**extra) -> dict:
     return {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(free_port()), **extra}
+
+
+def _client_with_token(port) -> httpx.Client:
+    return httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
 
 
 def test_tcp_without_a_token_refuses_to_start_with_a_config_error(tmp_path):
@@ -30,19 +34,18 @@ def test_tcp_without_a_token_refuses_to_start_with_a_config_error(tmp_path):
 
 @pytest.mark.parametrize("source", ["env", "file"])
 def test_every_tcp_request_needs_the_right_bearer_token(tmp_path, source):
-    port = free_port()
-    args = ["--device", "cpu", "--host", "127.0.0.1", "--port", str(port)]
+    extra: list[str] = []
     env = _single_rank_env()
     if source == "env":
         env["CKPT_SERVICE_TOKEN"] = TOKEN
     else:
         (tmp_path / "token").write_text(TOKEN + "\n")
-        args += ["--token-file", str(tmp_path / "token")]
+        extra = ["--token-file", str(tmp_path / "token")]
     log = str(tmp_path / "serve.log")
-    proc = start_serve(args, env, log)
-    right = httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
+    proc, port = serve_healthy(lambda port: ["--device", "cpu", "--host", "127.0.0.1", "--port", str(port), *extra],
+                               env, log, _client_with_token)
+    right = _client_with_token(port)
     try:
-        wait_healthy(right, proc, log)
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as anon:
             for path in ("/v1/healthz", "/v1/status", "/openapi.json", "/metrics"):
                 none = anon.get(path)
@@ -75,14 +78,11 @@ def test_a_token_shorter_than_16_characters_is_refused_at_start(tmp_path, token)
 
 
 def test_the_bearer_scheme_is_case_insensitive_and_the_token_is_not(tmp_path):
-    port = free_port()
     log = str(tmp_path / "serve.log")
-    proc = start_serve(["--device", "cpu", "--host", "127.0.0.1", "--port", str(port)],
-                       _single_rank_env(CKPT_SERVICE_TOKEN=TOKEN), log)
+    proc, port = serve_healthy(lambda port: ["--device", "cpu", "--host", "127.0.0.1", "--port", str(port)],
+                               _single_rank_env(CKPT_SERVICE_TOKEN=TOKEN), log, _client_with_token)
     client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
     try:
-        wait_healthy(httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {TOKEN}"},
-                                  timeout=60), proc, log)
         for header in (f"bearer {TOKEN}", f"BEARER {TOKEN}", f"BeArEr  {TOKEN}"):
             assert client.get("/v1/status", headers={"Authorization": header}).status_code == 200, header
         for header in (f"Bearer {TOKEN.upper()}", f"Basic {TOKEN}", f"Bearer{TOKEN}", TOKEN):
@@ -96,13 +96,12 @@ def test_every_refusal_of_the_token_policy_and_validation_is_logged_and_counted(
     """401 (token), 403 (a file outside --allow-dir), 422 (a malformed body) refuse before any long
     operation runs: each is a WARNING line naming the route, status, type and message, and is counted
     in ckpt_requests_refused_total{status, error}."""
-    port = free_port()
     log = str(tmp_path / "serve.log")
-    proc = start_serve(["--device", "cpu", "--host", "127.0.0.1", "--port", str(port), "--allow-dir", str(tmp_path)],
-                       _single_rank_env(CKPT_SERVICE_TOKEN=TOKEN), log)
-    right = httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
+    proc, port = serve_healthy(
+        lambda port: ["--device", "cpu", "--host", "127.0.0.1", "--port", str(port), "--allow-dir", str(tmp_path)],
+        _single_rank_env(CKPT_SERVICE_TOKEN=TOKEN), log, _client_with_token)
+    right = _client_with_token(port)
     try:
-        wait_healthy(right, proc, log)
         assert httpx.get(f"http://127.0.0.1:{port}/v1/status", timeout=60).status_code == 401
         assert right.post("/v1/checkpoints/x/files", json={"files": ["/etc/passwd"]}).status_code == 403
         assert right.post("/v1/checkpoints/x/files", json={"files": "not a list"}).status_code == 422
@@ -125,11 +124,15 @@ def test_a_token_given_also_guards_the_unix_socket(tmp_path):
     socket too, not only on TCP; the socket stays 0600 as well."""
     sock = str(tmp_path / "ps.sock")
     log = str(tmp_path / "serve.log")
-    proc = start_serve(["--device", "cpu", "--uds", sock], _single_rank_env(CKPT_SERVICE_TOKEN=TOKEN), log)
-    right = httpx.Client(transport=httpx.HTTPTransport(uds=sock), base_url="http://ps",
-                         headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
+
+    def client_of(_port):
+        return httpx.Client(transport=httpx.HTTPTransport(uds=sock), base_url="http://ps",
+                            headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
+
+    proc, _ = serve_healthy(lambda _port: ["--device", "cpu", "--uds", sock],
+                            _single_rank_env(CKPT_SERVICE_TOKEN=TOKEN), log, client_of)
+    right = client_of(None)
     try:
-        wait_healthy(right, proc, log)
         with httpx.Client(transport=httpx.HTTPTransport(uds=sock), base_url="http://ps", timeout=60) as anon:
             for path in ("/v1/healthz", "/v1/status", "/v1/metas"):
                 resp = anon.get(path)

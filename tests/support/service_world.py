@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -20,6 +21,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 
+import support.ports as ports
 from support.engine import EngineFront, make_req_func
 from support.ports import on_a_free_port, store_lost_port
 
@@ -32,6 +34,35 @@ def start_serve(args: list[str], env: dict, log_path: str) -> subprocess.Popen:
     log = open(log_path, "wb")
     return subprocess.Popen([sys.executable, "-m", "ckpt_core.cli", "serve", *args], env=full, stdout=log,
                             stderr=subprocess.STDOUT, cwd=ROOT)
+
+
+def serve_healthy(args_of, env: dict, log_path: str, client_of, timeout: float = 120) -> tuple[subprocess.Popen, int]:
+    """One rank's ``serve`` started (``start_serve``) and healthy: ``args_of(port)`` its arguments with an HTTP
+    port of ``free_port()``'s (or none: a Unix socket), ``env`` its environment, ``MASTER_PORT`` another of
+    ``free_port()``'s; ``client_of(port)`` the client its health is asked through (closed here). Started again
+    on fresh ports, ``LAUNCHES`` times in all, only when it exited before it was healthy with its log saying
+    another process held its store's port or its HTTP port (so nothing of the test ran yet). Returns the
+    process and its HTTP port."""
+    for n in range(1, ports.LAUNCHES + 1):
+        port, store = ports.free_port(), ports.free_port()
+        proc = start_serve(args_of(port), {**env, "MASTER_PORT": str(store)}, log_path)
+        client = client_of(port)
+        try:
+            wait_healthy(client, proc, log_path, timeout)
+            return proc, port
+        except RuntimeError:   # it exited: the port question is asked of its log only then
+            text = _tail(log_path)
+            # serve's own words: "ckpt-engine serve: ConfigError: cannot listen on 127.0.0.1:PORT: [Errno 98] Address
+            # already in use"
+            http_lost = re.search(rf"cannot listen on \S+:{port}: .*address already in use", text, re.I) is not None
+            if n == ports.LAUNCHES or not (store_lost_port(text, store) or http_lost):
+                raise
+            which = f"its HTTP port {port}" if http_lost else f"its store port {store}"
+            print(f"serve could not bind {which} (another process took it after free_port() picked it): "
+                  f"launch {n + 1} of {ports.LAUNCHES}, on fresh ports", file=sys.stderr)
+        finally:
+            client.close()
+    raise AssertionError("unreachable: the last launch returns or raises")
 
 
 def wait_healthy(client: httpx.Client, proc: subprocess.Popen | None, log_path: str, timeout: float = 120) -> None:
@@ -68,6 +99,24 @@ def stop(proc: subprocess.Popen, timeout: float = 20) -> int:
             proc.kill()
             proc.wait(10)
     return proc.returncode
+
+
+def metrics_world(tmp: str, size: int = 2, **kw) -> "ServiceWorld":
+    """A ``ServiceWorld`` whose ranks serve ``/metrics`` on ``--metrics-port`` P (rank r on P + r, as ``serve``
+    does), P of ``free_port()``'s (``world.metrics_port``); started again on another, ``LAUNCHES`` times in all,
+    only when a rank could not listen there because another process held the port (nothing ran yet; ``serve``
+    says "ConfigError: cannot serve metrics on 127.0.0.1:P: [Errno 98] Address already in use")."""
+    def launch(port: int) -> ServiceWorld:
+        world = ServiceWorld(size, tmp, extra=["--metrics-port", str(port)], **kw)
+        world.metrics_port = port
+        return world
+
+    def lost(outcome, port: int) -> bool:
+        return isinstance(outcome, RuntimeError) and any(
+            re.search(rf"cannot serve metrics on \S+:{port + r}: .*address already in use", str(outcome), re.I)
+            for r in range(size))
+
+    return on_a_free_port(launch, lost, "a service world's metrics port")
 
 
 class ServiceWorld:

@@ -117,3 +117,61 @@ def test_a_ps_process_failing_after_it_printed_is_not_run_again(tmp_path, held, 
                                      timeout=120)
     assert run.returncode != 0 and ports.store_lost_port(run.stderr, held), run.stderr[-3000:]
     assert picked == [held], "a process that had printed was run again"
+
+
+def _tcp_serve(tmp_path, **env_extra):
+    import httpx
+    from support.service_world import serve_healthy
+
+    token = "t" * 32
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "CKPT_SERVICE_TOKEN": token, **env_extra}
+    log = str(tmp_path / "serve.log")
+
+    def client_of(port):
+        return httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {token}"},
+                            timeout=60)
+
+    return serve_healthy(lambda port: ["--device", "cpu", "--host", "127.0.0.1", "--port", str(port)], env, log,
+                         client_of), log
+
+
+@pytest.mark.slow   # real serve processes, started twice
+@pytest.mark.parametrize("taken", ["http", "store"])
+def test_a_serve_whose_http_or_store_port_was_taken_starts_again_on_fresh_ports(tmp_path, held, picks, capsys, taken):
+    from support.service_world import stop
+
+    queued, picked, free_port = picks
+    queued += [held, free_port()] if taken == "http" else [free_port(), held]   # serve_healthy: HTTP, then store
+    (proc, port), log = _tcp_serve(tmp_path)
+    try:
+        assert len(picked) == 4 and port == picked[2] != held and held not in picked[2:]
+    finally:
+        assert stop(proc) == 0, open(log).read()[-3000:]
+    said = capsys.readouterr().err
+    assert f"its {'HTTP' if taken == 'http' else 'store'} port {held}" in said and "launch 2 of" in said
+
+
+@pytest.mark.slow   # a real serve process
+def test_a_serve_failing_for_another_reason_is_not_started_again(tmp_path, picks):
+    _, picked, _ = picks
+    with pytest.raises(RuntimeError, match="serve exited"):
+        _tcp_serve(tmp_path, CKPT_SERVICE_TOKEN="short")   # refused at start: fewer than 16 characters
+    assert len(picked) == 2
+
+
+@pytest.mark.slow   # real serve processes, started twice
+def test_a_world_whose_metrics_port_was_taken_starts_again_on_another(tmp_path, held, picks, capsys):
+    import httpx
+    from support.service_world import metrics_world
+
+    queued, picked, _ = picks
+    queued.append(held)   # metrics_world's pick first; the store's (ServiceWorld's) after it
+    world = metrics_world(str(tmp_path), size=1)
+    try:
+        assert world.metrics_port not in (held,) and world.metrics_port in picked
+        assert httpx.get(f"http://127.0.0.1:{world.metrics_port}/metrics", timeout=30).status_code == 200
+    finally:
+        assert world.close() == [0]
+    said = capsys.readouterr().err
+    assert f"could not bind port {held}" in said and "metrics port" in said
