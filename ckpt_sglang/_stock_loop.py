@@ -34,12 +34,12 @@ from typing import Callable, Iterator
 import torch
 
 from ckpt_core.errors import ConfigError, TransportError, UpdateTimeoutError
+from ckpt_core.wire.worker import STOP_POLL_S  # how often a wait for the PS asks its owner, as our own worker does
 
 __all__ = ["YoungGc", "stock_loop", "receiver_context", "fast_switching", "run_stock_loop", "SWITCH_INTERVAL_S",
            "STOP_POLL_S"]
 
 SWITCH_INTERVAL_S = 0.0001   # while receiving; Python's default is 0.005
-STOP_POLL_S = 0.2   # with should_stop: how often a wait for the parameter server asks it (as ckpt_core's worker)
 StopFn = Callable[[], "str | None"]
 
 _switch_lock = threading.Lock()

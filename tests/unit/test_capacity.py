@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_core.planning.capacity import (Calibration, ModelSpec, Topology, calibrate, fit_per_tensor, predict,
-                                        topology_of)
+from ckpt_core.planning.capacity import (Calibration, ModelSpec, Topology, _spec, calibrate, fit_per_tensor,
+                                        predict, topology_of)
 from ckpt_core.errors import ConfigError
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
@@ -42,9 +42,6 @@ def test_the_default_calibration_is_what_the_recorded_runs_give():
     assert fitted.per_tensor_s == BEFORE_38   # that run's engine side, before issue 38's per-tensor work
     # the per-tensor cost: the case with the most tensors of the latest per-tensor run (whole updates, 1 H100)
     run = _run(PER_TENSOR_RUN)
-
-    def _spec(c):
-        return ModelSpec(c["bytes"], c["tensors"], c.get("largest_tensor") or c["bytes"] // 16)
 
     topo = topology_of(run)
     many = max(run["cases"], key=lambda c: c["tensors"])
