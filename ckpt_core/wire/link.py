@@ -10,8 +10,12 @@ import zmq
 
 from ckpt_core.errors import ProtocolError
 from ckpt_core.wire import protocol as proto
+from ckpt_core.wire.endpoint import endpoint_bound
 
 POLL_SLICE_MS = 50
+# The connecting side, until its peer connects: how often it looks whether the peer's endpoint is still
+# bound (a read of /proc/net/unix, which can be long on a busy host).
+ENDPOINT_CHECK_S = 1.0
 # Close with a short linger so that a last frame (abort, finished, error) still reaches
 # the peer; with linger 0 ZeroMQ may drop it, and the peer then waits for its deadline.
 CLOSE_LINGER_MS = 1000
@@ -24,6 +28,8 @@ class PeerWatch:
     A PAIR socket by itself never says that its peer went away: a killed engine
     worker or parameter server would look like a silent one until the deadline.
     ``lost`` becomes true once a peer had connected and no connection is left.
+    On the connecting side (``expect(endpoint)``), ``unbound`` becomes true when the peer never
+    connected and nobody binds its endpoint any more: it gave up before we connected.
     """
 
     def __init__(self, sock: zmq.Socket, *, sticky: bool = False):
@@ -35,11 +41,35 @@ class PeerWatch:
         # (e.g. after dropping a frame over MAXMSGSIZE), but within one update the PS never
         # legitimately drops the connection, so a reconnect cannot make the update whole.
         self.sticky, self.dropped = sticky, False
+        self.endpoint: str | None = None   # what the connecting side connects to (expect)
+        self._next_check = 0.0
+
+    def expect(self, endpoint: str) -> None:
+        """The connecting side: the endpoint it connects to, whose binder must be there until it connects."""
+        self.endpoint, self._next_check = endpoint, 0.0
 
     @property
     def lost(self) -> bool:
         self.drain()
         return self.seen and (self.peers <= 0 or (self.sticky and self.dropped))
+
+    @property
+    def unbound(self) -> bool:
+        """True when the peer never connected and nobody binds the expected endpoint right now.
+
+        Looks at most once per ``ENDPOINT_CHECK_S`` (the first time at once), never once the peer
+        connected, and never says True when the endpoint cannot be checked (``endpoint_bound``: a
+        tcp:// handle, no /proc): such a wait goes on as before."""
+        self.drain()
+        if self.seen or self.endpoint is None or time.monotonic() < self._next_check:
+            return False
+        self._next_check = time.monotonic() + ENDPOINT_CHECK_S
+        if endpoint_bound(self.endpoint) is not False:
+            return False
+        # A connection made just before the binder left was announced on the monitor before the name
+        # went away: look once more, so that it reads as a lost peer, not as one never reached.
+        self.drain()
+        return not self.seen
 
     def drain(self) -> None:
         from zmq.utils.monitor import recv_monitor_message

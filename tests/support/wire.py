@@ -1,7 +1,14 @@
 """Wire content the protocol tests build by hand: a payload that proves nothing from a socket was
-unpickled, and a hello with its plan inline."""
+unpickled, and a hello with its plan inline; and a parameter server's socket bound in a process of
+its own (to be killed, as a PS that died)."""
 
 from __future__ import annotations
+
+import select
+import subprocess
+import sys
+from contextlib import contextmanager
+from typing import Iterator
 
 
 class PickleBomb:
@@ -20,3 +27,27 @@ def hello_fields(device_kind: str, buffer: dict, slot_bytes: int, num_slots: int
     PS sends the plan as a second frame (``plan_fragment``); tests build small ones by hand."""
     return {"device_kind": device_kind, "buffer": buffer, "slot_bytes": slot_bytes,
             "num_slots": num_slots, "buckets": [[[n, d, list(s), o] for n, d, s, o in b] for b in buckets]}
+
+
+@contextmanager
+def bound_in_process(handle: str, socket_type: str = "PAIR") -> Iterator[subprocess.Popen]:
+    """A process of its own that binds ``handle`` (a ZeroMQ socket of ``socket_type``) and sits on it,
+    as a PS rank does before it asks its engine to connect; yields the process once the handle is bound
+    (kill it to play a PS that died). Killed on leaving, if still alive."""
+    code = ("import sys, time, zmq\n"
+            "sock = zmq.Context().socket(getattr(zmq, sys.argv[2]))\n"
+            "sock.bind(sys.argv[1])\n"
+            "print('bound', flush=True)\n"
+            "time.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code, handle, socket_type], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], 60)
+        line = proc.stdout.readline() if ready else ""
+        assert line == "bound\n", f"the binding process did not bind {handle} (it said {line!r})"
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait(30)
+        if proc.stdout is not None:
+            proc.stdout.close()
