@@ -30,7 +30,7 @@ from ckpt_core.errors import (
 from ckpt_core.ops.gc import gc_paused
 from ckpt_core.ops.log import rank_logger
 from ckpt_core.wire import protocol as proto
-from ckpt_core.wire.link import CLOSE_LINGER_MS, PeerWatch
+from ckpt_core.wire.link import CLOSE_LINGER_MS, ENDPOINT_CHECK_S, PeerWatch
 from ckpt_core.wire.views import Views
 
 __all__ = ["update_weights_from_ipc"]
@@ -81,10 +81,13 @@ def _unmap(key: str | None) -> None:
 
 class _Link:
     """The worker's end of the PAIR socket; every receive has a deadline, and a PS that
-    went away (process killed, update given up) is an error at once, not a long silence."""
+    went away (process killed, update given up, even before this worker connected) is an error
+    at once, not a long silence."""
 
     def __init__(self, sock: zmq.Socket, deadline: float, should_stop: Callable[[], str | None] | None = None):
         self.sock, self.deadline, self.should_stop = sock, deadline, should_stop
+        self.handle = ""
+        self.unbound = False   # the PS's socket was found unbound: nobody will ever take a frame
         self.update: str | None = None
         self.watch = PeerWatch(sock, sticky=True)
         self.poller = zmq.Poller()
@@ -93,6 +96,11 @@ class _Link:
         self.reported = False   # an error frame went to the PS already
         self.last_frame = b""
         self.rest: list[bytes] = []   # the frames after the last message's first (a hello's plan)
+
+    def connect(self, handle: str) -> None:
+        self.handle = handle
+        self.watch.expect(handle)   # until the PS connects, its handle must stay bound (PeerWatch.unbound)
+        self.sock.connect(handle)
 
     def recv(self, expect: tuple[str, ...]) -> dict:
         waiting = f"waiting for {'/'.join(expect)}"
@@ -108,6 +116,11 @@ class _Link:
             if self.watch.lost:
                 raise TransportError(f"the parameter server closed the connection ({waiting}): "
                                      "its process died or it gave the update up")
+            if self.watch.unbound and not self.sock.poll(0):
+                self.unbound = True
+                raise TransportError(f"the parameter server's socket {self.handle} is not bound: it gave the update "
+                                     f"up (deadline, stop or death) before this worker connected; nothing was loaded "
+                                     f"({waiting})")
             left = self.deadline - time.monotonic()
             if left <= 0:
                 raise UpdateTimeoutError(f"no message from the parameter server within the update timeout "
@@ -117,6 +130,8 @@ class _Link:
                 if why:   # the caller gave this update up (a stage dropped by a newer request, say)
                     raise ConfigError(f"{why} ({waiting})")
                 left = min(left, STOP_POLL_S)
+            if not self.watch.seen:   # wake up to look at the PS's handle again (watch.unbound)
+                left = min(left, ENDPOINT_CHECK_S)
             self.poller.poll(max(1, int(left * 1000)))
 
     def _last_word(self, expect: tuple[str, ...], waiting: str) -> dict:
@@ -132,7 +147,7 @@ class _Link:
         """Never blocks past the deadline: a PAIR socket whose peer is gone blocks on send."""
         if kind == "error":
             self.reported = True
-        wait = 0.0 if self.watch.lost else min(max(0.0, self.deadline - time.monotonic()), SEND_WAIT_S)
+        wait = 0.0 if self.unbound or self.watch.lost else min(max(0.0, self.deadline - time.monotonic()), SEND_WAIT_S)
         if not self.sock.poll(int(wait * 1000), zmq.POLLOUT):
             raise TransportError(f"cannot send {kind!r} to the parameter server: the connection is gone")
         self.sock.send(proto.encode(kind, self.update or "", **fields), zmq.NOBLOCK)
@@ -170,11 +185,13 @@ def update_weights_from_ipc(zmq_ctx: zmq.Context, zmq_handle: str, device_id: in
     (the default): whole tensors, and an update of slices is refused.
     ``should_stop()``, if given, is asked every few hundred milliseconds while the worker waits for the
     PS: a reason (a non-empty string) ends the wait with ConfigError naming it (a receive on a thread of
-    its own that its owner drops: a PS that gave the update up before this worker connected would
-    otherwise keep it waiting until the timeout).
+    its own that its owner drops, whose PS is bound but silent, say).
     Raises :class:`RemoteWorkerError` when the PS aborts the
-    update, ``UpdateTimeoutError`` when it goes silent, and re-raises the first
-    exception of ``run`` or ``post_hook``.
+    update, ``UpdateTimeoutError`` when it goes silent, ``TransportError`` when it goes away: it
+    closed the connection, or it gave the update up before this worker connected (until the PS
+    connects, an ``ipc://`` handle is looked up about once a second; one nobody binds any more ends
+    the wait at once, nothing loaded; a ``tcp://`` handle cannot be checked and is waited for until
+    the timeout), and re-raises the first exception of ``run`` or ``post_hook``.
 
     Example (inside an engine worker)::
 
@@ -211,7 +228,7 @@ def _receive_update(zmq_ctx: zmq.Context, zmq_handle: str, device_id: int, run: 
     key = None
     keep = False
     try:
-        sock.connect(zmq_handle)
+        link.connect(zmq_handle)
         hello, key, buf, backend = _handshake(link, device_id, on_plan, slices)
         t0 = time.perf_counter()
         failure = _receive_buckets(link, hello, buf, backend, device_id, run)

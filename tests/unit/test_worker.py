@@ -24,7 +24,8 @@ from ckpt_core.wire import worker as _worker
 from ckpt_core import update_weights_from_ipc
 from ckpt_core.devices.cpu import CpuBackend
 from ckpt_core.errors import ConfigError, ProtocolError, RemoteWorkerError, TransportError, UpdateTimeoutError
-from support.wire import PickleBomb, hello_fields
+from support.ports import free_port
+from support.wire import PickleBomb, bound_in_process, hello_fields
 
 SLOT = 4096
 UPDATE = "fake-update"
@@ -390,13 +391,18 @@ def test_bucket_notices_left_by_a_dead_ps_are_not_loaded(ps):
     ps.sock = ps.ctx.socket(zmq.PAIR)
 
 
-@pytest.mark.parametrize("bound", [True, False])
+def _unchecked_handle() -> str:
+    """A handle nobody binds on a transport whose binding cannot be looked up: waited for as before."""
+    return f"tcp://127.0.0.1:{free_port()}"
+
+
+@pytest.mark.parametrize("bound", [True, False], ids=["silent-ps", "unchecked-absent-ps"])
 def test_a_silent_or_absent_ps_is_a_timeout_naming_what_was_awaited(bound):
     if bound:
         ps = FakePs()
         handle = ps.handle
     else:
-        ps, handle = None, f"ipc://@ckpt-test-nobody-{uuid.uuid4().hex}"
+        ps, handle = None, _unchecked_handle()
     try:
         w = Worker(handle, timeout=0.5)
         dt = w.join()
@@ -407,27 +413,77 @@ def test_a_silent_or_absent_ps_is_a_timeout_naming_what_was_awaited(bound):
             ps.close()
 
 
-@pytest.mark.parametrize("bound", [True, False])
+@pytest.mark.parametrize("bound", [True, False], ids=["silent-ps", "unchecked-absent-ps"])
 def test_a_wait_its_owner_gives_up_ends_at_once_naming_why_not_at_the_timeout(bound):
     """``should_stop``: a worker receiving on a thread of its own (a stage) whose PS never sends its hello
-    (it gave the update up before this worker connected: nobody bound, or bound and silent) ends its wait
+    (bound and silent, or absent behind a handle whose binding cannot be looked up) ends its wait
     within a poll once its owner drops it, with the owner's reason, not at the update's timeout (a
     dropped stage that waited on kept the engine's next update waiting, then failing)."""
     if bound:
         ps = FakePs()
         handle = ps.handle
     else:
-        ps, handle = None, f"ipc://@ckpt-test-nobody-{uuid.uuid4().hex}"
+        ps, handle = None, _unchecked_handle()
     dropped = threading.Event()
     try:
         w = Worker(handle, timeout=60, should_stop=lambda: "the stage of 'v1' was dropped" if dropped.is_set() else None)
-        time.sleep(0.5)
+        time.sleep(1.5)   # past the first looks at the PS's handle
         assert w.thread.is_alive() and w.error is None   # still waiting: nothing asked it to stop
         dropped.set()
         dt = w.join(5)
         assert isinstance(w.error, ConfigError), repr(w.error)
         assert "the stage of 'v1' was dropped (waiting for hello/abort)" in str(w.error), str(w.error)
-        assert dt < 2.0 and not w.calls
+        assert dt < 4.0 and not w.calls
     finally:
         if ps is not None:
             ps.close()
+
+
+# ------------------------------------------------------------------ a PS that gave up before the worker connected
+
+@pytest.mark.parametrize("how", ["never-bound", "closed", "killed"])
+def test_a_worker_whose_ps_gave_up_before_it_connected_fails_at_once_having_loaded_nothing(how):
+    """The PS rank binds its handle before req_func asks the engine to connect; a worker that runs the
+    request after the PS gave the update up (its deadline, a stop: it closed the socket; its process
+    died) finds the handle bound by nobody. It fails with TransportError within about a second, not
+    after its timeout (60 s here) with the engine blocked; nothing ran and nothing stays mapped."""
+    handle = f"ipc://@ckpt-test-gone-{uuid.uuid4().hex}"
+    if how == "closed":
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.PAIR)
+        sock.bind(handle)
+        sock.close(linger=0)
+        ctx.term()
+    elif how == "killed":
+        with bound_in_process(handle) as proc:
+            proc.kill()
+            proc.wait(30)
+    w = Worker(handle, timeout=60)
+    dt = w.join(30)
+    assert isinstance(w.error, TransportError), repr(w.error)
+    assert str(w.error) == (f"the parameter server's socket {handle} is not bound: it gave the update up (deadline, "
+                            "stop or death) before this worker connected; nothing was loaded (waiting for hello/abort)")
+    assert dt < 10, f"noticed after {dt:.1f} s; the timeout was 60 s"   # generous: the first look is at once
+    assert not w.calls and w.hooked == 0
+    assert not [k for k in _worker._mapped if handle in k]
+
+
+def test_a_slow_ps_that_bound_its_handle_is_waited_for_and_the_update_completes(ps):
+    """A PS that bound its handle and sends its hello late (1.5 s: past the worker's first looks at
+    the handle) is no PS that gave up: the update runs to the end, bit exact."""
+    w = Worker(ps.handle, timeout=30)
+    time.sleep(1.5)
+    assert w.thread.is_alive() and w.error is None, repr(w.error)
+    ps.send("hello", **ps.hello())
+    assert ps.recv()["kind"] == "ready"
+    for i in range(2):
+        ps.send("bucket", index=i, slot=i)
+        assert ps.recv()["kind"] == "done"
+    ps.send("end", keep_buffer=False)
+    assert ps.recv()["kind"] == "finished"
+    w.join()
+    assert w.error is None, repr(w.error)
+    got = {n: t for call in w.calls for n, t in call.items()}
+    assert set(got) == set(ps.tensors)
+    assert all(torch.equal(got[n].view(torch.uint8), ps.tensors[n].view(torch.uint8)) for n in got)
+    assert w.hooked == 1
