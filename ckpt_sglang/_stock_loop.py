@@ -16,8 +16,9 @@ And one for its owner: the stock loop waits for the parameter server with plain 
 Its socket (made by the context we pass) waits in slices of ``STOP_POLL_S`` instead
 (:class:`_LoopSocket`), asking ``should_stop()`` between slices, so that a stage's owner can end a
 receiver waiting for a PS that gave the update up (a drop, a newer stage) at once instead of after
-the receive timeout; and a PS that connected and went away (its process died) ends the wait too, for
-a direct load as well (nobody can stop that one: it runs in the scheduler's own call).
+the receive timeout; and a PS that connected and went away (its process died), or that gave the
+update up before the receiver connected (its handle is no longer bound), ends the wait too, for a
+direct load as well (nobody can stop that one: it runs in the scheduler's own call).
 """
 
 from __future__ import annotations
@@ -131,8 +132,12 @@ class _LoopSocket:
       ``should_stop``, nothing is closed across threads.
     - A PS that had connected and is gone (a ZeroMQ monitor, :class:`~ckpt_core.wire.link.PeerWatch`,
       sticky: within one update the PS never drops the connection) is a ``TransportError`` once
-      nothing it sent is left to read; a PS that gave up before the receiver connected cannot be told
-      from a slow one here: the owner's stop or the timeout ends that wait.
+      nothing it sent is left to read. So is a PS that gave the update up before the receiver
+      connected: until the PS connects, its handle (recorded by ``connect``) is looked up about once
+      a second (``PeerWatch.unbound``: ``/proc/net/unix`` for ``ipc://@name``, the socket file for
+      ``ipc:///path``); a handle nobody binds any more ends the wait. A slow PS still binds its handle
+      and is waited for; a handle that cannot be checked (``tcp://``) is waited for as before, until
+      the owner's stop or the timeout.
     - With a failed post hook (``hook``), the loop's ``b""`` after it becomes the hook's traceback.
     """
 
@@ -165,6 +170,15 @@ class _LoopSocket:
                 self.failure = TransportError("the parameter server disconnected (did its process die?) while the "
                                               "receiver was waiting for its next message")
                 raise self.failure
+            if self._watch.unbound and not self._sock.poll(0, zmq.POLLIN):
+                self.failure = TransportError(f"the parameter server's socket {self._watch.endpoint} is not bound: it "
+                                              "gave the update up (deadline, stop or death) before this receiver "
+                                              "connected; nothing was loaded")
+                raise self.failure
+
+    def connect(self, addr, *args, **kwargs):
+        self._watch.expect(addr)   # until the PS connects, its handle must stay bound (PeerWatch.unbound)
+        return self._sock.connect(addr, *args, **kwargs)
 
     def recv(self, *args, **kwargs):
         self._wait()
@@ -238,9 +252,10 @@ def run_stock_loop(handle: str, device: torch.device, device_id, timeout_s: floa
 
     ``should_stop()``, if given, is asked every ``STOP_POLL_S`` while the loop waits for the PS: a
     reason (a non-empty string) ends the wait and the loop with ``ConfigError`` naming it (a stage's
-    receiver that its owner drops; a PS that gave the update up before this receiver connected would
-    otherwise keep it waiting until ``timeout_s``). Each receive waits at most ``timeout_s``
-    (``UpdateTimeoutError``)."""
+    receiver that its owner drops: its PS may be bound and silent, or on a handle that cannot be
+    checked). Without it, a PS that gave the update up before this receiver connected still ends the
+    wait at once when its ``ipc://`` handle is no longer bound (``TransportError``, see
+    :class:`_LoopSocket`). Each receive waits at most ``timeout_s`` (``UpdateTimeoutError``)."""
     loop = stock_loop()
     ctx = receiver_context(timeout_s)
     hook = _HookReply(post_hook) if reply_hook_error and post_hook is not None else None

@@ -115,15 +115,19 @@ def _stock_shaped_loop(method: str):
 
 class _Peer:
     """The parameter server's end: a REQ socket bound at a fresh address (``bound=False``: nobody binds
-    it, as when the PS gave the update up before the receiver connected)."""
+    it, as when the PS gave the update up before the receiver connected; ``unchecked``: a tcp:// address,
+    whose binding the receiver cannot look up, so that it waits as for a silent PS)."""
 
-    def __init__(self, bound: bool):
+    def __init__(self, bound: bool, unchecked: bool = False):
         import uuid
 
         import zmq
 
+        from support.ports import free_port
+
         self.ctx = zmq.Context()
-        self.address = f"ipc://@ckpt-test-stock-loop-{uuid.uuid4().hex}"
+        self.address = (f"tcp://127.0.0.1:{free_port()}" if unchecked
+                        else f"ipc://@ckpt-test-stock-loop-{uuid.uuid4().hex}")
         self.sock = self.ctx.socket(zmq.REQ) if bound else None
         if self.sock is not None:
             self.sock.bind(self.address)
@@ -153,10 +157,10 @@ def _receive_in_thread(handle, timeout_s, should_stop, method="recv_pyobj", runs
 
 
 @pytest.mark.parametrize("method", ["recv_pyobj", "recv"])
-@pytest.mark.parametrize("bound", [True, False], ids=["silent-ps", "absent-ps"])
+@pytest.mark.parametrize("bound", [True, False], ids=["silent-ps", "unchecked-absent-ps"])
 def test_a_wait_for_a_ps_that_gave_up_ends_within_a_poll_when_the_owner_stops_it(monkeypatch, bound, method):
-    """A stage's receiver waiting for a PS that never sends (bound and silent, or nobody bound: it gave the
-    update up before the receiver connected) ends with the owner's reason, a ConfigError, within a poll of
+    """A stage's receiver waiting for a PS that never sends (bound and silent, or absent behind an address
+    whose binding cannot be looked up) ends with the owner's reason, a ConfigError, within a poll of
     the owner's stop, not at the receive timeout (60 s here); the error is the stop, not ZeroMQ's refusal
     of the loop's answer after a failed first receive."""
     import threading
@@ -164,11 +168,11 @@ def test_a_wait_for_a_ps_that_gave_up_ends_within_a_poll_when_the_owner_stops_it
     from ckpt_core.errors import ConfigError
 
     monkeypatch.setattr(_stock_loop, "stock_loop", lambda: _stock_shaped_loop(method))
-    peer, stop = _Peer(bound), threading.Event()
+    peer, stop = _Peer(bound, unchecked=not bound), threading.Event()
     try:
         thread, out = _receive_in_thread(peer.address, 60.0,
                                          lambda: "the stage of 'v1' was dropped" if stop.is_set() else None, method)
-        time.sleep(0.5)
+        time.sleep(1.5)   # past the first looks at the PS's address
         assert thread.is_alive() and not out, "it stopped although nobody asked it to"
         asked = time.monotonic()
         stop.set()
@@ -210,13 +214,14 @@ def test_a_stop_between_messages_ends_the_loop_after_what_it_received():
         peer.close()
 
 
-def test_a_silent_ps_is_a_timeout_naming_the_receive_timeout_when_nobody_stops_it(monkeypatch):
+@pytest.mark.parametrize("bound", [True, False], ids=["silent-ps", "unchecked-absent-ps"])
+def test_a_silent_ps_is_a_timeout_naming_the_receive_timeout_when_nobody_stops_it(monkeypatch, bound):
     """Without an owner's stop, each receive still waits at most the timeout: an UpdateTimeoutError
     naming it (before, ZeroMQ's EAGAIN, hidden by the EFSM of the loop's answer to it)."""
     from ckpt_core.errors import UpdateTimeoutError
 
     monkeypatch.setattr(_stock_loop, "stock_loop", lambda: _stock_shaped_loop("recv_pyobj"))
-    peer = _Peer(False)
+    peer = _Peer(bound, unchecked=not bound)
     try:
         with pytest.raises(UpdateTimeoutError, match=r"no message from the parameter server within the receive "
                                                      r"timeout \(0.5 s\)"):
@@ -253,3 +258,115 @@ def test_a_ps_that_connected_and_died_ends_the_wait_without_any_owner():
         assert out["ended"] - gone < 10, "the disconnect was noticed only much later"   # generous: a poll is 0.2 s
     finally:
         peer.close()
+
+
+# -- a PS that gave the update up before the receiver connected: its handle is bound by nobody ---------------
+
+def _gone_handle(how: str) -> str:
+    """A stock-wire handle whose PS gave the update up before any receiver connected: never bound, bound
+    and closed (its deadline or a stop), or bound by a process that was killed."""
+    import uuid
+
+    import zmq
+
+    from support.wire import bound_in_process
+
+    handle = f"ipc://@checkpoint-engine-test-gone-{uuid.uuid4().hex}.sock"
+    if how == "closed":
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.REQ)
+        sock.bind(handle)
+        sock.close(0)
+        ctx.term()
+    elif how == "killed":
+        with bound_in_process(handle, "REQ") as proc:
+            proc.kill()
+            proc.wait(30)
+    return handle
+
+
+@pytest.mark.parametrize("how", ["never-bound", "closed", "killed"])
+def test_a_ps_that_gave_up_before_the_receiver_connected_ends_the_wait_without_any_owner(monkeypatch, how):
+    """A direct load runs the loop in the scheduler's own call: nobody can stop it. When its request ran
+    after the PS gave the update up, the PS's handle is bound by nobody: the wait ends with a
+    TransportError saying so within about a second, not at the receive timeout (60 s here), before
+    anything ran; the loop's answer to the failed receive does not hide it."""
+    from ckpt_core.errors import TransportError
+
+    handle = _gone_handle(how)
+    monkeypatch.setattr(_stock_loop, "stock_loop", lambda: _stock_shaped_loop("recv_pyobj"))
+    runs: list = []
+    t0 = time.monotonic()
+    thread, out = _receive_in_thread(handle, 60.0, None, runs=runs)
+    thread.join(30)
+    assert not thread.is_alive(), "the loop still waits for a PS that gave up"
+    assert isinstance(out["error"], TransportError), repr(out["error"])
+    assert str(out["error"]) == (f"the parameter server's socket {handle} is not bound: it gave the update up "
+                                 "(deadline, stop or death) before this receiver connected; nothing was loaded")
+    assert out["ended"] - t0 < 10, "noticed only much later"   # generous: the first look is within a poll
+    assert runs == []
+
+
+def test_a_slow_ps_that_bound_its_handle_is_waited_for_without_any_owner():
+    """A PS that bound its handle and sends its first message late (1.5 s: past the receiver's first looks
+    at the handle) is no PS that gave up: the loop answers what it sends."""
+    import threading
+
+    import zmq
+
+    from ckpt_core.errors import ConfigError
+
+    peer, stop, runs = _Peer(True), threading.Event(), []
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(_stock_loop, "stock_loop", lambda: _stock_shaped_loop("recv"))
+            thread, out = _receive_in_thread(peer.address, 60.0, lambda: "done" if stop.is_set() else None,
+                                             "recv", runs)
+            time.sleep(1.5)
+            assert thread.is_alive() and not out, f"a slow PS was refused: {out}"
+            for frame in (b"hello", b"bucket-0"):
+                peer.sock.send(frame)
+                assert peer.sock.poll(10_000, zmq.POLLIN), "the loop did not answer"
+                assert peer.sock.recv() == b""
+            stop.set()
+            thread.join(10)
+        assert isinstance(out["error"], ConfigError) and runs == [b"bucket-0"], out
+    finally:
+        peer.close()
+
+
+def test_the_real_stock_loop_ends_at_once_when_its_ps_was_killed_before_it_connected(tmp_path):
+    """The same with the stock checkpoint-engine worker loop itself (0.4.2, from ``$CKPT_STOCK_CE``), as
+    SGLang's scheduler runs it for a direct load, in a process of its own: its PS process was killed
+    before the receiver connected."""
+    import json
+    import os
+    import subprocess
+    from pathlib import Path
+
+    from support.stock_workers import stock_dirs
+
+    folder = stock_dirs().get("0.4.2")
+    if folder is None:
+        pytest.skip("stock checkpoint-engine 0.4.2 not installed: run scripts/stock_ce_env.sh and export "
+                    "CKPT_STOCK_CE (scripts/test.sh does)")
+    root = Path(__file__).resolve().parents[2]
+    handle = _gone_handle("killed")
+    script = ("import json, sys, time, torch\n"
+              "from support.stock_workers import load_stock_worker\n"
+              "load_stock_worker(sys.argv[2])\n"
+              "from ckpt_sglang._stock_loop import run_stock_loop\n"
+              "runs, t0 = [], time.monotonic()\n"
+              "try:\n"
+              "    run_stock_loop(sys.argv[1], torch.device('cpu'), 0, 60.0, run=runs.append)\n"
+              "    out = {'error': None}\n"
+              "except Exception as exc:\n"
+              "    out = {'error': type(exc).__name__, 'message': str(exc)}\n"
+              "out.update(seconds=time.monotonic() - t0, runs=len(runs))\n"
+              "print(json.dumps(out))\n")
+    proc = subprocess.run([sys.executable, "-c", script, handle, folder], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(root / "tests")])))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["error"] == "TransportError" and f"socket {handle} is not bound" in out["message"], out
+    assert out["seconds"] < 10 and out["runs"] == 0, out   # the receive timeout was 60 s
