@@ -134,8 +134,8 @@ class _LoopSocket:
       sticky: within one update the PS never drops the connection) is a ``TransportError`` once
       nothing it sent is left to read. So is a PS that gave the update up before the receiver
       connected: until the PS connects, its handle (recorded by ``connect``) is looked up about once
-      a second (``PeerWatch.unbound``: ``/proc/net/unix`` for ``ipc://@name``, the socket file for
-      ``ipc:///path``); a handle nobody binds any more ends the wait. A slow PS still binds its handle
+      a second (``PeerWatch.unbound``, ``ckpt_core/wire/endpoint.py``: listed in ``/proc/net/unix``);
+      a handle nobody binds any more ends the wait. A slow PS still binds its handle
       and is waited for; a handle that cannot be checked (``tcp://``) is waited for as before, until
       the owner's stop or the timeout.
     - With a failed post hook (``hook``), the loop's ``b""`` after it becomes the hook's traceback.

@@ -207,42 +207,97 @@ def test_a_stage_failing_mid_way_leaves_the_old_weights_serving_exactly(engine):
     e.ps.update("s1", e.client.req_func(weight_version="w1"), timeout=120)
 
 
-def test_a_stage_waiting_on_a_ps_that_gave_up_is_dropped_at_once_and_the_next_updates_run(engine):
-    """A stage whose PS gave the update up before the receiver connected (here: a handle nobody binds;
-    the receive timeout 120 s) waits for a first message that never comes. A direct load meanwhile is
-    refused (drop it first); ``drop_staged`` ends the wait within a poll and answers at once, nothing
+def _silent_ps():
+    """A PS rank's stock-wire socket that is bound and never sends (a REQ, as ``StockLink`` binds it)."""
+    import uuid
+
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    address = f"ipc://@checkpoint-engine-test-silent-{uuid.uuid4().hex}.sock"
+    sock.bind(address)
+    return ctx, sock, address
+
+
+def test_a_stage_waiting_on_a_silent_ps_is_dropped_at_once_and_the_next_updates_run(engine):
+    """A stage whose PS is bound but never sends (it waits on another PS rank that refused the update,
+    say; the receive timeout 120 s) waits for a first message that never comes. A direct load meanwhile
+    is refused (drop it first); ``drop_staged`` ends the wait within a poll and answers at once, nothing
     staged or receiving; a new stage replaces one still waiting the same way; the next stage, commit and
     update run and serve what they should. Before, every stage, load and drop was refused as "still being
     staged" until the receive timeout."""
-    import uuid
-
     from ckpt_core import local_device_key
 
     e = engine
-    gone = {local_device_key("cpu", 0): f"ipc://@ckpt-test-gave-up-{uuid.uuid4().hex}"}   # nobody binds it
-    e.client.stage(gone, "given-up", timeout=120)
-    assert e.client.weight_versions()[0]["receiving"] == "given-up"
-    with pytest.raises(RemoteWorkerError, match="version 'given-up' is still being staged \\(drop it first\\)"):
-        e.client.update(gone, weight_version="n1", via="loader", timeout=20)
-    t0 = time.monotonic()
-    dropped = e.client.drop_staged()
-    took = time.monotonic() - t0
-    assert dropped == [None], dropped   # nothing had been staged
-    assert took < 10, f"dropping a stage that waited for its PS took {took:.1f} s"   # generous: a poll is 0.2 s
-    state = e.client.weight_versions()[0]
-    assert state["receiving"] is None and state["staged"] is None, state
-    assert "the stage of 'given-up' was dropped" in state["last_stage_error"], state
-    e.client.stage(gone, "given-up-2", timeout=120)
-    t1 = time.monotonic()
-    e.stage(2, "after-drop")   # replaces the waiting stage, then receives from a PS that sends
-    replaced = time.monotonic() - t1
+    ctx, sock, address = _silent_ps()
+    try:
+        silent = {local_device_key("cpu", 0): address}
+        e.client.stage(silent, "given-up", timeout=120)
+        time.sleep(1.5)   # past the receiver's first looks at the handle: bound, so it waits on
+        assert e.client.weight_versions()[0]["receiving"] == "given-up"
+        with pytest.raises(RemoteWorkerError, match="version 'given-up' is still being staged \\(drop it first\\)"):
+            e.client.update(silent, weight_version="n1", via="loader", timeout=20)
+        t0 = time.monotonic()
+        dropped = e.client.drop_staged()
+        took = time.monotonic() - t0
+        assert dropped == [None], dropped   # nothing had been staged
+        assert took < 10, f"dropping a stage that waited for its PS took {took:.1f} s"   # generous: a poll is 0.2 s
+        state = e.client.weight_versions()[0]
+        assert state["receiving"] is None and state["staged"] is None, state
+        assert "the stage of 'given-up' was dropped" in state["last_stage_error"], state
+        e.client.stage(silent, "given-up-2", timeout=120)
+        t1 = time.monotonic()
+        e.stage(2, "after-drop")   # replaces the waiting stage, then receives from a PS that sends
+        replaced = time.monotonic() - t1
+    finally:
+        sock.close(0)
+        ctx.term()
     state = e.client.weight_versions()[0]
     assert state["staged"]["version"] == "after-drop" and state["receiving"] is None, state
     e.client.commit("after-drop")
     assert e.generate() == e.refs[2] and e.client.model_info()["weight_version"] == "after-drop"
     e.ps.update("s1", e.client.req_func(weight_version="w1"), timeout=120)   # the next direct update runs
     assert e.generate() == e.refs[1] and e.client.weight_versions()[0]["live"] == "w1"
-    print(f"a stage waiting for a PS that gave up: dropped in {took:.2f} s; a stage replacing one took {replaced:.2f} s")
+    print(f"a stage waiting for a silent PS: dropped in {took:.2f} s; a stage replacing one took {replaced:.2f} s")
+
+
+def test_a_load_or_stage_whose_ps_gave_up_before_it_connected_ends_at_once_and_the_next_update_runs(engine):
+    """A direct load through our loader runs in the scheduler's own call: nobody can stop it. One whose
+    PS gave the update up before the scheduler ran it (its deadline, a stop, its death: here a handle
+    bound by nobody; the receive timeout 120 s) fails within seconds with the TransportError saying so,
+    the engine untouched (every parameter, what it serves, SGLang's weight_version); a stage of such a
+    PS ends by itself the same way, nothing staged or receiving, and needs no drop; the next update
+    runs. Before, the load held the scheduler for the whole receive timeout."""
+    import uuid
+
+    from ckpt_core import local_device_key
+
+    e = engine
+    e.ps.update("s1", e.client.req_func(weight_version="w1", via="loader"), timeout=120)
+    live, served = e.params(), e.generate()
+    gone = {local_device_key("cpu", 0): f"ipc://@checkpoint-engine-test-gone-{uuid.uuid4().hex}.sock"}
+    t0 = time.monotonic()
+    with pytest.raises(RemoteWorkerError, match="is not bound: it gave the update up \\(deadline, stop or death\\) "
+                                                "before this receiver connected; nothing was loaded"):
+        e.client.update(gone, weight_version="n1", via="loader", timeout=120)
+    took = time.monotonic() - t0
+    assert took < 30, f"the load waited {took:.1f} s for a PS that was gone"   # generous: the first look is at once
+    assert e.params() == live and e.generate() == served == e.refs[1]
+    assert e.client.model_info()["weight_version"] == "w1", "a load that loaded nothing set a weight version"
+    e.client.stage(gone, "gone-stage", timeout=120)
+    deadline = time.monotonic() + 30
+    while (state := e.client.weight_versions()[0])["receiving"] is not None:
+        assert time.monotonic() < deadline, f"the stage still waits for a PS that was gone: {state}"
+        time.sleep(0.2)
+    assert state["staged"] is None and "is not bound" in (state["last_stage_error"] or ""), state
+    assert e.params() == live
+    e.ps.update("s2", e.client.req_func(weight_version="w2", via="loader"), timeout=120)   # the next update runs
+    assert e.generate() == e.refs[2] and e.client.weight_versions()[0]["live"] == "w2"
+    e.ps.update("s1", e.client.req_func(weight_version="w1"), timeout=120)
+    assert e.generate() == e.refs[1]
+    print(f"a direct load whose PS was gone failed in {took:.2f} s")
 
 
 def test_a_slice_plan_on_the_stock_wire_is_refused_before_anything_moves(engine):
