@@ -132,6 +132,15 @@ class _Peer:
         if self.sock is not None:
             self.sock.bind(self.address)
 
+    def exchange(self, *frames: bytes) -> None:
+        """Send each frame and take the loop's empty answer to it."""
+        import zmq
+
+        for frame in frames:
+            self.sock.send(frame)
+            assert self.sock.poll(10_000, zmq.POLLIN), "the loop did not answer"
+            assert self.sock.recv() == b""
+
     def close(self):
         if self.sock is not None:
             self.sock.close(0)
@@ -191,7 +200,6 @@ def test_a_stop_between_messages_ends_the_loop_after_what_it_received():
     came before went to ``run``."""
     import threading
 
-    import zmq
 
     from ckpt_core.errors import ConfigError
 
@@ -201,10 +209,7 @@ def test_a_stop_between_messages_ends_the_loop_after_what_it_received():
             mp.setattr(_stock_loop, "stock_loop", lambda: _stock_shaped_loop("recv"))
             thread, out = _receive_in_thread(peer.address, 60.0, lambda: "replaced" if stop.is_set() else None,
                                              "recv", runs)
-            for frame in (b"hello", b"bucket-0"):
-                peer.sock.send(frame)
-                assert peer.sock.poll(10_000, zmq.POLLIN), "the loop did not answer"
-                assert peer.sock.recv() == b""
+            peer.exchange(b"hello", b"bucket-0")
             stop.set()
             thread.join(10)
         assert not thread.is_alive() and isinstance(out["error"], ConfigError) and str(out["error"]).startswith(
@@ -312,7 +317,6 @@ def test_a_slow_ps_that_bound_its_handle_is_waited_for_without_any_owner():
     at the handle) is no PS that gave up: the loop answers what it sends."""
     import threading
 
-    import zmq
 
     from ckpt_core.errors import ConfigError
 
@@ -324,10 +328,7 @@ def test_a_slow_ps_that_bound_its_handle_is_waited_for_without_any_owner():
                                              "recv", runs)
             time.sleep(1.5)
             assert thread.is_alive() and not out, f"a slow PS was refused: {out}"
-            for frame in (b"hello", b"bucket-0"):
-                peer.sock.send(frame)
-                assert peer.sock.poll(10_000, zmq.POLLIN), "the loop did not answer"
-                assert peer.sock.recv() == b""
+            peer.exchange(b"hello", b"bucket-0")
             stop.set()
             thread.join(10)
         assert isinstance(out["error"], ConfigError) and runs == [b"bucket-0"], out

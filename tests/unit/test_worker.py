@@ -128,6 +128,16 @@ def handshake(ps: FakePs) -> Worker:
     return w
 
 
+def finish(ps: FakePs, w: Worker, buckets: int = 2) -> None:
+    """The rest of a genuine update after its hello was answered: every bucket done, the end finished."""
+    for i in range(buckets):
+        ps.send("bucket", index=i, slot=i)
+        assert ps.recv()["kind"] == "done"
+    ps.send("end", keep_buffer=False)
+    assert ps.recv()["kind"] == "finished"
+    w.join()
+
+
 # ------------------------------------------------------------------ the genuine exchange
 def test_a_genuine_update_loads_every_tensor_bit_exact_and_runs_the_post_hook_once(ps):
     w = handshake(ps)
@@ -178,12 +188,7 @@ def test_a_worker_loads_the_slices_of_its_own_engine_rank_of_its_plan(ps):
     w = Worker(ps.handle, slices=(PLAN, 1))
     ps.send("hello", **ps.hello(slices={"plan": PLAN, "rank": 1}))
     assert ps.recv()["kind"] == "ready"
-    for i in range(2):
-        ps.send("bucket", index=i, slot=i)
-        assert ps.recv()["kind"] == "done"
-    ps.send("end", keep_buffer=False)
-    assert ps.recv()["kind"] == "finished"
-    w.join()
+    finish(ps, w)
     assert w.error is None and len(w.calls) == 2
 
 
@@ -476,12 +481,7 @@ def test_a_slow_ps_that_bound_its_handle_is_waited_for_and_the_update_completes(
     assert w.thread.is_alive() and w.error is None, repr(w.error)
     ps.send("hello", **ps.hello())
     assert ps.recv()["kind"] == "ready"
-    for i in range(2):
-        ps.send("bucket", index=i, slot=i)
-        assert ps.recv()["kind"] == "done"
-    ps.send("end", keep_buffer=False)
-    assert ps.recv()["kind"] == "finished"
-    w.join()
+    finish(ps, w)
     assert w.error is None, repr(w.error)
     got = {n: t for call in w.calls for n, t in call.items()}
     assert set(got) == set(ps.tensors)
