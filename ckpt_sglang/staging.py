@@ -460,8 +460,10 @@ class EngineStaging:
         """The tail of a load's or commit's error when no TP rank wrote anything into its live parameters."""
         with self._lock:
             held = self.live_version
-        return "; nothing was loaded on any TP rank: the engine still holds " + (
-            f"version {held!r}" if held is not None else "the weights it held (no version of ours was live)")
+        if held is None:
+            return "; nothing was loaded on any TP rank: the engine still holds the weights it held (no version of " \
+                "ours was live)"
+        return f"; nothing was loaded on any TP rank: the engine still holds version {held!r}"
 
     def _free_locked(self) -> None:
         if self.area is not None:
