@@ -150,3 +150,36 @@ def test_a_load_without_a_handle_for_this_device_or_with_a_stage_in_the_way_chan
     with pytest.raises(ConfigError, match="version 's1' is staged \\(commit or drop it first\\)"):
         engine.load(model, {"weights": "v1", "handles": {KEY: "h"}})
     assert model.calls == [] and engine.area is not None and engine.state(model, {})["live"] is None
+
+
+def _staged(engine: EngineStaging, version: str, buckets, delta: bool = False) -> None:
+    area = staging.SglangStagingArea(version, torch.device("cpu"), 0, keep=delta, delta=delta)
+    for bucket in buckets:
+        area.add(bucket)
+    area.layout = {n: (str(t.dtype).removeprefix("torch."), tuple(t.shape)) for b in buckets for n, t in b}
+    area.sealed = True
+    engine.area = area
+
+
+def test_a_commit_whose_load_weights_fails_is_a_possible_mix_and_one_refused_before_writing_keeps_the_version(loop):
+    """A full commit failing at its first ``load_weights`` may have written part of that bucket; a staged
+    delta refused at its first bucket (this worker holds no base) wrote nothing: the version stays live."""
+    from ckpt_core.delta.versions import manifest_name
+
+    engine = EngineStaging()
+    engine.load(Model(), {"weights": "v1", "handles": {KEY: "h"}})
+    _staged(engine, "v2", BUCKETS)
+    with pytest.raises(Exception, match="^SGLang's load_weights failed while committing 'v2': RuntimeError: "
+                                        "injected load_weights failure; the model may hold a mix of both versions"):
+        engine.commit(Model(fail_at=0), {"weights": "v2", "session": True})
+    assert engine.state(None, {})["live"] is None
+    engine.load(Model(), {"weights": "v1", "handles": {KEY: "h"}})
+    since = engine.state(None, {})["live_since"]
+    _staged(engine, "v3", [[(manifest_name("v1", "v3", 0, 1), torch.zeros(8, dtype=torch.uint8))]], delta=True)
+    model = Model()
+    with pytest.raises(Exception, match="^the delta failed while committing 'v3': DeltaBaseError: this worker holds "
+                                        "None, not the base 'v1' of the delta of 'v3': nothing was written \\(update "
+                                        "it whole\\); nothing was loaded on any TP rank: the engine still holds "
+                                        "version 'v1'$"):
+        engine.commit(model, {"weights": "v3", "session": True})
+    assert model.calls == [] and (engine.state(model, {})["live"], engine.state(model, {})["live_since"]) == ("v1", since)
