@@ -182,4 +182,5 @@ def test_a_commit_whose_load_weights_fails_is_a_possible_mix_and_one_refused_bef
                                         "it whole\\); nothing was loaded on any TP rank: the engine still holds "
                                         "version 'v1'$"):
         engine.commit(model, {"weights": "v3", "session": True})
-    assert model.calls == [] and (engine.state(model, {})["live"], engine.state(model, {})["live_since"]) == ("v1", since)
+    state = engine.state(model, {})
+    assert model.calls == [] and (state["live"], state["live_since"]) == ("v1", since)
