@@ -13,6 +13,13 @@ Every rank then decides from the same list and, when any rank objects, raises th
 the same text (:func:`refusal`), so the client reads one outcome from every rank of one call. A rank
 that never reaches the collective (hung, or failed before calling the loader) is an
 ``UpdateTimeoutError`` on the ranks that waited for it, after the op's timeout.
+
+An op that writes live parameters (a load, a commit) ends with a second agreement on its outcome:
+each rank's status says whether it failed after it began writing into its live parameters
+(``FAILED``) or before (``UNTOUCHED``: no bucket reached SGLang's ``load_weights``, no delta was
+applied, nothing was post-processed). :func:`written` tells from the whole list whether any rank may
+have written (a rank that succeeded did); :func:`outcome` picks the error's tail accordingly, so every
+rank reports one outcome: the engine still holds what it held, or it may hold a mix of both versions.
 """
 
 from __future__ import annotations
@@ -23,10 +30,13 @@ from typing import Any
 
 from ckpt_core.errors import CheckpointFormatError, ConfigError, RemoteWorkerError, UpdateTimeoutError
 
-__all__ = ["TpGroup", "sglang_tp_group", "refusal", "OK", "BUSY", "REFUSED", "MALFORMED", "FAILED"]
+__all__ = ["TpGroup", "sglang_tp_group", "refusal", "written", "outcome", "OK", "BUSY", "REFUSED", "MALFORMED",
+           "FAILED", "UNTOUCHED"]
 
 OK, BUSY, REFUSED, MALFORMED, FAILED = 0, 1, 2, 3, 4   # BUSY: a receiver still runs (nothing may change)
-_ERRORS = {BUSY: ConfigError, REFUSED: ConfigError, MALFORMED: CheckpointFormatError, FAILED: RemoteWorkerError}
+UNTOUCHED = 5   # an op that writes live parameters failed on this rank before it wrote any (FAILED: after, or may have)
+_ERRORS = {BUSY: ConfigError, REFUSED: ConfigError, MALFORMED: CheckpointFormatError, FAILED: RemoteWorkerError,
+           UNTOUCHED: RemoteWorkerError}
 REASON_BYTES = 1021
 _RECORD = 3 + REASON_BYTES   # code, reason length (2 bytes, big-endian), reason
 
@@ -39,8 +49,10 @@ class TpGroup:
     size: int = 1
     cpu_group: Any = None
 
-    def gather(self, code: int, reason: str, what: str, timeout_s: float) -> list[tuple[int, str]]:
-        """Every rank's ``(code, reason)``, in TP-rank order; the same list on every rank."""
+    def gather(self, code: int, reason: str, what: str, timeout_s: float,
+               timed_out: str = "this rank changed nothing") -> list[tuple[int, str]]:
+        """Every rank's ``(code, reason)``, in TP-rank order; the same list on every rank. ``timed_out``:
+        what the ``UpdateTimeoutError`` says this rank did when the others did not arrive in time."""
         if self.size == 1:
             return [(code, reason)]
         import torch
@@ -57,7 +69,7 @@ class TpGroup:
             work.wait(timeout=timedelta(seconds=timeout_s))
         except RuntimeError as exc:   # gloo: "Operation timed out!"
             raise UpdateTimeoutError(f"TP rank {self.rank}: the other TP ranks of this server did not reach {what} "
-                                     f"within {timeout_s:g} s; this rank changed nothing") from exc
+                                     f"within {timeout_s:g} s; {timed_out}") from exc
         out = []
         for r in records:
             raw = bytes(r.numpy())
@@ -96,3 +108,15 @@ def refusal(statuses: list[tuple[int, str]], head: str, tail: str) -> Exception 
         text = head + "; ".join(f"{why} on TP rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
                                 for why, ranks in by_reason.items()) + f" (of {len(statuses)})"
     return _ERRORS[objecting[0][1]](text + tail)
+
+
+def written(statuses: list[tuple[int, str]]) -> bool:
+    """Whether any rank may have written into its live parameters during an op whose end the ranks
+    agree on: every rank but one that reports ``UNTOUCHED`` (a rank that succeeded wrote)."""
+    return any(code != UNTOUCHED for code, _ in statuses)
+
+
+def outcome(statuses: list[tuple[int, str]], head: str, untouched: str, mixed: str) -> Exception | None:
+    """:func:`refusal` of an op's end: ``untouched`` ends the text when no rank wrote anything
+    (:func:`written`), ``mixed`` when any may have. Decided from the whole list: the same on every rank."""
+    return refusal(statuses, head, mixed if written(statuses) else untouched)

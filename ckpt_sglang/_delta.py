@@ -445,6 +445,7 @@ class DeltaLoad:
         self.kept: dict[str, torch.Tensor] = {}
         self.cb = None
         self.figures: dict = {}
+        self.wrote = False   # set just before it first writes into the model (load_weights, a delta's apply)
 
     def transaction(self):
         rx = self.state.rx
@@ -472,11 +473,13 @@ class DeltaLoad:
             self.recorder.add_sources(weights)
             try:
                 with torch.no_grad(), self.state.ours(), self.recorder:
+                    self.wrote = True
                     self.model.load_weights(weights)
             finally:
                 self.recorder.clear_sources()
         else:
             with self.state.ours():
+                self.wrote = True
                 self.model.load_weights(weights)
 
     def post_hook(self) -> None:
@@ -491,6 +494,7 @@ class DeltaLoad:
         if stale:
             raise DeltaBaseError(f"{stale}; nothing was written (update it whole)")
         self.state.reload_figures = {}
+        self.wrote = True   # scattered or reloaded from here on (undone if the delta fails)
         self.cb.run(self.stash)
         self.cb.post_hook()
         self.stash = []
@@ -543,8 +547,8 @@ class _Transaction:
         load, cm = self.load, self._cm
         if cm is None:
             return False
-        if exc_type is not None and load.delta is False:
-            load.state.forget()   # a failed full load: the model holds a mix
+        if exc_type is not None and load.delta is False and load.wrote:
+            load.state.forget()   # a failed full load that wrote: the model may hold a mix
         suppressed = cm.__exit__(exc_type, exc, tb)
         if exc_type is None:
             if load.delta:

@@ -41,8 +41,16 @@ that version, and a commit some rank cannot run changes no live weight on any ra
 ranks do not all hold alike, or an incomplete one, is dropped on every rank); a ``load_weights``
 failing on one rank at the commit is reported by every rank. A load runs only when every rank has a
 handle for its device and nothing staged or receiving; its failure on one rank (the PS then aborts
-every rank's loop) is reported by every rank, and no rank reports a live version after it. Every
-rank answers each call with the same outcome.
+every rank's loop) is reported by every rank. Every rank answers each call with the same outcome.
+
+A load or commit that fails says what the model holds, agreed by the ranks at its end
+(``_agree.outcome``): each rank knows whether it wrote into its live parameters (a flag set just
+before its first call of SGLang's ``load_weights``, a delta's apply, or the post-load processing).
+When no rank wrote (the PS gave the update up before the receivers connected, a refusal at the
+handshake or the plan, a delta refused at its first bucket), the error says that nothing was loaded
+and which version the engine still holds, and ``state`` keeps that live version; when any rank may
+have written, it says that the model may hold a mix of both versions (push a full update) and no
+rank reports a live version after it (a failed delta is undone instead, its version kept).
 """
 
 from __future__ import annotations
@@ -58,7 +66,7 @@ import torch
 from ckpt_core.errors import CheckpointFormatError, ConfigError
 from ckpt_core.wire.staging import StagingArea
 
-from ._agree import BUSY, FAILED, MALFORMED, OK, REFUSED, TpGroup, refusal, sglang_tp_group
+from ._agree import BUSY, FAILED, MALFORMED, OK, REFUSED, UNTOUCHED, TpGroup, outcome, refusal, sglang_tp_group, written
 from ._delta import SglangDeltas, is_delta_name
 from ._protocol import decode_command, reply
 from ._stock_loop import run_stock_loop
@@ -69,6 +77,7 @@ log = logging.getLogger("ckpt_sglang.staging")
 REPLY_TIMEOUT_S = 10.0
 AGREE_TIMEOUT_S = 60.0   # when a command carries no timeout of its own
 STOP_JOIN_S = 10.0   # how long a drop waits for the receiver it stopped (it stops within a poll, or a bucket's copy)
+MIXED = "; the model may hold a mix of both versions: push a full update"
 
 
 def _device_of(model) -> tuple[torch.device, str, int]:
@@ -293,6 +302,7 @@ class EngineStaging:
         dload = self.deltas.load(model, area.device, version, area.keep, bool(cmd.get("session")))
         failed: Exception | None = None
         error: Exception | None = None
+        untouched = False   # the ranks agreed that none of them wrote anything
         try:
             with dload.transaction():
                 try:
@@ -307,12 +317,14 @@ class EngineStaging:
                     error = exc
                     log.error("ckpt commit of %s: %s failed:\n%s", version,
                               "the delta" if dload.delta else "SGLang's load_weights", traceback.format_exc())
-                statuses = group.gather(FAILED if error else OK, f"{type(error).__name__}: {error}" if error else "",
-                                        f"the end of the commit of {version!r}", wait)
+                statuses = group.gather(_end_code(error is not None, dload.wrote),
+                                        f"{type(error).__name__}: {error}" if error else "",
+                                        f"the end of the commit of {version!r}", wait,
+                                        _end_timed_out(dload.wrote, bool(dload.delta)))
+                untouched = not written(statuses)
                 what = "the delta" if dload.delta else "SGLang's load_weights"
-                failed = refusal(statuses, f"{what} failed while committing {version!r}: ",
-                                 "; the delta was undone on every TP rank" if dload.delta
-                                 else "; the model may hold a mix of both versions: push a full update")
+                failed = outcome(statuses, f"{what} failed while committing {version!r}: ", self._untouched(),
+                                 "; the delta was undone on every TP rank" if dload.delta else MIXED)
                 if failed is not None:
                     raise failed   # leaves the transaction: a delta is undone on every rank
         except Exception as exc:   # noqa: BLE001 - raised below, after the state is set
@@ -320,7 +332,9 @@ class EngineStaging:
         summary = area.summary()
         area.free()
         with self._lock:
-            if failed is None or not dload.delta:   # a failed delta was undone: the model holds what it held
+            # a failed delta was undone, and a failure before any rank wrote left it alone: the model holds
+            # what it held
+            if failed is None or not (dload.delta or untouched):
                 if not dload.delta:
                     self.layout = dict(area.layout)
                 self.live_version, self.live_since = (version if failed is None else None), time.time()
@@ -381,14 +395,15 @@ class EngineStaging:
                 log.error("ckpt load: the delta failed:\n%s", traceback.format_exc())
                 raise
 
-        failed = None
+        failed, untouched = None, False   # untouched: the ranks agreed that none of them wrote anything
         try:
             with dload.transaction():
-                error = None
+                error, post_loaded = None, False
                 try:
                     run_stock_loop(handles[key], device, device_id, float(cmd.get("receive_timeout", 600.0)),
                                    run=run, post_hook=post_hook, side_stream=False, reply_hook_error=True)
                     if not dload.delta and not cmd.get("session"):   # a session's end post-processes (0.5.23)
+                        post_loaded = True   # it changes live parameters, even after a load of no tensor
                         _post_load(model, device)
                     if device.type == "cuda":
                         torch.cuda.synchronize(device)
@@ -396,9 +411,12 @@ class EngineStaging:
                         dload.finish_full()
                 except BaseException as exc:   # noqa: BLE001 - every rank reports it, below
                     error = (first_error or [f"{type(exc).__name__}: {exc}"])[0]
-                statuses = group.gather(FAILED if error else OK, error or "", f"the end of {what}", wait)
-                failed = refusal(statuses, f"{what} failed: ", "; the delta was undone on every TP rank"
-                                 if dload.delta else "; the model may hold a mix of both versions: push a full update")
+                wrote = dload.wrote or post_loaded
+                statuses = group.gather(_end_code(error is not None, wrote), error or "", f"the end of {what}", wait,
+                                        _end_timed_out(wrote, bool(dload.delta)))
+                untouched = not written(statuses)
+                failed = outcome(statuses, f"{what} failed: ", self._untouched(),
+                                 "; the delta was undone on every TP rank" if dload.delta else MIXED)
                 if failed is not None:
                     raise failed   # leaves the transaction: a delta is undone on every rank
         except Exception as exc:
@@ -407,7 +425,8 @@ class EngineStaging:
         with self._lock:
             if failed is None and not dload.delta:
                 self.layout = dict(seen)
-            if failed is None or not dload.delta:   # a failed delta was undone: the version is what it was
+            # a failed delta was undone, and a failure before any rank wrote left it alone: the version is what it was
+            if failed is None or not (dload.delta or untouched):
                 self.live_version = None if failed is not None or version is None else str(version)
                 self.live_since = time.time()
         if failed is not None:
@@ -437,10 +456,32 @@ class EngineStaging:
                     "receiving": None if self.receiving is None else self.receiving.version,
                     "last_stage_error": self.last_stage_error}
 
+    def _untouched(self) -> str:
+        """The tail of a load's or commit's error when no TP rank wrote anything into its live parameters."""
+        with self._lock:
+            held = self.live_version
+        if held is None:
+            return "; nothing was loaded on any TP rank: the engine still holds the weights it held (no version of " \
+                "ours was live)"
+        return f"; nothing was loaded on any TP rank: the engine still holds version {held!r}"
+
     def _free_locked(self) -> None:
         if self.area is not None:
             self.area.free()
         self.area = None
+
+
+def _end_code(failed: bool, wrote: bool) -> int:
+    """This rank's status at the end of a load or commit: ``UNTOUCHED`` when it failed before writing."""
+    return (FAILED if wrote else UNTOUCHED) if failed else OK
+
+
+def _end_timed_out(wrote: bool, delta: bool) -> str:
+    """What a rank that the others left waiting at the end of a load or commit says it did."""
+    if delta:
+        return "this rank's delta is undone" if wrote else "this rank wrote nothing"
+    return ("this rank wrote into its live parameters: the model may hold a mix of both versions, push a full update"
+            if wrote else "this rank wrote nothing, the others may have: push a full update")
 
 
 def _post_load(model, device: torch.device) -> None:

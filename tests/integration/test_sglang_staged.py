@@ -267,25 +267,32 @@ def test_a_load_or_stage_whose_ps_gave_up_before_it_connected_ends_at_once_and_t
     """A direct load through our loader runs in the scheduler's own call: nobody can stop it. One whose
     PS gave the update up before the scheduler ran it (its deadline, a stop, its death: here a handle
     bound by nobody; the receive timeout 120 s) fails within seconds with the TransportError saying so,
-    the engine untouched (every parameter, what it serves, SGLang's weight_version); a stage of such a
-    PS ends by itself the same way, nothing staged or receiving, and needs no drop; the next update
-    runs. Before, the load held the scheduler for the whole receive timeout."""
+    the engine untouched (every parameter, what it serves, SGLang's weight_version); the error says that
+    nothing was loaded and which version the engine still holds, and ``weight_versions()`` still reports
+    that version live (since the same time): no full update is needed. A stage of such a PS ends by
+    itself the same way, nothing staged or receiving, and needs no drop; the next update runs. Before,
+    the load held the scheduler for the whole receive timeout, and then reported a possible mix."""
     import uuid
 
     from ckpt_core import local_device_key
 
     e = engine
     e.ps.update("s1", e.client.req_func(weight_version="w1", via="loader"), timeout=120)
-    live, served = e.params(), e.generate()
+    live, served, before = e.params(), e.generate(), e.client.weight_versions()[0]
     gone = {local_device_key("cpu", 0): f"ipc://@checkpoint-engine-test-gone-{uuid.uuid4().hex}.sock"}
     t0 = time.monotonic()
     with pytest.raises(RemoteWorkerError, match="is not bound: it gave the update up \\(deadline, stop or death\\) "
-                                                "before this receiver connected; nothing was loaded"):
+                                                "before this receiver connected; nothing was loaded; nothing was "
+                                                "loaded on any TP rank: the engine still holds version 'w1'$") as info:
         e.client.update(gone, weight_version="n1", via="loader", timeout=120)
     took = time.monotonic() - t0
+    assert "mix" not in str(info.value), info.value
     assert took < 30, f"the load waited {took:.1f} s for a PS that was gone"   # generous: the first look is at once
     assert e.params() == live and e.generate() == served == e.refs[1]
     assert e.client.model_info()["weight_version"] == "w1", "a load that loaded nothing set a weight version"
+    after = e.client.weight_versions()[0]
+    assert (after["live"], after["live_since"]) == ("w1", before["live_since"]), \
+        f"a load that wrote nothing changed the live version: {before} -> {after}"
     e.client.stage(gone, "gone-stage", timeout=120)
     deadline = time.monotonic() + 30
     while (state := e.client.weight_versions()[0])["receiving"] is not None:
@@ -494,9 +501,23 @@ def test_a_direct_load_that_fails_is_reported_and_the_next_one_repairs_it(engine
     e.client.drop_staged()
     assert e.params() == live and e.client.model_info()["weight_version"] == "w1"
     httpx.post(f"{e.eng.url}/ckpt_test/next_commit", params={"fail_rank": 0}, timeout=30).raise_for_status()
+    loads, said = e.client.req_func(weight_version="n3", via="loader"), []
+
+    def req_func(handles):   # what the client reads from the loader (the PS's own error names the worker's cause)
+        try:
+            return loads(handles)
+        except RemoteWorkerError as exc:
+            said.append(str(exc))
+            raise
+
     with pytest.raises(Exception, match="injected load_weights failure on TP rank 0") as failed:
-        e.ps.update("s2", e.client.req_func(weight_version="n3", via="loader"), timeout=60)
+        e.ps.update("s2", req_func, timeout=60)
     assert e.params() != live, "the failure came mid-way: a bucket was loaded"
+    deadline = time.monotonic() + 30
+    while not said and time.monotonic() < deadline:   # the PS waits for its req_func briefly only
+        time.sleep(0.1)
+    assert said and said[0].endswith("injected load_weights failure on TP rank 0; the model may hold a mix of both "
+                                     "versions: push a full update"), said
     assert e.client.model_info()["weight_version"] == "w1", f"a failed load set a weight version ({failed.value})"
     assert e.client.weight_versions()[0]["live"] is None, "a failed load is reported live"
     with pytest.raises(ConfigError, match="via must be one of"):

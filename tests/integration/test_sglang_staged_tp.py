@@ -13,6 +13,8 @@ Each rank's scheduler notes the weight calls it takes, and whether its session w
 
 from __future__ import annotations
 
+import uuid
+
 import httpx
 import pytest
 
@@ -216,9 +218,10 @@ def test_a_load_weights_failure_on_one_rank_at_the_commit_is_reported_by_every_r
 def test_a_direct_tp2_load_through_our_loader_equals_a_cold_load_and_a_failure_is_reported_by_every_rank(tp2):
     """``via="loader"`` at TP 2: every rank's loader agrees, loads its own shard through SGLang's
     ``load_weights`` inside its session; A, B, A each equal a cold load on every rank. A load one rank
-    cannot run (no handle for its device) is refused on both, nothing changed; ``load_weights``
-    raising on rank 1 mid-way fails the update on every PS rank, both TP ranks report it and none
-    reports a live version; the next load repairs it."""
+    cannot run (no handle for its device) is refused on both, nothing changed; a load whose PS ranks
+    gave the update up before the receivers connected fails on both, both say that nothing was loaded
+    and keep their live version; ``load_weights`` raising on rank 1 mid-way fails the update on every
+    PS rank, both TP ranks report it and none reports a live version; the next load repairs it."""
     t = tp2
     seen = [len(events) for events in t.eng.state()["rank_events"]]
     for seed, version in ((1, "d1"), (2, "d2"), (1, "d1b")):
@@ -235,6 +238,18 @@ def test_a_direct_tp2_load_through_our_loader_equals_a_cold_load_and_a_failure_i
                          f"{t.world.device_uuids[1]}")
     assert refused.match("on TP rank 1 \\(of 2\\); nothing was changed on any TP rank")
     assert t.params() == before
+    held = [(s["live"], s["live_since"]) for s in t.states()]
+    gone = {u: f"ipc://@checkpoint-engine-test-gone-{uuid.uuid4().hex}.sock" for u in t.world.device_uuids}
+    with pytest.raises(RemoteWorkerError) as untouched:
+        t.client.update(gone, weight_version="gone", via="loader", timeout=60)
+    assert untouched.match(f"{BOTH}: RemoteWorkerError: the load of 'gone' failed: TransportError: the parameter "
+                           f"server's socket {gone[t.world.device_uuids[0]]} is not bound")
+    assert untouched.match("nothing was loaded on TP rank 1 \\(of 2\\); nothing was loaded on any TP rank: the "
+                           "engine still holds version 'd1b'")
+    assert "mix" not in str(untouched.value), untouched.value
+    assert t.params() == before and [(s["live"], s["live_since"]) for s in t.states()] == held == [("d1b", held[0][1]),
+                                                                                                   ("d1b", held[1][1])]
+    assert t.client.model_info()["weight_version"] == "d1b", "a load that loaded nothing set a weight version"
     httpx.post(f"{t.eng.url}/ckpt_test/next_commit", params={"fail_rank": 1}, timeout=30).raise_for_status()
     failed = t.ps_update(2, weight_version="bad", via="loader")
     assert all(not o.ok and "injected load_weights failure on TP rank 1" in o.message for o in failed.values()), failed

@@ -82,14 +82,62 @@ def test_a_load_feeds_each_bucket_to_load_weights_and_post_processes_only_outsid
                                                                          "w3": ("float32", (2, 2))}
 
 
-def test_a_load_weights_failure_mid_way_is_the_loads_error_and_nothing_is_live(loop):
-    engine, model = EngineStaging(), Model(fail_at=1)
+@pytest.mark.parametrize("fail_at", [0, 1])
+def test_a_load_weights_failure_is_the_loads_error_a_possible_mix_and_nothing_is_live(loop, fail_at):
+    """At its first call too: SGLang's loader may have written part of that bucket before it raised."""
+    engine, model = EngineStaging(), Model(fail_at=fail_at)
     engine.load(Model(), {"weights": "v1", "handles": {KEY: "h"}})
-    with pytest.raises(Exception, match="the load of 'v2' failed: RuntimeError: injected load_weights failure") as info:
+    with pytest.raises(Exception, match="the load of 'v2' failed: RuntimeError: injected load_weights failure; the "
+                                        "model may hold a mix of both versions: push a full update$") as info:
         engine.load(model, {"weights": "v2", "handles": {KEY: "h"}})
     assert type(info.value).__name__ == "RemoteWorkerError"
-    assert [c[0] for c in model.calls] == ["load"], "post-processing ran after a failed load"
+    assert [c[0] for c in model.calls] == ["load"] * fail_at, "post-processing ran after a failed load"
     assert engine.state(model, {})["live"] is None, "a failed load left a version live"
+
+
+@pytest.mark.parametrize("session", [False, True])
+def test_a_load_whose_ps_is_gone_before_any_bucket_says_nothing_was_loaded_and_keeps_the_live_version(
+        loop, monkeypatch, session):
+    """The stock loop ends before its first bucket (here the PS's handle bound by nobody): no
+    ``load_weights`` call, no post-processing, and the version made live before is still reported live."""
+    from ckpt_core.errors import TransportError
+
+    engine = EngineStaging()
+    engine.load(Model(), {"weights": "v1", "handles": {KEY: "h"}})
+    since = engine.state(None, {})["live_since"]
+
+    def gone(handle, device, device_id, timeout_s, *, run, post_hook=None, side_stream=True, reply_hook_error=False):
+        raise TransportError("the parameter server's socket ipc://@h is not bound: it gave the update up")
+
+    monkeypatch.setattr(staging, "run_stock_loop", gone)
+    model = Model()
+    with pytest.raises(Exception, match="^the load of 'v2' failed: TransportError: the parameter server's socket "
+                                        "ipc://@h is not bound: it gave the update up; nothing was loaded on any TP "
+                                        "rank: the engine still holds version 'v1'$") as info:
+        engine.load(model, {"weights": "v2", "handles": {KEY: "h"}, "session": session})
+    assert type(info.value).__name__ == "RemoteWorkerError"
+    assert model.calls == [], "a load whose PS was gone touched the model"
+    state = engine.state(model, {})
+    assert (state["live"], state["live_since"]) == ("v1", since), "a load that wrote nothing changed the live version"
+    assert "w1" in engine.layout, "a load that wrote nothing changed the layout a stage is checked against"
+    fresh = EngineStaging()   # nothing of ours made live yet: it says what it can
+    with pytest.raises(Exception, match="nothing was loaded on any TP rank: the engine still holds the weights it "
+                                        "held \\(no version of ours was live\\)$"):
+        fresh.load(model, {"weights": "v2", "handles": {KEY: "h"}})
+    assert fresh.state(model, {})["live"] is None and fresh.state(model, {})["live_since"] is None
+
+
+def test_a_failure_of_the_post_load_processing_after_the_last_bucket_is_a_possible_mix(loop, monkeypatch):
+    engine, model = EngineStaging(), Model()
+    engine.load(Model(), {"weights": "v1", "handles": {KEY: "h"}})
+
+    def fails(*a, **k):
+        raise RuntimeError("injected post-load failure")
+
+    monkeypatch.setattr(staging, "_post_load", fails)
+    with pytest.raises(Exception, match="injected post-load failure; the model may hold a mix of both versions"):
+        engine.load(model, {"weights": "v2", "handles": {KEY: "h"}})
+    assert engine.state(model, {})["live"] is None
 
 
 def test_a_load_without_a_handle_for_this_device_or_with_a_stage_in_the_way_changes_nothing(loop):
@@ -102,3 +150,37 @@ def test_a_load_without_a_handle_for_this_device_or_with_a_stage_in_the_way_chan
     with pytest.raises(ConfigError, match="version 's1' is staged \\(commit or drop it first\\)"):
         engine.load(model, {"weights": "v1", "handles": {KEY: "h"}})
     assert model.calls == [] and engine.area is not None and engine.state(model, {})["live"] is None
+
+
+def _staged(engine: EngineStaging, version: str, buckets, delta: bool = False) -> None:
+    area = staging.SglangStagingArea(version, torch.device("cpu"), 0, keep=delta, delta=delta)
+    for bucket in buckets:
+        area.add(bucket)
+    area.layout = {n: (str(t.dtype).removeprefix("torch."), tuple(t.shape)) for b in buckets for n, t in b}
+    area.sealed = True
+    engine.area = area
+
+
+def test_a_commit_whose_load_weights_fails_is_a_possible_mix_and_one_refused_before_writing_keeps_the_version(loop):
+    """A full commit failing at its first ``load_weights`` may have written part of that bucket; a staged
+    delta refused at its first bucket (this worker holds no base) wrote nothing: the version stays live."""
+    from ckpt_core.delta.versions import manifest_name
+
+    engine = EngineStaging()
+    engine.load(Model(), {"weights": "v1", "handles": {KEY: "h"}})
+    _staged(engine, "v2", BUCKETS)
+    with pytest.raises(Exception, match="^SGLang's load_weights failed while committing 'v2': RuntimeError: "
+                                        "injected load_weights failure; the model may hold a mix of both versions"):
+        engine.commit(Model(fail_at=0), {"weights": "v2", "session": True})
+    assert engine.state(None, {})["live"] is None
+    engine.load(Model(), {"weights": "v1", "handles": {KEY: "h"}})
+    since = engine.state(None, {})["live_since"]
+    _staged(engine, "v3", [[(manifest_name("v1", "v3", 0, 1), torch.zeros(8, dtype=torch.uint8))]], delta=True)
+    model = Model()
+    with pytest.raises(Exception, match="^the delta failed while committing 'v3': DeltaBaseError: this worker holds "
+                                        "None, not the base 'v1' of the delta of 'v3': nothing was written \\(update "
+                                        "it whole\\); nothing was loaded on any TP rank: the engine still holds "
+                                        "version 'v1'$"):
+        engine.commit(model, {"weights": "v3", "session": True})
+    state = engine.state(model, {})
+    assert model.calls == [] and (state["live"], state["live_since"]) == ("v1", since)

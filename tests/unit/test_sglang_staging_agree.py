@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ckpt_core.errors import ConfigError, RemoteWorkerError
-from ckpt_sglang._agree import BUSY, OK, REFUSED, refusal
+from ckpt_sglang._agree import BUSY, FAILED, OK, REFUSED, UNTOUCHED, outcome, refusal, written
 from ckpt_sglang._protocol import ReplySocket, encode_command
 from support.ports import free_port
 
@@ -114,6 +114,104 @@ def test_one_text_for_every_rank_names_the_ranks_by_reason_and_takes_the_first_o
     assert refusal([(OK, "")] * 3, "x", "y") is None
     assert str(refusal([(REFUSED, "nothing is staged")], "cannot commit version 'b': ", "; nothing was committed")) \
         == "cannot commit version 'b': nothing is staged; nothing was committed"
+
+
+UNTOUCHED_TAIL, MIXED_TAIL = "; nothing was loaded: v1 still", "; a mix: push a full update"
+
+
+@pytest.mark.parametrize("statuses, mixed", [
+    ([(UNTOUCHED, "gone")], False),
+    ([(UNTOUCHED, "gone")] * 4, False),
+    ([(FAILED, "boom")], True),
+    ([(UNTOUCHED, "gone"), (UNTOUCHED, "gone"), (FAILED, "boom"), (UNTOUCHED, "gone")], True),
+    ([(UNTOUCHED, "gone"), (OK, "")], True),   # the rank that succeeded loaded everything
+])
+def test_the_end_of_a_load_says_nothing_was_loaded_only_when_no_rank_wrote(statuses, mixed):
+    assert written(statuses) is mixed
+    err = outcome(statuses, "the load failed: ", UNTOUCHED_TAIL, MIXED_TAIL)
+    assert isinstance(err, RemoteWorkerError)
+    assert str(err).endswith(MIXED_TAIL if mixed else UNTOUCHED_TAIL), str(err)
+    assert outcome([(OK, "")] * len(statuses), "x", UNTOUCHED_TAIL, MIXED_TAIL) is None
+
+
+BUCKETS = [[("w1", torch.arange(6.0).reshape(3, 2))], [("w2", torch.arange(4.0))]]
+
+
+class _Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.loaded: list[str] = []
+
+    def load_weights(self, weights):
+        self.loaded.extend(n for n, _ in weights)
+
+
+def _load_rank(rank: int, port: int, out) -> None:
+    """One TP rank's ``EngineStaging.load`` with the stock loop stood in (it fails after ``fails[rank]``
+    buckets, a TransportError as a gone PS's): v1 loads on both ranks, then each case fails."""
+    import torch.distributed as dist
+
+    from ckpt_core.errors import TransportError
+    from ckpt_sglang import staging
+    from ckpt_sglang._agree import TpGroup
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    group, engine, key = TpGroup(rank, 2, dist.group.WORLD), staging.EngineStaging(), f"dev-{rank}"
+    handles = {"dev-0": "ipc://@a", "dev-1": "ipc://@b"}
+    staging._device_of = lambda model: (torch.device("cpu"), key, rank)
+    fails: list = [None]
+
+    def loop(handle, device, device_id, timeout_s, *, run, post_hook=None, side_stream=True, reply_hook_error=False):
+        for i, bucket in enumerate(BUCKETS):
+            if fails[0] is not None and i == fails[0][rank]:
+                raise TransportError(f"the parameter server went away before bucket {i}")
+            run(bucket)
+        if post_hook is not None:
+            post_hook()
+
+    staging.run_stock_loop = loop
+    engine.load(_Model(), {"weights": "v1", "handles": handles, "timeout": 30}, group)
+    # both ranks before their first bucket; rank 0 before its first, rank 1 after one
+    for case, at in (("none wrote", (0, 0)), ("one wrote", (0, 1))):
+        fails[0] = at
+        model = _Model()
+        try:
+            engine.load(model, {"weights": "v2", "handles": handles, "timeout": 30}, group)
+            kind, text = "ok", ""
+        except Exception as exc:   # noqa: BLE001 - reported to the test
+            kind, text = type(exc).__name__, str(exc)
+        out.put((rank, case, kind, text, engine.state(model, {})["live"], model.loaded))
+        dist.barrier()
+    dist.destroy_process_group()
+    out.close()
+    out.join_thread()
+    os._exit(0)
+
+
+def test_every_tp_rank_says_nothing_was_loaded_only_when_no_rank_wrote_and_keeps_its_live_version_then():
+    ctx = mp.get_context("spawn")
+    out, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_load_rank, args=(r, port, out), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = {}
+    try:
+        for _ in range(4):
+            rank, case, *rest = out.get(timeout=120)
+            got[rank, case] = rest
+    finally:
+        for p in procs:
+            p.join(60)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    gone = "the load of 'v2' failed: TransportError: the parameter server went away before bucket "
+    for r in (0, 1):
+        untouched = gone + "0 on TP ranks 0, 1 (of 2); nothing was loaded on any TP rank: the engine still holds " \
+            "version 'v1'"
+        assert got[r, "none wrote"] == ["RemoteWorkerError", untouched, "v1", []], got[r, "none wrote"]
+        assert got[r, "one wrote"][0] == "RemoteWorkerError" and got[r, "one wrote"][2] is None, got[r, "one wrote"]
+        assert got[r, "one wrote"][1] == (gone + "0 on TP rank 0; " + gone.split(": ", 1)[1] + "1 on TP rank 1 (of "
+                                          "2); the model may hold a mix of both versions: push a full update")
+    assert got[0, "one wrote"][3] == [] and got[1, "one wrote"][3] == ["w1"], "the stand-in loop did not run as meant"
 
 
 def test_a_loader_that_finds_fewer_tp_ranks_than_the_server_has_refuses_instead_of_acting_alone():
