@@ -135,8 +135,8 @@ class _LoopSocket:
       nothing it sent is left to read. So is a PS that gave the update up before the receiver
       connected: until the PS connects, its handle (recorded by ``connect``) is looked up about once
       a second (``PeerWatch.unbound``, ``ckpt_core/wire/endpoint.py``: listed in ``/proc/net/unix``);
-      a handle nobody binds any more ends the wait. A slow PS still binds its handle
-      and is waited for; a handle that cannot be checked (``tcp://``) is waited for as before, until
+      a handle nobody binds ends the wait (at once when it was seen bound, after a grace when never).
+      A slow PS still binds its handle and is waited for; a handle that cannot be checked (``tcp://``) is waited for as before, until
       the owner's stop or the timeout.
     - With a failed post hook (``hook``), the loop's ``b""`` after it becomes the hook's traceback.
     """
@@ -254,7 +254,7 @@ def run_stock_loop(handle: str, device: torch.device, device_id, timeout_s: floa
     reason (a non-empty string) ends the wait and the loop with ``ConfigError`` naming it (a stage's
     receiver that its owner drops: its PS may be bound and silent, or on a handle that cannot be
     checked). Without it, a PS that gave the update up before this receiver connected still ends the
-    wait at once when its ``ipc://`` handle is no longer bound (``TransportError``, see
+    wait when its ``ipc://`` handle is bound by nobody (``TransportError``, see
     :class:`_LoopSocket`). Each receive waits at most ``timeout_s`` (``UpdateTimeoutError``)."""
     loop = stock_loop()
     ctx = receiver_context(timeout_s)

@@ -2,9 +2,11 @@
 
 A ZeroMQ ``connect`` to an address nobody binds retries silently forever: an engine worker whose
 parameter server gave the update up before the worker connected (its deadline passed, it was
-stopped, its process died) would wait for its whole receive timeout. The PS binds its handle
-before it asks the engine to connect (``req_func``), so a handle that is not bound while the
-worker has never been reached means the PS is gone. :func:`endpoint_bound` tells that for
+stopped, its process died) would wait for its whole receive timeout. Each PS rank binds its handle
+before its ``req_func`` runs, but every rank posts every rank's handle, so a worker may be told its
+handle a little before its own rank bound it: ``PeerWatch.unbound`` (``wire/link.py``) believes an
+endpoint gone when it saw it bound and then not, or never saw it bound for a grace of several
+seconds. :func:`endpoint_bound` tells whether it is bound for
 Unix-socket handles and answers ``None`` (cannot tell) for everything else, so that callers then
 keep waiting exactly as before.
 """
@@ -21,6 +23,7 @@ import uuid
 __all__ = ["endpoint_bound"]
 
 PROC_UNIX = "/proc/net/unix"
+_READ_BYTES = 1 << 20
 
 _trust_lock = threading.Lock()
 _trusted: dict[str, bool] = {}   # table path -> whether it lists a name bound here (checked once)
@@ -66,7 +69,14 @@ def endpoint_bound(handle: str) -> bool | None:
 
 
 def _in_table(path: str, table: str) -> bool | None:
-    """Whether ``path`` (``@name`` for an abstract name) is bound per ``table``; None: cannot tell."""
+    """Whether ``path`` (``@name`` for an abstract name) is bound per ``table``; None: cannot tell.
+
+    The kernel builds the table as it is read, a page or so per read: a socket closed elsewhere
+    between two reads can shift a line out of sight. Absent is believed only when a second read
+    agrees."""
+    listed = _listed(path, table)
+    if listed is None or listed:
+        return listed
     listed = _listed(path, table)
     if listed is None or listed:
         return listed
@@ -81,11 +91,17 @@ def _listed(path: str, table: str) -> bool | None:
     """Whether ``path`` is in the table's Path column (each line's last field), or None when unreadable.
 
     Embedded NULs show as ``@``: a binder that passed the padded address length shows trailing ones."""
+    chunks = []
     try:
-        with open(table, "rb") as f:
-            text = f.read()
+        fd = os.open(table, os.O_RDONLY)
+        try:
+            while chunk := os.read(fd, _READ_BYTES):   # large reads: fewer places for a line to go missing
+                chunks.append(chunk)
+        finally:
+            os.close(fd)
     except OSError:
         return None
+    text = b"".join(chunks)
     pattern = re.compile(rb" " + re.escape(path.encode("utf-8", "surrogateescape")) + rb"@*$", re.MULTILINE)
     return pattern.search(text) is not None
 

@@ -16,6 +16,11 @@ POLL_SLICE_MS = 50
 # The connecting side, until its peer connects: how often it looks whether the peer's endpoint is still
 # bound (a read of /proc/net/unix, which can be long on a busy host).
 ENDPOINT_CHECK_S = 1.0
+# ... and how long an endpoint it never saw bound may stay unbound before that means its binder gave up.
+# Every PS rank posts every rank's handle (req_func), so a worker can be told its handle by rank 0 before
+# its own PS rank bound it (that rank is still allocating its buffer, say): an unbound handle then means
+# "not yet". A handle seen bound and then gone is a PS that left, at once.
+NEVER_BOUND_GRACE_S = 10.0
 # Close with a short linger so that a last frame (abort, finished, error) still reaches
 # the peer; with linger 0 ZeroMQ may drop it, and the peer then waits for its deadline.
 CLOSE_LINGER_MS = 1000
@@ -42,11 +47,13 @@ class PeerWatch:
         # legitimately drops the connection, so a reconnect cannot make the update whole.
         self.sticky, self.dropped = sticky, False
         self.endpoint: str | None = None   # what the connecting side connects to (expect)
-        self._next_check = 0.0
+        self._next_check = self._expected_at = 0.0
+        self._bound_once = False   # the expected endpoint was seen bound at some look
 
     def expect(self, endpoint: str) -> None:
         """The connecting side: the endpoint it connects to, whose binder must be there until it connects."""
-        self.endpoint, self._next_check = endpoint, 0.0
+        self.endpoint, self._next_check, self._bound_once = endpoint, 0.0, False
+        self._expected_at = time.monotonic()
 
     @property
     def lost(self) -> bool:
@@ -55,16 +62,22 @@ class PeerWatch:
 
     @property
     def unbound(self) -> bool:
-        """True when the peer never connected and nobody binds the expected endpoint right now.
+        """True when the peer never connected and nobody binds the expected endpoint: it was seen
+        bound at an earlier look and is gone, or it was never seen bound for ``NEVER_BOUND_GRACE_S``
+        since ``expect`` (its binder may bind it a little after we were told it: see there).
 
         Looks at most once per ``ENDPOINT_CHECK_S`` (the first time at once), never once the peer
         connected, and never says True when the endpoint cannot be checked (``endpoint_bound``: a
         tcp:// handle, no /proc): such a wait goes on as before."""
         self.drain()
-        if self.seen or self.endpoint is None or time.monotonic() < self._next_check:
+        now = time.monotonic()
+        if self.seen or self.endpoint is None or now < self._next_check:
             return False
-        self._next_check = time.monotonic() + ENDPOINT_CHECK_S
-        if endpoint_bound(self.endpoint) is not False:
+        self._next_check = now + ENDPOINT_CHECK_S
+        bound = endpoint_bound(self.endpoint)
+        if bound:
+            self._bound_once = True
+        if bound is not False or (not self._bound_once and now - self._expected_at < NEVER_BOUND_GRACE_S):
             return False
         # A connection made just before the binder left was announced on the monitor before the name
         # went away: look once more, so that it reads as a lost peer, not as one never reached.

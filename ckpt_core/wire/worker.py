@@ -189,8 +189,9 @@ def update_weights_from_ipc(zmq_ctx: zmq.Context, zmq_handle: str, device_id: in
     Raises :class:`RemoteWorkerError` when the PS aborts the
     update, ``UpdateTimeoutError`` when it goes silent, ``TransportError`` when it goes away: it
     closed the connection, or it gave the update up before this worker connected (until the PS
-    connects, an ``ipc://`` handle is looked up about once a second; one nobody binds any more ends
-    the wait at once, nothing loaded; a ``tcp://`` handle cannot be checked and is waited for until
+    connects, an ``ipc://`` handle is looked up about once a second; one nobody binds ends the wait,
+    nothing loaded: at once when it was seen bound before, after ``link.NEVER_BOUND_GRACE_S`` when
+    it never was; a ``tcp://`` handle cannot be checked and is waited for until
     the timeout), and re-raises the first exception of ``run`` or ``post_hook``.
 
     Example (inside an engine worker)::

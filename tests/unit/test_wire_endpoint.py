@@ -133,14 +133,40 @@ def _counting(monkeypatch) -> list[str]:
     return calls
 
 
-def test_a_watch_that_expects_an_unbound_endpoint_says_unbound_at_once(ctx):
+def test_a_watch_that_expects_a_never_bound_endpoint_says_unbound_after_the_grace(ctx, monkeypatch):
+    """Never seen bound: maybe its binder (a PS rank slower than the one that posted the handle) has
+    not bound it yet; unbound only once the grace passed."""
+    monkeypatch.setattr(link, "NEVER_BOUND_GRACE_S", 1.5)
     sock = ctx.socket(zmq.PAIR)
     watch = PeerWatch(sock, sticky=True)
     handle = _abstract()
     watch.expect(handle)
     sock.connect(handle)
     try:
+        assert not watch.unbound   # the first look, at once: within the grace
+        time.sleep(ENDPOINT_CHECK_S + 0.1)
+        assert not watch.unbound   # 1.1 s: still within it
+        time.sleep(ENDPOINT_CHECK_S + 0.1)
         assert watch.unbound and not watch.seen and not watch.lost
+    finally:
+        watch.close()
+        sock.close(linger=0)
+
+
+def test_a_watch_that_saw_its_endpoint_bound_says_unbound_at_the_next_look_once_it_is_gone(ctx, monkeypatch):
+    """Seen bound at one look (not connected yet), gone at the next: its binder left; no grace."""
+    monkeypatch.setattr(link, "NEVER_BOUND_GRACE_S", 60.0)
+    handle = _abstract()
+    ps, sock = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    watch = PeerWatch(sock, sticky=True)
+    ps.bind(handle)
+    try:
+        watch.expect(handle)
+        assert not watch.unbound   # bound
+        ps.close(linger=0)
+        assert _eventually(lambda: endpoint_bound(handle) is False)
+        time.sleep(ENDPOINT_CHECK_S + 0.1)
+        assert watch.unbound and not watch.seen
     finally:
         watch.close()
         sock.close(linger=0)
@@ -148,6 +174,7 @@ def test_a_watch_that_expects_an_unbound_endpoint_says_unbound_at_once(ctx):
 
 def test_a_watch_looks_at_most_once_per_interval_and_never_once_its_peer_connected(ctx, monkeypatch):
     calls = _counting(monkeypatch)
+    monkeypatch.setattr(link, "NEVER_BOUND_GRACE_S", 0.0)
     handle = _abstract()
     ps, sock = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
     watch = PeerWatch(sock, sticky=True)
