@@ -136,8 +136,8 @@ class _LoopSocket:
       connected: until the PS connects, its handle (recorded by ``connect``) is looked up about once
       a second (``PeerWatch.unbound``, ``ckpt_core/wire/endpoint.py``: listed in ``/proc/net/unix``);
       a handle nobody binds ends the wait (at once when it was seen bound, after a grace when never).
-      A slow PS still binds its handle and is waited for; a handle that cannot be checked (``tcp://``) is waited for as before, until
-      the owner's stop or the timeout.
+      A slow PS still binds its handle and is waited for; a handle that cannot be checked
+      (``tcp://``) is waited for as before, until the owner's stop or the timeout.
     - With a failed post hook (``hook``), the loop's ``b""`` after it becomes the hook's traceback.
     """
 
