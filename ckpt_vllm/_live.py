@@ -41,8 +41,10 @@ MIXED = "; the model may hold a mix of both versions: push a full update"
 
 def untouched(live: str | None) -> str:
     """The tail of a failed op's error when no worker of the engine wrote into its live model."""
-    return "; nothing was loaded on any worker: the engine still holds " + (
-        f"version {live!r}" if live is not None else "the weights it held (no version of ours was live)")
+    if live is None:
+        return ("; nothing was loaded on any worker: the engine still holds the weights it held "
+                "(no version of ours was live)")
+    return f"; nothing was loaded on any worker: the engine still holds version {live!r}"
 
 
 def settle(worker: Any, what: str, op: Callable[[LiveWrites], T]) -> T:

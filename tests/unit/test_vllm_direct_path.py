@@ -135,7 +135,8 @@ class FakeSession:
 def sessions(monkeypatch):
     FakeSession.made, FakeSession.fail_on = [], None
     monkeypatch.setattr(direct, "ReloadSession", FakeSession)
-    monkeypatch.setattr(direct, "new_sessions", lambda worker, writes=None: [FakeSession(worker.model_runner.model, None)])
+    monkeypatch.setattr(direct, "new_sessions",
+                        lambda worker, writes=None: [FakeSession(worker.model_runner.model, None)])
     return FakeSession
 
 
