@@ -312,10 +312,11 @@ class VllmColocateWorkerExtension(StagedWeights):
         self._ckpt_live_version = version
         self._ckpt_live_since = time.time()
 
-    def _ckpt_held_mix(self) -> None:
-        """After an update or commit that failed once a worker of the engine began writing into its live
-        model (``_live.settle``): no version is live and no delta base is held until a full update; the
-        direct map is kept (it describes the model, not its weights)."""
+    def _ckpt_forget_live(self) -> None:
+        """The model may no longer hold the live version whole (an update or commit that failed once a
+        worker of the engine began writing, ``_live.settle``; an update through the ``ckpt`` backend's
+        routes, which name no version): no version is live and no delta base is held until a full update
+        of the extension; the direct map is kept (it describes the model, not its weights)."""
         reset_derived_caches(self)
         self._ckpt_drop_held()
         self._ckpt_live_version = None

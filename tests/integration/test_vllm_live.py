@@ -197,3 +197,22 @@ def test_a_ps_killed_mid_update_leaves_no_version_live_and_a_full_update_restore
     assert not differ, "the full update after the mix differs from a cold load of A:\n" + "\n".join(differ[:20])
     assert server.complete(model.prompts, MAX_TOKENS) == model.reference(model.weights[0])
     print(f"{out.strip()}; no version live after it, a full update of A equals a cold load")
+
+
+def test_an_update_through_the_backend_routes_drops_the_extensions_live_version_and_delta_base(server, tiny_model,
+                                                                                               ps):
+    """The server runs the worker extension and the ``ckpt`` backend. A is made live as 'a' by the extension
+    (deltas=True: the base of later deltas), then B goes through vLLM's own routes (/start_weight_update ..
+    /finish_weight_update), which name no version: no worker reports 'a' live any more, and B as a delta of
+    A is refused (before: 'a' stayed live, and the delta's base check passed on B's weights)."""
+    model = tiny_model
+    model.references(*model.weights)
+    _update(ps, server, "a", [model.weights[0]], "a")
+    push(server, [model.weights[1]], path="backend")
+    assert server.complete(model.prompts, MAX_TOKENS) == model.reference(model.weights[1])
+    assert [w["live"] for w in server.client.weight_versions()] == [None]
+    with pytest.raises(DeltaBaseError, match="holds None, not the base 'a'"):
+        _update(ps, server, "b", [model.weights[1]], "b", base="a", delta=True)
+    _update(ps, server, "a-again", [model.weights[0]], "a2")
+    assert server.client.live_version() == "a2"
+    assert server.complete(model.prompts, MAX_TOKENS) == model.reference(model.weights[0])
