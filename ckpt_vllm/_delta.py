@@ -45,7 +45,7 @@ from ckpt_core.delta.lin64 import lin64_many
 from ckpt_core.errors import CkptError, ConfigError, DeltaBaseError
 
 from ._delta_map import DeltaMap, Digested, build_map
-from ._reload import ReloadSession
+from ._reload import LiveWrites, ReloadSession
 from ._sessions import abort_sessions, count_over_workers, drafter_target, finish_sessions, new_sessions
 
 log = logging.getLogger("ckpt_vllm")
@@ -69,19 +69,20 @@ def _use_map(rx: DeltaReceiver, m: DeltaMap) -> None:
 class _Reloads:
     """The delta's reload of the changed layers (or of the whole model when the map is whole)."""
 
-    def __init__(self, worker: Any, m: DeltaMap, replay: Any = None):
-        self.worker, self.map, self.replay = worker, m, replay
+    def __init__(self, worker: Any, m: DeltaMap, replay: Any = None, writes: LiveWrites | None = None):
+        self.worker, self.map, self.replay, self.writes = worker, m, replay, writes
         self.figures: dict = {"reloaded_layers": [], "reload_tensors": 0, "reload_s": 0.0}
 
     def __call__(self, weights: Weights) -> None:
         t0 = time.perf_counter()
         names = [n for n, _ in weights]
         if self.map.whole:
-            sessions = new_sessions(self.worker, self.replay)
+            sessions = new_sessions(self.worker, self.replay, self.writes)
             layers = ["<whole model>"]
         else:
             layers = self.map.layers(names)
-            sessions = [ReloadSession(self.worker.model_runner.model, self.worker.model_config, label="model (delta)")]
+            sessions = [ReloadSession(self.worker.model_runner.model, self.worker.model_config, label="model (delta)",
+                                      writes=self.writes)]
             if self.replay is not None:
                 sessions[0].wrap = self.replay.wrap
         try:
@@ -111,18 +112,20 @@ def _map_of(worker: Any, kept: dict, replay: Any = None) -> DeltaMap:
 
 
 def receive_with_deltas(worker: Any, zmq_ctx, zmq_handle: str, index: int, *, timeout: float,
-                        version: str | None, replay: Any = None) -> tuple[dict, list[ReloadSession]]:
+                        version: str | None, replay: Any = None,
+                        writes: LiveWrites | None = None) -> tuple[dict, list[ReloadSession]]:
     """One update that may be a delta; a full one is mapped and kept for the next delta. ``version``
     names what a full update makes live (required). ``replay``: the slice plan the update is routed by
-    (``_slices.ReplayPlan``; None: whole tensors). Returns the result and the full update's reload
-    sessions (none for a delta)."""
+    (``_slices.ReplayPlan``; None: whole tensors). ``writes``: marked before the update first writes into
+    the live model (a full update's load, a delta's reload; a delta whose undo did not finish). Returns
+    the result and the full update's reload sessions (none for a delta)."""
     if not isinstance(version, str) or not version:
         raise ConfigError("an update with deltas=True needs version=: a later delta names its base by it")
     rx = receiver_of(worker)
     m: DeltaMap = getattr(worker, "_ckpt_delta_map", None) or DeltaMap(whole="no full update mapped it yet")
     sliced = None if replay is None else replay.digest
     _use_map(rx, m)
-    reloads = _Reloads(worker, m, replay)
+    reloads = _Reloads(worker, m, replay, writes)
     kept: dict = {}
     received: dict[str, Digested] = {}   # a full update's tensors by their digests, taken where they arrived
     sessions: list[ReloadSession] = []   # begun by a full update's plan; a delta touches no layer before its reload
@@ -141,18 +144,20 @@ def receive_with_deltas(worker: Any, zmq_ctx, zmq_handle: str, index: int, *, ti
                 raise ConfigError(f"{problem}: update the version whole (nothing was written)")
             return cb.on_plan(tensors)
         cb.on_plan(tensors)
-        sessions.extend(new_sessions(worker, replay))
+        sessions.extend(new_sessions(worker, replay, writes))
         for s in sessions:
             s.check_plan(name for name, _, _ in tensors)
             s.check_whole_layers(name for name, _, _ in tensors)
 
     rx.reload = reloads
+    cb: Any = None   # the update's callbacks, once begun
     try:
         with rx.update(run=run, post_hook=lambda: finish_sessions(sessions), version=version) as cb:
             _core_update_weights_from_ipc(zmq_ctx, zmq_handle, index, run=cb.run, on_plan=on_plan,
                                           post_hook=cb.post_hook, timeout=timeout,
                                           slices=None if replay is None else replay.route)
     except BaseException:
+        _undo_unfinished(cb, writes)
         abort_sessions(sessions)
         raise
     finally:
@@ -178,6 +183,12 @@ def receive_with_deltas(worker: Any, zmq_ctx, zmq_handle: str, index: int, *, ti
         tensors = figures.get("scattered", 0) + figures.get("reload_tensors", 0)
         nbytes = figures.get("payload_bytes", 0)
     return {"tensors": tensors, "bytes": nbytes, "held": rx.held, "delta": figures}, sessions
+
+
+def _undo_unfinished(cb: Any, writes: LiveWrites | None) -> None:
+    """After a failed update: a delta whose undo raised part-way left scatters in the live model."""
+    if writes is not None and cb is not None and cb.delta is not None and cb.undo_log:
+        writes.mark()
 
 
 def _slicing(digest: str | None) -> str:
@@ -216,13 +227,15 @@ def check_staged_plan(worker: Any, tensors, sliced: str | None = None) -> tuple[
     return delta
 
 
-def commit_staged_delta(worker: Any, buckets: list[Weights], version: str, replay: Any = None) -> dict:
+def commit_staged_delta(worker: Any, buckets: list[Weights], version: str, replay: Any = None,
+                        writes: LiveWrites | None = None) -> dict:
     """Apply a staged delta (``stage=..., deltas=True``) in the commit's pause, as an update applies
     one: its base checked again on every worker (the engine may have taken another update since the
     stage: then refused on all, nothing written), scatters and rebuilt tensors checked on every worker,
     then agreed over the engine's workers (a failure on any worker undoes every scatter on all of them),
     then the changed layers reloaded. ``replay``: the slice plan it was staged by (each worker applies
-    its boxes' payloads and reloads through the plan's replay, as a sliced delta update does)."""
+    its boxes' payloads and reloads through the plan's replay, as a sliced delta update does). ``writes``:
+    marked before the reload of the changed layers (or when the undo of the scatters did not finish)."""
     rx = receiver_of(worker)
     m: DeltaMap = getattr(worker, "_ckpt_delta_map", None) or DeltaMap(whole="no full update mapped it yet")
     listing = [(n, t.dtype, tuple(t.shape)) for bucket in buckets for n, t in bucket]
@@ -233,8 +246,9 @@ def commit_staged_delta(worker: Any, buckets: list[Weights], version: str, repla
                              f"longer hold its base ({gone or 'this one does'}); nothing was written, the "
                              "stage was dropped")
     _use_map(rx, m)
-    reloads = _Reloads(worker, m, replay)
+    reloads = _Reloads(worker, m, replay, writes)
     rx.reload = reloads
+    cb: Any = None   # the update's callbacks, once begun
     try:
         with rx.update(run=lambda weights: None, version=version) as cb:
             cb.on_plan(listing)
@@ -248,6 +262,9 @@ def commit_staged_delta(worker: Any, buckets: list[Weights], version: str, repla
                 raise problem or ConfigError("another worker of the engine failed to apply the staged delta; "
                                              "every worker undid it")
             cb.post_hook()
+    except BaseException:
+        _undo_unfinished(cb, writes)
+        raise
     finally:
         rx.reload = None
     figures = dict(rx.last, **reloads.figures)

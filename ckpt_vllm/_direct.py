@@ -47,7 +47,7 @@ from ckpt_core import update_weights_from_ipc as _core_update_weights_from_ipc
 from ckpt_core.delta.lin64 import lin64_many
 
 from ._delta_map import DeltaMap, Digested, build_map
-from ._reload import ReloadSession
+from ._reload import LiveWrites, ReloadSession
 from ._sessions import abort_sessions, drafter_target, finish_sessions, new_sessions
 
 __all__ = ["DirectMap", "map_direct", "receive_direct"]
@@ -135,8 +135,8 @@ def _fill(out: DirectMap, model: torch.nn.Module, m: DeltaMap) -> None:
 class _Receive:
     """The callbacks of one full update with ``direct=True``; which way it goes is decided from its plan."""
 
-    def __init__(self, worker: Any, current: DirectMap | None):
-        self.worker, self.map = worker, current
+    def __init__(self, worker: Any, current: DirectMap | None, writes: LiveWrites | None = None):
+        self.worker, self.map, self.writes = worker, current, writes
         self.model = worker.model_runner.model
         self.sessions: list[ReloadSession] = []
         self.direct = False
@@ -153,11 +153,12 @@ class _Receive:
         if self.direct:
             assert m is not None  # noqa: S101 - type narrowing: why is None only with a map
             if m.layers:
-                session = ReloadSession(self.model, self.worker.model_config, label="model (direct update)")
+                session = ReloadSession(self.model, self.worker.model_config, label="model (direct update)",
+                                        writes=self.writes)
                 self.sessions.append(session)
                 session.begin(m.layers)
             return
-        self.sessions.extend(new_sessions(self.worker))
+        self.sessions.extend(new_sessions(self.worker, writes=self.writes))
         for s in self.sessions:
             s.check_plan(name for name, _, _ in listing)
             s.check_whole_layers(name for name, _, _ in listing)
@@ -184,6 +185,8 @@ class _Receive:
                 src.append(t)
         t0 = time.perf_counter()
         if dst:
+            if self.writes is not None:
+                self.writes.mark()
             with torch.no_grad():
                 torch._foreach_copy_(dst, src)
             self.figures["direct_tensors"] += len(dst)
@@ -197,13 +200,14 @@ class _Receive:
         finish_sessions(self.sessions)
 
 
-def receive_direct(worker: Any, zmq_ctx, zmq_handle: str, index: int, *,
-                   timeout: float) -> tuple[dict, DirectMap | None]:
+def receive_direct(worker: Any, zmq_ctx, zmq_handle: str, index: int, *, timeout: float,
+                   writes: LiveWrites | None = None) -> tuple[dict, DirectMap | None]:
     """One full update with ``direct=True`` (see the module doc): the worker's result, with ``direct``
     (which way it went, ``path``: direct, or reload and why; its counts and seconds), and the map the
-    worker keeps for the next update (recorded by this one, or the one it used)."""
+    worker keeps for the next update (recorded by this one, or the one it used). ``writes``: marked
+    before the first direct copy or reload into the live model."""
     t0 = time.perf_counter()
-    rx = _Receive(worker, getattr(worker, "_ckpt_direct", None))
+    rx = _Receive(worker, getattr(worker, "_ckpt_direct", None), writes)
     try:
         _core_update_weights_from_ipc(zmq_ctx, zmq_handle, index, run=rx.run, on_plan=rx.on_plan,
                                       post_hook=rx.post_hook, timeout=timeout)

@@ -50,7 +50,7 @@ from ._reload_fixes import (
 )
 from ._reload_fixes import install as install_kernel_refs
 
-__all__ = ["ReloadSession"]
+__all__ = ["ReloadSession", "LiveWrites"]
 
 log = logging.getLogger("ckpt_vllm")
 _SCALE_BUFFERS = ("_q_scale", "_k_scale", "_v_scale", "_prob_scale")   # an attention layer's, 1.0 at init
@@ -65,6 +65,20 @@ def _mtp_check_disabled():
     return disable_mtp_completeness_check()
 
 
+class LiveWrites:
+    """Whether one update or commit of a worker began writing into its live model: ``wrote`` is set just
+    before the first write (a bucket handed to vLLM's loader, vLLM's finalize, a direct or prepared copy,
+    a delta's reload) and never cleared. A failure before it left the live model as it was (``_live.py``)."""
+
+    __slots__ = ("wrote",)
+
+    def __init__(self) -> None:
+        self.wrote = False
+
+    def mark(self) -> None:
+        self.wrote = True
+
+
 class ReloadSession:
     """One weight update of one vLLM model (the target, or an MTP drafter).
 
@@ -72,8 +86,10 @@ class ReloadSession:
     the last one; ``abort()`` on any failure (idempotent; after ``finish`` it does nothing).
     """
 
-    def __init__(self, model: torch.nn.Module, model_config, *, label: str = "model"):
+    def __init__(self, model: torch.nn.Module, model_config, *, label: str = "model",
+                 writes: LiveWrites | None = None):
         self.model, self.model_config, self.label = model, model_config, label
+        self.writes = writes   # marked just before this session first writes into the live model
         self.active = False
         self.tensors = 0
         self.bytes = 0
@@ -172,6 +188,8 @@ class ReloadSession:
             current[0] = None
 
         try:
+            if self.writes is not None:   # a layer this bucket completes is processed into the live tensors
+                self.writes.mark()
             with _mtp_check_disabled(), quiet_buffer_accounting():
                 self.model.load_weights(tracked())
         except Exception as exc:
@@ -264,6 +282,8 @@ class ReloadSession:
         t0 = time.perf_counter()
         tied, _ = self._classify()
         unscaled = self._attention_without_scales()
+        if self.writes is not None:   # vLLM's finalize processes the deferred layers into the live tensors
+            self.writes.mark()
         try:
             finalize_layerwise_reload(self.model, self.model_config)
         finally:

@@ -14,7 +14,7 @@ from ckpt_core import update_weights_from_ipc as _core_update_weights_from_ipc
 from ckpt_core.devices import default_kind, get_backend, local_device_key
 from ckpt_core.errors import ConfigError, RemoteWorkerError
 
-from ._reload import ReloadSession
+from ._reload import LiveWrites, ReloadSession
 
 if TYPE_CHECKING:
     import torch
@@ -137,13 +137,14 @@ def receive_into(sessions: list[ReloadSession], zmq_ctx, zmq_handle: str, kind: 
             "drafter": len(sessions) > 1, "seconds": {**main.seconds, "total": time.perf_counter() - t0}}
 
 
-def new_sessions(worker: VllmWorker, replay: Any = None) -> list[ReloadSession]:
+def new_sessions(worker: VllmWorker, replay: Any = None, writes: LiveWrites | None = None) -> list[ReloadSession]:
     """The reload sessions of the model (and its MTP drafter), begun; ``replay``: the slice plan
-    (``_slices.ReplayPlan``) the model's session applies what it receives by, or None (whole tensors)."""
-    sessions = [ReloadSession(worker.model_runner.model, worker.model_config, label="model")]
+    (``_slices.ReplayPlan``) the model's session applies what it receives by, or None (whole tensors);
+    ``writes``: marked before either session first writes into its live model."""
+    sessions = [ReloadSession(worker.model_runner.model, worker.model_config, label="model", writes=writes)]
     draft = drafter_target(worker)
     if draft is not None:
-        sessions.append(ReloadSession(draft[0], draft[1], label="MTP drafter"))
+        sessions.append(ReloadSession(draft[0], draft[1], label="MTP drafter", writes=writes))
     if replay is not None:
         sessions[0].wrap = replay.wrap
     for s in sessions:
@@ -238,15 +239,20 @@ def is_last_worker() -> bool:
 
 def count_over_workers(flag: bool) -> int:
     """How many workers of this engine raised ``flag`` (this one alone outside a vLLM world)."""
+    return counts_over_workers(flag)[0]
+
+
+def counts_over_workers(*flags: bool) -> list[int]:
+    """For each flag, how many workers of this engine raised it (one all-reduce over vLLM's CPU group)."""
     group = _world_group()
     if group is None or group.world_size <= 1:
-        return int(flag)
+        return [int(f) for f in flags]
     import torch
     import torch.distributed as dist
 
-    count = torch.tensor([int(flag)], dtype=torch.int64)
-    dist.all_reduce(count, group=group.cpu_group)
-    return int(count.item())
+    counts = torch.tensor([int(f) for f in flags], dtype=torch.int64)
+    dist.all_reduce(counts, group=group.cpu_group)
+    return [int(c) for c in counts.tolist()]
 
 
 _NOTE_BYTES = 8192   # one worker's failure as it travels to the others: "Type\nmessage", UTF-8, cut to fit

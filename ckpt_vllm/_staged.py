@@ -21,6 +21,8 @@ from ckpt_core.devices import local_device_key
 from ckpt_core.errors import CheckpointFormatError, ConfigError
 from ckpt_core.wire.staging import StagingArea
 
+from ._live import settle
+from ._reload import LiveWrites
 from ._sessions import (
     abort_sessions,
     answered_together,
@@ -77,7 +79,8 @@ class StagedWeights(_Worker):
         for every layer not yet processed, as after a failed update). A prepared stage that its
         preparation found incomplete (``ckpt_prepare_staged``'s state ``refused``) is refused on
         every worker before anything is made live. A refusal or failure is answered by every
-        worker in the same call (``_sessions.answer_together``).
+        worker in the same call (``_sessions.answer_together``); a failed commit keeps the live
+        version when no worker wrote into its live model, else leaves none live (``_live.py``).
         """
         t0 = time.perf_counter()
         stage = _staged_job(self)
@@ -95,15 +98,24 @@ class StagedWeights(_Worker):
             raise CheckpointFormatError(f"cannot commit version {str(version)!r}: "
                                         f"{refused or 'another worker of the engine found its stage incomplete'}; "
                                         "the stage was dropped and the engine serves its current weights")
-        if count_over_workers(stage.delta is not None):
-            return self._ckpt_commit_delta(area, str(version), t0, stage.replay)
+        delta = count_over_workers(stage.delta is not None) > 0
+        prepared = count_over_workers(not (job is not None and job.prepared)) == 0
+        return settle(self, "the commit", lambda writes: self._ckpt_commit(stage, job, str(version), t0, writes,
+                                                                           delta=delta, prepared=prepared))
+
+    def _ckpt_commit(self, stage: _StageJob, job, version: str, t0: float, writes: LiveWrites, *, delta: bool,
+                     prepared: bool) -> dict:
+        """The commit of ``stage`` once every worker agreed to run it: a delta's, a prepared one, or by reload."""
+        area = stage.area
+        if delta:
+            return self._ckpt_commit_delta(area, version, t0, stage.replay, writes)
         delta_rx = getattr(self, "_ckpt_delta_rx", None)
         if delta_rx is not None:
             delta_rx.held = None   # whole weights from a stage: no delta applies to them any more
-        if count_over_workers(not (job is not None and job.prepared)) == 0:
-            return self._ckpt_commit_prepared(area, job, str(version), t0)
+        if prepared:
+            return self._ckpt_commit_prepared(area, job, version, t0, writes)
         replay = stage.replay   # staged by a slice plan: its slices are applied as received
-        sessions = new_sessions(self, replay)
+        sessions = new_sessions(self, replay, writes)
         try:
             try:
                 for s in sessions:   # no layer half-written: refused before anything is loaded
@@ -115,13 +127,13 @@ class StagedWeights(_Worker):
             except BaseException:
                 abort_sessions(sessions)
                 raise
-            self._ckpt_made_live(live_layout(sessions, replay), str(version))
+            self._ckpt_made_live(live_layout(sessions, replay), version)
         finally:
             self._ckpt_drop_staged()
         main, device_key, total = sessions[0], local_device_key(*worker_device(self)), time.perf_counter() - t0
         log.info("ckpt commit of %s on %s: %d tensors, %.1f MB in %.3f s", version, device_key,
                  main.tensors, main.bytes / 1e6, total)
-        return {"device_key": device_key, "version": str(version), "tensors": main.tensors, "bytes": main.bytes,
+        return {"device_key": device_key, "version": version, "tensors": main.tensors, "bytes": main.bytes,
                 "seconds": {**main.seconds, "total": total}}
 
     @answered_together("preparing the stage")
@@ -149,11 +161,12 @@ class StagedWeights(_Worker):
         return {"version": area.version, **prepare_step(self.model_runner.model, self.model_config, job,
                                                         int(budget_bytes))}
 
-    def _ckpt_commit_delta(self, area: StagingArea, version: str, t0: float, replay=None) -> dict:
+    def _ckpt_commit_delta(self, area: StagingArea, version: str, t0: float, replay=None,
+                           writes: LiveWrites | None = None) -> dict:
         from ._delta import commit_staged_delta
 
         try:
-            result = commit_staged_delta(self, area.buckets, version, replay)
+            result = commit_staged_delta(self, area.buckets, version, replay, writes)
             self._ckpt_made_live(getattr(self, "_ckpt_live_layout", {}), version)
         finally:
             self._ckpt_drop_staged()
@@ -163,10 +176,13 @@ class StagedWeights(_Worker):
             result["slices"] = {"plan": replay.digest, "rank": replay.rank.rank}
         return result
 
-    def _ckpt_commit_prepared(self, area: StagingArea, job, version: str, t0: float) -> dict:
+    def _ckpt_commit_prepared(self, area: StagingArea, job, version: str, t0: float,
+                              writes: LiveWrites | None = None) -> dict:
         from ._prepare import commit_prepared
 
         try:
+            if writes is not None:   # its first copy writes into the live tensors
+                writes.mark()
             seconds = commit_prepared(self.model_runner.model, self.model_config, job)
             layout = {n: (str(t.dtype).removeprefix("torch."), tuple(t.shape)) for b in area.buckets for n, t in b}
             self._ckpt_made_live(layout, version)

@@ -374,8 +374,16 @@ class VllmClient(Requester):
         return self.collective_rpc("drop_staged_weights")
 
     def weight_versions(self) -> list[dict]:
-        """Per worker: the live version (and since when, unix time) and what is staged."""
+        """Per worker: the live version (and since when, unix time) and what is staged. After an update
+        or commit the workers agree on ``live``: a failed one that any worker had begun writing leaves
+        none live on every worker (docs/vllm.md, "What a failed update leaves")."""
         return self.collective_rpc("ckpt_weight_versions")
+
+    def live_version(self) -> str | None:
+        """The version this engine holds live: the one every worker reports; None when any reports none
+        (a failed update may have left a mix: push a full update) or the workers differ."""
+        lives = {w.get("live") for w in self.weight_versions()}
+        return lives.pop() if len(lives) == 1 else None
 
     def set_weight_version(self, version: str) -> bool:
         """vLLM's own weight version (``/update_weight_version``, reported on outputs); False where

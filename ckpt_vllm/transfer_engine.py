@@ -132,6 +132,7 @@ class CkptWeightTransferEngine(WeightTransferEngine[CkptInitInfo, CkptUpdateInfo
                 return
         timeout = float(update_info.timeout_s or self._timeout)
         if not self._sessions:   # the first update of this session begins the reload
+            _forget_live_version(self)
             model, model_config, label = self._target
             session = ReloadSession(model, model_config, label=label)
             session.begin()
@@ -213,24 +214,45 @@ class CkptWeightTransferEngine(WeightTransferEngine[CkptInitInfo, CkptUpdateInfo
         return self._zmq_ctx
 
 
+def _calling_worker(engine: CkptWeightTransferEngine) -> Any:
+    """The vLLM worker whose call (``Worker.update_weights`` or ``Worker.finish_weight_update``) runs
+    ``engine`` now, found on the stack by its engine (the engine sees no worker object), or None."""
+    frame: FrameType | None = sys._getframe(2)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if owner is not None and owner is not engine and getattr(owner, "weight_transfer_engine", None) is engine:
+            return owner
+        frame = frame.f_back
+    return None
+
+
+def _forget_live_version(engine: CkptWeightTransferEngine) -> None:
+    """Before this backend's reload first writes into the model: the worker extension, where the server
+    also runs it, no longer reports the version its own updates made live, nor holds it as a delta's
+    base (a delta of it would apply to other weights); this route names no version."""
+    worker = _calling_worker(engine)
+    forget = getattr(worker, "_ckpt_forget_live", None)
+    if callable(forget):
+        forget()
+    elif worker is None:
+        log.warning("the vLLM worker was not found on the stack: the worker extension's live version, if any, "
+                    "is not dropped by this update")
+
+
 def _end_worker_session(engine: CkptWeightTransferEngine) -> None:
     """After a failed update or finish, clear the calling vLLM worker's "update active" flag.
 
     vLLM 0.32's worker clears it only when finish succeeds, or on the worker whose update raised, so
     every later /start_weight_update would be refused on the others until someone posted
-    /finish_weight_update again. The worker is the caller (``Worker.update_weights`` or
-    ``Worker.finish_weight_update``); it is found on the stack, by its engine.
+    /finish_weight_update again. The worker is the caller; it is found on the stack, by its engine.
     """
-    frame: FrameType | None = sys._getframe(1)
-    while frame is not None:
-        owner = frame.f_locals.get("self")
-        if owner is not None and owner is not engine and getattr(owner, "weight_transfer_engine", None) is engine:
-            if hasattr(owner, "_weight_update_active"):
-                owner._weight_update_active = False
-            reset = getattr(engine, "reset_weight_update_target", None)
-            if callable(reset):
-                reset()
-            return
-        frame = frame.f_back
-    log.warning("a failed weight update: the vLLM worker was not found on the stack; "
-                "post /finish_weight_update once more before the next update")
+    owner = _calling_worker(engine)
+    if owner is None:
+        log.warning("a failed weight update: the vLLM worker was not found on the stack; "
+                    "post /finish_weight_update once more before the next update")
+        return
+    if hasattr(owner, "_weight_update_active"):
+        owner._weight_update_active = False
+    reset = getattr(engine, "reset_weight_update_target", None)
+    if callable(reset):
+        reset()

@@ -21,7 +21,8 @@ from ckpt_core.errors import ConfigError
 from ckpt_core.ops.cache import BoundedCache
 from ckpt_core.wire.worker import DEFAULT_TIMEOUT_S
 
-from ._reload import ReloadSession
+from ._live import settle
+from ._reload import LiveWrites, ReloadSession
 from ._sessions import (  # noqa: F401
     Refused,
     abort_sessions,
@@ -126,7 +127,10 @@ class VllmColocateWorkerExtension(StagedWeights):
 
         ``zmq_handles`` maps device keys to handles (the PS's ``req_func`` argument as a dict);
         this worker picks its own. Raises (and keeps serving the previous weights for every
-        layer not yet processed) when a tensor is missing, has the wrong shape, or the PS aborts.
+        layer not yet processed) when a tensor is missing, has the wrong shape, or the PS aborts; the
+        workers then agree on what the engine holds (``_live.py``): when none had written into its live
+        model, the live version stays and the error says that nothing was loaded; when any had, no
+        worker reports a live version and the error says the model may hold a mix (push a full update).
 
         ``stage="v8"``: stage instead (see :meth:`commit_staged_weights`): the buckets are copied
         into a staging area (device memory up to ``stage_device_bytes``, then pinned host memory)
@@ -163,21 +167,27 @@ class VllmColocateWorkerExtension(StagedWeights):
         if deltas and stage is not None:   # a staged delta (of whole tensors or by slices): applied by the commit
             return self._ckpt_stage(handle, kind, index, str(stage), int(stage_device_bytes),
                                     float(timeout or DEFAULT_TIMEOUT_S), replay, deltas=True)
+        wait = float(timeout or DEFAULT_TIMEOUT_S)
         if deltas:
             if not version:
                 raise ConfigError("deltas=True needs version= (docs/deltas.md)")
-            return self._ckpt_update_deltas(handle, kind, index, float(timeout or DEFAULT_TIMEOUT_S), version, replay)
-        delta_rx = getattr(self, "_ckpt_delta_rx", None)   # _delta.receive_with_deltas's
-        if delta_rx is not None:
-            delta_rx.held = None   # weights from another path: no delta applies to them any more
+            return settle(self, "the update", lambda writes: self._ckpt_update_deltas(
+                handle, kind, index, wait, version, replay, writes))
         if stage is not None:
-            return self._ckpt_stage(handle, kind, index, str(stage), int(stage_device_bytes),
-                                    float(timeout or DEFAULT_TIMEOUT_S), replay)
+            self._ckpt_drop_held()
+            return self._ckpt_stage(handle, kind, index, str(stage), int(stage_device_bytes), wait, replay)
         if direct:
-            return self._ckpt_update_direct(handle, kind, index, float(timeout or DEFAULT_TIMEOUT_S), version)
-        sessions = new_sessions(self, replay)
-        result = receive_into(sessions, self._ckpt_zmq_context(), handle, kind, index,
-                              timeout=float(timeout or DEFAULT_TIMEOUT_S), replay=replay)
+            return settle(self, "the update", lambda writes: self._ckpt_update_direct(
+                handle, kind, index, wait, version, writes))
+        return settle(self, "the update", lambda writes: self._ckpt_update_plain(
+            handle, kind, index, wait, version, replay, writes))
+
+    def _ckpt_update_plain(self, handle: str, kind: str, index: int, timeout: float, version: str | None,
+                           replay, writes: LiveWrites) -> dict:
+        """A plain full update (``replay``: the slice plan it is routed by, or None)."""
+        self._ckpt_drop_held()
+        sessions = new_sessions(self, replay, writes)
+        result = receive_into(sessions, self._ckpt_zmq_context(), handle, kind, index, timeout=timeout, replay=replay)
         self._ckpt_made_live(live_layout(sessions, replay), version)
         if replay is not None:
             result["slices"] = {"plan": replay.digest, "rank": replay.rank.rank}
@@ -185,14 +195,21 @@ class VllmColocateWorkerExtension(StagedWeights):
                  result["bytes"] / 1e6, result["seconds"]["total"])
         return result
 
+    def _ckpt_drop_held(self) -> None:
+        """Weights from another path than a delta's: no delta applies to them any more (a plain update
+        that fails before any worker wrote gets the held version back, ``_live.settle``)."""
+        delta_rx = getattr(self, "_ckpt_delta_rx", None)   # _delta.receive_with_deltas's
+        if delta_rx is not None:
+            delta_rx.held = None
+
     def _ckpt_update_deltas(self, handle: str, kind: str, index: int, timeout: float, version: str,
-                            replay=None) -> dict:
+                            replay=None, writes: LiveWrites | None = None) -> dict:
         """An update with ``deltas=True``: a full one (kept as the next delta's base) or a delta (``_delta.py``);
         ``replay``: the slice plan it is routed by (each worker its boxes)."""
         from ._delta import receive_with_deltas
 
         result, sessions = receive_with_deltas(self, self._ckpt_zmq_context(), handle, index, timeout=timeout,
-                                               version=version, replay=replay)
+                                               version=version, replay=replay, writes=writes)
         # a delta leaves the checkpoint layout as it was
         layout = live_layout(sessions, replay) if sessions else getattr(self, "_ckpt_live_layout", {})
         self._ckpt_made_live(layout, version)
@@ -200,11 +217,13 @@ class VllmColocateWorkerExtension(StagedWeights):
             result["slices"] = {"plan": replay.digest, "rank": replay.rank.rank}
         return dict(result, device_key=local_device_key(kind, index))
 
-    def _ckpt_update_direct(self, handle: str, kind: str, index: int, timeout: float, version: str | None) -> dict:
+    def _ckpt_update_direct(self, handle: str, kind: str, index: int, timeout: float, version: str | None,
+                            writes: LiveWrites | None = None) -> dict:
         """A full update with ``direct=True`` (``_direct.py``)."""
         from ._direct import receive_direct
 
-        result, kept = receive_direct(self, self._ckpt_zmq_context(), handle, index, timeout=timeout)
+        self._ckpt_drop_held()
+        result, kept = receive_direct(self, self._ckpt_zmq_context(), handle, index, timeout=timeout, writes=writes)
         self._ckpt_made_live(kept.layout() if kept is not None else {}, version)
         self._ckpt_direct = kept   # after _ckpt_made_live, which drops it
         fig = result["direct"]
@@ -291,6 +310,16 @@ class VllmColocateWorkerExtension(StagedWeights):
         self._ckpt_direct = None
         self._ckpt_live_layout = dict(layout)
         self._ckpt_live_version = version
+        self._ckpt_live_since = time.time()
+
+    def _ckpt_forget_live(self) -> None:
+        """The model may no longer hold the live version whole (an update or commit that failed once a
+        worker of the engine began writing, ``_live.settle``; an update through the ``ckpt`` backend's
+        routes, which name no version): no version is live and no delta base is held until a full update
+        of the extension; the direct map is kept (it describes the model, not its weights)."""
+        reset_derived_caches(self)
+        self._ckpt_drop_held()
+        self._ckpt_live_version = None
         self._ckpt_live_since = time.time()
 
     def ckpt_state_digests(self) -> dict[str, list]:

@@ -39,7 +39,7 @@ class Recorder:
     def abort(self): pass
 
 rec = Recorder()
-ext.new_sessions = lambda worker, replay=None: [rec]   # stands in for vLLM's layerwise reload (begun)
+ext.new_sessions = lambda worker, replay=None, writes=None: [rec]   # stands in for vLLM's layerwise reload (begun)
 
 class AscendWorker(ext.VllmColocateWorkerExtension):
     device = None

@@ -97,3 +97,30 @@ def test_an_update_that_fails_on_every_worker_then_a_correct_one_equal_to_a_whol
     push_to(server, tiny_model.weights[1], path, 2, tmp_path)
     assert digests(server) == whole_b
     assert server.complete(tiny_model.prompts, MAX_TOKENS) == tiny_model.reference(tiny_model.weights[1])
+
+
+def test_a_failed_update_leaves_both_workers_agreeing_on_what_the_engine_holds(server, tiny_model, whole_b,
+                                                                                 tmp_path):
+    """A PS world of 2 makes A live as 'tp-a' (extension path). B without one part of a fused layer is
+    refused by both workers at the plan, before either wrote: both keep 'tp-a' since the same time and
+    every shard is unchanged. B with layer 1's down_proj transposed fails on both workers once layer 0
+    was reloaded: neither reports a version live (before: both kept 'tp-a'). B whole then makes 'tp-b'
+    live on both and equals a whole update of B."""
+    push_to(server, tiny_model.weights[0], "extension", 2, tmp_path, extra=("--version", "tp-a"))
+    before, live = digests(server), server.client.weight_versions()
+    assert [v["live"] for v in live] == ["tp-a", "tp-a"], live
+    refused = broken_copy(tiny_model.weights[1], tmp_path / "refused.safetensors",
+                          drop="model.layers.0.self_attn.k_proj.weight")
+    with pytest.raises(RuntimeError, match="half-written"):
+        push_to(server, refused, "extension", 2, tmp_path, timeout=60, extra=("--version", "never"))
+    assert server.client.weight_versions() == live and digests(server) == before
+    rejected = broken_copy(tiny_model.weights[1], tmp_path / "rejected.safetensors",
+                           reshape="model.layers.1.mlp.down_proj.weight")
+    with pytest.raises(RuntimeError, match="vLLM rejected the tensor"):
+        push_to(server, rejected, "extension", 2, tmp_path, timeout=60, extra=("--version", "never"))
+    assert [v["live"] for v in server.client.weight_versions()] == [None, None]
+    assert server.client.live_version() is None
+    push_to(server, tiny_model.weights[1], "extension", 2, tmp_path, extra=("--version", "tp-b"))
+    assert [v["live"] for v in server.client.weight_versions()] == ["tp-b", "tp-b"]
+    assert digests(server) == whole_b
+    assert server.complete(tiny_model.prompts, MAX_TOKENS) == tiny_model.reference(tiny_model.weights[1])

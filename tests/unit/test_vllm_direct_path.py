@@ -97,7 +97,7 @@ class FakeSession:
 
     made: list["FakeSession"] = []
 
-    def __init__(self, model, model_config, *, label="model", fail_on=None):
+    def __init__(self, model, model_config, *, label="model", fail_on=None, writes=None):
         self.loaded, self.layers, self.finished, self.aborted = [], None, False, False
         self.tensors = self.bytes = 0
         self.seconds = {"begin": 0.0, "load": 0.0, "finish": 0.0}
@@ -135,7 +135,8 @@ class FakeSession:
 def sessions(monkeypatch):
     FakeSession.made, FakeSession.fail_on = [], None
     monkeypatch.setattr(direct, "ReloadSession", FakeSession)
-    monkeypatch.setattr(direct, "new_sessions", lambda worker: [FakeSession(worker.model_runner.model, None)])
+    monkeypatch.setattr(direct, "new_sessions",
+                        lambda worker, writes=None: [FakeSession(worker.model_runner.model, None)])
     return FakeSession
 
 
