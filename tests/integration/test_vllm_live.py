@@ -11,9 +11,6 @@ makes a version live again and equals a cold load. Before, the worker kept claim
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 import uuid
 
@@ -22,6 +19,7 @@ import pytest
 from ckpt_core import DeltaBaseError, ParameterServer
 from ckpt_core.devices import local_device_key
 from ckpt_core.errors import RemoteWorkerError
+from support import dying_ps
 from support.ports import free_port
 from vllm_support.fixtures import (MAX_TOKENS, broken_copy, push, shared_servers, tiny_model,  # noqa: F401
                                    vllm_python)
@@ -140,28 +138,6 @@ def test_a_tensor_rejected_after_earlier_layers_loaded_leaves_no_version_live_un
     print(f"a failure after a write: {text[:400]}")
 
 
-_DYING_PS = """
-import os, signal, sys
-from ckpt_core import ParameterServer
-from ckpt_vllm.client import VllmClient
-
-endpoint, uds, weights, port, kill_after, bucket_gb, wait_s = sys.argv[1:]
-client = VllmClient(endpoint, uds=uds or None, timeout=60)
-
-def progress(operation, phase, done, total):
-    if operation == "update" and phase == "transfer" and done is not None and done >= int(kill_after):
-        print(f"handed {done} of {total} buckets: the PS dies", flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-with ParameterServer(rank=0, world_size=1, device="cpu", master_addr="127.0.0.1", master_port=int(port),
-                     max_bucket_gb=float(bucket_gb)) as ps:
-    ps.register_checkpoint("doomed", files=[weights])
-    ps.gather_metas("doomed")
-    ps.progress = progress
-    ps.update("doomed", client.req_func(path="extension", version="doomed", timeout=float(wait_s)),
-              timeout=float(wait_s))
-print("the update ended: the PS was to die first", flush=True)
-"""
 
 
 def test_a_ps_killed_mid_update_leaves_no_version_live_and_a_full_update_restores_one(server, tiny_model, cold):
@@ -175,11 +151,8 @@ def test_a_ps_killed_mid_update_leaves_no_version_live_and_a_full_update_restore
     wait_s = 8.0
     # One slot: the PS hands bucket k only once the worker was done with bucket k - 1, so at its death
     # after the third the worker had loaded at least two (more slots: it may not have loaded any yet).
-    env = {**os.environ, "PS_NUM_SLOTS": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
-    proc = subprocess.Popen([sys.executable, "-c", _DYING_PS, server.endpoint, str(server.uds or ""),
-                             str(model.weights[0]), str(free_port()), "3", str(BUCKET_GB), str(wait_s)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    proc = dying_ps.popen(server, model.weights[0], how="version", bucket_gb=BUCKET_GB, wait_s=wait_s,
+                          env={"PS_NUM_SLOTS": "1"})
     try:
         out = proc.communicate(timeout=120)[0]
     finally:

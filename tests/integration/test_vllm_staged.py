@@ -17,6 +17,7 @@ import pytest
 
 from ckpt_core.devices import local_device_key
 from ckpt_core.errors import RemoteWorkerError
+from support import dying_ps
 from support.traffic import Traffic
 from vllm_support.fixtures import (MAX_TOKENS, broken_copy, push, shared_servers, tiny_model,  # noqa: F401
                                    vllm_python)
@@ -160,28 +161,6 @@ def test_a_stage_waiting_on_a_ps_that_gave_up_is_dropped_at_once_and_the_next_up
         ctx.term()
 
 
-_DYING_PS = """
-import os, signal, sys
-from ckpt_core import ParameterServer
-from ckpt_vllm.client import VllmClient
-
-endpoint, uds, weights, port, kill_after, bucket_gb, wait_s = sys.argv[1:]
-client = VllmClient(endpoint, uds=uds or None, timeout=60)
-
-def progress(operation, phase, done, total):
-    if operation == "update" and phase == "transfer" and done is not None and done >= int(kill_after):
-        print(f"handed {done} of {total} buckets: the PS dies", flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-with ParameterServer(rank=0, world_size=1, device="cpu", master_addr="127.0.0.1", master_port=int(port),
-                     max_bucket_gb=float(bucket_gb)) as ps:
-    ps.register_checkpoint("doomed", files=[weights])
-    ps.gather_metas("doomed")
-    ps.progress = progress
-    ps.update("doomed", client.req_func(path="extension", stage="doomed", timeout=float(wait_s)),
-              timeout=float(wait_s))
-print("the update ended: the PS was to die first", flush=True)
-"""
 
 
 def test_a_stage_failing_mid_way_leaves_the_old_weights_serving_exactly(server, tiny_model, tmp_path):
@@ -190,22 +169,14 @@ def test_a_stage_failing_mid_way_leaves_the_old_weights_serving_exactly(server, 
     and frees its staging area. Nothing live changed (every parameter's digest, greedy
     output equal to Hugging Face on the old weights), a commit of the failed version is refused,
     and the next stage and commit work."""
-    import os
-    import subprocess
-    import sys
 
-    from vllm_support.server import free_port
 
     model = tiny_model
     model.references(*model.weights)
     push(server, [model.weights[0]], path="extension", version="alive")
     live = server.client.collective_rpc("ckpt_state_digests")[0]
     wait_s = 8.0
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
-    ps = subprocess.Popen([sys.executable, "-c", _DYING_PS, server.endpoint, str(server.uds or ""),
-                           str(model.weights[1]), str(free_port()), "3",
-                           str(STAGE_BUCKET_GB), str(wait_s)],
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    ps = dying_ps.popen(server, model.weights[1], how="stage", bucket_gb=STAGE_BUCKET_GB, wait_s=wait_s)
     try:
         out = ps.communicate(timeout=120)[0]
     finally:
