@@ -6,7 +6,6 @@ TP 2 is tests/integration/test_sglang_staged_tp.py."""
 from __future__ import annotations
 
 import base64
-import os
 import multiprocessing as mp
 import pickle
 import threading
@@ -19,6 +18,7 @@ from ckpt_core.errors import ConfigError, RemoteWorkerError
 from ckpt_sglang._agree import BUSY, FAILED, OK, REFUSED, UNTOUCHED, outcome, refusal, written
 from ckpt_sglang._protocol import ReplySocket, encode_command
 from support.ports import free_port
+from support.procs import leave_gloo_world
 
 
 def _rank(rank: int, port: int, out) -> None:
@@ -68,14 +68,7 @@ def _rank(rank: int, port: int, out) -> None:
         time.sleep(6)
     outcome("late" if rank else "alone", engine.commit, None, {"weights": "v4", "timeout": 4}, group)
     out.put((rank, "kept after", None if engine.area is None else engine.area.version, "", 0.0))
-    dist.barrier()
-    dist.destroy_process_group()
-    # Every outcome is reported (the test reads 8) and flushed: leave without the interpreter's teardown,
-    # where the std::thread of the gather rank 0 gave up on (it completed when rank 1 came, but may not be
-    # joined yet) can make libstdc++ call std::terminate (seen once on a loaded 2-core machine: SIGABRT).
-    out.close()
-    out.join_thread()
-    os._exit(0)
+    leave_gloo_world(out)   # rank 0's gather that gave up may still be a std::thread: see there
 
 
 def test_a_drop_ends_a_stage_still_receiving_on_every_rank_and_a_missing_rank_is_a_timeout():
@@ -182,10 +175,7 @@ def _load_rank(rank: int, port: int, out) -> None:
             kind, text = type(exc).__name__, str(exc)
         out.put((rank, case, kind, text, engine.state(model, {})["live"], model.loaded))
         dist.barrier()
-    dist.destroy_process_group()
-    out.close()
-    out.join_thread()
-    os._exit(0)
+    leave_gloo_world(out)
 
 
 def test_every_tp_rank_says_nothing_was_loaded_only_when_no_rank_wrote_and_keeps_its_live_version_then():

@@ -18,6 +18,7 @@ from ckpt_vllm._live import MIXED, settle, untouched
 from ckpt_vllm._reload import LiveWrites, ReloadSession
 from ckpt_vllm.worker import VllmColocateWorkerExtension
 from support.ports import free_port
+from support.procs import leave_gloo_world
 
 
 class Worker(VllmColocateWorkerExtension):
@@ -139,7 +140,7 @@ def _worker_process(rank: int, port: int, out) -> None:
         except Exception as exc:   # noqa: BLE001 - reported to the test
             kind, text = type(exc).__name__, str(exc)
         out.put((rank, case, kind, text, worker.ckpt_weight_versions()["live"], worker._ckpt_delta_rx.held))
-    dist.destroy_process_group()
+    leave_gloo_world(out)
 
 
 def test_the_workers_of_one_engine_agree_on_what_it_holds():
