@@ -35,7 +35,10 @@ from typing import Callable, Iterator
 import torch
 
 from ckpt_core.errors import ConfigError, TransportError, UpdateTimeoutError
-from ckpt_core.wire.worker import STOP_POLL_S  # how often a wait for the PS asks its owner, as our own worker does
+from ckpt_core.wire.worker import (  # how often a wait for the PS asks its owner, as our own worker does
+    LAST_FRAMES_S,
+    STOP_POLL_S,
+)
 
 __all__ = ["YoungGc", "stock_loop", "receiver_context", "fast_switching", "run_stock_loop", "SWITCH_INTERVAL_S",
            "STOP_POLL_S"]
@@ -131,7 +134,8 @@ class _LoopSocket:
       hide the cause). Only the receiver's own thread touches the socket: the owner just answers
       ``should_stop``, nothing is closed across threads.
     - A PS that had connected and is gone (a ZeroMQ monitor, :class:`~ckpt_core.wire.link.PeerWatch`,
-      sticky: within one update the PS never drops the connection) is a ``TransportError`` once
+      sticky: within one update the PS never drops the connection; or its handle no longer bound,
+      looked up about once a second: ``PeerWatch.binder_left``) is a ``TransportError`` once
       nothing it sent is left to read. So is a PS that gave the update up before the receiver
       connected: until the PS connects, its handle (recorded by ``connect``) is looked up about once
       a second (``PeerWatch.unbound``, ``ckpt_core/wire/endpoint.py``: listed in ``/proc/net/unix``);
@@ -169,6 +173,11 @@ class _LoopSocket:
             if self._watch.lost and not self._sock.poll(0, zmq.POLLIN):
                 self.failure = TransportError("the parameter server disconnected (did its process die?) while the "
                                               "receiver was waiting for its next message")
+                raise self.failure
+            if self._watch.binder_left and not self._sock.poll(int(LAST_FRAMES_S * 1000), zmq.POLLIN):
+                self.failure = TransportError(f"the parameter server's socket {self._watch.endpoint} is not bound any "
+                                              "more (did its process die?) while the receiver was waiting for its "
+                                              "next message")
                 raise self.failure
             if self._watch.unbound and not self._sock.poll(0, zmq.POLLIN):
                 self.failure = TransportError(f"the parameter server's socket {self._watch.endpoint} is not bound: it "

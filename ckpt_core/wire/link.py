@@ -49,6 +49,7 @@ class PeerWatch:
         self.endpoint: str | None = None   # what the connecting side connects to (expect)
         self._next_check = self._expected_at = 0.0
         self._bound_once = False   # the expected endpoint was seen bound at some look
+        self.binder_gone = False   # binder_left found the endpoint unbound after the peer connected (latched)
 
     def expect(self, endpoint: str) -> None:
         """The connecting side: the endpoint it connects to, whose binder must be there until it connects."""
@@ -84,11 +85,35 @@ class PeerWatch:
         self.drain()
         return not self.seen
 
+    @property
+    def binder_left(self) -> bool:
+        """The connecting side, after the peer connected: nobody binds its endpoint any more (its
+        socket closed, its process died). Latched once true.
+
+        A second signal beside the monitor's disconnect event, which a wait must not depend on alone
+        (a worker once waited past its test's 10 s with its PS closed, on a loaded 2-core machine,
+        the event not seen). An abstract name stays listed while any socket of the binder's
+        connections is open, so this says the binder closed them all. Looks at most once per
+        ``ENDPOINT_CHECK_S``, the first a second after the peer connected (no cost to an update that
+        never waits that long); False where the endpoint cannot be checked (``tcp://``). What the
+        binder sent before it left may still be on its way: read it first (``_Link.recv``)."""
+        if self.binder_gone:
+            return True
+        self.drain()
+        now = time.monotonic()
+        if not self.seen or self.endpoint is None or now < self._next_check:
+            return False
+        self._next_check = now + ENDPOINT_CHECK_S
+        self.binder_gone = endpoint_bound(self.endpoint) is False
+        return self.binder_gone
+
     def drain(self) -> None:
         from zmq.utils.monitor import recv_monitor_message
         while self.mon is not None and self.mon.poll(0):
             event = recv_monitor_message(self.mon, zmq.NOBLOCK)["event"]
             if event in (zmq.EVENT_ACCEPTED, zmq.EVENT_CONNECTED):
+                if not self.seen:   # binder_left's first look: a second after the peer connected
+                    self._next_check = time.monotonic() + ENDPOINT_CHECK_S
                 self.peers, self.seen = self.peers + 1, True
             elif event == zmq.EVENT_DISCONNECTED:
                 self.peers, self.dropped = self.peers - 1, True

@@ -38,6 +38,7 @@ __all__ = ["update_weights_from_ipc"]
 DEFAULT_TIMEOUT_S = 600.0
 SEND_WAIT_S = 5.0   # longest a send waits for the connection (it is normally writable at once)
 STOP_POLL_S = 0.2   # with should_stop: how often a wait for the parameter server asks it
+LAST_FRAMES_S = 0.2   # a PS found gone by its socket table: how long what it sent before it left may take to arrive
 RunFn = Callable[[list[tuple[str, torch.Tensor]]], Any]
 
 # Buffers stay mapped between updates when the PS keeps its buffer (cheap next update).
@@ -110,12 +111,17 @@ class _Link:
                 self.last_frame, self.rest = parts[0], parts[1:]
                 msg = proto.decode(self.last_frame, expect=expect, update=self.update)
                 proto.check_parts(msg, self.rest)
-                if msg["kind"] == "bucket" and self.watch.lost:
+                if msg["kind"] == "bucket" and (self.watch.lost or self.watch.binder_gone):
                     return self._last_word(expect, waiting)   # the PS is gone: its notices are void
                 return msg
             if self.watch.lost:
                 raise TransportError(f"the parameter server closed the connection ({waiting}): "
                                      "its process died or it gave the update up")
+            if self.watch.binder_left:
+                if self.sock.poll(int(LAST_FRAMES_S * 1000)):   # what it sent before it left: read that first
+                    continue
+                raise TransportError(f"the parameter server closed the connection ({waiting}): its socket "
+                                     f"{self.handle} is not bound any more; its process died or it gave the update up")
             if self.watch.unbound and not self.sock.poll(0):
                 self.unbound = True
                 raise TransportError(f"the parameter server's socket {self.handle} is not bound: it gave the update "
@@ -130,8 +136,7 @@ class _Link:
                 if why:   # the caller gave this update up (a stage dropped by a newer request, say)
                     raise ConfigError(f"{why} ({waiting})")
                 left = min(left, STOP_POLL_S)
-            if not self.watch.seen:   # wake up to look at the PS's handle again (watch.unbound)
-                left = min(left, ENDPOINT_CHECK_S)
+            left = min(left, ENDPOINT_CHECK_S)   # wake up to look at the PS's handle again (unbound, binder_left)
             self.poller.poll(max(1, int(left * 1000)))
 
     def _last_word(self, expect: tuple[str, ...], waiting: str) -> dict:
@@ -147,7 +152,8 @@ class _Link:
         """Never blocks past the deadline: a PAIR socket whose peer is gone blocks on send."""
         if kind == "error":
             self.reported = True
-        wait = 0.0 if self.unbound or self.watch.lost else min(max(0.0, self.deadline - time.monotonic()), SEND_WAIT_S)
+        gone = self.unbound or self.watch.lost or self.watch.binder_gone
+        wait = 0.0 if gone else min(max(0.0, self.deadline - time.monotonic()), SEND_WAIT_S)
         if not self.sock.poll(int(wait * 1000), zmq.POLLOUT):
             raise TransportError(f"cannot send {kind!r} to the parameter server: the connection is gone")
         self.sock.send(proto.encode(kind, self.update or "", **fields), zmq.NOBLOCK)

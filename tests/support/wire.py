@@ -51,3 +51,20 @@ def bound_in_process(handle: str, socket_type: str = "PAIR") -> Iterator[subproc
         proc.wait(30)
         if proc.stdout is not None:
             proc.stdout.close()
+
+
+def monitor_misses_disconnects(monkeypatch) -> None:
+    """Every ``PeerWatch`` of this process as if ZeroMQ's monitor never reported a disconnect: the
+    DISCONNECTED events it reads are turned into no event. A worker once kept waiting, in CI, for a PS
+    that had closed its socket with no such event seen; the second signal (``PeerWatch.binder_left``:
+    the PS's handle no longer bound) must end such a wait by itself."""
+    import zmq
+    import zmq.utils.monitor as monitor
+
+    real = monitor.recv_monitor_message
+
+    def without_disconnects(sock, flags: int = 0) -> dict:
+        msg = real(sock, flags)
+        return {**msg, "event": 0} if msg["event"] == zmq.EVENT_DISCONNECTED else msg
+
+    monkeypatch.setattr(monitor, "recv_monitor_message", without_disconnects)
