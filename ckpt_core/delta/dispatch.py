@@ -35,12 +35,12 @@ from ckpt_core.delta.versions import (
     fold_companion,
     run_delta_update,
 )
-from ckpt_core.errors import CheckpointNotFoundError, ConfigError, DeltaBaseError
+from ckpt_core.errors import CheckpointNotFoundError, CkptError, ConfigError, DeltaBaseError
 from ckpt_core.p2p.agree import targets_of
 from ckpt_core.p2p.state import P2PState
 from ckpt_core.p2p.update import run_update as run_p2p_update
 from ckpt_core.transfer.agree import gather_metas
-from ckpt_core.transfer.broadcast import ReqFunc
+from ckpt_core.transfer.broadcast import ReqFunc, engines_untouched
 from ckpt_core.transfer.broadcast import run_update as run_broadcast_update
 from ckpt_core.transfer.context import Catalog, UpdateContext
 from ckpt_core.transfer.prechecks import problem_of, raise_agreed, same_call
@@ -222,12 +222,22 @@ class Updates:
 
     def _full(self, name: str, req_func: ReqFunc, ranks, timeout, slices) -> dict:
         mine = self._reaches_me(ranks)
+        held = self.versions.engines_hold
         if mine:
             self.versions.made_live(None)   # until it succeeds, the engines hold a mix
-        if ranks:   # P2P into those ranks, from the owners' host memory (p2p/update.py)
-            result = run_p2p_update(self.ctx, self.p2p, name, req_func, ranks, timeout, slices)
-        else:
-            result = run_broadcast_update(self.ctx, self.catalog, name, req_func, timeout, slices)
+        try:
+            if ranks:   # P2P into those ranks, from the owners' host memory (p2p/update.py)
+                result = run_p2p_update(self.ctx, self.p2p, name, req_func, ranks, timeout, slices)
+            else:
+                result = run_broadcast_update(self.ctx, self.catalog, name, req_func, timeout, slices)
+        except CkptError as exc:
+            if engines_untouched(exc):   # failed before any bucket was sent, on every rank: the delta base stands
+                if mine:
+                    self.versions.made_live(held)
+                _retell(exc, untouched_tail(held))
+            elif not ranks:
+                _retell(exc, BEGUN_TAIL)
+            raise
         if mine:
             self.versions.made_live(name)
         return result
@@ -257,6 +267,27 @@ class Updates:
         loaded = self.p2p.loaded.get(checkpoint)
         metas = loaded.metas if loaded is not None else self.catalog.metas.get(checkpoint)
         return None if metas is None else sum(m.nbytes for ms in metas for m in ms)
+
+
+BEGUN_TAIL = ("; the transfer had begun: the engines may hold a mix of both versions until a full update succeeds "
+              "(an engine's own report says whether it wrote: VllmClient.live_version(), SGLang's weight_versions())")
+
+
+def untouched_tail(held: str | None) -> str:
+    """The tail of a failed full update's error when no bucket was sent to any engine worker."""
+    head = "; nothing was sent to any engine worker (the update failed in its plan or handshake, on every rank)"
+    if held:
+        return f"{head}: the engines still hold version {held!r}, and a delta of it can follow"
+    return f"{head}: the engines still hold the weights they held"
+
+
+def _retell(exc: CkptError, tail: str) -> None:
+    """Append ``tail`` to the message of ``exc`` (once), before a remote traceback it carries."""
+    text = str(exc)
+    if tail in text:
+        return
+    head, sep, trace = text.partition("\n--- remote traceback ---")
+    exc.args = (f"{head}{tail}{sep}{trace}",)
 
 
 def _delta_view(u: Updates, name, ranks, mode, req_func=None) -> dict:

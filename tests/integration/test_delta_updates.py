@@ -170,6 +170,42 @@ def test_refusals_leave_the_engines_on_their_base(world_and_front):
         assert all(d == _want(v[name]) for d in _engines(front))
 
 
+def test_a_full_update_that_failed_before_its_transfer_keeps_the_delta_base(world_and_front):
+    """A full update refused in its handshake (an engine worker's plan check) sent nothing to any engine
+    worker: every PS rank says so, keeps the version its engines hold as the next delta's base, and the
+    delta then applies bit exact. One that failed after its transfer began says the engines may hold a
+    mix, and the delta of the old base is refused until a full update succeeds."""
+    world, front = world_and_front
+    trainer = Trainer(seed=11)
+    v = {"A": trainer.version()}
+    _register(world, "A", v["A"])
+    all_ok(world.update("A", front, behaviors={i: {"version": "A"} for i in range(WORLD)}))
+    for name, base in (("B", "A"), ("C", "B")):
+        trainer.step(1e-4)
+        v[name] = trainer.version()
+        _register(world, name, v[name], base=base)
+
+    got = world.update("B", front, behaviors={1: {"require": ["lm_head.absent"]}})
+    for r, o in got.items():
+        assert not o.ok and "checkpoint lacks" in o.message, (r, o)
+        assert "nothing was sent to any engine worker" in o.message, (r, o.message)
+        assert "the engines still hold version 'A', and a delta of it can follow" in o.message, (r, o.message)
+    assert all(d == _want(v["A"]) for d in _engines(front))
+    assert [o.value for o in world.all("call", ("support.delta_world", "engines_hold", ())).values()] == ["A", "A"]
+    all_ok(_delta(world, front, "B"))
+    assert all(d == _want(v["B"]) for d in _engines(front))
+
+    got = world.update("C", front, behaviors={1: {"fail_bucket": 0}})
+    for r, o in got.items():
+        assert not o.ok and "the transfer had begun: the engines may hold a mix" in o.message, (r, o.message)
+        assert "nothing was sent" not in o.message, (r, o.message)
+    got = _delta(world, front, "C")
+    for r, o in got.items():
+        assert not o.ok and o.error == "DeltaBaseError", (r, o)
+    all_ok(world.update("C", front, behaviors={i: {"version": "C"} for i in range(WORLD)}))
+    assert all(d == _want(v["C"]) for d in _engines(front))
+
+
 def test_a_version_without_a_base_is_refused_as_a_delta_on_every_rank(world_and_front):
     world, front = world_and_front
     trainer = Trainer(seed=3)

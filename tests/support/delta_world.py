@@ -112,13 +112,34 @@ class DeltaEngine(SimEngine):
         os.environ.update(this.get("env", {}))
         try:
             with self.rx.update(run=run, version=this.get("version")) as cb:
-                update_weights_from_ipc(self.ctx, handles[self.key], self.index, run=cb.run, on_plan=cb.on_plan,
+                run_cb, on_plan = _faults(this, cb.run, cb.on_plan)
+                update_weights_from_ipc(self.ctx, handles[self.key], self.index, run=run_cb, on_plan=on_plan,
                                         post_hook=cb.post_hook, timeout=this.get("timeout", 60))
         finally:
             for k, v in saved.items():
                 os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
         self.updates += 1
         return dict(self.rx.last, held=self.rx.held, reloads=self.reloads)
+
+
+def _faults(this: dict, run, on_plan):
+    """``run`` and ``on_plan`` with the engine front's injections of one update: ``require`` (tensor names the
+    plan must carry, else refused in the handshake) and ``fail_bucket`` (the loader fails at that bucket)."""
+    buckets = [0]
+
+    def checked_plan(tensors):
+        missing = set(this.get("require", ())) - {n for n, _, _ in tensors}
+        if missing:
+            raise KeyError(f"checkpoint lacks {sorted(missing)}")
+        return on_plan(tensors)
+
+    def failing_run(weights):
+        b, buckets[0] = buckets[0], buckets[0] + 1
+        if this.get("fail_bucket") == b:
+            raise RuntimeError(f"injected engine failure at bucket {b}")
+        return run(weights)
+
+    return failing_run, checked_plan
 
 
 def delta_update(ps, rank, name, address, timeout, behaviors, mode):
