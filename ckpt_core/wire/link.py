@@ -95,16 +95,19 @@ class PeerWatch:
         the event not seen). An abstract name stays listed while any socket of the binder's
         connections is open, so this says the binder closed them all. Looks at most once per
         ``ENDPOINT_CHECK_S``, the first a second after the peer connected (no cost to an update that
-        never waits that long); False where the endpoint cannot be checked (``tcp://``). What the
+        never waits that long); False where the endpoint cannot be checked (``tcp://``) or is a socket
+        file (``ipc:///path``: its file may be unlinked while its binder still serves). What the
         binder sent before it left may still be on its way: read it first (``_Link.recv``)."""
         if self.binder_gone:
             return True
         self.drain()
         now = time.monotonic()
-        if not self.seen or self.endpoint is None or now < self._next_check:
+        # abstract names only: a socket file's path may be unlinked under a binder that still serves
+        endpoint = self.endpoint or ""
+        if not self.seen or not endpoint.startswith("ipc://@") or now < self._next_check:
             return False
         self._next_check = now + ENDPOINT_CHECK_S
-        self.binder_gone = endpoint_bound(self.endpoint) is False
+        self.binder_gone = endpoint_bound(endpoint) is False
         return self.binder_gone
 
     def drain(self) -> None:
