@@ -40,7 +40,7 @@ from ckpt_core.p2p.agree import targets_of
 from ckpt_core.p2p.state import P2PState
 from ckpt_core.p2p.update import run_update as run_p2p_update
 from ckpt_core.transfer.agree import gather_metas
-from ckpt_core.transfer.broadcast import ReqFunc, engines_untouched
+from ckpt_core.transfer.broadcast import ReqFunc
 from ckpt_core.transfer.broadcast import run_update as run_broadcast_update
 from ckpt_core.transfer.context import Catalog, UpdateContext
 from ckpt_core.transfer.prechecks import problem_of, raise_agreed, same_call
@@ -225,17 +225,22 @@ class Updates:
         held = self.versions.engines_hold
         if mine:
             self.versions.made_live(None)   # until it succeeds, the engines hold a mix
+        self.ctx.past_handshake = False
         try:
             if ranks:   # P2P into those ranks, from the owners' host memory (p2p/update.py)
                 result = run_p2p_update(self.ctx, self.p2p, name, req_func, ranks, timeout, slices)
             else:
                 result = run_broadcast_update(self.ctx, self.catalog, name, req_func, timeout, slices)
         except CkptError as exc:
-            if engines_untouched(exc):   # failed before any bucket was sent, on every rank: the delta base stands
+            # Failed before every rank passed the handshake agreement (the precheck's, the plan's and the
+            # handshake's agreements raise on every rank alike; a worker loads only what a bucket notice
+            # names): nothing was sent to any engine worker, and the delta base stands. Not where a
+            # collective broke (a peer may have passed the agreement this rank failed in).
+            if not self.ctx.past_handshake and not getattr(exc, "groups_broken", False):
                 if mine:
                     self.versions.made_live(held)
                 _retell(exc, untouched_tail(held))
-            elif not ranks:
+            elif mine:
                 _retell(exc, BEGUN_TAIL)
             raise
         if mine:

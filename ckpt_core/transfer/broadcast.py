@@ -30,31 +30,12 @@ REQ_GRACE_S = 2.0   # how long a failed update still waits for req_func to retur
 
 def run_update(ctx: UpdateContext, catalog: Catalog, name: str, req_func: ReqFunc, timeout, slices=None) -> dict:
     """Collective: a broadcast update of checkpoint ``name`` into every rank's engine worker
-    (``ParameterServer.update`` without ``ranks``). Returns this rank's figures.
-
-    An error raised before the transfer began (the call's precheck, the plan or the handshake: each
-    an agreement that raises on every rank, so no rank sent a bucket to its engine worker, and a worker
-    loads only what a bucket notice names) is marked (:func:`engines_untouched`), unless a collective
-    broke (``groups_broken``: a peer may have passed the agreement this rank failed in)."""
-    progress = {"transfer": False}
-    try:
-        return _update(ctx, catalog, name, req_func, *precheck(ctx, catalog, name, req_func, timeout, slices),
-                       slices, progress)
-    except Exception as exc:
-        if not progress["transfer"] and not getattr(exc, "groups_broken", False):
-            exc.engines_untouched = True  # type: ignore[attr-defined]  # read by engines_untouched()
-        raise
-
-
-def engines_untouched(exc: BaseException) -> bool:
-    """Whether a broadcast update failed before any bucket was sent to any engine worker (see
-    :func:`run_update`): the engines hold what they held before it."""
-    return bool(getattr(exc, "engines_untouched", False))
+    (``ParameterServer.update`` without ``ranks``). Returns this rank's figures."""
+    return _update(ctx, catalog, name, req_func, *precheck(ctx, catalog, name, req_func, timeout, slices), slices)
 
 
 def _update(ctx: UpdateContext, catalog: Catalog, name: str, req_func: ReqFunc, deadline: float,
-            ckpt: RegisteredCheckpoint | None, problem: list | None, slices=None,
-            progress: dict | None = None) -> dict:
+            ckpt: RegisteredCheckpoint | None, problem: list | None, slices=None) -> dict:
     t0 = time.perf_counter()
     ctx.tell("update", "plan")
     plan, slots, (plan_json, plan_digest) = agree_plan(ctx, catalog, name, problem, slices)
@@ -87,8 +68,6 @@ def _update(ctx: UpdateContext, catalog: Catalog, name: str, req_func: ReqFunc, 
             num_slots=slots, plan_json=plan_json, plan_digest=plan_digest, slices=routed)
         mapped = ctx.handshake(link, hello, publish, alloc_failed=alloc_failed, ckpt=ckpt)
         ctx.agree(link, req, deadline, phase="handshake", final=False)
-        if progress is not None:   # every rank passed the handshake: from here a bucket may reach an engine
-            progress["transfer"] = True
         times["handshake"] = time.perf_counter() - t0 - times["plan"]
         if ipc is None:   # the handshake failed the link: its agreement raised on every rank
             raise TransportError(f"rank {ctx.rank}: {alloc_failed}")

@@ -99,6 +99,9 @@ class UpdateContext:
         self._updates = 0
         self._called = time.monotonic()   # when this rank's update() began (precheck_call)
         self._closing: str | None = None   # set by stop() (close() in another thread): the update stops
+        # every rank passed the running update's handshake agreement: from there a bucket may reach an engine
+        # (reset by began_update; read by delta/dispatch.py for what a failed full update left)
+        self.past_handshake = False
         self._signal: StopSignal | None = None   # the running update's: stop() tells every rank at once
 
     # -- counters and stop signal ------------------------------------------------
@@ -269,6 +272,8 @@ class UpdateContext:
         statuses = self.coll.all_gather_json(failure.to_json() if failure else None)
         failed = [Failure(**s) for s in statuses if s is not None]
         if not failed:
+            if phase == "handshake":
+                self.past_handshake = True
             return
         # An engine worker's own failure is the cause; ranks that stopped because of it,
         # and req_func failing because the engine reported it, are echoes.

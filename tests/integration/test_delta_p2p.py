@@ -96,6 +96,21 @@ def test_p2p_deltas_inside_one_world_are_bit_exact_and_read_only_the_payloads():
                 held = all_ok(world.all("call", ("support.delta_world", "engines_hold", ())))
                 assert held[1].value == name and held[0].value is None, held   # rank 0's engine was not updated
                 prev = name
+            # a full P2P update refused in the handshake (the worker's plan check) sent nothing: every rank
+            # says so, rank 1 still records D as its engine's, and the delta of D then applies
+            trainer.step(1e-5)
+            versions["E"] = trainer.version()
+            _register(world, "E", versions["E"], base="D")
+            got = _p2p(world, front, "E", [1], mode=False, behaviors={0: {"require": ["lm_head.absent"]}})
+            for r, o in got.items():
+                assert not o.ok and "nothing was sent to any engine worker" in o.message, (r, o.message)
+            assert "the engines still hold version 'D', and a delta of it can follow" in got[1].message
+            assert _engines(front, 1) == [_want(versions["D"])]
+            held = all_ok(world.all("call", ("support.delta_world", "engines_hold", ())))
+            assert held[1].value == "D" and held[0].value is None, held
+            got = all_ok(_p2p(world, front, "E", [1]))
+            _check_delta(got, [1], "E", "D")
+            assert _engines(front, 1) == [_want(versions["E"])]
         finally:
             front.close()
 
