@@ -20,7 +20,7 @@ import traceback
 from multiprocessing.connection import Client, Listener
 
 from support.data import digest
-from support.procs import CTX
+from support.procs import CTX, release
 
 AUTH = b"ckpt-tests"
 
@@ -231,7 +231,7 @@ class EngineFront:
             if self.procs[i].is_alive():
                 self.procs[i].kill()
                 self.procs[i].join(10)
-            self.conns[i].close()
+            release([self.conns[i]], [self.procs[i]])
             self.conns[i], self.procs[i] = self._spawn(i)
 
     def worker_outcomes(self, since: int, timeout: float = 60) -> list:
@@ -278,7 +278,9 @@ class EngineFront:
             p.join(5)
             if p.is_alive():
                 p.kill()
+                p.join(5)
         self.listener.close()
+        release(self.conns, self.procs)
 
 
 def make_req_func(address, behaviors: dict | None = None):

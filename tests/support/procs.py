@@ -146,6 +146,19 @@ def run_world(ranks, what: str, timeout: float, join_s: float = 5) -> dict[int, 
     return on_a_free_port(launch, lambda outcome, port: isinstance(outcome, StorePortLost), f"{what}'s store")
 
 
+def release(conns: list, procs: list) -> None:
+    """Close a world's pipe ends and its exited ``Process`` objects (their sentinel descriptors): a pytest
+    process starts hundreds of worlds, and what each left open once passed FD_SETSIZE (1024) in the
+    whole suite (``select()`` then refused a descriptor). A process still running keeps its object."""
+    for c in conns:
+        c.close()
+    for p in procs:
+        try:
+            p.close()
+        except ValueError:   # still running: kill_with_children or the caller's kill comes first
+            pass
+
+
 def leave_gloo_world(out) -> None:
     """End a spawned rank of a gloo world once everything it reports is in ``out`` (a multiprocessing
     queue): a barrier (no rank tears its group down under a peer's collective), the group destroyed,

@@ -42,8 +42,9 @@ def bound_in_process(handle: str, socket_type: str = "PAIR") -> Iterator[subproc
     proc = subprocess.Popen([sys.executable, "-c", code, handle, socket_type], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
-        ready, _, _ = select.select([proc.stdout], [], [], 60)
-        line = proc.stdout.readline() if ready else ""
+        poller = select.poll()   # not select(): a long test process may hold descriptors past FD_SETSIZE (1024)
+        poller.register(proc.stdout, select.POLLIN)
+        line = proc.stdout.readline() if poller.poll(60_000) else ""
         assert line == "bound\n", f"the binding process did not bind {handle} (it said {line!r})"
         yield proc
     finally:

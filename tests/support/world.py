@@ -19,7 +19,7 @@ import torch
 from support.data import FAULT_DTYPES, fresh_tensors, want_digests
 from support.engine import EngineFront, group_req_func, make_req_func
 from support.ports import on_a_free_port, store_lost_port
-from support.procs import CTX, StorePortLost, rss_bytes, run_world
+from support.procs import CTX, StorePortLost, release, rss_bytes, run_world
 
 
 def ps_main(rank: int, world: int, port: int, kind: str, script: list, out) -> None:
@@ -337,6 +337,7 @@ class PsWorld:
         except (OSError, EOFError):
             pass
         self.kill_all()
+        release(self.conns, self.procs)
 
     def __enter__(self):
         return self
