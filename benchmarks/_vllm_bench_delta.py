@@ -37,8 +37,11 @@ def run_deltas(ps, files: list[str], density: float, repeats: int, send_update, 
 
     replies: list = []
     t0 = time.perf_counter()
-    ps.update(BASE, req(BASE))   # the workers map the model and keep what a delta rebuilds from
+    full_info = ps.update(BASE, req(BASE))   # the workers map the model and keep what a delta rebuilds from
     full_deltas_s = time.perf_counter() - t0
+    # where that update's time went: the PS's phases and the worker's report (its map's figures and phases)
+    full_deltas = {"ps": full_info.get("seconds") if isinstance(full_info, dict) else None,
+                   "worker": replies[-1] if replies and isinstance(replies[-1], dict) else None}
     if snapshot is not None:
         snapshot()
     per_file = {f: load_file(f) for f in files}
@@ -73,7 +76,8 @@ def run_deltas(ps, files: list[str], density: float, repeats: int, send_update, 
     out_dir = delta_dir(directory)
     _write_version(directory, out_dir, per_file, save_file)
     elements = sum(t.numel() for t in current.values())
-    return {"density": density, "full_deltas_s": full_deltas_s, "rounds": rounds, "dir": out_dir,
+    return {"density": density, "full_deltas_s": full_deltas_s, "full_deltas": full_deltas, "rounds": rounds,
+            "dir": out_dir,
             "version": prev, "elements": elements}
 
 

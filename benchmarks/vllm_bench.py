@@ -173,9 +173,14 @@ def run_engine(args) -> None:
             snapshot = {"tokens": greedy_tokens(llm), "checksums": engine_checksums(llm)}
             ch.send({"ok": True})
         elif "kwargs" in msg:   # a full update with deltas=True, or a delta (not among the timed full updates)
+            t0 = time.perf_counter()
             res = llm.collective_rpc("update_weights_from_ipc", args=(msg["handles"],), kwargs=msg["kwargs"])
+            call_s = time.perf_counter() - t0
             reply = res[0] if isinstance(res[0], dict) else {}
-            ch.send({"ok": True, "delta": json.loads(json.dumps(reply.get("delta"), default=str))})
+            # the delta's figures; of a full update with deltas=True also its map's and phases (where its time went)
+            ch.send(json.loads(json.dumps({"ok": True, "engine_s": call_s, "delta": reply.get("delta"),
+                                           "map": reply.get("map"), "seconds": reply.get("seconds"),
+                                           "path": reply.get("path")}, default=str)))
         elif "stage" in msg:
             stage_report = stage_into(llm, msg["handles"], msg["stage"])
             ch.send({"ok": True})
