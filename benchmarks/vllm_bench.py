@@ -177,10 +177,8 @@ def run_engine(args) -> None:
             res = llm.collective_rpc("update_weights_from_ipc", args=(msg["handles"],), kwargs=msg["kwargs"])
             call_s = time.perf_counter() - t0
             reply = res[0] if isinstance(res[0], dict) else {}
-            # the delta's figures; of a full update with deltas=True also its map's and phases (where its time went)
-            ch.send(json.loads(json.dumps({"ok": True, "engine_s": call_s, "delta": reply.get("delta"),
-                                           "map": reply.get("map"), "seconds": reply.get("seconds"),
-                                           "path": reply.get("path")}, default=str)))
+            # the worker's figures (of a full update with deltas=True: its map's) and the engine call's time
+            ch.send(json.loads(json.dumps({"ok": True, "engine_s": call_s, "delta": reply.get("delta")}, default=str)))
         elif "stage" in msg:
             stage_report = stage_into(llm, msg["handles"], msg["stage"])
             ch.send({"ok": True})
