@@ -63,7 +63,7 @@ def settle(worker: Any, what: str, op: Callable[[LiveWrites], T]) -> T:
     if not failed:
         return result   # type: ignore[return-value]
     if wrote:
-        worker._ckpt_forget_live()
+        worker._ckpt_forget_live(mixed=True)
         tail = MIXED
         log.error("ckpt: %s failed on %d worker(s) after %s began writing into the live model: it may hold "
                   "a mix of both versions, no version is live; push a full update", what, failed,

@@ -204,10 +204,12 @@ class StagedWeights(_Worker):
         return None if area is None else area.summary()
 
     def ckpt_weight_versions(self) -> dict:
-        """``{"live": version or None, "live_since": unix time, "staged": {...} or None}``."""
+        """``{"live": version or None, "live_since": unix time, "mixed": bool, "staged": {...} or None}``;
+        ``mixed``: the last update or commit failed after a worker began writing (a mix of versions may serve)."""
         area = getattr(self, "_ckpt_staged", None)
         return {"live": getattr(self, "_ckpt_live_version", None),
                 "live_since": getattr(self, "_ckpt_live_since", None),
+                "mixed": bool(getattr(self, "_ckpt_mixed", False)),
                 "staged": None if area is None or not area.sealed else area.summary()}
 
     def _ckpt_stage(self, handle: str, kind: str, index: int, version: str, device_limit: int,

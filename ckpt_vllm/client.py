@@ -19,7 +19,7 @@ import json
 import time
 from typing import TYPE_CHECKING, Callable
 
-from ckpt_core.engines.base import Requester, UpdateReport
+from ckpt_core.engines.base import Requester, UpdateReport, mixed_weight_version
 from ckpt_core.engines.http import Phases
 from ckpt_core.engines.requests import group_handles
 from ckpt_core.errors import ConfigError, RemoteWorkerError, TransportError
@@ -231,6 +231,8 @@ class VllmClient(Requester):
             if undo["finish"]:   # vLLM's workers stay "in a weight update" until a finish: end it (the
                 # failed part was aborted on every worker; nothing is left to load)
                 self._cleanup(exc, "finish_weight_update", lambda: self._post("/finish_weight_update"))
+            if path == "extension" and version is not None:   # before generation resumes
+                self._cleanup(exc, "weight_version", lambda: self._mark_mixed(str(version)))
             if pause is not None or undo["resume"]:
                 self._cleanup(exc, "resume", self.resume)
             raise
@@ -362,6 +364,7 @@ class VllmClient(Requester):
             phases.run("reset_prefix_cache", self.ensure_prefix_cache_reset)
             phases.run("weight_version", self.set_weight_version, str(version))
         except BaseException as exc:
+            self._cleanup(exc, "weight_version", lambda: self._mark_mixed(str(version)))
             self._cleanup(exc, "resume", self.resume)
             raise
         phases.run("resume", self.resume)
@@ -384,6 +387,14 @@ class VllmClient(Requester):
         (a failed update may have left a mix: push a full update) or the workers differ."""
         lives = {w.get("live") for w in self.weight_versions()}
         return lives.pop() if len(lives) == 1 else None
+
+    def _mark_mixed(self, version: str) -> None:
+        """After a failed update or commit to ``version``: where the workers report that one of them had
+        begun writing (``mixed``: a mix of two versions may serve), vLLM's own weight version, which its
+        outputs carry, becomes :func:`~ckpt_core.engines.base.mixed_weight_version` instead of the old
+        version's name until a full update succeeds."""
+        if any(w.get("mixed") for w in self.weight_versions()):
+            self.set_weight_version(mixed_weight_version(version))
 
     def set_weight_version(self, version: str) -> bool:
         """vLLM's own weight version (``/update_weight_version``, reported on outputs); False where

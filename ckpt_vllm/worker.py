@@ -311,16 +311,18 @@ class VllmColocateWorkerExtension(StagedWeights):
         self._ckpt_live_layout = dict(layout)
         self._ckpt_live_version = version
         self._ckpt_live_since = time.time()
+        self._ckpt_mixed = False
 
-    def _ckpt_forget_live(self) -> None:
+    def _ckpt_forget_live(self, mixed: bool = False) -> None:
         """The model may no longer hold the live version whole (an update or commit that failed once a
-        worker of the engine began writing, ``_live.settle``; an update through the ``ckpt`` backend's
-        routes, which name no version): no version is live and no delta base is held until a full update
-        of the extension; the direct map is kept (it describes the model, not its weights)."""
+        worker of the engine began writing, ``_live.settle``: ``mixed``; an update through the ``ckpt``
+        backend's routes, which name no version): no version is live and no delta base is held until a full
+        update of the extension; the direct map is kept (it describes the model, not its weights)."""
         reset_derived_caches(self)
         self._ckpt_drop_held()
         self._ckpt_live_version = None
         self._ckpt_live_since = time.time()
+        self._ckpt_mixed = mixed
 
     def ckpt_state_digests(self) -> dict[str, list]:
         """``{name: [dtype, shape, sha256]}`` of everything this worker's model reads in its

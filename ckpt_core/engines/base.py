@@ -31,9 +31,16 @@ from ckpt_core.engines.http import HttpTransport, cleanup_after, error_text
 from ckpt_core.errors import ConfigError, TransportError, UpdateTimeoutError
 
 __all__ = ["UpdateReport", "EngineClient", "EngineKind", "Requester", "Prechecked", "check_option_names",
-           "supports_slices"]
+           "supports_slices", "mixed_weight_version"]
 
 R = TypeVar("R")
+
+
+def mixed_weight_version(version: str) -> str:
+    """The engine's own weight version (the one it reports on its outputs) after an update or commit to
+    ``version`` failed once a worker had begun writing: its weights may be a mix of two versions, and
+    what it generates until the next full update must not carry the old version's name."""
+    return f"mixed: the update to {version!r} failed part-way (push a full update)"
 
 
 @dataclass

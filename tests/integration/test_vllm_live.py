@@ -18,6 +18,7 @@ import pytest
 
 from ckpt_core import DeltaBaseError, ParameterServer
 from ckpt_core.devices import local_device_key
+from ckpt_core.engines.base import mixed_weight_version
 from ckpt_core.errors import RemoteWorkerError
 from support import dying_ps
 from support.ports import free_port
@@ -60,11 +61,20 @@ def _digests(server):
     return server.client.collective_rpc("ckpt_state_digests")
 
 
+def _vllm_weight_version(server, want: str) -> None:
+    """vLLM's own weight version (``GET /weight_info``, the one its outputs carry) is ``want``."""
+    resp = server.client.http.request("GET", "/weight_info")
+    if resp.status_code == 404:   # a vLLM without the route: nothing to check
+        return
+    assert resp.json()["weight_version"] == want, resp.json()
+
+
 def test_an_update_that_fails_before_any_write_keeps_the_live_version_and_the_delta_base(server, tiny_model, ps,
                                                                                          cold):
     """The worker waits for a PS that never sends (a bound socket that stays silent; the worker's timeout
     3 s): nothing was written. The error says so and names the version the engine still holds; that
-    version stays live since the same time, every parameter is unchanged, and B, a delta of A, applies on
+    version stays live since the same time (and vLLM's own weight version, which its outputs carry, still
+    names it), every parameter is unchanged, and B, a delta of A, applies on
     top of it (the base was kept) and equals a cold load of B."""
     import zmq
 
@@ -79,13 +89,13 @@ def test_an_update_that_fails_before_any_write_keeps_the_live_version_and_the_de
     silent.bind(address)
     try:
         with pytest.raises(RemoteWorkerError) as err:
-            server.client.collective_rpc("update_weights_from_ipc", [{local_device_key("cpu", 0): address}],
-                                         {"timeout": 3.0, "version": "never"}, timeout=60)
+            server.client.update({local_device_key("cpu", 0): address}, version="never", timeout=3.0)
     finally:
         silent.close(0)
         ctx.term()
     assert "nothing was loaded on any worker: the engine still holds version 'a'" in str(err.value), err.value
-    assert [(w["live"], w["live_since"]) for w in server.client.weight_versions()] == [("a", since)]
+    assert [(w["live"], w["live_since"], w["mixed"]) for w in server.client.weight_versions()] == [("a", since, False)]
+    _vllm_weight_version(server, "a")   # its outputs still name the version it holds
     assert _digests(server) == before, "an update that loaded nothing changed live tensors"
     result = _update(ps, server, "b", [model.weights[1]], "b", base="a", delta=True)
     assert server.client.live_version() == "b" and result["bytes"] > 0
@@ -98,8 +108,9 @@ def test_an_update_that_fails_before_any_write_keeps_the_live_version_and_the_de
 def test_a_tensor_rejected_after_earlier_layers_loaded_leaves_no_version_live_until_a_full_update(
         server, tiny_model, ps, cold, tmp_path):
     """B with layer 1's down_proj transposed (late in the bucket: layer 0 was reloaded with B's weights when
-    vLLM's loader rejects it): the error says the model may hold a mix and to push a full update, and
-    no worker reports a version live. B as a delta of A is then refused (the engine holds no base), and B
+    vLLM's loader rejects it): the error says the model may hold a mix and to push a full update, no
+    worker reports a version live (each reports ``mixed``), and vLLM's own weight version is
+    ``mixed_weight_version('broken')``, not 'a'. B as a delta of A is then refused (the engine holds no base), and B
     whole makes 'b' live and equals a cold load of B."""
     model = tiny_model
     model.references(*model.weights)
@@ -124,14 +135,16 @@ def test_a_tensor_rejected_after_earlier_layers_loaded_leaves_no_version_live_un
     text = str(answers[0])
     assert "vLLM rejected the tensor" in text and "the model may hold a mix of both versions: push a full update" \
         in text, text
-    assert [w["live"] for w in server.client.weight_versions()] == [None]
+    assert [(w["live"], w["mixed"]) for w in server.client.weight_versions()] == [(None, True)]
     assert server.client.live_version() is None
+    _vllm_weight_version(server, mixed_weight_version("broken"))   # its outputs no longer name 'a'
     assert differences(_digests(server), cold[str(model.weights[0])]), "nothing of B was loaded before the failure"
     with pytest.raises(DeltaBaseError, match="holds None, not the base 'a'"):
         _update(ps, server, "b", [model.weights[1]], "b", base="a", delta=True)
     assert server.client.live_version() is None
     _update(ps, server, "b-whole", [model.weights[1]], "b")
-    assert server.client.live_version() == "b"
+    assert server.client.live_version() == "b" and server.client.weight_versions()[0]["mixed"] is False
+    _vllm_weight_version(server, "b")
     differ = differences(_digests(server), cold[str(model.weights[1])])
     assert not differ, "the full update after the mix differs from a cold load of B:\n" + "\n".join(differ[:20])
     assert server.complete(model.prompts, MAX_TOKENS) == model.reference(model.weights[1])

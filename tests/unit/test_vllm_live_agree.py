@@ -55,6 +55,7 @@ def test_a_failure_before_any_write_keeps_the_live_version_its_time_and_the_delt
     assert str(err.value) == "the PS went away before the first bucket" + untouched("v1")
     assert str(err.value).endswith("nothing was loaded on any worker: the engine still holds version 'v1'")
     assert worker.ckpt_weight_versions()["live"] == "v1" and worker._ckpt_live_since == 100.0
+    assert worker.ckpt_weight_versions()["mixed"] is False
     assert worker._ckpt_delta_rx.held == "v1", "the base a delta applies to was dropped though nothing was written"
     assert worker.resets == 0
 
@@ -65,18 +66,18 @@ def test_a_failure_after_a_write_leaves_no_version_live_and_no_delta_base():
         _run(worker, CheckpointFormatError("vLLM rejected the tensor", tensor="b"), write=True)
     assert str(err.value) == "vLLM rejected the tensor (tensor 'b')" + MIXED and err.value.tensor == "b"
     versions = worker.ckpt_weight_versions()
-    assert versions["live"] is None and versions["live_since"] > 100.0
+    assert versions["live"] is None and versions["live_since"] > 100.0 and versions["mixed"] is True
     assert worker._ckpt_delta_rx.held is None and worker.resets == 1
 
 
 def test_a_success_makes_its_version_live_and_a_failure_with_nothing_live_says_so():
     worker = Worker()
     assert _run(worker, None, write=True) == {"tensors": 3}
-    assert worker.ckpt_weight_versions()["live"] == "v2"
+    assert worker.ckpt_weight_versions()["live"] == "v2" and worker.ckpt_weight_versions()["mixed"] is False
     fresh = Worker(live=None)
     with pytest.raises(TransportError, match=r"the engine still holds the weights it held \(no version of ours"):
         _run(fresh, TransportError("refused at the plan"), write=False)
-    assert fresh.ckpt_weight_versions()["live"] is None
+    assert fresh.ckpt_weight_versions()["live"] is None and fresh.ckpt_weight_versions()["mixed"] is False
 
 
 class _Model(torch.nn.Module):
