@@ -13,6 +13,7 @@ import logging
 import threading
 from typing import Any
 
+from ckpt_core.engines.base import mixed_weight_version
 from ckpt_core.errors import CkptError, RemoteWorkerError, TransportError, UpdateTimeoutError
 
 __all__ = ["Sender", "endpoint_of", "own_http", "translated"]
@@ -87,6 +88,11 @@ class Sender:
             calls("update_weights", client.update_weights, info)
         except _Ended:   # opened after the update ended: close the session, post nothing else
             calls.cleanup("finish_weight_update", client.finish_weight_update)
+            raise
+        except Exception:   # posted: layers reloaded before the failure hold the new weights (a mix is assumed)
+            http = self.http(client)
+            if http is not None:   # vLLM's own weight version must not keep naming the old one
+                calls.cleanup("weight_version", lambda: http.set_weight_version(mixed_weight_version(version)))
             raise
         # (vLLM's worker ends its session itself when /update_weights fails: no finish then)
         calls("finish_weight_update", client.finish_weight_update, *_version_arg(client.finish_weight_update, version))

@@ -231,8 +231,10 @@ class VllmClient(Requester):
             if undo["finish"]:   # vLLM's workers stay "in a weight update" until a finish: end it (the
                 # failed part was aborted on every worker; nothing is left to load)
                 self._cleanup(exc, "finish_weight_update", lambda: self._post("/finish_weight_update"))
-            if path == "extension" and version is not None:   # before generation resumes
-                self._cleanup(exc, "weight_version", lambda: self._mark_mixed(str(version)))
+            if version is not None and (path == "extension" or undo.get("posted")):   # before generation resumes
+                # the backend's routes do not say whether a layer was reloaded: once /update_weights was
+                # posted, a mix is assumed (docs/vllm.md: layers processed before a failure hold new weights)
+                self._cleanup(exc, "weight_version", lambda: self._mark_mixed(str(version), assume=path == "backend"))
             if pause is not None or undo["resume"]:
                 self._cleanup(exc, "resume", self.resume)
             raise
@@ -249,6 +251,7 @@ class VllmClient(Requester):
             phases.run("start", self._post, "/start_weight_update")
             undo["finish"] = True
         info["check_complete"] = start and finish
+        undo["posted"] = True
         try:
             phases.run("update", self._post, "/update_weights", {"update_info": info}, timeout=info["timeout_s"] + 30.0)
         except RemoteWorkerError:
@@ -388,12 +391,13 @@ class VllmClient(Requester):
         lives = {w.get("live") for w in self.weight_versions()}
         return lives.pop() if len(lives) == 1 else None
 
-    def _mark_mixed(self, version: str) -> None:
+    def _mark_mixed(self, version: str, assume: bool = False) -> None:
         """After a failed update or commit to ``version``: where the workers report that one of them had
-        begun writing (``mixed``: a mix of two versions may serve), vLLM's own weight version, which its
-        outputs carry, becomes :func:`~ckpt_core.engines.base.mixed_weight_version` instead of the old
-        version's name until a full update succeeds."""
-        if any(w.get("mixed") for w in self.weight_versions()):
+        begun writing (``mixed``: a mix of two versions may serve), or ``assume`` (the backend's routes,
+        which do not say), vLLM's own weight version, which its outputs carry, becomes
+        :func:`~ckpt_core.engines.base.mixed_weight_version` instead of the old version's name until a
+        full update succeeds."""
+        if assume or any(w.get("mixed") for w in self.weight_versions()):
             self.set_weight_version(mixed_weight_version(version))
 
     def set_weight_version(self, version: str) -> bool:

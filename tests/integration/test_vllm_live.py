@@ -202,3 +202,23 @@ def test_an_update_through_the_backend_routes_drops_the_extensions_live_version_
     _update(ps, server, "a-again", [model.weights[0]], "a2")
     assert server.client.live_version() == "a2"
     assert server.complete(model.prompts, MAX_TOKENS) == model.reference(model.weights[0])
+
+
+def test_a_failed_update_through_the_backend_routes_marks_vllms_weight_version_mixed(server, tiny_model, tmp_path):
+    """Through vLLM's own routes (the ``ckpt`` backend) nothing says whether a layer was reloaded before a
+    failure, so once ``/update_weights`` was posted a mix is assumed: B with layer 1's down_proj transposed,
+    pushed as version 'broken-b', fails, and vLLM's own weight version (on its outputs) becomes
+    ``mixed_weight_version('broken-b')`` instead of still naming 'a'; A pushed whole as 'a3' names 'a3'
+    again and equals A's references."""
+    model = tiny_model
+    model.references(*model.weights)
+    push(server, [model.weights[0]], path="backend", version="a")
+    _vllm_weight_version(server, "a")
+    broken = broken_copy(model.weights[1], tmp_path / "broken.safetensors",
+                         reshape="model.layers.1.mlp.down_proj.weight")
+    with pytest.raises(RemoteWorkerError):
+        push(server, [broken], path="backend", version="broken-b")
+    _vllm_weight_version(server, mixed_weight_version("broken-b"))
+    push(server, [model.weights[0]], path="backend", version="a3")
+    _vllm_weight_version(server, "a3")
+    assert server.complete(model.prompts, MAX_TOKENS) == model.reference(model.weights[0])

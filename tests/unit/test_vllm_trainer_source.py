@@ -157,3 +157,57 @@ def test_on_device_must_be_a_bool_or_none_and_refuses_p2p_services():
     with pytest.raises(DeviceResidentError, match="p2p_services"):
         CkptTrainerInitInfo(rank=0, on_device=True, p2p_services="http://h:1")
     assert CkptTrainerInitInfo(rank=0, on_device=False, p2p_services="http://h:1").on_device is False
+
+
+def test_a_failed_direct_round_marks_vllms_weight_version_mixed_over_real_http():
+    """The trainer's direct round posts vLLM's routes; once ``/update_weights`` was posted and failed, layers
+    reloaded before the failure may hold the new weights, so vLLM's own weight version (on its outputs) is
+    set to ``mixed_weight_version`` of the round's version instead of still naming the last good one. A
+    real HTTP server stands in for the vLLM server's ``/update_weight_version`` route."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from ckpt_core.engines.base import mixed_weight_version
+    from ckpt_vllm._trainer_sender import Sender
+
+    posted: list = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):   # noqa: N802 - http.server's name
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            posted.append((self.path, json.loads(body or b"{}")))
+            out = b'{"success": true}'
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    calls: list = []
+
+    def update_weights(info):
+        calls.append("update_weights")
+        raise HTTPError()
+
+    client = SimpleNamespace(base_url=f"http://127.0.0.1:{server.server_address[1]}",
+                             init_weight_transfer_engine=lambda info: calls.append("init"),
+                             start_weight_update=lambda: calls.append("start"), update_weights=update_weights,
+                             finish_weight_update=lambda *a: calls.append("finish"))
+    info = SimpleNamespace(engine_url=None, timeout_s=30.0, stage=False, reset_prefix_cache=False)
+    sender = Sender(info)
+    try:
+        with pytest.raises(RemoteWorkerError, match="update_weights on .* answered HTTP 500"):
+            sender.round(client, {"GPU-0": "ipc://@x"}, "v7", None, threading.Event())
+        assert calls == ["init", "start", "update_weights"]
+        assert posted == [("/update_weight_version", {"new_version": mixed_weight_version("v7")})], posted
+    finally:
+        sender.close()
+        server.shutdown()
+        server.server_close()
