@@ -37,7 +37,7 @@ import time
 from typing import Any, Callable
 
 from ckpt_core.delta.versions import accepts_deltas
-from ckpt_core.engines.base import Prechecked, Requester, UpdateReport
+from ckpt_core.engines.base import Prechecked, Requester, UpdateReport, mixed_weight_version
 from ckpt_core.engines.http import Phases, error_text
 from ckpt_core.errors import CkptError, ConfigError, RemoteWorkerError
 
@@ -154,15 +154,20 @@ class SglangClient(Requester):
         if pause is not None:
             phases.run("pause", self.pause, pause)
         try:
-            if route == "loader":
-                self._load(phases, report, dict(handles), weight_version, wait, deltas)
-                if flush_cache:
-                    self._flush(phases, report, busy, pause)
-            else:
-                self._ipc(phases, report, dict(handles), flush_cache, weight_version, wait, busy, pause)
-        finally:
-            if pause is not None:
-                phases.run("resume", self.resume)
+            try:
+                if route == "loader":
+                    self._load(phases, report, dict(handles), weight_version, wait, deltas)
+                    if flush_cache:
+                        self._flush(phases, report, busy, pause)
+                else:
+                    self._ipc(phases, report, dict(handles), flush_cache, weight_version, wait, busy, pause)
+            finally:
+                if pause is not None:
+                    phases.run("resume", self.resume)
+        except BaseException as exc:
+            if route == "loader" and weight_version is not None:
+                self._cleanup(exc, "weight_version", lambda: self._mark_mixed(str(weight_version)))
+            raise
         report.seconds = dict(phases.seconds, total=time.perf_counter() - t0)
         return self._record(report)
 
@@ -369,7 +374,19 @@ class SglangClient(Requester):
                 phases.run("flush_cache", self.flush_cache)
             phases.run("weight_version", self.set_weight_version, str(version))
 
-        return self._staged_call("commit", pause, timeout, after=after, weights=str(version))
+        try:
+            return self._staged_call("commit", pause, timeout, after=after, weights=str(version))
+        except BaseException as exc:
+            self._cleanup(exc, "weight_version", lambda: self._mark_mixed(str(version)))
+            raise
+
+    def _mark_mixed(self, version: str) -> None:
+        """After a failed load or commit of ``version`` through our loader: where the TP ranks report that one
+        of them had written (``mixed``: a mix of two versions may serve), SGLang's own ``weight_version``
+        (``/model_info``, its responses) becomes :func:`~ckpt_core.engines.base.mixed_weight_version` instead
+        of the old version's name until a full update succeeds."""
+        if any(w.get("mixed") for w in self.weight_versions()):
+            self.set_weight_version(mixed_weight_version(version))
 
     def drop_staged(self) -> list:
         """Free every rank's staging area; returns what each held (None where nothing was)."""

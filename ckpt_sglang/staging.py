@@ -148,6 +148,7 @@ class EngineStaging:
         self.layout: Layout | None = None   # of the last commit
         self.live_version: str | None = None
         self.live_since: float | None = None
+        self.mixed = False   # the last load or commit failed after a rank wrote: a mix of versions may serve
         self.last_stage_error: str | None = None
         self.deltas = SglangDeltas()   # the version held for deltas, the map, kept copies (_delta.py)
 
@@ -338,6 +339,7 @@ class EngineStaging:
                 if not dload.delta:
                     self.layout = dict(area.layout)
                 self.live_version, self.live_since = (version if failed is None else None), time.time()
+                self.mixed = failed is not None
         if failed is not None:
             raise failed from error
         out = {**summary, "sealed": True, "seconds": {"load": time.perf_counter() - t0},
@@ -429,6 +431,7 @@ class EngineStaging:
             if failed is None or not (dload.delta or untouched):
                 self.live_version = None if failed is not None or version is None else str(version)
                 self.live_since = time.time()
+                self.mixed = failed is not None
         if failed is not None:
             raise failed
         seconds = time.perf_counter() - t0
@@ -451,7 +454,7 @@ class EngineStaging:
 
     def state(self, model, cmd: dict, group: TpGroup = TpGroup()) -> dict:
         with self._lock:
-            return {"live": self.live_version, "live_since": self.live_since,
+            return {"live": self.live_version, "live_since": self.live_since, "mixed": self.mixed,
                     "staged": None if self.area is None else self.area.summary(),
                     "receiving": None if self.receiving is None else self.receiving.version,
                     "last_stage_error": self.last_stage_error}
