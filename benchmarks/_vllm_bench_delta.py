@@ -99,11 +99,21 @@ def summarize(delta: dict, full_best_s: float, full_bytes: int) -> dict:
     w, p = best.get("worker") or {}, best.get("ps") or {}
     return {"density": delta["density"], "changed_fraction": best["changed_elements"] / max(delta["elements"], 1),
             "full": {"update_s": full_best_s, "with_map_s": delta["full_deltas_s"], "bytes": full_bytes,
+                     "with_map_worker": _map_figures(delta.get("full_deltas")),
                      "register_s": min(r["register_full_s"] for r in rounds)},
             "delta": {"update_s": best["update_s"], "register_s": min(r["register_base_s"] for r in rounds),
                       "payload_bytes": p.get("payload_bytes"), "apply_s": w.get("apply_s"),
                       "check_s": w.get("verify_s"), "reload_s": w.get("reload_s"),
                       "reloaded_layers": _count(w.get("reloaded_layers")), "scattered": w.get("scattered")}}
+
+
+def _map_figures(full: dict | None) -> dict:
+    """Of the first full update with deltas=True: the engine call's time and the worker's own parts (the
+    digests and host copies of what arrived, the map)."""
+    worker = (full or {}).get("worker") or {}
+    m = (worker.get("delta") or {}).get("map") or {}
+    return {"engine_s": worker.get("engine_s"), "digest_s": m.get("digest_s"), "host_copy_s": m.get("host_copy_s"),
+            "map_s": m.get("map_s")}
 
 
 def _count(x):
@@ -116,6 +126,11 @@ def format_delta(s: dict) -> str:
     f, d = s["full"], s["delta"]
     return (f"  delta at {s['density']:.4f} ({s['changed_fraction']:.4f} changed): register {ms(d['register_s'])} "
             f"(whole {ms(f['register_s'])}), update best {ms(d['update_s'])} (full {ms(f['update_s'])}, full with "
-            f"the map {ms(f['with_map_s'])}), payload {d['payload_bytes'] or 0:,} of {f['bytes']:,} bytes, worker "
+            f"the map {ms(f['with_map_s'])}: {_parts(f.get('with_map_worker') or {}, ms)}), payload {d['payload_bytes'] or 0:,} of {f['bytes']:,} bytes, worker "
             f"apply {ms(d['apply_s'])}, check {ms(d['check_s'])}, reload {ms(d['reload_s'])} "
             f"({d['reloaded_layers']} layers reloaded, {d['scattered']} tensors scattered)")
+
+
+def _parts(w: dict, ms) -> str:
+    return (f"engine call {ms(w.get('engine_s'))}, of it digests {ms(w.get('digest_s'))}, host copies "
+            f"{ms(w.get('host_copy_s'))}, map {ms(w.get('map_s'))}")

@@ -129,13 +129,19 @@ def receive_with_deltas(worker: Any, zmq_ctx, zmq_handle: str, index: int, *, ti
     kept: dict = {}
     received: dict[str, Digested] = {}   # a full update's tensors by their digests, taken where they arrived
     sessions: list[ReloadSession] = []   # begun by a full update's plan; a delta touches no layer before its reload
+    spent = {"digest_s": 0.0, "host_copy_s": 0.0}   # a full update's own costs, beside the engine's load
 
     def run(weights):   # a full update: loaded, and kept for the next delta
         for s in sessions:
             s.load(weights)
-        for (name, t), digest in zip(weights, lin64_many(t for _, t in weights)):
+        t0 = time.perf_counter()
+        digests = lin64_many(t for _, t in weights)
+        t1 = time.perf_counter()
+        for (name, t), digest in zip(weights, digests):
             received[name] = Digested(t.dtype, tuple(t.shape), digest)
             kept[name] = t.detach().to("cpu", copy=True)
+        spent["digest_s"] += t1 - t0
+        spent["host_copy_s"] += time.perf_counter() - t1
 
     def on_plan(tensors):
         if delta_of_plan(tensors) is not None:   # a delta: of the slicing the kept copy has
@@ -169,7 +175,7 @@ def receive_with_deltas(worker: Any, zmq_ctx, zmq_handle: str, index: int, *, ti
         worker._ckpt_delta_slices = sliced
         rx.kept = {n: t for n, t in kept.items() if m.keeps(n)}
         figures["map"] = dict(m.figures(), kept=len(rx.kept), kept_bytes=sum(t.nbytes for t in rx.kept.values()),
-                              map_s=time.perf_counter() - t0)
+                              map_s=time.perf_counter() - t0, **spent)
         log.info("ckpt deltas: %s", figures["map"])
     elif figures.get("delta"):
         figures.update(reloads.figures)

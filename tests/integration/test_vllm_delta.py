@@ -174,6 +174,8 @@ def test_each_delta_costs_what_changed_and_equals_a_cold_load(vllm_python, tmp_p
                 assert not staged or replies[0][0]["path"] == "delta"
                 if i == 0:
                     print(f"{case.id} A (full, {seconds:.2f} s): map {fig['map']}")
+                    # its own costs beside the engine's load: the digests and host copies of what arrived
+                    assert all(0 <= fig["map"][k] < seconds for k in ("digest_s", "host_copy_s", "map_s")), fig["map"]
                 else:
                     ps_fig = result["delta"]
                     changed = _changed(files[i - 1], path)
