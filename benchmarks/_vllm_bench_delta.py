@@ -77,8 +77,7 @@ def run_deltas(ps, files: list[str], density: float, repeats: int, send_update, 
     _write_version(directory, out_dir, per_file, save_file)
     elements = sum(t.numel() for t in current.values())
     return {"density": density, "full_deltas_s": full_deltas_s, "full_deltas": full_deltas, "rounds": rounds,
-            "dir": out_dir,
-            "version": prev, "elements": elements}
+            "dir": out_dir, "version": prev, "elements": elements}
 
 
 def _write_version(src: str, dst: str, per_file: dict, save_file) -> None:
@@ -126,7 +125,8 @@ def format_delta(s: dict) -> str:
     f, d = s["full"], s["delta"]
     return (f"  delta at {s['density']:.4f} ({s['changed_fraction']:.4f} changed): register {ms(d['register_s'])} "
             f"(whole {ms(f['register_s'])}), update best {ms(d['update_s'])} (full {ms(f['update_s'])}, full with "
-            f"the map {ms(f['with_map_s'])}: {_parts(f.get('with_map_worker') or {}, ms)}), payload {d['payload_bytes'] or 0:,} of {f['bytes']:,} bytes, worker "
+            f"the map {ms(f['with_map_s'])}: {_parts(f.get('with_map_worker') or {}, ms)}), payload "
+            f"{d['payload_bytes'] or 0:,} of {f['bytes']:,} bytes, worker "
             f"apply {ms(d['apply_s'])}, check {ms(d['check_s'])}, reload {ms(d['reload_s'])} "
             f"({d['reloaded_layers']} layers reloaded, {d['scattered']} tensors scattered)")
 

@@ -211,7 +211,9 @@ class VllmClient(Requester):
         phases.seconds = report.seconds
         t0 = time.perf_counter()
         # what a failure must undo: a pause (even one that failed half-way), an open weight update
-        undo = {"resume": False, "finish": path == "backend" and not start}   # begun by an earlier call
+        # (and "posted": /update_weights was posted, so vLLM's weight version must not keep the old name)
+        undo = {"resume": False, "finish": path == "backend" and not start,   # begun by an earlier call
+                "posted": False}
         try:
             if pause is not None and start:
                 undo["resume"] = True
@@ -231,7 +233,7 @@ class VllmClient(Requester):
             if undo["finish"]:   # vLLM's workers stay "in a weight update" until a finish: end it (the
                 # failed part was aborted on every worker; nothing is left to load)
                 self._cleanup(exc, "finish_weight_update", lambda: self._post("/finish_weight_update"))
-            if version is not None and (path == "extension" or undo.get("posted")):   # before generation resumes
+            if version is not None and (path == "extension" or undo["posted"]):   # before generation resumes
                 # the backend's routes do not say whether a layer was reloaded: once /update_weights was
                 # posted, a mix is assumed (docs/vllm.md: layers processed before a failure hold new weights)
                 self._cleanup(exc, "weight_version", lambda: self._mark_mixed(str(version), assume=path == "backend"))
