@@ -127,7 +127,7 @@ class _Engine:
             return tx.run(weights)
 
         t0, c0 = time.perf_counter(), time.thread_time()
-        with self.rx.update(run=run, post_hook=post_hook, version=version) as tx:
+        with self.rx.update(run=run, post_hook=post_hook, version=version, pipelined=True) as tx:
             update_weights_from_ipc(self.zmq_ctx, handles[self.key], self.index, run=counted, on_plan=tx.on_plan,
                                     post_hook=tx.post_hook, slices=self.slices)
         self.sync()

@@ -158,7 +158,7 @@ def receive_with_deltas(worker: Any, zmq_ctx, zmq_handle: str, index: int, *, ti
     rx.reload = reloads
     cb: Any = None   # the update's callbacks, once begun
     try:
-        with rx.update(run=run, post_hook=lambda: finish_sessions(sessions), version=version) as cb:
+        with rx.update(run=run, post_hook=lambda: finish_sessions(sessions), version=version, pipelined=True) as cb:
             _core_update_weights_from_ipc(zmq_ctx, zmq_handle, index, run=cb.run, on_plan=on_plan,
                                           post_hook=cb.post_hook, timeout=timeout,
                                           slices=None if replay is None else replay.route)

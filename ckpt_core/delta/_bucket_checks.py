@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import torch
 
+from ckpt_core.delta._kernels import to_device
 
-def peek_heads(raws: list[torch.Tensor], peek: int) -> list[bytes]:
+
+def peek_heads(raws: list[torch.Tensor], peek: int, aside: bool = False) -> list[bytes]:
     """The first ``peek`` bytes of each uint8 payload (b"" for another dtype or an empty one), read
-    back to the host together: one copy per device."""
+    back to the host together: one copy per device. ``aside``: on a CUDA device the copy runs on a
+    stream of its own and only it is waited for, not the work already queued on the current stream
+    (a pipelined delta's previous bucket, ``apply.py``); the payloads must not be written by that work."""
     out = [b""] * len(raws)
     by_device: dict[torch.device, list[int]] = {}
     for i, raw in enumerate(raws):
@@ -17,7 +21,8 @@ def peek_heads(raws: list[torch.Tensor], peek: int) -> list[bytes]:
             by_device.setdefault(raw.device, []).append(i)
     for idx in by_device.values():
         parts = [raws[i][:peek] for i in idx]
-        flat = torch.cat(parts).cpu().numpy().tobytes()
+        flat = (_read_aside(parts) if aside and parts[0].device.type == "cuda" else torch.cat(parts).cpu()) \
+            .numpy().tobytes()
         at = 0
         for i, part in zip(idx, parts):
             out[i] = flat[at: at + part.numel()]
@@ -25,10 +30,27 @@ def peek_heads(raws: list[torch.Tensor], peek: int) -> list[bytes]:
     return out
 
 
+_ASIDE: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _read_aside(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat(parts).cpu()`` on a side stream of the parts' CUDA device, waiting for that stream only."""
+    device = parts[0].device
+    stream = _ASIDE.get(device)
+    if stream is None:
+        stream = _ASIDE[device] = torch.cuda.Stream(device)
+    with torch.cuda.stream(stream):
+        flat = torch.cat(parts)
+        host = torch.empty(flat.numel(), dtype=torch.uint8, pin_memory=True)
+        host.copy_(flat, non_blocking=True)
+    stream.synchronize()
+    return host
+
+
 def _small(values: list[int], device: torch.device) -> torch.Tensor:
     """A small int64 tensor of host values on ``device``, copied without waiting for the device
     (a blocking host-to-device copy would synchronise the stream)."""
-    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+    return to_device(torch.tensor(values, dtype=torch.int64), device)
 
 
 def positions_bad(spans: list[tuple[torch.Tensor, int]]) -> torch.Tensor:

@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ckpt_core.checkpoint.safetensors import WIRE_DTYPES
-from ckpt_core.delta._kernels import _BLOCK, _cdiv, _failed, _spread, _table, byte_span, disjoint, kernels
+from ckpt_core.delta._kernels import _BLOCK, _cdiv, _failed, _spread, _table, byte_span, disjoint, kernels, to_device
 from ckpt_core.delta.encode import _align8, _bad, _parse_header, as_words, measure
-from ckpt_core.delta.lin64 import is_lin64, queue_many
+from ckpt_core.delta.lin64 import PREFIX, is_lin64, lin64_queue
 from ckpt_core.errors import CheckpointFormatError
 
 
@@ -66,7 +66,8 @@ def parse(index: int, name: str, raw: torch.Tensor, head: bytes, target: torch.T
         body_len, check = int(header["body"]), str(header["check"])
     except (CheckpointFormatError, KeyError, TypeError, ValueError):
         return None
-    if enc != "gap16" or code not in WIRE_DTYPES or not is_lin64(digest) or start + body_len != raw.numel():
+    if (enc != "gap16" or code not in WIRE_DTYPES or not is_lin64(digest) or not is_lin64(check)
+            or start + body_len != raw.numel()):
         return None
     dtype = WIRE_DTYPES[code]
     if target.dtype != dtype or tuple(target.shape) != shape:
@@ -106,7 +107,7 @@ class GapRoute:
             groups.setdefault(it.values.dtype, []).append(it)
         self.groups = [_Group(g, w) for w, g in groups.items()]
         self.bodies: list = []
-        self.flags: list[torch.Tensor] = []
+        self.go = torch.empty(0)   # set by queue_checks: 1 (int64, on the device) when every check passed
         self.swapped: list[tuple[_Group, torch.Tensor, torch.Tensor]] = []   # (group, old words, kept gaps)
 
     def drop_one(self) -> str | None:
@@ -121,13 +122,21 @@ class GapRoute:
     # -- checks --------------------------------------------------------------------
     def queue_checks(self) -> list:
         """The device values to read back with the bucket's other checks: each body's lin64 sum, then per group
-        a flag for positions out of range and one for a 0 gap past a list's first."""
-        self.bodies = queue_many([it.body for it in self.items])
-        out: list = [q.total for q in self.bodies]
+        a flag for positions out of range and one for a 0 gap past a list's first. ``go`` is their verdict,
+        computed on the device: ``swap`` writes nothing unless every check passed, read back or not."""
+        out: list = []
         try:
             with torch.cuda.device(self.device):
+                self.bodies = lin64_queue([it.body for it in self.items], engine="torch")   # one launch for the lot
+                out = [q.total for q in self.bodies]
                 for g in self.groups:
                     out.extend(self._queue_group(g))
+                want = [_signed(int(it.check[len(PREFIX):], 16) - q.tail) for it, q in zip(self.items, self.bodies)]
+                ok = (torch.stack(out[: len(self.items)]) == to_device(torch.tensor(want, dtype=torch.int64),
+                                                                      self.device)).all()
+                for flag in out[len(self.items):]:
+                    ok = ok & (flag == 0)
+                self.go = ok.to(torch.int64).reshape(1)
         except Exception as exc:   # a compile or launch failure (nothing written yet): the caller goes the
             _failed("the gap16 checks", exc)   # other way for this bucket, and kernels() says no from now on
             raise RouteFailed(str(exc)) from exc
@@ -187,8 +196,8 @@ class GapRoute:
                 kept = torch.empty(total, dtype=torch.uint16, device=self.device)
                 try:
                     self.k.gap_swap[(g.blk_t.numel(),)](g.table, len(g.items), g.blk_t, g.blk_i, g.base, old, kept,
-                                                        WORD=self.k.word[g.word], BLOCK=_BLOCK, STORE_OLD=True,
-                                                        KEEP=True)
+                                                        self.go, WORD=self.k.word[g.word], BLOCK=_BLOCK,
+                                                        STORE_OLD=True, KEEP=True)
                 except Exception as exc:   # a compile or launch failure: the update fails and is undone; the
                     _failed("the gap16 swap", exc)   # next ones take decode_many's route
                     raise
@@ -203,9 +212,15 @@ class GapRoute:
                 table[1] = kept.data_ptr() + 2 * table[4]
                 table[2] = old.data_ptr() + size * table[4]
                 self.k.gap_swap[(g.blk_t.numel(),)](table, len(g.items), g.blk_t, g.blk_i, g.base, old, kept,
-                                                    WORD=self.k.word[g.word], BLOCK=_BLOCK, STORE_OLD=False,
-                                                    KEEP=False)
+                                                    self.go, WORD=self.k.word[g.word], BLOCK=_BLOCK,
+                                                    STORE_OLD=False, KEEP=False)
         self.swapped.clear()
+
+
+def _signed(v: int) -> int:
+    """``v`` mod 2**64 as a signed int64 (the device's wrapping sums compare bit for bit)."""
+    v &= (1 << 64) - 1
+    return v - (1 << 64) if v >> 63 else v
 
 
 def _list_bad(it: Item) -> bool:

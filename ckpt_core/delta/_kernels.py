@@ -116,13 +116,15 @@ def _build() -> Any:
         tl.store(zeros_ptr + b, tl.sum(((g == 0) & (i > 0)).to(tl.int64), axis=0))
 
     @triton.jit
-    def gap_swap_kernel(table_ptr, n_tensors, blk_t_ptr, blk_i_ptr, base_ptr, old_ptr, keep_ptr,
+    def gap_swap_kernel(table_ptr, n_tensors, blk_t_ptr, blk_i_ptr, base_ptr, old_ptr, keep_ptr, go_ptr,
                         WORD: tl.constexpr, BLOCK: tl.constexpr, STORE_OLD: tl.constexpr, KEEP: tl.constexpr):
         # block b of tensor t: its positions are base[b] plus the running sum of its gaps (never written
         # out), where the old words are gathered (into old, STORE_OLD) and the new ones written from the
         # values (table rows: 0 target, 1 gaps, 2 values addresses, 3 count, 4 where t's items start in
         # old and keep); KEEP: the gaps copied into keep (the undo runs this kernel again from them, the
-        # old words as its values). Checked before (gap_sums_kernel): in range, no 0 gap past the first.
+        # old words as its values). Checked before (gap_sums_kernel): in range, no 0 gap past the first;
+        # go[0] (int64, on the device) says so: where it is 0 nothing is read or written at all, so a
+        # bucket whose checks were not read back yet cannot write out of range or twice to one word.
         b = tl.program_id(0)
         t = tl.load(blk_t_ptr + b)
         col = table_ptr + t
@@ -132,7 +134,7 @@ def _build() -> Any:
         n = tl.load(col + 3 * n_tensors)
         at = tl.load(col + 4 * n_tensors)
         i = tl.load(blk_i_ptr + b) + tl.arange(0, BLOCK)
-        m = i < n
+        m = i < n * (tl.load(go_ptr) != 0).to(tl.int64)   # no element where the checks failed
         g = tl.load(gaps + i, mask=m, other=0)
         pos = tl.cumsum(g.to(tl.int64), axis=0) + tl.load(base_ptr + b)
         v = tl.load(values + i, mask=m)
@@ -226,8 +228,17 @@ def _swappable(words: torch.Tensor, positions: torch.Tensor, values: torch.Tenso
 
 def _table(columns: list[list[int]], device: torch.device) -> torch.Tensor:
     """Host integers as an int64 device tensor ``[len(columns), len(columns[0])]``: each column of the
-    table a contiguous row (no wait: the copy from host memory returns once the bytes are staged)."""
-    return torch.tensor(columns, dtype=torch.int64).to(device, non_blocking=True)
+    table a contiguous row (``to_device``: the host never waits for the device's queued work)."""
+    return to_device(torch.tensor(columns, dtype=torch.int64), device)
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor copied to ``device`` without the host waiting for the work queued there: on a
+    CUDA device from page-locked memory (a copy from pageable memory may wait for the stream; the pinned
+    block is kept until the copy ran by torch's host allocator), elsewhere a plain copy."""
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
 
 
 def _spread(counts: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -49,11 +49,12 @@ from ckpt_core.delta._gap_route import GapRoute, RouteFailed
 from ckpt_core.delta._gap_route import take as take_gaps
 from ckpt_core.delta._kernels import byte_span, disjoint, kernels, scatter_swap_many
 from ckpt_core.delta.encode import Decoded, apply_decoded, as_words, decode_many_with, peek_payloads, undo_decoded
-from ckpt_core.delta.lin64 import lin64_many
+from ckpt_core.delta.lin64 import ReadLater, lin64_many, lin64_queue
 from ckpt_core.delta.pieces import PIECE, parse_piece_name
 from ckpt_core.delta.sliced import BOX, parse_box_name, region_of
 from ckpt_core.delta.versions import MANIFEST, PAYLOAD, parse_manifest_name
 from ckpt_core.errors import CheckpointFormatError, DeltaBaseError
+from ckpt_core.wire.worker import Unfinished
 
 Weights = list[tuple[str, torch.Tensor]]
 # (checkpoint dtype, live dtype) a scatter may cast between: exact both ways, so the live tensor cast
@@ -178,11 +179,20 @@ class DeltaReceiver:
         self.kept[name] = tensor.detach().to("cpu", copy=True)
 
     @contextmanager
-    def update(self, *, run: Callable[[Weights], object], on_plan=None, post_hook=None, version: str | None = None):
-        """The callbacks of one update (``cb.run``, ``cb.on_plan``, ``cb.post_hook``); see the module doc."""
-        tx = _Update(self, run, on_plan, post_hook)
+    def update(self, *, run: Callable[[Weights], object], on_plan=None, post_hook=None, version: str | None = None,
+               pipelined: bool = False):
+        """The callbacks of one update (``cb.run``, ``cb.on_plan``, ``cb.post_hook``); see the module doc.
+
+        ``pipelined``: ``cb.run`` may return a bucket's apply unfinished (``wire.worker.Unfinished``: only
+        for a caller that finishes it, as ``update_weights_from_ipc``'s receive loop does) where every
+        payload of the bucket takes the gap16 route (``_gap_route.py``): its checks, writes and post-apply
+        digests are queued on the device, the writes guarded there by the checks' verdict, and read back
+        once the next bucket's are queued. What is left unfinished is finished by the post hook and before
+        the update ends, whoever calls it."""
+        tx = _Update(self, run, on_plan, post_hook, pipelined)
         try:
             yield tx
+            tx.finish_pending()
         except BaseException:
             tx.undo()
             raise
@@ -190,8 +200,10 @@ class DeltaReceiver:
 
 
 class _Update:
-    def __init__(self, rx: DeltaReceiver, run, on_plan, post_hook):
+    def __init__(self, rx: DeltaReceiver, run, on_plan, post_hook, pipelined: bool = False):
         self.rx, self.engine_run, self.engine_on_plan, self.engine_post_hook = rx, run, on_plan, post_hook
+        self.pipelined = pipelined
+        self.unfinished: list[Unfinished] = []   # buckets returned unfinished (pipelined), in order
         self.delta: tuple[str, str] | None = None
         self.undo_log: list = []   # (target, decoded, old values, saved copy) per scatter, or a GapRoute
         self.rebuilt: dict[str, torch.Tensor] = {}   # tensor -> its new full bytes handed to reload
@@ -220,7 +232,13 @@ class _Update:
             return self.engine_run(weights)
         return self._apply(weights)
 
+    def finish_pending(self) -> None:
+        """Finish every bucket still unfinished (each once; one that failed raises again)."""
+        for u in self.unfinished:
+            u.finish()
+
     def post_hook(self):
+        self.finish_pending()   # the receive loop finished them; anyone else's caller may not have
         if self.delta is not None and self.rx.defer_reload:
             weights = list(self.rebuilt.items()) + self._unchanged_companions()
             if weights:
@@ -249,18 +267,23 @@ class _Update:
         return out
 
     # -- delta ------------------------------------------------------------------------
-    def _apply(self, weights: Weights) -> None:
+    def _apply(self, weights: Weights) -> Unfinished | None:
         t0 = time.perf_counter()
         checks: list[tuple[str, torch.Tensor, str, torch.dtype]] = []
         reloads: dict[str, torch.Tensor] = {}
         later: list[tuple[str, torch.Tensor, Decoded]] = []   # scatters for the bucket's one kernel
         named = [(_target_name(n), p) for n, p in weights if not n.startswith(MANIFEST)]
         raws = [p.reshape(-1) for _, p in named]
-        heads = peek_payloads(raws)
+        heads = peek_payloads(raws, aside=self.pipelined)   # pipelined: the previous bucket's work is not waited for
         # gap16 deltas of live tensors on a GPU: two kernels for the lot (_gap_route.py); the rest decoded here
         route, rest = take_gaps([t for t, _ in named], raws, heads, self.rx.live)
         if route is not None and not self.dropped and delta_drop_one() and route.drop_one() is not None:
             self.dropped = True
+        if route is not None and not rest and self.pipelined:
+            queued_bucket = self._apply_queued(route, t0)
+            if queued_bucket is not None:
+                return queued_bucket
+            route, rest = None, list(range(len(named)))   # the route's kernels failed: nothing was written
         queued = []
         if route is not None:
             try:
@@ -317,6 +340,44 @@ class _Update:
             self.figures["reloaded"] = len(self.rebuilt)   # tensors (a tensor's pieces may come in several buckets)
             if not self.rx.defer_reload:
                 self.rx.reload(list(reloads.items()))
+        return None
+
+    def _apply_queued(self, route: GapRoute, t0: float) -> Unfinished | None:
+        """A bucket wholly of the gap16 route, queued and left unfinished (``pipelined``): its checks, its
+        guarded swap (nothing written on the device unless every check passed) and its post-apply digests,
+        read back by ``finish``. None when the route's checks could not be launched (nothing was written)."""
+        try:
+            checks = route.queue_checks()
+        except RouteFailed:
+            return None
+        route.swap()
+        self.undo_log.append(route)   # its undo is guarded the same way: nothing to put back where nothing was written
+        post = lin64_queue([it.target for it in route.items], engine="torch")
+        ready = ReadLater(checks + [q.total for q in post])
+        for it in route.items:
+            self.figures["payload_bytes"] += it.payload_bytes
+            self.figures["elements"] += it.count
+            self.figures["scattered"] += 1
+            self.figures["scattered_tensors"].append(it.name)
+        self.figures["apply_s"] += time.perf_counter() - t0
+
+        def finish() -> None:
+            t1 = time.perf_counter()
+            try:
+                got = ready.wait()
+                route.raise_bad(got[: len(checks)])
+                for it, q, value in zip(route.items, post, got[len(checks):]):
+                    have = q.digest(value)
+                    if have != it.digest:
+                        raise CheckpointFormatError(f"after the delta's apply the tensor's bytes do not match the "
+                                                    f"version's digest ({have} != {it.digest}); the update is undone",
+                                                    tensor=it.name)
+            finally:
+                self.figures["verify_s"] += time.perf_counter() - t1
+
+        out = Unfinished(finish)
+        self.unfinished.append(out)
+        return out
 
     def _scatter(self, name: str, target: torch.Tensor, d: Decoded, shown: str | None = None) -> None:
         """``d`` written into ``target``; ``shown``: the payload as errors name it (a box's), ``name`` the tensor."""

@@ -325,9 +325,10 @@ def decode_many(payloads) -> list[Decoded]:
     return decode_many_with(payloads)[0]
 
 
-def peek_payloads(raws: list[torch.Tensor]) -> list[bytes]:
-    """The first bytes of each flat payload (its header, mostly), read back together (``decode_many_with``)."""
-    return peek_heads(raws, _PEEK)
+def peek_payloads(raws: list[torch.Tensor], aside: bool = False) -> list[bytes]:
+    """The first bytes of each flat payload (its header, mostly), read back together (``decode_many_with``);
+    ``aside``: without waiting for the work queued on the current stream (``_bucket_checks.peek_heads``)."""
+    return peek_heads(raws, _PEEK, aside)
 
 
 def decode_many_with(payloads, heads: list[bytes] | None = None, extra=()) -> tuple[list[Decoded], list[int]]:

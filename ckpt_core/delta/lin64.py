@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from ckpt_core._settings import delta_threads
-from ckpt_core.delta._kernels import kernels, lin64_rows, lin64_rows_many
+from ckpt_core.delta._kernels import kernels, lin64_rows, lin64_rows_many, to_device
 from ckpt_core.errors import CheckpointFormatError
 
 PREFIX = "lin64:"
@@ -140,6 +140,14 @@ def lin64_many(tensors, *, engine: str | None = None) -> list[str]:
     one host synchronisation per device rather than one per tensor (a delta's bucket on a GPU), and
     on a device the tensors' row sums are combined together (a few kernels per bucket, not two per
     tensor). ``tensors`` may be a generator: each is let go once its digest is queued."""
+    queued = lin64_queue(tensors, engine=engine)
+    return [q.digest(v) for q, v in zip(queued, read_ints([q.total for q in queued]))]
+
+
+def lin64_queue(tensors, *, engine: str | None = None) -> list[Queued]:
+    """``lin64_many`` without the read-back: each tensor's ``Queued`` sum (a 0-d int64 tensor on its device,
+    still being computed there, or a host int), for a caller that reads many values back at once or
+    compares them on the device."""
     queued: list[Queued] = []
     rows: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}   # device -> (index, its row sums)
     batch: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}  # device -> (index, its words): one kernel
@@ -167,7 +175,7 @@ def lin64_many(tensors, *, engine: str | None = None) -> list[str]:
         totals = _segment_sums(torch.cat(inner), [r.numel() for r in inner], lambda j: b[j])
         for (i, _), total in zip(group, totals):
             queued[i].total = total
-    return [q.digest(v) for q, v in zip(queued, read_ints([q.total for q in queued]))]
+    return queued
 
 
 def _rows_batched(batch: dict[torch.device, list[tuple[int, torch.Tensor]]],
@@ -250,7 +258,7 @@ def _segment_sums(values: torch.Tensor, counts: list[int], coef) -> list[torch.T
     ends = [0]
     for c in counts:
         ends.append(ends[-1] + c)
-    at = torch.tensor(ends, dtype=torch.int64).to(device, non_blocking=True)   # a blocking copy would sync
+    at = to_device(torch.tensor(ends, dtype=torch.int64), device)   # a blocking copy would sync
     running = values.new_zeros(total + 1)
     if total:
         # each value's segment start, as a running sum of the segments' lengths added where each next one
@@ -276,6 +284,33 @@ def read_ints(values) -> list[int]:
         for i, value in zip(idx, got):
             out[i] = value
     return out
+
+
+class ReadLater:
+    """Integer ``values`` (0-d integer tensors on one device, or host ints) copied to the host without the
+    host waiting: on a CUDA device into page-locked memory behind an event, so that ``wait()`` waits for the
+    work queued before them and not for what is queued after (a pipelined delta's next bucket)."""
+
+    def __init__(self, values):
+        self.ints: list[int | None] = [v if isinstance(v, int) else None for v in values]
+        tensors = [v.to(torch.int64).reshape(()) for v in values if not isinstance(v, int)]
+        self.event: torch.cuda.Event | None = None
+        self.host: torch.Tensor | None = None
+        if tensors:
+            stacked = torch.stack(tensors)
+            if stacked.device.type == "cuda":
+                self.host = torch.empty(len(tensors), dtype=torch.int64, pin_memory=True)
+                self.host.copy_(stacked, non_blocking=True)
+                self.event = torch.cuda.Event()
+                self.event.record(torch.cuda.current_stream(stacked.device))
+            else:
+                self.host = stacked.cpu()
+
+    def wait(self) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()
+        got = iter(self.host.tolist() if self.host is not None else [])
+        return [next(got) if v is None else v for v in self.ints]
 
 
 def is_lin64(digest: object) -> bool:
@@ -418,5 +453,5 @@ def _last_word(data: np.ndarray, a: np.ndarray, b: np.ndarray) -> int:
     return int.from_bytes(data[8 * m:].tobytes(), "little") * int(a[m % ROW]) * int(b[m // ROW])
 
 
-__all__ = ["PREFIX", "ROW", "CHUNK", "HostDigest", "Queued", "lin64", "lin64_many", "queue", "queue_many", "read_ints",
-           "is_lin64", "lin64_host", "raw_of", "mix_int"]
+__all__ = ["PREFIX", "ROW", "CHUNK", "HostDigest", "Queued", "lin64", "lin64_many", "lin64_queue", "queue",
+           "queue_many", "read_ints", "ReadLater", "is_lin64", "lin64_host", "raw_of", "mix_int"]

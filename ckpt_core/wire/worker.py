@@ -33,13 +33,37 @@ from ckpt_core.wire import protocol as proto
 from ckpt_core.wire.link import CLOSE_LINGER_MS, ENDPOINT_CHECK_S, PeerWatch
 from ckpt_core.wire.views import Views
 
-__all__ = ["update_weights_from_ipc"]
+__all__ = ["Unfinished", "update_weights_from_ipc"]
 
 DEFAULT_TIMEOUT_S = 600.0
 SEND_WAIT_S = 5.0   # longest a send waits for the connection (it is normally writable at once)
 STOP_POLL_S = 0.2   # with should_stop: how often a wait for the parameter server asks it
 LAST_FRAMES_S = 0.2   # a PS found gone by its socket table: how long what it sent before it left may take to arrive
 RunFn = Callable[[list[tuple[str, torch.Tensor]]], Any]
+
+
+class Unfinished:
+    """What ``run`` may return for a bucket whose work it queued on the device without waiting for it (a
+    pipelined delta's apply and checks, ``delta/apply.py``): the receive loop calls the next bucket's ``run``
+    first, then ``finish()`` (which waits for this bucket's own work, reads its checks back and raises if one
+    failed), and only then reports this bucket done, so the PS reuses its slot once nothing reads it any more.
+    The host's work on the next bucket overlaps the device's on this one. The last bucket is finished at once.
+    ``finish()`` runs the given callable once; a later call raises what the first raised, or returns."""
+
+    def __init__(self, finish: Callable[[], None]):
+        self._finish: Callable[[], None] | None = finish
+        self._error: BaseException | None = None
+
+    def finish(self) -> None:
+        fn, self._finish = self._finish, None
+        if fn is not None:
+            try:
+                fn()
+            except BaseException as exc:
+                self._error = exc
+                raise
+        elif self._error is not None:
+            raise self._error
 
 # Buffers stay mapped between updates when the PS keeps its buffer (cheap next update).
 _mapped: dict[str, tuple[torch.Tensor, Any]] = {}
@@ -340,18 +364,31 @@ def _receive_buckets(link: _Link, hello: proto.Hello, buf, backend, device_id: i
     Returns the exception to raise (None on success, leaving ``end`` to be read).
     """
     views = Views(buf)   # batched views of each bucket (wire/views.py)
+    last = len(hello.buckets) - 1
+    held: tuple[int, Unfinished] | None = None   # a bucket ``run`` left unfinished: done once finished
     for expected in range(len(hello.buckets)):
         msg = link.recv(("bucket", "abort"))
         if msg["kind"] == "abort":
             return RemoteWorkerError(f"update aborted by the parameter server: {msg.get('reason', '')}")
+        failing = expected
         try:
             index, slot = proto.parse_bucket(msg, hello)
             if index != expected:
                 raise ProtocolError(f"bucket {index} arrived where bucket {expected} was due")
-            run(views.bucket(slot * hello.slot_bytes, hello.buckets[index], hello.views[index]))
+            out = run(views.bucket(slot * hello.slot_bytes, hello.buckets[index], hello.views[index]))
+            if held is not None:   # the previous bucket: its work was queued before this one's
+                failing = held[0]
+                held[1].finish()
+                link.send("done", index=held[0])
+                failing, held = expected, None
+            if isinstance(out, Unfinished):
+                if expected < last:
+                    held = (index, out)
+                    continue
+                out.finish()
             backend.synchronize(device_id)
         except Exception as exc:  # the engine's loader failed, or the frame was bad
-            link.report(expected, traceback.format_exc())
+            link.report(failing, traceback.format_exc())
             return _drain_until_abort(link, exc)
         link.send("done", index=index)
     return None

@@ -228,3 +228,60 @@ def test_a_tied_name_in_a_bucket_is_written_apart_from_the_launch_and_undone_to_
         cb.undo_log.clear()
     for k in bases:
         assert torch.equal(as_words(live[k].cpu()), as_words(bases[k])), k
+
+
+@pytest.mark.parametrize("bad", [None, "body", "past the end"])
+def test_pipelined_buckets_of_gap16_deltas_overlap_and_a_bad_one_writes_nothing(bad, monkeypatch):
+    """``DeltaReceiver.update(pipelined=True)`` on CUDA (the default ``gaps``): each bucket's run() returns it
+    unfinished, the next bucket's headers are read on a side stream while the previous bucket's kernels may
+    still run, and each finish reads its checks and digests back behind an event. Two buckets of 2 % deltas of
+    1M-element tensors: finished, the live tensors equal the new version. A corrupted body or a list past the
+    tensor's end in the second bucket: its tensors are not written at all (the device-side guard), its finish
+    names the tensor, and the update's undo gives the base back byte for byte."""
+    from ckpt_core.delta.apply import DeltaReceiver
+    from ckpt_core.delta.encode import encode_tensor, read_header
+    from ckpt_core.delta.versions import PAYLOAD
+    from ckpt_core.errors import CheckpointFormatError
+    from ckpt_core.wire.worker import Unfinished
+
+    monkeypatch.setenv("CKPT_DELTA_TRITON", "gaps")
+    gen = torch.Generator().manual_seed(44)
+    bases, news = {}, {}
+    for i, n in enumerate([1 << 20, 999_983, 1 << 19, 1 << 20]):
+        base = torch.randn(n, generator=gen).to(torch.bfloat16)
+        new = base.clone()
+        as_words(new)[torch.randperm(n, generator=gen)[: n // 50].sort().values] ^= 3
+        bases[f"t{i}"], news[f"t{i}"] = base, new
+    own = {k: encode_tensor(news[k], bases[k], force="gap16")[0] for k in bases}
+    if bad == "body":
+        own["t3"] = own["t3"].clone()
+        own["t3"][-5] ^= 0x20
+    elif bad == "past the end":   # the last gap raised past the tensor's end, the body's check made to match
+        from ckpt_core.delta import encode as enc
+        header, start = read_header(own["t3"])
+        body = own["t3"][start:].clone().numpy()
+        body[: 2 * header["count"]].view("<u2")[-1] = 65535
+        own["t3"] = enc._payload({k: v for k, v in header.items() if k not in ("body", "check")}, body)
+    buckets = [_packed([(PAYLOAD + k, own[k]) for k in ("t0", "t1")]),
+               _packed([(PAYLOAD + k, own[k]) for k in ("t2", "t3")])]
+    live = {k: v.cuda() for k, v in bases.items()}
+    rx = DeltaReceiver(live=live.get, held="A")
+    try:
+        with rx.update(run=None, version="B", pipelined=True) as cb:
+            cb.delta, cb.ran = ("A", "B"), True
+            outs = [cb.run(b) for b in buckets]
+            assert all(isinstance(o, Unfinished) for o in outs)
+            torch.cuda.synchronize()
+            written = {k for k in bases if not torch.equal(as_words(live[k].cpu()), as_words(bases[k]))}
+            for o in outs:
+                o.finish()
+    except CheckpointFormatError as exc:
+        assert bad is not None and "t3" in str(exc), exc
+        assert written == {"t0", "t1"}, written
+        for k in bases:
+            assert torch.equal(as_words(live[k].cpu()), as_words(bases[k])), k
+        assert rx.held == "A"
+        return
+    assert bad is None and rx.held == "B" and written == set(bases)
+    for k in bases:
+        assert torch.equal(as_words(live[k].cpu()), as_words(news[k])), k

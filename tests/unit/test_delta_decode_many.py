@@ -202,7 +202,7 @@ def test_a_bucket_s_whole_apply_reads_back_three_times_whatever_its_tensor_count
     reads, inside = _count_read_backs(monkeypatch, lin, enc)
     peeks = []
     real_peek = enc.peek_heads
-    monkeypatch.setattr(enc, "peek_heads", lambda raws, n: peeks.append(len(raws)) or real_peek(raws, n))
+    monkeypatch.setattr(enc, "peek_heads", lambda raws, n, aside=False: peeks.append(len(raws)) or real_peek(raws, n, aside))
     for n in (3, 17):
         pairs = {f"t{i}": _pair(2000 + 50 * i, 0.03, i) for i in range(n)}
         weights = [(manifest_name("A", "B", 0, 1), torch.zeros(1, dtype=torch.uint8))]

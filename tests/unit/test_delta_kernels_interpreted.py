@@ -27,7 +27,7 @@ from ckpt_core.delta.encode import as_words, encode_tensor
 from ckpt_core.delta.lin64 import ROW, lin64, lin64_many
 from ckpt_core.delta.versions import PAYLOAD
 
-CHECKS = ["row_sums", "lin64_many", "swap", "receiver", "gap_route"]
+CHECKS = ["row_sums", "lin64_many", "swap", "receiver", "gap_route", "pipelined"]
 REPO = Path(__file__).resolve().parents[2]
 _REAL = {name: getattr(_kernels, name) for name in ("lin64_rows_many", "scatter_swap_many")}
 
@@ -237,6 +237,86 @@ def _gap_route_checks(_gap_route):
         bad = payloads[:-1] + [(PAYLOAD + "big", _gap_payload(news["big"], bases["big"], edit))]
         exc = apply(bad)
         assert exc is not None and "strictly increasing" in str(exc) and "big" in str(exc), (edit, exc)
+
+
+def check_pipelined(interpreted):
+    """A delta's buckets wholly of the gap16 route, pipelined (``DeltaReceiver.update(pipelined=True)``): run()
+    returns each bucket unfinished, its writes already queued and guarded on the device by its checks' verdict.
+    Finished, the live tensors equal the new version and the worker holds it. A corrupted body, a list past the
+    tensor's end or a 0 gap writes nothing at all (the live tensors are the base's before anything was read
+    back), and its finish names the tensor; a dropped element fails the post-apply digest; a bucket nobody
+    finished is finished when the update ends; every failure leaves the base, byte for byte."""
+    from ckpt_core.delta import _gap_route
+    from ckpt_core.errors import CheckpointFormatError
+    from ckpt_core.wire.worker import Unfinished
+    built = _kernels._build()
+    real, _gap_route.kernels = _gap_route.kernels, lambda device, use="check": built
+    try:
+        _pipelined_checks(CheckpointFormatError, Unfinished)
+    finally:
+        _gap_route.kernels = real
+
+
+def _pipelined_checks(CheckpointFormatError, Unfinished):
+    bases, news = mixed_delta_bucket()
+    gen = torch.Generator().manual_seed(6)
+    big = torch.randn(9000, generator=gen).to(torch.bfloat16)
+    new = big.clone()
+    as_words(new)[torch.randperm(9000, generator=gen)[:2600].sort().values] ^= 3   # 3 blocks of gaps
+    bases["big"], news["big"] = big, new
+    good = {k: (PAYLOAD + k, _gap_payload(news[k], bases[k])) for k in bases}
+    first, second = ["w0", "w1", "w2"], ["w3", "big"]
+
+    def run(buckets, finish=True, drop=False):
+        """The buckets through one pipelined update; returns its error (None: committed) and the live tensors."""
+        live = {k: v.clone() for k, v in bases.items()}
+        rx = apply_mod.DeltaReceiver(live=live.get, held="A")
+        os.environ["CKPT_TEST_DELTA_DROP_ONE"] = "1" if drop else ""
+        try:
+            with rx.update(run=None, version="B", pipelined=True) as cb:
+                cb.delta, cb.ran = ("A", "B"), True
+                outs = []
+                for bucket in buckets:
+                    out = cb.run(bucket)
+                    assert isinstance(out, Unfinished), "a bucket wholly of the gap16 route is left unfinished"
+                    outs.append(out)
+                written = {k for k in live if not torch.equal(as_words(live[k]), as_words(bases[k]))}
+                if finish:
+                    for out in outs:
+                        out.finish()
+        except CheckpointFormatError as exc:
+            for k in bases:   # undone, or never written
+                assert torch.equal(as_words(live[k]), as_words(bases[k])), k
+            assert rx.held == "A"
+            return exc, written
+        finally:
+            os.environ.pop("CKPT_TEST_DELTA_DROP_ONE", None)
+        for k in bases:
+            assert torch.equal(as_words(live[k]), as_words(news[k])), k
+        assert rx.held == "B" and rx.last["scattered"] == len(bases)
+        return None, written
+
+    exc, written = run([[good[k] for k in first], [good[k] for k in second]])
+    assert exc is None and written == set(bases)
+    exc, written = run([[good[k] for k in first], [good[k] for k in second]], finish=False)   # finished at the end
+    assert exc is None
+
+    def zero(g):
+        g[5] = 0
+
+    def past_end(g):
+        g[-1] = g[-1] + 9000
+    corrupt = good["big"][1].clone()
+    corrupt[-1] ^= 0x10   # a value byte of "big": its body's check fails
+    bad = {"body's check": corrupt, "strictly increasing": _gap_payload(news["big"], bases["big"], zero),
+           "strictly increasing ": _gap_payload(news["big"], bases["big"], past_end)}
+    for why, payload in bad.items():
+        for finish in (True, False):
+            exc, written = run([[good[k] for k in first], [good["w3"], (PAYLOAD + "big", payload)]], finish=finish)
+            assert exc is not None and why.strip() in str(exc) and "big" in str(exc), (why, exc)
+            assert written == set(first), (why, written)   # the bad bucket's guard held: w3 and big untouched
+    exc, written = run([[good[k] for k in first], [good[k] for k in second]], drop=True)
+    assert exc is not None and "do not match the version's digest" in str(exc), exc
 
 
 if __name__ == "__main__":   # the checks named, in a process started with TRITON_INTERPRET=1

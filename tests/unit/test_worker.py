@@ -333,6 +333,84 @@ def test_an_abort_after_a_bucket_is_a_remote_worker_error_with_the_reason(ps):
     assert len(w.calls) == 1 and w.hooked == 0
 
 
+def _unfinished_worker(ps: FakePs, events: list[str], fail: int | None = None) -> dict:
+    """A worker whose run() leaves each bucket unfinished (``_worker.Unfinished``): runs and finishes recorded in
+    ``events``; the finish of bucket ``fail`` raises."""
+    out: dict = {}
+
+    def run(weights):
+        i = sum(e.startswith("run") for e in events)
+        events.append(f"run {i}")
+
+        def finish():
+            events.append(f"finish {i}")
+            if i == fail:
+                raise ValueError(f"bucket {i} failed its checks once read back")
+        return _worker.Unfinished(finish)
+
+    def main():
+        try:
+            update_weights_from_ipc(zmq.Context.instance(), ps.handle, 0, run=run, timeout=10.0)
+        except BaseException as exc:   # noqa: BLE001 - recorded for the test
+            out["error"] = exc
+    out["thread"] = threading.Thread(target=main, daemon=True)
+    out["thread"].start()
+    ps.send("hello", **ps.hello())
+    assert ps.recv()["kind"] == "ready"
+    return out
+
+
+def test_a_bucket_left_unfinished_is_done_only_after_the_next_bucket_ran_and_it_finished(ps):
+    """The pipelined receive loop: bucket 0's done waits for bucket 1's run (its host work overlaps bucket 0's
+    device work) and for bucket 0's finish; the last bucket is finished at once."""
+    events: list[str] = []
+    w = _unfinished_worker(ps, events)
+    ps.send("bucket", index=0, slot=0)
+    assert not ps.sock.poll(300), "bucket 0 reported done before the next bucket ran"
+    assert events == ["run 0"]
+    ps.send("bucket", index=1, slot=1)
+    assert [ps.recv()["index"] for _ in range(2)] == [0, 1]
+    assert events == ["run 0", "run 1", "finish 0", "finish 1"]
+    ps.send("end", keep_buffer=False)
+    assert ps.recv()["kind"] == "finished"
+    w["thread"].join(10)
+    assert "error" not in w
+
+
+@pytest.mark.parametrize("fail", [0, 1])
+def test_an_unfinished_bucket_whose_finish_raises_is_reported_under_its_own_index(ps, fail):
+    events: list[str] = []
+    w = _unfinished_worker(ps, events, fail=fail)
+    for i in range(2):
+        ps.send("bucket", index=i, slot=i)
+    answers = [ps.recv()]
+    if fail == 1:
+        answers.append(ps.recv())
+    assert [a["kind"] for a in answers] == ["done"] * fail + ["error"]
+    assert answers[-1]["index"] == fail and f"bucket {fail} failed its checks" in answers[-1]["traceback"]
+    ps.send("abort", reason="rank 0: engine worker failed")
+    w["thread"].join(10)
+    assert isinstance(w["error"], ValueError) and f"bucket {fail}" in str(w["error"])
+    assert events == ["run 0", "run 1", "finish 0"] + (["finish 1"] if fail == 1 else [])
+
+
+def test_unfinished_finishes_once_and_a_failure_is_raised_again():
+    calls = []
+
+    def boom():
+        calls.append(1)
+        raise ValueError("bad")
+    u = _worker.Unfinished(boom)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="bad"):
+            u.finish()
+    assert calls == [1]
+    ok = _worker.Unfinished(lambda: calls.append(2))
+    ok.finish()
+    ok.finish()
+    assert calls == [1, 2]
+
+
 @pytest.mark.parametrize("bucket", [0, 1])
 def test_run_raising_is_answered_with_its_traceback_and_reraised_after_the_abort(ps, bucket):
     def run(i):
