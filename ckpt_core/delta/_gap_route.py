@@ -9,10 +9,14 @@ deltas of live, contiguous tensors go another way, two launches for the lot:
 1. ``gap_sums``: per block of 1,024 gaps of one list, their sum and how many are 0 past the list's first.
    A cumsum over the block sums gives each block's first position (``base``) and each list's last one:
    a list lies in range and rises strictly when its last position is below the tensor's size and no gap
-   past its first is 0. These flags and the bodies' ``lin64`` checks are read back with the rest of the
-   bucket's checks (``encode.decode_many_with``): nothing is written before every payload passed.
+   past its first is 0. These flags and the bodies' ``lin64`` checks (lin64's batched row kernel) are
+   compared on the device into one verdict, ``go``; they are also read back with the rest of the bucket's
+   checks (``encode.decode_many_with``), or, for a pipelined bucket (``apply.py``), with its post-apply
+   digests once the next bucket was queued.
 2. ``gap_swap``: per block, the running sum of its gaps plus ``base`` gives the positions in registers;
-   the old words are gathered (for the undo), the new ones written, and the gaps copied aside.
+   the old words are gathered (for the undo), the new ones written, and the gaps copied aside. It reads
+   ``go`` first: where a check failed it reads and writes nothing, so nothing is written out of range or
+   twice to one word, whether or not the checks were read back before it was launched.
 
 The undo runs ``gap_swap`` again from the copied gaps with the old words as its values. What the engine
 then holds is checked as on every route (``apply._verify``: each tensor's digest).
@@ -29,7 +33,7 @@ import torch
 
 from ckpt_core.checkpoint.safetensors import WIRE_DTYPES
 from ckpt_core.delta._kernels import _BLOCK, _cdiv, _failed, _spread, _table, byte_span, disjoint, kernels, to_device
-from ckpt_core.delta.encode import _align8, _bad, _parse_header, as_words, measure
+from ckpt_core.delta.encode import _align8, _bad, _parse_header, measure
 from ckpt_core.delta.lin64 import PREFIX, is_lin64, lin64_queue
 from ckpt_core.errors import CheckpointFormatError
 
@@ -47,11 +51,17 @@ class Item:
     body: torch.Tensor    # the payload's body (its lin64 check)
     check: str
     digest: str           # lin64 of the new tensor's bytes
-    gaps: torch.Tensor    # uint8 view of the gaps
-    values: torch.Tensor  # the changed words
+    gaps_at: int          # the gaps' device address (count uint16, first in the body)
+    values_at: int        # the changed words' device address
+    word: torch.dtype     # the integer dtype of the target's item size
     count: int
     numel: int
     payload_bytes: int
+
+    @property
+    def gaps(self) -> torch.Tensor:
+        """The gaps as uint8 (a view of the body; the slow path of a refused bucket only)."""
+        return self.body[: 2 * self.count]
 
 
 def parse(index: int, name: str, raw: torch.Tensor, head: bytes, target: torch.Tensor | None) -> Item | None:
@@ -73,15 +83,17 @@ def parse(index: int, name: str, raw: torch.Tensor, head: bytes, target: torch.T
     if target.dtype != dtype or tuple(target.shape) != shape:
         return None
     numel, size = target.numel(), target.element_size()
-    if not 0 < count <= numel or size not in (1, 2, 4, 8) or measure(numel, size, count, 0).gap16 != body_len:
+    if not 0 < count <= numel or size not in _WORD or measure(numel, size, count, 0).gap16 != body_len:
         return None
     body = raw[start:]
-    values_at = body_len - _align8(count * size)
-    gaps, values = body[: count * 2], body[values_at: values_at + count * size]
-    if gaps.data_ptr() % 2 or values.data_ptr() % size:
+    at = body.data_ptr()
+    values_at = at + body_len - _align8(count * size)
+    if at % 2 or values_at % size:
         return None
-    return Item(index, name, target, body, check, digest, gaps, values.view(as_words(target).dtype), count, numel,
-                raw.numel())
+    return Item(index, name, target, body, check, digest, at, values_at, _WORD[size], count, numel, raw.numel())
+
+
+_WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}   # as_words' dtype per item size
 
 
 @dataclass
@@ -104,7 +116,7 @@ class GapRoute:
         self.items, self.device, self.k = items, device, k
         groups: dict[torch.dtype, list[Item]] = {}
         for it in items:
-            groups.setdefault(it.values.dtype, []).append(it)
+            groups.setdefault(it.word, []).append(it)
         self.groups = [_Group(g, w) for w, g in groups.items()]
         self.bodies: list = []
         self.go = torch.empty(0)   # set by queue_checks: 1 (int64, on the device) when every check passed
@@ -153,8 +165,8 @@ class GapRoute:
         for b in blocks:
             first.append(at)
             at += b
-        g.table = _table([[it.target.data_ptr() for it in items], [it.gaps.data_ptr() for it in items],
-                          [it.values.data_ptr() for it in items], [it.count for it in items], g.starts, blocks,
+        g.table = _table([[it.target.data_ptr() for it in items], [it.gaps_at for it in items],
+                          [it.values_at for it in items], [it.count for it in items], g.starts, blocks,
                           first, [it.numel for it in items]], self.device)
         g.blk_t, blk_j = _spread(g.table[5], nblocks)
         g.blk_i = blk_j * _BLOCK
@@ -241,7 +253,7 @@ def take(named, raws: list[torch.Tensor], heads: list[bytes], live) -> tuple[Gap
         item = None
         if box is None and whole is None and shown == name and raw.device == device:
             item = parse(i, name, raw, head, live(name))
-        if item is None or item.values.dtype not in k.word:
+        if item is None or item.word not in k.word:
             rest.append(i)
         else:
             items.append(item)

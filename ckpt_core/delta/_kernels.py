@@ -256,24 +256,34 @@ def lin64_rows_many(words: list[torch.Tensor], a: torch.Tensor, row_len: int) ->
     if not words:
         return []
     device = words[0].device
-    k = kernels(device)
-    if (k is None or row_len % _BLOCK or any(w.device != device or w.dtype != torch.int64 or w.dim() != 1
-                                             or not w.is_contiguous() for w in words)):
+    if any(w.device != device or w.dtype != torch.int64 or w.dim() != 1 or not w.is_contiguous() for w in words):
         return None
     rows = [_cdiv(w.numel(), row_len) for w in words]
+    out = lin64_rows_at(device, [w.data_ptr() for w in words], [w.numel() for w in words], rows, a, row_len)
+    return None if out is None else list(out.split(rows))
+
+
+def lin64_rows_at(device: torch.device, ptrs: list[int], nwords: list[int], rows: list[int], a: torch.Tensor,
+                  row_len: int) -> torch.Tensor | None:
+    """``lin64_rows_many`` by address: the int64 words of tensor ``i`` start at device address ``ptrs[i]`` (8-byte
+    aligned) and number ``nwords[i]``, ``rows[i]`` rows of ``row_len`` each; every tensor's row sums, in order, in
+    one int64 tensor (no view made per tensor); None where the kernel is not used. The caller keeps the
+    tensors alive until the launch ran."""
+    k = kernels(device)
+    if k is None or row_len % _BLOCK:
+        return None
     total = sum(rows)
     out = torch.empty(total, dtype=torch.int64, device=device)
     if total:
         try:
             with torch.cuda.device(device):
-                ptrs, nwords, counts = _table([[w.data_ptr() for w in words], [w.numel() for w in words], rows],
-                                              device)
-                row_t, row_j = _spread(counts, total)
-                k.rows_many[(total,)](ptrs, nwords, row_t, row_j, a, out, ROW=row_len, BLOCK=_BLOCK)
+                table = _table([ptrs, nwords, rows], device)
+                row_t, row_j = _spread(table[2], total)
+                k.rows_many[(total,)](table[0], table[1], row_t, row_j, a, out, ROW=row_len, BLOCK=_BLOCK)
         except Exception as exc:   # noqa: BLE001 - a compile or launch failure: the torch path is exact too
             _failed("lin64 (many tensors)", exc)
             return None
-    return list(out.split(rows))
+    return out
 
 
 def disjoint(spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:

@@ -32,6 +32,14 @@ which is then reloaded whole) and the piece's digest is checked there.
 With ``defer_reload`` the rebuilt tensors are reloaded once, in the post hook, after every rank
 checked every bucket (``DeltaReceiver``).
 
+Pipelined (``update(pipelined=True)``, for a ``run`` handed to ``update_weights_from_ipc``): a bucket whose
+every payload takes the gap16 route on a GPU is not waited for. Its checks, its swap (guarded on the device:
+nothing is written unless every check passed) and its post-apply digests are queued, and ``run`` returns it
+as ``wire.worker.Unfinished``; the receive loop runs the next bucket's host work while the device works on
+this one, then finishes it (its values read back behind an event: a failed check or digest raises there)
+and only then reports it done. Any bucket still unfinished is finished by the post hook and before the
+update ends. A failure undoes every bucket's writes as above.
+
 What is not covered yet: a post hook that fails after another worker finished (that one keeps the
 new version), and engines whose reload cannot take the base copy back on undo.
 """

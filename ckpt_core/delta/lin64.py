@@ -42,13 +42,14 @@ aligned copy (bounded, never the whole tensor).
 from __future__ import annotations
 
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 
 from ckpt_core._settings import delta_threads
-from ckpt_core.delta._kernels import kernels, lin64_rows, lin64_rows_many, to_device
+from ckpt_core.delta._kernels import kernels, lin64_rows, lin64_rows_at, lin64_rows_many, to_device
 from ckpt_core.errors import CheckpointFormatError
 
 PREFIX = "lin64:"
@@ -148,6 +149,10 @@ def lin64_queue(tensors, *, engine: str | None = None) -> list[Queued]:
     """``lin64_many`` without the read-back: each tensor's ``Queued`` sum (a 0-d int64 tensor on its device,
     still being computed there, or a host int), for a caller that reads many values back at once or
     compares them on the device."""
+    if isinstance(tensors, list) and tensors:
+        fast = _queue_words(tensors, engine)
+        if fast is not None:
+            return fast
     queued: list[Queued] = []
     rows: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}   # device -> (index, its row sums)
     batch: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}  # device -> (index, its words): one kernel
@@ -176,6 +181,30 @@ def lin64_queue(tensors, *, engine: str | None = None) -> list[Queued]:
         for (i, _), total in zip(group, totals):
             queued[i].total = total
     return queued
+
+
+def _queue_words(tensors: list[torch.Tensor], engine: str | None) -> list[Queued] | None:
+    """``lin64_queue`` of a list of contiguous tensors of whole, 8-byte aligned words on one device where the row
+    kernel runs (a bucket's payload bodies, its live targets): one launch by address and one segmented sum, no
+    view made per tensor. None where any tensor is otherwise (the general path then takes them)."""
+    device = tensors[0].device
+    if (engine or ("numpy" if device.type == "cpu" else "torch")) != "torch" or kernels(device) is None:
+        return None
+    ptrs, nwords, tails = [], [], []
+    for t in tensors:
+        size = t.element_size()
+        nbytes, ptr = t.numel() * size, t.data_ptr()
+        if nbytes % 8 or ptr % 8 or t.device != device or not t.is_contiguous():
+            return None
+        ptrs.append(ptr)
+        nwords.append(nbytes >> 3)
+        tails.append(mix_int((nbytes << 5) | size))
+    rows = [-(-n // ROW) for n in nwords]
+    sums = lin64_rows_at(device, ptrs, nwords, rows, _a(device), ROW)
+    if sums is None:
+        return None
+    b = _b(device, max(rows))
+    return [Queued(total, tail) for total, tail in zip(_segment_sums(sums, rows, lambda j: b[j]), tails)]
 
 
 def _rows_batched(batch: dict[torch.device, list[tuple[int, torch.Tensor]]],
@@ -293,7 +322,8 @@ class ReadLater:
 
     def __init__(self, values):
         self.ints: list[int | None] = [v if isinstance(v, int) else None for v in values]
-        tensors = [v.to(torch.int64).reshape(()) for v in values if not isinstance(v, int)]
+        tensors = [v if v.dtype == torch.int64 and v.dim() == 0 else v.to(torch.int64).reshape(())
+                   for v in values if not isinstance(v, int)]
         self.event: torch.cuda.Event | None = None
         self.host: torch.Tensor | None = None
         if tensors:
@@ -313,11 +343,12 @@ class ReadLater:
         return [next(got) if v is None else v for v in self.ints]
 
 
+_LIN64_TEXT = re.compile(re.escape(PREFIX) + "[0-9a-f]{16}")
+
+
 def is_lin64(digest: object) -> bool:
     """Whether ``digest`` is written as a lin64 digest (``"lin64:"`` and 16 lowercase hex digits)."""
-    if not isinstance(digest, str) or not digest.startswith(PREFIX) or len(digest) != len(PREFIX) + 16:
-        return False
-    return all(c in "0123456789abcdef" for c in digest[len(PREFIX):])
+    return isinstance(digest, str) and _LIN64_TEXT.fullmatch(digest) is not None
 
 
 # -- torch: any device -----------------------------------------------------------------------

@@ -19,8 +19,8 @@ def _take(monkeypatch, storage: torch.Tensor, spans: list[tuple[int, int]]):
     monkeypatch.setattr(_gap_route, "kernels", lambda device, use="check": _Kernels())
 
     def parse(index, name, raw, head, target):
-        return _gap_route.Item(index, name, target, raw, "", "", raw, target.view(torch.int16), 1, target.numel(),
-                               raw.numel())
+        return _gap_route.Item(index, name, target, raw, "", "", raw.data_ptr(), target.data_ptr(), torch.int16, 1,
+                               target.numel(), raw.numel())
     monkeypatch.setattr(_gap_route, "parse", parse)
     views = {f"t{i}": storage[lo:hi] for i, (lo, hi) in enumerate(spans)}
     named = [(n, None, n, None) for n in views]
