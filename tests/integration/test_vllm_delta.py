@@ -124,8 +124,12 @@ def _check_placement(name: str, case: Case, fig: dict, changed: set[str]) -> Non
 def _fold_from_a(ps, server, files, cold, refs, model) -> None:
     """The engine back on A (whole), A dropped from the PS: D's chain folded into one delta from A
     (``fold_delta``, from B@delta, C@delta, D@delta) takes the engine to D, equal to a cold load."""
-    ps.update("A", _req(server, "A", []), timeout=300)
+    full: list = []
+    ps.update("A", _req(server, "A", full), timeout=300)
     assert not differences(server.client.collective_rpc("ckpt_state_digests"), cold[str(files[0])])
+    # a later full update copies to the host only what the map of the last one keeps (the fold below needs them)
+    got = full[0][0]["delta"]["map"]
+    assert got["forecast"] and got["uncopied"] == 0 and got["host_copies"] == got["kept"], got
     ps.unregister_checkpoint("A")
     fold = ps.fold_delta("D", base="A")
     assert fold["fold"] == "A -> B -> C -> D" and fold["payload_bytes"] < fold["full_bytes"], fold
@@ -176,6 +180,8 @@ def test_each_delta_costs_what_changed_and_equals_a_cold_load(vllm_python, tmp_p
                     print(f"{case.id} A (full, {seconds:.2f} s): map {fig['map']}")
                     # its own costs beside the engine's load: the digests and host copies of what arrived
                     assert all(0 <= fig["map"][k] < seconds for k in ("digest_s", "host_copy_s", "map_s")), fig["map"]
+                    # the first full update: no map yet to say what the next delta needs, every tensor copied
+                    assert not fig["map"]["forecast"] and fig["map"]["host_copies"] >= fig["map"]["kept"], fig["map"]
                 else:
                     ps_fig = result["delta"]
                     changed = _changed(files[i - 1], path)
