@@ -48,6 +48,7 @@ class Unfinished:
     first, then ``finish()`` (which waits for this bucket's own work, reads its checks back and raises if one
     failed), and only then reports this bucket done, so the PS reuses its slot once nothing reads it any more.
     The host's work on the next bucket overlaps the device's on this one. The last bucket is finished at once.
+    Where the PS has a single slot (it sends the next bucket only once this one is done) it is finished at once.
     ``finish()`` runs the given callable once; a later call raises what the first raised, or returns."""
 
     def __init__(self, finish: Callable[[], None]):
@@ -365,7 +366,10 @@ def _receive_buckets(link: _Link, hello: proto.Hello, buf, backend, device_id: i
     """
     views = Views(buf)   # batched views of each bucket (wire/views.py)
     last = len(hello.buckets) - 1
-    held: tuple[int, Unfinished] | None = None   # a bucket ``run`` left unfinished: done once finished
+    # a bucket ``run`` left unfinished is reported done once the next one ran and it finished: only where the
+    # PS can send the next bucket before this one is done (two slots or more; with one, it waits for the done)
+    can_hold = hello.num_slots >= 2
+    held: tuple[int, Unfinished] | None = None
     for expected in range(len(hello.buckets)):
         msg = link.recv(("bucket", "abort"))
         if msg["kind"] == "abort":
@@ -382,7 +386,7 @@ def _receive_buckets(link: _Link, hello: proto.Hello, buf, backend, device_id: i
                 link.send("done", index=held[0])
                 failing, held = expected, None
             if isinstance(out, Unfinished):
-                if expected < last:
+                if expected < last and can_hold:
                     held = (index, out)
                     continue
                 out.finish()

@@ -333,7 +333,7 @@ def test_an_abort_after_a_bucket_is_a_remote_worker_error_with_the_reason(ps):
     assert len(w.calls) == 1 and w.hooked == 0
 
 
-def _unfinished_worker(ps: FakePs, events: list[str], fail: int | None = None) -> dict:
+def _unfinished_worker(ps: FakePs, events: list[str], fail: int | None = None, **hello) -> dict:
     """A worker whose run() leaves each bucket unfinished (``_worker.Unfinished``): runs and finishes recorded in
     ``events``; the finish of bucket ``fail`` raises."""
     out: dict = {}
@@ -355,9 +355,23 @@ def _unfinished_worker(ps: FakePs, events: list[str], fail: int | None = None) -
             out["error"] = exc
     out["thread"] = threading.Thread(target=main, daemon=True)
     out["thread"].start()
-    ps.send("hello", **ps.hello())
+    ps.send("hello", **ps.hello(**hello))
     assert ps.recv()["kind"] == "ready"
     return out
+
+
+def test_with_a_single_slot_an_unfinished_bucket_is_finished_and_done_at_once(ps):
+    """A PS with one slot sends the next bucket only once this one is done: holding it would deadlock."""
+    events: list[str] = []
+    w = _unfinished_worker(ps, events, num_slots=1)
+    for i in range(2):
+        ps.send("bucket", index=i, slot=0)
+        assert ps.recv()["index"] == i
+    assert events == ["run 0", "finish 0", "run 1", "finish 1"]
+    ps.send("end", keep_buffer=False)
+    assert ps.recv()["kind"] == "finished"
+    w["thread"].join(10)
+    assert "error" not in w
 
 
 def test_a_bucket_left_unfinished_is_done_only_after_the_next_bucket_ran_and_it_finished(ps):
