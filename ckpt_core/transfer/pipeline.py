@@ -288,7 +288,10 @@ class BroadcastPipeline:
         if slot not in self.in_slot:
             return
         index = self.in_slot.pop(slot)
-        while self.pending and self.pending[0][0] <= index:
+        # the notice of the bucket after it goes first too: a worker may report a bucket done only once it has
+        # the next one (a pipelined delta, wire.worker.Unfinished); waiting for its done with that notice still
+        # queued here would wait forever
+        while self.pending and self.pending[0][0] <= index + 1:
             self._notify(*self.pending.popleft())
         self.link.wait_done(index)
         self._report()
