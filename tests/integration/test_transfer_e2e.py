@@ -127,6 +127,25 @@ def test_device_events_that_complete_later_run_the_pipelines_waits_for_real():
         front.close()
 
 
+def test_a_worker_that_reports_a_bucket_done_only_once_it_has_the_next_gets_every_bucket():
+    """A pipelined worker (``wire.worker.Unfinished``: a delta's buckets on a GPU) reports bucket i done only once
+    bucket i+1 arrived. With device events that complete later (notices deferred) and 2 slots, the PS sends the
+    next bucket's notice before it waits for a slot's done (it waited forever before: the first GPU run)."""
+    from support.engine import EngineFront
+    from support.world import FreshCheckpoints
+    front = EngineFront("cpu", 2, behavior={"hold": True})
+    try:
+        with _late_event_world({"CKPT_TEST_CPU_EVENT_DELAY_S": "0.02", "PS_NUM_SLOTS": "2"}) as ps:
+            name, want = FreshCheckpoints(ps, seed=14, per_rank=12).new("held")
+            got = ps.update(name, front, 30)
+            assert all(o.ok for o in got.values()), got
+            assert got[0].value["buckets"] >= 8 and got[0].value["waits"]["deferred"] > 0, got[0].value
+            for i in range(2):
+                assert front.digests(i) == want
+    finally:
+        front.close()
+
+
 def test_a_broadcast_that_never_completes_in_time_fails_every_rank_naming_the_collective_timeout():
     from support.asserts import assert_every_rank_failed
     from support.engine import EngineFront

@@ -105,6 +105,10 @@ class SimEngine:
                 time.sleep(this["sleep_s"])
             for name, t in weights:
                 staged[name] = digest(t)
+            if this.get("hold"):   # a pipelined engine (a delta's buckets on a GPU): done once the next bucket ran
+                from ckpt_core.wire.worker import Unfinished
+                return Unfinished(lambda: None)
+            return None
 
         def post_hook():
             if this.get("fail_post_hook"):
