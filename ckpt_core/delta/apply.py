@@ -326,8 +326,8 @@ class _Update:
                 checks.append((shown, new, d.digest, d.dtype))
         self._scatter_batched(later)
         if route is not None:
+            self.undo_log.append(route)   # first: a swap that fails part-way undoes the groups it launched
             route.swap()
-            self.undo_log.append(route)
             for it in route.items:
                 self.figures["payload_bytes"] += it.payload_bytes
                 self.figures["elements"] += it.count
@@ -358,8 +358,8 @@ class _Update:
             checks = route.queue_checks()
         except RouteFailed:
             return None
+        self.undo_log.append(route)   # first (a swap failing part-way); its undo is guarded like the swap
         route.swap()
-        self.undo_log.append(route)   # its undo is guarded the same way: nothing to put back where nothing was written
         post = lin64_queue([it.target for it in route.items], engine="torch")
         ready = ReadLater(checks + [q.total for q in post])
         for it in route.items:
