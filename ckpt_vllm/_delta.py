@@ -129,7 +129,7 @@ def receive_with_deltas(worker: Any, zmq_ctx, zmq_handle: str, index: int, *, ti
     kept: dict = {}
     received: dict[str, Digested] = {}   # a full update's tensors by their digests, taken where they arrived
     sessions: list[ReloadSession] = []   # begun by a full update's plan; a delta touches no layer before its reload
-    spent = {"digest_s": 0.0, "host_copy_s": 0.0, "forecast_s": 0.0}   # a full update's own costs
+    spent = {"digest_s": 0.0, "host_copy_s": 0.0}   # a full update's own costs, beside the engine's load
     forecast: list[DeltaMap | None] = [None]   # which tensors need a host copy (None: every one)
 
     def run(weights):   # a full update: loaded, and what the next delta needs kept
@@ -152,9 +152,7 @@ def receive_with_deltas(worker: Any, zmq_ctx, zmq_handle: str, index: int, *, ti
                 raise ConfigError(f"{problem}: update the version whole (nothing was written)")
             return cb.on_plan(tensors)
         cb.on_plan(tensors)
-        t0 = time.perf_counter()   # before the load's sessions begin: the forecast records a loading of its own
         forecast[0] = _forecast(worker, tensors, replay, m)
-        spent["forecast_s"] += time.perf_counter() - t0
         sessions.extend(new_sessions(worker, replay, writes))
         for s in sessions:
             s.check_plan(name for name, _, _ in tensors)

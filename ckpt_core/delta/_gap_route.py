@@ -33,8 +33,8 @@ import torch
 
 from ckpt_core.checkpoint.safetensors import WIRE_DTYPES
 from ckpt_core.delta._kernels import _BLOCK, _cdiv, _failed, _spread, _table, byte_span, disjoint, kernels, to_device
-from ckpt_core.delta.encode import _align8, _bad, _parse_header, measure
-from ckpt_core.delta.lin64 import PREFIX, is_lin64, lin64_queue
+from ckpt_core.delta.encode import _INT_OF_SIZE, _align8, _bad, _parse_header, measure
+from ckpt_core.delta.lin64 import PREFIX, _signed, is_lin64, lin64_queue
 from ckpt_core.errors import CheckpointFormatError
 
 
@@ -53,7 +53,7 @@ class Item:
     digest: str           # lin64 of the new tensor's bytes
     gaps_at: int          # the gaps' device address (count uint16, first in the body)
     values_at: int        # the changed words' device address
-    word: torch.dtype     # the integer dtype of the target's item size
+    word: torch.dtype     # the integer dtype of the target's item size (``as_words``')
     count: int
     numel: int
     payload_bytes: int
@@ -83,17 +83,15 @@ def parse(index: int, name: str, raw: torch.Tensor, head: bytes, target: torch.T
     if target.dtype != dtype or tuple(target.shape) != shape:
         return None
     numel, size = target.numel(), target.element_size()
-    if not 0 < count <= numel or size not in _WORD or measure(numel, size, count, 0).gap16 != body_len:
+    if not 0 < count <= numel or size not in _INT_OF_SIZE or measure(numel, size, count, 0).gap16 != body_len:
         return None
     body = raw[start:]
     at = body.data_ptr()
     values_at = at + body_len - _align8(count * size)
     if at % 2 or values_at % size:
         return None
-    return Item(index, name, target, body, check, digest, at, values_at, _WORD[size], count, numel, raw.numel())
-
-
-_WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}   # as_words' dtype per item size
+    return Item(index, name, target, body, check, digest, at, values_at, _INT_OF_SIZE[size], count, numel,
+                raw.numel())
 
 
 @dataclass
@@ -227,12 +225,6 @@ class GapRoute:
                                                     self.go, WORD=self.k.word[g.word], BLOCK=_BLOCK,
                                                     STORE_OLD=False, KEEP=False)
         self.swapped.clear()
-
-
-def _signed(v: int) -> int:
-    """``v`` mod 2**64 as a signed int64 (the device's wrapping sums compare bit for bit)."""
-    v &= (1 << 64) - 1
-    return v - (1 << 64) if v >> 63 else v
 
 
 def _list_bad(it: Item) -> bool:
