@@ -53,6 +53,7 @@ from ckpt_core.errors import CheckpointFormatError
 from ckpt_core.planning.slices import Box, box_extent
 
 from ._digest import _derived
+from ._quant_verbatim import aliases_own, quantized_as_loaded
 from ._reload_fixes import pointer_kernels
 
 __all__ = ["DeltaMap", "Digested", "build_map", "verbatim_layer"]
@@ -136,7 +137,9 @@ def verbatim_layer(module: torch.nn.Module, meta: dict[str, torch.Tensor], live:
     ``live``: its parameters after the load."""
     method = getattr(module, "quant_method", None)
     if method is not None and not type(method).__name__.startswith("Unquantized"):
-        return f"quantization method {type(method).__name__}"
+        why = quantized_as_loaded(module, method)   # FP8 block kernels that keep what was loaded, else refused
+        if why is not None:
+            return why
     if set(meta) != set(live):
         return f"its parameters after processing ({sorted(live)}) are not the loaded ones ({sorted(meta)})"
     for n, m in meta.items():
@@ -144,7 +147,7 @@ def verbatim_layer(module: torch.nn.Module, meta: dict[str, torch.Tensor], live:
         if (tuple(m.shape), tuple(m.stride()), m.dtype) != (tuple(t.shape), tuple(t.stride()), t.dtype):
             return f"processing changed {n} ({list(m.shape)} {m.dtype} -> {list(t.shape)} {t.dtype})"
     own = set(module._parameters) | set(module._buffers)
-    derived = [n for n, _ in _derived(module, own)]
+    derived = [n for n, t in _derived(module, own) if not aliases_own(module, t)]
     if derived:
         return f"it derives {derived[:3]} from its parameters"
     functions = [k for k, v in vars(module).items() if not k.startswith("_") and callable(v)
