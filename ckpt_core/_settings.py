@@ -14,7 +14,8 @@ from datetime import timedelta
 from ckpt_core.errors import ConfigError
 
 __all__ = ["Settings", "ENV_VARS", "load_settings", "gc_pause_enabled", "fault_threads", "cpu_visible_devices",
-           "delta_kernel", "delta_threads", "p2p_env", "cpu_event_delay_s", "delta_triton", "service_token",
+           "delta_kernel", "delta_threads", "host_copy_mib", "host_copy_threads", "p2p_env", "cpu_event_delay_s",
+           "delta_triton", "service_token",
            "engine_serve", "update_seconds",
            "NO_DEADLINE_S", "progress_log_s", "liveness", "MIN_TOKEN_CHARS"]
 
@@ -38,6 +39,11 @@ ENV_VARS: dict[str, tuple[str, str, str]] = {
                          "(registration); more contend in the kernel and were slower on 2 ranks per host"),
     "PS_DELTA_THREADS": ("int", "4", "threads of a registration's delta on the host (its compare, its payloads' "
                          "writing, lin64 of host tensors), 1..1024; the default leaves cores to other PS ranks"),
+    "CKPT_HOST_COPY_MIB": ("int", "256", "page-locked staging of an engine worker's host copies of what it "
+                           "receives (a full update with deltas=True keeps them as the delta base), MiB, in 4 chunks, "
+                           "allocated once per worker; 0: one pageable copy per tensor instead; 0..65536"),
+    "CKPT_HOST_COPY_THREADS": ("int", "4", "threads that copy the staging's chunks into the host copies (memcpy and "
+                               "first-touch page faults of the fresh copies), 1..1024"),
     "PS_DELTA_KERNEL": ("str", "auto", "`auto`: a registration's delta compare runs a small C pass, compiled on "
                         "first use by the host's C compiler (`$CC`, else `cc`) into ~/.cache/ckpt-engine/kernels; "
                         "`numpy`: never compiled, numpy only (also what `auto` does without a compiler); the "
@@ -234,6 +240,26 @@ def delta_threads() -> int:
     n = _get("PS_DELTA_THREADS", int, 4)
     if not 1 <= n <= MAX_FAULT_THREADS:
         raise ConfigError(f"PS_DELTA_THREADS must be in 1..{MAX_FAULT_THREADS}, got {n}")
+    return n
+
+
+MAX_HOST_COPY_MIB = 1 << 16
+
+
+def host_copy_mib() -> int:
+    """CKPT_HOST_COPY_MIB, read when an engine worker's host copier is made (its first full update with
+    deltas=True): MiB of page-locked staging, 0 for none (pageable copies, one per tensor)."""
+    n = _get("CKPT_HOST_COPY_MIB", int, 256)
+    if not 0 <= n <= MAX_HOST_COPY_MIB:
+        raise ConfigError(f"CKPT_HOST_COPY_MIB must be in 0..{MAX_HOST_COPY_MIB}, got {n}")
+    return n
+
+
+def host_copy_threads() -> int:
+    """CKPT_HOST_COPY_THREADS, read with CKPT_HOST_COPY_MIB: the host copier's threads."""
+    n = _get("CKPT_HOST_COPY_THREADS", int, 4)
+    if not 1 <= n <= MAX_FAULT_THREADS:
+        raise ConfigError(f"CKPT_HOST_COPY_THREADS must be in 1..{MAX_FAULT_THREADS}, got {n}")
     return n
 
 

@@ -41,6 +41,7 @@ from typing import Any
 
 from ckpt_core import update_weights_from_ipc as _core_update_weights_from_ipc
 from ckpt_core.delta.apply import DeltaReceiver, Weights, delta_of_plan
+from ckpt_core.delta.host_copy import HostCopier, copier_from_settings
 from ckpt_core.delta.lin64 import lin64_many
 from ckpt_core.errors import CkptError, ConfigError, DeltaBaseError
 
@@ -57,6 +58,15 @@ def receiver_of(worker: Any) -> DeltaReceiver:
     if rx is None:
         rx = worker._ckpt_delta_rx = DeltaReceiver(live=lambda name: None, defer_reload=True, complete=True)
     return rx
+
+
+def host_copier_of(worker: Any) -> HostCopier:
+    """This worker's host copier (``ckpt_core.delta.host_copy``: page-locked staging of CKPT_HOST_COPY_MIB,
+    made on first use and kept with the worker, so a full update's host copies reuse it)."""
+    copier = getattr(worker, "_ckpt_host_copier", None)
+    if copier is None:
+        copier = worker._ckpt_host_copier = copier_from_settings()
+    return copier
 
 
 def _use_map(rx: DeltaReceiver, m: DeltaMap) -> None:
@@ -129,7 +139,7 @@ def receive_with_deltas(worker: Any, zmq_ctx, zmq_handle: str, index: int, *, ti
     kept: dict = {}
     received: dict[str, Digested] = {}   # a full update's tensors by their digests, taken where they arrived
     sessions: list[ReloadSession] = []   # begun by a full update's plan; a delta touches no layer before its reload
-    spent = {"digest_s": 0.0, "host_copy_s": 0.0}   # a full update's own costs, beside the engine's load
+    spent = {"digest_s": 0.0, "host_copy_s": 0.0, "host_copy_bytes": 0}   # a full update's own costs, beside the load
     forecast: list[DeltaMap | None] = [None]   # which tensors need a host copy (None: every one)
 
     def run(weights):   # a full update: loaded, and what the next delta needs kept
@@ -138,12 +148,17 @@ def receive_with_deltas(worker: Any, zmq_ctx, zmq_handle: str, index: int, *, ti
         t0 = time.perf_counter()
         digests = lin64_many(t for _, t in weights)
         t1 = time.perf_counter()
+        wanted = []
         for (name, t), digest in zip(weights, digests):
             received[name] = Digested(t.dtype, tuple(t.shape), digest)
             if forecast[0] is None or forecast[0].keeps(name):
-                kept[name] = t.detach().to("cpu", copy=True)
+                wanted.append((name, t))
+        # complete on return: the tensors are views into the receive buffer, reused once this bucket is done
+        kept.update(zip((n for n, _ in wanted), host_copier_of(worker).copy(wanted, timeout=timeout)))
+        nbytes = sum(t.nbytes for _, t in wanted)
         spent["digest_s"] += t1 - t0
         spent["host_copy_s"] += time.perf_counter() - t1
+        spent["host_copy_bytes"] += nbytes
 
     def on_plan(tensors):
         if delta_of_plan(tensors) is not None:   # a delta: of the slicing the kept copy has
@@ -185,7 +200,8 @@ def receive_with_deltas(worker: Any, zmq_ctx, zmq_handle: str, index: int, *, ti
                         len(uncopied), uncopied[:3], version)
         figures["map"] = dict(m.figures(), kept=len(rx.kept), kept_bytes=sum(t.nbytes for t in rx.kept.values()),
                               host_copies=len(kept), forecast=forecast[0] is not None, uncopied=len(uncopied),
-                              map_s=time.perf_counter() - t0, **spent)
+                              map_s=time.perf_counter() - t0,
+                              host_copy_gbps=spent["host_copy_bytes"] / max(spent["host_copy_s"], 1e-9) / 1e9, **spent)
         log.info("ckpt deltas: %s", figures["map"])
     elif figures.get("delta"):
         figures.update(reloads.figures)

@@ -182,6 +182,9 @@ def test_each_delta_costs_what_changed_and_equals_a_cold_load(vllm_python, tmp_p
                     assert all(0 <= fig["map"][k] < seconds for k in ("digest_s", "host_copy_s", "map_s")), fig["map"]
                     # the first full update: no map yet to say what the next delta needs, every tensor copied
                     assert not fig["map"]["forecast"] and fig["map"]["host_copies"] >= fig["map"]["kept"], fig["map"]
+                    # ... and counted: at least the bytes kept after the map, at a rate
+                    assert fig["map"]["host_copy_bytes"] >= fig["map"]["kept_bytes"] > 0, fig["map"]
+                    assert fig["map"]["host_copy_gbps"] > 0, fig["map"]
                 else:
                     ps_fig = result["delta"]
                     changed = _changed(files[i - 1], path)
