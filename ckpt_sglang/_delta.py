@@ -48,6 +48,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ckpt_core.delta.apply import WIDENING, DeltaReceiver
 from ckpt_core.delta.encode import bytes_of
 from ckpt_core.delta.groups import Groups
+from ckpt_core.delta.host_copy import HostCopier, copier_from_settings
 from ckpt_core.delta.versions import MANIFEST, PAYLOAD, parse_manifest_name
 from ckpt_core.errors import CheckpointFormatError, ConfigError, DeltaBaseError
 
@@ -56,6 +57,7 @@ __all__ = ["DeltaMap", "SglangDeltas", "build_map", "is_delta_name"]
 log = logging.getLogger("ckpt_sglang.staging")
 
 Weights = list[tuple[str, torch.Tensor]]
+HOST_COPY_TIMEOUT_S = 600.0   # one bucket's host copies (a stuck device copy raises, naming its tensors)
 
 
 def is_delta_name(name: str) -> bool:
@@ -321,6 +323,14 @@ class SglangDeltas:
         self.reload_figures: dict = {}
         self._ours = 0
         self.rx = DeltaReceiver(live=self._live, reload=self._reload)
+        self.copier: HostCopier | None = None   # page-locked staging for a full update's host copies, made once
+
+    def host_copies(self, weights: Weights) -> list[torch.Tensor]:
+        """Host copies of a full update's received tensors, complete on return (the IPC buffer is reused),
+        through this process's :class:`HostCopier` (not one pageable ``.to("cpu")`` per tensor)."""
+        if self.copier is None:
+            self.copier = copier_from_settings()
+        return self.copier.copy(list(weights), timeout=HOST_COPY_TIMEOUT_S)
 
     @property
     def held(self) -> str | None:
@@ -469,7 +479,7 @@ class DeltaLoad:
             self.stash.extend((n, t.clone()) for n, t in weights)   # the IPC buffer is reused
             return
         if self.recorder is not None:
-            self.kept.update((n, t.detach().to("cpu", copy=True)) for n, t in weights)
+            self.kept.update(zip(names, self.state.host_copies(weights)))
             self.recorder.add_sources(weights)
             try:
                 with torch.no_grad(), self.state.ours(), self.recorder:
