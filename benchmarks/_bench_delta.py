@@ -145,16 +145,27 @@ def delta_section(bench, case: str, share, full_update_s: float) -> dict:
             "encode_s": max((v["ps"] or {}).get("encode_s", 0.0) for v in views),
             "apply_s": max((w.get("apply_s", 0.0) for w in workers), default=None),
             "check_s": max((w.get("verify_s", 0.0) for w in workers), default=None),
+            "apply_split_s": max(workers, key=lambda w: w.get("apply_s", 0.0), default={}).get("apply_split_s"),
             "worker_s": max((e.get("seconds", 0.0) for e in engine or []), default=None),
             "worker_buckets": max((e.get("buckets", 0) for e in engine or []), default=None),
             "generate_s": max(v["gen_s"] for v in views), "ps": [v["ps"] for v in views]})
         bench.say(f"{case}: delta {name}: registered whole {full_reg['s']:.3f} s, with its base "
                   f"{base_reg['s']:.3f} s; update "
-                  f"{rounds[-1]['update_s'] * 1e3:.1f} ms, payload {rounds[-1]['payload_bytes'] / 1e6:.2f} MB")
+                  f"{rounds[-1]['update_s'] * 1e3:.1f} ms, payload {rounds[-1]['payload_bytes'] / 1e6:.2f} MB"
+                  + _split_text(rounds[-1]))
     exact = _bit_exact(bench, nxt)
     ps.unregister_checkpoint(prev)
     elements = sum(t.numel() for t in share.named.values())
     return summarize(case, density, rounds, exact, full_update_s, bench.gather(elements))
+
+
+def _split_text(r: dict) -> str:
+    """The slowest worker's apply by step (host time: peek, take, checks, swap, digests, decode_scatter)."""
+    split = r.get("apply_split_s") or {}
+    if not split:
+        return ""
+    steps = " / ".join(f"{k} {v * 1e3:.1f}" for k, v in split.items())
+    return f"; worker apply {r['apply_s'] * 1e3:.1f} ms ({steps} ms), check {r['check_s'] * 1e3:.1f} ms"
 
 
 def _bit_exact(bench, nxt: dict) -> dict:

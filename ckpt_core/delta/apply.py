@@ -217,7 +217,8 @@ class _Update:
         self.rebuilt: dict[str, torch.Tensor] = {}   # tensor -> its new full bytes handed to reload
         self.writebacks: list[tuple[torch.Tensor, torch.Tensor]] = []   # (strided region, its checked new copy)
         self.figures: dict[str, Any] = {"scattered": 0, "reloaded": 0, "elements": 0, "payload_bytes": 0,
-                                        "apply_s": 0.0, "verify_s": 0.0, "scattered_tensors": []}
+                                        "apply_s": 0.0, "verify_s": 0.0, "scattered_tensors": [],
+                                        "apply_split_s": {}}   # host time of apply_s by step (see _lap)
         self.dropped = False
         self.ran = False   # a bucket reached run(): something may have been written
         self.deferred_ran = False   # the deferred reload started: the engine's own abort is what undoes it
@@ -275,20 +276,29 @@ class _Update:
         return out
 
     # -- delta ------------------------------------------------------------------------
+    def _lap(self, step: str, since: float) -> float:
+        """Add the host time since ``since`` to step ``step`` of ``apply_split_s``; now."""
+        now = time.perf_counter()
+        split = self.figures["apply_split_s"]
+        split[step] = split.get(step, 0.0) + now - since
+        return now
+
     def _apply(self, weights: Weights) -> Unfinished | None:
-        t0 = time.perf_counter()
+        t0 = started = time.perf_counter()
         checks: list[tuple[str, torch.Tensor, str, torch.dtype]] = []
         reloads: dict[str, torch.Tensor] = {}
         later: list[tuple[str, torch.Tensor, Decoded]] = []   # scatters for the bucket's one kernel
         named = [(_target_name(n), p) for n, p in weights if not n.startswith(MANIFEST)]
         raws = [p.reshape(-1) for _, p in named]
         heads = peek_payloads(raws, aside=self.pipelined)   # pipelined: the previous bucket's work is not waited for
+        t0 = self._lap("peek", t0)
         # gap16 deltas of live tensors on a GPU: two kernels for the lot (_gap_route.py); the rest decoded here
         route, rest = take_gaps([t for t, _ in named], raws, heads, self.rx.live)
+        t0 = self._lap("take", t0)
         if route is not None and not self.dropped and delta_drop_one() and route.drop_one() is not None:
             self.dropped = True
         if route is not None and not rest and self.pipelined:
-            queued_bucket = self._apply_queued(route, t0)
+            queued_bucket = self._apply_queued(route, started)
             if queued_bucket is not None:
                 return queued_bucket
             route, rest = None, list(range(len(named)))   # the route's kernels failed: nothing was written
@@ -334,8 +344,8 @@ class _Update:
                 self.figures["scattered"] += 1
                 self.figures["scattered_tensors"].append(it.name)
                 checks.append((it.name, it.target, it.digest, it.target.dtype))
-        t1 = time.perf_counter()
-        self.figures["apply_s"] += t1 - t0
+        t1 = self._lap("decode_scatter", t0)
+        self.figures["apply_s"] += t1 - started
         self._verify(checks)   # before the engine's reload: a wrong tensor is never loaded
         for region, new in self.writebacks:   # strided box regions: written once checked (their undo is saved)
             region.copy_(new)
@@ -354,14 +364,18 @@ class _Update:
         """A bucket wholly of the gap16 route, queued and left unfinished (``pipelined``): its checks, its
         guarded swap (nothing written on the device unless every check passed) and its post-apply digests,
         read back by ``finish``. None when the route's checks could not be launched (nothing was written)."""
+        t = time.perf_counter()
         try:
             checks = route.queue_checks()
         except RouteFailed:
             return None
+        t = self._lap("checks", t)
         self.undo_log.append(route)   # first (a swap failing part-way); its undo is guarded like the swap
         route.swap()
+        t = self._lap("swap", t)
         post = lin64_queue([it.target for it in route.items], engine="torch")
         ready = ReadLater(checks + [q.total for q in post])
+        self._lap("digests", t)
         for it in route.items:
             self.figures["payload_bytes"] += it.payload_bytes
             self.figures["elements"] += it.count
