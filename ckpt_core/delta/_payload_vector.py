@@ -9,7 +9,6 @@ for byte what ``encode_tensor`` makes (``tests/unit/test_delta_batch.py``).
 
 from __future__ import annotations
 
-import functools
 import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
@@ -18,24 +17,20 @@ import numpy as np
 import torch
 
 from ckpt_core._settings import delta_threads
+from ckpt_core.delta._direct_payload import DirectPayload, _size_term, head_of, write_direct
 from ckpt_core.delta._scan import kernel, segment_sums
-from ckpt_core.delta.encode import ENCODINGS, MAX_GAP16, frame_head
-from ckpt_core.delta.lin64 import ROW, _host_ab, mix_int
+from ckpt_core.delta.encode import ENCODINGS, MAX_GAP16
+from ckpt_core.delta.lin64 import ROW, _host_ab
 
 _THREADS_MIN_ELEMENTS = 1 << 16   # changed elements below which the payloads are written on one thread
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _MASK = (1 << 64) - 1
 
 
-@functools.lru_cache(maxsize=4096)
-def _size_term(nbytes: int, itemsize: int) -> int:
-    """lin64's term of a byte count and item size (``mix_int``: pure Python; tensors repeat shapes)."""
-    return mix_int((nbytes << 5) | itemsize)
 
 
 
 _VECTOR = (ENCODINGS.index("idx"), ENCODINGS.index("gap16"))
-_PLACEHOLDER = "lin64:" + "0" * 16   # a body check's place in a header (same length as any check)
 
 
 def _align8(x):
@@ -69,12 +64,8 @@ class _Vector:
         """Changed tensor ``c`` (``meta``, at ``at`` in the metas; ``enc``, ``body`` bytes, ``count`` changed)
         batched: its header (its body's check to come) and ``encode_tensor``'s info of it."""
         name = ENCODINGS[enc]
-        # encode._payload's JSON (compact separators, its key order); the codes, names and digests
-        # are plain ASCII, the rest ints: what json.dumps writes (test_delta_batch compares the bytes)
-        text = (f'{{"dtype":"{meta.dtype}","shape":[{",".join(map(str, meta.shape))}],"enc":"{name}",'
-                f'"count":{count},"runs":0,"digest":"{digest}","body":{body},"check":"{_PLACEHOLDER}"}}').encode()
-        head = frame_head(text)
-        self.heads.append((c, at, head, 8 + len(text) - 18, body, meta.base, meta.base_offset))
+        head, hex_at = head_of(meta, name, count, digest, body)
+        self.heads.append((c, at, head, hex_at, body, meta.base, meta.base_offset))
         return None, {"encoding": name, "count": count, "numel": meta.nbytes // meta.itemsize,
                       "bytes": len(head) + body}
 
@@ -167,7 +158,7 @@ class Encoded(NamedTuple):
     by one (meta index -> payload), the batched ones (``write``), the new version's known lin64 sums,
     and the seconds of each part."""
     infos: list[dict]
-    payloads: dict[int, torch.Tensor]
+    payloads: dict[int, torch.Tensor | DirectPayload]
     vector: _Vector
     digests: dict[str, int]
     phases: dict[str, float]
@@ -191,10 +182,16 @@ class Encoded(NamedTuple):
     def write(self, buf: np.ndarray, offsets: dict[int, int], regions: dict[int, np.ndarray]) -> None:
         """Every payload into ``buf`` (zeroed), tensor ``i``'s at ``offsets[i]`` (see ``_Vector.write``), on
         up to ``PS_FAULT_THREADS`` threads when there are many changed elements."""
+        direct = []
         for i, payload in self.payloads.items():
-            buf[offsets[i]: offsets[i] + payload.numel()] = payload.numpy()
+            if isinstance(payload, torch.Tensor):
+                buf[offsets[i]: offsets[i] + payload.numel()] = payload.numpy()
+            else:   # a large tensor's, written here (``_direct_payload.py``)
+                direct.append((offsets[i], payload))
+        threads = min(delta_threads(), os.cpu_count() or 1)
+        write_direct(buf, direct, threads)
         many = self.vector.elems is not None and self.vector.elems[0].size >= _THREADS_MIN_ELEMENTS
-        self.vector.write(buf, offsets, regions, min(delta_threads(), os.cpu_count() or 1) if many else 1)
+        self.vector.write(buf, offsets, regions, threads if many else 1)
 
 
 __all__ = ["Encoded"]

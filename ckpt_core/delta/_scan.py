@@ -209,6 +209,52 @@ void ckd_segments(const uint64_t *buf, const int64_t *start, const int64_t *word
         out[i] = total;
     }
 }
+
+/* The largest gap between n increasing positions (the first counted from 0) and their runs of consecutive ones
+   (n >= 1): out[0], out[1] (encode.py's Changes.of, without its array of gaps). */
+void ckd_gap_stats(const int64_t *pos, int64_t n, int64_t *out) {
+    int64_t big = pos[0], runs = 1;
+    for (int64_t i = 1; i < n; i++) {
+        int64_t g = pos[i] - pos[i - 1];
+        big = g > big ? g : big;
+        runs += g != 1;
+    }
+    out[0] = big;
+    out[1] = runs;
+}
+
+/* A payload body of `count` changed items written at out (nbytes bytes, 8-aligned): the index section (kind 2:
+   gap16, each position's distance to the one before, the first's from 0, as uint16; kind 4 or 8: idx, the
+   positions as int32 or int64), then the items of `size` bytes of data at those positions, each section
+   zero-padded to 8 bytes (encode._body's layout). Returns lin64's sum of the body's words (without its size
+   term). The caller checks that both sections fill nbytes. */
+uint64_t ckd_body(const int64_t *pos, int64_t count, const uint8_t *data, int64_t size, int64_t kind,
+                  uint8_t *out, int64_t nbytes, int64_t row, const uint64_t *a, const uint64_t *b) {
+    int64_t at = (count * kind + 7) & ~(int64_t)7, zero = 0, words = nbytes / 8;
+    for (int64_t i = count * kind; i < at; i++) out[i] = 0;
+    if (kind == 2) {
+        uint16_t *g = (uint16_t *)out;
+        int64_t prev = 0;
+        for (int64_t i = 0; i < count; i++) { g[i] = (uint16_t)(pos[i] - prev); prev = pos[i]; }
+    } else if (kind == 4) {
+        int32_t *g = (int32_t *)out;
+        for (int64_t i = 0; i < count; i++) g[i] = (int32_t)pos[i];
+    } else {
+        int64_t *g = (int64_t *)out;
+        for (int64_t i = 0; i < count; i++) g[i] = pos[i];
+    }
+    uint8_t *v = out + at;
+    switch (size) {
+    case 1: for (int64_t i = 0; i < count; i++) v[i] = data[pos[i]]; break;
+    case 2: for (int64_t i = 0; i < count; i++) ((uint16_t *)v)[i] = ((const uint16_t *)data)[pos[i]]; break;
+    case 4: for (int64_t i = 0; i < count; i++) ((uint32_t *)v)[i] = ((const uint32_t *)data)[pos[i]]; break;
+    default: for (int64_t i = 0; i < count; i++) ((uint64_t *)v)[i] = ((const uint64_t *)data)[pos[i]]; break;
+    }
+    for (int64_t i = at + count * size; i < nbytes; i++) out[i] = 0;
+    uint64_t total;
+    ckd_segments((const uint64_t *)out, &zero, &words, 1, row, a, b, &total);
+    return total;
+}
 """
 
 # words per call of ckd_scan (32 MiB of each version). Each call holds the GIL for a few microseconds of
@@ -247,6 +293,10 @@ def _build(cc: str) -> ctypes.CDLL:
     lib.ckd_span.restype = _I
     lib.ckd_segments.argtypes = [_P, _P, _P, _I, _I, _P, _P, _P]
     lib.ckd_segments.restype = None
+    lib.ckd_gap_stats.argtypes = [_P, _I, _P]
+    lib.ckd_gap_stats.restype = None
+    lib.ckd_body.argtypes = [_P, _I, _P, _I, _I, _P, _I, _I, _P, _P]
+    lib.ckd_body.restype = ctypes.c_uint64
     return lib
 
 

@@ -46,6 +46,7 @@ import torch
 
 from ckpt_core._settings import delta_threads
 from ckpt_core.delta._changes import Changes, changed_positions
+from ckpt_core.delta._direct_payload import plan
 from ckpt_core.delta._payload_vector import _MASK, _ROW_BITS, _UINT, _VECTOR, Encoded, _size_term, _Vector
 from ckpt_core.delta._scan import kernel, scan, span_changes
 from ckpt_core.delta.encode import _encoded, as_words, encode_tensor
@@ -222,6 +223,9 @@ def _large(ckpt, base_ckpt, p: _Pair):
         if positions.size == 0:
             return None, {"encoding": None, "count": 0, "numel": p.new.nbytes // size, "bytes": 0}, total
         digest = _fmt(total + _size_term(p.new.nbytes, size))
+        direct, info = plan(lib, p.new, raw, positions, digest)   # idx, gap16: written into the companion later
+        if direct is not None:
+            return direct, info, total
         return (*_encoded(new, words, Changes.of(positions), digest, None), total)
     host = HostDigest(new)
 

@@ -291,3 +291,56 @@ def test_payloads_written_into_a_packed_region_are_adopted_in_place_and_the_rest
         got.release()
         want.release()
     assert got.regions == {}
+
+
+def _edge_dtypes():
+    out = [torch.bfloat16, torch.float16, torch.float32, torch.int8, torch.int64]
+    return out + [dt for dt in (getattr(torch, "float8_e4m3fn", None),) if dt is not None]
+
+
+def _changed_at(base, where):
+    new = base.clone()
+    w = new.reshape(-1).view(torch.uint8).view(base.numel(), -1)
+    w[where, 0] ^= 1
+    return new
+
+
+@pytest.mark.parametrize("dtype", _edge_dtypes(), ids=str)
+def test_large_payloads_written_straight_into_the_buffer_equal_encode_tensor(dtype, monkeypatch):
+    """Large tensors' idx and gap16 payloads, written by one compiled call each into the payloads' buffer
+    (``_direct_payload.py``), are ``encode_tensor``'s byte for byte: a change at the first and the last
+    element, on both sides of a boundary of the scan's chunks of 4,096 words, gaps of 65,535 (gap16) and 65,536
+    (idx), odd sizes; every element changed and none changed go their own ways."""
+    monkeypatch.setattr(batch, "LARGE_BYTES", 2048)
+    monkeypatch.setenv("PS_DELTA_THREADS", "2")
+    gen = torch.Generator().manual_seed(17)
+    n = 200_003   # odd: the tensor ends inside a word
+    k = 8 // dtype.itemsize if dtype.itemsize < 8 else 1
+    base = random_bits((n,), dtype, gen)
+    cases = {
+        "ends": [0, n - 1],
+        "block-edge": [4096 * k - 1, 4096 * k, 8192 * k],   # ckd_scan's chunks of 4,096 words
+        "gap16-max": [3, 3 + 65_535, 3 + 2 * 65_535],
+        "idx-gap": [3, 3 + 65_536],
+        "spread": torch.randperm(n, generator=gen)[: n // 50].sort().values.tolist(),
+        "all": list(range(n)),
+        "none": [],
+    }
+    pairs = [(name, base, _changed_at(base, where)) for name, where in cases.items()]
+    pairs.append(("odd", random_bits((4099,), dtype, gen), None))
+    pairs[-1] = ("odd", pairs[-1][1], _changed_at(pairs[-1][1], [0, 4098]))
+    a, b = _register(pairs)
+    try:
+        got, _ = _check(a, b, pairs, known_base=False)
+        direct = {b.metas[i].name for i, p in got.payloads.items() if not isinstance(p, torch.Tensor)}
+        enc = {m.name: info["encoding"] for m, info in zip(b.metas, got.infos)}
+        if _scan.kernel() is not None:
+            assert direct == {name for name, e in enc.items() if e in ("idx", "gap16")}
+            assert {"ends", "gap16-max", "idx-gap", "spread"} <= direct
+        else:
+            assert not direct
+        assert enc["gap16-max"] == "gap16" and enc["idx-gap"] == "idx"
+        assert enc["none"] is None and enc["all"] not in ("idx", "gap16")
+    finally:
+        a.release()
+        b.release()
