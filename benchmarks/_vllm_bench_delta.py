@@ -112,6 +112,7 @@ def _map_figures(full: dict | None) -> dict:
     worker = (full or {}).get("worker") or {}
     m = (worker.get("delta") or {}).get("map") or {}
     return {"engine_s": worker.get("engine_s"), "digest_s": m.get("digest_s"), "host_copy_s": m.get("host_copy_s"),
+            "host_copy_bytes": m.get("host_copy_bytes"), "host_copy_gbps": m.get("host_copy_gbps"),
             "map_s": m.get("map_s")}
 
 
@@ -132,5 +133,7 @@ def format_delta(s: dict) -> str:
 
 
 def _parts(w: dict, ms) -> str:
+    rate = w.get("host_copy_gbps")
+    copied = "" if rate is None else f" ({(w.get('host_copy_bytes') or 0) / 1e9:.2f} GB at {rate:.1f} GB/s)"
     return (f"engine call {ms(w.get('engine_s'))}, of it digests {ms(w.get('digest_s'))}, host copies "
-            f"{ms(w.get('host_copy_s'))}, map {ms(w.get('map_s'))}")
+            f"{ms(w.get('host_copy_s'))}{copied}, map {ms(w.get('map_s'))}")
