@@ -79,7 +79,10 @@ def quantized_as_loaded(layer: torch.nn.Module, method: Any) -> str | None:
         return f"quantization method {name}: {why}"
     if getattr(getattr(layer, "w13_weight", None), "is_shuffled", False):
         return f"quantization method {name}: its experts are marked shuffled"
-    foreign = next(foreign_tensors(layer, method), None)
+    try:
+        foreign = next(foreign_tensors(layer, method), None)
+    except Exception as exc:   # noqa: BLE001 - an object that cannot be walked proves nothing: reloaded
+        return f"quantization method {name}: its objects could not be walked ({type(exc).__name__}: {exc})"
     if foreign is not None:
         path, t = foreign
         return (f"quantization method {name} holds {path} ({list(t.shape)} {t.dtype}), which is not one of "

@@ -176,3 +176,19 @@ def test_an_attribute_aliasing_a_parameter_is_not_derived_and_a_view_of_it_is():
     layer.kept = layer.weight.data.t()
     assert not aliases_own(layer, layer.kept)
     assert "derives" in verbatim_layer(layer, meta, dict(layer._parameters))
+
+
+def test_an_object_that_cannot_be_walked_sends_the_layer_to_the_reload():
+    class Boom:
+        __module__ = "vllm.model_executor.layers.fused_moe.fake"
+        __slots__ = ("x",)
+
+        def __getattribute__(self, name):
+            if name == "x":
+                raise RuntimeError("not ready")
+            return object.__getattribute__(self, name)
+
+    layer = Experts()
+    layer.quant_method.moe_kernel.odd = Boom()
+    why = _verbatim(layer)
+    assert why is not None and "could not be walked" in why and "not ready" in why
