@@ -71,8 +71,9 @@ def wait_healthy(client: httpx.Client, proc: subprocess.Popen | None, log_path: 
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"serve exited with {proc.returncode}:\n{_tail(log_path)}")
-        try:
-            if client.get("/v1/healthz").status_code == 200:
+        try:   # a short wait per poll: a listener that never answers (a port another process holds) is
+            # asked again, and the serve's exit seen, instead of waiting out the client's own timeout
+            if client.get("/v1/healthz", timeout=min(5.0, max(0.1, deadline - time.monotonic()))).status_code == 200:
                 return
         except httpx.TransportError:
             pass
