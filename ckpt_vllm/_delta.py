@@ -154,11 +154,11 @@ def receive_with_deltas(worker: Any, zmq_ctx, zmq_handle: str, index: int, *, ti
             if forecast[0] is None or forecast[0].keeps(name):
                 wanted.append((name, t))
         # complete on return: the tensors are views into the receive buffer, reused once this bucket is done
-        kept.update(zip((n for n, _ in wanted), host_copier_of(worker).copy(wanted, timeout=timeout)))
-        nbytes = sum(t.nbytes for _, t in wanted)
+        copier = host_copier_of(worker)
+        kept.update(zip((n for n, _ in wanted), copier.copy(wanted, timeout=timeout)))
         spent["digest_s"] += t1 - t0
         spent["host_copy_s"] += time.perf_counter() - t1
-        spent["host_copy_bytes"] += nbytes
+        spent["host_copy_bytes"] += copier.last["bytes"]
 
     def on_plan(tensors):
         if delta_of_plan(tensors) is not None:   # a delta: of the slicing the kept copy has

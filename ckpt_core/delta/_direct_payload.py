@@ -23,10 +23,9 @@ import numpy as np
 
 from ckpt_core.delta._scan import kernel
 from ckpt_core.delta.encode import frame_head, index_width, measure
-from ckpt_core.delta.lin64 import ROW, _host_ab, mix_int
+from ckpt_core.delta.lin64 import _MASK, ROW, _host_ab, mix_int
 
 _PLACEHOLDER = "lin64:" + "0" * 16   # a body check's place in a header (same length as any check)
-_MASK = (1 << 64) - 1
 
 
 @functools.lru_cache(maxsize=4096)

@@ -20,15 +20,10 @@ from ckpt_core._settings import delta_threads
 from ckpt_core.delta._direct_payload import DirectPayload, _size_term, head_of, write_direct
 from ckpt_core.delta._scan import kernel, segment_sums
 from ckpt_core.delta.encode import ENCODINGS, MAX_GAP16
-from ckpt_core.delta.lin64 import ROW, _host_ab
+from ckpt_core.delta.lin64 import _MASK, ROW, _host_ab
 
 _THREADS_MIN_ELEMENTS = 1 << 16   # changed elements below which the payloads are written on one thread
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-_MASK = (1 << 64) - 1
-
-
-
-
 
 _VECTOR = (ENCODINGS.index("idx"), ENCODINGS.index("gap16"))
 

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from ckpt_core._settings import host_copy_mib, host_copy_threads
+from ckpt_core.devices import NullEvent
 from ckpt_core.errors import CkptError, ClosedError, ConfigError, TransportError, UpdateTimeoutError
 
 __all__ = ["Piece", "plan_chunks", "split_shares", "HostCopier", "HostMover", "CudaMover", "pinned_staging",
@@ -132,11 +133,6 @@ class Mover(Protocol):
     def record(self) -> Done: ...
 
 
-class _Ready:
-    def query(self) -> bool:
-        return True
-
-
 class HostMover:
     """Sources on the host (tests, and a copier staging CPU tensors): each copy done at once."""
 
@@ -147,7 +143,7 @@ class HostMover:
         dst.copy_(src)
 
     def record(self) -> Done:
-        return _Ready()
+        return NullEvent()
 
 
 class CudaMover:
