@@ -57,7 +57,6 @@ __all__ = ["DeltaMap", "SglangDeltas", "build_map", "is_delta_name"]
 log = logging.getLogger("ckpt_sglang.staging")
 
 Weights = list[tuple[str, torch.Tensor]]
-HOST_COPY_TIMEOUT_S = 600.0   # one bucket's host copies (a stuck device copy raises, naming its tensors)
 
 
 def is_delta_name(name: str) -> bool:
@@ -325,12 +324,13 @@ class SglangDeltas:
         self.rx = DeltaReceiver(live=self._live, reload=self._reload)
         self.copier: HostCopier | None = None   # page-locked staging for a full update's host copies, made once
 
-    def host_copies(self, weights: Weights) -> list[torch.Tensor]:
+    def host_copies(self, weights: Weights, timeout: float) -> list[torch.Tensor]:
         """Host copies of a full update's received tensors, complete on return (the IPC buffer is reused),
-        through this process's :class:`HostCopier` (not one pageable ``.to("cpu")`` per tensor)."""
+        through this process's :class:`HostCopier` (not one pageable ``.to("cpu")`` per tensor); a stuck
+        device copy raises after ``timeout`` seconds (the load's own), naming its tensors."""
         if self.copier is None:
             self.copier = copier_from_settings()
-        return self.copier.copy(list(weights), timeout=HOST_COPY_TIMEOUT_S)
+        return self.copier.copy(list(weights), timeout=timeout)
 
     @property
     def held(self) -> str | None:
@@ -414,10 +414,11 @@ class SglangDeltas:
 
     # -- one load -------------------------------------------------------------------
     def load(self, model: torch.nn.Module, device: torch.device, version: str | None, keep: bool,
-             session: bool) -> "DeltaLoad":
+             session: bool, timeout: float) -> "DeltaLoad":
+        """One load op; ``timeout``: the op's own bound in seconds (its host copies wait no longer)."""
         self.model, self.device, self.session = model, device, session
         self.guard(model)
-        return DeltaLoad(self, model, version, keep)
+        return DeltaLoad(self, model, version, keep, timeout)
 
 
 def post_process(model: torch.nn.Module, device, modules: list[str] | None) -> None:
@@ -445,8 +446,9 @@ class DeltaLoad:
     until every bucket arrived, then applied by the stock loop's post hook). Use :meth:`transaction`
     around the whole op, TP agreement included: leaving it by an exception undoes the delta."""
 
-    def __init__(self, state: SglangDeltas, model: torch.nn.Module, version: str | None, keep: bool):
-        self.state, self.model, self.version, self.keep = state, model, version, keep
+    def __init__(self, state: SglangDeltas, model: torch.nn.Module, version: str | None, keep: bool,
+                 timeout: float):
+        self.state, self.model, self.version, self.keep, self.timeout = state, model, version, keep, timeout
         self.delta: bool | None = None   # decided by the first bucket
         self.stash: Weights = []
         self.names: list[str] = []
@@ -479,7 +481,7 @@ class DeltaLoad:
             self.stash.extend((n, t.clone()) for n, t in weights)   # the IPC buffer is reused
             return
         if self.recorder is not None:
-            self.kept.update(zip(names, self.state.host_copies(weights)))
+            self.kept.update(zip(names, self.state.host_copies(weights, self.timeout)))
             self.recorder.add_sources(weights)
             try:
                 with torch.no_grad(), self.state.ours(), self.recorder:

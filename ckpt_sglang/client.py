@@ -314,6 +314,8 @@ class SglangClient(Requester):
         ranks = self.server.require_loader(loader, "staged updates" if loader == LOADER else "state digests")
         if op in ("stage", "commit"):  # the commit loads what the stage received
             self.server.check_reloadable()
+        if op == "commit":   # its host copies (a full version kept for deltas) wait no longer than the call
+            fields.setdefault("receive_timeout", wait)
         phases, report = Phases(), UpdateReport()
         t0 = time.perf_counter()
         try:

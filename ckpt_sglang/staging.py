@@ -300,7 +300,8 @@ class EngineStaging:
             area, self.area = self.area, None
             if area is None:   # _commit_status refused it above, on every rank
                 raise ConfigError(f"cannot commit version {version!r}: nothing is staged")
-        dload = self.deltas.load(model, area.device, version, area.keep, bool(cmd.get("session")))
+        dload = self.deltas.load(model, area.device, version, area.keep, bool(cmd.get("session")),
+                                 float(cmd.get("receive_timeout", 600.0)))
         failed: Exception | None = None
         error: Exception | None = None
         untouched = False   # the ranks agreed that none of them wrote anything
@@ -374,7 +375,7 @@ class EngineStaging:
         t0, seen, first_error = time.perf_counter(), {}, []
         tensors, nbytes = [0], [0]
         dload = self.deltas.load(model, device, None if version is None else str(version), keep,
-                                 bool(cmd.get("session")))
+                                 bool(cmd.get("session")), float(cmd.get("receive_timeout", 600.0)))
 
         def run(weights):
             try:

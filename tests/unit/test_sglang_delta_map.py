@@ -65,7 +65,7 @@ def _weights(seed: int = 0) -> list[tuple[str, torch.Tensor]]:
 
 def _map(model: Model, post=None):
     state = SglangDeltas()
-    load = state.load(model, torch.device("cpu"), "A", keep=True, session=False)
+    load = state.load(model, torch.device("cpu"), "A", keep=True, session=False, timeout=60)
     with load.transaction():
         weights = _weights()
         load.run(weights[:3])   # two buckets
@@ -117,7 +117,7 @@ def test_a_model_wide_post_load_weights_refuses_deltas():
 
 def test_a_full_load_without_deltas_forgets_the_held_version():
     state = _map(Model())
-    load = state.load(state.model, torch.device("cpu"), "B", keep=False, session=False)
+    load = state.load(state.model, torch.device("cpu"), "B", keep=False, session=False, timeout=60)
     assert isinstance(load, DeltaLoad)
     with load.transaction():
         load.run(_weights(1))
