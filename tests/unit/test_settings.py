@@ -9,7 +9,8 @@ from datetime import timedelta
 import pytest
 
 from ckpt_core._settings import NO_DEADLINE_S, update_seconds
-from ckpt_core._settings import ENV_VARS, delta_threads, fault_threads, gc_pause_enabled, liveness, load_settings, progress_log_s
+from ckpt_core._settings import (ENV_VARS, auto_delta_threads, delta_threads, fault_threads, gc_pause_enabled, liveness,
+                                 load_settings, progress_log_s, usable_cores)
 from ckpt_core.errors import ConfigError
 
 EXTRA = ("PS_PAUSE_GC", "PS_FAULT_THREADS", "CKPT_HEARTBEAT_S", "CKPT_PEER_TIMEOUT_S", "CKPT_PROGRESS_LOG_S")
@@ -35,7 +36,28 @@ def test_load_settings_on_a_clean_environment_gives_the_documented_defaults(clea
     assert s.rdma_devices == () and doc["PS_P2P_STORE_RDMA_DEVICES"] == "" and doc["NCCL_IB_HCA"] == ""
     assert gc_pause_enabled() is (doc["PS_PAUSE_GC"] == "1")
     assert fault_threads() == int(doc["PS_FAULT_THREADS"])
-    assert delta_threads() == int(doc["PS_DELTA_THREADS"])
+    assert doc["PS_DELTA_THREADS"] == "auto" and delta_threads() == auto_delta_threads(usable_cores(), 1)
+
+
+@pytest.mark.parametrize("cores, ranks, want", [
+    (2, 1, 2), (4, 1, 4), (16, 1, 16), (128, 1, 16),   # one rank: every core, at most 16
+    (16, 8, 4), (64, 8, 8), (192, 8, 16), (8, 8, 4),    # ranks share the cores, at least 4 where there are 4
+    (1, 1, 1), (2, 8, 2), (3, 0, 3),
+])
+def test_the_automatic_delta_threads_share_the_cores_among_the_hosts_ranks(cores, ranks, want):
+    assert auto_delta_threads(cores, ranks) == want
+
+
+def test_delta_threads_auto_reads_the_local_world_size_and_an_explicit_count_wins(clean_env):
+    clean_env.setenv("LOCAL_WORLD_SIZE", "8")
+    assert delta_threads() == auto_delta_threads(usable_cores(), 8)
+    clean_env.setenv("PS_DELTA_THREADS", "auto")
+    assert delta_threads() == auto_delta_threads(usable_cores(), 8)
+    clean_env.setenv("PS_DELTA_THREADS", "3")
+    assert delta_threads() == 3
+    clean_env.setenv("PS_DELTA_THREADS", "many")
+    with pytest.raises(ConfigError, match="PS_DELTA_THREADS"):
+        delta_threads()
 
 
 def test_environment_values_are_used_and_explicit_arguments_win(clean_env):
