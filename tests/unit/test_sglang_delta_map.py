@@ -7,6 +7,9 @@ The real SGLang model code is exercised in tests/integration/test_sglang_delta*.
 
 from __future__ import annotations
 
+import time
+
+import pytest
 import torch
 
 from ckpt_sglang._delta import DeltaLoad, SglangDeltas
@@ -122,3 +125,34 @@ def test_a_full_load_without_deltas_forgets_the_held_version():
     with load.transaction():
         load.run(_weights(1))
     assert state.held is None and state.map is None
+
+
+def test_a_full_loads_host_copies_wait_no_longer_than_the_loads_own_timeout(monkeypatch):
+    """The host copies of a full update with deltas are bounded by the load op's timeout (its
+    receive_timeout), not by a fixed one: a copy that does not finish in it raises, naming it."""
+    from ckpt_core.delta.host_copy import HostCopier, HostMover
+    from ckpt_core.errors import UpdateTimeoutError
+
+    seen = []
+
+    class Never(HostMover):   # a device copy that never reports done
+        def record(self):
+            class Done:
+                def query(self):
+                    return False
+            return Done()
+
+    class Recording(HostCopier):
+        def copy(self, named, *, timeout):
+            seen.append(timeout)
+            return super().copy(named, timeout=timeout)
+
+    state = SglangDeltas()
+    state.copier = Recording(chunk_bytes=4096, chunks=2, threads=1, stage_devices=("cpu",), mover=lambda d: Never(),
+                             alloc=lambda n: (torch.empty(n, dtype=torch.uint8), lambda: None))
+    load = state.load(Model(), torch.device("cpu"), "A", keep=True, session=False, timeout=0.3)
+    t0 = time.monotonic()
+    with pytest.raises(UpdateTimeoutError, match="host copy"):
+        with load.transaction():
+            load.run(_weights()[:3])
+    assert seen == [0.3] and time.monotonic() - t0 < 10
