@@ -18,7 +18,7 @@ import torch
 
 from ckpt_core._settings import delta_threads
 from ckpt_core.delta._direct_payload import DirectPayload, _size_term, head_of, write_direct
-from ckpt_core.delta._scan import kernel, segment_sums
+from ckpt_core.delta._scan import bodies, kernel, segment_sums
 from ckpt_core.delta.encode import ENCODINGS, MAX_GAP16
 from ckpt_core.delta.lin64 import _MASK, ROW, _host_ab
 
@@ -113,6 +113,9 @@ class _Vector:
         """Heads ``[h0, h1)``: their bodies' sections and values written, and each body's lin64 sum."""
         k_all, rank_all, pos_all, gaps_all = self.elems   # type: ignore[misc]
         e0, e1 = np.searchsorted(k_all, [h0, h1]).tolist()
+        lib = kernel()
+        if lib is not None:   # each body's sections, values and check by one compiled call for the part
+            return self._part_compiled(lib, buf, regions, per, h0, h1, k_all[e0:e1], pos_all[e0:e1])
         k, rank, pos, gaps = k_all[e0:e1], rank_all[e0:e1], pos_all[e0:e1], gaps_all[e0:e1]
         n8 = buf.size // 8 * 8
         start, gap16 = per["start"], per["gap16"]
@@ -142,6 +145,25 @@ class _Vector:
         vals = buf[:n8].view(np.uint64)[np.repeat(start[h0:h1] // 8, words) + local]
         with np.errstate(over="ignore"):
             return np.add.reduceat(vals * (a[local & (ROW - 1)] * b[local >> _ROW_BITS]), firsts).tolist()
+
+
+    def _part_compiled(self, lib, buf: np.ndarray, regions: dict[int, np.ndarray], per: dict, h0: int, h1: int,
+                       k: np.ndarray, pos: np.ndarray) -> list[int]:
+        """``_part`` by ``_scan.bodies``: heads ``[h0, h1)``, whose elements are ``k`` (their head, rising)
+        and ``pos`` (their positions in their tensors)."""
+        first = np.searchsorted(k, np.arange(h0, h1, dtype=np.int64))
+        count = np.diff(np.append(first, k.size))
+        start, body = per["start"][h0:h1], per["body"][h0:h1]
+        if int((start + body).max()) > buf.size:   # offsets come from payload_list's sizes: never, unless a bug
+            raise AssertionError("a batched payload body does not fit its buffer")
+        base = {r: int(regions[r].ctypes.data) for r in np.unique(per["region"][h0:h1]).tolist()}
+        data = np.array([base[r] for r in per["region"][h0:h1].tolist()], dtype=np.int64) + per["src"][h0:h1]
+        kind = np.where(per["gap16"][h0:h1], 2, per["width"][h0:h1])
+        size = per["size"][h0:h1]
+        if not np.array_equal(_align8(count * kind) + _align8(count * size), body):   # the C code trusts it
+            raise AssertionError("a batched payload body's sections do not fill its planned size")
+        a, b = _host_ab(int(body.max()) // 8)
+        return bodies(lib, buf, pos, first, count, data, size, kind, start, body, a, b).tolist()
 
 
 _ROW_BITS = ROW.bit_length() - 1

@@ -255,6 +255,17 @@ uint64_t ckd_body(const int64_t *pos, int64_t count, const uint8_t *data, int64_
     ckd_segments((const uint64_t *)out, &zero, &words, 1, row, a, b, &total);
     return total;
 }
+
+/* n payload bodies at once (a registration's batched tensors, _payload_vector.py): body k, of count[k] items
+   whose positions are pos[first[k]..], of size[k] bytes read from the address data[k], of index kind
+   kind[k], written at buf + start[k] over nbytes[k] bytes, as ckd_body writes one; sums[k] its lin64 sum. */
+void ckd_bodies(int64_t n, const int64_t *pos, const int64_t *first, const int64_t *count, const int64_t *data,
+                const int64_t *size, const int64_t *kind, uint8_t *buf, const int64_t *start, const int64_t *nbytes,
+                int64_t row, const uint64_t *a, const uint64_t *b, uint64_t *sums) {
+    for (int64_t k = 0; k < n; k++)
+        sums[k] = ckd_body(pos + first[k], count[k], (const uint8_t *)(intptr_t)data[k], size[k], kind[k],
+                           buf + start[k], nbytes[k], row, a, b);
+}
 """
 
 # words per call of ckd_scan (32 MiB of each version). Each call holds the GIL for a few microseconds of
@@ -297,6 +308,8 @@ def _build(cc: str) -> ctypes.CDLL:
     lib.ckd_gap_stats.restype = None
     lib.ckd_body.argtypes = [_P, _I, _P, _I, _I, _P, _I, _I, _P, _P]
     lib.ckd_body.restype = ctypes.c_uint64
+    lib.ckd_bodies.argtypes = [_I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _P, _P, _P]
+    lib.ckd_bodies.restype = None
     return lib
 
 
@@ -395,4 +408,23 @@ def segment_sums(lib: ctypes.CDLL, words: np.ndarray, start: np.ndarray, count: 
     return out
 
 
-__all__ = ["BLOCK_WORDS", "SOURCE", "kernel", "scan", "segment_sums", "span_changes"]
+def bodies(lib: ctypes.CDLL, buf: np.ndarray, pos: np.ndarray, first: np.ndarray, count: np.ndarray,
+           data: np.ndarray, size: np.ndarray, kind: np.ndarray, start: np.ndarray, nbytes: np.ndarray,
+           a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``len(first)`` payload bodies written into ``buf`` (uint8) by one compiled call (``ckd_body`` each:
+    body ``k``'s index section of ``kind[k]`` (2: gap16, 4/8: idx) from the positions
+    ``pos[first[k]: first[k] + count[k]]``, its items of ``size[k]`` bytes read at the addresses ``data[k]``,
+    at ``start[k]`` over ``nbytes[k]`` bytes); returns each body's lin64 sum (uint64, without its size
+    term). Every int array is made int64 and contiguous; the caller keeps the memory ``data`` points into
+    alive and has checked that each body fits ``buf``."""
+    def i64(x):
+        return np.ascontiguousarray(x, dtype=np.int64)
+    pos, first, count, data, size, kind, start, nbytes = map(i64, (pos, first, count, data, size, kind, start, nbytes))
+    out = np.empty(first.size, dtype=np.uint64)
+    lib.ckd_bodies(first.size, pos.ctypes.data, first.ctypes.data, count.ctypes.data, data.ctypes.data,
+                   size.ctypes.data, kind.ctypes.data, buf.ctypes.data, start.ctypes.data, nbytes.ctypes.data,
+                   ROW, a.ctypes.data, b.ctypes.data, out.ctypes.data)
+    return out
+
+
+__all__ = ["BLOCK_WORDS", "SOURCE", "bodies", "kernel", "scan", "segment_sums", "span_changes"]
