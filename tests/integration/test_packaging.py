@@ -1,6 +1,6 @@
 """Something to pin: the wheel and the sdist build from the checkout, carry what they promise (license,
 typing markers, metadata; the docs and examples in the sdist), and the wheel installed into a clean
-virtualenv runs the README quickstart and `ckpt-engine --version` within a time bound.
+virtualenv runs the README quickstart and answers `ckpt-engine --version` without importing torch or numpy.
 
 The builds call setuptools' PEP 517 hooks directly, as `python -m build --no-isolation` does (the
 project environment has setuptools; nothing is downloaded). The clean virtualenv gets the project
@@ -18,7 +18,6 @@ import subprocess
 import sys
 import sysconfig
 import tarfile
-import time
 import zipfile
 from pathlib import Path
 
@@ -26,7 +25,7 @@ import pytest
 
 from support.readme_code import ROOT, run_quickstart
 
-VERSION_BOUND_S = 5.0   # a generous ceiling for `ckpt-engine --version` (~0.4 s here on 2 busy cores)
+HEAVY = {"torch", "numpy", "safetensors", "zmq", "requests"}   # what `ckpt-engine --version` must not import
 PACKAGES = ("ckpt_core", "ckpt_vllm", "ckpt_sglang", "ckpt_ascend")
 SKIP = shutil.ignore_patterns(".git", "__pycache__", "*.pyc", "build", "dist", "*.egg-info", ".venv", ".pytest_cache")
 
@@ -113,12 +112,16 @@ def test_the_wheel_in_a_clean_venv_runs_the_quickstart_and_the_console_script(bu
                              timeout=120)
     assert engines.stdout.split() == ["[]", "('/collective_rpc',)", "sglang"], (engines.stdout, engines.stderr[-3000:])
 
-    t0 = time.perf_counter()
+    # --version answers without the heavy imports (torch, numpy): asked of the interpreter's own import
+    # log, not of a wall clock (a loaded CI machine once took 5.2 s where an idle one takes 0.4 s)
     version = subprocess.run([str(venv / "bin" / "ckpt-engine"), "--version"], capture_output=True, text=True,
-                             cwd=str(work), env=_env(), timeout=60)
-    took = time.perf_counter() - t0
+                             cwd=str(work), env={**_env(), "PYTHONPROFILEIMPORTTIME": "1"}, timeout=60)
     assert version.returncode == 0 and version.stdout.strip() == "ckpt-engine 0.1.0", version
-    assert took < VERSION_BOUND_S, f"ckpt-engine --version took {took:.2f} s"
+    imported = {line.rsplit("|", 1)[1].strip() for line in version.stderr.splitlines()
+                if line.startswith("import time:")}
+    assert "ckpt_core" in imported and "importlib.metadata" in imported, version.stderr[-2000:]
+    heavy = sorted(m for m in imported if m.split(".")[0] in HEAVY)
+    assert not heavy, f"ckpt-engine --version imported {heavy[:8]}"
 
     quick = run_quickstart(str(py), work, pythonpath=None, timeout=300)
     assert quick.returncode == 0, f"the README quickstart failed:\n{quick.stdout[-2000:]}\n{quick.stderr[-4000:]}"

@@ -8,10 +8,10 @@ import struct
 
 import pytest
 import torch
+from support.cli_runner import run_cli
 
 from ckpt_core import cli
 from ckpt_core.checkpoint.safetensors import write_file
-from support.cli_runner import run_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -111,17 +111,13 @@ def test_help_and_version_do_not_import_torch(argv, tmp_path):
     first on the path): --help and --version still answer, so they never pay torch's seconds."""
     import subprocess
     import sys
-    import time
     (tmp_path / "torch").mkdir()
     (tmp_path / "torch" / "__init__.py").write_text("raise ImportError('ckpt-engine imported torch')\n")
     env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}")
-    t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "ckpt_core.cli", *argv], capture_output=True, text=True, env=env,
                           cwd=str(tmp_path), timeout=60)
-    took = time.perf_counter() - t0
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "usage: ckpt-engine" in proc.stdout or proc.stdout.startswith("ckpt-engine "), proc.stdout[:500]
-    assert took < 5, f"{argv} took {took:.2f} s (a ceiling for a loaded machine; ~0.3 s measured on 2 busy cores)"
 
 
 def test_bench_help_lists_the_benchmarks_own_flags():
