@@ -146,7 +146,6 @@ class _Vector:
         with np.errstate(over="ignore"):
             return np.add.reduceat(vals * (a[local & (ROW - 1)] * b[local >> _ROW_BITS]), firsts).tolist()
 
-
     def _part_compiled(self, lib, buf: np.ndarray, regions: dict[int, np.ndarray], per: dict, h0: int, h1: int,
                        k: np.ndarray, pos: np.ndarray) -> list[int]:
         """``_part`` by ``_scan.bodies``: heads ``[h0, h1)``, whose elements are ``k`` (their head, rising)
