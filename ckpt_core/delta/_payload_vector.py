@@ -18,7 +18,7 @@ import torch
 
 from ckpt_core._settings import delta_threads
 from ckpt_core.delta._direct_payload import DirectPayload, _size_term, head_of, write_direct
-from ckpt_core.delta._scan import bodies, kernel, segment_sums
+from ckpt_core.delta._scan import bodies, kernel
 from ckpt_core.delta.encode import ENCODINGS, MAX_GAP16
 from ckpt_core.delta.lin64 import _MASK, ROW, _host_ab
 
@@ -41,7 +41,8 @@ class _Vector:
         self.enc, self.sizes, self.width, self.counts, self.numel, self.size = enc, sizes, width, counts, numel, size
         # per batched tensor: (changed tensor, meta index, header bytes, header length, body bytes, region, offset)
         self.heads: list[tuple[int, int, bytes, int, int, int, int]] = []
-        self.elems: tuple | None = None
+        # every changed element's position and gap, and per changed tensor its first element (``elements``)
+        self.found: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
     @classmethod
     def plan(cls, order, ct, counts, max_gaps, runs, numel_t, size_t) -> _Vector:
@@ -64,58 +65,78 @@ class _Vector:
         return None, {"encoding": name, "count": count, "numel": meta.nbytes // meta.itemsize,
                       "bytes": len(head) + body}
 
-    def elements(self, pos: np.ndarray, gaps: np.ndarray, firsts: np.ndarray, counts: np.ndarray) -> None:
-        """Keep the batched tensors' elements: (which of ``heads``, rank in its tensor, position, gap)."""
+    def elements(self, pos: np.ndarray, gaps: np.ndarray, firsts: np.ndarray) -> None:
+        """Keep every changed element's position and gap (in changed-tensor order) and each changed tensor's
+        first element: a batched tensor's elements are ``pos[firsts[c]: firsts[c] + counts[c]]``."""
+        self.found = (pos, gaps, firsts)
+
+    def batched_elements(self) -> int:
+        """The changed elements of the batched tensors."""
+        return int(self.counts[[h[0] for h in self.heads]].sum()) if self.heads else 0
+
+    def _per_element(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The numpy route's view of the batched tensors' elements: (which of ``heads``, rank in its
+        tensor, position, gap), each per element."""
+        pos, gaps, firsts = self.found   # type: ignore[misc]
+        counts = self.counts
         rank = np.arange(pos.size, dtype=np.int64) - np.repeat(firsts, counts)
         if len(self.heads) == counts.size:   # every changed tensor batched (the usual case)
-            self.elems = (np.repeat(np.arange(counts.size, dtype=np.int64), counts), rank, pos, gaps)
-            return
+            return np.repeat(np.arange(counts.size, dtype=np.int64), counts), rank, pos, gaps
         which = np.full(counts.size, -1, dtype=np.int64)
         for k, h in enumerate(self.heads):
             which[h[0]] = k
         k_of = np.repeat(which, counts)
         keep = k_of >= 0
-        self.elems = (k_of[keep], rank[keep], pos[keep], gaps[keep])
+        return k_of[keep], rank[keep], pos[keep], gaps[keep]
 
     def write(self, buf: np.ndarray, offsets: dict[int, int], regions: dict[int, np.ndarray], threads: int = 1) -> None:
         """Write the batched payloads into ``buf`` (zeroed, uint8, a multiple of 8 bytes long), each at
         ``offsets[meta index]`` (8-byte aligned); ``regions``: the new version's regions' bytes. The
         bodies are written and checked in parts of whole tensors on ``threads`` threads."""
-        if not self.heads or self.elems is None:
+        if not self.heads or self.found is None:
             return
         heads = self.heads
         c = np.array([h[0] for h in heads], dtype=np.int64)
         start = np.array([offsets[h[1]] + len(h[2]) for h in heads], dtype=np.int64)   # each body's start
-        enc, width = self.enc[c], self.width[c]
+        enc, width, counts = self.enc[c], self.width[c], self.counts[c]
         gap16 = enc == ENCODINGS.index("gap16")
-        index_bytes = np.where(gap16, _align8(self.counts[c] * 2), _align8(self.counts[c] * width))
+        index_bytes = np.where(gap16, _align8(counts * 2), _align8(counts * width))
         per = {"start": start, "body": np.array([h[4] for h in heads], dtype=np.int64), "gap16": gap16,
                "width": width, "size": self.size[c], "values_at": start + index_bytes,
                "region": np.array([h[5] for h in heads], dtype=np.int64),
-               "src": np.array([h[6] for h in heads], dtype=np.int64)}
+               "src": np.array([h[6] for h in heads], dtype=np.int64), "count": counts,
+               "first": self.found[2][c]}
         mv = memoryview(buf)
         for (_, at, head, _, _, _, _) in heads:
             mv[offsets[at]: offsets[at] + len(head)] = head
-        cum = np.cumsum(self.counts[c])
+        lib = kernel()
+        if lib is not None:   # each part's bodies by one compiled call
+            def work(hh):
+                return self._part_compiled(lib, buf, regions, per, *hh)
+        else:   # numpy, per element
+            elems = self._per_element()
+
+            def work(hh):
+                return self._part(buf, regions, per, elems, *hh)
+        cum = np.cumsum(counts)
         cuts = [0] + [int(np.searchsorted(cum, cum[-1] * i // threads)) + 1 for i in range(1, threads)] + [len(heads)]
         cuts = sorted(set(min(x, len(heads)) for x in cuts))
         parts = list(zip(cuts[:-1], cuts[1:]))
         if len(parts) > 1:
             with ThreadPoolExecutor(len(parts), thread_name_prefix="ckpt-delta-write") as pool:
-                sums = [x for got in pool.map(lambda hh: self._part(buf, regions, per, *hh), parts) for x in got]
+                sums = [x for got in pool.map(work, parts) for x in got]
         else:
-            sums = [x for hh in parts for x in self._part(buf, regions, per, *hh)]
+            sums = [x for hh in parts for x in work(hh)]
         for (_, at, _, hex_at, nbody, _, _), total in zip(heads, sums):
             check = (int(total) + _size_term(nbody, 1)) & _MASK
             mv[offsets[at] + hex_at: offsets[at] + hex_at + 16] = f"{check:016x}".encode()
 
-    def _part(self, buf: np.ndarray, regions: dict[int, np.ndarray], per: dict, h0: int, h1: int) -> list[int]:
-        """Heads ``[h0, h1)``: their bodies' sections and values written, and each body's lin64 sum."""
-        k_all, rank_all, pos_all, gaps_all = self.elems   # type: ignore[misc]
+    def _part(self, buf: np.ndarray, regions: dict[int, np.ndarray], per: dict, elems: tuple, h0: int,
+              h1: int) -> list[int]:
+        """Heads ``[h0, h1)`` in numpy (no compiled pass): their bodies' sections and values written, and
+        each body's lin64 sum; ``elems``: ``_per_element()``."""
+        k_all, rank_all, pos_all, gaps_all = elems
         e0, e1 = np.searchsorted(k_all, [h0, h1]).tolist()
-        lib = kernel()
-        if lib is not None:   # each body's sections, values and check by one compiled call for the part
-            return self._part_compiled(lib, buf, regions, per, h0, h1, k_all[e0:e1], pos_all[e0:e1])
         k, rank, pos, gaps = k_all[e0:e1], rank_all[e0:e1], pos_all[e0:e1], gaps_all[e0:e1]
         n8 = buf.size // 8 * 8
         start, gap16 = per["start"], per["gap16"]
@@ -136,9 +157,6 @@ class _Vector:
         # the bodies' checks: lin64 of each (whole words: bodies are 8-byte multiples), as one segmented sum
         words = per["body"][h0:h1] // 8
         a, b = _host_ab(int(words.max()))
-        lib = kernel()
-        if lib is not None:   # one compiled loop (_scan.py)
-            return segment_sums(lib, buf[:n8].view(np.uint64), start[h0:h1] // 8, words, a, b).tolist()
         firsts = np.zeros(words.size, dtype=np.int64)
         np.cumsum(words[:-1], out=firsts[1:])
         local = np.arange(int(words.sum()), dtype=np.int64) - np.repeat(firsts, words)
@@ -146,12 +164,12 @@ class _Vector:
         with np.errstate(over="ignore"):
             return np.add.reduceat(vals * (a[local & (ROW - 1)] * b[local >> _ROW_BITS]), firsts).tolist()
 
-    def _part_compiled(self, lib, buf: np.ndarray, regions: dict[int, np.ndarray], per: dict, h0: int, h1: int,
-                       k: np.ndarray, pos: np.ndarray) -> list[int]:
-        """``_part`` by ``_scan.bodies``: heads ``[h0, h1)``, whose elements are ``k`` (their head, rising)
-        and ``pos`` (their positions in their tensors)."""
-        first = np.searchsorted(k, np.arange(h0, h1, dtype=np.int64))
-        count = np.diff(np.append(first, k.size))
+    def _part_compiled(self, lib, buf: np.ndarray, regions: dict[int, np.ndarray], per: dict, h0: int,
+                       h1: int) -> list[int]:
+        """``_part`` by ``_scan.bodies``: heads ``[h0, h1)``, each body's positions read where the changed
+        tensor's lie in ``elements``' array (no per-element arrays made)."""
+        pos, _, _ = self.found   # type: ignore[misc]
+        first, count = per["first"][h0:h1], per["count"][h0:h1]
         start, body = per["start"][h0:h1], per["body"][h0:h1]
         if int((start + body).max()) > buf.size:   # offsets come from payload_list's sizes: never, unless a bug
             raise AssertionError("a batched payload body does not fit its buffer")
@@ -206,7 +224,7 @@ class Encoded(NamedTuple):
                 direct.append((offsets[i], payload))
         threads = min(delta_threads(), os.cpu_count() or 1)
         write_direct(buf, direct, threads)
-        many = self.vector.elems is not None and self.vector.elems[0].size >= _THREADS_MIN_ELEMENTS
+        many = self.vector.batched_elements() >= _THREADS_MIN_ELEMENTS
         self.vector.write(buf, offsets, regions, threads if many else 1)
 
 

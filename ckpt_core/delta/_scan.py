@@ -302,8 +302,6 @@ def _build(cc: str) -> ctypes.CDLL:
     lib.ckd_scan.restype = _I
     lib.ckd_span.argtypes = [_P, _P, _I, _I, _I, _P, _P, _P, _I, _I, _P, _P, _P, _P, _P, _P, _P]
     lib.ckd_span.restype = _I
-    lib.ckd_segments.argtypes = [_P, _P, _P, _I, _I, _P, _P, _P]
-    lib.ckd_segments.restype = None
     lib.ckd_gap_stats.argtypes = [_P, _I, _P]
     lib.ckd_gap_stats.restype = None
     lib.ckd_body.argtypes = [_P, _I, _P, _I, _I, _P, _I, _I, _P, _P]
@@ -397,17 +395,6 @@ def span_changes(lib: ctypes.CDLL, new_w: np.ndarray, old_w: np.ndarray, lo: int
     return pos[:c], dt[:n].copy(), dcnt[:n].copy(), dsum[:n].copy()
 
 
-def segment_sums(lib: ctypes.CDLL, words: np.ndarray, start: np.ndarray, count: np.ndarray,
-                 a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """lin64's sum (without its size term, uint64) of each run of ``count[i]`` uint64 ``words`` from
-    ``start[i]`` (int64 arrays), the coefficients counted from each run's start."""
-    out = np.empty(start.size, dtype=np.uint64)
-    start, count = np.ascontiguousarray(start, dtype=np.int64), np.ascontiguousarray(count, dtype=np.int64)
-    lib.ckd_segments(words.ctypes.data, start.ctypes.data, count.ctypes.data, start.size, ROW, a.ctypes.data,
-                     b.ctypes.data, out.ctypes.data)
-    return out
-
-
 def bodies(lib: ctypes.CDLL, buf: np.ndarray, pos: np.ndarray, first: np.ndarray, count: np.ndarray,
            data: np.ndarray, size: np.ndarray, kind: np.ndarray, start: np.ndarray, nbytes: np.ndarray,
            a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -427,4 +414,4 @@ def bodies(lib: ctypes.CDLL, buf: np.ndarray, pos: np.ndarray, first: np.ndarray
     return out
 
 
-__all__ = ["BLOCK_WORDS", "SOURCE", "bodies", "kernel", "scan", "segment_sums", "span_changes"]
+__all__ = ["BLOCK_WORDS", "SOURCE", "bodies", "kernel", "scan", "span_changes"]

@@ -415,7 +415,7 @@ def _encode_changed(ckpt, order: list[_Pair], f: _Found, digests: dict[str, int]
         payload, info = _encoded(new, as_words(new).numpy(), ch, digest, None)
         payloads[p.at] = payload
         results[p.at] = (None, info)
-    vec.elements(f.pos, f.gaps, f.firsts, f.counts)
+    vec.elements(f.pos, f.gaps, f.firsts)
     for i, (payload, _) in enumerate(results):
         if payload is not None:   # encode_tensor's (the tensors not batched)
             payloads[i] = payload
