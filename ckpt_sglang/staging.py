@@ -76,6 +76,7 @@ __all__ = ["load", "EngineStaging"]
 log = logging.getLogger("ckpt_sglang.staging")
 REPLY_TIMEOUT_S = 10.0
 AGREE_TIMEOUT_S = 60.0   # when a command carries no timeout of its own
+RECEIVE_TIMEOUT_S = 600.0   # a receive (and its host copies) when the command carries no receive_timeout
 STOP_JOIN_S = 10.0   # how long a drop waits for the receiver it stopped (it stops within a poll, or a bucket's copy)
 MIXED = "; the model may hold a mix of both versions: push a full update"
 
@@ -93,6 +94,11 @@ def _agree_s(cmd: dict) -> float:
     """How long a rank waits for the others at an agreement: half the client's wait for the replies,
     so that a rank that never arrives is reported before the client gives up."""
     return max(1.0, 0.5 * float(cmd.get("timeout", 2 * AGREE_TIMEOUT_S)))
+
+
+def _receive_s(cmd: dict) -> float:
+    """The seconds a command's receive, and the host copies of what it loads, may take."""
+    return float(cmd.get("receive_timeout", RECEIVE_TIMEOUT_S))
 
 
 def _missing_handle(handles, key: str) -> str | None:
@@ -170,7 +176,7 @@ class EngineStaging:
     # -- ops (each returns its result or raises; load() turns that into the reply) ----------
     def stage(self, model, cmd: dict, group: TpGroup = TpGroup()) -> dict:
         version, handles = str(cmd["weights"]), cmd.get("handles")
-        timeout = float(cmd.get("receive_timeout", 600.0))
+        timeout = _receive_s(cmd)
         device, key, device_id = _device_of(model)
         missing = _missing_handle(handles, key)
         with self._lock:   # held through the agreement: a receiver finishing meanwhile waits for it
@@ -300,8 +306,7 @@ class EngineStaging:
             area, self.area = self.area, None
             if area is None:   # _commit_status refused it above, on every rank
                 raise ConfigError(f"cannot commit version {version!r}: nothing is staged")
-        dload = self.deltas.load(model, area.device, version, area.keep, bool(cmd.get("session")),
-                                 float(cmd.get("receive_timeout", 600.0)))
+        dload = self.deltas.load(model, area.device, version, area.keep, bool(cmd.get("session")), _receive_s(cmd))
         failed: Exception | None = None
         error: Exception | None = None
         untouched = False   # the ranks agreed that none of them wrote anything
@@ -374,8 +379,9 @@ class EngineStaging:
             raise ConfigError(f"cannot run {what} with deltas: it names no version")
         t0, seen, first_error = time.perf_counter(), {}, []
         tensors, nbytes = [0], [0]
+        receive_s = _receive_s(cmd)
         dload = self.deltas.load(model, device, None if version is None else str(version), keep,
-                                 bool(cmd.get("session")), float(cmd.get("receive_timeout", 600.0)))
+                                 bool(cmd.get("session")), receive_s)
 
         def run(weights):
             try:
@@ -403,7 +409,7 @@ class EngineStaging:
             with dload.transaction():
                 error, post_loaded = None, False
                 try:
-                    run_stock_loop(handles[key], device, device_id, float(cmd.get("receive_timeout", 600.0)),
+                    run_stock_loop(handles[key], device, device_id, receive_s,
                                    run=run, post_hook=post_hook, side_stream=False, reply_hook_error=True)
                     if not dload.delta and not cmd.get("session"):   # a session's end post-processes (0.5.23)
                         post_loaded = True   # it changes live parameters, even after a load of no tensor
